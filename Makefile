@@ -1,0 +1,66 @@
+# shardcache: `make precompute train` runs the whole demo; `make test` runs the tests.
+# Every target sets up .venv on first use. Point the targets at real data with
+#   make precompute DATA=/data/train.jsonl OUT=/data/cache CONFIG=configs/my.yaml
+#   make train OUT=/data/cache STEPS=10000 TRAIN_CONFIG=configs/train.yaml
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DATA ?= data/demo/samples.jsonl
+OUT ?= cache/demo
+CONFIG ?= configs/precompute.yaml
+TRAIN_CONFIG ?= configs/train.yaml
+RUN ?= runs/demo
+STEPS ?=
+MODELS ?= models
+PYTEST_ARGS ?=
+# one process per GPU when CUDA is present, else 2 CPU processes (gloo)
+NPROC ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
+
+.PHONY: setup precompute train test inspect bench models demo-data clean help
+
+help:
+	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
+	@echo "make train        DDP training on OUT with torchrun ($(NPROC) processes)"
+	@echo "make test         the test suite"
+	@echo "make inspect      python -m shards info OUT"
+	@echo "make bench        benchmarks (writes benchmarks/results/*.json)"
+	@echo "make models       build the tiny random test models into $(MODELS)/"
+	@echo "make demo-data    regenerate data/demo (needs espeak-ng)"
+
+# The venv sees system site-packages, so a torch the user already has (e.g. a CUDA build) is kept;
+# only when none is importable do we install the CPU wheel torch==2.13.0.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
+	$(PY) -m pip install -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+$(MODELS)/.built: $(VENV)/.installed
+	$(PY) -m precompute.random_models --out $(MODELS)
+	touch $@
+
+models: $(MODELS)/.built
+
+precompute: $(VENV)/.installed $(MODELS)/.built
+	$(PY) -m precompute --manifest $(DATA) --out $(OUT) --config $(CONFIG)
+
+train: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
+		-m train --cache $(OUT) --out $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--steps $(STEPS))
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+inspect: $(VENV)/.installed
+	$(PY) -m shards info $(OUT)
+
+bench: $(VENV)/.installed $(MODELS)/.built
+	$(PY) -m benchmarks.run
+
+demo-data: $(VENV)/.installed
+	$(PY) scripts/make_demo_data.py --out data/demo
+
+clean:
+	rm -rf cache runs $(MODELS)

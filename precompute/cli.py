@@ -1,0 +1,105 @@
+"""``python -m precompute``: encode a manifest once into a shard cache.
+
+Single process::
+
+    python -m precompute --manifest data/demo/samples.jsonl --out cache/demo
+
+Many GPUs / nodes (each global rank encodes its own rows on ``cuda:LOCAL_RANK`` and writes its
+own shards; rank 0 merges the index and manifest at the end)::
+
+    torchrun --nproc_per_node=8 -m precompute --manifest train.json --out /data/cache
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from datetime import timedelta
+
+from shards.errors import ShardcacheError
+
+from .config import load_config
+from .job import run
+
+log = logging.getLogger("precompute")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m precompute", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--manifest", required=True,
+                   help="dataset manifest: JSONL (key,text,audio,image,speaker), Higgs-Audio ChatML JSON/JSONL, "
+                        "LLaVA JSON, CSV/TSV or Parquet (format detected, or --set manifest_format=...)")
+    p.add_argument("--out", required=True, help="cache directory to write shards, index.parquet, manifest.json into")
+    p.add_argument("--root", default=None, help="folder media paths are relative to (default: the manifest's folder)")
+    p.add_argument("--config", default="configs/precompute.yaml" if os.path.exists("configs/precompute.yaml") else None,
+                   help="YAML config with the defaults of precompute.config.PrecomputeConfig (default: %(default)s)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set batch_size=16 --set audio_tokenizer.pretrained=/ckpt/dac")
+    p.add_argument("--audio-tokenizer", default=None, metavar="NAME|module:factory",
+                   help="codec: dac | encodec | mimi, or a plug-in factory module:factory")
+    p.add_argument("--image-encoder", default=None, metavar="NAME|module:factory",
+                   help="VAE: wan | cosmos, or a plug-in factory module:factory")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default from config: auto)")
+    p.add_argument("--num-workers", type=int, default=None, help="decode worker processes")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per encoder call")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _plugin(spec: str | None, current: dict) -> dict | None:
+    if spec is None:
+        return None
+    return {"factory": spec} if ":" in spec else dict(current, name=spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name, value in (("audio_tokenizer", _plugin(args.audio_tokenizer, cfg.audio_tokenizer)),
+                        ("image_encoder", _plugin(args.image_encoder, cfg.image_encoder)),
+                        ("device", args.device), ("num_workers", args.num_workers), ("batch_size", args.batch_size)):
+        if value is not None:
+            setattr(cfg, name, value)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    global_rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    barrier = None
+    if world_size > 1:
+        import torch.distributed as dist
+        # gloo only synchronises the ranks (barriers); the encoders never communicate.
+        dist.init_process_group("gloo", timeout=timedelta(minutes=60))
+        barrier = dist.barrier
+    if global_rank == 0:
+        log.info("config: %s", cfg.to_dict())
+    try:
+        summary, manifest = run(args.manifest, args.out, cfg, root=args.root, global_rank=global_rank,
+                                world_size=world_size, local_rank=local_rank, barrier=barrier,
+                                progress=not args.no_progress)
+    except (ShardcacheError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if barrier is not None:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+    print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "
+          f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio, wall {summary.wall_s:.1f} s, "
+          f"encoder busy {summary.encoder_busy:.0%}")
+    if manifest is not None:
+        c = manifest["counts"]
+        print(f"cache {args.out}: {c['samples']} samples in {c['shards']} shards ({c['bytes'] / 1e6:.1f} MB), "
+              f"{c['images']} with images, {c['audio_hours']:.4f} h audio; rejected {c['rejected']}")
+        for reason, n in sorted(c["rejects_by_reason"].items()):
+            print(f"  rejected {n:5d}  {reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

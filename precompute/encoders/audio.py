@@ -1,0 +1,417 @@
+"""Audio codec tokenizers (transformers ``DacModel``, ``EncodecModel``, ``MimiModel``) behind :class:`AudioTokenizer`.
+
+Canonical encoding of one clip of ``n`` samples (the definition every batch reproduces exactly):
+
+1. the clip is zero-padded at the end to ``frames * hop_length`` samples, ``frames = ceil(n / hop_length)``
+   (this is what ``DacFeatureExtractor`` does with ``pad_to_multiple_of=hop_length``, and the last
+   partial 1920-sample frame of Mimi's streaming mode); a clip of 0 samples gives ``(n_codebooks, 0)``;
+2. the padded clip alone, shape ``(1, 1, frames * hop_length)``, goes through ``model.encode``;
+3. the codes ``(n_codebooks, frames)`` are returned as int16.
+
+Batched vs one-by-one (measured with transformers 5.23, torch 2.13 CPU, fp32): padding clips of
+*different* lengths to the longest one and trimming afterwards is NOT equal to one-by-one for DAC.
+DAC's encoder is non-causal (symmetric zero padding in every conv, residual units with dilation
+1/3/9 at every stride level); after the first layer the activations over the padded tail are not
+zero, so the deeper layers of a short clip see different right context than the conv padding they
+see when encoded alone. Its one-sided receptive field is about 39 * (1+8+40+160+320) + 960 ~ 21,600
+samples, i.e. about 23 frames (0.9 s) at 24 kHz / hop 960. With random weights the measured
+differences were: tiny DAC, the last frame of some clips; Higgs-shaped full DAC, up to the last 12
+frames (e.g. 40 of 256 codes of a 30,000-sample clip batched with a 48,000-sample one). EnCodec and
+Mimi are causal, so extra right padding cannot change earlier frames in exact arithmetic, but the
+tiny EnCodec still showed differing codes for a short clip in a padded batch (floating-point
+differences flipping near-tied codebook distances). Batches of clips of *equal* padded length gave
+bit-identical codes to one-by-one encoding for all three on CPU.
+
+Therefore :meth:`encode` groups the clips of a call by frame count, pads each clip only to its own
+``frames * hop_length`` (so every batch holds equal-length inputs and there is no cross-clip
+padding at all), and encodes each group in chunks of at most ``max_batch_size`` clips and
+``max_batch_samples`` samples. The codes of a clip never depend on the other clips of the call;
+``tests/test_encoders.py`` checks batched == one-by-one. To get large batches, feed clips of similar
+length together (e.g. sort a shard's clips by length). On GPUs, equal-length batching is still
+required, but bit-identity across batch sizes additionally depends on the conv algorithms cuDNN
+picks; it is not guaranteed there.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from ._common import (
+    clean_config,
+    load_error,
+    resolve_device,
+    resolve_dtype,
+    resolve_pretrained,
+    state_dict_sha256,
+)
+
+#: bump when the canonical encoding above changes, so fingerprints of old caches stop matching
+ENCODE_VERSION = 1
+
+#: a clip whose peak magnitude exceeds this is rejected (e.g. int16 PCM cast to float without scaling)
+PEAK_LIMIT = 2.0
+
+
+def _check_waveform(i: int, w: Any) -> np.ndarray:
+    """Validate clip ``i`` and return it as a contiguous float32 ``(num_samples,)`` array."""
+    a = np.asarray(w)
+    if a.ndim != 1:
+        raise ValueError(f"waveform {i}: expected a mono 1-D array (num_samples,), got shape {a.shape}")
+    if a.dtype.kind != "f":
+        raise ValueError(
+            f"waveform {i}: expected floating point samples in [-1, 1], got dtype {a.dtype} "
+            "(convert integer PCM with x / 32768.0 for int16)"
+        )
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if a.size:
+        if not np.isfinite(a).all():
+            raise ValueError(f"waveform {i}: contains NaN or inf")
+        peak = float(np.abs(a).max())
+        if peak > PEAK_LIMIT:
+            raise ValueError(f"waveform {i}: peak amplitude {peak:.4g} > {PEAK_LIMIT}; expected samples in [-1, 1]")
+    return a
+
+
+def plan_batches(
+    lengths: Sequence[int], hop_length: int, max_batch_size: int, max_batch_samples: int
+) -> list[tuple[int, list[int]]]:
+    """Group clip indices into batches of equal frame count.
+
+    Args:
+        lengths: number of samples of each clip.
+        hop_length: samples per frame.
+        max_batch_size: at most this many clips per batch (>= 1).
+        max_batch_samples: at most this many padded samples per batch (a batch always holds >= 1 clip).
+
+    Returns:
+        ``[(frames, [clip indices...]), ...]`` in increasing frame count, clips of 0 frames left out;
+        each index appears exactly once, indices within a batch in input order.
+    """
+    if max_batch_size < 1 or max_batch_samples < 1:
+        raise ValueError("max_batch_size and max_batch_samples must be >= 1")
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, n in enumerate(lengths):
+        frames = -(-int(n) // hop_length)
+        if frames:
+            groups[frames].append(i)
+    plan: list[tuple[int, list[int]]] = []
+    for frames in sorted(groups):
+        per_batch = max(1, min(max_batch_size, max_batch_samples // (frames * hop_length)))
+        idxs = groups[frames]
+        for start in range(0, len(idxs), per_batch):
+            plan.append((frames, idxs[start : start + per_batch]))
+    return plan
+
+
+class HFCodecTokenizer:
+    """Shared machinery of the transformers codec wrappers (input checks, grouping, describe).
+
+    Subclasses set ``name``, ``_model_class()`` and ``_encode_batch`` and fill ``sample_rate``,
+    ``hop_length``, ``n_codebooks`` and ``codebook_size`` in ``__init__``.
+
+    Args:
+        model: the loaded transformers model (moved to ``device``/``dtype``, put in eval mode, frozen).
+        device: torch device for the model and inputs (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
+        dtype: model dtype; float32 by default. Half precision is only accepted on CUDA.
+        max_batch_size: at most this many clips per forward pass.
+        max_batch_samples: at most this many (padded) samples per forward pass; bounds memory for long
+            clips (a clip longer than this is still encoded, alone).
+    """
+
+    name = "codec"
+    #: option names accepted by the registry besides ``name``/``pretrained``
+    OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples")
+
+    sample_rate: int
+    hop_length: int
+    n_codebooks: int
+    codebook_size: int
+
+    def __init__(
+        self,
+        model,
+        *,
+        device: Any = "cpu",
+        dtype: Any = None,
+        max_batch_size: int = 16,
+        max_batch_samples: int = 24_000 * 240,
+    ) -> None:
+        import torch
+
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype)
+        if self.device.type == "cpu" and self.dtype != torch.float32:
+            raise ValueError(f"{type(self).__name__}: use float32 on CPU (got {self.dtype})")
+        if int(max_batch_size) < 1 or int(max_batch_samples) < 1:
+            raise ValueError("max_batch_size and max_batch_samples must be >= 1")
+        self.max_batch_size = int(max_batch_size)
+        self.max_batch_samples = int(max_batch_samples)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.requires_grad_(False)
+        self.pretrained: str | None = None
+
+    # -- to implement -------------------------------------------------------------------------
+    @classmethod
+    def _model_class(cls):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _encode_batch(self, x):  # pragma: no cover - abstract
+        """``x``: float ``(B, 1, frames * hop_length)`` on the model's device/dtype -> long ``(B, n_q, frames)``."""
+        raise NotImplementedError
+
+    def _extra_describe(self) -> dict:
+        return {}
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained: Any, *, device: Any = "cpu", dtype: Any = None, **kwargs: Any):
+        """Load the model with ``from_pretrained`` (local directory or hub id) and wrap it.
+
+        Raises:
+            FileNotFoundError: ``pretrained`` looks like a local path that does not exist (the
+                message says how to build a random test model).
+            OSError: loading failed (not a model directory, no network for a hub id...).
+        """
+        what = f"{cls.__name__}"
+        path = resolve_pretrained(pretrained, what=what)
+        try:
+            model = cls._model_class().from_pretrained(path, dtype=resolve_dtype(dtype))
+        except (OSError, ValueError) as e:
+            raise load_error(what, path, e) from e
+        obj = cls(model, device=device, dtype=dtype, **kwargs)
+        obj.pretrained = path
+        return obj
+
+    # -- the protocol -------------------------------------------------------------------------
+    @property
+    def frame_rate(self) -> float:
+        """Frames per second, ``sample_rate / hop_length``."""
+        return self.sample_rate / self.hop_length
+
+    def encode(self, waveforms: Iterable[np.ndarray]) -> list[np.ndarray]:
+        """Encode mono float32 clips at ``sample_rate`` Hz into int16 ``(n_codebooks, ceil(n / hop_length))`` codes.
+
+        Clips are grouped by frame count and batched without cross-clip padding (see module doc), so
+        each result equals encoding that clip alone. Output order is input order.
+
+        Raises:
+            TypeError: ``waveforms`` is a single array instead of a list of arrays.
+            ValueError: a clip is not 1-D, not floating point, not finite, or has peak > ``PEAK_LIMIT``.
+            RuntimeError: the model returned an unexpected code shape (config/hop mismatch).
+        """
+        import torch
+
+        if isinstance(waveforms, np.ndarray) or isinstance(waveforms, torch.Tensor):
+            raise TypeError("encode() takes a list of 1-D arrays, not a single array; wrap it: encode([x])")
+        clips = [_check_waveform(i, w) for i, w in enumerate(waveforms)]
+        hop = self.hop_length
+        out: list[np.ndarray | None] = [None] * len(clips)
+        for i, c in enumerate(clips):
+            if c.size == 0:
+                out[i] = np.zeros((self.n_codebooks, 0), dtype=np.int16)
+        plan = plan_batches([c.size for c in clips], hop, self.max_batch_size, self.max_batch_samples)
+        for frames, idxs in plan:
+            x = np.zeros((len(idxs), 1, frames * hop), dtype=np.float32)
+            for row, i in enumerate(idxs):
+                x[row, 0, : clips[i].size] = clips[i]
+            with torch.inference_mode():
+                xt = torch.from_numpy(x).to(device=self.device, dtype=self.dtype)
+                codes = self._encode_batch(xt)
+            expected = (len(idxs), self.n_codebooks, frames)
+            if tuple(codes.shape) != expected:
+                raise RuntimeError(
+                    f"{type(self).__name__}: model returned codes of shape {tuple(codes.shape)} for input "
+                    f"{tuple(x.shape)}, expected {expected} (hop_length={hop}); the checkpoint's config "
+                    "does not match this wrapper"
+                )
+            codes = codes.to("cpu").numpy()
+            if codes.size and (codes.min() < 0 or codes.max() >= self.codebook_size):
+                raise RuntimeError(f"{type(self).__name__}: codes outside [0, {self.codebook_size})")
+            for row, i in enumerate(idxs):
+                out[i] = codes[row].astype(np.int16)
+        return out  # type: ignore[return-value]
+
+    def describe(self) -> dict:
+        """``class``, ``name``, ``config``, ``weights_sha256`` plus the code contract and ``encode_version``.
+
+        ``weights_sha256`` is recomputed on every call (about 1 s per 500 MB of weights).
+        Device and the local path are deliberately not included.
+        """
+        d = {
+            "class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "name": self.name,
+            "config": clean_config(self.model.config),
+            "weights_sha256": state_dict_sha256(self.model),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "sample_rate": int(self.sample_rate),
+            "hop_length": int(self.hop_length),
+            "n_codebooks": int(self.n_codebooks),
+            "codebook_size": int(self.codebook_size),
+            "padding": "zeros to a multiple of hop_length; batches hold equal frame counts only",
+            "encode_version": ENCODE_VERSION,
+        }
+        d.update(self._extra_describe())
+        return d
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(sample_rate={self.sample_rate}, hop_length={self.hop_length}, "
+            f"n_codebooks={self.n_codebooks}, codebook_size={self.codebook_size}, device={self.device}, "
+            f"dtype={self.dtype})"
+        )
+
+    def _check_codebook_size(self) -> None:
+        if not 1 <= self.codebook_size <= 32768:
+            raise ValueError(f"codebook_size {self.codebook_size} does not fit int16 codes")
+
+
+class DacTokenizer(HFCodecTokenizer):
+    """Descript Audio Codec via transformers ``DacModel`` (the default audio tokenizer).
+
+    ``model.encode(input_values (B, 1, T)).audio_codes`` is long ``(B, n_codebooks, T / hop_length)``.
+    Shaped like the Higgs Audio v2 tokenizer (``downsampling_ratios=[8,5,4,2,3]``): 24 kHz in, hop 960,
+    25 frames/s, 8 codebooks x 1024.
+
+    Args:
+        model: a ``transformers.DacModel``.
+        n_quantizers: use only the first ``n_quantizers`` codebooks (default: all ``config.n_codebooks``).
+        **kwargs: see :class:`HFCodecTokenizer`.
+    """
+
+    name = "dac"
+    OPTIONS = HFCodecTokenizer.OPTIONS + ("n_quantizers",)
+
+    def __init__(self, model, *, n_quantizers: int | None = None, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        cfg = model.config
+        self.sample_rate = int(cfg.sampling_rate)
+        # the encoder's real stride; config.hop_length can be overridden by a kwarg and disagree
+        self.hop_length = int(np.prod(cfg.downsampling_ratios))
+        total = int(cfg.n_codebooks)
+        n = total if n_quantizers is None else int(n_quantizers)
+        if not 1 <= n <= total:
+            raise ValueError(f"n_quantizers must be in [1, {total}], got {n_quantizers}")
+        self.n_codebooks = n
+        self.codebook_size = int(cfg.codebook_size)
+        self._check_codebook_size()
+
+    @classmethod
+    def _model_class(cls):
+        from transformers import DacModel
+
+        return DacModel
+
+    def _encode_batch(self, x):
+        return self.model.encode(x, n_quantizers=self.n_codebooks).audio_codes
+
+
+class EncodecTokenizer(HFCodecTokenizer):
+    """Meta EnCodec via transformers ``EncodecModel`` (24 kHz: hop 320, 75 frames/s, codebooks of 1024).
+
+    The number of codebooks follows from the bandwidth: ``floor(bandwidth * 1000 / (log2(codebook_size)
+    * frame_rate))`` (24 kHz: 1.5 kbps -> 2, 6 kbps -> 8, 24 kbps -> 32).
+
+    Args:
+        model: a ``transformers.EncodecModel``.
+        bandwidth: kbps, one of ``config.target_bandwidths``; default ``config.target_bandwidths[0]``
+            (what ``EncodecModel.encode`` uses when given none).
+        **kwargs: see :class:`HFCodecTokenizer`.
+
+    Raises:
+        ValueError: bandwidth not in the config, or a chunked / normalising / stereo config (the 48 kHz
+            model): its codes come per overlapping chunk with a scale each, which does not fit
+            ``(n_codebooks, frames)``.
+    """
+
+    name = "encodec"
+    OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth",)
+
+    def __init__(self, model, *, bandwidth: float | None = None, **kwargs: Any) -> None:
+        cfg = model.config
+        if cfg.chunk_length_s is not None or cfg.normalize or int(cfg.audio_channels) != 1:
+            raise ValueError(
+                "EncodecTokenizer supports mono, unchunked, unnormalised EnCodec configs (the 24 kHz model); "
+                f"got chunk_length_s={cfg.chunk_length_s}, normalize={cfg.normalize}, "
+                f"audio_channels={cfg.audio_channels}"
+            )
+        bws = [float(b) for b in cfg.target_bandwidths]
+        bw = bws[0] if bandwidth is None else float(bandwidth)
+        if bw not in bws:
+            raise ValueError(f"bandwidth {bandwidth} kbps not supported by this model; choose one of {bws}")
+        super().__init__(model, **kwargs)
+        self.bandwidth = bw
+        self.sample_rate = int(cfg.sampling_rate)
+        self.hop_length = int(np.prod(cfg.upsampling_ratios))
+        self.n_codebooks = int(model.quantizer.get_num_quantizers_for_bandwidth(bw))
+        self.codebook_size = int(cfg.codebook_size)
+        self._check_codebook_size()
+
+    @classmethod
+    def _model_class(cls):
+        from transformers import EncodecModel
+
+        return EncodecModel
+
+    def _encode_batch(self, x):
+        # audio_codes: (nb_chunks=1, B, n_q, frames) for an unchunked config
+        out = self.model.encode(x, bandwidth=self.bandwidth)
+        codes = out.audio_codes
+        if codes.shape[0] != 1:
+            raise RuntimeError(f"EnCodec returned {codes.shape[0]} chunks; expected 1 (unchunked config)")
+        return codes[0]
+
+    def _extra_describe(self) -> dict:
+        return {"bandwidth": self.bandwidth}
+
+
+class MimiTokenizer(HFCodecTokenizer):
+    """Kyutai Mimi via transformers ``MimiModel`` (24 kHz: hop 1920, 12.5 frames/s, codebooks of 2048).
+
+    ``model.encode(x, num_quantizers=n).audio_codes`` is ``(B, n, frames)``; the first
+    ``config.num_semantic_quantizers`` codebooks are the semantic ones.
+
+    Args:
+        model: a ``transformers.MimiModel``.
+        num_quantizers: number of codebooks (default ``config.num_quantizers``; Moshi uses 8 of 32).
+        **kwargs: see :class:`HFCodecTokenizer`.
+    """
+
+    name = "mimi"
+    OPTIONS = HFCodecTokenizer.OPTIONS + ("num_quantizers",)
+
+    def __init__(self, model, *, num_quantizers: int | None = None, **kwargs: Any) -> None:
+        cfg = model.config
+        total = int(cfg.num_quantizers)
+        n = total if num_quantizers is None else int(num_quantizers)
+        if not int(cfg.num_semantic_quantizers) <= n <= total:
+            raise ValueError(
+                f"num_quantizers must be in [{cfg.num_semantic_quantizers}, {total}], got {num_quantizers}"
+            )
+        if int(cfg.audio_channels) != 1:
+            raise ValueError(f"MimiTokenizer supports mono models, got audio_channels={cfg.audio_channels}")
+        super().__init__(model, **kwargs)
+        self.sample_rate = int(cfg.sampling_rate)
+        self.hop_length = int(cfg.frame_size)
+        self.n_codebooks = n
+        self.codebook_size = int(cfg.codebook_size)
+        self._check_codebook_size()
+
+    @classmethod
+    def _model_class(cls):
+        from transformers import MimiModel
+
+        return MimiModel
+
+    def _encode_batch(self, x):
+        return self.model.encode(x, num_quantizers=self.n_codebooks).audio_codes
+
+
+#: registry name -> wrapper class
+AUDIO_TOKENIZERS: dict[str, type[HFCodecTokenizer]] = {
+    "dac": DacTokenizer,
+    "encodec": EncodecTokenizer,
+    "mimi": MimiTokenizer,
+}

@@ -1,0 +1,163 @@
+"""The three encoder contracts used by ``precompute`` and a checker for plug-ins.
+
+Every encoder is *frozen*: it is built once, run under ``torch.inference_mode()`` and described by
+``describe()``, a JSON-able dict whose canonical hash (:func:`precompute.encoders.fingerprint`)
+identifies the cache it writes. ``describe()`` always has the keys
+
+- ``class``: the dotted ``module.QualName`` of the wrapper,
+- ``name``: the registry name (``dac``, ``wan``, ``bytes``...) or a plug-in's own name,
+- ``config``: the model's config as a JSON-able dict (paths and library versions removed),
+- ``weights_sha256``: sha256 of the ``state_dict`` tensors in sorted key order (text tokenizers give
+  ``vocab_sha256`` instead, a hash of their vocabulary and special tokens).
+
+The classes below are ``typing.Protocol``s: implementations do not need to inherit from them.
+:func:`check_protocol` verifies a plug-in object at load time.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class AudioTokenizer(Protocol):
+    """Waveform -> discrete codec tokens (a residual-VQ codec such as DAC, EnCodec or Mimi).
+
+    Attributes:
+        sample_rate: rate in Hz that ``encode`` expects its input at (no resampling happens inside).
+        n_codebooks: number of residual codebooks (rows of each output array).
+        codebook_size: number of entries per codebook; every code is in ``[0, codebook_size)``.
+        frame_rate: output frames per second, ``sample_rate / hop_length`` (float; 25.0 for DAC-24k).
+        hop_length: input samples per output frame.
+    """
+
+    sample_rate: int
+    n_codebooks: int
+    codebook_size: int
+    frame_rate: float
+    hop_length: int
+
+    def encode(self, waveforms: list[np.ndarray]) -> list[np.ndarray]:
+        """Encode mono clips.
+
+        Args:
+            waveforms: float32 arrays of shape ``(num_samples,)`` with values in [-1, 1], at
+                ``sample_rate`` Hz. Lengths may differ.
+
+        Returns:
+            One int16 array of shape ``(n_codebooks, ceil(num_samples / hop_length))`` per input, in
+            input order. The result for a clip must not depend on the other clips in the call.
+
+        Raises:
+            ValueError: an input is not 1-D, not floating point, not finite, or clearly not in [-1, 1].
+        """
+        ...
+
+    def describe(self) -> dict:
+        """JSON-able dict with ``class``, ``name``, ``config``, ``weights_sha256`` (see module doc)."""
+        ...
+
+
+@runtime_checkable
+class ImageEncoder(Protocol):
+    """RGB images -> continuous VAE latents (Cosmos / Wan VAEs), one latent frame per image.
+
+    Attributes:
+        spatial_factor: pixels per latent cell along H and W (8 for the Cosmos/Wan 2.1 VAEs).
+        latent_channels: channels C of the latent (16 for the Cosmos/Wan 2.1 VAEs).
+    """
+
+    spatial_factor: int
+    latent_channels: int
+
+    def encode(self, images: np.ndarray) -> np.ndarray:
+        """Encode a batch of same-sized images.
+
+        Args:
+            images: uint8 array ``(B, H, W, 3)``, RGB, H and W multiples of ``spatial_factor``.
+
+        Returns:
+            float32 array ``(B, latent_channels, 1, H // spatial_factor, W // spatial_factor)``.
+
+        Raises:
+            ValueError: wrong dtype, rank, channel count, or H/W not divisible by ``spatial_factor``.
+        """
+        ...
+
+    def describe(self) -> dict:
+        """As :meth:`AudioTokenizer.describe`, plus ``latents_mean``/``latents_std`` when the config has them."""
+        ...
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """Text -> token ids.
+
+    Attributes:
+        vocab_size: number of distinct ids; every id is in ``[0, vocab_size)``.
+        pad_id: id to pad batches with.
+    """
+
+    vocab_size: int
+    pad_id: int
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` as int32 ``(n_tokens,)``, special tokens included as the tokenizer defines."""
+        ...
+
+    def describe(self) -> dict:
+        """JSON-able dict with ``class``, ``name``, ``config`` and ``vocab_sha256``."""
+        ...
+
+
+_REQUIRED: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # (integer-like attributes, callables)
+    AudioTokenizer: (("sample_rate", "n_codebooks", "codebook_size", "hop_length"), ("encode", "describe")),
+    ImageEncoder: (("spatial_factor", "latent_channels"), ("encode", "describe")),
+    TextTokenizer: (("vocab_size", "pad_id"), ("encode", "describe")),
+}
+
+
+def check_protocol(obj: Any, protocol: type, what: str = "encoder") -> Any:
+    """Return ``obj`` if it satisfies ``protocol`` (one of the three above), else raise ``TypeError``.
+
+    Checks that the integer attributes exist and are positive ints (``pad_id`` may be 0), that
+    ``frame_rate`` (audio) is a positive number, that ``encode``/``describe`` are callable and that
+    ``describe()`` returns a dict with the keys ``class``, ``name`` and ``config``. The message lists
+    everything that is missing, not just the first problem.
+    """
+    if protocol not in _REQUIRED:
+        raise ValueError(f"unknown protocol {protocol!r}")
+    int_attrs, methods = _REQUIRED[protocol]
+    problems: list[str] = []
+    for name in int_attrs:
+        if not hasattr(obj, name):
+            problems.append(f"missing attribute {name!r}")
+            continue
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            problems.append(f"attribute {name!r} must be an int, got {type(value).__name__}")
+        elif value < (0 if name == "pad_id" else 1):
+            problems.append(f"attribute {name!r} must be {'>= 0' if name == 'pad_id' else '> 0'}, got {value}")
+    if protocol is AudioTokenizer:
+        fr = getattr(obj, "frame_rate", None)
+        if isinstance(fr, bool) or not isinstance(fr, (int, float, np.number)) or not fr > 0:
+            problems.append(f"attribute 'frame_rate' must be a positive number, got {fr!r}")
+    for name in methods:
+        if not callable(getattr(obj, name, None)):
+            problems.append(f"missing method {name}()")
+    if not problems:
+        desc = obj.describe()
+        if not isinstance(desc, dict):
+            problems.append(f"describe() must return a dict, got {type(desc).__name__}")
+        else:
+            missing = [k for k in ("class", "name", "config") if k not in desc]
+            if missing:
+                problems.append(f"describe() lacks keys {missing}")
+    if problems:
+        raise TypeError(
+            f"{what} of type {type(obj).__module__}.{type(obj).__qualname__} does not satisfy "
+            f"{protocol.__name__}: " + "; ".join(problems)
+        )
+    return obj

@@ -1,0 +1,268 @@
+"""Image VAE encoders (diffusers ``AutoencoderKLWan``, ``AutoencoderKLCosmos``) behind :class:`ImageEncoder`.
+
+Pipeline for a batch of same-sized RGB images:
+uint8 ``(B, H, W, 3)`` -> float32 ``x / 127.5 - 1`` in [-1, 1] -> ``(B, 3, 1, H, W)`` (an image is a
+one-frame video) -> ``vae.encode(x).latent_dist.mode()`` -> ``(B, 16, 1, H/8, W/8)`` -> optional
+normalisation -> float32 numpy.
+
+``mode()`` is deterministic (Wan: the Gaussian's mean; Cosmos: an identity "distribution", which has
+no ``.mean``). Batch size changes the latents only by float rounding (about 1e-7 absolute on CPU).
+
+Normalisation (``normalize=True``) follows the Cosmos-Predict2 convention ``(z - mean) / std`` with the
+per-channel ``latents_mean``/``latents_std`` of the VAE config. Cosmos 1.0 stores 16 x 16 values
+(channel x latent frame); an image has one latent frame, so frame 0's values are used, as the
+Cosmos 1.0 pipelines do by slicing to the frame count. The pipelines' extra ``* sigma_data`` factor is
+the diffusion model's business and is not applied here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._common import (
+    clean_config,
+    load_error,
+    resolve_device,
+    resolve_dtype,
+    resolve_pretrained,
+    state_dict_sha256,
+)
+
+#: bump when the pipeline above changes, so fingerprints of old caches stop matching
+ENCODE_VERSION = 1
+
+
+class DiffusersVAEEncoder:
+    """Shared machinery of the diffusers VAE wrappers.
+
+    Args:
+        vae: the loaded diffusers autoencoder (moved to ``device``/``dtype``, eval mode, frozen).
+        device: torch device (``"cpu"``, ``"cuda"``...).
+        dtype: VAE dtype, float32 by default. Half precision is only accepted on CUDA
+            (``AutoencoderKLCosmos`` has no bf16 ``avg_pool3d`` on CPU).
+        normalize: return ``(z - latents_mean) / latents_std`` instead of raw latents.
+        max_batch_size: at most this many images per forward pass.
+
+    Raises:
+        ValueError: half precision on CPU; ``normalize=True`` without latents_mean/std in the config.
+    """
+
+    name = "vae"
+    OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size")
+
+    spatial_factor: int
+    latent_channels: int
+
+    def __init__(
+        self, vae, *, device: Any = "cpu", dtype: Any = None, normalize: bool = False, max_batch_size: int = 8
+    ) -> None:
+        import torch
+
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype)
+        if self.device.type == "cpu" and self.dtype != torch.float32:
+            raise ValueError(f"{type(self).__name__}: use float32 on CPU (got {self.dtype})")
+        if int(max_batch_size) < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.max_batch_size = int(max_batch_size)
+        self.vae = vae.to(device=self.device, dtype=self.dtype).eval()
+        self.vae.requires_grad_(False)
+        self.pretrained: str | None = None
+        self._init_geometry()
+        self.normalize = bool(normalize)
+        self._mean = self._std = None
+        if self.normalize:
+            stats = self._latent_stats()
+            if stats is None:
+                raise ValueError(f"{type(self).__name__}: normalize=True but the VAE config has no latents_mean/std")
+            mean, std = stats
+            if np.any(std <= 0):
+                raise ValueError("latents_std must be positive")
+            self._mean = torch.from_numpy(mean).view(1, -1, 1, 1, 1).to(self.device)
+            self._std = torch.from_numpy(std).view(1, -1, 1, 1, 1).to(self.device)
+
+    # -- to implement -------------------------------------------------------------------------
+    @classmethod
+    def _model_class(cls):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _init_geometry(self) -> None:  # pragma: no cover - abstract
+        """Set ``spatial_factor`` and ``latent_channels`` from the config."""
+        raise NotImplementedError
+
+    def _latent_stats(self) -> tuple[np.ndarray, np.ndarray] | None:  # pragma: no cover - abstract
+        """Per-channel float32 ``(latent_channels,)`` mean and std for an image, or None."""
+        raise NotImplementedError
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained: Any, *, device: Any = "cpu", dtype: Any = None, **kwargs: Any):
+        """Load the VAE with diffusers ``from_pretrained`` (local directory or hub id) and wrap it.
+
+        A diffusers pipeline repository is accepted too: if ``pretrained`` has a ``vae/`` subfolder
+        that is used.
+
+        Raises:
+            FileNotFoundError: ``pretrained`` looks like a local path that does not exist (the message
+                says how to build a random test model).
+            OSError: loading failed.
+        """
+        from pathlib import Path
+
+        what = cls.__name__
+        path = resolve_pretrained(pretrained, what=what)
+        load_kwargs: dict[str, Any] = {"torch_dtype": resolve_dtype(dtype)}
+        p = Path(path)
+        if p.is_dir() and not (p / "config.json").exists() and (p / "vae" / "config.json").exists():
+            load_kwargs["subfolder"] = "vae"
+        try:
+            vae = cls._model_class().from_pretrained(path, **load_kwargs)
+        except (OSError, ValueError) as e:
+            raise load_error(what, path, e) from e
+        obj = cls(vae, device=device, dtype=dtype, **kwargs)
+        obj.pretrained = path
+        return obj
+
+    # -- the protocol -------------------------------------------------------------------------
+    def encode(self, images: np.ndarray) -> np.ndarray:
+        """Encode uint8 RGB ``(B, H, W, 3)`` into float32 ``(B, latent_channels, 1, H/f, W/f)``, f = spatial_factor.
+
+        Raises:
+            ValueError: not uint8, not ``(B, H, W, 3)``, or H/W not multiples of ``spatial_factor``.
+            RuntimeError: the VAE returned an unexpected latent shape.
+        """
+        import torch
+
+        a = np.asarray(images)
+        if a.dtype != np.uint8:
+            raise ValueError(f"images must be uint8, got {a.dtype}")
+        if a.ndim != 4 or a.shape[-1] != 3:
+            raise ValueError(f"images must have shape (B, H, W, 3), got {a.shape}")
+        b, h, w, _ = a.shape
+        f = self.spatial_factor
+        if h == 0 or w == 0 or h % f or w % f:
+            raise ValueError(f"image size {h}x{w} must be a positive multiple of {f} (crop or resize first)")
+        out_shape = (self.latent_channels, 1, h // f, w // f)
+        out = np.empty((b, *out_shape), dtype=np.float32)
+        for start in range(0, b, self.max_batch_size):
+            chunk = np.ascontiguousarray(a[start : start + self.max_batch_size])
+            with torch.inference_mode():
+                x = torch.from_numpy(chunk).to(self.device)
+                x = x.permute(0, 3, 1, 2).to(torch.float32).div_(127.5).sub_(1.0)
+                x = x.unsqueeze(2).to(self.dtype)  # (b, 3, 1, H, W)
+                z = self.vae.encode(x).latent_dist.mode()
+                if tuple(z.shape) != (len(chunk), *out_shape):
+                    raise RuntimeError(
+                        f"{type(self).__name__}: VAE returned latents {tuple(z.shape)}, expected "
+                        f"{(len(chunk), *out_shape)}"
+                    )
+                z = z.to(torch.float32)
+                if self.normalize:
+                    z = (z - self._mean) / self._std
+            out[start : start + len(chunk)] = z.to("cpu").numpy()
+        return out
+
+    def describe(self) -> dict:
+        """``class``, ``name``, ``config``, ``weights_sha256``, geometry, ``normalize``, ``dtype``,
+        ``encode_version``, plus ``latents_mean``/``latents_std`` when the config has them.
+        """
+        cfg = clean_config(self.vae.config)
+        d = {
+            "class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "name": self.name,
+            "config": cfg,
+            "weights_sha256": state_dict_sha256(self.vae),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "spatial_factor": int(self.spatial_factor),
+            "latent_channels": int(self.latent_channels),
+            "input_range": [-1.0, 1.0],
+            "normalize": self.normalize,
+            "encode_version": ENCODE_VERSION,
+        }
+        for key in ("latents_mean", "latents_std"):
+            if cfg.get(key) is not None:
+                d[key] = cfg[key]
+        return d
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(spatial_factor={self.spatial_factor}, latent_channels={self.latent_channels}, "
+            f"normalize={self.normalize}, device={self.device}, dtype={self.dtype})"
+        )
+
+
+class WanVAEEncoder(DiffusersVAEEncoder):
+    """Wan 2.1 VAE (diffusers ``AutoencoderKLWan``), the VAE of Cosmos-Predict2/2.5 (the default image encoder).
+
+    ``spatial_factor`` = ``config.scale_factor_spatial`` (8), ``latent_channels`` = ``config.z_dim`` (16).
+    ``latents_mean``/``latents_std``: 16 values each.
+    """
+
+    name = "wan"
+
+    @classmethod
+    def _model_class(cls):
+        from diffusers import AutoencoderKLWan
+
+        return AutoencoderKLWan
+
+    def _init_geometry(self) -> None:
+        cfg = self.vae.config
+        self.spatial_factor = int(cfg.get("scale_factor_spatial") or 8)
+        self.latent_channels = int(cfg["z_dim"])
+
+    def _latent_stats(self):
+        cfg = self.vae.config
+        mean, std = cfg.get("latents_mean"), cfg.get("latents_std")
+        if mean is None or std is None:
+            return None
+        mean = np.asarray(mean, dtype=np.float32)
+        std = np.asarray(std, dtype=np.float32)
+        if mean.shape != (self.latent_channels,) or std.shape != (self.latent_channels,):
+            raise ValueError(
+                f"latents_mean/std must have {self.latent_channels} values, got {mean.shape} and {std.shape}"
+            )
+        return mean, std
+
+
+class CosmosVAEEncoder(DiffusersVAEEncoder):
+    """Cosmos 1.0 continuous tokenizer CV8x8x8 (diffusers ``AutoencoderKLCosmos``).
+
+    ``spatial_factor`` = ``config.spatial_compression_ratio`` (8), ``latent_channels`` =
+    ``config.latent_channels`` (16). ``latents_mean``/``latents_std`` hold 16 x K values (channel-major,
+    K latent frames); frame 0 is used for images.
+    """
+
+    name = "cosmos"
+
+    @classmethod
+    def _model_class(cls):
+        from diffusers import AutoencoderKLCosmos
+
+        return AutoencoderKLCosmos
+
+    def _init_geometry(self) -> None:
+        cfg = self.vae.config
+        self.spatial_factor = int(cfg["spatial_compression_ratio"])
+        self.latent_channels = int(cfg["latent_channels"])
+
+    def _latent_stats(self):
+        cfg = self.vae.config
+        mean, std = cfg.get("latents_mean"), cfg.get("latents_std")
+        if mean is None or std is None:
+            return None
+        c = self.latent_channels
+        mean = np.asarray(mean, dtype=np.float32)
+        std = np.asarray(std, dtype=np.float32)
+        if mean.size % c or std.size != mean.size or mean.size == 0:
+            raise ValueError(f"latents_mean/std must hold a multiple of {c} values, got {mean.size} and {std.size}")
+        # (C, K) channel-major as in the Cosmos 1.0 pipelines' .view(1, C, -1, 1, 1)[:, :, :frames]
+        return np.ascontiguousarray(mean.reshape(c, -1)[:, 0]), np.ascontiguousarray(std.reshape(c, -1)[:, 0])
+
+
+#: registry name -> wrapper class
+IMAGE_ENCODERS: dict[str, type[DiffusersVAEEncoder]] = {
+    "wan": WanVAEEncoder,
+    "cosmos": CosmosVAEEncoder,
+}

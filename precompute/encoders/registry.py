@@ -1,0 +1,152 @@
+"""Build encoders from small config dicts (as found in the precompute YAML).
+
+Two forms are accepted by every loader:
+
+- built-in: ``{"name": "dac", "pretrained": "models/dac-tiny", **options}``. ``pretrained`` is a local
+  directory or a Hugging Face hub id. Options are passed to the wrapper (e.g. ``dtype``,
+  ``max_batch_size``, ``bandwidth`` for EnCodec, ``num_quantizers`` for Mimi, ``normalize`` for VAEs);
+  unknown options raise ``ValueError`` listing the accepted ones.
+- plug-in: ``{"factory": "mypkg.mod:make", "kwargs": {...}}``. The module is imported, ``make(**kwargs)``
+  called (``device=`` is added for audio/image factories that accept it and do not get it in kwargs),
+  and the result must satisfy the protocol (checked by :func:`check_protocol`).
+
+Names: audio ``dac`` (default) | ``encodec`` | ``mimi``; image ``wan`` (default) | ``cosmos``; text
+``bytes`` (default) | ``hf``.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from ._common import BUILD_HINT
+from .audio import AUDIO_TOKENIZERS
+from .base import AudioTokenizer, ImageEncoder, TextTokenizer, check_protocol
+from .image import IMAGE_ENCODERS
+from .text import TEXT_TOKENIZERS
+
+_FACTORY_KEYS = {"factory", "kwargs", "name"}
+
+
+def load_factory(spec: str):
+    """Resolve ``"package.module:attr[.attr...]"`` to the callable it names.
+
+    Raises:
+        ValueError: ``spec`` is not of the form ``module:callable``.
+        ImportError: the module cannot be imported (the message names it).
+        AttributeError: the module has no such attribute.
+        TypeError: the attribute is not callable.
+    """
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ValueError(f"factory must look like 'package.module:callable', got {spec!r}")
+    mod_name, attr = spec.split(":")
+    if not mod_name or not attr:
+        raise ValueError(f"factory must look like 'package.module:callable', got {spec!r}")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ImportError(f"factory {spec!r}: cannot import module {mod_name!r}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"factory {spec!r}: {obj.__name__ if hasattr(obj, '__name__') else obj!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"factory {spec!r} is not callable ({type(obj).__name__})")
+    return obj
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _from_factory(cfg: Mapping, protocol: type, what: str, device: Any | None):
+    extra = set(cfg) - _FACTORY_KEYS
+    if extra:
+        raise ValueError(f"{what} plug-in config: unknown keys {sorted(extra)}; use 'factory' and 'kwargs'")
+    kwargs = cfg.get("kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"{what} plug-in config: 'kwargs' must be a mapping, got {type(kwargs).__name__}")
+    fn = load_factory(cfg["factory"])
+    kwargs = dict(kwargs)
+    if device is not None and "device" not in kwargs and _accepts(fn, "device"):
+        kwargs["device"] = device
+    obj = fn(**kwargs)
+    return check_protocol(obj, protocol, what=f"{what} from factory {cfg['factory']!r}")
+
+
+def _builtin(cfg: Mapping, table: dict[str, type], default: str, what: str):
+    name = cfg.get("name", default)
+    if name not in table:
+        raise ValueError(
+            f"unknown {what} {name!r}; known: {', '.join(sorted(table))} "
+            "(or give {'factory': 'package.module:callable', 'kwargs': {...}} for a plug-in)"
+        )
+    cls = table[name]
+    options = {k: v for k, v in cfg.items() if k not in ("name", "pretrained")}
+    unknown = sorted(set(options) - set(cls.OPTIONS))
+    if unknown:
+        raise ValueError(f"{what} {name!r}: unknown option(s) {unknown}; accepted: {sorted(cls.OPTIONS)}")
+    return cls, options
+
+
+def _check_cfg(cfg: Any, what: str) -> Mapping:
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f"{what} config must be a mapping like {{'name': ..., 'pretrained': ...}}, got {type(cfg).__name__}")
+    return cfg
+
+
+def load_audio_tokenizer(cfg: Mapping, device: Any = "cpu") -> AudioTokenizer:
+    """Build an :class:`AudioTokenizer` from ``cfg`` on ``device`` (``cfg["device"]`` wins if given).
+
+    Example: ``load_audio_tokenizer({"name": "dac", "pretrained": "models/dac-tiny"})``.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones) or option.
+        FileNotFoundError: missing local model directory (the message says how to build test models).
+        TypeError: a plug-in's result does not satisfy the protocol.
+    """
+    cfg = _check_cfg(cfg, "audio tokenizer")
+    if "factory" in cfg:
+        return _from_factory(cfg, AudioTokenizer, "audio tokenizer", cfg.get("device", device))
+    cls, options = _builtin(cfg, AUDIO_TOKENIZERS, "dac", "audio tokenizer")
+    options.setdefault("device", device)
+    return cls.from_pretrained(cfg.get("pretrained"), **options)
+
+
+def load_image_encoder(cfg: Mapping, device: Any = "cpu") -> ImageEncoder:
+    """Build an :class:`ImageEncoder` from ``cfg`` on ``device`` (``cfg["device"]`` wins if given).
+
+    Example: ``load_image_encoder({"name": "wan", "pretrained": "models/wan-tiny", "normalize": True})``.
+    Raises as :func:`load_audio_tokenizer`.
+    """
+    cfg = _check_cfg(cfg, "image encoder")
+    if "factory" in cfg:
+        return _from_factory(cfg, ImageEncoder, "image encoder", cfg.get("device", device))
+    cls, options = _builtin(cfg, IMAGE_ENCODERS, "wan", "image encoder")
+    options.setdefault("device", device)
+    return cls.from_pretrained(cfg.get("pretrained"), **options)
+
+
+def load_text_tokenizer(cfg: Mapping | None = None) -> TextTokenizer:
+    """Build a :class:`TextTokenizer`; ``None`` or ``{}`` gives the :class:`ByteTokenizer`.
+
+    Example: ``load_text_tokenizer({"name": "hf", "pretrained": "models/tokenizer-tiny"})``.
+    Raises as :func:`load_audio_tokenizer`; ``hf`` without ``pretrained`` raises ``ValueError``.
+    """
+    cfg = _check_cfg({} if cfg is None else cfg, "text tokenizer")
+    if "factory" in cfg:
+        return _from_factory(cfg, TextTokenizer, "text tokenizer", None)
+    cls, options = _builtin(cfg, TEXT_TOKENIZERS, "bytes", "text tokenizer")
+    if hasattr(cls, "from_pretrained"):
+        return cls.from_pretrained(cfg.get("pretrained"), **options)
+    if cfg.get("pretrained") is not None:
+        raise ValueError(f"text tokenizer {cfg.get('name', 'bytes')!r} takes no 'pretrained'")
+    return cls(**options)
+
+
+__all__ = ["load_audio_tokenizer", "load_image_encoder", "load_text_tokenizer", "load_factory", "BUILD_HINT"]

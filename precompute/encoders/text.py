@@ -1,0 +1,181 @@
+"""Text tokenizers behind :class:`TextTokenizer`: a dependency-free byte tokenizer and a Hugging Face wrapper."""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from ._common import canonical_json, load_error, resolve_pretrained
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: id = byte + 3; 0 = pad, 1 = bos, 2 = eos; ``vocab_size`` 259.
+
+    ``encode("hé")`` -> ``[1, 107, 198, 172, 2]`` (int32). Needs no files, so it is always available.
+
+    Args:
+        add_bos: prepend ``bos_id`` (default True).
+        add_eos: append ``eos_id`` (default True).
+    """
+
+    name = "bytes"
+    OPTIONS: tuple[str, ...] = ("add_bos", "add_eos")
+    pad_id = 0
+    bos_id = 1
+    eos_id = 2
+    offset = 3
+    vocab_size = 256 + 3
+
+    def __init__(self, *, add_bos: bool = True, add_eos: bool = True) -> None:
+        self.add_bos = bool(add_bos)
+        self.add_eos = bool(add_eos)
+
+    def encode(self, text: str) -> np.ndarray:
+        """int32 ``(n_bytes + add_bos + add_eos,)`` ids of ``text``'s UTF-8 bytes.
+
+        Raises:
+            TypeError: ``text`` is not a str.
+            UnicodeEncodeError: ``text`` holds lone surrogates (not encodable as UTF-8).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        body = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + self.offset
+        parts = []
+        if self.add_bos:
+            parts.append(np.array([self.bos_id], dtype=np.int32))
+        parts.append(body)
+        if self.add_eos:
+            parts.append(np.array([self.eos_id], dtype=np.int32))
+        return np.concatenate(parts)
+
+    def decode(self, ids: Any, errors: str = "strict") -> str:
+        """Inverse of :meth:`encode`: special ids (< 3) are dropped, the remaining bytes decoded as UTF-8.
+
+        Raises:
+            ValueError: an id is outside ``[0, vocab_size)``.
+            UnicodeDecodeError: the bytes are not valid UTF-8 (with ``errors="strict"``).
+        """
+        a = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
+            raise ValueError(f"ids must be in [0, {self.vocab_size})")
+        return (a[a >= self.offset] - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors=errors)
+
+    def describe(self) -> dict:
+        """``class``, ``name``, ``config`` and ``vocab_sha256`` (hash of the fixed id scheme)."""
+        config = {
+            "offset": self.offset,
+            "pad_id": self.pad_id,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "vocab_size": self.vocab_size,
+            "add_bos": self.add_bos,
+            "add_eos": self.add_eos,
+            "encoding": "utf-8",
+        }
+        return {
+            "class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "name": self.name,
+            "config": config,
+            "vocab_sha256": hashlib.sha256(canonical_json(config).encode()).hexdigest(),
+        }
+
+    def __repr__(self) -> str:
+        return f"ByteTokenizer(add_bos={self.add_bos}, add_eos={self.add_eos})"
+
+
+class HFTokenizer:
+    """A ``transformers`` tokenizer (``AutoTokenizer.from_pretrained``) behind :class:`TextTokenizer`.
+
+    Args:
+        tokenizer: a loaded transformers tokenizer.
+        add_special_tokens: passed to the tokenizer (bos/eos as the tokenizer defines them).
+        pad_id: id to pad with; default the tokenizer's ``pad_token_id``, else ``eos_token_id``, else 0.
+
+    ``vocab_size`` is ``len(tokenizer)`` (base vocabulary plus added tokens).
+    """
+
+    name = "hf"
+    OPTIONS: tuple[str, ...] = ("add_special_tokens", "pad_id", "trust_remote_code")
+
+    def __init__(self, tokenizer, *, add_special_tokens: bool = True, pad_id: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.add_special_tokens = bool(add_special_tokens)
+        self.vocab_size = int(len(tokenizer))
+        if pad_id is None:
+            pad_id = tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = tokenizer.eos_token_id
+        self.pad_id = int(pad_id) if pad_id is not None else 0
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"pad_id {self.pad_id} outside [0, {self.vocab_size})")
+        if self.vocab_size > np.iinfo(np.int32).max:
+            raise ValueError("vocabulary too large for int32 ids")
+        self.pretrained: str | None = None
+
+    @classmethod
+    def from_pretrained(cls, pretrained: Any, *, trust_remote_code: bool = False, **kwargs: Any) -> "HFTokenizer":
+        """``AutoTokenizer.from_pretrained(pretrained)`` wrapped; a local directory or hub id.
+
+        Raises:
+            FileNotFoundError: a local-looking path that does not exist.
+            OSError: loading failed.
+        """
+        from transformers import AutoTokenizer
+
+        path = resolve_pretrained(pretrained, what=cls.__name__)
+        try:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise load_error(cls.__name__, path, e) from e
+        obj = cls(tok, **kwargs)
+        obj.pretrained = path
+        return obj
+
+    def encode(self, text: str) -> np.ndarray:
+        """int32 ``(n_tokens,)`` ids of ``text`` (special tokens per ``add_special_tokens``)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        ids = self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"]
+        return np.asarray(ids, dtype=np.int32).reshape(-1)
+
+    def decode(self, ids: Any) -> str:
+        """Text of ``ids`` with special tokens removed."""
+        return self.tokenizer.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
+
+    def _vocab_sha256(self) -> str:
+        tok = self.tokenizer
+        h = hashlib.sha256()
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None and hasattr(backend, "to_str"):
+            h.update(backend.to_str().encode())  # full pipeline: normaliser, pre-tokeniser, model, post-processor
+        h.update(canonical_json(sorted(tok.get_vocab().items())).encode())
+        h.update(canonical_json({k: str(v) for k, v in tok.special_tokens_map.items()}).encode())
+        return h.hexdigest()
+
+    def describe(self) -> dict:
+        """``class``, ``name``, ``config`` (tokenizer class, special tokens, options) and ``vocab_sha256``."""
+        tok = self.tokenizer
+        config = {
+            "tokenizer_class": type(tok).__name__,
+            "vocab_size": self.vocab_size,
+            "pad_id": self.pad_id,
+            "add_special_tokens": self.add_special_tokens,
+            "special_tokens": {k: str(v) for k, v in tok.special_tokens_map.items()},
+        }
+        return {
+            "class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "name": self.name,
+            "config": config,
+            "vocab_sha256": self._vocab_sha256(),
+        }
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({type(self.tokenizer).__name__}, vocab_size={self.vocab_size}, pad_id={self.pad_id})"
+
+
+#: registry name -> wrapper class
+TEXT_TOKENIZERS: dict[str, type] = {
+    "bytes": ByteTokenizer,
+    "hf": HFTokenizer,
+}

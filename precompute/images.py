@@ -1,0 +1,94 @@
+"""Image decoding with Pillow: bomb guard, EXIF orientation, any mode -> RGB, resize to the VAE grid.
+
+Modes L, LA, P (with or without transparency), RGBA, CMYK, I;16 and I become 8-bit RGB
+(transparency composited over white, 16-bit scaled by its range). Resize modes:
+
+* ``center_crop``: scale the shorter side to ``size`` and crop the centre to ``size x size``.
+* ``pad``: scale the longer side to ``size`` and pad to ``size x size`` with black.
+* ``bucket``: keep the aspect ratio: scale so that H*W ~= size**2, both rounded to multiples of
+  ``multiple`` (the VAE's spatial factor), e.g. 256x256, 192x320...
+"""
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from shards import schema
+from shards.errors import CorruptSample
+
+RESIZE_MODES = ("center_crop", "pad", "bucket")
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        a = np.asarray(im, dtype=np.float64)
+        lo, hi = float(a.min()), float(a.max())
+        a = (a - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(a)
+        im = Image.fromarray(a.round().astype(np.uint8), mode="L")
+    if im.mode == "P":
+        im = im.convert("RGBA")
+    if im.mode in ("RGBA", "LA", "PA"):
+        background = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        im = Image.alpha_composite(background, im.convert("RGBA"))
+    return im.convert("RGB")
+
+
+def target_size(width: int, height: int, size: int, mode: str, multiple: int = 8) -> tuple[int, int]:
+    """Output ``(width, height)`` in pixels for an input of ``width x height``."""
+    if mode != "bucket":
+        return size, size
+    scale = math.sqrt(size * size / (width * height))
+    w = max(multiple, int(round(width * scale / multiple)) * multiple)
+    h = max(multiple, int(round(height * scale / multiple)) * multiple)
+    return w, h
+
+
+def load_image(path: str | Path, size: int = 256, *, mode: str = "center_crop", multiple: int = 8,
+               max_pixels: int = 64_000_000, min_side: int = 16) -> np.ndarray:
+    """Decode ``path`` (read once) to uint8 RGB ``(H, W, 3)`` on the VAE grid.
+
+    Raises :class:`CorruptSample` with reason ``missing_file``, ``image_unreadable``,
+    ``image_truncated``, ``image_too_large`` (more than ``max_pixels`` pixels: decompression-bomb
+    guard, checked from the header before any pixel is decoded) or ``image_too_small`` (shorter
+    side below ``min_side`` px). ``ValueError`` for a bad ``mode`` or a ``size`` that is not a
+    multiple of ``multiple``.
+    """
+    if mode not in RESIZE_MODES:
+        raise ValueError(f"unknown resize mode {mode!r}; known: {', '.join(RESIZE_MODES)}")
+    if size % multiple:
+        raise ValueError(f"image size {size} is not a multiple of the VAE's spatial factor {multiple}")
+    path = Path(path)
+    if not path.is_file():
+        raise CorruptSample(schema.MISSING_FILE, "file does not exist", str(path))
+    data = path.read_bytes()
+    if not data:
+        raise CorruptSample(schema.IMAGE_UNREADABLE, "zero-byte file", str(path))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
+            w, h = im.size
+            if w * h > max_pixels:
+                raise CorruptSample(schema.IMAGE_TOO_LARGE, f"{w}x{h} = {w * h} pixels > max_pixels {max_pixels}", str(path))
+            im.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise CorruptSample(schema.IMAGE_TOO_LARGE, str(e), str(path)) from e
+    except UnidentifiedImageError as e:
+        raise CorruptSample(schema.IMAGE_UNREADABLE, "not an image Pillow can identify", str(path)) from e
+    except (OSError, SyntaxError, ValueError) as e:
+        reason = schema.IMAGE_TRUNCATED if "truncated" in str(e).lower() else schema.IMAGE_UNREADABLE
+        raise CorruptSample(reason, str(e), str(path)) from e
+    if min(w, h) < min_side:
+        raise CorruptSample(schema.IMAGE_TOO_SMALL, f"{w}x{h} has a side < min_side {min_side}", str(path))
+    im = _to_rgb(ImageOps.exif_transpose(im))
+    out_w, out_h = target_size(im.width, im.height, size, mode, multiple)
+    if mode == "pad":
+        im = ImageOps.pad(im, (out_w, out_h), Image.Resampling.BICUBIC, color=(0, 0, 0))
+    else:
+        im = ImageOps.fit(im, (out_w, out_h), Image.Resampling.BICUBIC)
+    return np.asarray(im, dtype=np.uint8)

@@ -1,0 +1,328 @@
+"""The stage-one job: manifest rows -> chunks -> decode (workers) -> encode (device) -> shards.
+
+Work units. Rows that no committed chunk covers yet are *pending*; pending rows, in manifest order,
+are cut into chunks of ``samples_per_shard`` rows; chunk ``j`` goes to global rank
+``j % world_size`` and becomes that rank's next shard ``shard-r{rank:04d}-{n:06d}.tar``. One
+mechanism gives resume after a kill (the committed chunks are skipped and the rest is cut the same
+way again), incremental runs (rows added to the manifest are the only pending ones) and multi-rank
+jobs (every rank computes the same assignment from the same parts folder, between two barriers).
+
+Overlap. Decoding and resampling run in DataLoader worker processes; the main thread only runs
+encoders (batched, on the device); a writer thread commits shards from a bounded queue. The
+fraction of wall time spent inside encoder calls is reported as ``encoder_busy``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from shards import schema
+from shards.errors import FingerprintMismatch
+from shards.index import PARTS_DIR, merge_parts, read_part_meta, write_json_atomic
+from shards.writer import ShardWriter
+
+from .audio import to_pcm16
+from .config import PrecomputeConfig
+from .encoders import fingerprint, load_audio_tokenizer, load_image_encoder, load_text_tokenizer
+from .manifests import Request, read_manifest
+from .prepare import Prepared, PrepareDataset, identity_collate
+
+log = logging.getLogger("precompute")
+JOB_FILE = "job.json"
+
+
+def row_id(req: Request) -> str:
+    """Identity of a manifest row for resume bookkeeping: key + its media paths."""
+    return f"{req.key}\0{req.audio or ''}\0{req.image or ''}"
+
+
+@dataclass
+class Encoders:
+    """The frozen models of one job (see precompute.encoders)."""
+
+    audio: Any
+    image: Any
+    text: Any
+
+    def describe(self) -> dict[str, Any]:
+        return {"audio_tokenizer": self.audio.describe(), "image_encoder": self.image.describe(),
+                "text_tokenizer": self.text.describe()}
+
+
+@dataclass
+class Summary:
+    """What one rank did: counts, timings, reasons."""
+
+    kept: int = 0
+    rejected: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    audio_seconds: float = 0.0
+    wall_s: float = 0.0
+    encoder_s: float = 0.0
+    skipped_rows: int = 0
+    shards_written: int = 0
+
+    @property
+    def encoder_busy(self) -> float:
+        """Fraction of the job's wall time spent inside encoder calls."""
+        return self.encoder_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def load_encoders(cfg: PrecomputeConfig, device: str) -> Encoders:
+    """Load the configured audio tokenizer, image encoder and text tokenizer."""
+    return Encoders(audio=load_audio_tokenizer(cfg.audio_tokenizer, device=device),
+                    image=load_image_encoder(cfg.image_encoder, device=device),
+                    text=load_text_tokenizer(cfg.text_tokenizer))
+
+
+def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) -> None:
+    """Refuse to add to a cache made with other encoders/preprocessing; record ours on first use.
+
+    Raises :class:`FingerprintMismatch` naming both fingerprints and what differs.
+    """
+    path = out_dir / PARTS_DIR / JOB_FILE
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("fingerprint") != fp:
+            ours = json.loads(json.dumps(describe))
+            diff = sorted(k for k in set(ours) | set(old.get("describe", {}))
+                          if ours.get(k) != old.get("describe", {}).get(k))
+            raise FingerprintMismatch(
+                f"{out_dir} was written with fingerprint {old.get('fingerprint')}, this job has {fp} "
+                f"(differs in: {', '.join(diff) or 'encoder weights'}). Write to a new --out directory, "
+                "or delete the old cache; mixing latents/codes from different encoders is refused.")
+    elif global_rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic({"fingerprint": fp, "describe": describe}, path)
+
+
+def committed(out_dir: Path) -> tuple[set[str], dict[int, int]]:
+    """Row ids covered by committed chunks, and the next free shard number per rank."""
+    done: set[str] = set()
+    next_n: dict[int, int] = {}
+    for p in sorted((out_dir / PARTS_DIR).glob("*.index.parquet")):
+        done.update((read_part_meta(p) or {}).get("rows", []))
+        rank, n = schema.parse_shard_name(p.name.split(".")[0] + ".tar")
+        next_n[rank] = max(next_n.get(rank, 0), n + 1)
+    return done, next_n
+
+
+def assign(pending: list[Request], per_shard: int, world_size: int, next_n: dict[int, int]
+           ) -> list[tuple[int, str, list[Request]]]:
+    """Cut pending rows into chunks: ``[(global_rank, shard_name, rows)]`` in manifest order."""
+    out = []
+    for j in range(0, len(pending), per_shard):
+        c = j // per_shard
+        rank = c % world_size
+        n = next_n.get(rank, 0) + c // world_size
+        out.append((rank, schema.shard_name(rank, n), pending[j:j + per_shard]))
+    return out
+
+
+class _ChunkWriter(threading.Thread):
+    """Background thread: receives encoded rows in order, commits each chunk when complete."""
+
+    def __init__(self, out_dir: Path, chunks: list[tuple[int, str, list[Request]]], summary: Summary,
+                 progress):
+        super().__init__(daemon=True, name="shard-writer")
+        self.out_dir, self.chunks, self.summary, self.progress = out_dir, chunks, summary, progress
+        self.queue: queue.Queue = queue.Queue(maxsize=64)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        writer = None
+        try:
+            for _, name, rows in self.chunks:
+                writer = ShardWriter(self.out_dir, name)
+                for _ in rows:
+                    item = self.queue.get()
+                    if item is None:
+                        writer.abort()
+                        return
+                    key, fields, reject = item
+                    if reject:
+                        writer.reject(*reject)
+                    else:
+                        writer.add(key, fields)
+                self._commit(writer, rows)
+                writer = None
+        except BaseException as e:  # surfaced by the main thread
+            self.error = e
+            if writer is not None:
+                writer.abort()
+            while True:  # unblock the producer
+                try:
+                    if self.queue.get(timeout=1) is None:
+                        break
+                except queue.Empty:
+                    continue
+
+    def _commit(self, writer: ShardWriter, rows: list[Request]) -> None:
+        # the manifest rows this chunk covered: resume / incremental bookkeeping
+        entry = writer.commit({"rows": [row_id(r) for r in rows]})
+        self.summary.shards_written += entry is not None
+        if self.progress is not None:
+            self.progress.set_postfix(shards=self.summary.shards_written, rejected=self.summary.rejected)
+
+    def put(self, item) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"shard writer failed: {self.error}") from self.error
+        self.queue.put(item)
+
+
+def _timed(summary: Summary, device: str, fn, *args):
+    """Run an encoder call and add its duration (device-synchronised) to ``summary.encoder_s``."""
+    t = time.perf_counter()
+    out = fn(*args)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    summary.encoder_s += time.perf_counter() - t
+    return out
+
+
+def _encode_each(fn, inputs: list, summary: Summary, device: str) -> list:
+    """Encode a batch; if the batch fails, encode one by one so a bad input costs only itself."""
+    try:
+        return list(_timed(summary, device, fn, inputs))
+    except Exception:
+        outs = []
+        for x in inputs:
+            try:
+                outs.append(_timed(summary, device, fn, [x])[0])
+            except Exception as e:
+                outs.append(e)
+        return outs
+
+
+def encode_batch(batch: list[Prepared], enc: Encoders, cfg: PrecomputeConfig, summary: Summary,
+                 device: str) -> list[tuple[str, dict | None, tuple | None]]:
+    """Encode the good rows of a batch; return ``(key, fields, reject)`` per row, in input order."""
+    ok = [p for p in batch if p.error is None]
+    with_audio = [p for p in ok if p.audio]
+    codes = _encode_each(enc.audio.encode, [p.audio[enc.audio.sample_rate] for p in with_audio], summary, device)
+    codes_of = {id(p): c for p, c in zip(with_audio, codes)}
+    latents_of: dict[int, Any] = {}
+    by_shape: dict[tuple, list[Prepared]] = {}
+    for p in ok:
+        if p.image is not None:
+            by_shape.setdefault(p.image.shape, []).append(p)
+    for group in by_shape.values():
+        fn = lambda imgs: list(enc.image.encode(np.stack(imgs)))  # noqa: E731
+        for p, z in zip(group, _encode_each(fn, [p.image for p in group], summary, device)):
+            latents_of[id(p)] = z
+    out = []
+    for p in batch:
+        req = p.req
+        error = p.error
+        for produced in (codes_of.get(id(p)), latents_of.get(id(p))):
+            if error is None and isinstance(produced, Exception):
+                error = (schema.ENCODE_FAILED, f"{type(produced).__name__}: {produced}")
+        if error is not None:
+            out.append((req.key, None, (req.key, req.source, error[0], error[1])))
+            continue
+        meta = {"text": req.text, "speaker": req.speaker, "sources": {"audio": req.audio, "image": req.image},
+                "sample_rate": cfg.sample_rate if p.audio else 0, "duration_s": round(p.duration_s, 6),
+                "orig_sample_rate": p.orig_sample_rate, "row": req.row} | req.meta
+        fields: dict[str, Any] = {"json": meta, "text_ids.npy": p.text_ids}
+        if p.audio:
+            fields["audio.npy"] = to_pcm16(p.audio[cfg.sample_rate])
+            fields["codes.npy"] = np.asarray(codes_of[id(p)], dtype=np.int16)
+            meta["frame_rate"] = float(enc.audio.frame_rate)
+        if p.image is not None:
+            z = np.asarray(latents_of[id(p)], dtype=np.float32)
+            if np.abs(z).max() > 65000:
+                out.append((req.key, None, (req.key, req.source, schema.ENCODE_FAILED, "latents overflow float16")))
+                continue
+            fields["latents.npy"] = z.astype(np.float16)
+        out.append((req.key, fields, None))
+    return out
+
+
+def resolve_device(device: str, local_rank: int) -> str:
+    """``auto`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``."""
+    if device == "auto":
+        return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, root: str | Path | None = None,
+        global_rank: int = 0, world_size: int = 1, local_rank: int = 0, barrier=None,
+        progress: bool = True) -> tuple[Summary, dict | None]:
+    """Run stage one for this rank; rank 0 merges the parts at the end.
+
+    Args:
+        manifest: manifest file (see :func:`precompute.manifests.read_manifest`).
+        out_dir: cache directory (created). Existing committed chunks are kept and skipped.
+        cfg: the job's :class:`PrecomputeConfig`.
+        barrier: callable synchronising all ranks (``torch.distributed.barrier``) when world_size > 1.
+
+    Returns ``(summary, manifest_dict)``; ``manifest_dict`` is None on ranks other than 0.
+    Raises :class:`FingerprintMismatch` when ``out_dir`` holds a cache from other encoders.
+    """
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sync = barrier or (lambda: None)
+    device = resolve_device(cfg.device, local_rank)
+    requests = read_manifest(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
+    enc = load_encoders(cfg, device)
+    describe = enc.describe() | {"preprocessing": cfg.preprocessing()}
+    fp = fingerprint(describe)
+    check_fingerprint(out_dir, fp, describe, global_rank)
+    sync()
+    done, next_n = committed(out_dir)
+    sync()  # every rank has read the same state before anyone commits a chunk
+    pending = [r for r in requests if row_id(r) not in done]
+    chunks = [c for c in assign(pending, cfg.samples_per_shard, world_size, next_n) if c[0] == global_rank]
+    items = [(req, ci) for ci, (_, _, rows) in enumerate(chunks) for req in rows]
+    summary = Summary(skipped_rows=len(requests) - len(pending))
+    rates = tuple(dict.fromkeys([cfg.sample_rate, enc.audio.sample_rate]))
+    bar = tqdm(total=len(items), desc=f"precompute r{global_rank}", unit="sample",
+               disable=not progress or global_rank != 0, dynamic_ncols=True)
+    writer = _ChunkWriter(out_dir, chunks, summary, bar)
+    writer.start()
+    loader = DataLoader(PrepareDataset(items, cfg, rates, enc.text, enc.image.spatial_factor),
+                        batch_size=cfg.batch_size, num_workers=cfg.num_workers if items else 0,
+                        collate_fn=identity_collate, prefetch_factor=4 if cfg.num_workers else None)
+    try:
+        with torch.inference_mode():
+            for batch in loader:
+                for key, fields, reject in encode_batch(batch, enc, cfg, summary, device):
+                    if reject:
+                        summary.rejected += 1
+                        summary.reasons[reject[2]] = summary.reasons.get(reject[2], 0) + 1
+                    else:
+                        summary.kept += 1
+                        summary.audio_seconds += fields["json"]["duration_s"]
+                    writer.put((key, fields, reject))
+                bar.update(len(batch))
+    finally:
+        writer.queue.put(None)
+        writer.join()
+        bar.close()
+    if writer.error is not None:
+        raise RuntimeError(f"shard writer failed: {writer.error}") from writer.error
+    summary.wall_s = time.perf_counter() - t0
+    sync()
+    result = None
+    if global_rank == 0:
+        result = merge_parts(out_dir, {
+            "fingerprint": fp, "encoders": describe, "sample_rate": cfg.sample_rate,
+            "codec_sample_rate": enc.audio.sample_rate, "n_codebooks": enc.audio.n_codebooks,
+            "codebook_size": enc.audio.codebook_size, "frame_rate": float(enc.audio.frame_rate),
+            "text_vocab_size": enc.text.vocab_size, "text_pad_id": enc.text.pad_id,
+            "latent_channels": enc.image.latent_channels, "config": cfg.to_dict(),
+            "source_manifest": str(manifest), "world_size": world_size,
+        })
+    return summary, result

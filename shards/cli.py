@@ -1,0 +1,110 @@
+"""``shards``: inspect, query, verify and repair a shardcache cache directory.
+
+Run ``shards --help`` or ``shards COMMAND --help``. Every command takes ``--json`` for scripts;
+on a terminal results are rich tables, otherwise plain text. Exit codes: 0 success, 1 a check
+failed / a sample was not found / the cache is corrupt, 2 usage error (bad arguments, a path that
+is not a cache), 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from .errors import ShardcacheError
+
+EPILOG = """\
+examples:
+  shards info cache/
+  shards ls cache/                       shards ls 'cache/shard-r0000-*.tar'
+  shards head cache/ -n 3                shards show cache/ spk-us-0001
+  shards query cache/ "duration_s > 5 and has_image" --count
+  shards stats cache/ --plot stats.png
+  shards verify cache/ --deep
+  shards export-audio cache/ spk-us-0001 out.wav
+  shards rejects cache/ --reason unreadable_audio
+  shards reindex cache/
+
+exit codes: 0 ok, 1 check failed / not found / corrupt cache, 2 usage error.
+"""
+
+
+def _version() -> str:
+    from .schema import FORMAT_VERSION
+    try:
+        from importlib.metadata import version
+        v = version("shardcache")
+    except Exception:  # not installed (running from a checkout)
+        v = "unknown"
+    return f"shards (shardcache {v}, cache format {FORMAT_VERSION})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand registered."""
+    from .commands import MODULES
+    parser = argparse.ArgumentParser(
+        prog="shards",
+        description="Inspect, query, verify and repair a shardcache cache directory "
+                    "(manifest.json, index.parquet, rejects.parquet, shard-r*-*.tar).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true",
+                        help="print the result as JSON (for scripts) instead of a table")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for module in MODULES:
+        module.register(sub, common)
+    return parser
+
+
+def _error(command: str | None, message: str) -> None:
+    prefix = f"shards {command}" if command else "shards"
+    sys.stderr.write(f"{prefix}: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as e:  # --help, --version, or a usage error (argparse exits with 2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    from .commands._common import NotFound, UsageError
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return code
+    except UsageError as e:
+        _error(args.command, str(e))
+        return 2
+    except NotFound as e:
+        _error(args.command, str(e))
+        return 1
+    except FileNotFoundError as e:
+        _error(args.command, str(e) if e.filename is None else f"{e.filename}: {e.strerror}")
+        return 2
+    except ShardcacheError as e:
+        _error(args.command, str(e))
+        return 1
+    except BrokenPipeError:  # `shards query ... | head` closed the pipe: not an error message
+        _silence_stdout()
+        return 141
+    except OSError as e:
+        _error(args.command, str(e) if e.filename is None else f"{e.filename}: {e.strerror}")
+        return 1
+    except KeyboardInterrupt:
+        _error(args.command, "interrupted")
+        return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass

@@ -1,0 +1,326 @@
+"""Helpers shared by the ``shards`` subcommands: output, errors, locating caches and shards."""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import ShardCorrupt
+from ..index import INDEX_SCHEMA
+from ..schema import INDEX_FILE, MANIFEST_FILE
+
+#: index columns a query or a table may show (``members`` is a nested list: not shown)
+SCALAR_COLUMNS = tuple(n for n in INDEX_SCHEMA.names if n != "members")
+
+
+class UsageError(Exception):
+    """Bad arguments or a path that is not what the command needs: exit code 2."""
+
+
+class NotFound(Exception):
+    """A lookup (a sample key) found nothing: exit code 1."""
+
+
+# --------------------------------------------------------------------------------------- output
+
+def stdout_is_tty() -> bool:
+    """Whether stdout is a terminal (tests monkeypatch this to exercise the rich output)."""
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def stderr_is_tty() -> bool:
+    """Whether stderr is a terminal (progress bars are drawn only then)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Convert numpy scalars/arrays, paths and tuples to JSON types; NaN and infinities -> None."""
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"  # pragma: no cover
+
+
+def fmt_value(v: Any) -> str:
+    """A cell value as text: floats with 5 significant digits, None as ``-``."""
+    if v is None:
+        return "-"
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.5g}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(fmt_value(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+    return str(v)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+class Out:
+    """Writes a command's result as a rich table (stdout is a terminal), plain text, or JSON."""
+
+    def __init__(self, args: Any):
+        self.json = bool(getattr(args, "json", False))
+        self.rich = not self.json and stdout_is_tty()
+        self._console = None
+
+    @property
+    def console(self):
+        if self._console is None:
+            from rich.console import Console
+            self._console = Console(file=sys.stdout, highlight=False)
+        return self._console
+
+    def emit_json(self, obj: Any) -> None:
+        sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, ensure_ascii=False) + "\n")
+
+    def line(self, text: str = "", style: str | None = None) -> None:
+        """One line of text (``style`` is a rich style, ignored in plain text)."""
+        if self.rich:
+            from rich.text import Text
+            self.console.print(Text(text, style=style or ""))
+        else:
+            sys.stdout.write(text + "\n")
+
+    def heading(self, text: str) -> None:
+        if self.rich:
+            self.console.rule(f"[bold]{_escape(text)}")
+        else:
+            sys.stdout.write(f"== {text} ==\n")
+
+    def table(self, columns: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None,
+              caption: str | None = None) -> None:
+        """A table; numeric columns are right-aligned. ``title`` and ``caption`` are one-liners."""
+        rows = [list(r) for r in rows]
+        numeric = [bool(rows) and all(_is_number(r[j]) or r[j] is None for r in rows)
+                   for j in range(len(columns))]
+        cells = [[fmt_value(v) for v in r] for r in rows]
+        if self.rich:
+            from rich.table import Table
+            t = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+            for j, c in enumerate(columns):
+                t.add_column(c, justify="right" if numeric[j] else "left", overflow="fold")
+            for r in cells:
+                t.add_row(*(_escape(c) for c in r))
+            self.console.print(t)
+            return
+        out = sys.stdout
+        if title:
+            out.write(title + "\n")
+        widths = [max([len(c)] + [len(r[j]) for r in cells]) for j, c in enumerate(columns)]
+
+        def fmt_row(values: Sequence[str]) -> str:
+            parts = []
+            for j, v in enumerate(values):
+                last = j == len(values) - 1
+                if numeric[j]:
+                    parts.append(v.rjust(widths[j]))
+                else:
+                    parts.append(v if last else v.ljust(widths[j]))
+            return "  ".join(parts).rstrip()
+
+        out.write(fmt_row(list(columns)) + "\n")
+        out.writelines(fmt_row(r) + "\n" for r in cells)
+        if caption:
+            out.write(caption + "\n")
+
+    def kv(self, pairs: Sequence[tuple[str, Any]], title: str | None = None) -> None:
+        """``name: value`` lines (a two-column grid on a terminal)."""
+        if self.rich:
+            from rich.table import Table
+            t = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
+            t.add_column(style="bold")
+            t.add_column(overflow="fold")
+            for k, v in pairs:
+                t.add_row(_escape(k), _escape(v if isinstance(v, str) else fmt_value(v)))
+            self.console.print(t)
+            return
+        if title:
+            sys.stdout.write(title + "\n")
+        width = max((len(k) for k, _ in pairs), default=0)
+        for k, v in pairs:
+            sys.stdout.write(f"{(k + ':').ljust(width + 1)} {v if isinstance(v, str) else fmt_value(v)}\n")
+
+    def json_block(self, obj: Any) -> None:
+        """Pretty JSON inside human output (syntax-highlighted on a terminal)."""
+        text = json.dumps(to_jsonable(obj), indent=2, ensure_ascii=False, sort_keys=True)
+        if self.rich:
+            from rich.json import JSON
+            self.console.print(JSON(text))
+        else:
+            sys.stdout.write(text + "\n")
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+    return escape(str(text))
+
+
+def warn(message: str) -> None:
+    """A warning on stderr (does not change the exit code)."""
+    sys.stderr.write(f"shards: warning: {message}\n")
+
+
+@contextmanager
+def progress(total: int, label: str, enabled: bool = True) -> Iterator[Callable[[str], None]]:
+    """Yield ``advance(name)``; draws a rich progress bar on stderr when it is a terminal."""
+    if not enabled or total <= 1 or not stderr_is_tty():
+        yield lambda name: None
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task(label, total=total)
+
+        def advance(name: str) -> None:
+            bar.update(task, advance=1, description=f"{label} {name}")
+
+        yield advance
+        bar.update(task, description=label)
+
+
+# ------------------------------------------------------------------------------- caches, shards
+
+def cache_dir(arg: str | Path) -> Path:
+    """Check that ``arg`` is a cache directory (holds index.parquet or manifest.json)."""
+    p = Path(arg)
+    if not p.exists():
+        raise UsageError(f"{p}: no such directory")
+    if not p.is_dir():
+        raise UsageError(f"{p}: not a directory (expected a cache directory holding {INDEX_FILE} "
+                         f"and {MANIFEST_FILE})")
+    if not (p / INDEX_FILE).exists() and not (p / MANIFEST_FILE).exists():
+        raise UsageError(f"{p}: not a shardcache cache (no {INDEX_FILE} or {MANIFEST_FILE}); "
+                         f"if it holds shard tars, `shards reindex {p}` rebuilds them")
+    return p
+
+
+def index_path(d: Path) -> Path:
+    p = Path(d) / INDEX_FILE
+    if not p.exists():
+        raise UsageError(f"{p} not found; `shards reindex {d}` rebuilds it from the shard tars")
+    return p
+
+
+def read_index_columns(d: Path, columns: Sequence[str] | None = None, filter=None) -> pa.Table:
+    """Read some columns of ``d/index.parquet`` (optionally filtered, with predicate pushdown)."""
+    p = index_path(d)
+    try:
+        return pq.read_table(p, columns=list(columns) if columns is not None else None,
+                             filters=filter, schema=INDEX_SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
+        raise ShardCorrupt(f"{p}: cannot read the index ({e}); `shards reindex {d}` rebuilds it") from e
+
+
+def read_index_head(d: Path, n: int) -> pa.Table:
+    """The first ``n`` rows of the index, reading only the row groups needed."""
+    p = index_path(d)
+    try:
+        pf = pq.ParquetFile(p)
+        batches = []
+        got = 0
+        for b in pf.iter_batches(batch_size=max(1, min(n, 65536))):
+            batches.append(b)
+            got += b.num_rows
+            if got >= n:
+                break
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ShardCorrupt(f"{p}: cannot read the index ({e}); `shards reindex {d}` rebuilds it") from e
+    table = pa.Table.from_batches(batches, schema=pf.schema_arrow) if batches else INDEX_SCHEMA.empty_table()
+    return table.slice(0, n).cast(INDEX_SCHEMA)
+
+
+def expand_targets(args: Sequence[str]) -> tuple[Path | None, list[Path]]:
+    """``ls``/``verify`` arguments: ``(cache_dir, [])`` for one directory, else ``(None, tars)``.
+
+    Shell-style globs are expanded here too (for quoted patterns and shells that do not).
+    """
+    if len(args) == 1 and Path(args[0]).is_dir():
+        return cache_dir(args[0]), []
+    tars: list[Path] = []
+    for a in args:
+        if glob.has_magic(a) and not Path(a).exists():
+            hits = sorted(glob.glob(a))
+            if not hits:
+                raise UsageError(f"{a}: no files match this pattern")
+            tars.extend(Path(h) for h in hits)
+        else:
+            tars.append(Path(a))
+    dirs = [t for t in tars if t.is_dir()]
+    if dirs:
+        raise UsageError(f"{dirs[0]}: is a directory; give either one cache directory or shard "
+                         "tar paths (a list or a glob), not both")
+    if not tars:
+        raise UsageError("no shard paths given")
+    seen: set[Path] = set()
+    unique = []
+    for t in tars:
+        r = t.resolve()
+        if r not in seen:
+            seen.add(r)
+            unique.append(t)
+    return None, unique
+
+
+def manifest_shards(manifest: dict) -> list[dict]:
+    """The manifest's shard entries, checked to have a ``path``."""
+    shards = manifest.get("shards") or []
+    bad = [s for s in shards if not isinstance(s, dict) or "path" not in s]
+    if bad:
+        raise ShardCorrupt(f"{MANIFEST_FILE}: malformed shard entry {bad[0]!r}")
+    return shards
+
+
+def load_manifest(d: Path) -> dict:
+    """``d/manifest.json`` as a dict (empty when absent); a malformed file is :class:`ShardCorrupt`."""
+    from ..index import read_manifest
+    try:
+        manifest = read_manifest(d)
+    except ValueError as e:
+        raise ShardCorrupt(f"{Path(d) / MANIFEST_FILE}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict):
+        raise ShardCorrupt(f"{Path(d) / MANIFEST_FILE}: expected a JSON object")
+    return manifest

@@ -1,0 +1,28 @@
+"""Exceptions shared by both stages. Every message names the file and says what to do."""
+from __future__ import annotations
+
+
+class ShardcacheError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ShardCorrupt(ShardcacheError):
+    """A shard, its index rows or its manifest entry disagree (truncated tar, bad checksum...)."""
+
+
+class UnsafeMember(ShardcacheError):
+    """A shard holds a member that would need unpickling (``.pkl``, ``.pyd``, ``.pth``, ``.pt``)."""
+
+
+class FingerprintMismatch(ShardcacheError):
+    """A cache directory was made by different encoders or preprocessing than the current job."""
+
+
+class CorruptSample(ShardcacheError):
+    """One input sample cannot be used; ``reason`` is a code from :mod:`shards.schema`."""
+
+    def __init__(self, reason: str, detail: str, source: str = ""):
+        super().__init__(f"{reason}: {detail}" + (f" ({source})" if source else ""))
+        self.reason = reason
+        self.detail = detail
+        self.source = source

@@ -1,0 +1,190 @@
+"""``index.parquet``, ``rejects.parquet`` and ``manifest.json``: schemas, atomic writes, merging.
+
+Per-shard parts live in ``OUT/parts/``: ``STEM.rejects.parquet`` then ``STEM.index.parquet``
+(written last: its presence marks the chunk done). The index part carries the shard's own entry
+(name, samples, bytes, sha256) in its Parquet key-value metadata. :func:`merge_parts` turns the
+parts into the cache-level files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import ShardCorrupt
+from .schema import (FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE)
+
+MEMBER_TYPE = pa.struct([
+    ("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64()),
+    ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
+])
+INDEX_SCHEMA = pa.schema([
+    ("key", pa.string()), ("shard", pa.string()), ("duration_s", pa.float64()),
+    ("sample_rate", pa.int32()), ("num_samples", pa.int64()), ("n_frames", pa.int32()),
+    ("n_codebooks", pa.int32()), ("n_text_tokens", pa.int32()), ("has_image", pa.bool_()),
+    ("speaker", pa.string()), ("bytes", pa.int64()), ("sha256", pa.string()),
+    ("members", pa.list_(MEMBER_TYPE)),
+])
+REJECTS_SCHEMA = pa.schema([
+    ("key", pa.string()), ("source", pa.string()), ("reason", pa.string()), ("detail", pa.string()),
+])
+_SHARD_META = b"shardcache.shard"
+_JOB_META = b"shardcache.job"
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames inside it survive a crash (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write) -> None:
+    """Call ``write(tmp_path)``, fsync the file, then ``os.replace`` it onto ``path``."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_parquet_atomic(table: pa.Table, path: Path) -> None:
+    """Write ``table`` to ``path`` via a temporary file and rename."""
+    write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def write_json_atomic(obj: Any, path: Path) -> None:
+    """Write ``obj`` as indented JSON to ``path`` via a temporary file and rename."""
+    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n"))
+
+
+def rows_to_table(rows: Iterable[dict]) -> pa.Table:
+    """Index rows (dicts with :data:`INDEX_SCHEMA` fields) -> a typed Arrow table."""
+    return pa.Table.from_pylist(list(rows), schema=INDEX_SCHEMA)
+
+
+def rejects_to_table(rows: Iterable[dict]) -> pa.Table:
+    """Reject rows (key, source, reason, detail) -> a typed Arrow table."""
+    return pa.Table.from_pylist(
+        [{k: str(r.get(k) or "") for k in REJECTS_SCHEMA.names} for r in rows], schema=REJECTS_SCHEMA)
+
+
+def part_paths(out_dir: Path, stem: str) -> tuple[Path, Path]:
+    """``(index_part, rejects_part)`` paths of shard ``stem`` (name without ``.tar``)."""
+    parts = Path(out_dir) / PARTS_DIR
+    return parts / f"{stem}.index.parquet", parts / f"{stem}.rejects.parquet"
+
+
+def write_parts(out_dir: Path, stem: str, rows: list[dict], rejects: list[dict],
+                shard_entry: dict | None, job_meta: dict | None = None) -> None:
+    """Write a chunk's rejects part, then its index part (the done marker), both atomically.
+
+    ``job_meta`` (JSON-able) is stored in the index part's metadata for the job that wrote it
+    (e.g. which manifest rows the chunk covered); read it back with :func:`read_part_meta`.
+    """
+    index_part, rejects_part = part_paths(out_dir, stem)
+    index_part.parent.mkdir(parents=True, exist_ok=True)
+    write_parquet_atomic(rejects_to_table(rejects), rejects_part)
+    table = rows_to_table(rows).replace_schema_metadata(
+        {_SHARD_META: json.dumps(shard_entry).encode(), _JOB_META: json.dumps(job_meta).encode()})
+    write_parquet_atomic(table, index_part)
+
+
+def part_done(out_dir: Path, stem: str) -> bool:
+    """True when the chunk ``stem`` has been committed (its index part exists)."""
+    return part_paths(out_dir, stem)[0].exists()
+
+
+def read_part_shard_entry(index_part: Path) -> dict | None:
+    """The shard entry stored in an index part's metadata, or None for a chunk with no samples."""
+    meta = pq.read_schema(index_part).metadata or {}
+    return json.loads(meta.get(_SHARD_META, b"null"))
+
+
+def read_part_meta(index_part: Path) -> dict | None:
+    """The ``job_meta`` stored by :func:`write_parts` (None when absent)."""
+    meta = pq.read_schema(index_part).metadata or {}
+    return json.loads(meta.get(_JOB_META, b"null"))
+
+
+def merge_parts(out_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Concatenate every part into ``index.parquet`` / ``rejects.parquet`` and write ``manifest.json``.
+
+    ``manifest`` holds the job's own fields (encoders, fingerprint, config...); this adds
+    ``format_version``, ``created``, ``counts`` and ``shards``. Returns the manifest written.
+    """
+    out_dir = Path(out_dir)
+    parts = out_dir / PARTS_DIR
+    index_parts = sorted(parts.glob("*.index.parquet"))
+    tables, shards = [], []
+    for p in index_parts:
+        tables.append(pq.read_table(p, schema=INDEX_SCHEMA))
+        entry = read_part_shard_entry(p)
+        if entry:
+            shards.append(entry)
+    index = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
+    rejects_tables = [pq.read_table(p, schema=REJECTS_SCHEMA) for p in sorted(parts.glob("*.rejects.parquet"))]
+    rejects = pa.concat_tables(rejects_tables) if rejects_tables else REJECTS_SCHEMA.empty_table()
+    return write_cache_files(out_dir, index, rejects, shards, manifest)
+
+
+def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards: list[dict],
+                      manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write ``index.parquet``, ``rejects.parquet`` and ``manifest.json`` (atomically, in that order)."""
+    keys = index.column("key").to_pylist()
+    if len(keys) != len(set(keys)):
+        dup = sorted({k for k in keys if keys.count(k) > 1})[:5]
+        raise ShardCorrupt(f"{out_dir}: duplicate keys across shards: {dup}")
+    reasons: dict[str, int] = {}
+    for r in rejects.column("reason").to_pylist():
+        reasons[r] = reasons.get(r, 0) + 1
+    durations = index.column("duration_s").to_pylist()
+    manifest = dict(manifest)
+    manifest.update(
+        format_version=FORMAT_VERSION,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        counts=dict(samples=index.num_rows, rejected=rejects.num_rows, rejects_by_reason=reasons,
+                    images=int(sum(index.column("has_image").to_pylist())),
+                    audio_hours=round(sum(durations) / 3600.0, 6), shards=len(shards),
+                    bytes=int(sum(s["bytes"] for s in shards))),
+        shards=sorted(shards, key=lambda s: s["path"]),
+    )
+    write_parquet_atomic(index, out_dir / INDEX_FILE)
+    write_parquet_atomic(rejects, out_dir / REJECTS_FILE)
+    write_json_atomic(manifest, out_dir / MANIFEST_FILE)
+    return manifest
+
+
+def read_index(out_dir: Path) -> pa.Table:
+    """Read ``OUT/index.parquet``. Raises ``FileNotFoundError`` naming the path and the fix."""
+    p = Path(out_dir) / INDEX_FILE
+    if not p.exists():
+        raise FileNotFoundError(f"{p} not found: is {out_dir} a shardcache cache? "
+                                "(run `python -m precompute`, or `shards reindex` to rebuild it)")
+    return pq.read_table(p, schema=INDEX_SCHEMA)
+
+
+def read_rejects(out_dir: Path) -> pa.Table:
+    """Read ``OUT/rejects.parquet`` (an empty table when absent)."""
+    p = Path(out_dir) / REJECTS_FILE
+    return pq.read_table(p, schema=REJECTS_SCHEMA) if p.exists() else REJECTS_SCHEMA.empty_table()
+
+
+def read_manifest(out_dir: Path) -> dict[str, Any]:
+    """Read ``OUT/manifest.json`` (an empty dict when absent)."""
+    p = Path(out_dir) / MANIFEST_FILE
+    return json.loads(p.read_text()) if p.exists() else {}

@@ -1,0 +1,137 @@
+"""Read a shard tar once and derive its index rows: member byte offsets, shapes, dtypes, sha256.
+
+This is the single source of truth for index rows: the writer calls it on every shard it
+finishes, and ``shards reindex`` / ``shards verify`` call it on existing tars.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ShardCorrupt, UnsafeMember
+from .schema import JSON_MEMBER, PICKLE_EXTENSIONS
+
+
+def npy_payload(data: bytes) -> tuple[int, str, tuple[int, ...]]:
+    """Parse an ``.npy`` blob's header.
+
+    Returns ``(header_len, dtype_str, shape)``: the array data starts ``header_len`` bytes into
+    ``data``. Raises ``ValueError`` for Fortran order or object dtypes (they would need copying or
+    unpickling).
+    """
+    fp = io.BytesIO(data)
+    version = np.lib.format.read_magic(fp)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+    if fortran:
+        raise ValueError("Fortran-ordered array")
+    if dtype.hasobject:
+        raise ValueError("object dtype would need pickle")
+    return fp.tell(), dtype.str, tuple(int(s) for s in shape)
+
+
+def sample_sha256(members: dict[str, bytes]) -> str:
+    """sha256 of one sample: over ``name \\0 bytes`` of each member in sorted name order."""
+    h = hashlib.sha256()
+    for name in sorted(members):
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(members[name])
+    return h.hexdigest()
+
+
+def _row(key: str, shard: str, members: dict[str, bytes], where: dict[str, tuple[int, int]]) -> dict:
+    meta: dict[str, Any] = {}
+    entries = []
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in sorted(members):
+        data = members[name]
+        offset, size = where[name]
+        if name == JSON_MEMBER:
+            try:
+                meta = json.loads(data)
+            except ValueError as e:
+                raise ShardCorrupt(f"{shard}: sample {key!r} has invalid JSON: {e}") from e
+            entries.append(dict(name=name, offset=offset, size=size, dtype="json", shape=[]))
+        elif name.endswith(".npy"):
+            try:
+                hlen, dtype, shape = npy_payload(data)
+            except ValueError as e:
+                raise ShardCorrupt(f"{shard}: sample {key!r} member {name}: {e}") from e
+            shapes[name] = shape
+            entries.append(dict(name=name, offset=offset + hlen, size=size - hlen, dtype=dtype,
+                                shape=list(shape)))
+        else:
+            entries.append(dict(name=name, offset=offset, size=size, dtype="bytes", shape=[]))
+    codes = shapes.get("codes.npy", (0, 0))
+    return dict(
+        key=key,
+        shard=shard,
+        duration_s=float(meta.get("duration_s", 0.0)),
+        sample_rate=int(meta.get("sample_rate", 0)),
+        num_samples=int(shapes.get("audio.npy", (0,))[0]),
+        n_frames=int(codes[1]) if len(codes) == 2 else 0,
+        n_codebooks=int(codes[0]) if len(codes) == 2 else 0,
+        n_text_tokens=int(shapes.get("text_ids.npy", (0,))[0]),
+        has_image="latents.npy" in shapes,
+        speaker=str(meta.get("speaker") or ""),
+        bytes=sum(len(v) for v in members.values()),
+        sha256=sample_sha256(members),
+        members=entries,
+    )
+
+
+def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[dict], str, int]:
+    """Scan a shard tar and return ``(rows, shard_sha256, shard_bytes)``.
+
+    ``rows`` are index rows (see :data:`shards.schema.INDEX_COLUMNS`) in tar order. Offsets are
+    absolute byte offsets into the tar file. Raises :class:`ShardCorrupt` for a truncated or
+    unreadable tar, a member without a key, or a key whose members are not contiguous, and
+    :class:`UnsafeMember` for a member that would need unpickling. Nothing is unpickled.
+    """
+    path = Path(path)
+    shard = shard_name or path.name
+    raw = path.read_bytes()
+    rows: list[dict] = []
+    members: dict[str, bytes] = {}
+    where: dict[str, tuple[int, int]] = {}
+    current: str | None = None
+    seen: set[str] = set()
+    try:
+        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tf:
+            for info in tf:
+                if not info.isfile():
+                    continue
+                key, dot, ext = info.name.rpartition("/")[2].partition(".")
+                if not dot or not key:
+                    raise ShardCorrupt(f"{path}: member {info.name!r} has no KEY.ext name")
+                if ext.lower().endswith(PICKLE_EXTENSIONS):
+                    raise UnsafeMember(
+                        f"{path}: sample {key!r} has member {info.name!r} that would need "
+                        "unpickling; shardcache never unpickles shard data")
+                if key != current:
+                    if current is not None:
+                        rows.append(_row(current, shard, members, where))
+                    if key in seen:
+                        raise ShardCorrupt(f"{path}: members of sample {key!r} are not contiguous")
+                    seen.add(key)
+                    current, members, where = key, {}, {}
+                end = info.offset_data + info.size
+                if end > len(raw):
+                    raise ShardCorrupt(f"{path}: truncated inside member {info.name!r}")
+                members[ext] = raw[info.offset_data:end]
+                where[ext] = (info.offset_data, info.size)
+    except tarfile.TarError as e:
+        raise ShardCorrupt(f"{path}: not a readable tar ({e}); delete it and rerun precompute "
+                           "or `shards reindex`") from e
+    if current is not None:
+        rows.append(_row(current, shard, members, where))
+    return rows, hashlib.sha256(raw).hexdigest(), len(raw)

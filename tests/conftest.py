@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random models of the real architectures, and the demo cache."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "data" / "demo"
+REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" / "data" / "real-mini"))
+
+# one thread per process keeps the 2-core CI machine responsive under DataLoader workers
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Path:
+    """Directory with ``dac-tiny`` and ``wan-tiny`` built by ``python -m precompute.random_models``."""
+    out = tmp_path_factory.mktemp("models")
+    subprocess.run([sys.executable, "-m", "precompute.random_models", "--out", str(out), "--only", "dac,wan"],
+                   check=True, cwd=ROOT, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tiny_models):
+    """A PrecomputeConfig pointing at the tiny models, small images and shards for fast tests."""
+    from precompute.config import load_config
+    return load_config(ROOT / "configs" / "precompute.yaml", [
+        f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
+        f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
+        "image_size=64", "samples_per_shard=8", "num_workers=0", "device=cpu"])
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory, tiny_config) -> Path:
+    """The bundled demo manifest precomputed once per test session."""
+    from precompute.job import run
+    out = tmp_path_factory.mktemp("cache") / "demo"
+    run(DEMO / "samples.jsonl", out, tiny_config, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def real_mini() -> Path:
+    if not (REAL_MINI / "samples_with_corrupt.jsonl").exists():
+        pytest.skip(f"real-mini corpus not found at {REAL_MINI}")
+    return REAL_MINI

@@ -1,0 +1,140 @@
+"""Stage one end to end on the bundled demo data (real espeak-ng speech, scikit-image photos)."""
+from __future__ import annotations
+
+import io
+import json
+import math
+import tarfile
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+
+from shards import ShardReader, read_index, read_manifest, read_rejects
+from shards.schema import TENSOR_DTYPES
+
+from conftest import DEMO
+
+
+def _expected():
+    good = []
+    for line in (DEMO / "samples.jsonl").read_text().splitlines():
+        try:
+            good.append(json.loads(line))
+        except ValueError:
+            pass
+    bad = json.loads((DEMO / "expected_rejects.json").read_text())
+    return good, bad
+
+
+def test_keeps_every_good_sample_and_rejects_every_bad_one(demo_cache):
+    rows, bad = _expected()
+    bad_keys = {b["key"] for b in bad}
+    good_keys = {r["key"] for r in rows if r["key"] not in bad_keys or
+                 any(b["key"] == r["key"] and b["reason"] == "duplicate_key" for b in bad)}
+    index = read_index(demo_cache)
+    assert set(index.column("key").to_pylist()) == good_keys
+    rejects = read_rejects(demo_cache).to_pylist()
+    got = {(r["key"], r["reason"]) for r in rejects}
+    assert got == {(b["key"], b["reason"]) for b in bad}
+    assert all(r["detail"] for r in rejects)
+
+
+def test_cache_files_and_manifest(demo_cache):
+    for name in ("index.parquet", "rejects.parquet", "manifest.json"):
+        assert (demo_cache / name).is_file()
+    m = read_manifest(demo_cache)
+    assert m["format_version"] == 1
+    assert m["n_codebooks"] == 8 and m["codebook_size"] == 1024 and m["frame_rate"] == 25.0
+    assert m["encoders"]["audio_tokenizer"]["class"].endswith("DacTokenizer")
+    assert m["encoders"]["image_encoder"]["class"].endswith("WanVAEEncoder")
+    assert len(m["encoders"]["audio_tokenizer"]["weights_sha256"]) == 64
+    assert m["counts"]["samples"] == read_index(demo_cache).num_rows
+    assert not list(demo_cache.glob("*.tmp"))
+    for s in m["shards"]:
+        assert (demo_cache / s["path"]).stat().st_size == s["bytes"]
+
+
+def test_tensors_have_recorded_shapes_and_contract(demo_cache):
+    m = read_manifest(demo_cache)
+    reader = ShardReader(demo_cache)
+    n_image = 0
+    for i in range(len(reader)):
+        s = reader.get(i)
+        meta = s["json"]
+        assert meta["text"].strip()
+        n = s["audio"].shape[0]
+        assert s["audio"].dtype == np.int16 and n == round(meta["duration_s"] * m["sample_rate"]) or \
+            abs(n - meta["duration_s"] * m["sample_rate"]) <= 2
+        assert s["codes"].shape == (8, math.ceil(n / 960)) and s["codes"].dtype == np.int16
+        assert 0 <= s["codes"].min() and s["codes"].max() < 1024
+        assert s["text_ids"].dtype == np.int32 and s["text_ids"].ndim == 1
+        if "latents" in s:
+            n_image += 1
+            assert s["latents"].shape == (16, 1, 8, 8) and s["latents"].dtype == np.float16
+            assert np.isfinite(s["latents"]).all()
+    assert n_image == 5  # 6 photo+caption rows, one of them with a truncated JPEG
+
+
+def test_shards_open_with_upstream_webdataset_and_tarfile(demo_cache):
+    index = read_index(demo_cache).to_pylist()
+    by_key = {r["key"]: r for r in index}
+    shards = sorted(str(p) for p in demo_cache.glob("shard-*.tar"))
+    seen = 0
+    for sample in wds.WebDataset(shards, shardshuffle=False).decode():
+        row = by_key[sample["__key__"]]
+        for member in row["members"]:
+            if member["name"] in TENSOR_DTYPES:
+                arr = sample[member["name"]]
+                assert arr.dtype == np.dtype(member["dtype"]) and list(arr.shape) == member["shape"]
+        assert sample["json"]["text"]
+        seen += 1
+    assert seen == len(index)
+    for shard in shards:
+        with tarfile.open(shard) as tf:
+            for info in tf:
+                data = tf.extractfile(info).read()
+                if info.name.endswith(".npy"):
+                    arr = np.load(io.BytesIO(data), allow_pickle=False)
+                    key, ext = info.name.split(".", 1)
+                    member = next(m for m in by_key[key]["members"] if m["name"] == ext)
+                    assert list(arr.shape) == member["shape"]
+                    raw = open(shard, "rb").read()[member["offset"]:member["offset"] + member["size"]]
+                    assert np.array_equal(np.frombuffer(raw, dtype=member["dtype"]).reshape(arr.shape), arr)
+
+
+def test_each_audio_file_opened_exactly_once(tiny_config, tmp_path, monkeypatch):
+    import builtins
+    import io as _io
+    from precompute.job import run
+    opened: list[str] = []
+    real_open = _io.open
+
+    def counting_open(file, *a, **k):
+        if str(file).startswith(str(DEMO / "audio")):
+            opened.append(str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(_io, "open", counting_open)
+    monkeypatch.setattr(builtins, "open", counting_open)
+    summary, _ = run(DEMO / "samples.jsonl", tmp_path / "c", tiny_config, progress=False)
+    assert summary.kept > 0
+    counts = {p: opened.count(p) for p in set(opened)}
+    assert counts and max(counts.values()) == 1, counts
+
+
+def test_rejects_parquet_columns(demo_cache):
+    t = pq.read_table(demo_cache / "rejects.parquet")
+    assert t.column_names == ["key", "source", "reason", "detail"]
+    missing = [r for r in t.to_pylist() if r["reason"] == "missing_file"]
+    assert missing and missing[0]["source"].endswith(".wav")
+
+
+def test_summary_counts_encoder_time(tiny_config, tmp_path):
+    from precompute.job import run
+    summary, manifest = run(DEMO / "samples.jsonl", tmp_path / "c", tiny_config, progress=False)
+    assert summary.kept == manifest["counts"]["samples"] and summary.rejected == manifest["counts"]["rejected"]
+    assert 0 < summary.encoder_busy <= 1
+    again, _ = run(DEMO / "samples.jsonl", tmp_path / "c", tiny_config, progress=False)
+    assert again.kept == 0 and again.skipped_rows == summary.kept + summary.rejected

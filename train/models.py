@@ -1,0 +1,338 @@
+"""The reference model and the ``module:factory`` plug-in loader.
+
+A training model is any ``nn.Module`` whose ``forward(batch)`` takes the collated batch dict of
+:class:`loaders.ShardLoader` and returns a scalar loss tensor or a dict with ``loss`` (other 0-dim
+tensors in the dict are logged). ``--model pkg.mod:make`` imports ``pkg.mod`` and calls
+``make(**kwargs)`` where kwargs are ``--model-kwargs`` plus those of :class:`DataSpec` fields
+(``n_codebooks``, ``codebook_size``, ``vocab_size``, ``latent_channels``) and ``latent_loss`` /
+``latent_loss_weight`` that the factory names in its signature.
+
+:class:`ReferenceModel` uses every cached modality::
+
+    [ text ids -> embedding ] [ image latents (C,T,h,w) -> p x p patches -> linear ] [ audio frames ]
+      prefix: L tokens          prefix: T*(h/p)*(w/p) tokens                        F tokens
+
+one causal transformer over the concatenation (pad and missing-image tokens are masked as keys);
+the input at audio frame t is the sum of the codebook embeddings of frame t-1 (a learned BOS at
+t = 0) and one linear head per codebook predicts frame t's codes (cross-entropy,
+``ignore_index=-100``). With ``latent_loss`` cosine|mse a latent-regression head predicts image
+patch i+1 from the hidden state at patch i (next-patch regression, image samples only).
+
+Loss normalisation: the mean over a sample's valid targets, then the mean over the samples of the
+batch. Per-sample normalisation makes the gradient of a global batch independent of how it is split
+across ranks and micro-steps (DDP averages per-rank means; token-mean losses would weight ranks
+with more tokens less), which is what lets 1 x B, 2 x B/2 and 2 x B/4 x accum 2 train identically.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger("train")
+
+IGNORE_INDEX = -100  # == loaders.CODES_PAD_ID
+
+
+@dataclass
+class DataSpec:
+    """What the cache holds (from ``manifest.json``; defaults where it does not say)."""
+
+    n_codebooks: int = 8
+    codebook_size: int = 1024
+    vocab_size: int = 259
+    latent_channels: int = 16
+
+
+_KEYS = {
+    "n_codebooks": ("n_codebooks", "num_codebooks", "n_q", "num_quantizers"),
+    "codebook_size": ("codebook_size", "codebook_entries", "bins"),
+    "vocab_size": ("text_vocab_size", "vocab_size"),
+    "latent_channels": ("latent_channels", "z_dim"),
+}
+
+
+def _find(tree: Any, names: tuple[str, ...], depth: int = 0) -> Any:
+    if depth > 4:
+        return None
+    if isinstance(tree, dict):
+        for n in names:
+            if isinstance(tree.get(n), int) and not isinstance(tree.get(n), bool):
+                return tree[n]
+        for v in tree.values():
+            found = _find(v, names, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def data_spec(cache_dir: str | Path) -> DataSpec:
+    """Read n_codebooks / codebook_size / text vocab / latent channels from the cache manifest.
+
+    Looks at top-level keys first, then inside ``encoders`` (key names vary between encoders; see
+    ``_KEYS``); anything not found keeps the default (8 / 1024 / 259 / 16).
+    """
+    spec = DataSpec()
+    try:
+        from shards import read_manifest
+        manifest = read_manifest(cache_dir)
+    except Exception as e:  # noqa: BLE001 - an unreadable manifest only loses the hints
+        log.warning("could not read %s/manifest.json (%s); using default model sizes", cache_dir, e)
+        return spec
+    for fname, names in _KEYS.items():
+        top = {k: manifest.get(k) for k in names if k in manifest}
+        value = _find(top, names)
+        if value is None:
+            enc = manifest.get("encoders") or {}
+            if fname == "vocab_size":  # only trust a vocab_size found under a text encoder
+                enc = {k: v for k, v in enc.items() if "text" in str(k).lower()} if isinstance(enc, dict) else {}
+            value = _find(enc, names)
+        if value is not None:
+            setattr(spec, fname, int(value))
+    return spec
+
+
+def sinusoid(n: int, d: int) -> torch.Tensor:
+    pos = torch.arange(n, dtype=torch.float32)[:, None]
+    inv = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
+    out = torch.zeros(n, d)
+    out[:, 0::2] = torch.sin(pos * inv)
+    out[:, 1::2] = torch.cos(pos * inv[: d // 2])
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, n_heads: int, dropout: float):
+        super().__init__()
+        assert d % n_heads == 0, "d_model must be divisible by n_heads"
+        self.n_heads, self.dropout = n_heads, dropout
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, S, D))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_heads: int, mlp_ratio: int, dropout: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, n_heads, dropout)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, mlp_ratio * d)
+        self.fc2 = nn.Linear(mlp_ratio * d, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), mask))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class ReferenceModel(nn.Module):
+    """Text + image-latent prefix, causal transformer over codec frames (see the module docstring)."""
+
+    def __init__(self, n_codebooks: int = 8, codebook_size: int = 1024, vocab_size: int = 259,
+                 latent_channels: int = 16, d_model: int = 256, n_layers: int = 4, n_heads: int = 4,
+                 mlp_ratio: int = 4, dropout: float = 0.0, patch_size: int = 2,
+                 max_positions: int = 8192, latent_loss: str = "none", latent_loss_weight: float = 1.0):
+        super().__init__()
+        if latent_loss not in ("none", "cosine", "mse"):
+            raise ValueError(f"latent_loss must be none|cosine|mse, got {latent_loss!r}")
+        self.n_codebooks, self.codebook_size = n_codebooks, codebook_size
+        self.patch, self.latent_channels = patch_size, latent_channels
+        self.latent_loss, self.latent_loss_weight = latent_loss, latent_loss_weight
+        self.activation_checkpointing = False
+        d = d_model
+        patch_dim = latent_channels * patch_size * patch_size
+        self.text_emb = nn.Embedding(vocab_size, d)
+        self.latent_proj = nn.Linear(patch_dim, d)
+        # n_codebooks tables of codebook_size rows stored as one table (row q * codebook_size + code)
+        self.code_emb = nn.Embedding(n_codebooks * codebook_size, d)
+        self.register_buffer("code_offsets", torch.arange(n_codebooks)[None, :, None] * codebook_size,
+                             persistent=False)
+        self.bos = nn.Parameter(torch.zeros(d))
+        self.type_emb = nn.Embedding(3, d)  # 0 text, 1 image, 2 audio
+        self.register_buffer("pos", sinusoid(max_positions, d), persistent=False)
+        self.blocks = nn.ModuleList(Block(d, n_heads, mlp_ratio, dropout) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d)
+        self.heads = nn.ModuleList(nn.Linear(d, codebook_size) for _ in range(n_codebooks))
+        self.latent_head = nn.Linear(d, patch_dim) if latent_loss != "none" else None
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def set_activation_checkpointing(self, on: bool = True) -> None:
+        self.activation_checkpointing = on
+
+    def patchify(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, C, T, h, w) -> (B, T * h/p * w/p, C * p * p); h, w zero-padded to multiples of p."""
+        p = self.patch
+        B, C, T, H, W = latents.shape
+        if H % p or W % p:
+            latents = F.pad(latents, (0, (-W) % p, 0, (-H) % p))
+            H, W = latents.shape[-2:]
+        x = latents.reshape(B, C, T, H // p, p, W // p, p).permute(0, 2, 3, 5, 1, 4, 6)
+        return x.reshape(B, T * (H // p) * (W // p), C * p * p)
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        codes = batch["codes"]                                   # (B, Q, F) int64, pad -100
+        B, Q, Fr = codes.shape
+        if Q != self.n_codebooks:
+            raise ValueError(f"batch has {Q} codebooks, model was built for {self.n_codebooks}")
+        audio_mask = batch.get("codes_mask")
+        if audio_mask is None:
+            audio_mask = codes[:, 0] != IGNORE_INDEX
+        # audio input at frame t: sum over codebooks of the embeddings of frame t-1's codes
+        prev = (codes[:, :, :-1].clamp_min(0) + self.code_offsets)
+        audio = torch.cat([self.bos.expand(B, 1, -1), self.code_emb(prev).sum(1)], 1)
+        parts, masks, types = [], [], []
+        if "text_ids" in batch:
+            text = batch["text_ids"]
+            tmask = batch.get("text_mask")
+            parts.append(self.text_emb(text))
+            masks.append(tmask if tmask is not None else text != 0)
+            types.append(0)
+        n_img = 0
+        if "latents" in batch and batch["latents"] is not None:
+            patches = self.patchify(batch["latents"])
+            n_img = patches.shape[1]
+            has = batch.get("has_image")
+            has = has if has is not None else batch["latents"].flatten(1).ne(0).any(1)
+            parts.append(self.latent_proj(patches))
+            masks.append(has[:, None].expand(B, n_img))
+            types.append(1)
+        parts.append(audio)
+        masks.append(audio_mask)
+        types.append(2)
+        lengths = [p.shape[1] for p in parts]
+        S = sum(lengths)
+        if S > self.pos.shape[0]:
+            raise ValueError(f"sequence of {S} tokens exceeds max_positions={self.pos.shape[0]} "
+                             "(raise model_kwargs.max_positions or crop the clips)")
+        type_ids = torch.cat([torch.full((n,), t, device=codes.device) for n, t in zip(lengths, types)])
+        x = torch.cat(parts, 1) + self.type_emb(type_ids) + self.pos[:S]
+        key_valid = torch.cat(masks, 1)                           # (B, S)
+        causal = torch.ones(S, S, dtype=torch.bool, device=codes.device).tril()
+        eye = torch.eye(S, dtype=torch.bool, device=codes.device)
+        attn_mask = ((causal & key_valid[:, None, :]) | eye)[:, None]  # every row sees itself: no NaN rows
+
+        for blk in self.blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(blk, x, attn_mask, use_reentrant=False)
+            else:
+                x = blk(x, attn_mask)
+        h = self.norm(x)
+
+        h_audio = h[:, S - Fr:]
+        logits = torch.stack([head(h_audio) for head in self.heads], 1)  # (B, Q, F, V)
+        ce = F.cross_entropy(logits.reshape(-1, self.codebook_size), codes.reshape(-1),
+                             ignore_index=IGNORE_INDEX, reduction="none").view(B, -1)
+        n_valid = (codes != IGNORE_INDEX).view(B, -1).sum(1)
+        codes_loss = (ce.sum(1) / n_valid.clamp_min(1)).mean()
+        out = {"codes_loss": codes_loss}
+        loss = codes_loss
+        if self.latent_head is not None and n_img:
+            start = lengths[0] if types[0] == 0 else 0
+            h_img = h[:, start:start + n_img]
+            pred = self.latent_head(h_img[:, :-1])               # patch i predicts patch i+1
+            target = patches[:, 1:]
+            if target.shape[1] == 0:
+                lat = pred.sum() * 0.0
+            else:
+                if self.latent_loss == "cosine":
+                    per = (1 - F.cosine_similarity(pred, target, dim=-1, eps=1e-6)).mean(1)
+                else:
+                    per = (pred - target).pow(2).mean((1, 2))
+                lat = (per * has).sum() / B                        # image-less samples add 0
+            out["latent_loss"] = lat
+            loss = loss + self.latent_loss_weight * lat
+        out["loss"] = loss
+        return out
+
+
+def load_factory(spec: str):
+    """``module:attr`` -> the attribute (a class or function)."""
+    mod, sep, name = spec.partition(":")
+    if not sep or not mod or not name:
+        raise ValueError(f"expected module:factory, got {spec!r}")
+    try:
+        obj = importlib.import_module(mod)
+    except ImportError as e:
+        raise ImportError(f"cannot import {mod!r} for {spec!r}: {e} (is it on PYTHONPATH?)") from e
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_model(model: str, model_kwargs: dict, spec: DataSpec, latent_loss: str = "none",
+                latent_loss_weight: float = 1.0) -> nn.Module:
+    """The reference model or ``module:factory(**kwargs)`` (see the module docstring)."""
+    factory = ReferenceModel if model == "reference" else load_factory(model)
+    kwargs = dict(model_kwargs)
+    offered = dict(vars(spec), latent_loss=latent_loss, latent_loss_weight=latent_loss_weight)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    for k, v in offered.items():
+        if k in params and k not in kwargs:
+            kwargs[k] = v
+    m = factory(**kwargs)
+    if not isinstance(m, nn.Module):
+        raise TypeError(f"{model} returned {type(m).__name__}, expected a torch.nn.Module")
+    return m
+
+
+def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float, targets: tuple) -> nn.Module:
+    """Inject peft LoRA adapters into ``targets`` (module-name suffixes) and freeze everything else."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError as e:
+        raise ImportError("--lora needs peft: pip install 'shardcache[lora]'") from e
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets))
+    model = inject_adapter_in_model(cfg, model)
+    n = 0
+    for name, p in model.named_parameters():
+        p.requires_grad = "lora_" in name
+        n += p.requires_grad
+    if n == 0:
+        raise ValueError(f"--lora: no module matched {list(targets)}")
+    return model
+
+
+def set_activation_checkpointing(model: nn.Module) -> bool:
+    """Turn on activation checkpointing where the model supports it (``set_activation_checkpointing``
+    or HF-style ``gradient_checkpointing_enable``). Returns False if it does not."""
+    if hasattr(model, "set_activation_checkpointing"):
+        model.set_activation_checkpointing(True)
+        return True
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return True
+    return False
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    total = sum(p.numel() for p in model.parameters())
+    train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return train, total
