@@ -278,7 +278,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     requests = read_manifest(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
     enc = load_encoders(cfg, device)
     describe = enc.describe() | {"preprocessing": cfg.preprocessing()}
-    fp = fingerprint(describe)
+    fp = fingerprint(*enc.describe().values(), preprocessing=cfg.preprocessing())
     check_fingerprint(out_dir, fp, describe, global_rank)
     sync()
     done, next_n = committed(out_dir)

@@ -74,7 +74,7 @@ def test_tensors_have_recorded_shapes_and_contract(demo_cache):
             n_image += 1
             assert s["latents"].shape == (16, 1, 8, 8) and s["latents"].dtype == np.float16
             assert np.isfinite(s["latents"]).all()
-    assert n_image == 5  # 6 photo+caption rows, one of them with a truncated JPEG
+    assert n_image == 6  # photo + spoken caption rows (the truncated JPEG row is rejected)
 
 
 def test_shards_open_with_upstream_webdataset_and_tarfile(demo_cache):

@@ -25,8 +25,10 @@ with more tokens less), which is what lets 1 x B, 2 x B/2 and 2 x B/4 x accum 2 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import sys
 import logging
 import math
 from dataclasses import dataclass
@@ -302,12 +304,35 @@ def build_model(model: str, model_kwargs: dict, spec: DataSpec, latent_loss: str
     return m
 
 
+#: modules a training process must never load (decoders and VAEs belong to stage one)
+FORBIDDEN_MODULES = ("librosa", "soundfile", "PIL", "diffusers")
+
+
+@contextlib.contextmanager
+def blocked_imports(names: tuple[str, ...]):
+    """Make ``import NAME`` fail (and ``importlib.util.find_spec`` return None) inside the block.
+
+    peft imports transformers, whose optional audio/image helpers would otherwise load soundfile
+    and PIL into the training process; with them "absent" transformers skips those helpers.
+    """
+    added = [n for n in names if n not in sys.modules]
+    for n in added:
+        sys.modules[n] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for n in added:
+            if sys.modules.get(n, 0) is None:
+                del sys.modules[n]
+
+
 def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float, targets: tuple) -> nn.Module:
     """Inject peft LoRA adapters into ``targets`` (module-name suffixes) and freeze everything else."""
     try:
-        from peft import LoraConfig, inject_adapter_in_model
+        with blocked_imports(FORBIDDEN_MODULES):
+            from peft import LoraConfig, inject_adapter_in_model
     except ImportError as e:
-        raise ImportError("--lora needs peft: pip install 'shardcache[lora]'") from e
+        raise ImportError(f"--lora needs peft: pip install 'shardcache[lora]' ({e})") from e
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets))
     model = inject_adapter_in_model(cfg, model)
     n = 0

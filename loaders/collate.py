@@ -1,0 +1,250 @@
+"""Pad a list of samples into one batch of torch tensors (lengths + masks), with one copy per array.
+
+:func:`collate_fn` takes the dicts returned by :meth:`shards.ShardReader.get` (numpy views of the
+memory-mapped tars). :class:`loaders.ShardLoader` skips the dicts and hands the same views straight
+to :func:`collate_views`, so both produce identical batches.
+
+Batch layout (``B`` samples; only the requested ``fields`` are present):
+
+===================  =========  =========================  =============================================
+key                  dtype      shape                      meaning
+===================  =========  =========================  =============================================
+``keys``             list[str]  B                          sample keys
+``sample_rate``      int                                   audio sample rate in Hz (same for every sample)
+``codes``            int64      (B, n_codebooks, F)        codec tokens, padded with ``CODES_PAD_ID``
+``codes_lengths``    int64      (B,)                       real frames per sample
+``codes_mask``       bool       (B, F)                     True on real frames
+``audio``            float32    (B, T)                     PCM int16 / 32768 in [-1, 1), padded with 0.0
+``audio_lengths``    int64      (B,)                       real samples per sample
+``audio_mask``       bool       (B, T)                     True on real samples
+``text_ids``         int64      (B, L)                     token ids, padded with ``TEXT_PAD_ID``
+``text_lengths``     int64      (B,)                       real tokens
+``text_mask``        bool       (B, L)                     True on real tokens
+``latents``          float32    (B, C, T, H, W)            VAE latents; all zeros where ``has_image`` is False
+``has_image``        bool       (B,)                       sample has latents
+===================  =========  =========================  =============================================
+
+Every array is copied exactly once, from the mmap view into a tensor allocated for the batch (in a
+DataLoader worker: in shared memory, so handing it to the main process copies nothing). Padding is
+written only into the tail of each row.
+
+Errors: ``ValueError`` (naming the keys) when samples of one batch have different numbers of
+codebooks, different sample rates, or different latent shapes (cache with several image
+resolutions: bucket them, e.g. one loader per resolution via ``filters`` or a
+:class:`loaders.MixedLoader`); ``KeyError`` when a sample lacks a requested field.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+#: pad value of ``codes``: PyTorch ``CrossEntropyLoss(ignore_index=-100)`` skips these positions.
+CODES_PAD_ID = -100
+#: pad value of ``text_ids``.
+TEXT_PAD_ID = 0
+#: ``audio`` float32 = int16 PCM * AUDIO_SCALE (exact: a power of two).
+AUDIO_SCALE = np.float32(1.0 / 32768.0)
+#: every field a batch can hold, in the order the loader reads them.
+FIELDS = ("codes", "audio", "text_ids", "latents")
+
+# torch.from_numpy warns (once per process, from C++) on read-only arrays, and the views of a
+# read-only mmap are read-only. We only ever read from them (copy_ into a fresh tensor), so the
+# warning is consumed here, silently, once.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.from_numpy(np.frombuffer(b"\0\0", dtype=np.int16))
+
+
+def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
+    """Validate a field selection; returns it as a tuple in :data:`FIELDS` order.
+
+    Raises ``ValueError`` for an unknown or empty selection.
+    """
+    if isinstance(fields, str):
+        fields = (fields,)
+    fields = tuple(fields)
+    bad = [f for f in fields if f not in FIELDS]
+    if bad or not fields:
+        raise ValueError(f"unknown fields {bad} (or none given); choose from {FIELDS}")
+    return tuple(f for f in FIELDS if f in fields)
+
+
+def empty_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised tensor for a batch; in a DataLoader worker it lives in shared memory.
+
+    (Like ``default_collate``: the worker -> main-process transfer then only sends a handle.)
+    """
+    shape = tuple(int(s) for s in shape)
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    numel = 1
+    for s in shape:
+        numel *= s
+    storage = torch.UntypedStorage._new_shared(max(numel, 1) * torch.empty((), dtype=dtype).element_size())
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, tuple(reversed(stride)))
+
+
+def _lengths_mask(lengths: np.ndarray, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = torch.from_numpy(np.asarray(lengths, dtype=np.int64))
+    return lens, torch.arange(width, dtype=torch.int64)[None, :] < lens[:, None]
+
+
+def _name(keys: Sequence[str], idx: Iterable[int]) -> list[str]:
+    return [keys[i] for i in list(idx)[:6]]
+
+
+def collate_codes(keys: Sequence[str], arrays: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
+    """int16 ``(n_codebooks, F_i)`` arrays -> ``codes`` int64 ``(B, n_codebooks, F)``, lengths, mask."""
+    B = len(arrays)
+    ncb = np.array([a.shape[0] for a in arrays])
+    lens = np.array([a.shape[1] for a in arrays], dtype=np.int64)
+    if B and (ncb != ncb[0]).any():
+        odd = np.flatnonzero(ncb != ncb[0])
+        raise ValueError(f"codes of one batch have different numbers of codebooks: {keys[0]!r} has "
+                         f"{ncb[0]}, {_name(keys, odd)} have {sorted(set(ncb[odd].tolist()))}; "
+                         "was the cache encoded with several codecs? filter by n_codebooks")
+    F = int(lens.max()) if B else 0
+    out = empty_tensor((B, int(ncb[0]) if B else 0, F), torch.int64)
+    o = out.numpy()
+    for j, a in enumerate(arrays):
+        n = a.shape[1]
+        o[j, :, :n] = a
+        if n < F:
+            o[j, :, n:] = CODES_PAD_ID
+    lengths, mask = _lengths_mask(lens, F)
+    return {"codes": out, "codes_lengths": lengths, "codes_mask": mask}
+
+
+def collate_audio(arrays: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
+    """int16 ``(T_i,)`` PCM -> ``audio`` float32 ``(B, T)`` = pcm / 32768 (zero padded), lengths, mask."""
+    B = len(arrays)
+    lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+    T = int(lens.max()) if B else 0
+    out = empty_tensor((B, T), torch.float32)
+    o = out.numpy()
+    for j, a in enumerate(arrays):
+        n = a.shape[0]
+        if a.dtype.kind == "f":
+            o[j, :n] = a
+        else:
+            np.multiply(a, AUDIO_SCALE, out=o[j, :n])
+        if n < T:
+            o[j, n:] = 0.0
+    lengths, mask = _lengths_mask(lens, T)
+    return {"audio": out, "audio_lengths": lengths, "audio_mask": mask}
+
+
+def collate_text(arrays: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
+    """int32 ``(L_i,)`` token ids -> ``text_ids`` int64 ``(B, L)`` padded with TEXT_PAD_ID, lengths, mask."""
+    B = len(arrays)
+    lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+    L = int(lens.max()) if B else 0
+    out = empty_tensor((B, L), torch.int64)
+    o = out.numpy()
+    for j, a in enumerate(arrays):
+        n = a.shape[0]
+        o[j, :n] = a
+        if n < L:
+            o[j, n:] = TEXT_PAD_ID
+    lengths, mask = _lengths_mask(lens, L)
+    return {"text_ids": out, "text_lengths": lengths, "text_mask": mask}
+
+
+def collate_latents(keys: Sequence[str], arrays: Sequence[np.ndarray | None],
+                    latent_shape: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """float16 ``(C, T, H, W)`` latents or None -> ``latents`` float32 ``(B, C, T, H, W)`` + ``has_image``.
+
+    Samples without an image get zeros. The shape comes from the batch's image samples, else from
+    ``latent_shape``, else it is ``(B, 0, 0, 0, 0)``. Raises ``ValueError`` naming the keys when the
+    image samples have different shapes.
+    """
+    B = len(arrays)
+    has = np.array([a is not None for a in arrays], dtype=bool)
+    shapes = {tuple(a.shape) for a in arrays if a is not None}
+    if len(shapes) > 1:
+        by_shape: dict[tuple, list[str]] = {}
+        for k, a in zip(keys, arrays):
+            if a is not None:
+                by_shape.setdefault(tuple(a.shape), []).append(k)
+        detail = "; ".join(f"{s}: {v[:4]}" for s, v in by_shape.items())
+        raise ValueError(f"latents of one batch have different shapes ({detail}); images of several "
+                         "resolutions must be bucketed: one loader per latent shape (filters on the "
+                         "index) mixed with loaders.MixedLoader, or re-encode at one resolution")
+    shape = next(iter(shapes)) if shapes else tuple(latent_shape or (0, 0, 0, 0))
+    if not has.any():
+        out = torch.zeros((B, *shape), dtype=torch.float32)
+    else:
+        out = empty_tensor((B, *shape), torch.float32)
+        for j, a in enumerate(arrays):
+            if a is None:
+                out[j].zero_()
+            else:
+                out[j].copy_(torch.from_numpy(a))
+    return {"latents": out, "has_image": torch.from_numpy(has)}
+
+
+def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],
+                  codes=None, audio=None, text_ids=None, latents=None,
+                  latent_shape: Sequence[int] | None = None) -> dict[str, Any]:
+    """Build a batch from per-field lists of numpy arrays (one entry per sample, ``None`` = no image).
+
+    ``sample_rates``: Hz per sample; they must agree (``ValueError`` naming the keys otherwise).
+    """
+    rates = np.asarray(sample_rates, dtype=np.int64)
+    if len(rates) and (rates != rates[0]).any():
+        odd = np.flatnonzero(rates != rates[0])
+        raise ValueError(f"samples of one batch have different sample rates: {keys[0]!r} at "
+                         f"{rates[0]} Hz, {_name(keys, odd)} at {sorted(set(rates[odd].tolist()))} Hz")
+    batch: dict[str, Any] = {"keys": keys, "sample_rate": int(rates[0]) if len(rates) else 0}
+    if "codes" in fields:
+        batch.update(collate_codes(keys, codes))
+    if "audio" in fields:
+        batch.update(collate_audio(audio))
+    if "text_ids" in fields:
+        batch.update(collate_text(text_ids))
+    if "latents" in fields:
+        batch.update(collate_latents(keys, latents, latent_shape))
+    return batch
+
+
+def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] = FIELDS, *,
+               latent_shape: Sequence[int] | None = None) -> dict[str, Any]:
+    """Collate :meth:`shards.ShardReader.get` dicts into one padded batch (see the module table).
+
+    Args:
+        samples: dicts with ``__key__``, ``json`` (for ``sample_rate``) and the numpy arrays
+            ``codes`` int16 (n_codebooks, F), ``audio`` int16 (T,), ``text_ids`` int32 (L,),
+            ``latents`` float16 (C, T, H, W) (image samples only).
+        fields: which of :data:`FIELDS` to collate.
+        latent_shape: ``(C, T, H, W)`` used when no sample of the batch has an image.
+
+    Raises ``KeyError`` naming the key when a sample lacks a requested (non-latent) field and
+    ``ValueError`` as described in the module docstring.
+    """
+    fields = check_fields(fields)
+    keys = [s["__key__"] for s in samples]
+    rates = [int((s.get("json") or {}).get("sample_rate", 0)) for s in samples]
+
+    def need(name: str) -> list[np.ndarray]:
+        out = []
+        for s in samples:
+            if name not in s:
+                raise KeyError(f"sample {s['__key__']!r} has no {name!r}; drop it from fields or filter")
+            out.append(s[name])
+        return out
+
+    return collate_views(
+        keys, rates, fields,
+        codes=need("codes") if "codes" in fields else None,
+        audio=need("audio") if "audio" in fields else None,
+        text_ids=need("text_ids") if "text_ids" in fields else None,
+        latents=[s.get("latents") for s in samples] if "latents" in fields else None,
+        latent_shape=latent_shape)

@@ -1,0 +1,419 @@
+"""``shards verify``: check shard files against the manifest, and (``--deep``) samples against the index.
+
+Quick mode (default) reads manifest.json, the ``key``/``shard`` index columns and every shard's
+bytes (sha256): missing, extra, resized or changed shards, index/manifest disagreements and
+``.tmp`` leftovers. A shard that fails is then re-scanned against its index rows so the report
+names the samples affected. ``--deep`` does that scan for every shard: it compares each sample's
+sha256 and member offsets/sizes/dtypes/shapes with the index and decodes every tensor member
+through :class:`~shards.reader.ShardReader`.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import ShardcacheError
+from ..index import rows_to_table
+from ..reader import ShardReader
+from ..scan import scan_shard
+from ..schema import INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES
+from ._common import (Out, UsageError, expand_targets, load_manifest, manifest_shards, progress,
+                      read_index_columns)
+
+#: scalar index fields re-derived by scan_shard and compared in deep mode
+ROW_FIELDS = ("duration_s", "sample_rate", "num_samples", "n_frames", "n_codebooks",
+              "n_text_tokens", "has_image", "speaker", "bytes")
+MEMBER_FIELDS = ("offset", "size", "dtype", "shape")
+_SAMPLE_IN_MESSAGE = re.compile(r"(?:sample '([^']+)'|member '([^'./]+)\.)")
+
+
+@dataclass
+class Problem:
+    shard: str | None
+    sample: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = " ".join(x for x in (self.shard and f"{self.shard}:",
+                                     self.sample is not None and f"sample {self.sample!r}:") if x)
+        return f"{where} {self.message}" if where else self.message
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "verify", parents=[common], help="check shards against the manifest (and index with --deep)",
+        description="Check a cache. Default: every shard listed in manifest.json exists, no "
+                    "unlisted shard-*.tar is present, each shard's size and sha256 match the "
+                    "manifest, index.parquet agrees with the manifest's shard list and counts, and "
+                    "reports .tmp leftovers; a shard that fails is re-scanned to name the samples "
+                    "affected. --deep re-scans every tar and compares each sample's sha256 and "
+                    "member offsets/shapes/dtypes with the index, and decodes every tensor. Given "
+                    "shard paths or a glob instead of a directory, each tar is scanned and decoded, "
+                    "and checked against its directory's manifest.json/index.parquet when present. "
+                    "Exit code 1 on any problem.")
+    p.add_argument("paths", nargs="+", metavar="DIR|SHARD",
+                   help="a cache directory, or shard tars: paths and/or globs (quote them)")
+    p.add_argument("--deep", action="store_true",
+                   help="re-scan every tar and compare every sample with the index; decode tensors")
+    p.add_argument("--strict", action="store_true",
+                   help="also fail (exit 1) on warnings such as leftover .tmp files")
+    p.add_argument("-j", "--jobs", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
+                   help="shards checked in parallel (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=cmd_verify)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def file_sha256(path: Path, chunk: int = 4 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+class IndexRows:
+    """Index rows of one cache grouped by shard, loaded on first use (thread-safe)."""
+
+    def __init__(self, d: Path):
+        self.d = d
+        self.present = (d / INDEX_FILE).exists()
+        self._lock = threading.Lock()
+        self._table: pa.Table | None = None
+        self._groups: dict[str, np.ndarray] = {}
+
+    def get(self, shard: str) -> pa.Table | None:
+        """The index rows of ``shard`` (in index order), or None when the cache has no index."""
+        if not self.present:
+            return None
+        with self._lock:
+            if self._table is None:
+                table = read_index_columns(self.d)
+                enc = table.column("shard").combine_chunks().dictionary_encode()
+                codes = enc.indices.to_numpy(zero_copy_only=False)
+                order = np.argsort(codes, kind="stable")
+                cuts = np.searchsorted(codes[order], np.arange(len(enc.dictionary) + 1))
+                self._groups = {name: order[cuts[j]:cuts[j + 1]]
+                                for j, name in enumerate(enc.dictionary.to_pylist())}
+                self._table = table
+        rows = self._groups.get(shard)
+        if rows is None:
+            return self._table.slice(0, 0)
+        return self._table.take(pa.array(rows, pa.int64()))
+
+
+def _scan_problem(shard: str, path: Path, e: Exception) -> Problem:
+    msg = str(e)
+    for prefix in (f"{path}: ", f"{shard}: "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix):]
+    m = _SAMPLE_IN_MESSAGE.search(msg)
+    return Problem(shard, (m.group(1) or m.group(2)) if m else None, msg)
+
+
+def compare_rows(shard: str, scanned: list[dict], indexed: list[dict]) -> list[Problem]:
+    """Differences between the rows scan_shard derived from a tar and the index rows of it."""
+    probs: list[Problem] = []
+    tar = {r["key"]: r for r in scanned}
+    idx = {r["key"]: r for r in indexed}
+    for k in idx:
+        if k not in tar:
+            probs.append(Problem(shard, k, "listed in index.parquet but not found in the tar"))
+    for k in tar:
+        if k not in idx:
+            probs.append(Problem(shard, k, "in the tar but not in index.parquet "
+                                           "(`shards reindex` rebuilds the index)"))
+    for k, a in idx.items():
+        b = tar.get(k)
+        if b is None:
+            continue
+        if a["sha256"] != b["sha256"]:
+            probs.append(Problem(shard, k, f"sha256 mismatch: index {a['sha256'][:16]}..., tar "
+                                           f"{b['sha256'][:16]}... (the sample's bytes changed)"))
+        ma = {m["name"]: m for m in a["members"] or []}
+        mb = {m["name"]: m for m in b["members"] or []}
+        if set(ma) != set(mb):
+            probs.append(Problem(shard, k, f"members differ: index {sorted(ma)}, tar {sorted(mb)}"))
+        for name in sorted(set(ma) & set(mb)):
+            for f in MEMBER_FIELDS:
+                va, vb = ma[name][f], mb[name][f]
+                if f == "shape":
+                    va, vb = list(va or []), list(vb or [])
+                if va != vb:
+                    probs.append(Problem(shard, k, f"member {name}: {f} {va} in index, {vb} in tar"))
+        for f in ROW_FIELDS:
+            if a[f] != b[f]:
+                probs.append(Problem(shard, k, f"{f} {a[f]!r} in index, {b[f]!r} in tar"))
+    return probs
+
+
+def decode_check(shard: str, directory: Path, table: pa.Table) -> list[Problem]:
+    """Decode every member of ``table``'s rows via ShardReader; check shape x itemsize == size."""
+    probs: list[Problem] = []
+    try:
+        reader = ShardReader(directory, index=table)
+    except (ShardcacheError, TypeError, ValueError) as e:
+        return [_scan_problem(shard, directory / shard, e)]
+    try:
+        for i, row in enumerate(table.select(["key", "members"]).to_pylist()):
+            key, ok = row["key"], True
+            for m in row["members"] or []:
+                if m["dtype"] in ("json", "bytes"):
+                    continue
+                try:
+                    dt = np.dtype(m["dtype"])
+                except TypeError:
+                    probs.append(Problem(shard, key, f"member {m['name']}: unknown dtype {m['dtype']!r}"))
+                    ok = False
+                    continue
+                want = TENSOR_DTYPES.get(m["name"])
+                if want is not None and dt != np.dtype(want):
+                    probs.append(Problem(shard, key, f"member {m['name']}: dtype {dt}, the format "
+                                                     f"requires {want}"))
+                expect = int(np.prod(m["shape"] or [], dtype=np.int64)) * dt.itemsize
+                if expect != m["size"]:
+                    probs.append(Problem(shard, key, f"member {m['name']}: shape {tuple(m['shape'])} "
+                                                     f"x {dt.itemsize} bytes = {expect}, but size is "
+                                                     f"{m['size']}"))
+                    ok = False
+            if ok:
+                try:
+                    reader.get(i)
+                except (ShardcacheError, ValueError, TypeError) as e:
+                    p = _scan_problem(shard, directory / shard, e)
+                    probs.append(Problem(shard, key, f"cannot decode: {p.message}"))
+    finally:
+        reader.close()
+    return probs
+
+
+def check_shard(path: Path, entry: dict | None, deep: bool,
+                index_rows: Callable[[str], pa.Table | None] | None) -> tuple[list[Problem], int]:
+    """Check one shard file; return ``(problems, samples checked)``.
+
+    ``entry`` is its manifest entry (None: no manifest to compare with, so the tar is scanned).
+    """
+    name = path.name
+    if not path.exists():
+        return [Problem(name, None, "missing: listed in manifest.json but not on disk")], 0
+    probs: list[Problem] = []
+    size = path.stat().st_size
+    if entry is not None and entry.get("bytes") is not None and size != entry["bytes"]:
+        probs.append(Problem(name, None, f"size {size} bytes, manifest.json says {entry['bytes']} "
+                                         "(truncated or rewritten)"))
+    if entry is not None and not deep:
+        if not probs:
+            sha = file_sha256(path)
+            if sha != entry.get("sha256"):
+                probs.append(Problem(name, None, f"sha256 {sha[:16]}... differs from manifest.json "
+                                                 f"{str(entry.get('sha256'))[:16]}..."))
+        if not probs:
+            return probs, int(entry.get("samples") or 0)
+    # scan the tar: always in deep mode, without a manifest, or to explain a quick-mode failure
+    rows = None
+    try:
+        rows, sha, _ = scan_shard(path)
+    except (ShardcacheError, OSError) as e:
+        probs.append(_scan_problem(name, path, e))
+    if rows is not None and entry is not None and deep:
+        if sha != entry.get("sha256") and size == entry.get("bytes"):
+            probs.append(Problem(name, None, f"sha256 {sha[:16]}... differs from manifest.json "
+                                             f"{str(entry.get('sha256'))[:16]}..."))
+        if entry.get("samples") is not None and len(rows) != entry["samples"]:
+            probs.append(Problem(name, None, f"{len(rows)} samples in the tar, manifest.json says "
+                                             f"{entry['samples']}"))
+    indexed = None
+    if index_rows is not None:
+        try:
+            indexed = index_rows(name)
+        except ShardcacheError as e:
+            probs.append(Problem(name, None, str(e)))
+    if indexed is not None:
+        if rows is not None:
+            probs.extend(compare_rows(name, rows, indexed.to_pylist()))
+        probs.extend(decode_check(name, path.parent, indexed))
+    elif rows is not None:
+        probs.extend(decode_check(name, path.parent, rows_to_table(rows)))
+    return _dedupe(probs), len(rows) if rows is not None else 0
+
+
+def _dedupe(probs: list[Problem]) -> list[Problem]:
+    seen, out = set(), []
+    for p in probs:
+        k = (p.shard, p.sample, p.message)
+        if k not in seen:
+            seen.add(k)
+            out.append(p)
+    return out
+
+
+# ------------------------------------------------------------------------------------- command
+
+def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem], list[str], IndexRows]:
+    """Cheap whole-cache checks; returns the shards to check, problems, warnings, index rows."""
+    problems: list[Problem] = []
+    warnings: list[str] = []
+    manifest = None
+    if not (d / MANIFEST_FILE).exists():
+        problems.append(Problem(None, None, f"{d / MANIFEST_FILE} is missing; `shards reindex {d}` "
+                                            "rebuilds it from the tars"))
+    else:
+        try:
+            manifest = load_manifest(d)
+            if "shards" not in manifest:
+                problems.append(Problem(None, None, f"{d / MANIFEST_FILE} has no shard list"))
+                manifest = None
+        except ShardcacheError as e:
+            problems.append(Problem(None, None, str(e)))
+            manifest = None
+    on_disk = sorted(p.name for p in d.glob(SHARD_GLOB) if p.is_file())
+    if manifest is not None:
+        entries = {s["path"]: s for s in manifest_shards(manifest)}
+        targets = [(d / name, entries[name]) for name in sorted(entries)]
+        for name in on_disk:
+            if name not in entries:
+                problems.append(Problem(name, None, "extra shard: on disk but not listed in "
+                                                    "manifest.json (from another run? delete it, or "
+                                                    "`shards reindex` to adopt it)"))
+    else:
+        entries = {}
+        targets = [(d / name, None) for name in on_disk]
+    for tmp in sorted(d.glob("*.tmp")) + sorted((d / PARTS_DIR).glob("*.tmp")):
+        warnings.append(f"{tmp}: leftover temporary file from an interrupted write (safe to delete "
+                        "when no precompute job is running)")
+    index = IndexRows(d)
+    if not index.present:
+        problems.append(Problem(None, None, f"{d / INDEX_FILE} is missing; `shards reindex {d}` "
+                                            "rebuilds it"))
+        return targets, problems, warnings, index
+    try:
+        t = read_index_columns(d, ["key", "shard"])
+    except ShardcacheError as e:
+        problems.append(Problem(None, None, str(e)))
+        index.present = False
+        return targets, problems, warnings, index
+    keys = t.column("key").to_pylist()
+    if len(keys) != len(set(keys)):
+        dups = [k for k, n in Counter(keys).items() if n > 1]
+        for k in dups[:20]:
+            problems.append(Problem(None, k, f"duplicate key in {INDEX_FILE}"))
+    per_shard = Counter(t.column("shard").to_pylist())
+    if manifest is not None:
+        counts = manifest.get("counts") or {}
+        if counts.get("samples") is not None and counts["samples"] != t.num_rows:
+            problems.append(Problem(None, None, f"manifest.json counts {counts['samples']} samples, "
+                                                f"{INDEX_FILE} has {t.num_rows} rows"))
+        for shard, n in sorted(per_shard.items()):
+            if shard not in entries:
+                problems.append(Problem(shard, None, f"{INDEX_FILE} lists {n} sample(s) in this shard "
+                                                     "but manifest.json does not list the shard"))
+        for shard, e in sorted(entries.items()):
+            want = e.get("samples")
+            if want is not None and per_shard.get(shard, 0) != want:
+                problems.append(Problem(shard, None, f"manifest.json says {want} samples, "
+                                                     f"{INDEX_FILE} has {per_shard.get(shard, 0)}"))
+    return targets, problems, warnings, index
+
+
+def _tar_targets(tars: list[Path]) -> tuple[list[tuple[Path, dict | None]], list[Problem],
+                                             dict[Path, IndexRows]]:
+    """Shard paths given explicitly: compare with their directory's manifest where there is one."""
+    targets, problems = [], []
+    indexes: dict[Path, IndexRows] = {}
+    manifests: dict[Path, dict | None] = {}
+    for t in tars:
+        parent = t.parent
+        if parent not in manifests:
+            manifests[parent] = None
+            if (parent / MANIFEST_FILE).exists():
+                try:
+                    m = load_manifest(parent)
+                    manifests[parent] = {s["path"]: s for s in manifest_shards(m)} if "shards" in m else None
+                except ShardcacheError as e:
+                    problems.append(Problem(None, None, str(e)))
+            indexes[parent] = IndexRows(parent)
+        entries = manifests[parent]
+        entry = None
+        if entries is not None:
+            entry = entries.get(t.name)
+            if entry is None and t.exists():
+                problems.append(Problem(t.name, None, f"extra shard: not listed in "
+                                                      f"{parent / MANIFEST_FILE}"))
+        if not t.exists():
+            problems.append(Problem(t.name, None, f"{t}: no such file"))
+            continue
+        targets.append((t, entry))
+    return targets, problems, indexes
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    out = Out(args)
+    if args.jobs < 1:
+        raise UsageError("--jobs must be >= 1")
+    d, tars = expand_targets(args.paths)
+    warnings: list[str] = []
+    if d is not None:
+        targets, problems, warnings, index = _cache_checks(d)
+        lookup = {d: index}
+    else:
+        targets, problems, lookup = _tar_targets(tars)
+    results: dict[Path, tuple[list[Problem], int]] = {}
+    with progress(len(targets), "verify" + (" --deep" if args.deep else ""),
+                  enabled=not args.no_progress and not out.json) as advance:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {}
+            for path, entry in targets:
+                idx = lookup.get(path.parent)
+                getter = idx.get if idx is not None and idx.present else None
+                futures[pool.submit(check_shard, path, entry, args.deep, getter)] = path
+            for fut in as_completed(futures):
+                path = futures[fut]
+                try:
+                    results[path] = fut.result()
+                except (ShardcacheError, OSError) as e:
+                    results[path] = ([Problem(path.name, None, str(e))], 0)
+                advance(path.name)
+    for path, _ in targets:
+        problems.extend(results[path][0])
+    samples = sum(n for _, n in results.values())
+    bad_shards = sorted({p.shard for p in problems if p.shard})
+    failed = bool(problems) or (args.strict and bool(warnings))
+    mode = "deep" if args.deep else "quick"
+    if out.json:
+        out.emit_json(dict(ok=not failed, mode=mode, dir=str(d) if d else None,
+                           shards_checked=len(targets), samples_checked=samples,
+                           problems=[asdict(p) for p in problems], warnings=warnings))
+        return 1 if failed else 0
+    if problems and out.rich:
+        out.table(["shard", "sample", "problem"],
+                  [[p.shard or "-", p.sample if p.sample is not None else "-", p.message]
+                   for p in problems])
+    elif problems:  # one greppable line per problem: "SHARD: sample 'KEY': what is wrong"
+        for p in problems:
+            out.line(str(p))
+    for w in warnings:
+        out.line(f"warning: {w}", style="yellow")
+    what = f"{len(targets)} shard(s), {samples} sample(s) checked ({mode})"
+    if problems:
+        out.line(f"FAILED: {len(problems)} problem(s) in {len(bad_shards)} shard(s); {what}",
+                 style="bold red")
+    elif failed:
+        out.line(f"FAILED (--strict): {len(warnings)} warning(s); {what}", style="bold red")
+    else:
+        out.line(f"OK: {what}", style="bold green")
+    return 1 if failed else 0

@@ -1,0 +1,107 @@
+"""Stage one as a job: real-mini corpus, resume after SIGKILL, incremental runs, 2 ranks, fingerprints."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shards import read_index, read_rejects
+from shards.errors import FingerprintMismatch
+
+from conftest import DEMO, ROOT
+
+REASON_OF = {  # expected_rejects.json wording -> our reason codes
+    "image too large": "image_too_large", "zero-byte file": "unreadable_audio", "not an image": "image_unreadable",
+    "non-finite": "non_finite", "no audio frames": "zero_frames", "not audio": "unreadable_audio",
+    "longer than": "too_long", "truncated image": "image_truncated", "header cut short": "unreadable_audio",
+    "zero-byte image": "image_unreadable", "missing file": "missing_file", "duplicate key": "duplicate_key",
+    "empty text": "empty_text",
+}
+
+
+def _cli_args(tiny_models: Path, *extra: str) -> list[str]:
+    return ["--config", str(ROOT / "configs" / "precompute.yaml"),
+            "--set", f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
+            "--set", f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
+            "--set", "image_size=64", "--set", "device=cpu", "--no-progress", *extra]
+
+
+def _samples(cache: Path) -> dict[str, str]:
+    return {r["key"]: r["sha256"] for r in read_index(cache).select(["key", "sha256"]).to_pylist()}
+
+
+def test_real_mini_keeps_exactly_the_good_samples(real_mini, tiny_config, tmp_path):
+    import dataclasses
+    from precompute.job import run
+    cfg = dataclasses.replace(tiny_config, samples_per_shard=64)
+    summary, manifest = run(real_mini / "samples_with_corrupt.jsonl", tmp_path / "c", cfg, progress=False)
+    good = {json.loads(line)["key"] for line in (real_mini / "samples.jsonl").read_text().splitlines()}
+    assert len(good) == 268
+    keys = set(read_index(tmp_path / "c").column("key").to_pylist())
+    assert keys == good
+    rejects = read_rejects(tmp_path / "c").to_pylist()
+    got = {(r["key"], r["reason"]) for r in rejects}
+    for bad in json.loads((real_mini / "expected_rejects.json").read_text()):
+        code = next(v for k, v in REASON_OF.items() if k in bad["reason"])
+        assert (bad["key"], code) in got, bad
+    assert sum(r["reason"] == "malformed_row" for r in rejects) == 1
+    assert manifest["counts"]["samples"] == 268 and manifest["counts"]["images"] > 0
+
+
+def test_fingerprint_mismatch_is_refused(tiny_config, tmp_path):
+    import dataclasses
+    from precompute.job import run
+    run(DEMO / "samples.jsonl", tmp_path / "c", tiny_config, progress=False)
+    with pytest.raises(FingerprintMismatch, match="image_size|preprocessing"):
+        run(DEMO / "samples.jsonl", tmp_path / "c", dataclasses.replace(tiny_config, image_size=32), progress=False)
+
+
+def test_incremental_rerun_encodes_only_new_rows(tiny_config, demo_cache, tmp_path):
+    from precompute.job import run
+    lines = (DEMO / "samples.jsonl").read_text().splitlines()
+    part = tmp_path / "samples.jsonl"
+    part.write_text("\n".join(lines[:12]) + "\n")
+    first, _ = run(part, tmp_path / "c", tiny_config, root=DEMO, progress=False)
+    part.write_text("\n".join(lines) + "\n")
+    second, _ = run(part, tmp_path / "c", tiny_config, root=DEMO, progress=False)
+    assert second.skipped_rows == 12 and first.kept + second.kept == len(_samples(demo_cache))
+    assert _samples(tmp_path / "c") == _samples(demo_cache)
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_gives_the_same_cache(tiny_models, demo_cache, tmp_path):
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "precompute", "--manifest", str(DEMO / "samples.jsonl"), "--out", str(out),
+           *_cli_args(tiny_models, "--set", "samples_per_shard=8", "--set", "num_workers=0")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((out / "parts").glob("*.index.parquet")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "index.parquet").exists()  # killed before the end
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
+    assert _samples(out) == _samples(demo_cache)
+    assert not list(out.glob("*.tmp")) and not list((out / "parts").glob("*.tmp"))
+    assert len(read_rejects(out)) == len(read_rejects(demo_cache))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_two_ranks_equal_one_rank(tiny_models, demo_cache, tmp_path):
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "precompute",
+           "--manifest", str(DEMO / "samples.jsonl"), "--out", str(out),
+           *_cli_args(tiny_models, "--set", "samples_per_shard=8", "--set", "num_workers=0")]
+    subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True, capture_output=True,
+                   timeout=300)
+    assert _samples(out) == _samples(demo_cache)
+    ranks = {p.name[:11] for p in out.glob("shard-*.tar")}
+    assert ranks == {"shard-r0000", "shard-r0001"}
