@@ -121,3 +121,20 @@ def filter_rows(table: pa.Table, filters: Any = None) -> np.ndarray:
     else:
         raise TypeError(f"filters must be None, a callable on the index table or a dict; got {type(filters)}")
     return np.flatnonzero(mask).astype(np.int64)
+
+
+class ShardOrder:
+    """Picklable ``epoch -> order`` of one cache: :func:`epoch_order` with fixed arguments."""
+
+    def __init__(self, shard_of: np.ndarray, seed: int, *, shuffle: bool = True, window: int = 0,
+                 tag: int = 0):
+        self.shard_of, self.seed, self.shuffle, self.window, self.tag = shard_of, int(seed), shuffle, window, tag
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        return epoch_order(self.shard_of, self.seed, epoch, shuffle=self.shuffle, window=self.window,
+                           tag=self.tag)
+
+    def signature(self) -> dict:
+        """What a checkpoint must agree on for this order to be reproduced."""
+        return {"num_samples": int(len(self.shard_of)), "shuffle": bool(self.shuffle),
+                "shuffle_window": int(self.window or 0)}

@@ -2,7 +2,8 @@
 
 Precedence: dataclass defaults < ``--config FILE`` (YAML, default ``configs/train.yaml`` when it
 exists) < command-line flags. Every field ``foo_bar`` is the flag ``--foo-bar``; booleans also get
-``--no-foo-bar``; dict fields take JSON (``--model-kwargs '{"d_model": 128}'``), tuple fields a
+``--no-foo-bar``; dict fields take JSON and update the
+value from the file (``--model-kwargs '{"d_model": 128}'``), tuple fields a
 comma-separated list. The effective config is printed at start (global rank 0) and stored in every
 checkpoint (``config.json`` and inside ``trainer.pt``).
 """
@@ -164,6 +165,8 @@ def from_dict(data: dict[str, Any], base: TrainConfig | None = None, source: str
         if name not in _FIELDS:
             raise ValueError(f"{source}: unknown option {k!r}; see `python -m train --help`")
         clean[name] = _convert(name, v)
+        if _TYPES[name] is dict:  # a dict option updates the one below it (file < flags)
+            clean[name] = {**getattr(base, name), **clean[name]}
     return validate(dataclasses.replace(base, **clean))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import textwrap
 from typing import Any
 
 import pyarrow as pa
@@ -108,8 +109,9 @@ class _Compiler:
 
     def unsupported(self, node: ast.AST) -> QueryError:
         what = _FORBIDDEN_NAMES.get(type(node), f"{type(node).__name__} nodes")
-        return self.fail(node, f"{what} are not allowed; use comparisons (== != < <= > >=), "
-                               "`in [...]`, and/or/not and parentheses over index columns")
+        return self.fail(node, f"not allowed in a query: {what}; use comparisons "
+                               "(== != < <= > >=), `in [...]`, and/or/not and parentheses over "
+                               "index columns")
 
     def column(self, node: ast.Name) -> _Operand:
         name = node.id
@@ -152,8 +154,11 @@ class _Compiler:
                 values = [self.literal(e) for e in right_node.elts]
                 for v in values:
                     self.check_kinds(node, left, _Operand(pc.scalar(v), _value_kind(v), text=repr(v)))
-                expr = left.expr.isin(pa.array(values, type=INDEX_SCHEMA.field(left.column).type)
-                                      if values else pa.array([], type=INDEX_SCHEMA.field(left.column).type))
+                # numbers: let Arrow infer int64/float64 (casting 1.5 to an int column would truncate)
+                value_type = pa.float64() if left.kind == "num" and any(
+                    isinstance(v, float) for v in values) else (
+                    pa.int64() if left.kind == "num" else INDEX_SCHEMA.field(left.column).type)
+                expr = left.expr.isin(pa.array(values, type=value_type))
                 if isinstance(op, ast.NotIn):
                     expr = ~expr
                 right = None
@@ -233,7 +238,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "query", parents=[common], help="filter the index with an expression",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Print the index rows matching an expression over index columns.\n\n"
-                    "columns: " + ", ".join(f"{c} ({COLUMN_KINDS[c]})" for c in SCALAR_COLUMNS) + "\n"
+                    + textwrap.fill(", ".join(f"{c} ({COLUMN_KINDS[c]})" for c in SCALAR_COLUMNS),
+                                    width=78, initial_indent="columns: ", subsequent_indent=" " * 9)
+                    + "\n"
                     "syntax:  comparisons == != < <= > >= (chains like 1 < duration_s < 5),\n"
                     "         and / or / not, parentheses, 'quoted strings', True / False,\n"
                     "         col in ['a', 'b'], col not in [...]; a boolean column alone\n"
@@ -241,14 +248,15 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         epilog="examples:\n"
                "  shards query cache/ \"duration_s > 5 and has_image\"\n"
                "  shards query cache/ \"speaker == 'alice' or (n_frames >= 100 and not has_image)\"\n"
-               "  shards query cache/ \"sample_rate in [16000, 24000]\" --count")
+               "  shards query cache/ \"sample_rate in [16000, 24000]\" --count\n"
+               "  shards query cache/ \"has_image\" --sort duration_s --desc --limit 10")
     p.add_argument("dir", metavar="DIR", help="cache directory")
     p.add_argument("expression", metavar="EXPR", help="filter expression (quote it)")
     p.add_argument("--count", action="store_true", help="print only the number of matching rows")
     p.add_argument("--columns", metavar="COLS", default=",".join(DEFAULT_COLUMNS),
                    help="comma-separated columns to print (default: %(default)s)")
-    p.add_argument("--sort", metavar="COL",
-                   help="sort by this column (prefix with - for descending, e.g. -duration_s)")
+    p.add_argument("--sort", metavar="COL", help="sort the rows by this column")
+    p.add_argument("--desc", action="store_true", help="with --sort: largest first")
     p.add_argument("--limit", type=int, metavar="N", help="print at most N rows")
     p.set_defaults(func=cmd_query)
 
@@ -271,7 +279,7 @@ def cmd_query(args: argparse.Namespace) -> int:
                          f"columns: {', '.join(SCALAR_COLUMNS)}")
     sort_col = None
     if args.sort:
-        sort_col = args.sort.lstrip("-")
+        sort_col = args.sort
         if sort_col not in SCALAR_COLUMNS:
             raise UsageError(f"--sort: unknown column {sort_col!r}; columns: {', '.join(SCALAR_COLUMNS)}")
     if args.limit is not None and args.limit < 0:
@@ -280,7 +288,7 @@ def cmd_query(args: argparse.Namespace) -> int:
     table = read_index_columns(d, read, filter=expr)
     total = table.num_rows
     if sort_col:
-        table = table.sort_by([(sort_col, "descending" if args.sort.startswith("-") else "ascending")])
+        table = table.sort_by([(sort_col, "descending" if args.desc else "ascending")])
     if args.limit is not None:
         table = table.slice(0, args.limit)
     table = table.select(columns)

@@ -1,0 +1,26 @@
+"""Stage two: deterministic, resumable batches of cached tensors from shardcache shards.
+
+Public API::
+
+    from loaders import ShardLoader, MixedLoader, collate_fn, CODES_PAD_ID, TEXT_PAD_ID
+
+* :class:`ShardLoader` (:mod:`loaders.loader`): one rank's batches; ``len``, ``set_epoch``,
+  ``state_dict`` / ``load_state_dict`` (exact, elastic resume).
+* :class:`MixedLoader` (:mod:`loaders.mixing`): several caches mixed by weight.
+* :func:`collate_fn` (:mod:`loaders.collate`): pad :meth:`shards.ShardReader.get` dicts into a batch.
+* :mod:`loaders.order` (global order, filters), :mod:`loaders.batching` (steps, rank split,
+  budget batches), :mod:`loaders.dataset` (index arrays + mmap reads, the worker dataset).
+
+Never imports librosa, soundfile, PIL or diffusers: training machines do not need them.
+"""
+from .batching import BudgetPlan, FixedPlan, PlanSpec, padding_stats
+from .collate import AUDIO_SCALE, CODES_PAD_ID, FIELDS, TEXT_PAD_ID, collate_fn
+from .dataset import CacheSource
+from .loader import ShardLoader
+from .mixing import MixedLoader
+from .order import epoch_order, filter_rows
+
+__all__ = [
+    "ShardLoader", "MixedLoader", "collate_fn", "CODES_PAD_ID", "TEXT_PAD_ID", "AUDIO_SCALE", "FIELDS",
+    "CacheSource", "BudgetPlan", "FixedPlan", "PlanSpec", "padding_stats", "epoch_order", "filter_rows",
+]

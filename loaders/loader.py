@@ -1,0 +1,301 @@
+"""``ShardLoader``: one rank's batches of a cache, deterministic, resumable mid-epoch, elastic.
+
+Typical use::
+
+    loader = ShardLoader(cache_dir, batch_size=16, global_rank=rank, world_size=world, seed=0,
+                         num_workers=4)
+    loader.load_state_dict(ckpt["loader"])          # optional; any rank's state (they are equal)
+    for epoch in range(loader.epoch, epochs):
+        loader.set_epoch(epoch)                      # keeps the cursor if epoch == loader.epoch
+        for batch in loader:                         # len(loader) batches, equal on every rank
+            ...
+            ckpt["loader"] = loader.state_dict()     # position after the batch just received
+
+How batches reach the consumer. Every process computes the same epoch plan
+(:mod:`loaders.order`, :mod:`loaders.batching`) from ``(seed, epoch)`` and the index; rank ``r``
+reads its batch of each step. With ``num_workers = n > 0`` a ``torch.utils.data.DataLoader`` with
+``batch_size=None`` runs :class:`loaders.dataset.PlanDataset` in ``n`` workers; after a resume at
+step ``s0`` worker ``w`` collates steps ``s0 + w, s0 + w + n, ...`` and tags each batch with its
+step; the main process hands them out in step order (re-ordering if needed) and advances the
+cursor only when the consumer receives a batch, so ``state_dict()`` never counts prefetched
+batches, and the sequence is the same for any ``num_workers``.
+
+DataLoader settings (when ``num_workers > 0``): ``persistent_workers=True`` (the epoch and start
+step reach persistent workers through a shared-memory tensor read at each ``iter()``),
+``prefetch_factor`` batches per worker, ``pin_memory`` when CUDA is available (``device_pin``),
+multiprocessing context: the platform default (fork on Linux) unless CUDA is already initialised
+in this process, then ``"forkserver"`` (``"spawn"`` where forkserver is missing), because a forked
+child cannot use CUDA. ``num_workers=None`` picks ``min(8, cpus // LOCAL_WORLD_SIZE - 1)`` (>= 1).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import warnings
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from .batching import PlanSpec
+from .collate import FIELDS, check_fields
+from .dataset import CacheSource, PlanDataset, Sources
+from .order import ShardOrder
+
+STATE_KEYS = ("epoch", "cursor", "seed", "world_size", "global_batch_size")
+
+
+def _identity(x):
+    return x
+
+
+def default_num_workers() -> int:
+    """``min(8, cpus_of_this_process // LOCAL_WORLD_SIZE - 1)``, at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    return max(1, min(8, cpus // local - 1))
+
+
+def _pin(x):
+    if isinstance(x, torch.Tensor):
+        return x.pin_memory()
+    if isinstance(x, dict):
+        return {k: _pin(v) for k, v in x.items()}
+    return x
+
+
+class ShardLoader:
+    """Batches of one rank over a shardcache cache. See the module docstring for the order.
+
+    Args:
+        cache_dir: cache directory (``index.parquet`` + shard tars).
+        batch_size: samples per batch and rank (``B``); with ``max_frames``: the most per batch.
+        global_rank, world_size: this rank and the number of ranks.
+        seed: int >= 0; with the epoch it fixes the whole order.
+        num_workers: DataLoader worker processes (0: read in this process; None: automatic).
+        shuffle: False -> index order (shards in name order, samples in tar order).
+        drop_remainder: drop the ``N mod G`` last samples (``G = world_size * batch_size``);
+            False: wrap around to the start of the epoch's order to fill the last step.
+        fields: subset of ``("codes", "audio", "text_ids", "latents")`` to read and collate.
+        filters: callable on the index table or dict on its columns
+            (:func:`loaders.order.filter_rows`), applied before the order is built.
+        max_frames: budget batching: ``B * F_max <= max_frames`` codes frames per batch, with
+            length buckets (:class:`loaders.batching.BudgetPlan`).
+        device_pin: None: pin host memory iff CUDA is available; True/False: force. A device
+            string (``"cuda:1"``) counts as True (pinned memory serves every device).
+        prefetch_factor: batches each worker keeps ready.
+        shuffle_window: > 1: also shuffle within windows of that many samples of the order.
+        bucket_window: samples per sorting window in budget mode (default ``64 * batch_size``).
+        persistent_workers: default True when ``num_workers > 0``.
+        multiprocessing_context: override the context chosen as in the module docstring.
+        timeout: seconds to wait for a worker's batch (0 = forever).
+
+    Raises ``ValueError`` for bad arguments or when an epoch would have no step (fewer samples
+    after filters than one global batch with ``drop_remainder=True``), and whatever
+    :class:`loaders.dataset.CacheSource` raises for a bad cache (``UnsafeMember``, ``ShardCorrupt``).
+    """
+
+    def __init__(self, cache_dir, batch_size: int, *, global_rank: int = 0, world_size: int = 1,
+                 seed: int = 0, num_workers: int | None = 0, shuffle: bool = True,
+                 drop_remainder: bool = True, fields: Sequence[str] = FIELDS, filters: Any = None,
+                 max_frames: int | None = None, device_pin: bool | str | None = None,
+                 prefetch_factor: int = 2, shuffle_window: int = 0, bucket_window: int | None = None,
+                 persistent_workers: bool | None = None, multiprocessing_context: Any = None,
+                 timeout: float = 0.0):
+        fields = check_fields(fields)
+        source = CacheSource(cache_dir, filters, fields)
+        order = ShardOrder(source.shard_of, seed, shuffle=shuffle, window=shuffle_window)
+        self._setup(Sources([source]), order, batch_size, global_rank=global_rank,
+                    world_size=world_size, seed=seed, num_workers=num_workers,
+                    drop_remainder=drop_remainder, max_frames=max_frames, device_pin=device_pin,
+                    prefetch_factor=prefetch_factor, bucket_window=bucket_window,
+                    persistent_workers=persistent_workers,
+                    multiprocessing_context=multiprocessing_context, timeout=timeout)
+
+    # -- construction shared with MixedLoader ----------------------------------------------------
+    def _setup(self, sources: Sources, order_fn: Callable[[int], np.ndarray], batch_size: int, *,
+               global_rank: int, world_size: int, seed: int, num_workers: int | None,
+               drop_remainder: bool, max_frames: int | None, device_pin, prefetch_factor: int,
+               bucket_window: int | None, persistent_workers: bool | None,
+               multiprocessing_context, timeout: float) -> None:
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if int(world_size) < 1 or not 0 <= int(global_rank) < int(world_size):
+            raise ValueError(f"need 0 <= global_rank < world_size, got rank {global_rank} of {world_size}")
+        if int(seed) < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        if max_frames is not None and int(max_frames) < 1:
+            raise ValueError(f"max_frames must be >= 1, got {max_frames}")
+        self.sources = sources
+        self.batch_size, self.world_size, self.global_rank = int(batch_size), int(world_size), int(global_rank)
+        self.seed, self.max_frames = int(seed), (None if max_frames is None else int(max_frames))
+        self.num_workers = default_num_workers() if num_workers is None else int(num_workers)
+        self.drop_remainder = bool(drop_remainder)
+        self.bucket_window = int(bucket_window or 64 * self.batch_size)
+        self._order_fn = order_fn
+        self._spec = PlanSpec(order_fn, self.world_size, self.batch_size, self.seed, self.drop_remainder,
+                              self.max_frames, sources.frames if self.max_frames else None,
+                              self.bucket_window)
+        self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self.dataset = PlanDataset(sources, self._spec, self.global_rank, self._position)
+        if device_pin is None:
+            device_pin = torch.cuda.is_available()
+        self.pin_memory = bool(device_pin)
+        self._dl_kwargs = dict(
+            prefetch_factor=int(prefetch_factor),
+            persistent_workers=True if persistent_workers is None else bool(persistent_workers),
+            multiprocessing_context=multiprocessing_context or self._default_context(),
+            timeout=float(timeout))
+        self._dl: DataLoader | None = None
+        self.epoch, self._cursor, self._generation = 0, 0, 0
+        if len(self) == 0:
+            raise ValueError(
+                f"an epoch has no step: {sources.n} samples after filters, global batch "
+                f"{self.global_batch_size} (world_size {self.world_size} x batch_size {self.batch_size}); "
+                "use a smaller batch_size, fewer ranks or drop_remainder=False")
+
+    @staticmethod
+    def _default_context():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        return None
+
+    # -- the contract ----------------------------------------------------------------------------
+    @property
+    def global_batch_size(self) -> int:
+        """``world_size * batch_size`` (in budget mode: the most samples a step can hold)."""
+        return self.world_size * self.batch_size
+
+    def __len__(self) -> int:
+        """Steps (= batches of this rank) in the current epoch; equal on every rank.
+
+        Fixed mode: ``N' / G``, the same every epoch. Budget mode: depends on the epoch.
+        """
+        return self._spec.plan(self.epoch).n_steps
+
+    @property
+    def step(self) -> int:
+        """Steps of the current epoch the consumer has received (where the next ``iter`` starts)."""
+        return self._spec.plan(self.epoch).step_at(self._cursor)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next ``iter()`` yields. A new epoch starts at cursor 0; setting the
+        current epoch again keeps the cursor (so it may follow :meth:`load_state_dict`)."""
+        epoch = int(epoch)
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self.epoch:
+            self.epoch, self._cursor = epoch, 0
+            self._generation += 1  # an iterator of the previous epoch stops
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position after the last batch the consumer received; the same on every rank.
+
+        ``{"epoch", "cursor" (global samples consumed this epoch), "seed", "world_size",
+        "global_batch_size"}`` plus what the order depends on (``num_samples``, ``shuffle``,
+        ``shuffle_window``, ``max_frames``, ``batch_size``, ``drop_remainder``...), all plain ints/bools.
+        """
+        sd = {"epoch": self.epoch, "cursor": int(self._cursor), "seed": self.seed,
+              "world_size": self.world_size, "global_batch_size": self.global_batch_size}
+        sd.update(self._signature())
+        return sd
+
+    def _signature(self) -> dict[str, Any]:
+        sig = dict(self._order_fn.signature())
+        sig.update(drop_remainder=self.drop_remainder, max_frames=self.max_frames, batch_size=self.batch_size)
+        if self.max_frames is not None:
+            sig["bucket_window"] = self.bucket_window
+        return sig
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Continue right after the last batch recorded in ``sd``; seeks, replays nothing.
+
+        Allowed with other ``num_workers`` and another ``world_size`` as long as the global batch
+        ``world_size * batch_size`` is the same (budget mode: same ``max_frames``/``batch_size``
+        and a cursor on a step boundary of the new world size). Raises ``ValueError`` explaining
+        what differs otherwise (seed, global batch, cache size after filters, shuffle settings...).
+        """
+        missing = [k for k in STATE_KEYS if k not in sd]
+        if missing:
+            raise ValueError(f"not a ShardLoader state: missing {missing}")
+        if int(sd["seed"]) != self.seed:
+            raise ValueError(f"checkpoint was made with seed={sd['seed']}, this loader has seed={self.seed}: "
+                             "the order would differ; construct the loader with the checkpoint's seed")
+        if self.max_frames is None and int(sd["global_batch_size"]) != self.global_batch_size:
+            G = int(sd["global_batch_size"])
+            hint = (f"batch_size={G // self.world_size} with world_size={self.world_size}"
+                    if G % self.world_size == 0 else f"a world size that divides {G}")
+            raise ValueError(
+                f"checkpoint global batch {G} (= world_size {sd['world_size']} x batch_size "
+                f"{G // max(int(sd['world_size']), 1)}) differs from this loader's "
+                f"{self.global_batch_size} (= {self.world_size} x {self.batch_size}); an exact resume "
+                f"needs the same global batch (the steps would cut the order elsewhere): use {hint}")
+        mine = self._signature()
+        for k, v in mine.items():
+            if k in sd and sd[k] != v and not (k == "batch_size" and self.max_frames is None):
+                raise ValueError(f"checkpoint has {k}={sd[k]!r}, this loader {k}={v!r}: the order or the "
+                                 "batches would differ (cache, filters or loader settings changed)")
+        epoch, cursor = int(sd["epoch"]), int(sd["cursor"])
+        self._spec.plan(epoch).step_at(cursor)  # ValueError unless on a step boundary
+        self.epoch, self._cursor = epoch, cursor
+        self._generation += 1
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Yield the rest of the current epoch for this rank (all of it after ``set_epoch``)."""
+        plan = self._spec.plan(self.epoch)
+        start = plan.step_at(self._cursor)
+        self._generation += 1
+        if start >= plan.n_steps:
+            warnings.warn(f"epoch {self.epoch} is already complete (cursor {self._cursor}); call "
+                          f"set_epoch({self.epoch + 1}) to go on", stacklevel=2)
+            return iter(())
+        self._position[0], self._position[1] = self.epoch, start
+        if self.num_workers == 0:
+            src = iter(self.dataset)
+        else:
+            src = iter(self._dataloader())
+        return self._consume(plan, start, src, self._generation)
+
+    def _consume(self, plan, start: int, src, gen: int) -> Iterator[dict[str, Any]]:
+        expected, pending = start, {}
+        pin = self.pin_memory and self.num_workers == 0
+        for step, batch in src:
+            if gen != self._generation:
+                return
+            pending[step] = batch
+            while expected in pending:
+                out = pending.pop(expected)
+                self._cursor = int(plan.cursors[expected + 1])
+                expected += 1
+                yield _pin(out) if pin else out
+                if gen != self._generation:
+                    return
+        if expected != plan.n_steps:
+            raise RuntimeError(f"rank {self.global_rank}: received steps up to {expected} of {plan.n_steps} "
+                               f"in epoch {self.epoch} (missing {sorted(pending)[:5]}...); a worker lost batches")
+
+    def _dataloader(self) -> DataLoader:
+        if self._dl is None:
+            kw = dict(self._dl_kwargs)
+            self._dl = DataLoader(self.dataset, batch_size=None, shuffle=False,
+                                  num_workers=self.num_workers, collate_fn=_identity,
+                                  pin_memory=self.pin_memory, **kw)
+        return self._dl
+
+    def close(self) -> None:
+        """Stop the worker processes (persistent workers otherwise live until the loader is freed)."""
+        it = getattr(self._dl, "_iterator", None) if self._dl is not None else None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self._dl = None
+        self.sources.close()
+
+    def __repr__(self) -> str:
+        mode = f"max_frames={self.max_frames}" if self.max_frames else f"batch_size={self.batch_size}"
+        return (f"{type(self).__name__}({self.sources.n} samples, {mode}, rank {self.global_rank}/"
+                f"{self.world_size}, seed={self.seed}, epoch={self.epoch}, cursor={self._cursor}, "
+                f"num_workers={self.num_workers})")

@@ -1,0 +1,244 @@
+"""Helpers for the train tests (no tests here): a tiny synthetic cache, a fake loader, launchers.
+
+The cache is written with the real format code (``shards.ShardWriter`` + ``shards.merge_parts``).
+:class:`FakeLoader` has the ``loaders.ShardLoader`` API and the design's order (permutation of
+``(seed, epoch)``; global step ``s`` takes samples ``[s*G, (s+1)*G)`` with ``G = world x batch``;
+rank ``r`` takes every ``world``-th of them; state ``(epoch, cursor)``), so loop tests do not depend
+on ``loaders``. :class:`SlowLoader` wraps either loader and sleeps per batch (stop-request tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+PY = sys.executable
+N_CODEBOOKS, CODEBOOK_SIZE = 8, 1024
+TINY_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 2, "patch_size": 2}
+
+
+def make_cache(out: Path, n: int = 24, n_shards: int = 2, seed: int = 0, image_every: int = 3) -> Path:
+    """A cache of ``n`` samples in ``n_shards`` shards: codes int16 (8, F), text_ids int32, audio
+    int16, latents float16 (16, 1, 4, 4) on every ``image_every``-th sample."""
+    from shards import ShardWriter, merge_parts, shard_name
+
+    rng = np.random.default_rng(seed)
+    per = -(-n // n_shards)
+    i = 0
+    for s in range(n_shards):
+        w = ShardWriter(out, shard_name(0, s))
+        for _ in range(min(per, n - i)):
+            frames = int(rng.integers(4, 16))
+            sr = 24000
+            n_audio = frames * 960
+            fields = {
+                "json": {"text": f"sample {i}", "speaker": f"spk{i % 3}", "sample_rate": sr,
+                         "duration_s": n_audio / sr},
+                "codes.npy": rng.integers(0, CODEBOOK_SIZE, size=(N_CODEBOOKS, frames)).astype(np.int16),
+                "text_ids.npy": rng.integers(3, 259, size=int(rng.integers(2, 10))).astype(np.int32),
+                "audio.npy": rng.integers(-3000, 3000, size=n_audio).astype(np.int16),
+            }
+            if image_every and i % image_every == 0:
+                fields["latents.npy"] = rng.normal(size=(16, 1, 4, 4)).astype(np.float16)
+            w.add(f"s{i:04d}", fields)
+            i += 1
+        w.commit()
+    merge_parts(out, {"encoders": {"audio": {"n_codebooks": N_CODEBOOKS, "codebook_size": CODEBOOK_SIZE},
+                                   "text": {"vocab_size": 259}},
+                      "n_codebooks": N_CODEBOOKS, "codebook_size": CODEBOOK_SIZE,
+                      "text_vocab_size": 259, "latent_channels": 16})
+    return out
+
+
+def collate(samples: list[dict], fields) -> dict[str, Any]:
+    B = len(samples)
+    F = max(s["codes"].shape[1] for s in samples)
+    codes = torch.full((B, N_CODEBOOKS, F), -100, dtype=torch.long)
+    lengths = torch.zeros(B, dtype=torch.long)
+    for i, s in enumerate(samples):
+        f = s["codes"].shape[1]
+        codes[i, :, :f] = torch.from_numpy(s["codes"].astype(np.int64))
+        lengths[i] = f
+    batch = {"keys": [s["__key__"] for s in samples], "codes": codes, "codes_lengths": lengths,
+             "codes_mask": torch.arange(F)[None] < lengths[:, None]}
+    if "text_ids" in fields:
+        L = max(len(s["text_ids"]) for s in samples)
+        text = torch.zeros((B, L), dtype=torch.long)
+        tl = torch.zeros(B, dtype=torch.long)
+        for i, s in enumerate(samples):
+            text[i, :len(s["text_ids"])] = torch.from_numpy(s["text_ids"].astype(np.int64))
+            tl[i] = len(s["text_ids"])
+        batch.update(text_ids=text, text_lengths=tl, text_mask=torch.arange(L)[None] < tl[:, None])
+    if "latents" in fields:
+        lat = torch.zeros((B, 16, 1, 4, 4))
+        has = torch.zeros(B, dtype=torch.bool)
+        for i, s in enumerate(samples):
+            if "latents" in s:
+                lat[i] = torch.from_numpy(s["latents"].astype(np.float32))
+                has[i] = True
+        batch.update(latents=lat, has_image=has)
+    return batch
+
+
+class FakeLoader:
+    """``loaders.ShardLoader`` API over ``shards.ShardReader`` (see the module docstring)."""
+
+    def __init__(self, cache_dir, batch_size, global_rank=0, world_size=1, seed=0, num_workers=0,
+                 fields=("codes", "text_ids", "latents"), delay: float = 0.0):
+        from shards import ShardReader
+
+        self.reader = ShardReader(cache_dir)
+        self.batch_size, self.rank, self.world, self.seed = batch_size, global_rank, world_size, seed
+        self.fields, self.delay = tuple(fields), delay
+        self.G = batch_size * world_size
+        self.epoch, self.cursor = 0, 0
+
+    def __len__(self) -> int:
+        return len(self.reader) // self.G
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.cursor = int(epoch), 0
+
+    def __iter__(self):
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.reader))
+        end = len(self) * self.G
+        while self.cursor + self.G <= end:
+            ids = order[self.cursor:self.cursor + self.G][self.rank::self.world]
+            self.cursor += self.G
+            if self.delay:
+                time.sleep(self.delay)
+            yield collate([self.reader.get(int(i)) for i in ids], self.fields)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "global_batch": self.G}
+
+    def load_state_dict(self, sd: dict) -> None:
+        assert sd["global_batch"] == self.G, "elastic resume needs the same global batch"
+        self.epoch, self.cursor = int(sd["epoch"]), int(sd["cursor"])
+
+
+class SlowLoader:
+    """Wrap ``loaders:ShardLoader`` (or FakeLoader if ``fake``) and sleep ``delay`` s per batch."""
+
+    def __init__(self, cache_dir, batch_size, delay: float = 0.1, fake: bool = False, **kw):
+        if fake:
+            self.inner = FakeLoader(cache_dir, batch_size, **kw)
+        else:
+            from loaders import ShardLoader
+            self.inner = ShardLoader(cache_dir, batch_size=batch_size, **kw)
+        self.delay = delay
+
+    def __len__(self):
+        return len(self.inner)
+
+    def set_epoch(self, e):
+        self.inner.set_epoch(e)
+
+    def __iter__(self):
+        for b in self.inner:
+            time.sleep(self.delay)
+            yield b
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd):
+        self.inner.load_state_dict(sd)
+
+
+def have_real_loader() -> bool:
+    try:
+        from loaders import ShardLoader  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# ---- launching ranks -----------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")]))
+    env.update(extra or {})
+    return env
+
+
+def train_args(cache: Path, out: Path, **opts) -> list[str]:
+    """CLI flags for a tiny CPU run; ``opts`` override (``foo_bar=1`` -> ``--foo-bar 1``)."""
+    base = dict(cache=str(cache), out=str(out), config="none", model_kwargs=json.dumps(TINY_MODEL),
+                batch_size=4, steps=4, warmup_steps=2, lr=1e-3, ckpt_every=1000, keep=3,
+                no_progress=True, threads=1)
+    base.update(opts)
+    args = []
+    for k, v in base.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            args.append(flag)
+        elif v is not False and v is not None:
+            args += [flag, str(v)]
+    return args
+
+
+def launch(nprocs: int, args: list[str], cwd: Path, env: dict | None = None) -> list[subprocess.Popen]:
+    """Start ``python -m train ARGS`` once per rank with the torchrun environment variables
+    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and no launcher process in between,
+    so that what a test observes is the trainer's own behaviour."""
+    port = free_port()
+    procs = []
+    for r in range(nprocs):
+        e = base_env(env)
+        e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if nprocs == 1:
+            for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                e.pop(k, None)
+        procs.append(subprocess.Popen([PY, "-m", "train", *args], cwd=cwd, env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int | None], list[str]]:
+    """Wait up to ``timeout`` s for every process; kill stragglers (their code is None)."""
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = []
+    outs: list[str] = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            codes.append(p.returncode)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            codes.append(None)
+        outs.append(out)
+    return codes, outs
+
+
+def read_metrics(out: Path, split: str = "train") -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in recs if r.get("split", "train") == split]
+
+
+def load_params(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(ckpt_dir / "model.safetensors"))

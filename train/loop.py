@@ -1,0 +1,414 @@
+"""The training loop, top to bottom (after nanoGPT's train.py; config, parallelism, checkpointing
+and metrics live in their own modules, after torchtitan).
+
+One optimizer step::
+
+    lr = schedule(step)                       # warmup + cosine/linear, a pure function of the step
+    for micro in range(grad_accum):
+        batch = next(data)                    # time spent here is the step's data wait
+        with model.no_sync() unless last:     # covers forward AND backward: no all-reduce
+            with autocast: out = model(batch)  # bf16 on CUDA (CPU only with --precision bf16)
+            (out.loss / grad_accum).backward()  # last micro-step: DDP all-reduces the buckets
+    norm = clip_grad_norm_(params)            # non-finite: skip the step (count it, log it)
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)
+    log / validate / checkpoint / stop check  # the stop check is one all-reduce: all ranks agree
+
+DDP: ``broadcast_buffers=False`` (buffers are constant here, and a rank-local eval through the
+wrapper would otherwise broadcast), ``gradient_as_bucket_view=True``, ``static_graph`` off (it
+breaks ``no_sync``: pytorch #143580). The base model is unwrapped once (``raw``) and used for
+checkpoints and validation.
+
+Validation runs on every rank over a disjoint slice of the validation cache (the loader splits it
+like the training data), through the unwrapped model, with no collective inside the batch loop; the
+sums (loss x samples, samples) are all-reduced once at the end. Rank-0-only validation would leave
+the other ranks blocked in their next collective (past the NCCL timeout on a long eval) and idle
+(W-1)/W of the GPUs; a single all-reduce after the loop cannot hang even if ranks had unequal
+batch counts.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import platform
+import random
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import checkpoint as C
+from . import dist as D
+from .config import TrainConfig
+from .metrics import Metrics, peak_memory_mb
+from .models import (apply_lora, build_model, count_params, data_spec, load_factory,
+                     set_activation_checkpointing)
+
+log = logging.getLogger("train")
+
+
+@dataclass
+class Callbacks:
+    """Hooks for tests and extensions (all optional, called on every rank).
+
+    ``on_setup(ctx)``: after the DDP wrap; ``ctx`` has model (as trained, possibly DDP), raw,
+    optimizer, loader, info, start_step. ``on_micro_step(step, micro)``: after each backward.
+    ``on_step(step, record)``: after each optimizer step (``record`` is the metrics record, or
+    None on steps that are not logged).
+    """
+
+    on_setup: Callable[[dict], None] | None = None
+    on_micro_step: Callable[[int, int], None] | None = None
+    on_step: Callable[[int, dict | None], None] | None = None
+
+
+# ---- pieces of the step ----------------------------------------------------------------------------
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine/linear/constant
+    decay from ``lr`` to ``min_lr`` at ``steps``."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    coeff = 0.5 * (1.0 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1.0 - frac
+    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+
+
+def fused_adamw_supported(device: torch.device) -> bool:
+    """Whether ``AdamW(fused=True)`` constructs and steps on ``device`` with this torch."""
+    try:
+        p = torch.nn.Parameter(torch.zeros(2, device=device))
+        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        return True
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def make_optimizer(raw: nn.Module, cfg: TrainConfig, device: torch.device) -> tuple[torch.optim.Optimizer, bool]:
+    """AdamW; weight decay on matrices/embeddings (dim >= 2), not on biases and norms; fused if possible."""
+    params = [p for p in raw.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = cfg.fused == "on" or (cfg.fused == "auto" and fused_adamw_supported(device))
+    kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if fused:
+        return torch.optim.AdamW(groups, fused=True, **kw), True
+    return torch.optim.AdamW(groups, foreach=device.type == "cuda" or None, **kw), False
+
+
+def autocast_context(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:
+    """bf16 autocast on CUDA unless --precision fp32; on CPU only with --precision bf16."""
+    on = (device.type == "cuda" and cfg.precision in ("auto", "bf16")) or \
+         (device.type == "cpu" and cfg.precision == "bf16")
+    if on:
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    if device.type == "cpu":
+        return batch
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def split_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A model's output -> (loss, other 0-dim tensors to log)."""
+    if isinstance(out, torch.Tensor):
+        return out, {}
+    if isinstance(out, dict) and "loss" in out:
+        return out["loss"], {k: v.detach() for k, v in out.items()
+                             if k != "loss" and isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()}
+    raise TypeError("the model must return a loss tensor or a dict with 'loss'")
+
+
+def count_tokens(batch: dict[str, Any]) -> torch.Tensor:
+    """Valid audio frames + text tokens of a batch (a tensor: no host sync)."""
+    n = batch["codes_mask"].sum() if "codes_mask" in batch else batch["codes"][:, 0].ne(-100).sum()
+    if "text_mask" in batch:
+        n = n + batch["text_mask"].sum()
+    return n
+
+
+def batch_stream(loader: Any, pos: dict[str, int]) -> Iterator[dict]:
+    """Batches forever; at the end of an epoch, ``pos['epoch'] += 1`` and ``loader.set_epoch``."""
+    empty = 0
+    while True:
+        n = 0
+        for batch in loader:
+            n += 1
+            yield batch
+        empty = empty + 1 if n == 0 else 0
+        if empty >= 2:
+            raise RuntimeError("the loader yields no batches: the cache has fewer samples than one "
+                               "global batch (batch_size x world size)")
+        pos["epoch"] += 1
+        loader.set_epoch(pos["epoch"])
+
+
+def make_loader(cfg: TrainConfig, cache: str, batch_size: int, info: D.DistInfo) -> Any:
+    cls = load_factory(cfg.loader)
+    return cls(cache, batch_size=batch_size, global_rank=info.rank, world_size=info.world_size,
+               seed=cfg.seed, num_workers=cfg.num_workers, fields=tuple(cfg.fields), **cfg.loader_kwargs)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Any, cfg: TrainConfig, info: D.DistInfo, amp) -> dict[str, float]:
+    """Mean validation loss over every rank's slice (see the module docstring)."""
+    was_training = model.training
+    model.eval()
+    loader.set_epoch(0)
+    sums = torch.zeros(2, dtype=torch.float64, device=info.device)
+    for i, batch in enumerate(loader):
+        if cfg.eval_batches and i >= cfg.eval_batches:
+            break
+        batch = to_device(batch, info.device)
+        with amp():
+            loss, _ = split_output(model(batch))
+        n = batch["codes"].shape[0]
+        sums[0] += loss.detach().double() * n
+        sums[1] += n
+    D.all_reduce_(sums, info)
+    model.train(was_training)
+    return {"val_loss": (sums[0] / sums[1].clamp_min(1)).item(), "val_samples": int(sums[1].item())}
+
+
+def system_info(info: D.DistInfo, cfg: TrainConfig, fused: bool) -> str:
+    parts = [f"host={socket.gethostname()}", f"python={platform.python_version()}",
+             f"torch={torch.__version__}", f"world={info.world_size}", f"backend={info.backend or '-'}",
+             f"device={info.device}", f"threads={torch.get_num_threads()}", f"cpus={os.cpu_count()}",
+             f"fused_adamw={fused}", f"precision={cfg.precision}"]
+    if info.device.type == "cuda":
+        parts += [f"gpu={torch.cuda.get_device_name(info.device)}", f"cuda={torch.version.cuda}",
+                  f"nccl={'.'.join(map(str, torch.cuda.nccl.version()))}",
+                  f"alloc_conf={os.environ.get('PYTORCH_ALLOC_CONF')}"]
+    return " ".join(parts)
+
+
+def setup_logging(info: D.DistInfo) -> None:
+    if log.handlers:
+        return
+    h = logging.StreamHandler()
+    h.setFormatter(logging.Formatter(f"%(asctime)s [rank {info.rank}] %(levelname)s %(message)s", "%H:%M:%S"))
+    log.addHandler(h)
+    log.setLevel(logging.INFO if info.is_main else logging.WARNING)
+    log.propagate = False
+
+
+def make_profiler(cfg: TrainConfig, info: D.DistInfo, out: Path):
+    """torch.profiler over the first wait+warmup+active steps (global rank 0 only)."""
+    if not (cfg.profile and info.is_main):
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
+    sort = "cuda_time_total" if info.device.type == "cuda" else "cpu_time_total"
+
+    def on_ready(p) -> None:
+        (out / "profile").mkdir(parents=True, exist_ok=True)
+        path = out / "profile" / f"trace-rank{info.rank}-step{p.step_num}.json"
+        p.export_chrome_trace(str(path))
+        log.info("profiler trace: %s\n%s", path, p.key_averages().table(sort_by=sort, row_limit=15))
+
+    prof = profile(activities=acts, schedule=schedule(wait=cfg.profile_wait, warmup=cfg.profile_warmup,
+                                                       active=cfg.profile_active, repeat=1),
+                   on_trace_ready=on_ready)
+    prof.start()
+    return prof
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+
+def run(cfg: TrainConfig, callbacks: Callbacks | None = None) -> int:
+    """Train according to ``cfg``; returns 0 when done, ``cfg.requeue_exit_code`` after a stop.
+
+    Joins the process group from the torchrun environment (if any) and leaves it on return. An
+    exception propagates without teardown: the caller (``train.cli``) exits the process at once so
+    that the peers fail fast instead of waiting in a collective.
+    """
+    info = D.init(cfg.device, cfg.backend, cfg.pg_timeout_min)
+    code = train(cfg, info, callbacks or Callbacks())
+    D.teardown()
+    return code
+
+
+def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
+    setup_logging(info)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if not cfg.cache:
+        raise ValueError("--cache is required (a directory made by `python -m precompute`)")
+    out = Path(cfg.out)
+    amp = autocast_context(cfg, info.device)
+    accum = cfg.grad_accum
+    if info.is_main:
+        log.info("effective config:\n%s", cfg.dump())
+
+    # ---- data ----
+    loader = make_loader(cfg, cfg.cache, cfg.batch_size, info)
+    steps_per_epoch = len(loader) // accum
+
+    # ---- model: identical init on every rank (same seed), then the rank's own RNG stream ----
+    torch.manual_seed(cfg.seed)
+    spec = data_spec(cfg.cache)
+    raw = build_model(cfg.model, cfg.model_kwargs, spec, cfg.latent_loss, cfg.latent_loss_weight)
+    if cfg.init_from:
+        C.load_weights(raw, cfg.init_from)
+    if cfg.lora:
+        raw = apply_lora(raw, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets))
+    if cfg.activation_checkpointing and not set_activation_checkpointing(raw):
+        log.warning("--activation-checkpointing: %s has no set_activation_checkpointing(); ignored",
+                    type(raw).__name__)
+    raw.to(info.device)
+    optimizer, fused = make_optimizer(raw, cfg, info.device)
+    n_train, n_total = count_params(raw)
+    if info.is_main:
+        log.info("system: %s", system_info(info, cfg, fused))
+        log.info("model %s: %s trainable / %s parameters; data %s; %d optimizer steps per epoch "
+                 "(global batch %d)", cfg.model, f"{n_train:,}", f"{n_total:,}", spec, steps_per_epoch,
+                 cfg.batch_size * info.world_size * accum)
+
+    # ---- resume (weights, optimizer, loader position, RNG) or fresh start ----
+    step, skipped = 0, 0
+    pos = {"epoch": 0}
+    ckpt = C.resolve_resume(cfg.resume, out)
+    if ckpt is not None:
+        st = C.load(ckpt, model=raw, optimizer=optimizer, loader=loader, info=info)
+        step, skipped, pos["epoch"] = int(st["step"]), int(st.get("skipped_steps", 0)), int(st.get("epoch", 0))
+        if info.is_main:
+            log.info("resumed from %s at step %d (epoch %d)", ckpt, step, pos["epoch"])
+    else:
+        loader.set_epoch(0)
+        torch.manual_seed(cfg.seed + info.rank)
+        np.random.seed((cfg.seed + info.rank) % 2**32)
+        random.seed(cfg.seed + info.rank)
+        if cfg.resume == "auto" and info.is_main:
+            log.info("--resume auto: no checkpoint in %s, starting fresh", out)
+
+    # ---- parallelism: compile, then DDP ----
+    model: nn.Module = torch.compile(raw) if cfg.compile else raw
+    eval_model = model
+    if info.distributed:
+        model = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+                    broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=False,
+                    find_unused_parameters=cfg.find_unused_parameters, bucket_cap_mb=cfg.bucket_cap_mb)
+    params = [p for p in raw.parameters() if p.requires_grad]
+
+    # ---- stop requests: a stale stop file is from an earlier job (consumed here, before a barrier) ----
+    stop = D.StopRequest(info, cfg.stop_file or out / "STOP", cfg.stop_at_step)
+    if info.is_main and stop.stop_file.exists():
+        log.warning("removing stale stop file %s", stop.stop_file)
+        stop.clear_file()
+    D.barrier(info)
+    stop.install()
+
+    metrics = Metrics(out, info.is_main, cfg.steps, step, cfg.tensorboard, cfg.progress, cfg.throughput_warn)
+    val_loader = make_loader(cfg, cfg.val_cache or cfg.cache, cfg.eval_batch_size or cfg.batch_size, info) \
+        if cfg.eval_every else None
+    cb.on_setup and cb.on_setup(dict(model=model, raw=raw, optimizer=optimizer, loader=loader, info=info,
+                                     start_step=step))
+    prof = make_profiler(cfg, info, out)
+    data = batch_stream(loader, pos)
+    code = 0
+    try:
+        while step < cfg.steps:
+            if step == cfg.fail_at_step and info.rank == cfg.fail_rank:
+                raise RuntimeError(f"--fail-at-step {step} on rank {info.rank} (testing hook)")
+            t_start = time.perf_counter()
+            wait = 0.0
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=info.device)
+            extra_sum: dict[str, torch.Tensor] = {}
+            tokens = torch.zeros((), dtype=torch.long, device=info.device)
+            n_samples = 0
+            model.train()
+
+            for micro in range(accum):
+                t0 = time.perf_counter()
+                batch = to_device(next(data), info.device)
+                wait += time.perf_counter() - t0
+                last = micro == accum - 1
+                sync = contextlib.nullcontext() if last or not info.distributed else model.no_sync()
+                with sync:                                  # no all-reduce in forward or backward
+                    with amp():
+                        loss, extras = split_output(model(batch))
+                    (loss / accum).backward()
+                loss_sum += loss.detach()
+                for k, v in extras.items():
+                    extra_sum[k] = extra_sum.get(k, 0) + v
+                tokens += count_tokens(batch)
+                n_samples += batch["codes"].shape[0]
+                cb.on_micro_step and cb.on_micro_step(step, micro)
+
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            finite = bool(torch.isfinite(norm).item())
+            if finite:
+                optimizer.step()
+            else:
+                skipped += 1
+                log.warning("step %d: non-finite grad norm %s; optimizer step skipped (%d so far)",
+                            step + 1, norm.item(), skipped)
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if prof is not None:
+                prof.step()
+
+            rec = None
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                names = sorted(extra_sum)
+                stats = torch.stack([loss_sum / accum, tokens.to(loss_sum.dtype)]
+                                    + [extra_sum[k] / accum for k in names]).float()
+                D.all_reduce_(stats, info)
+                vals = stats.tolist()
+                dt = time.perf_counter() - t_start
+                rec = {"step": step, "loss": vals[0] / info.world_size, "lr": lr,
+                       "grad_norm": float(norm.item()),
+                       "samples_per_s": n_samples * info.world_size / dt,
+                       "tokens_per_s": vals[1] / dt, "data_wait": wait / dt, "step_time_s": dt,
+                       "peak_mem_mb": peak_memory_mb(info.device), "skipped_steps": skipped,
+                       "epoch": pos["epoch"]}
+                rec.update({k: v / info.world_size for k, v in zip(names, vals[2:])})
+                metrics.log(rec)
+            cb.on_step and cb.on_step(step, rec)
+
+            if val_loader is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+                vrec = {"step": step, "split": "val", **evaluate(eval_model, val_loader, cfg, info, amp)}
+                metrics.log(vrec)
+                if info.is_main:
+                    log.info("step %d: val_loss %.4f", step, vrec["val_loss"])
+
+            stopping = stop.agreed(step)
+            if stopping or step % cfg.ckpt_every == 0 or step == cfg.steps:
+                C.save(out, step, model=raw, optimizer=optimizer, loader=loader, info=info,
+                       config=cfg.to_dict(), keep=cfg.keep,
+                       extra={"epoch": pos["epoch"], "skipped_steps": skipped,
+                              "schedule": {"kind": cfg.schedule, "lr": cfg.lr, "min_lr": cfg.min_lr,
+                                           "warmup_steps": cfg.warmup_steps, "steps": cfg.steps}})
+            if stopping:
+                log.warning("stop requested (%s): checkpoint saved at step %d; exiting with %d for requeue",
+                            stop.reason, step, cfg.requeue_exit_code)
+                if info.is_main:
+                    stop.clear_file()
+                code = cfg.requeue_exit_code
+                break
+    finally:
+        if prof is not None:
+            prof.stop()
+        metrics.close()
+        stop.uninstall()
+    D.barrier(info)
+    return code
