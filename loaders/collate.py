@@ -50,6 +50,7 @@ TEXT_PAD_ID = 0
 AUDIO_SCALE = np.float32(1.0 / 32768.0)
 #: every field a batch can hold, in the order the loader reads them.
 FIELDS = ("codes", "audio", "text_ids", "latents")
+_PIECE = 16384
 
 # torch.from_numpy warns (once per process, from C++) on read-only arrays, and the views of a
 # read-only mmap are read-only. We only ever read from them (copy_ into a fresh tensor), so the
@@ -93,8 +94,30 @@ def empty_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _lengths_mask(lengths: np.ndarray, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    lens = torch.from_numpy(np.asarray(lengths, dtype=np.int64))
-    return lens, torch.arange(width, dtype=torch.int64)[None, :] < lens[:, None]
+    """``lengths`` int64 (B,) and ``mask`` bool (B, width), True on ``[:length]`` of each row."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    mask = empty_tensor((len(lens), width), torch.bool)
+    m = mask.numpy()
+    for j, n in enumerate(lens.tolist()):
+        m[j, :n] = True
+        m[j, n:] = False
+    return torch.from_numpy(lens), mask
+
+
+def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (with dtype conversion) in pieces below torch's parallel grain size.
+
+    A single copy_ of more than 32768 elements opens an OpenMP parallel region; when the cores are
+    busy (DataLoader workers, other jobs) waking the pool can cost a whole scheduler time slice
+    (milliseconds) per call. Pieces of 16384 elements stay on the calling thread.
+    """
+    d, s = dst.reshape(-1), src.reshape(-1)
+    n = d.numel()
+    if n <= _PIECE:
+        d.copy_(s)
+        return
+    for a in range(0, n, _PIECE):
+        d[a:a + _PIECE].copy_(s[a:a + _PIECE])
 
 
 def _name(keys: Sequence[str], idx: Iterable[int]) -> list[str]:
@@ -187,7 +210,7 @@ def collate_latents(keys: Sequence[str], arrays: Sequence[np.ndarray | None],
             if a is None:
                 out[j].zero_()
             else:
-                out[j].copy_(torch.from_numpy(a))
+                copy_serial(out[j], torch.from_numpy(a))
     return {"latents": out, "has_image": torch.from_numpy(has)}
 
 

@@ -21,10 +21,10 @@ checkpoint directory looks like, so tests load them through the same ``from_pret
 =============  ==========================================================================================
 
 Random EnCodec and Mimi inits have all-zero codebook buffers (every frame gets code 0). Their codebooks
-are filled here the way k-means initialisation does it: each quantizer's entries are residual frames
-of a fixed calibration signal (chirp + noise) plus small noise, level by level, and the
-``cluster_size``/``cluster_usage``/``inited`` buffers are set (Mimi's cached ``codebook._embed`` is
-reset). Loading back gives non-constant codes. DAC's codebooks are ``nn.Embedding`` and need no fix.
+are filled here from a fixed calibration signal (chirp + noise), level by level as residual VQ works:
+each quantizer's entries are Gaussian with the per-dimension mean and std of the residual reaching
+it, and the ``cluster_size``/``cluster_usage``/``inited`` buffers are set (Mimi's cached
+``codebook._embed`` is reset). Loading back gives non-constant codes. DAC's codebooks are ``nn.Embedding`` and need no fix.
 
 Everything is seeded (``--seed``, default 0): the same command builds byte-identical weights.
 Existing directories are skipped unless ``--force``; a model is written to a temporary sibling first
@@ -128,15 +128,17 @@ def calibration_audio(sample_rate: int = 24000, seconds: float = 2.0, seed: int 
 
 
 def _fill_codebooks(layers, residual, g, set_entries: Callable) -> None:
-    """k-means-style init of residual VQ ``layers`` from ``residual`` ``(B, D, frames)``, level by level."""
+    """Data-matched random init of residual VQ ``layers`` from ``residual`` ``(B, D, frames)``, level by level."""
     import torch
 
     for layer in layers:
         frames = residual.permute(0, 2, 1).reshape(-1, residual.shape[1])
         k = layer.codebook.codebook_size
-        idx = torch.randint(0, frames.shape[0], (k,), generator=g)
+        mean = frames.mean(dim=0, keepdim=True)
         spread = frames.std(dim=0, keepdim=True).clamp_min(1e-6)
-        entries = frames[idx] + 0.1 * spread * torch.randn(k, frames.shape[1], generator=g)
+        # Gaussian entries with the residual's per-dimension statistics: spread out like a trained
+        # codebook (copies of calibration frames would create many near-ties between entries)
+        entries = mean + spread * torch.randn(k, frames.shape[1], generator=g)
         set_entries(layer.codebook, entries)
         codes = layer.encode(residual)
         residual = residual - layer.decode(codes)

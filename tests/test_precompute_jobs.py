@@ -105,3 +105,18 @@ def test_two_ranks_equal_one_rank(tiny_models, demo_cache, tmp_path):
     assert _samples(out) == _samples(demo_cache)
     ranks = {p.name[:11] for p in out.glob("shard-*.tar")}
     assert ranks == {"shard-r0000", "shard-r0001"}
+
+
+def test_chatml_and_llava_manifests_end_to_end(real_mini, tiny_config, tmp_path):
+    from precompute.job import run
+    chat, _ = run(real_mini / "train_chatml_samples.json", tmp_path / "chat", tiny_config, progress=False)
+    n_chat = len(json.loads((real_mini / "train_chatml_samples.json").read_text()))
+    assert chat.kept == n_chat and chat.rejected == 0
+    index = read_index(tmp_path / "chat").to_pylist()
+    assert sum(r["has_image"] for r in index) == 8 and all(r["n_frames"] > 0 for r in index)
+    from shards import ShardReader
+    sample = ShardReader(tmp_path / "chat").get(0)
+    assert sample["json"]["messages"][-1]["role"] == "assistant"  # the whole conversation is kept
+    llava, _ = run(real_mini / "llava_captions.json", tmp_path / "llava", tiny_config, progress=False)
+    rows = read_index(tmp_path / "llava").to_pylist()
+    assert llava.kept == len(rows) > 0 and all(r["has_image"] and r["n_frames"] == 0 for r in rows)

@@ -13,8 +13,9 @@ One optimizer step::
     optimizer.step(); optimizer.zero_grad(set_to_none=True)
     log / validate / checkpoint / stop check  # the stop check is one all-reduce: all ranks agree
 
-DDP: ``broadcast_buffers=False`` (buffers are constant here, and a rank-local eval through the
-wrapper would otherwise broadcast), ``gradient_as_bucket_view=True``, ``static_graph`` off (it
+DDP: ``broadcast_buffers=False`` (``forward_sync_buffers=False`` on torch >= 2.13; buffers are
+constant here, and a rank-local eval through the wrapper would otherwise broadcast),
+``gradient_as_bucket_view=True``, ``static_graph`` off (it
 breaks ``no_sync``: pytorch #143580). The base model is unwrapped once (``raw``) and used for
 checkpoints and validation.
 
@@ -28,6 +29,7 @@ batch counts.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
@@ -156,6 +158,22 @@ def batch_stream(loader: Any, pos: dict[str, int]) -> Iterator[dict]:
                                "global batch (batch_size x world size)")
         pos["epoch"] += 1
         loader.set_epoch(pos["epoch"])
+
+
+def wrap_ddp(model: nn.Module, info: D.DistInfo, cfg: TrainConfig) -> DDP:
+    """DDP without per-forward buffer broadcast, with bucket-view gradients, static_graph off.
+
+    torch >= 2.13 renames ``broadcast_buffers`` to ``forward_sync_buffers`` (and warns on the old
+    name); both mean "no buffer broadcast in forward" here, whichever this torch has.
+    """
+    kw: dict[str, Any] = dict(gradient_as_bucket_view=True, static_graph=False,
+                              find_unused_parameters=cfg.find_unused_parameters,
+                              bucket_cap_mb=cfg.bucket_cap_mb)
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        kw["forward_sync_buffers"] = False
+    else:
+        kw["broadcast_buffers"] = False
+    return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None, **kw)
 
 
 def make_loader(cfg: TrainConfig, cache: str, batch_size: int, info: D.DistInfo) -> Any:
@@ -301,9 +319,7 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
     model: nn.Module = torch.compile(raw) if cfg.compile else raw
     eval_model = model
     if info.distributed:
-        model = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
-                    broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=False,
-                    find_unused_parameters=cfg.find_unused_parameters, bucket_cap_mb=cfg.bucket_cap_mb)
+        model = wrap_ddp(model, info, cfg)
     params = [p for p in raw.parameters() if p.requires_grad]
 
     # ---- stop requests: a stale stop file is from an earlier job (consumed here, before a barrier) ----

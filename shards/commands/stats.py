@@ -175,6 +175,7 @@ def plot(path: Path, d: Path, values: dict[str, np.ndarray], latents: dict[str, 
     """Write a 2x2 PNG: histograms of durations, frames, text lengths; latent mean +- std."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(12, 8), dpi=100)
     FigureCanvasAgg(fig)
@@ -196,6 +197,7 @@ def plot(path: Path, d: Path, values: dict[str, np.ndarray], latents: dict[str, 
             ax.set_title(titles[col])
         ax.set_xlabel(DISTRIBUTIONS[col][1])
         ax.set_ylabel("samples")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
     ax = axes.flat[3]
     chans = [c for c in latents.get("channels", []) if c["mean"] is not None]
@@ -215,8 +217,9 @@ def plot(path: Path, d: Path, values: dict[str, np.ndarray], latents: dict[str, 
     ax.set_xlabel("latent channel")
     ax.set_ylabel("value (mean ± std)")
     ax.grid(True, alpha=0.3)
-    hours = float(np.sum(values.get("duration_s", []))) / 3600.0
-    fig.suptitle(f"shardcache {d.resolve().name}: {n} samples, {hours:.2f} h of audio"
+    seconds = float(np.sum(values.get("duration_s", [])))
+    total = f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+    fig.suptitle(f"shardcache {d.resolve().name}: {n} samples, {total} of audio"
                  + (f" (where {where})" if where else ""))
     fig.tight_layout()
     fig.savefig(str(path), format="png")
