@@ -103,6 +103,7 @@ class CacheSource:
         names = flat.field("name")
         self.off: dict[str, np.ndarray] = {}
         self.shape: dict[str, np.ndarray] = {}
+        self.count: dict[str, np.ndarray] = {}
         self.dtype_of: dict[str, np.ndarray] = {}
         self.dtypes: dict[str, list[np.dtype]] = {}
         self._end = np.zeros(self.n, dtype=np.int64)  # furthest byte any member of a row needs
@@ -146,6 +147,7 @@ class CacheSource:
                                    f"{member}: size {size[bad]} bytes does not match shape "
                                    f"{shape[bad].tolist()}; run `shards verify`")
             self.off[field], self.shape[field] = off, shape
+            self.count[field] = np.prod(shape, axis=1)
             self.dtype_of[field], self.dtypes[field] = code, dtypes
             if field == "latents" and len(sel):
                 vals, counts = np.unique(shape[rows], axis=0, return_counts=True)
@@ -181,18 +183,18 @@ class CacheSource:
     def views(self, field: str, rows: np.ndarray) -> list[np.ndarray | None]:
         """Numpy views (read-only, zero copy) of ``field`` for ``rows``; None where absent."""
         off, shape, code, dtypes = self.off[field], self.shape[field], self.dtype_of[field], self.dtypes[field]
+        rows = np.asarray(rows)
+        offs, counts, shards, codes = (off[rows].tolist(), self.count[field][rows].tolist(),
+                                       self.shard_of[rows].tolist(), code[rows].tolist())
+        shapes = shape[rows].tolist()
         out: list[np.ndarray | None] = []
-        maps, shard_of, mp = self._maps, self.shard_of, self.map
-        for r in rows.tolist():
-            o = int(off[r])
+        maps, mp = self._maps, self.map
+        for o, c, s, d, shp in zip(offs, counts, shards, codes, shapes):
             if o < 0:
                 out.append(None)
                 continue
-            s = int(shard_of[r])
             mm = maps[s] or mp(s)
-            shp = shape[r]
-            out.append(np.frombuffer(mm, dtype=dtypes[code[r]], count=int(shp.prod()), offset=o)
-                       .reshape(shp.tolist()))
+            out.append(np.frombuffer(mm, dtype=dtypes[d], count=c, offset=o).reshape(shp))
         return out
 
     def close(self) -> None:

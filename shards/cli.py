@@ -49,8 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(manifest.json, index.parquet, rejects.parquet, shard-r*-*.tar).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as JSON (also accepted after the command)")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true",
+    # SUPPRESS: a subcommand without --json must not reset `shards --json COMMAND`
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print the result as JSON (for scripts) instead of a table")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for module in MODULES:

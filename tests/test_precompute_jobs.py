@@ -120,3 +120,19 @@ def test_chatml_and_llava_manifests_end_to_end(real_mini, tiny_config, tmp_path)
     llava, _ = run(real_mini / "llava_captions.json", tmp_path / "llava", tiny_config, progress=False)
     rows = read_index(tmp_path / "llava").to_pylist()
     assert llava.kept == len(rows) > 0 and all(r["has_image"] and r["n_frames"] == 0 for r in rows)
+
+
+def test_plugin_codec_and_bad_sample_in_batch_costs_only_itself(tiny_config, demo_cache, tmp_path):
+    import dataclasses
+    from precompute.job import run
+    cfg = dataclasses.replace(tiny_config, batch_size=8, audio_tokenizer={
+        "factory": "plugin_codec:make", "kwargs": {"poison_s": 2.5}})
+    summary, manifest = run(DEMO / "samples.jsonl", tmp_path / "c", cfg, progress=False)
+    durations = dict(zip(*read_index(demo_cache).select(["key", "duration_s"]).to_pydict().values()))
+    long_keys = {k for k, d in durations.items() if d > 2.5}
+    failed = {r["key"] for r in read_rejects(tmp_path / "c").to_pylist() if r["reason"] == "encode_failed"}
+    assert failed == long_keys and 0 < len(failed) < len(durations) // 2
+    kept = set(read_index(tmp_path / "c").column("key").to_pylist())
+    assert kept == set(durations) - failed
+    assert manifest["n_codebooks"] == 4 and manifest["codec_sample_rate"] == 16000
+    assert manifest["encoders"]["audio_tokenizer"]["class"] == "plugin_codec.EnergyCodec"

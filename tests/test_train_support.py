@@ -242,3 +242,30 @@ def read_metrics(out: Path, split: str = "train") -> list[dict]:
 def load_params(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     return load_file(str(ckpt_dir / "model.safetensors"))
+
+
+# ---- plug-in models (for --model test_train_support:...) -------------------------------------------
+
+class MeanCodesModel(torch.nn.Module):
+    """A minimal plug-in: predicts every codebook's codes from a bias; returns a bare loss tensor."""
+
+    def __init__(self, n_codebooks: int = 8, codebook_size: int = 1024, nan_at_calls: tuple = ()):
+        super().__init__()
+        self.n_codebooks = n_codebooks
+        self.logits = torch.nn.Parameter(torch.zeros(n_codebooks, codebook_size))
+        self.nan_at_calls, self.calls = set(nan_at_calls), 0
+
+    def forward(self, batch):
+        self.calls += 1
+        codes = batch["codes"]
+        B, Q, F = codes.shape
+        logits = self.logits[None, :, None, :].expand(B, Q, F, -1)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), codes.reshape(-1),
+                                                 ignore_index=-100)
+        if self.calls in self.nan_at_calls:
+            loss = loss * float("nan")
+        return loss
+
+
+def make_mean_codes(n_codebooks: int, codebook_size: int, nan_at_calls: tuple = ()):
+    return MeanCodesModel(n_codebooks, codebook_size, tuple(nan_at_calls))

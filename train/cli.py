@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import sys
 
-from . import dist as D
-
 
 def main(argv: list[str] | None = None) -> int:
     from .config import parse_args
@@ -23,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.print_config:
         sys.stdout.write(cfg.dump())
         return 0
+    from . import dist as D  # torch is imported only now: --help and --print-config stay fast
     from .loop import run
 
     try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 import math
 import os
@@ -183,11 +184,12 @@ def make_loader(cfg: TrainConfig, cache: str, batch_size: int, info: D.DistInfo)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, cfg: TrainConfig, info: D.DistInfo, amp) -> dict[str, float]:
+def evaluate(model: nn.Module, loader: Any, start: dict, cfg: TrainConfig, info: D.DistInfo,
+             amp) -> dict[str, float]:
     """Mean validation loss over every rank's slice (see the module docstring)."""
     was_training = model.training
     model.eval()
-    loader.set_epoch(0)
+    loader.load_state_dict(start)  # the same samples every time: rewind to where it started
     sums = torch.zeros(2, dtype=torch.float64, device=info.device)
     for i, batch in enumerate(loader):
         if cfg.eval_batches and i >= cfg.eval_batches:
@@ -223,6 +225,19 @@ def setup_logging(info: D.DistInfo) -> None:
     log.addHandler(h)
     log.setLevel(logging.INFO if info.is_main else logging.WARNING)
     log.propagate = False
+
+
+#: written to OUT by global rank 0 after a stop request (JSON: step, reason, exit_code). torchrun
+#: reports any failing worker as exit status 1, so a job script under torchrun cannot see the
+#: requeue exit code; it checks for this file instead (see scripts/slurm/train.sbatch).
+REQUEUE_MARKER = "REQUEUE"
+
+
+def write_requeue_marker(out: Path, step: int, reason: str, code: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (REQUEUE_MARKER + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "reason": reason, "exit_code": code}) + "\n")
+    os.replace(tmp, out / REQUEUE_MARKER)
 
 
 def make_profiler(cfg: TrainConfig, info: D.DistInfo, out: Path):
@@ -324,15 +339,20 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
 
     # ---- stop requests: a stale stop file is from an earlier job (consumed here, before a barrier) ----
     stop = D.StopRequest(info, cfg.stop_file or out / "STOP", cfg.stop_at_step)
-    if info.is_main and stop.stop_file.exists():
-        log.warning("removing stale stop file %s", stop.stop_file)
-        stop.clear_file()
+    if info.is_main:
+        if stop.stop_file.exists():
+            log.warning("removing stale stop file %s", stop.stop_file)
+            stop.clear_file()
+        (out / REQUEUE_MARKER).unlink(missing_ok=True)
     D.barrier(info)
     stop.install()
 
     metrics = Metrics(out, info.is_main, cfg.steps, step, cfg.tensorboard, cfg.progress, cfg.throughput_warn)
-    val_loader = make_loader(cfg, cfg.val_cache or cfg.cache, cfg.eval_batch_size or cfg.batch_size, info) \
-        if cfg.eval_every else None
+    val_loader = val_start = None
+    if cfg.eval_every:
+        val_loader = make_loader(cfg, cfg.val_cache or cfg.cache, cfg.eval_batch_size or cfg.batch_size, info)
+        val_loader.set_epoch(0)
+        val_start = val_loader.state_dict()
     cb.on_setup and cb.on_setup(dict(model=model, raw=raw, optimizer=optimizer, loader=loader, info=info,
                                      start_step=step))
     prof = make_profiler(cfg, info, out)
@@ -402,7 +422,7 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
             cb.on_step and cb.on_step(step, rec)
 
             if val_loader is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-                vrec = {"step": step, "split": "val", **evaluate(eval_model, val_loader, cfg, info, amp)}
+                vrec = {"step": step, "split": "val", **evaluate(eval_model, val_loader, val_start, cfg, info, amp)}
                 metrics.log(vrec)
                 if info.is_main:
                     log.info("step %d: val_loss %.4f", step, vrec["val_loss"])
@@ -419,6 +439,7 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
                             stop.reason, step, cfg.requeue_exit_code)
                 if info.is_main:
                     stop.clear_file()
+                    write_requeue_marker(out, step, stop.reason, cfg.requeue_exit_code)
                 code = cfg.requeue_exit_code
                 break
     finally:
@@ -426,5 +447,9 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
             prof.stop()
         metrics.close()
         stop.uninstall()
+        for ld in (loader, val_loader):
+            close = getattr(ld, "close", None)
+            if close is not None:
+                close()  # DataLoader workers
     D.barrier(info)
     return code

@@ -231,8 +231,10 @@ class ReferenceModel(nn.Module):
             raise ValueError(f"sequence of {S} tokens exceeds max_positions={self.pos.shape[0]} "
                              "(raise model_kwargs.max_positions or crop the clips)")
         type_ids = torch.cat([torch.full((n,), t, device=codes.device) for n, t in zip(lengths, types)])
-        x = torch.cat(parts, 1) + self.type_emb(type_ids) + self.pos[:S]
         key_valid = torch.cat(masks, 1)                           # (B, S)
+        # positions count valid tokens only: padding (text, absent image) does not shift the audio
+        pos_ids = (key_valid.long().cumsum(1) - 1).clamp_min(0)
+        x = torch.cat(parts, 1) + self.type_emb(type_ids) + self.pos[pos_ids]
         causal = torch.ones(S, S, dtype=torch.bool, device=codes.device).tril()
         eye = torch.eye(S, dtype=torch.bool, device=codes.device)
         attn_mask = ((causal & key_valid[:, None, :]) | eye)[:, None]  # every row sees itself: no NaN rows

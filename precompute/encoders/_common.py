@@ -32,6 +32,7 @@ VOLATILE_CONFIG_KEYS = frozenset(
         "dtype",
         "torch_dtype",
         "_attn_implementation_autoset",
+        "architectures",
     }
 )
 

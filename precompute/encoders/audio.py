@@ -8,28 +8,33 @@ Canonical encoding of one clip of ``n`` samples (the definition every batch repr
 2. the padded clip alone, shape ``(1, 1, frames * hop_length)``, goes through ``model.encode``;
 3. the codes ``(n_codebooks, frames)`` are returned as int16.
 
-Batched vs one-by-one (measured with transformers 5.23, torch 2.13 CPU, fp32): padding clips of
-*different* lengths to the longest one and trimming afterwards is NOT equal to one-by-one for DAC.
-DAC's encoder is non-causal (symmetric zero padding in every conv, residual units with dilation
-1/3/9 at every stride level); after the first layer the activations over the padded tail are not
-zero, so the deeper layers of a short clip see different right context than the conv padding they
-see when encoded alone. Its one-sided receptive field is about 39 * (1+8+40+160+320) + 960 ~ 21,600
-samples, i.e. about 23 frames (0.9 s) at 24 kHz / hop 960. With random weights the measured
-differences were: tiny DAC, the last frame of some clips; Higgs-shaped full DAC, up to the last 12
-frames (e.g. 40 of 256 codes of a 30,000-sample clip batched with a 48,000-sample one). EnCodec and
-Mimi are causal, so extra right padding cannot change earlier frames in exact arithmetic, but the
-tiny EnCodec still showed differing codes for a short clip in a padded batch (floating-point
-differences flipping near-tied codebook distances). Batches of clips of *equal* padded length gave
-bit-identical codes to one-by-one encoding for all three on CPU.
+Batched vs one-by-one (measured with transformers 5.23, torch 2.13 CPU, fp32, random weights):
 
-Therefore :meth:`encode` groups the clips of a call by frame count, pads each clip only to its own
-``frames * hop_length`` (so every batch holds equal-length inputs and there is no cross-clip
-padding at all), and encodes each group in chunks of at most ``max_batch_size`` clips and
-``max_batch_samples`` samples. The codes of a clip never depend on the other clips of the call;
-``tests/test_encoders.py`` checks batched == one-by-one. To get large batches, feed clips of similar
-length together (e.g. sort a shard's clips by length). On GPUs, equal-length batching is still
-required, but bit-identity across batch sizes additionally depends on the conv algorithms cuDNN
-picks; it is not guaranteed there.
+- Padding clips of *different* lengths to the longest one and trimming afterwards is NOT equal to
+  one-by-one for DAC. DAC's encoder is non-causal (symmetric zero padding in every conv, residual
+  units with dilations 1/3/9 at every stride level); after the first layer the activations over
+  the padded tail are not zero, so the deeper layers of a short clip see other right context than
+  the conv padding they see when the clip is encoded alone. The one-sided receptive field is about
+  39 * (1+8+40+160+320) + 960 ~ 21,600 samples, i.e. ~23 frames (0.9 s) at hop 960. Measured: tiny
+  DAC, the last frame of a 20,160-sample clip batched with a 48,000-sample one changed; the
+  Higgs-shaped full DAC, the last 12 frames (40 of 256 codes) of a 30,000-sample clip and the only
+  2 frames of a 961-sample clip. EnCodec and Mimi are causal (no right context), so in exact
+  arithmetic padding cannot change earlier frames, but see the next point.
+- Even batches of clips of *equal* padded length are not bit-identical to one-by-one: conv, LSTM
+  and attention kernels round differently for different batch sizes (measured max |diff| of the
+  encoder output: DAC 1e-10, EnCodec 1e-7 from the LSTM, Mimi 1e-5). Codes are arg-min/arg-max
+  over codebook distances, so a near tie can flip: 6-16 of 2,400 codes for the tiny EnCodec in a
+  batch of 8 two-second clips; 0 of 3,200 for tiny and full DAC.
+- On CPU, batching does not pay: 8 two-second clips through the full DAC took 5.8 s one by one and
+  10.7 s as one batch (1 thread).
+
+Therefore :meth:`encode` encodes clip by clip by default (``max_batch_size=1``): the codes of a clip
+are a function of the clip and the weights only, never of the other clips in the call or of how a
+job was split into calls. ``max_batch_size > 1`` (for GPUs, where batching pays) batches only clips
+of equal frame count, each padded to its own ``frames * hop_length``, so there is never cross-clip
+padding and the receptive-field effect above cannot occur; results then equal one-by-one up to the
+rare float near-tie flips described above (none measured for DAC). Feed clips of similar length
+together (sort a shard's clips by length) to get full batches.
 """
 from __future__ import annotations
 
@@ -116,7 +121,8 @@ class HFCodecTokenizer:
         model: the loaded transformers model (moved to ``device``/``dtype``, put in eval mode, frozen).
         device: torch device for the model and inputs (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
         dtype: model dtype; float32 by default. Half precision is only accepted on CUDA.
-        max_batch_size: at most this many clips per forward pass.
+        max_batch_size: at most this many clips per forward pass; 1 (default) = one-by-one, exact by
+            construction. Larger values batch clips of equal frame count (see module doc).
         max_batch_samples: at most this many (padded) samples per forward pass; bounds memory for long
             clips (a clip longer than this is still encoded, alone).
     """
@@ -136,7 +142,7 @@ class HFCodecTokenizer:
         *,
         device: Any = "cpu",
         dtype: Any = None,
-        max_batch_size: int = 16,
+        max_batch_size: int = 1,
         max_batch_samples: int = 24_000 * 240,
     ) -> None:
         import torch
@@ -194,8 +200,8 @@ class HFCodecTokenizer:
     def encode(self, waveforms: Iterable[np.ndarray]) -> list[np.ndarray]:
         """Encode mono float32 clips at ``sample_rate`` Hz into int16 ``(n_codebooks, ceil(n / hop_length))`` codes.
 
-        Clips are grouped by frame count and batched without cross-clip padding (see module doc), so
-        each result equals encoding that clip alone. Output order is input order.
+        With ``max_batch_size=1`` (default) every clip is encoded alone; otherwise clips of equal frame
+        count are batched, never padded to each other's length (see module doc). Output order is input order.
 
         Raises:
             TypeError: ``waveforms`` is a single array instead of a list of arrays.

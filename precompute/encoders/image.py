@@ -66,7 +66,10 @@ class DiffusersVAEEncoder:
         if int(max_batch_size) < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.max_batch_size = int(max_batch_size)
-        self.vae = vae.to(device=self.device, dtype=self.dtype).eval()
+        vae = vae.to(self.device)
+        if next(vae.parameters()).dtype != self.dtype:  # from_pretrained already loads in self.dtype
+            vae = vae.to(dtype=self.dtype)
+        self.vae = vae.eval()
         self.vae.requires_grad_(False)
         self.pretrained: str | None = None
         self._init_geometry()

@@ -21,6 +21,10 @@ from ..schema import INDEX_FILE, MANIFEST_FILE
 SCALAR_COLUMNS = tuple(n for n in INDEX_SCHEMA.names if n != "members")
 
 
+#: tables longer than this are printed as plain text even on a terminal (rich takes ~1 s per 1000 rows)
+RICH_MAX_ROWS = 2000
+
+
 class UsageError(Exception):
     """Bad arguments or a path that is not what the command needs: exit code 2."""
 
@@ -135,14 +139,19 @@ class Out:
         numeric = [bool(rows) and all(_is_number(r[j]) or r[j] is None for r in rows)
                    for j in range(len(columns))]
         cells = [[fmt_value(v) for v in r] for r in rows]
-        if self.rich:
+        if self.rich and len(cells) <= RICH_MAX_ROWS:
             from rich.table import Table
-            t = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+            from rich.text import Text
+            t = Table()
             for j, c in enumerate(columns):
                 t.add_column(c, justify="right" if numeric[j] else "left", overflow="fold")
             for r in cells:
                 t.add_row(*(_escape(c) for c in r))
+            if title:  # printed outside the table: a table title wraps at the table's width
+                self.console.print(Text(title, style="bold"))
             self.console.print(t)
+            if caption:
+                self.console.print(Text(caption, style="dim"))
             return
         out = sys.stdout
         if title:

@@ -99,7 +99,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             try:
                 e["samples"], e["bytes"] = count_tar(t)
             except (ShardCorrupt, OSError) as exc:
-                e["error"] = str(exc) if not isinstance(exc, OSError) else f"{t}: {exc.strerror}"
+                msg = str(exc) if not isinstance(exc, OSError) else exc.strerror or str(exc)
+                e["error"] = msg[len(f"{t}: "):] if msg.startswith(f"{t}: ") else msg
                 errors += 1
             entries.append(e)
     total = dict(shards=len(entries), samples=sum(e["samples"] or 0 for e in entries),
@@ -180,7 +181,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     sizes = [s.get("bytes") for s in shards]
     info.update(
         shards=len(shards),
-        bytes=sum(b for b in sizes if b) if any(b is not None for b in sizes) else None,
+        bytes=sum(b for b in sizes if b) if any(b is not None for b in sizes) or not sizes else None,
         encoders=manifest.get("encoders"),
         fingerprint=manifest.get("fingerprint"),
         rejected=sum(by_reason.values()),

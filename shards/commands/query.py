@@ -67,7 +67,7 @@ class _Compiler:
         where = ""
         if node is not None and getattr(node, "col_offset", None) is not None:
             where = f" (at column {node.col_offset + 1})"
-        return QueryError(f"invalid query {self.source!r}{where}: {message}")
+        return QueryError(f"invalid query {_short(self.source)}{where}: {message}")
 
     def _src(self, node: ast.AST) -> str:
         return ast.get_source_segment(self.source, node) or type(node).__name__
@@ -207,6 +207,10 @@ def _apply(op: type, a: pc.Expression, b: pc.Expression) -> pc.Expression:
     return a >= b
 
 
+def _short(source: str, limit: int = 80) -> str:
+    return repr(source if len(source) <= limit else source[:limit] + "...")
+
+
 def compile_query(text: str) -> tuple[pc.Expression, set[str]]:
     """Compile a query into ``(pyarrow expression, columns it reads)``; :class:`QueryError` if invalid."""
     source = text.strip()
@@ -219,10 +223,10 @@ def compile_query(text: str) -> tuple[pc.Expression, set[str]]:
         tree = ast.parse(source, mode="eval")
     except SyntaxError as e:
         col = f" at column {e.offset}" if e.offset else ""
-        raise QueryError(f"cannot parse {source!r}{col}: {e.msg}. Use ==, !=, <, <=, >, >=, "
+        raise QueryError(f"cannot parse {_short(source)}{col}: {e.msg}. Use ==, !=, <, <=, >, >=, "
                          "and, or, not, parentheses and quoted 'strings'") from None
     except (RecursionError, MemoryError, ValueError) as e:
-        raise QueryError(f"cannot parse {source!r}: {type(e).__name__}") from None
+        raise QueryError(f"cannot parse {_short(source)}: {type(e).__name__}") from None
     compiler = _Compiler(source)
     try:
         expr = compiler.condition(tree.body)

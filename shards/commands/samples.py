@@ -117,7 +117,7 @@ def render(out: Out, s: dict) -> None:
         ("sha256", f["sha256"]),
     ])
     out.table(["member", "dtype", "shape", "bytes", "min", "max", "mean", "std"],
-              [[m["name"], m["dtype"], tuple(m["shape"]) if m["name"] != JSON_MEMBER else "-",
+              [[m["name"], _dtype_name(m["dtype"]), tuple(m["shape"]) if m["name"] != JSON_MEMBER else "-",
                 m["bytes"], m.get("min"), m.get("max"), m.get("mean"), m.get("std")]
                for m in s["members"]])
     bad = [m for m in s["members"] if m.get("non_finite")]
@@ -126,6 +126,16 @@ def render(out: Out, s: dict) -> None:
     out.line(f"text: {s['text']!s}" if s["text"] is not None else "text: -")
     out.line("json:")
     out.json_block(s["json"])
+
+
+def _dtype_name(dtype: str) -> str:
+    """``"<i2"`` -> ``"int16"``; ``json``/``bytes`` and unknown strings unchanged."""
+    if dtype in ("json", "bytes"):
+        return dtype
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return dtype
 
 
 def _emit(out: Out, samples: list[dict]) -> None:
@@ -188,7 +198,10 @@ def cmd_export_audio(args: argparse.Namespace) -> int:
                        "or metadata")
     if audio.ndim != 1:
         raise NotFound(f"sample {args.key!r}: audio.npy has shape {audio.shape}, expected (num_samples,)")
-    sf.write(str(path), audio, sr, format=ext, subtype="PCM_16")
+    try:
+        sf.write(str(path), audio, sr, format=ext, subtype="PCM_16")
+    except (RuntimeError, OSError, TypeError, ValueError) as e:
+        raise UsageError(f"{path}: cannot write it ({e})") from e
     result = dict(key=args.key, path=str(path), sample_rate=sr, num_samples=int(audio.shape[0]),
                   duration_s=audio.shape[0] / sr)
     if out.json:

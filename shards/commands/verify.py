@@ -27,7 +27,8 @@ from ..errors import ShardcacheError
 from ..index import rows_to_table
 from ..reader import ShardReader
 from ..scan import scan_shard
-from ..schema import INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES
+from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES,
+                      parse_shard_name)
 from ._common import (Out, UsageError, expand_targets, load_manifest, manifest_shards, progress,
                       read_index_columns)
 
@@ -123,7 +124,10 @@ def _scan_problem(shard: str, path: Path, e: Exception) -> Problem:
         if msg.startswith(prefix):
             msg = msg[len(prefix):]
     m = _SAMPLE_IN_MESSAGE.search(msg)
-    return Problem(shard, (m.group(1) or m.group(2)) if m else None, msg)
+    sample = (m.group(1) or m.group(2)) if m else None
+    if m and m.group(1) and msg.startswith(f"sample {sample!r} "):
+        msg = msg[len(f"sample {sample!r} "):]  # the report names the sample already
+    return Problem(shard, sample, msg)
 
 
 def compare_rows(shard: str, scanned: list[dict], indexed: list[dict]) -> list[Problem]:
@@ -210,10 +214,19 @@ def check_shard(path: Path, entry: dict | None, deep: bool,
     """
     name = path.name
     if not path.exists():
-        return [Problem(name, None, "missing: listed in manifest.json but not on disk")], 0
+        msg = "missing: listed in manifest.json but not on disk"
+        try:
+            keys = index_rows(name).column("key").to_pylist() if index_rows is not None else []
+        except ShardcacheError:
+            keys = []
+        if keys:
+            shown = ", ".join(repr(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
+            msg += f"; the index's {len(keys)} sample(s) in it ({shown}) cannot be read"
+        return [Problem(name, None, msg)], 0
     probs: list[Problem] = []
     size = path.stat().st_size
-    if entry is not None and entry.get("bytes") is not None and size != entry["bytes"]:
+    size_bad = entry is not None and entry.get("bytes") is not None and size != entry["bytes"]
+    if size_bad:
         probs.append(Problem(name, None, f"size {size} bytes, manifest.json says {entry['bytes']} "
                                          "(truncated or rewritten)"))
     if entry is not None and not deep:
@@ -231,7 +244,7 @@ def check_shard(path: Path, entry: dict | None, deep: bool,
     except (ShardcacheError, OSError) as e:
         probs.append(_scan_problem(name, path, e))
     if rows is not None and entry is not None and deep:
-        if sha != entry.get("sha256") and size == entry.get("bytes"):
+        if sha != entry.get("sha256") and not size_bad:
             probs.append(Problem(name, None, f"sha256 {sha[:16]}... differs from manifest.json "
                                              f"{str(entry.get('sha256'))[:16]}..."))
         if entry.get("samples") is not None and len(rows) != entry["samples"]:
@@ -283,7 +296,14 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
             manifest = None
     on_disk = sorted(p.name for p in d.glob(SHARD_GLOB) if p.is_file())
     if manifest is not None:
-        entries = {s["path"]: s for s in manifest_shards(manifest)}
+        entries = {}
+        for s in manifest_shards(manifest):
+            try:
+                parse_shard_name(s["path"])  # a plain file name: never a path out of the cache
+                entries[s["path"]] = s
+            except (TypeError, ValueError):
+                problems.append(Problem(None, None, f"manifest.json lists an invalid shard name "
+                                                    f"{s['path']!r}"))
         targets = [(d / name, entries[name]) for name in sorted(entries)]
         for name in on_disk:
             if name not in entries:

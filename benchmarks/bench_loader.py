@@ -1,0 +1,258 @@
+"""Stage two: collated torch batches per second vs ``cat`` of the same shard files.
+
+Builds a realistic synthetic cache in a temporary directory (default 1000 samples in 8 shards:
+7 s of 16 kHz int16 audio, (8, 175) int16 codes, (16, 1, 64, 64) float16 latents, ~60 text ids,
+about 350 KiB per sample), then measures in one run, everything from the page cache:
+
+1. ``cat``: ``cat shards > /dev/null`` (MB/s, best of 3): the ceiling for reading these bytes.
+2. ``shardloader``: :class:`loaders.ShardLoader` with ``num_workers=0`` (one process) delivering
+   padded, collated batches (float32 audio + masks, float32 latents, int64 codes/text):
+   samples/s, shard MB/s and the ratio to ``cat`` (issue target >= 0.4). Also with workers.
+3. ``webdataset``: ``webdataset.WebDataset(shards, shardshuffle=False).decode()``, per-sample
+   dicts of numpy arrays, no batching or collation (so flattering to webdataset): ratio to ``cat``.
+4. resume latency: a fresh loader, ``load_state_dict`` at 10 % and 90 % of an epoch, until the
+   first batch arrives (constant: the loader seeks, it replays nothing), next to the time it takes
+   to iterate to that point.
+5. RSS over 3 epochs with persistent workers: main and worker processes, anonymous memory
+   (``RssAnon``, what a leak grows) and file-backed memory (``RssFile``: mmapped shard pages that
+   the kernel can drop at any time) after each epoch.
+
+Prints a table and writes ``benchmarks/results/loader.json``. CPU time (``process_time``) is
+reported next to wall time: on a shared machine the wall rate depends on the neighbours.
+
+Usage: ``python benchmarks/bench_loader.py [--samples 1000] [--shards 8] [--batch-size 32]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loaders import ShardLoader  # noqa: E402
+from shards import ShardWriter, merge_parts, shard_name  # noqa: E402
+
+
+def build_cache(out: Path, n: int, n_shards: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    per = -(-n // n_shards)
+    k = 0
+    for s in range(n_shards):
+        with ShardWriter(out, shard_name(0, s)) as w:
+            for _ in range(min(per, n - k)):
+                T = 7 * 16000
+                w.add(f"utt{k:07d}", {
+                    "json": {"sample_rate": 16000, "duration_s": T / 16000, "speaker": f"spk{k % 50}",
+                             "text": "a synthetic utterance of about sixty tokens"},
+                    "codes.npy": rng.integers(0, 1024, (8, 175), dtype=np.int16),
+                    "audio.npy": (rng.standard_normal(T) * 3000).astype(np.int16),
+                    "text_ids.npy": rng.integers(1, 32000, int(rng.integers(50, 70)), dtype=np.int32),
+                    "latents.npy": rng.standard_normal((16, 1, 64, 64)).astype(np.float16),
+                })
+                k += 1
+            w.commit()
+    merge_parts(out, {"benchmark": "bench_loader"})
+    return out
+
+
+def _timed(fn, repeat: int = 1) -> tuple[float, float, object]:
+    """Best (wall, cpu) seconds over ``repeat`` calls of ``fn`` and its last result."""
+    best_w = best_c = float("inf")
+    res = None
+    for _ in range(repeat):
+        w0, c0 = time.perf_counter(), time.process_time()
+        res = fn()
+        best_w, best_c = min(best_w, time.perf_counter() - w0), min(best_c, time.process_time() - c0)
+    return best_w, best_c, res
+
+
+def bench_cat(files: list[Path]) -> dict:
+    nbytes = sum(f.stat().st_size for f in files)
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)  # warm
+    wall, _, _ = _timed(lambda: subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL,
+                                               check=True), 3)
+    return {"bytes": nbytes, "wall_s": wall, "MB_s": nbytes / wall / 1e6}
+
+
+def bench_loader(cache: Path, batch_size: int, num_workers: int, shard_bytes: int, n_total: int,
+                 epochs: int = 3) -> dict:
+    loader = ShardLoader(cache, batch_size, num_workers=num_workers, seed=0)
+
+    def one_epoch(e=[0]):
+        loader.set_epoch(e[0])
+        e[0] += 1
+        n = 0
+        for b in loader:
+            n += len(b["keys"])
+        return n
+
+    one_epoch()  # warm: mmaps, workers, allocator
+    wall, cpu, n = _timed(one_epoch, epochs)
+    loader.close()
+    mb = shard_bytes * n / n_total / 1e6
+    return {"num_workers": num_workers, "samples": n, "wall_s": wall, "cpu_s": cpu,
+            "samples_s": n / wall, "MB_s": mb / wall, "MB_s_cpu": mb / cpu if num_workers == 0 else None}
+
+
+def bench_webdataset(files: list[Path], shard_bytes: int) -> dict:
+    import webdataset as wds
+
+    def run():
+        n = 0
+        for _ in wds.WebDataset([str(f) for f in files], shardshuffle=False).decode():
+            n += 1
+        return n
+
+    run()
+    wall, cpu, n = _timed(run, 2)
+    return {"samples": n, "wall_s": wall, "cpu_s": cpu, "samples_s": n / wall, "MB_s": shard_bytes / wall / 1e6}
+
+
+def bench_resume(cache: Path, batch_size: int, num_workers: int) -> list[dict]:
+    steps = len(ShardLoader(cache, batch_size, seed=0))
+    out = []
+    for frac in (0.1, 0.9):
+        k = max(1, int(steps * frac))
+        ref = ShardLoader(cache, batch_size, seed=0)
+        t0 = time.perf_counter()
+        it = iter(ref)
+        for _ in range(k):
+            next(it)
+        replay = time.perf_counter() - t0
+        sd = ref.state_dict()
+        t0 = time.perf_counter()
+        fresh = ShardLoader(cache, batch_size, seed=0, num_workers=num_workers)
+        t1 = time.perf_counter()
+        fresh.load_state_dict(sd)
+        first = next(iter(fresh))
+        t2 = time.perf_counter()
+        assert first["keys"] == next(it)["keys"]
+        fresh.close()
+        out.append({"fraction": frac, "step": k, "num_workers": num_workers, "construct_s": t1 - t0,
+                    "resume_to_first_batch_s": t2 - t1, "iterate_to_same_point_s": replay})
+    return out
+
+
+def _mem(pid: int) -> dict:
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[k] = int(v.split()[0]) / 1024  # MiB
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(d.name))
+            except (FileNotFoundError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def bench_rss(cache: Path, batch_size: int, num_workers: int, epochs: int = 3) -> list[dict]:
+    loader = ShardLoader(cache, batch_size, seed=0, num_workers=num_workers)
+    rows = []
+    for e in range(epochs):
+        loader.set_epoch(e)
+        for _ in loader:
+            pass
+        main = _mem(os.getpid())
+        workers = [_mem(p) for p in _children(os.getpid())]
+        rows.append({"epoch": e, "main_MiB": main,
+                     "workers_RssAnon_MiB": sum(w.get("RssAnon", 0) for w in workers),
+                     "workers_RssFile_MiB": sum(w.get("RssFile", 0) for w in workers),
+                     "workers_VmRSS_MiB": sum(w.get("VmRSS", 0) for w in workers), "n_workers": len(workers)})
+    loader.close()
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=1000)
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="extra runs with workers")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "loader.json")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary cache")
+    args = ap.parse_args(argv)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_loader_"))
+    try:
+        t0 = time.perf_counter()
+        cache = build_cache(tmp / "cache", args.samples, args.shards)
+        build_s = time.perf_counter() - t0
+        files = sorted(cache.glob("shard-*.tar"))
+        cat = bench_cat(files)
+        nbytes = cat["bytes"]
+        ours = [bench_loader(cache, args.batch_size, 0, nbytes, args.samples)]
+        ours += [bench_loader(cache, args.batch_size, w, nbytes, args.samples) for w in args.workers]
+        web = bench_webdataset(files, nbytes)
+        resume = bench_resume(cache, args.batch_size, 0) + bench_resume(cache, args.batch_size, 2)
+        rss = bench_rss(cache, args.batch_size, 2)
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    result = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform(), "loadavg_end": os.getloadavg()},
+        "cache": {"samples": args.samples, "shards": args.shards, "bytes": nbytes,
+                  "KiB_per_sample": nbytes / args.samples / 1024, "build_s": build_s},
+        "batch_size": args.batch_size, "cat": cat,
+        "shardloader": [dict(r, ratio_to_cat=r["MB_s"] / cat["MB_s"],
+                             ratio_to_cat_cpu=(r["MB_s_cpu"] / cat["MB_s"]) if r["MB_s_cpu"] else None)
+                        for r in ours],
+        "webdataset": dict(web, ratio_to_cat=web["MB_s"] / cat["MB_s"]),
+        "resume": resume, "rss": rss, "target_ratio": 0.4,
+    }
+    print(f"cache: {args.samples} samples, {args.shards} shards, {nbytes / 1e6:.0f} MB "
+          f"({nbytes / args.samples / 1024:.0f} KiB/sample); batch {args.batch_size}; load avg "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    print(f"{'reader':<34}{'samples/s':>11}{'MB/s':>9}{'x cat':>8}")
+    print(f"{'cat > /dev/null':<34}{'':>11}{cat['MB_s']:>9.0f}{1:>8.2f}")
+    for r in result["shardloader"]:
+        name = f"ShardLoader num_workers={r['num_workers']}"
+        print(f"{name:<34}{r['samples_s']:>11.0f}{r['MB_s']:>9.0f}{r['ratio_to_cat']:>8.2f}")
+        if r["ratio_to_cat_cpu"]:
+            print(f"{'  same, per CPU second':<34}{r['samples'] / r['cpu_s']:>11.0f}{r['MB_s_cpu']:>9.0f}"
+                  f"{r['ratio_to_cat_cpu']:>8.2f}")
+    w = result["webdataset"]
+    print(f"{'webdataset .decode() (no collate)':<34}{w['samples_s']:>11.0f}{w['MB_s']:>9.0f}{w['ratio_to_cat']:>8.2f}")
+    print("resume (fresh loader, load_state_dict -> first batch) vs iterating there:")
+    for r in resume:
+        print(f"  at {r['fraction']:.0%} (step {r['step']}), workers={r['num_workers']}: "
+              f"{r['resume_to_first_batch_s'] * 1e3:.0f} ms (+ {r['construct_s'] * 1e3:.0f} ms construct) vs "
+              f"{r['iterate_to_same_point_s'] * 1e3:.0f} ms")
+    print("RSS with 2 persistent workers (MiB): epoch, main RssAnon/RssFile, workers RssAnon/RssFile")
+    for r in rss:
+        print(f"  {r['epoch']}: {r['main_MiB'].get('RssAnon', 0):.0f}/{r['main_MiB'].get('RssFile', 0):.0f}, "
+              f"{r['workers_RssAnon_MiB']:.0f}/{r['workers_RssFile_MiB']:.0f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = args.out.with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp_out, args.out)
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

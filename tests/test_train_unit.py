@@ -1,0 +1,330 @@
+"""Single-process tests of ``train``: config, schedule, models, checkpoints, the loop on CPU.
+
+Loop tests use :class:`test_train_support.FakeLoader` (the ShardLoader API over shards.ShardReader)
+so they do not depend on ``loaders``; one test runs the real loader end to end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train_support import (PY, REPO, TINY_MODEL, base_env, collate, have_real_loader, load_params,
+                                make_cache, read_metrics)
+from train import checkpoint as C
+from train import dist as D
+from train.config import TrainConfig, build_parser, from_dict, load_yaml, parse_args
+from train.loop import Callbacks, lr_at, run
+from train.models import DataSpec, ReferenceModel, build_model, count_params, data_spec
+
+FAKE = "test_train_support:FakeLoader"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return make_cache(tmp_path_factory.mktemp("cache") / "c", n=24)
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def cfg_for(cache: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(cache=str(cache), out=str(out), loader=FAKE, model_kwargs=TINY_MODEL, batch_size=4,
+                steps=4, warmup_steps=2, lr=1e-3, ckpt_every=1000, progress=False, threads=1)
+    base.update(kw)
+    return from_dict(base)
+
+
+# ---- import boundary -------------------------------------------------------------------------------
+
+def test_train_never_imports_decoders_or_diffusers(tmp_path):
+    """A fresh interpreter that imports every train module, builds the reference model, applies
+    LoRA (peft pulls transformers) and runs a step has not loaded librosa/soundfile/PIL/diffusers."""
+    code = (
+        "import sys, torch\n"
+        "import train, train.cli, train.loop, train.config, train.dist, train.models, train.checkpoint, train.metrics\n"
+        + ("import loaders\n" if have_real_loader() else "")
+        + "from train.models import ReferenceModel, apply_lora\n"
+        "m = apply_lora(ReferenceModel(d_model=16, n_layers=1, n_heads=2), 2, 4, 0.0, ('qkv',))\n"
+        "bad = [n for n in ('librosa', 'soundfile', 'PIL', 'diffusers') if sys.modules.get(n) is not None]\n"
+        "print('BAD', bad)\n"
+    )
+    r = subprocess.run([PY, "-c", code], cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "BAD []" in r.stdout, r.stdout
+
+
+# ---- config ----------------------------------------------------------------------------------------
+
+def test_config_precedence_yaml_then_cli(tmp_path):
+    y = tmp_path / "t.yaml"
+    y.write_text("steps: 7\nbatch_size: 3\nmodel_kwargs: {d_model: 64, n_layers: 1}\nlora: true\n")
+    cfg = load_yaml(y)
+    assert (cfg.steps, cfg.batch_size, cfg.lora) == (7, 3, True)
+    cfg, _ = parse_args(["--config", str(y), "--steps", "9", "--model-kwargs", '{"d_model": 32}',
+                         "--no-lora", "--fields", "codes,text_ids", "--lr", "1e-3"])
+    assert cfg.steps == 9 and cfg.batch_size == 3 and cfg.lora is False and cfg.lr == 1e-3
+    assert cfg.model_kwargs == {"d_model": 32, "n_layers": 1}  # dict flags update the file's dict
+    assert cfg.fields == ("codes", "text_ids")
+    with pytest.raises(ValueError, match="unknown option"):
+        from_dict({"stepz": 1})
+    with pytest.raises(ValueError, match="schedule"):
+        from_dict({"schedule": "step"})
+    # every field is a documented flag
+    helptext = build_parser().format_help()
+    for name in TrainConfig.__dataclass_fields__:
+        assert "--" + name.replace("_", "-") in helptext
+    assert "requeue" in helptext
+
+
+def test_repo_yaml_loads():
+    cfg = load_yaml(REPO / "configs" / "train.yaml")
+    assert cfg.keep == 3 and cfg.requeue_exit_code == 3 and cfg.pg_timeout_min == 30
+
+
+def test_lr_schedule():
+    cfg = from_dict(dict(lr=1.0, min_lr=0.1, warmup_steps=4, steps=14, schedule="cosine"))
+    assert [lr_at(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, cfg) == pytest.approx(1.0)
+    assert lr_at(9, cfg) == pytest.approx(0.55)
+    assert lr_at(14, cfg) == pytest.approx(0.1) and lr_at(100, cfg) == pytest.approx(0.1)
+    lin = from_dict(dict(lr=1.0, min_lr=0.0, warmup_steps=0, steps=10, schedule="linear"))
+    assert lr_at(5, lin) == pytest.approx(0.5)
+
+
+# ---- models ----------------------------------------------------------------------------------------
+
+def _batch(cache: Path, keys=range(6)):
+    from shards import ShardReader
+    r = ShardReader(cache)
+    return collate([r.get(i) for i in keys], ("codes", "text_ids", "latents"))
+
+
+def test_data_spec_from_manifest(cache):
+    assert data_spec(cache) == DataSpec(8, 1024, 259, 16)
+
+
+@pytest.mark.parametrize("latent_loss", ["none", "cosine", "mse"])
+def test_reference_model_uses_every_modality(cache, latent_loss):
+    torch.manual_seed(0)
+    m = build_model("reference", TINY_MODEL, data_spec(cache), latent_loss=latent_loss)
+    batch = _batch(cache)
+    assert batch["has_image"].any() and not batch["has_image"].all()
+    out = m(batch)
+    assert set(out) >= {"loss", "codes_loss"} and torch.isfinite(out["loss"])
+    assert ("latent_loss" in out) == (latent_loss != "none")
+    out["loss"].backward()
+    no_grad = [n for n, p in m.named_parameters() if p.grad is None]
+    assert no_grad == []  # no unused parameter: DDP needs no find_unused_parameters
+    assert m.text_emb.weight.grad.abs().sum() > 0 and m.latent_proj.weight.grad.abs().sum() > 0
+    assert all(h.weight.grad.abs().sum() > 0 for h in m.heads)  # one head per codebook, all trained
+
+
+def test_reference_model_padding_and_causality(cache):
+    """The batch loss is the mean of per-sample losses (padding ignored), and the logits of frame t
+    depend on codes before t only."""
+    torch.manual_seed(0)
+    m = ReferenceModel(**TINY_MODEL).eval()
+    lengths = _batch(cache, range(6))["codes_lengths"]
+    short, long_ = int(lengths.argmin()), int(lengths.argmax())
+    with torch.no_grad():
+        l_short = m(_batch(cache, [short]))["codes_loss"]
+        l_long = m(_batch(cache, [long_]))["codes_loss"]
+        assert torch.allclose(m(_batch(cache, [short, long_]))["codes_loss"], (l_short + l_long) / 2, atol=1e-5)
+        seen = []
+        hook = m.heads[0].register_forward_hook(lambda mod, inp, out: seen.append(out))
+        b = _batch(cache, [long_])
+        m(b)
+        b["codes"][0, :, 2] = (b["codes"][0, :, 2] + 1) % 1024
+        m(b)
+        hook.remove()
+    a, c = seen
+    assert torch.equal(a[:, :3], c[:, :3])          # frames 0..2 never see frame 2's codes
+    assert not torch.allclose(a[:, 3], c[:, 3])      # frame 3's input is frame 2's codes
+
+
+def test_activation_checkpointing_same_gradients(cache):
+    batch = _batch(cache)
+    grads = []
+    for ac in (False, True):
+        torch.manual_seed(0)
+        m = ReferenceModel(**TINY_MODEL)
+        m.set_activation_checkpointing(ac)
+        m(batch)["loss"].backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_plugin_factory_and_lora(cache):
+    m = build_model("test_train_support:make_mean_codes", {}, DataSpec(n_codebooks=8, codebook_size=1024))
+    assert m.logits.shape == (8, 1024)
+    assert torch.isfinite(m(_batch(cache)))
+    with pytest.raises(ValueError, match="module:factory"):
+        build_model("nocolon", {}, DataSpec())
+    from train.models import apply_lora
+    ref = ReferenceModel(**TINY_MODEL)
+    total = count_params(ref)[1]
+    lora = apply_lora(ref, 4, 8, 0.0, ("qkv", "fc1"))
+    trainable, total2 = count_params(lora)
+    assert 0 < trainable < total2 and total2 > total
+    assert all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+
+class _Loader:
+    def __init__(self):
+        self.sd = {"epoch": 0, "cursor": 0}
+
+    def state_dict(self):
+        return dict(self.sd)
+
+    def load_state_dict(self, sd):
+        self.sd = dict(sd)
+
+
+def test_checkpoint_atomic_keep_k_and_resume_auto(tmp_path):
+    info = D.DistInfo()
+    model = ReferenceModel(**TINY_MODEL)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = _Loader()
+    (tmp_path / "step-99.tmp").mkdir()        # a crashed save: never read, removed by the next save
+    (tmp_path / "step-98").mkdir()            # incomplete (no files): never read
+    assert C.resolve_resume("auto", tmp_path) is None
+    for step in range(1, 6):
+        model(_fake_batch())["loss"].backward()
+        opt.step()
+        loader.sd["cursor"] = step * 4
+        C.save(tmp_path, step, model=model, optimizer=opt, loader=loader, info=info,
+               config={"seed": 0}, keep=3, extra={"epoch": 0})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-3", "step-4", "step-5", "step-98"], names
+    assert C.resolve_resume("auto", tmp_path).name == "step-5"
+    # everything but the weights loads with weights_only=True
+    st = torch.load(tmp_path / "step-5" / "trainer.pt", weights_only=True)
+    assert st["step"] == 5 and st["loaders"] == [{"epoch": 0, "cursor": 20}] and len(st["rng"]) == 1
+    assert json.loads((tmp_path / "step-5" / "config.json").read_text()) == {"seed": 0}
+    # round trip: weights, optimizer, loader, RNG
+    ref_rand = torch.rand(3)
+    model2 = ReferenceModel(**{**TINY_MODEL})
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    loader2 = _Loader()
+    torch.manual_seed(123)
+    C.load(tmp_path / "step-5", model=model2, optimizer=opt2, loader=loader2, info=info)
+    for (n, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert loader2.sd == {"epoch": 0, "cursor": 20}
+    assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    del ref_rand
+
+
+def _fake_batch():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 1024, (2, 8, 5), generator=g)
+    codes[1, :, 3:] = -100
+    return {"codes": codes, "text_ids": torch.randint(1, 259, (2, 4), generator=g),
+            "latents": torch.randn(2, 16, 1, 4, 4, generator=g), "has_image": torch.tensor([True, False])}
+
+
+# ---- the loop in one process -----------------------------------------------------------------------
+
+def test_run_writes_metrics_checkpoints_and_validation(cache, tmp_path):
+    out = tmp_path / "run"
+    cfg = cfg_for(cache, out, steps=5, ckpt_every=2, keep=2, eval_every=2, eval_batches=2,
+                  latent_loss="cosine", log_every=1)
+    assert run(cfg) == 0
+    recs = read_metrics(out)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    for k in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "data_wait", "peak_mem_mb",
+              "codes_loss", "latent_loss", "skipped_steps"):
+        assert k in recs[0], k
+    assert all(0 <= r["data_wait"] <= 1 for r in recs)
+    val = read_metrics(out, "val")
+    assert [r["step"] for r in val] == [2, 4, 5] and val[0]["val_samples"] == 8
+    assert val[0]["val_loss"] != val[1]["val_loss"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["step-4", "step-5"]
+    assert not list(out.glob("*.tmp"))
+    st = torch.load(out / "step-5" / "trainer.pt", weights_only=True)
+    assert st["config"]["steps"] == 5 and st["config"]["latent_loss"] == "cosine"
+
+
+def test_grad_accumulation_matches_full_batch(cache, tmp_path):
+    """1 x B and B/2 x accum 2 in one process reach the same parameters (per-sample loss means)."""
+    a = cfg_for(cache, tmp_path / "a", batch_size=4, grad_accum=1, steps=3)
+    b = cfg_for(cache, tmp_path / "b", batch_size=2, grad_accum=2, steps=3)
+    assert run(a) == 0 and run(b) == 0
+    pa, pb = load_params(tmp_path / "a" / "step-3"), load_params(tmp_path / "b" / "step-3")
+    for k in pa:
+        assert torch.allclose(pa[k], pb[k], atol=2e-5, rtol=1e-4), k
+
+
+def test_non_finite_step_is_skipped(cache, tmp_path):
+    out = tmp_path / "run"
+    cfg = cfg_for(cache, out, steps=4, model="test_train_support:make_mean_codes",
+                  model_kwargs={"nan_at_calls": [2]}, ckpt_every=1, keep=4, warmup_steps=0)
+    assert run(cfg) == 0
+    recs = read_metrics(out)
+    assert [r["skipped_steps"] for r in recs] == [0, 1, 1, 1]
+    assert recs[1]["loss"] != recs[1]["loss"]  # NaN logged as such
+    p1, p2 = load_params(out / "step-1"), load_params(out / "step-2")
+    assert torch.equal(p1["logits"], p2["logits"])  # the NaN step changed nothing
+    assert torch.isfinite(load_params(out / "step-4")["logits"]).all()
+
+
+def test_stop_file_saves_and_returns_requeue_code(cache, tmp_path):
+    out = tmp_path / "run"
+    stop_file = tmp_path / "STOP"
+    stop_file.write_text("stale")  # from an earlier job: removed at start, not obeyed
+
+    def on_step(step, rec):
+        if step == 2:
+            stop_file.touch()
+
+    cfg = cfg_for(cache, out, steps=50, stop_file=str(stop_file), requeue_exit_code=7)
+    assert run(cfg, Callbacks(on_step=on_step)) == 7
+    assert [p.name for p in out.iterdir() if p.is_dir()] == ["step-2"]
+    assert not stop_file.exists()  # consumed, so a requeued job does not stop at once
+    assert json.loads((out / "REQUEUE").read_text())["step"] == 2
+    cfg = cfg_for(cache, out, steps=4, resume="auto")
+    assert run(cfg) == 0 and not (out / "REQUEUE").exists()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+def test_profile_writes_trace(cache, tmp_path):
+    out = tmp_path / "run"
+    assert run(cfg_for(cache, out, steps=4, profile=True, profile_wait=1, profile_warmup=1,
+                       profile_active=1)) == 0
+    assert list((out / "profile").glob("trace-rank0-*.json"))
+
+
+@pytest.mark.skipif(not have_real_loader(), reason="loaders.ShardLoader not available")
+def test_resume_bitwise_with_real_loader(cache, tmp_path):
+    """Real ShardLoader, one process: stop at step 3, resume, same loss sequence bit for bit
+    (across an epoch boundary: 24 samples / batch 4 = 6 steps per epoch)."""
+    kw = dict(loader="loaders:ShardLoader", steps=8, latent_loss="mse", ckpt_every=3)
+    assert run(cfg_for(cache, tmp_path / "a", **kw)) == 0
+    assert run(cfg_for(cache, tmp_path / "b", stop_at_step=3, **kw)) == 3
+    assert run(cfg_for(cache, tmp_path / "b", resume="auto", **kw)) == 0
+    la = [r["loss"] for r in read_metrics(tmp_path / "a")]
+    lb = [r["loss"] for r in read_metrics(tmp_path / "b")]
+    assert len(la) == 8 and la == lb
+    pa, pb = load_params(tmp_path / "a" / "step-8"), load_params(tmp_path / "b" / "step-8")
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_cli_help_and_bad_option():
+    r = subprocess.run([PY, "-m", "train", "--help"], cwd=REPO, env=base_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "--grad-accum" in r.stdout and "torchrun" in r.stdout
+    r = subprocess.run([PY, "-m", "train", "--config", "none", "--schedule", "nope"], cwd=REPO,
+                       env=base_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "schedule" in r.stderr
