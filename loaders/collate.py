@@ -76,40 +76,43 @@ def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
 
 _NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_,
               torch.int16: np.int16, torch.int32: np.int32, torch.float16: np.float16}
+_ALIGN = 64
+
+
+def allocate(layout: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors ``{name: tensor}`` for a batch, from ``(name, shape, dtype)`` entries.
+
+    In the main process each is its own numpy allocation wrapped by ``torch.from_numpy``: glibc
+    recycles freed numpy blocks, whereas ``torch.empty`` blocks of this size come back as fresh
+    kernel pages on every batch (page faults + zeroing: measured 2x slower for a 14 MB batch).
+    In a DataLoader worker all of them are views of ONE shared-memory block (64-byte aligned), so
+    sending the batch to the main process passes one file descriptor instead of one per tensor
+    and creates one shared-memory segment (``default_collate`` creates one per tensor). Keeping
+    any one of these tensors alive keeps the whole block alive.
+    """
+    layout = [(n, tuple(int(x) for x in shp), dt) for n, shp, dt in layout]
+    if get_worker_info() is None:
+        return {n: torch.from_numpy(np.empty(shp, dtype=_NP_DTYPES[dt])) for n, shp, dt in layout}
+    offsets, total = [], 0
+    for _, shp, dt in layout:
+        offsets.append(total)
+        nbytes = int(np.prod(shp, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    storage = torch.UntypedStorage._new_shared(max(total, _ALIGN))
+    out = {}
+    for (name, shp, dt), off in zip(layout, offsets):
+        item = torch.empty((), dtype=dt).element_size()
+        stride, acc = [], 1
+        for d in reversed(shp):
+            stride.append(acc)
+            acc *= max(d, 1)
+        out[name] = torch.empty(0, dtype=dt).set_(storage, off // item, shp, tuple(reversed(stride)))
+    return out
 
 
 def empty_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """Uninitialised tensor for a batch.
-
-    In a DataLoader worker it lives in shared memory (like ``default_collate``: handing it to the
-    main process then sends a handle, not the data). Otherwise it wraps a numpy allocation: glibc
-    recycles freed numpy blocks, whereas ``torch.empty`` blocks of this size come back as fresh
-    pages from the kernel on every batch (page faults + zeroing, measured 2x slower for a
-    14 MB audio batch).
-    """
-    shape = tuple(int(s) for s in shape)
-    if get_worker_info() is None:
-        return torch.from_numpy(np.empty(shape, dtype=_NP_DTYPES[dtype]))
-    numel = 1
-    for s in shape:
-        numel *= s
-    storage = torch.UntypedStorage._new_shared(max(numel, 1) * torch.empty((), dtype=dtype).element_size())
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, tuple(reversed(stride)))
-
-
-def _lengths_mask(lengths: np.ndarray, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lengths`` int64 (B,) and ``mask`` bool (B, width), True on ``[:length]`` of each row."""
-    lens = np.asarray(lengths, dtype=np.int64)
-    mask = empty_tensor((len(lens), width), torch.bool)
-    m = mask.numpy()
-    for j, n in enumerate(lens.tolist()):
-        m[j, :n] = True
-        m[j, n:] = False
-    return torch.from_numpy(lens), mask
+    """One uninitialised tensor, allocated as :func:`allocate` does."""
+    return allocate([("x", shape, dtype)])["x"]
 
 
 def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -132,73 +135,15 @@ def _name(keys: Sequence[str], idx: Iterable[int]) -> list[str]:
     return [keys[i] for i in list(idx)[:6]]
 
 
-def collate_codes(keys: Sequence[str], arrays: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
-    """int16 ``(n_codebooks, F_i)`` arrays -> ``codes`` int64 ``(B, n_codebooks, F)``, lengths, mask."""
-    B = len(arrays)
-    ncb = np.array([a.shape[0] for a in arrays])
-    lens = np.array([a.shape[1] for a in arrays], dtype=np.int64)
-    if B and (ncb != ncb[0]).any():
-        odd = np.flatnonzero(ncb != ncb[0])
-        raise ValueError(f"codes of one batch have different numbers of codebooks: {keys[0]!r} has "
-                         f"{ncb[0]}, {_name(keys, odd)} have {sorted(set(ncb[odd].tolist()))}; "
-                         "was the cache encoded with several codecs? filter by n_codebooks")
-    F = int(lens.max()) if B else 0
-    out = empty_tensor((B, int(ncb[0]) if B else 0, F), torch.int64)
-    o = out.numpy()
-    for j, a in enumerate(arrays):
-        n = a.shape[1]
-        o[j, :, :n] = a
-        if n < F:
-            o[j, :, n:] = CODES_PAD_ID
-    lengths, mask = _lengths_mask(lens, F)
-    return {"codes": out, "codes_lengths": lengths, "codes_mask": mask}
+def _fill_lengths_mask(lens: list[int], lengths: torch.Tensor, mask: torch.Tensor) -> None:
+    lengths.numpy()[:] = lens
+    m = mask.numpy()
+    for j, n in enumerate(lens):
+        m[j, :n] = True
+        m[j, n:] = False
 
 
-def collate_audio(arrays: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
-    """int16 ``(T_i,)`` PCM -> ``audio`` float32 ``(B, T)`` = pcm / 32768 (zero padded), lengths, mask."""
-    B = len(arrays)
-    lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
-    T = int(lens.max()) if B else 0
-    out = empty_tensor((B, T), torch.float32)
-    o = out.numpy()
-    for j, a in enumerate(arrays):
-        n = a.shape[0]
-        if a.dtype.kind == "f":
-            o[j, :n] = a
-        else:
-            np.multiply(a, AUDIO_SCALE, out=o[j, :n])
-        if n < T:
-            o[j, n:] = 0.0
-    lengths, mask = _lengths_mask(lens, T)
-    return {"audio": out, "audio_lengths": lengths, "audio_mask": mask}
-
-
-def collate_text(arrays: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
-    """int32 ``(L_i,)`` token ids -> ``text_ids`` int64 ``(B, L)`` padded with TEXT_PAD_ID, lengths, mask."""
-    B = len(arrays)
-    lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
-    L = int(lens.max()) if B else 0
-    out = empty_tensor((B, L), torch.int64)
-    o = out.numpy()
-    for j, a in enumerate(arrays):
-        n = a.shape[0]
-        o[j, :n] = a
-        if n < L:
-            o[j, n:] = TEXT_PAD_ID
-    lengths, mask = _lengths_mask(lens, L)
-    return {"text_ids": out, "text_lengths": lengths, "text_mask": mask}
-
-
-def collate_latents(keys: Sequence[str], arrays: Sequence[np.ndarray | None],
-                    latent_shape: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
-    """float16 ``(C, T, H, W)`` latents or None -> ``latents`` float32 ``(B, C, T, H, W)`` + ``has_image``.
-
-    Samples without an image get zeros. The shape comes from the batch's image samples, else from
-    ``latent_shape``, else it is ``(B, 0, 0, 0, 0)``. Raises ``ValueError`` naming the keys when the
-    image samples have different shapes.
-    """
-    B = len(arrays)
-    has = np.array([a is not None for a in arrays], dtype=bool)
+def _latent_shape(keys, arrays, latent_shape) -> tuple[int, ...]:
     shapes = {tuple(a.shape) for a in arrays if a is not None}
     if len(shapes) > 1:
         by_shape: dict[tuple, list[str]] = {}
@@ -209,41 +154,85 @@ def collate_latents(keys: Sequence[str], arrays: Sequence[np.ndarray | None],
         raise ValueError(f"latents of one batch have different shapes ({detail}); images of several "
                          "resolutions must be bucketed: one loader per latent shape (filters on the "
                          "index) mixed with loaders.MixedLoader, or re-encode at one resolution")
-    shape = next(iter(shapes)) if shapes else tuple(latent_shape or (0, 0, 0, 0))
-    if not has.any():
-        out = empty_tensor((B, *shape), torch.float32)
-        out.numpy().fill(0.0)
-    else:
-        out = empty_tensor((B, *shape), torch.float32)
-        for j, a in enumerate(arrays):
-            if a is None:
-                out[j].numpy().fill(0.0)
-            else:
-                copy_serial(out[j], torch.from_numpy(a))
-    return {"latents": out, "has_image": torch.from_numpy(has)}
+    return next(iter(shapes)) if shapes else tuple(latent_shape or (0, 0, 0, 0))
 
 
 def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],
                   codes=None, audio=None, text_ids=None, latents=None,
                   latent_shape: Sequence[int] | None = None) -> dict[str, Any]:
-    """Build a batch from per-field lists of numpy arrays (one entry per sample, ``None`` = no image).
+    """Build a batch from per-field lists of numpy arrays (one entry per sample).
 
-    ``sample_rates``: Hz per sample; they must agree (``ValueError`` naming the keys otherwise).
+    ``codes``: int ``(n_codebooks, F_i)``; ``audio``: int16 ``(T_i,)`` (float input is copied
+    unscaled); ``text_ids``: int ``(L_i,)``; ``latents``: float ``(C, T, H, W)`` or None (no
+    image); ``sample_rates``: Hz per sample. ``latent_shape`` is used when no sample of the
+    batch has an image (else the batch's latents are ``(B, 0, 0, 0, 0)``). Raises ``ValueError``
+    naming the keys for mixed sample rates, codebook counts or latent shapes.
     """
+    B = len(keys)
     rates = np.asarray(sample_rates, dtype=np.int64)
-    if len(rates) and (rates != rates[0]).any():
+    if B and (rates != rates[0]).any():
         odd = np.flatnonzero(rates != rates[0])
         raise ValueError(f"samples of one batch have different sample rates: {keys[0]!r} at "
                          f"{rates[0]} Hz, {_name(keys, odd)} at {sorted(set(rates[odd].tolist()))} Hz")
-    batch: dict[str, Any] = {"keys": keys, "sample_rate": int(rates[0]) if len(rates) else 0}
+    i64, f32, b8 = torch.int64, torch.float32, torch.bool
+    layout: list = []
     if "codes" in fields:
-        batch.update(collate_codes(keys, codes))
+        ncb = np.array([a.shape[0] for a in codes])
+        if B and (ncb != ncb[0]).any():
+            odd = np.flatnonzero(ncb != ncb[0])
+            raise ValueError(f"codes of one batch have different numbers of codebooks: {keys[0]!r} has "
+                             f"{ncb[0]}, {_name(keys, odd)} have {sorted(set(ncb[odd].tolist()))}; "
+                             "was the cache encoded with several codecs? filter by n_codebooks")
+        c_len = [a.shape[1] for a in codes]
+        F = max(c_len, default=0)
+        layout += [("codes", (B, int(ncb[0]) if B else 0, F), i64), ("codes_lengths", (B,), i64),
+                   ("codes_mask", (B, F), b8)]
     if "audio" in fields:
-        batch.update(collate_audio(audio))
+        a_len = [a.shape[0] for a in audio]
+        T = max(a_len, default=0)
+        layout += [("audio", (B, T), f32), ("audio_lengths", (B,), i64), ("audio_mask", (B, T), b8)]
     if "text_ids" in fields:
-        batch.update(collate_text(text_ids))
+        t_len = [a.shape[0] for a in text_ids]
+        L = max(t_len, default=0)
+        layout += [("text_ids", (B, L), i64), ("text_lengths", (B,), i64), ("text_mask", (B, L), b8)]
     if "latents" in fields:
-        batch.update(collate_latents(keys, latents, latent_shape))
+        shape = _latent_shape(keys, latents, latent_shape)
+        layout += [("latents", (B, *shape), f32), ("has_image", (B,), b8)]
+    batch: dict[str, Any] = {"keys": keys, "sample_rate": int(rates[0]) if B else 0}
+    batch.update(allocate(layout))
+
+    if "codes" in fields:
+        o = batch["codes"].numpy()
+        for j, a in enumerate(codes):
+            n = c_len[j]
+            o[j, :, :n] = a
+            o[j, :, n:] = CODES_PAD_ID
+        _fill_lengths_mask(c_len, batch["codes_lengths"], batch["codes_mask"])
+    if "audio" in fields:
+        o = batch["audio"].numpy()
+        for j, a in enumerate(audio):
+            n = a_len[j]
+            if a.dtype.kind == "f":
+                o[j, :n] = a
+            else:
+                np.multiply(a, AUDIO_SCALE, out=o[j, :n])
+            o[j, n:] = 0.0
+        _fill_lengths_mask(a_len, batch["audio_lengths"], batch["audio_mask"])
+    if "text_ids" in fields:
+        o = batch["text_ids"].numpy()
+        for j, a in enumerate(text_ids):
+            n = t_len[j]
+            o[j, :n] = a
+            o[j, n:] = TEXT_PAD_ID
+        _fill_lengths_mask(t_len, batch["text_lengths"], batch["text_mask"])
+    if "latents" in fields:
+        out, has = batch["latents"], batch["has_image"].numpy()
+        for j, a in enumerate(latents):
+            has[j] = a is not None
+            if a is None:
+                out[j].numpy().fill(0.0)
+            else:
+                copy_serial(out[j], torch.from_numpy(a))
     return batch
 
 

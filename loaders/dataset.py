@@ -76,7 +76,7 @@ class CacheSource:
         self.fields = check_fields(fields)
         table = read_index(self.cache_dir)
         refuse_unsafe(table, str(self.cache_dir))
-        all_shards = sorted(set(table.column("shard").to_pylist()))
+        all_shards = sorted(pc.unique(table.column("shard")).to_pylist())
         rows = filter_rows(table, filters)
         if len(rows) == 0:
             raise ValueError(f"{self.cache_dir}: no sample left after filters {filters!r} "
@@ -85,8 +85,8 @@ class CacheSource:
         self.n = t.num_rows
         self.keys = t.column("key").combine_chunks()
         self.shard_names = all_shards
-        sid = {s: i for i, s in enumerate(all_shards)}
-        self.shard_of = np.array([sid[s] for s in t.column("shard").to_pylist()], dtype=np.int32)
+        self.shard_of = pc.index_in(t.column("shard"), value_set=pa.array(all_shards, pa.string())) \
+            .to_numpy(zero_copy_only=False).astype(np.int32)
         num = lambda c: t.column(c).to_numpy().astype(np.int64)  # noqa: E731
         self.frames = num("n_frames")
         self.sample_rate = num("sample_rate")
@@ -134,12 +134,12 @@ class CacheSource:
             shape = np.zeros((self.n, ndim), dtype=np.int64)
             if len(sel):
                 shape[rows] = shape_lists.flatten().to_numpy().reshape(len(sel), ndim)
-            dstr = flat.field("dtype").take(pa.array(sel)).to_pylist()
-            uniq = sorted(set(dstr))
-            dtypes = [np.dtype(d) for d in uniq]
+            dstr = flat.field("dtype").take(pa.array(sel))
+            uniq = pc.unique(dstr)
+            dtypes = [np.dtype(d) for d in uniq.to_pylist()]
             code = np.zeros(self.n, dtype=np.int8)
             if len(uniq) > 1:
-                code[rows] = np.searchsorted(np.array(uniq), np.array(dstr))
+                code[rows] = pc.index_in(dstr, value_set=uniq).to_numpy(zero_copy_only=False)
             itemsize = np.array([d.itemsize for d in dtypes] or [1])[code]
             if (present & (np.prod(shape, axis=1) * itemsize != size)).any():
                 bad = np.flatnonzero(present & (np.prod(shape, axis=1) * itemsize != size))[0]
@@ -150,8 +150,12 @@ class CacheSource:
             self.count[field] = np.prod(shape, axis=1)
             self.dtype_of[field], self.dtypes[field] = code, dtypes
             if field == "latents" and len(sel):
-                vals, counts = np.unique(shape[rows], axis=0, return_counts=True)
-                self.latent_shape = tuple(int(v) for v in vals[int(np.argmax(counts))])
+                img = shape[rows]
+                if (img == img[0]).all():
+                    self.latent_shape = tuple(int(v) for v in img[0])
+                else:  # several resolutions: the most common one
+                    vals, counts = np.unique(img, axis=0, return_counts=True)
+                    self.latent_shape = tuple(int(v) for v in vals[int(np.argmax(counts))])
 
     def _check_files(self) -> None:
         need = np.zeros(len(self.shard_names), dtype=np.int64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -147,7 +148,7 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     """Write ``index.parquet``, ``rejects.parquet`` and ``manifest.json`` (atomically, in that order)."""
     keys = index.column("key").to_pylist()
     if len(keys) != len(set(keys)):
-        dup = sorted({k for k in keys if keys.count(k) > 1})[:5]
+        dup = sorted(k for k, n in Counter(keys).items() if n > 1)[:5]
         raise ShardCorrupt(f"{out_dir}: duplicate keys across shards: {dup}")
     reasons: dict[str, int] = {}
     for r in rejects.column("reason").to_pylist():

@@ -88,9 +88,12 @@ class ShardReader:
             if name == JSON_MEMBER:
                 out["json"] = json.loads(mm[off:off + size])
             elif self._dtype[j] is not None:
-                dt = self._dtype[j]
+                dt, shape = self._dtype[j], self._shape[j]
+                if int(np.prod(shape)) * dt.itemsize != size:
+                    raise ShardCorrupt(f"{self.shard_names[self.shard_of[i]]}: sample {self.keys[i]!r} member "
+                                       f"{name}: index says shape {shape} {dt} but {size} bytes")
                 arr = np.frombuffer(mm, dtype=dt, count=size // dt.itemsize, offset=off)
-                out[name[:-4] if name.endswith(".npy") else name] = arr.reshape(self._shape[j])
+                out[name[:-4] if name.endswith(".npy") else name] = arr.reshape(shape)
             else:
                 out[name] = bytes(mm[off:off + size])
         return out

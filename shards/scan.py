@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import mmap
+import os
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -99,14 +101,17 @@ def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[di
     """
     path = Path(path)
     shard = shard_name or path.name
-    raw = path.read_bytes()
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise ShardCorrupt(f"{path}: empty file")
+        raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # no copy of the whole tar in RAM
     rows: list[dict] = []
     members: dict[str, bytes] = {}
     where: dict[str, tuple[int, int]] = {}
     current: str | None = None
     seen: set[str] = set()
     try:
-        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tf:
+        with open(path, "rb") as fh, tarfile.open(fileobj=fh, mode="r:") as tf:
             for info in tf:
                 if not info.isfile():
                     continue
@@ -129,9 +134,9 @@ def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[di
                     raise ShardCorrupt(f"{path}: truncated inside member {info.name!r}")
                 members[ext] = raw[info.offset_data:end]
                 where[ext] = (info.offset_data, info.size)
-    except tarfile.TarError as e:
+    except (tarfile.TarError, EOFError) as e:
         raise ShardCorrupt(f"{path}: not a readable tar ({e}); delete it and rerun precompute "
                            "or `shards reindex`") from e
     if current is not None:
         rows.append(_row(current, shard, members, where))
-    return rows, hashlib.sha256(raw).hexdigest(), len(raw)
+    return rows, hashlib.sha256(raw).hexdigest(), len(raw)  # mmap closes when garbage collected

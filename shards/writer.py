@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import webdataset as wds
 
 from .index import fsync_dir, write_parts
 from .scan import scan_shard
@@ -57,6 +56,7 @@ class ShardWriter:
         self.rejects: list[dict] = []
 
     def _open(self) -> None:
+        import webdataset as wds  # imported on first write: it pulls in torch, slow for the CLI
         self._file = open(self.tmp, "wb")
         self._tar = wds.TarWriter(self._file, encoder=False, mtime=0.0)
 

@@ -158,6 +158,8 @@ def test_splits_of_the_global_batch_reach_equal_parameters(runs):
         assert [r["code"] for r in runs[name]["ranks"]] == [0, 0]
         other = load_params(runs[name]["out"] / f"step-{STEPS}")
         assert ref.keys() == other.keys()
+        worst = max((ref[k] - other[k]).abs().max().item() for k in ref)
+        print(f"1x8 vs {name}: max |diff| {worst:.3g}")
         for k in ref:
             assert torch.allclose(ref[k], other[k], atol=ATOL, rtol=RTOL), \
                 f"{name} {k}: max diff {(ref[k] - other[k]).abs().max():.3g}"

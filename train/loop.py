@@ -329,6 +329,9 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
         random.seed(cfg.seed + info.rank)
         if cfg.resume == "auto" and info.is_main:
             log.info("--resume auto: no checkpoint in %s, starting fresh", out)
+        elif info.is_main and C.list_checkpoints(out):
+            log.warning("%s already holds checkpoints and --resume is not set: starting fresh; they "
+                        "will be replaced or pruned (use --resume auto to continue)", out)
 
     # ---- parallelism: compile, then DDP ----
     model: nn.Module = torch.compile(raw) if cfg.compile else raw

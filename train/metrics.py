@@ -10,13 +10,15 @@ Each line of ``OUT/metrics.jsonl`` is one record::
 ``samples_per_s`` / ``tokens_per_s`` are global (every rank's samples and valid text + audio
 positions over this rank's wall time of the step); ``data_wait`` is the fraction of the step this
 rank spent waiting for batches; ``peak_mem_mb`` is the CUDA allocator peak (or the process max RSS
-on CPU). Validation records carry ``"split": "val"``. A resumed run appends to the same file.
+on CPU). Validation records carry ``"split": "val"``. A resumed run appends to the same file
+after dropping records of steps beyond its checkpoint (so every step appears once).
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,6 +58,7 @@ class Metrics:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / "metrics.jsonl"
+        self._drop_after(start_step)
         self._file = open(self.path, "a", buffering=1)
         if tensorboard:
             try:
@@ -68,8 +71,28 @@ class Metrics:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                              file=sys.stderr, mininterval=1.0)
 
+    def _drop_after(self, step: int) -> None:
+        """Remove records of steps after ``step`` (logged after the checkpoint a run resumes from,
+        or by an earlier run in this directory when starting fresh), so each step appears once."""
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines()
+        keep = []
+        for line in lines:
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except ValueError:
+                pass  # a line cut by a crash
+        if len(keep) != len(lines):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, self.path)
+
     def log(self, rec: dict[str, Any]) -> None:
         """Record one step (call on every rank; only the main rank writes)."""
+        if not self.is_main:
+            return
         step = rec.get("step")
         loss = rec.get("loss")
         if loss is not None and not math.isfinite(loss):
@@ -83,8 +106,6 @@ class Metrics:
                 log.warning("step %s: throughput dropped to %.1f samples/s (running average %.1f); "
                             "data_wait=%.2f", step, sps, self._ema, rec.get("data_wait", float("nan")))
             self._ema = sps if self._ema is None else 0.9 * self._ema + 0.1 * sps
-        if not self.is_main:
-            return
         self._file.write(json.dumps(rec) + "\n")
         if self._tb is not None:
             prefix = rec.get("split", "train")

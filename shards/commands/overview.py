@@ -134,6 +134,21 @@ def _reject_counts(d: Path, manifest: dict) -> dict[str, int]:
     return dict((manifest.get("counts") or {}).get("rejects_by_reason") or {})
 
 
+def _encoder_summary(value, limit: int = 160) -> str:
+    """One line for an encoder entry: name (class) and its scalar settings; --json has it all."""
+    if not isinstance(value, dict):
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    else:
+        head = str(value.get("name", ""))
+        if value.get("class"):
+            head += f" ({value['class']})" if head else str(value["class"])
+        scalars = [f"{k}={v}" for k, v in value.items()
+                   if k not in ("name", "class") and (isinstance(v, (int, float, bool))
+                                                      or (isinstance(v, str) and len(v) <= 24))]
+        text = ", ".join(x for x in [head] + scalars if x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     out = Out(args)
     d = cache_dir(args.dir)
@@ -213,8 +228,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     encoders = info["encoders"]
     if isinstance(encoders, dict) and encoders:
         for name, value in encoders.items():
-            pairs.append((f"encoder {name}", value if isinstance(value, str)
-                          else json.dumps(value, sort_keys=True, ensure_ascii=False)))
+            pairs.append((f"encoder {name}", _encoder_summary(value)))
     else:
         pairs.append(("encoders", "-" if encoders is None else json.dumps(encoders, ensure_ascii=False)))
     pairs.append(("fingerprint", fmt_value(info["fingerprint"])))
