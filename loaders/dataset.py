@@ -161,6 +161,8 @@ class CacheSource:
         need = np.zeros(len(self.shard_names), dtype=np.int64)
         np.maximum.at(need, self.shard_of, self._end)
         for i, name in enumerate(self.shard_names):
+            if need[i] == 0:
+                continue  # every sample of this shard was filtered out: never opened
             path = self.cache_dir / name
             try:
                 size = path.stat().st_size

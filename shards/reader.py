@@ -54,7 +54,7 @@ class ShardReader:
                        for d in flat.field("dtype").to_pylist()]
         self._shape = [tuple(s) for s in flat.field("shape").to_pylist()]
         for j, name in enumerate(self._name):
-            if name.lower().endswith(PICKLE_EXTENSIONS):
+            if ("." + name.lower()).endswith(PICKLE_EXTENSIONS):
                 row = int(np.searchsorted(self._bounds, j, side="right") - 1)
                 raise UnsafeMember(
                     f"{self.shard_names[self.shard_of[row]]}: sample {self.keys[row]!r} has member "

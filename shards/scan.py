@@ -118,7 +118,7 @@ def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[di
                 key, dot, ext = info.name.rpartition("/")[2].partition(".")
                 if not dot or not key:
                     raise ShardCorrupt(f"{path}: member {info.name!r} has no KEY.ext name")
-                if ext.lower().endswith(PICKLE_EXTENSIONS):
+                if ("." + ext.lower()).endswith(PICKLE_EXTENSIONS):
                     raise UnsafeMember(
                         f"{path}: sample {key!r} has member {info.name!r} that would need "
                         "unpickling; shardcache never unpickles shard data")

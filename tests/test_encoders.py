@@ -128,6 +128,23 @@ def test_reload_gives_identical_codes_and_hash(models, dac):
     assert fresh.describe() == dac.describe() == again.describe()
 
 
+@pytest.mark.parametrize("name", ["encodec", "mimi", "wan", "cosmos"])
+def test_reload_matches_in_memory_model(models, name):
+    """save_pretrained -> from_pretrained keeps everything that matters (incl. the filled codebook buffers)."""
+    from precompute.encoders import AUDIO_TOKENIZERS, IMAGE_ENCODERS
+
+    cls = {**AUDIO_TOKENIZERS, **IMAGE_ENCODERS}[name]
+    fresh = cls(random_models.MAKERS[name]("tiny"))
+    loaded = cls.from_pretrained(str(models[name]))
+    assert fresh.describe() == loaded.describe()
+    if name in AUDIO_TOKENIZERS:
+        x = [chirp(24000, seed=31)]
+        np.testing.assert_array_equal(fresh.encode(x)[0], loaded.encode(x)[0])
+    else:
+        x = images(1, 64, 64, seed=31)
+        np.testing.assert_array_equal(fresh.encode(x), loaded.encode(x))
+
+
 def test_audio_input_validation(dac):
     with pytest.raises(TypeError, match="list"):
         dac.encode(chirp(960))
@@ -314,6 +331,22 @@ def test_unknown_names_and_options(models, tmp_path):
         load_audio_tokenizer({"name": "dac", "pretrained": str(missing)})
     with pytest.raises(FileNotFoundError, match="random_models"):
         load_image_encoder({"name": "wan", "pretrained": str(tmp_path / "nothing")})
+
+
+def test_relative_default_path_fails_fast(tmp_path, monkeypatch):
+    """The default config's 'models/dac-tiny' is local even without models/ (no hub retries)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="random_models"):
+        load_audio_tokenizer({"name": "dac", "pretrained": "models/dac-tiny"})
+
+
+def test_vae_in_pipeline_layout(models, tmp_path):
+    import shutil
+
+    shutil.copytree(models["wan"], tmp_path / "pipeline" / "vae")
+    auto = load_image_encoder({"name": "wan", "pretrained": str(tmp_path / "pipeline")})
+    explicit = load_image_encoder({"name": "wan", "pretrained": str(tmp_path / "pipeline"), "subfolder": "vae"})
+    assert auto.describe()["weights_sha256"] == explicit.describe()["weights_sha256"]
 
 
 # -- fingerprint ----------------------------------------------------------------------------------------

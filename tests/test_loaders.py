@@ -489,3 +489,29 @@ def test_spawn_context_workers(cache):
     ld = ShardLoader(cache, 4, seed=8, num_workers=1, multiprocessing_context="spawn")
     assert epoch_keys(ld, 3) == ref
     ld.close()
+
+
+def test_epoch_end_state_and_errors(cache):
+    import json
+    import warnings
+    ld = ShardLoader(cache, 5, seed=1)
+    keys0 = epoch_keys(ld)
+    sd = json.loads(json.dumps(ld.state_dict()))  # plain JSON types
+    assert sd["cursor"] == 25 and sd["epoch"] == 0 and set(sd) >= {"epoch", "cursor", "seed", "world_size",
+                                                                 "global_batch_size"}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert epoch_keys(ld) == []  # a finished epoch yields nothing until set_epoch(next)
+    assert "set_epoch(1)" in str(w[0].message)
+    ld.set_epoch(0)  # same epoch: cursor kept (so set_epoch may follow load_state_dict)
+    assert ld.step == 5
+    assert epoch_keys(ld, 1) != keys0 and ld.step == 5
+    fresh = ShardLoader(cache, 5, seed=1)
+    fresh.load_state_dict(sd)
+    assert fresh.step == len(fresh) == 5
+    with pytest.raises(ValueError, match="missing"):
+        fresh.load_state_dict({"epoch": 0})
+    with pytest.raises(ValueError, match="global_rank"):
+        ShardLoader(cache, 2, global_rank=2, world_size=2)
+    with pytest.raises(ValueError, match="unknown fields"):
+        ShardLoader(cache, 2, fields=("codes", "video"))

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,7 +40,7 @@ STEPS = 8            # 24 samples / global batch 8 = 3 steps per epoch: crosses 
 TIMEOUT = 120        # seconds for any multi-process run (a hang fails the test)
 # float32 on CPU, 8 AdamW steps at lr 1e-3: the three splits sum the same per-sample gradients in a
 # different order (rounding ~1e-7 relative); AdamW's normalisation keeps the drift near that size.
-ATOL, RTOL = 1e-5, 1e-4
+ATOL, RTOL = 2e-6, 1e-5
 
 
 def common(cache: Path, out: Path) -> dict:
@@ -127,6 +126,14 @@ def spawn(world: int, cfg: dict, result_dir: Path) -> list[dict]:
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """In-process runs set torch threads to 1 (--threads 1); give the session its setting back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return make_cache(tmp_path_factory.mktemp("ddp") / "cache", n=24, n_shards=3)
@@ -141,10 +148,12 @@ def runs(cache, tmp_path_factory) -> dict:
     from train.config import from_dict
     from train.loop import run
     saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
+    threads = torch.get_num_threads()
     try:
         assert run(from_dict({**common(cache, base / "1x8"), "batch_size": 8})) == 0
     finally:
         os.environ.update(saved)
+        torch.set_num_threads(threads)
     out["1x8"] = {"out": base / "1x8"}
     for name, kw in (("2x4", dict(batch_size=4)), ("2x2a2", dict(batch_size=2, grad_accum=2))):
         cfg = {**common(cache, base / name), **kw}
@@ -167,7 +176,7 @@ def test_splits_of_the_global_batch_reach_equal_parameters(runs):
     l1 = [r["loss"] for r in read_metrics(runs["1x8"]["out"])]
     for name in ("2x4", "2x2a2"):
         ln = [r["loss"] for r in read_metrics(runs[name]["out"])]
-        assert len(ln) == STEPS and all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(l1, ln)), (l1, ln)
+        assert len(ln) == STEPS and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(l1, ln)), (l1, ln)
 
 
 def test_parameters_identical_on_every_rank_after_every_step(runs):
@@ -265,3 +274,24 @@ def test_a_failing_rank_makes_the_other_exit(cache, tmp_path, fail_rank):
     assert codes[fail_rank] == 1 and codes[1 - fail_rank] != 0, codes
     assert f"--fail-at-step 2 on rank {fail_rank}" in outs[fail_rank]
     assert elapsed < 60
+
+
+def test_elastic_resume_of_a_two_rank_checkpoint_on_one_rank(runs, tmp_path):
+    """A 2 x 4 checkpoint resumed by 1 x 8 (same global batch): the loader continues from the same
+    global position, so the last steps match the 2-rank run to float tolerance."""
+    from train.config import from_dict
+    from train.loop import run
+
+    src = runs["2x4"]["out"]
+    out = tmp_path / "elastic"
+    threads = torch.get_num_threads()
+    try:
+        code = run(from_dict({**common(Path(json.loads((src / "step-6" / "config.json").read_text())["cache"]), out),
+                              "batch_size": 8, "resume": str(src / "step-6")}))
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    got = [r["loss"] for r in read_metrics(out)]
+    want = [r["loss"] for r in read_metrics(src)][6:]
+    assert [r["step"] for r in read_metrics(out)] == [7, 8]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)

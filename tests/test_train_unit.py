@@ -6,9 +6,7 @@ so they do not depend on ``loaders``; one test runs the real loader end to end.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,14 @@ from train.loop import Callbacks, lr_at, run
 from train.models import DataSpec, ReferenceModel, build_model, count_params, data_spec
 
 FAKE = "test_train_support:FakeLoader"
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """In-process runs set torch threads to 1 (--threads 1); give the session its setting back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +117,10 @@ def _batch(cache: Path, keys=range(6)):
 
 def test_data_spec_from_manifest(cache):
     assert data_spec(cache) == DataSpec(8, 1024, 259, 16)
+    if have_real_loader():
+        from loaders import CODES_PAD_ID
+        from train.models import IGNORE_INDEX
+        assert CODES_PAD_ID == IGNORE_INDEX == -100
 
 
 @pytest.mark.parametrize("latent_loss", ["none", "cosine", "mse"])
@@ -206,6 +216,7 @@ def test_checkpoint_atomic_keep_k_and_resume_auto(tmp_path):
         loader.sd["cursor"] = step * 4
         C.save(tmp_path, step, model=model, optimizer=opt, loader=loader, info=info,
                config={"seed": 0}, keep=3, extra={"epoch": 0})
+    after_save = (torch.rand(3), __import__("numpy").random.rand(2), __import__("random").random())
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-3", "step-4", "step-5", "step-98"], names
     assert C.resolve_resume("auto", tmp_path).name == "step-5"
@@ -214,7 +225,6 @@ def test_checkpoint_atomic_keep_k_and_resume_auto(tmp_path):
     assert st["step"] == 5 and st["loaders"] == [{"epoch": 0, "cursor": 20}] and len(st["rng"]) == 1
     assert json.loads((tmp_path / "step-5" / "config.json").read_text()) == {"seed": 0}
     # round trip: weights, optimizer, loader, RNG
-    ref_rand = torch.rand(3)
     model2 = ReferenceModel(**{**TINY_MODEL})
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
     loader2 = _Loader()
@@ -224,7 +234,9 @@ def test_checkpoint_atomic_keep_k_and_resume_auto(tmp_path):
         assert torch.equal(a, b), n
     assert loader2.sd == {"epoch": 0, "cursor": 20}
     assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
-    del ref_rand
+    again = (torch.rand(3), __import__("numpy").random.rand(2), __import__("random").random())
+    assert torch.equal(after_save[0], again[0]) and (after_save[1] == again[1]).all()
+    assert after_save[2] == again[2]  # torch, numpy and python RNG streams continue where they were
 
 
 def _fake_batch():

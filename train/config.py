@@ -67,7 +67,7 @@ class TrainConfig:
     min_lr: float = _f(3e-5, "final learning rate of the cosine/linear decay.")
     warmup_steps: int = _f(100, "linear warmup steps (from lr/warmup to lr).")
     schedule: str = _f("cosine", "cosine | linear | constant (after warmup).")
-    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only; biases, norms, embeddings exempt).")
+    weight_decay: float = _f(0.1, "AdamW weight decay on matrices and embeddings (dim >= 2); biases and norms exempt.")
     beta1: float = _f(0.9, "AdamW beta1.")
     beta2: float = _f(0.95, "AdamW beta2.")
     eps: float = _f(1e-8, "AdamW epsilon.")
@@ -184,6 +184,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.grad_accum >= 1, "grad_accum must be >= 1"),
         (cfg.steps >= 0, "steps must be >= 0"),
         (cfg.keep >= 1, "keep must be >= 1"),
+        (cfg.ckpt_every >= 1 and cfg.log_every >= 1, "ckpt_every and log_every must be >= 1"),
+        (cfg.eval_every >= 0 and cfg.eval_batches >= 0, "eval_every and eval_batches must be >= 0"),
         (cfg.schedule in ("cosine", "linear", "constant"), "schedule must be cosine|linear|constant"),
         (cfg.precision in ("auto", "bf16", "fp32"), "precision must be auto|bf16|fp32"),
         (cfg.latent_loss in ("none", "cosine", "mse"), "latent_loss must be none|cosine|mse"),
@@ -192,6 +194,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.model == "reference" or ":" in cfg.model, "model must be 'reference' or module:factory"),
         (":" in cfg.loader, "loader must be module:class"),
         (not cfg.lora or cfg.lora_r >= 1, "lora_r must be >= 1"),
+        (cfg.latent_loss == "none" or "latents" in cfg.fields, "latent_loss needs 'latents' in fields"),
+        ("codes" in cfg.fields or cfg.model != "reference", "the reference model needs 'codes' in fields"),
         (0 <= cfg.requeue_exit_code <= 255, "requeue_exit_code must be 0..255"),
     ]
     for ok, msg in checks:

@@ -38,6 +38,7 @@ import platform
 import random
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -150,7 +151,10 @@ def batch_stream(loader: Any, pos: dict[str, int]) -> Iterator[dict]:
     empty = 0
     while True:
         n = 0
-        for batch in loader:
+        with warnings.catch_warnings():  # resuming from a checkpoint taken at the end of an epoch
+            warnings.filterwarnings("ignore", message=".*already complete.*")
+            it = iter(loader)
+        for batch in it:
             n += 1
             yield batch
         empty = empty + 1 if n == 0 else 0
@@ -409,8 +413,8 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
             rec = None
             if step % cfg.log_every == 0 or step == cfg.steps:
                 names = sorted(extra_sum)
-                stats = torch.stack([loss_sum / accum, tokens.to(loss_sum.dtype)]
-                                    + [extra_sum[k] / accum for k in names]).float()
+                stats = torch.stack([t.float() for t in [loss_sum / accum, tokens]
+                                     + [extra_sum[k] / accum for k in names]])
                 D.all_reduce_(stats, info)
                 vals = stats.tolist()
                 dt = time.perf_counter() - t_start
@@ -425,7 +429,8 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
             cb.on_step and cb.on_step(step, rec)
 
             if val_loader is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-                vrec = {"step": step, "split": "val", **evaluate(eval_model, val_loader, val_start, cfg, info, amp)}
+                vrec = {"step": step, "split": "val",
+                        **evaluate(eval_model, val_loader, val_start, cfg, info, amp)}
                 metrics.log(vrec)
                 if info.is_main:
                     log.info("step %d: val_loss %.4f", step, vrec["val_loss"])
@@ -437,7 +442,7 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
                        extra={"epoch": pos["epoch"], "skipped_steps": skipped,
                               "schedule": {"kind": cfg.schedule, "lr": cfg.lr, "min_lr": cfg.min_lr,
                                            "warmup_steps": cfg.warmup_steps, "steps": cfg.steps}})
-            if stopping:
+            if stopping and step < cfg.steps:  # (a stop at the last step is just the end)
                 log.warning("stop requested (%s): checkpoint saved at step %d; exiting with %d for requeue",
                             stop.reason, step, cfg.requeue_exit_code)
                 if info.is_main:
@@ -450,9 +455,9 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
             prof.stop()
         metrics.close()
         stop.uninstall()
-        for ld in (loader, val_loader):
-            close = getattr(ld, "close", None)
-            if close is not None:
-                close()  # DataLoader workers
+    for ld in (loader, val_loader):
+        close = getattr(ld, "close", None)
+        if close is not None:
+            close()  # DataLoader workers
     D.barrier(info)
     return code

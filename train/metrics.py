@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ VOLATILE_CONFIG_KEYS = frozenset(
         "transformers_version",
         "_commit_hash",
         "_diffusers_version",
+        "_class_name",
         "_use_default_values",
         "dtype",
         "torch_dtype",
@@ -160,12 +162,18 @@ def resolve_dtype(dtype: Any) -> "torch.dtype":
     return getattr(torch, name)
 
 
+#: directory names written by ``precompute.random_models`` (``dac-tiny``, ``wan-full``...): never hub ids
+_RANDOM_MODEL_DIR = re.compile(r"^(dac|encodec|mimi|wan|cosmos|tokenizer)-(tiny|full)$")
+
+
 def resolve_pretrained(pretrained: Any, *, what: str) -> str:
     """Return ``pretrained`` as a string for ``from_pretrained``, failing early on missing local dirs.
 
     A value is treated as a local path when it exists, is absolute, starts with ``.``/``~``, has more
-    than one ``/``, or its first component is an existing directory (``models/dac-tiny`` when
-    ``models/`` exists). A missing local path raises ``FileNotFoundError`` with :data:`BUILD_HINT`.
+    than one ``/``, its first component is an existing directory (``models/dac-tiny`` when
+    ``models/`` exists) or its last component is a ``precompute.random_models`` name (``dac-tiny``,
+    ``wan-full``...; so a forgotten ``make models`` fails at once instead of after the hub client's
+    retries). A missing local path raises ``FileNotFoundError`` with :data:`BUILD_HINT`.
     Anything else (``org/name``, ``name``) is passed on as a Hugging Face hub id; if loading it fails
     the caller raises :func:`load_error`, which carries the same hint.
     """
@@ -183,6 +191,7 @@ def resolve_pretrained(pretrained: Any, *, what: str) -> str:
         or text.startswith((".", "~"))
         or text.count("/") > 1
         or Path(text.split("/", 1)[0]).is_dir()
+        or _RANDOM_MODEL_DIR.match(path.name) is not None
         or os.sep != "/" and os.sep in text
     )
     if looks_local:

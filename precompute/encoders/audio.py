@@ -1,6 +1,6 @@
 """Audio codec tokenizers (transformers ``DacModel``, ``EncodecModel``, ``MimiModel``) behind :class:`AudioTokenizer`.
 
-Canonical encoding of one clip of ``n`` samples (the definition every batch reproduces exactly):
+Canonical encoding of one clip of ``n`` samples (what :meth:`HFCodecTokenizer.encode` computes per clip):
 
 1. the clip is zero-padded at the end to ``frames * hop_length`` samples, ``frames = ceil(n / hop_length)``
    (this is what ``DacFeatureExtractor`` does with ``pad_to_multiple_of=hop_length``, and the last
@@ -23,10 +23,12 @@ Batched vs one-by-one (measured with transformers 5.23, torch 2.13 CPU, fp32, ra
 - Even batches of clips of *equal* padded length are not bit-identical to one-by-one: conv, LSTM
   and attention kernels round differently for different batch sizes (measured max |diff| of the
   encoder output: DAC 1e-10, EnCodec 1e-7 from the LSTM, Mimi 1e-5). Codes are arg-min/arg-max
-  over codebook distances, so a near tie can flip: 6-16 of 2,400 codes for the tiny EnCodec in a
-  batch of 8 two-second clips; 0 of 3,200 for tiny and full DAC.
+  over codebook distances, so a near tie can flip: in a batch of 8 two-second clips, 2-3 of 2,400
+  codes for the tiny EnCodec and 0-2 for the full-size one (1 or 2 threads); none for DAC (tiny,
+  full: 0 of 3,200) or Mimi (full: 0 of 6,400). Trained codebooks have fewer near ties than
+  random ones, but nothing rules them out.
 - On CPU, batching does not pay: 8 two-second clips through the full DAC took 5.8 s one by one and
-  10.7 s as one batch (1 thread).
+  10.7 s as one batch (1 thread, busy 2-core machine).
 
 Therefore :meth:`encode` encodes clip by clip by default (``max_batch_size=1``): the codes of a clip
 are a function of the clip and the weights only, never of the other clips in the call or of how a
@@ -38,7 +40,6 @@ together (sort a shard's clips by length) to get full batches.
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
 

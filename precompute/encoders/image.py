@@ -49,7 +49,7 @@ class DiffusersVAEEncoder:
     """
 
     name = "vae"
-    OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size")
+    OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size", "subfolder")
 
     spatial_factor: int
     latent_channels: int
@@ -100,11 +100,14 @@ class DiffusersVAEEncoder:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, pretrained: Any, *, device: Any = "cpu", dtype: Any = None, **kwargs: Any):
+    def from_pretrained(
+        cls, pretrained: Any, *, device: Any = "cpu", dtype: Any = None, subfolder: str | None = None, **kwargs: Any
+    ):
         """Load the VAE with diffusers ``from_pretrained`` (local directory or hub id) and wrap it.
 
-        A diffusers pipeline repository is accepted too: if ``pretrained`` has a ``vae/`` subfolder
-        that is used.
+        A diffusers pipeline layout is accepted too: give ``subfolder="vae"`` (needed for hub ids, e.g.
+        a Cosmos-Predict2 pipeline repository); a local directory without ``config.json`` but with
+        ``vae/config.json`` is detected automatically.
 
         Raises:
             FileNotFoundError: ``pretrained`` looks like a local path that does not exist (the message
@@ -117,7 +120,9 @@ class DiffusersVAEEncoder:
         path = resolve_pretrained(pretrained, what=what)
         load_kwargs: dict[str, Any] = {"torch_dtype": resolve_dtype(dtype)}
         p = Path(path)
-        if p.is_dir() and not (p / "config.json").exists() and (p / "vae" / "config.json").exists():
+        if subfolder:
+            load_kwargs["subfolder"] = subfolder
+        elif p.is_dir() and not (p / "config.json").exists() and (p / "vae" / "config.json").exists():
             load_kwargs["subfolder"] = "vae"
         try:
             vae = cls._model_class().from_pretrained(path, **load_kwargs)
