@@ -27,13 +27,15 @@ it, and the ``cluster_size``/``cluster_usage``/``inited`` buffers are set (Mimi'
 ``codebook._embed`` is reset). Loading back gives non-constant codes. DAC's codebooks are ``nn.Embedding`` and need no fix.
 
 Everything is seeded (``--seed``, default 0): the same command builds byte-identical weights.
-Existing directories are skipped unless ``--force``; a model is written to a temporary sibling first
-and renamed into place, so an interrupted build never leaves a half-written model directory.
+Existing directories are skipped unless ``--force``; a model is written to a per-process temporary
+sibling first and renamed into place, so an interrupted or concurrent build never leaves a
+half-written model directory.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import sys
 import time
@@ -281,7 +283,7 @@ def build(name: str, out: str | Path, size: str = "tiny", *, force: bool = False
     if dest.exists() and not force:
         return dest, False
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp"
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"  # per process: concurrent builds do not collide
     if tmp.exists():
         shutil.rmtree(tmp)
     obj = MAKERS[name](size=size, seed=seed)
@@ -295,8 +297,16 @@ def build(name: str, out: str | Path, size: str = "tiny", *, force: bool = False
         if bars:
             hf_logging.enable_progress_bar()
     if dest.exists():
+        if not force:  # another process finished the same (seeded, identical) model first
+            shutil.rmtree(tmp)
+            return dest, False
         shutil.rmtree(dest)
-    tmp.rename(dest)
+    try:
+        tmp.rename(dest)
+    except OSError:  # lost a race against a concurrent --force build; its result is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not dest.exists():
+            raise
     return dest, True
 
 

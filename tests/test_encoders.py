@@ -385,6 +385,6 @@ def test_random_models_cli(tmp_path, capsys):
     assert "exists" in capsys.readouterr().out
     random_models.main(["--out", str(tmp_path), "--only", "dac", "--force"])
     assert "built" in capsys.readouterr().out
-    assert not list(tmp_path.glob(".*.tmp"))
+    assert not list(tmp_path.glob(".*.tmp*"))
     with pytest.raises(SystemExit):
         random_models.main(["--out", str(tmp_path), "--only", "nope"])

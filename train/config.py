@@ -108,7 +108,7 @@ class TrainConfig:
     profile_active: int = _f(3, "profiler schedule: recorded steps.")
 
     # ---- testing hooks ---------------------------------------------------------------------------
-    fail_at_step: int = _f(-1, "testing: raise RuntimeError before this step on --fail-rank (-1 = never).")
+    fail_at_step: int = _f(-1, "testing: --fail-rank raises RuntimeError once this many steps are done (-1 = never).")
     fail_rank: int = _f(-1, "testing: the global rank that raises at --fail-at-step.")
 
     def to_dict(self) -> dict[str, Any]:

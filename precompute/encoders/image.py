@@ -158,7 +158,7 @@ class DiffusersVAEEncoder:
             with torch.inference_mode():
                 x = torch.from_numpy(chunk).to(self.device)
                 x = x.permute(0, 3, 1, 2).to(torch.float32).div_(127.5).sub_(1.0)
-                x = x.unsqueeze(2).to(self.dtype)  # (b, 3, 1, H, W)
+                x = x.unsqueeze(2).to(self.dtype).contiguous()  # (b, 3, 1, H, W)
                 z = self.vae.encode(x).latent_dist.mode()
                 if tuple(z.shape) != (len(chunk), *out_shape):
                     raise RuntimeError(
