@@ -48,7 +48,8 @@ def _uncached_batch(reqs, enc, cfg) -> dict:
     for key, fields, _ in encoded:
         samples.append({"__key__": key, "codes": fields["codes.npy"], "text_ids": fields["text_ids.npy"],
                         **({"latents": fields["latents.npy"]} if "latents.npy" in fields else {})})
-    return collate_fn(samples, fields=FIELDS)
+    grid = cfg.image_size // enc.image.spatial_factor
+    return collate_fn(samples, fields=FIELDS, latent_shape=(enc.image.latent_channels, 1, grid, grid))
 
 
 def bench(manifest: Path, cache: Path, cfg, batch_size: int = 4, steps: int = 4, warmup: int = 1) -> dict:

@@ -214,7 +214,7 @@ class ReferenceModel(nn.Module):
             masks.append(tmask if tmask is not None else text != 0)
             types.append(0)
         n_img = 0
-        if "latents" in batch and batch["latents"] is not None:
+        if batch.get("latents") is not None and batch["latents"].numel() > 0:
             patches = self.patchify(batch["latents"])
             n_img = patches.shape[1]
             has = batch.get("has_image")
