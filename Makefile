@@ -1,14 +1,14 @@
 # shardcache: `make precompute train` runs the whole demo; `make test` runs the tests.
 # Every target sets up .venv on first use. Point the targets at real data with
 #   make precompute DATA=/data/train.jsonl OUT=/data/cache CONFIG=configs/my.yaml
-#   make train OUT=/data/cache STEPS=10000 TRAIN_CONFIG=configs/train.yaml
+#   make train OUT=/data/cache RUN=runs/exp1 STEPS=10000 TRAIN_CONFIG=configs/train.yaml
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA ?= data/demo/samples.jsonl
 OUT ?= cache/demo
 CONFIG ?= configs/precompute.yaml
-TRAIN_CONFIG ?= configs/train.yaml
+TRAIN_CONFIG ?= configs/train-demo.yaml
 RUN ?= runs/demo
 STEPS ?=
 MODELS ?= models

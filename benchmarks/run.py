@@ -1,0 +1,160 @@
+"""``make bench``: every figure as a ratio of two things measured in the same run.
+
+    python -m benchmarks.run [--quick] [--only precompute,loader,cache,train_step,ddp]
+
+Writes ``benchmarks/results/<name>.json`` per section and ``benchmarks/results/summary.md`` (the
+table the README shows). Uses the bundled demo data and, when present,
+``../shared/data/real-mini``. ``--quick`` skips the real-size (randomly initialised) encoders.
+Needs the test models: ``python -m precompute.random_models --out models`` (tiny) and
+``--size full --only dac,wan`` (built here on demand).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DEMO = ROOT / "data" / "demo" / "samples.jsonl"
+REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" / "data" / "real-mini"))
+MODELS = ROOT / "models"
+SECTIONS = ("precompute", "loader", "cache", "train_step", "ddp")
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    import torch
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cores": os.cpu_count(), "cpu": cpu, "gpu": gpu, "python": platform.python_version(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
+def ensure_models(size: str) -> None:
+    only = "dac,wan"
+    if not all((MODELS / f"{m}-{size}").is_dir() for m in only.split(",")):
+        subprocess.run([sys.executable, "-m", "precompute.random_models", "--out", str(MODELS), "--size", size,
+                        "--only", only], check=True, cwd=ROOT)
+
+
+def tiny_config(**kw):
+    from precompute.config import load_config
+    cfg = load_config(ROOT / "configs" / "precompute.yaml", [
+        f"audio_tokenizer.pretrained={MODELS / 'dac-tiny'}", f"image_encoder.pretrained={MODELS / 'wan-tiny'}",
+        "device=cpu"])
+    return dataclasses.replace(cfg, **kw)
+
+
+def corpora() -> list[Path]:
+    real = REAL_MINI / "samples_with_corrupt.jsonl"
+    return [DEMO] + ([real] if real.exists() else [])
+
+
+def save(name: str, data) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="skip the real-size encoder configs")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    ensure_models("tiny")
+    if not args.quick and only & {"precompute", "train_step"}:
+        ensure_models("full")
+    sizes = ["tiny"] if args.quick else ["tiny", "full"]
+    info = machine()
+    lines = [f"Machine: {info['cores']} cores, {info['cpu']}, GPU: {info['gpu'] or 'none'}; torch {info['torch']}; "
+             f"{info['date']}. Command: `make bench`.", ""]
+    tmp = Path(tempfile.mkdtemp(prefix="shardcache-bench-"))
+    from precompute.job import run as precompute
+    caches = {}
+    for manifest in corpora():
+        caches[manifest] = tmp / manifest.parent.name
+        precompute(manifest, caches[manifest], tiny_config(samples_per_shard=64), progress=False)
+
+    if "precompute" in only:
+        from benchmarks import bench_precompute
+        rows = [bench_precompute.bench(m, MODELS, size) for m in corpora() for size in sizes
+                if size == "tiny" or m == DEMO]
+        save("precompute", {"machine": info, "runs": rows})
+        lines += ["**Stage one** (wall time of the whole job vs the encoder calls alone over the same batches):", "",
+                  "| corpus | encoders | samples | samples/s | wall / encoders alone | encoder busy | max opens per audio file |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['corpus']} | {r['models']} | {r['samples']} | {r['samples_per_s']} | "
+                  f"{r['wall_over_encoders_alone']} | {r['encoder_busy']:.0%} | {r.get('max_opens_per_file', '-')} |"
+                  for r in rows] + [""]
+
+    if "loader" in only:
+        from benchmarks import bench_loader
+        r = bench_loader.main(["--out", str(RESULTS / "loader.json")])
+        best = r["shardloader"][0]
+        lines += ["**Loader** (one process, collated torch batches; 1000 samples of ~360 KiB in 8 shards, page cache):", "",
+                  "| reader | samples/s | MB/s | x `cat` |", "| --- | --- | --- | --- |",
+                  f"| `cat` > /dev/null | | {r['cat']['MB_s']:.0f} | 1.00 |"]
+        for s in r["shardloader"]:
+            lines.append(f"| ShardLoader, num_workers={s['num_workers']} | {s['samples_s']:.0f} | {s['MB_s']:.0f} | "
+                         f"{s['ratio_to_cat']:.2f} |")
+        w = r["webdataset"]
+        lines += [f"| webdataset `.decode()` (no collate) | {w['samples_s']:.0f} | {w['MB_s']:.0f} | {w['ratio_to_cat']:.2f} |",
+                  "", f"ShardLoader / webdataset: {best['MB_s'] / w['MB_s']:.1f}x. Resume latency (fresh loader to first "
+                  "batch): " + ", ".join(f"{x['fraction']:.0%} of epoch, workers={x['num_workers']}: "
+                                         f"{x['resume_to_first_batch_s'] * 1e3:.0f} ms" for x in r["resume"]) + ". "
+                  "RSS (RssAnon MiB, main/workers) per epoch: " + ", ".join(
+                      f"{x['main_MiB'].get('RssAnon', 0):.0f}/{x['workers_RssAnon_MiB']:.0f}" for x in r["rss"]) + ".", ""]
+
+    if "cache" in only:
+        from benchmarks import bench_cache
+        rows = {m.parent.name: {"padding": bench_cache.padding_waste(c), "bytes": bench_cache.bytes_on_disk(c)}
+                for m, c in caches.items()}
+        save("cache", rows)
+        lines += ["**Padding and bytes** (codes frames padded per batch of 16, fixed vs budget batches with length buckets; "
+                  "shard bytes vs raw tensor bytes):", "",
+                  "| corpus | padding fixed | padding bucketed | disk bytes / sample | disk / tensor bytes |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {k} | {v['padding']['fixed']['waste']:.1%} | {v['padding']['bucketed']['waste']:.1%} | "
+                  f"{v['bytes']['disk_bytes_per_sample']} | {v['bytes']['disk_over_tensor']} |" for k, v in rows.items()] + [""]
+
+    if "train_step" in only:
+        from benchmarks import bench_train_step
+        rows = []
+        for size in sizes:
+            cfg = tiny_config(audio_tokenizer={"name": "dac", "pretrained": str(MODELS / f"dac-{size}")},
+                              image_encoder={"name": "wan", "pretrained": str(MODELS / f"wan-{size}")})
+            rows.append(dict(bench_train_step.bench(DEMO, caches[DEMO], cfg), encoders=size))
+        save("train_step", rows)
+        lines += ["**Training step** (reference model, batch 4, demo data; cached shards vs decode + resample + codec + "
+                  "VAE every step):", "", "| encoders | cached s/step | uncached s/step | uncached / cached |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {r['encoders']} | {r['cached_step_s']} | {r['uncached_step_s']} | {r['uncached_over_cached']} |"
+                  for r in rows] + [""]
+
+    if "ddp" in only:
+        from benchmarks import bench_ddp
+        r = bench_ddp.bench()
+        save("ddp", r)
+        lines += [f"**DDP** (2 gloo processes, accumulation {r['accum']}): gradient all-reduce buckets per optimiser "
+                  f"step {r['with_no_sync']['allreduce_buckets_per_step']:.0f} with `no_sync` vs "
+                  f"{r['every_micro_step']['allreduce_buckets_per_step']:.0f} without ({r['allreduce_ratio']}x); "
+                  f"step time {r['with_no_sync']['step_s']} s vs {r['every_micro_step']['step_s']} s.", ""]
+
+    import shutil
+    shutil.rmtree(tmp, ignore_errors=True)
+    (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {RESULTS}/*.json and summary.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
