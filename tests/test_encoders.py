@@ -388,3 +388,15 @@ def test_random_models_cli(tmp_path, capsys):
     assert not list(tmp_path.glob(".*.tmp*"))
     with pytest.raises(SystemExit):
         random_models.main(["--out", str(tmp_path), "--only", "nope"])
+
+
+def test_higgs_tokenizer_is_registered_and_explains_a_missing_torchaudio(tmp_path):
+    from precompute.encoders import AUDIO_TOKENIZERS, load_audio_tokenizer
+    assert "higgs" in AUDIO_TOKENIZERS
+    try:
+        import torchaudio  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="torchaudio.*dac"):
+            load_audio_tokenizer({"name": "higgs", "pretrained": str(tmp_path)})
+    else:  # pragma: no cover - torchaudio does not install beside torch 2.13 here
+        pytest.skip("torchaudio is installed; the Higgs path needs a real checkpoint")

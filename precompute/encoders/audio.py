@@ -40,6 +40,7 @@ together (sort a shard's clips by length) to get full batches.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
@@ -416,9 +417,58 @@ class MimiTokenizer(HFCodecTokenizer):
         return self.model.encode(x, num_quantizers=self.n_codebooks).audio_codes
 
 
+class HiggsTokenizer(HFCodecTokenizer):
+    """The Higgs Audio v2 tokenizer via transformers ``HiggsAudioV2TokenizerModel`` (24 kHz, 25 frames/s).
+
+    ``model.encode(x (B, 1, T), bandwidth).audio_codes`` is ``(B, n_q, frames)`` with
+    ``n_q = bandwidth * 1000 / (frame_rate * log2(codebook_size))``: 2 kbps -> 8 codebooks of 1024,
+    the layout Higgs Audio v2 trains on. Its transformers port imports torchaudio (for the semantic
+    branch's 16 kHz resampling); where torchaudio is missing, loading fails with a message saying so
+    (use ``dac``, which has the same code contract, meanwhile).
+
+    Args:
+        model: a ``transformers.HiggsAudioV2TokenizerModel``.
+        bandwidth: kbps, one of ``config.target_bandwidths`` (default 2 -> 8 codebooks).
+        **kwargs: see :class:`HFCodecTokenizer`.
+    """
+
+    name = "higgs"
+    OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth",)
+
+    def __init__(self, model, *, bandwidth: float = 2, **kwargs: Any) -> None:
+        cfg = model.config
+        if bandwidth not in tuple(cfg.target_bandwidths):
+            raise ValueError(f"bandwidth must be one of {list(cfg.target_bandwidths)}, got {bandwidth}")
+        super().__init__(model, **kwargs)
+        self.bandwidth = bandwidth
+        self.sample_rate = int(cfg.sample_rate)
+        self.hop_length = int(cfg.hop_length)
+        self.codebook_size = int(cfg.codebook_size)
+        self.n_codebooks = int(round(bandwidth * 1000 / (cfg.frame_rate * math.log2(self.codebook_size))))
+        self._check_codebook_size()
+
+    @classmethod
+    def _model_class(cls):
+        try:
+            from transformers import HiggsAudioV2TokenizerModel
+            import torchaudio  # noqa: F401  (the transformers port needs it at import and run time)
+        except ImportError as e:
+            raise ImportError(
+                f"the Higgs Audio v2 tokenizer needs transformers' HiggsAudioV2TokenizerModel and torchaudio ({e}); "
+                "install torchaudio matching your torch, or use name: dac (same 8 x 1024 code contract)") from e
+        return HiggsAudioV2TokenizerModel
+
+    def _encode_batch(self, x):
+        return self.model.encode(x, bandwidth=self.bandwidth).audio_codes
+
+    def _extra_describe(self) -> dict:
+        return {"bandwidth": self.bandwidth}
+
+
 #: registry name -> wrapper class
 AUDIO_TOKENIZERS: dict[str, type[HFCodecTokenizer]] = {
     "dac": DacTokenizer,
     "encodec": EncodecTokenizer,
     "mimi": MimiTokenizer,
+    "higgs": HiggsTokenizer,
 }

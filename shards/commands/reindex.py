@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+
+from joblib import Parallel, delayed
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -61,6 +62,14 @@ def _old_index(d: Path) -> pa.Table | None:
         return None
 
 
+def _scan(path: Path) -> tuple[str, tuple | None, str | None]:
+    """``(shard name, scan_shard result, None)`` or ``(name, None, error message)``."""
+    try:
+        return path.name, scan_shard(path), None
+    except (ShardcacheError, OSError) as e:
+        return path.name, None, str(e)
+
+
 def cmd_reindex(args: argparse.Namespace) -> int:
     out = Out(args)
     d = Path(args.dir)
@@ -88,15 +97,14 @@ def cmd_reindex(args: argparse.Namespace) -> int:
     scanned: dict[str, tuple[list[dict], str, int]] = {}
     errors: list[str] = []
     with progress(len(tars), "reindex", enabled=not args.no_progress and not out.json) as advance:
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures = {pool.submit(scan_shard, p): p for p in tars}
-            for fut in as_completed(futures):
-                p = futures[fut]
-                try:
-                    scanned[p.name] = fut.result()
-                except (ShardcacheError, OSError) as e:
-                    errors.append(str(e))
-                advance(p.name)
+        # tar parsing holds the GIL: scan shards in worker processes (joblib/loky), results as they finish
+        jobs = Parallel(n_jobs=args.jobs, return_as="generator_unordered")(delayed(_scan)(p) for p in tars)
+        for name, result, error in jobs:
+            if error is None:
+                scanned[name] = result
+            else:
+                errors.append(error)
+            advance(name)
     if errors:
         for e in sorted(errors):
             out.line(f"error: {e}", style="bold red")
