@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             import torch.distributed as dist
             dist.destroy_process_group()
     print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "
-          f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio, wall {summary.wall_s:.1f} s, "
-          f"encoder busy {summary.encoder_busy:.0%}")
+          f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio; setup {summary.setup_s:.1f} s, "
+          f"encoding {summary.wall_s:.1f} s, encoder busy {summary.encoder_busy:.0%} of it")
     if manifest is not None:
         c = manifest["counts"]
         print(f"cache {args.out}: {c['samples']} samples in {c['shards']} shards ({c['bytes'] / 1e6:.1f} MB), "

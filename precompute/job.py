@@ -68,14 +68,15 @@ class Summary:
     rejected: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
     audio_seconds: float = 0.0
-    wall_s: float = 0.0
+    setup_s: float = 0.0   # manifest, encoder loading, fingerprint, resume scan
+    wall_s: float = 0.0    # decode + encode + write, from the first batch to the last commit
     encoder_s: float = 0.0
     skipped_rows: int = 0
     shards_written: int = 0
 
     @property
     def encoder_busy(self) -> float:
-        """Fraction of the job's wall time spent inside encoder calls."""
+        """Fraction of the processing wall time (``wall_s``) spent inside encoder calls."""
         return self.encoder_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
@@ -290,6 +291,8 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     rates = tuple(dict.fromkeys([cfg.sample_rate, enc.audio.sample_rate]))
     bar = tqdm(total=len(items), desc=f"precompute r{global_rank}", unit="sample",
                disable=not progress or global_rank != 0, dynamic_ncols=True)
+    summary.setup_s = time.perf_counter() - t0
+    t_loop = time.perf_counter()
     writer = _ChunkWriter(out_dir, chunks, summary, bar)
     writer.start()
     loader = DataLoader(PrepareDataset(items, cfg, rates, enc.text, enc.image.spatial_factor),
@@ -313,7 +316,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
         bar.close()
     if writer.error is not None:
         raise RuntimeError(f"shard writer failed: {writer.error}") from writer.error
-    summary.wall_s = time.perf_counter() - t0
+    summary.wall_s = time.perf_counter() - t_loop
     sync()
     result = None
     if global_rank == 0:
