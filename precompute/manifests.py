@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -183,7 +184,7 @@ def read_manifest(path: str | Path, root: str | Path | None = None, fmt: str | N
     fmt = fmt or detect_format(path)
     if fmt not in FORMATS:
         raise ValueError(f"unknown manifest format {fmt!r}; known: {', '.join(FORMATS)}")
-    base = Path(root) if root else path.parent
+    base = Path(os.path.abspath(root if root else path.parent))  # sources are recorded absolute
     columns = columns or {}
     records = _table_records(path, fmt) if fmt in ("csv", "parquet") else _json_records(path)
     out: list[Request] = []
