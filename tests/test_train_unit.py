@@ -6,6 +6,7 @@ so they do not depend on ``loaders``; one test runs the real loader end to end.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from train import checkpoint as C
 from train import dist as D
 from train.config import TrainConfig, build_parser, from_dict, load_yaml, parse_args
 from train.loop import Callbacks, lr_at, run
+from train.metrics import Metrics
 from train.models import DataSpec, ReferenceModel, build_model, count_params, data_spec
 
 FAKE = "test_train_support:FakeLoader"
@@ -58,6 +60,7 @@ def test_train_never_imports_decoders_or_diffusers(tmp_path):
     code = (
         "import sys, torch\n"
         "import train, train.cli, train.loop, train.config, train.dist, train.models, train.checkpoint, train.metrics\n"
+        "import train.batch_size, train.find_batch_size\n"
         + ("import loaders\n" if have_real_loader() else "")
         + "from train.models import ReferenceModel, apply_lora\n"
         "m = apply_lora(ReferenceModel(d_model=16, n_layers=1, n_heads=2), 2, 4, 0.0, ('qkv',))\n"
@@ -187,6 +190,118 @@ def test_plugin_factory_and_lora(cache):
     trainable, total2 = count_params(lora)
     assert 0 < trainable < total2 and total2 > total
     assert all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
+
+
+# ---- padded latents (aspect-ratio buckets): latents_mask -------------------------------------------
+
+def _image_batch(sizes, pad_hw, mask: bool = True) -> dict:
+    """One sample per entry of ``sizes``: real latents of (h, w) (None = no image), the same values
+    whatever the padding, zero-padded to ``pad_hw``; codes and text do not depend on the padding."""
+    g = torch.Generator().manual_seed(0)
+    B = len(sizes)
+    codes = torch.randint(0, 1024, (B, 8, 6), generator=g)
+    codes[-1, :, 4:] = -100
+    text = torch.randint(3, 259, (B, 5), generator=g)
+    text[0, 3:] = 0
+    lat = torch.zeros(B, 16, 1, *pad_hw)
+    lmask = torch.zeros(B, 1, *pad_hw, dtype=torch.bool)
+    for i, hw in enumerate(sizes):
+        if hw is not None:
+            h, w = hw
+            lat[i, :, :, :h, :w] = torch.randn(16, 1, h, w, generator=torch.Generator().manual_seed(100 + i))
+            lmask[i, :, :h, :w] = True
+    batch = {"codes": codes, "codes_mask": codes[:, 0] != -100, "text_ids": text, "text_mask": text != 0,
+             "latents": lat, "has_image": torch.tensor([hw is not None for hw in sizes])}
+    if mask:
+        batch["latents_mask"] = lmask
+    return batch
+
+
+@pytest.mark.parametrize("latent_loss", ["none", "cosine", "mse"])
+def test_latents_mask_loss_independent_of_padding(latent_loss):
+    """Sample A (5x6 latents: odd, so partly padded patches), B (8x8) and C (no image), padded to
+    8x8, 12x12 and 9x11 (not multiples of the patch): the same losses; A alone padded to 12x12 with
+    the mask has the loss of A unpadded without one (the behaviour without latents_mask)."""
+    torch.manual_seed(0)
+    m = ReferenceModel(**TINY_MODEL, latent_loss=latent_loss).eval()
+    keys = ["loss", "codes_loss"] + (["latent_loss"] if latent_loss != "none" else [])
+    with torch.no_grad():
+        outs = [m(_image_batch([(5, 6), (8, 8), None], pad)) for pad in [(8, 8), (12, 12), (9, 11)]]
+        for o in outs[1:]:
+            for k in keys:
+                assert torch.allclose(o[k], outs[0][k], atol=1e-5, rtol=1e-5), k
+        alone_unpadded = m(_image_batch([(5, 6)], (5, 6), mask=False))  # the old path: no mask
+        for pad in [(5, 6), (8, 8), (12, 12)]:
+            o = m(_image_batch([(5, 6)], pad))
+            for k in keys:
+                assert torch.allclose(o[k], alone_unpadded[k], atol=1e-5, rtol=1e-5), (k, pad)
+        # without the mask the padding would count: that is what latents_mask is for
+        no_mask = m(_image_batch([(5, 6), (8, 8), None], (12, 12), mask=False))
+        assert not torch.allclose(no_mask["loss"], outs[0]["loss"], atol=1e-5)
+        with pytest.raises(ValueError, match="latents_mask"):
+            b = _image_batch([(5, 6)], (8, 8))
+            b["latents_mask"] = b["latents_mask"][..., :4]
+            m(b)
+
+
+@pytest.mark.parametrize("latent_loss", ["none", "mse"])
+def test_latents_mask_padding_gets_no_gradient(latent_loss):
+    grads = {}
+    for pad in [(8, 8), (12, 12)]:
+        torch.manual_seed(0)
+        m = ReferenceModel(**TINY_MODEL, latent_loss=latent_loss)
+        b = _image_batch([(5, 6), (8, 8), None], pad)
+        b["latents"].requires_grad_(True)
+        m(b)["loss"].backward()
+        g = b["latents"].grad
+        # A is 5x6: its 2x2 patches cover rows 0..5 (row 5 is padding inside a real patch, which
+        # is part of that patch's input) and columns 0..5; no cell beyond gets any gradient
+        assert (g[0, :, :, :6, :6] != 0).all()
+        assert g[0, :, :, 6:].abs().sum() == 0 and g[0, :, :, :, 6:].abs().sum() == 0
+        assert (g[1, :, :, :8, :8] != 0).all()
+        assert g[1, :, :, 8:].abs().sum() == 0 and g[1, :, :, :, 8:].abs().sum() == 0
+        assert g[2].abs().sum() == 0                               # no image: no gradient at all
+        grads[pad] = {n: p.grad.clone() for n, p in m.named_parameters()}
+    for n, g8 in grads[(8, 8)].items():          # the parameters' gradients ignore the padding too
+        assert torch.allclose(grads[(12, 12)][n], g8, atol=1e-6, rtol=1e-5), n
+
+
+# ---- metrics ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def train_log(caplog, monkeypatch):
+    """caplog for the ``train`` logger (an in-process run's setup_logging turns propagation off)."""
+    monkeypatch.setattr(logging.getLogger("train"), "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="train"):
+        yield caplog
+
+
+def _drops(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "throughput dropped" in r.getMessage()]
+
+
+def test_throughput_drop_warning(tmp_path, train_log):
+    steady = Metrics(tmp_path / "steady", True, 100, 0, progress=False, throughput_warn=0.5)
+    for step in range(1, 61):  # +-30 % jitter stays above half the running average
+        steady.log({"step": step, "loss": 1.0, "samples_per_s": 100.0 + 30 * ((-1) ** step),
+                    "data_wait": 0.01})
+    steady.close()
+    assert _drops(train_log) == []
+
+    m = Metrics(tmp_path / "drop", True, 100, 0, progress=False, throughput_warn=0.5)
+    for step in range(1, 21):
+        m.log({"step": step, "loss": 1.0, "samples_per_s": 100.0, "data_wait": 0.01})
+    assert _drops(train_log) == []
+    m.log({"step": 21, "loss": 1.0, "samples_per_s": 20.0, "data_wait": 0.9})
+    msgs = _drops(train_log)
+    assert len(msgs) == 1 and "step 21" in msgs[0] and "20.0 samples/s" in msgs[0] and "100.0" in msgs[0]
+    assert "data_wait=0.90" in msgs[0]
+    for step in range(22, 30):  # still slow: not repeated within 50 steps
+        m.log({"step": step, "loss": 1.0, "samples_per_s": 20.0, "data_wait": 0.9})
+    m.log({"step": 30, "split": "val", "val_loss": 1.0})  # validation records never count
+    m.close()
+    assert len(_drops(train_log)) == 1
+    assert len((tmp_path / "drop" / "metrics.jsonl").read_text().splitlines()) == 30
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------

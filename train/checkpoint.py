@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from shards.index import fsync_dir
+
 from . import dist as D
 
 log = logging.getLogger("train")
@@ -87,19 +89,6 @@ def set_rng_state(st: dict[str, Any], device: torch.device) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
@@ -160,7 +149,7 @@ def write_dir(out_dir: Path, step: int, model: nn.Module, optimizer_state: dict,
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     old = None
     if final.exists():  # same step saved again (e.g. a resumed run stopped at once): swap it out
         old = out_dir / f"step-{step}.old.tmp"
@@ -168,7 +157,7 @@ def write_dir(out_dir: Path, step: int, model: nn.Module, optimizer_state: dict,
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -184,7 +173,7 @@ def prune(out_dir: Path, keep: int) -> list[Path]:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     if removed:
-        _fsync_dir(Path(out_dir))
+        fsync_dir(Path(out_dir))
     return removed
 
 

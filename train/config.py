@@ -204,11 +204,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m train", description: str | None = None,
+                 exclude: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """``--config``, ``--print-config`` and one flag per TrainConfig field (except ``exclude``:
+    another tool that reuses the options can give those flag names its own meaning)."""
     p = argparse.ArgumentParser(
-        prog="python -m train",
+        prog=prog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=(
+        description=description if description is not None else (
             "Train from a shardcache cache (stage two).\n\n"
             "  python -m train --cache cache/demo --out runs/demo --steps 50\n"
             "  torchrun --nproc_per_node=2 -m train --cache cache/demo --out runs/demo\n\n"
@@ -221,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "'none' for none).")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit.")
     for name, f in _FIELDS.items():
+        if name in exclude:
+            continue
         t = _TYPES[name]
         flag = "--" + name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -233,10 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
-    """CLI -> effective config (defaults < YAML < flags)."""
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+def config_from_namespace(ns: argparse.Namespace) -> TrainConfig:
+    """Parsed flags (of :func:`build_parser`) -> effective config (defaults < YAML < flags)."""
     cfg = TrainConfig()
     path = ns.config
     if path is None and Path(DEFAULT_CONFIG_FILE).exists():
@@ -244,5 +247,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     if path and path != "none":
         cfg = load_yaml(path, cfg)
     overrides = {k: v for k, v in vars(ns).items() if k in _FIELDS}
-    cfg = from_dict(overrides, cfg, source="command line")
-    return cfg, ns
+    return from_dict(overrides, cfg, source="command line")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    """CLI -> effective config (defaults < YAML < flags)."""
+    ns = build_parser().parse_args(argv)
+    return config_from_namespace(ns), ns

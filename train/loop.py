@@ -165,6 +165,24 @@ def batch_stream(loader: Any, pos: dict[str, int]) -> Iterator[dict]:
         loader.set_epoch(pos["epoch"])
 
 
+def prepare_model(cfg: TrainConfig, spec: Any, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, bool]:
+    """The model as configured, before compile/DDP: seeded init (``cfg.seed``: the same on every
+    rank), ``--init-from`` weights, LoRA, activation checkpointing, on ``device``; and its AdamW
+    (with whether it is fused). Used by the training loop and by :mod:`train.batch_size`."""
+    torch.manual_seed(cfg.seed)
+    raw = build_model(cfg.model, cfg.model_kwargs, spec, cfg.latent_loss, cfg.latent_loss_weight)
+    if cfg.init_from:
+        C.load_weights(raw, cfg.init_from)
+    if cfg.lora:
+        raw = apply_lora(raw, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets))
+    if cfg.activation_checkpointing and not set_activation_checkpointing(raw):
+        log.warning("--activation-checkpointing: %s has no set_activation_checkpointing(); ignored",
+                    type(raw).__name__)
+    raw.to(device)
+    optimizer, fused = make_optimizer(raw, cfg, device)
+    return raw, optimizer, fused
+
+
 def wrap_ddp(model: nn.Module, info: D.DistInfo, cfg: TrainConfig) -> DDP:
     """DDP without per-forward buffer broadcast, with bucket-view gradients, static_graph off.
 
@@ -298,18 +316,8 @@ def train(cfg: TrainConfig, info: D.DistInfo, cb: Callbacks) -> int:
     steps_per_epoch = len(loader) // accum
 
     # ---- model: identical init on every rank (same seed), then the rank's own RNG stream ----
-    torch.manual_seed(cfg.seed)
     spec = data_spec(cfg.cache)
-    raw = build_model(cfg.model, cfg.model_kwargs, spec, cfg.latent_loss, cfg.latent_loss_weight)
-    if cfg.init_from:
-        C.load_weights(raw, cfg.init_from)
-    if cfg.lora:
-        raw = apply_lora(raw, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets))
-    if cfg.activation_checkpointing and not set_activation_checkpointing(raw):
-        log.warning("--activation-checkpointing: %s has no set_activation_checkpointing(); ignored",
-                    type(raw).__name__)
-    raw.to(info.device)
-    optimizer, fused = make_optimizer(raw, cfg, info.device)
+    raw, optimizer, fused = prepare_model(cfg, spec, info.device)
     n_train, n_total = count_params(raw)
     if info.is_main:
         log.info("system: %s", system_info(info, cfg, fused))

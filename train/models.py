@@ -12,11 +12,16 @@ tensors in the dict are logged). ``--model pkg.mod:make`` imports ``pkg.mod`` an
     [ text ids -> embedding ] [ image latents (C,T,h,w) -> p x p patches -> linear ] [ audio frames ]
       prefix: L tokens          prefix: T*(h/p)*(w/p) tokens                        F tokens
 
-one causal transformer over the concatenation (pad and missing-image tokens are masked as keys);
+one causal transformer over the concatenation (pad and missing-image tokens are masked as keys;
+with ``latents_mask`` (B, T, H, W) in the batch, i.e. latents of different sizes zero-padded to the
+batch's largest, a patch is a valid key when any of its cells is real, so padding patches are
+masked too and do not shift the positions of the tokens after them);
 the input at audio frame t is the sum of the codebook embeddings of frame t-1 (a learned BOS at
 t = 0) and one linear head per codebook predicts frame t's codes (cross-entropy,
 ``ignore_index=-100``). With ``latent_loss`` cosine|mse a latent-regression head predicts image
-patch i+1 from the hidden state at patch i (next-patch regression, image samples only).
+patch i+1 from the hidden state at patch i (next-patch regression, image samples only; with
+``latents_mask``, valid patch j predicts the next valid patch and padding patches are skipped, so
+a sample's loss does not depend on how much it was padded).
 
 Loss normalisation: the mean over a sample's valid targets, then the mean over the samples of the
 batch. Per-sample normalisation makes the gradient of a global batch independent of how it is split
@@ -195,6 +200,16 @@ class ReferenceModel(nn.Module):
         x = latents.reshape(B, C, T, H // p, p, W // p, p).permute(0, 2, 3, 5, 1, 4, 6)
         return x.reshape(B, T * (H // p) * (W // p), C * p * p)
 
+    def patchify_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """(B, T, h, w) bool -> (B, T * h/p * w/p): the patches of :meth:`patchify`, in the same
+        order; a patch is valid when any of its cells is (h, w padded with False like the latents)."""
+        p = self.patch
+        B, T, H, W = mask.shape
+        if H % p or W % p:
+            mask = F.pad(mask, (0, (-W) % p, 0, (-H) % p), value=False)
+            H, W = mask.shape[-2:]
+        return mask.reshape(B, T, H // p, p, W // p, p).any(5).any(3).reshape(B, T * (H // p) * (W // p))
+
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         codes = batch["codes"]                                   # (B, Q, F) int64, pad -100
         B, Q, Fr = codes.shape
@@ -214,13 +229,23 @@ class ReferenceModel(nn.Module):
             masks.append(tmask if tmask is not None else text != 0)
             types.append(0)
         n_img = 0
+        patch_valid = None  # (B, n_img) from latents_mask; None: every patch of an image sample
         if batch.get("latents") is not None and batch["latents"].numel() > 0:
-            patches = self.patchify(batch["latents"])
+            latents = batch["latents"]
+            patches = self.patchify(latents)
             n_img = patches.shape[1]
             has = batch.get("has_image")
-            has = has if has is not None else batch["latents"].flatten(1).ne(0).any(1)
+            lmask = batch.get("latents_mask")
+            if lmask is not None:
+                if lmask.shape != latents.shape[:1] + latents.shape[2:]:
+                    raise ValueError(f"latents_mask has shape {tuple(lmask.shape)}, expected (B, T, H, W) = "
+                                     f"{tuple(latents.shape[:1] + latents.shape[2:])} for latents "
+                                     f"{tuple(latents.shape)}")
+                patch_valid = self.patchify_mask(lmask.bool())
+            elif has is None:
+                has = latents.flatten(1).ne(0).any(1)
             parts.append(self.latent_proj(patches))
-            masks.append(has[:, None].expand(B, n_img))
+            masks.append(patch_valid if patch_valid is not None else has[:, None].expand(B, n_img))
             types.append(1)
         parts.append(audio)
         masks.append(audio_mask)
@@ -257,20 +282,46 @@ class ReferenceModel(nn.Module):
         if self.latent_head is not None and n_img:
             start = lengths[0] if types[0] == 0 else 0
             h_img = h[:, start:start + n_img]
-            pred = self.latent_head(h_img[:, :-1])               # patch i predicts patch i+1
-            target = patches[:, 1:]
-            if target.shape[1] == 0:
-                lat = pred.sum() * 0.0
+            if patch_valid is not None:                          # padded latents: valid patches only
+                lat = self._masked_latent_loss(h_img, patches, patch_valid)
             else:
-                if self.latent_loss == "cosine":
-                    per = (1 - F.cosine_similarity(pred, target, dim=-1, eps=1e-6)).mean(1)
+                pred = self.latent_head(h_img[:, :-1])           # patch i predicts patch i+1
+                target = patches[:, 1:]
+                if target.shape[1] == 0:
+                    lat = pred.sum() * 0.0
                 else:
-                    per = (pred - target).pow(2).mean((1, 2))
-                lat = (per * has).sum() / B                        # image-less samples add 0
+                    if self.latent_loss == "cosine":
+                        per = (1 - F.cosine_similarity(pred, target, dim=-1, eps=1e-6)).mean(1)
+                    else:
+                        per = (pred - target).pow(2).mean((1, 2))
+                    lat = (per * has).sum() / B                    # image-less samples add 0
             out["latent_loss"] = lat
             loss = loss + self.latent_loss_weight * lat
         out["loss"] = loss
         return out
+
+    def _masked_latent_loss(self, h_img: torch.Tensor, patches: torch.Tensor,
+                            valid: torch.Tensor) -> torch.Tensor:
+        """Next-patch regression over the valid patches only: each sample's valid patches are
+        taken in order (a stable sort moves them to the front), valid patch j predicts valid patch
+        j+1, and the sample's loss is the mean over its pairs (0 with fewer than two valid patches);
+        the batch loss is the sum over samples / B, like the unmasked loss. Padding patches are
+        neither inputs nor targets, so neither the loss nor its gradient depends on how far a
+        sample was padded."""
+        B, n = valid.shape
+        order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices  # valid first
+        h = h_img.gather(1, order[..., None].expand(-1, -1, h_img.shape[-1]))
+        x = patches.gather(1, order[..., None].expand(-1, -1, patches.shape[-1]))
+        pair = valid.gather(1, order)[:, 1:]                     # pair j valid <=> patch j+1 valid
+        pred = self.latent_head(h[:, :-1])
+        target = x[:, 1:]
+        if self.latent_loss == "cosine":
+            err = 1 - F.cosine_similarity(pred, target, dim=-1, eps=1e-6)
+        else:
+            err = (pred - target).pow(2).mean(-1)
+        err = torch.where(pair, err, torch.zeros((), dtype=err.dtype, device=err.device))
+        per = err.sum(1) / pair.sum(1).clamp_min(1).to(err.dtype)
+        return per.sum() / B
 
 
 def load_factory(spec: str):
