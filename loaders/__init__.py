@@ -14,7 +14,7 @@ Public API::
 Never imports librosa, soundfile, PIL or diffusers: training machines do not need them.
 """
 from .batching import BudgetPlan, FixedPlan, PlanSpec, padding_stats
-from .collate import AUDIO_SCALE, CODES_PAD_ID, FIELDS, TEXT_PAD_ID, collate_fn
+from .collate import ALL_FIELDS, AUDIO_SCALE, CODES_PAD_ID, FIELDS, TEXT_PAD_ID, collate_fn
 from .dataset import CacheSource
 from .loader import ShardLoader
 from .mixing import MixedLoader
@@ -22,5 +22,6 @@ from .order import epoch_order, filter_rows
 
 __all__ = [
     "ShardLoader", "MixedLoader", "collate_fn", "CODES_PAD_ID", "TEXT_PAD_ID", "AUDIO_SCALE", "FIELDS",
+    "ALL_FIELDS",
     "CacheSource", "BudgetPlan", "FixedPlan", "PlanSpec", "padding_stats", "epoch_order", "filter_rows",
 ]

@@ -20,18 +20,36 @@ key                  dtype      shape                      meaning
 ``text_ids``         int64      (B, L)                     token ids, padded with ``TEXT_PAD_ID``
 ``text_lengths``     int64      (B,)                       real tokens
 ``text_mask``        bool       (B, L)                     True on real tokens
-``latents``          float32    (B, C, T, H, W)            VAE latents; all zeros where ``has_image`` is False
+``latents``          float32    (B, C, T, H, W)            VAE latents (mode = mean), zero-padded to the
+                                                           batch's max C, T, H, W; all zeros where
+                                                           ``has_image`` is False
+``latents_mask``     bool       (B, T, H, W)               True on real latent cells; all False where
+                                                           ``has_image`` is False
+``latents_logvar``   float32    (B, C, T, H, W)            VAE posterior log-variance (natural log),
+                                                           padded like ``latents`` with 0.0; only when
+                                                           requested (:data:`OPTIONAL_FIELDS`)
 ``has_image``        bool       (B,)                       sample has latents
 ===================  =========  =========================  =============================================
+
+(``T, H, W`` of the latent rows are latent frames and latent cells, e.g. ``(1, H_px/8, W_px/8)``,
+unrelated to the audio ``T``.) ``latents_mask``/``has_image`` come with ``latents`` or
+``latents_logvar``.
+
+Mixed latent shapes (``image_resize: bucket`` caches hold several aspect ratios): each sample's
+latent ``(c, t, h, w)`` is written into ``latents[j, :c, :t, :h, :w]`` and the rest of the row is
+0.0; ``latents_mask[j, :t, :h, :w]`` is True, the rest False (channels are not masked: a cache
+has one latent channel count, precompute refuses mixing encoders). When every image sample of the
+batch has the same shape nothing is padded and ``latents_mask[j]`` is simply ``has_image[j]``
+broadcast. A posterior sample is ``latents + exp(0.5 * latents_logvar) * eps``; multiply by
+``latents_mask[:, None]`` (or ignore masked cells in the loss) so padding stays out of training.
 
 Every array is copied exactly once, from the mmap view into a tensor allocated for the batch (in a
 DataLoader worker: in shared memory, so handing it to the main process copies nothing). Padding is
 written only into the tail of each row.
 
 Errors: ``ValueError`` (naming the keys) when samples of one batch have different numbers of
-codebooks, different sample rates, or different latent shapes (cache with several image
-resolutions: bucket them, e.g. one loader per resolution via ``filters`` or a
-:class:`loaders.MixedLoader`); ``KeyError`` when a sample lacks a requested field.
+codebooks or different sample rates, or a sample's ``latents_logvar`` is missing or differs in
+shape from its ``latents``; ``KeyError`` when a sample lacks a requested field.
 """
 from __future__ import annotations
 
@@ -48,8 +66,14 @@ CODES_PAD_ID = -100
 TEXT_PAD_ID = 0
 #: ``audio`` float32 = int16 PCM * AUDIO_SCALE (exact: a power of two).
 AUDIO_SCALE = np.float32(1.0 / 32768.0)
-#: every field a batch can hold, in the order the loader reads them.
+#: the default fields (what a loader reads when ``fields`` is not given), in read order.
 FIELDS = ("codes", "audio", "text_ids", "latents")
+#: fields read only when named in ``fields``: ``latents_logvar`` (caches made with store_posterior).
+OPTIONAL_FIELDS = ("latents_logvar",)
+#: every field a batch can hold, in the order the loader reads them.
+ALL_FIELDS = FIELDS + OPTIONAL_FIELDS
+#: the latent-shaped fields (padded together, share ``latents_mask``/``has_image``).
+LATENT_FIELDS = ("latents", "latents_logvar")
 _PIECE = 32767  # < at::internal::GRAIN_SIZE (32768): copy_ stays serial
 
 # torch.from_numpy warns (once per process, from C++) on read-only arrays, and the views of a
@@ -61,17 +85,17 @@ with warnings.catch_warnings():
 
 
 def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
-    """Validate a field selection; returns it as a tuple in :data:`FIELDS` order.
+    """Validate a field selection; returns it as a tuple in :data:`ALL_FIELDS` order.
 
     Raises ``ValueError`` for an unknown or empty selection.
     """
     if isinstance(fields, str):
         fields = (fields,)
     fields = tuple(fields)
-    bad = [f for f in fields if f not in FIELDS]
+    bad = [f for f in fields if f not in ALL_FIELDS]
     if bad or not fields:
-        raise ValueError(f"unknown fields {bad} (or none given); choose from {FIELDS}")
-    return tuple(f for f in FIELDS if f in fields)
+        raise ValueError(f"unknown fields {bad} (or none given); choose from {ALL_FIELDS}")
+    return tuple(f for f in ALL_FIELDS if f in fields)
 
 
 _NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_,
@@ -143,30 +167,60 @@ def _fill_lengths_mask(lens: list[int], lengths: torch.Tensor, mask: torch.Tenso
         m[j, n:] = False
 
 
-def _latent_shape(keys, arrays, latent_shape) -> tuple[int, ...]:
-    shapes = {tuple(a.shape) for a in arrays if a is not None}
-    if len(shapes) > 1:
-        by_shape: dict[tuple, list[str]] = {}
-        for k, a in zip(keys, arrays):
-            if a is not None:
-                by_shape.setdefault(tuple(a.shape), []).append(k)
-        detail = "; ".join(f"{s}: {v[:4]}" for s, v in by_shape.items())
-        raise ValueError(f"latents of one batch have different shapes ({detail}); images of several "
-                         "resolutions must be bucketed: one loader per latent shape (filters on the "
-                         "index) mixed with loaders.MixedLoader, or re-encode at one resolution")
-    return next(iter(shapes)) if shapes else tuple(latent_shape or (0, 0, 0, 0))
+def _latent_shape(keys, lists: dict[str, list], latent_shape) -> tuple[tuple[int, ...], bool]:
+    """``(padded (C, T, H, W), uniform)`` of a batch's latent-shaped fields.
+
+    ``lists`` maps the requested latent fields to per-sample arrays (None: no image). ``uniform``:
+    every image sample has the same shape (no padding). Raises ``ValueError`` naming the key when
+    ``latents_logvar`` is missing for a sample with latents (or vice versa) or differs in shape.
+    """
+    first = next(iter(lists.values()))
+    if len(lists) == 2:
+        for k, a, v in zip(keys, lists["latents"], lists["latents_logvar"]):
+            if (a is None) != (v is None) or (a is not None and a.shape != v.shape):
+                raise ValueError(
+                    f"sample {k!r}: latents {None if a is None else tuple(a.shape)} but latents_logvar "
+                    f"{None if v is None else tuple(v.shape)}; was the cache made with store_posterior?")
+    shapes = {tuple(a.shape) for a in first if a is not None}
+    if not shapes:
+        return tuple(int(v) for v in (latent_shape or (0, 0, 0, 0))), True
+    if len(shapes) == 1:
+        return next(iter(shapes)), True
+    if len({len(s) for s in shapes}) > 1:
+        raise ValueError(f"latents of one batch have different numbers of dims: {sorted(shapes)}")
+    return tuple(int(v) for v in np.max(np.array(sorted(shapes)), axis=0)), False
+
+
+def _copy_padded(o: torch.Tensor, a: np.ndarray) -> None:
+    """Write ``a`` (c, t, h, w) into the corner of ``o`` (C, T, H, W) and 0.0 into the rest only.
+
+    torch's strided copy converts float16 5x faster than numpy's; one channel at a time keeps each
+    copy below the OpenMP grain size (see :func:`copy_serial`).
+    """
+    c, t, h, w = a.shape
+    o[c:].zero_()
+    o[:c, t:].zero_()
+    o[:c, :t, h:].zero_()
+    o[:c, :t, :h, w:].zero_()
+    src = torch.from_numpy(a)
+    if a.size <= _PIECE or torch.get_num_threads() == 1:
+        o[:c, :t, :h, :w].copy_(src)
+        return
+    for i in range(c):
+        o[i, :t, :h, :w].copy_(src[i])
 
 
 def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],
-                  codes=None, audio=None, text_ids=None, latents=None,
+                  codes=None, audio=None, text_ids=None, latents=None, latents_logvar=None,
                   latent_shape: Sequence[int] | None = None) -> dict[str, Any]:
     """Build a batch from per-field lists of numpy arrays (one entry per sample).
 
     ``codes``: int ``(n_codebooks, F_i)``; ``audio``: int16 ``(T_i,)`` (float input is copied
-    unscaled); ``text_ids``: int ``(L_i,)``; ``latents``: float ``(C, T, H, W)`` or None (no
-    image); ``sample_rates``: Hz per sample. ``latent_shape`` is used when no sample of the
-    batch has an image (else the batch's latents are ``(B, 0, 0, 0, 0)``). Raises ``ValueError``
-    naming the keys for mixed sample rates, codebook counts or latent shapes.
+    unscaled); ``text_ids``: int ``(L_i,)``; ``latents`` / ``latents_logvar``: float
+    ``(C, T_i, H_i, W_i)`` or None (no image), padded to the batch's max shape;
+    ``sample_rates``: Hz per sample. ``latent_shape`` is used when no sample of the batch has an
+    image (else the batch's latents are ``(B, 0, 0, 0, 0)``). Raises ``ValueError`` naming the
+    keys for mixed sample rates or codebook counts (see the module docstring).
     """
     B = len(keys)
     rates = np.asarray(sample_rates, dtype=np.int64)
@@ -195,9 +249,11 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
         t_len = [a.shape[0] for a in text_ids]
         L = max(t_len, default=0)
         layout += [("text_ids", (B, L), i64), ("text_lengths", (B,), i64), ("text_mask", (B, L), b8)]
-    if "latents" in fields:
-        shape = _latent_shape(keys, latents, latent_shape)
-        layout += [("latents", (B, *shape), f32), ("has_image", (B,), b8)]
+    lat = {f: v for f, v in zip(LATENT_FIELDS, (latents, latents_logvar)) if f in fields}
+    if lat:
+        shape, uniform = _latent_shape(keys, lat, latent_shape)
+        layout += [(f, (B, *shape), f32) for f in lat]
+        layout += [("latents_mask", (B, *shape[1:]), b8), ("has_image", (B,), b8)]
     batch: dict[str, Any] = {"keys": keys, "sample_rate": int(rates[0]) if B else 0}
     batch.update(allocate(layout))
 
@@ -225,14 +281,26 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
             o[j, :n] = a
             o[j, n:] = TEXT_PAD_ID
         _fill_lengths_mask(t_len, batch["text_lengths"], batch["text_mask"])
-    if "latents" in fields:
-        out, has = batch["latents"], batch["has_image"].numpy()
-        for j, a in enumerate(latents):
-            has[j] = a is not None
-            if a is None:
-                out[j].numpy().fill(0.0)
-            else:
-                copy_serial(out[j], torch.from_numpy(a))
+    if lat:
+        has, mask = batch["has_image"].numpy(), batch["latents_mask"].numpy()
+        first = next(iter(lat.values()))
+        has[:] = [a is not None for a in first]
+        mask[:] = has[:, None, None, None]
+        if not uniform:
+            for j, a in enumerate(first):
+                if a is not None and tuple(a.shape) != shape:
+                    _, t, h, w = a.shape
+                    mask[j] = False
+                    mask[j, :t, :h, :w] = True
+        for name, arrays in lat.items():
+            out = batch[name]
+            for j, a in enumerate(arrays):
+                if a is None:
+                    out[j].numpy().fill(0.0)
+                elif uniform or tuple(a.shape) == shape:
+                    copy_serial(out[j], torch.from_numpy(a))
+                else:
+                    _copy_padded(out[j], a)
     return batch
 
 
@@ -243,11 +311,16 @@ def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] = FIELDS
     Args:
         samples: dicts with ``__key__``, ``json`` (for ``sample_rate``) and the numpy arrays
             ``codes`` int16 (n_codebooks, F), ``audio`` int16 (T,), ``text_ids`` int32 (L,),
-            ``latents`` float16 (C, T, H, W) (image samples only).
-        fields: which of :data:`FIELDS` to collate.
+            ``latents`` float16 (C, T, H, W) and ``latents_logvar`` float16 (C, T, H, W)
+            (image samples only; logvar only in caches made with ``store_posterior``).
+        fields: which of :data:`ALL_FIELDS` to collate (default :data:`FIELDS`).
         latent_shape: ``(C, T, H, W)`` used when no sample of the batch has an image.
 
-    Raises ``KeyError`` naming the key when a sample lacks a requested (non-latent) field and
+    Latents of different shapes are zero-padded to the batch's max ``(C, T, H, W)`` and
+    ``latents_mask`` (B, T, H, W) bool marks the real cells (see the module docstring).
+
+    Raises ``KeyError`` naming the key when a sample lacks a requested (non-latent) field or has
+    ``latents`` without a requested ``latents_logvar``, and
     ``ValueError`` as described in the module docstring.
     """
     fields = check_fields(fields)
@@ -262,10 +335,16 @@ def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] = FIELDS
             out.append(s[name])
         return out
 
+    if "latents_logvar" in fields:
+        for s in samples:
+            if "latents" in s and "latents_logvar" not in s:
+                raise KeyError(f"sample {s['__key__']!r} has latents but no 'latents_logvar' (cache made "
+                               "without store_posterior); drop it from fields")
     return collate_views(
         keys, rates, fields,
         codes=need("codes") if "codes" in fields else None,
         audio=need("audio") if "audio" in fields else None,
         text_ids=need("text_ids") if "text_ids" in fields else None,
         latents=[s.get("latents") for s in samples] if "latents" in fields else None,
+        latents_logvar=[s.get("latents_logvar") for s in samples] if "latents_logvar" in fields else None,
         latent_shape=latent_shape)

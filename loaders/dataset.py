@@ -27,12 +27,12 @@ from shards import ShardCorrupt, UnsafeMember, read_index
 from shards.schema import PICKLE_EXTENSIONS
 
 from .batching import PlanSpec
-from .collate import FIELDS, check_fields, collate_views
+from .collate import FIELDS, LATENT_FIELDS, check_fields, collate_views
 from .order import filter_rows
 
 #: tensor fields -> (member name, ndim)
 _MEMBERS = {"codes": ("codes.npy", 2), "audio": ("audio.npy", 1), "text_ids": ("text_ids.npy", 1),
-            "latents": ("latents.npy", 4)}
+            "latents": ("latents.npy", 4), "latents_logvar": ("latents_logvar.npy", 4)}
 # A member name is what follows the key's first dot: "codes.npy", "pyd", "x.pkl". scan_shard only
 # checks ext.endswith(".pyd"), which misses a bare "KEY.pyd" member (ext "pyd"); match both here.
 _UNSAFE_RE = "(^|\\.)(" + "|".join(re.escape(e.lstrip(".")) for e in PICKLE_EXTENSIONS) + ")$"
@@ -60,15 +60,18 @@ class CacheSource:
     Args:
         cache_dir: directory with ``index.parquet`` and the shard tars.
         filters: see :func:`loaders.order.filter_rows`.
-        fields: the fields that will be read (their members must exist; ``latents`` may be absent).
+        fields: the fields that will be read (their members must exist; ``latents`` may be absent,
+            ``latents_logvar`` must exist exactly where ``latents`` does).
 
     Attributes (one entry per kept row, index order): ``n`` rows; ``keys`` (Arrow strings);
     ``shard_of`` int32 (shards numbered in sorted name order); ``frames`` int64 codes frames;
-    ``sample_rate`` int64; ``has_image`` bool; ``latent_shape`` the most common latent shape (or None).
+    ``sample_rate`` int64; ``has_image`` bool; ``latent_shape`` the most common latent shape (or None;
+    used for batches without any image).
 
     Raises ``FileNotFoundError`` (no index), :class:`shards.UnsafeMember` (pickle member listed),
     :class:`shards.ShardCorrupt` (shard file missing or shorter than its indexed members, bad
-    member shape/size), ``ValueError`` (no sample left after filters; a requested member missing).
+    member shape/size), ``ValueError`` (no sample left after filters; a requested member missing,
+    e.g. ``latents_logvar`` from a cache made without ``store_posterior``).
     """
 
     def __init__(self, cache_dir: str | os.PathLike, filters: Any = None, fields: Sequence[str] = FIELDS):
@@ -116,7 +119,12 @@ class CacheSource:
             rows = parent[sel]
             present = np.zeros(self.n, dtype=bool)
             present[rows] = True
-            if field != "latents" and not present.all():
+            if field == "latents_logvar" and (self.has_image & ~present).any():
+                missing = np.flatnonzero(self.has_image & ~present)
+                raise ValueError(f"{self.cache_dir}: {len(missing)} image samples have no {member} (e.g. "
+                                 f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); precompute with "
+                                 "store_posterior: true, or drop 'latents_logvar' from fields")
+            if field not in LATENT_FIELDS and not present.all():
                 missing = np.flatnonzero(~present)
                 raise ValueError(f"{self.cache_dir}: {len(missing)} samples have no {member} (e.g. "
                                  f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); drop "
@@ -149,7 +157,7 @@ class CacheSource:
             self.off[field], self.shape[field] = off, shape
             self.count[field] = np.prod(shape, axis=1)
             self.dtype_of[field], self.dtypes[field] = code, dtypes
-            if field == "latents" and len(sel):
+            if field in LATENT_FIELDS and self.latent_shape is None and len(sel):
                 img = shape[rows]
                 if (img == img[0]).all():
                     self.latent_shape = tuple(int(v) for v in img[0])

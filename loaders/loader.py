@@ -80,7 +80,8 @@ class ShardLoader:
         shuffle: False -> index order (shards in name order, samples in tar order).
         drop_remainder: drop the ``N mod G`` last samples (``G = world_size * batch_size``);
             False: wrap around to the start of the epoch's order to fill the last step.
-        fields: subset of ``("codes", "audio", "text_ids", "latents")`` to read and collate.
+        fields: subset of ``("codes", "audio", "text_ids", "latents", "latents_logvar")`` to read
+            and collate (default: all but ``latents_logvar``, which is read only when named).
         filters: callable on the index table or dict on its columns
             (:func:`loaders.order.filter_rows`), applied before the order is built.
         max_frames: budget batching: ``B * F_max <= max_frames`` codes frames per batch, with

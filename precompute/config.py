@@ -30,6 +30,10 @@ class PrecomputeConfig:
     image_size: int = 256
     #: center_crop | pad | bucket (see precompute.images).
     image_resize: str = "center_crop"
+    #: also store the VAE posterior: ``latents.npy`` = its mean (as without it: Wan's mode is the
+    #: mean) plus ``latents_logvar.npy`` float16 (C, T, H, W), so training can sample
+    #: ``mean + exp(0.5 * logvar) * eps``. Needs an encoder with ``encode_posterior`` (wan; not cosmos).
+    store_posterior: bool = False
     #: decompression-bomb guard: images with more pixels are rejected (``image_too_large``).
     max_image_pixels: int = 64_000_000
     #: images whose shorter side is below this many pixels are rejected (``image_too_small``).
@@ -51,9 +55,16 @@ class PrecomputeConfig:
     columns: dict[str, str] = field(default_factory=dict)
 
     def preprocessing(self) -> dict[str, Any]:
-        """Every parameter that changes cached bytes (part of the fingerprint)."""
+        """Every parameter that changes cached bytes (part of the fingerprint).
+
+        ``store_posterior`` is listed only when true, so caches made before it existed (all without
+        a posterior) keep their fingerprint; True and False still give different fingerprints.
+        """
         keys = ("sample_rate", "image_size", "image_resize")
-        return {k: getattr(self, k) for k in keys} | {"audio_format": "pcm_s16le", "latents_dtype": "float16"}
+        out = {k: getattr(self, k) for k in keys} | {"audio_format": "pcm_s16le", "latents_dtype": "float16"}
+        if self.store_posterior:
+            out["store_posterior"] = True
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

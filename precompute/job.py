@@ -108,6 +108,16 @@ def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) 
         write_json_atomic({"fingerprint": fp, "describe": describe}, path)
 
 
+def check_posterior(image_encoder: Any) -> None:
+    """Raise ``ValueError`` (before anything is written) when ``store_posterior`` cannot be honoured."""
+    why = getattr(image_encoder, "posterior_unsupported", None)
+    if not callable(getattr(image_encoder, "encode_posterior", None)):
+        why = f"{type(image_encoder).__name__} has no encode_posterior() method"
+    if why:
+        raise ValueError(f"store_posterior: true, but the image encoder has no posterior to store: {why}. "
+                         "Set store_posterior: false or use the wan image encoder.")
+
+
 def committed(out_dir: Path) -> tuple[set[str], dict[int, int]]:
     """Row ids covered by committed chunks, and the next free shard number per rank."""
     done: set[str] = set()
@@ -208,7 +218,13 @@ def _encode_each(fn, inputs: list, summary: Summary, device: str) -> list:
 
 def encode_batch(batch: list[Prepared], enc: Encoders, cfg: PrecomputeConfig, summary: Summary,
                  device: str) -> list[tuple[str, dict | None, tuple | None]]:
-    """Encode the good rows of a batch; return ``(key, fields, reject)`` per row, in input order."""
+    """Encode the good rows of a batch; return ``(key, fields, reject)`` per row, in input order.
+
+    Image rows get ``latents.npy`` float16 ``(C, 1, H/f, W/f)``: the VAE's mode, or with
+    ``cfg.store_posterior`` the posterior mean (the same for Wan) plus ``latents_logvar.npy``
+    float16 of the same shape (natural-log variance). Non-finite values or values beyond float16
+    (``|x| > 65000``) reject the row as ``encode_failed``.
+    """
     ok = [p for p in batch if p.error is None]
     with_audio = [p for p in ok if p.audio]
     codes = _encode_each(enc.audio.encode, [p.audio[enc.audio.sample_rate] for p in with_audio], summary, device)
@@ -219,7 +235,10 @@ def encode_batch(batch: list[Prepared], enc: Encoders, cfg: PrecomputeConfig, su
         if p.image is not None:
             by_shape.setdefault(p.image.shape, []).append(p)
     for group in by_shape.values():
-        fn = lambda imgs: list(enc.image.encode(np.stack(imgs)))  # noqa: E731
+        if cfg.store_posterior:  # one (mean, logvar) pair per image
+            fn = lambda imgs: list(zip(*enc.image.encode_posterior(np.stack(imgs))))  # noqa: E731
+        else:
+            fn = lambda imgs: list(enc.image.encode(np.stack(imgs)))  # noqa: E731
         for p, z in zip(group, _encode_each(fn, [p.image for p in group], summary, device)):
             latents_of[id(p)] = z
     out = []
@@ -241,11 +260,15 @@ def encode_batch(batch: list[Prepared], enc: Encoders, cfg: PrecomputeConfig, su
             fields["codes.npy"] = np.asarray(codes_of[id(p)], dtype=np.int16)
             meta["frame_rate"] = float(enc.audio.frame_rate)
         if p.image is not None:
-            z = np.asarray(latents_of[id(p)], dtype=np.float32)
-            if np.abs(z).max() > 65000:
-                out.append((req.key, None, (req.key, req.source, schema.ENCODE_FAILED, "latents overflow float16")))
+            z, lv = latents_of[id(p)] if cfg.store_posterior else (latents_of[id(p)], None)
+            arrays = {"latents.npy": z} | ({} if lv is None else {"latents_logvar.npy": lv})
+            arrays = {k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()}
+            bad = [f"{k[:-4]} {'non-finite' if not np.isfinite(v).all() else 'overflow float16'}"
+                   for k, v in arrays.items() if not np.all(np.abs(v) <= 65000)]
+            if bad:
+                out.append((req.key, None, (req.key, req.source, schema.ENCODE_FAILED, "; ".join(bad))))
                 continue
-            fields["latents.npy"] = z.astype(np.float16)
+            fields.update({k: v.astype(np.float16) for k, v in arrays.items()})
         out.append((req.key, fields, None))
     return out
 
@@ -278,6 +301,8 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     device = resolve_device(cfg.device, local_rank)
     requests = read_manifest(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
     enc = load_encoders(cfg, device)
+    if cfg.store_posterior:
+        check_posterior(enc.image)
     describe = enc.describe() | {"preprocessing": cfg.preprocessing()}
     fp = fingerprint(*enc.describe().values(), preprocessing=cfg.preprocessing())
     check_fingerprint(out_dir, fp, describe, global_rank)

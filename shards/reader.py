@@ -31,7 +31,8 @@ class ShardReader:
 
     ``get(i)`` returns ``{"__key__": str, "json": dict, "codes": int16 (n_codebooks, frames),
     "audio": int16 (num_samples,), "text_ids": int32 (n_tokens,), "latents": float16 (C,T,H,W)}``
-    (``latents`` only for image samples) as read-only numpy views. Raises :class:`UnsafeMember`
+    (``latents`` only for image samples; ``latents_logvar`` float16 (C,T,H,W) too where the cache
+    stores the posterior) as read-only numpy views. Raises :class:`UnsafeMember`
     at construction if the index lists a member that would need unpickling, and
     :class:`ShardCorrupt` when a member lies outside its shard file.
     """

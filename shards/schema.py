@@ -17,6 +17,11 @@ Tensor members (all ``.npy`` written by ``numpy.save`` with ``allow_pickle=False
 * ``codes.npy``    int16 ``(n_codebooks, frames)`` audio codec tokens (codebook size <= 32768).
 * ``audio.npy``    int16 ``(num_samples,)`` mono PCM at ``sample_rate`` Hz (full scale 32767).
 * ``latents.npy``  float16 ``(C, T, H, W)`` VAE latents, e.g. ``(16, 1, H/8, W/8)``; image samples only.
+  With ``image_resize: bucket`` H and W vary per sample. With ``store_posterior`` this is the
+  posterior mean.
+* ``latents_logvar.npy`` float16 ``(C, T, H, W)`` VAE posterior log-variance (natural log, same
+  normalisation as ``latents``: shifted by ``-2 log(latents_std)``); only in caches made with
+  ``store_posterior: true``, then on every image sample. Sample ``z = mean + exp(0.5 * logvar) * eps``.
 * ``text_ids.npy`` int32 ``(n_tokens,)`` token ids.
 * ``json``         UTF-8 JSON metadata: text, speaker, sources, sample_rate, duration_s, ...
 """
@@ -37,6 +42,7 @@ TENSOR_DTYPES = {
     "codes.npy": "int16",
     "audio.npy": "int16",
     "latents.npy": "float16",
+    "latents_logvar.npy": "float16",
     "text_ids.npy": "int32",
 }
 JSON_MEMBER = "json"

@@ -39,7 +39,7 @@ class ShardWriter:
     Use ``add(key, fields)`` for kept samples and ``reject(...)`` for rejected rows, then
     ``commit()``; a ``with`` block aborts (removes the ``.tmp``) on an exception. ``fields`` maps
     member names to values: ``"json"`` -> a JSON-able dict; ``"codes.npy"``, ``"audio.npy"``,
-    ``"latents.npy"``, ``"text_ids.npy"`` -> arrays with the dtypes of
+    ``"latents.npy"``, ``"latents_logvar.npy"``, ``"text_ids.npy"`` -> arrays with the dtypes of
     :data:`shards.schema.TENSOR_DTYPES` (``ValueError`` otherwise).
     """
 

@@ -227,6 +227,29 @@ def test_image_normalize(models, name):
     assert fingerprint(raw.describe(), preprocessing={}) != fingerprint(d, preprocessing={})
 
 
+def test_image_posterior(models):
+    """Wan: encode_posterior's mean is encode()'s output, logvar is finite and shaped alike;
+    normalize maps mean like encode and shifts logvar by -2 log(std). Cosmos has no posterior."""
+    from precompute.job import check_posterior
+    raw = load_image_encoder({"name": "wan", "pretrained": str(models["wan"])})
+    norm = load_image_encoder({"name": "wan", "pretrained": str(models["wan"]), "normalize": True})
+    x = images(3, 64, 96, seed=7)
+    mean, logvar = raw.encode_posterior(x)
+    assert mean.dtype == logvar.dtype == np.float32 and mean.shape == logvar.shape == (3, 16, 1, 8, 12)
+    np.testing.assert_array_equal(mean, raw.encode(x))
+    assert np.isfinite(logvar).all() and logvar.std() > 0 and (logvar >= -30).all() and (logvar <= 20).all()
+    n_mean, n_logvar = norm.encode_posterior(x)
+    np.testing.assert_array_equal(n_mean, norm.encode(x))
+    std = np.asarray(norm.describe()["latents_std"], np.float32).reshape(1, 16, 1, 1, 1)
+    np.testing.assert_allclose(n_logvar, logvar - 2 * np.log(std), rtol=1e-5, atol=1e-5)
+    check_posterior(raw)
+    cosmos = load_image_encoder({"name": "cosmos", "pretrained": str(models["cosmos"])})
+    with pytest.raises(ValueError, match="AutoencoderKLCosmos.*IdentityDistribution.*store_posterior: false"):
+        cosmos.encode_posterior(x)
+    with pytest.raises(ValueError, match="store_posterior.*IdentityDistribution"):
+        check_posterior(cosmos)  # the job refuses before writing anything
+
+
 def test_image_input_validation(models):
     enc = load_image_encoder({"name": "wan", "pretrained": str(models["wan"])})
     with pytest.raises(ValueError, match="uint8"):
@@ -318,7 +341,7 @@ def test_plugin_factory():
 
 
 def test_unknown_names_and_options(models, tmp_path):
-    with pytest.raises(ValueError, match="unknown audio tokenizer 'snac'; known: dac, encodec, mimi"):
+    with pytest.raises(ValueError, match="unknown audio tokenizer 'snac'; known: dac, encodec, higgs, mimi"):
         load_audio_tokenizer({"name": "snac", "pretrained": "x"})
     with pytest.raises(ValueError, match="known: cosmos, wan"):
         load_image_encoder({"name": "sdxl", "pretrained": "x"})

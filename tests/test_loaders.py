@@ -26,9 +26,10 @@ LATENT = (4, 1, 2, 3)
 
 
 def make_cache(root: Path, shard_sizes=(7, 13, 5), *, seed=0, image_every=3, frames=(3, 40),
-               prefix="s", sr=16000, latent_shapes=(LATENT,), ncb=2) -> Path:
+               prefix="s", sr=16000, latent_shapes=(LATENT,), ncb=2, logvar=False) -> Path:
     """A cache of len(shard_sizes) shards; varying codes/audio/text lengths; every
-    ``image_every``-th sample has latents (shape cycling through ``latent_shapes``)."""
+    ``image_every``-th sample has latents (shape cycling through ``latent_shapes``), and
+    ``latents_logvar`` of the same shape when ``logvar``."""
     rng = np.random.default_rng(seed)
     k = 0
     for s, n in enumerate(shard_sizes):
@@ -46,6 +47,8 @@ def make_cache(root: Path, shard_sizes=(7, 13, 5), *, seed=0, image_every=3, fra
                 if image_every and k % image_every == 0:
                     shp = latent_shapes[(k // image_every) % len(latent_shapes)]
                     fields["latents.npy"] = rng.standard_normal(shp).astype(np.float16)
+                    if logvar:
+                        fields["latents_logvar.npy"] = (rng.standard_normal(shp) - 3).astype(np.float16)
                 w.add(f"{prefix}{s}_{k:04d}", fields)
                 k += 1
             w.commit()
@@ -83,6 +86,8 @@ def test_collate_shapes_dtypes_pads_masks(cache):
     assert b["text_ids"].shape == (B, L) and b["text_ids"].dtype == torch.int64
     assert b["latents"].shape == (B, *LATENT) and b["latents"].dtype == torch.float32
     assert b["has_image"].dtype == torch.bool
+    assert b["latents_mask"].shape == (B, *LATENT[1:]) and b["latents_mask"].dtype == torch.bool
+    assert torch.equal(b["latents_mask"], b["has_image"][:, None, None, None].expand(B, *LATENT[1:]))
     for name in ("codes", "audio", "text"):
         assert b[f"{name}_lengths"].dtype == torch.int64 and b[f"{name}_mask"].dtype == torch.bool
     for j, s in enumerate(samples):
@@ -115,20 +120,111 @@ def test_loader_batch_equals_collate_fn(cache):
         for k, v in ref.items():
             assert torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k], k
     sub = next(iter(ShardLoader(cache, 4, fields=("text_ids", "latents"))))
-    assert set(sub) == {"keys", "sample_rate", "text_ids", "text_lengths", "text_mask", "latents", "has_image"}
+    assert set(sub) == {"keys", "sample_rate", "text_ids", "text_lengths", "text_mask", "latents",
+                        "latents_mask", "has_image"}
 
 
-def test_collate_rejects_mixed_latent_shapes(tmp_path):
-    c = make_cache(tmp_path / "c", (6,), image_every=1, latent_shapes=(LATENT, (4, 1, 4, 4)))
+def check_padded_latents(b, samples, names=("latents",)):
+    """Every latent field of batch ``b`` holds each sample's array in its corner, 0.0 elsewhere;
+    ``latents_mask`` is True exactly on the corner (T, H, W) and all False without an image."""
+    B, C, T, H, W = b["latents"].shape if "latents" in b else b[names[0]].shape
+    assert b["latents_mask"].shape == (B, T, H, W) and b["latents_mask"].dtype == torch.bool
+    for j, s in enumerate(samples):
+        ref = s.get(names[0])
+        assert bool(b["has_image"][j]) == (ref is not None)
+        if ref is None:
+            assert not b["latents_mask"][j].any()
+        else:
+            c, t, h, w = ref.shape
+            want = torch.zeros(T, H, W, dtype=torch.bool)
+            want[:t, :h, :w] = True
+            assert torch.equal(b["latents_mask"][j], want)
+        for name in names:
+            a = s.get(name)
+            got = b[name][j]
+            if a is None:
+                assert (got == 0).all()
+                continue
+            c, t, h, w = a.shape
+            assert torch.equal(got[:c, :t, :h, :w], torch.from_numpy(a.astype(np.float32)))
+            rest = got.clone()
+            rest[:c, :t, :h, :w] = 0
+            assert (rest == 0).all(), name  # padding is exactly zero
+
+
+def test_collate_pads_mixed_latent_shapes(tmp_path):
+    wide, tall = (16, 1, 4, 6), (16, 1, 6, 4)
+    c = make_cache(tmp_path / "c", (9,), image_every=1, latent_shapes=(wide, tall), logvar=True)
     reader = ShardReader(c)
-    with pytest.raises(ValueError, match="bucket") as e:
-        collate_fn([reader.get(i) for i in range(4)])
-    assert reader.keys[0] in str(e.value) and reader.keys[1] in str(e.value)
-    with pytest.raises(ValueError, match="bucket"):  # same error through the loader
-        next(iter(ShardLoader(c, 4, shuffle=False)))
-    even = [k for i, k in enumerate(reader.keys) if i % 2 == 0]  # one latent shape: a bucket
-    ok = ShardLoader(c, 3, filters={"key": even})
-    assert [tuple(b["latents"].shape) for b in ok] == [(3, *LATENT)]
+    samples = [reader.get(i) for i in range(4)]
+    assert {s["latents"].shape for s in samples} == {wide, tall}
+    no_image = {k: v for k, v in samples[1].items() if not k.startswith("latents")}
+    mixed = [samples[0], no_image, samples[1], samples[2], samples[3]]
+    b = collate_fn(mixed)
+    assert b["latents"].shape == (5, 16, 1, 6, 6) and b["latents"].dtype == torch.float32
+    assert b["has_image"].tolist() == [True, False, True, True, True]
+    assert b["latents_mask"].sum().item() == 4 * 24  # 24 real cells per image, none for no_image
+    assert "latents_logvar" not in b  # only on request
+    check_padded_latents(b, mixed)
+    both = collate_fn(mixed, fields=("latents", "latents_logvar"))
+    assert both["latents_logvar"].shape == both["latents"].shape
+    check_padded_latents(both, mixed, names=("latents", "latents_logvar"))
+    # equal shapes: the fast path, mask = has_image broadcast, nothing padded
+    same = collate_fn([samples[0], no_image, samples[2]])
+    assert same["latents"].shape == (3, *wide)
+    check_padded_latents(same, [samples[0], no_image, samples[2]])
+    # the loader (index offsets + mmap views) gives the same batches as collate_fn
+    row = {k: i for i, k in enumerate(reader.keys)}
+    loader = ShardLoader(c, 4, shuffle=False, fields=("codes", "latents", "latents_logvar"))
+    shapes = set()
+    for lb in loader:
+        ref = collate_fn([reader.get(row[k]) for k in lb["keys"]], fields=("codes", "latents", "latents_logvar"))
+        assert set(ref) == set(lb)
+        for k, v in ref.items():
+            assert torch.equal(v, lb[k]) if isinstance(v, torch.Tensor) else v == lb[k], k
+        shapes.add(tuple(lb["latents"].shape))
+    assert shapes == {(4, 16, 1, 6, 6)}
+
+
+def test_latents_logvar_only_on_request_and_required(tmp_path, cache):
+    with_lv = make_cache(tmp_path / "lv", (5, 4), image_every=2, latent_shapes=(LATENT,), logvar=True)
+    default = next(iter(ShardLoader(with_lv, 4, shuffle=False)))
+    assert "latents_logvar" not in default and "latents_mask" in default
+    b = next(iter(ShardLoader(with_lv, 4, shuffle=False, fields=("latents_logvar",))))
+    assert set(b) == {"keys", "sample_rate", "latents_logvar", "latents_mask", "has_image"}
+    reader = ShardReader(with_lv)
+    samples = [reader.get(i) for i in range(4)]
+    check_padded_latents(b, samples, names=("latents_logvar",))
+    with pytest.raises(ValueError, match="store_posterior"):  # cache written without logvar
+        ShardLoader(cache, 4, fields=("latents", "latents_logvar"))
+    plain = ShardReader(cache)
+    with pytest.raises(KeyError, match="latents_logvar"):
+        collate_fn([plain.get(0)], fields=("latents", "latents_logvar"))
+    with pytest.raises(ValueError, match="unknown fields"):
+        collate_fn(samples, fields=("latents_var",))
+
+
+def test_bucketed_demo_images_batch_together(tiny_config, tmp_path):
+    """image_resize=bucket keeps aspect ratios: the demo photos give several latent shapes,
+    and one ShardLoader batch holds all of them, zero-padded, with latents_mask."""
+    import dataclasses
+    from conftest import DEMO
+    from precompute.job import run
+    from shards import read_index
+    cfg = dataclasses.replace(tiny_config, image_resize="bucket")
+    run(DEMO / "samples.jsonl", tmp_path / "c", cfg, progress=False)
+    rows = read_index(tmp_path / "c").to_pylist()
+    shapes = {r["key"]: tuple(m["shape"]) for r in rows for m in r["members"] if m["name"] == "latents.npy"}
+    assert len(set(shapes.values())) >= 2, shapes
+    assert all(s[:2] == (16, 1) and 40 <= s[2] * 8 * s[3] * 8 / 64 <= 88 for s in shapes.values())
+    loader = ShardLoader(tmp_path / "c", len(shapes), shuffle=False, filters={"has_image": True})
+    b = next(iter(loader))
+    assert b["has_image"].all() and len(b["keys"]) == len(shapes)
+    C, T, H, W = (max(s[i] for s in shapes.values()) for i in range(4))
+    assert b["latents"].shape == (len(shapes), C, T, H, W)
+    reader = ShardReader(tmp_path / "c")
+    row = {k: i for i, k in enumerate(reader.keys)}
+    check_padded_latents(b, [reader.get(row[k]) for k in b["keys"]])
 
 
 # ------------------------------------------------------------------------------ order and split

@@ -62,6 +62,60 @@ def test_fingerprint_mismatch_is_refused(tiny_config, tmp_path):
         run(DEMO / "samples.jsonl", tmp_path / "c", dataclasses.replace(tiny_config, image_size=32), progress=False)
 
 
+def test_store_posterior_writes_logvar_for_images_only(tiny_config, demo_cache, tmp_path, capsys):
+    import dataclasses
+    import shutil
+    import numpy as np
+    import torch
+    from loaders import ShardLoader
+    from precompute.job import run
+    from shards import ShardReader
+    from shards.cli import main
+    cfg = dataclasses.replace(tiny_config, store_posterior=True)
+    assert cfg.preprocessing() != tiny_config.preprocessing()
+    assert "store_posterior" not in tiny_config.preprocessing()  # old caches keep their fingerprint
+    _, manifest = run(DEMO / "samples.jsonl", tmp_path / "post", cfg, progress=False)
+    rows = read_index(tmp_path / "post").to_pylist()
+    assert len(rows) == len(_samples(demo_cache)) and sum(r["has_image"] for r in rows) >= 2
+    for r in rows:
+        members = {m["name"]: m for m in r["members"]}
+        assert ("latents_logvar.npy" in members) == r["has_image"] == ("latents.npy" in members)
+        if r["has_image"]:
+            assert members["latents_logvar.npy"]["shape"] == members["latents.npy"]["shape"]
+            assert members["latents_logvar.npy"]["dtype"] == "<f2"
+    # the mean is what the plain run stores (Wan's mode is its mean)
+    plain, post = ShardReader(demo_cache), ShardReader(tmp_path / "post")
+    pos = {k: i for i, k in enumerate(plain.keys)}
+    for i, k in enumerate(post.keys):
+        a, b = post.get(i), plain.get(pos[k])
+        assert ("latents" in a) == ("latents" in b)
+        if "latents" in a:
+            np.testing.assert_array_equal(a["latents"], b["latents"])
+            assert np.isfinite(a["latents_logvar"]).all()
+    fields = ("codes", "latents", "latents_logvar")
+    n_img = sum(r["has_image"] for r in rows)
+    batch = next(iter(ShardLoader(tmp_path / "post", n_img, shuffle=False, fields=fields,
+                                  filters={"has_image": True})))
+    assert batch["latents_logvar"].shape == batch["latents"].shape and batch["has_image"].all()
+    j = {k: i for i, k in enumerate(post.keys)}[batch["keys"][0]]
+    assert torch.equal(batch["latents_logvar"][0], torch.from_numpy(post.get(j)["latents_logvar"].astype(np.float32)))
+    assert "latents_logvar" not in next(iter(ShardLoader(tmp_path / "post", 4, shuffle=False)))
+    # the CLI handles the new member generically
+    assert main(["verify", str(tmp_path / "post"), "--deep"]) == 0
+    key = next(r["key"] for r in rows if r["has_image"])
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "post"), key]) == 0
+    assert "latents_logvar.npy" in capsys.readouterr().out
+    # fingerprints differ: neither cache accepts the other setting
+    old = Path(shutil.copytree(demo_cache, tmp_path / "old"))
+    with pytest.raises(FingerprintMismatch, match="preprocessing"):
+        run(DEMO / "samples.jsonl", old, cfg, progress=False)
+    with pytest.raises(FingerprintMismatch, match="preprocessing"):
+        run(DEMO / "samples.jsonl", tmp_path / "post", tiny_config, progress=False)
+    assert _samples(old) == _samples(demo_cache)
+    assert manifest["config"]["store_posterior"] is True
+
+
 def test_incremental_rerun_encodes_only_new_rows(tiny_config, demo_cache, tmp_path):
     from precompute.job import run
     lines = (DEMO / "samples.jsonl").read_text().splitlines()

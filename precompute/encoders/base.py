@@ -66,6 +66,10 @@ class ImageEncoder(Protocol):
     Attributes:
         spatial_factor: pixels per latent cell along H and W (8 for the Cosmos/Wan 2.1 VAEs).
         latent_channels: channels C of the latent (16 for the Cosmos/Wan 2.1 VAEs).
+
+    Optional (needed only by ``store_posterior: true``): ``encode_posterior(images) -> (mean, logvar)``,
+    two float32 arrays shaped like ``encode``'s output, ``mean`` equal to it, ``logvar`` the natural
+    log of the posterior variance; and ``posterior_unsupported``: None, or a string saying why not.
     """
 
     spatial_factor: int

@@ -13,6 +13,13 @@ per-channel ``latents_mean``/``latents_std`` of the VAE config. Cosmos 1.0 store
 (channel x latent frame); an image has one latent frame, so frame 0's values are used, as the
 Cosmos 1.0 pipelines do by slicing to the frame count. The pipelines' extra ``* sigma_data`` factor is
 the diffusion model's business and is not applied here.
+
+Posterior (``encode_posterior``, used by ``store_posterior: true``): the Wan VAE's ``latent_dist`` is a
+diagonal Gaussian; its ``.mean`` (== ``mode()``, so == :meth:`DiffusersVAEEncoder.encode`) and
+``.logvar`` (natural log of the variance, clamped to [-30, 20] by diffusers) are returned. With
+``normalize`` the mean becomes ``(mean - latents_mean) / latents_std`` and the log-variance
+``logvar - 2 log(latents_std)``, so ``z = mean + exp(0.5 * logvar) * eps`` is a posterior sample in
+the same (normalised) space. Cosmos' distribution is an identity (no variance): no posterior.
 """
 from __future__ import annotations
 
@@ -53,6 +60,8 @@ class DiffusersVAEEncoder:
 
     spatial_factor: int
     latent_channels: int
+    #: None when ``latent_dist`` has ``.mean``/``.logvar``; else why :meth:`encode_posterior` refuses.
+    posterior_unsupported: str | None = None
 
     def __init__(
         self, vae, *, device: Any = "cpu", dtype: Any = None, normalize: bool = False, max_batch_size: int = 8
@@ -84,6 +93,7 @@ class DiffusersVAEEncoder:
                 raise ValueError("latents_std must be positive")
             self._mean = torch.from_numpy(mean).view(1, -1, 1, 1, 1).to(self.device)
             self._std = torch.from_numpy(std).view(1, -1, 1, 1, 1).to(self.device)
+            self._logvar_shift = 2.0 * torch.log(self._std)  # log(std**2): Var[(z - m) / s] = Var[z] / s**2
 
     # -- to implement -------------------------------------------------------------------------
     @classmethod
@@ -140,6 +150,24 @@ class DiffusersVAEEncoder:
             ValueError: not uint8, not ``(B, H, W, 3)``, or H/W not multiples of ``spatial_factor``.
             RuntimeError: the VAE returned an unexpected latent shape.
         """
+        return self._encode(images, posterior=False)[0]
+
+    def encode_posterior(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Posterior ``(mean, logvar)`` of uint8 RGB ``(B, H, W, 3)``: two float32 arrays
+        ``(B, latent_channels, 1, H/f, W/f)``; ``mean`` equals :meth:`encode`, ``logvar`` is the natural
+        log of the variance (both normalised when ``normalize``; see the module docstring).
+
+        Raises:
+            ValueError: the VAE has no Gaussian posterior (``AutoencoderKLCosmos``), or as :meth:`encode`.
+            RuntimeError: as :meth:`encode`.
+        """
+        if self.posterior_unsupported:
+            raise ValueError(f"{type(self).__name__}: no posterior to store: {self.posterior_unsupported}; "
+                             "set store_posterior: false (or use the wan image encoder)")
+        return self._encode(images, posterior=True)
+
+    def _encode(self, images: np.ndarray, posterior: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(mode or mean, logvar or None)`` as float32 ``(B, C, 1, H/f, W/f)`` arrays."""
         import torch
 
         a = np.asarray(images)
@@ -153,13 +181,18 @@ class DiffusersVAEEncoder:
             raise ValueError(f"image size {h}x{w} must be a positive multiple of {f} (crop or resize first)")
         out_shape = (self.latent_channels, 1, h // f, w // f)
         out = np.empty((b, *out_shape), dtype=np.float32)
+        out_lv = np.empty((b, *out_shape), dtype=np.float32) if posterior else None
         for start in range(0, b, self.max_batch_size):
             chunk = np.ascontiguousarray(a[start : start + self.max_batch_size])
             with torch.inference_mode():
                 x = torch.from_numpy(chunk).to(self.device)
                 x = x.permute(0, 3, 1, 2).to(torch.float32).div_(127.5).sub_(1.0)
                 x = x.unsqueeze(2).to(self.dtype).contiguous()  # (b, 3, 1, H, W)
-                z = self.vae.encode(x).latent_dist.mode()
+                dist = self.vae.encode(x).latent_dist
+                if posterior and not (hasattr(dist, "mean") and hasattr(dist, "logvar")):
+                    name = type(dist).__name__
+                    raise ValueError(f"{type(self).__name__}: latent_dist {name} has no mean/logvar")
+                z = dist.mean if posterior else dist.mode()
                 if tuple(z.shape) != (len(chunk), *out_shape):
                     raise RuntimeError(
                         f"{type(self).__name__}: VAE returned latents {tuple(z.shape)}, expected "
@@ -168,8 +201,13 @@ class DiffusersVAEEncoder:
                 z = z.to(torch.float32)
                 if self.normalize:
                     z = (z - self._mean) / self._std
-            out[start : start + len(chunk)] = z.to("cpu").numpy()
-        return out
+                out[start : start + len(chunk)] = z.to("cpu").numpy()
+                if posterior:
+                    lv = dist.logvar.to(torch.float32)
+                    if self.normalize:
+                        lv = lv - self._logvar_shift
+                    out_lv[start : start + len(chunk)] = lv.to("cpu").numpy()
+        return out, out_lv
 
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256``, geometry, ``normalize``, ``dtype``,
@@ -243,6 +281,9 @@ class CosmosVAEEncoder(DiffusersVAEEncoder):
     """
 
     name = "cosmos"
+    posterior_unsupported = (
+        "AutoencoderKLCosmos encodes to an IdentityDistribution (a deterministic latent, no mean/logvar)"
+    )
 
     @classmethod
     def _model_class(cls):
