@@ -46,6 +46,13 @@ class PrecomputeConfig:
     num_workers: int = 2
     #: "auto" = cuda:LOCAL_RANK when available, else cpu.
     device: str = "auto"
+    #: compute dtype of the codec and the VAE: float32 | bfloat16 | float16 (CUDA). Anything but
+    #: float32 is measured against float32 on the job's first rows before use (precompute.precision).
+    encoder_dtype: str = "float32"
+    #: rows used for that measurement, and the accepted difference.
+    precision_samples: int = 8
+    precision_tolerance: dict[str, float] = field(
+        default_factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95})
     #: encoder specs, see precompute.encoders.registry.
     audio_tokenizer: dict[str, Any] = field(default_factory=lambda: {"name": "dac", "pretrained": "models/dac-tiny"})
     image_encoder: dict[str, Any] = field(default_factory=lambda: {"name": "wan", "pretrained": "models/wan-tiny"})

@@ -91,4 +91,4 @@ def load_image(path: str | Path, size: int = 256, *, mode: str = "center_crop", 
         im = ImageOps.pad(im, (out_w, out_h), Image.Resampling.BICUBIC, color=(0, 0, 0))
     else:
         im = ImageOps.fit(im, (out_w, out_h), Image.Resampling.BICUBIC)
-    return np.asarray(im, dtype=np.uint8)
+    return np.array(im, dtype=np.uint8)  # writable: torch.from_numpy warns on read-only arrays

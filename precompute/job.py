@@ -36,7 +36,8 @@ from .audio import to_pcm16
 from .config import PrecomputeConfig
 from .encoders import fingerprint, load_audio_tokenizer, load_image_encoder, load_text_tokenizer
 from .manifests import Request, read_manifest
-from .prepare import Prepared, PrepareDataset, identity_collate
+from .precision import check_precision
+from .prepare import Prepared, PrepareDataset, identity_collate, prepare
 
 log = logging.getLogger("precompute")
 JOB_FILE = "job.json"
@@ -80,11 +81,50 @@ class Summary:
         return self.encoder_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def load_encoders(cfg: PrecomputeConfig, device: str) -> Encoders:
-    """Load the configured audio tokenizer, image encoder and text tokenizer."""
-    return Encoders(audio=load_audio_tokenizer(cfg.audio_tokenizer, device=device),
-                    image=load_image_encoder(cfg.image_encoder, device=device),
+def load_encoders(cfg: PrecomputeConfig, device: str, dtype: str | None = None) -> Encoders:
+    """Load the configured audio tokenizer, image encoder and text tokenizer.
+
+    ``dtype`` (default ``cfg.encoder_dtype``) is given to the built-in codec and VAE unless their
+    spec sets ``dtype`` itself; plug-in factories get their own ``kwargs`` only.
+    """
+    dtype = dtype or cfg.encoder_dtype
+
+    def spec(s: dict) -> dict:
+        return s if "factory" in s or "dtype" in s or dtype == "float32" else dict(s, dtype=dtype)
+
+    return Encoders(audio=load_audio_tokenizer(spec(cfg.audio_tokenizer), device=device),
+                    image=load_image_encoder(spec(cfg.image_encoder), device=device),
                     text=load_text_tokenizer(cfg.text_tokenizer))
+
+
+def precision_check(enc: Encoders, cfg: PrecomputeConfig, requests: list[Request], device: str) -> dict | None:
+    """Measure half-precision encoders against float32 on the job's first rows (None for float32).
+
+    Raises :class:`precompute.precision.PrecisionMismatch` outside ``cfg.precision_tolerance``.
+    """
+    if cfg.encoder_dtype in ("float32", "fp32"):
+        return None
+    ref = load_encoders(cfg, device, dtype="float32")
+    rates = tuple(dict.fromkeys([cfg.sample_rate, enc.audio.sample_rate]))
+    # half of the rows with an image where the manifest has them, so both encoders are measured
+    n_img = cfg.precision_samples // 2 if any(r.image and not r.error for r in requests) else 0
+    picked: dict[bool, list] = {True: [], False: []}
+    quota = {True: n_img, False: cfg.precision_samples - n_img}
+    for req in requests:
+        kind = bool(req.image)
+        if req.error or len(picked[kind]) >= quota[kind]:
+            if all(len(picked[k]) >= quota[k] for k in picked):
+                break
+            continue
+        p = prepare(req, 0, cfg, rates, enc.text, enc.image.spatial_factor)
+        if p.error is None:
+            picked[kind].append(p)
+    prepared = picked[True] + picked[False]
+    with torch.inference_mode():
+        result = check_precision(enc, ref, prepared, cfg.precision_tolerance, cfg.encoder_dtype)
+    log.info("encoder_dtype=%s vs float32 on %d rows: latents rel. err %s, codes agreement %s",
+             cfg.encoder_dtype, result["samples"], result["latents_rel_err"], result["codes_agreement"])
+    return result
 
 
 def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) -> None:
@@ -303,6 +343,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     enc = load_encoders(cfg, device)
     if cfg.store_posterior:
         check_posterior(enc.image)
+    precision = precision_check(enc, cfg, requests, device)
     describe = enc.describe() | {"preprocessing": cfg.preprocessing()}
     fp = fingerprint(*enc.describe().values(), preprocessing=cfg.preprocessing())
     check_fingerprint(out_dir, fp, describe, global_rank)
@@ -352,5 +393,6 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
             "text_vocab_size": enc.text.vocab_size, "text_pad_id": enc.text.pad_id,
             "latent_channels": enc.image.latent_channels, "config": cfg.to_dict(),
             "source_manifest": str(manifest), "world_size": world_size,
+            **({"precision_check": precision} if precision else {}),
         })
     return summary, result
