@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import librosa  # imported here, once: forked decode workers inherit it instead of each importing it
 import numpy as np
 import soundfile as sf
 
@@ -24,7 +25,6 @@ FALLBACK_SUFFIXES = (".m4a", ".aac", ".mp4", ".wma", ".webm", ".amr")
 def _decode(path: Path) -> tuple[np.ndarray, int]:
     """Decode to float32 ``(frames, channels)`` and the file's rate in Hz."""
     if path.suffix.lower() in FALLBACK_SUFFIXES:
-        import librosa
         try:
             y, sr = librosa.load(str(path), sr=None, mono=False)
         except Exception as e:  # audioread raises many unrelated types
@@ -45,7 +45,6 @@ def resample(y: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     """Resample mono float32 ``(frames,)`` from ``orig_sr`` to ``target_sr`` Hz with soxr (HQ)."""
     if orig_sr == target_sr:
         return y
-    import librosa
     return librosa.resample(y, orig_sr=orig_sr, target_sr=target_sr, res_type="soxr_hq").astype(np.float32, copy=False)
 
 
