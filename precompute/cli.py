@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-encoder", default=None, metavar="NAME|module:factory",
                    help="VAE: wan | cosmos, or a plug-in factory module:factory")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default from config: auto)")
-    p.add_argument("--num-workers", type=int, default=None, help="decode worker processes")
+    p.add_argument("--num-workers", default=None, help="decode worker processes, or auto (default from config)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per encoder call")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

@@ -42,8 +42,10 @@ class PrecomputeConfig:
     samples_per_shard: int = 256
     #: samples per encoder call.
     batch_size: int = 8
-    #: decode worker processes (0 = decode in the main process).
-    num_workers: int = 2
+    #: decode worker processes (0 = decode in the main process). "auto": on CUDA, the rank's share
+    #: of the CPU cores minus one (at most 8); on CPU, 0, because the encoder's intra-op threads
+    #: already use every core and worker processes only add contention (measured: make bench).
+    num_workers: int | str = "auto"
     #: "auto" = cuda:LOCAL_RANK when available, else cpu.
     device: str = "auto"
     #: compute dtype of the codec and the VAE: float32 | bfloat16 | float16 (CUDA). Anything but

@@ -138,3 +138,12 @@ def test_summary_counts_encoder_time(tiny_config, tmp_path):
     assert 0 < summary.encoder_busy <= 1
     again, _ = run(DEMO / "samples.jsonl", tmp_path / "c", tiny_config, progress=False)
     assert again.kept == 0 and again.skipped_rows == summary.kept + summary.rejected
+
+
+def test_decode_worker_processes_give_the_same_cache(tiny_config, demo_cache, tmp_path):
+    import dataclasses
+    from precompute.job import resolve_workers, run
+    assert resolve_workers("auto", "cpu") == 0 and resolve_workers(3, "cpu") == 3
+    run(DEMO / "samples.jsonl", tmp_path / "c", dataclasses.replace(tiny_config, num_workers=2), progress=False)
+    pick = lambda c: dict(zip(*read_index(c).select(["key", "sha256"]).to_pydict().values()))  # noqa: E731
+    assert pick(tmp_path / "c") == pick(demo_cache)
