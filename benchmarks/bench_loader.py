@@ -6,7 +6,8 @@ about 350 KiB per sample), then measures in one run, everything from the page ca
 
 1. ``cat``: ``cat shards > /dev/null`` (MB/s, best of 3): the ceiling for reading these bytes.
 2. ``shardloader``: :class:`loaders.ShardLoader` with ``num_workers=0`` (one process) delivering
-   padded, collated batches (float32 audio + masks, float32 latents, int64 codes/text):
+   padded, collated batches (float32 audio + masks, float32 latents, int64 codes/text; and with
+   ``compact=True``: int16 audio and float16 latents as stored, converted on the GPU instead):
    samples/s, shard MB/s and the ratio to ``cat`` (issue target >= 0.4). Also with workers.
 3. ``webdataset``: ``webdataset.WebDataset(shards, shardshuffle=False).decode()``, per-sample
    dicts of numpy arrays, no batching or collation (so flattering to webdataset): ratio to ``cat``.
@@ -99,8 +100,8 @@ def bench_cat(files: list[Path]) -> dict:
 
 
 def bench_loader(cache: Path, batch_size: int, num_workers: int, shard_bytes: int, n_total: int,
-                 epochs: int = 3) -> dict:
-    loader = ShardLoader(cache, batch_size, num_workers=num_workers, seed=0)
+                 epochs: int = 3, compact: bool = False) -> dict:
+    loader = ShardLoader(cache, batch_size, num_workers=num_workers, seed=0, compact=compact)
 
     def one_epoch(e=[0]):
         loader.set_epoch(e[0])
@@ -114,7 +115,7 @@ def bench_loader(cache: Path, batch_size: int, num_workers: int, shard_bytes: in
     wall, cpu, n = _timed(one_epoch, epochs)
     loader.close()
     mb = shard_bytes * n / n_total / 1e6
-    return {"num_workers": num_workers, "samples": n, "wall_s": wall, "cpu_s": cpu,
+    return {"num_workers": num_workers, "compact": compact, "samples": n, "wall_s": wall, "cpu_s": cpu,
             "samples_s": n / wall, "MB_s": mb / wall, "MB_s_cpu": mb / cpu if num_workers == 0 else None}
 
 
@@ -216,7 +217,8 @@ def main(argv=None) -> dict:
         files = sorted(cache.glob("shard-*.tar"))
         cat = bench_cat(files)
         nbytes = cat["bytes"]
-        ours = [bench_loader(cache, args.batch_size, 0, nbytes, args.samples)]
+        ours = [bench_loader(cache, args.batch_size, 0, nbytes, args.samples),
+                bench_loader(cache, args.batch_size, 0, nbytes, args.samples, compact=True)]
         ours += [bench_loader(cache, args.batch_size, w, nbytes, args.samples) for w in args.workers]
         web = bench_webdataset(files, nbytes)
         resume = bench_resume(cache, args.batch_size, 0) + bench_resume(cache, args.batch_size, 2)
@@ -244,7 +246,7 @@ def main(argv=None) -> dict:
     print(f"{'cat > /dev/null':<34}{'':>11}{cat['MB_s']:>9.0f}{1:>8.2f}")
     print(f"{'  same, per CPU second':<34}{'':>11}{cat['MB_s_cpu']:>9.0f}{1:>8.2f}")
     for r in result["shardloader"]:
-        name = f"ShardLoader num_workers={r['num_workers']}"
+        name = f"ShardLoader num_workers={r['num_workers']}" + (" compact" if r["compact"] else "")
         print(f"{name:<34}{r['samples_s']:>11.0f}{r['MB_s']:>9.0f}{r['ratio_to_cat']:>8.2f}")
         if r["ratio_to_cat_cpu"]:
             print(f"{'  same, per CPU second':<34}{r['samples'] / r['cpu_s']:>11.0f}{r['MB_s_cpu']:>9.0f}"

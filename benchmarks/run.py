@@ -83,6 +83,8 @@ def main(argv=None) -> int:
         caches[manifest] = tmp / manifest.parent.name
         precompute(manifest, caches[manifest], tiny_config(samples_per_shard=64), progress=False)
 
+    marks: dict[str, int] = {}
+    marks["precompute"] = len(lines)
     if "precompute" in only:
         from benchmarks import bench_precompute
         rows = [bench_precompute.bench(m, MODELS, size) for m in corpora() for size in sizes
@@ -96,6 +98,7 @@ def main(argv=None) -> int:
                   f"{r['wall_over_encoders_alone']} | {r['encoder_busy']:.0%} | {r.get('audio_opens_per_row', '-')} |"
                   for r in rows] + [""]
 
+    marks["loader"] = len(lines)
     if "loader" in only:
         # own process: RSS figures must not include this process's encoders
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_loader.py"), "--out",
@@ -106,7 +109,8 @@ def main(argv=None) -> int:
                   "| reader | samples/s | MB/s | x `cat` |", "| --- | --- | --- | --- |",
                   f"| `cat` > /dev/null | | {r['cat']['MB_s']:.0f} | 1.00 |"]
         for s in r["shardloader"]:
-            lines.append(f"| ShardLoader, num_workers={s['num_workers']} | {s['samples_s']:.0f} | {s['MB_s']:.0f} | "
+            mode = ", compact (int16 audio, fp16 latents)" if s.get("compact") else ""
+            lines.append(f"| ShardLoader, num_workers={s['num_workers']}{mode} | {s['samples_s']:.0f} | {s['MB_s']:.0f} | "
                          f"{s['ratio_to_cat']:.2f} |")
         w = r["webdataset"]
         lines += [f"| webdataset `.decode()` (no collate) | {w['samples_s']:.0f} | {w['MB_s']:.0f} | {w['ratio_to_cat']:.2f} |",
@@ -116,6 +120,7 @@ def main(argv=None) -> int:
                   "RSS (RssAnon MiB, main/workers) per epoch: " + ", ".join(
                       f"{x['main_MiB'].get('RssAnon', 0):.0f}/{x['workers_RssAnon_MiB']:.0f}" for x in r["rss"]) + ".", ""]
 
+    marks["cache"] = len(lines)
     if "cache" in only:
         from benchmarks import bench_cache
         rows = {m.parent.name: {"padding": bench_cache.padding_waste(c), "bytes": bench_cache.bytes_on_disk(c)}
@@ -128,6 +133,7 @@ def main(argv=None) -> int:
         lines += [f"| {k} | {v['padding']['fixed']['waste']:.1%} | {v['padding']['bucketed']['waste']:.1%} | "
                   f"{v['bytes']['disk_bytes_per_sample']} | {v['bytes']['disk_over_tensor']} |" for k, v in rows.items()] + [""]
 
+    marks["train_step"] = len(lines)
     if "train_step" in only:
         from benchmarks import bench_train_step
         rows = []
@@ -142,6 +148,7 @@ def main(argv=None) -> int:
         lines += [f"| {r['encoders']} | {r['cached_step_s']} | {r['uncached_step_s']} | {r['uncached_over_cached']} |"
                   for r in rows] + [""]
 
+    marks["ddp"] = len(lines)
     if "ddp" in only:
         from benchmarks import bench_ddp
         r = bench_ddp.bench()
@@ -153,8 +160,15 @@ def main(argv=None) -> int:
 
     import shutil
     shutil.rmtree(tmp, ignore_errors=True)
-    (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    marks["end"] = len(lines)
+    bounds = list(marks.values())
+    for (name, start), end in zip(list(marks.items())[:-1], bounds[1:]):
+        if name in only:  # one markdown file per section; sections not rerun keep their last table
+            (RESULTS / f"{name}.md").write_text("\n".join(lines[start:end]) + "\n")
+    summary = "\n".join(lines[:bounds[0]]) + "\n" + "".join(
+        (RESULTS / f"{n}.md").read_text() for n in SECTIONS if (RESULTS / f"{n}.md").exists())
+    (RESULTS / "summary.md").write_text(summary)
+    print(summary)
     print(f"wrote {RESULTS}/*.json and summary.md")
     return 0
 

@@ -212,14 +212,16 @@ def _copy_padded(o: torch.Tensor, a: np.ndarray) -> None:
 
 def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],
                   codes=None, audio=None, text_ids=None, latents=None, latents_logvar=None,
-                  latent_shape: Sequence[int] | None = None) -> dict[str, Any]:
+                  latent_shape: Sequence[int] | None = None, compact: bool = False) -> dict[str, Any]:
     """Build a batch from per-field lists of numpy arrays (one entry per sample).
 
     ``codes``: int ``(n_codebooks, F_i)``; ``audio``: int16 ``(T_i,)`` (float input is copied
     unscaled); ``text_ids``: int ``(L_i,)``; ``latents`` / ``latents_logvar``: float
     ``(C, T_i, H_i, W_i)`` or None (no image), padded to the batch's max shape;
     ``sample_rates``: Hz per sample. ``latent_shape`` is used when no sample of the batch has an
-    image (else the batch's latents are ``(B, 0, 0, 0, 0)``). Raises ``ValueError`` naming the
+    image (else the batch's latents are ``(B, 0, 0, 0, 0)``). ``compact``: keep the cache's
+    dtypes, ``audio`` int16 PCM (scale by :data:`AUDIO_SCALE` on the device) and latents float16,
+    half the bytes to copy here and to send to the GPU. Raises ``ValueError`` naming the
     keys for mixed sample rates or codebook counts (see the module docstring).
     """
     B = len(keys)
@@ -244,7 +246,8 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
     if "audio" in fields:
         a_len = [a.shape[0] for a in audio]
         T = max(a_len, default=0)
-        layout += [("audio", (B, T), f32), ("audio_lengths", (B,), i64), ("audio_mask", (B, T), b8)]
+        layout += [("audio", (B, T), torch.int16 if compact else f32), ("audio_lengths", (B,), i64),
+                   ("audio_mask", (B, T), b8)]
     if "text_ids" in fields:
         t_len = [a.shape[0] for a in text_ids]
         L = max(t_len, default=0)
@@ -252,7 +255,7 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
     lat = {f: v for f, v in zip(LATENT_FIELDS, (latents, latents_logvar)) if f in fields}
     if lat:
         shape, uniform = _latent_shape(keys, lat, latent_shape)
-        layout += [(f, (B, *shape), f32) for f in lat]
+        layout += [(f, (B, *shape), torch.float16 if compact else f32) for f in lat]
         layout += [("latents_mask", (B, *shape[1:]), b8), ("has_image", (B,), b8)]
     batch: dict[str, Any] = {"keys": keys, "sample_rate": int(rates[0]) if B else 0}
     batch.update(allocate(layout))
@@ -268,11 +271,11 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
         o = batch["audio"].numpy()
         for j, a in enumerate(audio):
             n = a_len[j]
-            if a.dtype.kind == "f":
+            if a.dtype.kind == "f" or compact:
                 o[j, :n] = a
             else:
                 np.multiply(a, AUDIO_SCALE, out=o[j, :n])
-            o[j, n:] = 0.0
+            o[j, n:] = 0
         _fill_lengths_mask(a_len, batch["audio_lengths"], batch["audio_mask"])
     if "text_ids" in fields:
         o = batch["text_ids"].numpy()
@@ -305,7 +308,7 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
 
 
 def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] = FIELDS, *,
-               latent_shape: Sequence[int] | None = None) -> dict[str, Any]:
+               latent_shape: Sequence[int] | None = None, compact: bool = False) -> dict[str, Any]:
     """Collate :meth:`shards.ShardReader.get` dicts into one padded batch (see the module table).
 
     Args:
@@ -315,6 +318,7 @@ def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] = FIELDS
             (image samples only; logvar only in caches made with ``store_posterior``).
         fields: which of :data:`ALL_FIELDS` to collate (default :data:`FIELDS`).
         latent_shape: ``(C, T, H, W)`` used when no sample of the batch has an image.
+        compact: ``audio`` int16 and latents float16 as stored, instead of float32.
 
     Latents of different shapes are zero-padded to the batch's max ``(C, T, H, W)`` and
     ``latents_mask`` (B, T, H, W) bool marks the real cells (see the module docstring).
@@ -347,4 +351,4 @@ def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] = FIELDS
         text_ids=need("text_ids") if "text_ids" in fields else None,
         latents=[s.get("latents") for s in samples] if "latents" in fields else None,
         latents_logvar=[s.get("latents_logvar") for s in samples] if "latents_logvar" in fields else None,
-        latent_shape=latent_shape)
+        latent_shape=latent_shape, compact=compact)

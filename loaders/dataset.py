@@ -239,6 +239,7 @@ class Sources:
         self.frames = np.concatenate([s.frames for s in self.sources])
         shapes = [s.latent_shape for s in self.sources if s.latent_shape is not None]
         self.latent_shape = shapes[0] if shapes else None
+        self.compact = False  # collate_views(compact=...): int16 audio, float16 latents
 
     def read_batch(self, ids: np.ndarray) -> dict[str, Any]:
         """The collated batch (see :mod:`loaders.collate`) of sample ``ids`` (int64, global)."""
@@ -258,14 +259,15 @@ class Sources:
             for f in self.fields:
                 for p, v in zip(pos.tolist(), src.views(f, rows)):
                     per_field[f][p] = v
-        batch = collate_views(keys, rates, self.fields, latent_shape=self.latent_shape, **per_field)
+        batch = collate_views(keys, rates, self.fields, latent_shape=self.latent_shape, compact=self.compact,
+                              **per_field)
         batch["source"] = [self.names[i] for i in which.tolist()]
         return batch
 
     def _read_one(self, src: CacheSource, rows: np.ndarray) -> dict[str, Any]:
         per_field = {f: src.views(f, rows) for f in self.fields}
         return collate_views(src.keys.take(pa.array(rows)).to_pylist(), src.sample_rate[rows],
-                             self.fields, latent_shape=self.latent_shape, **per_field)
+                             self.fields, latent_shape=self.latent_shape, compact=self.compact, **per_field)
 
     def close(self) -> None:
         for s in self.sources:

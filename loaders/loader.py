@@ -94,6 +94,9 @@ class ShardLoader:
         persistent_workers: default True when ``num_workers > 0``.
         multiprocessing_context: override the context chosen as in the module docstring.
         timeout: seconds to wait for a worker's batch (0 = forever).
+        compact: deliver ``audio`` as int16 PCM and latents as float16 (the cache's dtypes) instead
+            of float32: half the bytes to copy and to move to the GPU; convert there
+            (``audio * loaders.AUDIO_SCALE``, ``latents.float()``). Default False.
 
     Raises ``ValueError`` for bad arguments or when an epoch would have no step (fewer samples
     after filters than one global batch with ``drop_remainder=True``), and whatever
@@ -106,7 +109,7 @@ class ShardLoader:
                  max_frames: int | None = None, device_pin: bool | str | None = None,
                  prefetch_factor: int = 2, shuffle_window: int = 0, bucket_window: int | None = None,
                  persistent_workers: bool | None = None, multiprocessing_context: Any = None,
-                 timeout: float = 0.0):
+                 timeout: float = 0.0, compact: bool = False):
         fields = check_fields(fields)
         source = CacheSource(cache_dir, filters, fields)
         order = ShardOrder(source.shard_of, seed, shuffle=shuffle, window=shuffle_window)
@@ -115,14 +118,15 @@ class ShardLoader:
                     drop_remainder=drop_remainder, max_frames=max_frames, device_pin=device_pin,
                     prefetch_factor=prefetch_factor, bucket_window=bucket_window,
                     persistent_workers=persistent_workers,
-                    multiprocessing_context=multiprocessing_context, timeout=timeout)
+                    multiprocessing_context=multiprocessing_context, timeout=timeout, compact=compact)
 
     # -- construction shared with MixedLoader ----------------------------------------------------
     def _setup(self, sources: Sources, order_fn: Callable[[int], np.ndarray], batch_size: int, *,
                global_rank: int, world_size: int, seed: int, num_workers: int | None,
                drop_remainder: bool, max_frames: int | None, device_pin, prefetch_factor: int,
                bucket_window: int | None, persistent_workers: bool | None,
-               multiprocessing_context, timeout: float) -> None:
+               multiprocessing_context, timeout: float, compact: bool = False) -> None:
+        sources.compact = bool(compact)
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if int(world_size) < 1 or not 0 <= int(global_rank) < int(world_size):

@@ -611,3 +611,30 @@ def test_epoch_end_state_and_errors(cache):
         ShardLoader(cache, 2, global_rank=2, world_size=2)
     with pytest.raises(ValueError, match="unknown fields"):
         ShardLoader(cache, 2, fields=("codes", "video"))
+
+
+def test_compact_batches_keep_the_cache_dtypes(tmp_path):
+    """compact=True: int16 audio and float16 latents, equal to the float32 batches after conversion."""
+    from loaders import AUDIO_SCALE
+    cache = tmp_path / "c"
+    rng = np.random.default_rng(0)
+    with ShardWriter(cache, shard_name(0, 0)) as w:
+        for i in range(6):
+            fields = {"json": {"text": "t", "sample_rate": 16000, "duration_s": 0.1},
+                      "codes.npy": rng.integers(0, 1024, (8, 5 + i)).astype(np.int16),
+                      "audio.npy": rng.integers(-30000, 30000, 1600 + 10 * i).astype(np.int16),
+                      "text_ids.npy": np.arange(3 + i, dtype=np.int32)}
+            if i % 2:
+                fields["latents.npy"] = rng.standard_normal((16, 1, 4, 4)).astype(np.float16)
+            w.add(f"s{i}", fields)
+        w.commit()
+    merge_parts(cache, {})
+    full = ShardLoader(cache, 3, shuffle=False)
+    small = ShardLoader(cache, 3, shuffle=False, compact=True)
+    full.set_epoch(0)
+    small.set_epoch(0)
+    for a, b in zip(full, small):
+        assert b["audio"].dtype == torch.int16 and b["latents"].dtype == torch.float16
+        assert torch.equal(b["audio"].float() * AUDIO_SCALE, a["audio"])
+        assert torch.equal(b["latents"].float(), a["latents"])
+        assert torch.equal(a["codes"], b["codes"]) and torch.equal(a["audio_mask"], b["audio_mask"])
