@@ -17,7 +17,6 @@ import builtins
 import dataclasses
 import io
 import tempfile
-import time
 from pathlib import Path
 
 import torch

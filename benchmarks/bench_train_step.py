@@ -16,15 +16,12 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from loaders import ShardLoader, collate_fn
-from precompute.audio import to_pcm16
 from precompute.job import Summary, encode_batch, load_encoders
 from precompute.manifests import read_manifest
 from precompute.prepare import prepare
-from shards import read_index
 from train.models import ReferenceModel, data_spec
 
 FIELDS = ("codes", "text_ids", "latents")

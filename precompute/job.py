@@ -360,8 +360,9 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     if cfg.store_posterior:
         check_posterior(enc.image)
     precision = precision_check(enc, cfg, requests, device)
-    describe = enc.describe() | {"preprocessing": cfg.preprocessing()}
-    fp = fingerprint(*enc.describe().values(), preprocessing=cfg.preprocessing())
+    encoders = enc.describe()  # hashes every weight: once per job
+    describe = encoders | {"preprocessing": cfg.preprocessing()}
+    fp = fingerprint(*encoders.values(), preprocessing=cfg.preprocessing())
     check_fingerprint(out_dir, fp, describe, global_rank)
     sync()
     done, next_n = committed(out_dir)

@@ -1,7 +1,6 @@
 """Audio and image decoding on real files: unusual-but-valid inputs are kept, broken ones rejected."""
 from __future__ import annotations
 
-import io
 
 import numpy as np
 import pytest

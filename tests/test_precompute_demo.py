@@ -8,7 +8,6 @@ import tarfile
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 import webdataset as wds
 
 from shards import ShardReader, read_index, read_manifest, read_rejects
