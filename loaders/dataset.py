@@ -1,8 +1,9 @@
 """Read batches straight from the shard files: the index as numpy arrays, mmaps, no tar parsing.
 
 :class:`CacheSource` loads one cache's ``index.parquet`` once, refuses members that would need
-unpickling, applies the filters, and keeps per-field byte offsets / shapes / dtypes as numpy arrays
-(so a worker never touches the Arrow table or JSON). :class:`Sources` puts several caches in one id
+unpickling, applies the filters, checks the requested fields, and reads through a
+:class:`shards.ShardReader` (per-field byte offsets / shapes / dtypes as numpy arrays and lazily
+opened mmaps, so a worker never touches JSON). :class:`Sources` puts several caches in one id
 space (``id = offset[source] + row``). :class:`PlanDataset` is the ``IterableDataset`` that
 DataLoader workers run: it rebuilds the epoch's plan from a :class:`loaders.batching.PlanSpec`,
 reads the position ``(epoch, start_step)`` from a small shared-memory tensor that the main process
@@ -11,9 +12,7 @@ started), and yields ``(step, batch)`` for the steps ``start + worker_id + k * n
 """
 from __future__ import annotations
 
-import mmap
 import os
-import re
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -23,39 +22,19 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards import ShardCorrupt, UnsafeMember, read_index
-from shards.schema import PICKLE_EXTENSIONS
+from shards import ShardReader, read_index
+from shards.reader import refuse_unsafe
 
 from .batching import PlanSpec
 from .collate import FIELDS, LATENT_FIELDS, check_fields, collate_views
 from .order import filter_rows
 
-#: tensor fields -> (member name, ndim)
-_MEMBERS = {"codes": ("codes.npy", 2), "audio": ("audio.npy", 1), "text_ids": ("text_ids.npy", 1),
-            "latents": ("latents.npy", 4), "latents_logvar": ("latents_logvar.npy", 4)}
-# A member name is what follows the key's first dot: "codes.npy", "pyd", "x.pkl". scan_shard only
-# checks ext.endswith(".pyd"), which misses a bare "KEY.pyd" member (ext "pyd"); match both here.
-_UNSAFE_RE = "(^|\\.)(" + "|".join(re.escape(e.lstrip(".")) for e in PICKLE_EXTENSIONS) + ")$"
-
-
-def refuse_unsafe(table: pa.Table, where: str) -> None:
-    """Raise :class:`shards.UnsafeMember` (naming shard and key) if the index lists a pickle member."""
-    members = table.column("members").combine_chunks()
-    names = pc.utf8_lower(members.flatten().field("name"))
-    bad = pc.match_substring_regex(names, _UNSAFE_RE).to_numpy(zero_copy_only=False)
-    if bad.any():
-        j = int(np.flatnonzero(bad)[0])
-        row = int(pc.list_parent_indices(members).to_numpy()[j])
-        name = members.flatten().field("name")[j].as_py()
-        key, shard = table.column("key")[row].as_py(), table.column("shard")[row].as_py()
-        raise UnsafeMember(
-            f"{Path(where) / shard}: sample {key!r} has member {key}.{name} that would need "
-            f"unpickling ({int(bad.sum())} such member(s) in the index); shardcache never unpickles "
-            "shard data. Remove the member from the shard and rebuild the index (`shards reindex`).")
+#: tensor fields -> ndim (the member is ``FIELD.npy``; see :mod:`shards.schema`)
+_NDIM = {"codes": 2, "audio": 1, "text_ids": 1, "latents": 4, "latents_logvar": 4}
 
 
 class CacheSource:
-    """One cache directory, filtered, as numpy arrays; reads member views from lazily opened mmaps.
+    """One cache directory, filtered: per-row numpy arrays plus a :class:`shards.ShardReader`.
 
     Args:
         cache_dir: directory with ``index.parquet`` and the shard tars.
@@ -66,7 +45,8 @@ class CacheSource:
     Attributes (one entry per kept row, index order): ``n`` rows; ``keys`` (Arrow strings);
     ``shard_of`` int32 (shards numbered in sorted name order); ``frames`` int64 codes frames;
     ``sample_rate`` int64; ``has_image`` bool; ``latent_shape`` the most common latent shape (or None;
-    used for batches without any image).
+    used for batches without any image); ``reader`` the :class:`shards.ShardReader` of the kept rows
+    (index arrays, mmaps, :meth:`views`).
 
     Raises ``FileNotFoundError`` (no index), :class:`shards.UnsafeMember` (pickle member listed),
     :class:`shards.ShardCorrupt` (shard file missing or shorter than its indexed members, bad
@@ -78,153 +58,54 @@ class CacheSource:
         self.cache_dir = Path(cache_dir)
         self.fields = check_fields(fields)
         table = read_index(self.cache_dir)
-        refuse_unsafe(table, str(self.cache_dir))
-        all_shards = sorted(pc.unique(table.column("shard")).to_pylist())
+        refuse_unsafe(table, self.cache_dir)  # the whole index, filtered-out rows too
+        all_shards = sorted(pc.unique(table.column("shard")).to_pylist())  # numbering kept across filters
         rows = filter_rows(table, filters)
         if len(rows) == 0:
             raise ValueError(f"{self.cache_dir}: no sample left after filters {filters!r} "
                              f"({table.num_rows} in the index)")
         t = table.take(pa.array(rows)) if len(rows) != table.num_rows else table
-        self.n = t.num_rows
-        self.keys = t.column("key").combine_chunks()
+        self.reader = ShardReader(self.cache_dir, index=t, shard_names=all_shards)
+        self.n, self.keys, self.shard_of = self.reader.n, self.reader.key_array, self.reader.shard_of
         self.shard_names = all_shards
-        self.shard_of = pc.index_in(t.column("shard"), value_set=pa.array(all_shards, pa.string())) \
-            .to_numpy(zero_copy_only=False).astype(np.int32)
         num = lambda c: t.column(c).to_numpy().astype(np.int64)  # noqa: E731
         self.frames = num("n_frames")
         self.sample_rate = num("sample_rate")
         self.has_image = t.column("has_image").to_numpy(zero_copy_only=False).astype(bool)
-        self._member_arrays(t)
-        self._check_files()
-        self._maps: list[mmap.mmap | None] = [None] * len(self.shard_names)
-
-    # -- index -> arrays ---------------------------------------------------------------------
-    def _member_arrays(self, t: pa.Table) -> None:
-        members = t.column("members").combine_chunks()
-        flat = members.flatten()
-        parent = pc.list_parent_indices(members).to_numpy()
-        names = flat.field("name")
-        self.off: dict[str, np.ndarray] = {}
-        self.shape: dict[str, np.ndarray] = {}
-        self.count: dict[str, np.ndarray] = {}
-        self.dtype_of: dict[str, np.ndarray] = {}
-        self.dtypes: dict[str, list[np.dtype]] = {}
-        self._end = np.zeros(self.n, dtype=np.int64)  # furthest byte any member of a row needs
-        ends = flat.field("offset").to_numpy() + flat.field("size").to_numpy()
-        np.maximum.at(self._end, parent, ends)
         self.latent_shape = None
         for field in self.fields:
-            member, ndim = _MEMBERS[field]
-            sel = np.flatnonzero(pc.equal(names, member).to_numpy(zero_copy_only=False))
-            rows = parent[sel]
-            present = np.zeros(self.n, dtype=bool)
-            present[rows] = True
-            if field == "latents_logvar" and (self.has_image & ~present).any():
-                missing = np.flatnonzero(self.has_image & ~present)
-                raise ValueError(f"{self.cache_dir}: {len(missing)} image samples have no {member} (e.g. "
-                                 f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); precompute with "
-                                 "store_posterior: true, or drop 'latents_logvar' from fields")
-            if field not in LATENT_FIELDS and not present.all():
-                missing = np.flatnonzero(~present)
-                raise ValueError(f"{self.cache_dir}: {len(missing)} samples have no {member} (e.g. "
-                                 f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); drop "
-                                 f"{field!r} from fields or filter them out")
-            off = np.full(self.n, -1, dtype=np.int64)
-            off[rows] = flat.field("offset").to_numpy()[sel]
-            size = np.zeros(self.n, dtype=np.int64)
-            size[rows] = flat.field("size").to_numpy()[sel]
-            shape_lists = flat.field("shape").take(pa.array(sel))
-            lens = pc.list_value_length(shape_lists).to_numpy(zero_copy_only=False)
-            if len(sel) and (lens != ndim).any():
-                bad = rows[np.flatnonzero(lens != ndim)[0]]
-                raise ShardCorrupt(f"{self.cache_dir}: sample {self.keys[bad].as_py()!r} member {member} "
-                                   f"has {lens[lens != ndim][0]} dims, expected {ndim}; re-run precompute")
-            shape = np.zeros((self.n, ndim), dtype=np.int64)
-            if len(sel):
-                shape[rows] = shape_lists.flatten().to_numpy().reshape(len(sel), ndim)
-            dstr = flat.field("dtype").take(pa.array(sel))
-            uniq = pc.unique(dstr)
-            dtypes = [np.dtype(d) for d in uniq.to_pylist()]
-            code = np.zeros(self.n, dtype=np.int8)
-            if len(uniq) > 1:
-                code[rows] = pc.index_in(dstr, value_set=uniq).to_numpy(zero_copy_only=False)
-            itemsize = np.array([d.itemsize for d in dtypes] or [1])[code]
-            if (present & (np.prod(shape, axis=1) * itemsize != size)).any():
-                bad = np.flatnonzero(present & (np.prod(shape, axis=1) * itemsize != size))[0]
-                raise ShardCorrupt(f"{self.cache_dir}: sample {self.keys[int(bad)].as_py()!r} member "
-                                   f"{member}: size {size[bad]} bytes does not match shape "
-                                   f"{shape[bad].tolist()}; run `shards verify`")
-            self.off[field], self.shape[field] = off, shape
-            self.count[field] = np.prod(shape, axis=1)
-            self.dtype_of[field], self.dtypes[field] = code, dtypes
-            if field in LATENT_FIELDS and self.latent_shape is None and len(sel):
-                img = shape[rows]
-                if (img == img[0]).all():
-                    self.latent_shape = tuple(int(v) for v in img[0])
-                else:  # several resolutions: the most common one
-                    vals, counts = np.unique(img, axis=0, return_counts=True)
-                    self.latent_shape = tuple(int(v) for v in vals[int(np.argmax(counts))])
+            self._check_field(field)
+        self.reader.check_files()
+        self.reader.drop_index()  # workers get numpy arrays only
 
-    def _check_files(self) -> None:
-        need = np.zeros(len(self.shard_names), dtype=np.int64)
-        np.maximum.at(need, self.shard_of, self._end)
-        for i, name in enumerate(self.shard_names):
-            if need[i] == 0:
-                continue  # every sample of this shard was filtered out: never opened
-            path = self.cache_dir / name
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise ShardCorrupt(f"{path}: listed in the index but missing; run `shards verify`") from None
-            if size < need[i]:
-                raise ShardCorrupt(f"{path}: {size} bytes but the index needs {need[i]} (truncated shard?); "
-                                   "run `shards verify` and re-run precompute for it")
-
-    # -- reading ------------------------------------------------------------------------------
-    def map(self, shard: int) -> mmap.mmap:
-        """The read-only mmap of shard number ``shard`` (opened on first use, in each process)."""
-        mm = self._maps[shard]
-        if mm is None:
-            path = self.cache_dir / self.shard_names[shard]
-            try:
-                with open(path, "rb") as f:
-                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except FileNotFoundError:
-                raise ShardCorrupt(f"{path}: listed in the index but missing; run `shards verify`") from None
-            self._maps[shard] = mm
-        return mm
+    def _check_field(self, field: str) -> None:
+        fa = self.reader.field(field, _NDIM[field])  # raises ShardCorrupt for a bad shape/size
+        member, present = field + ".npy", fa.present
+        if field == "latents_logvar" and (self.has_image & ~present).any():
+            missing = np.flatnonzero(self.has_image & ~present)
+            raise ValueError(f"{self.cache_dir}: {len(missing)} image samples have no {member} (e.g. "
+                             f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); precompute with "
+                             "store_posterior: true, or drop 'latents_logvar' from fields")
+        if field not in LATENT_FIELDS and not present.all():
+            missing = np.flatnonzero(~present)
+            raise ValueError(f"{self.cache_dir}: {len(missing)} samples have no {member} (e.g. "
+                             f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); drop "
+                             f"{field!r} from fields or filter them out")
+        if field in LATENT_FIELDS and self.latent_shape is None and present.any():
+            img = fa.shape[present]
+            if (img == img[0]).all():
+                self.latent_shape = tuple(int(v) for v in img[0])
+            else:  # several resolutions: the most common one
+                vals, counts = np.unique(img, axis=0, return_counts=True)
+                self.latent_shape = tuple(int(v) for v in vals[int(np.argmax(counts))])
 
     def views(self, field: str, rows: np.ndarray) -> list[np.ndarray | None]:
         """Numpy views (read-only, zero copy) of ``field`` for ``rows``; None where absent."""
-        off, shape, code, dtypes = self.off[field], self.shape[field], self.dtype_of[field], self.dtypes[field]
-        rows = np.asarray(rows)
-        offs, counts, shards, codes = (off[rows].tolist(), self.count[field][rows].tolist(),
-                                       self.shard_of[rows].tolist(), code[rows].tolist())
-        shapes = shape[rows].tolist()
-        out: list[np.ndarray | None] = []
-        maps, mp = self._maps, self.map
-        for o, c, s, d, shp in zip(offs, counts, shards, codes, shapes):
-            if o < 0:
-                out.append(None)
-                continue
-            mm = maps[s] or mp(s)
-            out.append(np.frombuffer(mm, dtype=dtypes[d], count=c, offset=o).reshape(shp))
-        return out
+        return self.reader.views(field, rows)
 
     def close(self) -> None:
         """Close the mmaps (views handed out earlier must not be used afterwards)."""
-        for i, mm in enumerate(self._maps):
-            if mm is not None:
-                try:
-                    mm.close()
-                except BufferError:
-                    pass  # a view is alive; the map goes when it is garbage collected
-                self._maps[i] = None
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_maps"] = [None] * len(self.shard_names)  # reopened lazily in each worker
-        return state
+        self.reader.close()
 
 
 class Sources:
