@@ -161,3 +161,23 @@ def test_real_mini_compressed_formats_decode(real_mini):
     for name in ("s001.flac", "s002.mp3", "s003.ogg", "s004.wav"):
         out, duration, _ = load_audio(real_mini / "audio" / "speech" / name, (24000,))
         assert duration > 0.5 and np.abs(out[24000]).max() > 0.05, name
+
+
+def test_ogg_opus_decodes_through_libsndfile(tmp_path):
+    y, _ = sf.read(DEMO / "audio" / "spk-us-0002.wav", dtype="float32")
+    path = tmp_path / "clip.opus"
+    sf.write(path, y, 48000, format="OGG", subtype="OPUS")
+    out, duration, orig = load_audio(path, (24000,))
+    assert orig == 48000 and abs(duration - len(y) / 48000) < 0.05 and np.abs(out[24000]).max() > 0.05
+
+
+def test_m4a_decodes_through_the_librosa_fallback(tmp_path):
+    import shutil
+    import subprocess
+    if shutil.which("ffmpeg") is None:
+        pytest.skip("ffmpeg is not installed (needed to make and to decode an M4A file)")
+    src = DEMO / "audio" / "spk-us-0002.wav"
+    path = tmp_path / "clip.m4a"
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-i", str(src), "-c:a", "aac", str(path)], check=True)
+    out, duration, orig = load_audio(path, (24000,))
+    assert abs(duration - sf.info(str(src)).duration) < 0.1 and np.abs(out[24000]).max() > 0.05
