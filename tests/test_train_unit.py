@@ -455,3 +455,17 @@ def test_cli_help_and_bad_option():
     r = subprocess.run([PY, "-m", "train", "--config", "none", "--schedule", "nope"], cwd=REPO,
                        env=base_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "schedule" in r.stderr
+
+
+def test_to_device_widens_compact_fields_exactly():
+    import torch
+    from loaders.collate import AUDIO_SCALE
+    from train.loop import to_device
+    audio = torch.tensor([[-32768, 0, 16384, 32767]], dtype=torch.int16)
+    latents = torch.randn(1, 16, 1, 2, 2).half()
+    out = to_device({"audio": audio, "latents": latents, "codes": torch.zeros(1, 8, 3, dtype=torch.long),
+                     "keys": ["k"]}, torch.device("cpu"))
+    assert out["audio"].dtype == torch.float32 and out["latents"].dtype == torch.float32
+    assert torch.equal(out["audio"], audio.float() * float(AUDIO_SCALE))
+    assert torch.equal(out["latents"].half(), latents) and out["codes"].dtype == torch.long
+    assert out["keys"] == ["k"]

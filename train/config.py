@@ -42,6 +42,9 @@ class TrainConfig:
     num_workers: int = _f(0, "DataLoader worker processes per rank (0 = load in the training process).")
     loader: str = _f("loaders:ShardLoader", "module:class of the loader (ShardLoader API).")
     loader_kwargs: dict = _f({}, "extra keyword arguments for the loader (JSON).")
+    compact_batches: bool = _f(True, "ask the loader for int16 audio and float16 latents as stored and convert "
+                                     "them to float32 on the training device: half the host copies and "
+                                     "host-to-device bytes (only for loaders that accept compact=).")
     seed: int = _f(0, "seed of the data order and of model init; rank r seeds its own RNGs with seed+r.")
 
     # ---- model -----------------------------------------------------------------------------------

@@ -48,6 +48,8 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from loaders.collate import AUDIO_SCALE
+
 from . import checkpoint as C
 from . import dist as D
 from .config import TrainConfig
@@ -123,9 +125,18 @@ def autocast_context(cfg: TrainConfig, device: torch.device) -> Callable[[], Any
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    if device.type == "cpu":
-        return batch
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """Move a batch to ``device``; compact fields become float32 there (int16 audio scaled to [-1, 1],
+    float16 latents widened, both exact), so the host never does the conversion."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(device, non_blocking=True)
+            if v.dtype == torch.float16:
+                v = v.float()
+            elif k == "audio" and v.dtype == torch.int16:
+                v = v.float() * float(AUDIO_SCALE)
+        out[k] = v
+    return out
 
 
 def split_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -201,8 +212,11 @@ def wrap_ddp(model: nn.Module, info: D.DistInfo, cfg: TrainConfig) -> DDP:
 
 def make_loader(cfg: TrainConfig, cache: str, batch_size: int, info: D.DistInfo) -> Any:
     cls = load_factory(cfg.loader)
+    kwargs = dict(cfg.loader_kwargs)
+    if cfg.compact_batches and "compact" not in kwargs and "compact" in inspect.signature(cls).parameters:
+        kwargs["compact"] = True  # converted on the device by to_device
     return cls(cache, batch_size=batch_size, global_rank=info.rank, world_size=info.world_size,
-               seed=cfg.seed, num_workers=cfg.num_workers, fields=tuple(cfg.fields), **cfg.loader_kwargs)
+               seed=cfg.seed, num_workers=cfg.num_workers, fields=tuple(cfg.fields), **kwargs)
 
 
 @torch.no_grad()
