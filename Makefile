@@ -1,7 +1,7 @@
 # shardcache: `make precompute train` runs the whole demo; `make test` runs the tests.
 # Every target sets up .venv on first use. Point the targets at real data with
 #   make precompute DATA=/data/train.jsonl OUT=/data/cache CONFIG=configs/my.yaml
-#   make train OUT=/data/cache RUN=runs/exp1 STEPS=10000 TRAIN_CONFIG=configs/train.yaml
+#   make train OUT=/data/cache RUN=runs/exp1 STEPS=10000 CONFIG=configs/train.yaml
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,6 +13,13 @@ RUN ?= runs/demo
 STEPS ?=
 MODELS ?= models
 PYTEST_ARGS ?=
+# CONFIG= is the config of the target being run: `make train CONFIG=configs/train.yaml` works too
+# (with both targets in one call, CONFIG goes to precompute and TRAIN_CONFIG to train).
+ifeq ($(origin CONFIG),command line)
+  ifeq ($(filter precompute bench,$(MAKECMDGOALS)),)
+    TRAIN_CONFIG := $(CONFIG)
+  endif
+endif
 # one process per GPU when CUDA is present, else 2 CPU processes (gloo)
 NPROC ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
 
