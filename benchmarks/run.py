@@ -114,7 +114,9 @@ def main(argv=None) -> int:
                          f"{s['ratio_to_cat']:.2f} |")
         w = r["webdataset"]
         lines += [f"| webdataset `.decode()` (no collate) | {w['samples_s']:.0f} | {w['MB_s']:.0f} | {w['ratio_to_cat']:.2f} |",
-                  "", f"ShardLoader / webdataset: {best['MB_s'] / w['MB_s']:.1f}x. Resume latency (fresh loader to first "
+                  "", f"ShardLoader / webdataset: {best['MB_s'] / w['MB_s']:.1f}x. Startup (construct the loader from "
+                  "the index, workers=0 / 2): " + " / ".join(f"{x['construct_s'] * 1e3:.0f} ms" for x in r["resume"]
+                                                              if x["fraction"] < 0.5) + ". Resume latency (fresh loader to first "
                   "batch): " + ", ".join(f"{x['fraction']:.0%} of epoch, workers={x['num_workers']}: "
                                          f"{x['resume_to_first_batch_s'] * 1e3:.0f} ms" for x in r["resume"]) + ". "
                   "RSS (RssAnon MiB, main/workers) per epoch: " + ", ".join(
