@@ -16,6 +16,15 @@ REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" /
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """In-process training/encoding sets torch's thread count (e.g. --threads 1); restore it after each test."""
+    import torch
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """Directory with ``dac-tiny`` and ``wan-tiny`` built by ``python -m precompute.random_models``."""

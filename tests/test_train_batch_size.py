@@ -22,9 +22,6 @@ LOADERS = [FAKE] + (["loaders:ShardLoader"] if have_real_loader() else [])
 def _env(monkeypatch):
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

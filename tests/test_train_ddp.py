@@ -126,14 +126,6 @@ def spawn(world: int, cfg: dict, result_dir: Path) -> list[dict]:
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    """In-process runs set torch threads to 1 (--threads 1); give the session its setting back."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return make_cache(tmp_path_factory.mktemp("ddp") / "cache", n=24, n_shards=3)

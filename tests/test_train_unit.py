@@ -25,14 +25,6 @@ from train.models import DataSpec, ReferenceModel, build_model, count_params, da
 FAKE = "test_train_support:FakeLoader"
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    """In-process runs set torch threads to 1 (--threads 1); give the session its setting back."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return make_cache(tmp_path_factory.mktemp("cache") / "c", n=24)
