@@ -17,7 +17,20 @@ key                  dtype      shape                      meaning
 ``audio``            float32    (B, T)                     PCM int16 / 32768 in [-1, 1), padded with 0.0
 ``audio_lengths``    int64      (B,)                       real samples per sample
 ``audio_mask``       bool       (B, T)                     True on real samples
-``text_ids``         int64      (B, L)                     token ids, padded with ``TEXT_PAD_ID``
+``audio_starts``     int64      (B, S + 1)                 item k of sample j is ``audio[j, s[k]:s[k+1]]``;
+                                                           padded with the last offset (empty items)
+``audio_segments``   int64      (B, S, 6)                  ``[item, turn, direction, code_start,
+                                                           code_frames, speaker]`` per audio item,
+                                                           padded with rows of -1
+``audio_segments_count`` int64  (B,)                       audio items per sample
+``input_ids``        int64      (B, L)                     rendered conversation, padded with the cache's
+                                                           pad id (``manifest.json`` ``text.pad_id``)
+``input_lengths``    int64      (B,)                       real tokens
+``attention_mask``   bool       (B, L)                     True on real tokens
+``labels``           int64      (B, L)                     ``input_ids`` on trained tokens, else -100;
+                                                           padded with -100 (not shifted)
+``text_ids``         int64      (B, L)                     token ids, padded with ``TEXT_PAD_ID`` (caches
+                                                           made before conversations)
 ``text_lengths``     int64      (B,)                       real tokens
 ``text_mask``        bool       (B, L)                     True on real tokens
 ``latents``          float32    (B, C, T, H, W)            VAE latents (mode = mean), zero-padded to the
@@ -32,7 +45,8 @@ key                  dtype      shape                      meaning
 ===================  =========  =========================  =============================================
 
 (``T, H, W`` of the latent rows are latent frames and latent cells, e.g. ``(1, H_px/8, W_px/8)``,
-unrelated to the audio ``T``.) ``latents_mask``/``has_image`` come with ``latents`` or
+unrelated to the audio ``T``; in a conversation latent frame ``k`` is image ``k``.) Extra waveform
+fields (e.g. ``audio_16k``, ``audio_16k_starts``) are collated like ``audio``/``audio_starts``. ``latents_mask``/``has_image`` come with ``latents`` or
 ``latents_logvar``.
 
 Mixed latent shapes (``image_resize: bucket`` caches hold several aspect ratios): each sample's
@@ -64,14 +78,34 @@ from torch.utils.data import get_worker_info
 CODES_PAD_ID = -100
 #: pad value of ``text_ids``.
 TEXT_PAD_ID = 0
+#: label of tokens that are not trained (PyTorch's ``CrossEntropyLoss`` default ``ignore_index``).
+IGNORE_INDEX = -100
 #: ``audio`` float32 = int16 PCM * AUDIO_SCALE (exact: a power of two).
 AUDIO_SCALE = np.float32(1.0 / 32768.0)
-#: the default fields (what a loader reads when ``fields`` is not given), in read order.
-FIELDS = ("codes", "audio", "text_ids", "latents")
+#: the fields a loader reads by default (those of them the cache holds), in read order.
+FIELDS = ("codes", "audio", "audio_starts", "audio_segments", "input_ids", "labels", "text_ids", "latents")
 #: fields read only when named in ``fields``: ``latents_logvar`` (caches made with store_posterior).
 OPTIONAL_FIELDS = ("latents_logvar",)
-#: every field a batch can hold, in the order the loader reads them.
+#: every fixed field a batch can hold, in the order the loader reads them (plus extra waveforms,
+#: see :func:`is_waveform`).
 ALL_FIELDS = FIELDS + OPTIONAL_FIELDS
+#: member ndim of each field (``FIELD.npy``; extra waveforms: 1)
+NDIM = {"codes": 2, "audio": 1, "audio_starts": 1, "audio_segments": 2, "input_ids": 1, "labels": 1,
+        "text_ids": 1, "latents": 4, "latents_logvar": 4}
+
+
+def is_waveform(field: str) -> bool:
+    """``audio`` or an extra waveform field such as ``audio_16k`` (not ``audio_starts``/``audio_segments``)."""
+    return field == "audio" or (field.startswith("audio_") and not field.endswith(("_starts", "_segments"))
+                                and field.replace("_", "").isalnum())
+
+
+def is_starts(field: str) -> bool:
+    return field.startswith("audio") and field.endswith("_starts")
+
+
+def field_ndim(field: str) -> int:
+    return NDIM.get(field, 1)
 #: the latent-shaped fields (padded together, share ``latents_mask``/``has_image``).
 LATENT_FIELDS = ("latents", "latents_logvar")
 _PIECE = 32767  # < at::internal::GRAIN_SIZE (32768): copy_ stays serial
@@ -92,10 +126,12 @@ def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
     if isinstance(fields, str):
         fields = (fields,)
     fields = tuple(fields)
-    bad = [f for f in fields if f not in ALL_FIELDS]
+    bad = [f for f in fields if f not in ALL_FIELDS and not (is_waveform(f) or is_starts(f))]
     if bad or not fields:
-        raise ValueError(f"unknown fields {bad} (or none given); choose from {ALL_FIELDS}")
-    return tuple(f for f in ALL_FIELDS if f in fields)
+        raise ValueError(f"unknown fields {bad} (or none given); choose from {ALL_FIELDS} "
+                         "(plus extra waveforms such as audio_16k)")
+    extra = sorted(f for f in fields if f not in ALL_FIELDS)
+    return tuple(f for f in ALL_FIELDS if f in fields) + tuple(extra)
 
 
 _NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_,
@@ -210,80 +246,111 @@ def _copy_padded(o: torch.Tensor, a: np.ndarray) -> None:
         o[i, :t, :h, :w].copy_(src[i])
 
 
-def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],
-                  codes=None, audio=None, text_ids=None, latents=None, latents_logvar=None,
-                  latent_shape: Sequence[int] | None = None, compact: bool = False) -> dict[str, Any]:
-    """Build a batch from per-field lists of numpy arrays (one entry per sample).
+def _ragged_spec(field: str, pad_id: int) -> tuple[int | None, str | None, str | None]:
+    """``(pad value (None: repeat the last value), lengths key, mask key)`` of a 1-D/2-D ragged field."""
+    if field == "input_ids":
+        return pad_id, "input_lengths", "attention_mask"
+    if field == "labels":
+        return IGNORE_INDEX, None, None
+    if field == "text_ids":
+        return TEXT_PAD_ID, "text_lengths", "text_mask"
+    if field == "audio_segments":
+        return -1, "audio_segments_count", None
+    if is_starts(field):
+        return None, None, None
+    return 0, f"{field}_lengths", f"{field}_mask"  # waveforms
 
-    ``codes``: int ``(n_codebooks, F_i)``; ``audio``: int16 ``(T_i,)`` (float input is copied
-    unscaled); ``text_ids``: int ``(L_i,)``; ``latents`` / ``latents_logvar``: float
-    ``(C, T_i, H_i, W_i)`` or None (no image), padded to the batch's max shape;
-    ``sample_rates``: Hz per sample. ``latent_shape`` is used when no sample of the batch has an
-    image (else the batch's latents are ``(B, 0, 0, 0, 0)``). ``compact``: keep the cache's
-    dtypes, ``audio`` int16 PCM (scale by :data:`AUDIO_SCALE` on the device) and latents float16,
-    half the bytes to copy here and to send to the GPU. Raises ``ValueError`` naming the
+
+def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],
+                  latent_shape: Sequence[int] | None = None, compact: bool = False, pad_id: int = TEXT_PAD_ID,
+                  **arrays: list) -> dict[str, Any]:
+    """Build a batch from per-field lists of numpy arrays (one entry per sample, keyword = field).
+
+    ``codes``: int ``(n_codebooks, F_i)``; waveforms (``audio``, ``audio_16k``...): int16
+    ``(T_i,)`` (float input is copied unscaled); ``input_ids``/``labels``/``text_ids``: int
+    ``(L_i,)``; ``audio_starts``: int ``(S_i + 1,)``; ``audio_segments``: int ``(S_i, 6)``;
+    ``latents`` / ``latents_logvar``: float ``(C, T_i, H_i, W_i)``. None stands for a sample
+    without that member (no image: zero latents; no audio: empty codes/waveforms/segments).
+    ``sample_rates``: Hz per sample (0 for samples without audio). ``latent_shape`` is used when
+    no sample of the batch has an image (else the batch's latents are ``(B, 0, 0, 0, 0)``).
+    ``compact``: keep the cache's dtypes, waveforms int16 PCM (scale by :data:`AUDIO_SCALE` on the
+    device) and latents float16, half the bytes to copy here and to send to the GPU. ``pad_id``:
+    the pad of ``input_ids`` (the cache's ``text.pad_id``). Raises ``ValueError`` naming the
     keys for mixed sample rates or codebook counts (see the module docstring).
     """
     B = len(keys)
     rates = np.asarray(sample_rates, dtype=np.int64)
-    if B and (rates != rates[0]).any():
-        odd = np.flatnonzero(rates != rates[0])
-        raise ValueError(f"samples of one batch have different sample rates: {keys[0]!r} at "
-                         f"{rates[0]} Hz, {_name(keys, odd)} at {sorted(set(rates[odd].tolist()))} Hz")
+    audible = rates[rates > 0]
+    if len(audible) and (audible != audible[0]).any():
+        odd = np.flatnonzero((rates != audible[0]) & (rates > 0))
+        first = keys[int(np.flatnonzero(rates > 0)[0])]
+        raise ValueError(f"samples of one batch have different sample rates: {first!r} at "
+                         f"{audible[0]} Hz, {_name(keys, odd)} at {sorted(set(rates[odd].tolist()))} Hz")
     i64, f32, b8 = torch.int64, torch.float32, torch.bool
     layout: list = []
+    ragged: dict[str, tuple[list, list[int], int | None]] = {}  # field -> (arrays, lengths, pad)
     if "codes" in fields:
-        ncb = np.array([a.shape[0] for a in codes])
-        if B and (ncb != ncb[0]).any():
-            odd = np.flatnonzero(ncb != ncb[0])
-            raise ValueError(f"codes of one batch have different numbers of codebooks: {keys[0]!r} has "
-                             f"{ncb[0]}, {_name(keys, odd)} have {sorted(set(ncb[odd].tolist()))}; "
+        codes = arrays["codes"]
+        ncb_all = np.array([a.shape[0] for a in codes if a is not None])
+        if len(ncb_all) and (ncb_all != ncb_all[0]).any():
+            odd = [j for j, a in enumerate(codes) if a is not None and a.shape[0] != ncb_all[0]]
+            raise ValueError(f"codes of one batch have different numbers of codebooks: {ncb_all[0]} and "
+                             f"{sorted(set(codes[j].shape[0] for j in odd))} ({_name(keys, odd)}); "
                              "was the cache encoded with several codecs? filter by n_codebooks")
-        c_len = [a.shape[1] for a in codes]
+        Q = int(ncb_all[0]) if len(ncb_all) else 0
+        c_len = [0 if a is None else a.shape[1] for a in codes]
         F = max(c_len, default=0)
-        layout += [("codes", (B, int(ncb[0]) if B else 0, F), i64), ("codes_lengths", (B,), i64),
-                   ("codes_mask", (B, F), b8)]
-    if "audio" in fields:
-        a_len = [a.shape[0] for a in audio]
-        T = max(a_len, default=0)
-        layout += [("audio", (B, T), torch.int16 if compact else f32), ("audio_lengths", (B,), i64),
-                   ("audio_mask", (B, T), b8)]
-    if "text_ids" in fields:
-        t_len = [a.shape[0] for a in text_ids]
-        L = max(t_len, default=0)
-        layout += [("text_ids", (B, L), i64), ("text_lengths", (B,), i64), ("text_mask", (B, L), b8)]
-    lat = {f: v for f, v in zip(LATENT_FIELDS, (latents, latents_logvar)) if f in fields}
+        layout += [("codes", (B, Q, F), i64), ("codes_lengths", (B,), i64), ("codes_mask", (B, F), b8)]
+    for f in fields:
+        if f == "codes" or f in LATENT_FIELDS:
+            continue
+        pad, lengths, mask = _ragged_spec(f, pad_id)
+        arrs = arrays[f]
+        lens = [0 if a is None else a.shape[0] for a in arrs]
+        if is_starts(f):  # one more offset than items; an absent member is one item-less offset
+            lens = [1 if a is None else a.shape[0] for a in arrs]
+        n = max(lens, default=0)
+        wave = is_waveform(f)
+        dtype = (torch.int16 if compact else f32) if wave else i64
+        layout.append((f, (B, n, 6) if f == "audio_segments" else (B, n), dtype))
+        if lengths:
+            layout.append((lengths, (B,), i64))
+        if mask:
+            layout.append((mask, (B, n), b8))
+        ragged[f] = (arrs, lens, pad)
+    lat = {f: arrays[f] for f in LATENT_FIELDS if f in fields}
     if lat:
         shape, uniform = _latent_shape(keys, lat, latent_shape)
         layout += [(f, (B, *shape), torch.float16 if compact else f32) for f in lat]
         layout += [("latents_mask", (B, *shape[1:]), b8), ("has_image", (B,), b8)]
-    batch: dict[str, Any] = {"keys": keys, "sample_rate": int(rates[0]) if B else 0}
+    batch: dict[str, Any] = {"keys": keys, "sample_rate": int(audible[0]) if len(audible) else 0}
     batch.update(allocate(layout))
 
     if "codes" in fields:
         o = batch["codes"].numpy()
-        for j, a in enumerate(codes):
+        for j, a in enumerate(arrays["codes"]):
             n = c_len[j]
-            o[j, :, :n] = a
+            if n:
+                o[j, :, :n] = a
             o[j, :, n:] = CODES_PAD_ID
         _fill_lengths_mask(c_len, batch["codes_lengths"], batch["codes_mask"])
-    if "audio" in fields:
-        o = batch["audio"].numpy()
-        for j, a in enumerate(audio):
-            n = a_len[j]
-            if a.dtype.kind == "f" or compact:
-                o[j, :n] = a
-            else:
+    for f, (arrs, lens, pad) in ragged.items():
+        o = batch[f].numpy()
+        scale = is_waveform(f) and not compact
+        for j, a in enumerate(arrs):
+            n = lens[j]
+            if a is None:
+                a = np.zeros((n,) + o.shape[2:], dtype=o.dtype)
+            if scale and a.dtype.kind != "f":
                 np.multiply(a, AUDIO_SCALE, out=o[j, :n])
-            o[j, n:] = 0
-        _fill_lengths_mask(a_len, batch["audio_lengths"], batch["audio_mask"])
-    if "text_ids" in fields:
-        o = batch["text_ids"].numpy()
-        for j, a in enumerate(text_ids):
-            n = t_len[j]
-            o[j, :n] = a
-            o[j, n:] = TEXT_PAD_ID
-        _fill_lengths_mask(t_len, batch["text_lengths"], batch["text_mask"])
+            else:
+                o[j, :n] = a
+            o[j, n:] = (a[-1] if len(a) else 0) if pad is None else pad
+        _, lengths, mask = _ragged_spec(f, pad_id)
+        if lengths and mask:
+            _fill_lengths_mask(lens, batch[lengths], batch[mask])
+        elif lengths:
+            batch[lengths].numpy()[:] = lens
     if lat:
         has, mask = batch["has_image"].numpy(), batch["latents_mask"].numpy()
         first = next(iter(lat.values()))
@@ -295,9 +362,9 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
                     _, t, h, w = a.shape
                     mask[j] = False
                     mask[j, :t, :h, :w] = True
-        for name, arrays in lat.items():
+        for name, arrays_ in lat.items():
             out = batch[name]
-            for j, a in enumerate(arrays):
+            for j, a in enumerate(arrays_):
                 if a is None:
                     out[j].numpy().fill(0.0)
                 elif uniform or tuple(a.shape) == shape:
@@ -307,48 +374,44 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
     return batch
 
 
-def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] = FIELDS, *,
-               latent_shape: Sequence[int] | None = None, compact: bool = False) -> dict[str, Any]:
+def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] | None = None, *,
+               latent_shape: Sequence[int] | None = None, compact: bool = False,
+               pad_id: int = TEXT_PAD_ID) -> dict[str, Any]:
     """Collate :meth:`shards.ShardReader.get` dicts into one padded batch (see the module table).
 
     Args:
         samples: dicts with ``__key__``, ``json`` (for ``sample_rate``) and the numpy arrays
-            ``codes`` int16 (n_codebooks, F), ``audio`` int16 (T,), ``text_ids`` int32 (L,),
+            ``codes`` int16 (n_codebooks, F), ``audio`` int16 (T,), ``input_ids``/``labels``
+            int32 (L,), ``audio_segments`` int32 (S, 6), ``audio_starts`` int32 (S + 1,),
             ``latents`` float16 (C, T, H, W) and ``latents_logvar`` float16 (C, T, H, W)
             (image samples only; logvar only in caches made with ``store_posterior``).
-        fields: which of :data:`ALL_FIELDS` to collate (default :data:`FIELDS`).
+        fields: which fields to collate; default: those of :data:`FIELDS` any sample has.
         latent_shape: ``(C, T, H, W)`` used when no sample of the batch has an image.
         compact: ``audio`` int16 and latents float16 as stored, instead of float32.
+        pad_id: pad of ``input_ids``.
 
     Latents of different shapes are zero-padded to the batch's max ``(C, T, H, W)`` and
     ``latents_mask`` (B, T, H, W) bool marks the real cells (see the module docstring).
 
-    Raises ``KeyError`` naming the key when a sample lacks a requested (non-latent) field or has
-    ``latents`` without a requested ``latents_logvar``, and
-    ``ValueError`` as described in the module docstring.
+    Raises ``KeyError`` naming the key when no sample has a requested field, a sample lacks
+    ``input_ids``/``labels``/``text_ids``, or has ``latents`` without a requested
+    ``latents_logvar``; ``ValueError`` as described in the module docstring.
     """
+    if fields is None:
+        fields = [f for f in FIELDS if any(f in s for s in samples)]
     fields = check_fields(fields)
     keys = [s["__key__"] for s in samples]
     rates = [int((s.get("json") or {}).get("sample_rate", 0)) for s in samples]
-
-    def need(name: str) -> list[np.ndarray]:
-        out = []
-        for s in samples:
-            if name not in s:
-                raise KeyError(f"sample {s['__key__']!r} has no {name!r}; drop it from fields or filter")
-            out.append(s[name])
-        return out
-
+    for f in fields:
+        if f in LATENT_FIELDS:
+            continue
+        missing = [s["__key__"] for s in samples if f not in s]
+        if missing and (len(missing) == len(samples) or f in ("input_ids", "labels", "text_ids")):
+            raise KeyError(f"sample {missing[0]!r} has no {f!r}; drop it from fields or filter")
     if "latents_logvar" in fields:
         for s in samples:
             if "latents" in s and "latents_logvar" not in s:
                 raise KeyError(f"sample {s['__key__']!r} has latents but no 'latents_logvar' (cache made "
                                "without store_posterior); drop it from fields")
-    return collate_views(
-        keys, rates, fields,
-        codes=need("codes") if "codes" in fields else None,
-        audio=need("audio") if "audio" in fields else None,
-        text_ids=need("text_ids") if "text_ids" in fields else None,
-        latents=[s.get("latents") for s in samples] if "latents" in fields else None,
-        latents_logvar=[s.get("latents_logvar") for s in samples] if "latents_logvar" in fields else None,
-        latent_shape=latent_shape, compact=compact)
+    return collate_views(keys, rates, fields, latent_shape=latent_shape, compact=compact, pad_id=pad_id,
+                         **{f: [s.get(f) for s in samples] for f in fields})

@@ -23,14 +23,26 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shards import ShardReader, read_index
+from shards.index import read_manifest
 from shards.reader import refuse_unsafe
 
 from .batching import PlanSpec
-from .collate import FIELDS, LATENT_FIELDS, check_fields, collate_views
+from .collate import (FIELDS, LATENT_FIELDS, TEXT_PAD_ID, check_fields, collate_views, field_ndim, is_starts,
+                      is_waveform)
 from .order import filter_rows
 
-#: tensor fields -> ndim (the member is ``FIELD.npy``; see :mod:`shards.schema`)
-_NDIM = {"codes": 2, "audio": 1, "text_ids": 1, "latents": 4, "latents_logvar": 4}
+#: fields every sample of a conversation cache has (others may be absent on some samples:
+#: codes/audio on samples without audio, latents on samples without an image)
+_EVERY_SAMPLE = ("input_ids", "labels", "text_ids")
+
+
+def cache_fields(table: pa.Table) -> tuple[str, ...]:
+    """The fields (of :data:`loaders.FIELDS` and extra waveforms) that some sample of the index holds."""
+    names = set(pc.unique(table.column("members").combine_chunks().flatten().field("name")).to_pylist())
+    have = [f for f in FIELDS if f + ".npy" in names]
+    extra = sorted(n[:-4] for n in names if n.endswith(".npy") and n[:-4] not in FIELDS
+                   and (is_waveform(n[:-4]) or is_starts(n[:-4])) and n[:-4] != "audio_starts")
+    return tuple(have) + tuple(extra)
 
 
 class CacheSource:
@@ -54,11 +66,13 @@ class CacheSource:
     e.g. ``latents_logvar`` from a cache made without ``store_posterior``).
     """
 
-    def __init__(self, cache_dir: str | os.PathLike, filters: Any = None, fields: Sequence[str] = FIELDS):
+    def __init__(self, cache_dir: str | os.PathLike, filters: Any = None, fields: Sequence[str] | None = None):
         self.cache_dir = Path(cache_dir)
-        self.fields = check_fields(fields)
         table = read_index(self.cache_dir)
         refuse_unsafe(table, self.cache_dir)  # the whole index, filtered-out rows too
+        self.fields = check_fields(cache_fields(table) if fields is None else fields)
+        text = read_manifest(self.cache_dir).get("text") or {}
+        self.pad_id = int(text.get("pad_id", TEXT_PAD_ID))
         all_shards = sorted(pc.unique(table.column("shard")).to_pylist())  # numbering kept across filters
         rows = filter_rows(table, filters)
         if len(rows) == 0:
@@ -79,14 +93,14 @@ class CacheSource:
         self.reader.drop_index()  # workers get numpy arrays only
 
     def _check_field(self, field: str) -> None:
-        fa = self.reader.field(field, _NDIM[field])  # raises ShardCorrupt for a bad shape/size
+        fa = self.reader.field(field, field_ndim(field))  # raises ShardCorrupt for a bad shape/size
         member, present = field + ".npy", fa.present
         if field == "latents_logvar" and (self.has_image & ~present).any():
             missing = np.flatnonzero(self.has_image & ~present)
             raise ValueError(f"{self.cache_dir}: {len(missing)} image samples have no {member} (e.g. "
                              f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); precompute with "
                              "store_posterior: true, or drop 'latents_logvar' from fields")
-        if field not in LATENT_FIELDS and not present.all():
+        if (field in _EVERY_SAMPLE and not present.all()) or not present.any():
             missing = np.flatnonzero(~present)
             raise ValueError(f"{self.cache_dir}: {len(missing)} samples have no {member} (e.g. "
                              f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); drop "
@@ -121,6 +135,7 @@ class Sources:
         shapes = [s.latent_shape for s in self.sources if s.latent_shape is not None]
         self.latent_shape = shapes[0] if shapes else None
         self.compact = False  # collate_views(compact=...): int16 audio, float16 latents
+        self.pad_id = self.sources[0].pad_id
 
     def read_batch(self, ids: np.ndarray) -> dict[str, Any]:
         """The collated batch (see :mod:`loaders.collate`) of sample ``ids`` (int64, global)."""
@@ -141,14 +156,15 @@ class Sources:
                 for p, v in zip(pos.tolist(), src.views(f, rows)):
                     per_field[f][p] = v
         batch = collate_views(keys, rates, self.fields, latent_shape=self.latent_shape, compact=self.compact,
-                              **per_field)
+                              pad_id=self.pad_id, **per_field)
         batch["source"] = [self.names[i] for i in which.tolist()]
         return batch
 
     def _read_one(self, src: CacheSource, rows: np.ndarray) -> dict[str, Any]:
         per_field = {f: src.views(f, rows) for f in self.fields}
         return collate_views(src.keys.take(pa.array(rows)).to_pylist(), src.sample_rate[rows],
-                             self.fields, latent_shape=self.latent_shape, compact=self.compact, **per_field)
+                             self.fields, latent_shape=self.latent_shape, compact=self.compact,
+                             pad_id=self.pad_id, **per_field)
 
     def close(self) -> None:
         for s in self.sources:

@@ -80,8 +80,10 @@ class ShardLoader:
         shuffle: False -> index order (shards in name order, samples in tar order).
         drop_remainder: drop the ``N mod G`` last samples (``G = world_size * batch_size``);
             False: wrap around to the start of the epoch's order to fill the last step.
-        fields: subset of ``("codes", "audio", "text_ids", "latents", "latents_logvar")`` to read
-            and collate (default: all but ``latents_logvar``, which is read only when named).
+        fields: the fields to read and collate (see :mod:`loaders.collate`: ``input_ids``,
+            ``labels``, ``codes``, ``audio``, ``audio_starts``, ``audio_segments``, ``latents``,
+            ``latents_logvar``, extra waveforms...); default None: every field the cache holds but
+            ``latents_logvar``, which is read only when named.
         filters: callable on the index table or dict on its columns
             (:func:`loaders.order.filter_rows`), applied before the order is built.
         max_frames: budget batching: ``B * F_max <= max_frames`` codes frames per batch, with
@@ -105,12 +107,12 @@ class ShardLoader:
 
     def __init__(self, cache_dir, batch_size: int, *, global_rank: int = 0, world_size: int = 1,
                  seed: int = 0, num_workers: int | None = 0, shuffle: bool = True,
-                 drop_remainder: bool = True, fields: Sequence[str] = FIELDS, filters: Any = None,
+                 drop_remainder: bool = True, fields: Sequence[str] | None = None, filters: Any = None,
                  max_frames: int | None = None, device_pin: bool | str | None = None,
                  prefetch_factor: int = 2, shuffle_window: int = 0, bucket_window: int | None = None,
                  persistent_workers: bool | None = None, multiprocessing_context: Any = None,
                  timeout: float = 0.0, compact: bool = False):
-        fields = check_fields(fields)
+        fields = None if fields is None else check_fields(fields)
         source = CacheSource(cache_dir, filters, fields)
         order = ShardOrder(source.shard_of, seed, shuffle=shuffle, window=shuffle_window)
         self._setup(Sources([source]), order, batch_size, global_rank=global_rank,

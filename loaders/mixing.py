@@ -88,7 +88,7 @@ class MixedLoader(ShardLoader):
     def __init__(self, caches: Mapping[str, Any] | Sequence[Any], batch_size: int, *,
                  weights: Mapping[str, float] | Sequence[float], samples_per_epoch: int | None = None,
                  source_filters: Mapping[str, Any] | None = None, filters: Any = None,
-                 fields: Sequence[str] = FIELDS, seed: int = 0, shuffle: bool = True,
+                 fields: Sequence[str] | None = None, seed: int = 0, shuffle: bool = True,
                  shuffle_window: int = 0, **kwargs):
         if not isinstance(caches, Mapping):
             caches = {str(c): c for c in caches}
@@ -104,7 +104,7 @@ class MixedLoader(ShardLoader):
         if not names or any(x <= 0 for x in w):
             raise ValueError(f"need at least one cache and weights > 0, got {dict(zip(names, w))}")
         w = [x / sum(w) for x in w]
-        fields = check_fields(fields)
+        fields = None if fields is None else check_fields(fields)
         source_filters = dict(source_filters or {})
         unknown = set(source_filters) - set(names)
         if unknown:

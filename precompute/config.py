@@ -55,10 +55,21 @@ class PrecomputeConfig:
     precision_samples: int = 8
     precision_tolerance: dict[str, float] = field(
         default_factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95})
-    #: encoder specs, see precompute.encoders.registry.
-    audio_tokenizer: dict[str, Any] = field(default_factory=lambda: {"name": "dac", "pretrained": "models/dac-tiny"})
-    image_encoder: dict[str, Any] = field(default_factory=lambda: {"name": "wan", "pretrained": "models/wan-tiny"})
+    #: encoder specs, see precompute.encoders.registry. ``audio_tokenizer: null`` (no codes: an
+    #: image-text job never loads a codec) and ``image_encoder: null`` (no latents: an audio job
+    #: never loads a VAE) are valid.
+    audio_tokenizer: dict[str, Any] | None = field(default_factory=lambda: {"name": "dac", "pretrained": "models/dac-tiny"})
+    image_encoder: dict[str, Any] | None = field(default_factory=lambda: {"name": "wan", "pretrained": "models/wan-tiny"})
     text_tokenizer: dict[str, Any] = field(default_factory=lambda: {"name": "bytes"})
+    #: how a conversation becomes ``input_ids``/``labels`` (precompute.chat): ``auto`` = the HF
+    #: tokenizer's own ``apply_chat_template`` when it has a chat template, else ``llama3``
+    #: (Higgs-Audio's Llama-3 headers with audio/image placeholders); ``tokenizer`` forces the
+    #: tokenizer's template (error if it has none).
+    chat_template: str = "auto"
+    #: more waveform fields besides ``audio`` (all items at ``sample_rate``): name ->
+    #: ``{sample_rate: Hz, direction: in | out | all}``; e.g. ``{audio_16k: {sample_rate: 16000,
+    #: direction: in}}`` stores the user-side audio at 16 kHz for a Whisper-style audio encoder.
+    extra_waveforms: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: manifest options: format (auto when None) and column mapping for jsonl/csv/parquet.
     manifest_format: str | None = None
     columns: dict[str, str] = field(default_factory=dict)
@@ -73,6 +84,10 @@ class PrecomputeConfig:
         out = {k: getattr(self, k) for k in keys} | {"audio_format": "pcm_s16le", "latents_dtype": "float16"}
         if self.store_posterior:
             out["store_posterior"] = True
+        out["sample_layout"] = "conversation-1"  # precompute.conversation + precompute.chat
+        out["chat_template"] = self.chat_template
+        if self.extra_waveforms:
+            out["extra_waveforms"] = self.extra_waveforms
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,13 @@ from shards.errors import FingerprintMismatch
 from shards.index import PARTS_DIR, merge_parts, read_part_meta, write_json_atomic
 from shards.writer import ShardWriter
 
-from .audio import to_pcm16
+from . import chat
 from .config import PrecomputeConfig
-from .encoders import fingerprint, load_audio_tokenizer, load_image_encoder, load_text_tokenizer
+from .encode import Encoders, Summary, encode_batch, load_encoders, waveform_fields
+from .encoders import fingerprint
 from .manifests import Request, read_manifest
 from .precision import check_precision
-from .prepare import Prepared, PrepareDataset, identity_collate, prepare
+from .prepare import PrepareDataset, identity_collate, prepare
 
 log = logging.getLogger("precompute")
 JOB_FILE = "job.json"
@@ -46,56 +46,7 @@ JOB_FILE = "job.json"
 
 def row_id(req: Request) -> str:
     """Identity of a manifest row for resume bookkeeping: key + its media paths."""
-    return f"{req.key}\0{req.audio or ''}\0{req.image or ''}"
-
-
-@dataclass
-class Encoders:
-    """The frozen models of one job (see precompute.encoders)."""
-
-    audio: Any
-    image: Any
-    text: Any
-
-    def describe(self) -> dict[str, Any]:
-        return {"audio_tokenizer": self.audio.describe(), "image_encoder": self.image.describe(),
-                "text_tokenizer": self.text.describe()}
-
-
-@dataclass
-class Summary:
-    """What one rank did: counts, timings, reasons."""
-
-    kept: int = 0
-    rejected: int = 0
-    reasons: dict[str, int] = field(default_factory=dict)
-    audio_seconds: float = 0.0
-    setup_s: float = 0.0   # manifest, encoder loading, fingerprint, resume scan
-    wall_s: float = 0.0    # decode + encode + write, from the first batch to the last commit
-    encoder_s: float = 0.0
-    skipped_rows: int = 0
-    shards_written: int = 0
-
-    @property
-    def encoder_busy(self) -> float:
-        """Fraction of the processing wall time (``wall_s``) spent inside encoder calls."""
-        return self.encoder_s / self.wall_s if self.wall_s > 0 else 0.0
-
-
-def load_encoders(cfg: PrecomputeConfig, device: str, dtype: str | None = None) -> Encoders:
-    """Load the configured audio tokenizer, image encoder and text tokenizer.
-
-    ``dtype`` (default ``cfg.encoder_dtype``) is given to the built-in codec and VAE unless their
-    spec sets ``dtype`` itself; plug-in factories get their own ``kwargs`` only.
-    """
-    dtype = dtype or cfg.encoder_dtype
-
-    def spec(s: dict) -> dict:
-        return s if "factory" in s or "dtype" in s or dtype == "float32" else dict(s, dtype=dtype)
-
-    return Encoders(audio=load_audio_tokenizer(spec(cfg.audio_tokenizer), device=device),
-                    image=load_image_encoder(spec(cfg.image_encoder), device=device),
-                    text=load_text_tokenizer(cfg.text_tokenizer))
+    return "\0".join([req.key] + (req.conversation.sources if req.conversation is not None else []))
 
 
 def precision_check(enc: Encoders, cfg: PrecomputeConfig, requests: list[Request], device: str) -> dict | None:
@@ -106,18 +57,19 @@ def precision_check(enc: Encoders, cfg: PrecomputeConfig, requests: list[Request
     if cfg.encoder_dtype in ("float32", "fp32"):
         return None
     ref = load_encoders(cfg, device, dtype="float32")
-    rates = tuple(dict.fromkeys([cfg.sample_rate, enc.audio.sample_rate]))
+    rates = job_rates(cfg, enc)
+    template = chat.resolve_template(cfg.chat_template, enc.text)
     # half of the rows with an image where the manifest has them, so both encoders are measured
-    n_img = cfg.precision_samples // 2 if any(r.image and not r.error for r in requests) else 0
+    n_img = cfg.precision_samples // 2 if any(r.has_image and not r.error for r in requests) else 0
     picked: dict[bool, list] = {True: [], False: []}
     quota = {True: n_img, False: cfg.precision_samples - n_img}
     for req in requests:
-        kind = bool(req.image)
+        kind = req.has_image
         if req.error or len(picked[kind]) >= quota[kind]:
             if all(len(picked[k]) >= quota[k] for k in picked):
                 break
             continue
-        p = prepare(req, 0, cfg, rates, enc.text, enc.image.spatial_factor)
+        p = prepare(req, 0, cfg, rates, enc.text, template, image_multiple(enc))
         if p.error is None:
             picked[kind].append(p)
     prepared = picked[True] + picked[False]
@@ -233,84 +185,26 @@ class _ChunkWriter(threading.Thread):
         self.queue.put(item)
 
 
-def _timed(summary: Summary, device: str, fn, *args):
-    """Run an encoder call and add its duration (device-synchronised) to ``summary.encoder_s``."""
-    t = time.perf_counter()
-    out = fn(*args)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    summary.encoder_s += time.perf_counter() - t
-    return out
+def job_rates(cfg: PrecomputeConfig, enc: Encoders) -> tuple[int, ...]:
+    """Every rate (Hz) the job resamples to: the stored waveforms' and the codec's."""
+    rates = [r for r, _ in waveform_fields(cfg).values()]
+    return tuple(dict.fromkeys(rates + ([int(enc.audio.sample_rate)] if enc.audio is not None else [])))
 
 
-def _encode_each(fn, inputs: list, summary: Summary, device: str) -> list:
-    """Encode a batch; if the batch fails, encode one by one so a bad input costs only itself."""
-    try:
-        return list(_timed(summary, device, fn, inputs))
-    except Exception:
-        outs = []
-        for x in inputs:
-            try:
-                outs.append(_timed(summary, device, fn, [x])[0])
-            except Exception as e:
-                outs.append(e)
-        return outs
+def image_multiple(enc: Encoders) -> int:
+    """Pixels per latent cell of the image encoder (8 without one: images are then rejected anyway)."""
+    return int(enc.image.spatial_factor) if enc.image is not None else 8
 
 
-def encode_batch(batch: list[Prepared], enc: Encoders, cfg: PrecomputeConfig, summary: Summary,
-                 device: str) -> list[tuple[str, dict | None, tuple | None]]:
-    """Encode the good rows of a batch; return ``(key, fields, reject)`` per row, in input order.
-
-    Image rows get ``latents.npy`` float16 ``(C, 1, H/f, W/f)``: the VAE's mode, or with
-    ``cfg.store_posterior`` the posterior mean (the same for Wan) plus ``latents_logvar.npy``
-    float16 of the same shape (natural-log variance). Non-finite values or values beyond float16
-    (``|x| > 65000``) reject the row as ``encode_failed``.
-    """
-    ok = [p for p in batch if p.error is None]
-    with_audio = [p for p in ok if p.audio]
-    codes = _encode_each(enc.audio.encode, [p.audio[enc.audio.sample_rate] for p in with_audio], summary, device)
-    codes_of = {id(p): c for p, c in zip(with_audio, codes)}
-    latents_of: dict[int, Any] = {}
-    by_shape: dict[tuple, list[Prepared]] = {}
-    for p in ok:
-        if p.image is not None:
-            by_shape.setdefault(p.image.shape, []).append(p)
-    for group in by_shape.values():
-        if cfg.store_posterior:  # one (mean, logvar) pair per image
-            fn = lambda imgs: list(zip(*enc.image.encode_posterior(np.stack(imgs))))  # noqa: E731
+def chunk_batches(chunk_of_item: list[int], batch_size: int) -> list[list[int]]:
+    """Encoder batches: consecutive items of ONE chunk, ``batch_size`` at a time from the chunk's
+    start, so a batch never spans two chunks and its rows do not depend on what ran before."""
+    out: list[list[int]] = []
+    for i, c in enumerate(chunk_of_item):
+        if out and chunk_of_item[out[-1][0]] == c and len(out[-1]) < batch_size:
+            out[-1].append(i)
         else:
-            fn = lambda imgs: list(enc.image.encode(np.stack(imgs)))  # noqa: E731
-        for p, z in zip(group, _encode_each(fn, [p.image for p in group], summary, device)):
-            latents_of[id(p)] = z
-    out = []
-    for p in batch:
-        req = p.req
-        error = p.error
-        for produced in (codes_of.get(id(p)), latents_of.get(id(p))):
-            if error is None and isinstance(produced, Exception):
-                error = (schema.ENCODE_FAILED, f"{type(produced).__name__}: {produced}")
-        if error is not None:
-            out.append((req.key, None, (req.key, req.source, error[0], error[1])))
-            continue
-        meta = {"text": req.text, "speaker": req.speaker, "sources": {"audio": req.audio, "image": req.image},
-                "sample_rate": cfg.sample_rate if p.audio else 0, "duration_s": round(p.duration_s, 6),
-                "orig_sample_rate": p.orig_sample_rate, "row": req.row} | req.meta
-        fields: dict[str, Any] = {"json": meta, "text_ids.npy": p.text_ids}
-        if p.audio:
-            fields["audio.npy"] = to_pcm16(p.audio[cfg.sample_rate])
-            fields["codes.npy"] = np.asarray(codes_of[id(p)], dtype=np.int16)
-            meta["frame_rate"] = float(enc.audio.frame_rate)
-        if p.image is not None:
-            z, lv = latents_of[id(p)] if cfg.store_posterior else (latents_of[id(p)], None)
-            arrays = {"latents.npy": z} | ({} if lv is None else {"latents_logvar.npy": lv})
-            arrays = {k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()}
-            bad = [f"{k[:-4]} {'non-finite' if not np.isfinite(v).all() else 'overflow float16'}"
-                   for k, v in arrays.items() if not np.all(np.abs(v) <= 65000)]
-            if bad:
-                out.append((req.key, None, (req.key, req.source, schema.ENCODE_FAILED, "; ".join(bad))))
-                continue
-            fields.update({k: v.astype(np.float16) for k, v in arrays.items()})
-        out.append((req.key, fields, None))
+            out.append([i])
     return out
 
 
@@ -357,8 +251,11 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     device = resolve_device(cfg.device, local_rank)
     requests = read_manifest(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
     enc = load_encoders(cfg, device)
-    if cfg.store_posterior:
+    if cfg.store_posterior and enc.image is not None:
         check_posterior(enc.image)
+    template = chat.resolve_template(cfg.chat_template, enc.text)
+    if any(r.conversation is not None for r in requests):
+        chat.check_tokenizer(enc.text)
     precision = precision_check(enc, cfg, requests, device)
     encoders = enc.describe()  # hashes every weight: once per job
     describe = encoders | {"preprocessing": cfg.preprocessing()}
@@ -371,7 +268,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     chunks = [c for c in assign(pending, cfg.samples_per_shard, world_size, next_n) if c[0] == global_rank]
     items = [(req, ci) for ci, (_, _, rows) in enumerate(chunks) for req in rows]
     summary = Summary(skipped_rows=len(requests) - len(pending))
-    rates = tuple(dict.fromkeys([cfg.sample_rate, enc.audio.sample_rate]))
+    rates = job_rates(cfg, enc)
     bar = tqdm(total=len(items), desc=f"precompute r{global_rank}", unit="sample",
                disable=not progress or global_rank != 0, dynamic_ncols=True)
     summary.setup_s = time.perf_counter() - t0
@@ -379,8 +276,8 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     writer = _ChunkWriter(out_dir, chunks, summary, bar)
     writer.start()
     workers = resolve_workers(cfg.num_workers, device) if items else 0
-    loader = DataLoader(PrepareDataset(items, cfg, rates, enc.text, enc.image.spatial_factor),
-                        batch_size=cfg.batch_size, num_workers=workers,
+    loader = DataLoader(PrepareDataset(items, cfg, rates, enc.text, template, image_multiple(enc)),
+                        batch_sampler=chunk_batches([c for _, c in items], cfg.batch_size), num_workers=workers,
                         collate_fn=identity_collate, prefetch_factor=4 if workers else None)
     try:
         with torch.inference_mode():
@@ -404,13 +301,16 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     sync()
     result = None
     if global_rank == 0:
-        result = merge_parts(out_dir, {
-            "fingerprint": fp, "encoders": describe, "sample_rate": cfg.sample_rate,
+        audio = {} if enc.audio is None else {
             "codec_sample_rate": enc.audio.sample_rate, "n_codebooks": enc.audio.n_codebooks,
-            "codebook_size": enc.audio.codebook_size, "frame_rate": float(enc.audio.frame_rate),
+            "codebook_size": enc.audio.codebook_size, "frame_rate": float(enc.audio.frame_rate)}
+        image = {} if enc.image is None else {"latent_channels": enc.image.latent_channels}
+        result = merge_parts(out_dir, {
+            "fingerprint": fp, "encoders": describe, "sample_rate": cfg.sample_rate, **audio, **image,
+            "waveforms": {k: {"sample_rate": r, "directions": sorted(d)} for k, (r, d) in waveform_fields(cfg).items()},
+            "text": chat.describe(template, enc.text),
             "text_vocab_size": enc.text.vocab_size, "text_pad_id": enc.text.pad_id,
-            "latent_channels": enc.image.latent_channels, "config": cfg.to_dict(),
-            "source_manifest": str(manifest), "world_size": world_size,
+            "config": cfg.to_dict(), "source_manifest": str(manifest), "world_size": world_size,
             **({"precision_check": precision} if precision else {}),
         })
     return summary, result

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
+import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,33 +20,46 @@ from typing import Any, Iterator
 
 from shards import schema
 
+from . import conversation as C
+from .conversation import Conversation, RowError
+
+log = logging.getLogger("precompute")
+
 FORMATS = ("jsonl", "chatml", "llava", "csv", "parquet")
 
 
 @dataclass
 class Request:
-    """One manifest row to encode.
+    """One manifest row to encode: a :class:`~precompute.conversation.Conversation`.
 
-    ``audio``/``image`` are absolute paths or None; ``offset_s``/``duration_s`` (seconds) slice
-    the decoded audio (ChatML); ``meta`` is stored verbatim in the sample's ``json`` member;
-    ``error`` is ``(reason_code, detail)`` for a row rejected while reading the manifest.
+    ``meta`` is stored verbatim in the sample's ``json`` member (the original row's fields that
+    are not part of the conversation, ``original_key``...); ``error`` is ``(reason_code, detail)``
+    for a row rejected while reading the manifest (then ``conversation`` may be None).
     """
 
     row: int
     key: str
-    text: str = ""
-    audio: str | None = None
-    image: str | None = None
+    conversation: Conversation | None = None
     speaker: str = ""
-    offset_s: float = 0.0
-    duration_s: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     error: tuple[str, str] | None = None
 
     @property
     def source(self) -> str:
         """The row's input files, for reject listings."""
-        return ";".join(p for p in (self.audio, self.image) if p)
+        return ";".join(self.conversation.sources) if self.conversation is not None else ""
+
+    @property
+    def text(self) -> str:
+        return self.conversation.text if self.conversation is not None else ""
+
+    @property
+    def has_image(self) -> bool:
+        return self.conversation is not None and bool(self.conversation.images)
+
+    @property
+    def has_audio(self) -> bool:
+        return self.conversation is not None and bool(self.conversation.audio)
 
 
 def detect_format(path: Path) -> str:
@@ -61,8 +77,18 @@ def detect_format(path: Path) -> str:
     return "jsonl"
 
 
+def read_text(path: Path) -> str:
+    """A manifest's text: UTF-8 (a BOM is dropped); not UTF-8 -> Latin-1 with a warning."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        log.warning("%s is not valid UTF-8 (%s); reading it as Latin-1", path, e)
+        return data.decode("latin-1")
+
+
 def _first_record(path: Path) -> Any:
-    text = path.read_text(encoding="utf-8", errors="replace").lstrip()
+    text = read_text(path).lstrip()
     if text.startswith("["):
         try:
             data = json.loads(text)
@@ -80,7 +106,7 @@ def _first_record(path: Path) -> Any:
 
 def _json_records(path: Path) -> Iterator[tuple[Any, str | None]]:
     """Yield ``(record, None)`` or ``(None, error_detail)`` for a JSON list or a JSONL file."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_text(path)
     if text.lstrip().startswith("["):
         try:
             data = json.loads(text)
@@ -102,53 +128,43 @@ def _hash_key(*parts: str | None) -> str:
     return "h" + hashlib.sha256("\0".join(p or "" for p in parts).encode()).hexdigest()[:16]
 
 
-def _chatml(rec: dict, assistant_only: bool = True) -> dict:
-    """Flatten a Higgs-Audio ChatML sample: text from user turns, audio/image items by role."""
-    texts, audios, images = [], [], []
-    for msg in rec.get("messages") or []:
-        role = msg.get("role")
-        content = msg.get("content")
-        items = content if isinstance(content, list) else [content]
-        for item in items:
-            if isinstance(item, str):
-                if role == "user":
-                    texts.append(item)
-            elif isinstance(item, dict):
-                kind = item.get("type")
-                if kind == "text" and role == "user":
-                    texts.append(item.get("text", ""))
-                elif kind == "audio" and (role == "assistant" or not assistant_only):
-                    audios.append(item)
-                elif kind == "image":
-                    images.append(item.get("image_url"))
-    misc = rec.get("misc") or {}
-    audio = audios[0] if audios else {}
-    return dict(
-        key=misc.get("key") or rec.get("key") or rec.get("id"),
-        text="\n".join(t for t in texts if t),
-        audio=audio.get("audio_url"),
-        offset_s=float(audio.get("offset") or 0.0),
-        duration_s=audio.get("duration"),
-        image=images[0] if images else None,
-        speaker=rec.get("speaker") or "",
-        meta={"messages": rec.get("messages"), "start_index": rec.get("start_index"), "misc": misc,
-              "n_audio_items": len(audios)},
-    )
+def _raw_key(value: Any, name: str) -> str | None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RowError(name, f"expected a string key, got {type(value).__name__}")
+    value = str(value)
+    if not value.strip():
+        raise RowError(name, "key is empty or only whitespace")
+    return value
 
 
-def _llava(rec: dict) -> dict:
-    conv = rec.get("conversations") or []
-    answer = next((c.get("value", "") for c in conv if c.get("from") in ("gpt", "assistant")), "")
-    return dict(key=rec.get("id"), text=answer, image=rec.get("image"), audio=rec.get("audio"),
-                meta={"conversations": conv})
-
-
-def _flat(rec: dict, columns: dict[str, str]) -> dict:
-    get = lambda name: rec.get(columns.get(name, name))  # noqa: E731
+def _parse(rec: dict, fmt: str, base: Path, columns: dict[str, str]) -> tuple[Conversation, str | None, str, dict]:
+    """One record -> (conversation, raw key, speaker, meta). Raises :class:`RowError`."""
+    if fmt == "chatml":
+        conv, speaker = C.from_chatml(rec, base)
+        misc = rec.get("misc") if isinstance(rec.get("misc"), dict) else {}
+        key = _raw_key(misc.get("key"), "misc.key") or _raw_key(rec.get("key"), "key") or _raw_key(rec.get("id"), "id")
+        meta = {"misc": misc} if misc else {}
+        return conv, key, speaker, meta
+    if fmt == "llava":
+        conv = C.from_llava(rec, base)
+        return conv, _raw_key(rec.get("id"), "id"), C.as_text(rec.get("speaker"), "speaker"), {}
+    col = lambda name: columns.get(name, name)  # noqa: E731
+    get = lambda name: rec.get(col(name))  # noqa: E731
     misc = rec.get("misc") if isinstance(rec.get("misc"), dict) else {}
-    return dict(key=get("key") or rec.get("id") or misc.get("key"), text=get("text"),
-                audio=get("audio"), image=get("image"), speaker=get("speaker") or "",
-                offset_s=float(get("offset") or 0.0), duration_s=get("duration"))
+    key = _raw_key(get("key"), col("key")) or _raw_key(rec.get("id"), "id") or _raw_key(misc.get("key"), "misc.key")
+    speaker = C.as_text(get("speaker"), col("speaker"))
+    audio = C.as_path(get("audio"), col("audio"), base)
+    image = C.as_path(get("image"), col("image"), base)
+    offset = C.as_seconds(get("offset"), col("offset"), allow_none=False)
+    duration = C.as_seconds(get("duration"), col("duration"), allow_none=True)
+    if duration is not None and duration <= 0:
+        raise RowError(col("duration"), f"must be > 0, got {get('duration')!r}")
+    if audio is None and image is None:
+        raise RowError(col("audio"), "row has no audio and no image")
+    conv = C.from_flat(C.as_text(get("text"), col("text")).strip(), audio, image, speaker, offset, duration)
+    return conv, key, speaker, {}
 
 
 def _table_records(path: Path, fmt: str) -> Iterator[tuple[Any, str | None]]:
@@ -157,10 +173,12 @@ def _table_records(path: Path, fmt: str) -> Iterator[tuple[Any, str | None]]:
         for rec in pq.read_table(path).to_pylist():
             yield rec, None
         return
-    with open(path, newline="", encoding="utf-8") as f:
-        dialect = "excel-tab" if path.suffix.lower() == ".tsv" else "excel"
-        for rec in csv.DictReader(f, dialect=dialect):
-            yield {k: (v if v != "" else None) for k, v in rec.items()}, None
+    dialect = "excel-tab" if path.suffix.lower() == ".tsv" else "excel"
+    for n, rec in enumerate(csv.DictReader(io.StringIO(read_text(path), newline=""), dialect=dialect), 2):
+        if None in rec:  # more cells than header columns
+            yield None, f"line {n}: {len(rec[None])} more cell(s) than the header has columns"
+            continue
+        yield {k: (v if v != "" else None) for k, v in rec.items()}, None
 
 
 def read_manifest(path: str | Path, root: str | Path | None = None, fmt: str | None = None,
@@ -168,15 +186,22 @@ def read_manifest(path: str | Path, root: str | Path | None = None, fmt: str | N
     """Read a manifest into Requests (one per row, input order).
 
     Args:
-        path: manifest file (``.jsonl``/``.json``/``.csv``/``.tsv``/``.parquet``).
+        path: manifest file (``.jsonl``/``.json``/``.csv``/``.tsv``/``.parquet``), UTF-8 (a BOM
+            is fine) or, with a warning, Latin-1.
         root: folder that relative media paths are relative to (default: the manifest's folder).
         fmt: one of :data:`FORMATS`; default: :func:`detect_format`.
         columns: for jsonl/csv/parquet, maps our names (key, text, audio, image, speaker, offset,
             duration) to the file's column names.
-        require_text: reject rows whose text is empty (reason ``empty_text``).
+        require_text: reject rows without any text (reason ``empty_text``).
+
+    Keys: the row's key made WebDataset-safe (:func:`shards.schema.safe_key`); a row without a
+    key gets a hash of its media paths. Two different keys that sanitise to the same one (``a.b``
+    and ``a_b``) both stay: the later one gets a short hash suffix; the original key is kept in
+    the sample's JSON (``original_key``). The same key twice is a ``duplicate_key`` reject.
 
     Raises ``FileNotFoundError`` for a missing manifest and ``ValueError`` for an unknown format or
-    a JSON list that does not parse; a single bad row never raises.
+    a JSON list that does not parse; a single bad row never raises: malformed values become
+    ``malformed_row`` rejects naming the row and the field.
     """
     path = Path(path)
     if not path.exists():
@@ -188,31 +213,35 @@ def read_manifest(path: str | Path, root: str | Path | None = None, fmt: str | N
     columns = columns or {}
     records = _table_records(path, fmt) if fmt in ("csv", "parquet") else _json_records(path)
     out: list[Request] = []
-    seen: set[str] = set()
+    raw_seen: set[str] = set()
+    used: set[str] = set()
     for row, (rec, err) in enumerate(records):
         if err is not None or not isinstance(rec, dict):
             detail = err or f"row {row}: expected an object, got {type(rec).__name__}"
             line = detail.split(":")[0].replace(" ", "-") if err else f"row-{row}"
             out.append(Request(row=row, key=line, error=(schema.MALFORMED_ROW, detail)))
             continue
-        flat = _chatml(rec) if fmt == "chatml" else _llava(rec) if fmt == "llava" else _flat(rec, columns)
-        audio = str(base / flat["audio"]) if flat.get("audio") else None
-        image = str(base / flat["image"]) if flat.get("image") else None
-        raw_key = flat.get("key")
-        key = schema.safe_key(raw_key) if raw_key not in (None, "") else _hash_key(flat.get("audio"), flat.get("image"))
-        meta = dict(flat.get("meta") or {})
-        if raw_key not in (None, "") and str(raw_key) != key:
-            meta["original_key"] = str(raw_key)
-        req = Request(row=row, key=key, text=str(flat.get("text") or ""), audio=audio, image=image,
-                      speaker=str(flat.get("speaker") or ""), offset_s=float(flat.get("offset_s") or 0.0),
-                      duration_s=None if flat.get("duration_s") is None else float(flat["duration_s"]),
-                      meta=meta)
-        if audio is None and image is None:
-            req.error = (schema.MALFORMED_ROW, f"row {row}: no audio and no image")
-        elif key in seen:
-            req.error = (schema.DUPLICATE_KEY, f"row {row}: key {key!r} already used by an earlier row")
-        elif require_text and not req.text.strip():
+        try:
+            conv, raw_key, speaker, meta = _parse(rec, fmt, base, columns)
+        except RowError as e:
+            out.append(Request(row=row, key=f"row-{row}", meta={"row": row},
+                               error=(schema.MALFORMED_ROW, f"row {row}: {e}")))
+            continue
+        if raw_key is None:
+            raw_key = _hash_key(*conv.sources)
+        key = schema.safe_key(raw_key)
+        if key != raw_key:
+            meta["original_key"] = raw_key
+        req = Request(row=row, key=key, conversation=conv, speaker=speaker, meta=meta)
+        if raw_key in raw_seen:
+            req.error = (schema.DUPLICATE_KEY, f"row {row}: key {raw_key!r} already used by an earlier row")
+        elif require_text and not conv.text:
             req.error = (schema.EMPTY_TEXT, f"row {row}: text is empty")
-        seen.add(key)
+        else:
+            if key in used:  # another key sanitised to the same name: keep both rows
+                key = req.key = f"{key}-{_hash_key(raw_key)[1:9]}"
+                meta["original_key"] = raw_key
+            used.add(key)
+        raw_seen.add(raw_key)
         out.append(req)
     return out

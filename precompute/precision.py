@@ -34,18 +34,18 @@ def measure(half: Any, ref: Any, prepared: list) -> dict[str, Any]:
     had an image / audio).
     """
     good = [p for p in prepared if p.error is None]
-    audio = [p.audio[half.audio.sample_rate] for p in good if p.audio]
+    audio = [w[half.audio.sample_rate] for p in good for w in p.audio] if half.audio is not None else []
     agree = total = 0
     if audio:
         for a, b in zip(half.audio.encode(audio), ref.audio.encode(audio)):
             agree += int((np.asarray(a) == np.asarray(b)).sum())
             total += int(np.asarray(b).size)
     errs = []
-    for p in good:
-        if p.image is not None:
-            z_half = np.asarray(half.image.encode(p.image[None]), dtype=np.float64)
-            z_ref = np.asarray(ref.image.encode(p.image[None]), dtype=np.float64)
-            errs.append(float(np.linalg.norm(z_half - z_ref) / max(np.linalg.norm(z_ref), 1e-12)))
+    images = [im for p in good for im in p.images] if half.image is not None else []
+    for img in images:
+        z_half = np.asarray(half.image.encode(img[None]), dtype=np.float64)
+        z_ref = np.asarray(ref.image.encode(img[None]), dtype=np.float64)
+        errs.append(float(np.linalg.norm(z_half - z_ref) / max(np.linalg.norm(z_ref), 1e-12)))
     return {"samples": len(good), "images": len(errs),
             "latents_rel_err": round(max(errs), 6) if errs else None,
             "codes_agreement": round(agree / total, 6) if total else None}

@@ -1,8 +1,10 @@
-"""Decode one manifest row into model inputs (runs in DataLoader worker processes).
+"""Decode one manifest row (a conversation) into model inputs (runs in DataLoader worker processes).
 
-A :class:`Prepared` holds the waveform at every needed rate (decoded from one read), the RGB
-image on the VAE grid and the text token ids, or the reason the row was rejected. Decoding never
-raises for a bad sample: the error travels with the row to the shard's rejects part.
+A :class:`Prepared` holds every audio item's waveform at every needed rate, every image on the
+VAE grid and the rendered ``input_ids``/``labels``, or the reason the row was rejected. Each
+distinct audio file is opened once, whatever number of items (windows) of the conversation use
+it. Decoding never raises for a bad sample: the error travels with the row to the shard's
+rejects part.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from torch.utils.data import Dataset
 from shards import schema
 from shards.errors import CorruptSample
 
-from .audio import load_audio
+from . import chat
+from .audio import load_audio_windows
 from .config import PrecomputeConfig
 from .images import load_image
 from .manifests import Request
@@ -24,45 +27,77 @@ from .manifests import Request
 class Prepared:
     """Decoded inputs of one row.
 
-    ``audio``: {rate Hz: float32 (n,)}; ``image``: uint8 (H, W, 3) or None; ``text_ids``: int32
-    (n_tokens,); ``error``: ``(reason, detail)`` when the row is rejected.
+    ``audio``: one ``{rate Hz: float32 (n,)}`` per audio item of the conversation (in order);
+    ``durations``: seconds per item; ``images``: uint8 ``(H, W, 3)`` per image item;
+    ``input_ids``/``labels``: int32 ``(L,)`` (:func:`precompute.chat.render`);
+    ``error``: ``(reason, detail)`` when the row is rejected.
     """
 
     req: Request
     chunk: int
-    audio: dict[int, np.ndarray] = field(default_factory=dict)
-    duration_s: float = 0.0
-    orig_sample_rate: int = 0
-    image: np.ndarray | None = None
-    text_ids: np.ndarray | None = None
+    audio: list[dict[int, np.ndarray]] = field(default_factory=list)
+    durations: list[float] = field(default_factory=list)
+    orig_sample_rates: list[int] = field(default_factory=list)
+    images: list[np.ndarray] = field(default_factory=list)
+    input_ids: np.ndarray | None = None
+    labels: np.ndarray | None = None
     error: tuple[str, str] | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return float(sum(self.durations))
+
+
+def _decode_audio(req: Request, rates: tuple[int, ...], cfg: PrecomputeConfig, out: Prepared) -> None:
+    items = req.conversation.audio
+    by_source: dict[object, list[int]] = {}
+    for k, it in enumerate(items):  # one open per distinct file (raw bytes: per item)
+        by_source.setdefault(it.source if it.data is None else ("raw", k), []).append(k)
+    results: list = [None] * len(items)
+    for src, ks in by_source.items():
+        first = items[ks[0]]
+        got = load_audio_windows(first.data if first.data is not None else first.source,
+                                 [(items[k].offset_s, items[k].duration_s) for k in ks], rates,
+                                 min_duration=cfg.min_duration, max_duration=cfg.max_duration,
+                                 silence_rms=cfg.silence_rms)
+        for k, r in zip(ks, got):
+            if isinstance(r, CorruptSample):
+                where = f"audio item {k} ({items[k].source})" if len(items) > 1 else items[k].source
+                raise CorruptSample(r.reason, f"{where}: {r.detail}", r.path)
+            results[k] = r
+    for waves, duration, sr in results:
+        out.audio.append(waves)
+        out.durations.append(duration)
+        out.orig_sample_rates.append(sr)
 
 
 def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, ...], text_tokenizer,
-            image_multiple: int = 8) -> Prepared:
+            template: str = "llama3", image_multiple: int = 8) -> Prepared:
     """Decode ``req``; a :class:`CorruptSample` (or any decoder crash) becomes ``Prepared.error``."""
     out = Prepared(req=req, chunk=chunk)
     if req.error:
         out.error = req.error
         return out
+    conv = req.conversation
     stage = schema.UNREADABLE_AUDIO  # reason for an unexpected crash, by the step that crashed
     try:
-        if req.audio:
-            out.audio, out.duration_s, out.orig_sample_rate = load_audio(
-                req.audio, rates, offset_s=req.offset_s, duration_s=req.duration_s,
-                min_duration=cfg.min_duration, max_duration=cfg.max_duration, silence_rms=cfg.silence_rms)
+        if conv.audio:
+            _decode_audio(req, rates, cfg, out)
         stage = schema.IMAGE_UNREADABLE
-        if req.image:
-            out.image = load_image(req.image, cfg.image_size, mode=cfg.image_resize, multiple=image_multiple,
-                                   max_pixels=cfg.max_image_pixels, min_side=cfg.min_image_side)
+        for im in conv.images:
+            out.images.append(load_image(im.source, cfg.image_size, mode=cfg.image_resize, multiple=image_multiple,
+                                         max_pixels=cfg.max_image_pixels, min_side=cfg.min_image_side))
+        if len({a.shape for a in out.images}) > 1:
+            raise CorruptSample(schema.MALFORMED_ROW, f"{len(out.images)} images of different sizes in one "
+                                "conversation (image_resize: bucket); use center_crop or pad", conv.images[0].source)
         stage = schema.ENCODE_FAILED
-        out.text_ids = np.asarray(text_tokenizer.encode(req.text), dtype=np.int32)
+        out.input_ids, out.labels = chat.render(conv, text_tokenizer, template)
     except CorruptSample as e:
         out.error = (e.reason, e.detail)
-        out.audio, out.image = {}, None
+        out.audio, out.images = [], []
     except Exception as e:  # a decoder bug must cost one sample, not the job
         out.error = (stage, f"{type(e).__name__}: {e}")
-        out.audio, out.image = {}, None
+        out.audio, out.images = [], []
     return out
 
 
@@ -70,16 +105,16 @@ class PrepareDataset(Dataset):
     """Map-style dataset over ``[(request, chunk)]`` returning :class:`Prepared` (use ``collate_fn=list``)."""
 
     def __init__(self, items: list[tuple[Request, int]], cfg: PrecomputeConfig, rates: tuple[int, ...],
-                 text_tokenizer, image_multiple: int = 8):
+                 text_tokenizer, template: str = "llama3", image_multiple: int = 8):
         self.items, self.cfg, self.rates = items, cfg, rates
-        self.text_tokenizer, self.image_multiple = text_tokenizer, image_multiple
+        self.text_tokenizer, self.template, self.image_multiple = text_tokenizer, template, image_multiple
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> Prepared:
         req, chunk = self.items[i]
-        return prepare(req, chunk, self.cfg, self.rates, self.text_tokenizer, self.image_multiple)
+        return prepare(req, chunk, self.cfg, self.rates, self.text_tokenizer, self.template, self.image_multiple)
 
 
 def identity_collate(batch: list[Prepared]) -> list[Prepared]:

@@ -82,7 +82,7 @@ def _row(key: str, shard: str, members: dict[str, bytes], where: dict[str, tuple
         num_samples=int(shapes.get("audio.npy", (0,))[0]),
         n_frames=int(codes[1]) if len(codes) == 2 else 0,
         n_codebooks=int(codes[0]) if len(codes) == 2 else 0,
-        n_text_tokens=int(shapes.get("text_ids.npy", (0,))[0]),
+        n_text_tokens=int(shapes.get("input_ids.npy", shapes.get("text_ids.npy", (0,)))[0]),
         has_image="latents.npy" in shapes,
         speaker=str(meta.get("speaker") or ""),
         bytes=sum(len(v) for v in members.values()),

@@ -22,8 +22,22 @@ Tensor members (all ``.npy`` written by ``numpy.save`` with ``allow_pickle=False
 * ``latents_logvar.npy`` float16 ``(C, T, H, W)`` VAE posterior log-variance (natural log, same
   normalisation as ``latents``: shifted by ``-2 log(latents_std)``); only in caches made with
   ``store_posterior: true``, then on every image sample. Sample ``z = mean + exp(0.5 * logvar) * eps``.
-* ``text_ids.npy`` int32 ``(n_tokens,)`` token ids.
-* ``json``         UTF-8 JSON metadata: text, speaker, sources, sample_rate, duration_s, ...
+* ``input_ids.npy`` int32 ``(L,)`` the conversation rendered through a chat template
+  (:mod:`precompute.chat`); ``labels.npy`` int32 ``(L,)``: ``input_ids`` on trained tokens,
+  ``-100`` elsewhere (not shifted).
+* ``audio_segments.npy`` int32 ``(n_audio_items, 6)``: per audio item of the conversation, in
+  order, ``[item, turn, direction (0 in / 1 out), code_start, code_frames, speaker]``; item ``k``'s
+  codes are ``codes[:, code_start:code_start + code_frames]`` and it stands at the ``k``-th
+  ``<|AUDIO|>``/``<|AUDIO_OUT|>`` token of ``input_ids``.
+* ``audio_starts.npy`` int32 ``(n_audio_items + 1,)``: item ``k``'s waveform is
+  ``audio[starts[k]:starts[k + 1]]``. Extra waveform fields (``extra_waveforms`` in the stage-one
+  config, e.g. ``audio_16k.npy`` + ``audio_16k_starts.npy``) follow the same rule.
+* ``text_ids.npy`` int32 ``(n_tokens,)`` token ids (caches made before conversations; read only).
+* ``json``         UTF-8 JSON metadata: conversation, audio_items, text, speaker, sources, ...
+
+In a conversation, ``codes`` holds every audio item concatenated along frames, ``audio`` every
+waveform, ``latents`` every image along T (image ``k`` = ``latents[:, k]``): the layout of
+Higgs-Audio's ``ChatMLDatasetSample`` (``audio_ids_concat`` + ``audio_ids_start``...).
 """
 from __future__ import annotations
 
@@ -37,14 +51,47 @@ REJECTS_FILE = "rejects.parquet"
 PARTS_DIR = "parts"
 SHARD_GLOB = "shard-r*-*.tar"
 
-#: tensor member name -> numpy dtype it is stored with
-TENSOR_DTYPES = {
+class MemberDtypes(dict):
+    """Tensor member name -> numpy dtype it is stored with.
+
+    Besides the fixed entries, waveform fields named in a job's ``extra_waveforms`` are valid:
+    ``audio_<name>.npy`` int16 and ``audio_<name>_starts.npy`` int32 (``name`` of letters,
+    digits and ``_``), so ``name in TENSOR_DTYPES`` and ``TENSOR_DTYPES[name]`` answer for them.
+    """
+
+    _WAVE = re.compile(r"^audio_[A-Za-z0-9_]+\.npy$")
+
+    def _rule(self, name: str) -> str | None:
+        if isinstance(name, str) and self._WAVE.match(name):
+            return "int32" if name.endswith("_starts.npy") else "int16"
+        return None
+
+    def __missing__(self, name: str) -> str:
+        rule = self._rule(name)
+        if rule is None:
+            raise KeyError(name)
+        return rule
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or self._rule(name) is not None  # type: ignore[arg-type]
+
+    def get(self, name, default=None):  # type: ignore[override]
+        return self[name] if name in self else default
+
+
+TENSOR_DTYPES = MemberDtypes({
     "codes.npy": "int16",
     "audio.npy": "int16",
+    "audio_starts.npy": "int32",
+    "audio_segments.npy": "int32",
     "latents.npy": "float16",
     "latents_logvar.npy": "float16",
+    "input_ids.npy": "int32",
+    "labels.npy": "int32",
     "text_ids.npy": "int32",
-}
+})
+#: columns of ``audio_segments.npy``
+SEGMENT_COLUMNS = ("item", "turn", "direction", "code_start", "code_frames", "speaker")
 JSON_MEMBER = "json"
 #: extensions a reader refuses: they would need unpickling
 PICKLE_EXTENSIONS = (".pyd", ".pkl", ".pickle", ".pth", ".pt")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any
 
 import numpy as np
@@ -9,30 +10,55 @@ import numpy as np
 from ._common import canonical_json, load_error, resolve_pretrained
 
 
+def _default_specials() -> tuple[str, ...]:
+    from ..chat import SPECIAL_TOKENS
+    return SPECIAL_TOKENS
+
+
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: id = byte + 3; 0 = pad, 1 = bos, 2 = eos; ``vocab_size`` 259.
+    """UTF-8 bytes as tokens: id = byte + 3; 0 = pad, 1 = bos, 2 = eos; then one id per special token.
 
     ``encode("hé")`` -> ``[1, 107, 198, 172, 2]`` (int32). Needs no files, so it is always available.
+    The chat templates' special tokens (:data:`precompute.chat.SPECIAL_TOKENS`: ``<|begin_of_text|>``,
+    ``<|AUDIO_OUT|>``, ``<image>``...) get ids ``259, 260, ...`` and are recognised in the text, as
+    an HF tokenizer recognises its added special tokens; ``vocab_size`` = 259 + their number.
 
     Args:
         add_bos: prepend ``bos_id`` (default True).
         add_eos: append ``eos_id`` (default True).
+        special_tokens: strings that become single ids (default: the chat templates' tokens).
     """
 
     name = "bytes"
-    OPTIONS: tuple[str, ...] = ("add_bos", "add_eos")
+    OPTIONS: tuple[str, ...] = ("add_bos", "add_eos", "special_tokens")
     pad_id = 0
     bos_id = 1
     eos_id = 2
     offset = 3
-    vocab_size = 256 + 3
+    chat_template = None  # rendered with precompute.chat's named templates
 
-    def __init__(self, *, add_bos: bool = True, add_eos: bool = True) -> None:
+    def __init__(self, *, add_bos: bool = True, add_eos: bool = True,
+                 special_tokens: tuple[str, ...] | list[str] | None = None) -> None:
         self.add_bos = bool(add_bos)
         self.add_eos = bool(add_eos)
+        specials = tuple(_default_specials() if special_tokens is None else special_tokens)
+        if len(set(specials)) != len(specials) or any(not isinstance(t, str) or not t for t in specials):
+            raise ValueError(f"special_tokens must be distinct non-empty strings, got {specials!r}")
+        self.special_tokens = specials
+        self._special_id = {t: 256 + self.offset + i for i, t in enumerate(specials)}
+        self.vocab_size = 256 + self.offset + len(specials)
+        longest_first = sorted(specials, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if specials else None
 
-    def encode(self, text: str) -> np.ndarray:
-        """int32 ``(n_bytes + add_bos + add_eos,)`` ids of ``text``'s UTF-8 bytes.
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a special token (None when it is not one)."""
+        return self._special_id.get(token)
+
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
+        """int32 ``(n,)`` ids of ``text``'s UTF-8 bytes, special tokens as their own ids.
+
+        ``add_special_tokens``: None -> bos/eos per ``add_bos``/``add_eos``; False -> neither
+        (what the chat templates use); True -> both.
 
         Raises:
             TypeError: ``text`` is not a str.
@@ -40,14 +66,18 @@ class ByteTokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
-        body = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + self.offset
-        parts = []
-        if self.add_bos:
-            parts.append(np.array([self.bos_id], dtype=np.int32))
-        parts.append(body)
-        if self.add_eos:
+        bos = self.add_bos if add_special_tokens is None else add_special_tokens
+        eos = self.add_eos if add_special_tokens is None else add_special_tokens
+        parts = [np.array([self.bos_id], dtype=np.int32)] if bos else []
+        pieces = self._split.split(text) if self._split is not None else [text]
+        for piece in pieces:
+            if piece in self._special_id:
+                parts.append(np.array([self._special_id[piece]], dtype=np.int32))
+            elif piece:
+                parts.append(np.frombuffer(piece.encode("utf-8"), dtype=np.uint8).astype(np.int32) + self.offset)
+        if eos:
             parts.append(np.array([self.eos_id], dtype=np.int32))
-        return np.concatenate(parts)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
     def decode(self, ids: Any, errors: str = "strict") -> str:
         """Inverse of :meth:`encode`: special ids (< 3) are dropped, the remaining bytes decoded as UTF-8.
@@ -59,7 +89,8 @@ class ByteTokenizer:
         a = np.asarray(ids, dtype=np.int64).reshape(-1)
         if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
             raise ValueError(f"ids must be in [0, {self.vocab_size})")
-        return (a[a >= self.offset] - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors=errors)
+        a = a[(a >= self.offset) & (a < 256 + self.offset)]
+        return (a - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors=errors)
 
     def describe(self) -> dict:
         """``class``, ``name``, ``config`` and ``vocab_sha256`` (hash of the fixed id scheme)."""
@@ -72,6 +103,7 @@ class ByteTokenizer:
             "add_bos": self.add_bos,
             "add_eos": self.add_eos,
             "encoding": "utf-8",
+            "special_tokens": list(self.special_tokens),
         }
         return {
             "class": f"{type(self).__module__}.{type(self).__qualname__}",
@@ -132,11 +164,24 @@ class HFTokenizer:
         obj.pretrained = path
         return obj
 
-    def encode(self, text: str) -> np.ndarray:
-        """int32 ``(n_tokens,)`` ids of ``text`` (special tokens per ``add_special_tokens``)."""
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own chat template (Jinja), or None."""
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of ``token`` when the vocabulary has it as one token (None otherwise)."""
+        i = self.tokenizer.convert_tokens_to_ids(token)
+        unk = self.tokenizer.unk_token_id
+        return None if i is None or (unk is not None and i == unk and token != self.tokenizer.unk_token) else int(i)
+
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
+        """int32 ``(n_tokens,)`` ids of ``text`` (bos/eos per ``add_special_tokens``, default the
+        wrapper's option; False is what the chat templates use)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
-        ids = self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"]
+        add = self.add_special_tokens if add_special_tokens is None else add_special_tokens
+        ids = self.tokenizer(text, add_special_tokens=add)["input_ids"]
         return np.asarray(ids, dtype=np.int32).reshape(-1)
 
     def decode(self, ids: Any) -> str:
@@ -162,6 +207,7 @@ class HFTokenizer:
             "pad_id": self.pad_id,
             "add_special_tokens": self.add_special_tokens,
             "special_tokens": {k: str(v) for k, v in tok.special_tokens_map.items()},
+            "chat_template_sha256": hashlib.sha256((self.chat_template or "").encode()).hexdigest(),
         }
         return {
             "class": f"{type(self).__module__}.{type(self).__qualname__}",

@@ -1,0 +1,319 @@
+"""A sample is a conversation: turns with roles, text and media items in their places.
+
+Every manifest shape becomes a :class:`Conversation` (see :mod:`precompute.manifests`):
+
+* Higgs-Audio ChatML (``boson_multimodal.data_types.ChatMLSample``): ``messages`` of
+  ``{role, content}`` where ``content`` is a string, one item dict, or a list of strings and item
+  dicts (``{"type": "text", "text"}``, ``{"type": "audio", "audio_url" | "raw_audio" (base64),
+  "offset", "duration"}``, ``{"type": "image", "image_url"}``); ``start_index``: turns before it
+  are context, never trained (Higgs-Audio's ``prepare_chatml_sample``).
+* LLaVA: ``conversations`` of ``{from: human|gpt|system, value}``; each ``<image>`` in a value is
+  where image ``k`` goes (LLaVA's convention); a record with an image and no ``<image>`` gets it at
+  the start of the first user turn. Every round is kept.
+* Flat rows (JSONL/CSV/Parquet with ``text``, ``audio``, ``image``): the one-turn case. With audio
+  (TTS): ``user: [image] text`` -> ``assistant: audio``. Without audio (captioning):
+  ``user: image`` -> ``assistant: text``.
+
+Audio items in a user/system turn are *input* (``direction = "in"``), in an assistant turn
+*output* (``"out"``), as Higgs-Audio renders them (``<|AUDIO|>`` vs ``<|AUDIO_OUT|>``).
+
+Malformed values raise :class:`RowError` naming the field (e.g. ``messages[2].content[1].audio_url``);
+the manifest reader turns it into a ``malformed_row`` reject, so no value can abort a job.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLES = ("system", "user", "assistant")
+LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+               "system": "system"}
+IMAGE_TOKEN = "<image>"
+
+
+class RowError(ValueError):
+    """A manifest value that cannot be used. ``field`` names it (dotted/indexed path)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class AudioItem:
+    """One audio item. ``source``: absolute path (or ``"<raw_audio>"`` with ``data``: the decoded
+    bytes of a base64 ``raw_audio``); ``offset_s``/``duration_s`` (seconds) select a window;
+    ``direction``: ``"in"`` (user/system turn) or ``"out"`` (assistant turn); ``turn``: index of
+    its turn; ``speaker``: the item's speaker (the sample's for output items when not given)."""
+
+    source: str
+    turn: int
+    direction: str
+    offset_s: float = 0.0
+    duration_s: float | None = None
+    speaker: str = ""
+    data: bytes | None = None
+
+
+@dataclass
+class ImageItem:
+    """One image item: absolute path and the index of its turn."""
+
+    source: str
+    turn: int
+
+
+@dataclass
+class Part:
+    """One piece of a turn's content: ``type`` text (``text``) | audio | image (``item`` = index
+    into :attr:`Conversation.audio` / :attr:`Conversation.images`)."""
+
+    type: str
+    text: str = ""
+    item: int = -1
+
+
+@dataclass
+class Turn:
+    role: str
+    parts: list[Part] = field(default_factory=list)
+
+
+@dataclass
+class Conversation:
+    """Turns in order plus the media they reference (in order of appearance)."""
+
+    turns: list[Turn] = field(default_factory=list)
+    start_index: int | None = None
+    audio: list[AudioItem] = field(default_factory=list)
+    images: list[ImageItem] = field(default_factory=list)
+
+    def trained(self, turn: int) -> bool:
+        """Whether turn ``turn`` is a target: an assistant turn at or after ``start_index``."""
+        return self.turns[turn].role == "assistant" and (self.start_index is None or turn >= self.start_index)
+
+    @property
+    def text(self) -> str:
+        """All text of the conversation, one turn a line (for listings and ``empty_text`` checks)."""
+        return "\n".join(" ".join(p.text for p in t.parts if p.type == "text").strip() for t in self.turns).strip()
+
+    @property
+    def sources(self) -> list[str]:
+        return [a.source for a in self.audio] + [i.source for i in self.images]
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form stored in each sample's ``json`` member (no raw audio bytes)."""
+        return {
+            "turns": [{"role": t.role, "parts": [
+                {"type": "text", "text": p.text} if p.type == "text" else {"type": p.type, "item": p.item}
+                for p in t.parts]} for t in self.turns],
+            "start_index": self.start_index,
+        }
+
+    # -- building -----------------------------------------------------------------------------
+    def add_turn(self, role: str) -> Turn:
+        self.turns.append(Turn(role))
+        return self.turns[-1]
+
+    def add_text(self, text: str) -> None:
+        self.turns[-1].parts.append(Part("text", text=text))
+
+    def add_audio(self, item: AudioItem) -> None:
+        self.turns[-1].parts.append(Part("audio", item=len(self.audio)))
+        self.audio.append(item)
+
+    def add_image(self, item: ImageItem) -> None:
+        self.turns[-1].parts.append(Part("image", item=len(self.images)))
+        self.images.append(item)
+
+
+# -- value checks --------------------------------------------------------------------------------
+def as_text(value: Any, name: str) -> str:
+    """``value`` as a str (None -> ""); numbers are accepted as their text, anything else raises."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise RowError(name, f"expected text, got {type(value).__name__}")
+
+
+def as_path(value: Any, name: str, base: Path) -> str | None:
+    """A media path (str) made absolute against ``base``; None/"" -> None; other types raise."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if not isinstance(value, str):
+        raise RowError(name, f"expected a file path (string), got {type(value).__name__} {value!r:.40}")
+    value = value.strip()
+    if not value:
+        return None
+    if "\0" in value:
+        raise RowError(name, "path contains a NUL byte")
+    return str(base / value)
+
+
+def as_seconds(value: Any, name: str, *, allow_none: bool) -> float | None:
+    """A non-negative finite number of seconds (numeric strings accepted)."""
+    if value is None or (isinstance(value, str) and not value.strip()) or (isinstance(value, float) and math.isnan(value)):
+        if allow_none:
+            return None
+        return 0.0
+    if isinstance(value, bool):
+        raise RowError(name, f"expected seconds, got {value!r}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise RowError(name, f"expected a number of seconds, got {value!r:.40}") from None
+    if not math.isfinite(x) or x < 0:
+        raise RowError(name, f"must be a finite number >= 0, got {value!r:.40}")
+    return x
+
+
+# -- shapes ---------------------------------------------------------------------------------------
+def _audio_item(d: dict, name: str, base: Path, turn: int, role: str, speaker: str) -> AudioItem:
+    direction = "out" if role == "assistant" else "in"
+    offset = as_seconds(d.get("offset"), f"{name}.offset", allow_none=False)
+    duration = as_seconds(d.get("duration"), f"{name}.duration", allow_none=True)
+    if duration is not None and duration <= 0:
+        raise RowError(f"{name}.duration", f"must be > 0, got {d.get('duration')!r}")
+    spk = as_text(d.get("speaker"), f"{name}.speaker") or (speaker if direction == "out" else "")
+    url = d.get("audio_url")
+    raw = d.get("raw_audio")
+    if raw not in (None, ""):
+        if not isinstance(raw, str):
+            raise RowError(f"{name}.raw_audio", f"expected base64 text, got {type(raw).__name__}")
+        try:
+            data = base64.b64decode(raw, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise RowError(f"{name}.raw_audio", f"not valid base64 ({e})") from None
+        return AudioItem("<raw_audio>", turn, direction, offset, duration, spk, data=data)
+    path = as_path(url, f"{name}.audio_url", base)
+    if path is None:
+        raise RowError(name, "audio item has neither audio_url nor raw_audio")
+    return AudioItem(path, turn, direction, offset, duration, spk)
+
+
+def _image_url(d: dict, name: str) -> Any:
+    url = d.get("image_url")
+    if isinstance(url, dict):  # OpenAI style {"type": "image_url", "image_url": {"url": ...}}
+        url = url.get("url")
+    if url is None:
+        url = d.get("image")
+    if url is None:
+        raise RowError(name, "image item has no image_url")
+    return url
+
+
+def from_chatml(rec: dict, base: Path) -> tuple[Conversation, str]:
+    """Higgs-Audio ChatML record -> (conversation, speaker). Raises :class:`RowError`."""
+    messages = rec.get("messages")
+    if not isinstance(messages, list):
+        raise RowError("messages", f"expected a list of turns, got {type(messages).__name__}")
+    if not messages:
+        raise RowError("messages", "no turns")
+    misc = rec.get("misc")
+    if misc is not None and not isinstance(misc, dict):
+        raise RowError("misc", f"expected an object, got {type(misc).__name__}")
+    speaker = as_text(rec.get("speaker"), "speaker") or as_text((misc or {}).get("speaker"), "misc.speaker")
+    conv = Conversation()
+    si = rec.get("start_index")
+    if si is not None and not (isinstance(si, float) and math.isnan(si)):
+        if isinstance(si, bool) or not isinstance(si, (int, float)) or si != int(si) or not 0 <= si <= len(messages):
+            raise RowError("start_index", f"expected an integer in [0, {len(messages)}], got {si!r:.40}")
+        conv.start_index = int(si)
+    for i, msg in enumerate(messages):
+        name = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise RowError(name, f"expected an object with role and content, got {type(msg).__name__}")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise RowError(f"{name}.role", f"expected one of {', '.join(ROLES)}, got {role!r:.40}")
+        conv.add_turn(role)
+        content = msg.get("content")
+        items = content if isinstance(content, list) else [content]
+        for j, item in enumerate(items):
+            iname = f"{name}.content" + (f"[{j}]" if isinstance(content, list) else "")
+            if item is None:
+                continue
+            if isinstance(item, str):
+                conv.add_text(item)
+                continue
+            if not isinstance(item, dict):
+                raise RowError(iname, f"expected text or an item object, got {type(item).__name__}")
+            kind = item.get("type")
+            if kind == "text":
+                conv.add_text(as_text(item.get("text"), f"{iname}.text"))
+            elif kind == "audio":
+                conv.add_audio(_audio_item(item, iname, base, i, role, speaker))
+            elif kind in ("image", "image_url"):
+                path = as_path(_image_url(item, iname), f"{iname}.image_url", base)
+                if path is None:
+                    raise RowError(f"{iname}.image_url", "empty image path")
+                conv.add_image(ImageItem(path, i))
+            else:
+                raise RowError(f"{iname}.type", f"expected text, audio or image, got {kind!r:.40}")
+    return conv, speaker
+
+
+def from_llava(rec: dict, base: Path) -> Conversation:
+    """LLaVA record (``id``, ``image`` (path or list), ``conversations``) -> conversation."""
+    turns = rec.get("conversations")
+    if not isinstance(turns, list):
+        raise RowError("conversations", f"expected a list of turns, got {type(turns).__name__}")
+    if not turns:
+        raise RowError("conversations", "no turns")
+    images = rec.get("image")
+    images = images if isinstance(images, list) else [images]
+    paths = [as_path(p, "image" if len(images) == 1 else f"image[{k}]", base) for k, p in enumerate(images)]
+    paths = [p for p in paths if p]
+    conv = Conversation()
+    n_tokens = 0
+    for i, t in enumerate(turns):
+        name = f"conversations[{i}]"
+        if not isinstance(t, dict):
+            raise RowError(name, f"expected an object with from and value, got {type(t).__name__}")
+        role = LLAVA_ROLES.get(t.get("from"))
+        if role is None:
+            raise RowError(f"{name}.from", f"expected human or gpt, got {t.get('from')!r:.40}")
+        value = as_text(t.get("value"), f"{name}.value")
+        conv.add_turn(role)
+        for k, piece in enumerate(value.split(IMAGE_TOKEN)):
+            if k:
+                if n_tokens >= len(paths):
+                    raise RowError(f"{name}.value", f"more {IMAGE_TOKEN} tokens than images ({len(paths)})")
+                conv.add_image(ImageItem(paths[n_tokens], i))
+                n_tokens += 1
+            if piece:
+                conv.add_text(piece)
+    if n_tokens == 0 and paths:  # LLaVA convention: the image goes first in the first user turn
+        first = next((i for i, t in enumerate(conv.turns) if t.role == "user"), 0)
+        for k, p in enumerate(paths):
+            conv.turns[first].parts.insert(k, Part("image", item=k))
+            conv.images.append(ImageItem(p, first))
+    elif n_tokens != len(paths):
+        raise RowError("conversations", f"{n_tokens} {IMAGE_TOKEN} token(s) but {len(paths)} image(s)")
+    return conv
+
+
+def from_flat(text: str, audio: str | None, image: str | None, speaker: str, offset_s: float,
+              duration_s: float | None) -> Conversation:
+    """A flat row as a one-turn conversation (see the module docstring)."""
+    conv = Conversation()
+    conv.add_turn("user")
+    if image:
+        conv.add_image(ImageItem(image, 0))
+    if audio:
+        if text:
+            conv.add_text(text)
+        conv.add_turn("assistant")
+        conv.add_audio(AudioItem(audio, 1, "out", offset_s, duration_s, speaker))
+    else:
+        conv.add_turn("assistant")
+        if text:
+            conv.add_text(text)
+    return conv
