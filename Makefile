@@ -20,8 +20,15 @@ ifeq ($(origin CONFIG),command line)
     TRAIN_CONFIG := $(CONFIG)
   endif
 endif
-# one process per GPU when CUDA is present, else 2 CPU processes (gloo)
-NPROC ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
+# CUDA GPUs on this machine, counted once and only when a recipe needs it (0 without CUDA or .venv).
+# SHARDCACHE_FAKE_GPUS=N (environment or make variable) pretends N GPUs: `make -n` checks, tests.
+_GPUS = $(eval _GPUS := $(or $(SHARDCACHE_FAKE_GPUS),$(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)))$(_GPUS)
+# train: one process per GPU when CUDA is present, else 2 CPU processes (gloo)
+NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),2)
+# precompute: one rank per GPU (torchrun) when CUDA is present, else a single process: on the CPU
+# the encoders already use every core
+PRECOMPUTE_NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),1)
+_PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(PRECOMPUTE_NPROC),$(PY))
 
 .PHONY: setup precompute train test inspect bench models demo-data clean help
 
@@ -51,7 +58,7 @@ $(MODELS)/.built: $(VENV)/.installed
 models: $(MODELS)/.built
 
 precompute: $(VENV)/.installed $(MODELS)/.built
-	$(PY) -m precompute --manifest $(DATA) --out $(OUT) --config $(CONFIG)
+	$(_PRECOMPUTE_RUN) -m precompute --manifest $(DATA) --out $(OUT) --config $(CONFIG)
 
 train: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
