@@ -70,7 +70,6 @@ class CacheSource:
         self.cache_dir = Path(cache_dir)
         table = read_index(self.cache_dir)
         refuse_unsafe(table, self.cache_dir)  # the whole index, filtered-out rows too
-        self.fields = check_fields(cache_fields(table) if fields is None else fields)
         text = read_manifest(self.cache_dir).get("text") or {}
         self.pad_id = int(text.get("pad_id", TEXT_PAD_ID))
         all_shards = sorted(pc.unique(table.column("shard")).to_pylist())  # numbering kept across filters
@@ -79,6 +78,7 @@ class CacheSource:
             raise ValueError(f"{self.cache_dir}: no sample left after filters {filters!r} "
                              f"({table.num_rows} in the index)")
         t = table.take(pa.array(rows)) if len(rows) != table.num_rows else table
+        self.fields = check_fields(cache_fields(t) if fields is None else fields)
         self.reader = ShardReader(self.cache_dir, index=t, shard_names=all_shards)
         self.n, self.keys, self.shard_of = self.reader.n, self.reader.key_array, self.reader.shard_of
         self.shard_names = all_shards
@@ -100,7 +100,7 @@ class CacheSource:
             raise ValueError(f"{self.cache_dir}: {len(missing)} image samples have no {member} (e.g. "
                              f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); precompute with "
                              "store_posterior: true, or drop 'latents_logvar' from fields")
-        if (field in _EVERY_SAMPLE and not present.all()) or not present.any():
+        if (field in _EVERY_SAMPLE and not present.all()) or (field not in LATENT_FIELDS and not present.any()):
             missing = np.flatnonzero(~present)
             raise ValueError(f"{self.cache_dir}: {len(missing)} samples have no {member} (e.g. "
                              f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); drop "

@@ -17,10 +17,13 @@ import os
 import sys
 from datetime import timedelta
 
+import yaml
+
 from shards.errors import ShardcacheError
 
 from .config import load_config
 from .job import run
+from .validate import ConfigError, validate_config
 
 log = logging.getLogger("precompute")
 
@@ -59,14 +62,28 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
-    except (OSError, ValueError) as e:
+    except ConfigError as e:  # load_config may validate too
+        for line in e.lines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, TypeError, yaml.YAMLError) as e:  # TypeError: --set a.b=v on a null a
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for name, value in (("audio_tokenizer", _plugin(args.audio_tokenizer, cfg.audio_tokenizer)),
-                        ("image_encoder", _plugin(args.image_encoder, cfg.image_encoder)),
-                        ("device", args.device), ("num_workers", args.num_workers), ("batch_size", args.batch_size)):
+    num_workers = args.num_workers
+    if isinstance(num_workers, str) and num_workers.isdigit():
+        num_workers = int(num_workers)
+    for name, value in (("audio_tokenizer", _plugin(args.audio_tokenizer, cfg.audio_tokenizer or {})),
+                        ("image_encoder", _plugin(args.image_encoder, cfg.image_encoder or {})),
+                        ("device", args.device), ("num_workers", num_workers), ("batch_size", args.batch_size)):
         if value is not None:
             setattr(cfg, name, value)
+    # configuration errors stop here, before any model is loaded or any file written
+    try:
+        validate_config(cfg)
+    except ConfigError as e:
+        for line in e.lines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     global_rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

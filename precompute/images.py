@@ -1,7 +1,8 @@
 """Image decoding with Pillow: bomb guard, EXIF orientation, any mode -> RGB, resize to the VAE grid.
 
 Modes L, LA, P (with or without transparency), RGBA, CMYK, I;16 and I become 8-bit RGB
-(transparency composited over white, 16-bit scaled by its range). Resize modes:
+(transparency composited over white; 16-bit scaled by 1/257, see :func:`_to_8bit`; 16-bit RGB
+and gray+alpha PNGs are reduced to 8 bits by Pillow itself). Resize modes:
 
 * ``center_crop``: scale the shorter side to ``size`` and crop the centre to ``size x size``.
 * ``pad``: scale the longer side to ``size`` and pad to ``size x size`` with black.
@@ -24,12 +25,31 @@ from shards.errors import CorruptSample
 RESIZE_MODES = ("center_crop", "pad", "bucket")
 
 
-def _to_rgb(im: Image.Image) -> Image.Image:
-    if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+def _to_8bit(im: Image.Image) -> Image.Image:
+    """16-bit (``I;16*``) and 32-bit int (``I``) grayscale -> ``L`` by fixed scaling, never by the
+    image's own min/max (an all-white 16-bit PNG stays white, a dark one stays dark).
+
+    ``I;16*``: round(x / 257), so 65535 -> 255 and 257 * k -> k. ``I``: Pillow opens 16-bit PNGs
+    (older Pillow) and 16-bit TIFFs as ``I``: when every value fits in 0..65535 it is scaled as
+    16-bit, else the non-negative int32 range 0..2**31-1 is mapped to 0..255. ``F`` (float): values
+    in 0..1 are scaled by 255, any other range is clipped to 0..255.
+    """
+    if im.mode.startswith("I;16"):
+        a = np.asarray(im).astype(np.float64) / 257.0
+    elif im.mode == "I":
+        a = np.asarray(im, dtype=np.int64)
+        a = a / 257.0 if a.size and a.min() >= 0 and a.max() <= 65535 else np.clip(a, 0, None) / ((2**31 - 1) / 255.0)
+    else:  # "F"
         a = np.asarray(im, dtype=np.float64)
-        lo, hi = float(a.min()), float(a.max())
-        a = (a - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(a)
-        im = Image.fromarray(a.round().astype(np.uint8), mode="L")
+        a = np.nan_to_num(a, nan=0.0, posinf=255.0, neginf=0.0)
+        if a.size and a.min() >= 0.0 and a.max() <= 1.0:
+            a = a * 255.0
+    return Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    if im.mode.startswith("I;16") or im.mode in ("I", "F"):
+        im = _to_8bit(im)
     if im.mode == "P":
         im = im.convert("RGBA")
     if im.mode in ("RGBA", "LA", "PA"):

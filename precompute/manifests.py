@@ -77,14 +77,20 @@ def detect_format(path: Path) -> str:
     return "jsonl"
 
 
-def read_text(path: Path) -> str:
-    """A manifest's text: UTF-8 (a BOM is dropped); not UTF-8 -> Latin-1 with a warning."""
-    data = path.read_bytes()
+def decode_text(data: bytes, where: str) -> str:
+    """UTF-8 text (a leading BOM dropped); bytes that are not UTF-8 are read as Latin-1, with a warning."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
     try:
-        return data.decode("utf-8-sig")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        log.warning("%s is not valid UTF-8 (%s); reading it as Latin-1", path, e)
+        log.warning("%s is not valid UTF-8 (%s); reading it as Latin-1", where, e)
         return data.decode("latin-1")
+
+
+def read_text(path: Path) -> str:
+    """A manifest's whole text (see :func:`decode_text`)."""
+    return decode_text(path.read_bytes(), str(path))
 
 
 def _first_record(path: Path) -> Any:
@@ -106,20 +112,24 @@ def _first_record(path: Path) -> Any:
 
 def _json_records(path: Path) -> Iterator[tuple[Any, str | None]]:
     """Yield ``(record, None)`` or ``(None, error_detail)`` for a JSON list or a JSONL file."""
-    text = read_text(path)
-    if text.lstrip().startswith("["):
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    if raw.lstrip().startswith(b"["):
         try:
-            data = json.loads(text)
+            data = json.loads(decode_text(raw, str(path)))
         except ValueError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of records")
         for rec in data:
             yield rec, None
         return
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(raw.splitlines(), 1):  # line by line: one Latin-1 line costs only itself
         if not line.strip():
             continue
         try:
-            yield json.loads(line), None
+            yield json.loads(decode_text(line, f"{path}:{n}")), None
         except ValueError as e:
             yield None, f"line {n}: {e}"
 
@@ -140,7 +150,13 @@ def _raw_key(value: Any, name: str) -> str | None:
 
 
 def _parse(rec: dict, fmt: str, base: Path, columns: dict[str, str]) -> tuple[Conversation, str | None, str, dict]:
-    """One record -> (conversation, raw key, speaker, meta). Raises :class:`RowError`."""
+    """One record -> (conversation, raw key, speaker, meta). Raises :class:`RowError`.
+
+    In JSON manifests each record is read by its own shape (``messages``: ChatML,
+    ``conversations``: LLaVA, else a flat row), so one file may mix them.
+    """
+    if fmt in ("jsonl", "chatml", "llava"):
+        fmt = "chatml" if "messages" in rec else "llava" if "conversations" in rec else "jsonl"
     if fmt == "chatml":
         conv, speaker = C.from_chatml(rec, base)
         misc = rec.get("misc") if isinstance(rec.get("misc"), dict) else {}

@@ -62,8 +62,8 @@ def _decode_audio(req: Request, rates: tuple[int, ...], cfg: PrecomputeConfig, o
                                  silence_rms=cfg.silence_rms)
         for k, r in zip(ks, got):
             if isinstance(r, CorruptSample):
-                where = f"audio item {k} ({items[k].source})" if len(items) > 1 else items[k].source
-                raise CorruptSample(r.reason, f"{where}: {r.detail}", r.path)
+                raise CorruptSample(r.reason, f"audio item {k}: {r.detail}" if len(items) > 1 else r.detail,
+                                    r.source)
             results[k] = r
     for waves, duration, sr in results:
         out.audio.append(waves)

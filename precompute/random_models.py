@@ -17,7 +17,13 @@ checkpoint directory looks like, so tests load them through the same ``from_pret
                dim_mult=[1,1,1,1], num_res_blocks=1; full: the default (real) config.
 ``cosmos``     diffusers ``AutoencoderKLCosmos`` (Cosmos 1.0 CV8x8x8). tiny: encoder channels
                (8,16,16,16), decoder (16,16,16,16), num_layers=1; full: the default config.
-``tokenizer``  a byte-level BPE ``PreTrainedTokenizerFast`` (300 ids) trained on a few sentences, for ``hf``.
+``tokenizer``  a byte-level BPE ``PreTrainedTokenizerFast`` (300 ids) trained on a few sentences, for ``hf``,
+               plus the Llama-3 / Higgs-Audio chat tokens (``<|begin_of_text|>`` ... ``<|AUDIO_OUT|>``,
+               ``<image>``) as added special tokens (ids 300..310) and a Llama-3 header-style
+               ``chat_template``, so ``apply_chat_template`` and the ``tokenizer`` chat template work.
+``lm``         transformers ``LlamaForCausalLM`` for the training recipes (``--model tts|vlm``). tiny:
+               hidden 64, 2 layers, 4 heads (2 kv), intermediate 128, vocab 512 (covers the byte
+               tokenizer's 270 ids and ``tokenizer``'s 311); full: the Llama-3.2-1B shape (~1.2 B params).
 =============  ==========================================================================================
 
 Random EnCodec and Mimi inits have all-zero codebook buffers (every frame gets code 0). Their codebooks
@@ -227,9 +233,26 @@ TOKENIZER_CORPUS = [
 ]
 
 
+#: the chat templates' special tokens, as in :data:`precompute.chat.SPECIAL_TOKENS` (same order)
+CHAT_SPECIAL_TOKENS = (
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+    "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>", "<|audio_out_bos|>", "<|AUDIO_OUT|>", "<image>",
+)
+
+#: Llama-3 header style (as Higgs-Audio renders conversations); ``content`` is a string
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- '<|begin_of_text|>' -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}"
+)
+
+
 def make_tokenizer(size: str = "tiny", seed: int = 0):
-    """Byte-level BPE ``PreTrainedTokenizerFast`` (``<pad>``=0, ``<s>``=1, ``</s>``=2, ``<unk>``=3) adding bos/eos."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """Byte-level BPE ``PreTrainedTokenizerFast`` (``<pad>``=0, ``<s>``=1, ``</s>``=2, ``<unk>``=3) adding
+    bos/eos, with :data:`CHAT_SPECIAL_TOKENS` as added special tokens and :data:`LLAMA3_CHAT_TEMPLATE`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -244,9 +267,57 @@ def make_tokenizer(size: str = "tiny", seed: int = 0):
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
     )
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    # the chat templates' tokens (precompute.chat.SPECIAL_TOKENS), each a single id after the BPE vocab
+    fast.add_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIAL_TOKENS], special_tokens=True)
+    fast.chat_template = LLAMA3_CHAT_TEMPLATE
+    return fast
+
+
+def lm_config(size: str = "tiny"):
+    """``LlamaConfig``: tiny (64 wide, 2 layers, vocab 512) or the Llama-3.2-1B shape (full)."""
+    from transformers import LlamaConfig
+
+    if size == "tiny":
+        return LlamaConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    return LlamaConfig(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+
+
+def make_lm(size: str = "tiny", seed: int = 0):
+    """Random ``LlamaForCausalLM`` (eval mode) for the ``tts``/``vlm`` training recipes."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(lm_config(size)).eval()
 
 
 MAKERS: dict[str, Callable] = {
@@ -256,6 +327,7 @@ MAKERS: dict[str, Callable] = {
     "wan": make_wan,
     "cosmos": make_cosmos,
     "tokenizer": make_tokenizer,
+    "lm": make_lm,
 }
 
 # -- saving -----------------------------------------------------------------------------------------

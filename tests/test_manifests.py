@@ -19,7 +19,7 @@ def test_jsonl_demo_rows_and_errors():
     lines = (DEMO / "samples.jsonl").read_text().splitlines()
     assert len(reqs) == len(lines)
     good = [r for r in reqs if r.error is None]
-    assert all(r.audio.startswith(str(DEMO)) for r in good)
+    assert all(a.source.startswith(str(DEMO)) for r in good for a in r.conversation.audio)
     errors = {r.error[0] for r in reqs if r.error}
     assert {schema.MALFORMED_ROW, schema.DUPLICATE_KEY, schema.EMPTY_TEXT} <= errors
     malformed = next(r for r in reqs if r.error and r.error[0] == schema.MALFORMED_ROW)
@@ -28,7 +28,7 @@ def test_jsonl_demo_rows_and_errors():
 
 def test_root_overrides_manifest_folder(tmp_path):
     (tmp_path / "m.jsonl").write_text(json.dumps({"key": "a", "text": "t", "audio": "x.wav"}) + "\n")
-    assert read_manifest(tmp_path / "m.jsonl", root="/data")[0].audio == "/data/x.wav"
+    assert read_manifest(tmp_path / "m.jsonl", root="/data")[0].conversation.audio[0].source == "/data/x.wav"
 
 
 def test_chatml_real_mini(real_mini):
@@ -37,11 +37,14 @@ def test_chatml_real_mini(real_mini):
     reqs = read_manifest(path)
     assert len(reqs) == len(json.loads(path.read_text()))
     first = reqs[0]
-    assert first.key == "fsdd-george-0-0" and first.text == "zero" and first.speaker == "george"
-    assert first.audio == str(real_mini / "audio/fsdd/0_george_0.wav")
-    assert first.meta["messages"][2]["role"] == "assistant"
-    with_image = [r for r in reqs if r.image]
-    assert len(with_image) == 8 and all(r.audio for r in with_image)
+    conv = first.conversation
+    assert first.key == "fsdd-george-0-0" and first.speaker == "george"
+    assert [t.role for t in conv.turns] == ["system", "user", "assistant"]
+    assert conv.turns[1].parts[0].text == "zero"
+    assert conv.audio[0].source == str(real_mini / "audio/fsdd/0_george_0.wav")
+    assert conv.audio[0].direction == "out" and conv.audio[0].turn == 2
+    with_image = [r for r in reqs if r.has_image]
+    assert len(with_image) == 8 and all(r.has_audio for r in with_image)
     assert all(r.error is None for r in reqs)
 
 
@@ -51,15 +54,18 @@ def test_chatml_offset_duration_and_hash_key(tmp_path):
                                                            "offset": 1.5, "duration": 2.0}]}]}
     (tmp_path / "c.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps(rec) + "\n")
     a, b = read_manifest(tmp_path / "c.jsonl")
-    assert a.offset_s == 1.5 and a.duration_s == 2.0 and a.text == "hello"
+    item = a.conversation.audio[0]
+    assert item.offset_s == 1.5 and item.duration_s == 2.0 and a.text == "hello"
     assert a.key.startswith("h") and len(a.key) == 17
     assert b.error[0] == schema.DUPLICATE_KEY  # same sources -> same stable key
 
 
 def test_llava_real_mini(real_mini):
     reqs = read_manifest(real_mini / "llava_captions.json")
-    assert reqs and all(r.image and r.audio is None and r.text for r in reqs)
+    assert reqs and all(r.has_image and not r.has_audio and r.text for r in reqs)
     assert reqs[0].key == "astronaut" and "astronaut" in reqs[0].text
+    conv = reqs[0].conversation
+    assert [p.type for p in conv.turns[0].parts] == ["image", "text"]  # "<image>\n..." -> image first
 
 
 @pytest.mark.parametrize("kind", ["csv", "parquet"])
@@ -73,7 +79,8 @@ def test_tables_with_column_mapping(tmp_path, kind):
         pq.write_table(pa.Table.from_pylist(rows), path)
     reqs = read_manifest(path, columns={"key": "id", "text": "transcript", "audio": "path", "speaker": "spk"})
     assert [r.key for r in reqs] == ["k1", "k_2"]  # dots are not allowed in WebDataset keys
-    assert reqs[1].meta["original_key"] == "k.2" and reqs[1].audio == str(tmp_path / "b.flac")
+    assert reqs[1].meta["original_key"] == "k.2"
+    assert reqs[1].conversation.audio[0].source == str(tmp_path / "b.flac")
     assert reqs[0].speaker == "s" and reqs[0].text == "one"
 
 

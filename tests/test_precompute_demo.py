@@ -68,7 +68,10 @@ def test_tensors_have_recorded_shapes_and_contract(demo_cache):
             abs(n - meta["duration_s"] * m["sample_rate"]) <= 2
         assert s["codes"].shape == (8, math.ceil(n / 960)) and s["codes"].dtype == np.int16
         assert 0 <= s["codes"].min() and s["codes"].max() < 1024
-        assert s["text_ids"].dtype == np.int32 and s["text_ids"].ndim == 1
+        assert s["input_ids"].dtype == np.int32 and s["input_ids"].ndim == 1
+        assert s["labels"].shape == s["input_ids"].shape and s["labels"].dtype == np.int32
+        assert s["audio_segments"].tolist() == [[0, 1, 1, 0, s["codes"].shape[1], 0 if meta["speaker"] else -1]]
+        assert s["audio_starts"].tolist() == [0, n]
         if "latents" in s:
             n_image += 1
             assert s["latents"].shape == (16, 1, 8, 8) and s["latents"].dtype == np.float16

@@ -170,7 +170,8 @@ def test_chatml_and_llava_manifests_end_to_end(real_mini, tiny_config, tmp_path)
     assert sum(r["has_image"] for r in index) == 8 and all(r["n_frames"] > 0 for r in index)
     from shards import ShardReader
     sample = ShardReader(tmp_path / "chat").get(0)
-    assert sample["json"]["messages"][-1]["role"] == "assistant"  # the whole conversation is kept
+    turns = sample["json"]["conversation"]["turns"]  # the whole conversation is kept
+    assert [t["role"] for t in turns] == ["system", "user", "assistant"]
     llava, _ = run(real_mini / "llava_captions.json", tmp_path / "llava", tiny_config, progress=False)
     rows = read_index(tmp_path / "llava").to_pylist()
     assert llava.kept == len(rows) > 0 and all(r["has_image"] and r["n_frames"] == 0 for r in rows)

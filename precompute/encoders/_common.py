@@ -163,7 +163,7 @@ def resolve_dtype(dtype: Any) -> "torch.dtype":
 
 
 #: directory names written by ``precompute.random_models`` (``dac-tiny``, ``wan-full``...): never hub ids
-_RANDOM_MODEL_DIR = re.compile(r"^(dac|encodec|mimi|wan|cosmos|tokenizer)-(tiny|full)$")
+_RANDOM_MODEL_DIR = re.compile(r"^(dac|encodec|mimi|wan|cosmos|tokenizer|lm)-(tiny|full)$")
 
 
 def resolve_pretrained(pretrained: Any, *, what: str) -> str:

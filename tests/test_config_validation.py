@@ -1,0 +1,122 @@
+"""Configuration errors stop ``python -m precompute`` before any work: exit 2, the option named."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from precompute import cli
+from precompute.config import PrecomputeConfig, load_config
+from precompute.validate import CHOICES, ConfigError, check_config, choices, validate_config
+
+from conftest import DEMO, ROOT
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if the CLI gets as far as the job (which loads the models)."""
+    def refuse(*a, **k):
+        raise AssertionError("the job started although the configuration is invalid")
+
+    monkeypatch.setattr(cli, "run", refuse)
+    import precompute.job as job
+    monkeypatch.setattr(job, "load_encoders", refuse)
+
+
+def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
+    rc = cli.main(["--manifest", str(DEMO / "samples.jsonl"), "--out", str(tmp_path / "out"),
+                   "--config", str(ROOT / "configs" / "precompute.yaml"), "--no-progress", *extra])
+    assert not (tmp_path / "out").exists()
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--set", "sample_rate=abc"], "error: sample_rate: expected a positive integer, got 'abc'"),
+    (["--set", "sample_rate=0"], "error: sample_rate: expected a positive integer, got 0"),
+    (["--set", "batch_size=-1"], "error: batch_size: expected a positive integer, got -1"),
+    (["--batch-size", "-1"], "error: batch_size: expected a positive integer, got -1"),
+    (["--set", "image_resize=foo"], "error: image_resize: expected one of center_crop, pad, bucket, got 'foo'"),
+    (["--set", "num_workers=lots"], "error: num_workers: expected an integer >= 0 or 'auto', got 'lots'"),
+    (["--num-workers", "lots"], "error: num_workers: expected an integer >= 0 or 'auto', got 'lots'"),
+    (["--set", "min_duration=40"], "error: min_duration: 40 s is greater than max_duration 30.0 s"),
+    (["--set", "image_size=100"], "error: image_size: expected a multiple of 8 (the VAE's spatial factor), got 100"),
+    (["--set", "max_duration=-1"], "error: max_duration: expected a positive number, got -1"),
+    (["--set", "silence_rms=loud"], "error: silence_rms: expected a number >= 0 or null, got 'loud'"),
+    (["--set", "silence_rms=1e-4"], "error: silence_rms: expected a number >= 0 or null, got '1e-4' (YAML reads"),
+    (["--set", "store_posterior=maybe"], "error: store_posterior: expected true or false, got 'maybe'"),
+    (["--set", "device=gpu"], "error: device: expected auto, cpu, cuda"),
+    (["--set", "encoder_dtype=int8"], "error: encoder_dtype: expected one of"),
+    (["--set", "precision_tolerance.codes_agreement=1.5"],
+     "error: precision_tolerance.codes_agreement: expected a number between 0.0 and 1.0, got 1.5"),
+    (["--set", "columns.audio=3"], "error: columns.audio: expected a string, got 3"),
+    (["--set", "audio_tokenizer.name=snac"], "error: audio_tokenizer.name: expected one of"),
+    (["--set", "image_encoder.nomalize=true"], "error: image_encoder: unknown option(s) ['nomalize']"),
+    (["--set", "extra_waveforms={audio_16k: {sample_rate: 0, direction: in}}"],
+     "error: extra_waveforms.audio_16k.sample_rate: expected a positive integer, got 0"),
+    (["--set", "no_such_option=1"], "no_such_option"),
+    (["--set", "sample_rate"], "key=value"),
+])
+def test_invalid_option_exits_2_naming_it(capsys, tmp_path, no_work, args, message):
+    rc, err = _main(capsys, tmp_path, *args)
+    assert rc == 2 and message in err, err
+
+
+def test_every_problem_is_listed(capsys, tmp_path, no_work):
+    rc, err = _main(capsys, tmp_path, "--set", "sample_rate=abc", "--set", "batch_size=0", "--set", "image_resize=x")
+    assert rc == 2
+    named = {ln.split(":")[1].strip() for ln in err.strip().splitlines()}
+    assert named == {"sample_rate", "batch_size", "image_resize"}
+
+
+def test_yaml_errors_exit_2(capsys, tmp_path, no_work):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sample_rate: [1,\n")
+    rc = cli.main(["--manifest", str(DEMO / "samples.jsonl"), "--out", str(tmp_path / "out"), "--config", str(bad)])
+    assert rc == 2 and "error:" in capsys.readouterr().err
+    bad.write_text("sampel_rate: 16000\n")
+    rc = cli.main(["--manifest", str(DEMO / "samples.jsonl"), "--out", str(tmp_path / "out"), "--config", str(bad)])
+    assert rc == 2 and "sampel_rate" in capsys.readouterr().err
+
+
+def test_valid_values_pass(monkeypatch, capsys, tmp_path):
+    seen = {}
+
+    def fake_run(manifest, out, cfg, **kw):
+        seen["cfg"] = cfg
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli, "run", fake_run)
+    rc, _ = _main(capsys, tmp_path, "--set", "audio_tokenizer=null", "--set", "silence_rms=1.0e-4",
+                  "--set", "extra_waveforms={audio_16k: {sample_rate: 16000, direction: in}}",
+                  "--set", "num_workers=auto", "--num-workers", "2", "--device", "cuda:1")
+    assert rc == 1 and seen["cfg"].num_workers == 2 and seen["cfg"].audio_tokenizer is None
+    assert check_config(PrecomputeConfig()) == []
+    assert check_config(load_config(ROOT / "configs" / "precompute.yaml", ["image_encoder=null"])) == []
+    for plugin in ({"factory": "mypkg.codec:make", "kwargs": {"n": 3}}, {"name": "encodec", "pretrained": "x"}):
+        assert check_config(load_config(None, [f"audio_tokenizer={plugin}"])) == []
+    with pytest.raises(ConfigError) as e:
+        validate_config(load_config(None, ["image_size=0", "max_duration=abc"]))
+    assert e.value.lines() == ["max_duration: expected a positive number, got 'abc'",  # in the order of the fields
+                               "image_size: expected a positive integer, got 0"]
+
+
+def test_fallback_enumerations_match_the_modules():
+    for name in CHOICES:
+        assert set(choices(name)) == set(CHOICES[name]), name
+
+
+def test_cli_stops_before_loading_any_model(tmp_path):
+    """A subprocess with encoders pointing at directories that do not exist: exit 2 on the option, not a
+    model-loading error (which would exit 1 after minutes of setup)."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"audio_tokenizer: {{name: dac, pretrained: {tmp_path / 'no-models' / 'dac'}}}\n"
+                   f"image_encoder: {{name: wan, pretrained: {tmp_path / 'no-models' / 'wan'}}}\n")
+    r = subprocess.run([sys.executable, "-m", "precompute", "--manifest", str(DEMO / "samples.jsonl"),
+                        "--out", str(tmp_path / "out"), "--config", str(cfg), "--set", "sample_rate=abc"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    assert r.returncode == 2, r.stderr
+    assert "error: sample_rate: expected a positive integer, got 'abc'" in r.stderr
+    assert "no-models" not in r.stderr and not (tmp_path / "out").exists()
