@@ -99,6 +99,8 @@ class ShardLoader:
         compact: deliver ``audio`` as int16 PCM and latents as float16 (the cache's dtypes) instead
             of float32: half the bytes to copy and to move to the GPU; convert there
             (``audio * loaders.AUDIO_SCALE``, ``latents.float()``). Default False.
+        verify_reads: check every sample's sha256 against the index as it is read (opt-in; shrunk
+            shards, out-of-range codes/ids and non-finite latents are always caught).
 
     Raises ``ValueError`` for bad arguments or when an epoch would have no step (fewer samples
     after filters than one global batch with ``drop_remainder=True``), and whatever
@@ -111,9 +113,9 @@ class ShardLoader:
                  max_frames: int | None = None, device_pin: bool | str | None = None,
                  prefetch_factor: int = 2, shuffle_window: int = 0, bucket_window: int | None = None,
                  persistent_workers: bool | None = None, multiprocessing_context: Any = None,
-                 timeout: float = 0.0, compact: bool = False):
+                 timeout: float = 0.0, compact: bool = False, verify_reads: bool = False):
         fields = None if fields is None else check_fields(fields)
-        source = CacheSource(cache_dir, filters, fields)
+        source = CacheSource(cache_dir, filters, fields, verify_reads=verify_reads)
         order = ShardOrder(source.shard_of, seed, shuffle=shuffle, window=shuffle_window)
         self._setup(Sources([source]), order, batch_size, global_rank=global_rank,
                     world_size=world_size, seed=seed, num_workers=num_workers,

@@ -2,15 +2,19 @@
 
 Imports neither ``precompute`` nor ``loaders``/``train``; both stages import it.
 """
-from .errors import CorruptSample, FingerprintMismatch, ShardCorrupt, ShardcacheError, UnsafeMember
-from .index import merge_parts, read_index, read_manifest, read_rejects
-from .reader import ShardReader
+from .errors import (CorruptSample, FingerprintMismatch, ShardCorrupt, ShardcacheError, UnsafeMember, UnsafePath,
+                     UnsupportedFormat)
+from .index import (check_format_version, load_manifest_checked, merge_parts, read_index, read_manifest,
+                    read_rejects, safe_shard_path)
+from .reader import ShardReader, value_checks_from_manifest
 from .scan import scan_shard
 from .schema import FORMAT_VERSION, safe_key, shard_name
 from .writer import ShardWriter
 
 __all__ = [
-    "CorruptSample", "FingerprintMismatch", "ShardCorrupt", "ShardcacheError", "UnsafeMember",
+    "CorruptSample", "FingerprintMismatch", "ShardCorrupt", "ShardcacheError", "UnsafeMember", "UnsafePath",
+    "UnsupportedFormat", "check_format_version", "load_manifest_checked", "safe_shard_path",
+    "value_checks_from_manifest",
     "merge_parts", "read_index", "read_manifest", "read_rejects", "ShardReader", "scan_shard",
     "FORMAT_VERSION", "safe_key", "shard_name", "ShardWriter",
 ]

@@ -10,6 +10,15 @@ class ShardCorrupt(ShardcacheError):
     """A shard, its index rows or its manifest entry disagree (truncated tar, bad checksum...)."""
 
 
+class UnsafePath(ShardCorrupt):
+    """An index or manifest names a shard that is not a plain file directly inside the cache
+    directory (an absolute path, ``..``, a path separator, or a symlink resolving outside)."""
+
+
+class UnsupportedFormat(ShardcacheError):
+    """``manifest.json`` has a ``format_version`` this code does not know (newer, or not an int)."""
+
+
 class UnsafeMember(ShardcacheError):
     """A shard holds a member that would need unpickling (``.pkl``, ``.pyd``, ``.pth``, ``.pt``)."""
 

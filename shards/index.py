@@ -4,6 +4,24 @@ Per-shard parts live in ``OUT/parts/``: ``STEM.rejects.parquet`` then ``STEM.ind
 (written last: its presence marks the chunk done). The index part carries the shard's own entry
 (name, samples, bytes, sha256) in its Parquet key-value metadata. :func:`merge_parts` turns the
 parts into the cache-level files.
+
+Member locations (the ``members`` column, one struct ``{name, offset, size, dtype, shape}`` per
+tar member of a sample): ``offset`` is an absolute byte offset into the shard tar and ``size`` a
+byte count. For ``.npy`` members they locate the raw array payload AFTER the ``.npy`` header (the
+header's bytes are not counted in ``size``), so a reader does::
+
+    arr = np.frombuffer(buf[offset:offset + size], dtype).reshape(shape)   # never np.load
+
+(``size == prod(shape) * dtype.itemsize``). For the ``json`` member (``dtype == "json"``) and any
+other non-``.npy`` member (``dtype == "bytes"``) they locate the whole member data. The tar and
+``.npy`` headers are only needed to recompute a sample's ``sha256`` (over whole members, see
+:func:`shards.scan.sample_sha256`); :meth:`shards.reader.ShardReader.verify_rows` recovers them
+from the offsets (tar member data starts on a 512-byte block boundary).
+
+Every shard name an index row or ``manifest.json`` holds must be a plain file name directly inside
+the cache directory: :func:`safe_shard_path` is the one place that turns such a name into a path,
+and it refuses anything else (:class:`~shards.errors.UnsafePath`). :func:`check_format_version`
+refuses caches written by a newer format (:class:`~shards.errors.UnsupportedFormat`).
 """
 from __future__ import annotations
 
@@ -17,8 +35,9 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import ShardCorrupt
-from .schema import (FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE)
+from . import schema
+from .errors import ShardCorrupt, UnsafePath, UnsupportedFormat
+from .schema import INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE
 
 MEMBER_TYPE = pa.struct([
     ("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64()),
@@ -36,6 +55,94 @@ REJECTS_SCHEMA = pa.schema([
 ])
 _SHARD_META = b"shardcache.shard"
 _JOB_META = b"shardcache.job"
+
+
+# ------------------------------------------------------------------------------ safety checks
+
+def unsafe_name_reason(name: Any) -> str | None:
+    """Why ``name`` is not a plain relative file name (None when it is one). Filesystem-free."""
+    if not isinstance(name, str):
+        return f"is not a string (a {type(name).__name__})"
+    if not name:
+        return "is empty"
+    if "\0" in name:
+        return "contains a NUL byte"
+    if name in (".", ".."):
+        return "names a directory ('.' or '..'), not a file"
+    if name.startswith(("/", "\\")) or os.path.isabs(name) or (name[:1].isalpha() and name[1:2] == ":"):
+        return "is an absolute path"
+    parts = name.replace("\\", "/").split("/")
+    if ".." in parts:
+        return "climbs out of the cache directory with '..'"
+    if len(parts) > 1:
+        return "contains a path separator (only files directly inside the cache directory are read)"
+    return None
+
+
+def safe_shard_path(cache_dir: str | Path, name: Any, what: str = "shard") -> Path:
+    """``cache_dir / name`` for a shard name taken from an index row or ``manifest.json``.
+
+    The one gate every path built from index/manifest data goes through. ``name`` must be a plain
+    relative file name (no absolute path, no ``..``, no path separator); if ``cache_dir / name`` is
+    a symlink it must resolve inside ``cache_dir`` (both resolved). Raises
+    :class:`~shards.errors.UnsafePath` (a :class:`~shards.errors.ShardCorrupt`) naming the cache,
+    the name and why. A name that does not exist is returned as is (callers report it missing).
+    """
+    root = Path(cache_dir)
+    why = unsafe_name_reason(name)
+    fix = ("an index or manifest.json may only name files directly inside the cache directory "
+           "(rebuild them from trusted shard files with `shards reindex`)")
+    path = root / name if why is None else None
+    if path is not None and path.is_symlink():
+        target = os.path.realpath(path)
+        real_root = os.path.realpath(root)
+        if os.path.commonpath([target, real_root]) != real_root:
+            why = f"is a symlink to {target}, outside the cache directory"
+            fix = "copy the file into the cache directory instead of linking to it"
+    if why is not None:
+        raise UnsafePath(f"{root}: refusing {what} name {name!r}: it {why}; {fix}")
+    return path
+
+
+def check_format_version(manifest: dict[str, Any] | None, cache_dir: str | Path) -> int:
+    """The cache's format version (1 when there is no manifest or it has no ``format_version``).
+
+    Raises :class:`~shards.errors.UnsupportedFormat` naming the cache and the version when
+    ``format_version`` is not an int, is < 1, or is newer than :data:`shards.schema.FORMAT_VERSION`
+    (this code cannot read it safely: upgrade shardcache).
+    """
+    known = schema.FORMAT_VERSION
+    reads = f"format version {known}" if known == 1 else f"format versions 1 to {known}"
+    where = Path(cache_dir) / MANIFEST_FILE
+    if not manifest or "format_version" not in manifest:
+        return 1
+    v = manifest["format_version"]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise UnsupportedFormat(f"{where}: format_version {v!r} is not a format version (a positive "
+                                f"integer; this shardcache reads {reads}); the manifest is damaged or "
+                                "not a shardcache manifest")
+    if v > known:
+        raise UnsupportedFormat(f"{where}: cache format_version {v} is newer than this shardcache "
+                                f"understands (it reads {reads}); upgrade shardcache "
+                                "(`pip install -U shardcache`) to read this cache")
+    return v
+
+
+def load_manifest_checked(cache_dir: str | Path) -> dict[str, Any]:
+    """``manifest.json`` (empty dict when absent), checked: valid JSON object, known format version.
+
+    Raises :class:`ShardCorrupt` for a malformed file, :class:`UnsupportedFormat` (see
+    :func:`check_format_version`).
+    """
+    p = Path(cache_dir) / MANIFEST_FILE
+    try:
+        manifest = read_manifest(cache_dir)
+    except ValueError as e:
+        raise ShardCorrupt(f"{p}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict):
+        raise ShardCorrupt(f"{p}: expected a JSON object")
+    check_format_version(manifest, cache_dir)
+    return manifest
 
 
 def fsync_dir(path: Path) -> None:
@@ -146,6 +253,10 @@ def merge_parts(out_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards: list[dict],
                       manifest: dict[str, Any]) -> dict[str, Any]:
     """Write ``index.parquet``, ``rejects.parquet`` and ``manifest.json`` (atomically, in that order)."""
+    for name in sorted(set(index.column("shard").to_pylist()) | {s["path"] for s in shards}):
+        why = unsafe_name_reason(name)
+        if why is not None:
+            raise UnsafePath(f"{out_dir}: refusing to write shard name {name!r}: it {why}")
     keys = index.column("key").to_pylist()
     if len(keys) != len(set(keys)):
         dup = sorted(k for k, n in Counter(keys).items() if n > 1)[:5]
@@ -156,7 +267,7 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     durations = index.column("duration_s").to_pylist()
     manifest = dict(manifest)
     manifest.update(
-        format_version=FORMAT_VERSION,
+        format_version=schema.FORMAT_VERSION,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         counts=dict(samples=index.num_rows, rejected=rejects.num_rows, rejects_by_reason=reasons,
                     images=int(sum(index.column("has_image").to_pylist())),

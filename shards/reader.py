@@ -5,11 +5,25 @@ index records where each array's raw bytes sit, and :class:`ShardReader` returns
 views of the memory-mapped tar (zero copy; the collate step does the one copy into batch tensors).
 Both the ``shards`` CLI (per sample, :meth:`ShardReader.get`) and :mod:`loaders` (per batch,
 :meth:`ShardReader.views`) read through this module.
+
+Offsets: an index member's ``offset``/``size`` locate the raw array payload AFTER the ``.npy``
+header (see :mod:`shards.index`), so an array is
+``np.frombuffer(buf[offset:offset + size], dtype).reshape(shape)`` -- never ``np.load``.
+
+Safety: every shard name of the index goes through :func:`shards.index.safe_shard_path` at
+construction (and again when the shard is opened), ``manifest.json``'s ``format_version`` through
+:func:`shards.index.check_format_version`. While reading, a shard that shrank since it was mapped
+raises :class:`ShardCorrupt` instead of killing the process with SIGBUS (checked once per shard per
+:meth:`~ShardReader.views` call; a truncation racing the copy of the returned views can still
+fault), optional ``value_checks`` refuse out-of-range codes and non-finite latents, and optional
+``verify_reads`` recomputes each sample's sha256.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +33,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from . import schema
 from .errors import ShardCorrupt, UnsafeMember
-from .index import read_index
+from .index import (check_format_version, load_manifest_checked, read_index,  # noqa: F401
+                    safe_shard_path)
 from .schema import JSON_MEMBER, PICKLE_EXTENSIONS
+
+_NPY_MAGIC = b"\x93NUMPY"
+_TAR_BLOCK = 512
+_MAX_NPY_HEADER = 65536 + 2 * _TAR_BLOCK  # npy v1 header length is a uint16
+#: float itemsize -> the exponent bits (all set: NaN or inf) as an unsigned int of that size
+_EXPONENT_MASK = {2: np.uint16(0x7C00), 4: np.uint32(0x7F800000), 8: np.uint64(0x7FF0000000000000)}
 
 # A member name is what follows the key's first dot: "codes.npy", "pyd", "x.pkl"; match both forms.
 _UNSAFE_RE = "(^|\\.)(" + "|".join(re.escape(e.lstrip(".")) for e in PICKLE_EXTENSIONS) + ")$"
@@ -41,6 +63,46 @@ def refuse_unsafe(table: pa.Table, where: str | Path) -> None:
             f"{Path(where) / shard}: sample {key!r} has member {key}.{names[j].as_py()} that would need "
             f"unpickling ({int(bad.sum())} such member(s) in the index); shardcache never unpickles "
             "shard data. Remove the member from the shard and rebuild the index (`shards reindex`).")
+
+
+def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """The value checks a cache's ``manifest.json`` implies, for ``ShardReader(value_checks=...)``.
+
+    ``codes`` in ``[0, codebook_size)`` and ``text_ids`` in ``[0, text_vocab_size)`` where the
+    manifest records those sizes (as an int), and ``"finite"`` for every float member of
+    :data:`shards.schema.TENSOR_DTYPES` (``latents``, ``latents_logvar``, ...).
+    """
+    manifest = manifest or {}
+    checks: dict[str, Any] = {}
+    for key, field in (("codebook_size", "codes"), ("text_vocab_size", "text_ids"),
+                       ("text_vocab_size", "input_ids")):
+        v = manifest.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            checks[field] = (0, v)
+    for member, dtype in schema.TENSOR_DTYPES.items():
+        if member.endswith(".npy") and np.dtype(dtype).kind == "f":
+            checks[member[:-4]] = "finite"
+    return checks
+
+
+def _normalise_checks(value_checks: dict[str, Any] | None) -> dict[str, tuple]:
+    """``{field: (lo, hi) | "finite"}`` -> ``{field: ("range", lo, hi) | ("finite",)}``."""
+    out: dict[str, tuple] = {}
+    for field, spec in (value_checks or {}).items():
+        if not isinstance(field, str) or field.endswith(".npy"):
+            raise ValueError(f"value_checks: key {field!r} must be a field name such as 'codes'")
+        if spec is None:
+            continue
+        if spec == "finite":
+            out[field] = ("finite",)
+        elif (isinstance(spec, (tuple, list)) and len(spec) == 2
+              and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in spec)
+              and spec[0] < spec[1]):
+            out[field] = ("range", int(spec[0]), int(spec[1]))
+        else:
+            raise ValueError(f"value_checks[{field!r}] = {spec!r}: expected (lo, hi) ints with lo < hi "
+                             "(values must lie in [lo, hi)) or 'finite'")
+    return out
 
 
 @dataclass
@@ -68,9 +130,25 @@ class ShardReader:
             ``cache_dir``.
         shard_names: number shards by position in this list (it must hold every shard of
             ``index``; shards without rows are never opened); default: sorted shard names.
+        manifest: the cache's ``manifest.json`` as a dict, if already loaded; default: read it
+            from ``cache_dir`` (a cache without one reads as format version 1).
+        value_checks: ``{field: (lo, hi) | "finite"}``: :meth:`views` and :meth:`get` raise
+            :class:`ShardCorrupt` (naming shard, key and the bad value) when an array of ``field``
+            has a value outside ``[lo, hi)``, or (``"finite"``) a NaN/inf. E.g.
+            ``{"codes": (0, codebook_size), "latents": "finite"}``;
+            :func:`value_checks_from_manifest` builds it from ``manifest.json``. Default: none.
+        verify_reads: recompute each sample's sha256 (over its whole members, as in the index) when
+            it is read: on every :meth:`get`, and in :meth:`views` once per batch (rows equal to the
+            previous call's are not hashed again, so reading several fields of one batch hashes each
+            sample once). Mismatch: :class:`ShardCorrupt`. Hashes every member of the sample, read
+            or not.
+
+    Offsets: member ``offset``/``size`` in the index locate the raw array payload after the
+    ``.npy`` header; arrays are ``np.frombuffer(mmap, dtype, count, offset).reshape(shape)``.
 
     Attributes: ``index`` (the table), ``keys`` (list of str, built on first use), ``key_array``
-    (Arrow strings), ``shard_names`` (sorted), ``shard_of`` int32 ``(n,)`` shard number per row.
+    (Arrow strings), ``shard_names`` (sorted), ``shard_of`` int32 ``(n,)`` shard number per row,
+    ``manifest`` (dict), ``format_version`` (int), ``value_checks`` (normalised), ``verify_reads``.
 
     ``get(i)`` returns ``{"__key__": str, "json": dict, "codes": int16 (n_codebooks, frames),
     "audio": int16 (num_samples,), "text_ids": int32 (n_tokens,), "latents": float16 (C,T,H,W)}``
@@ -78,16 +156,25 @@ class ShardReader:
     stores the posterior) as read-only numpy views. ``views(field, rows)`` gives the same arrays
     for many rows of one field (vectorised; see :meth:`field`).
 
-    Raises :class:`UnsafeMember` at construction if the index lists a member that would need
-    unpickling; :class:`ShardCorrupt` when a shard is missing or a member lies outside its shard
-    file or disagrees with its indexed shape (at :meth:`get`, or up front with
-    :meth:`check_files` / :meth:`field`). Maps are reopened lazily after pickling (DataLoader
-    workers).
+    Raises at construction :class:`UnsupportedFormat` (``manifest.json`` format_version newer than
+    this code or not an int), :class:`UnsafePath` (an index shard name that is not a plain file
+    inside ``cache_dir``), :class:`UnsafeMember` (a member that would need unpickling);
+    :class:`ShardCorrupt` when a shard is missing, shrank while being read, a member lies outside
+    its shard file or disagrees with its indexed shape (at :meth:`get` / :meth:`views`, or up
+    front with :meth:`check_files` / :meth:`field`), a value check fails or a sha256 differs.
+    Maps are reopened lazily after pickling (DataLoader workers).
     """
 
     def __init__(self, cache_dir: str | Path, index: pa.Table | None = None, *,
-                 shard_names: list[str] | None = None):
+                 shard_names: list[str] | None = None, manifest: dict[str, Any] | None = None,
+                 value_checks: dict[str, Any] | None = None, verify_reads: bool = False):
         self.cache_dir = Path(cache_dir)
+        if manifest is None:
+            manifest = load_manifest_checked(self.cache_dir)
+        self.manifest = manifest
+        self.format_version = check_format_version(manifest, self.cache_dir)
+        self.value_checks = _normalise_checks(value_checks)
+        self.verify_reads = bool(verify_reads)
         self.index = read_index(self.cache_dir) if index is None else index
         refuse_unsafe(self.index, self.cache_dir)
         self.n = self.index.num_rows
@@ -95,12 +182,21 @@ class ShardReader:
         shards = self.index.column("shard")
         self.shard_names: list[str] = list(shard_names) if shard_names is not None \
             else sorted(pc.unique(shards).to_pylist())
+        self._paths = [safe_shard_path(self.cache_dir, name) for name in self.shard_names]
+        if shard_names is not None:  # index names missing from shard_names are refused too
+            for name in set(pc.unique(shards).to_pylist()) - set(self.shard_names):
+                safe_shard_path(self.cache_dir, name)
         self.shard_of = pc.index_in(shards, value_set=pa.array(self.shard_names, pa.string())) \
             .to_numpy(zero_copy_only=False).astype(np.int32)
         self._fields: dict[str, FieldArrays] = {}
         self._keys: list[str] | None = None
         self._rows: list | None = None  # per-sample member lists for get(), built on first use
         self._maps: list[mmap.mmap | None] = [None] * len(self.shard_names)
+        self._ids: list[tuple[int, int] | None] = [None] * len(self.shard_names)  # (st_dev, st_ino)
+        self._layout: tuple | None = None  # per-sample member layout for verify_rows()
+        self._last_verified: np.ndarray | None = None
+        if self.verify_reads:
+            self._build_layout()
 
     def __len__(self) -> int:
         return self.n
@@ -119,7 +215,7 @@ class ShardReader:
     def drop_index(self) -> None:
         """Free the Arrow index (and keep it out of pickles sent to DataLoader workers) once every
         field that :meth:`views` will read has been built; :meth:`get` and new fields then raise
-        ``RuntimeError``."""
+        ``RuntimeError`` (:meth:`verify_rows` keeps working when ``verify_reads`` was set)."""
         self.index = self._rows = None
 
     def _members(self) -> pa.ListArray:
@@ -142,7 +238,7 @@ class ShardReader:
         for i, name in enumerate(self.shard_names):
             if need[i] == 0:
                 continue  # no row of this shard kept: never opened
-            path = self.cache_dir / name
+            path = self._paths[i]
             try:
                 size = path.stat().st_size
             except FileNotFoundError:
@@ -200,42 +296,122 @@ class ShardReader:
         """The read-only mmap of shard number ``shard`` (opened on first use, in each process)."""
         mm = self._maps[shard]
         if mm is None:
-            path = self.cache_dir / self.shard_names[shard]
+            name = self.shard_names[shard]
+            path = safe_shard_path(self.cache_dir, name)  # again: the file may have changed since
             try:
                 with open(path, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    if st.st_size == 0:
+                        raise ShardCorrupt(f"{path}: empty file (truncated shard?); run `shards verify`")
                     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except FileNotFoundError:
                 raise ShardCorrupt(f"{path}: listed in the index but missing; run `shards verify`") from None
             self._maps[shard] = mm
+            self._ids[shard] = (st.st_dev, st.st_ino)
         return mm
+
+    def _checked_map(self, shard: int, row: int) -> mmap.mmap:
+        """The map of ``shard``, after checking that the file has not shrunk since it was mapped
+        (touching a page past the new end of file would kill the process with SIGBUS)."""
+        mm = self._maps[shard]
+        if mm is None:
+            return self.map(shard)
+        try:
+            st = os.stat(self._paths[shard])
+        except OSError:
+            return mm  # deleted or renamed away: the mapped inode lives on, its bytes stay readable
+        if (st.st_dev, st.st_ino) == self._ids[shard] and st.st_size < len(mm):
+            raise ShardCorrupt(f"{self._paths[shard]}: sample {self.key_array[row].as_py()!r}: shard "
+                               f"changed size during reading (was {len(mm)}, now {st.st_size} bytes); "
+                               "was it rewritten while training? run `shards verify`")
+        return mm  # same size or grown, or replaced by a new file (the old one stays mapped): fine
 
     def views(self, field: str, rows: np.ndarray) -> list[np.ndarray | None]:
         """Read-only zero-copy views of ``field`` (e.g. ``"codes"``) for index ``rows``; None where
-        the row has no such member. Bounds are not checked here: call :meth:`check_files` first."""
+        the row has no such member.
+
+        Each shard of the batch is checked once per call for having shrunk since it was mapped, and
+        each member for lying inside the mapped file (:class:`ShardCorrupt` naming shard and key,
+        instead of a SIGBUS). With ``value_checks`` for ``field`` the returned arrays are checked;
+        with ``verify_reads`` the rows' samples are hashed (see the class docstring)."""
         fa = self._fields.get(field) or self.field(field)
         rows = np.asarray(rows)
+        row_list = rows.tolist()
         offs, counts, shards, codes = (fa.off[rows].tolist(), fa.count[rows].tolist(),
                                        self.shard_of[rows].tolist(), fa.code[rows].tolist())
         shapes, dtypes = fa.shape[rows].tolist(), fa.dtypes
+        items = [d.itemsize for d in dtypes]
         out: list[np.ndarray | None] = []
-        maps, mp = self._maps, self.map
-        for o, c, s, d, shp in zip(offs, counts, shards, codes, shapes):
+        maps, checked, check = self._maps, set(), self._checked_map
+        for r, o, c, s, d, shp in zip(row_list, offs, counts, shards, codes, shapes):
             if o < 0:
                 out.append(None)
                 continue
-            mm = maps[s] or mp(s)
+            if s not in checked:  # one stat per shard per call
+                check(s, r)
+                checked.add(s)
+            mm = maps[s]
+            if o + c * items[d] > len(mm):
+                raise ShardCorrupt(f"{self._where(r)} member {field}.npy lies past the end of the file "
+                                   f"({len(mm)} bytes when mapped; truncated shard?); run `shards verify`")
             out.append(np.frombuffer(mm, dtype=dtypes[d], count=c, offset=o).reshape(shp))
+        if self.verify_reads and not (self._last_verified is not None
+                                      and np.array_equal(self._last_verified, rows)):
+            self.verify_rows(rows)
+            self._last_verified = rows.copy()
+        spec = self.value_checks.get(field)
+        if spec is not None:
+            self._check_values(field, spec, row_list, out)
         return out
+
+    def _check_values(self, field: str, spec: tuple, rows: list[int], arrays: list) -> None:
+        """Raise :class:`ShardCorrupt` for the first array breaking ``spec`` (see ``value_checks``).
+
+        One reduction per array and no temporaries in the common cases: ``[0, hi)`` on a signed int
+        array is ``max(view as unsigned) < hi`` (negative values wrap to huge ones); ``finite`` on
+        a float array is ``max(bits & exponent mask) < exponent mask`` (NaN/inf have every exponent
+        bit set)."""
+        if spec[0] == "range":
+            lo, hi = spec[1], spec[2]
+            for r, a in zip(rows, arrays):
+                if a is None or not a.size:
+                    continue
+                if (lo == 0 and a.dtype.kind == "i" and a.flags.c_contiguous
+                        and hi <= 1 << (8 * a.dtype.itemsize - 1)):
+                    ok = a.reshape(-1).view(a.dtype.str.replace("i", "u")).max() < hi
+                else:
+                    ok = a.min() >= lo and a.max() < hi
+                if not ok:
+                    bad = a[(a < lo) | (a >= hi)]
+                    raise ShardCorrupt(
+                        f"{self._where(r)}: {field} value {bad.flat[0].item()} outside [{lo}, {hi}) "
+                        f"({bad.size} such value(s)); the shard is damaged or was not written for this "
+                        "cache's settings; run `shards verify --deep`")
+        else:
+            for r, a in zip(rows, arrays):
+                if a is None or not a.size or a.dtype.kind != "f":
+                    continue
+                mask = _EXPONENT_MASK.get(a.dtype.itemsize)
+                if mask is not None and a.flags.c_contiguous:
+                    ok = int(np.bitwise_and(a.reshape(-1).view(mask.dtype), mask).max()) < int(mask)
+                else:
+                    ok = bool(np.isfinite(a).all())
+                if not ok:
+                    n_bad = int(a.size - np.isfinite(a).sum())
+                    raise ShardCorrupt(
+                        f"{self._where(r)}: {field} has {n_bad} non-finite value(s) (NaN/inf); the "
+                        "shard is damaged or the encoder diverged; run `shards verify --deep`")
 
     def get(self, i: int) -> dict[str, Any]:
         """Sample at index row ``i`` as numpy views (see the class docstring)."""
+        i = int(i)
         if self._rows is None:
             self._rows = self._members().to_pylist()
-        mm = self.map(int(self.shard_of[i]))
+        mm = self._checked_map(int(self.shard_of[i]), i)
         out: dict[str, Any] = {"__key__": self.keys[i]}
         for m in self._rows[i] or []:
             name, off, size = m["name"], int(m["offset"]), int(m["size"])
-            if off + size > len(mm):
+            if off < 0 or size < 0 or off + size > len(mm):
                 raise ShardCorrupt(f"{self._where(i)} member {name} lies past the end of the file "
                                    "(truncated shard?)")
             if name == JSON_MEMBER:
@@ -245,11 +421,93 @@ class ShardReader:
                 if int(np.prod(shape)) * dt.itemsize != size:
                     raise ShardCorrupt(f"{self._where(i)} member {name}: index says shape {shape} {dt} "
                                        f"but {size} bytes")
-                arr = np.frombuffer(mm, dtype=dt, count=size // dt.itemsize, offset=off)
-                out[name[:-4] if name.endswith(".npy") else name] = arr.reshape(shape)
+                arr = np.frombuffer(mm, dtype=dt, count=size // dt.itemsize, offset=off).reshape(shape)
+                field = name[:-4] if name.endswith(".npy") else name
+                spec = self.value_checks.get(field)
+                if spec is not None:
+                    self._check_values(field, spec, [i], [arr])
+                out[field] = arr
             else:
                 out[name] = bytes(mm[off:off + size])
+        if self.verify_reads:
+            self.verify_rows([i])
         return out
+
+    # -- sha256 of whole samples --------------------------------------------------------------
+    def _build_layout(self) -> None:
+        """Per-row member layout (sorted by name, as in the sha256) and expected digests."""
+        members = self._members().combine_chunks()
+        flat, parent = members.flatten(), pc.list_parent_indices(members).to_numpy()
+        enc = flat.field("name").dictionary_encode()
+        uniq = enc.dictionary.to_pylist()
+        by_name = sorted(range(len(uniq)), key=uniq.__getitem__)
+        rank = np.empty(len(uniq), dtype=np.int32)
+        rank[by_name] = np.arange(len(uniq), dtype=np.int32)
+        code = rank[enc.indices.to_numpy(zero_copy_only=False)] if len(uniq) else np.zeros(0, np.int32)
+        order = np.lexsort((code, parent))
+        off = flat.field("offset").to_numpy(zero_copy_only=False)[order].astype(np.int64)
+        end = off + flat.field("size").to_numpy(zero_copy_only=False)[order].astype(np.int64)
+        npy = ~pc.is_in(flat.field("dtype"), value_set=pa.array(["json", "bytes"])) \
+            .to_numpy(zero_copy_only=False).astype(bool)
+        ptr = np.zeros(self.n + 1, dtype=np.int64)
+        np.add.at(ptr, parent + 1, 1)
+        hexes = self.index.column("sha256").to_pylist()
+        digests = np.zeros((self.n, 32), dtype=np.uint8)
+        valid = np.array([isinstance(h, str) and len(h) == 64 for h in hexes], dtype=bool)
+        try:
+            digests[valid] = np.frombuffer(bytes.fromhex("".join(h for h, v in zip(hexes, valid) if v)),
+                                           dtype=np.uint8).reshape(-1, 32)
+        except ValueError:  # a digest with non-hex characters: convert one by one
+            for j in np.flatnonzero(valid).tolist():
+                try:
+                    digests[j] = np.frombuffer(bytes.fromhex(hexes[j]), dtype=np.uint8)
+                except ValueError:
+                    valid[j] = False  # a malformed digest never matches
+        self._layout = (np.cumsum(ptr), code[order], off, end, npy[order],
+                        [uniq[j].encode() + b"\0" for j in by_name], digests, valid)
+
+    def _member_start(self, mm: mmap.mmap, payload: int) -> int:
+        """Where the ``.npy`` member whose array payload starts at ``payload`` begins: tar member
+        data starts on a 512-byte block boundary, with the npy magic; -1 if not found."""
+        start = payload - payload % _TAR_BLOCK
+        if start == payload:
+            start -= _TAR_BLOCK
+        while start >= 0 and payload - start <= _MAX_NPY_HEADER:
+            if mm[start:start + 6] == _NPY_MAGIC:
+                return start
+            start -= _TAR_BLOCK
+        return -1
+
+    def verify_rows(self, rows) -> None:
+        """Recompute the sha256 of the samples at index ``rows`` from the shard bytes and compare it
+        with the index (:func:`shards.scan.sample_sha256`: over ``name \\0 bytes`` of every whole
+        member, npy headers included). Raises :class:`ShardCorrupt` naming shard and key."""
+        if self._layout is None:
+            self._build_layout()
+        ptr, code, off, end, npy, names, digests, valid = self._layout
+        for r in np.asarray(rows, dtype=np.int64).reshape(-1).tolist():
+            s = int(self.shard_of[r])
+            mm = self._checked_map(s, r)
+            h = hashlib.sha256()
+            view = memoryview(mm)
+            try:
+                for j in range(ptr[r], ptr[r + 1]):
+                    a, b = int(off[j]), int(end[j])
+                    if npy[j]:
+                        a = self._member_start(mm, a)
+                    if a < 0 or b > len(mm):
+                        raise ShardCorrupt(f"{self._where(r)}: member {names[code[j]][:-1].decode()} "
+                                           "cannot be located in the shard (truncated or rewritten?); "
+                                           "run `shards verify --deep`")
+                    h.update(names[code[j]])
+                    h.update(view[a:b])
+            finally:
+                view.release()
+            if not valid[r] or h.digest() != digests[r].tobytes():
+                raise ShardCorrupt(f"{self._where(r)}: sha256 mismatch: the index says "
+                                   f"{digests[r].tobytes().hex()[:16]}..., the shard holds "
+                                   f"{h.hexdigest()[:16]}... (the sample's bytes changed); run "
+                                   "`shards verify --deep`")
 
     def close(self) -> None:
         """Close every memory map (views returned earlier must not be used afterwards)."""
@@ -264,5 +522,7 @@ class ShardReader:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_maps"] = [None] * len(self.shard_names)  # reopened lazily in each DataLoader worker
+        state["_ids"] = [None] * len(self.shard_names)
+        state["_last_verified"] = None
         state["_rows"] = state["_keys"] = None  # rebuilt on first use
         return state

@@ -1,23 +1,32 @@
 """Atomic shard writer: one WebDataset tar plus its index/rejects parts.
 
-A shard is written to ``NAME.tar.tmp`` with webdataset's :class:`TarWriter` (fixed mtime, so a
-rerun of the same chunk gives byte-identical tars), fsynced, scanned for its index rows, renamed
-to ``NAME.tar``; then the chunk's rejects part and index part are written (index part last: it
-marks the chunk done). A process killed at any moment leaves either no trace of the chunk, a
-``.tmp`` file that readers never open, or a finished tar without an index part that the next run
-rewrites.
+A shard is written to ``NAME.tar.tmp`` with :mod:`tarfile` in the WebDataset layout (members
+``KEY.EXT`` in sorted EXT order, as webdataset's ``TarWriter`` writes them; mode 0444, owner
+``bigdata``, integer mtime 0, so a rerun of the same chunk gives byte-identical tars), fsynced,
+scanned for its index rows, renamed to ``NAME.tar``; then the chunk's rejects part and index part
+are written (index part last: it marks the chunk done). A process killed at any moment leaves
+either no trace of the chunk, a ``.tmp`` file that readers never open, or a finished tar without an
+index part that the next run rewrites.
+
+No wasted bytes: each member costs one 512-byte ustar header plus its padding to a 512-byte block
+(the tar ends with tarfile's end-of-archive blocks, padded to 10 KiB). The mtime is an *int*: a
+float mtime (webdataset's ``TarWriter(mtime=0.0)``) makes :mod:`tarfile` prepend a
+``././@PaxHeader`` block (1 KiB) to every member. The tar is POSIX.1-2001 (pax) format, but a pax
+header is written only for a member whose name cannot be stored in ustar (longer than 100 bytes,
+or non-ASCII).
 """
 from __future__ import annotations
 
 import io
 import json
 import os
+import tarfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .index import fsync_dir, write_parts
+from .index import fsync_dir, unsafe_name_reason, write_parts
 from .scan import scan_shard
 from .schema import JSON_MEMBER, TENSOR_DTYPES, safe_key
 
@@ -29,6 +38,21 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+#: ustar fields of every member (the values webdataset's TarWriter uses)
+TAR_MODE, TAR_USER, TAR_GROUP, TAR_MTIME = 0o444, "bigdata", "bigdata", 0
+
+
+def tar_member(name: str, size: int) -> tarfile.TarInfo:
+    """The header of one shard member: fixed int mtime/owner/mode, so tars are reproducible and
+    carry no pax header unless ``name`` needs one."""
+    ti = tarfile.TarInfo(name)
+    ti.size = size
+    ti.mtime = TAR_MTIME
+    ti.mode = TAR_MODE
+    ti.uname, ti.gname = TAR_USER, TAR_GROUP
+    return ti
+
+
 class ShardWriter:
     """Write one shard and its index part atomically.
 
@@ -38,12 +62,17 @@ class ShardWriter:
 
     Use ``add(key, fields)`` for kept samples and ``reject(...)`` for rejected rows, then
     ``commit()``; a ``with`` block aborts (removes the ``.tmp``) on an exception. ``fields`` maps
-    member names to values: ``"json"`` -> a JSON-able dict; ``"codes.npy"``, ``"audio.npy"``,
-    ``"latents.npy"``, ``"latents_logvar.npy"``, ``"text_ids.npy"`` -> arrays with the dtypes of
-    :data:`shards.schema.TENSOR_DTYPES` (``ValueError`` otherwise).
+    member names to values: ``"json"`` -> a JSON-able dict; every tensor member of
+    :data:`shards.schema.TENSOR_DTYPES` (``"codes.npy"``, ``"audio.npy"``, ``"latents.npy"``, ...)
+    -> an array with the dtype listed there (``ValueError`` otherwise). ``name`` must be a plain
+    file name (``ValueError`` otherwise: readers refuse any other, see
+    :func:`shards.index.safe_shard_path`).
     """
 
     def __init__(self, out_dir: str | Path, name: str):
+        why = unsafe_name_reason(name)
+        if why is not None:
+            raise ValueError(f"shard name {name!r}: it {why}; use shards.schema.shard_name")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.name = name
@@ -56,15 +85,14 @@ class ShardWriter:
         self.rejects: list[dict] = []
 
     def _open(self) -> None:
-        import webdataset as wds  # imported on first write: it pulls in torch, slow for the CLI
         self._file = open(self.tmp, "wb")
-        self._tar = wds.TarWriter(self._file, encoder=False, mtime=0.0)
+        self._tar = tarfile.open(fileobj=self._file, mode="w|", format=tarfile.PAX_FORMAT)
 
     def add(self, key: str, fields: dict[str, Any]) -> None:
         """Append one sample. Raises ``ValueError`` for an unsafe key, unknown member or wrong dtype."""
         if key != safe_key(key):
             raise ValueError(f"key {key!r} contains '.', '/' or whitespace; use shards.schema.safe_key")
-        obj: dict[str, Any] = {"__key__": key}
+        obj: dict[str, bytes] = {}
         for name, value in fields.items():
             if name == JSON_MEMBER:
                 obj[name] = json.dumps(value, sort_keys=True, ensure_ascii=False).encode()
@@ -77,7 +105,9 @@ class ShardWriter:
                 raise ValueError(f"{key}: unknown member {name!r}; known: json, {', '.join(TENSOR_DTYPES)}")
         if self._tar is None:
             self._open()
-        self._tar.write(obj)
+        for name in sorted(obj):
+            data = obj[name]
+            self._tar.addfile(tar_member(f"{key}.{name}", len(data)), io.BytesIO(data))
         self.keys.append(key)
 
     def reject(self, key: str, source: str, reason: str, detail: str) -> None:

@@ -265,7 +265,7 @@ def test_image_input_validation(models):
 
 def test_byte_tokenizer_round_trip():
     tok = load_text_tokenizer({"name": "bytes"})
-    assert isinstance(tok, ByteTokenizer) and (tok.vocab_size, tok.pad_id) == (259, 0)
+    assert isinstance(tok, ByteTokenizer) and (tok.vocab_size, tok.pad_id) == (259 + 11, 0)
     check_protocol(tok, TextTokenizer)
     text = "Héllo wörld: naïve café — 日本語 🎵"
     ids = tok.encode(text)
@@ -275,6 +275,13 @@ def test_byte_tokenizer_round_trip():
     np.testing.assert_array_equal(tok.encode("hé"), [1, 104 + 3, 0xC3 + 3, 0xA9 + 3, 2])
     np.testing.assert_array_equal(tok.encode(""), [1, 2])
     assert load_text_tokenizer(None).describe() == tok.describe()
+    # the chat templates' special tokens are single ids after the bytes, recognised inside text
+    at = 259 + list(tok.special_tokens).index("<|AUDIO_OUT|>")
+    assert tok.token_to_id("<|AUDIO_OUT|>") == at
+    np.testing.assert_array_equal(tok.encode("a<|AUDIO_OUT|>b", add_special_tokens=False), [ord("a") + 3, at, ord("b") + 3])
+    assert tok.decode([ord("a") + 3, at]) == "a"
+    plain = load_text_tokenizer({"name": "bytes", "special_tokens": []})
+    assert plain.vocab_size == 259 and len(plain.encode("<image>", add_special_tokens=False)) == 7
 
 
 def test_hf_tokenizer(models):

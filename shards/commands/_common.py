@@ -244,7 +244,28 @@ def cache_dir(arg: str | Path) -> Path:
     if not (p / INDEX_FILE).exists() and not (p / MANIFEST_FILE).exists():
         raise UsageError(f"{p}: not a shardcache cache (no {INDEX_FILE} or {MANIFEST_FILE}); "
                          f"if it holds shard tars, `shards reindex {p}` rebuilds them")
+    check_version(p)
     return p
+
+
+def check_version(d: Path) -> None:
+    """Raise :class:`~shards.errors.UnsupportedFormat` if ``d/manifest.json`` declares a format
+    this code does not know. A missing or malformed manifest passes here (the commands that read
+    the manifest report it)."""
+    from ..index import check_format_version, read_manifest
+    try:
+        manifest = read_manifest(d)
+    except (ValueError, OSError):
+        return
+    if isinstance(manifest, dict):
+        check_format_version(manifest, d)
+
+
+def shard_path(d: Path, name) -> Path:
+    """``d / name`` for a shard name read from the index or manifest, through the one safety gate
+    :func:`shards.index.safe_shard_path` (:class:`~shards.errors.UnsafePath` otherwise)."""
+    from ..index import safe_shard_path
+    return safe_shard_path(d, name)
 
 
 def index_path(d: Path) -> Path:
@@ -314,22 +335,30 @@ def expand_targets(args: Sequence[str]) -> tuple[Path | None, list[Path]]:
     return None, unique
 
 
-def manifest_shards(manifest: dict) -> list[dict]:
-    """The manifest's shard entries, checked to have a ``path``."""
+def manifest_shards(manifest: dict, d: Path | None = None) -> list[dict]:
+    """The manifest's shard entries, checked to have a ``path``; with ``d`` (the cache) each path
+    is also checked by :func:`shard_path` (:class:`~shards.errors.UnsafePath`)."""
     shards = manifest.get("shards") or []
+    if not isinstance(shards, list):
+        raise ShardCorrupt(f"{MANIFEST_FILE}: \"shards\" is not a list")
     bad = [s for s in shards if not isinstance(s, dict) or "path" not in s]
     if bad:
         raise ShardCorrupt(f"{MANIFEST_FILE}: malformed shard entry {bad[0]!r}")
+    if d is not None:
+        for s in shards:
+            shard_path(d, s["path"])
     return shards
 
 
 def load_manifest(d: Path) -> dict:
-    """``d/manifest.json`` as a dict (empty when absent); a malformed file is :class:`ShardCorrupt`."""
-    from ..index import read_manifest
+    """``d/manifest.json`` as a dict (empty when absent); a malformed file is :class:`ShardCorrupt`,
+    a format version this code does not know :class:`~shards.errors.UnsupportedFormat`."""
+    from ..index import check_format_version, read_manifest
     try:
         manifest = read_manifest(d)
     except ValueError as e:
         raise ShardCorrupt(f"{Path(d) / MANIFEST_FILE}: not valid JSON ({e})") from e
     if not isinstance(manifest, dict):
         raise ShardCorrupt(f"{Path(d) / MANIFEST_FILE}: expected a JSON object")
+    check_format_version(manifest, d)
     return manifest

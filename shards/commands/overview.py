@@ -14,7 +14,7 @@ from ..errors import ShardCorrupt
 from ..index import REJECTS_SCHEMA
 from ..schema import INDEX_FILE, REASONS, REJECTS_FILE
 from ._common import (Out, UsageError, cache_dir, expand_targets, fmt_bytes, fmt_value,
-                      load_manifest, manifest_shards, read_index_columns, warn)
+                      load_manifest, manifest_shards, read_index_columns, shard_path, warn)
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -80,14 +80,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if "shards" in manifest:
             source = "manifest"
             entries = [dict(path=s["path"], samples=s.get("samples"), bytes=s.get("bytes"),
-                            sha256=s.get("sha256")) for s in manifest_shards(manifest)]
+                            sha256=s.get("sha256")) for s in manifest_shards(manifest, d)]
         else:
             source = "index"
             warn(f"{d}: manifest.json has no shard list; counting from {INDEX_FILE}")
             t = read_index_columns(d, ["shard"]).group_by("shard").aggregate([("shard", "count")])
             entries = []
             for name, n in zip(t.column("shard").to_pylist(), t.column("shard_count").to_pylist()):
-                f = d / name
+                f = shard_path(d, name)
                 entries.append(dict(path=name, samples=n,
                                     bytes=f.stat().st_size if f.exists() else None, sha256=None))
         entries.sort(key=lambda e: e["path"])
@@ -153,7 +153,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     out = Out(args)
     d = cache_dir(args.dir)
     manifest = load_manifest(d)
-    shards = manifest_shards(manifest) if "shards" in manifest else None
+    shards = manifest_shards(manifest, d) if "shards" in manifest else None
     warnings: list[str] = []
     info: dict = dict(dir=str(d), format_version=manifest.get("format_version"),
                       created=manifest.get("created"))
@@ -174,6 +174,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             code_frames=int(pc.sum(t.column("n_frames")).as_py() or 0),
         )
         index_shards = set(t.column("shard").unique().to_pylist())
+        for name in sorted(index_shards):
+            shard_path(d, name)  # UnsafePath for a name that is not a file inside the cache
         if shards is None:
             shards = [dict(path=s) for s in sorted(index_shards)]
         counts = manifest.get("counts") or {}

@@ -16,7 +16,7 @@ from ..index import (REJECTS_SCHEMA, part_paths, read_part_shard_entry, rows_to_
 from ..scan import scan_shard
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, SHARD_GLOB,
                       parse_shard_name)
-from ._common import Out, UsageError, load_manifest, progress, warn
+from ._common import Out, UsageError, load_manifest, progress, shard_path, warn
 
 #: manifest fields that write_cache_files recomputes; every other field is kept as it is
 RECOMPUTED = ("format_version", "created", "counts", "shards")
@@ -84,6 +84,7 @@ def cmd_reindex(args: argparse.Namespace) -> int:
         except ValueError:
             warn(f"{p}: skipped, not a shard name (shard-rRRRR-NNNNNN.tar)")
             continue
+        shard_path(d, p.name)  # UnsafePath: a symlink out of the cache is never adopted
         if p.is_file():
             tars.append(p)
     has_manifest = (d / MANIFEST_FILE).exists()

@@ -23,14 +23,14 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from ..errors import ShardcacheError
+from ..errors import ShardcacheError, UnsafePath, UnsupportedFormat
 from ..index import rows_to_table
 from ..reader import ShardReader
 from ..scan import scan_shard
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES,
                       parse_shard_name)
 from ._common import (Out, UsageError, expand_targets, load_manifest, manifest_shards, progress,
-                      read_index_columns)
+                      read_index_columns, shard_path)
 
 #: scalar index fields re-derived by scan_shard and compared in deep mode
 ROW_FIELDS = ("duration_s", "sample_rate", "num_samples", "n_frames", "n_codebooks",
@@ -169,8 +169,8 @@ def compare_rows(shard: str, scanned: list[dict], indexed: list[dict]) -> list[P
 def decode_check(shard: str, directory: Path, table: pa.Table) -> list[Problem]:
     """Decode every member of ``table``'s rows via ShardReader; check shape x itemsize == size."""
     probs: list[Problem] = []
-    try:
-        reader = ShardReader(directory, index=table)
+    try:  # manifest={}: the caller checked manifest.json (format version) once for the cache
+        reader = ShardReader(directory, index=table, manifest={})
     except (ShardcacheError, TypeError, ValueError) as e:
         return [_scan_problem(shard, directory / shard, e)]
     try:
@@ -291,15 +291,31 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
             if "shards" not in manifest:
                 problems.append(Problem(None, None, f"{d / MANIFEST_FILE} has no shard list"))
                 manifest = None
+        except UnsupportedFormat:
+            raise  # nothing else can be checked with the rules of another format version
         except ShardcacheError as e:
             problems.append(Problem(None, None, str(e)))
             manifest = None
-    on_disk = sorted(p.name for p in d.glob(SHARD_GLOB) if p.is_file())
+    on_disk = []
+    for p in sorted(d.glob(SHARD_GLOB)):
+        try:
+            shard_path(d, p.name)  # a symlink out of the cache is never read
+        except UnsafePath as e:
+            problems.append(Problem(p.name, None, str(e)))
+            continue
+        if p.is_file():
+            on_disk.append(p.name)
     if manifest is not None:
         entries = {}
         for s in manifest_shards(manifest):
             try:
-                parse_shard_name(s["path"])  # a plain file name: never a path out of the cache
+                shard_path(d, s["path"])
+            except UnsafePath as e:
+                if not any(p.message == str(e) or p.shard == s["path"] for p in problems):
+                    problems.append(Problem(None, None, str(e)))  # not reported above
+                continue
+            try:
+                parse_shard_name(s["path"])
                 entries[s["path"]] = s
             except (TypeError, ValueError):
                 problems.append(Problem(None, None, f"manifest.json lists an invalid shard name "
@@ -327,6 +343,14 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
         problems.append(Problem(None, None, str(e)))
         index.present = False
         return targets, problems, warnings, index
+    unsafe = set()
+    for name in t.column("shard").unique().to_pylist():
+        try:
+            shard_path(d, name)
+        except UnsafePath as e:
+            unsafe.add(name)
+            if not any(p.message == str(e) or p.shard == name for p in problems):
+                problems.append(Problem(None, None, str(e)))
     keys = t.column("key").to_pylist()
     if len(keys) != len(set(keys)):
         dups = [k for k, n in Counter(keys).items() if n > 1]
@@ -339,7 +363,7 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
             problems.append(Problem(None, None, f"manifest.json counts {counts['samples']} samples, "
                                                 f"{INDEX_FILE} has {t.num_rows} rows"))
         for shard, n in sorted(per_shard.items()):
-            if shard not in entries:
+            if shard not in entries and shard not in unsafe:
                 problems.append(Problem(shard, None, f"{INDEX_FILE} lists {n} sample(s) in this shard "
                                                      "but manifest.json does not list the shard"))
         for shard, e in sorted(entries.items()):
@@ -364,6 +388,8 @@ def _tar_targets(tars: list[Path]) -> tuple[list[tuple[Path, dict | None]], list
                 try:
                     m = load_manifest(parent)
                     manifests[parent] = {s["path"]: s for s in manifest_shards(m)} if "shards" in m else None
+                except UnsupportedFormat:
+                    raise
                 except ShardcacheError as e:
                     problems.append(Problem(None, None, str(e)))
             indexes[parent] = IndexRows(parent)
