@@ -15,7 +15,6 @@ import argparse
 import logging
 import os
 import sys
-from datetime import timedelta
 
 import yaml
 
@@ -23,6 +22,7 @@ from shards.errors import ShardcacheError
 
 from .config import load_config
 from .job import run
+from .ranks import make_barrier
 from .validate import ConfigError, validate_config
 
 log = logging.getLogger("precompute")
@@ -87,12 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     global_rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    barrier = None
-    if world_size > 1:
-        import torch.distributed as dist
-        # gloo only synchronises the ranks (barriers); the encoders never communicate.
-        dist.init_process_group("gloo", timeout=timedelta(minutes=60))
-        barrier = dist.barrier
+    barrier, close = make_barrier(world_size, global_rank)  # the ranks only synchronise, never communicate
     if global_rank == 0:
         log.info("config: %s", cfg.to_dict())
     try:
@@ -103,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        if barrier is not None:
-            import torch.distributed as dist
-            dist.destroy_process_group()
+        close()
     print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "
           f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio; setup {summary.setup_s:.1f} s, "
           f"encoding {summary.wall_s:.1f} s, encoder busy {summary.encoder_busy:.0%} of it")

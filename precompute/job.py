@@ -1,11 +1,16 @@
 """The stage-one job: manifest rows -> chunks -> decode (workers) -> encode (device) -> shards.
 
-Work units. Rows that no committed chunk covers yet are *pending*; pending rows, in manifest order,
-are cut into chunks of ``samples_per_shard`` rows; chunk ``j`` goes to global rank
-``j % world_size`` and becomes that rank's next shard ``shard-r{rank:04d}-{n:06d}.tar``. One
-mechanism gives resume after a kill (the committed chunks are skipped and the rest is cut the same
-way again), incremental runs (rows added to the manifest are the only pending ones) and multi-rank
-jobs (every rank computes the same assignment from the same parts folder, between two barriers).
+Work units. The manifest's rows, in order, are cut into chunks of ``samples_per_shard`` rows;
+chunk ``j`` becomes ``shard-{j:06d}.tar`` (with its index/rejects parts; the index part is the
+commit marker). Chunks not yet committed are dealt round-robin to the ranks of this run. So the
+cache is a function of (manifest, config, encoder weights) only: the same shard names and sample
+bytes for any number of ranks, kills and reruns, or decode workers (encoder batches are formed
+inside one chunk, from its start). One mechanism gives resume after a kill, incremental runs (rows
+added to the manifest go into new chunks) and elastic multi-rank jobs: a torchrun restart with
+any number of ranks shares out the chunks still missing. Rank 0 merges the index when every
+chunk is committed, polling the parts folder instead of waiting at a collective (a slow rank
+delays the job, never crashes it); ``python -m shards reindex`` rebuilds the index from committed
+shards at any time.
 
 Overlap. Decoding and resampling run in DataLoader worker processes; the main thread only runs
 encoders (batched, on the device); a writer thread commits shards from a bounded queue. The
@@ -111,33 +116,57 @@ def check_posterior(image_encoder: Any) -> None:
                          "Set store_posterior: false or use the wan image encoder.")
 
 
-def committed(out_dir: Path) -> tuple[set[str], dict[int, int]]:
-    """Row ids covered by committed chunks, and the next free shard number per rank."""
-    done: set[str] = set()
-    next_n: dict[int, int] = {}
-    for p in sorted((out_dir / PARTS_DIR).glob("*.index.parquet")):
-        done.update((read_part_meta(p) or {}).get("rows", []))
-        rank, n = schema.parse_shard_name(p.name.split(".")[0] + ".tar")
-        next_n[rank] = max(next_n.get(rank, 0), n + 1)
-    return done, next_n
+def committed(out_dir: Path) -> dict[str, set[str]]:
+    """Committed chunks: part stem (``shard-000003``) -> the row ids it covered."""
+    return {p.name.split(".")[0]: set((read_part_meta(p) or {}).get("rows", []))
+            for p in sorted((out_dir / PARTS_DIR).glob("*.index.parquet"))}
 
 
-def assign(pending: list[Request], per_shard: int, world_size: int, next_n: dict[int, int]
-           ) -> list[tuple[int, str, list[Request]]]:
-    """Cut pending rows into chunks: ``[(global_rank, shard_name, rows)]`` in manifest order."""
-    out = []
-    for j in range(0, len(pending), per_shard):
-        c = j // per_shard
-        rank = c % world_size
-        n = next_n.get(rank, 0) + c // world_size
-        out.append((rank, schema.shard_name(rank, n), pending[j:j + per_shard]))
-    return out
+def plan_chunks(requests: list[Request], per_shard: int, done: dict[str, set[str]]
+                ) -> list[tuple[str, list[Request]]]:
+    """The chunks still to encode: ``[(shard_name, rows)]`` in manifest order.
+
+    Chunk ``j`` is rows ``[j * per_shard, (j + 1) * per_shard)`` of the manifest and becomes
+    ``shard-{j:06d}.tar``, whatever the number of ranks, kills and reruns (a committed chunk is
+    skipped). Rows added to the manifest after a chunk was committed (incremental runs) go, in
+    order, into new chunks numbered after every chunk there is.
+    """
+    covered = set().union(*done.values()) if done else set()
+    n_pos = -(-len(requests) // per_shard)
+    todo, leftover = [], []
+    for j in range(n_pos):
+        rows = [r for r in requests[j * per_shard:(j + 1) * per_shard] if row_id(r) not in covered]
+        if schema.chunk_shard_name(j)[:-4] in done:
+            leftover += rows  # the chunk was committed when the manifest was shorter
+        elif rows:
+            todo.append((schema.chunk_shard_name(j), rows))
+    numbers = [schema.parse_shard_name(stem + ".tar")[1] for stem in done] + [n_pos - 1]
+    nxt = max(numbers) + 1
+    for k in range(0, len(leftover), per_shard):
+        todo.append((schema.chunk_shard_name(nxt + k // per_shard), leftover[k:k + per_shard]))
+    return todo
+
+
+def wait_for_chunks(out_dir: Path, names: list[str], poll_s: float = 2.0) -> None:
+    """Block until every chunk in ``names`` is committed (its index part exists). No collective and
+    no deadline: a slow rank delays the merge; a dead one makes torchrun restart the group."""
+    stems = [n[:-4] for n in names]
+    t0 = last = time.monotonic()
+    while True:
+        missing = [s for s in stems if not (out_dir / PARTS_DIR / f"{s}.index.parquet").exists()]
+        if not missing:
+            return
+        if time.monotonic() - last > 60:
+            last = time.monotonic()
+            log.info("waiting for %d chunk(s) of other ranks (%s...) for %.0f s", len(missing), missing[0],
+                     last - t0)
+        time.sleep(poll_s)
 
 
 class _ChunkWriter(threading.Thread):
     """Background thread: receives encoded rows in order, commits each chunk when complete."""
 
-    def __init__(self, out_dir: Path, chunks: list[tuple[int, str, list[Request]]], summary: Summary,
+    def __init__(self, out_dir: Path, chunks: list[tuple[str, list[Request]]], summary: Summary,
                  progress):
         super().__init__(daemon=True, name="shard-writer")
         self.out_dir, self.chunks, self.summary, self.progress = out_dir, chunks, summary, progress
@@ -147,7 +176,7 @@ class _ChunkWriter(threading.Thread):
     def run(self) -> None:
         writer = None
         try:
-            for _, name, rows in self.chunks:
+            for name, rows in self.chunks:
                 writer = ShardWriter(self.out_dir, name)
                 for _ in rows:
                     item = self.queue.get()
@@ -262,12 +291,11 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     fp = fingerprint(*encoders.values(), preprocessing=cfg.preprocessing())
     check_fingerprint(out_dir, fp, describe, global_rank)
     sync()
-    done, next_n = committed(out_dir)
+    plan = plan_chunks(requests, cfg.samples_per_shard, committed(out_dir))
     sync()  # every rank has read the same state before anyone commits a chunk
-    pending = [r for r in requests if row_id(r) not in done]
-    chunks = [c for c in assign(pending, cfg.samples_per_shard, world_size, next_n) if c[0] == global_rank]
-    items = [(req, ci) for ci, (_, _, rows) in enumerate(chunks) for req in rows]
-    summary = Summary(skipped_rows=len(requests) - len(pending))
+    chunks = plan[global_rank::world_size]  # chunk k of the plan -> rank k % world_size
+    items = [(req, ci) for ci, (_, rows) in enumerate(chunks) for req in rows]
+    summary = Summary(skipped_rows=len(requests) - sum(len(rows) for _, rows in plan))
     rates = job_rates(cfg, enc)
     bar = tqdm(total=len(items), desc=f"precompute r{global_rank}", unit="sample",
                disable=not progress or global_rank != 0, dynamic_ncols=True)
@@ -298,9 +326,9 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     if writer.error is not None:
         raise RuntimeError(f"shard writer failed: {writer.error}") from writer.error
     summary.wall_s = time.perf_counter() - t_loop
-    sync()
     result = None
-    if global_rank == 0:
+    if global_rank == 0:  # the other ranks are done; rank 0 merges once every chunk is committed
+        wait_for_chunks(out_dir, [name for name, _ in plan])
         audio = {} if enc.audio is None else {
             "codec_sample_rate": enc.audio.sample_rate, "n_codebooks": enc.audio.n_codebooks,
             "codebook_size": enc.audio.codebook_size, "frame_rate": float(enc.audio.frame_rate)}

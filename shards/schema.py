@@ -49,7 +49,7 @@ MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.parquet"
 REJECTS_FILE = "rejects.parquet"
 PARTS_DIR = "parts"
-SHARD_GLOB = "shard-r*-*.tar"
+SHARD_GLOB = "shard-*.tar"
 
 class MemberDtypes(dict):
     """Tensor member name -> numpy dtype it is stored with.
@@ -128,21 +128,29 @@ REASONS = (
     DUPLICATE_KEY, MALFORMED_ROW, ENCODE_FAILED,
 )
 
-_SHARD_RE = re.compile(r"^shard-r(\d{4})-(\d{6})\.tar$")
+_SHARD_RE = re.compile(r"^shard-(?:r(\d{4})-)?(\d{6})\.tar$")
 _KEY_BAD = re.compile(r"[./\\\s]")
 
 
+def chunk_shard_name(chunk: int) -> str:
+    """File name of stage one's chunk ``chunk``: ``shard-{chunk:06d}.tar``. Chunks are numbered by
+    manifest position, so the name does not depend on which rank wrote it or how many there were."""
+    return f"shard-{chunk:06d}.tar"
+
+
 def shard_name(global_rank: int, n: int) -> str:
-    """File name of shard ``n`` written by ``global_rank``: ``shard-r{rank:04d}-{n:06d}.tar``."""
+    """Shard ``n`` of a writer ``global_rank``: ``shard-r{rank:04d}-{n:06d}.tar`` (caches made before
+    chunk numbering, and hand-built caches; still read everywhere)."""
     return f"shard-r{global_rank:04d}-{n:06d}.tar"
 
 
 def parse_shard_name(name: str) -> tuple[int, int]:
-    """Inverse of :func:`shard_name`. Raises ``ValueError`` for any other name."""
+    """``(rank, n)`` of a :func:`shard_name` or ``(0, chunk)`` of a :func:`chunk_shard_name`.
+    Raises ``ValueError`` for any other name."""
     m = _SHARD_RE.match(name)
     if not m:
-        raise ValueError(f"not a shard file name: {name!r} (expected shard-rRRRR-NNNNNN.tar)")
-    return int(m.group(1)), int(m.group(2))
+        raise ValueError(f"not a shard file name: {name!r} (expected shard-NNNNNN.tar or shard-rRRRR-NNNNNN.tar)")
+    return int(m.group(1) or 0), int(m.group(2))
 
 
 def safe_key(key: str) -> str:

@@ -1,11 +1,16 @@
-"""The reference model and the ``module:factory`` plug-in loader.
+"""The reference model, the recipe registry (``--model tts|vlm``, :mod:`train.recipes`) and the
+``module:factory`` plug-in loader.
 
 A training model is any ``nn.Module`` whose ``forward(batch)`` takes the collated batch dict of
 :class:`loaders.ShardLoader` and returns a scalar loss tensor or a dict with ``loss`` (other 0-dim
 tensors in the dict are logged). ``--model pkg.mod:make`` imports ``pkg.mod`` and calls
 ``make(**kwargs)`` where kwargs are ``--model-kwargs`` plus those of :class:`DataSpec` fields
-(``n_codebooks``, ``codebook_size``, ``vocab_size``, ``latent_channels``) and ``latent_loss`` /
-``latent_loss_weight`` that the factory names in its signature.
+(``n_codebooks``, ``codebook_size``, ``vocab_size``, ``latent_channels``, ``pad_id`` and the
+placeholder token ids) and ``latent_loss`` / ``latent_loss_weight`` that the factory names in its
+signature. Optional hooks a model may have: ``fields`` (the cached fields it needs),
+``enable_lora(r, alpha, dropout, targets)`` (used by :func:`apply_lora` instead of adapting every
+matching module), ``optimizer_groups(lr, weight_decay)`` (AdamW parameter groups, each with its own
+``lr``), ``set_activation_checkpointing(on)``.
 
 :class:`ReferenceModel` uses every cached modality::
 
@@ -52,41 +57,47 @@ IGNORE_INDEX = -100  # == loaders.CODES_PAD_ID
 
 @dataclass
 class DataSpec:
-    """What the cache holds (from ``manifest.json``; defaults where it does not say)."""
+    """What the cache holds (from ``manifest.json``; defaults where it does not say).
+
+    The first four fields size the reference model; the token ids locate the media placeholders
+    of conversation caches (``manifest.json`` ``text.special_token_ids``; None when the cache does
+    not say, e.g. a cache made before conversations or with a tokenizer lacking the token).
+    """
 
     n_codebooks: int = 8
     codebook_size: int = 1024
     vocab_size: int = 259
     latent_channels: int = 16
+    pad_id: int = 0                              #: pad of ``input_ids`` (== loaders' default)
+    audio_in_token_id: int | None = None         #: ``<|AUDIO|>``: audio in a user/system turn
+    audio_out_token_id: int | None = None        #: ``<|AUDIO_OUT|>``: audio in an assistant turn
+    image_token_id: int | None = None            #: ``<image>``
+    audio_out_bos_token_id: int | None = None    #: ``<|audio_out_bos|>`` (right before ``<|AUDIO_OUT|>``)
+    audio_eos_token_id: int | None = None        #: ``<|audio_eos|>`` (right after a placeholder)
 
 
-_KEYS = {
-    "n_codebooks": ("n_codebooks", "num_codebooks", "n_q", "num_quantizers"),
-    "codebook_size": ("codebook_size", "codebook_entries", "bins"),
-    "vocab_size": ("text_vocab_size", "vocab_size"),
-    "latent_channels": ("latent_channels", "z_dim"),
+#: DataSpec field -> special token in ``manifest.json`` ``text.special_token_ids``
+_TOKEN_FIELDS = {
+    "audio_in_token_id": "<|AUDIO|>",
+    "audio_out_token_id": "<|AUDIO_OUT|>",
+    "image_token_id": "<image>",
+    "audio_out_bos_token_id": "<|audio_out_bos|>",
+    "audio_eos_token_id": "<|audio_eos|>",
 }
 
 
-def _find(tree: Any, names: tuple[str, ...], depth: int = 0) -> Any:
-    if depth > 4:
-        return None
-    if isinstance(tree, dict):
-        for n in names:
-            if isinstance(tree.get(n), int) and not isinstance(tree.get(n), bool):
-                return tree[n]
-        for v in tree.values():
-            found = _find(v, names, depth + 1)
-            if found is not None:
-                return found
-    return None
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def data_spec(cache_dir: str | Path) -> DataSpec:
-    """Read n_codebooks / codebook_size / text vocab / latent channels from the cache manifest.
+    """Read the :class:`DataSpec` of a cache from its ``manifest.json``.
 
-    Looks at top-level keys first, then inside ``encoders`` (key names vary between encoders; see
-    ``_KEYS``); anything not found keeps the default (8 / 1024 / 259 / 16).
+    ``n_codebooks`` / ``codebook_size`` / ``latent_channels``: top-level keys (written only when the
+    job had an audio tokenizer / image encoder). ``vocab_size`` / ``pad_id`` / token ids: the ``text``
+    section (``vocab_size``, ``pad_id``, ``special_token_ids``), else the top-level
+    ``text_vocab_size`` / ``text_pad_id``. Anything absent keeps the default (8 / 1024 / 259 / 16,
+    pad 0, token ids None).
     """
     spec = DataSpec()
     try:
@@ -95,16 +106,19 @@ def data_spec(cache_dir: str | Path) -> DataSpec:
     except Exception as e:  # noqa: BLE001 - an unreadable manifest only loses the hints
         log.warning("could not read %s/manifest.json (%s); using default model sizes", cache_dir, e)
         return spec
-    for fname, names in _KEYS.items():
-        top = {k: manifest.get(k) for k in names if k in manifest}
-        value = _find(top, names)
-        if value is None:
-            enc = manifest.get("encoders") or {}
-            if fname == "vocab_size":  # only trust a vocab_size found under a text encoder
-                enc = {k: v for k, v in enc.items() if "text" in str(k).lower()} if isinstance(enc, dict) else {}
-            value = _find(enc, names)
-        if value is not None:
-            setattr(spec, fname, int(value))
+    text = manifest.get("text") if isinstance(manifest.get("text"), dict) else {}
+    values = {
+        "n_codebooks": manifest.get("n_codebooks"),
+        "codebook_size": manifest.get("codebook_size"),
+        "latent_channels": manifest.get("latent_channels"),
+        "vocab_size": text.get("vocab_size", manifest.get("text_vocab_size")),
+        "pad_id": text.get("pad_id", manifest.get("text_pad_id")),
+    }
+    specials = text.get("special_token_ids") if isinstance(text.get("special_token_ids"), dict) else {}
+    values.update({f: specials.get(tok) for f, tok in _TOKEN_FIELDS.items()})
+    for fname, v in values.items():
+        if _int(v) is not None:
+            setattr(spec, fname, _int(v))
     return spec
 
 
@@ -340,8 +354,17 @@ def load_factory(spec: str):
 
 def build_model(model: str, model_kwargs: dict, spec: DataSpec, latent_loss: str = "none",
                 latent_loss_weight: float = 1.0) -> nn.Module:
-    """The reference model or ``module:factory(**kwargs)`` (see the module docstring)."""
-    factory = ReferenceModel if model == "reference" else load_factory(model)
+    """The reference model, a recipe (``tts``, ``vlm``: :mod:`train.recipes`) or
+    ``module:factory(**kwargs)`` (see the module docstring). :class:`DataSpec` values are passed
+    to every parameter of the same name that ``model_kwargs`` does not set."""
+    from .recipes import RECIPES, recipe_class
+
+    if model == "reference":
+        factory = ReferenceModel
+    elif model in RECIPES:
+        factory = recipe_class(model)
+    else:
+        factory = load_factory(model)
     kwargs = dict(model_kwargs)
     offered = dict(vars(spec), latent_loss=latent_loss, latent_loss_weight=latent_loss_weight)
     try:
@@ -351,6 +374,8 @@ def build_model(model: str, model_kwargs: dict, spec: DataSpec, latent_loss: str
     for k, v in offered.items():
         if k in params and k not in kwargs:
             kwargs[k] = v
+    if model in RECIPES and latent_loss != "none":
+        log.warning("--latent-loss %s is ignored by --model %s", latent_loss, model)
     m = factory(**kwargs)
     if not isinstance(m, nn.Module):
         raise TypeError(f"{model} returned {type(m).__name__}, expected a torch.nn.Module")
@@ -379,8 +404,22 @@ def blocked_imports(names: tuple[str, ...]):
                 del sys.modules[n]
 
 
+#: ``--lora-targets`` default (the reference model's module names); a model with its own
+#: ``enable_lora`` gets ``targets=None`` (its own default) for it
+REFERENCE_LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+
+
 def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float, targets: tuple) -> nn.Module:
-    """Inject peft LoRA adapters into ``targets`` (module-name suffixes) and freeze everything else."""
+    """Inject peft LoRA adapters into ``targets`` (module-name suffixes) and freeze everything else.
+
+    A model with an ``enable_lora(r, alpha, dropout, targets)`` method (the ``tts``/``vlm`` recipes:
+    adapters on the LM only, their audio/image modules stay trainable) does it itself; the
+    reference model's default targets are then replaced by the model's own default (None).
+    """
+    if hasattr(model, "enable_lora"):
+        own = None if tuple(targets) == REFERENCE_LORA_TARGETS else tuple(targets)
+        model.enable_lora(r=r, alpha=alpha, dropout=dropout, targets=own)
+        return model
     try:
         with blocked_imports(FORBIDDEN_MODULES):
             from peft import LoraConfig, inject_adapter_in_model
