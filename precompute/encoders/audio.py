@@ -286,9 +286,7 @@ class HFCodecTokenizer:
 
 
 class DacTokenizer(HFCodecTokenizer):
-    """
-
-    CUDA_BATCH = 16  # bit-identical when batched by equal frame count (see the module docstring)Descript Audio Codec via transformers ``DacModel`` (the default audio tokenizer).
+    """Descript Audio Codec via transformers ``DacModel`` (the default audio tokenizer).
 
     ``model.encode(input_values (B, 1, T)).audio_codes`` is long ``(B, n_codebooks, T / hop_length)``.
     Shaped like the Higgs Audio v2 tokenizer (``downsampling_ratios=[8,5,4,2,3]``): 24 kHz in, hop 960,
@@ -301,6 +299,7 @@ class DacTokenizer(HFCodecTokenizer):
     """
 
     name = "dac"
+    CUDA_BATCH = 16  # bit-identical when batched by equal frame count (see the module docstring)
     OPTIONS = HFCodecTokenizer.OPTIONS + ("n_quantizers",)
 
     def __init__(self, model, *, n_quantizers: int | None = None, **kwargs: Any) -> None:
@@ -387,9 +386,7 @@ class EncodecTokenizer(HFCodecTokenizer):
 
 
 class MimiTokenizer(HFCodecTokenizer):
-    """
-
-    CUDA_BATCH = 16  # bit-identical when batched by equal frame count (see the module docstring)Kyutai Mimi via transformers ``MimiModel`` (24 kHz: hop 1920, 12.5 frames/s, codebooks of 2048).
+    """Kyutai Mimi via transformers ``MimiModel`` (24 kHz: hop 1920, 12.5 frames/s, codebooks of 2048).
 
     ``model.encode(x, num_quantizers=n).audio_codes`` is ``(B, n, frames)``; the first
     ``config.num_semantic_quantizers`` codebooks are the semantic ones.
@@ -401,6 +398,7 @@ class MimiTokenizer(HFCodecTokenizer):
     """
 
     name = "mimi"
+    CUDA_BATCH = 16  # bit-identical when batched by equal frame count (see the module docstring)
     OPTIONS = HFCodecTokenizer.OPTIONS + ("num_quantizers",)
 
     def __init__(self, model, *, num_quantizers: int | None = None, **kwargs: Any) -> None:
