@@ -126,13 +126,16 @@ def plan_chunks(requests: list[Request], per_shard: int, done: dict[str, set[str
                 ) -> list[tuple[str, list[Request]]]:
     """The chunks still to encode: ``[(shard_name, rows)]`` in manifest order.
 
-    Chunk ``j`` is rows ``[j * per_shard, (j + 1) * per_shard)`` of the manifest and becomes
-    ``shard-{j:06d}.tar``, whatever the number of ranks, kills and reruns (a committed chunk is
-    skipped). Rows added to the manifest after a chunk was committed (incremental runs) go, in
-    order, into new chunks numbered after every chunk there is.
+    The manifest's ``N`` rows are cut into ``ceil(N / per_shard)`` chunks of equal size (give or
+    take one row: 268 rows at 256 per shard become 134 + 134, not 256 + 12, so readers that split
+    by shard stay balanced); chunk ``j`` becomes ``shard-{j:06d}.tar``, whatever the number of
+    ranks, kills and reruns (a committed chunk is skipped). Rows added to the manifest after a
+    chunk was committed (incremental runs) go, in order, into new chunks numbered after every
+    chunk there is.
     """
     covered = set().union(*done.values()) if done else set()
     n_pos = -(-len(requests) // per_shard)
+    per_shard = -(-len(requests) // n_pos) if n_pos else per_shard
     todo, leftover = [], []
     for j in range(n_pos):
         rows = [r for r in requests[j * per_shard:(j + 1) * per_shard] if row_id(r) not in covered]

@@ -247,3 +247,15 @@ def test_plugin_codec_and_bad_sample_in_batch_costs_only_itself(tiny_config, dem
     assert kept == set(durations) - failed
     assert manifest["n_codebooks"] == 4 and manifest["codec_sample_rate"] == 16000
     assert manifest["encoders"]["audio_tokenizer"]["class"] == "plugin_codec.EnergyCodec"
+
+
+def test_chunks_are_balanced_and_named_by_position():
+    from precompute.job import plan_chunks, row_id
+    from precompute.manifests import Request
+    reqs = [Request(row=i, key=f"k{i}") for i in range(268)]
+    plan = plan_chunks(reqs, 256, {})
+    assert [(n, len(rows)) for n, rows in plan] == [("shard-000000.tar", 134), ("shard-000001.tar", 134)]
+    assert [len(rows) for _, rows in plan_chunks(reqs[:10], 4, {})] == [4, 3, 3]
+    # resume: a committed chunk is skipped, the others keep their names and rows
+    done = {"shard-000000": {row_id(r) for r in plan[0][1]}}
+    assert [(n, len(rows)) for n, rows in plan_chunks(reqs, 256, done)] == [("shard-000001.tar", 134)]
