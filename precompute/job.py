@@ -135,10 +135,10 @@ def plan_chunks(requests: list[Request], per_shard: int, done: dict[str, set[str
     """
     covered = set().union(*done.values()) if done else set()
     n_pos = -(-len(requests) // per_shard)
-    per_shard = -(-len(requests) // n_pos) if n_pos else per_shard
+    edges = [j * len(requests) // n_pos for j in range(n_pos + 1)] if n_pos else [0]  # sizes differ by <= 1
     todo, leftover = [], []
     for j in range(n_pos):
-        rows = [r for r in requests[j * per_shard:(j + 1) * per_shard] if row_id(r) not in covered]
+        rows = [r for r in requests[edges[j]:edges[j + 1]] if row_id(r) not in covered]
         if schema.chunk_shard_name(j)[:-4] in done:
             leftover += rows  # the chunk was committed when the manifest was shorter
         elif rows:
