@@ -255,7 +255,7 @@ def test_chunks_are_balanced_and_named_by_position():
     reqs = [Request(row=i, key=f"k{i}") for i in range(268)]
     plan = plan_chunks(reqs, 256, {})
     assert [(n, len(rows)) for n, rows in plan] == [("shard-000000.tar", 134), ("shard-000001.tar", 134)]
-    assert [len(rows) for _, rows in plan_chunks(reqs[:10], 4, {})] == [4, 3, 3]
+    assert [len(rows) for _, rows in plan_chunks(reqs[:10], 4, {})] == [3, 3, 4]
     # resume: a committed chunk is skipped, the others keep their names and rows
     done = {"shard-000000": {row_id(r) for r in plan[0][1]}}
     assert [(n, len(rows)) for n, rows in plan_chunks(reqs, 256, done)] == [("shard-000001.tar", 134)]
