@@ -12,7 +12,7 @@ from loaders import ShardLoader
 from shards import read_index
 
 
-def padding_waste(cache: Path, batch_size: int = 16, max_frames: int | None = None) -> dict:
+def padding_waste(cache: Path, batch_size: int = 16, max_frames: int | None = None) -> dict | None:
     """Padded vs real codes frames over one epoch: fixed batches vs budget batches with buckets.
 
     ``max_frames`` defaults to ``batch_size * median frames`` so both modes hold about the same
@@ -20,10 +20,12 @@ def padding_waste(cache: Path, batch_size: int = 16, max_frames: int | None = No
     """
     frames = np.asarray(read_index(cache).column("n_frames").to_pylist())
     frames = frames[frames > 0]
+    if not len(frames):
+        return None  # no codes (an image-text cache)
     budget = max_frames or int(batch_size * np.median(frames))
     out = {}
     for name, kw in (("fixed", {}), ("bucketed", {"max_frames": budget})):
-        loader = ShardLoader(cache, batch_size, fields=("codes",), drop_remainder=False, **kw)
+        loader = ShardLoader(cache, min(batch_size, len(frames)), fields=("codes",), drop_remainder=False, **kw)
         loader.set_epoch(0)
         real = padded = batches = 0
         for batch in loader:

@@ -55,13 +55,19 @@ def build_cache(out: Path, n: int, n_shards: int, seed: int = 0) -> Path:
     for s in range(n_shards):
         with ShardWriter(out, shard_name(0, s)) as w:
             for _ in range(min(per, n - k)):
-                T = 7 * 16000
+                T = 7 * 16000  # a conversation: a 2 s reference clip and a 5 s target, one image
+                L = int(rng.integers(50, 70))
+                labels = np.full(L, -100, dtype=np.int32)
+                labels[-12:] = rng.integers(1, 32000, 12)
                 w.add(f"utt{k:07d}", {
                     "json": {"sample_rate": 16000, "duration_s": T / 16000, "speaker": f"spk{k % 50}",
                              "text": "a synthetic utterance of about sixty tokens"},
                     "codes.npy": rng.integers(0, 1024, (8, 175), dtype=np.int16),
+                    "audio_segments.npy": np.array([[0, 2, 1, 0, 50, 0], [1, 4, 1, 50, 125, 0]], dtype=np.int32),
                     "audio.npy": (rng.standard_normal(T) * 3000).astype(np.int16),
-                    "text_ids.npy": rng.integers(1, 32000, int(rng.integers(50, 70)), dtype=np.int32),
+                    "audio_starts.npy": np.array([0, 2 * 16000, T], dtype=np.int32),
+                    "input_ids.npy": rng.integers(1, 32000, L, dtype=np.int32),
+                    "labels.npy": labels,
                     "latents.npy": rng.standard_normal((16, 1, 64, 64)).astype(np.float16),
                 })
                 k += 1
@@ -207,6 +213,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="extra runs with workers")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "loader.json")
     ap.add_argument("--keep", action="store_true", help="keep the temporary cache")
+    ap.add_argument("--real-cache", type=Path, nargs="*", default=[],
+                    help="caches made by precompute (e.g. real-mini conversations) to measure too")
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_loader_"))
@@ -223,6 +231,15 @@ def main(argv=None) -> dict:
         web = bench_webdataset(files, nbytes)
         resume = bench_resume(cache, args.batch_size, 0) + bench_resume(cache, args.batch_size, 2)
         rss = bench_rss(cache, args.batch_size, 2)
+        real = []
+        for c in args.real_cache:  # small caches: as many epochs as make ~1000 samples
+            rfiles = sorted(c.glob("shard-*.tar"))
+            rcat = bench_cat(rfiles)
+            n = len(__import__("shards").read_index(c))
+            bs = min(8, n)
+            r = bench_loader(c, bs, 0, rcat["bytes"], n, epochs=max(3, 1000 // n))
+            real.append(dict(r, cache=c.name, ratio_to_cat=r["MB_s"] / rcat["MB_s"], cat_MB_s=rcat["MB_s"],
+                             KiB_per_sample=rcat["bytes"] / n / 1024, batch_size=bs))
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -237,7 +254,7 @@ def main(argv=None) -> dict:
                              ratio_to_cat_cpu=(r["MB_s_cpu"] / cat["MB_s_cpu"]) if r["MB_s_cpu"] else None)
                         for r in ours],
         "webdataset": dict(web, ratio_to_cat=web["MB_s"] / cat["MB_s"]),
-        "resume": resume, "rss": rss, "target_ratio": 0.4,
+        "resume": resume, "rss": rss, "target_ratio": 0.4, "real_caches": real,
     }
     print(f"cache: {args.samples} samples, {args.shards} shards, {nbytes / 1e6:.0f} MB "
           f"({nbytes / args.samples / 1024:.0f} KiB/sample); batch {args.batch_size}; load avg "

@@ -9,7 +9,8 @@ random weights, where the encoders dominate) and each corpus (the demo, and real
 2. ``encoders_alone``: the same rows decoded up front, then only the encoder calls timed, batched
    exactly as the job batches them. ``wall / encoders_alone`` is how well decoding and writing are
    hidden behind the encoders (target <= 1.15 with the real-size configs).
-3. audio file opens per decoded row, counted by wrapping ``io.open`` in a ``num_workers=0`` run.
+3. audio file opens per distinct audio file, counted by wrapping ``io.open`` in a ``num_workers=0``
+   run (1.0: each file opened once, whatever number of items of a conversation use it).
 """
 from __future__ import annotations
 
@@ -21,12 +22,19 @@ from pathlib import Path
 
 import torch
 
+from precompute import chat
 from precompute.config import load_config
-from precompute.job import Summary, encode_batch, load_encoders, run
+from precompute.job import (Summary, chunk_batches, encode_batch, image_multiple, job_rates, load_encoders,
+                            plan_chunks, run)
 from precompute.manifests import read_manifest
 from precompute.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def corpus_name(manifest: Path) -> str:
+    """``demo`` / ``real-mini`` for the flat manifests, else the manifest's stem (``chatml_voice_clone``)."""
+    return manifest.parent.name if manifest.name in ("samples.jsonl", "samples_with_corrupt.jsonl") else manifest.stem
 
 
 def _config(models: Path, size: str, **kw):
@@ -39,12 +47,14 @@ def _config(models: Path, size: str, **kw):
 def encoders_alone(manifest: Path, cfg) -> tuple[float, int]:
     """Seconds spent in encoder calls when every row is decoded beforehand (same batching as the job)."""
     enc = load_encoders(cfg, "cpu")
-    rates = tuple(dict.fromkeys([cfg.sample_rate, enc.audio.sample_rate]))
-    prepared = [prepare(r, 0, cfg, rates, enc.text, enc.image.spatial_factor) for r in read_manifest(manifest)]
+    template = chat.resolve_template(cfg.chat_template, enc.text)
+    plan = plan_chunks(read_manifest(manifest), cfg.samples_per_shard, {})
+    items = [(r, c) for c, (_, rows) in enumerate(plan) for r in rows]
+    prepared = [prepare(r, c, cfg, job_rates(cfg, enc), enc.text, template, image_multiple(enc)) for r, c in items]
     summary = Summary()
     with torch.inference_mode():
-        for i in range(0, len(prepared), cfg.batch_size):
-            encode_batch(prepared[i:i + cfg.batch_size], enc, cfg, summary, "cpu")
+        for batch in chunk_batches([c for _, c in items], cfg.batch_size):
+            encode_batch([prepared[i] for i in batch], enc, cfg, summary, "cpu")
     return summary.encoder_s, sum(p.error is None for p in prepared)
 
 
@@ -64,9 +74,10 @@ def audio_opens(manifest: Path, cfg) -> dict:
             summary, _ = run(manifest, Path(d) / "c", dataclasses.replace(cfg, num_workers=0), progress=False)
     finally:
         io.open = builtins.open = real
-    decoded = [r for r in read_manifest(manifest) if r.error is None and r.audio and Path(r.audio).is_file()]
-    return {"audio_rows_decoded": len(decoded), "audio_opens": len(counted),
-            "audio_opens_per_row": round(len(counted) / max(1, len(decoded)), 3)}
+    files = {a.source for r in read_manifest(manifest) if r.error is None for a in r.conversation.audio
+             if Path(a.source).is_file()}
+    return {"audio_files_decoded": len(files), "audio_opens": len(counted),
+            "audio_opens_per_file": round(len(counted) / max(1, len(files)), 3)}
 
 
 def bench(manifest: Path, models: Path, size: str, repeats: int = 1) -> dict:
@@ -80,7 +91,7 @@ def bench(manifest: Path, models: Path, size: str, repeats: int = 1) -> dict:
     wall = sorted(walls)[len(walls) // 2]
     alone, kept = encoders_alone(manifest, cfg)
     return {
-        "corpus": manifest.parent.name, "models": size, "samples": summary.kept, "rejected": summary.rejected,
+        "corpus": corpus_name(manifest), "models": size, "samples": summary.kept, "rejected": summary.rejected,
         "setup_s": round(summary.setup_s, 2), "wall_s": round(wall, 2), "encoder_s_in_job": round(sorted(enc_in_job)[len(enc_in_job) // 2], 2),
         "encoders_alone_s": round(alone, 2), "wall_over_encoders_alone": round(wall / alone, 3),
         "encoder_busy": round(summary.encoder_busy, 3), "samples_per_s": round(summary.kept / wall, 2),

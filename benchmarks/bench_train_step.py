@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 
 from loaders import ShardLoader, collate_fn
-from precompute.job import Summary, encode_batch, load_encoders
+from precompute import chat
+from precompute.job import Summary, encode_batch, image_multiple, job_rates, load_encoders
 from precompute.manifests import read_manifest
 from precompute.prepare import prepare
 from train.models import ReferenceModel, data_spec
 
-FIELDS = ("codes", "text_ids", "latents")
+FIELDS = ("codes", "input_ids", "latents")
 
 
 def _step(model, opt, batch) -> None:
@@ -37,13 +38,13 @@ def _step(model, opt, batch) -> None:
 
 def _uncached_batch(reqs, enc, cfg) -> dict:
     """What a training step pays without a cache: decode, resample, codec, VAE, tokenize, collate."""
-    rates = tuple(dict.fromkeys([cfg.sample_rate, enc.audio.sample_rate]))
-    prepared = [prepare(r, 0, cfg, rates, enc.text, enc.image.spatial_factor) for r in reqs]
+    template = chat.resolve_template(cfg.chat_template, enc.text)
+    prepared = [prepare(r, 0, cfg, job_rates(cfg, enc), enc.text, template, image_multiple(enc)) for r in reqs]
     samples = []
     with torch.inference_mode():
         encoded = encode_batch(prepared, enc, cfg, Summary(), "cpu")
     for key, fields, _ in encoded:
-        samples.append({"__key__": key, "codes": fields["codes.npy"], "text_ids": fields["text_ids.npy"],
+        samples.append({"__key__": key, "codes": fields["codes.npy"], "input_ids": fields["input_ids.npy"],
                         **({"latents": fields["latents.npy"]} if "latents.npy" in fields else {})})
     grid = cfg.image_size // enc.image.spatial_factor
     return collate_fn(samples, fields=FIELDS, latent_shape=(enc.image.latent_channels, 1, grid, grid))

@@ -54,8 +54,9 @@ def tiny_config(**kw):
 
 
 def corpora() -> list[Path]:
-    real = REAL_MINI / "samples_with_corrupt.jsonl"
-    return [DEMO] + ([real] if real.exists() else [])
+    """The demo, and real-mini's flat manifest and two conversation manifests when present."""
+    real = [REAL_MINI / n for n in ("samples_with_corrupt.jsonl", "chatml_voice_clone.json", "llava_multiturn.json")]
+    return [DEMO] + [m for m in real if m.exists()]
 
 
 def save(name: str, data) -> None:
@@ -79,8 +80,9 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="shardcache-bench-"))
     from precompute.job import run as precompute
     caches = {}
+    from benchmarks.bench_precompute import corpus_name
     for manifest in corpora():
-        caches[manifest] = tmp / manifest.parent.name
+        caches[manifest] = tmp / corpus_name(manifest)
         precompute(manifest, caches[manifest], tiny_config(samples_per_shard=64), progress=False)
 
     marks: dict[str, int] = {}
@@ -92,17 +94,18 @@ def main(argv=None) -> int:
         save("precompute", {"machine": info, "runs": rows})
         lines += ["**Stage one** (decode + encode + write wall time vs the encoder calls alone over the same batches; "
                   "model loading excluded):", "",
-                  "| corpus | encoders | samples | samples/s | wall / encoders alone | encoder busy | audio opens per row |",
+                  "| corpus | encoders | samples | samples/s | wall / encoders alone | encoder busy | audio opens per file |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['corpus']} | {r['models']} | {r['samples']} | {r['samples_per_s']} | "
-                  f"{r['wall_over_encoders_alone']} | {r['encoder_busy']:.0%} | {r.get('audio_opens_per_row', '-')} |"
+                  f"{r['wall_over_encoders_alone']} | {r['encoder_busy']:.0%} | {r.get('audio_opens_per_file', '-')} |"
                   for r in rows] + [""]
 
     marks["loader"] = len(lines)
     if "loader" in only:
         # own process: RSS figures must not include this process's encoders
+        conv = [c for m, c in caches.items() if m.suffix == ".json"]  # the conversation caches
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_loader.py"), "--out",
-                        str(RESULTS / "loader.json")], check=True, cwd=ROOT)
+                        str(RESULTS / "loader.json"), "--real-cache", *map(str, conv)], check=True, cwd=ROOT)
         r = json.loads((RESULTS / "loader.json").read_text())
         best = r["shardloader"][0]
         lines += ["**Loader** (one process, collated torch batches; 1000 samples of ~360 KiB in 8 shards, page cache):", "",
@@ -113,6 +116,9 @@ def main(argv=None) -> int:
             lines.append(f"| ShardLoader, num_workers={s['num_workers']}{mode} | {s['samples_s']:.0f} | {s['MB_s']:.0f} | "
                          f"{s['ratio_to_cat']:.2f} |")
         w = r["webdataset"]
+        lines += [f"| ShardLoader, num_workers=0, real-mini `{x['cache']}` cache ({x['KiB_per_sample']:.0f} KiB/sample, "
+                  f"batch {x['batch_size']}) | {x['samples_s']:.0f} | {x['MB_s']:.0f} | {x['ratio_to_cat']:.2f} |"
+                  for x in r.get("real_caches", [])]
         lines += [f"| webdataset `.decode()` (no collate) | {w['samples_s']:.0f} | {w['MB_s']:.0f} | {w['ratio_to_cat']:.2f} |",
                   "", f"ShardLoader / webdataset: {best['MB_s'] / w['MB_s']:.1f}x. Startup (construct the loader from "
                   "the index, workers=0 / 2): " + " / ".join(f"{x['construct_s'] * 1e3:.0f} ms" for x in r["resume"]
@@ -125,14 +131,15 @@ def main(argv=None) -> int:
     marks["cache"] = len(lines)
     if "cache" in only:
         from benchmarks import bench_cache
-        rows = {m.parent.name: {"padding": bench_cache.padding_waste(c), "bytes": bench_cache.bytes_on_disk(c)}
-                for m, c in caches.items()}
+        rows = {corpus_name(m): {"padding": bench_cache.padding_waste(c), "bytes": bench_cache.bytes_on_disk(c)}
+                for m, c in caches.items()}  # padding: None for a cache without codes (image-text)
         save("cache", rows)
         lines += ["**Padding and bytes** (codes frames padded per batch of 16, fixed vs budget batches with length buckets; "
                   "shard bytes vs raw tensor bytes):", "",
                   "| corpus | padding fixed | padding bucketed | disk bytes / sample | disk / tensor bytes |",
                   "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {k} | {v['padding']['fixed']['waste']:.1%} | {v['padding']['bucketed']['waste']:.1%} | "
+        pct = lambda v, mode: f"{v['padding'][mode]['waste']:.1%}" if v["padding"] else "-"  # noqa: E731
+        lines += [f"| {k} | {pct(v, 'fixed')} | {pct(v, 'bucketed')} | "
                   f"{v['bytes']['disk_bytes_per_sample']} | {v['bytes']['disk_over_tensor']} |" for k, v in rows.items()] + [""]
 
     marks["train_step"] = len(lines)
