@@ -46,7 +46,7 @@ ATOL, RTOL = 2e-6, 1e-5
 def common(cache: Path, out: Path) -> dict:
     return dict(cache=str(cache), out=str(out), loader=LOADER, model_kwargs=TINY_MODEL, steps=STEPS,
                 warmup_steps=2, lr=1e-3, latent_loss="mse", progress=False, threads=1, keep=3,
-                ckpt_every=1, pg_timeout_min=2.0)
+                ckpt_every=1, pg_timeout_min=2.0, val_fraction=0)
 
 
 # ---- spawned workers with callbacks ----------------------------------------------------------------

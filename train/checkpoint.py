@@ -217,13 +217,20 @@ def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
          info: D.DistInfo) -> dict[str, Any]:
     """Restore weights, optimizer, this rank's loader position and RNG; return the trainer state.
 
+    The optimizer's per-group ``base_lr`` (the lr before the schedule) stays as this run configured
+    it, so a resumed run with another ``--lr`` uses the new one, as it did before groups had their own.
+
     With the same world size each rank takes its own saved state. With another world size (same
     global batch) every rank gives the loader rank 0's state (the position is global: the loader
     maps it onto the new split) and reseeds its RNGs from (seed, step, rank).
     """
     path = Path(path)
     load_weights(model, path, strict=True)
+    base_lrs = [g.get("base_lr") for g in optimizer.param_groups]
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    for g, base in zip(optimizer.param_groups, base_lrs):  # the lrs are this run's config, as before
+        if base is not None:
+            g["base_lr"] = base
     st = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     same_world = st["world_size"] == info.world_size
     loader.load_state_dict(st["loaders"][info.rank if same_world else 0])

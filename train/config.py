@@ -6,6 +6,12 @@ exists) < command-line flags. Every field ``foo_bar`` is the flag ``--foo-bar``;
 value from the file (``--model-kwargs '{"d_model": 128}'``), tuple fields a
 comma-separated list. The effective config is printed at start (global rank 0) and stored in every
 checkpoint (``config.json`` and inside ``trainer.pt``).
+
+The Higgs-Audio / HF Trainer spellings (``--train_data_file``, ``--learning_rate``, ``--bf16``...,
+:data:`ALIASES`) are accepted as aliases of these options, so the Higgs-Audio launch line works as
+written. ``--model_path P`` sets ``model_kwargs.lm = P`` and ``--model tts`` unless ``--model`` is
+given. A ``--model`` on the command line that differs from the file's drops the file's
+``model_kwargs`` (they belong to the file's model).
 """
 from __future__ import annotations
 
@@ -35,8 +41,16 @@ class TrainConfig:
 
     # ---- data ------------------------------------------------------------------------------------
     cache: str = _f("", "training cache directory (made by `python -m precompute`). Required.")
-    val_cache: str = _f("", "validation cache directory; empty = evaluate on --cache (not held out).")
-    fields: tuple = _f(("codes", "text_ids", "latents"), "cached fields the loader collates.")
+    val_cache: str = _f("", "validation cache directory; empty = validate on the keys of --cache held out "
+                        "by --val-fraction.")
+    val_fraction: float = _f(0.02, "without --val-cache: the fraction of --cache's keys held out of training "
+                             "for validation, chosen by sha256(key) (the same keys for every run, seed and "
+                             "world size; a key's membership does not depend on the other keys); at least 1 "
+                             "key when the cache has >= 20 samples, none below; 0 = nothing held out, no "
+                             "validation. At most 0.5.")
+    fields: tuple = _f(("auto",), "cached fields the loader collates: auto = the model's `fields` attribute "
+                       "(recipes declare theirs), else every field the cache holds; all = every field the "
+                       "cache holds; or a list, e.g. input_ids,labels,codes,audio_segments.")
     batch_size: int = _f(8, "samples per rank per micro-step. Global batch = batch_size x world x grad_accum.")
     eval_batch_size: int = _f(0, "samples per rank per validation batch; 0 = --batch-size.")
     num_workers: int = _f(0, "DataLoader worker processes per rank (0 = load in the training process).")
@@ -48,8 +62,11 @@ class TrainConfig:
     seed: int = _f(0, "seed of the data order and of model init; rank r seeds its own RNGs with seed+r.")
 
     # ---- model -----------------------------------------------------------------------------------
-    model: str = _f("reference", "'reference' or module:factory returning an nn.Module whose "
-                    "forward(batch) returns a loss tensor or a dict with 'loss'.")
+    model: str = _f("reference", "'reference', a recipe (tts | vlm: train.recipes) or module:factory returning "
+                    "an nn.Module whose forward(batch) returns a loss tensor or a dict with 'loss'.")
+    audio_tokenizer: str = _f("", "the audio tokenizer (path or hub id) the cache's codes should come from: "
+                              "logged and compared with manifest.json (config.audio_tokenizer.pretrained), "
+                              "a mismatch warns. Never loaded: the codes are cached.")
     model_kwargs: dict = _f({}, "keyword arguments for the model factory (JSON); for the reference "
                             "model: d_model, n_layers, n_heads, mlp_ratio, dropout, patch_size, max_positions.")
     latent_loss: str = _f("none", "reference model latent-regression head: none | cosine | mse.")
@@ -64,7 +81,10 @@ class TrainConfig:
     lora_targets: tuple = _f(("qkv", "proj", "fc1", "fc2"), "module names that get LoRA adapters.")
 
     # ---- optimisation ----------------------------------------------------------------------------
-    steps: int = _f(1000, "optimizer steps in total (the schedule spans them).")
+    steps: int = _f(1000, "optimizer steps in total (the schedule spans them); ignored when --epochs > 0.")
+    epochs: float = _f(0.0, "train for this many epochs (may be fractional): steps = ceil(epochs x "
+                       "steps_per_epoch), steps_per_epoch = loader batches per epoch // grad_accum; "
+                       "0 = use --steps.")
     grad_accum: int = _f(1, "micro-steps per optimizer step; gradients are all-reduced on the last only.")
     lr: float = _f(3e-4, "peak learning rate.")
     min_lr: float = _f(3e-5, "final learning rate of the cosine/linear decay.")
@@ -77,6 +97,8 @@ class TrainConfig:
     fused: str = _f("auto", "fused AdamW: auto (if this torch/device supports it) | on | off.")
     grad_clip: float = _f(1.0, "max global grad norm; 0 = no clipping (the norm is still logged). "
                           "A non-finite norm skips the step.")
+    grad_norm_warn: float = _f(1000.0, "warn (global rank 0) when the pre-clip grad norm exceeds this "
+                               "(first 3 times, then every 100th); expected O(1-100); 0 = never.")
     precision: str = _f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 (also on CPU) | fp32.")
 
     # ---- parallelism / runtime -------------------------------------------------------------------
@@ -97,7 +119,10 @@ class TrainConfig:
     requeue_exit_code: int = _f(3, "exit status after a stop request (checkpoint saved; the job should be requeued).")
 
     # ---- evaluation ------------------------------------------------------------------------------
-    eval_every: int = _f(0, "validate every N steps (and at the end); 0 = never.")
+    validation: bool = _f(True, "validate during training (on --val-cache, else on the keys held out by "
+                          "--val-fraction); --no-validation: never, and nothing is held out.")
+    eval_every: int = _f(0, "validate every N steps and at the end; 0 = at each checkpoint (--ckpt-every) "
+                         "and at the end.")
     eval_batches: int = _f(0, "batches per rank per validation; 0 = the whole validation epoch.")
 
     # ---- logging / profiling ---------------------------------------------------------------------
@@ -180,9 +205,34 @@ def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
     return from_dict(data, base, source=str(path))
 
 
+#: ``fields`` values that are not a list of fields
+FIELD_MODES = (("auto",), ("all",))
+
+PRECOMPUTE_HINT = ("python -m precompute --manifest {file} --out DIR --config configs/precompute-tts.yaml")
+
+
+def check_cache_path(cache: str) -> None:
+    """A manifest file given where a cache directory belongs: ValueError with the precompute command."""
+    if cache and Path(cache).is_file():
+        raise ValueError(
+            f"--train_data_file/--cache {cache} is a file (a manifest?), not a cache directory: training "
+            "reads the tensors that stage one caches (no audio decoding or codec here). Run\n"
+            f"  {PRECOMPUTE_HINT.format(file=cache)}\n"
+            "first, then pass --train_data_file DIR (or --cache DIR).")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Raise ValueError for inconsistent options."""
+    from .recipes import RECIPES  # a dict of names: imports nothing heavy
+
+    check_cache_path(cfg.cache)
+    fields = tuple(cfg.fields)
+    explicit = fields not in FIELD_MODES
     checks = [
+        (not explicit or not {"auto", "all"} & set(fields), "fields: auto or all alone, or a list of fields"),
+        (0.0 <= cfg.val_fraction <= 0.5, "val_fraction must be in [0, 0.5]"),
+        (cfg.epochs >= 0, "epochs must be >= 0"),
+        (cfg.grad_norm_warn >= 0, "grad_norm_warn must be >= 0 (0 = never)"),
         (cfg.batch_size >= 1, "batch_size must be >= 1"),
         (cfg.grad_accum >= 1, "grad_accum must be >= 1"),
         (cfg.steps >= 0, "steps must be >= 0"),
@@ -194,17 +244,39 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.latent_loss in ("none", "cosine", "mse"), "latent_loss must be none|cosine|mse"),
         (cfg.fused in ("auto", "on", "off"), "fused must be auto|on|off"),
         (cfg.backend in ("auto", "nccl", "gloo"), "backend must be auto|nccl|gloo"),
-        (cfg.model == "reference" or ":" in cfg.model, "model must be 'reference' or module:factory"),
+        (cfg.model == "reference" or cfg.model in RECIPES or ":" in cfg.model,
+         f"model must be 'reference', one of {sorted(RECIPES)} or module:factory"),
         (":" in cfg.loader, "loader must be module:class"),
         (not cfg.lora or cfg.lora_r >= 1, "lora_r must be >= 1"),
-        (cfg.latent_loss == "none" or "latents" in cfg.fields, "latent_loss needs 'latents' in fields"),
-        ("codes" in cfg.fields or cfg.model != "reference", "the reference model needs 'codes' in fields"),
+        (cfg.latent_loss == "none" or not explicit or "latents" in fields, "latent_loss needs 'latents' in fields"),
+        (not explicit or "codes" in fields or cfg.model != "reference", "the reference model needs 'codes' in fields"),
         (0 <= cfg.requeue_exit_code <= 255, "requeue_exit_code must be 0..255"),
     ]
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
     return cfg
+
+
+#: Higgs-Audio / HF Trainer flag -> (our option, constant or None for "takes a value", help).
+#: ``--model_path`` is special: ``model_kwargs.lm`` (see :func:`config_from_namespace`).
+ALIASES: dict[str, tuple[str, Any, str]] = {
+    "--model_path": ("model_path", None, "LM checkpoint (dir or hub id) = --model-kwargs '{\"lm\": P}'; "
+                     "--model defaults to tts."),
+    "--audio_tokenizer_path": ("audio_tokenizer", None, "= --audio-tokenizer (compared with the cache's)."),
+    "--train_data_file": ("cache", None, "= --cache: a cache DIR made by `python -m precompute` "
+                          "(not the .json manifest)."),
+    "--output_dir": ("out", None, "= --out."),
+    "--save_steps": ("ckpt_every", None, "= --ckpt-every."),
+    "--disable_evaluation": ("validation", False, "= --no-validation (nothing held out)."),
+    "--per_device_train_batch_size": ("batch_size", None, "= --batch-size."),
+    "--learning_rate": ("lr", None, "= --lr."),
+    "--num_train_epochs": ("epochs", None, "= --epochs."),
+    "--logging_steps": ("log_every", None, "= --log-every."),
+    "--warmup_steps": ("warmup_steps", None, "= --warmup-steps."),
+    "--bf16": ("precision", "bf16", "= --precision bf16."),
+    "--use_lora": ("lora", True, "= --lora."),
+}
 
 
 def build_parser(prog: str = "python -m train", description: str | None = None,
@@ -238,6 +310,15 @@ def build_parser(prog: str = "python -m train", description: str | None = None,
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
         else:
             p.add_argument(flag, default=argparse.SUPPRESS, metavar=t.__name__.upper(), help=help_)
+    g = p.add_argument_group("aliases (Higgs-Audio / HF Trainer spelling)")
+    for flag, (dest, const, help_) in ALIASES.items():
+        if dest in exclude or (dest == "model_path" and "model_kwargs" in exclude):
+            continue
+        if const is None:
+            g.add_argument(flag, dest=dest, default=argparse.SUPPRESS, metavar="VALUE", help=help_)
+        else:
+            g.add_argument(flag, dest=dest, action="store_const", const=const, default=argparse.SUPPRESS,
+                           help=help_)
     return p
 
 
@@ -250,6 +331,15 @@ def config_from_namespace(ns: argparse.Namespace) -> TrainConfig:
     if path and path != "none":
         cfg = load_yaml(path, cfg)
     overrides = {k: v for k, v in vars(ns).items() if k in _FIELDS}
+    model_path = getattr(ns, "model_path", None)
+    if model_path:
+        overrides.setdefault("model", "tts")
+        if overrides["model"] == "reference":
+            raise ValueError("--model_path: the reference model loads no LM; use --model tts|vlm|module:factory")
+        kw = _convert("model_kwargs", overrides.get("model_kwargs", {}))
+        overrides["model_kwargs"] = {**kw, "lm": str(model_path)}
+    if overrides.get("model", cfg.model) != cfg.model:  # the file's model_kwargs are for the file's model
+        cfg = dataclasses.replace(cfg, model_kwargs={})
     return from_dict(overrides, cfg, source="command line")
 
 

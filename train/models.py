@@ -166,7 +166,7 @@ class ReferenceModel(nn.Module):
     """Text + image-latent prefix, causal transformer over codec frames (see the module docstring)."""
 
     #: what it reads from a cache (``latents`` only where samples have them)
-    fields = ("codes", "input_ids", "latents")
+    fields = ("codes", "input_ids", "text_ids", "latents")
 
     def __init__(self, n_codebooks: int = 8, codebook_size: int = 1024, vocab_size: int = 259,
                  latent_channels: int = 16, d_model: int = 256, n_layers: int = 4, n_heads: int = 4,
