@@ -294,6 +294,10 @@ def lm_config(size: str = "tiny"):
             pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
+            # with the default 0.02 a random frozen LM's logits hardly depend on its inputs, so a
+            # trainable projection alone (the vlm recipe) could not fit even a few captions; a
+            # pretrained LM's do depend on them
+            initializer_range=0.2,
         )
     return LlamaConfig(
         hidden_size=2048,
