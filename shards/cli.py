@@ -23,6 +23,7 @@ examples:
   shards stats cache/ --plot stats.png
   shards verify cache/ --deep
   shards export-audio cache/ spk-us-0001 out.wav
+  shards export-lhotse cache/ shar/        (Lhotse Shar: audio, text, speaker, codes)
   shards rejects cache/ --reason unreadable_audio
   shards reindex cache/
 

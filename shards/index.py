@@ -278,6 +278,8 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     write_parquet_atomic(index, out_dir / INDEX_FILE)
     write_parquet_atomic(rejects, out_dir / REJECTS_FILE)
     write_json_atomic(manifest, out_dir / MANIFEST_FILE)
+    from .card import write_dataset_card  # README.md: HF datasets reads the tars with declared features
+    write_dataset_card(out_dir, manifest, index)
     return manifest
 
 

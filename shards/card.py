@@ -1,0 +1,170 @@
+"""The dataset card (``OUT/README.md``) that lets Hugging Face ``datasets`` load a cache as is.
+
+``datasets.load_dataset(CACHE_DIR)`` (streaming or not) reads the YAML front matter of the card:
+
+* ``configs``: the ``train`` split is the main shard tars only, named by character-class patterns
+  (``shard-[0-9][0-9][0-9][0-9][0-9][0-9].tar``), so ``index.parquet``, ``rejects.parquet``,
+  ``parts/`` and future sidecar tars (``shard-000000.codes_mimi.tar``) are never read as data.
+  Without the card, ``datasets`` picks the Parquet files and ignores the tars.
+* ``dataset_info.features``: one feature per tar member, built from the ``members`` column of the
+  index (name, dtype, number of dimensions), so ``datasets`` never infers types from the first few
+  samples. Members only some samples have (``latents.npy`` on image samples, ``codes.npy`` and
+  ``audio.npy`` on audio samples) are declared and come back as ``None`` where a sample lacks them.
+  ``.npy`` members are nested lists of their numpy dtype (``codes.npy`` int16 ``(n_codebooks,
+  frames)`` is ``List(List(int16))``, ``latents.npy`` float16 ``(C, T, H, W)`` four levels deep);
+  the ``json`` member is ``Json()`` (stored as a JSON string, decoded to a dict on read) because its
+  content (the original manifest row, null or string sources) differs between samples.
+
+Feature names are what ``datasets``' WebDataset builder calls the fields: the member name after the
+key, e.g. ``"codes.npy"``, ``"json"``, plus ``__key__`` and ``__url__``. ``Json()`` needs
+``datasets>=5`` on the reading side. This module imports neither ``datasets`` nor ``yaml`` at import
+time; writing the card needs only PyYAML (``safe_dump``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+CARD_FILE = "README.md"
+#: the split every cache has
+SPLIT = "train"
+_MAIN_SHARD = re.compile(r"^shard-(?:r\d{4}-)?\d{6,}\.tar$")
+
+
+def shard_patterns(shard_names: Iterable[str]) -> list[str]:
+    """Glob patterns matching exactly the main shard tars among ``shard_names``.
+
+    Each digit becomes ``[0-9]``: ``shard-000000.tar`` -> ``shard-[0-9]{x6}.tar`` written out, and
+    ``shard-r0000-000000.tar`` -> ``shard-r[0-9]{x4}-[0-9]{x6}.tar``; a sidecar such as
+    ``shard-000000.codes_mimi.tar`` matches neither. Names that are not main shards are ignored.
+    """
+    pats = {re.sub(r"\d", "[0-9]", n) for n in shard_names if _MAIN_SHARD.match(str(n))}
+    return sorted(pats) or [re.sub(r"\d", "[0-9]", "shard-000000.tar")]
+
+
+def _value_dtype(dtype: str) -> str:
+    """``datasets`` Value dtype name of a numpy dtype string (``int16``, ``float16``, ``bool``...)."""
+    dt = np.dtype(dtype)
+    return "bool" if dt.kind == "b" else dt.name
+
+
+def member_features(index) -> list[dict[str, Any]]:
+    """The ``dataset_info.features`` YAML list (``datasets``' own format) for the members of ``index``.
+
+    ``index``: the cache's index as a ``pyarrow.Table`` (``members`` column). ``__key__`` and
+    ``__url__`` come first, then the members in sorted name order. Raises ``ValueError`` when one
+    member name has two dtypes or numbers of dimensions in different samples.
+    """
+    seen: dict[str, tuple[str, int]] = {}
+    members = index.column("members").combine_chunks() if index.num_rows else None
+    if members is not None:
+        flat = members.flatten()
+        names = flat.field("name").to_pylist()
+        dtypes = flat.field("dtype").to_pylist()
+        ndims = [len(s) if s is not None else 0 for s in flat.field("shape").to_pylist()]
+        for name, dtype, ndim in zip(names, dtypes, ndims):
+            got = (str(dtype), int(ndim))
+            old = seen.setdefault(name, got)
+            if old != got:
+                raise ValueError(f"member {name!r} is stored as {old} in some samples and {got} in "
+                                 "others: a cache has one dtype and rank per member")
+    feats: list[dict[str, Any]] = [{"name": "__key__", "dtype": "string"},
+                                   {"name": "__url__", "dtype": "string"}]
+    for name in sorted(seen):
+        dtype, ndim = seen[name]
+        if dtype == "json":
+            feats.append({"name": name, "dtype": "json"})
+        elif dtype == "bytes":
+            feats.append({"name": name, "dtype": "binary"})
+        elif ndim == 0:
+            feats.append({"name": name, "dtype": _value_dtype(dtype)})
+        else:
+            spec: Any = _value_dtype(dtype)
+            for _ in range(ndim):
+                spec = {"list": spec}
+            feats.append({"name": name, **spec})
+    return feats
+
+
+def _shard_names(out_dir: Path, manifest: dict[str, Any], index) -> list[str]:
+    names = [s["path"] for s in manifest.get("shards") or [] if isinstance(s, dict) and "path" in s]
+    if not names and index is not None and index.num_rows:
+        names = sorted(set(index.column("shard").to_pylist()))
+    if not names:
+        names = sorted(p.name for p in Path(out_dir).glob("shard-*.tar"))
+    return names
+
+
+def card_metadata(manifest: dict[str, Any], index, shard_names: Iterable[str]) -> dict[str, Any]:
+    """The YAML front matter of the card as a dict: ``configs``, ``dataset_info``, ``tags``."""
+    return {
+        "configs": [{"config_name": "default",
+                     "data_files": [{"split": SPLIT, "path": shard_patterns(shard_names)}]}],
+        "dataset_info": {"features": member_features(index)},
+        "tags": ["webdataset", "shardcache"],
+    }
+
+
+def dataset_card(manifest: dict[str, Any], index, shard_names: Iterable[str]) -> str:
+    """The whole card: YAML front matter plus a short description of the cache."""
+    import yaml
+    shard_names = list(shard_names)
+    meta = card_metadata(manifest, index, shard_names)
+    n = (manifest.get("counts") or {}).get("samples", index.num_rows if index is not None else 0)
+    facts = {k: manifest[k] for k in ("format_version", "sample_rate", "frame_rate", "n_codebooks",
+                                      "codebook_size", "latent_channels") if k in manifest}
+    fields = ", ".join(f"`{f['name']}`" for f in meta["dataset_info"]["features"][2:])
+    body = f"""# shardcache cache
+
+Precomputed training tensors (WebDataset tars, one sample = the tar members sharing a key) written
+by shardcache's `python -m precompute`. {n} samples in {len(shard_names)} shard tars.
+
+Facts: `{json.dumps(facts, sort_keys=True)}`
+
+Fields (`datasets` names them by member, e.g. `codes.npy`): {fields}.
+
+```python
+import datasets
+ds = datasets.load_dataset("PATH/TO/THIS/FOLDER", split="train")                   # or streaming=True
+ds = ds.with_format("numpy")  # arrays instead of nested lists
+```
+
+`index.parquet` (one row per sample, byte offsets of every array), `manifest.json` (encoders,
+counts, shards with sha256) and `rejects.parquet` describe the cache; the `configs` above keep them
+out of the data. Other readers (upstream `webdataset`, Lhotse Shar via `shards export-lhotse`,
+Megatron-Energon): see `docs/readers.md` in shardcache.
+"""
+    front = yaml.safe_dump(meta, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return f"---\n{front}---\n\n{body}"
+
+
+def write_dataset_card(out_dir: str | Path, manifest: dict[str, Any], index) -> Path:
+    """Write ``OUT/README.md`` atomically (temp file, fsync, rename) and return its path.
+
+    ``manifest``: the cache's manifest dict (its ``shards`` list names the tars; when absent the
+    index's ``shard`` column, then the folder's ``shard-*.tar`` are used). ``index``: the index
+    ``pyarrow.Table``. Call it after ``index.parquet`` and ``manifest.json`` are written.
+    """
+    out_dir = Path(out_dir)
+    text = dataset_card(manifest, index, _shard_names(out_dir, manifest, index))
+    path = out_dir / CARD_FILE
+    fd, tmp = tempfile.mkstemp(prefix=f".{CARD_FILE}.", suffix=".tmp", dir=out_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
