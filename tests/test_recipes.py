@@ -222,7 +222,7 @@ def test_audio_loss_counts_trained_output_items_only(lm_dir):
 
     base = audio_loss(s)
     later = {k: v.clone() if torch.is_tensor(v) else list(v) for k, v in s.items()}
-    r_in, r_out = s["rows"][2], s["rows"][3]               # after the trained item: context cannot matter
+    r_in = s["rows"][2]                                    # after the trained item: context cannot matter
     later["codes"][:, r_in[3]:] = (later["codes"][:, r_in[3]:] + 5) % CB
     assert audio_loss(later) == pytest.approx(base, abs=1e-6)
     trained = {**s, "codes": s["codes"].clone()}

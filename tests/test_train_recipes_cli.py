@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from test_train_support import PY, REPO, base_env, read_metrics
-from train.config import TrainConfig, build_parser, from_dict, parse_args
+from train.config import build_parser, from_dict, parse_args
 from train.loop import (GradNormWatch, HeldOut, held_out_mask, lr_at, make_optimizer, resolve_fields, run,
                         set_lr, total_steps)
 
