@@ -353,12 +353,5 @@ def manifest_shards(manifest: dict, d: Path | None = None) -> list[dict]:
 def load_manifest(d: Path) -> dict:
     """``d/manifest.json`` as a dict (empty when absent); a malformed file is :class:`ShardCorrupt`,
     a format version this code does not know :class:`~shards.errors.UnsupportedFormat`."""
-    from ..index import check_format_version, read_manifest
-    try:
-        manifest = read_manifest(d)
-    except ValueError as e:
-        raise ShardCorrupt(f"{Path(d) / MANIFEST_FILE}: not valid JSON ({e})") from e
-    if not isinstance(manifest, dict):
-        raise ShardCorrupt(f"{Path(d) / MANIFEST_FILE}: expected a JSON object")
-    check_format_version(manifest, d)
-    return manifest
+    from ..index import load_manifest_checked
+    return load_manifest_checked(d)
