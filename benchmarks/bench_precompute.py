@@ -9,8 +9,9 @@ random weights, where the encoders dominate) and each corpus (the demo, and real
 2. ``encoders_alone``: the same rows decoded up front, then only the encoder calls timed, batched
    exactly as the job batches them. ``wall / encoders_alone`` is how well decoding and writing are
    hidden behind the encoders (target <= 1.15 with the real-size configs).
-3. audio file opens per distinct audio file, counted by wrapping ``io.open`` in a ``num_workers=0``
-   run (1.0: each file opened once, whatever number of items of a conversation use it).
+3. audio file opens per distinct audio file of each conversation, counted by wrapping ``io.open``
+   in a ``num_workers=0`` run (1.0: each file opened once per conversation, whatever number of its
+   items use it).
 """
 from __future__ import annotations
 
@@ -74,10 +75,12 @@ def audio_opens(manifest: Path, cfg) -> dict:
             summary, _ = run(manifest, Path(d) / "c", dataclasses.replace(cfg, num_workers=0), progress=False)
     finally:
         io.open = builtins.open = real
-    files = {a.source for r in read_manifest(manifest) if r.error is None for a in r.conversation.audio
-             if Path(a.source).is_file()}
-    return {"audio_files_decoded": len(files), "audio_opens": len(counted),
-            "audio_opens_per_file": round(len(counted) / max(1, len(files)), 3)}
+    # one open per distinct existing file of each conversation (a reference clip shared by several
+    # conversations is opened once in each of them)
+    needed = sum(len({a.source for a in r.conversation.audio if Path(a.source).is_file()})
+                 for r in read_manifest(manifest) if r.error is None)
+    return {"audio_files_decoded": needed, "audio_opens": len(counted),
+            "audio_opens_per_file": round(len(counted) / needed, 3) if needed else None}
 
 
 def bench(manifest: Path, models: Path, size: str, repeats: int = 1) -> dict:

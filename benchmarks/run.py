@@ -97,7 +97,7 @@ def main(argv=None) -> int:
                   "| corpus | encoders | samples | samples/s | wall / encoders alone | encoder busy | audio opens per file |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['corpus']} | {r['models']} | {r['samples']} | {r['samples_per_s']} | "
-                  f"{r['wall_over_encoders_alone']} | {r['encoder_busy']:.0%} | {r.get('audio_opens_per_file', '-')} |"
+                  f"{r['wall_over_encoders_alone']} | {r['encoder_busy']:.0%} | {r.get('audio_opens_per_file') or '-'} |"
                   for r in rows] + [""]
 
     marks["loader"] = len(lines)
