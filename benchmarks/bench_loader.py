@@ -224,6 +224,8 @@ def main(argv=None) -> dict:
         cache = build_cache(tmp / "cache", args.samples, args.shards)
         build_s = time.perf_counter() - t0
         files = sorted(cache.glob("shard-*.tar"))
+        from bench_cache import bytes_on_disk
+        disk = bytes_on_disk(cache)
         cat = bench_cat(files)
         nbytes = cat["bytes"]
         ours = [bench_loader(cache, args.batch_size, 0, nbytes, args.samples),
@@ -249,6 +251,7 @@ def main(argv=None) -> dict:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform(), "loadavg_end": os.getloadavg()},
         "cache": {"samples": args.samples, "shards": args.shards, "bytes": nbytes,
+                  "disk_over_tensor": disk["disk_over_tensor"],
                   "KiB_per_sample": nbytes / args.samples / 1024, "build_s": build_s},
         "batch_size": args.batch_size, "cat": cat,
         "shardloader": [dict(r, ratio_to_cat=r["MB_s"] / cat["MB_s"],

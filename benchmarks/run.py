@@ -120,7 +120,8 @@ def main(argv=None) -> int:
                   f"batch {x['batch_size']}) | {x['samples_s']:.0f} | {x['MB_s']:.0f} | {x['ratio_to_cat']:.2f} |"
                   for x in r.get("real_caches", [])]
         lines += [f"| webdataset `.decode()` (no collate) | {w['samples_s']:.0f} | {w['MB_s']:.0f} | {w['ratio_to_cat']:.2f} |",
-                  "", f"ShardLoader / webdataset: {best['MB_s'] / w['MB_s']:.1f}x. Startup (construct the loader from "
+                  "", f"Shard bytes / raw tensor bytes of these shards: {r['cache'].get('disk_over_tensor', '-')}. "
+                  f"ShardLoader / webdataset: {best['MB_s'] / w['MB_s']:.1f}x. Startup (construct the loader from "
                   "the index, workers=0 / 2): " + " / ".join(f"{x['construct_s'] * 1e3:.0f} ms" for x in r["resume"]
                                                               if x["fraction"] < 0.5) + ". Resume latency (fresh loader to first "
                   "batch): " + ", ".join(f"{x['fraction']:.0%} of epoch, workers={x['num_workers']}: "
