@@ -44,6 +44,11 @@ key                  dtype      shape                      meaning
 ``has_image``        bool       (B,)                       sample has latents
 ===================  =========  =========================  =============================================
 
+Fields added to a cache with ``python -m precompute add-field`` (e.g. ``codes_mimi``, kind ``codes``
+in :mod:`shards.fields`) are collated like ``codes``: ``codes_mimi`` (B, Q', F') padded with -100,
+``codes_mimi_lengths`` (B,), ``codes_mimi_mask`` (B, F'). Every pad value, lengths/mask key and
+rank comes from the field registry (:mod:`shards.fields`).
+
 (``T, H, W`` of the latent rows are latent frames and latent cells, e.g. ``(1, H_px/8, W_px/8)``,
 unrelated to the audio ``T``; in a conversation latent frame ``k`` is image ``k``.) Extra waveform
 fields (e.g. ``audio_16k``, ``audio_16k_starts``) are collated like ``audio``/``audio_starts``. ``latents_mask``/``has_image`` come with ``latents`` or
@@ -74,40 +79,46 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from shards import fields as registry
+
 #: pad value of ``codes``: PyTorch ``CrossEntropyLoss(ignore_index=-100)`` skips these positions.
-CODES_PAD_ID = -100
+CODES_PAD_ID = registry.BY_NAME["codes"].pad
 #: pad value of ``text_ids``.
-TEXT_PAD_ID = 0
+TEXT_PAD_ID = registry.TEXT_PAD_ID
 #: label of tokens that are not trained (PyTorch's ``CrossEntropyLoss`` default ``ignore_index``).
-IGNORE_INDEX = -100
+IGNORE_INDEX = registry.IGNORE_INDEX
 #: ``audio`` float32 = int16 PCM * AUDIO_SCALE (exact: a power of two).
 AUDIO_SCALE = np.float32(1.0 / 32768.0)
 #: the fields a loader reads by default (those of them the cache holds), in read order.
-FIELDS = ("codes", "audio", "audio_starts", "audio_segments", "input_ids", "labels", "text_ids", "latents")
+#: (Derived from the field registry, :mod:`shards.fields`.)
+FIELDS = tuple(f.name for f in registry.FIELDS if f.default_read)
 #: fields read only when named in ``fields``: ``latents_logvar`` (caches made with store_posterior).
-OPTIONAL_FIELDS = ("latents_logvar",)
+OPTIONAL_FIELDS = tuple(f.name for f in registry.FIELDS if not f.default_read)
 #: every fixed field a batch can hold, in the order the loader reads them (plus extra waveforms,
 #: see :func:`is_waveform`).
 ALL_FIELDS = FIELDS + OPTIONAL_FIELDS
 #: member ndim of each field (``FIELD.npy``; extra waveforms: 1)
-NDIM = {"codes": 2, "audio": 1, "audio_starts": 1, "audio_segments": 2, "input_ids": 1, "labels": 1,
-        "text_ids": 1, "latents": 4, "latents_logvar": 4}
+NDIM = {f.name: f.ndim for f in registry.FIELDS}
 
 
 def is_waveform(field: str) -> bool:
     """``audio`` or an extra waveform field such as ``audio_16k`` (not ``audio_starts``/``audio_segments``)."""
-    return field == "audio" or (field.startswith("audio_") and not field.endswith(("_starts", "_segments"))
-                                and field.replace("_", "").isalnum())
+    return registry.kind(field) == "waveform"
 
 
 def is_starts(field: str) -> bool:
-    return field.startswith("audio") and field.endswith("_starts")
+    return registry.kind(field) == "starts"
+
+
+def is_codes(field: str) -> bool:
+    """``codes`` or a field of its kind (e.g. ``codes_mimi``, added with ``precompute add-field``)."""
+    return registry.kind(field) == "codes"
 
 
 def field_ndim(field: str) -> int:
-    return NDIM.get(field, 1)
+    return registry.ndim(field)
 #: the latent-shaped fields (padded together, share ``latents_mask``/``has_image``).
-LATENT_FIELDS = ("latents", "latents_logvar")
+LATENT_FIELDS = tuple(f.name for f in registry.FIELDS if f.kind == "latents")
 _PIECE = 32767  # < at::internal::GRAIN_SIZE (32768): copy_ stays serial
 
 # torch.from_numpy warns (once per process, from C++) on read-only arrays, and the views of a
@@ -126,10 +137,10 @@ def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
     if isinstance(fields, str):
         fields = (fields,)
     fields = tuple(fields)
-    bad = [f for f in fields if f not in ALL_FIELDS and not (is_waveform(f) or is_starts(f))]
+    bad = [f for f in fields if registry.lookup(f) is None]
     if bad or not fields:
         raise ValueError(f"unknown fields {bad} (or none given); choose from {ALL_FIELDS} "
-                         "(plus extra waveforms such as audio_16k)")
+                         "(plus extra waveforms such as audio_16k, and added fields such as codes_mimi)")
     extra = sorted(f for f in fields if f not in ALL_FIELDS)
     return tuple(f for f in ALL_FIELDS if f in fields) + tuple(extra)
 
@@ -247,18 +258,9 @@ def _copy_padded(o: torch.Tensor, a: np.ndarray) -> None:
 
 
 def _ragged_spec(field: str, pad_id: int) -> tuple[int | None, str | None, str | None]:
-    """``(pad value (None: repeat the last value), lengths key, mask key)`` of a 1-D/2-D ragged field."""
-    if field == "input_ids":
-        return pad_id, "input_lengths", "attention_mask"
-    if field == "labels":
-        return IGNORE_INDEX, None, None
-    if field == "text_ids":
-        return TEXT_PAD_ID, "text_lengths", "text_mask"
-    if field == "audio_segments":
-        return -1, "audio_segments_count", None
-    if is_starts(field):
-        return None, None, None
-    return 0, f"{field}_lengths", f"{field}_mask"  # waveforms
+    """``(pad value (None: repeat the last value), lengths key, mask key)`` of a 1-D/2-D ragged field
+    (from its :class:`shards.fields.Field` entry)."""
+    return registry.ragged_spec(field, pad_id)
 
 
 def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],
@@ -289,20 +291,23 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
     i64, f32, b8 = torch.int64, torch.float32, torch.bool
     layout: list = []
     ragged: dict[str, tuple[list, list[int], int | None]] = {}  # field -> (arrays, lengths, pad)
-    if "codes" in fields:
-        codes = arrays["codes"]
+    code_fields = [f for f in fields if is_codes(f)]
+    c_lens: dict[str, list[int]] = {}
+    for cf in code_fields:
+        codes = arrays[cf]
         ncb_all = np.array([a.shape[0] for a in codes if a is not None])
         if len(ncb_all) and (ncb_all != ncb_all[0]).any():
             odd = [j for j, a in enumerate(codes) if a is not None and a.shape[0] != ncb_all[0]]
-            raise ValueError(f"codes of one batch have different numbers of codebooks: {ncb_all[0]} and "
+            raise ValueError(f"{cf} of one batch have different numbers of codebooks: {ncb_all[0]} and "
                              f"{sorted(set(codes[j].shape[0] for j in odd))} ({_name(keys, odd)}); "
                              "was the cache encoded with several codecs? filter by n_codebooks")
         Q = int(ncb_all[0]) if len(ncb_all) else 0
-        c_len = [0 if a is None else a.shape[1] for a in codes]
+        c_len = c_lens[cf] = [0 if a is None else a.shape[1] for a in codes]
         F = max(c_len, default=0)
-        layout += [("codes", (B, Q, F), i64), ("codes_lengths", (B,), i64), ("codes_mask", (B, F), b8)]
+        _, lk, mk = _ragged_spec(cf, pad_id)
+        layout += [(cf, (B, Q, F), i64), (lk, (B,), i64), (mk, (B, F), b8)]
     for f in fields:
-        if f == "codes" or f in LATENT_FIELDS:
+        if is_codes(f) or f in LATENT_FIELDS:
             continue
         pad, lengths, mask = _ragged_spec(f, pad_id)
         arrs = arrays[f]
@@ -326,14 +331,15 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
     batch: dict[str, Any] = {"keys": keys, "sample_rate": int(audible[0]) if len(audible) else 0}
     batch.update(allocate(layout))
 
-    if "codes" in fields:
-        o = batch["codes"].numpy()
-        for j, a in enumerate(arrays["codes"]):
+    for cf in code_fields:
+        o, c_len = batch[cf].numpy(), c_lens[cf]
+        pad, lk, mk = _ragged_spec(cf, pad_id)
+        for j, a in enumerate(arrays[cf]):
             n = c_len[j]
             if n:
                 o[j, :, :n] = a
-            o[j, :, n:] = CODES_PAD_ID
-        _fill_lengths_mask(c_len, batch["codes_lengths"], batch["codes_mask"])
+            o[j, :, n:] = pad
+        _fill_lengths_mask(c_len, batch[lk], batch[mk])
     for f, (arrs, lens, pad) in ragged.items():
         o = batch[f].numpy()
         scale = is_waveform(f) and not compact
@@ -406,7 +412,7 @@ def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] | None =
         if f in LATENT_FIELDS:
             continue
         missing = [s["__key__"] for s in samples if f not in s]
-        if missing and (len(missing) == len(samples) or f in ("input_ids", "labels", "text_ids")):
+        if missing and (len(missing) == len(samples) or registry.get(f).every_sample):
             raise KeyError(f"sample {missing[0]!r} has no {f!r}; drop it from fields or filter")
     if "latents_logvar" in fields:
         for s in samples:

@@ -23,24 +23,25 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shards import ShardReader, load_manifest_checked, read_index, value_checks_from_manifest
+from shards import fields as registry
 from shards.reader import refuse_unsafe
 
 from .batching import PlanSpec
-from .collate import (FIELDS, LATENT_FIELDS, TEXT_PAD_ID, check_fields, collate_views, field_ndim, is_starts,
-                      is_waveform)
+from .collate import (FIELDS, LATENT_FIELDS, TEXT_PAD_ID, check_fields, collate_views, field_ndim)
 from .order import filter_rows
 
 #: fields every sample of a conversation cache has (others may be absent on some samples:
 #: codes/audio on samples without audio, latents on samples without an image)
-_EVERY_SAMPLE = ("input_ids", "labels", "text_ids")
+_EVERY_SAMPLE = tuple(f.name for f in registry.FIELDS if f.every_sample)
 
 
 def cache_fields(table: pa.Table) -> tuple[str, ...]:
-    """The fields (of :data:`loaders.FIELDS` and extra waveforms) that some sample of the index holds."""
+    """The fields (of :data:`loaders.FIELDS`, extra waveforms and fields added with ``precompute
+    add-field`` such as ``codes_mimi``) that some sample of the index holds."""
     names = set(pc.unique(table.column("members").combine_chunks().flatten().field("name")).to_pylist())
     have = [f for f in FIELDS if f + ".npy" in names]
-    extra = sorted(n[:-4] for n in names if n.endswith(".npy") and n[:-4] not in FIELDS
-                   and (is_waveform(n[:-4]) or is_starts(n[:-4])) and n[:-4] != "audio_starts")
+    extra = sorted(n[:-4] for n in names if n.endswith(".npy") and n[:-4] not in registry.BY_NAME
+                   and registry.lookup(n[:-4]) is not None)  # audio_16k, audio_16k_starts, codes_mimi...
     return tuple(have) + tuple(extra)
 
 

@@ -39,7 +39,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .batching import PlanSpec
-from .collate import FIELDS, check_fields
+from .collate import check_fields
 from .dataset import CacheSource, PlanDataset, Sources
 from .order import ShardOrder
 

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .collate import FIELDS, check_fields
+from .collate import check_fields
 from .dataset import CacheSource, Sources
 from .loader import ShardLoader
 from .order import epoch_order, rng_for

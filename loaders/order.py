@@ -21,9 +21,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from shards.schema import INDEX_COLUMNS
+
 #: index columns a dict filter may use (everything but the nested ``members`` column)
-FILTER_COLUMNS = ("key", "shard", "duration_s", "sample_rate", "num_samples", "n_frames",
-                  "n_codebooks", "n_text_tokens", "has_image", "speaker", "bytes", "sha256")
+#: (derived: shards.schema.INDEX_COLUMNS, whose field columns come from the field registry)
+FILTER_COLUMNS = tuple(c for c in INDEX_COLUMNS if c != "members")
 
 
 def rng_for(seed: int, epoch: int, tag: int = 0) -> np.random.Generator:

@@ -8,6 +8,11 @@ Many GPUs / nodes (each global rank encodes its own rows on ``cuda:LOCAL_RANK`` 
 own shards; rank 0 merges the index and manifest at the end)::
 
     torchrun --nproc_per_node=8 -m precompute --manifest train.json --out /data/cache
+
+Add / drop a field of an existing cache later (sidecar tars; see precompute.add_field)::
+
+    python -m precompute add-field CACHE --field codes_mimi --audio-tokenizer mimi [--pretrained DIR]
+    python -m precompute drop-field CACHE codes_mimi
 """
 from __future__ import annotations
 
@@ -58,6 +63,10 @@ def _plugin(spec: str | None, current: dict) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("add-field", "drop-field"):  # python -m precompute add-field CACHE --field ...
+        from . import add_field
+        return (add_field.main_add if argv[0] == "add-field" else add_field.main_drop)(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:

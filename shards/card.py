@@ -97,7 +97,8 @@ def _shard_names(out_dir: Path, manifest: dict[str, Any], index) -> list[str]:
     if not names and index is not None and index.num_rows:
         names = sorted(set(index.column("shard").to_pylist()))
     if not names:
-        names = sorted(p.name for p in Path(out_dir).glob("shard-*.tar"))
+        from .schema import is_main_shard_name
+        names = sorted(p.name for p in Path(out_dir).glob("shard-*.tar") if is_main_shard_name(p.name))
     return names
 
 

@@ -35,21 +35,28 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import schema
+from . import fields, schema
 from .errors import ShardCorrupt, UnsafePath, UnsupportedFormat
 from .schema import INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE
 
+#: ``file``: null for a member of the row's own shard; the sidecar tar name
+#: (``shard-000003.codes_mimi.tar``) for a member of a field added by ``precompute add-field``.
+#: Indexes written before sidecars have no ``file``: it reads as null.
 MEMBER_TYPE = pa.struct([
     ("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64()),
-    ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
+    ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("file", pa.string()),
 ])
-INDEX_SCHEMA = pa.schema([
-    ("key", pa.string()), ("shard", pa.string()), ("duration_s", pa.float64()),
-    ("sample_rate", pa.int32()), ("num_samples", pa.int64()), ("n_frames", pa.int32()),
-    ("n_codebooks", pa.int32()), ("n_text_tokens", pa.int32()), ("has_image", pa.bool_()),
-    ("speaker", pa.string()), ("bytes", pa.int64()), ("sha256", pa.string()),
-    ("members", pa.list_(MEMBER_TYPE)),
-])
+_ARROW_TYPES = {"int32": pa.int32(), "int64": pa.int64(), "bool": pa.bool_(), "float64": pa.float64(),
+                "string": pa.string()}
+#: derived: fixed head/tail columns + the columns contributed by fields (shards.fields)
+INDEX_SCHEMA = pa.schema(
+    [("key", pa.string()), ("shard", pa.string()), ("duration_s", pa.float64()), ("sample_rate", pa.int32())]
+    + [(c.name, _ARROW_TYPES[c.type]) for c in fields.INDEX_FIELD_COLUMNS]
+    + [("speaker", pa.string()), ("bytes", pa.int64()), ("sha256", pa.string()),
+       ("members", pa.list_(MEMBER_TYPE))])
+assert tuple(INDEX_SCHEMA.names) == schema.INDEX_COLUMNS
+#: a sidecar index part: the sidecar's members per key, in the key order of its main shard
+SIDECAR_PART_SCHEMA = pa.schema([("key", pa.string()), ("members", pa.list_(MEMBER_TYPE))])
 REJECTS_SCHEMA = pa.schema([
     ("key", pa.string()), ("source", pa.string()), ("reason", pa.string()), ("detail", pa.string()),
 ])
@@ -245,6 +252,14 @@ def merge_parts(out_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         if entry:
             shards.append(entry)
     index = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
+    kept = {}  # fields added by `precompute add-field` survive a stage-one re-merge
+    old = read_manifest(out_dir) if (out_dir / MANIFEST_FILE).exists() else {}
+    for name, info in (old.get("fields") or {}).items():
+        if fields.lookup(name) is not None and sidecar_parts_complete(out_dir, name, index):
+            index = attach_sidecar(index, read_sidecar_parts(out_dir, name))
+            kept[name] = info
+    if kept:
+        manifest = dict(manifest, fields=kept)
     rejects_tables = [pq.read_table(p, schema=REJECTS_SCHEMA) for p in sorted(parts.glob("*.rejects.parquet"))]
     rejects = pa.concat_tables(rejects_tables) if rejects_tables else REJECTS_SCHEMA.empty_table()
     return write_cache_files(out_dir, index, rejects, shards, manifest)
@@ -265,9 +280,10 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     for r in rejects.column("reason").to_pylist():
         reasons[r] = reasons.get(r, 0) + 1
     durations = index.column("duration_s").to_pylist()
-    manifest = dict(manifest)
+    from .manifest import CacheManifest
+    manifest = CacheManifest.from_dict(manifest).to_dict()  # typed: unknown keys are kept as they are
     manifest.update(
-        format_version=schema.FORMAT_VERSION,
+        format_version=2 if any((f or {}).get("sidecar", True) for f in (manifest.get("fields") or {}).values()) else 1,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         counts=dict(samples=index.num_rows, rejected=rejects.num_rows, rejects_by_reason=reasons,
                     images=int(sum(index.column("has_image").to_pylist())),
@@ -281,6 +297,86 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     from .card import write_dataset_card  # README.md: HF datasets reads the tars with declared features
     write_dataset_card(out_dir, manifest, index)
     return manifest
+
+
+# ------------------------------------------------------------------------------ sidecar fields
+
+def sidecar_part_path(out_dir: Path, shard: str, field_name: str) -> Path:
+    """``parts/shard-000003.codes_mimi.sidecar.parquet``: the commit marker of one sidecar tar."""
+    return Path(out_dir) / PARTS_DIR / f"{shard[:-4]}.{field_name}.sidecar.parquet"
+
+
+def write_sidecar_part(out_dir: Path, shard: str, field_name: str, rows: list[dict], entry: dict) -> None:
+    """Write a sidecar's part (``key``, ``members`` with ``file`` set; ``entry`` = the sidecar's
+    manifest entry ``{path, shard, samples, bytes, sha256}`` in the metadata), atomically."""
+    p = sidecar_part_path(out_dir, shard, field_name)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    t = pa.Table.from_pylist(rows, schema=SIDECAR_PART_SCHEMA).replace_schema_metadata(
+        {_SHARD_META: json.dumps(entry).encode()})
+    write_parquet_atomic(t, p)
+
+
+def sidecar_parts(out_dir: Path, field_name: str) -> list[Path]:
+    return sorted((Path(out_dir) / PARTS_DIR).glob(f"*.{field_name}.sidecar.parquet"))
+
+
+def sidecar_parts_complete(out_dir: Path, field_name: str, index: pa.Table) -> bool:
+    """True when every shard of ``index`` has a committed sidecar part for ``field_name``."""
+    shards = set(index.column("shard").unique().to_pylist())
+    return all(sidecar_part_path(out_dir, s, field_name).exists() for s in shards)
+
+
+def read_sidecar_parts(out_dir: Path, field_name: str) -> tuple[pa.Table, list[dict]]:
+    """``(key + members table of every sidecar part, their manifest entries)``."""
+    tables, entries = [], []
+    for p in sidecar_parts(out_dir, field_name):
+        tables.append(pq.read_table(p, schema=SIDECAR_PART_SCHEMA))
+        entry = read_part_shard_entry(p)
+        if entry:
+            entries.append(entry)
+    t = pa.concat_tables(tables) if tables else SIDECAR_PART_SCHEMA.empty_table()
+    return t, entries
+
+
+def attach_sidecar(index: pa.Table, sidecar: tuple[pa.Table, list[dict]] | pa.Table) -> pa.Table:
+    """``index`` with each row's ``members`` extended by the sidecar members of the same key
+    (vectorised: no per-row Python). Rows without a sidecar row keep their members."""
+    side = sidecar[0] if isinstance(sidecar, tuple) else sidecar
+    if side.num_rows == 0 or index.num_rows == 0:
+        return index
+    import numpy as np
+    import pyarrow.compute as pc
+    pos = pc.index_in(index.column("key"), value_set=side.column("key").combine_chunks())
+    pos = pos.to_numpy(zero_copy_only=False)
+    have = ~np.isnan(pos.astype(float)) if pos.dtype.kind == "f" else np.ones(len(pos), bool)
+    pos = np.where(have, np.nan_to_num(pos.astype(float), nan=0), 0).astype(np.int64)
+    a = index.column("members").combine_chunks()
+    b = side.column("members").combine_chunks().take(pa.array(pos))
+    a_off = a.offsets.to_numpy().astype(np.int64)
+    b_off = b.offsets.to_numpy().astype(np.int64)
+    la = np.diff(a_off)
+    lb = np.where(have, np.diff(b_off), 0)
+    n_a = len(a.values)  # offsets are absolute into .values
+    values = pa.concat_arrays([a.values, b.values])
+    new_off = np.concatenate([[0], np.cumsum(la + lb)])
+    take = np.empty(int(new_off[-1]), dtype=np.int64)
+    row_of = np.repeat(np.arange(len(la)), la + lb)
+    within = np.arange(len(take)) - new_off[:-1][row_of]
+    from_a = within < la[row_of]
+    take[from_a] = a_off[:-1][row_of[from_a]] + within[from_a]
+    take[~from_a] = n_a + b_off[:-1][row_of[~from_a]] + (within[~from_a] - la[row_of[~from_a]])
+    merged = pa.ListArray.from_arrays(pa.array(new_off.astype(np.int32)), values.take(pa.array(take)))
+    merged = merged.cast(pa.list_(MEMBER_TYPE))
+    return index.set_column(index.schema.get_field_index("members"), INDEX_SCHEMA.field("members"), merged)
+
+
+def detach_field(index: pa.Table, field_name: str) -> pa.Table:
+    """``index`` without the members of field ``field_name`` (``FIELD.npy``)."""
+    rows = index.column("members").to_pylist()
+    member = f"{field_name}.npy"
+    kept = [[m for m in r or [] if m["name"] != member] for r in rows]
+    return index.set_column(index.schema.get_field_index("members"), INDEX_SCHEMA.field("members"),
+                            pa.array(kept, pa.list_(MEMBER_TYPE)))
 
 
 def read_index(out_dir: Path) -> pa.Table:

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import schema
+from . import fields, schema  # noqa: F401
 from .errors import ShardCorrupt, UnsafeMember
 from .index import (check_format_version, load_manifest_checked, read_index,  # noqa: F401
                     safe_shard_path)
@@ -74,14 +74,19 @@ def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, Any
     """
     manifest = manifest or {}
     checks: dict[str, Any] = {}
-    for key, field in (("codebook_size", "codes"), ("text_vocab_size", "text_ids"),
-                       ("text_vocab_size", "input_ids")):
-        v = manifest.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            checks[field] = (0, v)
-    for member, dtype in schema.TENSOR_DTYPES.items():
-        if member.endswith(".npy") and np.dtype(dtype).kind == "f":
-            checks[member[:-4]] = "finite"
+    added = manifest.get("fields") if isinstance(manifest.get("fields"), dict) else {}
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0  # noqa: E731
+    for f in list(fields.FIELDS) + [fields.lookup(n) for n in added]:
+        if f is None or f.value_check is None:
+            continue
+        if f.value_check == "finite":
+            checks[f.name] = "finite"
+        elif f.value_check == "codes":
+            v = (added.get(f.name) or {}).get("codebook_size") if f.name in added else manifest.get("codebook_size")
+            if ok(v):
+                checks[f.name] = (0, v)
+        elif f.value_check == "text" and ok(manifest.get("text_vocab_size")):
+            checks[f.name] = (0, manifest["text_vocab_size"])
     return checks
 
 
@@ -119,6 +124,7 @@ class FieldArrays:
     present: np.ndarray
     code: np.ndarray
     dtypes: list
+    file: np.ndarray | None = None  #: int32 file number per row (main shard or sidecar tar)
 
 
 class ShardReader:
@@ -182,17 +188,20 @@ class ShardReader:
         shards = self.index.column("shard")
         self.shard_names: list[str] = list(shard_names) if shard_names is not None \
             else sorted(pc.unique(shards).to_pylist())
-        self._paths = [safe_shard_path(self.cache_dir, name) for name in self.shard_names]
         if shard_names is not None:  # index names missing from shard_names are refused too
             for name in set(pc.unique(shards).to_pylist()) - set(self.shard_names):
                 safe_shard_path(self.cache_dir, name)
         self.shard_of = pc.index_in(shards, value_set=pa.array(self.shard_names, pa.string())) \
             .to_numpy(zero_copy_only=False).astype(np.int32)
+        # files = main shards, then the sidecar tars the members name (fields added by add-field)
+        side = pc.unique(pc.drop_null(self.index.column("members").combine_chunks().flatten().field("file")))
+        self.files: list[str] = self.shard_names + sorted(set(side.to_pylist()) - set(self.shard_names))
+        self._paths = [safe_shard_path(self.cache_dir, name) for name in self.files]
         self._fields: dict[str, FieldArrays] = {}
         self._keys: list[str] | None = None
         self._rows: list | None = None  # per-sample member lists for get(), built on first use
-        self._maps: list[mmap.mmap | None] = [None] * len(self.shard_names)
-        self._ids: list[tuple[int, int] | None] = [None] * len(self.shard_names)  # (st_dev, st_ino)
+        self._maps: list[mmap.mmap | None] = [None] * len(self.files)
+        self._ids: list[tuple[int, int] | None] = [None] * len(self.files)  # (st_dev, st_ino)
         self._layout: tuple | None = None  # per-sample member layout for verify_rows()
         self._last_verified: np.ndarray | None = None
         if self.verify_reads:
@@ -208,8 +217,17 @@ class ShardReader:
             self._keys = self.key_array.to_pylist()
         return self._keys
 
-    def _where(self, row: int) -> str:
-        return f"{self.shard_names[self.shard_of[row]]}: sample {self.key_array[row].as_py()!r}"
+    def _where(self, row: int, file: int | None = None) -> str:
+        f = self.shard_of[row] if file is None else file
+        return f"{self.files[f]}: sample {self.key_array[row].as_py()!r}"
+
+    def _file_numbers(self, flat) -> np.ndarray:
+        """File number of each flattened member: -1 for the row's own shard, else its sidecar's."""
+        col = flat.field("file")
+        if col.null_count == len(col):
+            return np.full(len(col), -1, dtype=np.int32)
+        idx = pc.index_in(col, value_set=pa.array(self.files, pa.string()))
+        return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int32)
 
     # -- index -> arrays ---------------------------------------------------------------------
     def drop_index(self) -> None:
@@ -231,11 +249,11 @@ class ShardReader:
     def check_files(self) -> None:
         """Raise :class:`ShardCorrupt` if a shard is missing or shorter than its indexed members."""
         flat, parent = self._flat()
-        end = np.zeros(self.n, dtype=np.int64)  # furthest byte any member of a row needs
-        np.maximum.at(end, parent, flat.field("offset").to_numpy() + flat.field("size").to_numpy())
-        need = np.zeros(len(self.shard_names), dtype=np.int64)
-        np.maximum.at(need, self.shard_of, end)
-        for i, name in enumerate(self.shard_names):
+        fnum = self._file_numbers(flat)
+        fnum = np.where(fnum < 0, self.shard_of[parent] if len(parent) else fnum, fnum)
+        need = np.zeros(len(self.files), dtype=np.int64)  # furthest byte any member of a file needs
+        np.maximum.at(need, fnum, flat.field("offset").to_numpy() + flat.field("size").to_numpy())
+        for i, name in enumerate(self.files):
             if need[i] == 0:
                 continue  # no row of this shard kept: never opened
             path = self._paths[i]
@@ -288,7 +306,12 @@ class ShardReader:
             bad = int(np.flatnonzero(wrong)[0])
             raise ShardCorrupt(f"{self.cache_dir / self._where(bad)} member {member}: size {size[bad]} "
                                f"bytes does not match shape {shape[bad].tolist()}; run `shards verify`")
-        fa = self._fields[field] = FieldArrays(off, shape, count, present, code, dtypes)
+        file = None
+        fn = self._file_numbers(flat)[sel]
+        if (fn >= 0).any():  # a sidecar field: its rows read from their sidecar tar
+            file = self.shard_of.copy()
+            file[rows[fn >= 0]] = fn[fn >= 0]
+        fa = self._fields[field] = FieldArrays(off, shape, count, present, code, dtypes, file)
         return fa
 
     # -- reading ------------------------------------------------------------------------------
@@ -296,7 +319,7 @@ class ShardReader:
         """The read-only mmap of shard number ``shard`` (opened on first use, in each process)."""
         mm = self._maps[shard]
         if mm is None:
-            name = self.shard_names[shard]
+            name = self.files[shard]
             path = safe_shard_path(self.cache_dir, name)  # again: the file may have changed since
             try:
                 with open(path, "rb") as f:
@@ -338,7 +361,8 @@ class ShardReader:
         rows = np.asarray(rows)
         row_list = rows.tolist()
         offs, counts, shards, codes = (fa.off[rows].tolist(), fa.count[rows].tolist(),
-                                       self.shard_of[rows].tolist(), fa.code[rows].tolist())
+                                       (self.shard_of if fa.file is None else fa.file)[rows].tolist(),
+                                       fa.code[rows].tolist())
         shapes, dtypes = fa.shape[rows].tolist(), fa.dtypes
         items = [d.itemsize for d in dtypes]
         out: list[np.ndarray | None] = []
@@ -352,7 +376,7 @@ class ShardReader:
                 checked.add(s)
             mm = maps[s]
             if o + c * items[d] > len(mm):
-                raise ShardCorrupt(f"{self._where(r)} member {field}.npy lies past the end of the file "
+                raise ShardCorrupt(f"{self._where(r, s)} member {field}.npy lies past the end of the file "
                                    f"({len(mm)} bytes when mapped; truncated shard?); run `shards verify`")
             out.append(np.frombuffer(mm, dtype=dtypes[d], count=c, offset=o).reshape(shp))
         if self.verify_reads and not (self._last_verified is not None
@@ -407,10 +431,13 @@ class ShardReader:
         i = int(i)
         if self._rows is None:
             self._rows = self._members().to_pylist()
-        mm = self._checked_map(int(self.shard_of[i]), i)
+        main = self._checked_map(int(self.shard_of[i]), i)
         out: dict[str, Any] = {"__key__": self.keys[i]}
         for m in self._rows[i] or []:
             name, off, size = m["name"], int(m["offset"]), int(m["size"])
+            mm = main
+            if m.get("file"):  # a sidecar member
+                mm = self._checked_map(self.files.index(m["file"]), i)
             if off < 0 or size < 0 or off + size > len(mm):
                 raise ShardCorrupt(f"{self._where(i)} member {name} lies past the end of the file "
                                    "(truncated shard?)")
@@ -438,6 +465,10 @@ class ShardReader:
         """Per-row member layout (sorted by name, as in the sha256) and expected digests."""
         members = self._members().combine_chunks()
         flat, parent = members.flatten(), pc.list_parent_indices(members).to_numpy()
+        own = pc.is_null(flat.field("file")).to_numpy(zero_copy_only=False)
+        if not own.all():  # the row's sha256 covers its own shard's members (sidecars: `shards verify`)
+            keep = np.flatnonzero(own)
+            flat, parent = flat.take(pa.array(keep)), parent[keep]
         enc = flat.field("name").dictionary_encode()
         uniq = enc.dictionary.to_pylist()
         by_name = sorted(range(len(uniq)), key=uniq.__getitem__)
@@ -521,8 +552,8 @@ class ShardReader:
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_maps"] = [None] * len(self.shard_names)  # reopened lazily in each DataLoader worker
-        state["_ids"] = [None] * len(self.shard_names)
+        state["_maps"] = [None] * len(self.files)  # reopened lazily in each DataLoader worker
+        state["_ids"] = [None] * len(self.files)
         state["_last_verified"] = None
         state["_rows"] = state["_keys"] = None  # rebuilt on first use
         return state

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ShardCorrupt, UnsafeMember
+from . import fields
 from .schema import JSON_MEMBER, PICKLE_EXTENSIONS
 
 
@@ -73,17 +74,12 @@ def _row(key: str, shard: str, members: dict[str, bytes], where: dict[str, tuple
                                 shape=list(shape)))
         else:
             entries.append(dict(name=name, offset=offset, size=size, dtype="bytes", shape=[]))
-    codes = shapes.get("codes.npy", (0, 0))
     return dict(
         key=key,
         shard=shard,
         duration_s=float(meta.get("duration_s", 0.0)),
         sample_rate=int(meta.get("sample_rate", 0)),
-        num_samples=int(shapes.get("audio.npy", (0,))[0]),
-        n_frames=int(codes[1]) if len(codes) == 2 else 0,
-        n_codebooks=int(codes[0]) if len(codes) == 2 else 0,
-        n_text_tokens=int(shapes.get("input_ids.npy", shapes.get("text_ids.npy", (0,)))[0]),
-        has_image="latents.npy" in shapes,
+        **fields.index_column_values(shapes),  # num_samples, n_frames, ... (shards.fields)
         speaker=str(meta.get("speaker") or ""),
         bytes=sum(len(v) for v in members.values()),
         sha256=sample_sha256(members),

@@ -8,6 +8,11 @@ Both stages import this module; it imports neither. Layout of a cache directory:
       rejects.parquet               key, source, reason, detail
       shard-r0000-000000.tar ...    WebDataset tars; members KEY.json, KEY.codes.npy, ...
       parts/                        per-shard index/reject parts (written atomically with the tar)
+      shard-000000.FIELD.tar        sidecar of a field added later (precompute add-field), aligned
+                                    with shard-000000.tar by key order; parts/*.FIELD.sidecar.parquet
+
+Tensor fields are declared in :mod:`shards.fields` (the field registry: dtype, rank, pad, index
+columns); ``TENSOR_DTYPES`` and ``INDEX_COLUMNS`` below are derived from it.
 
 A sample is a group of tar members sharing the basename ``KEY`` (WebDataset's convention: the key
 is everything before the first dot of the member name, so keys never contain ``.`` or ``/``).
@@ -43,28 +48,32 @@ from __future__ import annotations
 
 import re
 
-FORMAT_VERSION = 1
+from . import fields
+
+#: the newest format this code reads and writes. 1: plain caches (still written when a cache has no
+#: sidecar field); 2: caches with sidecar fields (``fields`` in manifest.json, index members with
+#: a ``file``), which older code must refuse rather than read at wrong offsets.
+FORMAT_VERSION = 2
 
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.parquet"
 REJECTS_FILE = "rejects.parquet"
 PARTS_DIR = "parts"
-SHARD_GLOB = "shard-*.tar"
+SHARD_GLOB = "shard-*.tar"  # also matches sidecars: filter with is_main_shard_name
 
 class MemberDtypes(dict):
-    """Tensor member name -> numpy dtype it is stored with.
+    """Tensor member name -> numpy dtype it is stored with (derived from :mod:`shards.fields`).
 
-    Besides the fixed entries, waveform fields named in a job's ``extra_waveforms`` are valid:
-    ``audio_<name>.npy`` int16 and ``audio_<name>_starts.npy`` int32 (``name`` of letters,
-    digits and ``_``), so ``name in TENSOR_DTYPES`` and ``TENSOR_DTYPES[name]`` answer for them.
+    Besides the fixed entries, every name a rule of :func:`shards.fields.lookup` accepts is valid:
+    waveform fields named in a job's ``extra_waveforms`` (``audio_<name>.npy`` int16 and
+    ``audio_<name>_starts.npy`` int32) and sidecar fields made by ``precompute add-field``
+    (``codes_<name>.npy`` int16), so ``name in TENSOR_DTYPES`` and ``TENSOR_DTYPES[name]`` answer
+    for them.
     """
 
-    _WAVE = re.compile(r"^audio_[A-Za-z0-9_]+\.npy$")
-
     def _rule(self, name: str) -> str | None:
-        if isinstance(name, str) and self._WAVE.match(name):
-            return "int32" if name.endswith("_starts.npy") else "int16"
-        return None
+        f = fields.field_of_member(name)
+        return f.dtype if f is not None else None
 
     def __missing__(self, name: str) -> str:
         rule = self._rule(name)
@@ -79,17 +88,8 @@ class MemberDtypes(dict):
         return self[name] if name in self else default
 
 
-TENSOR_DTYPES = MemberDtypes({
-    "codes.npy": "int16",
-    "audio.npy": "int16",
-    "audio_starts.npy": "int32",
-    "audio_segments.npy": "int32",
-    "latents.npy": "float16",
-    "latents_logvar.npy": "float16",
-    "input_ids.npy": "int32",
-    "labels.npy": "int32",
-    "text_ids.npy": "int32",
-})
+#: derived from the registry (:data:`shards.fields.FIELDS`)
+TENSOR_DTYPES = MemberDtypes(fields.tensor_dtypes())
 #: columns of ``audio_segments.npy``
 SEGMENT_COLUMNS = ("item", "turn", "direction", "code_start", "code_frames", "speaker")
 JSON_MEMBER = "json"
@@ -100,10 +100,10 @@ PICKLE_EXTENSIONS = (".pyd", ".pkl", ".pickle", ".pth", ".pt")
 #: ``{name, offset, size, dtype, shape}`` where offset/size (bytes) locate the raw payload inside
 #: the tar (for ``.npy`` members: the array data after the npy header), so a reader can
 #: ``np.frombuffer(mmap, dtype, count, offset)`` without parsing tar or npy headers.
-INDEX_COLUMNS = (
-    "key", "shard", "duration_s", "sample_rate", "num_samples", "n_frames", "n_codebooks",
-    "n_text_tokens", "has_image", "speaker", "bytes", "sha256", "members",
-)
+#: ``num_samples``...``has_image`` are contributed by fields (:data:`shards.fields.INDEX_FIELD_COLUMNS`).
+INDEX_HEAD_COLUMNS = ("key", "shard", "duration_s", "sample_rate")
+INDEX_TAIL_COLUMNS = ("speaker", "bytes", "sha256", "members")
+INDEX_COLUMNS = INDEX_HEAD_COLUMNS + tuple(c.name for c in fields.INDEX_FIELD_COLUMNS) + INDEX_TAIL_COLUMNS
 REJECT_COLUMNS = ("key", "source", "reason", "detail")
 
 # Reject reason codes (short, stable strings stored in rejects.parquet).
@@ -151,6 +151,11 @@ def parse_shard_name(name: str) -> tuple[int, int]:
     if not m:
         raise ValueError(f"not a shard file name: {name!r} (expected shard-NNNNNN.tar or shard-rRRRR-NNNNNN.tar)")
     return int(m.group(1) or 0), int(m.group(2))
+
+
+def is_main_shard_name(name: str) -> bool:
+    """True for a stage-one shard name (not a sidecar ``shard-XXXXXX.FIELD.tar``)."""
+    return bool(_SHARD_RE.match(name))
 
 
 def safe_key(key: str) -> str:

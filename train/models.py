@@ -102,19 +102,19 @@ def data_spec(cache_dir: str | Path) -> DataSpec:
     spec = DataSpec()
     try:
         from shards import read_manifest
-        manifest = read_manifest(cache_dir)
+        from shards.manifest import CacheManifest
+        manifest = CacheManifest.from_dict(read_manifest(cache_dir))
     except Exception as e:  # noqa: BLE001 - an unreadable manifest only loses the hints
         log.warning("could not read %s/manifest.json (%s); using default model sizes", cache_dir, e)
         return spec
-    text = manifest.get("text") if isinstance(manifest.get("text"), dict) else {}
     values = {
-        "n_codebooks": manifest.get("n_codebooks"),
-        "codebook_size": manifest.get("codebook_size"),
-        "latent_channels": manifest.get("latent_channels"),
-        "vocab_size": text.get("vocab_size", manifest.get("text_vocab_size")),
-        "pad_id": text.get("pad_id", manifest.get("text_pad_id")),
+        "n_codebooks": manifest.n_codebooks,
+        "codebook_size": manifest.codebook_size,
+        "latent_channels": manifest.latent_channels,
+        "vocab_size": manifest.vocab_size(),
+        "pad_id": manifest.pad_id(),
     }
-    specials = text.get("special_token_ids") if isinstance(text.get("special_token_ids"), dict) else {}
+    specials = manifest.text.special_token_ids if manifest.text is not None else {}
     values.update({f: specials.get(tok) for f, tok in _TOKEN_FIELDS.items()})
     for fname, v in values.items():
         if _int(v) is not None:

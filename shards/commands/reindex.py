@@ -13,6 +13,8 @@ import pyarrow.parquet as pq
 from ..errors import ShardcacheError, ShardCorrupt
 from ..index import (REJECTS_SCHEMA, part_paths, read_part_shard_entry, rows_to_table,
                      write_cache_files, write_parts)
+from ..fields import parse_sidecar_name
+from ..index import attach_sidecar, read_sidecar_parts, sidecar_parts_complete
 from ..scan import scan_shard
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, SHARD_GLOB,
                       parse_shard_name)
@@ -79,6 +81,8 @@ def cmd_reindex(args: argparse.Namespace) -> int:
         raise UsageError("--jobs must be >= 1")
     tars = []
     for p in sorted(d.glob(SHARD_GLOB)):
+        if parse_sidecar_name(p.name):
+            continue  # a sidecar of a field added by `precompute add-field`: re-attached below
         try:
             parse_shard_name(p.name)
         except ValueError:
@@ -166,6 +170,16 @@ def cmd_reindex(args: argparse.Namespace) -> int:
         for part in stale:
             part.unlink()
         base = {k: v for k, v in manifest.items() if k not in RECOMPUTED}
+        added = dict(base.get("fields") or {})
+        for fname in sorted(added):  # sidecar fields: re-attach their members from their parts
+            if sidecar_parts_complete(d, fname, index):
+                index = attach_sidecar(index, read_sidecar_parts(d, fname))
+            else:
+                warn(f"field {fname!r}: not every shard has a committed sidecar; dropped from the "
+                     "manifest (rerun `python -m precompute add-field`)")
+                del added[fname]
+        if "fields" in base:
+            base["fields"] = added
         write_cache_files(d, index, rejects, entries, base)
 
     if out.json:

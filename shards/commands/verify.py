@@ -6,6 +6,11 @@ bytes (sha256): missing, extra, resized or changed shards, index/manifest disagr
 names the samples affected. ``--deep`` does that scan for every shard: it compares each sample's
 sha256 and member offsets/sizes/dtypes/shapes with the index and decodes every tensor member
 through :class:`~shards.reader.ShardReader`.
+
+Sidecar tars of fields added with ``python -m precompute add-field`` (``manifest.json`` ``fields``)
+are checked the same way (size + sha256 against their manifest entry) and, with ``--deep`` or when
+that fails, for key alignment with their main shard (same keys, same order, one ``FIELD.npy``
+each at the index's offsets): see :func:`check_sidecar`.
 """
 from __future__ import annotations
 
@@ -23,18 +28,19 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
+from .. import fields
 from ..errors import ShardcacheError, UnsafePath, UnsupportedFormat
 from ..index import rows_to_table
 from ..reader import ShardReader
 from ..scan import scan_shard
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES,
-                      parse_shard_name)
+                      is_main_shard_name, parse_shard_name)
 from ._common import (Out, UsageError, expand_targets, load_manifest, manifest_shards, progress,
                       read_index_columns, shard_path)
 
 #: scalar index fields re-derived by scan_shard and compared in deep mode
-ROW_FIELDS = ("duration_s", "sample_rate", "num_samples", "n_frames", "n_codebooks",
-              "n_text_tokens", "has_image", "speaker", "bytes")
+ROW_FIELDS = ("duration_s", "sample_rate") + tuple(c.name for c in fields.INDEX_FIELD_COLUMNS) \
+    + ("speaker", "bytes")  # derived from the field registry (shards.fields)
 MEMBER_FIELDS = ("offset", "size", "dtype", "shape")
 _SAMPLE_IN_MESSAGE = re.compile(r"(?:sample '([^']+)'|member '([^'./]+)\.)")
 
@@ -149,7 +155,7 @@ def compare_rows(shard: str, scanned: list[dict], indexed: list[dict]) -> list[P
         if a["sha256"] != b["sha256"]:
             probs.append(Problem(shard, k, f"sha256 mismatch: index {a['sha256'][:16]}..., tar "
                                            f"{b['sha256'][:16]}... (the sample's bytes changed)"))
-        ma = {m["name"]: m for m in a["members"] or []}
+        ma = {m["name"]: m for m in a["members"] or [] if not m.get("file")}  # sidecars: check_sidecar
         mb = {m["name"]: m for m in b["members"] or []}
         if set(ma) != set(mb):
             probs.append(Problem(shard, k, f"members differ: index {sorted(ma)}, tar {sorted(mb)}"))
@@ -265,6 +271,63 @@ def check_shard(path: Path, entry: dict | None, deep: bool,
     return _dedupe(probs), len(rows) if rows is not None else 0
 
 
+def check_sidecar(path: Path, entry: dict, deep: bool,
+                  index_rows: Callable[[str], pa.Table | None] | None) -> tuple[list[Problem], int]:
+    """Check one sidecar tar (``entry``: its manifest entry plus ``__field__``): size and sha256
+    against the manifest and (deep, or to explain a failure) key alignment with its main shard:
+    the same keys in the same order, one ``FIELD.npy`` each, at the offsets/shapes the index says."""
+    name, field_name, main = path.name, entry["__field__"], entry.get("shard")
+    if not path.exists():
+        return [Problem(name, None, f"missing: sidecar of field {field_name!r} for {main} listed in "
+                                    "manifest.json but not on disk")], 0
+    probs: list[Problem] = []
+    size = path.stat().st_size
+    if entry.get("bytes") is not None and size != entry["bytes"]:
+        probs.append(Problem(name, None, f"size {size} bytes, manifest.json says {entry['bytes']}"))
+    elif file_sha256(path) != entry.get("sha256"):
+        probs.append(Problem(name, None, f"sha256 differs from manifest.json "
+                                         f"{str(entry.get('sha256'))[:16]}... (sidecar rewritten?)"))
+    if not deep and not probs:
+        return probs, int(entry.get("samples") or 0)
+    try:
+        rows, _, _ = scan_shard(path)
+    except (ShardcacheError, OSError) as e:
+        return _dedupe(probs + [_scan_problem(name, path, e)]), 0
+    indexed = index_rows(main) if index_rows is not None and main else None
+    if indexed is None:
+        return _dedupe(probs), len(rows)
+    keys = indexed.column("key").to_pylist()
+    side_keys = [r["key"] for r in rows]
+    if side_keys != keys:
+        j = next((i for i, (a, b) in enumerate(zip(side_keys, keys)) if a != b), min(len(keys), len(side_keys)))
+        a = side_keys[j] if j < len(side_keys) else None
+        b = keys[j] if j < len(keys) else None
+        probs.append(Problem(name, a or b, f"misaligned with {main}: sample {j} is {a!r} in the sidecar, "
+                                           f"{b!r} in the shard ({len(side_keys)} vs {len(keys)} samples); "
+                                           f"`python -m precompute drop-field` and add the field again"))
+    member = f"{field_name}.npy"
+    idx = {k: [m for m in ms or [] if m.get("file") == name]
+           for k, ms in zip(keys, indexed.column("members").to_pylist())}
+    for r in rows:
+        got = {m["name"]: m for m in r["members"]}
+        if set(got) != {member}:
+            probs.append(Problem(name, r["key"], f"members {sorted(got)}, a sidecar of {field_name!r} holds "
+                                                 f"only {member}"))
+            continue
+        want = {m["name"]: m for m in idx.get(r["key"]) or []}.get(member)
+        if want is None:
+            if r["key"] in idx:
+                probs.append(Problem(name, r["key"], f"{member} in the sidecar but not in index.parquet"))
+            continue
+        for f in MEMBER_FIELDS:
+            va, vb = want[f], got[member][f]
+            if f == "shape":
+                va, vb = list(va or []), list(vb or [])
+            if va != vb:
+                probs.append(Problem(name, r["key"], f"member {member}: {f} {va} in index, {vb} in sidecar"))
+    return _dedupe(probs), len(rows)
+
+
 def _dedupe(probs: list[Problem]) -> list[Problem]:
     seen, out = set(), []
     for p in probs:
@@ -296,8 +359,11 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
         except ShardcacheError as e:
             problems.append(Problem(None, None, str(e)))
             manifest = None
-    on_disk = []
+    on_disk, side_on_disk = [], []
     for p in sorted(d.glob(SHARD_GLOB)):
+        if not is_main_shard_name(p.name) and fields.parse_sidecar_name(p.name):
+            side_on_disk.append(p.name)
+            continue
         try:
             shard_path(d, p.name)  # a symlink out of the cache is never read
         except UnsafePath as e:
@@ -321,6 +387,25 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
                 problems.append(Problem(None, None, f"manifest.json lists an invalid shard name "
                                                     f"{s['path']!r}"))
         targets = [(d / name, entries[name]) for name in sorted(entries)]
+        listed = set()
+        for fname, info in sorted((manifest.get("fields") or {}).items()):
+            if not isinstance(info, dict) or not info.get("sidecar", True):
+                continue
+            for e in info.get("shards") or []:
+                try:
+                    shard_path(d, e["path"])
+                    shard_path(d, e.get("shard"))
+                except (UnsafePath, KeyError, TypeError) as err:
+                    problems.append(Problem(None, None, str(err)))
+                    continue
+                listed.add(e["path"])
+                targets.append((d / e["path"], dict(e, __field__=fname)))
+            for main in sorted(set(entries) - {e.get("shard") for e in info.get("shards") or []}):
+                problems.append(Problem(main, None, f"no sidecar of field {fname!r} listed in manifest.json"))
+        for name in side_on_disk:
+            if name not in listed:
+                problems.append(Problem(name, None, "extra sidecar: on disk but not listed in manifest.json "
+                                                    "(an interrupted add-field? rerun it, or delete the file)"))
         for name in on_disk:
             if name not in entries:
                 problems.append(Problem(name, None, "extra shard: on disk but not listed in "
@@ -426,7 +511,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for path, entry in targets:
                 idx = lookup.get(path.parent)
                 getter = idx.get if idx is not None and idx.present else None
-                futures[pool.submit(check_shard, path, entry, args.deep, getter)] = path
+                check = check_sidecar if entry is not None and "__field__" in entry else check_shard
+                futures[pool.submit(check, path, entry, args.deep, getter)] = path
             for fut in as_completed(futures):
                 path = futures[fut]
                 try:

@@ -1,0 +1,278 @@
+"""The field registry: one declaration per tensor field of a cached sample.
+
+**Adding a field is one entry in** :data:`FIELDS` **plus the code that computes it** (stage one:
+:mod:`precompute.encode`; a field added to an existing cache later: :mod:`precompute.add_field`).
+Everything else is derived from the entries here:
+
+* :data:`shards.schema.TENSOR_DTYPES` (member name -> dtype; ``verify`` checks stored dtypes with it),
+* the index columns a field contributes (:data:`INDEX_FIELD_COLUMNS`, hence
+  :data:`shards.index.INDEX_SCHEMA`, ``shards verify``'s ``ROW_FIELDS`` and
+  :data:`loaders.order.FILTER_COLUMNS`), filled by :func:`shards.scan.scan_shard` from member shapes,
+* the member rank the reader checks (:func:`ndim`), the collate layout (:func:`ragged_spec`:
+  pad value, ``*_lengths`` / ``*_mask`` keys) and the value checks (:attr:`Field.value_check`).
+
+A field's ``kind`` says how it is collated: ``codes`` (int ``(Q, F)``, ragged along frames,
+padded with -100 + ``NAME_lengths``/``NAME_mask``), ``waveform`` (int16 ``(T,)``, scaled to float),
+``starts`` (offsets, padded with the last offset), ``tokens`` (int ``(L,)``), ``segments``
+(``(S, 6)`` rows padded with -1) and ``latents`` (``(C, T, H, W)``, zero-padded + ``latents_mask``).
+
+Name rules (no entry needed): ``audio_<name>`` / ``audio_<name>_starts`` are extra waveform fields
+(``extra_waveforms`` in the stage-one config); ``codes_<name>`` (e.g. ``codes_mimi``, made by
+``python -m precompute add-field``) is a field of kind ``codes`` stored in sidecar tars: a field
+declared at add-field time inherits the kind of its base encoder output (:data:`DERIVABLE`).
+
+This module imports nothing from either stage (and nothing from the rest of :mod:`shards`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Callable
+
+#: pad value of codes (PyTorch ``CrossEntropyLoss(ignore_index=-100)`` skips it) and of labels
+IGNORE_INDEX = -100
+#: pad of ``text_ids`` / default pad of ``input_ids`` (the cache's ``text.pad_id`` wins)
+TEXT_PAD_ID = 0
+#: ``Field.pad`` value meaning "pad with the cache's text pad id"
+PAD_TEXT = "text_pad_id"
+#: ``Field.pad`` value meaning "repeat the last value" (offset arrays)
+PAD_LAST = "last"
+
+
+@dataclass(frozen=True)
+class IndexColumn:
+    """One scalar ``index.parquet`` column a field contributes, computed from the member's shape.
+
+    ``value(shape)`` for a sample holding the member; ``default`` for one without it. When several
+    fields contribute the same column (``n_text_tokens`` from ``input_ids`` or ``text_ids``) the
+    first field of :data:`FIELDS` the sample holds wins.
+    """
+
+    name: str
+    type: str                                 #: arrow type name: int32 | int64 | bool | float64 | string
+    value: Callable[[tuple], object]
+    default: object = 0
+
+
+@dataclass(frozen=True)
+class Field:
+    """Declaration of one tensor member ``KEY.<suffix>`` of a cached sample.
+
+    Attributes:
+        name: field name (batch key, ``ShardReader.views(name)``).
+        dtype: numpy dtype it is stored with.
+        ndim: rank of the stored array.
+        kind: collate rule (see the module docstring).
+        ragged_axis: axis that varies between samples (padded in a batch); None: not ragged.
+        pad: pad value in a batch, or :data:`PAD_TEXT` / :data:`PAD_LAST`.
+        lengths: batch key of the per-sample lengths (None: none); mask: of the bool mask.
+        index_columns: the scalar index columns computed from its shape.
+        optional: may be absent on some samples (e.g. codes on a sample without audio).
+        every_sample: a loader asking for it requires it on every sample.
+        default_read: read by a loader when no ``fields`` are given (if the cache holds it).
+        stage: who writes it: ``precompute`` (stage one), ``add-field`` (a sidecar), ``legacy``
+            (only in old caches; read only).
+        value_check: ``"codes"`` (``[0, codebook_size)``), ``"text"`` (``[0, vocab_size)``),
+            ``"finite"`` or None.
+        sidecar: stored in sidecar tars ``shard-XXXXXX.<name>.tar`` (fields made by add-field).
+        doc: one line for the README / docs.
+    """
+
+    name: str
+    dtype: str
+    ndim: int
+    kind: str
+    ragged_axis: int | None = 0
+    pad: object = 0
+    lengths: str | None = None
+    mask: str | None = None
+    index_columns: tuple[IndexColumn, ...] = ()
+    optional: bool = True
+    every_sample: bool = False
+    default_read: bool = True
+    stage: str = "precompute"
+    value_check: str | None = None
+    sidecar: bool = False
+    doc: str = ""
+
+    @property
+    def suffix(self) -> str:
+        """Tar member suffix: ``KEY.<suffix>``."""
+        return f"{self.name}.npy"
+
+
+def _codes(name: str, **kw) -> Field:
+    return Field(name=name, dtype="int16", ndim=2, kind="codes", ragged_axis=1, pad=IGNORE_INDEX,
+                 lengths=f"{name}_lengths", mask=f"{name}_mask", value_check="codes", **kw)
+
+
+def _waveform(name: str, **kw) -> Field:
+    return Field(name=name, dtype="int16", ndim=1, kind="waveform", pad=0, lengths=f"{name}_lengths",
+                 mask=f"{name}_mask", **kw)
+
+
+def _starts(name: str, **kw) -> Field:
+    return Field(name=name, dtype="int32", ndim=1, kind="starts", pad=PAD_LAST, **kw)
+
+
+def _shape0(shape: tuple) -> int:
+    return int(shape[0]) if len(shape) >= 1 else 0
+
+
+#: THE REGISTRY, in read order (this order is also the order of the index columns they contribute).
+FIELDS: tuple[Field, ...] = (
+    _waveform("audio", index_columns=(IndexColumn("num_samples", "int64", _shape0),),
+              doc="every item's mono PCM at sample_rate, concatenated (full scale 32767)"),
+    _starts("audio_starts", doc="item k is audio[starts[k]:starts[k+1]]"),
+    _codes("codes", index_columns=(
+        IndexColumn("n_frames", "int32", lambda s: int(s[1]) if len(s) == 2 else 0),
+        IndexColumn("n_codebooks", "int32", lambda s: int(s[0]) if len(s) == 2 else 0)),
+        doc="codec tokens of every audio item, concatenated along frames"),
+    Field("audio_segments", "int32", 2, "segments", pad=-1, lengths="audio_segments_count",
+          doc="per audio item: item, turn, direction, code start, code frames, speaker"),
+    Field("input_ids", "int32", 1, "tokens", pad=PAD_TEXT, lengths="input_lengths", mask="attention_mask",
+          every_sample=True, value_check="text",
+          index_columns=(IndexColumn("n_text_tokens", "int32", _shape0),),
+          doc="the conversation through the chat template"),
+    Field("labels", "int32", 1, "tokens", pad=IGNORE_INDEX, every_sample=True,
+          doc="input_ids on trained tokens, -100 elsewhere (not shifted)"),
+    Field("text_ids", "int32", 1, "tokens", pad=TEXT_PAD_ID, lengths="text_lengths", mask="text_mask",
+          every_sample=True, value_check="text", stage="legacy",
+          index_columns=(IndexColumn("n_text_tokens", "int32", _shape0),),
+          doc="token ids of the text (caches made before conversations)"),
+    Field("latents", "float16", 4, "latents", ragged_axis=None, pad=0.0, value_check="finite",
+          index_columns=(IndexColumn("has_image", "bool", lambda s: True, False),),
+          doc="VAE latents (C, n_images, H/8, W/8); image samples only"),
+    Field("latents_logvar", "float16", 4, "latents", ragged_axis=None, pad=0.0, value_check="finite",
+          default_read=False, doc="VAE posterior log-variance; only with store_posterior"),
+)
+
+#: name -> Field of the fixed entries
+BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
+#: base fields whose kind a field named ``<base>_<name>`` inherits (made by ``precompute add-field``)
+DERIVABLE = ("codes",)
+#: index columns contributed by fields, in schema order (first contributor of each name)
+INDEX_FIELD_COLUMNS: tuple[IndexColumn, ...] = tuple(
+    {c.name: c for f in reversed(FIELDS) for c in f.index_columns}[n]
+    for n in dict.fromkeys(c.name for f in FIELDS for c in f.index_columns))
+
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_WAVE = re.compile(r"^audio_[A-Za-z0-9_]+$")
+_DERIVED = re.compile(r"^(" + "|".join(DERIVABLE) + r")_([A-Za-z0-9_]+)$")
+#: suffixes of batch keys, never field names
+_RESERVED = ("_lengths", "_mask", "_count")
+
+
+def lookup(name: str) -> Field | None:
+    """The :class:`Field` of ``name`` (fixed entry or name rule), or None for an unknown name."""
+    f = BY_NAME.get(name)
+    if f is not None:
+        return f
+    if not isinstance(name, str) or not _NAME.match(name) or name.endswith(_RESERVED):
+        return None
+    m = _DERIVED.match(name)
+    if m:
+        return derived_field(name, m.group(1))
+    if _WAVE.match(name):
+        if name.endswith("_starts"):
+            return _starts(name, stage="precompute")
+        if name.endswith("_segments"):
+            return None
+        return _waveform(name)
+    return None
+
+
+def derived_field(name: str, base: str) -> Field:
+    """A sidecar field ``name`` that inherits the kind (dtype, rank, pad...) of field ``base``."""
+    b = BY_NAME[base]
+    return replace(b, name=name, lengths=b.lengths and f"{name}{b.lengths[len(base):]}",
+                   mask=b.mask and f"{name}{b.mask[len(base):]}", index_columns=(), optional=True,
+                   default_read=True, stage="add-field", sidecar=True, doc=f"{b.doc} (sidecar, like {base})")
+
+
+def get(name: str) -> Field:
+    """:func:`lookup` that raises ``KeyError`` naming the known fields."""
+    f = lookup(name)
+    if f is None:
+        raise KeyError(f"unknown field {name!r}; known: {', '.join(BY_NAME)} (plus audio_<name>, "
+                       f"audio_<name>_starts and {', '.join(b + '_<name>' for b in DERIVABLE)})")
+    return f
+
+
+def is_field(name: str) -> bool:
+    return lookup(name) is not None
+
+
+def field_of_member(member: str) -> Field | None:
+    """The field stored as tar member ``member`` (e.g. ``codes.npy``), or None."""
+    if not isinstance(member, str) or not member.endswith(".npy"):
+        return None
+    return lookup(member[:-4])
+
+
+def ndim(name: str) -> int:
+    """Rank of field ``name`` (1 for unknown names)."""
+    f = lookup(name)
+    return f.ndim if f is not None else 1
+
+
+def kind(name: str) -> str | None:
+    f = lookup(name)
+    return f.kind if f is not None else None
+
+
+def ragged_spec(name: str, pad_id: int = TEXT_PAD_ID) -> tuple[object, str | None, str | None]:
+    """``(pad value (None: repeat the last value), lengths key, mask key)`` of a field in a batch."""
+    f = get(name)
+    pad = pad_id if f.pad == PAD_TEXT else (None if f.pad == PAD_LAST else f.pad)
+    return pad, f.lengths, f.mask
+
+
+def tensor_dtypes() -> dict[str, str]:
+    """Member name -> dtype of the fixed entries."""
+    return {f.suffix: f.dtype for f in FIELDS}
+
+
+def index_column_values(shapes: dict[str, tuple]) -> dict[str, object]:
+    """The field-derived index columns of one sample from its member shapes (``{"codes.npy": (8, 50)}``)."""
+    out: dict[str, object] = {}
+    for c in INDEX_FIELD_COLUMNS:
+        out[c.name] = c.default
+        for f in FIELDS:
+            if any(x.name == c.name for x in f.index_columns) and f.suffix in shapes:
+                col = next(x for x in f.index_columns if x.name == c.name)
+                out[c.name] = col.value(tuple(shapes[f.suffix]))
+                break
+    return out
+
+
+def sidecar_name(shard: str, field_name: str) -> str:
+    """Sidecar tar of ``field_name`` for main shard ``shard``: ``shard-000003.tar`` ->
+    ``shard-000003.codes_mimi.tar``."""
+    if not shard.endswith(".tar"):
+        raise ValueError(f"not a shard name: {shard!r}")
+    return f"{shard[:-4]}.{field_name}.tar"
+
+
+_SIDECAR = re.compile(r"^(shard-(?:r\d{4}-)?\d{6})\.([A-Za-z][A-Za-z0-9_]*)\.tar$")
+
+
+def parse_sidecar_name(name: str) -> tuple[str, str] | None:
+    """``(main shard name, field)`` of a sidecar tar name, or None for any other name."""
+    m = _SIDECAR.match(name) if isinstance(name, str) else None
+    return (m.group(1) + ".tar", m.group(2)) if m else None
+
+
+def markdown_table() -> str:
+    """The registry as a Markdown table (for the README)."""
+    lines = ["| field | dtype | ndim | kind | pad | index columns | stage |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for f in FIELDS:
+        lines.append(f"| `{f.name}` | {f.dtype} | {f.ndim} | {f.kind} | {f.pad} | "
+                     f"{', '.join(c.name for c in f.index_columns) or '-'} | {f.stage} |")
+    return "\n".join(lines)
+
+
+__all__ = ["Field", "IndexColumn", "FIELDS", "BY_NAME", "DERIVABLE", "INDEX_FIELD_COLUMNS", "lookup", "get",
+           "is_field", "field_of_member", "ndim", "kind", "ragged_spec", "tensor_dtypes", "index_column_values",
+           "sidecar_name", "parse_sidecar_name", "derived_field", "markdown_table", "IGNORE_INDEX",
+           "TEXT_PAD_ID"]

@@ -1,0 +1,170 @@
+"""``manifest.json`` as a typed :class:`CacheManifest` (written by precompute, read by everyone).
+
+The JSON keys are those stage one has always written (``format_version``, ``fingerprint``,
+``encoders``, ``sample_rate``, ``codec_sample_rate``, ``n_codebooks``, ``codebook_size``,
+``frame_rate``, ``latent_channels``, ``waveforms``, ``text``, ``text_vocab_size``,
+``text_pad_id``, ``counts``, ``shards``, ``config``...) plus ``fields``: the fields added after
+stage one (``python -m precompute add-field``), ``{name: {fingerprint, encoder, sidecar, base,
+n_codebooks, codebook_size, frame_rate, codec_sample_rate, shards: [{path, shard, samples, bytes,
+sha256}]}}``. Keys this class does not know are kept in ``extra`` and written back unchanged, so
+``from_dict(d).to_dict() == d`` for every manifest.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ShardCorrupt
+from .schema import MANIFEST_FILE
+
+
+@dataclass
+class TextInfo:
+    template: Any = None
+    vocab_size: int | None = None
+    pad_id: int | None = None
+    special_token_ids: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "TextInfo":
+        d = d if isinstance(d, dict) else {}
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        sp = d.get("special_token_ids")
+        return cls(template=d.get("template"), vocab_size=d.get("vocab_size"), pad_id=d.get("pad_id"),
+                   special_token_ids=dict(sp) if isinstance(sp, dict) else {},
+                   extra={k: v for k, v in d.items() if k not in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"template": self.template, "vocab_size": self.vocab_size, "pad_id": self.pad_id,
+               "special_token_ids": dict(self.special_token_ids)}
+        out.update(self.extra)
+        return out
+
+
+@dataclass
+class FieldInfo:
+    """A field added after stage one: who made it and where it is stored."""
+
+    fingerprint: str
+    encoder: dict[str, Any]
+    sidecar: bool = True
+    base: str | None = None                 #: the registry field whose kind it inherits
+    n_codebooks: int | None = None
+    codebook_size: int | None = None
+    frame_rate: float | None = None
+    codec_sample_rate: int | None = None
+    shards: list[dict[str, Any]] = field(default_factory=list)  #: [{path, shard, samples, bytes, sha256}]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FieldInfo":
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kw = {k: d[k] for k in known if k in d}
+        kw.setdefault("fingerprint", "")
+        kw.setdefault("encoder", {})
+        return cls(**kw, extra={k: v for k, v in d.items() if k not in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out = {k: v for k, v in out.items() if v is not None}
+        out.update(self.extra)
+        return out
+
+
+#: top-level keys, in the order they are written
+_KEYS = ("format_version", "created", "fingerprint", "encoders", "sample_rate", "codec_sample_rate",
+         "n_codebooks", "codebook_size", "frame_rate", "latent_channels", "waveforms", "text",
+         "text_vocab_size", "text_pad_id", "config", "source_manifest", "world_size", "counts", "shards",
+         "fields")
+
+
+@dataclass
+class CacheManifest:
+    """Typed ``manifest.json``. ``None`` attributes are not written (e.g. ``n_codebooks`` when no
+    audio tokenizer ran), unknown keys live in ``extra``."""
+
+    format_version: int = 1
+    created: str | None = None
+    fingerprint: str | None = None
+    encoders: dict[str, Any] | None = None
+    sample_rate: int | None = None
+    codec_sample_rate: int | None = None
+    n_codebooks: int | None = None
+    codebook_size: int | None = None
+    frame_rate: float | None = None
+    latent_channels: int | None = None
+    waveforms: dict[str, Any] | None = None
+    text: TextInfo | None = None
+    text_vocab_size: int | None = None
+    text_pad_id: int | None = None
+    config: dict[str, Any] | None = None
+    source_manifest: str | None = None
+    world_size: int | None = None
+    counts: dict[str, Any] | None = None
+    shards: list[dict[str, Any]] | None = None
+    fields: dict[str, FieldInfo] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "CacheManifest":
+        d = dict(d or {})
+        kw: dict[str, Any] = {k: d[k] for k in _KEYS if k in d and k not in ("text", "fields")}
+        if "text" in d and d["text"] is not None:
+            kw["text"] = TextInfo.from_dict(d["text"])
+        f = d.get("fields") or {}
+        if not isinstance(f, dict):
+            raise ShardCorrupt(f"manifest.json: 'fields' must be an object, got {type(f).__name__}")
+        kw["fields"] = {name: FieldInfo.from_dict(v if isinstance(v, dict) else {}) for name, v in f.items()}
+        return cls(**kw, extra={k: v for k, v in d.items() if k not in _KEYS})
+
+    @classmethod
+    def read(cls, cache_dir: str | Path) -> "CacheManifest":
+        """Read and check ``cache_dir/manifest.json`` (format version; empty when absent)."""
+        from .index import load_manifest_checked
+        return cls.from_dict(load_manifest_checked(cache_dir))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k in _KEYS:
+            v = getattr(self, k)
+            if k == "text":
+                v = v.to_dict() if v is not None else None
+            elif k == "fields":
+                v = {n: fi.to_dict() for n, fi in v.items()} or None
+            if v is not None:
+                out[k] = v
+        out.update(self.extra)
+        return out
+
+    def write(self, cache_dir: str | Path) -> None:
+        from .index import write_json_atomic
+        write_json_atomic(self.to_dict(), Path(cache_dir) / MANIFEST_FILE)
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def sidecar_fields(self) -> dict[str, FieldInfo]:
+        return {n: f for n, f in self.fields.items() if f.sidecar}
+
+    def vocab_size(self) -> int | None:
+        v = self.text.vocab_size if self.text is not None else None
+        return v if v is not None else self.text_vocab_size
+
+    def pad_id(self) -> int | None:
+        v = self.text.pad_id if self.text is not None else None
+        return v if v is not None else self.text_pad_id
+
+    def codebook_size_of(self, name: str) -> int | None:
+        """``codebook_size`` of a codes-kind field (``codes``: top level; added fields: their entry)."""
+        if name in self.fields:
+            return self.fields[name].codebook_size
+        return self.codebook_size if name == "codes" else None
+
+    def all_shard_entries(self) -> list[dict[str, Any]]:
+        """Main shards plus every sidecar entry (each with ``path``, ``bytes``, ``sha256``)."""
+        out = list(self.shards or [])
+        for fi in self.fields.values():
+            out.extend(fi.shards)
+        return out

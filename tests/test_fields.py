@@ -1,0 +1,67 @@
+"""The field registry (shards.fields) and the typed manifest (shards.manifest)."""
+from __future__ import annotations
+
+import numpy as np
+
+from shards import fields
+from shards.manifest import CacheManifest
+
+
+def test_derived_tables_agree_with_registry():
+    from loaders.collate import ALL_FIELDS, NDIM
+    from loaders.order import FILTER_COLUMNS
+    from shards.commands.verify import ROW_FIELDS
+    from shards.index import INDEX_SCHEMA
+    from shards.schema import INDEX_COLUMNS, TENSOR_DTYPES
+    assert set(ALL_FIELDS) == set(fields.BY_NAME)
+    for f in fields.FIELDS:
+        assert TENSOR_DTYPES[f.suffix] == f.dtype and NDIM[f.name] == f.ndim
+        for c in f.index_columns:
+            assert c.name in INDEX_COLUMNS and c.name in FILTER_COLUMNS and c.name in ROW_FIELDS
+    assert tuple(INDEX_SCHEMA.names) == INDEX_COLUMNS
+    assert INDEX_COLUMNS == ("key", "shard", "duration_s", "sample_rate", "num_samples", "n_frames", "n_codebooks",
+                             "n_text_tokens", "has_image", "speaker", "bytes", "sha256", "members")
+
+
+def test_name_rules():
+    f = fields.get("codes_mimi")
+    assert (f.kind, f.dtype, f.ndim, f.pad, f.sidecar) == ("codes", "int16", 2, -100, True)
+    assert fields.ragged_spec("codes_mimi") == (-100, "codes_mimi_lengths", "codes_mimi_mask")
+    assert fields.ragged_spec("input_ids", 7) == (7, "input_lengths", "attention_mask")
+    assert fields.ragged_spec("audio_16k_starts") == (None, None, None)
+    assert fields.get("audio_16k").kind == "waveform"
+    for bad in ("nope", "codes_mimi_lengths", "a.b", ""):
+        assert fields.lookup(bad) is None
+    from shards.schema import TENSOR_DTYPES
+    assert "codes_mimi.npy" in TENSOR_DTYPES and TENSOR_DTYPES["codes_mimi.npy"] == "int16"
+    assert fields.sidecar_name("shard-000003.tar", "codes_mimi") == "shard-000003.codes_mimi.tar"
+    assert fields.parse_sidecar_name("shard-000003.codes_mimi.tar") == ("shard-000003.tar", "codes_mimi")
+    assert fields.parse_sidecar_name("shard-000003.tar") is None
+
+
+def test_index_columns_from_shapes():
+    v = fields.index_column_values({"codes.npy": (8, 50), "text_ids.npy": (3,), "audio.npy": (100,)})
+    assert v == dict(num_samples=100, n_frames=50, n_codebooks=8, n_text_tokens=3, has_image=False)
+    v = fields.index_column_values({"input_ids.npy": (9,), "text_ids.npy": (3,), "latents.npy": (16, 1, 4, 4)})
+    assert v["n_text_tokens"] == 9 and v["has_image"] is True
+
+
+def test_collate_codes_kind_field():
+    from loaders.collate import collate_views
+    a, b = np.ones((2, 3), np.int16), np.ones((2, 5), np.int16)
+    batch = collate_views(["x", "y"], [24000, 24000], ("codes_mimi",), codes_mimi=[a, b])
+    assert tuple(batch["codes_mimi"].shape) == (2, 2, 5)
+    assert batch["codes_mimi_lengths"].tolist() == [3, 5] and (batch["codes_mimi"][0, :, 3:] == -100).all()
+
+
+def test_manifest_round_trip():
+    d = {"format_version": 1, "fingerprint": "f" * 64, "encoders": {"a": 1}, "sample_rate": 24000,
+         "n_codebooks": 8, "codebook_size": 1024, "text": {"template": "t", "vocab_size": 300, "pad_id": 0,
+                                                            "special_token_ids": {"<image>": 5}, "more": 1},
+         "text_vocab_size": 300, "text_pad_id": 0, "counts": {"samples": 1}, "shards": [], "odd_key": [1],
+         "fields": {"codes_mimi": {"fingerprint": "g", "encoder": {}, "sidecar": True, "shards": [], "x": 2}}}
+    m = CacheManifest.from_dict(d)
+    assert m.to_dict() == d
+    assert m.fields["codes_mimi"].extra == {"x": 2} and m.extra == {"odd_key": [1]}
+    assert m.vocab_size() == 300 and m.text.special_token_ids["<image>"] == 5
+    assert m.codebook_size_of("codes") == 1024 and list(m.sidecar_fields) == ["codes_mimi"]
