@@ -130,18 +130,19 @@ def render(conv: Conversation, tokenizer, template: str) -> tuple[np.ndarray, np
     number of placeholder tokens differs from the number of media items (a placeholder string
     inside the text itself, say) or the tokenizer's template is not prefix-stable.
     """
-    ph = {i for t, i in special_ids(tokenizer).items() if t in PLACEHOLDERS}
+    specials = special_ids(tokenizer)
+    ph = {i for t, i in specials.items() if t in PLACEHOLDERS}
     if template == "llama3":
-        ids: list[int] = []
+        tokens: list[int] = []
         trained: list[bool] = []
         for text, tr in llama3_pieces(conv):
             piece = tokenizer.encode(text, add_special_tokens=False).tolist()
-            ids += piece
+            tokens += piece
             trained += [tr] * len(piece)
-        input_ids, labels = _finish(ids, trained, ph)
+        input_ids, labels = _finish(tokens, trained, ph)
     else:
         input_ids, labels = _render_hf(conv, tokenizer, ph)
-    _check_placeholders(conv, tokenizer, input_ids)
+    _check_placeholders(conv, specials, input_ids)
     return input_ids, labels
 
 
@@ -176,8 +177,7 @@ def _render_hf(conv: Conversation, tokenizer, ph: set[int]) -> tuple[np.ndarray,
     return _finish(list(enc["input_ids"]), trained, ph)
 
 
-def _check_placeholders(conv: Conversation, tokenizer, input_ids: np.ndarray) -> None:
-    ids = special_ids(tokenizer)
+def _check_placeholders(conv: Conversation, ids: dict[str, int], input_ids: np.ndarray) -> None:
     n_audio = int(np.isin(input_ids, [ids.get(AUDIO_IN, -1), ids.get(AUDIO_OUT, -1)]).sum())
     n_image = int((input_ids == ids.get(IMAGE, -1)).sum())
     if n_audio != len(conv.audio) or n_image != len(conv.images):

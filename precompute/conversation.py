@@ -209,13 +209,19 @@ def _image_url(d: dict, name: str) -> Any:
     return url
 
 
+def _turns(rec: dict, name: str) -> list:
+    """``rec[name]`` as a non-empty list of turns, else :class:`RowError`."""
+    turns = rec.get(name)
+    if not isinstance(turns, list):
+        raise RowError(name, f"expected a list of turns, got {type(turns).__name__}")
+    if not turns:
+        raise RowError(name, "no turns")
+    return turns
+
+
 def from_chatml(rec: dict, base: Path) -> tuple[Conversation, str]:
     """Higgs-Audio ChatML record -> (conversation, speaker). Raises :class:`RowError`."""
-    messages = rec.get("messages")
-    if not isinstance(messages, list):
-        raise RowError("messages", f"expected a list of turns, got {type(messages).__name__}")
-    if not messages:
-        raise RowError("messages", "no turns")
+    messages = _turns(rec, "messages")
     misc = rec.get("misc")
     if misc is not None and not isinstance(misc, dict):
         raise RowError("misc", f"expected an object, got {type(misc).__name__}")
@@ -262,11 +268,7 @@ def from_chatml(rec: dict, base: Path) -> tuple[Conversation, str]:
 
 def from_llava(rec: dict, base: Path) -> Conversation:
     """LLaVA record (``id``, ``image`` (path or list), ``conversations``) -> conversation."""
-    turns = rec.get("conversations")
-    if not isinstance(turns, list):
-        raise RowError("conversations", f"expected a list of turns, got {type(turns).__name__}")
-    if not turns:
-        raise RowError("conversations", "no turns")
+    turns = _turns(rec, "conversations")
     images = rec.get("image")
     images = images if isinstance(images, list) else [images]
     paths = [as_path(p, "image" if len(images) == 1 else f"image[{k}]", base) for k, p in enumerate(images)]

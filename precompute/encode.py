@@ -8,7 +8,8 @@ Per sample (a conversation with ``n`` audio items and ``m`` images):
   code_frames, speaker]`` per audio item (``audio_ids_start`` plus what the trainer needs);
 * ``audio.npy`` int16 ``(T,)`` every item's waveform at ``sample_rate`` concatenated and
   ``audio_starts.npy`` int32 ``(n + 1,)`` offsets (``audio_waveforms_concat``/``_start``); the
-  same for each ``extra_waveforms`` field (items of the other direction have length 0);
+  same for each ``extra_waveforms`` field (items of the other direction have length 0; a sample
+  with no item of that field's direction has no such member);
 * ``latents.npy`` float16 ``(C, m, H/8, W/8)``: image ``k`` is ``latents[:, k]``;
 * ``input_ids.npy`` / ``labels.npy`` int32 ``(L,)`` (:mod:`precompute.chat`); ``json``.
 
@@ -214,6 +215,8 @@ def _sample(p: Prepared, enc: Encoders, cfg: PrecomputeConfig, codes_of: dict, l
         if enc.audio is not None:
             fields["codes.npy"] = np.concatenate(per_item, axis=1)
         for name, (rate, directions) in waveform_fields(cfg).items():
+            if name != "audio" and not any(it.direction in directions for it in conv.audio):
+                continue  # e.g. audio_16k (input side) of a TTS sample: no member rather than an empty one
             wave, starts = _concat_waves(p, rate, directions)
             fields[f"{name}.npy"], fields[f"{name}_starts.npy"] = wave, starts
     if p.images:

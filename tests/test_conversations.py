@@ -166,3 +166,12 @@ def test_extra_waveform_for_input_audio_at_16k(real_mini, tiny_config, tmp_path)
     want = np.clip(np.rint(soxr.resample(y, sr, 16000, quality="HQ") * 32767), -32768, 32767).astype(np.int16)
     assert s["audio_16k_starts"].tolist() == [0, len(want)]
     np.testing.assert_allclose(s["audio_16k"].astype(np.int32), want.astype(np.int32), atol=1)
+
+
+def test_extra_waveform_absent_where_no_item_has_its_direction(real_mini, tiny_config, tmp_path):
+    """A TTS conversation has only output audio: no empty audio_16k member (a tar header each)."""
+    cfg = dataclasses.replace(tiny_config, image_encoder=None,
+                              extra_waveforms={"audio_16k": {"sample_rate": 16000, "direction": "in"}})
+    run(real_mini / "chatml_voice_clone.json", tmp_path / "c", cfg, progress=False)
+    s = next(iter(_by_key(tmp_path / "c").values()))
+    assert "audio_16k" not in s and "audio_16k_starts" not in s and s["audio_starts"].shape == (3,)
