@@ -31,11 +31,8 @@ def _precompute(manifest: Path, out: Path, dac: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def mimi_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models_mimi")
-    subprocess.run([sys.executable, "-m", "precompute.random_models", "--out", str(out), "--only", "dac,mimi"],
-                   check=True, cwd=ROOT, capture_output=True)
-    return out
+def mimi_models(tiny_models) -> Path:
+    return tiny_models
 
 
 @pytest.fixture(scope="module")

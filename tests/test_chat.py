@@ -10,17 +10,11 @@ from precompute import chat
 from precompute.conversation import from_chatml, from_llava
 from precompute.encoders import load_text_tokenizer
 
-from conftest import ROOT
 
 
 @pytest.fixture(scope="module")
-def hf_tok(tmp_path_factory):
-    import subprocess
-    import sys
-    out = tmp_path_factory.mktemp("tok")
-    subprocess.run([sys.executable, "-m", "precompute.random_models", "--out", str(out), "--only", "tokenizer"],
-                   check=True, cwd=ROOT, capture_output=True)
-    return load_text_tokenizer({"name": "hf", "pretrained": str(out / "tokenizer-tiny")})
+def hf_tok(tiny_models):
+    return load_text_tokenizer({"name": "hf", "pretrained": str(tiny_models / "tokenizer-tiny")})
 
 
 @pytest.mark.parametrize("manifest", ["chatml_voice_clone.json", "chatml_audio_understanding.json",

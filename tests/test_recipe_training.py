@@ -20,11 +20,8 @@ JOBS = {"tts": "chatml_voice_clone.json", "vlm": "llava_multiturn.json"}
 
 
 @pytest.fixture(scope="module")
-def recipe_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    subprocess.run([sys.executable, "-m", "precompute.random_models", "--out", str(out), "--only",
-                    "dac,wan,tokenizer,lm"], check=True, cwd=ROOT, capture_output=True)
-    return out
+def recipe_models(tiny_models) -> Path:
+    return tiny_models
 
 
 @pytest.fixture(scope="module")
