@@ -10,6 +10,7 @@ import numpy as np
 
 from loaders import ShardLoader
 from shards import read_index
+from shards.schema import WHOLE_MEMBER_DTYPES
 
 
 def padding_waste(cache: Path, batch_size: int = 16, max_frames: int | None = None) -> dict | None:
@@ -42,7 +43,7 @@ def padding_waste(cache: Path, batch_size: int = 16, max_frames: int | None = No
 def bytes_on_disk(cache: Path) -> dict:
     """Shard bytes per sample vs the raw tensor bytes they hold (tar + npy header overhead)."""
     index = read_index(cache).to_pylist()
-    raw = sum(m["size"] for r in index for m in r["members"] if m["dtype"] not in ("json", "bytes"))
+    raw = sum(m["size"] for r in index for m in r["members"] if m["dtype"] not in WHOLE_MEMBER_DTYPES)
     meta = sum(m["size"] for r in index for m in r["members"] if m["dtype"] == "json")
     disk = sum(p.stat().st_size for p in cache.glob("shard-*.tar"))
     n = max(1, len(index))

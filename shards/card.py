@@ -8,17 +8,18 @@
   Without the card, ``datasets`` picks the Parquet files and ignores the tars.
 * ``dataset_info.features``: one feature per tar member, built from the ``members`` column of the
   index (name, dtype, number of dimensions), so ``datasets`` never infers types from the first few
-  samples. Members only some samples have (``latents.npy`` on image samples, ``codes.npy`` and
-  ``audio.npy`` on audio samples) are declared and come back as ``None`` where a sample lacks them.
-  ``.npy`` members are nested lists of their numpy dtype (``codes.npy`` int16 ``(n_codebooks,
-  frames)`` is ``List(List(int16))``, ``latents.npy`` float16 ``(C, T, H, W)`` four levels deep);
-  the ``json`` member is ``Json()`` (stored as a JSON string, decoded to a dict on read) because its
-  content (the original manifest row, null or string sources) differs between samples.
+  samples. The packed ``tensors.npz`` member (format 3) is a struct of its arrays; an array is
+  nested lists of its numpy dtype (``codes`` int16 ``(n_codebooks, frames)`` is
+  ``List(List(int16))``; ``latents.npy`` float16 ``(C, T, H, W)``, a member of its own, four levels
+  deep). Members or arrays only some samples have (``latents.npy`` on image samples, ``codes`` and
+  ``audio`` on audio samples) are declared and come back as ``None`` where a sample lacks them.
+  The ``json`` member is ``Json()`` (stored as a JSON string, decoded to a dict on read) because
+  its content (the original manifest row, null or string sources) differs between samples.
 
 Feature names are what ``datasets``' WebDataset builder calls the fields: the member name after the
-key, e.g. ``"codes.npy"``, ``"json"``, plus ``__key__`` and ``__url__``. ``Json()`` needs
-``datasets>=5`` on the reading side. This module imports neither ``datasets`` nor ``yaml`` at import
-time; writing the card needs only PyYAML (``safe_dump``).
+key, e.g. ``"tensors.npz"``, ``"latents.npy"``, ``"json"``, plus ``__key__`` and ``__url__``.
+``Json()`` needs ``datasets>=5`` on the reading side. This module imports neither ``datasets`` nor
+``yaml`` at import time; writing the card needs only PyYAML (``safe_dump``).
 """
 from __future__ import annotations
 
@@ -54,42 +55,58 @@ def _value_dtype(dtype: str) -> str:
     return "bool" if dt.kind == "b" else dt.name
 
 
+def _array_feature(dtype: str, ndim: int) -> Any:
+    """``datasets`` feature of an array: nested lists of its Value dtype (``ndim`` levels)."""
+    spec: Any = _value_dtype(dtype)
+    for _ in range(ndim):
+        spec = {"list": spec}
+    return spec
+
+
 def member_features(index) -> list[dict[str, Any]]:
     """The ``dataset_info.features`` YAML list (``datasets``' own format) for the members of ``index``.
 
     ``index``: the cache's index as a ``pyarrow.Table`` (``members`` column). ``__key__`` and
-    ``__url__`` come first, then the members in sorted name order. Raises ``ValueError`` when one
-    member name has two dtypes or numbers of dimensions in different samples.
+    ``__url__`` come first, then the tar members in sorted name order: ``json`` as ``Json()``,
+    a ``NAME.npy`` member as nested lists, and the packed ``tensors.npz`` member (format 3,
+    :mod:`shards.npz`) as a struct of its arrays (each nested lists of its dtype; an array only
+    some samples hold comes back as ``None`` on the others). Raises ``ValueError`` when one array
+    has two dtypes or numbers of dimensions in different samples.
     """
-    seen: dict[str, tuple[str, int]] = {}
+    seen: dict[tuple[str | None, str], tuple[str, int]] = {}  # (container, name) -> (dtype, ndim)
     members = index.column("members").combine_chunks() if index.num_rows else None
     if members is not None:
         flat = members.flatten()
         names = flat.field("name").to_pylist()
         dtypes = flat.field("dtype").to_pylist()
+        inside = flat.field("member").to_pylist()
         ndims = [len(s) if s is not None else 0 for s in flat.field("shape").to_pylist()]
-        for name, dtype, ndim in zip(names, dtypes, ndims):
+        for name, dtype, box, ndim in zip(names, dtypes, inside, ndims):
             got = (str(dtype), int(ndim))
-            old = seen.setdefault(name, got)
+            old = seen.setdefault((box, name), got)
             if old != got:
                 raise ValueError(f"member {name!r} is stored as {old} in some samples and {got} in "
                                  "others: a cache has one dtype and rank per member")
     feats: list[dict[str, Any]] = [{"name": "__key__", "dtype": "string"},
                                    {"name": "__url__", "dtype": "string"}]
-    for name in sorted(seen):
-        dtype, ndim = seen[name]
+    for box, name in sorted((k for k in seen if k[0] is None), key=lambda k: k[1]):
+        dtype, ndim = seen[(box, name)]
         if dtype == "json":
             feats.append({"name": name, "dtype": "json"})
+        elif dtype == "npz":
+            arrays = sorted(k[1] for k in seen if k[0] == name)
+            feats.append({"name": name, "struct": [
+                {"name": a[:-4], **_spec(_array_feature(*seen[(name, a)]))} for a in arrays]})
         elif dtype == "bytes":
             feats.append({"name": name, "dtype": "binary"})
-        elif ndim == 0:
-            feats.append({"name": name, "dtype": _value_dtype(dtype)})
         else:
-            spec: Any = _value_dtype(dtype)
-            for _ in range(ndim):
-                spec = {"list": spec}
-            feats.append({"name": name, **spec})
+            feats.append({"name": name, **_spec(_array_feature(dtype, ndim))})
     return feats
+
+
+def _spec(feature: Any) -> dict[str, Any]:
+    """A feature as the keys of its YAML entry: a Value is ``dtype: X``, a list ``list: ...``."""
+    return feature if isinstance(feature, dict) else {"dtype": feature}
 
 
 def _shard_names(out_dir: Path, manifest: dict[str, Any], index) -> list[str]:
@@ -128,7 +145,8 @@ by shardcache's `python -m precompute`. {n} samples in {len(shard_names)} shard 
 
 Facts: `{json.dumps(facts, sort_keys=True)}`
 
-Fields (`datasets` names them by member, e.g. `codes.npy`): {fields}.
+Fields (`datasets` names them by member; the arrays but the latents are packed in
+`tensors.npz`: `ds[0]["tensors.npz"]["codes"]`): {fields}.
 
 ```python
 import datasets

@@ -75,6 +75,11 @@ class Field:
         value_check: ``"codes"`` (``[0, codebook_size)``), ``"text"`` (``[0, vocab_size)``),
             ``"finite"`` or None.
         sidecar: stored in sidecar tars ``shard-XXXXXX.<name>.tar`` (fields made by add-field).
+        packed: stored inside the sample's ``tensors.npz`` member (format 3, :mod:`shards.npz`)
+            rather than as a ``NAME.npy`` member of its own. Latents are not packed: they are large
+            (a 512-byte tar header is < 2 % of them), and Hugging Face ``datasets`` cannot convert
+            arrays of 3 or more dimensions nested in a struct (pyarrow: "Can only convert
+            1-dimensional array values") while it reads a 4-D ``.npy`` member.
         doc: one line for the README / docs.
     """
 
@@ -93,6 +98,7 @@ class Field:
     stage: str = "precompute"
     value_check: str | None = None
     sidecar: bool = False
+    packed: bool = True
     doc: str = ""
 
     @property
@@ -140,11 +146,11 @@ FIELDS: tuple[Field, ...] = (
           every_sample=True, value_check="text", stage="legacy",
           index_columns=(IndexColumn("n_text_tokens", "int32", _shape0),),
           doc="token ids of the text (caches made before conversations)"),
-    Field("latents", "float16", 4, "latents", ragged_axis=None, pad=0.0, value_check="finite",
+    Field("latents", "float16", 4, "latents", ragged_axis=None, pad=0.0, value_check="finite", packed=False,
           index_columns=(IndexColumn("has_image", "bool", lambda s: True, False),),
           doc="VAE latents (C, n_images, H/8, W/8); image samples only"),
     Field("latents_logvar", "float16", 4, "latents", ragged_axis=None, pad=0.0, value_check="finite",
-          default_read=False, doc="VAE posterior log-variance; only with store_posterior"),
+          default_read=False, packed=False, doc="VAE posterior log-variance; only with store_posterior"),
 )
 
 #: name -> Field of the fixed entries

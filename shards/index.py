@@ -5,18 +5,21 @@ Per-shard parts live in ``OUT/parts/``: ``STEM.rejects.parquet`` then ``STEM.ind
 (name, samples, bytes, sha256) in its Parquet key-value metadata. :func:`merge_parts` turns the
 parts into the cache-level files.
 
-Member locations (the ``members`` column, one struct ``{name, offset, size, dtype, shape}`` per
-tar member of a sample): ``offset`` is an absolute byte offset into the shard tar and ``size`` a
-byte count. For ``.npy`` members they locate the raw array payload AFTER the ``.npy`` header (the
-header's bytes are not counted in ``size``), so a reader does::
+Member locations (the ``members`` column, one struct ``{name, offset, size, dtype, shape, file,
+member}`` per tar member of a sample and per array): ``offset`` is an absolute byte offset into the
+shard tar and ``size`` a byte count. For an array (``NAME.npy``, whether a tar member of its own,
+format 1-2, or packed in ``tensors.npz``, format 3, then ``member == "tensors.npz"``) they locate
+the raw array payload AFTER the ``.npy`` header (the header's bytes are not counted in ``size``),
+so a reader does::
 
     arr = np.frombuffer(buf[offset:offset + size], dtype).reshape(shape)   # never np.load
 
-(``size == prod(shape) * dtype.itemsize``). For the ``json`` member (``dtype == "json"``) and any
-other non-``.npy`` member (``dtype == "bytes"``) they locate the whole member data. The tar and
-``.npy`` headers are only needed to recompute a sample's ``sha256`` (over whole members, see
-:func:`shards.scan.sample_sha256`); :meth:`shards.reader.ShardReader.verify_rows` recovers them
-from the offsets (tar member data starts on a 512-byte block boundary).
+(``size == prod(shape) * dtype.itemsize``). For the ``json`` member (``dtype == "json"``), the
+``tensors.npz`` member (``dtype == "npz"``) and any other member (``dtype == "bytes"``) they locate
+the whole member data. A sample's ``sha256`` covers its whole tar members (see
+:func:`shards.scan.sample_sha256`); :meth:`shards.reader.ShardReader.verify_rows` hashes the
+entries whose ``member`` is null (for format 1-2 ``.npy`` members it recovers the ``.npy`` header
+from the offsets: tar member data starts on a 512-byte block boundary).
 
 Every shard name an index row or ``manifest.json`` holds must be a plain file name directly inside
 the cache directory: :func:`safe_shard_path` is the one place that turns such a name into a path,
@@ -42,9 +45,13 @@ from .schema import INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE
 #: ``file``: null for a member of the row's own shard; the sidecar tar name
 #: (``shard-000003.codes_mimi.tar``) for a member of a field added by ``precompute add-field``.
 #: Indexes written before sidecars have no ``file``: it reads as null.
+#: ``member``: for an array packed in a container member (format 3: ``tensors.npz``, see
+#: :mod:`shards.npz`), that member's name; null for an entry that is a tar member itself. Indexes
+#: written before packing have no ``member``: it reads as null.
 MEMBER_TYPE = pa.struct([
     ("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64()),
     ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("file", pa.string()),
+    ("member", pa.string()),
 ])
 _ARROW_TYPES = {"int32": pa.int32(), "int64": pa.int64(), "bool": pa.bool_(), "float64": pa.float64(),
                 "string": pa.string()}
@@ -265,6 +272,16 @@ def merge_parts(out_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return write_cache_files(out_dir, index, rejects, shards, manifest)
 
 
+def format_version(index: pa.Table, manifest: dict[str, Any]) -> int:
+    """The lowest format version that describes the cache (older readers refuse newer versions):
+    3 when arrays are packed in ``tensors.npz`` members, 2 with sidecar fields, else 1."""
+    if index.num_rows:
+        flat = index.column("members").combine_chunks().flatten()
+        if flat.field("member").null_count < len(flat):
+            return 3
+    return 2 if any((f or {}).get("sidecar", True) for f in (manifest.get("fields") or {}).values()) else 1
+
+
 def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards: list[dict],
                       manifest: dict[str, Any]) -> dict[str, Any]:
     """Write ``index.parquet``, ``rejects.parquet`` and ``manifest.json`` (atomically, in that order)."""
@@ -283,7 +300,7 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     from .manifest import CacheManifest
     manifest = CacheManifest.from_dict(manifest).to_dict()  # typed: unknown keys are kept as they are
     manifest.update(
-        format_version=2 if any((f or {}).get("sidecar", True) for f in (manifest.get("fields") or {}).values()) else 1,
+        format_version=format_version(index, manifest),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         counts=dict(samples=index.num_rows, rejected=rejects.num_rows, rejects_by_reason=reasons,
                     images=int(sum(index.column("has_image").to_pylist())),

@@ -37,7 +37,7 @@ from . import fields, schema  # noqa: F401
 from .errors import ShardCorrupt, UnsafeMember
 from .index import (check_format_version, load_manifest_checked, read_index,  # noqa: F401
                     safe_shard_path)
-from .schema import JSON_MEMBER, PICKLE_EXTENSIONS
+from .schema import JSON_MEMBER, PICKLE_EXTENSIONS, WHOLE_MEMBER_DTYPES
 
 _NPY_MAGIC = b"\x93NUMPY"
 _TAR_BLOCK = 512
@@ -443,7 +443,9 @@ class ShardReader:
                                    "(truncated shard?)")
             if name == JSON_MEMBER:
                 out["json"] = json.loads(mm[off:off + size])
-            elif m["dtype"] not in ("json", "bytes"):
+            elif m["dtype"] == "npz":
+                continue  # its arrays have entries of their own
+            elif m["dtype"] not in WHOLE_MEMBER_DTYPES:
                 dt, shape = np.dtype(m["dtype"]), tuple(m["shape"])
                 if int(np.prod(shape)) * dt.itemsize != size:
                     raise ShardCorrupt(f"{self._where(i)} member {name}: index says shape {shape} {dt} "
@@ -465,8 +467,11 @@ class ShardReader:
         """Per-row member layout (sorted by name, as in the sha256) and expected digests."""
         members = self._members().combine_chunks()
         flat, parent = members.flatten(), pc.list_parent_indices(members).to_numpy()
-        own = pc.is_null(flat.field("file")).to_numpy(zero_copy_only=False)
-        if not own.all():  # the row's sha256 covers its own shard's members (sidecars: `shards verify`)
+        # the row's sha256 covers its own shard's whole tar members (sidecars: `shards verify`;
+        # arrays packed in tensors.npz are covered by that member's entry)
+        own = (pc.is_null(flat.field("file")).to_numpy(zero_copy_only=False)
+               & pc.is_null(flat.field("member")).to_numpy(zero_copy_only=False))
+        if not own.all():
             keep = np.flatnonzero(own)
             flat, parent = flat.take(pa.array(keep)), parent[keep]
         enc = flat.field("name").dictionary_encode()
@@ -478,7 +483,7 @@ class ShardReader:
         order = np.lexsort((code, parent))
         off = flat.field("offset").to_numpy(zero_copy_only=False)[order].astype(np.int64)
         end = off + flat.field("size").to_numpy(zero_copy_only=False)[order].astype(np.int64)
-        npy = ~pc.is_in(flat.field("dtype"), value_set=pa.array(["json", "bytes"])) \
+        npy = ~pc.is_in(flat.field("dtype"), value_set=pa.array(list(WHOLE_MEMBER_DTYPES))) \
             .to_numpy(zero_copy_only=False).astype(bool)
         ptr = np.zeros(self.n + 1, dtype=np.int64)
         np.add.at(ptr, parent + 1, 1)

@@ -2,11 +2,16 @@
 
 This is the single source of truth for index rows: the writer calls it on every shard it
 finishes, and ``shards reindex`` / ``shards verify`` call it on existing tars.
+
+Index entries per sample: one per tar member (``json``; ``tensors.npz``, dtype ``"npz"``; in
+caches of format 1-2 one ``NAME.npy`` per array), plus, for a packed ``tensors.npz`` member, one
+entry per array it holds (``NAME.npy`` with the array payload's offset/size/dtype/shape and
+``member="tensors.npz"``; see :mod:`shards.npz`). So an array is always found by ``NAME.npy``,
+whether it is a member of its own or packed.
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import mmap
 import os
@@ -14,31 +19,14 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from .errors import ShardCorrupt, UnsafeMember
-from . import fields
+from . import fields, npz
 from .schema import JSON_MEMBER, PICKLE_EXTENSIONS
 
 
-def npy_payload(data: bytes) -> tuple[int, str, tuple[int, ...]]:
-    """Parse an ``.npy`` blob's header.
-
-    Returns ``(header_len, dtype_str, shape)``: the array data starts ``header_len`` bytes into
-    ``data``. Raises ``ValueError`` for Fortran order or object dtypes (they would need copying or
-    unpickling).
-    """
-    fp = io.BytesIO(data)
-    version = np.lib.format.read_magic(fp)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
-    else:
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
-    if fortran:
-        raise ValueError("Fortran-ordered array")
-    if dtype.hasobject:
-        raise ValueError("object dtype would need pickle")
-    return fp.tell(), dtype.str, tuple(int(s) for s in shape)
+#: ``.npy`` header parser (kept under its old name for callers of this module)
+npy_payload = npz.npy_header
 
 
 def sample_sha256(members: dict[str, bytes]) -> str:
@@ -72,6 +60,16 @@ def _row(key: str, shard: str, members: dict[str, bytes], where: dict[str, tuple
             shapes[name] = shape
             entries.append(dict(name=name, offset=offset + hlen, size=size - hlen, dtype=dtype,
                                 shape=list(shape)))
+        elif name == npz.MEMBER:  # the packed arrays: one entry for the member, one per array
+            try:
+                inner = npz.entries(data)
+            except ValueError as e:
+                raise ShardCorrupt(f"{shard}: sample {key!r} member {name}: {e}") from e
+            entries.append(dict(name=name, offset=offset, size=size, dtype="npz", shape=[]))
+            for array, off, n, dtype, shape in inner:
+                shapes[array + ".npy"] = shape
+                entries.append(dict(name=array + ".npy", offset=offset + off, size=n, dtype=dtype,
+                                    shape=list(shape), member=name))
         else:
             entries.append(dict(name=name, offset=offset, size=size, dtype="bytes", shape=[]))
     return dict(

@@ -1,4 +1,4 @@
-"""The cache format (version 1): member names, dtypes, file names and reject reason codes.
+"""The cache format (version 3): member names, dtypes, file names and reject reason codes.
 
 Both stages import this module; it imports neither. Layout of a cache directory::
 
@@ -6,7 +6,8 @@ Both stages import this module; it imports neither. Layout of a cache directory:
       manifest.json                 what encoded the cache, counts, every shard with bytes + sha256
       index.parquet                 one row per kept sample (see INDEX_COLUMNS)
       rejects.parquet               key, source, reason, detail
-      shard-r0000-000000.tar ...    WebDataset tars; members KEY.json, KEY.codes.npy, ...
+      shard-000000.tar ...          WebDataset tars; members KEY.json, KEY.tensors.npz (the arrays
+                                    below but latents, packed: shards.npz), KEY.latents.npy
       parts/                        per-shard index/reject parts (written atomically with the tar)
       shard-000000.FIELD.tar        sidecar of a field added later (precompute add-field), aligned
                                     with shard-000000.tar by key order; parts/*.FIELD.sidecar.parquet
@@ -17,7 +18,9 @@ columns); ``TENSOR_DTYPES`` and ``INDEX_COLUMNS`` below are derived from it.
 A sample is a group of tar members sharing the basename ``KEY`` (WebDataset's convention: the key
 is everything before the first dot of the member name, so keys never contain ``.`` or ``/``).
 
-Tensor members (all ``.npy`` written by ``numpy.save`` with ``allow_pickle=False``):
+Arrays (each ``.npy`` as ``numpy.save`` writes it with ``allow_pickle=False``; since format 3 all
+but the latents are entries of the one ``KEY.tensors.npz`` member, formats 1-2 have one
+``KEY.NAME.npy`` tar member each; the index locates every array either way):
 
 * ``codes.npy``    int16 ``(n_codebooks, frames)`` audio codec tokens (codebook size <= 32768).
 * ``audio.npy``    int16 ``(num_samples,)`` mono PCM at ``sample_rate`` Hz (full scale 32767).
@@ -50,10 +53,12 @@ import re
 
 from . import fields
 
-#: the newest format this code reads and writes. 1: plain caches (still written when a cache has no
-#: sidecar field); 2: caches with sidecar fields (``fields`` in manifest.json, index members with
-#: a ``file``), which older code must refuse rather than read at wrong offsets.
-FORMAT_VERSION = 2
+#: the newest format this code reads and writes (a cache records the lowest version that describes
+#: it, :func:`shards.index.format_version`). 1: one ``.npy`` tar member per array; 2: plus sidecar
+#: fields (``fields`` in manifest.json, index members with a ``file``); 3: a sample's arrays packed in
+#: one ``tensors.npz`` member (:mod:`shards.npz`; index entries with a ``member``), what stage one
+#: writes now. Older code must refuse a newer version rather than read it wrongly.
+FORMAT_VERSION = 3
 
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.parquet"
@@ -93,6 +98,9 @@ TENSOR_DTYPES = MemberDtypes(fields.tensor_dtypes())
 #: columns of ``audio_segments.npy``
 SEGMENT_COLUMNS = ("item", "turn", "direction", "code_start", "code_frames", "speaker")
 JSON_MEMBER = "json"
+#: index entry dtypes that locate a whole tar member rather than an array payload: the ``json``
+#: member, the packed ``tensors.npz`` member (:mod:`shards.npz`) and any other member (``bytes``)
+WHOLE_MEMBER_DTYPES = ("json", "npz", "bytes")
 #: extensions a reader refuses: they would need unpickling
 PICKLE_EXTENSIONS = (".pyd", ".pkl", ".pickle", ".pth", ".pt")
 

@@ -26,16 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from . import fields as registry, npz
 from .index import fsync_dir, unsafe_name_reason, write_parts
+from .npz import npy_bytes  # noqa: F401 - re-exported (callers import it from here)
 from .scan import scan_shard
 from .schema import JSON_MEMBER, TENSOR_DTYPES, safe_key
-
-
-def npy_bytes(array: np.ndarray) -> bytes:
-    """Serialise an array as ``.npy`` bytes (C order, never pickled)."""
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return buf.getvalue()
 
 
 #: ustar fields of every member (the values webdataset's TarWriter uses)
@@ -67,9 +62,15 @@ class ShardWriter:
     -> an array with the dtype listed there (``ValueError`` otherwise). ``name`` must be a plain
     file name (``ValueError`` otherwise: readers refuse any other, see
     :func:`shards.index.safe_shard_path`).
+
+    ``packed`` (default, format 3): a sample's arrays go into one ``KEY.tensors.npz`` member
+    (:mod:`shards.npz`; all but the latents, see :attr:`shards.fields.Field.packed`), so a sample
+    is two or three tar members (``json``, ``tensors.npz``, ``latents.npy``) whatever its number
+    of arrays. ``packed=False`` writes one ``KEY.NAME.npy`` member per array (formats 1-2,
+    as sidecar tars still are): every reader of this project reads both.
     """
 
-    def __init__(self, out_dir: str | Path, name: str):
+    def __init__(self, out_dir: str | Path, name: str, packed: bool = True):
         why = unsafe_name_reason(name)
         if why is not None:
             raise ValueError(f"shard name {name!r}: it {why}; use shards.schema.shard_name")
@@ -79,6 +80,7 @@ class ShardWriter:
         self.stem = name[:-4] if name.endswith(".tar") else name
         self.path = self.out_dir / name
         self.tmp = self.out_dir / (name + ".tmp")
+        self.packed = bool(packed)
         self._file = None
         self._tar = None
         self.keys: list[str] = []
@@ -93,6 +95,7 @@ class ShardWriter:
         if key != safe_key(key):
             raise ValueError(f"key {key!r} contains '.', '/' or whitespace; use shards.schema.safe_key")
         obj: dict[str, bytes] = {}
+        arrays: dict[str, np.ndarray] = {}
         for name, value in fields.items():
             if name == JSON_MEMBER:
                 obj[name] = json.dumps(value, sort_keys=True, ensure_ascii=False).encode()
@@ -100,9 +103,13 @@ class ShardWriter:
                 arr = np.asarray(value)
                 if arr.dtype != np.dtype(TENSOR_DTYPES[name]):
                     raise ValueError(f"{key}.{name}: dtype {arr.dtype}, expected {TENSOR_DTYPES[name]}")
-                obj[name] = npy_bytes(arr)
+                arrays[name] = arr
             else:
                 raise ValueError(f"{key}: unknown member {name!r}; known: json, {', '.join(TENSOR_DTYPES)}")
+        pack = sorted(n for n in arrays if self.packed and registry.field_of_member(n).packed)
+        if pack:  # in sorted name order, like the members
+            obj[npz.MEMBER] = npz.pack({n[:-4]: arrays[n] for n in pack})
+        obj.update({n: npy_bytes(a) for n, a in arrays.items() if n not in pack})
         if self._tar is None:
             self._open()
         for name in sorted(obj):

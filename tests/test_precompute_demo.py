@@ -44,7 +44,7 @@ def test_cache_files_and_manifest(demo_cache):
     for name in ("index.parquet", "rejects.parquet", "manifest.json"):
         assert (demo_cache / name).is_file()
     m = read_manifest(demo_cache)
-    assert m["format_version"] == 1
+    assert m["format_version"] == 3  # arrays packed in tensors.npz
     assert m["n_codebooks"] == 8 and m["codebook_size"] == 1024 and m["frame_rate"] == 25.0
     assert m["encoders"]["audio_tokenizer"]["class"].endswith("DacTokenizer")
     assert m["encoders"]["image_encoder"]["class"].endswith("WanVAEEncoder")
@@ -87,23 +87,32 @@ def test_shards_open_with_upstream_webdataset_and_tarfile(demo_cache):
     for sample in wds.WebDataset(shards, shardshuffle=False).decode():
         row = by_key[sample["__key__"]]
         for member in row["members"]:
-            if member["name"] in TENSOR_DTYPES:
-                arr = sample[member["name"]]
+            if member["name"] in TENSOR_DTYPES:  # packed arrays come back inside tensors.npz
+                arr = (sample[member["member"]][member["name"][:-4]] if member["member"]
+                       else sample[member["name"]])
                 assert arr.dtype == np.dtype(member["dtype"]) and list(arr.shape) == member["shape"]
         assert sample["json"]["text"]
         seen += 1
     assert seen == len(index)
+    checked = 0
     for shard in shards:
         with tarfile.open(shard) as tf:
             for info in tf:
                 data = tf.extractfile(info).read()
-                if info.name.endswith(".npy"):
-                    arr = np.load(io.BytesIO(data), allow_pickle=False)
-                    key, ext = info.name.split(".", 1)
-                    member = next(m for m in by_key[key]["members"] if m["name"] == ext)
+                key, ext = info.name.split(".", 1)
+                if ext.endswith(".npy"):
+                    arrays = {ext: np.load(io.BytesIO(data), allow_pickle=False)}
+                elif ext.endswith(".npz"):
+                    arrays = {f"{k}.npy": v for k, v in np.load(io.BytesIO(data), allow_pickle=False).items()}
+                else:
+                    continue
+                for name, arr in arrays.items():  # the index offsets locate the same arrays
+                    member = next(m for m in by_key[key]["members"] if m["name"] == name)
                     assert list(arr.shape) == member["shape"]
                     raw = open(shard, "rb").read()[member["offset"]:member["offset"] + member["size"]]
                     assert np.array_equal(np.frombuffer(raw, dtype=member["dtype"]).reshape(arr.shape), arr)
+                    checked += 1
+    assert checked == sum(m["name"] in TENSOR_DTYPES for r in index for m in r["members"])
 
 
 def test_each_audio_file_opened_exactly_once(tiny_config, tmp_path, monkeypatch):

@@ -97,9 +97,12 @@ def test_card_declares_every_member_with_its_dtype(mixed_cache):
     meta = yaml.safe_load(text.split("---\n")[1])
     feats = {f["name"]: f for f in meta["dataset_info"]["features"]}
     assert feats["json"]["dtype"] == "json"
-    assert feats["codes.npy"] == {"name": "codes.npy", "list": {"list": "int16"}}
+    assert set(feats) == {"__key__", "__url__", "json", "tensors.npz", "latents.npy"}
+    packed = {f["name"]: {k: v for k, v in f.items() if k != "name"} for f in feats["tensors.npz"]["struct"]}
+    assert packed["codes"] == {"list": {"list": "int16"}}
+    assert packed["input_ids"] == {"list": "int32"} and packed["audio"] == {"list": "int16"}
+    assert packed["audio_segments"] == {"list": {"list": "int32"}}
     assert feats["latents.npy"] == {"name": "latents.npy", "list": {"list": {"list": {"list": "float16"}}}}
-    assert feats["input_ids.npy"]["list"] == "int32" and feats["audio.npy"]["list"] == "int16"
     assert meta["configs"][0]["data_files"][0]["split"] == "train"
 
 
@@ -119,6 +122,7 @@ def test_hf_datasets_loads_every_field_of_every_sample(mixed_cache, tmp_path, st
     for row in rows:
         w = want[row["__key__"]]
         got = {k: v for k, v in row.items() if not k.startswith("__") and v is not None}
+        got.update({f"{k}.npy": v for k, v in got.pop("tensors.npz").items() if v is not None})
         assert {k[:-4] if k.endswith(".npy") else k for k in got} == set(w) - {"__key__"}, row["__key__"]
         for name, v in got.items():
             field = name[:-4] if name.endswith(".npy") else name
@@ -130,7 +134,7 @@ def test_hf_datasets_loads_every_field_of_every_sample(mixed_cache, tmp_path, st
             np.testing.assert_array_equal(a, w[field], err_msg=f"{row['__key__']} {name}")
     # numpy format: arrays (integers come back as int64 in map-style datasets; values are equal)
     first = next(iter(ds.with_format("numpy")))
-    np.testing.assert_array_equal(first["codes.npy"], want[first["__key__"]]["codes"])
+    np.testing.assert_array_equal(first["tensors.npz"]["codes"], want[first["__key__"]]["codes"])
 
 
 # ----------------------------------------------------------------------------------- Lhotse
@@ -205,4 +209,4 @@ def test_energon_prepare_crude_webdataset(mixed_cache, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert (cache / ".nv-meta" / "dataset.yaml").exists()
-    assert "latents.npy" in p.stdout and "codes.npy" in p.stdout
+    assert "latents.npy" in p.stdout and "tensors.npz" in p.stdout

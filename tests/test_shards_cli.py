@@ -189,7 +189,8 @@ def test_head_and_show(capsys, clean_cache):
     assert b["text"] == SAMPLES["utt-b"][5] and b["json"]["speaker"] == "bob"
     assert b["fields"]["n_frames"] == arrays["codes.npy"].shape[1] and b["fields"]["has_image"]
     members = {m["name"]: m for m in b["members"]}
-    assert set(members) == {"json", "codes.npy", "audio.npy", "text_ids.npy", "latents.npy"}
+    assert set(members) == {"json", "tensors.npz", "codes.npy", "audio.npy", "text_ids.npy", "latents.npy"}
+    assert members["codes.npy"]["member"] == "tensors.npz" and members["latents.npy"]["member"] is None
     lat = arrays["latents.npy"].astype(np.float64)
     m = members["latents.npy"]
     assert m["shape"] == [16, 1, 8, 8] and m["dtype"] == "<f2" and m["bytes"] == lat.size * 2

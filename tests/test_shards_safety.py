@@ -118,14 +118,14 @@ def test_long_or_non_ascii_names_still_round_trip(tmp_path):
     w.commit()
     with tarfile.open(tmp_path / SHARD0) as tf:
         names = [i.name for i in tf.getmembers()]
-    assert f"{key}.codes.npy" in names and "plain.json" in names
+    assert f"{key}.tensors.npz" in names and "plain.json" in names
     shards.merge_parts(tmp_path, {})
     r = ShardReader(tmp_path, verify_reads=True)
     assert r.get(r.keys.index(key))["codes"].shape == (4, 22)
     import webdataset as wds  # upstream reads the tar too
     got = {s["__key__"]: s for s in wds.WebDataset([str(tmp_path / SHARD0)], shardshuffle=False).decode()}
     assert set(got) == {"plain", key}
-    assert np.array_equal(got[key]["codes.npy"], arrays(2)["codes.npy"])
+    assert np.array_equal(got[key]["tensors.npz"]["codes"], arrays(2)["codes.npy"])
     assert got["plain"]["json"]["text"] == "sample 1"
 
 

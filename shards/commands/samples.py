@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..reader import ShardReader
-from ..schema import JSON_MEMBER
+from ..schema import JSON_MEMBER, WHOLE_MEMBER_DTYPES
 from ._common import (SCALAR_COLUMNS, NotFound, Out, UsageError, cache_dir, fmt_bytes, fmt_value,
                       read_index_columns, read_index_head)
 
@@ -83,7 +83,7 @@ def describe(reader: ShardReader, i: int, row: dict) -> dict[str, Any]:
     for m in row["members"]:
         name = m["name"]
         entry = dict(name=name, dtype=m["dtype"], shape=list(m["shape"]), bytes=m["size"],
-                     offset=m["offset"])
+                     offset=m["offset"], member=m.get("member"))
         if name.endswith(".npy"):
             entry.update(array_stats(sample[name[:-4]]))
         members.append(entry)
@@ -130,7 +130,7 @@ def render(out: Out, s: dict) -> None:
 
 def _dtype_name(dtype: str) -> str:
     """``"<i2"`` -> ``"int16"``; ``json``/``bytes`` and unknown strings unchanged."""
-    if dtype in ("json", "bytes"):
+    if dtype in WHOLE_MEMBER_DTYPES:
         return dtype
     try:
         return np.dtype(dtype).name

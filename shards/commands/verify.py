@@ -33,7 +33,7 @@ from ..errors import ShardcacheError, UnsafePath, UnsupportedFormat
 from ..index import rows_to_table
 from ..reader import ShardReader
 from ..scan import scan_shard
-from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES,
+from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES, WHOLE_MEMBER_DTYPES,
                       is_main_shard_name, parse_shard_name)
 from ._common import (Out, UsageError, expand_targets, load_manifest, manifest_shards, progress,
                       read_index_columns, shard_path)
@@ -41,7 +41,7 @@ from ._common import (Out, UsageError, expand_targets, load_manifest, manifest_s
 #: scalar index fields re-derived by scan_shard and compared in deep mode
 ROW_FIELDS = ("duration_s", "sample_rate") + tuple(c.name for c in fields.INDEX_FIELD_COLUMNS) \
     + ("speaker", "bytes")  # derived from the field registry (shards.fields)
-MEMBER_FIELDS = ("offset", "size", "dtype", "shape")
+MEMBER_FIELDS = ("offset", "size", "dtype", "shape", "member")
 _SAMPLE_IN_MESSAGE = re.compile(r"(?:sample '([^']+)'|member '([^'./]+)\.)")
 
 
@@ -161,7 +161,7 @@ def compare_rows(shard: str, scanned: list[dict], indexed: list[dict]) -> list[P
             probs.append(Problem(shard, k, f"members differ: index {sorted(ma)}, tar {sorted(mb)}"))
         for name in sorted(set(ma) & set(mb)):
             for f in MEMBER_FIELDS:
-                va, vb = ma[name][f], mb[name][f]
+                va, vb = ma[name].get(f), mb[name].get(f)
                 if f == "shape":
                     va, vb = list(va or []), list(vb or [])
                 if va != vb:
@@ -183,7 +183,7 @@ def decode_check(shard: str, directory: Path, table: pa.Table) -> list[Problem]:
         for i, row in enumerate(table.select(["key", "members"]).to_pylist()):
             key, ok = row["key"], True
             for m in row["members"] or []:
-                if m["dtype"] in ("json", "bytes"):
+                if m["dtype"] in WHOLE_MEMBER_DTYPES:
                     continue
                 try:
                     dt = np.dtype(m["dtype"])
@@ -320,7 +320,7 @@ def check_sidecar(path: Path, entry: dict, deep: bool,
                 probs.append(Problem(name, r["key"], f"{member} in the sidecar but not in index.parquet"))
             continue
         for f in MEMBER_FIELDS:
-            va, vb = want[f], got[member][f]
+            va, vb = want.get(f), got[member].get(f)
             if f == "shape":
                 va, vb = list(va or []), list(vb or [])
             if va != vb:

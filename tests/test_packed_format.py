@@ -1,0 +1,142 @@
+"""Format 3: a sample's arrays packed in one ``KEY.tensors.npz`` member (shards.npz), read by
+offset exactly like the one-member-per-array layout of formats 1-2, which stays readable."""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shards
+from loaders import ShardLoader
+from shards import npz
+from shards.cli import main
+from shards.errors import ShardCorrupt
+from shards.reader import ShardReader
+from shards.schema import chunk_shard_name
+
+
+def sample(i: int) -> dict:
+    """A conversation-shaped sample: one audio item, small token arrays, an image on even i."""
+    rng = np.random.default_rng(i)
+    n_tok = 20 + i
+    fields = {
+        "json": {"text": f"sample {i}", "speaker": f"spk{i % 2}", "sample_rate": 16000, "duration_s": 0.125},
+        "audio.npy": rng.integers(-20000, 20000, size=2000).astype(np.int16),
+        "audio_starts.npy": np.array([0, 2000], np.int32),
+        "codes.npy": rng.integers(0, 1024, size=(4, 7 + i)).astype(np.int16),
+        "audio_segments.npy": np.array([[0, 1, 1, 0, 7 + i, 0]], np.int32),
+        "input_ids.npy": rng.integers(3, 259, size=n_tok).astype(np.int32),
+        "labels.npy": np.where(np.arange(n_tok) > 5, rng.integers(3, 259, size=n_tok), -100).astype(np.int32),
+    }
+    if i % 2 == 0:
+        fields["latents.npy"] = rng.normal(size=(16, 1, 4, 4)).astype(np.float16)
+    return fields
+
+
+def build(out: Path, packed: bool, n: int = 10) -> Path:
+    for chunk, keys in enumerate((range(0, 6), range(6, n))):
+        with shards.ShardWriter(out, chunk_shard_name(chunk), packed=packed) as w:
+            for i in keys:
+                w.add(f"s{i:02d}", sample(i))
+            w.commit()
+    shards.merge_parts(out, {"codebook_size": 1024, "text_vocab_size": 259, "n_codebooks": 4})
+    return out
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("packed")
+    return build(tmp / "packed", True), build(tmp / "unpacked", False)
+
+
+def test_npz_member_is_a_standard_npz_with_aligned_payloads():
+    arrays = {k[:-4]: v for k, v in sample(0).items() if k.endswith(".npy")}
+    blob = npz.pack(arrays)
+    zf = zipfile.ZipFile(io.BytesIO(blob))
+    assert zf.testzip() is None
+    assert [i.filename for i in zf.infolist()] == [f"{k}.npy" for k in arrays]
+    assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
+    loaded = np.load(io.BytesIO(blob), allow_pickle=False)
+    for k, a in arrays.items():
+        assert loaded[k].dtype == a.dtype and np.array_equal(loaded[k], a)
+    for name, off, size, dtype, shape in npz.entries(blob):
+        assert off % npz.ALIGN == 0, (name, off)
+        got = np.frombuffer(blob, dtype=dtype, count=size // np.dtype(dtype).itemsize, offset=off)
+        assert np.array_equal(got.reshape(shape), arrays[name])
+    assert npz.pack(arrays) == blob  # reproducible
+
+
+def test_a_sample_is_json_plus_one_packed_member(caches):
+    packed, unpacked = caches
+    with tarfile.open(packed / chunk_shard_name(0)) as tf:
+        names = [i.name for i in tf.getmembers()]
+    assert names[:3] == ["s00.json", "s00.latents.npy", "s00.tensors.npz"]  # latents stay a member
+    assert names[3:5] == ["s01.json", "s01.tensors.npz"]
+    with tarfile.open(unpacked / chunk_shard_name(0)) as tf:
+        assert sum(i.name.startswith("s01.") for i in tf.getmembers()) == 7
+
+    def blocks(cache):  # bytes of headers + padded member data (the tar's end padding aside)
+        with tarfile.open(cache / chunk_shard_name(0)) as tf:
+            return sum(512 + -(-i.size // 512) * 512 for i in tf.getmembers())
+    assert blocks(packed) < 0.75 * blocks(unpacked), (blocks(packed), blocks(unpacked))
+    assert json.loads((packed / "manifest.json").read_text())["format_version"] == 3
+    assert json.loads((unpacked / "manifest.json").read_text())["format_version"] == 1
+
+
+def test_packed_and_unpacked_caches_read_the_same(caches):
+    packed, unpacked = caches
+    a, b = ShardReader(packed, verify_reads=True), ShardReader(unpacked, verify_reads=True)
+    assert a.keys == b.keys == [f"s{i:02d}" for i in range(10)]
+    for i, key in enumerate(a.keys):
+        want = {k[:-4]: v for k, v in sample(int(key[1:])).items() if k.endswith(".npy")}
+        for r in (a, b):
+            got = r.get(i)
+            assert set(got) - {"__key__", "json"} == set(want), key
+            for k, v in want.items():
+                assert got[k].dtype == v.dtype and np.array_equal(got[k], v), (key, k)
+    batches = []
+    for cache in caches:
+        loader = ShardLoader(cache, 3, seed=1, fields=None)
+        batches.append(list(loader))
+    assert len(batches[0]) == len(batches[1]) == 3
+    for x, y in zip(*batches):
+        assert x["keys"] == y["keys"] and set(x) == set(y)
+        for k, v in x.items():
+            if hasattr(v, "shape"):
+                assert v.dtype == y[k].dtype and bool((v == y[k]).all()), k
+
+
+def test_verify_and_verify_reads_catch_a_flipped_byte_inside_the_packed_member(caches, tmp_path, capsys):
+    cache = Path(shutil.copytree(caches[0], tmp_path / "c"))
+    assert main(["verify", str(cache), "--deep"]) == 0
+    r = ShardReader(cache)
+    row = r.keys.index("s03")
+    m = next(m for m in r.index.column("members")[row].as_py() if m["name"] == "input_ids.npy")
+    assert m["member"] == "tensors.npz"
+    path = cache / chunk_shard_name(0)
+    data = bytearray(path.read_bytes())
+    data[m["offset"] + 1] ^= 0x01  # inside input_ids: still in range, so only a hash can tell
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardCorrupt, match="sha256 mismatch"):
+        ShardReader(cache, verify_reads=True).get(row)
+    capsys.readouterr()
+    assert main(["verify", str(cache), "--deep"]) == 1
+    assert "s03" in capsys.readouterr().out
+
+
+def test_a_compressed_npz_member_is_refused_naming_the_sample(tmp_path):
+    buf = io.BytesIO()
+    np.savez_compressed(buf, codes=np.zeros((4, 8), np.int16))
+    data = buf.getvalue()
+    with tarfile.open(tmp_path / "shard-000000.tar", "w") as tf:
+        info = tarfile.TarInfo("bad.tensors.npz")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    with pytest.raises(ShardCorrupt, match="bad.*compressed"):
+        shards.scan_shard(tmp_path / "shard-000000.tar")
