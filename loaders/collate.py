@@ -81,6 +81,8 @@ from torch.utils.data import get_worker_info
 
 from shards import fields as registry
 
+from . import shm
+
 #: pad value of ``codes``: PyTorch ``CrossEntropyLoss(ignore_index=-100)`` skips these positions.
 CODES_PAD_ID = registry.BY_NAME["codes"].pad
 #: pad value of ``text_ids``.
@@ -147,38 +149,28 @@ def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
 
 _NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_,
               torch.int16: np.int16, torch.int32: np.int32, torch.float16: np.float16}
-_ALIGN = 64
 
 
-def allocate(layout: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> dict[str, torch.Tensor]:
+def allocate(layout: Sequence[tuple[str, Sequence[int], torch.dtype]], arena=None) -> dict[str, torch.Tensor]:
     """Uninitialised tensors ``{name: tensor}`` for a batch, from ``(name, shape, dtype)`` entries.
 
     In the main process each is its own numpy allocation wrapped by ``torch.from_numpy``: glibc
     recycles freed numpy blocks, whereas ``torch.empty`` blocks of this size come back as fresh
     kernel pages on every batch (page faults + zeroing: measured 2x slower for a 14 MB batch).
-    In a DataLoader worker all of them are views of ONE shared-memory block (64-byte aligned), so
-    sending the batch to the main process passes one file descriptor instead of one per tensor
-    and creates one shared-memory segment (``default_collate`` creates one per tensor). Keeping
-    any one of these tensors alive keeps the whole block alive.
+    In a DataLoader worker all of them are views of ONE shared-memory block (64-byte aligned): a
+    reused slot of ``arena`` (:class:`loaders.shm.SlotArena`), so nothing is allocated, faulted in
+    or sent but a small message (see :mod:`loaders.shm`); without an arena, or with every slot
+    busy, a new shared block (one file descriptor per batch instead of ``default_collate``'s one
+    per tensor). Keeping any one of these tensors alive keeps the whole block alive.
     """
     layout = [(n, tuple(int(x) for x in shp), dt) for n, shp, dt in layout]
+    if arena is not None:
+        return arena.allocate(layout)
     if get_worker_info() is None:
         return {n: torch.from_numpy(np.empty(shp, dtype=_NP_DTYPES[dt])) for n, shp, dt in layout}
-    offsets, total = [], 0
-    for _, shp, dt in layout:
-        offsets.append(total)
-        nbytes = int(np.prod(shp, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
-        total += -(-nbytes // _ALIGN) * _ALIGN
-    storage = torch.UntypedStorage._new_shared(max(total, _ALIGN))
-    out = {}
-    for (name, shp, dt), off in zip(layout, offsets):
-        item = torch.empty((), dtype=dt).element_size()
-        stride, acc = [], 1
-        for d in reversed(shp):
-            stride.append(acc)
-            acc *= max(d, 1)
-        out[name] = torch.empty(0, dtype=dt).set_(storage, off // item, shp, tuple(reversed(stride)))
-    return out
+    offsets, total = shm.layout_bytes([(None, shp, dt) for _, shp, dt in layout])
+    storage = torch.UntypedStorage._new_shared(total)
+    return {name: shm.view(storage, off, shp, dt) for (name, shp, dt), off in zip(layout, offsets)}
 
 
 def empty_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -265,7 +257,7 @@ def _ragged_spec(field: str, pad_id: int) -> tuple[int | None, str | None, str |
 
 def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],
                   latent_shape: Sequence[int] | None = None, compact: bool = False, pad_id: int = TEXT_PAD_ID,
-                  **arrays: list) -> dict[str, Any]:
+                  arena=None, **arrays: list) -> dict[str, Any]:
     """Build a batch from per-field lists of numpy arrays (one entry per sample, keyword = field).
 
     ``codes``: int ``(n_codebooks, F_i)``; waveforms (``audio``, ``audio_16k``...): int16
@@ -277,8 +269,9 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
     no sample of the batch has an image (else the batch's latents are ``(B, 0, 0, 0, 0)``).
     ``compact``: keep the cache's dtypes, waveforms int16 PCM (scale by :data:`AUDIO_SCALE` on the
     device) and latents float16, half the bytes to copy here and to send to the GPU. ``pad_id``:
-    the pad of ``input_ids`` (the cache's ``text.pad_id``). Raises ``ValueError`` naming the
-    keys for mixed sample rates or codebook counts (see the module docstring).
+    the pad of ``input_ids`` (the cache's ``text.pad_id``). ``arena``: a DataLoader worker's
+    :class:`loaders.shm.SlotArena` to collate into (see :func:`allocate`). Raises ``ValueError``
+    naming the keys for mixed sample rates or codebook counts (see the module docstring).
     """
     B = len(keys)
     rates = np.asarray(sample_rates, dtype=np.int64)
@@ -329,7 +322,7 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
         layout += [(f, (B, *shape), torch.float16 if compact else f32) for f in lat]
         layout += [("latents_mask", (B, *shape[1:]), b8), ("has_image", (B,), b8)]
     batch: dict[str, Any] = {"keys": keys, "sample_rate": int(audible[0]) if len(audible) else 0}
-    batch.update(allocate(layout))
+    batch.update(allocate(layout, arena))
 
     for cf in code_fields:
         o, c_len = batch[cf].numpy(), c_lens[cf]

@@ -29,6 +29,7 @@ from shards.reader import refuse_unsafe
 from .batching import PlanSpec
 from .collate import (FIELDS, LATENT_FIELDS, TEXT_PAD_ID, check_fields, collate_views, field_ndim)
 from .order import filter_rows
+from .shm import SlotArena
 
 #: fields every sample of a conversation cache has (others may be absent on some samples:
 #: codes/audio on samples without audio, latents on samples without an image)
@@ -147,11 +148,12 @@ class Sources:
         self.compact = False  # collate_views(compact=...): int16 audio, float16 latents
         self.pad_id = self.sources[0].pad_id
 
-    def read_batch(self, ids: np.ndarray) -> dict[str, Any]:
-        """The collated batch (see :mod:`loaders.collate`) of sample ``ids`` (int64, global)."""
+    def read_batch(self, ids: np.ndarray, arena=None) -> dict[str, Any]:
+        """The collated batch (see :mod:`loaders.collate`) of sample ``ids`` (int64, global);
+        ``arena``: a worker's :class:`loaders.shm.SlotArena` to collate into."""
         ids = np.asarray(ids, dtype=np.int64)
         if len(self.sources) == 1:
-            return self._read_one(self.sources[0], ids)
+            return self._read_one(self.sources[0], ids, arena)
         which = np.searchsorted(self.offsets, ids, side="right") - 1
         keys: list[Any] = [None] * len(ids)
         rates = np.zeros(len(ids), np.int64)
@@ -166,15 +168,15 @@ class Sources:
                 for p, v in zip(pos.tolist(), src.views(f, rows)):
                     per_field[f][p] = v
         batch = collate_views(keys, rates, self.fields, latent_shape=self.latent_shape, compact=self.compact,
-                              pad_id=self.pad_id, **per_field)
+                              pad_id=self.pad_id, arena=arena, **per_field)
         batch["source"] = [self.names[i] for i in which.tolist()]
         return batch
 
-    def _read_one(self, src: CacheSource, rows: np.ndarray) -> dict[str, Any]:
+    def _read_one(self, src: CacheSource, rows: np.ndarray, arena=None) -> dict[str, Any]:
         per_field = {f: src.views(f, rows) for f in self.fields}
         return collate_views(src.keys.take(pa.array(rows)).to_pylist(), src.sample_rate[rows],
                              self.fields, latent_shape=self.latent_shape, compact=self.compact,
-                             pad_id=self.pad_id, **per_field)
+                             pad_id=self.pad_id, arena=arena, **per_field)
 
     def close(self) -> None:
         for s in self.sources:
@@ -185,20 +187,37 @@ class PlanDataset(IterableDataset):
     """What each DataLoader worker (or the main process when ``num_workers=0``) iterates.
 
     Yields ``(step, batch)`` for this rank's batches of the steps ``start + wid + k * nw`` of the
-    epoch, where ``(epoch, start)`` is read from ``position`` (an int64 tensor ``[epoch, start_step]``
-    in shared memory) when ``iter()`` is called, and ``wid``/``nw`` are the worker id / count.
+    epoch, where ``(epoch, start, generation)`` is read from ``position`` (an int64 tensor in shared
+    memory) when ``iter()`` is called, and ``wid``/``nw`` are the worker id / count. With
+    ``slots`` (``(flags, receiver_id)``, see :mod:`loaders.shm`) a worker collates into its reusable
+    shared-memory slots and yields :class:`loaders.shm.SlotBatch` messages instead of batches.
     """
 
-    def __init__(self, sources: Sources, spec: PlanSpec, rank: int, position: torch.Tensor):
+    def __init__(self, sources: Sources, spec: PlanSpec, rank: int, position: torch.Tensor,
+                 slots: tuple[torch.Tensor, int] | None = None):
         self.sources, self.spec, self.rank, self.position = sources, spec, int(rank), position
+        self.slots = slots
+        self._arena: SlotArena | None = None
 
-    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        epoch, start = (int(v) for v in self.position.tolist())
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_arena"] = None  # each worker process makes its own
+        return state
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        epoch, start, generation = (int(v) for v in self.position.tolist())
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        arena = None
+        if info is not None and self.slots is not None:
+            if self._arena is None or self._arena.worker != wid:
+                self._arena = SlotArena(self.slots[0], wid, self.slots[1])
+            arena = self._arena
+            arena.start(generation)
         plan = self.spec.plan(epoch)  # computed eagerly here, not at the first next()
-        return self._run(plan, range(start + wid, plan.n_steps, nw))
+        return self._run(plan, range(start + wid, plan.n_steps, nw), arena)
 
-    def _run(self, plan, steps) -> Iterator[tuple[int, dict[str, Any]]]:
+    def _run(self, plan, steps, arena) -> Iterator[tuple[int, Any]]:
         for s in steps:
-            yield s, self.sources.read_batch(plan.rank_batch(s, self.rank))
+            batch = self.sources.read_batch(plan.rank_batch(s, self.rank), arena)
+            yield s, (batch if arena is None else arena.seal(batch))

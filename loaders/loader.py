@@ -18,7 +18,10 @@ reads its batch of each step. With ``num_workers = n > 0`` a ``torch.utils.data.
 step ``s0`` worker ``w`` collates steps ``s0 + w, s0 + w + n, ...`` and tags each batch with its
 step; the main process hands them out in step order (re-ordering if needed) and advances the
 cursor only when the consumer receives a batch, so ``state_dict()`` never counts prefetched
-batches, and the sequence is the same for any ``num_workers``.
+batches, and the sequence is the same for any ``num_workers``. Workers collate into reusable
+shared-memory slots (``prefetch_factor + 2`` per worker) and send only a small message; the
+batch's tensors are views of the slot, which is reused once they are all freed
+(:mod:`loaders.shm`): no per-batch shared-memory block, page faults or file descriptors.
 
 DataLoader settings (when ``num_workers > 0``): ``persistent_workers=True`` (the epoch and start
 step reach persistent workers through a shared-memory tensor read at each ``iter()``),
@@ -42,6 +45,7 @@ from .batching import PlanSpec
 from .collate import check_fields
 from .dataset import CacheSource, PlanDataset, Sources
 from .order import ShardOrder
+from .shm import SlotBatch, SlotReceiver, new_flags
 
 STATE_KEYS = ("epoch", "cursor", "seed", "world_size", "global_batch_size")
 
@@ -149,8 +153,12 @@ class ShardLoader:
         self._spec = PlanSpec(order_fn, self.world_size, self.batch_size, self.seed, self.drop_remainder,
                               self.max_frames, sources.frames if self.max_frames else None,
                               self.bucket_window)
-        self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self.dataset = PlanDataset(sources, self._spec, self.global_rank, self._position)
+        self._position = torch.zeros(3, dtype=torch.int64).share_memory_()  # epoch, start step, generation
+        self._receiver = None
+        if self.num_workers > 0:  # reusable shared-memory slots per worker (loaders.shm)
+            self._receiver = SlotReceiver(new_flags(self.num_workers, int(prefetch_factor) + 2))
+        self.dataset = PlanDataset(sources, self._spec, self.global_rank, self._position,
+                                   None if self._receiver is None else (self._receiver.flags, self._receiver.id))
         if device_pin is None:
             device_pin = torch.cuda.is_available()
         self.pin_memory = bool(device_pin)
@@ -262,10 +270,11 @@ class ShardLoader:
             warnings.warn(f"epoch {self.epoch} is already complete (cursor {self._cursor}); call "
                           f"set_epoch({self.epoch + 1}) to go on", stacklevel=2)
             return iter(())
-        self._position[0], self._position[1] = self.epoch, start
+        self._position[0], self._position[1], self._position[2] = self.epoch, start, self._generation
         if self.num_workers == 0:
             src = iter(self.dataset)
         else:
+            self._receiver.reclaim(self._generation)  # slots of batches an earlier iter() dropped unread
             src = iter(self._dataloader())
         return self._consume(plan, start, src, self._generation)
 
@@ -275,7 +284,7 @@ class ShardLoader:
         for step, batch in src:
             if gen != self._generation:
                 return
-            pending[step] = batch
+            pending[step] = batch.unpack() if isinstance(batch, SlotBatch) else batch
             while expected in pending:
                 out = pending.pop(expected)
                 self._cursor = int(plan.cursors[expected + 1])

@@ -1,0 +1,240 @@
+"""Batches from DataLoader workers through reusable shared-memory slots (no per-batch allocation).
+
+Why: a worker that collates each batch into a *new* shared-memory block (what ``default_collate``
+and our old ``allocate`` did) pays for the block every batch: creating it, page-faulting and
+zeroing every fresh page while writing (measured 36.9 ms against 9.4 ms for the same 32-sample
+batch collated into reused memory), passing a file descriptor through a socket, and, in the main
+process, mapping it, faulting the pages in again and unmapping them when the batch is freed. With 2
+workers on 2 cores that made ShardLoader 5x slower than reading in one process.
+
+How: each worker keeps up to ``max_slots`` shared-memory slots (:class:`SlotArena`). It collates a
+batch straight into a free slot and sends a small :class:`SlotBatch` message (the layout: name,
+byte offset, shape, dtype of each tensor, plus the non-tensor entries); the slot's storage travels
+only the first time the slot is used. The main process (:class:`SlotReceiver`) maps each slot
+once and hands out tensors that are views of it. A slot is free again when every tensor of its
+batch is gone: the views share one storage created with :func:`torch.from_numpy` over a per-batch
+numpy view of the slot, and that numpy view's finalizer (which runs when the storage is freed, be
+it by the last view, a ``detach()``-ed copy or a ``.numpy()`` array) clears the slot's flag in a
+small shared int64 table. A consumer that keeps many batches never blocks a worker: with every
+slot busy the worker collates into a one-off shared block, as before.
+
+Flags hold a *token* per use (never 0: 0 means free) whose high bits are the loader's iteration
+generation. The worker only takes a slot whose flag is 0; the receiver clears a flag only if it
+still holds the token it handed out. Messages dropped unread (the DataLoader discards in-flight
+batches of an iteration abandoned mid-epoch) would keep their slot busy forever, so at each new
+``iter()`` :meth:`SlotReceiver.reclaim` frees the slots of older generations that no live batch
+holds.
+
+With ``pin_memory``, the DataLoader's pin thread calls :meth:`SlotBatch.pin_memory`, which copies
+the batch from the slot into page-locked memory (so the slot is released at once).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+#: alignment (bytes) of each tensor inside a slot
+ALIGN = 64
+#: generation bits: token = generation << _GEN_SHIFT | use counter
+_GEN_SHIFT = 40
+_COUNTER_MASK = (1 << _GEN_SHIFT) - 1
+#: slots grow to the batch size x this, rounded up to 1 MiB (budget batches vary in size)
+_GROWTH = 1.25
+_MIB = 1 << 20
+
+_RECEIVERS: "weakref.WeakValueDictionary[int, SlotReceiver]" = weakref.WeakValueDictionary()
+_ids = itertools.count(1)
+
+
+def new_flags(num_workers: int, max_slots: int) -> torch.Tensor:
+    """The shared flag table: int64 ``(num_workers, max_slots)`` in shared memory, all free (0)."""
+    return torch.zeros(max(num_workers, 1), max(max_slots, 1), dtype=torch.int64).share_memory_()
+
+
+def layout_bytes(layout) -> tuple[list[int], int]:
+    """Byte offsets (:data:`ALIGN`-aligned) of ``(name, shape, dtype)`` entries and the total."""
+    offsets, total = [], 0
+    for _, shape, dtype in layout:
+        offsets.append(total)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        total += -(-n // ALIGN) * ALIGN
+    return offsets, max(total, ALIGN)
+
+
+def view(storage: torch.UntypedStorage, byte_offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor of ``shape``/``dtype`` at ``byte_offset`` of ``storage`` (shares it)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(d), 1)
+    return torch.empty(0, dtype=dtype).set_(storage, byte_offset // item, tuple(shape), tuple(reversed(stride)))
+
+
+@dataclass
+class _Slot:
+    sid: int                       #: unique id of this storage (a slot grown later gets a new one)
+    storage: torch.UntypedStorage
+    sent: bool = False             #: the receiver has it (sent with an earlier message)
+
+
+@dataclass
+class SlotBatch:
+    """What a worker sends for a batch collated into a slot (picklable, small after the first use).
+
+    ``layout``: ``[(name, byte_offset, shape, dtype)]`` of the tensors in the slot; ``extras``: the
+    batch's other entries (keys, sample_rate, ...). ``storage`` is set when the receiver has not
+    seen this slot's storage yet.
+    """
+
+    receiver: int
+    worker: int
+    slot: int
+    sid: int
+    token: int
+    nbytes: int
+    layout: list
+    extras: dict
+    storage: torch.UntypedStorage | None = None
+
+    def unpack(self) -> dict[str, Any]:
+        """The batch dict (tensors are views of the slot; it is freed when they all are)."""
+        return _RECEIVERS[self.receiver].unpack(self)
+
+    def pin_memory(self, device=None) -> dict[str, Any]:  # called by the DataLoader's pin thread
+        """The batch copied into page-locked memory (the slot is released right away)."""
+        batch = self.unpack()
+        return {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+class SlotArena:
+    """Worker side: reusable slots of one DataLoader worker (see the module docstring).
+
+    ``allocate(layout)`` returns the tensors of a batch as views of a free slot (or of a one-off
+    shared block when every slot is busy); ``seal(batch)`` turns the collated batch into the message
+    to send (a :class:`SlotBatch`, or the batch itself after a one-off allocation).
+    """
+
+    def __init__(self, flags: torch.Tensor, worker: int, receiver: int):
+        self.flags, self.worker, self.receiver = flags, int(worker), int(receiver)
+        self.max_slots = int(flags.shape[1])
+        self.slots: list[_Slot | None] = [None] * self.max_slots
+        self.generation = 0
+        self._count = 0
+        self._sids = itertools.count(1)
+        self._pid = os.getpid()
+        self._current: tuple[int, int, int] | None = None  # (slot, token, nbytes) of the open batch
+
+    def start(self, generation: int) -> None:
+        """A new iteration of the loader: tokens carry ``generation``, and each slot's storage is
+        sent again with its first message (the message that carried it before may have been
+        dropped unread with the previous iteration)."""
+        self.generation = int(generation)
+        for slot in self.slots:
+            if slot is not None:
+                slot.sent = False
+
+    def allocate(self, layout) -> dict[str, torch.Tensor]:
+        offsets, total = layout_bytes(layout)
+        k = self._take(total)
+        if k is None:
+            storage = torch.UntypedStorage._new_shared(total)
+            self._current = None
+        else:
+            storage = self.slots[k].storage
+        return {name: view(storage, off, shape, dtype) for (name, shape, dtype), off in zip(layout, offsets)}
+
+    def _take(self, nbytes: int) -> int | None:
+        row = self.flags[self.worker]
+        free = [k for k in range(self.max_slots) if int(row[k]) == 0]
+        if not free:
+            return None
+        fits = [k for k in free if self.slots[k] is not None and self.slots[k].storage.nbytes() >= nbytes]
+        k = fits[0] if fits else free[0]
+        if not fits:  # a new slot, or a bigger one in place of a free small one
+            size = -(-int(nbytes * _GROWTH) // _MIB) * _MIB
+            self.slots[k] = _Slot((self._pid << 20) | next(self._sids), torch.UntypedStorage._new_shared(size))
+        self._count += 1
+        token = (self.generation << _GEN_SHIFT) | (self._count & _COUNTER_MASK) or 1
+        row[k] = token
+        self._current = (k, token, nbytes)
+        return k
+
+    def seal(self, batch: dict[str, Any]) -> SlotBatch | dict[str, Any]:
+        if self._current is None:
+            return batch
+        k, token, nbytes = self._current
+        self._current = None
+        slot = self.slots[k]
+        base = slot.storage.data_ptr()
+        layout, extras = [], {}
+        for name, v in batch.items():
+            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == base:
+                layout.append((name, v.storage_offset() * v.element_size(), tuple(v.shape), v.dtype))
+            else:
+                extras[name] = v
+        msg = SlotBatch(self.receiver, self.worker, k, slot.sid, token, nbytes, layout, extras,
+                        None if slot.sent else slot.storage)
+        slot.sent = True
+        return msg
+
+
+class SlotReceiver:
+    """Main-process side: maps each worker slot once, hands out batches as views, frees slots."""
+
+    def __init__(self, flags: torch.Tensor):
+        self.flags = flags
+        self.id = next(_ids)
+        self._maps: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+        self._live: dict[int, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+        _RECEIVERS[self.id] = self
+
+    def unpack(self, msg: SlotBatch) -> dict[str, Any]:
+        key = (msg.worker, msg.slot)
+        with self._lock:
+            if msg.storage is not None:
+                whole = torch.empty(0, dtype=torch.uint8).set_(msg.storage, 0, (msg.storage.nbytes(),))
+                self._maps[key] = (msg.sid, whole.numpy())
+            sid, arr = self._maps[key]
+            if sid != msg.sid:
+                raise RuntimeError(f"worker {msg.worker} slot {msg.slot}: batch for storage {msg.sid} but "
+                                   f"{sid} is mapped (messages out of order)")
+            self._live[msg.token] = key
+        lease = arr[:msg.nbytes]  # a new numpy object per batch: its life is the batch's
+        weakref.finalize(lease, self._release, msg.worker, msg.slot, msg.token)
+        storage = torch.from_numpy(lease).untyped_storage()  # holds `lease` until freed
+        del lease
+        out = dict(msg.extras)
+        for name, off, shape, dtype in msg.layout:
+            out[name] = view(storage, off, shape, dtype)
+        return out
+
+    def _release(self, worker: int, slot: int, token: int) -> None:
+        with self._lock:
+            self._live.pop(token, None)
+            if int(self.flags[worker, slot]) == token:
+                self.flags[worker, slot] = 0
+
+    def reclaim(self, generation: int) -> int:
+        """Free slots whose token is of a generation before ``generation`` and that no live batch
+        holds (their messages were dropped unread); returns how many."""
+        n = 0
+        with self._lock:
+            live = set(self._live)
+            flat = self.flags.view(-1)
+            for i, tok in enumerate(flat.tolist()):
+                if tok and (tok >> _GEN_SHIFT) < generation and tok not in live:
+                    flat[i] = 0
+                    n += 1
+        return n
+
+
+__all__ = ["SlotArena", "SlotReceiver", "SlotBatch", "new_flags", "layout_bytes", "view", "ALIGN"]

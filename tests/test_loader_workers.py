@@ -1,0 +1,121 @@
+"""DataLoader workers hand batches over through reusable shared-memory slots (loaders.shm): the
+values equal the one-process loader's, a slot is never rewritten while any tensor of its batch
+(or a detached copy, or a numpy view of one) is alive, and slots dropped unread are reclaimed."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from loaders import ShardLoader
+from loaders import shm as shm_mod
+from test_loaders import make_cache
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return make_cache(tmp_path_factory.mktemp("workers"), (9, 14, 6), image_every=2,
+                      latent_shapes=((4, 1, 2, 3), (4, 1, 3, 2)))
+
+
+def reference(cache, epoch, **kw) -> list[dict]:
+    ld = ShardLoader(cache, 3, seed=3, num_workers=0, **kw)
+    ld.set_epoch(epoch)
+    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in ld]
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+            assert torch.equal(got[k], v), (want["keys"], k)
+        else:
+            assert got[k] == v, k
+
+
+class Counting:
+    """Counts batches that came through a slot (SlotBatch.unpack) during the block."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        orig = shm_mod.SlotBatch.unpack
+
+        def unpack(msg):
+            self.n += 1
+            return orig(msg)
+        monkeypatch.setattr(shm_mod.SlotBatch, "unpack", unpack)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_batches_held_by_the_consumer_are_never_overwritten(cache, monkeypatch, compact):
+    """Keep every batch of two epochs alive (more than all slots): the held ones must keep their
+    values while workers go on, falling back to one-off blocks when every slot is busy."""
+    counted = Counting(monkeypatch)
+    want = reference(cache, 0, compact=compact) + reference(cache, 1, compact=compact)
+    ld = ShardLoader(cache, 3, seed=3, num_workers=2, prefetch_factor=2, compact=compact)
+    held = []
+    for e in (0, 1):
+        ld.set_epoch(e)
+        held += list(ld)
+    assert len(held) == len(want) == 18
+    for got, w in zip(held, want):
+        assert_same(got, w)
+    assert counted.n > 0  # the slot path ran
+    ld.close()
+
+
+def test_slots_are_reused_and_views_keep_them_alive(cache, monkeypatch):
+    """Dropping each batch at once: every batch after warm-up comes through a slot (none falls back),
+    and the receiver maps at most workers x slots storages. A detached tensor or a numpy view kept
+    from a batch keeps its slot busy: its values never change."""
+    counted = Counting(monkeypatch)
+    want = reference(cache, 0)
+    ld = ShardLoader(cache, 3, seed=3, num_workers=2, prefetch_factor=2)
+    ld.set_epoch(0)
+    kept = []
+    for i, b in enumerate(ld):
+        assert_same(b, want[i])
+        if i % 3 == 0:  # only a detached copy and a numpy view survive the batch dict
+            kept.append((i, b["codes"].detach(), b["audio"].numpy()))
+        del b
+        gc.collect()
+    assert counted.n == len(want) == 9
+    maps = ld._receiver._maps
+    assert 0 < len(maps) <= 2 * (2 + 2)
+    for i, codes, audio in kept:
+        assert torch.equal(codes, want[i]["codes"])
+        assert torch.equal(torch.from_numpy(audio), want[i]["audio"])
+    ld.close()
+
+
+def test_iterations_abandoned_mid_epoch_do_not_leak_slots(cache, monkeypatch):
+    """Breaking out after one batch, again and again (an eval limited to N batches does), must not
+    leave slots busy for ever: a later full epoch still comes through the slots."""
+    ld = ShardLoader(cache, 3, seed=3, num_workers=2, prefetch_factor=2)
+    for e in range(6):
+        ld.set_epoch(e)
+        next(iter(ld))
+    gc.collect()
+    counted = Counting(monkeypatch)
+    ld.set_epoch(6)
+    want = reference(cache, 6)
+    for i, b in enumerate(ld):
+        assert_same(b, want[i])
+        del b
+        gc.collect()
+    assert counted.n == len(want), (counted.n, ld._receiver.flags)
+    ld.close()
+
+
+def test_pinned_batches_equal_and_release_the_slot(cache):
+    if not torch.cuda.is_available():
+        pytest.skip("pin_memory needs CUDA")
+    want = reference(cache, 0)
+    ld = ShardLoader(cache, 3, seed=3, num_workers=2, device_pin=True)
+    ld.set_epoch(0)
+    for i, b in enumerate(ld):
+        assert all(v.is_pinned() for v in b.values() if isinstance(v, torch.Tensor))
+        assert_same(b, want[i])
+    ld.close()
