@@ -25,10 +25,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from shards import ShardReader, load_manifest_checked, read_index, value_checks_from_manifest
 from shards import fields as registry
 from shards.reader import refuse_unsafe
+from shards.storage import is_url
 
 from .batching import PlanSpec
 from .collate import (FIELDS, LATENT_FIELDS, TEXT_PAD_ID, check_fields, collate_views, field_ndim)
 from .order import filter_rows
+from .remote import RemoteCache
 from .shm import SlotArena
 
 #: fields every sample of a conversation cache has (others may be absent on some samples:
@@ -66,6 +68,12 @@ class CacheSource:
     / ``[0, vocab_size)`` and that latents are finite, raising :class:`shards.ShardCorrupt` naming
     shard and key (:func:`shards.value_checks_from_manifest`).
 
+    ``cache_dir`` may be a URL (``s3://...``, any fsspec protocol): then ``remote`` holds the
+    :class:`loaders.remote.RemoteCache` keyword arguments (``rank``, ``local_dir``,
+    ``storage_options``...), the index and manifest are downloaded to its local folder, shards are
+    read there as a :class:`loaders.remote.Prefetcher` brings them (readers wait for a shard that
+    has not arrived), and after each batch a reader closes the maps of the files it did not use.
+
     Raises ``FileNotFoundError`` (no index), :class:`shards.UnsupportedFormat` (newer cache format),
     :class:`shards.UnsafePath` (index names a file outside the cache), :class:`shards.UnsafeMember` (pickle member listed),
     :class:`shards.ShardCorrupt` (shard file missing or shorter than its indexed members, bad
@@ -74,7 +82,13 @@ class CacheSource:
     """
 
     def __init__(self, cache_dir: str | os.PathLike, filters: Any = None, fields: Sequence[str] | None = None,
-                 verify_reads: bool = False):
+                 verify_reads: bool = False, remote: dict | None = None):
+        self.url = str(cache_dir)
+        self.remote: RemoteCache | None = None
+        if is_url(cache_dir):
+            self.remote = RemoteCache(str(cache_dir), **(remote or {}))
+            cache_dir = self.remote.local
+        self.streamed = self.remote is not None
         self.cache_dir = Path(cache_dir)
         manifest = load_manifest_checked(self.cache_dir)  # UnsupportedFormat for a newer format_version
         table = read_index(self.cache_dir)
@@ -90,7 +104,8 @@ class CacheSource:
         self.fields = check_fields(cache_fields(t) if fields is None else fields)
         # every read checks the shard did not shrink, codes/ids are in range, latents are finite
         self.reader = ShardReader(self.cache_dir, index=t, shard_names=all_shards, manifest=manifest,
-                                  value_checks=value_checks_from_manifest(manifest), verify_reads=verify_reads)
+                                  value_checks=value_checks_from_manifest(manifest), verify_reads=verify_reads,
+                                  await_file=self.remote.waiter if self.remote is not None else None)
         self.n, self.keys, self.shard_of = self.reader.n, self.reader.key_array, self.reader.shard_of
         self.shard_names = all_shards
         num = lambda c: t.column(c).to_numpy().astype(np.int64)  # noqa: E731
@@ -100,8 +115,33 @@ class CacheSource:
         self.latent_shape = None
         for field in self.fields:
             self._check_field(field)
-        self.reader.check_files()
+        # the files each row reads: its shard, and the sidecar tar of every sidecar field read
+        cols = [self.shard_of]
+        for f in self.fields:
+            side = self.reader.field(f, field_ndim(f)).file
+            if side is not None:
+                cols.append(side)
+        self.row_files = np.stack(cols, axis=1).astype(np.int32)
+        if self.remote is not None:
+            self.remote.adopt([self.reader.files[i] for i in np.unique(self.row_files).tolist()], manifest)
+        else:
+            self.reader.check_files()
         self.reader.drop_index()  # workers get numpy arrays only
+
+    def files_of(self, rows: np.ndarray) -> list[str]:
+        """Names of the shard / sidecar files that reading ``rows`` touches."""
+        return [self.reader.files[i] for i in np.unique(self.row_files[rows]).tolist()]
+
+    def after_read(self, rows: np.ndarray) -> None:
+        """Streamed caches: close the maps of files these rows did not use (evicted files then give
+        their disk space back)."""
+        if self.streamed:
+            self.reader.close_except(np.unique(self.row_files[rows]).tolist())
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["remote"] = None  # workers only read local files (the reader waits for them)
+        return state
 
     def _check_field(self, field: str) -> None:
         fa = self.reader.field(field, field_ndim(field))  # raises ShardCorrupt for a bad shape/size
@@ -129,8 +169,11 @@ class CacheSource:
         return self.reader.views(field, rows)
 
     def close(self) -> None:
-        """Close the mmaps (views handed out earlier must not be used afterwards)."""
+        """Close the mmaps (views handed out earlier must not be used afterwards) and release the
+        local folder of a streamed cache."""
         self.reader.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 class Sources:
@@ -169,14 +212,20 @@ class Sources:
                     per_field[f][p] = v
         batch = collate_views(keys, rates, self.fields, latent_shape=self.latent_shape, compact=self.compact,
                               pad_id=self.pad_id, arena=arena, **per_field)
+        del per_field
+        for i in np.unique(which).tolist():
+            self.sources[i].after_read(ids[which == i] - self.offsets[i])
         batch["source"] = [self.names[i] for i in which.tolist()]
         return batch
 
     def _read_one(self, src: CacheSource, rows: np.ndarray, arena=None) -> dict[str, Any]:
         per_field = {f: src.views(f, rows) for f in self.fields}
-        return collate_views(src.keys.take(pa.array(rows)).to_pylist(), src.sample_rate[rows],
-                             self.fields, latent_shape=self.latent_shape, compact=self.compact,
-                             pad_id=self.pad_id, arena=arena, **per_field)
+        batch = collate_views(src.keys.take(pa.array(rows)).to_pylist(), src.sample_rate[rows],
+                              self.fields, latent_shape=self.latent_shape, compact=self.compact,
+                              pad_id=self.pad_id, arena=arena, **per_field)
+        del per_field
+        src.after_read(rows)
+        return batch
 
     def close(self) -> None:
         for s in self.sources:

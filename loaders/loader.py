@@ -45,6 +45,7 @@ from .batching import PlanSpec
 from .collate import check_fields
 from .dataset import CacheSource, PlanDataset, Sources
 from .order import ShardOrder
+from .remote import DEFAULT_CACHE_LIMIT, Prefetcher, step_files
 from .shm import SlotBatch, SlotReceiver, new_flags
 
 STATE_KEYS = ("epoch", "cursor", "seed", "world_size", "global_batch_size")
@@ -76,7 +77,9 @@ class ShardLoader:
     """Batches of one rank over a shardcache cache. See the module docstring for the order.
 
     Args:
-        cache_dir: cache directory (``index.parquet`` + shard tars).
+        cache_dir: cache directory (``index.parquet`` + shard tars), or its URL in object storage
+            (``s3://bucket/cache``, ``gs://...``, ``hf://...``, ``https://...``: streamed into a
+            bounded local folder, see :mod:`loaders.remote`).
         batch_size: samples per batch and rank (``B``); with ``max_frames``: the most per batch.
         global_rank, world_size: this rank and the number of ranks.
         seed: int >= 0; with the epoch it fixes the whole order.
@@ -105,6 +108,17 @@ class ShardLoader:
             (``audio * loaders.AUDIO_SCALE``, ``latents.float()``). Default False.
         verify_reads: check every sample's sha256 against the index as it is read (opt-in; shrunk
             shards, out-of-range codes/ids and non-finite latents are always caught).
+        storage_options: a remote cache's fsspec options (credentials, ``client_kwargs.endpoint_url``
+            ...); default: the store's usual environment/config (:mod:`shards.storage`).
+        local_dir: a remote cache's local folder (default ``$SHARDCACHE_LOCAL_CACHE`` or
+            ``~/.cache/shardcache/remote/<url hash>/rank<R>``).
+        cache_limit: bytes of a remote cache's shard files kept locally by this rank (default
+            32 GiB); files this epoch will not read again are deleted to stay under it.
+        remote_retries: tries of each remote call on transient errors (exponential backoff from
+            0.5 s, at most 30 s apart).
+
+    Attribute ``prefetcher``: the :class:`loaders.remote.Prefetcher` of a remote cache (its
+    ``stats``: downloads, bytes, evictions, peak_bytes), else None.
 
     Raises ``ValueError`` for bad arguments or when an epoch would have no step (fewer samples
     after filters than one global batch with ``drop_remainder=True``), and whatever
@@ -117,23 +131,29 @@ class ShardLoader:
                  max_frames: int | None = None, device_pin: bool | str | None = None,
                  prefetch_factor: int = 2, shuffle_window: int = 0, bucket_window: int | None = None,
                  persistent_workers: bool | None = None, multiprocessing_context: Any = None,
-                 timeout: float = 0.0, compact: bool = False, verify_reads: bool = False):
+                 timeout: float = 0.0, compact: bool = False, verify_reads: bool = False,
+                 storage_options: dict | None = None, local_dir: str | None = None,
+                 cache_limit: int | None = None, remote_retries: int = 10):
         fields = None if fields is None else check_fields(fields)
-        source = CacheSource(cache_dir, filters, fields, verify_reads=verify_reads)
+        remote = dict(rank=int(global_rank), local_dir=local_dir, storage_options=storage_options,
+                      retries=remote_retries)
+        source = CacheSource(cache_dir, filters, fields, verify_reads=verify_reads, remote=remote)
         order = ShardOrder(source.shard_of, seed, shuffle=shuffle, window=shuffle_window)
         self._setup(Sources([source]), order, batch_size, global_rank=global_rank,
                     world_size=world_size, seed=seed, num_workers=num_workers,
                     drop_remainder=drop_remainder, max_frames=max_frames, device_pin=device_pin,
                     prefetch_factor=prefetch_factor, bucket_window=bucket_window,
                     persistent_workers=persistent_workers,
-                    multiprocessing_context=multiprocessing_context, timeout=timeout, compact=compact)
+                    multiprocessing_context=multiprocessing_context, timeout=timeout, compact=compact,
+                    cache_limit=cache_limit)
 
     # -- construction shared with MixedLoader ----------------------------------------------------
     def _setup(self, sources: Sources, order_fn: Callable[[int], np.ndarray], batch_size: int, *,
                global_rank: int, world_size: int, seed: int, num_workers: int | None,
                drop_remainder: bool, max_frames: int | None, device_pin, prefetch_factor: int,
                bucket_window: int | None, persistent_workers: bool | None,
-               multiprocessing_context, timeout: float, compact: bool = False) -> None:
+               multiprocessing_context, timeout: float, compact: bool = False,
+               cache_limit: int | None = None) -> None:
         sources.compact = bool(compact)
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -169,6 +189,14 @@ class ShardLoader:
             timeout=float(timeout))
         self._dl: DataLoader | None = None
         self.epoch, self._cursor, self._generation = 0, 0, 0
+        remotes = {i: s.remote for i, s in enumerate(sources.sources) if s.remote is not None}
+        self.prefetcher: Prefetcher | None = None
+        if remotes:
+            self.prefetcher = Prefetcher(
+                lambda epoch: step_files(self._spec.plan(epoch), self.global_rank, sources,
+                                         lambda i, rows: sources.sources[i].files_of(rows)),
+                remotes, DEFAULT_CACHE_LIMIT if cache_limit is None else int(cache_limit),
+                lookahead=self.num_workers * int(prefetch_factor) + 1)
         if len(self) == 0:
             raise ValueError(
                 f"an epoch has no step: {sources.n} samples after filters, global batch "
@@ -271,6 +299,8 @@ class ShardLoader:
                           f"set_epoch({self.epoch + 1}) to go on", stacklevel=2)
             return iter(())
         self._position[0], self._position[1], self._position[2] = self.epoch, start, self._generation
+        if self.prefetcher is not None:
+            self.prefetcher.start_epoch(self.epoch, start)
         if self.num_workers == 0:
             src = iter(self.dataset)
         else:
@@ -289,6 +319,9 @@ class ShardLoader:
                 out = pending.pop(expected)
                 self._cursor = int(plan.cursors[expected + 1])
                 expected += 1
+                if self.prefetcher is not None:
+                    self.prefetcher.check()
+                    self.prefetcher.advance(expected)
                 yield _pin(out) if pin else out
                 if gen != self._generation:
                     return
@@ -310,6 +343,8 @@ class ShardLoader:
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
         self._dl = None
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
         self.sources.close()
 
     def __repr__(self) -> str:

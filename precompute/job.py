@@ -10,7 +10,8 @@ added to the manifest go into new chunks) and elastic multi-rank jobs: a torchru
 any number of ranks shares out the chunks still missing. Rank 0 merges the index when every
 chunk is committed, polling the parts folder instead of waiting at a collective (a slow rank
 delays the job, never crashes it); ``python -m shards reindex`` rebuilds the index from committed
-shards at any time.
+shards at any time. ``out_dir`` may be a URL in object storage: chunks are committed in a local
+staging folder and uploaded, index part last (:mod:`precompute.output`).
 
 Overlap. Decoding and resampling run in DataLoader worker processes; the main thread only runs
 encoders (batched, on the device); a writer thread commits shards from a bounded queue. The
@@ -41,6 +42,7 @@ from .config import PrecomputeConfig
 from .encode import Encoders, Summary, encode_batch, load_encoders, waveform_fields
 from .encoders import fingerprint
 from .manifests import Request, read_manifest
+from .output import LocalOutput, open_output
 from .precision import check_precision
 from .prepare import PrepareDataset, identity_collate, prepare
 
@@ -84,8 +86,9 @@ def precision_check(enc: Encoders, cfg: PrecomputeConfig, requests: list[Request
     return result
 
 
-def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) -> None:
-    """Refuse to add to a cache made with other encoders/preprocessing; record ours on first use.
+def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) -> bool:
+    """Refuse to add to a cache made with other encoders/preprocessing; record ours on first use
+    (returns True when this call wrote ``parts/job.json``).
 
     Raises :class:`FingerprintMismatch` naming both fingerprints and what differs.
     """
@@ -103,6 +106,8 @@ def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) 
     elif global_rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic({"fingerprint": fp, "describe": describe}, path)
+        return True
+    return False
 
 
 def check_posterior(image_encoder: Any) -> None:
@@ -149,29 +154,14 @@ def plan_chunks(requests: list[Request], per_shard: int, done: dict[str, set[str
     return todo
 
 
-def wait_for_chunks(out_dir: Path, names: list[str], poll_s: float = 2.0) -> None:
-    """Block until every chunk in ``names`` is committed (its index part exists). No collective and
-    no deadline: a slow rank delays the merge; a dead one makes torchrun restart the group."""
-    stems = [n[:-4] for n in names]
-    t0 = last = time.monotonic()
-    while True:
-        missing = [s for s in stems if not (out_dir / PARTS_DIR / f"{s}.index.parquet").exists()]
-        if not missing:
-            return
-        if time.monotonic() - last > 60:
-            last = time.monotonic()
-            log.info("waiting for %d chunk(s) of other ranks (%s...) for %.0f s", len(missing), missing[0],
-                     last - t0)
-        time.sleep(poll_s)
-
-
 class _ChunkWriter(threading.Thread):
     """Background thread: receives encoded rows in order, commits each chunk when complete."""
 
-    def __init__(self, out_dir: Path, chunks: list[tuple[str, list[Request]]], summary: Summary,
+    def __init__(self, output: LocalOutput, chunks: list[tuple[str, list[Request]]], summary: Summary,
                  progress):
         super().__init__(daemon=True, name="shard-writer")
-        self.out_dir, self.chunks, self.summary, self.progress = out_dir, chunks, summary, progress
+        self.output, self.out_dir = output, output.local
+        self.chunks, self.summary, self.progress = chunks, summary, progress
         self.queue: queue.Queue = queue.Queue(maxsize=64)
         self.error: BaseException | None = None
 
@@ -206,6 +196,7 @@ class _ChunkWriter(threading.Thread):
     def _commit(self, writer: ShardWriter, rows: list[Request]) -> None:
         # the manifest rows this chunk covered: resume / incremental bookkeeping
         entry = writer.commit({"rows": [row_id(r) for r in rows]})
+        self.output.chunk_committed(writer.name, entry is not None)  # a remote cache: upload it
         self.summary.shards_written += entry is not None
         if self.progress is not None:
             self.progress.set_postfix(shards=self.summary.shards_written, rejected=self.summary.rejected)
@@ -263,12 +254,15 @@ def resolve_workers(num_workers: int | str, device: str) -> int:
 
 def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, root: str | Path | None = None,
         global_rank: int = 0, world_size: int = 1, local_rank: int = 0, barrier=None,
-        progress: bool = True) -> tuple[Summary, dict | None]:
+        progress: bool = True, storage_options: dict | None = None,
+        staging: str | Path | None = None) -> tuple[Summary, dict | None]:
     """Run stage one for this rank; rank 0 merges the parts at the end.
 
     Args:
         manifest: manifest file (see :func:`precompute.manifests.read_manifest`).
-        out_dir: cache directory (created). Existing committed chunks are kept and skipped.
+        out_dir: cache directory (created). Existing committed chunks are kept and skipped. A URL
+            (``s3://bucket/cache``...) writes through the local folder ``staging`` and uploads each
+            committed chunk (:mod:`precompute.output`; ``storage_options`` for fsspec).
         cfg: the job's :class:`PrecomputeConfig`.
         barrier: callable synchronising all ranks (``torch.distributed.barrier``) when world_size > 1.
 
@@ -276,8 +270,9 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     Raises :class:`FingerprintMismatch` when ``out_dir`` holds a cache from other encoders.
     """
     t0 = time.perf_counter()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    output = open_output(out_dir, storage_options=storage_options, staging=staging, global_rank=global_rank)
+    output.pull()  # a remote cache: its committed parts, so a rerun resumes against the bucket
+    out_dir = output.local
     sync = barrier or (lambda: None)
     device = resolve_device(cfg.device, local_rank)
     requests = read_manifest(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
@@ -291,7 +286,8 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     encoders = enc.describe()  # hashes every weight: once per job
     describe = encoders | {"preprocessing": cfg.preprocessing()}
     fp = fingerprint(*encoders.values(), preprocessing=cfg.preprocessing())
-    check_fingerprint(out_dir, fp, describe, global_rank)
+    if check_fingerprint(out_dir, fp, describe, global_rank):
+        output.push_part(JOB_FILE)
     sync()
     plan = plan_chunks(requests, cfg.samples_per_shard, committed(out_dir))
     sync()  # every rank has read the same state before anyone commits a chunk
@@ -303,7 +299,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
                disable=not progress or global_rank != 0, dynamic_ncols=True)
     summary.setup_s = time.perf_counter() - t0
     t_loop = time.perf_counter()
-    writer = _ChunkWriter(out_dir, chunks, summary, bar)
+    writer = _ChunkWriter(output, chunks, summary, bar)
     writer.start()
     workers = resolve_workers(cfg.num_workers, device) if items else 0
     loader = DataLoader(PrepareDataset(items, cfg, rates, enc.text, template, image_multiple(enc)),
@@ -330,7 +326,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     summary.wall_s = time.perf_counter() - t_loop
     result = None
     if global_rank == 0:  # the other ranks are done; rank 0 merges once every chunk is committed
-        wait_for_chunks(out_dir, [name for name, _ in plan])
+        output.wait_for_chunks([name for name, _ in plan])
         audio = {} if enc.audio is None else {
             "codec_sample_rate": enc.audio.sample_rate, "n_codebooks": enc.audio.n_codebooks,
             "codebook_size": enc.audio.codebook_size, "frame_rate": float(enc.audio.frame_rate)}
@@ -343,4 +339,5 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
             "config": cfg.to_dict(), "source_manifest": str(manifest), "world_size": world_size,
             **({"precision_check": precision} if precision else {}),
         })
+        output.publish()
     return summary, result

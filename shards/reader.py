@@ -143,6 +143,9 @@ class ShardReader:
             has a value outside ``[lo, hi)``, or (``"finite"``) a NaN/inf. E.g.
             ``{"codes": (0, codebook_size), "latents": "finite"}``;
             :func:`value_checks_from_manifest` builds it from ``manifest.json``. Default: none.
+        await_file: called with a shard's local path before the shard is opened when the file is not
+            there yet (a cache streamed from object storage, :mod:`loaders.remote`: it returns once
+            the file has arrived, or raises); default None: a missing file is :class:`ShardCorrupt`.
         verify_reads: recompute each sample's sha256 (over its whole members, as in the index) when
             it is read: on every :meth:`get`, and in :meth:`views` once per batch (rows equal to the
             previous call's are not hashed again, so reading several fields of one batch hashes each
@@ -173,8 +176,10 @@ class ShardReader:
 
     def __init__(self, cache_dir: str | Path, index: pa.Table | None = None, *,
                  shard_names: list[str] | None = None, manifest: dict[str, Any] | None = None,
-                 value_checks: dict[str, Any] | None = None, verify_reads: bool = False):
+                 value_checks: dict[str, Any] | None = None, verify_reads: bool = False,
+                 await_file: Any = None):
         self.cache_dir = Path(cache_dir)
+        self.await_file = await_file
         if manifest is None:
             manifest = load_manifest_checked(self.cache_dir)
         self.manifest = manifest
@@ -321,6 +326,8 @@ class ShardReader:
         if mm is None:
             name = self.files[shard]
             path = safe_shard_path(self.cache_dir, name)  # again: the file may have changed since
+            if self.await_file is not None and not path.exists():
+                self.await_file(path)
             try:
                 with open(path, "rb") as f:
                     st = os.fstat(f.fileno())
@@ -544,6 +551,18 @@ class ShardReader:
                                    f"{digests[r].tobytes().hex()[:16]}..., the shard holds "
                                    f"{h.hexdigest()[:16]}... (the sample's bytes changed); run "
                                    "`shards verify --deep`")
+
+    def close_except(self, keep) -> None:
+        """Close the memory maps of every file but the file numbers in ``keep`` (a streamed cache
+        evicts files: closing their maps gives the disk space back; they reopen on the next use)."""
+        keep = set(int(k) for k in keep)
+        for i, mm in enumerate(self._maps):
+            if mm is not None and i not in keep:
+                try:
+                    mm.close()
+                except BufferError:
+                    continue  # a view is still alive: keep the map
+                self._maps[i] = None
 
     def close(self) -> None:
         """Close every memory map (views returned earlier must not be used afterwards)."""
