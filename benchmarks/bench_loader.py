@@ -106,9 +106,9 @@ def bench_cat(files: list[Path], min_bytes: int = 256 << 20) -> dict:
             "MB_s_cpu": nbytes / cpu / 1e6}
 
 
-def bench_loader(cache: Path, batch_size: int, num_workers: int, shard_bytes: int, n_total: int,
-                 epochs: int = 3, compact: bool = False) -> dict:
-    loader = ShardLoader(cache, batch_size, num_workers=num_workers, seed=0, compact=compact)
+def bench_loader(cache: Path | str, batch_size: int, num_workers: int, shard_bytes: int, n_total: int,
+                 epochs: int = 3, compact: bool = False, **kw) -> dict:
+    loader = ShardLoader(cache, batch_size, num_workers=num_workers, seed=0, compact=compact, **kw)
 
     def one_epoch(e=[0]):
         loader.set_epoch(e[0])
@@ -124,6 +124,43 @@ def bench_loader(cache: Path, batch_size: int, num_workers: int, shard_bytes: in
     mb = shard_bytes * n / n_total / 1e6
     return {"num_workers": num_workers, "compact": compact, "samples": n, "wall_s": wall, "cpu_s": cpu,
             "samples_s": n / wall, "MB_s": mb / wall, "MB_s_cpu": mb / cpu if num_workers == 0 else None}
+
+
+def bench_remote(cache: Path, batch_size: int, shard_bytes: int, n_total: int, local_rate: float) -> dict:
+    """The same cache streamed from a local S3 server (moto, its own process): the first epoch
+    (every shard downloaded), the next (all held locally), and two epochs with ``cache_limit`` a
+    quarter of the cache (shards evicted and fetched again every epoch). Rates as ratios to
+    ``local_rate`` (the local loader, num_workers=0, same run)."""
+    from s3_server import s3_server
+    out = {}
+    with s3_server() as s3:
+        url = s3.upload(cache, "s3://bench/cache")
+        tmp = Path(tempfile.mkdtemp(prefix="bench_remote_"))
+        try:
+            ld = ShardLoader(url, batch_size, seed=0, storage_options=s3.options, local_dir=tmp / "a")
+            for e, name in ((0, "cold_epoch"), (1, "warm_epoch")):
+                ld.set_epoch(e)
+                t0 = time.perf_counter()
+                n = sum(len(b["keys"]) for b in ld)
+                dt = time.perf_counter() - t0
+                out[name] = {"samples_s": n / dt, "ratio_to_local": n / dt / local_rate}
+            ld.close()
+            limit = shard_bytes // 4
+            ld = ShardLoader(url, batch_size, seed=0, storage_options=s3.options, local_dir=tmp / "b",
+                             cache_limit=limit)
+            t0, n = time.perf_counter(), 0
+            for e in range(2):
+                ld.set_epoch(e)
+                n += sum(len(b["keys"]) for b in ld)
+            dt = time.perf_counter() - t0
+            st = ld.prefetcher.stats
+            out["cache_limited"] = {"cache_limit": limit, "samples_s": n / dt, "ratio_to_local": n / dt / local_rate,
+                                    "downloaded_over_cache_bytes_per_epoch": st["bytes"] / shard_bytes / 2,
+                                    "peak_local_bytes_over_limit": st["peak_bytes"] / limit, **st}
+            ld.close()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def bench_webdataset(files: list[Path], shard_bytes: int) -> dict:
@@ -212,6 +249,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="extra runs with workers")
+    ap.add_argument("--no-remote", action="store_true", help="skip the local S3 server runs")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "loader.json")
     ap.add_argument("--keep", action="store_true", help="keep the temporary cache")
     ap.add_argument("--real-cache", type=Path, nargs="*", default=[],
@@ -231,7 +269,14 @@ def main(argv=None) -> dict:
         ours = [bench_loader(cache, args.batch_size, 0, nbytes, args.samples),
                 bench_loader(cache, args.batch_size, 0, nbytes, args.samples, compact=True)]
         ours += [bench_loader(cache, args.batch_size, w, nbytes, args.samples) for w in args.workers]
+        ours += [bench_loader(cache, args.batch_size, w, nbytes, args.samples, compact=True) for w in args.workers]
         web = bench_webdataset(files, nbytes)
+        remote = None
+        if not args.no_remote:
+            try:
+                remote = bench_remote(cache, args.batch_size, nbytes, args.samples, ours[0]["samples_s"])
+            except (ImportError, RuntimeError) as e:
+                print(f"remote runs skipped: {e}")
         resume = bench_resume(cache, args.batch_size, 0) + bench_resume(cache, args.batch_size, 2)
         rss = bench_rss(cache, args.batch_size, 2)
         real = []
@@ -258,8 +303,11 @@ def main(argv=None) -> dict:
                              ratio_to_cat_cpu=(r["MB_s_cpu"] / cat["MB_s_cpu"]) if r["MB_s_cpu"] else None)
                         for r in ours],
         "webdataset": dict(web, ratio_to_cat=web["MB_s"] / cat["MB_s"]),
-        "resume": resume, "rss": rss, "target_ratio": 0.4, "real_caches": real,
+        "resume": resume, "rss": rss, "target_ratio": 0.4, "real_caches": real, "remote": remote,
     }
+    by = {(r["num_workers"], r["compact"]): r["samples_s"] for r in ours}
+    result["workers_over_one_process"] = {f"{w}{' compact' if c else ''}": by[(w, c)] / by[(0, c)]
+                                          for (w, c) in by if w}
     print(f"cache: {args.samples} samples, {args.shards} shards, {nbytes / 1e6:.0f} MB "
           f"({nbytes / args.samples / 1024:.0f} KiB/sample); batch {args.batch_size}; load avg "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
@@ -272,6 +320,11 @@ def main(argv=None) -> dict:
         if r["ratio_to_cat_cpu"]:
             print(f"{'  same, per CPU second':<34}{r['samples'] / r['cpu_s']:>11.0f}{r['MB_s_cpu']:>9.0f}"
                   f"{r['ratio_to_cat_cpu']:>8.2f}")
+    for k, v in result["workers_over_one_process"].items():
+        print(f"  workers={k} / num_workers=0: {v:.2f}")
+    if remote:
+        for k, v in remote.items():
+            print(f"  remote (local S3 server) {k}: {v['samples_s']:.0f} samples/s = {v['ratio_to_local']:.2f} x local")
     w = result["webdataset"]
     print(f"{'webdataset .decode() (no collate)':<34}{w['samples_s']:>11.0f}{w['MB_s']:>9.0f}{w['ratio_to_cat']:>8.2f}")
     print("resume (fresh loader, load_state_dict -> first batch) vs iterating there:")

@@ -72,7 +72,7 @@ class CacheSource:
     :class:`loaders.remote.RemoteCache` keyword arguments (``rank``, ``local_dir``,
     ``storage_options``...), the index and manifest are downloaded to its local folder, shards are
     read there as a :class:`loaders.remote.Prefetcher` brings them (readers wait for a shard that
-    has not arrived), and after each batch a reader closes the maps of the files it did not use.
+    has not arrived), and after each batch a reader closes its maps of files the prefetcher deleted.
 
     Raises ``FileNotFoundError`` (no index), :class:`shards.UnsupportedFormat` (newer cache format),
     :class:`shards.UnsafePath` (index names a file outside the cache), :class:`shards.UnsafeMember` (pickle member listed),
@@ -132,11 +132,11 @@ class CacheSource:
         """Names of the shard / sidecar files that reading ``rows`` touches."""
         return [self.reader.files[i] for i in np.unique(self.row_files[rows]).tolist()]
 
-    def after_read(self, rows: np.ndarray) -> None:
-        """Streamed caches: close the maps of files these rows did not use (evicted files then give
-        their disk space back)."""
+    def after_read(self) -> None:
+        """Streamed caches: close the maps of files the prefetcher deleted (their disk space comes
+        back once no process maps them)."""
         if self.streamed:
-            self.reader.close_except(np.unique(self.row_files[rows]).tolist())
+            self.reader.close_stale()
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -214,7 +214,7 @@ class Sources:
                               pad_id=self.pad_id, arena=arena, **per_field)
         del per_field
         for i in np.unique(which).tolist():
-            self.sources[i].after_read(ids[which == i] - self.offsets[i])
+            self.sources[i].after_read()
         batch["source"] = [self.names[i] for i in which.tolist()]
         return batch
 
@@ -224,7 +224,7 @@ class Sources:
                               self.fields, latent_shape=self.latent_shape, compact=self.compact,
                               pad_id=self.pad_id, arena=arena, **per_field)
         del per_field
-        src.after_read(rows)
+        src.after_read()
         return batch
 
     def close(self) -> None:

@@ -17,8 +17,8 @@
   prefetch) is fetched even when that goes over the limit (logged once): a limit below a few
   shards slows the loader down but never stops it. Every download is retried with backoff.
 * Readers (the main process or DataLoader workers) wait for a file that has not arrived yet
-  (:class:`FileWaiter`); workers close the memory maps of files their current batch does not use,
-  so a deleted file gives its disk space back at once.
+  (:class:`FileWaiter`), and after each batch close their memory maps of files the prefetcher
+  deleted, so the disk space comes back.
 
 Order, equal split across ranks, exact and elastic resume are those of a local cache: only where
 the bytes come from changes. Names from a remote index are checked (:func:`shards.storage.check_name`
@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -149,12 +150,11 @@ class RemoteCache:
         return self._sizes[name]
 
     def fetch(self, name: str) -> int:
-        """Download shard file ``name`` into the local folder; returns its bytes."""
+        """Download shard file ``name`` into the local folder; returns its bytes (the caller
+        records it in ``present``)."""
         path = safe_shard_path(self.local, check_name(name))
         self.remote.get(name, path)
-        size = path.stat().st_size
-        self.present[name] = size
-        return size
+        return path.stat().st_size
 
     def evict(self, name: str) -> None:
         self.present.pop(name, None)
@@ -178,17 +178,24 @@ class Prefetcher(threading.Thread):
     Args:
         needs: ``needs(epoch) -> list over steps of [(source index, file name), ...]`` for this rank.
         remotes: source index -> :class:`RemoteCache`.
-        cache_limit: bytes of shard files kept locally (per rank, all sources together).
+        cache_limit: bytes of shard files kept locally (per rank, all sources together; downloads
+            under way count).
         lookahead: steps in flight beyond the consumer's (their files are fetched even over the limit).
+        fetch_threads: downloads at once (object stores serve one connection at a fraction of
+            their bandwidth).
 
     Attributes: ``error`` (the exception that stopped it, re-raised by :meth:`check`), ``stats``
     (``downloads``, ``bytes``, ``evictions``, ``peak_bytes``, ``over_limit``).
     """
 
-    def __init__(self, needs, remotes: dict[int, RemoteCache], cache_limit: int, lookahead: int):
+    def __init__(self, needs, remotes: dict[int, RemoteCache], cache_limit: int, lookahead: int,
+                 fetch_threads: int = 4):
         super().__init__(daemon=True, name="shard-prefetch")
         self.needs, self.remotes = needs, remotes
         self.cache_limit, self.lookahead = int(cache_limit), max(int(lookahead), 1)
+        self.fetch_threads = max(int(fetch_threads), 1)
+        self._inflight: dict[tuple[int, str], int] = {}  # downloads under way -> bytes
+        self._failed: BaseException | None = None
         self._cond = threading.Condition()
         self._epoch: int | None = None
         self._uses: dict[tuple[int, str], np.ndarray] = {}  # file -> the steps of the epoch reading it
@@ -241,10 +248,10 @@ class Prefetcher(threading.Thread):
         return float(steps[i]) if i < len(steps) else np.inf
 
     def _next(self) -> tuple[float, int, str] | None:
-        """The missing file needed soonest."""
+        """The missing file needed soonest (not being downloaded already)."""
         best = None
         for (src, name) in self._uses:
-            if name not in self.remotes[src].present:
+            if name not in self.remotes[src].present and (src, name) not in self._inflight:
                 s = self._next_use((src, name))
                 if s < np.inf and (best is None or s < best[0]):
                     best = (s, src, name)
@@ -269,17 +276,22 @@ class Prefetcher(threading.Thread):
         return held + need <= self.cache_limit
 
     def run(self) -> None:
+        pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="shard-fetch")
         try:
             while True:
                 with self._cond:
                     if self._stop:
                         return
-                    job = self._next() if self._epoch is not None else None
+                    if self._failed is not None:
+                        raise self._failed
+                    job = None
+                    if self._epoch is not None and len(self._inflight) < self.fetch_threads:
+                        job = self._next()
                     if job is not None:
                         s, src, name = job
                         size = self.remotes[src].size_of(name)
                         in_flight = s <= self._consumed + self.lookahead
-                        if not self._make_room(size, s):
+                        if not self._make_room(size + sum(self._inflight.values()), s):
                             if not in_flight:
                                 job = None  # wait until the consumer frees something
                             else:
@@ -291,11 +303,8 @@ class Prefetcher(threading.Thread):
                     if job is None:
                         self._cond.wait(0.05)
                         continue
-                n = self.remotes[src].fetch(name)  # outside the lock: the loader keeps going
-                with self._cond:
-                    self.stats["downloads"] += 1
-                    self.stats["bytes"] += n
-                    self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self._held())
+                    self._inflight[(src, name)] = size
+                pool.submit(self._fetch, src, name)
         except BaseException as e:  # noqa: BLE001 - surfaced to the consumer and to waiting readers
             self.error = e
             log.error("shard prefetch stopped: %s", e)
@@ -304,6 +313,26 @@ class Prefetcher(threading.Thread):
                     r.fail(e)
                 except OSError:
                     pass
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _fetch(self, src: int, name: str) -> None:
+        """Download one file (in a pool thread); record it under the lock."""
+        try:
+            n = self.remotes[src].fetch(name)
+        except BaseException as e:  # noqa: BLE001 - the prefetch thread re-raises it
+            with self._cond:
+                self._failed = e
+                self._inflight.pop((src, name), None)
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._inflight.pop((src, name), None)
+            self.remotes[src].present[name] = n
+            self.stats["downloads"] += 1
+            self.stats["bytes"] += n
+            self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self._held())
+            self._cond.notify_all()
 
 
 def step_files(plan, rank: int, sources, epoch_files) -> list[list[tuple[int, str]]]:

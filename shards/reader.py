@@ -552,17 +552,27 @@ class ShardReader:
                                    f"{h.hexdigest()[:16]}... (the sample's bytes changed); run "
                                    "`shards verify --deep`")
 
-    def close_except(self, keep) -> None:
-        """Close the memory maps of every file but the file numbers in ``keep`` (a streamed cache
-        evicts files: closing their maps gives the disk space back; they reopen on the next use)."""
-        keep = set(int(k) for k in keep)
+    def close_stale(self) -> int:
+        """Close the memory maps of files that were deleted or replaced since they were mapped (a
+        streamed cache evicts files: closing their maps gives the disk space back; a later read
+        maps the file again). One ``stat`` per open map; returns how many were closed."""
+        n = 0
         for i, mm in enumerate(self._maps):
-            if mm is not None and i not in keep:
-                try:
-                    mm.close()
-                except BufferError:
-                    continue  # a view is still alive: keep the map
-                self._maps[i] = None
+            if mm is None:
+                continue
+            try:
+                st = os.stat(self._paths[i])
+                if (st.st_dev, st.st_ino) == self._ids[i]:
+                    continue
+            except OSError:
+                pass
+            try:
+                mm.close()
+            except BufferError:
+                continue  # a view is still alive: keep the map
+            self._maps[i] = None
+            n += 1
+        return n
 
     def close(self) -> None:
         """Close every memory map (views returned earlier must not be used afterwards)."""
