@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..reader import ShardReader
-from ..schema import JSON_MEMBER, WHOLE_MEMBER_DTYPES
+from ..schema import WHOLE_MEMBER_DTYPES
 from ._common import (SCALAR_COLUMNS, NotFound, Out, UsageError, cache_dir, fmt_bytes, fmt_value,
                       read_index_columns, read_index_head)
 
@@ -117,7 +117,7 @@ def render(out: Out, s: dict) -> None:
         ("sha256", f["sha256"]),
     ])
     out.table(["member", "dtype", "shape", "bytes", "min", "max", "mean", "std"],
-              [[m["name"], _dtype_name(m["dtype"]), tuple(m["shape"]) if m["name"] != JSON_MEMBER else "-",
+              [[m["name"], _dtype_name(m["dtype"]), tuple(m["shape"]) if m["dtype"] not in WHOLE_MEMBER_DTYPES else "-",
                 m["bytes"], m.get("min"), m.get("max"), m.get("mean"), m.get("std")]
                for m in s["members"]])
     bad = [m for m in s["members"] if m.get("non_finite")]
