@@ -36,10 +36,20 @@ def mimi_models(tiny_models) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base_cache(tmp_path_factory, mimi_models) -> Path:
-    out = tmp_path_factory.mktemp("af") / "demo"
-    _precompute(DEMO / "samples.jsonl", out, mimi_models / "dac-tiny")
-    return out
+def base_cache(demo_cache) -> Path:
+    """The session's demo cache (3 shards of 8 rows; add-field reads only its stored audio)."""
+    return demo_cache
+
+
+@pytest.fixture(scope="module")
+def added_cache(tmp_path_factory, base_cache, mimi_models) -> tuple[Path, dict[str, str]]:
+    """``base_cache`` with ``codes_mimi`` added once (tests copy it), and the main shards' sha256."""
+    out = tmp_path_factory.mktemp("added") / "c"
+    shutil.copytree(base_cache, out)
+    before = {p.name: _sha(p) for p in out.glob("shard-??????.tar")}
+    r = _add(out, mimi_models)
+    assert r.returncode == 0, r.stderr
+    return out, before
 
 
 def _add(cache: Path, models: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -58,6 +68,13 @@ def cache(base_cache, tmp_path) -> Path:
     c = tmp_path / "c"
     shutil.copytree(base_cache, c)
     return c
+
+
+@pytest.fixture()
+def added(added_cache, tmp_path) -> tuple[Path, dict[str, str]]:
+    c = tmp_path / "added"
+    shutil.copytree(added_cache[0], c)
+    return c, added_cache[1]
 
 
 def _check_added(cache: Path, before: dict[str, str]) -> None:
@@ -88,10 +105,8 @@ def _check_added(cache: Path, before: dict[str, str]) -> None:
     assert _verify(cache, "--deep").returncode == 0
 
 
-def test_add_field_keeps_shards_and_loads(cache, mimi_models):
-    before = {p.name: _sha(p) for p in cache.glob("shard-??????.tar")}
-    r = _add(cache, mimi_models)
-    assert r.returncode == 0, r.stderr
+def test_add_field_keeps_shards_and_loads(added, mimi_models):
+    cache, before = added
     _check_added(cache, before)
     # rerun: every sidecar is committed, nothing is rewritten
     side = {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*.codes_mimi.tar")}
@@ -99,9 +114,8 @@ def test_add_field_keeps_shards_and_loads(cache, mimi_models):
     assert {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*.codes_mimi.tar")} == side
 
 
-def test_resume_after_interruption(cache, mimi_models):
-    before = {p.name: _sha(p) for p in cache.glob("shard-??????.tar")}
-    assert _add(cache, mimi_models).returncode == 0
+def test_resume_after_interruption(added, mimi_models):
+    cache, before = added
     # simulate a crash after one sidecar: drop the merge and one committed sidecar
     from precompute.add_field import drop_field
     first = sorted(cache.glob("parts/*.codes_mimi.sidecar.parquet"))[0]
@@ -117,8 +131,8 @@ def test_resume_after_interruption(cache, mimi_models):
     _check_added(cache, before)
 
 
-def test_verify_catches_misaligned_sidecar(cache, mimi_models):
-    assert _add(cache, mimi_models).returncode == 0
+def test_verify_catches_misaligned_sidecar(added):
+    cache, _ = added
     m = json.loads((cache / "manifest.json").read_text())
     entry = m["fields"]["codes_mimi"]["shards"][0]
     p = cache / entry["path"]
@@ -138,10 +152,9 @@ def test_verify_catches_misaligned_sidecar(cache, mimi_models):
     assert r.returncode == 1 and "misaligned" in r.stdout
 
 
-def test_drop_field_restores_cache(cache, mimi_models):
-    index_before = (cache / "index.parquet").read_bytes()
-    shards_before = {p.name: _sha(p) for p in cache.glob("shard-??????.tar")}
-    assert _add(cache, mimi_models).returncode == 0
+def test_drop_field_restores_cache(added, base_cache):
+    cache, shards_before = added
+    index_before = (base_cache / "index.parquet").read_bytes()
     r = subprocess.run([sys.executable, "-m", "precompute", "drop-field", str(cache), "codes_mimi"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -155,8 +168,8 @@ def test_drop_field_restores_cache(cache, mimi_models):
     assert _verify(cache, "--deep").returncode == 0
 
 
-def test_reindex_keeps_sidecar_field(cache, mimi_models):
-    assert _add(cache, mimi_models).returncode == 0
+def test_reindex_keeps_sidecar_field(added):
+    cache, _ = added
     r = subprocess.run([sys.executable, "-m", "shards", "reindex", str(cache), "--no-progress", "-j", "1"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
