@@ -79,6 +79,8 @@ class MixedLoader(ShardLoader):
         samples_per_epoch: samples per epoch; default ``floor(min_i N_i / w_i)`` (the most
             before any source has to repeat a sample within an epoch).
         source_filters: ``{name: filters}`` per cache; ``filters`` applies to caches without one.
+        storage_options, cache_limit: for caches given as URLs (as ShardLoader; each remote cache
+            gets its own local folder, and ``cache_limit`` bounds them together).
         Every other keyword (rank, world, seed, workers, fields, max_frames...) as ShardLoader;
         ``shuffle=False`` keeps each cache's index order but still interleaves them by seed.
 
@@ -89,7 +91,8 @@ class MixedLoader(ShardLoader):
                  weights: Mapping[str, float] | Sequence[float], samples_per_epoch: int | None = None,
                  source_filters: Mapping[str, Any] | None = None, filters: Any = None,
                  fields: Sequence[str] | None = None, seed: int = 0, shuffle: bool = True,
-                 shuffle_window: int = 0, **kwargs):
+                 shuffle_window: int = 0, storage_options: dict | None = None, cache_limit: int | None = None,
+                 **kwargs):
         if not isinstance(caches, Mapping):
             caches = {str(c): c for c in caches}
         names = list(caches)
@@ -109,7 +112,8 @@ class MixedLoader(ShardLoader):
         unknown = set(source_filters) - set(names)
         if unknown:
             raise ValueError(f"source_filters for unknown caches {sorted(unknown)}; caches: {names}")
-        srcs = [CacheSource(caches[n], source_filters.get(n, filters), fields) for n in names]
+        remote = dict(rank=int(kwargs.get("global_rank", 0)), storage_options=storage_options)
+        srcs = [CacheSource(caches[n], source_filters.get(n, filters), fields, remote=remote) for n in names]
         sources = Sources(srcs, names)
         if samples_per_epoch is None:
             samples_per_epoch = int(min(s.n / x for s, x in zip(srcs, w)))
@@ -124,4 +128,4 @@ class MixedLoader(ShardLoader):
         if unknown_kw:
             raise TypeError(f"MixedLoader got unexpected keyword arguments {sorted(unknown_kw)}")
         defaults.update(kwargs)
-        self._setup(sources, order, batch_size, seed=seed, **defaults)
+        self._setup(sources, order, batch_size, seed=seed, cache_limit=cache_limit, **defaults)
