@@ -128,10 +128,6 @@ class CacheSource:
             self.reader.check_files()
         self.reader.drop_index()  # workers get numpy arrays only
 
-    def files_of(self, rows: np.ndarray) -> list[str]:
-        """Names of the shard / sidecar files that reading ``rows`` touches."""
-        return [self.reader.files[i] for i in np.unique(self.row_files[rows]).tolist()]
-
     def after_read(self) -> None:
         """Streamed caches: close the maps of files the prefetcher deleted (their disk space comes
         back once no process maps them)."""

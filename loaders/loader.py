@@ -45,7 +45,7 @@ from .batching import PlanSpec
 from .collate import check_fields
 from .dataset import CacheSource, PlanDataset, Sources
 from .order import ShardOrder
-from .remote import DEFAULT_CACHE_LIMIT, Prefetcher, step_files
+from .remote import DEFAULT_CACHE_LIMIT, Prefetcher, file_uses
 from .shm import SlotBatch, SlotReceiver, new_flags
 
 STATE_KEYS = ("epoch", "cursor", "seed", "world_size", "global_batch_size")
@@ -193,8 +193,7 @@ class ShardLoader:
         self.prefetcher: Prefetcher | None = None
         if remotes:
             self.prefetcher = Prefetcher(
-                lambda epoch: step_files(self._spec.plan(epoch), self.global_rank, sources,
-                                         lambda i, rows: sources.sources[i].files_of(rows)),
+                lambda epoch: file_uses(self._spec.plan(epoch), self.global_rank, sources),
                 remotes, DEFAULT_CACHE_LIMIT if cache_limit is None else int(cache_limit),
                 lookahead=self.num_workers * int(prefetch_factor) + 1)
         if len(self) == 0:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import heapq
 import logging
 import os
 import threading
@@ -176,7 +177,8 @@ class Prefetcher(threading.Thread):
     after each batch the consumer received.
 
     Args:
-        needs: ``needs(epoch) -> list over steps of [(source index, file name), ...]`` for this rank.
+        needs: ``needs(epoch) -> {(source index, file name): sorted steps reading it}`` for this
+            rank (:func:`file_uses`).
         remotes: source index -> :class:`RemoteCache`.
         cache_limit: bytes of shard files kept locally (per rank, all sources together; downloads
             under way count).
@@ -199,6 +201,7 @@ class Prefetcher(threading.Thread):
         self._cond = threading.Condition()
         self._epoch: int | None = None
         self._uses: dict[tuple[int, str], np.ndarray] = {}  # file -> the steps of the epoch reading it
+        self._heap: list = []  # (next use, file) of files not held (lazy: see _next)
         self._consumed = 0
         self._stop = False
         self._warned = False
@@ -207,15 +210,14 @@ class Prefetcher(threading.Thread):
 
     # -- driven by the loader ---------------------------------------------------------------------
     def start_epoch(self, epoch: int, step: int) -> None:
-        steps = self.needs(epoch)
-        uses: dict[tuple[int, str], list[int]] = {}
-        for s, files in enumerate(steps):
-            for f in files:
-                uses.setdefault(f, []).append(s)
+        uses = self.needs(epoch)
         with self._cond:
             self._epoch = epoch
-            self._uses = {f: np.asarray(v, dtype=np.int64) for f, v in uses.items()}
+            self._uses = uses
             self._consumed = int(step)
+            self._heap = []
+            for f in uses:
+                self._push(f)
             self._cond.notify_all()
         if not self.is_alive() and not self._stop:
             self.start()
@@ -247,15 +249,26 @@ class Prefetcher(threading.Thread):
         i = int(np.searchsorted(steps, self._consumed))
         return float(steps[i]) if i < len(steps) else np.inf
 
+    def _push(self, f: tuple[int, str]) -> None:
+        """Queue file ``f`` (not held) by its next use, if this epoch reads it again."""
+        s = self._next_use(f)
+        if s < np.inf:
+            heapq.heappush(self._heap, (s, f))
+
     def _next(self) -> tuple[float, int, str] | None:
-        """The missing file needed soonest (not being downloaded already)."""
-        best = None
-        for (src, name) in self._uses:
-            if name not in self.remotes[src].present and (src, name) not in self._inflight:
-                s = self._next_use((src, name))
-                if s < np.inf and (best is None or s < best[0]):
-                    best = (s, src, name)
-        return best
+        """The missing file needed soonest, not being downloaded already. A lazy heap of the files
+        not held, keyed by next use: entries of held or in-flight files are dropped, entries whose
+        step the consumer has passed are re-keyed, so the choice costs O(log files), not a scan."""
+        while self._heap:
+            s, (src, name) = self._heap[0]
+            if name in self.remotes[src].present or (src, name) in self._inflight:
+                heapq.heappop(self._heap)
+            elif s < self._consumed:
+                heapq.heappop(self._heap)
+                self._push((src, name))
+            else:
+                return s, src, name
+        return None
 
     def _make_room(self, need: int, step: float) -> bool:
         """Delete held files until ``need`` more bytes fit, furthest next use first (files this
@@ -272,6 +285,7 @@ class Prefetcher(threading.Thread):
                 break
             held -= self.remotes[src].present[name]
             self.remotes[src].evict(name)
+            self._push((src, name))  # wanted again later this epoch, maybe
             self.stats["evictions"] += 1
         return held + need <= self.cache_limit
 
@@ -335,18 +349,28 @@ class Prefetcher(threading.Thread):
             self._cond.notify_all()
 
 
-def step_files(plan, rank: int, sources, epoch_files) -> list[list[tuple[int, str]]]:
-    """For each step of ``plan``: the ``(source, file name)`` pairs this rank's batch reads
-    (``epoch_files(source_index, rows) -> names``)."""
-    out = []
-    for s in range(plan.n_steps):
-        ids = np.asarray(plan.rank_batch(s, rank), dtype=np.int64)
-        which = np.searchsorted(sources.offsets, ids, side="right") - 1
-        files: list[tuple[int, str]] = []
-        for i in np.unique(which).tolist():
-            files += [(i, n) for n in epoch_files(i, ids[which == i] - sources.offsets[i])]
-        out.append(files)
+def file_uses(plan, rank: int, sources) -> dict[tuple[int, str], np.ndarray]:
+    """``(source index, file name) -> sorted int64 steps`` of ``plan`` whose batch on ``rank``
+    reads that file (its shard, and the sidecar tar of each sidecar field read). Vectorised."""
+    batches = [np.asarray(plan.rank_batch(s, rank), dtype=np.int64) for s in range(plan.n_steps)]
+    ids = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+    step = np.repeat(np.arange(len(batches), dtype=np.int64), [len(b) for b in batches])
+    which = np.searchsorted(sources.offsets, ids, side="right") - 1
+    out: dict[tuple[int, str], np.ndarray] = {}
+    for i in np.unique(which).tolist():
+        src = sources.sources[i]
+        sel = which == i
+        files = src.row_files[ids[sel] - sources.offsets[i]]            # (m, k) file numbers
+        n_files = len(src.reader.files)
+        pairs = np.unique((np.repeat(step[sel], files.shape[1]) * n_files + files.reshape(-1)))
+        steps, nums = pairs // n_files, pairs % n_files
+        order = np.lexsort((steps, nums))
+        steps, nums = steps[order], nums[order]
+        bounds = np.flatnonzero(np.diff(nums)) + 1
+        for grp_steps, grp_nums in zip(np.split(steps, bounds), np.split(nums, bounds)):
+            if len(grp_nums):
+                out[(i, src.reader.files[int(grp_nums[0])])] = grp_steps
     return out
 
 
-__all__ = ["RemoteCache", "Prefetcher", "FileWaiter", "DEFAULT_CACHE_LIMIT", "default_local_dir", "step_files"]
+__all__ = ["RemoteCache", "Prefetcher", "FileWaiter", "DEFAULT_CACHE_LIMIT", "default_local_dir", "file_uses"]

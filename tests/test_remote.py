@@ -96,6 +96,59 @@ def same(a: list[dict], b: list[dict]) -> None:
                 assert torch.equal(v, y[k]), (x["keys"], k)
 
 
+def test_file_uses_lists_the_steps_reading_each_shard(local_cache):
+    """The prefetch schedule, against a plain loop over the batches and their keys' shards."""
+    from loaders.batching import BudgetPlan  # noqa: F401 - both plan kinds go through file_uses
+    from loaders.remote import file_uses
+    for kw in ({}, {"max_frames": 60}):
+        ld = ShardLoader(local_cache, 3, global_rank=1, world_size=2, seed=4, **kw)
+        plan = ld._spec.plan(2)
+        shard_of_key = dict(zip(read_index(local_cache).column("key").to_pylist(),
+                                read_index(local_cache).column("shard").to_pylist()))
+        want: dict = {}
+        ld.set_epoch(2)
+        for step, batch in enumerate(ld):
+            for key in batch["keys"]:
+                want.setdefault((0, shard_of_key[key]), set()).add(step)
+        got = file_uses(plan, 1, ld.sources)
+        assert {f: sorted(v.tolist()) for f, v in got.items()} == {f: sorted(v) for f, v in want.items()}
+
+
+class _FakeRemote:
+    def __init__(self, sizes):
+        self.sizes, self.present, self.evicted = sizes, {}, []
+
+    def size_of(self, name):
+        return self.sizes[name]
+
+    def evict(self, name):
+        self.present.pop(name)
+        self.evicted.append(name)
+
+
+def test_prefetch_picks_the_next_needed_file_and_evicts_the_furthest():
+    """Belady's rule on a schedule: A read at steps 0 and 10, B at 5, C at 7, D never again."""
+    import numpy as np
+    from loaders.remote import Prefetcher
+    r = _FakeRemote({"A": 10, "B": 10, "C": 10, "D": 10})
+    uses = {(0, "A"): np.array([0, 10]), (0, "B"): np.array([5]), (0, "C"): np.array([7])}
+    p = Prefetcher(lambda e: uses, {0: r}, cache_limit=20, lookahead=1)
+    p._epoch, p._uses, p._consumed, p._heap = 0, uses, 0, []
+    for f in uses:
+        p._push(f)
+    assert p._next()[2] == "A"
+    r.present["A"] = 10
+    r.present["D"] = 10
+    p._consumed = 3  # A's next read is now step 10: B (step 5) comes first
+    assert p._next()[1:] == (0, "B")
+    assert p._make_room(10, 5) and r.evicted == ["D"]  # D: no further read
+    r.present["B"] = 10
+    assert p._next()[2] == "C"
+    assert p._make_room(10, 7) and r.evicted == ["D", "A"]  # A (step 10) is read after C (step 7)
+    r.present["C"] = 10
+    assert not p._make_room(10, 7)  # B (5) and C (7) are needed before step 7 / in flight: no room
+
+
 def test_two_ranks_two_workers_stream_every_sample_once(s3, bucket, local_cache, tmp_path):
     ref = [batches(ShardLoader(local_cache, 3, global_rank=r, world_size=2, seed=5)) for r in range(2)]
     seen = []
