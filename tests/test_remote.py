@@ -137,6 +137,9 @@ def test_prefetch_picks_the_next_needed_file_and_evicts_the_furthest():
     for f in uses:
         p._push(f)
     assert p._next()[2] == "A"
+    p._consumed = 1  # (step 0 passed without A: its entry is re-keyed to step 10)
+    assert p._next()[2] == "B"
+    p._consumed = 0
     r.present["A"] = 10
     r.present["D"] = 10
     p._consumed = 3  # A's next read is now step 10: B (step 5) comes first
