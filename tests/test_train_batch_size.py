@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train_support import PY, REPO, TINY_MODEL, base_env, have_real_loader, make_cache
+from test_train_support import PY, REAL_LOADER, REPO, TINY_MODEL, base_env, make_cache
 from train import batch_size as BS
 from train.config import from_dict
 
 FAKE = "test_train_support:FakeLoader"
-LOADERS = [FAKE] + (["loaders:ShardLoader"] if have_real_loader() else [])
+LOADERS = [FAKE, REAL_LOADER]
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +43,7 @@ def test_candidate_sizes():
     assert BS.candidate_sizes(20, start=4) == [4, 8, 16, 20]
 
 
-@pytest.mark.parametrize("extra", [{}, {"activation_checkpointing": True, "precision": "bf16",
+@pytest.mark.parametrize("extra", [{}, {"activation_checkpointing": True, "precision": "fp16",
                                         "latent_loss": "mse"}])
 def test_increasing_sizes_up_to_max(cache, extra):
     res = BS.find_batch_size(cfg_for(cache, **extra), max_batch_size=8, steps=2)
@@ -71,13 +71,13 @@ def test_oom_stops_and_recommends_the_last_size_that_fit(cache, monkeypatch):
     real_step = BS.train_step
     seen = []
 
-    def step(model, optimizer, params, batch, amp, grad_clip):
+    def step(model, optimizer, params, batch, precision, grad_clip):
         bs = batch["codes"].shape[0]
         seen.append(bs)
         if bs >= 8:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
         time.sleep(0.05)  # a fixed per-step cost, as on a GPU: samples/s grows with the batch
-        return real_step(model, optimizer, params, batch, amp, grad_clip)
+        return real_step(model, optimizer, params, batch, precision, grad_clip)
 
     monkeypatch.setattr(BS, "train_step", step)
     res = BS.find_batch_size(cfg_for(cache), max_batch_size=1024, steps=2)
