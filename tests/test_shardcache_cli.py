@@ -12,16 +12,19 @@ def _run(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
                           timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
 
-def test_help_lists_the_subcommands_and_each_has_its_own():
-    r = _run("--help")
+def test_help_lists_the_subcommands_and_each_has_its_own(capsys):
+    import pytest
+    from shardcache.cli import main
+    r = _run("--help")  # python -m shardcache
     assert r.returncode == 0
     for name in ("precompute", "add-field", "drop-field", "train", "find-batch-size", "shards"):
         assert f"  {name}" in r.stdout
-    assert _run("nope").returncode == 2 and _run().returncode == 2
-    r = _run("train", "--help")
-    assert r.returncode == 0 and "--optim.lr" in r.stdout and "--cache" in r.stdout
-    r = _run("shards", "--help")
-    assert r.returncode == 0 and "verify" in r.stdout
+    assert main(["nope"]) == 2 and main([]) == 2
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--optim.lr" in out and "--cache" in out
+    assert main(["shards", "--help"]) == 0 and "verify" in capsys.readouterr().out
 
 
 def test_bad_option_exits_2_before_any_model_is_loaded(tmp_path):
@@ -33,8 +36,13 @@ def test_bad_option_exits_2_before_any_model_is_loaded(tmp_path):
              "--config", str(cfg), "--set", "sample_rate=abc", cwd=tmp_path)
     assert r.returncode == 2 and "sample_rate: expected a positive integer, got 'abc'" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
-    r = _run("train", "--config", "none", "--cache", str(tmp_path), "--optim.lr", "fast", cwd=tmp_path)
-    assert r.returncode == 2 and "optim.lr: expected a number >= 0, got 'fast'" in r.stderr
+    from shardcache.cli import main
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["train", "--config", "none", "--cache", str(tmp_path), "--optim.lr", "fast"]) == 2
+    assert "optim.lr: expected a number >= 0, got 'fast'" in err.getvalue()
 
 
 def test_console_script_is_registered():

@@ -100,7 +100,7 @@ def test_recommend_on_cuda_uses_the_margin():
     assert BS.recommend([], "cpu", None, 0.9)[0] is None
 
 
-def test_cli(cache, tmp_path):
+def test_cli(cache, tmp_path, capsys):
     out = tmp_path / "res.json"
     args = ["--cache", str(cache), "--config", "none", "--loader", FAKE, "--model-kwargs", json.dumps(TINY_MODEL),
             "--threads", "1", "--device", "cpu", "--max-batch-size", "4", "--steps", "2", "--json", str(out)]
@@ -110,9 +110,9 @@ def test_cli(cache, tmp_path):
     assert "samples/s" in r.stdout and "recommended --batch-size" in r.stdout
     res = json.loads(out.read_text())
     assert [row["batch_size"] for row in res["results"]] == [1, 2, 4] and res["recommended"] in (1, 2, 4)
-    r = subprocess.run([PY, "-m", "train.find_batch_size", *args, "--margin", "1.5"], cwd=REPO, env=base_env(),
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "margin" in r.stderr
-    r = subprocess.run([PY, "-m", "train.find_batch_size", "--help"], cwd=REPO, env=base_env(),
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "--max-batch-size" in r.stdout and "--activation-checkpointing" in r.stdout
+    assert BS.main([*args, "--margin", "1.5"]) == 2 and "--margin" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        BS.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--max-batch-size" in text and "--model.activation-checkpointing" in text

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -19,7 +19,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from . import dist as D
 from .config import ProfileConfig
