@@ -123,3 +123,17 @@ def test_cli_stops_before_loading_any_model(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "error: sample_rate: expected a positive integer, got 'abc'" in r.stderr
     assert "no-models" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_config_files_keep_their_fingerprint_and_old_names(tmp_path):
+    """The preprocessing() of configs/precompute-tts.yaml as the code before the config rewrite
+    computed it (caches made then must not be refused), and a file with the old key batch_size."""
+    cfg = load_config(ROOT / "configs" / "precompute-tts.yaml")
+    assert cfg.preprocessing() == {
+        "audio_format": "pcm_s16le", "chat_template": "auto", "image_resize": "center_crop", "image_size": 256,
+        "latents_dtype": "float16", "sample_layout": "conversation-1", "sample_rate": 24000,
+        "extra_waveforms": {"audio_16k": {"direction": "in", "sample_rate": 16000}}}
+    old = tmp_path / "old.yaml"
+    old.write_text("batch_size: 32\nsample_rate: 16000\n")
+    cfg = load_config(old, ["image_size=128"])
+    assert (cfg.encoder_batch_size, cfg.batch_size, cfg.sample_rate, cfg.image_size) == (32, 32, 16000, 128)

@@ -431,10 +431,10 @@ class Trainer:
                 self.profiler.stop()
             self.metrics.close()
             self.stop.uninstall()
-        for ld in (self.loader, self.val_loader):
-            if getattr(ld, "close", None) is not None:
-                ld.close()  # DataLoader workers
-        D.barrier(self.info)
+            for ld in (self.loader, self.val_loader):
+                if getattr(ld, "close", None) is not None:
+                    ld.close()  # DataLoader workers
+        D.barrier(self.info)  # (not after a failure: the peers may be gone; the CLI exits this rank at once)
 
 
 # ---- the run -------------------------------------------------------------------------------------------
