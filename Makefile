@@ -2,6 +2,8 @@
 # Every target sets up .venv on first use. Point the targets at real data with
 #   make precompute DATA=/data/train.jsonl OUT=/data/cache CONFIG=configs/my.yaml
 #   make train OUT=/data/cache RUN=runs/exp1 STEPS=10000 CONFIG=configs/train.yaml
+# (OUT is the cache directory: `--cache` of both stages; RUN the training run directory.)
+# The recipes run `python -m shardcache COMMAND` (the `shardcache` console script once installed).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -36,7 +38,7 @@ help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
 	@echo "make train        DDP training on OUT with torchrun ($(NPROC) processes)"
 	@echo "make test         the test suite"
-	@echo "make inspect      python -m shards info OUT"
+	@echo "make inspect      shardcache shards info OUT"
 	@echo "make bench        benchmarks (writes benchmarks/results/*.json)"
 	@echo "make models       build the tiny random test models into $(MODELS)/"
 	@echo "make demo-data    regenerate data/demo (needs espeak-ng)"
@@ -58,17 +60,17 @@ $(MODELS)/.built: $(VENV)/.installed
 models: $(MODELS)/.built
 
 precompute: $(VENV)/.installed $(MODELS)/.built
-	$(_PRECOMPUTE_RUN) -m precompute --manifest $(DATA) --out $(OUT) --config $(CONFIG)
+	$(_PRECOMPUTE_RUN) -m shardcache precompute --manifest $(DATA) --cache $(OUT) --config $(CONFIG)
 
 train: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
-		-m train --cache $(OUT) --out $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--steps $(STEPS))
+		-m shardcache train --cache $(OUT) --run-dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS))
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 inspect: $(VENV)/.installed
-	$(PY) -m shards info $(OUT)
+	$(PY) -m shardcache shards info $(OUT)
 
 bench: $(VENV)/.installed $(MODELS)/.built
 	$(PY) -m benchmarks.run

@@ -1,18 +1,22 @@
-"""``python -m precompute``: encode a manifest once into a shard cache.
+"""``shardcache precompute`` / ``python -m precompute``: encode a manifest once into a shard cache.
 
 Single process::
 
-    python -m precompute --manifest data/demo/samples.jsonl --out cache/demo
+    shardcache precompute --manifest data/demo/samples.jsonl --cache cache/demo --config configs/precompute.yaml
 
 Many GPUs / nodes (each global rank encodes its own rows on ``cuda:LOCAL_RANK`` and writes its
 own shards; rank 0 merges the index and manifest at the end)::
 
-    torchrun --nproc_per_node=8 -m precompute --manifest train.json --out /data/cache
+    torchrun --nproc_per_node=8 -m shardcache precompute --manifest train.json --cache /data/cache
+
+Options: the defaults (``--help``), then the config file (``--config FILE``; else
+``$SHARDCACHE_PRECOMPUTE_CONFIG``; else none), then ``--set key=value``, then flags. Bad options
+exit with status 2 before any model is loaded, each named; a failed job exits 1.
 
 Add / drop a field of an existing cache later (sidecar tars; see precompute.add_field)::
 
-    python -m precompute add-field CACHE --field codes_mimi --audio-tokenizer mimi [--pretrained DIR]
-    python -m precompute drop-field CACHE codes_mimi
+    shardcache add-field CACHE --field codes_mimi --audio-tokenizer mimi [--pretrained DIR]
+    shardcache drop-field CACHE codes_mimi
 """
 from __future__ import annotations
 
@@ -21,38 +25,41 @@ import logging
 import os
 import sys
 
-import yaml
-
+from shardcache import config as S
 from shards.errors import ShardcacheError
 
-from .config import load_config
+from .config import CONFIG_ENV, LEGACY, PrecomputeConfig
 from .job import run
 from .ranks import make_barrier
 from .validate import ConfigError, validate_config
 
 log = logging.getLogger("precompute")
+PROG = "shardcache precompute"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m precompute", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--manifest", required=True,
+    """The job's inputs (``--manifest``, ``--cache``, ``--root``), ``--config``/``--set`` and one
+    flag per option of :class:`~precompute.config.PrecomputeConfig`."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("the job")
+    g.add_argument("--manifest", required=True,
                    help="dataset manifest: JSONL (key,text,audio,image,speaker), Higgs-Audio ChatML JSON/JSONL, "
-                        "LLaVA JSON, CSV/TSV or Parquet (format detected, or --set manifest_format=...)")
-    p.add_argument("--out", required=True, help="cache directory to write shards, index.parquet, manifest.json into")
-    p.add_argument("--root", default=None, help="folder media paths are relative to (default: the manifest's folder)")
-    p.add_argument("--config", default="configs/precompute.yaml" if os.path.exists("configs/precompute.yaml") else None,
-                   help="YAML config with the defaults of precompute.config.PrecomputeConfig (default: %(default)s)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set batch_size=16 --set audio_tokenizer.pretrained=/ckpt/dac")
-    p.add_argument("--audio-tokenizer", default=None, metavar="NAME|module:factory",
-                   help="codec: dac | encodec | mimi, or a plug-in factory module:factory")
-    p.add_argument("--image-encoder", default=None, metavar="NAME|module:factory",
+                        "LLaVA JSON, CSV/TSV or Parquet (format detected, or --manifest-format)")
+    g.add_argument("--cache", "--out", dest="cache", required=True,
+                   help="cache directory to write shards, index.parquet, manifest.json into (--out: the old name)")
+    g.add_argument("--root", default=None, help="folder media paths are relative to (default: the manifest's folder)")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help=f"YAML config ('none' for none; default: ${CONFIG_ENV} if set, else none: the defaults below)")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an option (value read as YAML), e.g. --set encoder_batch_size=16 "
+                        "--set audio_tokenizer.pretrained=/ckpt/dac")
+    g.add_argument("--audio-tokenizer", dest="audio_tokenizer_flag", default=None, metavar="NAME|module:factory",
+                   help="codec: dac | encodec | mimi (keeps the config's pretrained), or a plug-in factory module:factory")
+    g.add_argument("--image-encoder", dest="image_encoder_flag", default=None, metavar="NAME|module:factory",
                    help="VAE: wan | cosmos, or a plug-in factory module:factory")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default from config: auto)")
-    p.add_argument("--num-workers", default=None, help="decode worker processes, or auto (default from config)")
-    p.add_argument("--batch-size", type=int, default=None, help="samples per encoder call")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    S.add_flags(p, PrecomputeConfig, {"--batch-size": "encoder_batch_size"}, titles={"": "config options (defaults: configs/precompute.yaml)"})
     return p
 
 
@@ -62,45 +69,49 @@ def _plugin(spec: str | None, current: dict) -> dict | None:
     return {"factory": spec} if ":" in spec else dict(current, name=spec)
 
 
+def config_from_args(args: argparse.Namespace) -> PrecomputeConfig:
+    """defaults < config file < --set < flags; checked (raises :class:`ConfigError`)."""
+    path, why = S.config_path(args.config, CONFIG_ENV)
+    args.config_file, args.config_source = path, why
+    cfg = PrecomputeConfig()
+    if path:
+        cfg = S.apply(cfg, S.flatten(S.read_yaml(path), PrecomputeConfig, LEGACY, path))
+    cfg = S.apply(cfg, S.parse_set(args.overrides, PrecomputeConfig, LEGACY), text=True)
+    cfg = S.apply(cfg, S.given(args, PrecomputeConfig), text=True)
+    for name, value in (("audio_tokenizer", _plugin(args.audio_tokenizer_flag, cfg.audio_tokenizer or {})),
+                        ("image_encoder", _plugin(args.image_encoder_flag, cfg.image_encoder or {}))):
+        if value is not None:
+            cfg = S.replace(cfg, {name: value})
+    return validate_config(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("add-field", "drop-field"):  # python -m precompute add-field CACHE --field ...
         from . import add_field
         return (add_field.main_add if argv[0] == "add-field" else add_field.main_drop)(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(S.normalize_argv(parser, argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:  # load_config may validate too
-        for line in e.lines():
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, TypeError, yaml.YAMLError) as e:  # TypeError: --set a.b=v on a null a
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    num_workers = args.num_workers
-    if isinstance(num_workers, str) and num_workers.isdigit():
-        num_workers = int(num_workers)
-    for name, value in (("audio_tokenizer", _plugin(args.audio_tokenizer, cfg.audio_tokenizer or {})),
-                        ("image_encoder", _plugin(args.image_encoder, cfg.image_encoder or {})),
-                        ("device", args.device), ("num_workers", num_workers), ("batch_size", args.batch_size)):
-        if value is not None:
-            setattr(cfg, name, value)
     # configuration errors stop here, before any model is loaded or any file written
     try:
-        validate_config(cfg)
+        cfg = config_from_args(args)
     except ConfigError as e:
         for line in e.lines():
             print(f"error: {line}", file=sys.stderr)
         return 2
+    if args.print_config:
+        sys.stdout.write(S.dump(cfg))
+        return 0
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     global_rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     barrier, close = make_barrier(world_size, global_rank)  # the ranks only synchronise, never communicate
     if global_rank == 0:
+        log.info("config file: %s (%s)", args.config_file or "none", args.config_source)
         log.info("config: %s", cfg.to_dict())
     try:
-        summary, manifest = run(args.manifest, args.out, cfg, root=args.root, global_rank=global_rank,
+        summary, manifest = run(args.manifest, args.cache, cfg, root=args.root, global_rank=global_rank,
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,
                                 progress=not args.no_progress)
     except (ShardcacheError, FileNotFoundError, ValueError) as e:
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
           f"encoding {summary.wall_s:.1f} s, encoder busy {summary.encoder_busy:.0%} of it")
     if manifest is not None:
         c = manifest["counts"]
-        print(f"cache {args.out}: {c['samples']} samples in {c['shards']} shards ({c['bytes'] / 1e6:.1f} MB), "
+        print(f"cache {args.cache}: {c['samples']} samples in {c['shards']} shards ({c['bytes'] / 1e6:.1f} MB), "
               f"{c['images']} with images, {c['audio_hours']:.4f} h audio; rejected {c['rejected']}")
         for reason, n in sorted(c["rejects_by_reason"].items()):
             print(f"  rejected {n:5d}  {reason}")

@@ -1,78 +1,102 @@
-"""Stage-one configuration: one dataclass with documented defaults, loadable from YAML.
+"""Stage-one configuration: :class:`PrecomputeConfig`, one section of documented, checked options.
 
-Precedence: dataclass defaults < ``--config FILE`` (YAML) < command-line flags / ``--set a.b=v``.
+Read through :mod:`shardcache.config` (the mechanism ``train`` uses too): dataclass defaults < config
+file (YAML; ``--config FILE``, else ``$SHARDCACHE_PRECOMPUTE_CONFIG``, else none) < ``--set
+key=value`` (a key may continue into a mapping: ``--set audio_tokenizer.pretrained=/ckpt/dac``) <
+flags (``--sample-rate 16000``, ``--encoder-batch-size 32``...). Every problem is reported as
+``option: message`` and ``shardcache precompute`` exits with status 2 before any model is loaded
+(:mod:`precompute.validate` adds the rules across options and the encoder specs).
+
 Everything that changes the bytes of a cached tensor is part of :meth:`PrecomputeConfig.preprocessing`
-and therefore of the cache's fingerprint.
+and therefore of the cache's fingerprint; renaming an option never changes it.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from shardcache import config as S
+from shardcache.config import option
+
+#: environment variable naming the config file when no --config is given
+CONFIG_ENV = "SHARDCACHE_PRECOMPUTE_CONFIG"
+#: option names before the rename -> option (YAML keys, --set keys and flags)
+LEGACY = {"batch_size": "encoder_batch_size"}
 
 
 @dataclass
 class PrecomputeConfig:
-    """Defaults of ``python -m precompute`` (see ``configs/precompute.yaml``)."""
+    """Every option of ``shardcache precompute`` (defaults: ``configs/precompute.yaml``)."""
 
-    #: Hz of the stored waveform (``audio.npy``). The codec gets its own rate
-    #: (``tokenizer.sample_rate``); both are resampled from the one decoded array.
-    sample_rate: int = 24000
-    #: seconds; shorter clips are rejected (``too_short``), longer ones (``too_long``).
-    min_duration: float = 0.05
-    max_duration: float = 30.0
-    #: reject clips whose RMS (full scale 1.0) is below this; None disables the check.
-    silence_rms: float | None = None
-    #: pixels of the square VAE input (multiple of the VAE's spatial factor, 8).
-    image_size: int = 256
-    #: center_crop | pad | bucket (see precompute.images).
-    image_resize: str = "center_crop"
-    #: also store the VAE posterior: ``latents.npy`` = its mean (as without it: Wan's mode is the
-    #: mean) plus ``latents_logvar.npy`` float16 (C, T, H, W), so training can sample
-    #: ``mean + exp(0.5 * logvar) * eps``. Needs an encoder with ``encode_posterior`` (wan; not cosmos).
+    sample_rate: int = option(24000, gt=0)
+    """Hz of the stored waveform (audio.npy). The codec gets its own rate (tokenizer.sample_rate); both are
+    resampled from the one decoded array."""
+    min_duration: float = option(0.05, ge=0.0)
+    """Seconds; shorter clips are rejected (too_short)."""
+    max_duration: float = option(30.0, gt=0.0)
+    """Seconds; longer clips are rejected (too_long) from the file header, before decoding."""
+    silence_rms: float | None = option(None, ge=0.0)
+    """Reject clips whose RMS (full scale 1.0) is below this (silent); null disables the check."""
+    image_size: int = option(256, gt=0)
+    """Pixels of the square VAE input (a multiple of the VAE's spatial factor, 8)."""
+    image_resize: str = option("center_crop", choices=("center_crop", "pad", "bucket"))
+    """center_crop | pad | bucket (aspect kept: latent H, W vary; loaders pad them and return latents_mask)."""
     store_posterior: bool = False
-    #: decompression-bomb guard: images with more pixels are rejected (``image_too_large``).
-    max_image_pixels: int = 64_000_000
-    #: images whose shorter side is below this many pixels are rejected (``image_too_small``).
-    min_image_side: int = 16
-    #: rows of the manifest per shard (rejected rows included).
-    samples_per_shard: int = 256
-    #: samples per encoder call.
-    batch_size: int = 8
-    #: decode worker processes (0 = decode in the main process). "auto": on CUDA, the rank's share
-    #: of the CPU cores minus one (at most 8); on CPU, 0, because the encoder's intra-op threads
-    #: already use every core and worker processes only add contention (measured: make bench).
-    num_workers: int | str = "auto"
-    #: "auto" = cuda:LOCAL_RANK when available, else cpu.
+    """Also store the VAE posterior: latents.npy = its mean (as without it: Wan's mode is the mean) plus
+    latents_logvar.npy float16 (C, T, H, W), so training can sample mean + exp(0.5 * logvar) * eps. Needs an
+    encoder with encode_posterior (wan; not cosmos)."""
+    max_image_pixels: int = option(64_000_000, gt=0)
+    """Decompression-bomb guard: images with more pixels are rejected (image_too_large)."""
+    min_image_side: int = option(16, gt=0)
+    """Images whose shorter side is below this many pixels are rejected (image_too_small)."""
+    samples_per_shard: int = option(256, gt=0)
+    """Rows of the manifest per shard (rejected rows included)."""
+    encoder_batch_size: int = option(8, gt=0)
+    """Clips or images per encoder call (was batch_size, still accepted; not the training batch)."""
+    num_workers: int | str = option("auto", choices=("auto",), ge=0)
+    """Decode worker processes (0 = decode in the main process). auto: on CUDA, the rank's share of the CPU
+    cores minus one (at most 8); on CPU, 0, because the encoder's intra-op threads already use every core and
+    worker processes only add contention (measured: make bench)."""
     device: str = "auto"
-    #: compute dtype of the codec and the VAE: float32 | bfloat16 | float16 (CUDA). Anything but
-    #: float32 is measured against float32 on the job's first rows before use (precompute.precision).
-    encoder_dtype: str = "float32"
-    #: rows used for that measurement, and the accepted difference.
-    precision_samples: int = 8
-    precision_tolerance: dict[str, float] = field(
-        default_factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95})
-    #: encoder specs, see precompute.encoders.registry. ``audio_tokenizer: null`` (no codes: an
-    #: image-text job never loads a codec) and ``image_encoder: null`` (no latents: an audio job
-    #: never loads a VAE) are valid.
-    audio_tokenizer: dict[str, Any] | None = field(default_factory=lambda: {"name": "dac", "pretrained": "models/dac-tiny"})
-    image_encoder: dict[str, Any] | None = field(default_factory=lambda: {"name": "wan", "pretrained": "models/wan-tiny"})
-    text_tokenizer: dict[str, Any] = field(default_factory=lambda: {"name": "bytes"})
-    #: how a conversation becomes ``input_ids``/``labels`` (precompute.chat): ``auto`` = the HF
-    #: tokenizer's own ``apply_chat_template`` when it has a chat template, else ``llama3``
-    #: (Higgs-Audio's Llama-3 headers with audio/image placeholders); ``tokenizer`` forces the
-    #: tokenizer's template (error if it has none).
-    chat_template: str = "auto"
-    #: more waveform fields besides ``audio`` (all items at ``sample_rate``): name ->
-    #: ``{sample_rate: Hz, direction: in | out | all}``; e.g. ``{audio_16k: {sample_rate: 16000,
-    #: direction: in}}`` stores the user-side audio at 16 kHz for a Whisper-style audio encoder.
-    extra_waveforms: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: manifest options: format (auto when None) and column mapping for jsonl/csv/parquet.
-    manifest_format: str | None = None
-    columns: dict[str, str] = field(default_factory=dict)
+    """auto = cuda:LOCAL_RANK when available, else cpu; or cpu, cuda, cuda:N (mps, xpu:N...)."""
+    encoder_dtype: str = option("float32", choices=("float32", "fp32", "float", "bfloat16", "bf16", "float16",
+                                                    "fp16", "half"))
+    """Compute dtype of the codec and the VAE: float32 | bfloat16 | float16 (CUDA). Anything but float32 is
+    measured against float32 on the job's first rows before use (precompute.precision)."""
+    precision_samples: int = option(8, ge=0)
+    """Rows used for that measurement."""
+    precision_tolerance: dict[str, float] = option(
+        factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95}, flag=False)
+    """The accepted difference: latents relative L2 error, fraction of equal codes."""
+    audio_tokenizer: dict[str, Any] | None = option(
+        factory=lambda: {"name": "dac", "pretrained": "models/dac-tiny"}, flag=False)
+    """Codec spec {name: dac | encodec | mimi, pretrained: DIR or hub id, options...} or {factory:
+    module:callable, kwargs}; null = no codes (an image-text job never loads a codec). Flag:
+    --audio-tokenizer NAME|module:factory."""
+    image_encoder: dict[str, Any] | None = option(
+        factory=lambda: {"name": "wan", "pretrained": "models/wan-tiny"}, flag=False)
+    """VAE spec {name: wan | cosmos, pretrained: DIR or hub id, ...} or a factory; null = no latents (an audio
+    job never loads a VAE). Flag: --image-encoder NAME|module:factory."""
+    text_tokenizer: dict[str, Any] = option(factory=lambda: {"name": "bytes"}, flag=False)
+    """Text tokenizer spec: {name: bytes} or {name: hf, pretrained: DIR or hub id} (the LM's own tokenizer)."""
+    chat_template: str = option("auto", choices=("auto", "llama3", "tokenizer"))
+    """How a conversation becomes input_ids/labels (precompute.chat): auto = the HF tokenizer's own
+    apply_chat_template when it has a chat template, else llama3 (Higgs-Audio's Llama-3 headers with
+    audio/image placeholders); tokenizer forces the tokenizer's template (error if it has none)."""
+    extra_waveforms: dict[str, dict[str, Any]] = option(factory=dict, flag=False)
+    """More waveform fields besides audio (all items at sample_rate): name -> {sample_rate: Hz, direction:
+    in | out | all}; e.g. {audio_16k: {sample_rate: 16000, direction: in}} stores the user-side audio at
+    16 kHz for a Whisper-style audio encoder."""
+    manifest_format: str | None = option(None, choices=("jsonl", "chatml", "llava", "csv", "parquet"))
+    """Manifest format; null = detected from the file."""
+    columns: dict[str, str] = option(factory=dict, flag=False)
+    """Column mapping for JSONL/CSV/Parquet rows, e.g. {audio: path} (--set columns.audio=path)."""
+
+    @property
+    def batch_size(self) -> int:
+        """Deprecated name of :attr:`encoder_batch_size` (read-only)."""
+        return self.encoder_batch_size
 
     def preprocessing(self) -> dict[str, Any]:
         """Every parameter that changes cached bytes (part of the fingerprint).
@@ -91,38 +115,19 @@ class PrecomputeConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _coerce(value: str) -> Any:
-    return yaml.safe_load(value)
+        return S.to_dict(self)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PrecomputeConfig:
-    """Build the config from defaults, a YAML file and ``a.b=value`` overrides (YAML-parsed values).
+    """Defaults < the YAML file ``path`` < ``key=value`` overrides (values read as YAML).
 
-    Raises ``ValueError`` naming the unknown key (and the file) for a misspelt option.
+    Unknown options and bad ``--set`` syntax raise :class:`shardcache.config.ConfigError` (a
+    ValueError) naming them; values are not checked here: :func:`precompute.validate.validate_config`
+    reports every bad value at once.
     """
     cfg = PrecomputeConfig()
-    names = {f.name for f in dataclasses.fields(cfg)}
-    data: dict[str, Any] = {}
     if path:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"{path}: unknown option(s) {sorted(unknown)}; known: {sorted(names)}")
-    for item in overrides or []:
-        if "=" not in item:
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        dotted, value = item.split("=", 1)
-        top, *rest = dotted.split(".")
-        if top not in names:
-            raise ValueError(f"--set {dotted}: unknown option {top!r}; known: {sorted(names)}")
-        if rest:
-            node = data.setdefault(top, dict(getattr(cfg, top)))
-            for part in rest[:-1]:
-                node = node.setdefault(part, {})
-            node[rest[-1]] = _coerce(value)
-        else:
-            data[top] = _coerce(value)
-    return dataclasses.replace(cfg, **data)
+        cfg = S.apply(cfg, S.flatten(S.read_yaml(path), PrecomputeConfig, LEGACY, str(path)))
+    if overrides:
+        cfg = S.apply(cfg, S.parse_set(overrides, PrecomputeConfig, LEGACY), text=True)
+    return cfg

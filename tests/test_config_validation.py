@@ -35,16 +35,18 @@ def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
 @pytest.mark.parametrize("args,message", [
     (["--set", "sample_rate=abc"], "error: sample_rate: expected a positive integer, got 'abc'"),
     (["--set", "sample_rate=0"], "error: sample_rate: expected a positive integer, got 0"),
-    (["--set", "batch_size=-1"], "error: batch_size: expected a positive integer, got -1"),
-    (["--batch-size", "-1"], "error: batch_size: expected a positive integer, got -1"),
+    (["--set", "batch_size=-1"], "error: encoder_batch_size: expected a positive integer, got -1"),  # old name
+    (["--batch-size", "-1"], "error: encoder_batch_size: expected a positive integer, got -1"),
+    (["--encoder-batch-size", "0"], "error: encoder_batch_size: expected a positive integer, got 0"),
     (["--set", "image_resize=foo"], "error: image_resize: expected one of center_crop, pad, bucket, got 'foo'"),
     (["--set", "num_workers=lots"], "error: num_workers: expected an integer >= 0 or 'auto', got 'lots'"),
     (["--num-workers", "lots"], "error: num_workers: expected an integer >= 0 or 'auto', got 'lots'"),
-    (["--set", "min_duration=40"], "error: min_duration: 40 s is greater than max_duration 30.0 s"),
+    (["--set", "min_duration=40"], "error: min_duration: 40.0 s is greater than max_duration 30.0 s"),
     (["--set", "image_size=100"], "error: image_size: expected a multiple of 8 (the VAE's spatial factor), got 100"),
     (["--set", "max_duration=-1"], "error: max_duration: expected a positive number, got -1"),
     (["--set", "silence_rms=loud"], "error: silence_rms: expected a number >= 0 or null, got 'loud'"),
-    (["--set", "silence_rms=1e-4"], "error: silence_rms: expected a number >= 0 or null, got '1e-4' (YAML reads"),
+    (["--sample-rate", "fast"], "error: sample_rate: expected a positive integer, got 'fast'"),
+    (["--set", "optim.lr=1"], "error: optim.lr: unknown option"),
     (["--set", "store_posterior=maybe"], "error: store_posterior: expected true or false, got 'maybe'"),
     (["--set", "device=gpu"], "error: device: expected auto, cpu, cuda"),
     (["--set", "encoder_dtype=int8"], "error: encoder_dtype: expected one of"),
@@ -67,7 +69,7 @@ def test_every_problem_is_listed(capsys, tmp_path, no_work):
     rc, err = _main(capsys, tmp_path, "--set", "sample_rate=abc", "--set", "batch_size=0", "--set", "image_resize=x")
     assert rc == 2
     named = {ln.split(":")[1].strip() for ln in err.strip().splitlines()}
-    assert named == {"sample_rate", "batch_size", "image_resize"}
+    assert named == {"sample_rate", "encoder_batch_size", "image_resize"}
 
 
 def test_yaml_errors_exit_2(capsys, tmp_path, no_work):
@@ -88,10 +90,11 @@ def test_valid_values_pass(monkeypatch, capsys, tmp_path):
         raise ValueError("stop here")
 
     monkeypatch.setattr(cli, "run", fake_run)
-    rc, _ = _main(capsys, tmp_path, "--set", "audio_tokenizer=null", "--set", "silence_rms=1.0e-4",
+    rc, _ = _main(capsys, tmp_path, "--set", "audio_tokenizer=null", "--set", "silence_rms=1e-4",
                   "--set", "extra_waveforms={audio_16k: {sample_rate: 16000, direction: in}}",
                   "--set", "num_workers=auto", "--num-workers", "2", "--device", "cuda:1")
     assert rc == 1 and seen["cfg"].num_workers == 2 and seen["cfg"].audio_tokenizer is None
+    assert seen["cfg"].silence_rms == 1e-4  # YAML 1.1 reads 1e-4 as text; a number option takes it as the number
     assert check_config(PrecomputeConfig()) == []
     assert check_config(load_config(ROOT / "configs" / "precompute.yaml", ["image_encoder=null"])) == []
     for plugin in ({"factory": "mypkg.codec:make", "kwargs": {"n": 3}}, {"name": "encodec", "pretrained": "x"}):
@@ -120,3 +123,17 @@ def test_cli_stops_before_loading_any_model(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "error: sample_rate: expected a positive integer, got 'abc'" in r.stderr
     assert "no-models" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_config_files_keep_their_fingerprint_and_old_names(tmp_path):
+    """The preprocessing() of configs/precompute-tts.yaml as the code before the config rewrite
+    computed it (caches made then must not be refused), and a file with the old key batch_size."""
+    cfg = load_config(ROOT / "configs" / "precompute-tts.yaml")
+    assert cfg.preprocessing() == {
+        "audio_format": "pcm_s16le", "chat_template": "auto", "image_resize": "center_crop", "image_size": 256,
+        "latents_dtype": "float16", "sample_layout": "conversation-1", "sample_rate": 24000,
+        "extra_waveforms": {"audio_16k": {"direction": "in", "sample_rate": 16000}}}
+    old = tmp_path / "old.yaml"
+    old.write_text("batch_size: 32\nsample_rate: 16000\n")
+    cfg = load_config(old, ["image_size=128"])
+    assert (cfg.encoder_batch_size, cfg.batch_size, cfg.sample_rate, cfg.image_size) == (32, 32, 16000, 128)

@@ -1,4 +1,4 @@
-"""The demo path a new user runs: demo cache -> `torchrun --nproc_per_node=2 -m train` (gloo, CPU)."""
+"""The demo path a new user runs: demo cache -> `torchrun --nproc_per_node=2 -m shardcache train` (gloo, CPU)."""
 from __future__ import annotations
 
 import json
@@ -16,9 +16,9 @@ from conftest import ROOT
 @pytest.mark.ddp
 def test_torchrun_two_ranks_trains_on_the_demo_cache(demo_cache, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardcache", "train",
            "--config", str(ROOT / "configs" / "train-demo.yaml"), "--cache", str(demo_cache), "--out", str(out),
-           "--steps", "6", "--ckpt-every", "3", "--log-every", "1", "--no-progress"]
+           "--training.steps", "6", "--checkpoint.every", "3", "--metrics.every", "1", "--no-progress"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

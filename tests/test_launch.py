@@ -41,7 +41,7 @@ def _make_dry_run(*args: str, **env: str) -> str:
 
 
 def _line(out: str, module: str) -> str:
-    lines = [ln for ln in out.splitlines() if f"-m {module} " in ln]
+    lines = [ln for ln in out.splitlines() if f"-m shardcache {module} " in ln]
     assert len(lines) == 1, out
     return lines[0]
 
@@ -51,15 +51,15 @@ def test_make_precompute_starts_one_rank_per_gpu(how):
     args, env = (("precompute",), {"SHARDCACHE_FAKE_GPUS": "4"}) if how == "env" else \
         (("precompute", "SHARDCACHE_FAKE_GPUS=4"), {})
     line = _line(_make_dry_run(*args, **env), "precompute")
-    assert "-m torch.distributed.run --standalone --nproc_per_node=4 -m precompute --manifest" in line
+    assert "-m torch.distributed.run --standalone --nproc_per_node=4 -m shardcache precompute --manifest" in line
 
 
 def test_make_precompute_without_gpus_runs_one_process():
     out = _make_dry_run("precompute", "train", SHARDCACHE_FAKE_GPUS="0")
     line = _line(out, "precompute")
     assert "torch.distributed.run" not in line and "nproc" not in line
-    assert line.split() == [".venv/bin/python", "-m", "precompute", "--manifest", "data/demo/samples.jsonl",
-                            "--out", "cache/demo", "--config", "configs/precompute.yaml"]
+    assert line.split() == [".venv/bin/python", "-m", "shardcache", "precompute", "--manifest",
+                            "data/demo/samples.jsonl", "--cache", "cache/demo", "--config", "configs/precompute.yaml"]
     # train keeps its rule: 2 CPU processes without GPUs
     assert "--nproc_per_node=2 " in _line(out, "train")
 
@@ -68,7 +68,7 @@ def test_make_counts_gpus_for_train_too_and_overrides_win():
     out = _make_dry_run("precompute", "train", SHARDCACHE_FAKE_GPUS="4")
     assert "--nproc_per_node=4 " in _line(out, "train")
     out = _make_dry_run("precompute", "train", "PRECOMPUTE_NPROC=3", "NPROC=5", SHARDCACHE_FAKE_GPUS="0")
-    assert "--nproc_per_node=3 -m precompute" in _line(out, "precompute")
+    assert "--nproc_per_node=3 -m shardcache precompute" in _line(out, "precompute")
     assert "--nproc_per_node=5 " in _line(out, "train")
 
 
@@ -78,8 +78,8 @@ def test_make_precompute_train_demo_commands_on_this_machine():
     n = torch.cuda.device_count()
     out = _make_dry_run("precompute", "train")
     pre, train = _line(out, "precompute"), _line(out, "train")
-    assert ("--nproc_per_node=%d -m precompute" % n in pre) if n > 1 else \
-        pre.startswith(".venv/bin/python -m precompute --manifest data/demo/samples.jsonl --out cache/demo")
+    assert ("--nproc_per_node=%d -m shardcache precompute" % n in pre) if n > 1 else \
+        pre.startswith(".venv/bin/python -m shardcache precompute --manifest data/demo/samples.jsonl --cache cache/demo")
     assert f"--nproc_per_node={n or 2} " in train and "--config configs/train-demo.yaml" in train
 
 
@@ -170,7 +170,7 @@ def _check_nodes(fs, module: str, script_args: list[str]) -> None:
         assert (a.rdzv_backend, a.rdzv_endpoint, a.rdzv_id) == ("c10d", f"{HOSTS[0]}:{a.rdzv_endpoint.split(':')[1]}",
                                                                 "4242")
         assert a.rdzv_endpoint.split(":")[1].isdigit() and not a.standalone
-        assert a.module and a.training_script == module and a.training_script_args == script_args
+        assert a.module and a.training_script == "shardcache" and a.training_script_args == [module, *script_args]
         env = _env(rec / f"python.{node}.env")
         for k, v in RECOMMENDED_ENV.items():
             assert env.get(k) == v, (k, env.get(k))
@@ -185,14 +185,14 @@ def _check_nodes(fs, module: str, script_args: list[str]) -> None:
 def test_precompute_sbatch_under_fake_slurm(fake_slurm):
     fs = fake_slurm
     r = subprocess.run([BASH, str(SLURM / "precompute.sbatch"), "/data/train.json", "/data/cache",
-                        "configs/my.yaml", "--set", "batch_size=32"],
+                        "configs/my.yaml", "--set", "encoder_batch_size=32"],
                        env=fs["env"], cwd=fs["submit"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     # 64 CPUs / 8 GPUs = 8 per rank, minus one for the rank's main process
-    _check_nodes(fs, "precompute", ["--manifest", "/data/train.json", "--out", "/data/cache", "--config",
-                                    "configs/my.yaml", "--num-workers", "7", "--set", "batch_size=32"])
+    _check_nodes(fs, "precompute", ["--manifest", "/data/train.json", "--cache", "/data/cache", "--config",
+                                    "configs/my.yaml", "--num-workers", "7", "--set", "encoder_batch_size=32"])
     # the summary at the end, on the batch node
-    assert _argv(fs["rec"] / "python.batch.argv") == ["-m", "shards", "info", "/data/cache"]
+    assert _argv(fs["rec"] / "python.batch.argv") == ["-m", "shardcache", "shards", "info", "/data/cache"]
     for k, v in RECOMMENDED_ENV.items():
         assert f"  {k}={v}\n" in r.stdout  # echoed to the job log
     assert f"  HEAD_NODE={HOSTS[0]}\n" in r.stdout
@@ -206,7 +206,7 @@ def test_precompute_sbatch_default_config_and_failure(fake_slurm):
                        timeout=60)
     assert r.returncode != 0
     a = _torchrun_args(_argv(fs["rec"] / "python.0.argv"))
-    assert a.training_script_args == ["--manifest", "m.jsonl", "--out", "out", "--config",
+    assert a.training_script_args == ["precompute", "--manifest", "m.jsonl", "--cache", "out", "--config",
                                       "configs/precompute.yaml", "--num-workers", "7", "--batch-size", "4"]
     assert not (fs["rec"] / "python.batch.argv").exists()  # no summary after a failed srun
 
@@ -219,12 +219,19 @@ def test_train_sbatch_under_fake_slurm(fake_slurm):
                        env=fs["env"] | {"OUT": str(out)}, cwd=fs["submit"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    _check_nodes(fs, "train", ["--config", "configs/train.yaml", "--out", str(out), "--resume", "auto",
-                               "--stop-file", str(out / "STOP"), "--requeue-exit-code", "3", "--no-progress",
-                               "--cache", "/data/cache", "--steps", "100"])
+    _check_nodes(fs, "train", ["--config", "configs/train.yaml", "--job.dir", str(out), "--checkpoint.resume", "auto",
+                               "--job.stop-file", str(out / "STOP"), "--job.requeue-exit-code", "3",
+                               "--no-metrics.progress", "--cache", "/data/cache", "--steps", "100"])
     for k, v in RECOMMENDED_ENV.items():
         assert f"  {k}={v}\n" in r.stdout
     assert not (fs["rec"] / "scontrol.argv").read_text().count("requeue")
+    # the flags the script passes are understood by the trainer's own parser
+    from train.config import parse_args
+    args = _torchrun_args(_argv(fs["rec"] / "python.0.argv")).training_script_args[1:]
+    args[args.index("--config") + 1] = str(ROOT / "configs" / "train.yaml")
+    cfg, _ = parse_args(args)
+    assert (cfg.job.dir, cfg.checkpoint.resume, cfg.job.stop_file) == (str(out), "auto", str(out / "STOP"))
+    assert cfg.metrics.progress is False and cfg.training.steps == 100 and cfg.data.cache == "/data/cache"
 
 
 @needs_bash

@@ -236,7 +236,7 @@ def test_chatml_and_llava_manifests_end_to_end(real_mini, tiny_config, tmp_path)
 def test_plugin_codec_and_bad_sample_in_batch_costs_only_itself(tiny_config, demo_cache, tmp_path):
     import dataclasses
     from precompute.job import run
-    cfg = dataclasses.replace(tiny_config, batch_size=8, audio_tokenizer={
+    cfg = dataclasses.replace(tiny_config, encoder_batch_size=8, audio_tokenizer={
         "factory": "plugin_codec:make", "kwargs": {"poison_s": 2.5}})
     summary, manifest = run(DEMO / "samples.jsonl", tmp_path / "c", cfg, progress=False)
     durations = dict(zip(*read_index(demo_cache).select(["key", "duration_s"]).to_pydict().values()))

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train_support import PY, REPO, TINY_MODEL, base_env, have_real_loader, make_cache
+from test_train_support import PY, REAL_LOADER, REPO, TINY_MODEL, base_env, make_cache
 from train import batch_size as BS
 from train.config import from_dict
 
 FAKE = "test_train_support:FakeLoader"
-LOADERS = [FAKE] + (["loaders:ShardLoader"] if have_real_loader() else [])
+LOADERS = [FAKE, REAL_LOADER]
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +43,7 @@ def test_candidate_sizes():
     assert BS.candidate_sizes(20, start=4) == [4, 8, 16, 20]
 
 
-@pytest.mark.parametrize("extra", [{}, {"activation_checkpointing": True, "precision": "bf16",
+@pytest.mark.parametrize("extra", [{}, {"activation_checkpointing": True, "precision": "fp16",
                                         "latent_loss": "mse"}])
 def test_increasing_sizes_up_to_max(cache, extra):
     res = BS.find_batch_size(cfg_for(cache, **extra), max_batch_size=8, steps=2)
@@ -71,13 +71,13 @@ def test_oom_stops_and_recommends_the_last_size_that_fit(cache, monkeypatch):
     real_step = BS.train_step
     seen = []
 
-    def step(model, optimizer, params, batch, amp, grad_clip):
+    def step(model, optimizer, params, batch, precision, grad_clip):
         bs = batch["codes"].shape[0]
         seen.append(bs)
         if bs >= 8:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
         time.sleep(0.05)  # a fixed per-step cost, as on a GPU: samples/s grows with the batch
-        return real_step(model, optimizer, params, batch, amp, grad_clip)
+        return real_step(model, optimizer, params, batch, precision, grad_clip)
 
     monkeypatch.setattr(BS, "train_step", step)
     res = BS.find_batch_size(cfg_for(cache), max_batch_size=1024, steps=2)
@@ -100,7 +100,7 @@ def test_recommend_on_cuda_uses_the_margin():
     assert BS.recommend([], "cpu", None, 0.9)[0] is None
 
 
-def test_cli(cache, tmp_path):
+def test_cli(cache, tmp_path, capsys):
     out = tmp_path / "res.json"
     args = ["--cache", str(cache), "--config", "none", "--loader", FAKE, "--model-kwargs", json.dumps(TINY_MODEL),
             "--threads", "1", "--device", "cpu", "--max-batch-size", "4", "--steps", "2", "--json", str(out)]
@@ -110,9 +110,9 @@ def test_cli(cache, tmp_path):
     assert "samples/s" in r.stdout and "recommended --batch-size" in r.stdout
     res = json.loads(out.read_text())
     assert [row["batch_size"] for row in res["results"]] == [1, 2, 4] and res["recommended"] in (1, 2, 4)
-    r = subprocess.run([PY, "-m", "train.find_batch_size", *args, "--margin", "1.5"], cwd=REPO, env=base_env(),
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "margin" in r.stderr
-    r = subprocess.run([PY, "-m", "train.find_batch_size", "--help"], cwd=REPO, env=base_env(),
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "--max-batch-size" in r.stdout and "--activation-checkpointing" in r.stdout
+    assert BS.main([*args, "--margin", "1.5"]) == 2 and "--margin" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        BS.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--max-batch-size" in text and "--model.activation-checkpointing" in text

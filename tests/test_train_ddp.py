@@ -2,17 +2,19 @@
 
 Three launchers, each for what it can observe:
 
-* ``torch.multiprocessing`` (spawn) workers that call :func:`train.loop.run` with callbacks: the
+* ``torch.multiprocessing`` (spawn) workers that call :func:`train.trainer.run` with callbacks: the
   global batch of 8 as 1 x 8 (in this process), 2 x 4 and 2 x 2 x accum 2 -> equal parameters,
   identical parameters on both ranks after every step, all-reduces (counted by a DDP comm hook)
-  only on the final micro-step, nothing written by rank 1 (an audit hook records its file writes);
+  only on the final micro-step, the DDP settings and the fused AdamW in use, nothing written by
+  rank 1 (an audit hook records its file writes);
 * ``python -m train`` once per rank with the torchrun environment and no launcher in between:
   SIGUSR1 to one rank -> both save at the same step and exit with the requeue code; a rank that
-  raises -> the other exits long before the process-group timeout;
+  raises (``tests/train_with_callbacks.py`` injects the failure) -> the other exits long before the
+  process-group timeout;
 * ``torchrun --nproc_per_node=2 -m train``: the resume after that stop, which must reproduce the
   uninterrupted 2 x 4 run's loss sequence bit for bit.
 
-The data come from ``loaders.ShardLoader`` (the fake with the same API if ``loaders`` is absent).
+The data come from ``loaders.ShardLoader``. The 2-node simulation (4 ranks) is in test_train_multinode.py.
 """
 from __future__ import annotations
 
@@ -29,13 +31,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train_support import (REPO, TINY_MODEL, base_env, free_port, have_real_loader, launch,
-                                load_params, make_cache, read_metrics, train_args, wait_all)
+from test_train_support import (REAL_LOADER, REPO, TESTS, TINY_MODEL, base_env, free_port, launch, load_params,
+                                make_cache, read_metrics, train_args, wait_all)
 
 pytestmark = pytest.mark.ddp
 
-LOADER = "loaders:ShardLoader" if have_real_loader() else "test_train_support:FakeLoader"
-SLOW = json.dumps({"delay": 0.25, "fake": not have_real_loader()})
+LOADER = REAL_LOADER
+SLOW = json.dumps({"delay": 0.25})
 STEPS = 8            # 24 samples / global batch 8 = 3 steps per epoch: crosses two epoch boundaries
 TIMEOUT = 120        # seconds for any multi-process run (a hang fails the test)
 # float32 on CPU, 8 AdamW steps at lr 1e-3: the three splits sum the same per-sample gradients in a
@@ -46,7 +48,7 @@ ATOL, RTOL = 2e-6, 1e-5
 def common(cache: Path, out: Path) -> dict:
     return dict(cache=str(cache), out=str(out), loader=LOADER, model_kwargs=TINY_MODEL, steps=STEPS,
                 warmup_steps=2, lr=1e-3, latent_loss="mse", progress=False, threads=1, keep=3,
-                ckpt_every=1, pg_timeout_min=2.0, val_fraction=0)
+                ckpt_every=1, pg_timeout_min=2.0, val_fraction=0, log_every=1)
 
 
 # ---- spawned workers with callbacks ----------------------------------------------------------------
@@ -60,7 +62,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -> Non
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from train.config import from_dict
-    from train.loop import Callbacks, run
+    from train.trainer import Callbacks, run
 
     root = os.path.realpath(cfg["out"])
     writes: list[str] = []
@@ -84,15 +86,23 @@ def _worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -> Non
     micro_log: list[tuple[int, int, int]] = []
     hashes: list[str] = []
     state: dict = {}
+    setup: dict = {}
 
     def counting_hook(process_group, bucket):
         calls[0] += 1
         return default_hooks.allreduce_hook(process_group, bucket)
 
-    def on_setup(ctx):
-        state["raw"] = ctx["raw"]
-        if isinstance(ctx["model"], DDP):
-            ctx["model"].register_comm_hook(None, counting_hook)
+    def on_setup(trainer):
+        state["raw"] = trainer.raw
+        ddp = trainer.model
+        if isinstance(ddp, DDP):
+            ddp.register_comm_hook(None, counting_hook)
+            setup.update(ddp=True, gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+                         static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters,
+                         sync_buffers=bool(getattr(ddp, "broadcast_buffers", False) or
+                                           getattr(ddp, "forward_sync_buffers", False)),
+                         bucket_cap_mb=ddp.bucket_bytes_cap / 2**20)
+        setup["fused"] = bool(trainer.optimizer.defaults.get("fused"))
 
     def on_micro_step(step, micro):
         micro_log.append((step, micro, calls[0]))
@@ -105,7 +115,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -> Non
 
     code = run(from_dict(cfg), Callbacks(on_setup=on_setup, on_micro_step=on_micro_step, on_step=on_step))
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"code": code, "hashes": hashes, "micro": micro_log, "writes": writes}))
+        {"code": code, "hashes": hashes, "micro": micro_log, "writes": writes, "setup": setup}))
 
 
 def spawn(world: int, cfg: dict, result_dir: Path) -> list[dict]:
@@ -138,7 +148,7 @@ def runs(cache, tmp_path_factory) -> dict:
     out: dict = {}
     # 1 x 8 in this process (no process group)
     from train.config import from_dict
-    from train.loop import run
+    from train.trainer import run
     saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
     threads = torch.get_num_threads()
     try:
@@ -176,6 +186,20 @@ def test_parameters_identical_on_every_rank_after_every_step(runs):
         r0, r1 = runs[name]["ranks"]
         assert len(r0["hashes"]) == STEPS and r0["hashes"] == r1["hashes"], name
         assert len(set(r0["hashes"])) == STEPS  # and they do change every step
+
+
+def test_ddp_settings_and_fused_adamw(runs):
+    """The wrapper the ranks trained through: no buffer broadcast in forward, bucket-view gradients,
+    static_graph off (it breaks no_sync), the configured bucket size; the fused AdamW (auto, where
+    this torch supports it: CPU since 2.4)."""
+    from train.optim import fused_adamw_supported
+    for name in ("2x4", "2x2a2"):
+        for rank in runs[name]["ranks"]:
+            st = rank["setup"]
+            assert st["ddp"] and st["gradient_as_bucket_view"] is True and st["static_graph"] is False
+            assert st["sync_buffers"] is False and st["find_unused_parameters"] is False
+            assert st["bucket_cap_mb"] == pytest.approx(25)
+            assert st["fused"] is fused_adamw_supported(torch.device("cpu"))
 
 
 def test_allreduce_only_on_the_final_micro_step(runs):
@@ -220,6 +244,7 @@ def test_stop_request_then_torchrun_resume_is_bitwise(cache, runs, tmp_path):
     out = tmp_path / "run"
     opts = {k: v for k, v in common(cache, out).items() if k not in ("cache", "out", "progress", "model_kwargs")}
     opts.update(batch_size=4, model_kwargs=json.dumps(TINY_MODEL), loader_kwargs="{}")
+    # with a process group the stop request is agreed on at log steps: every step here
     slow = dict(opts, loader="test_train_support:SlowLoader", loader_kwargs=SLOW)
     procs = launch(2, train_args(cache, out, **slow), REPO)
     t0 = time.monotonic()
@@ -257,14 +282,14 @@ def test_a_failing_rank_makes_the_other_exit(cache, tmp_path, fail_rank):
     """Rank ``fail_rank`` raises before step 2; the other rank is then blocked in a collective and
     must exit non-zero quickly: the process-group timeout is 10 minutes, the test allows 60 s."""
     out = tmp_path / "run"
-    opts = dict(loader=LOADER, batch_size=4, steps=50, fail_at_step=2, fail_rank=fail_rank,
-                pg_timeout_min=10)
+    opts = dict(loader=LOADER, batch_size=4, steps=50, pg_timeout_min=10)
+    script = [str(TESTS / "train_with_callbacks.py"), "--fail-at-step", "2", "--fail-rank", str(fail_rank), "--"]
     t0 = time.monotonic()
-    codes, outs = wait_all(launch(2, train_args(cache, out, **opts), REPO), 60)
+    codes, outs = wait_all(launch(2, train_args(cache, out, **opts), REPO, script=script), 60)
     elapsed = time.monotonic() - t0
     assert None not in codes, f"a rank hung: codes {codes}\n{outs}"
     assert codes[fail_rank] == 1 and codes[1 - fail_rank] != 0, codes
-    assert f"--fail-at-step 2 on rank {fail_rank}" in outs[fail_rank]
+    assert f"injected failure after step 2 on rank {fail_rank}" in outs[fail_rank]
     assert elapsed < 60
 
 
@@ -272,13 +297,13 @@ def test_elastic_resume_of_a_two_rank_checkpoint_on_one_rank(runs, tmp_path):
     """A 2 x 4 checkpoint resumed by 1 x 8 (same global batch): the loader continues from the same
     global position, so the last steps match the 2-rank run to float tolerance."""
     from train.config import from_dict
-    from train.loop import run
+    from train.trainer import run
 
     src = runs["2x4"]["out"]
     out = tmp_path / "elastic"
     threads = torch.get_num_threads()
     try:
-        code = run(from_dict({**common(Path(json.loads((src / "step-6" / "config.json").read_text())["cache"]), out),
+        code = run(from_dict({**common(Path(json.loads((src / "step-6" / "config.json").read_text())["data"]["cache"]), out),
                               "batch_size": 8, "resume": str(src / "step-6")}))
     finally:
         torch.set_num_threads(threads)

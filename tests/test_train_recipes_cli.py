@@ -18,8 +18,10 @@ import torch.nn.functional as F
 
 from test_train_support import PY, REPO, base_env, read_metrics
 from train.config import build_parser, from_dict, parse_args
-from train.loop import (GradNormWatch, HeldOut, held_out_mask, lr_at, make_optimizer, resolve_fields, run,
-                        set_lr, total_steps)
+from train.data import HeldOut, held_out_mask, resolve_fields, total_steps
+from train.metrics import GradNormWarning
+from train.optim import lr_at, make_optimizer, make_scheduler
+from train.trainer import Callbacks, run
 
 HIGGS = ("--model_path {lm} --audio_tokenizer_path {tok} --train_data_file {cache} --output_dir {out} "
          "--save_steps 5000 --disable_evaluation --per_device_train_batch_size 2 --learning_rate 5e-5 "
@@ -63,33 +65,33 @@ def _single_process(monkeypatch):
 
 # ---- the Higgs-Audio command line ------------------------------------------------------------------
 
-def test_higgs_command_line_maps_onto_our_options(tmp_path, monkeypatch):
-    """The multi-node launch line, as written (less `torchrun ... -m train`), from the repo root so
-    that configs/train.yaml (model: reference and its model_kwargs) is the file below the flags."""
-    monkeypatch.chdir(REPO)
+def test_higgs_command_line_maps_onto_our_options(tmp_path):
+    """The multi-node launch line, as written (less `torchrun ... -m train`), over configs/train.yaml
+    (model: reference and its model_kwargs: dropped, they belong to the file's model)."""
     cache = tmp_path / "cache"
     cache.mkdir()
     argv = HIGGS.format(lm="/ckpt/higgs-audio-v2", tok="/ckpt/higgs-audio-tokenizer", cache=cache,
                         out=tmp_path / "run").split()
-    cfg, _ = parse_args(argv)
-    assert cfg.model == "tts"                                   # --model_path without --model
-    assert cfg.model_kwargs == {"lm": "/ckpt/higgs-audio-v2"}   # the file's reference kwargs dropped
-    assert cfg.audio_tokenizer == "/ckpt/higgs-audio-tokenizer"
-    assert cfg.cache == str(cache) and cfg.out == str(tmp_path / "run")
-    assert cfg.ckpt_every == 5000 and cfg.validation is False
-    assert cfg.batch_size == 2 and cfg.lr == 5e-5 and cfg.epochs == 3.0
-    assert cfg.log_every == 50 and cfg.warmup_steps == 500
-    assert cfg.precision == "bf16" and cfg.lora is True
-    assert cfg.fields == ("auto",)
+    cfg, _ = parse_args(["--config", str(REPO / "configs" / "train.yaml"), *argv])
+    assert cfg.model.name == "tts"                              # --model_path without --model
+    assert cfg.model.kwargs == {"lm": "/ckpt/higgs-audio-v2"}   # the file's reference kwargs dropped
+    assert cfg.model.audio_tokenizer == "/ckpt/higgs-audio-tokenizer"
+    assert cfg.data.cache == str(cache) and cfg.job.dir == str(tmp_path / "run")
+    assert cfg.checkpoint.every == 5000 and cfg.eval.enabled is False
+    assert cfg.data.batch_size == 2 and cfg.optim.lr == 5e-5 and cfg.training.epochs == 3.0
+    assert cfg.metrics.every == 50 and cfg.schedule.warmup_steps == 500
+    assert cfg.training.precision == "bf16" and cfg.lora.enabled is True
+    assert cfg.data.fields == ("auto",)
+    assert cfg.schedule.min_lr_ratio == 0.1  # a ratio: 5e-5 decays to 5e-6, not to an absolute min_lr
     # --model wins over the tts default; --model-kwargs JSON and --model_path combine
     cfg, _ = parse_args(["--config", "none", "--model", "vlm", "--model_path", "/ckpt/lm",
                          "--model-kwargs", '{"freeze_lm": true}'])
-    assert cfg.model == "vlm" and cfg.model_kwargs == {"freeze_lm": True, "lm": "/ckpt/lm"}
+    assert cfg.model.name == "vlm" and cfg.model.kwargs == {"freeze_lm": True, "lm": "/ckpt/lm"}
     with pytest.raises(ValueError, match="reference model loads no LM"):
         parse_args(["--config", "none", "--model", "reference", "--model_path", "/ckpt/lm"])
     # our spellings are unchanged, and the aliases are documented in their own group
     cfg, _ = parse_args(["--config", "none", "--cache", str(cache), "--lr", "1e-4", "--no-validation"])
-    assert cfg.lr == 1e-4 and cfg.validation is False
+    assert cfg.optim.lr == 1e-4 and cfg.eval.enabled is False
     helptext = build_parser().format_help()
     assert "aliases (Higgs-Audio / HF Trainer spelling)" in helptext
     for flag in HIGGS.split():
@@ -105,7 +107,7 @@ def test_manifest_file_as_train_data_file_exits_2_with_the_precompute_command(tm
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
-    assert f"python -m precompute --manifest {manifest}" in r.stderr
+    assert f"shardcache precompute --manifest {manifest}" in r.stderr
     assert "configs/precompute-tts.yaml" in r.stderr and "--train_data_file DIR" in r.stderr
 
 
@@ -204,15 +206,18 @@ class TwoLR(nn.Module):
 
 def test_optimizer_groups_follow_the_schedule_factor():
     cfg = from_dict(dict(lr=2e-3, min_lr=2e-4, warmup_steps=4, steps=20, schedule="cosine"))
-    opt, _ = make_optimizer(TwoLR(), cfg, torch.device("cpu"))
-    assert [g["base_lr"] for g in opt.param_groups] == [2e-3, 2e-2]
+    opt = make_optimizer(TwoLR(), cfg, torch.device("cpu"))
+    sched = make_scheduler(opt, cfg, 20)
+    assert [g["initial_lr"] for g in opt.param_groups] == [2e-3, 2e-2]
     assert [g["name"] for g in opt.param_groups] == ["lm", "head"]
-    for step in (0, 2, 3, 4, 9, 15, 20, 30):
-        lr = set_lr(opt, step, cfg)
-        factor = lr_at(step, cfg) / cfg.lr
-        assert lr == lr_at(step, cfg)
+    for step in range(31):  # LambdaLR: the lr of optimizer step `step` after `step` scheduler steps
+        factor = lr_at(step, cfg) / cfg.optim.lr
         assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * factor, rel=1e-12)
         assert opt.param_groups[1]["lr"] == pytest.approx(2e-2 * factor, rel=1e-12)
+        opt.step()
+        sched.step()
+    assert sched.state_dict()["lr_lambdas"][0] == {"name": "cosine", "warmup": 4, "steps": 20,
+                                                   "min_ratio": pytest.approx(0.1), "power": 1.0}
     # a hook that leaves a trainable parameter out is refused
     bad = TwoLR()
     bad.optimizer_groups = lambda lr, wd: [{"params": list(bad.body.parameters())}]
@@ -228,13 +233,24 @@ def test_epochs_set_the_length():
 
 
 def test_grad_norm_warning():
-    from train import dist as D
-    watch = GradNormWatch(from_dict(dict(grad_norm_warn=1000.0)), D.DistInfo())
+    """Norms 5, 13000, NaN, 900, 16000 in windows of one step (log every step), then one window
+    of all five: a warning per window with a norm over the limit, naming the window's max."""
+    from train.metrics import StepStats
     with Captured() as cap:
+        watch = GradNormWarning(1000.0, 1.0, True)
         for step, norm in enumerate([5.0, 13000.0, float("nan"), 900.0, 16000.0], 1):
-            watch(step, norm)
+            st = StepStats(torch.device("cpu"))
+            st.add_step(torch.tensor(norm), torch.tensor(norm != norm), 1000.0)
+            rec, health = st.read(__import__("train.dist", fromlist=["D"]).DistInfo())
+            watch(step, step, rec["grad_norm_max"], health["over_warn"])
+        st = StepStats(torch.device("cpu"))
+        for norm in [5.0, 13000.0, float("nan"), 900.0, 16000.0]:
+            st.add_step(torch.tensor(norm), torch.tensor(norm != norm), 1000.0)
+        rec, health = st.read(__import__("train.dist", fromlist=["D"]).DistInfo())
+        watch(1, 5, rec["grad_norm_max"], health["over_warn"])
     warned = [m for m in cap.messages if "grad_norm_warn" in m]
-    assert len(warned) == 2 and warned[0].startswith("step 2: grad norm 1.3e+04")
+    assert len(warned) == 3 and warned[0].startswith("step 2: grad norm 1.3e+04")
+    assert warned[2].startswith("steps 1-5: grad norm 1.6e+04") and "2 step(s) over" in warned[2]
 
 
 # ---- the loop on an image-text cache (no codes, no audio) --------------------------------------------
@@ -283,21 +299,20 @@ def test_loop_on_an_image_text_cache_without_codes(image_cache, tmp_path):
     out = tmp_path / "run"
     cfg = from_dict(dict(cache=str(image_cache), out=str(out), model="test_train_recipes_cli:make_tiny",
                          batch_size=4, epochs=2, warmup_steps=2, lr=1e-2, min_lr=1e-3, val_fraction=0.2,
-                         ckpt_every=1000, progress=False, threads=1))
+                         ckpt_every=1000, progress=False, threads=1, log_every=1))
     assert resolve_fields(cfg, make_tiny(VOCAB, LATENT_C)) == ("input_ids", "labels", "latents")
     assert resolve_fields(cfg) is None  # a factory function declares nothing: every field of the cache
     lrs: list[tuple[float, float]] = []
     state = {}
 
-    def on_setup(ctx):
-        state["opt"] = ctx["optimizer"]
+    def on_setup(trainer):
+        state["opt"] = trainer.optimizer
 
-    def on_step(step, rec):
+    def on_micro_step(step, micro):  # before the optimizer step: the lr this step runs with
         lrs.append(tuple(g["lr"] for g in state["opt"].param_groups))
 
-    from train.loop import Callbacks
     with Captured() as cap:
-        assert run(cfg, Callbacks(on_setup=on_setup, on_step=on_step)) == 0
+        assert run(cfg, Callbacks(on_setup=on_setup, on_micro_step=on_micro_step)) == 0
     keys = sorted(read_index(image_cache).column("key").to_pylist())
     held = {k for k, m in zip(keys, held_out_mask(keys, 0.2)) if m}
     n_train = len(keys) - len(held)
@@ -312,14 +327,14 @@ def test_loop_on_an_image_text_cache_without_codes(image_cache, tmp_path):
     # both groups followed the schedule, 3x apart
     assert all(b == pytest.approx(3 * a, rel=1e-9) for a, b in lrs)
     n = len(recs)  # the schedule spans the epochs' steps: warmup, then cosine down to min_lr at step n
-    assert [a for a, _ in lrs] == [lr_at(s, from_dict(dict(lr=1e-2, min_lr=1e-3, warmup_steps=2, steps=n)))
-                                   for s in range(n)]
+    want = [lr_at(s, from_dict(dict(lr=1e-2, min_lr=1e-3, warmup_steps=2, steps=n))) for s in range(n)]
+    assert [a for a, _ in lrs] == pytest.approx(want, rel=1e-12)  # the lr each step ran with
     assert lrs[0][0] == pytest.approx(5e-3) and 1e-3 < lrs[-1][0] < 1.2e-3
     text = cap.text
     assert f"{len(held)} of {len(keys)} samples" in text and "% trainable" in text
     assert f"{len(recs)} steps = 2 epochs" in text
     st = torch.load(out / f"step-{len(recs)}" / "trainer.pt", weights_only=True)
-    assert st["config"]["steps"] == len(recs) and st["config"]["epochs"] == 2.0
+    assert st["lr_scheduler"]["lr_lambdas"][0]["steps"] == len(recs) and st["config"]["training"]["epochs"] == 2.0
 
 
 def test_disable_evaluation_holds_nothing_out(image_cache, tmp_path):
@@ -386,6 +401,6 @@ def test_higgs_command_trains_the_tts_recipe(tmp_path):
     assert "fields: ['input_ids', 'labels', 'codes', 'audio_segments']" in cap.text
     ck = out / "step-24"
     cfg = json.loads((ck / "config.json").read_text())
-    assert cfg["model"] == "tts" and cfg["lora"] and cfg["precision"] == "bf16" and cfg["steps"] == 24
+    assert cfg["model"]["name"] == "tts" and cfg["lora"]["enabled"] and cfg["training"]["precision"] == "bf16"
     groups = torch.load(ck / "optimizer.pt", weights_only=True)["param_groups"]
-    assert {g["name"] for g in groups} >= {"audio", "lm"} and all(g["base_lr"] == 5e-5 for g in groups)
+    assert {g["name"] for g in groups} >= {"audio", "lm"} and all(g["initial_lr"] == 5e-5 for g in groups)

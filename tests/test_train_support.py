@@ -1,10 +1,12 @@
-"""Helpers for the train tests (no tests here): a tiny synthetic cache, a fake loader, launchers.
+"""Helpers for the train tests (no tests here): a tiny cache in the real format, a plug-in loader, launchers.
 
-The cache is written with the real format code (``shards.ShardWriter`` + ``shards.merge_parts``).
-:class:`FakeLoader` has the ``loaders.ShardLoader`` API and the design's order (permutation of
-``(seed, epoch)``; global step ``s`` takes samples ``[s*G, (s+1)*G)`` with ``G = world x batch``;
-rank ``r`` takes every ``world``-th of them; state ``(epoch, cursor)``), so loop tests do not depend
-on ``loaders``. :class:`SlowLoader` wraps either loader and sleeps per batch (stop-request tests).
+The cache is written with the real format code (``shards.ShardWriter`` + ``shards.merge_parts``) and
+read by the real ``loaders.ShardLoader`` in the loop tests, so their batches have the real contract:
+``input_ids``/``labels``/``attention_mask``, ``codes`` padded with -100 and ``codes_mask``, compact
+int16 ``audio`` and float16 ``latents`` of two sizes (zero-padded per batch, ``latents_mask``).
+:class:`FakeLoader` is a ``--data.loader module:class`` plug-in with the ShardLoader API (its own
+order; batches from the real ``loaders.collate_fn``). :class:`SlowLoader` wraps ShardLoader and
+sleeps per batch (stop-request tests).
 """
 from __future__ import annotations
 
@@ -23,13 +25,15 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 PY = sys.executable
-N_CODEBOOKS, CODEBOOK_SIZE = 8, 1024
+N_CODEBOOKS, CODEBOOK_SIZE, VOCAB = 8, 1024, 259
 TINY_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 2, "patch_size": 2}
+REAL_LOADER = "loaders:ShardLoader"
 
 
 def make_cache(out: Path, n: int = 24, n_shards: int = 2, seed: int = 0, image_every: int = 3) -> Path:
-    """A cache of ``n`` samples in ``n_shards`` shards: codes int16 (8, F), text_ids int32, audio
-    int16, latents float16 (16, 1, 4, 4) on every ``image_every``-th sample."""
+    """A cache of ``n`` samples in ``n_shards`` shards, in the format stage one writes: input_ids and
+    labels int32 (labels -100 on the first half), codes int16 (8, F), audio int16, and on every
+    ``image_every``-th sample latents float16 (16, 1, H, W) with (H, W) alternating (4, 4) and (6, 4)."""
     from shards import ShardWriter, merge_parts, shard_name
 
     rng = np.random.default_rng(seed)
@@ -41,60 +45,43 @@ def make_cache(out: Path, n: int = 24, n_shards: int = 2, seed: int = 0, image_e
             frames = int(rng.integers(4, 16))
             sr = 24000
             n_audio = frames * 960
+            ids = rng.integers(3, VOCAB, size=int(rng.integers(2, 10))).astype(np.int32)
+            labels = ids.copy()
+            labels[: len(ids) // 2] = -100
             fields = {
                 "json": {"text": f"sample {i}", "speaker": f"spk{i % 3}", "sample_rate": sr,
                          "duration_s": n_audio / sr},
                 "codes.npy": rng.integers(0, CODEBOOK_SIZE, size=(N_CODEBOOKS, frames)).astype(np.int16),
-                "text_ids.npy": rng.integers(3, 259, size=int(rng.integers(2, 10))).astype(np.int32),
+                "input_ids.npy": ids, "labels.npy": labels,
                 "audio.npy": rng.integers(-3000, 3000, size=n_audio).astype(np.int16),
             }
             if image_every and i % image_every == 0:
-                fields["latents.npy"] = rng.normal(size=(16, 1, 4, 4)).astype(np.float16)
+                h = 4 if (i // image_every) % 2 == 0 else 6
+                fields["latents.npy"] = rng.normal(size=(16, 1, h, 4)).astype(np.float16)
             w.add(f"s{i:04d}", fields)
             i += 1
         w.commit()
     merge_parts(out, {"encoders": {"audio": {"n_codebooks": N_CODEBOOKS, "codebook_size": CODEBOOK_SIZE},
-                                   "text": {"vocab_size": 259}},
+                                   "text": {"vocab_size": VOCAB}},
+                      "text": {"vocab_size": VOCAB, "pad_id": 0},
                       "n_codebooks": N_CODEBOOKS, "codebook_size": CODEBOOK_SIZE,
-                      "text_vocab_size": 259, "latent_channels": 16})
+                      "text_vocab_size": VOCAB, "latent_channels": 16})
     return out
 
 
-def collate(samples: list[dict], fields) -> dict[str, Any]:
-    B = len(samples)
-    F = max(s["codes"].shape[1] for s in samples)
-    codes = torch.full((B, N_CODEBOOKS, F), -100, dtype=torch.long)
-    lengths = torch.zeros(B, dtype=torch.long)
-    for i, s in enumerate(samples):
-        f = s["codes"].shape[1]
-        codes[i, :, :f] = torch.from_numpy(s["codes"].astype(np.int64))
-        lengths[i] = f
-    batch = {"keys": [s["__key__"] for s in samples], "codes": codes, "codes_lengths": lengths,
-             "codes_mask": torch.arange(F)[None] < lengths[:, None]}
-    if "text_ids" in fields:
-        L = max(len(s["text_ids"]) for s in samples)
-        text = torch.zeros((B, L), dtype=torch.long)
-        tl = torch.zeros(B, dtype=torch.long)
-        for i, s in enumerate(samples):
-            text[i, :len(s["text_ids"])] = torch.from_numpy(s["text_ids"].astype(np.int64))
-            tl[i] = len(s["text_ids"])
-        batch.update(text_ids=text, text_lengths=tl, text_mask=torch.arange(L)[None] < tl[:, None])
-    if "latents" in fields:
-        lat = torch.zeros((B, 16, 1, 4, 4))
-        has = torch.zeros(B, dtype=torch.bool)
-        for i, s in enumerate(samples):
-            if "latents" in s:
-                lat[i] = torch.from_numpy(s["latents"].astype(np.float32))
-                has[i] = True
-        batch.update(latents=lat, has_image=has)
-    return batch
+def collate(samples: list[dict], fields=None, compact: bool = False) -> dict[str, Any]:
+    """The real collate (``loaders.collate_fn``) of ``shards.ShardReader.get`` samples."""
+    from loaders import collate_fn
+    return collate_fn(samples, fields, compact=compact)
 
 
 class FakeLoader:
-    """``loaders.ShardLoader`` API over ``shards.ShardReader`` (see the module docstring)."""
+    """A plug-in loader with the ``loaders.ShardLoader`` API over ``shards.ShardReader``: a
+    permutation of ``(seed, epoch)``; global step ``s`` takes samples ``[s*G, (s+1)*G)`` with
+    ``G = world x batch``; rank ``r`` takes every ``world``-th of them; state ``(epoch, cursor)``."""
 
     def __init__(self, cache_dir, batch_size, global_rank=0, world_size=1, seed=0, num_workers=0,
-                 fields=("codes", "text_ids", "latents"), delay: float = 0.0):
+                 fields=("codes", "input_ids", "labels", "latents"), delay: float = 0.0):
         from shards import ShardReader
 
         self.reader = ShardReader(cache_dir)
@@ -128,14 +115,11 @@ class FakeLoader:
 
 
 class SlowLoader:
-    """Wrap ``loaders:ShardLoader`` (or FakeLoader if ``fake``) and sleep ``delay`` s per batch."""
+    """Wrap ``loaders:ShardLoader`` and sleep ``delay`` s per batch."""
 
-    def __init__(self, cache_dir, batch_size, delay: float = 0.1, fake: bool = False, **kw):
-        if fake:
-            self.inner = FakeLoader(cache_dir, batch_size, **kw)
-        else:
-            from loaders import ShardLoader
-            self.inner = ShardLoader(cache_dir, batch_size=batch_size, **kw)
+    def __init__(self, cache_dir, batch_size, delay: float = 0.1, **kw):
+        from loaders import ShardLoader
+        self.inner = ShardLoader(cache_dir, batch_size=batch_size, **kw)
         self.delay = delay
 
     def __len__(self):
@@ -154,14 +138,6 @@ class SlowLoader:
 
     def load_state_dict(self, sd):
         self.inner.load_state_dict(sd)
-
-
-def have_real_loader() -> bool:
-    try:
-        from loaders import ShardLoader  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 # ---- launching ranks -----------------------------------------------------------------------------
@@ -196,10 +172,11 @@ def train_args(cache: Path, out: Path, **opts) -> list[str]:
     return args
 
 
-def launch(nprocs: int, args: list[str], cwd: Path, env: dict | None = None) -> list[subprocess.Popen]:
-    """Start ``python -m train ARGS`` once per rank with the torchrun environment variables
-    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and no launcher process in between,
-    so that what a test observes is the trainer's own behaviour."""
+def launch(nprocs: int, args: list[str], cwd: Path, env: dict | None = None,
+           script: list[str] | None = None) -> list[subprocess.Popen]:
+    """Start ``python -m train ARGS`` (or ``python SCRIPT... ARGS``) once per rank with the torchrun
+    environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and no launcher
+    process in between, so that what a test observes is the trainer's own behaviour."""
     port = free_port()
     procs = []
     for r in range(nprocs):
@@ -209,7 +186,7 @@ def launch(nprocs: int, args: list[str], cwd: Path, env: dict | None = None) -> 
         if nprocs == 1:
             for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                 e.pop(k, None)
-        procs.append(subprocess.Popen([PY, "-m", "train", *args], cwd=cwd, env=e,
+        procs.append(subprocess.Popen([PY, *(script or ["-m", "train"]), *args], cwd=cwd, env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

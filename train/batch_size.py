@@ -1,8 +1,8 @@
-"""Batch-size finder: ``python -m train.find_batch_size --cache DIR [train options]``.
+"""Batch-size finder: ``shardcache find-batch-size --cache DIR [train options]`` (``python -m train.find_batch_size``).
 
 Builds the configured model, optimizer and loader on one device (exactly as ``python -m train``
-does: ``--config``, ``--model``, ``--model-kwargs``, ``--precision``, ``--activation-checkpointing``,
-``--lora``, ``--compile``, ``--loader-kwargs``...) and times full training steps (forward, backward,
+does: ``--config``, ``--set``, ``--model.name``, ``--model.kwargs``, ``--training.precision``,
+``--model.activation-checkpointing``, ``--lora``, ``--model.compile``, ``--data.loader-kwargs``...) and times full training steps (forward, backward,
 gradient clipping, AdamW step) at batch sizes 1, 2, 4, ... (powers of two, then
 ``--max-batch-size`` itself). Each size runs ``--steps`` steps on real batches of the cache; the
 first is a warm-up (allocator, optimizer state, autotuning, compilation) and is left out of the
@@ -17,7 +17,7 @@ It prints one row per size (samples/s, median step time, peak memory) and a reco
 * on CPU, the size with the best samples/s (the peak RSS of a process cannot be reset between sizes,
   so memory says little there).
 
-The batch size is per rank and micro-step (``--batch-size`` of ``python -m train``): DDP adds
+The batch size is per rank and micro-step (``--data.batch-size`` of ``shardcache train``): DDP adds
 gradient buckets (about the size of the trainable parameters) on top; ``--grad-accum`` adds nothing.
 Run it on one device, without torchrun. ``--steps`` here means steps per batch size (not the
 training length); ``--json FILE`` also writes the result.
@@ -38,12 +38,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardcache import config as S
+from shardcache.config import ConfigError
+
 from . import dist as D
 from .config import TrainConfig, build_parser, config_from_namespace
-from .loop import (autocast_context, batch_stream, make_loader, prepare_model, setup_logging, split_output,
-                   to_device)
+from .data import batch_stream, make_loader, to_device
 from .metrics import peak_memory_mb
 from .models import data_spec
+from .optim import make_optimizer
+from .precision import Precision
+from .trainer import prepare_model, setup_logging, split_output
 
 log = logging.getLogger("train")
 
@@ -67,20 +72,26 @@ def is_oom(e: BaseException) -> bool:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
-               batch: dict[str, Any], amp, grad_clip: float) -> torch.Tensor:
-    """One optimizer step as in :mod:`train.loop` with ``grad_accum`` 1 and no DDP; returns the loss."""
-    with amp():
+               batch: dict[str, Any], precision: Precision, grad_clip: float) -> torch.Tensor:
+    """One optimizer step as in :meth:`train.trainer.Trainer.train_step` with ``grad_accum`` 1 and
+    no DDP (autocast, scaled backward under fp16, clipping, AdamW); returns the loss."""
+    with precision.autocast():
         loss, _ = split_output(model(batch))
-    loss.backward()
+    precision.backward(loss)
+    precision.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    optimizer.step()
+    if precision.scaler is not None:
+        precision.scaler.step(optimizer)
+        precision.scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
 
 
 def pick_device(cfg: TrainConfig) -> torch.device:
-    """``cfg.device`` for one process: cuda:LOCAL_RANK (0 without a launcher) or cpu."""
-    use_cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device.startswith("cuda")
+    """``cfg.dist.device`` for one process: cuda:LOCAL_RANK (0 without a launcher) or cpu."""
+    use_cuda = torch.cuda.is_available() if cfg.dist.device == "auto" else cfg.dist.device.startswith("cuda")
     if not use_cuda:
         return torch.device("cpu")
     dev = torch.device("cuda", D.env_ranks()[1])
@@ -128,24 +139,26 @@ def find_batch_size(cfg: TrainConfig, max_batch_size: int = 1024, steps: int = 3
     "capacity_mb" (CUDA: free memory at the start), "margin", "steps"}``. An ``oom`` row is the size
     that ran out of memory; a ``too_few_samples`` row the size the cache could not fill (not run).
     """
-    if not cfg.cache:
-        raise ValueError("--cache is required (a directory made by `python -m precompute`)")
+    if not cfg.data.cache:
+        raise ValueError("--cache is required (a directory made by `shardcache precompute`)")
     if steps < 1:
         raise ValueError("steps must be >= 1")
     if not 0 < margin <= 1:
         raise ValueError("margin must be in (0, 1]")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if cfg.dist.threads:
+        torch.set_num_threads(cfg.dist.threads)
     D.set_alloc_conf()
+    D.log_env_set()
     device = pick_device(cfg)
     info = D.DistInfo(device=device)
     capacity_mb = None
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         capacity_mb = free / 2**20
-    amp = autocast_context(cfg, device)
-    raw, optimizer, _ = prepare_model(cfg, data_spec(cfg.cache), device)
-    model: nn.Module = torch.compile(raw) if cfg.compile else raw
+    precision = Precision.of(cfg.training.precision, device)
+    raw = prepare_model(cfg, data_spec(cfg.data.cache), device)
+    optimizer = make_optimizer(raw, cfg, device)
+    model: nn.Module = torch.compile(raw) if cfg.model.compile else raw
     model.train()
     params = [p for p in raw.parameters() if p.requires_grad]
     sizes = candidate_sizes(max_batch_size, start)
@@ -157,7 +170,7 @@ def find_batch_size(cfg: TrainConfig, max_batch_size: int = 1024, steps: int = 3
                                "error": ""}
         results.append(row)
         try:
-            loader = make_loader(cfg, cfg.cache, bs, info)
+            loader = make_loader(cfg, cfg.data.cache, bs, info)
         except ValueError as e:  # ShardLoader: "an epoch has no step"
             if i == 0:
                 raise
@@ -166,7 +179,7 @@ def find_batch_size(cfg: TrainConfig, max_batch_size: int = 1024, steps: int = 3
             break
         if len(loader) == 0:
             if i == 0:
-                raise ValueError(f"{cfg.cache}: the loader yields no batch of {bs} sample(s)")
+                raise ValueError(f"{cfg.data.cache}: the loader yields no batch of {bs} sample(s)")
             row.update(status="too_few_samples", error=f"the loader yields no batch of {bs} samples")
             stopped = "too_few_samples"
             _close(loader)
@@ -183,7 +196,7 @@ def find_batch_size(cfg: TrainConfig, max_batch_size: int = 1024, steps: int = 3
                 cpu_batch = next(data)
                 _sync(device)
                 t0 = time.perf_counter()
-                train_step(model, optimizer, params, to_device(cpu_batch, device), amp, cfg.grad_clip)
+                train_step(model, optimizer, params, to_device(cpu_batch, device), precision, cfg.optim.grad_clip)
                 _sync(device)
                 times.append(time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - only an OOM is a result; anything else propagates
@@ -248,13 +261,13 @@ def format_table(res: dict[str, Any]) -> str:
 
 def build_finder_parser() -> argparse.ArgumentParser:
     p = build_parser(
-        prog="python -m train.find_batch_size", exclude=("steps",),
+        prog="shardcache find-batch-size", exclude=("training.steps",),
         description=(
             "Find the largest / fastest per-rank batch size for the configured model on one device.\n\n"
-            "  python -m train.find_batch_size --cache cache/demo --config configs/train.yaml\n"
-            "  python -m train.find_batch_size --cache /data/cache --max-batch-size 256 --margin 0.85\n\n"
-            "Takes every option of `python -m train` (defaults < --config FILE < flags), except that\n"
-            "--steps is the number of steps per batch size. Exit status 0, 2 for bad options."))
+            "  shardcache find-batch-size --cache cache/demo --config configs/train.yaml\n"
+            "  shardcache find-batch-size --cache /data/cache --max-batch-size 256 --margin 0.85\n\n"
+            "Takes every option of `shardcache train` (defaults < config file < --set < flags), except\n"
+            "that --steps is the number of steps per batch size. Exit status 0, 2 for bad options."))
     g = p.add_argument_group("batch-size finder")
     g.add_argument("--max-batch-size", dest="find_max_batch_size", type=int, default=1024, metavar="INT",
                    help="largest batch size tried (default: 1024).")
@@ -272,17 +285,22 @@ def build_finder_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_finder_parser()
-    ns = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = parser.parse_args(S.normalize_argv(parser, argv))
     try:
         cfg = config_from_namespace(ns)
+        problems = []
         if ns.find_max_batch_size < 1 or ns.find_start < 1 or ns.find_steps < 1:
-            raise ValueError("--max-batch-size, --start and --steps must be >= 1")
+            problems.append(("--max-batch-size/--start/--steps", "must be >= 1"))
         if not 0 < ns.find_margin <= 1:
-            raise ValueError("--margin must be in (0, 1]")
-        if not cfg.cache:
-            raise ValueError("--cache is required (a directory made by `python -m precompute`)")
-    except ValueError as e:
-        sys.stderr.write(f"python -m train.find_batch_size: error: {e}\n")
+            problems.append(("--margin", f"expected a number in (0, 1], got {ns.find_margin}"))
+        if not cfg.data.cache:
+            problems.append(("data.cache", "required (a directory made by `shardcache precompute`)"))
+        if problems:
+            raise ConfigError(problems)
+    except ConfigError as e:
+        for line in e.lines():
+            sys.stderr.write(f"shardcache find-batch-size: error: {line}\n")
         return 2
     if ns.print_config:
         sys.stdout.write(cfg.dump())

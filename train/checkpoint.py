@@ -1,29 +1,39 @@
 """Checkpoints: gather every rank's state, write atomically on global rank 0, keep the last K, resume.
 
-Layout of ``OUT/step-N/`` (N = optimizer steps completed)::
+Layout of ``RUN_DIR/step-N/`` (N = optimizer steps completed)::
 
-    model.safetensors   weights of the unwrapped model (no DDP/compile prefixes)
-    optimizer.pt        optimizer.state_dict()                     } torch.save of plain tensors and
-    trainer.pt          step, epoch, schedule, counters, config,    } containers, read back with
-                        loader state and RNG states of EVERY rank   } torch.load(weights_only=True)
+    model.safetensors   weights of the unwrapped model (no DDP/compile prefixes); or, with LoRA:
+    adapter.safetensors the trainable tensors only (LoRA adapters + a recipe's own media modules)
+    adapter.json        ... and the base model they belong to: its id and a fingerprint of its weights
+    optimizer.pt        optimizer.state_dict()                           } torch.save of plain tensors
+    trainer.pt          step, epoch, skipped steps, LR scheduler, grad    } and containers, read back
+                        scaler, config, loader + RNG states of EVERY rank } with weights_only=True
     config.json         the effective config (for people)
 
 Saving is a collective: every rank contributes its loader position and RNG states (torch, numpy,
 python, cuda) through ``all_gather_object``; rank 0 alone writes ``step-N.tmp/``, fsyncs each file
-and the directory, renames it to ``step-N/`` and fsyncs ``OUT``; only then are older checkpoints
-beyond ``keep`` (and stale ``*.tmp`` dirs) deleted. A directory named ``step-N`` is therefore
-always complete; a crash leaves at most a ``.tmp`` that nothing reads and the next save removes.
-All ranks wait at a barrier until rank 0 is done, so no rank can exit (and make a launcher kill
-rank 0) in the middle of a write.
+and the directory, renames it to ``step-N/`` and fsyncs the run dir; only then are older
+checkpoints beyond ``keep`` (and stale ``*.tmp`` dirs) deleted. A directory named ``step-N`` is
+therefore complete when written; a crash leaves at most a ``.tmp`` that nothing reads and the next
+save removes. All ranks wait at a barrier until rank 0 is done, so no rank can exit (and make a
+launcher kill rank 0) in the middle of a write.
+
+Files can still be damaged later (a disk, a copy cut short). ``--checkpoint.resume auto`` checks
+the newest checkpoint before using it (every safetensors header against the file size, every
+``.pt`` zip directory: :func:`check_readable`); a damaged one is named in a warning and the one
+before it is used.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +48,17 @@ from . import dist as D
 log = logging.getLogger("train")
 
 CKPT_RE = re.compile(r"^step-(\d+)$")
-REQUIRED = ("model.safetensors", "optimizer.pt", "trainer.pt")
-FORMAT = 1
+WEIGHTS, ADAPTER, ADAPTER_META = "model.safetensors", "adapter.safetensors", "adapter.json"
+REQUIRED = ("optimizer.pt", "trainer.pt")   #: plus WEIGHTS or ADAPTER
+FORMAT = 2  #: 2: lr_scheduler, scaler and LoRA adapter checkpoints (1 still loads)
+
+
+class CheckpointDamaged(RuntimeError):
+    """A checkpoint file cannot be read (truncated, not a safetensors / torch zip file)."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = Path(path), reason
+        super().__init__(f"{path}: {reason}")
 
 
 # ---- plain state -----------------------------------------------------------------------------------
@@ -91,6 +110,12 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def is_complete(p: Path) -> bool:
+    """A ``step-N`` directory with the trainer and optimizer state and weights (full or adapter)."""
+    return p.is_dir() and all((p / f).exists() for f in REQUIRED) and \
+        ((p / WEIGHTS).exists() or (p / ADAPTER).exists())
+
+
 def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints ``(step, path)`` in ``out_dir``, oldest first."""
     out = Path(out_dir)
@@ -99,7 +124,7 @@ def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     found = []
     for p in out.iterdir():
         m = CKPT_RE.match(p.name)
-        if m and p.is_dir() and all((p / f).exists() for f in REQUIRED):
+        if m and is_complete(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -109,17 +134,91 @@ def latest(out_dir: str | Path) -> Path | None:
     return ck[-1][1] if ck else None
 
 
-def resolve_resume(resume: str, out_dir: str | Path) -> Path | None:
-    """``''`` -> None; ``'auto'`` -> newest complete checkpoint or None; else that directory."""
+def _check_safetensors(path: Path) -> None:
+    """The header parses and the file holds every byte it promises (a truncated file fails)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointDamaged(path, f"{size} bytes: too short for a safetensors header")
+        n = struct.unpack("<Q", head)[0]
+        if n > size - 8:
+            raise CheckpointDamaged(path, f"header of {n} bytes in a file of {size} bytes (truncated?)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise CheckpointDamaged(path, f"unreadable safetensors header ({e})") from None
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise CheckpointDamaged(path, f"{size} bytes, expected {8 + n + end} from its header (truncated?)")
+
+
+def check_readable(path: str | Path) -> None:
+    """Raise :class:`CheckpointDamaged` naming the first file of checkpoint ``path`` that cannot be
+    read: a safetensors file whose size differs from its header's, a ``.pt`` whose zip directory is
+    missing (a truncated ``torch.save``). Cheap: no tensor is read."""
+    path = Path(path)
+    for name in (WEIGHTS, ADAPTER):
+        if (path / name).exists():
+            _check_safetensors(path / name)
+    for name in REQUIRED:
+        try:
+            with zipfile.ZipFile(path / name) as z:
+                if not any(n.endswith("data.pkl") for n in z.namelist()):
+                    raise CheckpointDamaged(path / name, "not a torch.save file (no data.pkl)")
+        except (zipfile.BadZipFile, OSError) as e:
+            raise CheckpointDamaged(path / name, f"unreadable ({e})") from None
+    if (path / ADAPTER).exists():
+        try:
+            json.loads((path / ADAPTER_META).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointDamaged(path / ADAPTER_META, f"unreadable ({e})") from None
+
+
+def resolve_resume(resume: str, out_dir: str | Path, info: D.DistInfo | None = None) -> Path | None:
+    """``''`` -> None; ``'auto'`` -> the newest complete, readable checkpoint in ``out_dir`` (damaged
+    newer ones are named in a warning and skipped), None when there is none; else that directory
+    (which must be complete and readable). Raises :class:`CheckpointDamaged` when ``auto`` finds
+    checkpoints but none readable, FileNotFoundError for a named directory that is not a checkpoint.
+    With a process group, global rank 0 decides and every rank gets its answer."""
     if not resume:
         return None
-    if resume == "auto":
-        return latest(out_dir)
-    p = Path(resume)
-    if not (p.is_dir() and all((p / f).exists() for f in REQUIRED)):
-        raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint directory "
-                                f"(needs {', '.join(REQUIRED)}); use --resume auto for the newest in --out")
-    return p
+    if info is not None and info.distributed:
+        mine = _resolve(resume, out_dir) if info.is_main else None  # (an error on rank 0 ends the job)
+        return _agree(mine, info)
+    return _resolve(resume, out_dir)
+
+
+def _agree(mine: Path | None, info: D.DistInfo) -> Path | None:
+    got = D.all_gather_object(None if mine is None else str(mine), info)[0]
+    return None if got is None else Path(got)
+
+
+def _resolve(resume: str, out_dir: str | Path) -> Path | None:
+    if resume != "auto":
+        p = Path(resume)
+        if not is_complete(p):
+            raise FileNotFoundError(f"--checkpoint.resume {resume}: not a complete checkpoint directory (needs "
+                                    f"{', '.join(REQUIRED)} and {WEIGHTS} or {ADAPTER}); use --resume auto for the "
+                                    "newest in the run dir")
+        check_readable(p)
+        return p
+    found = list_checkpoints(out_dir)
+    damaged = []
+    for _, p in reversed(found):
+        try:
+            check_readable(p)
+        except CheckpointDamaged as e:
+            damaged.append(e)
+            log.warning("checkpoint %s is damaged (%s: %s); trying the one before it", p, e.path.name, e.reason)
+            continue
+        if damaged:
+            log.warning("--resume auto: resuming from %s, not from the damaged %s", p,
+                        ", ".join(str(d.path.parent) for d in damaged))
+        return p
+    if damaged:
+        raise CheckpointDamaged(Path(out_dir), "every checkpoint is damaged: " + "; ".join(map(str, damaged)))
+    return None
 
 
 def _save_tensor_file(obj: Any, path: Path) -> None:
@@ -129,10 +228,40 @@ def _save_tensor_file(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _write_json(obj: Any, path: Path) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters by state-dict name (what a LoRA checkpoint holds)."""
+    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def base_fingerprint(model: nn.Module, samples: int = 4096) -> str:
+    """sha256 over the frozen parameters of ``model`` (those a LoRA checkpoint leaves out): each
+    one's name, dtype, shape and ``samples`` evenly spaced elements. Cheap for an 8 B model, and
+    any other base (other weights, another size or architecture) gives another fingerprint with
+    overwhelming probability."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda x: x[0]):
+        if p.requires_grad:
+            continue
+        flat = p.detach().reshape(-1)
+        idx = torch.linspace(0, max(flat.numel() - 1, 0), min(samples, flat.numel()), device=flat.device).long()
+        h.update(f"{name}|{p.dtype}|{tuple(p.shape)}|".encode())
+        h.update(flat[idx].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def write_dir(out_dir: Path, step: int, model: nn.Module, optimizer_state: dict, trainer_state: dict,
-              config: dict) -> Path:
-    """Write ``out_dir/step-N`` atomically (tmp dir, fsync, rename). Returns the final path."""
-    from safetensors.torch import save_model
+              config: dict, adapter: dict | None = None) -> Path:
+    """Write ``out_dir/step-N`` atomically (tmp dir, fsync, rename). ``adapter`` (the base's id and
+    fingerprint, LoRA options): write the trainable tensors only. Returns the final path."""
+    from safetensors.torch import save_file, save_model
 
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"step-{step}"
@@ -140,15 +269,17 @@ def write_dir(out_dir: Path, step: int, model: nn.Module, optimizer_state: dict,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"), metadata={"step": str(step), "format": str(FORMAT)})
-    _fsync_file(tmp / "model.safetensors")
+    meta = {"step": str(step), "format": str(FORMAT)}
+    if adapter is None:
+        save_model(model, str(tmp / WEIGHTS), metadata=meta)
+        _fsync_file(tmp / WEIGHTS)
+    else:
+        save_file(trainable_state(model), str(tmp / ADAPTER), metadata={**meta, "base": str(adapter["base"])})
+        _fsync_file(tmp / ADAPTER)
+        _write_json(adapter, tmp / ADAPTER_META)
     _save_tensor_file(optimizer_state, tmp / "optimizer.pt")
     _save_tensor_file(trainer_state, tmp / "trainer.pt")
-    with open(tmp / "config.json", "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _write_json(config, tmp / "config.json")
     fsync_dir(tmp)
     old = None
     if final.exists():  # same step saved again (e.g. a resumed run stopped at once): swap it out
@@ -179,22 +310,26 @@ def prune(out_dir: Path, keep: int) -> list[Path]:
 
 # ---- the collective save / load ------------------------------------------------------------------
 
-def save(out_dir: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-         loader: Any, info: D.DistInfo, config: dict, keep: int, extra: dict | None = None) -> Path | None:
+def save(out_dir: str | Path, step: int, *, model: nn.Module, state: dict[str, Any], loader: Any,
+         info: D.DistInfo, config: dict, keep: int, adapter: dict | None = None) -> Path | None:
     """Collective: gather loader + RNG states of every rank, rank 0 writes ``step-N``, all wait.
 
-    ``model`` is the unwrapped model (not DDP, not compiled). Returns the path on rank 0.
+    ``model`` is the unwrapped model (not DDP, not compiled); ``state``: ``optimizer`` (its
+    state_dict) and the trainer's own stateful parts (``lr_scheduler``, ``scaler``, ``train_state``:
+    plain values), the same on every rank; ``adapter``: see :func:`write_dir`. Returns the path on
+    rank 0, None elsewhere.
     """
     local = {"loader": to_plain(loader.state_dict()), "rng": rng_state(info.device)}
     states = D.all_gather_object(local, info)
     path = None
     if info.is_main:
+        rest = {k: v for k, v in state.items() if k != "optimizer"}
         trainer_state = to_plain({
             "format": FORMAT, "step": step, "world_size": info.world_size,
             "loaders": [s["loader"] for s in states], "rng": [s["rng"] for s in states],
-            "config": config, **(extra or {}),
+            "config": config, **rest,
         })
-        path = write_dir(Path(out_dir), step, model, to_plain(optimizer.state_dict()), trainer_state, config)
+        path = write_dir(Path(out_dir), step, model, to_plain(state["optimizer"]), trainer_state, config, adapter)
         prune(Path(out_dir), keep)
         log.info("saved checkpoint %s", path)
     D.barrier(info)
@@ -207,39 +342,76 @@ def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> Non
 
     p = Path(path)
     if p.is_dir():
-        p = p / "model.safetensors"
+        p = p / WEIGHTS
     missing, unexpected = load_model(model, str(p), strict=strict)
     if missing or unexpected:
         log.warning("loaded %s with missing=%s unexpected=%s", p, missing[:8], unexpected[:8])
 
 
-def load(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
-         info: D.DistInfo) -> dict[str, Any]:
-    """Restore weights, optimizer, this rank's loader position and RNG; return the trainer state.
+def is_adapter(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint directory holding a LoRA adapter (not full weights)."""
+    p = Path(path)
+    return p.is_dir() and (p / ADAPTER).exists() and not (p / WEIGHTS).exists()
 
-    The optimizer's per-group ``base_lr`` (the lr before the schedule) stays as this run configured
-    it, so a resumed run with another ``--lr`` uses the new one, as it did before groups had their own.
 
-    With the same world size each rank takes its own saved state. With another world size (same
-    global batch) every rank gives the loader rank 0's state (the position is global: the loader
-    maps it onto the new split) and reseeds its RNGs from (seed, step, rank).
+def load_adapter(model: nn.Module, path: str | Path) -> dict:
+    """Load an adapter checkpoint onto ``model`` (LoRA already applied, base weights loaded): every
+    saved tensor must name a parameter of ``model`` and every trainable parameter must be saved.
+    Raises ValueError when the base's fingerprint differs from the one the adapter was trained on
+    (naming both bases). Returns ``adapter.json``."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    meta = json.loads((p / ADAPTER_META).read_text())
+    mine = base_fingerprint(model)
+    if meta.get("base_fingerprint") and meta["base_fingerprint"] != mine:
+        raise ValueError(f"{p}: this adapter was trained on the base {meta.get('base')!r} (weights fingerprint "
+                         f"{meta['base_fingerprint'][:16]}...), this run's base has fingerprint {mine[:16]}...: "
+                         "refusing to load it onto another base model (model.kwargs.lm / init_from / seed)")
+    tensors = load_file(str(p / ADAPTER))
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(params))
+    missing = sorted(n for n, q in params.items() if q.requires_grad and n not in tensors)
+    if unknown or missing:
+        raise ValueError(f"{p / ADAPTER} does not fit this model (LoRA options {meta.get('lora')}): "
+                         f"unknown tensors {unknown[:5]}, trainable parameters not in it {missing[:5]}")
+    with torch.no_grad():
+        for n, t in tensors.items():
+            params[n].copy_(t)
+    return meta
+
+
+def load_model(model: nn.Module, path: str | Path) -> None:
+    """The weights of checkpoint ``path`` into ``model``: full (``model.safetensors``, strict) or a
+    LoRA adapter (:func:`load_adapter`)."""
+    if is_adapter(path):
+        load_adapter(model, path)
+    else:
+        load_weights(model, path, strict=True)
+
+
+def read_state(path: str | Path, info: D.DistInfo) -> dict[str, Any]:
+    """The optimizer and trainer state of checkpoint ``path`` for this rank, and its RNG restored.
+
+    Returns ``trainer.pt``'s contents with ``optimizer`` (the optimizer state_dict) and ``loader``
+    (this rank's position) added. With the same world size each rank takes its own saved loader and
+    RNG state; with another world size (same global batch) every rank gives the loader rank 0's
+    state (the position is global: the loader maps it onto the new split) and reseeds its RNGs
+    from (seed, step, rank).
     """
     path = Path(path)
-    load_weights(model, path, strict=True)
-    base_lrs = [g.get("base_lr") for g in optimizer.param_groups]
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-    for g, base in zip(optimizer.param_groups, base_lrs):  # the lrs are this run's config, as before
-        if base is not None:
-            g["base_lr"] = base
     st = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+    st["optimizer"] = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     same_world = st["world_size"] == info.world_size
-    loader.load_state_dict(st["loaders"][info.rank if same_world else 0])
+    st["loader"] = st["loaders"][info.rank if same_world else 0]
     if same_world:
         set_rng_state(st["rng"][info.rank], info.device)
     else:
         log.warning("checkpoint written by %d ranks, resuming on %d: data position kept, RNG reseeded",
                     st["world_size"], info.world_size)
-        seed = int(st.get("config", {}).get("seed", 0)) * 1_000_003 + int(st["step"]) * 101 + info.rank
+        config = st.get("config", {})
+        seed = int((config.get("data") or {}).get("seed", config.get("seed", 0)))
+        seed = seed * 1_000_003 + int(st["step"]) * 101 + info.rank
         torch.manual_seed(seed)
         np.random.seed(seed % 2**32)
         random.seed(seed)

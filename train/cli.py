@@ -1,31 +1,49 @@
-"""``python -m train`` / ``torchrun --nproc_per_node=N -m train`` / ``shardcache-train``.
+"""``shardcache train`` / ``python -m train`` / ``torchrun --nproc_per_node=N -m shardcache train``.
 
-Exit status: 0 when the run reached ``--steps``; ``--requeue-exit-code`` (default 3) after a stop
-request (SIGUSR1/SIGTERM, the stop file or ``--stop-at-step``), with a checkpoint saved at the step
-every rank agreed on; 1 when any rank failed (the failing rank exits at once; see
-:func:`train.dist.abort_on_exception`); 2 for bad options.
+Exit status: 0 when the run reached its steps; ``--job.requeue-exit-code`` (default 3) after a stop
+request (SIGUSR1/SIGTERM, the stop file or ``--job.stop-at-step``), with a checkpoint saved at the
+step every rank agreed on; 1 when any rank failed (the failing rank exits at once; see
+:func:`train.dist.abort_on_exception`), including a run stopped by ``training.nonfinite_limit``;
+2 for bad options (each named).
 """
 from __future__ import annotations
 
 import sys
 
+PROG = "python -m train"
 
-def main(argv: list[str] | None = None) -> int:
+
+def main(argv: list[str] | None = None, callbacks=None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run; ``callbacks`` (a
+    :class:`train.trainer.Callbacks`) are for tests and extensions that launch through this entry
+    point (e.g. fault injection under torchrun)."""
+    from shardcache.config import ConfigError
+
     from .config import parse_args
 
     try:
         cfg, ns = parse_args(argv)
-    except ValueError as e:
-        sys.stderr.write(f"python -m train: error: {e}\n")
+    except ConfigError as e:
+        for line in e.lines():
+            sys.stderr.write(f"{PROG}: error: {line}\n")
         return 2
     if ns.print_config:
         sys.stdout.write(cfg.dump())
         return 0
     from . import dist as D  # torch is imported only now: --help and --print-config stay fast
-    from .loop import run
+    from .metrics import NonFiniteError
+    from .trainer import run
 
+    if D.env_ranks()[0] == 0:
+        sys.stderr.write(f"{PROG}: config file: {ns.config_file or 'none'} ({ns.config_source})\n")
     try:
-        return run(cfg)
+        return run(cfg, callbacks)
+    except NonFiniteError as e:  # every rank sees the same counters and stops at the same step
+        sys.stderr.write(f"[rank {D.env_ranks()[0]}] {PROG}: error: {e}\n")
+        sys.stderr.flush()
+        if D.env_ranks()[2] > 1:
+            D.abort_on_exception(None, e)
+        return 1
     except BaseException as e:  # noqa: BLE001 - every failure must end this rank now
         if isinstance(e, SystemExit) and not D.env_ranks()[2] > 1:
             raise

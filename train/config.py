@@ -1,349 +1,495 @@
-"""Stage-two configuration: one dataclass, documented defaults, YAML file, every field a CLI flag.
+"""Stage-two configuration: :class:`TrainConfig`, nested sections with a docstring per option.
 
-Precedence: dataclass defaults < ``--config FILE`` (YAML, default ``configs/train.yaml`` when it
-exists) < command-line flags. Every field ``foo_bar`` is the flag ``--foo-bar``; booleans also get
-``--no-foo-bar``; dict fields take JSON and update the
-value from the file (``--model-kwargs '{"d_model": 128}'``), tuple fields a
-comma-separated list. The effective config is printed at start (global rank 0) and stored in every
-checkpoint (``config.json`` and inside ``trainer.pt``).
+Read through :mod:`shardcache.config` (the mechanism precompute uses too): dataclass defaults <
+config file (YAML; ``--config FILE``, else ``$SHARDCACHE_TRAIN_CONFIG``, else none) < ``--set
+section.option=value`` < flags (``--optim.lr 3e-4``). Files may be nested (``optim: {lr: 3e-4}``)
+or flat with the option names used before sections existed (``lr: 3e-4``, :data:`LEGACY`); every
+old flag (``--lr``, ``--batch-size``, ``--cache``, ``--out``, ``--model-kwargs JSON``,
+``--no-progress``...) is an alias of its option. The effective config is logged at start (global
+rank 0) and stored in every checkpoint (``config.json`` and ``trainer.pt``).
 
 The Higgs-Audio / HF Trainer spellings (``--train_data_file``, ``--learning_rate``, ``--bf16``...,
-:data:`ALIASES`) are accepted as aliases of these options, so the Higgs-Audio launch line works as
-written. ``--model_path P`` sets ``model_kwargs.lm = P`` and ``--model tts`` unless ``--model`` is
-given. A ``--model`` on the command line that differs from the file's drops the file's
-``model_kwargs`` (they belong to the file's model).
+:data:`HIGGS_ALIASES`) are accepted too, so the Higgs-Audio launch line works as written.
+``--model_path P`` sets ``model.kwargs.lm = P`` and ``--model tts`` unless a model is given. A
+model named on the command line that differs from the file's drops the file's ``model.kwargs``
+(they belong to the file's model).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from shardcache import config as S
+from shardcache.config import ConfigError, option, section
 
-DEFAULT_CONFIG_FILE = "configs/train.yaml"
+#: environment variable naming the config file when no --config is given
+CONFIG_ENV = "SHARDCACHE_TRAIN_CONFIG"
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+SCHEDULES = ("constant", "linear", "cosine", "polynomial")
 
 
-def _f(default: Any, help: str, **kw) -> Any:
-    """A dataclass field with a help string (shown by ``--help``)."""
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+@dataclass
+class DataConfig:
+    """What is read: the cache, the fields, batches per rank, loader workers."""
+
+    cache: str = ""
+    """Training cache directory (made by `shardcache precompute`). Required."""
+    val_cache: str = ""
+    """Validation cache directory; empty = validate on the keys of --data.cache held out by --data.val-fraction."""
+    val_fraction: float = option(0.02, ge=0.0, le=0.5)
+    """Without --data.val-cache: the fraction of the cache's keys held out of training for validation, chosen by
+    sha256(key) (the same keys for every run, seed and world size); at least 1 key when the cache has >= 20
+    samples, none below; 0 = nothing held out. At most 0.5."""
+    fields: tuple = ("auto",)
+    """Cached fields the loader collates: auto = the model's `fields` attribute (recipes declare theirs), else
+    every field the cache holds; all = every field the cache holds; or a list: input_ids,labels,codes."""
+    batch_size: int = option(8, gt=0)
+    """Samples per rank per micro-step. Global batch = batch_size x world size x training.grad_accum."""
+    num_workers: int | str = option("auto", choices=("auto",), ge=0)
+    """DataLoader worker processes per rank. auto: on CUDA the loader's default (this rank's share of the CPU
+    cores - 1, 1 to 8: loaders.loader.default_num_workers); on CPU 0 (worker processes compete with the
+    training threads: 0.03-0.05 x `cat` with workers vs 0.20 without on 2 cores, README)."""
+    loader: str = "loaders:ShardLoader"
+    """module:class of the loader (the ShardLoader API)."""
+    loader_kwargs: dict = option({}, merge=True)
+    """Extra keyword arguments for the loader (a mapping; a flag or --set updates the file's)."""
+    compact_batches: bool = True
+    """Ask the loader for int16 audio and float16 latents as stored and widen them to float32 on the training
+    device: half the host copies and host-to-device bytes (loaders that accept compact=)."""
+    seed: int = option(0, ge=0)
+    """Seed of the data order and of the model init; rank r seeds its own RNGs with seed + r."""
+
+
+@dataclass
+class ModelConfig:
+    """What is trained."""
+
+    name: str = "reference"
+    """'reference', a recipe (tts | vlm: train.recipes) or module:factory returning an nn.Module whose
+    forward(batch) returns a loss tensor or a dict with 'loss'."""
+    kwargs: dict = option({}, merge=True)
+    """Keyword arguments of the model factory (a mapping, JSON on the command line; a flag updates the
+    file's). Reference model: d_model, n_layers, n_heads, mlp_ratio, dropout, patch_size, max_positions;
+    recipes: lm (checkpoint dir or hub id), freeze_lm, dtype..."""
+    audio_tokenizer: str = ""
+    """The audio tokenizer (path or hub id) the cache's codes should come from: compared with manifest.json
+    (config.audio_tokenizer.pretrained), a mismatch warns. Never loaded: the codes are cached."""
+    latent_loss: str = option("none", choices=("none", "cosine", "mse"))
+    """Reference model: latent-regression head (next image patch)."""
+    latent_loss_weight: float = option(1.0, ge=0.0)
+    """Weight of the latent-regression loss."""
+    init_from: str = ""
+    """Initialise weights from a checkpoint (a step-N dir with model.safetensors or a LoRA adapter, or a
+    .safetensors file); not a resume (optimizer, schedule and data start fresh)."""
+    activation_checkpointing: bool = False
+    """Recompute transformer blocks in backward (torch.utils.checkpoint, use_reentrant=False)."""
+    compile: bool = False
+    """torch.compile the model (before the DDP wrap)."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft): only they (and a recipe's own media modules) train and are checkpointed."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights; checkpoints then hold the trainable tensors only."""
+    r: int = option(8, gt=0)
+    """LoRA rank."""
+    alpha: int = option(16, gt=0)
+    """LoRA alpha (scale alpha / r)."""
+    dropout: float = option(0.0, ge=0.0, le=1.0)
+    """LoRA dropout."""
+    targets: tuple = ("qkv", "proj", "fc1", "fc2")
+    """Module-name suffixes that get adapters (this default: the reference model's; recipes use their own
+    q/k/v/o_proj unless others are given)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and gradient clipping."""
+
+    lr: float = option(3e-4, ge=0.0)
+    """Peak learning rate (a model's own optimizer groups may scale it: the VLM's projection_lr)."""
+    weight_decay: float = option(0.1, ge=0.0)
+    """AdamW weight decay on matrices and embeddings (dim >= 2); biases and norms exempt."""
+    beta1: float = option(0.9, ge=0.0, le=1.0)
+    """AdamW beta1."""
+    beta2: float = option(0.95, ge=0.0, le=1.0)
+    """AdamW beta2."""
+    eps: float = option(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    fused: str = option("auto", choices=("auto", "on", "off"))
+    """Fused AdamW: auto (if this torch/device supports it) | on | off. Fused also skips a non-finite step on
+    the device (no host sync)."""
+    grad_clip: float = option(1.0, ge=0.0)
+    """Max global grad norm; 0 = no clipping (the norm is still logged). A non-finite norm skips the step."""
+    grad_norm_warn: float = option(1000.0, ge=0.0)
+    """Warn (global rank 0, on log steps) when the pre-clip grad norm exceeded this since the last log;
+    expected O(1-100); 0 = never."""
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning-rate schedule: a torch LambdaLR (its state is in every checkpoint)."""
+
+    name: str = option("cosine", choices=SCHEDULES)
+    """After warmup, from lr down to min_lr_ratio x lr at the last step: constant | linear | cosine |
+    polynomial (1 - progress) ** power."""
+    warmup_steps: int = option(100, ge=0)
+    """Linear warmup steps (lr x (step + 1) / warmup_steps)."""
+    min_lr_ratio: float = option(0.1, ge=0.0, le=1.0)
+    """Final lr as a fraction of each group's lr (groups with their own lr keep their ratio)."""
+    power: float = option(1.0, gt=0.0)
+    """Exponent of the polynomial schedule (1 = linear)."""
+    min_lr: float | None = option(None, ge=0.0)
+    """Deprecated (configs before min_lr_ratio): an absolute final lr, converted to min_lr_ratio = min_lr / lr
+    once every layer of the config is read."""
+
+
+@dataclass
+class TrainingConfig:
+    """Length, accumulation, precision, failure limits."""
+
+    steps: int = option(1000, ge=0)
+    """Optimizer steps in total (the schedule spans them); ignored when --training.epochs > 0."""
+    epochs: float = option(0.0, ge=0.0)
+    """Train this many epochs (may be fractional): steps = ceil(epochs x steps_per_epoch), steps_per_epoch =
+    loader batches per epoch // grad_accum; 0 = use --training.steps."""
+    grad_accum: int = option(1, gt=0)
+    """Micro-steps per optimizer step; gradients are all-reduced on the last only (no_sync)."""
+    precision: str = option("auto", choices=PRECISIONS)
+    """auto: on CUDA bf16 where the GPU supports it, else fp16 with a GradScaler; fp32 on CPU. bf16 | fp16
+    (autocast; fp16 with torch.amp.GradScaler, also on CPU where this torch supports it) | fp32."""
+    nonfinite_limit: int = option(20, ge=0)
+    """Stop the run (exit 1, no checkpoint for it) after this many consecutive non-finite steps (skipped
+    optimizer steps); checked on log and checkpoint steps; 0 = never."""
+
+
+@dataclass
+class DistConfig:
+    """Devices, process group, DDP."""
+
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK if available, else cpu) | cpu | cuda."""
+    backend: str = option("auto", choices=("auto", "nccl", "gloo"))
+    """Process-group backend: auto (nccl on CUDA, gloo on CPU)."""
+    pg_timeout_min: float = option(30.0, gt=0.0)
+    """Process-group timeout in minutes (a hung collective fails after it)."""
+    bucket_cap_mb: int = option(25, gt=0)
+    """DDP gradient bucket size in MiB."""
+    find_unused_parameters: bool = False
+    """DDP find_unused_parameters (plug-in models with unused branches)."""
+    threads: int = option(0, ge=0)
+    """torch intra-op threads per process; 0 = leave as is (torchrun sets OMP_NUM_THREADS=1)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Atomic step-N checkpoints in the run directory."""
+
+    every: int = option(500, gt=0)
+    """Save a checkpoint every N steps (and at the end, and on a stop request)."""
+    keep: int = option(3, gt=0)
+    """Complete checkpoints kept (older ones are deleted after a new one is complete)."""
+    resume: str = ""
+    """'' = start fresh; 'auto' = the newest readable checkpoint in the run dir if any (a damaged newest one is
+    named in a warning and the one before it used); or a step-N dir."""
+
+
+@dataclass
+class JobConfig:
+    """The run directory, stop requests, requeue."""
+
+    dir: str = "runs/train"
+    """Run directory: checkpoints step-N/, metrics.jsonl, profile/, REQUEUE."""
+    stop_file: str = ""
+    """A stop is requested when this file exists; '' = RUN_DIR/STOP. Consumed after the stop checkpoint."""
+    stop_at_step: int = option(0, ge=0)
+    """Request a stop after this step (as if SIGUSR1 arrived); 0 = never."""
+    requeue_exit_code: int = option(3, ge=0, le=255)
+    """Exit status after a stop request (checkpoint saved; the job should be requeued)."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out validation, on every rank."""
+
+    enabled: bool = True
+    """Validate during training (on --data.val-cache, else on the keys held out by --data.val-fraction);
+    false (--no-validation, --disable_evaluation): never, and nothing is held out."""
+    every: int = option(0, ge=0)
+    """Validate every N steps and at the end; 0 = at each checkpoint and at the end."""
+    batches: int = option(0, ge=0)
+    """Batches per rank per validation; 0 = the whole validation epoch."""
+    batch_size: int = option(0, ge=0)
+    """Samples per rank per validation batch; 0 = --data.batch-size."""
+
+
+@dataclass
+class MetricsConfig:
+    """metrics.jsonl (and TensorBoard) on global rank 0."""
+
+    every: int = option(10, gt=0)
+    """Write a metrics record every N steps. Only these steps read values back from the device (one host
+    sync); the steps between run without waiting for the GPU."""
+    tensorboard: bool = False
+    """Also log to RUN_DIR/tb (needs the tensorboard package)."""
+    progress: bool = True
+    """tqdm progress bar on global rank 0."""
+    throughput_warn: float = option(0.5, ge=0.0)
+    """Warn when samples/s falls below this fraction of its running average."""
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler over the first steps: a trace and RUN_DIR/profile/report.md."""
+
+    enabled: bool = False
+    """Profile the steps of the schedule below (global rank 0): Chrome trace, top ops and the time in data
+    wait / forward / backward / optimizer / communication in RUN_DIR/profile/report.md."""
+    wait: int = option(1, ge=0)
+    """Profiler schedule: steps skipped."""
+    warmup: int = option(1, ge=0)
+    """Profiler schedule: warmup steps."""
+    active: int = option(3, gt=0)
+    """Profiler schedule: recorded steps."""
 
 
 @dataclass
 class TrainConfig:
-    """Every option of ``python -m train`` (see ``configs/train.yaml``)."""
+    """Every option of ``shardcache train`` / ``python -m train`` (see ``configs/train.yaml``)."""
 
-    # ---- data ------------------------------------------------------------------------------------
-    cache: str = _f("", "training cache directory (made by `python -m precompute`). Required.")
-    val_cache: str = _f("", "validation cache directory; empty = validate on the keys of --cache held out "
-                        "by --val-fraction.")
-    val_fraction: float = _f(0.02, "without --val-cache: the fraction of --cache's keys held out of training "
-                             "for validation, chosen by sha256(key) (the same keys for every run, seed and "
-                             "world size; a key's membership does not depend on the other keys); at least 1 "
-                             "key when the cache has >= 20 samples, none below; 0 = nothing held out, no "
-                             "validation. At most 0.5.")
-    fields: tuple = _f(("auto",), "cached fields the loader collates: auto = the model's `fields` attribute "
-                       "(recipes declare theirs), else every field the cache holds; all = every field the "
-                       "cache holds; or a list, e.g. input_ids,labels,codes,audio_segments.")
-    batch_size: int = _f(8, "samples per rank per micro-step. Global batch = batch_size x world x grad_accum.")
-    eval_batch_size: int = _f(0, "samples per rank per validation batch; 0 = --batch-size.")
-    num_workers: int = _f(0, "DataLoader worker processes per rank (0 = load in the training process).")
-    loader: str = _f("loaders:ShardLoader", "module:class of the loader (ShardLoader API).")
-    loader_kwargs: dict = _f({}, "extra keyword arguments for the loader (JSON).")
-    compact_batches: bool = _f(True, "ask the loader for int16 audio and float16 latents as stored and convert "
-                                     "them to float32 on the training device: half the host copies and "
-                                     "host-to-device bytes (only for loaders that accept compact=).")
-    seed: int = _f(0, "seed of the data order and of model init; rank r seeds its own RNGs with seed+r.")
-
-    # ---- model -----------------------------------------------------------------------------------
-    model: str = _f("reference", "'reference', a recipe (tts | vlm: train.recipes) or module:factory returning "
-                    "an nn.Module whose forward(batch) returns a loss tensor or a dict with 'loss'.")
-    audio_tokenizer: str = _f("", "the audio tokenizer (path or hub id) the cache's codes should come from: "
-                              "logged and compared with manifest.json (config.audio_tokenizer.pretrained), "
-                              "a mismatch warns. Never loaded: the codes are cached.")
-    model_kwargs: dict = _f({}, "keyword arguments for the model factory (JSON); for the reference "
-                            "model: d_model, n_layers, n_heads, mlp_ratio, dropout, patch_size, max_positions.")
-    latent_loss: str = _f("none", "reference model latent-regression head: none | cosine | mse.")
-    latent_loss_weight: float = _f(1.0, "weight of the latent-regression loss.")
-    init_from: str = _f("", "checkpoint dir or .safetensors file to initialise weights from (not a resume).")
-    activation_checkpointing: bool = _f(False, "recompute transformer blocks in backward (use_reentrant=False).")
-    compile: bool = _f(False, "torch.compile the model (before the DDP wrap).")
-    lora: bool = _f(False, "train LoRA adapters (peft) instead of all weights.")
-    lora_r: int = _f(8, "LoRA rank.")
-    lora_alpha: int = _f(16, "LoRA alpha.")
-    lora_dropout: float = _f(0.0, "LoRA dropout.")
-    lora_targets: tuple = _f(("qkv", "proj", "fc1", "fc2"), "module names that get LoRA adapters.")
-
-    # ---- optimisation ----------------------------------------------------------------------------
-    steps: int = _f(1000, "optimizer steps in total (the schedule spans them); ignored when --epochs > 0.")
-    epochs: float = _f(0.0, "train for this many epochs (may be fractional): steps = ceil(epochs x "
-                       "steps_per_epoch), steps_per_epoch = loader batches per epoch // grad_accum; "
-                       "0 = use --steps.")
-    grad_accum: int = _f(1, "micro-steps per optimizer step; gradients are all-reduced on the last only.")
-    lr: float = _f(3e-4, "peak learning rate.")
-    min_lr: float = _f(3e-5, "final learning rate of the cosine/linear decay.")
-    warmup_steps: int = _f(100, "linear warmup steps (from lr/warmup to lr).")
-    schedule: str = _f("cosine", "cosine | linear | constant (after warmup).")
-    weight_decay: float = _f(0.1, "AdamW weight decay on matrices and embeddings (dim >= 2); biases and norms exempt.")
-    beta1: float = _f(0.9, "AdamW beta1.")
-    beta2: float = _f(0.95, "AdamW beta2.")
-    eps: float = _f(1e-8, "AdamW epsilon.")
-    fused: str = _f("auto", "fused AdamW: auto (if this torch/device supports it) | on | off.")
-    grad_clip: float = _f(1.0, "max global grad norm; 0 = no clipping (the norm is still logged). "
-                          "A non-finite norm skips the step.")
-    grad_norm_warn: float = _f(1000.0, "warn (global rank 0) when the pre-clip grad norm exceeds this "
-                               "(first 3 times, then every 100th); expected O(1-100); 0 = never.")
-    precision: str = _f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 (also on CPU) | fp32.")
-
-    # ---- parallelism / runtime -------------------------------------------------------------------
-    device: str = _f("auto", "auto (cuda:LOCAL_RANK if available, else cpu) | cpu | cuda.")
-    backend: str = _f("auto", "process-group backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo.")
-    pg_timeout_min: float = _f(30.0, "process-group timeout in minutes (a hung collective fails after it).")
-    bucket_cap_mb: int = _f(25, "DDP gradient bucket size.")
-    find_unused_parameters: bool = _f(False, "DDP find_unused_parameters (plug-in models with unused branches).")
-    threads: int = _f(0, "torch intra-op threads per process; 0 = leave as is (torchrun sets OMP_NUM_THREADS=1).")
-
-    # ---- output, checkpoints, stopping -----------------------------------------------------------
-    out: str = _f("runs/train", "run directory: checkpoints step-N/, metrics.jsonl, profile/.")
-    ckpt_every: int = _f(500, "save a checkpoint every N steps (and at the end, and on a stop request).")
-    keep: int = _f(3, "complete checkpoints kept (older ones are deleted after a new one is complete).")
-    resume: str = _f("", "'' = start fresh, 'auto' = newest complete checkpoint in --out if any, or a step-N dir.")
-    stop_file: str = _f("", "a stop is requested when this file exists; '' = OUT/STOP. Consumed after the stop save.")
-    stop_at_step: int = _f(0, "request a stop after this step (as if SIGUSR1 arrived); 0 = never.")
-    requeue_exit_code: int = _f(3, "exit status after a stop request (checkpoint saved; the job should be requeued).")
-
-    # ---- evaluation ------------------------------------------------------------------------------
-    validation: bool = _f(True, "validate during training (on --val-cache, else on the keys held out by "
-                          "--val-fraction); --no-validation: never, and nothing is held out.")
-    eval_every: int = _f(0, "validate every N steps and at the end; 0 = at each checkpoint (--ckpt-every) "
-                         "and at the end.")
-    eval_batches: int = _f(0, "batches per rank per validation; 0 = the whole validation epoch.")
-
-    # ---- logging / profiling ---------------------------------------------------------------------
-    log_every: int = _f(1, "write a metrics record every N steps.")
-    tensorboard: bool = _f(False, "also log to OUT/tb (needs the tensorboard package).")
-    progress: bool = _f(True, "tqdm progress bar on global rank 0.")
-    throughput_warn: float = _f(0.5, "warn when samples/s falls below this fraction of its running average.")
-    profile: bool = _f(False, "run torch.profiler over the first steps; trace to OUT/profile/, top ops printed.")
-    profile_wait: int = _f(1, "profiler schedule: steps skipped.")
-    profile_warmup: int = _f(1, "profiler schedule: warmup steps.")
-    profile_active: int = _f(3, "profiler schedule: recorded steps.")
-
-    # ---- testing hooks ---------------------------------------------------------------------------
-    fail_at_step: int = _f(-1, "testing: --fail-rank raises RuntimeError once this many steps are done (-1 = never).")
-    fail_rank: int = _f(-1, "testing: the global rank that raises at --fail-at-step.")
+    data: DataConfig = section(DataConfig)
+    model: ModelConfig = section(ModelConfig)
+    lora: LoraConfig = section(LoraConfig)
+    optim: OptimConfig = section(OptimConfig)
+    schedule: ScheduleConfig = section(ScheduleConfig)
+    training: TrainingConfig = section(TrainingConfig)
+    dist: DistConfig = section(DistConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
+    job: JobConfig = section(JobConfig)
+    eval: EvalConfig = section(EvalConfig)
+    metrics: MetricsConfig = section(MetricsConfig)
+    profile: ProfileConfig = section(ProfileConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        """Nested plain dict (tuples as lists)."""
+        return S.to_dict(self)
 
     def dump(self) -> str:
-        """The effective config as YAML (what is printed at start)."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        """The effective config as nested YAML (what is logged at start)."""
+        return S.dump(self)
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_TYPES = typing.get_type_hints(TrainConfig)
+#: option names before sections (flat YAML keys and flags ``--name``) -> option path
+LEGACY: dict[str, str] = {
+    **{k: f"data.{k}" for k in ("cache", "val_cache", "val_fraction", "fields", "batch_size", "num_workers",
+                                "loader", "loader_kwargs", "compact_batches", "seed")},
+    "model": "model.name", "model_kwargs": "model.kwargs",
+    **{k: f"model.{k}" for k in ("audio_tokenizer", "latent_loss", "latent_loss_weight", "init_from",
+                                 "activation_checkpointing", "compile")},
+    "lora": "lora.enabled", "lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+    "lora_targets": "lora.targets",
+    **{k: f"optim.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "fused", "grad_clip",
+                                 "grad_norm_warn")},
+    "schedule": "schedule.name", "warmup_steps": "schedule.warmup_steps", "min_lr": "schedule.min_lr",
+    "min_lr_ratio": "schedule.min_lr_ratio",
+    **{k: f"training.{k}" for k in ("steps", "epochs", "grad_accum", "precision", "nonfinite_limit")},
+    **{k: f"dist.{k}" for k in ("device", "backend", "pg_timeout_min", "bucket_cap_mb", "find_unused_parameters",
+                                "threads")},
+    "ckpt_every": "checkpoint.every", "keep": "checkpoint.keep", "resume": "checkpoint.resume",
+    "out": "job.dir", "run_dir": "job.dir", "stop_file": "job.stop_file", "stop_at_step": "job.stop_at_step",
+    "requeue_exit_code": "job.requeue_exit_code",
+    "validation": "eval.enabled", "eval_every": "eval.every", "eval_batches": "eval.batches",
+    "eval_batch_size": "eval.batch_size",
+    "log_every": "metrics.every", "tensorboard": "metrics.tensorboard", "progress": "metrics.progress",
+    "throughput_warn": "metrics.throughput_warn",
+    "profile": "profile.enabled", "profile_wait": "profile.wait", "profile_warmup": "profile.warmup",
+    "profile_active": "profile.active",
+}
+
+#: Higgs-Audio / HF Trainer flags that take a value -> option path
+HIGGS_ALIASES: dict[str, str] = {
+    "--train_data_file": "data.cache", "--output_dir": "job.dir", "--save_steps": "checkpoint.every",
+    "--per_device_train_batch_size": "data.batch_size", "--learning_rate": "optim.lr",
+    "--num_train_epochs": "training.epochs", "--logging_steps": "metrics.every",
+    "--warmup_steps": "schedule.warmup_steps", "--audio_tokenizer_path": "model.audio_tokenizer",
+}
+#: Higgs-Audio flags without a value -> (option path, the value they set, help)
+HIGGS_SWITCHES: dict[str, tuple[str, Any, str]] = {
+    "--bf16": ("training.precision", "bf16", "= --training.precision bf16."),
+    "--disable_evaluation": ("eval.enabled", False, "= --no-validation (nothing held out)."),
+    "--use_lora": ("lora.enabled", True, "= --lora."),
+}
 
 
-def _convert(name: str, value: Any) -> Any:
-    """Coerce a YAML/CLI value to the field's type (raises ValueError naming the option)."""
-    t = _TYPES[name]
-    try:
-        if t is tuple:
-            if isinstance(value, str):
-                return tuple(s.strip() for s in value.split(",") if s.strip())
-            return tuple(value)
-        if t is dict:
-            if isinstance(value, str):
-                value = json.loads(value) if value.strip() else {}
-            if not isinstance(value, dict):
-                raise TypeError("expected a mapping")
-            return dict(value)
-        if t is bool:
-            if isinstance(value, str):
-                low = value.strip().lower()
-                if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                    raise ValueError(value)
-                return low in ("1", "true", "yes", "on")
-            return bool(value)
-        if t is float:
-            return float(value)
-        if t is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return int(value)
-        return "" if value is None else str(value)
-    except (TypeError, ValueError, json.JSONDecodeError) as e:
-        raise ValueError(f"option {name}: cannot use {value!r} as {t.__name__} ({e})") from None
+def flag_aliases(exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """Every alias flag -> option path: the old flat names (``--batch-size``) and the Higgs ones."""
+    out = {"--" + k.replace("_", "-"): v for k, v in LEGACY.items()}
+    out.update(HIGGS_ALIASES)
+    return {f: p for f, p in out.items() if p not in exclude}
 
 
-def from_dict(data: dict[str, Any], base: TrainConfig | None = None, source: str = "config") -> TrainConfig:
-    """``base`` (default: the defaults) with the values of ``data`` (names with - or _)."""
-    base = base or TrainConfig()
-    clean = {}
-    for k, v in (data or {}).items():
-        name = k.replace("-", "_")
-        if name not in _FIELDS:
-            raise ValueError(f"{source}: unknown option {k!r}; see `python -m train --help`")
-        clean[name] = _convert(name, v)
-        if _TYPES[name] is dict:  # a dict option updates the one below it (file < flags)
-            clean[name] = {**getattr(base, name), **clean[name]}
-    return validate(dataclasses.replace(base, **clean))
-
-
-def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of option: value")
-    return from_dict(data, base, source=str(path))
-
+# ---- checks ------------------------------------------------------------------------------------------
 
 #: ``fields`` values that are not a list of fields
 FIELD_MODES = (("auto",), ("all",))
+PRECOMPUTE_HINT = "shardcache precompute --manifest {file} --cache DIR --config configs/precompute-tts.yaml"
 
-PRECOMPUTE_HINT = ("python -m precompute --manifest {file} --out DIR --config configs/precompute-tts.yaml")
 
-
-def check_cache_path(cache: str) -> None:
-    """A manifest file given where a cache directory belongs: ValueError with the precompute command."""
+def check_cache_path(cache: str) -> list[tuple[str, str]]:
+    """A manifest file given where a cache directory belongs: the precompute command to run first."""
     if cache and Path(cache).is_file():
-        raise ValueError(
-            f"--train_data_file/--cache {cache} is a file (a manifest?), not a cache directory: training "
+        return [("data.cache", (
+            f"{cache} is a file (a manifest?), not a cache directory (--train_data_file/--cache): training "
             "reads the tensors that stage one caches (no audio decoding or codec here). Run\n"
             f"  {PRECOMPUTE_HINT.format(file=cache)}\n"
-            "first, then pass --train_data_file DIR (or --cache DIR).")
+            "first, then pass --train_data_file DIR (or --cache DIR)."))]
+    return []
+
+
+def _rules(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """Rules across options (after each option's own type and range passed)."""
+    from .recipes import RECIPES  # a dict of names: imports nothing heavy
+
+    fields = tuple(cfg.data.fields)
+    explicit = fields not in FIELD_MODES
+    m = cfg.model
+    rules = [
+        ("data.fields", not explicit or not {"auto", "all"} & set(fields), "auto or all alone, or a list of fields"),
+        ("model.name", m.name == "reference" or m.name in RECIPES or ":" in m.name,
+         f"expected 'reference', one of {', '.join(sorted(RECIPES))} or module:factory, got {m.name!r}"),
+        ("data.loader", ":" in cfg.data.loader, f"expected module:class, got {cfg.data.loader!r}"),
+        ("model.latent_loss", m.latent_loss == "none" or not explicit or "latents" in fields,
+         "needs 'latents' in data.fields"),
+        ("data.fields", not explicit or "codes" in fields or m.name != "reference",
+         "the reference model needs 'codes' in data.fields"),
+    ]
+    return [(k, msg) for k, ok, msg in rules if not ok] + check_cache_path(cfg.data.cache)
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    """Raise ValueError for inconsistent options."""
-    from .recipes import RECIPES  # a dict of names: imports nothing heavy
-
-    check_cache_path(cfg.cache)
-    fields = tuple(cfg.fields)
-    explicit = fields not in FIELD_MODES
-    checks = [
-        (not explicit or not {"auto", "all"} & set(fields), "fields: auto or all alone, or a list of fields"),
-        (0.0 <= cfg.val_fraction <= 0.5, "val_fraction must be in [0, 0.5]"),
-        (cfg.epochs >= 0, "epochs must be >= 0"),
-        (cfg.grad_norm_warn >= 0, "grad_norm_warn must be >= 0 (0 = never)"),
-        (cfg.batch_size >= 1, "batch_size must be >= 1"),
-        (cfg.grad_accum >= 1, "grad_accum must be >= 1"),
-        (cfg.steps >= 0, "steps must be >= 0"),
-        (cfg.keep >= 1, "keep must be >= 1"),
-        (cfg.ckpt_every >= 1 and cfg.log_every >= 1, "ckpt_every and log_every must be >= 1"),
-        (cfg.eval_every >= 0 and cfg.eval_batches >= 0, "eval_every and eval_batches must be >= 0"),
-        (cfg.schedule in ("cosine", "linear", "constant"), "schedule must be cosine|linear|constant"),
-        (cfg.precision in ("auto", "bf16", "fp32"), "precision must be auto|bf16|fp32"),
-        (cfg.latent_loss in ("none", "cosine", "mse"), "latent_loss must be none|cosine|mse"),
-        (cfg.fused in ("auto", "on", "off"), "fused must be auto|on|off"),
-        (cfg.backend in ("auto", "nccl", "gloo"), "backend must be auto|nccl|gloo"),
-        (cfg.model == "reference" or cfg.model in RECIPES or ":" in cfg.model,
-         f"model must be 'reference', one of {sorted(RECIPES)} or module:factory"),
-        (":" in cfg.loader, "loader must be module:class"),
-        (not cfg.lora or cfg.lora_r >= 1, "lora_r must be >= 1"),
-        (cfg.latent_loss == "none" or not explicit or "latents" in fields, "latent_loss needs 'latents' in fields"),
-        (not explicit or "codes" in fields or cfg.model != "reference", "the reference model needs 'codes' in fields"),
-        (0 <= cfg.requeue_exit_code <= 255, "requeue_exit_code must be 0..255"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
+    """Return ``cfg``, or raise :class:`ConfigError` listing every invalid option."""
+    problems = S.check(cfg)
+    if not problems:
+        problems = _rules(cfg)
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 
-#: Higgs-Audio / HF Trainer flag -> (our option, constant or None for "takes a value", help).
-#: ``--model_path`` is special: ``model_kwargs.lm`` (see :func:`config_from_namespace`).
-ALIASES: dict[str, tuple[str, Any, str]] = {
-    "--model_path": ("model_path", None, "LM checkpoint (dir or hub id) = --model-kwargs '{\"lm\": P}'; "
-                     "--model defaults to tts."),
-    "--audio_tokenizer_path": ("audio_tokenizer", None, "= --audio-tokenizer (compared with the cache's)."),
-    "--train_data_file": ("cache", None, "= --cache: a cache DIR made by `python -m precompute` "
-                          "(not the .json manifest)."),
-    "--output_dir": ("out", None, "= --out."),
-    "--save_steps": ("ckpt_every", None, "= --ckpt-every."),
-    "--disable_evaluation": ("validation", False, "= --no-validation (nothing held out)."),
-    "--per_device_train_batch_size": ("batch_size", None, "= --batch-size."),
-    "--learning_rate": ("lr", None, "= --lr."),
-    "--num_train_epochs": ("epochs", None, "= --epochs."),
-    "--logging_steps": ("log_every", None, "= --log-every."),
-    "--warmup_steps": ("warmup_steps", None, "= --warmup-steps."),
-    "--bf16": ("precision", "bf16", "= --precision bf16."),
-    "--use_lora": ("lora", True, "= --lora."),
-}
+def finalize(cfg: TrainConfig) -> TrainConfig:
+    """The deprecated absolute ``schedule.min_lr`` -> ``min_lr_ratio`` (with the final lr), then
+    :func:`validate`."""
+    s = cfg.schedule
+    if s.min_lr is not None and S.check_option(S.options(TrainConfig)["schedule.min_lr"], s.min_lr) is None \
+            and isinstance(cfg.optim.lr, float):
+        ratio = min(1.0, s.min_lr / cfg.optim.lr) if cfg.optim.lr > 0 else 0.0
+        cfg = S.replace(cfg, {"schedule.min_lr_ratio": ratio, "schedule.min_lr": None})
+    return validate(cfg)
+
+
+# ---- building ----------------------------------------------------------------------------------------
+
+def from_dict(data: dict[str, Any] | None, base: TrainConfig | None = None, source: str = "config") -> TrainConfig:
+    """``base`` (default: the defaults) with ``data`` (nested sections and/or the old flat names)
+    applied; validated (raises :class:`ConfigError`, a ValueError)."""
+    cfg = S.apply(base or TrainConfig(), S.flatten(data or {}, TrainConfig, LEGACY, source))
+    return finalize(cfg)
+
+
+def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
+    """A YAML config file (nested or flat) over ``base``; validated."""
+    return from_dict(S.read_yaml(path), base, source=str(path))
 
 
 def build_parser(prog: str = "python -m train", description: str | None = None,
                  exclude: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    """``--config``, ``--print-config`` and one flag per TrainConfig field (except ``exclude``:
-    another tool that reuses the options can give those flag names its own meaning)."""
+    """``--config``, ``--set``, ``--print-config`` and one flag per option (plus aliases), except
+    the option paths in ``exclude`` (another tool that reuses the options may give those flag
+    names its own meaning)."""
     p = argparse.ArgumentParser(
-        prog=prog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--config FILE] [--set SECTION.OPTION=VALUE ...] [--SECTION.OPTION VALUE ...]",
         description=description if description is not None else (
             "Train from a shardcache cache (stage two).\n\n"
-            "  python -m train --cache cache/demo --out runs/demo --steps 50\n"
-            "  torchrun --nproc_per_node=2 -m train --cache cache/demo --out runs/demo\n\n"
-            "Options come from the dataclass defaults, then --config FILE (YAML; default\n"
-            f"{DEFAULT_CONFIG_FILE} when it exists), then these flags. Exit status: 0 done,\n"
-            "the --requeue-exit-code (default 3) after a stop request (SIGUSR1/SIGTERM or the stop\n"
-            "file; a checkpoint was saved, requeue the job), 1 on an error (on any rank)."),
+            "  shardcache train --cache cache/demo --run-dir runs/demo --training.steps 50\n"
+            "  torchrun --nproc_per_node=2 -m shardcache train --config configs/train.yaml --cache cache/demo\n\n"
+            "Options: the defaults below, then the config file (--config FILE; else $SHARDCACHE_TRAIN_CONFIG;\n"
+            "else none), then --set section.option=value, then flags. Every option has its --section.name\n"
+            "flag; the old flat spellings (--lr, --batch-size, --cache, --out, --model-kwargs JSON...) and\n"
+            "the Higgs-Audio ones are aliases. Exit status: 0 done; the --job.requeue-exit-code (default 3)\n"
+            "after a stop request (SIGUSR1/SIGTERM or the stop file; a checkpoint was saved: requeue the\n"
+            "job); 1 on an error on any rank (also: training.nonfinite_limit non-finite steps in a row);\n"
+            "2 for bad options (each named)."),
     )
-    p.add_argument("--config", default=None, help=f"YAML file of options (default: {DEFAULT_CONFIG_FILE} if present; "
-                   "'none' for none).")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help=f"YAML config (nested sections or the old flat keys); 'none' for none (default: "
+                        f"${CONFIG_ENV} if set, else none: the defaults below).")
+    p.add_argument("--set", dest="set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
+                   help="override an option (value read as YAML), e.g. --set optim.lr=1e-4 --set model.kwargs.lm=/ckpt")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit.")
-    for name, f in _FIELDS.items():
-        if name in exclude:
-            continue
-        t = _TYPES[name]
-        flag = "--" + name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        shown = json.dumps(default) if t is dict else (",".join(default) if t is tuple else default)
-        help_ = f"{f.metadata.get('help', '')} (default: {shown})".replace("%", "%%")
-        if t is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
-        else:
-            p.add_argument(flag, default=argparse.SUPPRESS, metavar=t.__name__.upper(), help=help_)
-    g = p.add_argument_group("aliases (Higgs-Audio / HF Trainer spelling)")
-    for flag, (dest, const, help_) in ALIASES.items():
-        if dest in exclude or (dest == "model_path" and "model_kwargs" in exclude):
-            continue
-        if const is None:
-            g.add_argument(flag, dest=dest, default=argparse.SUPPRESS, metavar="VALUE", help=help_)
-        else:
-            g.add_argument(flag, dest=dest, action="store_const", const=const, default=argparse.SUPPRESS,
-                           help=help_)
+    aliases = flag_aliases(exclude)
+    if "job.dir" not in exclude:
+        aliases["--run-dir"] = "job.dir"
+    S.add_flags(p, TrainConfig, aliases, exclude=exclude)
+    g = p.add_argument_group("aliases (Higgs-Audio / HF Trainer spelling)",
+                             "Those that take a value are listed with their option above (--learning_rate, "
+                             "--train_data_file, --output_dir, --save_steps, --per_device_train_batch_size, "
+                             "--num_train_epochs, --logging_steps, --warmup_steps, --audio_tokenizer_path).")
+    if "model.kwargs" not in exclude:
+        g.add_argument("--model_path", dest="model_path", default=argparse.SUPPRESS, metavar="DIR",
+                       help="LM checkpoint (dir or hub id) = --set model.kwargs.lm=DIR; the model defaults to tts.")
+    for flag, (path, const, help_) in HIGGS_SWITCHES.items():
+        if path not in exclude:
+            g.add_argument(flag, dest=path, action="store_const", const=const, default=argparse.SUPPRESS, help=help_)
     return p
 
 
 def config_from_namespace(ns: argparse.Namespace) -> TrainConfig:
-    """Parsed flags (of :func:`build_parser`) -> effective config (defaults < YAML < flags)."""
+    """Parsed flags (of :func:`build_parser`) -> the effective config; sets ``ns.config_file`` and
+    ``ns.config_source`` (which file was read and why)."""
+    path, why = S.config_path(ns.config, CONFIG_ENV)
+    ns.config_file, ns.config_source = path, why
     cfg = TrainConfig()
-    path = ns.config
-    if path is None and Path(DEFAULT_CONFIG_FILE).exists():
-        path = DEFAULT_CONFIG_FILE
-    if path and path != "none":
-        cfg = load_yaml(path, cfg)
-    overrides = {k: v for k, v in vars(ns).items() if k in _FIELDS}
+    if path:
+        cfg = S.apply(cfg, S.flatten(S.read_yaml(path), TrainConfig, LEGACY, path))
+    sets = S.parse_set(getattr(ns, "set", []) or [], TrainConfig, LEGACY)
+    flags = S.given(ns, TrainConfig)
+    cli_model = next((v for p, k, v in sets if p == "model.name" and not k), None)
+    cli_model = flags.get("model.name", cli_model)
     model_path = getattr(ns, "model_path", None)
     if model_path:
-        overrides.setdefault("model", "tts")
-        if overrides["model"] == "reference":
-            raise ValueError("--model_path: the reference model loads no LM; use --model tts|vlm|module:factory")
-        kw = _convert("model_kwargs", overrides.get("model_kwargs", {}))
-        overrides["model_kwargs"] = {**kw, "lm": str(model_path)}
-    if overrides.get("model", cfg.model) != cfg.model:  # the file's model_kwargs are for the file's model
-        cfg = dataclasses.replace(cfg, model_kwargs={})
-    return from_dict(overrides, cfg, source="command line")
+        cli_model = cli_model or "tts"
+        if cli_model == "reference":
+            raise ConfigError([("--model_path", "the reference model loads no LM; use --model tts|vlm|module:factory")])
+        flags["model.name"] = cli_model
+    if cli_model is not None and cli_model != cfg.model.name:  # the file's kwargs are for the file's model
+        cfg = S.replace(cfg, {"model.kwargs": {}})
+    cfg = S.apply(cfg, sets, text=True)
+    cfg = S.apply(cfg, flags, text=True)
+    if model_path:
+        cfg = S.replace(cfg, {"model.kwargs": {**cfg.model.kwargs, "lm": str(model_path)}})
+    return finalize(cfg)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
-    """CLI -> effective config (defaults < YAML < flags)."""
-    ns = build_parser().parse_args(argv)
+    """Command line -> (effective config, namespace). Raises :class:`ConfigError` for bad values
+    (argparse exits 2 itself for unknown flags)."""
+    import sys
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = parser.parse_args(S.normalize_argv(parser, argv))
     return config_from_namespace(ns), ns
+
+
+def replace(cfg: TrainConfig, **values: Any) -> TrainConfig:
+    """``cfg`` with options set by path, ``replace(cfg, **{"training.steps": 10})``."""
+    return S.replace(cfg, values)
+
+
+__all__ = ["TrainConfig", "ConfigError", "from_dict", "load_yaml", "parse_args", "build_parser",
+           "config_from_namespace", "validate", "dataclasses"]

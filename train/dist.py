@@ -34,13 +34,36 @@ import torch.distributed as dist
 log = logging.getLogger("train")
 
 ALLOC_CONF = "expandable_segments:True"
+#: every environment variable this process set itself (name -> value); logged at start by the trainer
+ENV_SET: dict[str, str] = {}
 
 
-def set_alloc_conf() -> None:
+def set_env_default(name: str, value: str) -> bool:
+    """``os.environ[name] = value`` unless the user set it; recorded in :data:`ENV_SET` (and logged
+    by the caller), so no setting happens silently. Returns whether it was set."""
+    if name in os.environ:
+        return False
+    os.environ[name] = value
+    ENV_SET[name] = value
+    return True
+
+
+def set_alloc_conf() -> dict[str, str]:
     """Set ``PYTORCH_ALLOC_CONF`` and ``PYTORCH_CUDA_ALLOC_CONF`` (older torch reads only the latter)
-    to ``expandable_segments:True`` unless the user set them; must run before CUDA is initialised."""
-    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        os.environ.setdefault(var, ALLOC_CONF)
+    to ``expandable_segments:True`` (less fragmentation with variable-length batches) unless the user
+    set them; must run before CUDA is initialised. Returns what it set (see :func:`log_env_set`)."""
+    return {v: ALLOC_CONF for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if set_env_default(v, ALLOC_CONF)}
+
+
+def log_env_set() -> None:
+    """Log (logger ``train``) every environment variable this process set, or that it set none."""
+    if ENV_SET:
+        log.info("environment set by shardcache (unset before; export your own value to override): %s",
+                 " ".join(f"{k}={v}" for k, v in ENV_SET.items()))
+    else:
+        log.info("environment: shardcache set no variable (PYTORCH_ALLOC_CONF/PYTORCH_CUDA_ALLOC_CONF were set "
+                 "by the user: %s / %s)", os.environ.get("PYTORCH_ALLOC_CONF"),
+                 os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 
 
 @dataclass
@@ -69,7 +92,9 @@ def env_ranks() -> tuple[int, int, int]:
 
 
 def init(device: str = "auto", backend: str = "auto", timeout_min: float = 30.0) -> DistInfo:
-    """Pick the device, set the allocator config, and join the process group when WORLD_SIZE > 1."""
+    """Pick the device, set the allocator config (:func:`set_alloc_conf`), and join the process group
+    when WORLD_SIZE > 1. The global rank (``RANK``) decides everything that is global (data split,
+    rank-0 writes); the local rank (``LOCAL_RANK``) only picks the GPU."""
     set_alloc_conf()
     rank, local, world = env_ranks()
     use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")

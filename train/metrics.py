@@ -1,17 +1,30 @@
-"""Per-step metrics: JSONL (and TensorBoard if installed) and a tqdm bar, all on global rank 0 only.
+"""Training metrics: computed on the device between log steps, written on global rank 0.
 
-Each line of ``OUT/metrics.jsonl`` is one record::
+Each line of ``RUN_DIR/metrics.jsonl`` is one JSON record (non-finite numbers are written as
+``null``: strict JSON, which ``json.loads`` in any language reads)::
 
-    {"step": 12, "loss": 6.93, "lr": 0.0003, "grad_norm": 1.2, "samples_per_s": 410.0,
-     "tokens_per_s": 52000.0, "data_wait": 0.03, "step_time_s": 0.078, "peak_mem_mb": 812.0,
-     "skipped_steps": 0, "epoch": 0, ...model extras such as codes_loss, latent_loss}
+    {"step": 20, "loss": 6.93, "lr": 0.0003, "grad_norm": 1.2, "grad_norm_max": 1.9,
+     "samples_per_s": 410.0, "tokens_per_s": 52000.0, "data_wait": 0.03, "step_time_s": 0.078,
+     "peak_mem_mb": 812.0, "skipped_steps": 0, "epoch": 0, ...model extras such as codes_loss}
 
-``loss`` (and the model's extra scalars) are the mean over all ranks and micro-steps of the step;
-``samples_per_s`` / ``tokens_per_s`` are global (every rank's samples and valid text + audio
-positions over this rank's wall time of the step); ``data_wait`` is the fraction of the step this
-rank spent waiting for batches; ``peak_mem_mb`` is the CUDA allocator peak (or the process max RSS
-on CPU). Validation records carry ``"split": "val"``. A resumed run appends to the same file
-after dropping records of steps beyond its checkpoint (so every step appears once).
+A record covers the steps since the previous one (``metrics.every`` steps): ``loss`` and the model's
+extra scalars are the mean over those steps, their micro-steps and all ranks; ``grad_norm`` is the
+pre-clip norm of the last step and ``grad_norm_max`` the largest of the window; ``samples_per_s`` /
+``tokens_per_s`` are global (every rank's samples and valid text + audio positions over this rank's
+wall time of the window); ``data_wait`` is the fraction of that time spent waiting for batches;
+``step_time_s`` the mean step time; ``skipped_steps`` the non-finite steps skipped so far; ``lr``
+the learning rate of a group at ``optim.lr`` in the record's last step; ``peak_mem_mb`` the CUDA
+allocator peak (or the process max RSS on CPU). Validation records carry ``"split": "val"``.
+
+:class:`StepStats` keeps every per-step quantity as a device tensor, so the steps between log steps
+never wait for the GPU: the record is read back with one all-reduce and one device-to-host copy
+(:meth:`StepStats.read`). The checks that need values on the host (the grad-norm warning, the
+limit on consecutive non-finite steps) run on those reads, so they act with a latency of at most
+``metrics.every`` steps (the non-finite limit is also checked before every checkpoint, so no
+checkpoint is written after the limit was reached).
+
+A resumed run appends to the same file after dropping records of steps beyond its checkpoint (so
+every step appears once).
 """
 from __future__ import annotations
 
@@ -20,12 +33,127 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import dist as D
+
 log = logging.getLogger("train")
+
+
+class NonFiniteError(RuntimeError):
+    """``training.nonfinite_limit`` consecutive steps had a non-finite loss or gradient norm."""
+
+
+def finite_or_none(v: Any) -> Any:
+    """Non-finite floats -> None (JSON null), recursively in dicts and lists."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [finite_or_none(x) for x in v]
+    return v
+
+
+def to_json(rec: dict[str, Any]) -> str:
+    """One strict-JSON line (``null`` for NaN/inf; ``json.dumps(allow_nan=False)``)."""
+    return json.dumps(finite_or_none(rec), allow_nan=False)
+
+
+class StepStats:
+    """Per-step quantities as device tensors: sums over the window since the last read, and the
+    non-finite counters of the run. Nothing here reads a value back to the host except :meth:`read`
+    and :meth:`consecutive_nonfinite`."""
+
+    def __init__(self, device: torch.device, skipped: int = 0):
+        self.device = device
+        self.skipped = torch.tensor(skipped, dtype=torch.float64, device=device)   #: run total
+        self.consec = torch.zeros((), dtype=torch.float64, device=device)          #: current streak
+        self.start_window()
+
+    def start_window(self) -> None:
+        z = lambda: torch.zeros((), dtype=torch.float64, device=self.device)  # noqa: E731
+        self.loss, self.tokens, self.norm, self.norm_max, self.over_warn = z(), z(), z(), z(), z()
+        self.streak_max = self.consec.clone()
+        self.extras: dict[str, torch.Tensor] = {}
+        self.micro = self.steps = self.samples = 0
+        self.data_wait = 0.0
+        self.t0 = time.perf_counter()
+
+    def add_micro(self, loss: torch.Tensor, extras: dict[str, torch.Tensor], tokens: Any, samples: int) -> None:
+        self.loss += loss.detach().double()
+        for k, v in extras.items():
+            self.extras[k] = self.extras.get(k, 0) + v.detach().double()
+        self.tokens += tokens
+        self.samples += samples
+        self.micro += 1
+
+    def add_step(self, norm: torch.Tensor, nonfinite: torch.Tensor, warn_above: float) -> None:
+        norm = norm.detach().double()
+        bad = nonfinite.double()
+        self.norm = norm
+        self.norm_max = torch.fmax(self.norm_max, norm)   # fmax: a NaN norm does not hide the others
+        if warn_above:
+            self.over_warn += (norm > warn_above).double()
+        self.skipped += bad
+        self.consec = (self.consec + 1) * bad
+        self.streak_max = torch.maximum(self.streak_max, self.consec)
+        self.steps += 1
+
+    def consecutive_nonfinite(self) -> int:
+        """The longest streak of non-finite steps in this window (one host sync)."""
+        return int(self.streak_max.item())
+
+    def read(self, info: D.DistInfo) -> tuple[dict[str, Any], dict[str, int]]:
+        """(the window's record, its health: ``over_warn`` steps above the grad-norm warning,
+        ``streak`` the longest run of non-finite steps), every rank's sums all-reduced: one
+        all-reduce, one device-to-host copy."""
+        names = sorted(self.extras)
+        summed = torch.stack([self.loss, self.tokens] + [self.extras[k] for k in names])
+        D.all_reduce_(summed, info)
+        local = torch.stack([self.norm, self.norm_max, self.over_warn, self.skipped, self.streak_max])
+        vals = torch.cat([summed, local]).tolist()
+        n = max(self.micro, 1) * info.world_size
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        rec = {"loss": vals[0] / n, "grad_norm": vals[-5], "grad_norm_max": vals[-4],
+               "samples_per_s": self.samples * info.world_size / dt, "tokens_per_s": vals[1] / dt,
+               "data_wait": self.data_wait / dt, "step_time_s": dt / max(self.steps, 1),
+               "skipped_steps": int(vals[-2])}
+        rec.update({k: v / n for k, v in zip(names, vals[2:2 + len(names)])})
+        return rec, {"over_warn": int(vals[-3]), "streak": int(vals[-1])}
+
+
+def check_nonfinite(streak: int, limit: int, step: int) -> None:
+    """Raise :class:`NonFiniteError` when ``streak`` consecutive non-finite steps reach ``limit``."""
+    if limit and streak >= limit:
+        raise NonFiniteError(
+            f"step {step}: {streak} consecutive steps with a non-finite loss or gradient norm (limit "
+            f"training.nonfinite_limit={limit}); stopping without a checkpoint. Check the data, the lr "
+            f"(optim.lr) and the precision (training.precision); the last good checkpoint is kept.")
+
+
+class GradNormWarning:
+    """Warn (global rank 0) when the pre-clip grad norm exceeded ``optim.grad_norm_warn`` within a
+    log window: the first 3 windows, then every 100th (a loss summed over tokens instead of
+    averaged, a too-high lr or bad data show up as norms in the thousands where 1-100 is expected)."""
+
+    def __init__(self, limit: float, clip: float, active: bool):
+        self.limit, self.clip, self.active, self.count = limit, clip, active, 0
+
+    def __call__(self, first: int, last: int, norm_max: float, n_over: int) -> None:
+        if not (self.active and self.limit and n_over):
+            return
+        self.count += 1
+        if self.count <= 3 or self.count % 100 == 0:
+            steps = f"step {last}" if first == last else f"steps {first}-{last}"
+            log.warning("%s: grad norm %.4g > grad_norm_warn %g (%d step(s) over in this window, %d window(s) so "
+                        "far%s); expected O(1-100): check the loss normalisation (mean, not sum, over tokens), the "
+                        "lr and the data", steps, norm_max, self.limit, n_over, self.count,
+                        f"; clipped to {self.clip:g}" if self.clip > 0 else "")
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -94,7 +222,7 @@ class Metrics:
             return
         step = rec.get("step")
         loss = rec.get("loss")
-        if loss is not None and not math.isfinite(loss):
+        if loss is not None and not (isinstance(loss, float) and math.isfinite(loss)):
             log.warning("step %s: non-finite loss %s", step, loss)
         sps = rec.get("samples_per_s")
         if sps and rec.get("split", "train") == "train":
@@ -105,15 +233,15 @@ class Metrics:
                 log.warning("step %s: throughput dropped to %.1f samples/s (running average %.1f); "
                             "data_wait=%.2f", step, sps, self._ema, rec.get("data_wait", float("nan")))
             self._ema = sps if self._ema is None else 0.9 * self._ema + 0.1 * sps
-        self._file.write(json.dumps(rec) + "\n")
+        self._file.write(to_json(rec) + "\n")
         if self._tb is not None:
             prefix = rec.get("split", "train")
             for k, v in rec.items():
-                if isinstance(v, (int, float)) and k != "step":
+                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
                     self._tb.add_scalar(f"{prefix}/{k}", v, step)
         if self._bar is not None and rec.get("split", "train") == "train":
             self._bar.n = step
-            self._bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "-",
+            self._bar.set_postfix(loss=f"{loss:.4f}" if isinstance(loss, float) else "-",
                                   lr=f"{rec.get('lr', 0):.2e}", refresh=False)
             self._bar.refresh()
 

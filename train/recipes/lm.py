@@ -327,7 +327,7 @@ class LMRecipe(nn.Module):
         """AdamW parameter groups over the trainable parameters: :attr:`media_name` (the recipe's own
         modules, at :meth:`_lr_of_media`) and ``lm`` (LoRA adapters or the unfrozen LM, at ``lr``),
         each split into weight decay on matrices/embeddings (dim >= 2) and none (``*_no_decay``) on
-        biases/norms, the convention of ``train.loop.make_optimizer``. Each group has ``params``,
+        biases/norms, the convention of ``train.optim.param_groups``. Each group has ``params``,
         ``lr`` (absolute, before the schedule), ``weight_decay`` and ``name``; empty groups are left
         out; every trainable parameter is in exactly one group."""
         media_ids = {id(p) for m in self.media_modules() for p in m.parameters()}

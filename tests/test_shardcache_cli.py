@@ -1,0 +1,53 @@
+"""The ``shardcache`` command: subcommands dispatch to each stage's own CLI, one vocabulary."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import DEMO, ROOT
+
+
+def _run(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardcache", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+
+def test_help_lists_the_subcommands_and_each_has_its_own(capsys):
+    import pytest
+    from shardcache.cli import main
+    r = _run("--help")  # python -m shardcache
+    assert r.returncode == 0
+    for name in ("precompute", "add-field", "drop-field", "train", "find-batch-size", "shards"):
+        assert f"  {name}" in r.stdout
+    assert main(["nope"]) == 2 and main([]) == 2
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--optim.lr" in out and "--cache" in out
+    assert main(["shards", "--help"]) == 0 and "verify" in capsys.readouterr().out
+
+
+def test_bad_option_exits_2_before_any_model_is_loaded(tmp_path):
+    """``--cache`` is the cache in both stages (precompute's --out is an alias); a bad value stops
+    with status 2 naming the option (no model is loaded: the job would fail on the missing dirs)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"audio_tokenizer: {{name: dac, pretrained: {tmp_path / 'missing'}}}\n")
+    r = _run("precompute", "--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "out"),
+             "--config", str(cfg), "--set", "sample_rate=abc", cwd=tmp_path)
+    assert r.returncode == 2 and "sample_rate: expected a positive integer, got 'abc'" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    from shardcache.cli import main
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["train", "--config", "none", "--cache", str(tmp_path), "--optim.lr", "fast"]) == 2
+    assert "optim.lr: expected a number >= 0, got 'fast'" in err.getvalue()
+
+
+def test_console_script_is_registered():
+    import importlib
+    import tomllib
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    mod, _, func = scripts["shardcache"].partition(":")
+    assert callable(getattr(importlib.import_module(mod), func))

@@ -1,0 +1,303 @@
+"""What the trainer reads: loaders over the cache, the held-out validation split, batches on the device.
+
+Fields: ``data.fields: auto`` reads the model's declared ``fields`` that the cache holds
+(:func:`resolve_fields`). Validation data: ``--data.val-cache``, else the keys of ``--data.cache``
+held out by ``--data.val-fraction`` (:class:`HeldOut`: ``sha256(key)`` mapped to [0, 1), kept out
+of the training loader and read by the validation loader through the loader's ``filters=``).
+
+Batches stay compact on the host (int16 audio, float16 latents: ``data.compact_batches``) and are
+widened on the device by :func:`to_device`, without a host sync.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import logging
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from loaders.collate import AUDIO_SCALE
+
+from . import dist as D
+from .config import TrainConfig
+from .models import ReferenceModel, load_factory
+
+log = logging.getLogger("train")
+
+#: caches smaller than this hold nothing out (there is nothing to spare; use --data.val-cache)
+MIN_SAMPLES_TO_HOLD_OUT = 20
+
+
+# ---- batches on the device ---------------------------------------------------------------------------
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Move a batch to ``device``; compact fields become float32 there (int16 audio scaled to
+    [-1, 1] by ``loaders.AUDIO_SCALE``, float16 latents widened; both exact), so the host never does
+    the conversion. Non-tensor entries (``keys``) pass through. No host sync (``non_blocking``)."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(device, non_blocking=True)
+            if v.dtype == torch.float16:
+                v = v.float()
+            elif k == "audio" and v.dtype == torch.int16:
+                v = v.float() * float(AUDIO_SCALE)
+        out[k] = v
+    return out
+
+
+def count_tokens(batch: dict[str, Any]) -> torch.Tensor | int:
+    """Valid text tokens (``attention_mask``, or ``text_mask`` of older caches) + audio frames
+    (``codes_mask``, or the codes that are not padding) of a batch, whichever it holds (a 0-dim
+    tensor: no host sync; 0 when it holds none)."""
+    n: torch.Tensor | int = 0
+    for mask in ("attention_mask", "text_mask", "codes_mask"):
+        if mask in batch:
+            n = n + batch[mask].sum()
+    if "codes_mask" not in batch and "codes" in batch:
+        n = n + batch["codes"][:, 0].ne(-100).sum()
+    return n
+
+
+def n_samples(batch: dict[str, Any]) -> int:
+    """Samples in a batch: ``len(keys)``, else the first dimension of its first tensor."""
+    if "keys" in batch:
+        return len(batch["keys"])
+    return next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
+
+
+def batch_stream(loader: Any, pos: dict[str, int]) -> Iterator[dict]:
+    """Batches forever; at the end of an epoch, ``pos['epoch'] += 1`` and ``loader.set_epoch``.
+    Raises RuntimeError when two epochs in a row yield nothing."""
+    empty = 0
+    while True:
+        n = 0
+        with warnings.catch_warnings():  # resuming from a checkpoint taken at the end of an epoch
+            warnings.filterwarnings("ignore", message=".*already complete.*")
+            it = iter(loader)
+        for batch in it:
+            n += 1
+            yield batch
+        empty = empty + 1 if n == 0 else 0
+        if empty >= 2:
+            raise RuntimeError("the loader yields no batches: the cache has fewer samples than one "
+                               "global batch (batch_size x world size)")
+        pos["epoch"] += 1
+        loader.set_epoch(pos["epoch"])
+
+
+# ---- fields --------------------------------------------------------------------------------------------
+
+def model_class(name: str) -> Any:
+    """The class (or factory) ``--model.name`` builds, without building it."""
+    from .recipes import RECIPES, recipe_class
+    return ReferenceModel if name == "reference" else recipe_class(name) if name in RECIPES else load_factory(name)
+
+
+def cache_fields(cache: str) -> tuple[str, ...] | None:
+    """The fields some sample of ``cache`` holds (None when its index cannot be read)."""
+    try:
+        from shards.index import INDEX_FILE
+        return _cache_fields(str(cache), (Path(cache) / INDEX_FILE).stat().st_mtime_ns)
+    except Exception:  # noqa: BLE001 - the loader reports a bad cache
+        return None
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_fields(cache: str, mtime_ns: int) -> tuple[str, ...]:
+    """(read once per index version: the train and validation loaders and the log all ask)"""
+    from loaders.dataset import cache_fields as fields_of
+    from shards import read_index
+    return fields_of(read_index(Path(cache)))
+
+
+def resolve_fields(cfg: TrainConfig, model: Any = None, cache: str | None = None) -> tuple[str, ...] | None:
+    """``data.fields`` -> the loader's ``fields``: a tuple, or None = every field the cache holds.
+    ``auto``: the ``fields`` attribute of ``model`` (default: of the class ``model.name`` builds), less
+    those no sample of ``cache`` holds (a model may declare fields that only some caches have, e.g.
+    ``input_ids`` and ``text_ids``; if it holds none of them, all are asked for, and the loader names
+    them); None when it declares none."""
+    fields = tuple(cfg.data.fields)
+    if fields == ("all",):
+        return None
+    if fields != ("auto",):
+        return fields
+    declared = getattr(model if model is not None else model_class(cfg.model.name), "fields", None)
+    if not declared:
+        return None
+    held = cache_fields(cache) if cache else None
+    return tuple(f for f in declared if held is None or f in held) or tuple(declared)
+
+
+def _accepts(cls: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+# ---- held-out validation split -------------------------------------------------------------------------
+
+def key_uniform(keys: list[str]) -> np.ndarray:
+    """Each key -> a float in [0, 1): the first 8 bytes of ``sha256(key)`` / 2**64 (stable everywhere)."""
+    return np.array([int.from_bytes(hashlib.sha256(k.encode()).digest()[:8], "big") for k in keys],
+                    dtype=np.float64) / 2.0**64
+
+
+def held_out_mask(keys: list[str], fraction: float) -> np.ndarray:
+    """The keys held out for validation: ``key_uniform(key) < fraction``, so a key's membership is
+    its own (the same for any run, seed, world size or added rows); when that selects none of a
+    cache of >= :data:`MIN_SAMPLES_TO_HOLD_OUT` keys, the key with the smallest value. Below that
+    size nothing is held out."""
+    u = key_uniform(keys)
+    if fraction <= 0 or len(keys) < MIN_SAMPLES_TO_HOLD_OUT:
+        return np.zeros(len(keys), dtype=bool)
+    mask = u < fraction
+    if not mask.any():
+        mask[int(np.argmin(u))] = True
+    return mask
+
+
+class HeldOut:
+    """A loader ``filters=`` callable on the index table: the held-out keys (``part='val'``) or the
+    others (``part='train'``), ANDed with ``base`` (the ``loader_kwargs`` filters, if any).
+    The split is taken over the whole index; after a call, ``n_total`` / ``n_held`` say its size."""
+
+    def __init__(self, fraction: float, part: str, base: Any = None):
+        self.fraction, self.part, self.base = float(fraction), part, base
+        self.n_total = self.n_held = 0
+
+    def __call__(self, table) -> np.ndarray:
+        from loaders.order import filter_rows
+        held = held_out_mask(table.column("key").to_pylist(), self.fraction)
+        self.n_total, self.n_held = len(held), int(held.sum())
+        mask = held if self.part == "val" else ~held
+        if self.base is not None:
+            keep = np.zeros(len(held), dtype=bool)
+            keep[filter_rows(table, self.base)] = True
+            mask &= keep
+        return mask
+
+    def __repr__(self) -> str:
+        return f"HeldOut({self.fraction}, {self.part!r}, base={self.base!r})"
+
+
+# ---- loaders -------------------------------------------------------------------------------------------
+
+def num_workers(setting: int | str, device: torch.device) -> int | None:
+    """``data.num_workers`` -> the loader's ``num_workers``: a count as given; ``auto``: None on
+    CUDA (the loader's own rule, ``loaders.loader.default_num_workers``), 0 on CPU."""
+    if setting != "auto":
+        return int(setting)
+    return None if device.type == "cuda" else 0
+
+
+def make_loader(cfg: TrainConfig, cache: str, batch_size: int, info: D.DistInfo, *, model: Any = None,
+                held_out: HeldOut | None = None, drop_remainder: bool | None = None) -> Any:
+    """The loader of ``data.loader`` over ``cache`` for global rank ``info.rank`` of
+    ``info.world_size`` with :func:`resolve_fields` (``model``: the built model, else the class of
+    ``model.name``); ``held_out`` and ``drop_remainder`` go to loaders that take ``filters=`` /
+    ``drop_remainder=``. ``fields`` is left to the loader's default when it resolves to every field."""
+    cls = load_factory(cfg.data.loader)
+    kwargs = dict(cfg.data.loader_kwargs)
+    if cfg.data.compact_batches and "compact" not in kwargs and "compact" in inspect.signature(cls).parameters:
+        kwargs["compact"] = True  # converted on the device by to_device
+    fields = resolve_fields(cfg, model, cache)
+    if fields is not None:
+        kwargs["fields"] = fields
+    if held_out is not None:
+        held_out.base = kwargs.get("filters")
+        kwargs["filters"] = held_out
+    if drop_remainder is not None and _accepts(cls, "drop_remainder"):
+        kwargs["drop_remainder"] = drop_remainder
+    return cls(cache, batch_size=batch_size, global_rank=info.rank, world_size=info.world_size,
+               seed=cfg.data.seed, num_workers=num_workers(cfg.data.num_workers, info.device), **kwargs)
+
+
+def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module) -> tuple[Any, Any | None]:
+    """The training loader and the validation loader (None: no validation), at epoch 0.
+
+    Validation data: ``data.val_cache``; else the keys of ``data.cache`` that :func:`held_out_mask`
+    holds out (excluded from training). Nothing is held out with ``eval.enabled: false`` or
+    ``data.val_fraction: 0``, for caches under :data:`MIN_SAMPLES_TO_HOLD_OUT` samples and with a
+    loader that takes no ``filters=``; in the last two cases validation runs on the training cache
+    only when ``eval.every`` asks for it, else not at all.
+    """
+    d, ev = cfg.data, cfg.eval
+    eval_bs = ev.batch_size or d.batch_size
+    fields, declared = resolve_fields(cfg, model, d.cache), resolve_fields(cfg, model)
+    if info.is_main:
+        log.info("fields: %s", list(fields) if fields is not None else "every field the cache holds")
+        if declared and fields != declared:
+            log.warning("%s declares fields %s; %s holds no %s: not read", type(model).__name__,
+                        list(declared), d.cache, [f for f in declared if f not in (fields or ())])
+    cls = load_factory(d.loader)
+    hold = ev.enabled and not d.val_cache and d.val_fraction > 0 and _accepts(cls, "filters")
+    train_split = HeldOut(d.val_fraction, "train") if hold else None
+    loader = make_loader(cfg, d.cache, d.batch_size, info, model=model, held_out=train_split)
+    val_loader = None
+    if ev.enabled and d.val_cache:
+        val_loader = make_loader(cfg, d.val_cache, eval_bs, info, model=model, drop_remainder=False)
+    elif train_split is not None and train_split.n_held:
+        if info.is_main:
+            log.info("validation: %d of %d samples of %s held out of training (val_fraction %g, by sha256 "
+                     "of the key)", train_split.n_held, train_split.n_total, d.cache, d.val_fraction)
+        val_loader = make_loader(cfg, d.cache, eval_bs, info, model=model, drop_remainder=False,
+                                 held_out=HeldOut(d.val_fraction, "val"))
+    elif ev.enabled and d.val_fraction > 0:
+        why = (f"the cache has fewer than {MIN_SAMPLES_TO_HOLD_OUT} samples" if train_split is not None
+               else f"{d.loader} takes no filters=")
+        if info.is_main:
+            log.warning("validation: nothing held out (%s)%s", why, ": validating on the training cache"
+                        if ev.every else " and no --data.val-cache: no validation")
+        if ev.every:
+            val_loader = make_loader(cfg, d.cache, eval_bs, info, model=model)
+    loader.set_epoch(0)
+    if val_loader is not None:
+        val_loader.set_epoch(0)
+    return loader, val_loader
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """``training.steps``, or with ``training.epochs E > 0``: ``ceil(E x steps_per_epoch)``."""
+    t = cfg.training
+    if t.epochs <= 0:
+        return t.steps
+    if steps_per_epoch < 1:
+        raise ValueError(f"--training.epochs {t.epochs}: an epoch has no optimizer step (fewer loader batches "
+                         f"than --training.grad-accum {t.grad_accum})")
+    return math.ceil(round(t.epochs * steps_per_epoch, 6))
+
+
+def check_audio_tokenizer(cfg: TrainConfig) -> None:
+    """``model.audio_tokenizer``: log it and warn when the cache's codes were made by another one
+    (the precompute config in ``manifest.json``); it is never loaded."""
+    tok, cache = cfg.model.audio_tokenizer, cfg.data.cache
+    if not tok:
+        return
+    from shards import read_manifest
+    try:
+        manifest = read_manifest(cache)
+    except Exception:  # noqa: BLE001 - the loader reports an unreadable cache
+        manifest = {}
+    made = (manifest.get("config") or {}).get("audio_tokenizer")
+    pre = made.get("pretrained") if isinstance(made, dict) else None
+    if manifest and "n_codebooks" not in manifest:
+        log.warning("--audio-tokenizer %s: the cache %s holds no codes (made without an audio tokenizer)", tok, cache)
+    elif pre is None:
+        log.info("--audio-tokenizer %s: the cache's manifest.json does not name its audio tokenizer; the "
+                 "cached codes are used as they are", tok)
+    elif str(pre).rstrip("/") == str(tok).rstrip("/") or Path(pre).resolve() == Path(tok).resolve():
+        log.info("--audio-tokenizer %s: the cache's codes were made with it", tok)
+    else:
+        log.warning("--audio-tokenizer %s differs from the audio tokenizer the cache's codes were made with "
+                    "(%s, manifest.json config.audio_tokenizer.pretrained); training uses the cached codes",
+                    tok, pre)

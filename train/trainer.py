@@ -1,0 +1,477 @@
+"""The trainer (after torchtitan's ``Trainer``) and :func:`train`, the run read top to bottom.
+
+:class:`Trainer` owns the stateful parts of a run (model, optimizer, LR scheduler, grad scaler,
+loader, :class:`TrainState`): it builds them (``__init__``), runs one optimizer step
+(:meth:`Trainer.train_step`), validates (:meth:`Trainer.evaluate`) and saves / resumes them
+through one state dict (:meth:`Trainer.state_dict`, :mod:`train.checkpoint`). One optimizer step::
+
+    for micro in range(grad_accum):
+        batch = to_device(next(data))           # time spent here is the step's data wait
+        with model.no_sync() unless last:       # covers forward AND backward: no all-reduce
+            with autocast: out = model(batch)   # bf16 / fp16 (GradScaler) / fp32: train.precision
+            backward(out.loss / grad_accum)     # last micro-step: DDP all-reduces the buckets
+    unscale (fp16); norm = clip_grad_norm_(params)
+    optimizer step, skipped on the device when the norm is not finite; scheduler.step()
+
+Nothing in a step reads a value back to the host: losses, token counts, grad norms and the
+non-finite counters stay device tensors (:class:`train.metrics.StepStats`) until a log step. The
+skip of a non-finite step happens on the device with the fused AdamW (``found_inf``, as
+``torch.amp.GradScaler`` does); other optimizers need one host sync per step for it.
+
+DDP: ``broadcast_buffers=False`` (``forward_sync_buffers=False`` on torch >= 2.13; buffers are
+constant here, and a rank-local eval through the wrapper would otherwise broadcast),
+``gradient_as_bucket_view=True``, ``static_graph`` off (it breaks ``no_sync``: pytorch #143580).
+The base model is unwrapped once (``raw``) for checkpoints; validation runs on every rank through
+the compiled, unwrapped model with one all-reduce at the end (rank-0-only validation would leave
+the other ranks blocked in their next collective, past the NCCL timeout on a long eval).
+
+Ranks: everything global (the data split, who writes, the checkpoint's per-rank states) follows
+the global rank ``RANK``; the local rank only picks the GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import platform
+import random
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import record_function
+
+from . import checkpoint as C
+from . import dist as D
+from .config import TrainConfig
+from .data import (batch_stream, check_audio_tokenizer, count_tokens, make_loaders, n_samples, to_device,
+                   total_steps)
+from .metrics import GradNormWarning, Metrics, StepStats, check_nonfinite, peak_memory_mb
+from .models import apply_lora, build_model, count_params, data_spec, set_activation_checkpointing
+from .optim import is_fused, make_optimizer, make_scheduler, restore_scheduler, skipping_step, step_scheduler
+from .precision import Precision
+from .profiling import StepProfiler
+
+log = logging.getLogger("train")
+
+#: written to RUN_DIR by global rank 0 after a stop request (JSON: step, reason, exit_code). torchrun
+#: reports any failing worker as exit status 1, so a job script under torchrun cannot see the
+#: requeue exit code; it checks for this file instead (see scripts/slurm/train.sbatch).
+REQUEUE_MARKER = "REQUEUE"
+
+
+@dataclass
+class Callbacks:
+    """Hooks for tests and extensions (all optional, called on every rank).
+
+    ``on_setup(trainer)``: once the model is wrapped and the run resumed (a :class:`Trainer`:
+    ``model`` as trained, ``raw``, ``optimizer``, ``scheduler``, ``loader``, ``info``, ``state``).
+    ``on_micro_step(step, micro)``: after each backward (``step``: optimizer steps done before it).
+    ``on_step(step, record)``: after each optimizer step (``record``: the metrics record on log
+    steps, else None). An exception in a hook fails the run like any other (exit 1 on every rank).
+    """
+
+    on_setup: Callable[["Trainer"], None] | None = None
+    on_micro_step: Callable[[int, int], None] | None = None
+    on_step: Callable[[int, dict | None], None] | None = None
+
+
+@dataclass
+class TrainState:
+    """The loop's own counters (stateful: saved in every checkpoint)."""
+
+    step: int = 0           #: optimizer steps done
+    epoch: int = 0          #: the loader's epoch
+    skipped_steps: int = 0  #: non-finite steps skipped so far (as of the last checkpoint or log step)
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step, self.epoch = int(sd["step"]), int(sd.get("epoch", 0))
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
+
+
+# ---- building the model ------------------------------------------------------------------------------
+
+def prepare_model(cfg: TrainConfig, spec: Any, device: torch.device) -> nn.Module:
+    """The model as configured, before compile/DDP, on ``device``: seeded init (``data.seed``: the
+    same on every rank), ``model.init_from`` (full weights before LoRA, an adapter after it), LoRA,
+    activation checkpointing. Used by the trainer and by :mod:`train.batch_size`."""
+    m = cfg.model
+    torch.manual_seed(cfg.data.seed)
+    raw = build_model(m.name, m.kwargs, spec, m.latent_loss, m.latent_loss_weight)
+    adapter_init = bool(m.init_from) and C.is_adapter(m.init_from)
+    if m.init_from and not adapter_init:
+        C.load_weights(raw, m.init_from)
+    if cfg.lora.enabled:
+        lo = cfg.lora
+        raw = apply_lora(raw, lo.r, lo.alpha, lo.dropout, tuple(lo.targets))
+    if adapter_init:
+        if not cfg.lora.enabled:
+            meta = json.loads((Path(m.init_from) / C.ADAPTER_META).read_text())
+            raise ValueError(f"--model.init-from {m.init_from} is a LoRA adapter checkpoint: enable --lora with "
+                             f"its options ({meta.get('lora')})")
+        C.load_adapter(raw, m.init_from)
+    if m.activation_checkpointing and not set_activation_checkpointing(raw):
+        log.warning("--activation-checkpointing: %s has no set_activation_checkpointing(); ignored",
+                    type(raw).__name__)
+    return raw.to(device)
+
+
+def adapter_info(cfg: TrainConfig, raw: nn.Module) -> dict | None:
+    """With LoRA: what an adapter checkpoint records about its base (id, weights fingerprint)."""
+    if not cfg.lora.enabled:
+        return None
+    from .recipes import RECIPES
+    from .recipes.lm import DEFAULT_LM
+    m = cfg.model
+    base = str(m.kwargs.get("lm", DEFAULT_LM)) if m.name in RECIPES else \
+        f"{m.name} {json.dumps(m.kwargs, sort_keys=True)} seed {cfg.data.seed}"
+    if m.init_from and not C.is_adapter(m.init_from):
+        base += f" + {m.init_from}"
+    lora = getattr(raw, "lora", None) or dataclasses.asdict(cfg.lora)
+    return {"format": 1, "model": m.name, "base": base, "base_fingerprint": C.base_fingerprint(raw),
+            "lora": {k: list(v) if isinstance(v, tuple) else v for k, v in dict(lora).items()}}
+
+
+def wrap_ddp(model: nn.Module, info: D.DistInfo, cfg: TrainConfig) -> DDP:
+    """DDP without per-forward buffer broadcast, with bucket-view gradients, static_graph off.
+
+    torch >= 2.13 renames ``broadcast_buffers`` to ``forward_sync_buffers`` (and warns on the old
+    name); both mean "no buffer broadcast in forward" here, whichever this torch has.
+    """
+    kw: dict[str, Any] = dict(gradient_as_bucket_view=True, static_graph=False,
+                              find_unused_parameters=cfg.dist.find_unused_parameters,
+                              bucket_cap_mb=cfg.dist.bucket_cap_mb)
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        kw["forward_sync_buffers"] = False
+    else:
+        kw["broadcast_buffers"] = False
+    return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None, **kw)
+
+
+def split_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A model's output -> (loss, other 0-dim float tensors to log)."""
+    if isinstance(out, torch.Tensor):
+        return out, {}
+    if isinstance(out, dict) and "loss" in out:
+        return out["loss"], {k: v.detach() for k, v in out.items()
+                             if k != "loss" and isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()}
+    raise TypeError("the model must return a loss tensor or a dict with 'loss'")
+
+
+def setup_logging(info: D.DistInfo) -> None:
+    """The ``train`` logger: timestamps and the global rank; INFO on rank 0, WARNING elsewhere."""
+    if log.handlers:
+        return
+    h = logging.StreamHandler()
+    h.setFormatter(logging.Formatter(f"%(asctime)s [rank {info.rank}] %(levelname)s %(message)s", "%H:%M:%S"))
+    log.addHandler(h)
+    log.setLevel(logging.INFO if info.is_main else logging.WARNING)
+    log.propagate = False
+
+
+def system_info(info: D.DistInfo, precision: str, fused: bool) -> str:
+    parts = [f"host={socket.gethostname()}", f"python={platform.python_version()}",
+             f"torch={torch.__version__}", f"world={info.world_size}", f"backend={info.backend or '-'}",
+             f"device={info.device}", f"threads={torch.get_num_threads()}", f"cpus={os.cpu_count()}",
+             f"fused_adamw={fused}", f"precision={precision}"]
+    if info.device.type == "cuda":
+        parts += [f"gpu={torch.cuda.get_device_name(info.device)}", f"cuda={torch.version.cuda}",
+                  f"nccl={'.'.join(map(str, torch.cuda.nccl.version()))}"]
+    return " ".join(parts)
+
+
+# ---- the trainer ---------------------------------------------------------------------------------------
+
+class Trainer:
+    """Everything one run owns (see the module docstring). Build it on every rank with the same
+    config; :meth:`resume`, then :meth:`train_step` until ``state.step == steps``."""
+
+    def __init__(self, cfg: TrainConfig, info: D.DistInfo, callbacks: Callbacks | None = None):
+        setup_logging(info)
+        if cfg.dist.threads:
+            torch.set_num_threads(cfg.dist.threads)
+        if not cfg.data.cache:
+            raise ValueError("--data.cache is required (a directory made by `shardcache precompute`)")
+        self.cfg, self.info, self.cb = cfg, info, callbacks or Callbacks()
+        self.out = Path(cfg.job.dir)
+        if info.is_main:
+            D.log_env_set()
+            log.info("effective config:\n%s", cfg.dump())
+        self.spec = data_spec(cfg.data.cache)
+        self.precision = Precision.of(cfg.training.precision, info.device)
+        self.raw = prepare_model(cfg, self.spec, info.device)        # identical init on every rank
+        self.loader, self.val_loader = make_loaders(cfg, info, self.raw)
+        steps_per_epoch = len(self.loader) // cfg.training.grad_accum
+        self.steps = total_steps(cfg, steps_per_epoch)
+        self.optimizer = make_optimizer(self.raw, cfg, info.device)
+        self.scheduler = make_scheduler(self.optimizer, cfg, self.steps)
+        self.adapter = adapter_info(cfg, self.raw)
+        self.state = TrainState()
+        # parallelism: compile, then DDP (the compiled, unwrapped model validates)
+        self.eval_model: nn.Module = torch.compile(self.raw) if cfg.model.compile else self.raw
+        self.model = wrap_ddp(self.eval_model, info, cfg) if info.distributed else self.eval_model
+        self.params = [p for p in self.raw.parameters() if p.requires_grad]
+        self.stats = StepStats(info.device)
+        self.grad_warn = GradNormWarning(cfg.optim.grad_norm_warn, cfg.optim.grad_clip, info.is_main)
+        self.val_start = self.val_loader.state_dict() if self.val_loader is not None else None
+        self.stop = D.StopRequest(info, cfg.job.stop_file or self.out / "STOP", cfg.job.stop_at_step)
+        self.run_start_step = 0
+        if info.is_main:
+            check_audio_tokenizer(cfg)
+            n_train, n_total = count_params(self.raw)
+            log.info("system: %s", system_info(info, self.precision.name, is_fused(self.optimizer)))
+            log.info("model %s: %s trainable / %s parameters (%.2f %% trainable); data %s; %d optimizer steps "
+                     "per epoch (global batch %d); %d steps%s", cfg.model.name, f"{n_train:,}", f"{n_total:,}",
+                     100 * n_train / max(n_total, 1), self.spec, steps_per_epoch,
+                     cfg.data.batch_size * info.world_size * cfg.training.grad_accum, self.steps,
+                     f" = {cfg.training.epochs:g} epochs" if cfg.training.epochs > 0 else "")
+
+    # ---- stateful parts -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, LR scheduler, grad scaler and loop counters (the model's weights and each
+        rank's loader position and RNG are added by :func:`train.checkpoint.save`)."""
+        self.state.skipped_steps = int(self.stats.skipped.item())
+        return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(),
+                "scaler": self.precision.state_dict(), "train_state": self.state.state_dict(),
+                # read by checkpoints made before train_state (format 1) and by people
+                "step": self.state.step, "epoch": self.state.epoch, "skipped_steps": self.state.skipped_steps}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """The inverse of :meth:`state_dict` plus this rank's ``loader`` position."""
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.state.load_state_dict(sd.get("train_state", sd))
+        restore_scheduler(self.scheduler, sd.get("lr_scheduler"), self.state.step)
+        self.precision.load_state_dict(sd.get("scaler"))
+        self.loader.load_state_dict(sd["loader"])
+        self.stats = StepStats(self.info.device, skipped=self.state.skipped_steps)
+
+    def save(self) -> None:
+        """Checkpoint ``step-N`` (collective); first stops the run if the non-finite limit was reached."""
+        self.check_health()
+        self.state.epoch = self.pos["epoch"]
+        C.save(self.out, self.state.step, model=self.raw, state=self.state_dict(), loader=self.loader,
+               info=self.info, config=self.cfg.to_dict(), keep=self.cfg.checkpoint.keep, adapter=self.adapter)
+
+    def resume(self) -> None:
+        """Load ``checkpoint.resume`` (weights, optimizer, schedule, scaler, loader position, RNG), or
+        seed this rank's RNGs for a fresh start."""
+        path = C.resolve_resume(self.cfg.checkpoint.resume, self.out, self.info)
+        if path is not None:
+            C.load_model(self.raw, path)
+            self.load_state_dict(C.read_state(path, self.info))
+            if self.info.is_main:
+                log.info("resumed from %s at step %d (epoch %d)", path, self.state.step, self.state.epoch)
+        else:
+            seed = self.cfg.data.seed + self.info.rank
+            torch.manual_seed(seed)
+            np.random.seed(seed % 2**32)
+            random.seed(seed)
+            if self.cfg.checkpoint.resume == "auto" and self.info.is_main:
+                log.info("--resume auto: no checkpoint in %s, starting fresh", self.out)
+            elif self.info.is_main and C.list_checkpoints(self.out):
+                log.warning("%s already holds checkpoints and --resume is not set: starting fresh; they "
+                            "will be replaced or pruned (use --resume auto to continue)", self.out)
+        self.run_start_step = self.state.step
+        self.pos = {"epoch": self.state.epoch}
+        self.data: Iterator[dict] = batch_stream(self.loader, self.pos)
+
+    # ---- one optimizer step -----------------------------------------------------------------------------
+
+    def train_step(self) -> None:
+        """Micro-steps with ``no_sync`` on all but the last, autocast, (scaled) backward; unscale,
+        clip, a step skipped on the device when the norm is not finite, the schedule; no host sync
+        (see the module docstring)."""
+        accum, device = self.cfg.training.grad_accum, self.info.device
+        self.model.train()
+        for micro in range(accum):
+            with record_function("data_wait"):
+                t0 = time.perf_counter()
+                batch = to_device(next(self.data), device)
+                self.stats.data_wait += time.perf_counter() - t0
+            last = micro == accum - 1
+            sync = contextlib.nullcontext() if last or not self.info.distributed else self.model.no_sync()
+            with sync:                                          # no all-reduce in forward or backward
+                with record_function("forward"), self.precision.autocast():
+                    loss, extras = split_output(self.model(batch))
+                with record_function("backward"):
+                    self.precision.backward(loss / accum)
+            self.stats.add_micro(loss, extras, count_tokens(batch), n_samples(batch))
+            if self.cb.on_micro_step:
+                self.cb.on_micro_step(self.state.step, micro)
+        with record_function("optimizer"):
+            self.precision.unscale_(self.optimizer)
+            clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+            nonfinite = ~torch.isfinite(norm)
+            if self.precision.scaler is not None:              # skips overflowing (non-finite) steps itself
+                self.precision.scaler.step(self.optimizer)
+                self.precision.scaler.update()
+            else:
+                skipping_step(self.optimizer, nonfinite)
+            self.optimizer.zero_grad(set_to_none=True)
+            step_scheduler(self.scheduler)
+        self.stats.add_step(norm, nonfinite, self.cfg.optim.grad_norm_warn)
+        self.state.step += 1
+
+    # ---- what happens between steps --------------------------------------------------------------------
+
+    def due(self, every: int) -> bool:
+        """Whether the step just done is a multiple of ``every`` or the last one."""
+        return self.state.step % every == 0 or self.state.step == self.steps
+
+    def log_metrics(self) -> dict[str, Any]:
+        """The metrics record of the steps since the last one (the only host sync of those steps),
+        written on rank 0; then the grad-norm warning and the non-finite limit."""
+        rec, health = self.stats.read(self.info)
+        first = self.state.step - self.stats.steps + 1
+        factor = self.scheduler.lr_lambdas[0](self.state.step - 1)
+        self.state.skipped_steps = rec["skipped_steps"]
+        rec = {"step": self.state.step, **rec, "lr": self.cfg.optim.lr * factor,
+               "peak_mem_mb": peak_memory_mb(self.info.device), "epoch": self.pos["epoch"]}
+        self.metrics.log(rec)
+        self.grad_warn(first, self.state.step, rec["grad_norm_max"], health["over_warn"])
+        self._check(health["streak"])
+        self.stats.start_window()
+        return rec
+
+    def check_health(self) -> None:
+        """Stop (:class:`train.metrics.NonFiniteError`) when the non-finite steps in a row reached
+        ``training.nonfinite_limit`` (one host sync)."""
+        self._check(self.stats.consecutive_nonfinite())
+
+    def _check(self, streak: int) -> None:
+        limit = self.cfg.training.nonfinite_limit
+        if limit and self.state.step == self.steps:  # a run shorter than the limit that never had a finite step
+            limit = min(limit, self.state.step - self.run_start_step)
+        check_nonfinite(streak, limit, self.state.step)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Mean validation loss over every rank's slice of the validation data (the same samples
+        each time), one all-reduce at the end; logged as a ``split: val`` record."""
+        model, was_training = self.eval_model, self.eval_model.training
+        model.eval()
+        self.val_loader.load_state_dict(self.val_start)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)
+        for i, batch in enumerate(self.val_loader):
+            if self.cfg.eval.batches and i >= self.cfg.eval.batches:
+                break
+            batch = to_device(batch, self.info.device)
+            with self.precision.autocast():
+                loss, _ = split_output(model(batch))
+            n = n_samples(batch)
+            sums[0] += loss.detach().double() * n
+            sums[1] += n
+        D.all_reduce_(sums, self.info)
+        model.train(was_training)
+        total, count = sums.tolist()
+        rec = {"step": self.state.step, "split": "val", "val_loss": total / max(count, 1), "val_samples": int(count)}
+        self.metrics.log(rec)
+        if self.info.is_main:
+            log.info("step %d: val_loss %.4f", self.state.step, rec["val_loss"])
+        return rec
+
+    def stop_requested(self) -> bool:
+        """Whether every rank agrees to stop now. Single process: checked after every step. With a
+        process group (one all-reduce and a host sync) only on log, eval and checkpoint steps, so a
+        stop request is acted on within ``metrics.every`` steps."""
+        c = self.cfg
+        if self.info.distributed and not (self.due(c.metrics.every) or self.due(c.checkpoint.every)
+                                          or self.due(c.eval.every or c.checkpoint.every)):
+            return False
+        return self.stop.agreed(self.state.step)
+
+    def requeue(self) -> int:
+        """After the stop checkpoint: rank 0 consumes the stop file and writes the requeue marker."""
+        code = self.cfg.job.requeue_exit_code
+        log.warning("stop requested (%s): checkpoint saved at step %d; exiting with %d for requeue",
+                    self.stop.reason, self.state.step, code)
+        if self.info.is_main:
+            self.stop.clear_file()
+            self.out.mkdir(parents=True, exist_ok=True)
+            tmp = self.out / (REQUEUE_MARKER + ".tmp")
+            tmp.write_text(json.dumps({"step": self.state.step, "reason": self.stop.reason, "exit_code": code}) + "\n")
+            os.replace(tmp, self.out / REQUEUE_MARKER)
+        return code
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator["Trainer"]:
+        """Stop requests (a stale stop file is from an earlier job: removed), metrics, profiler; at
+        the end the loaders' workers are closed and every rank meets at a barrier."""
+        if self.info.is_main:
+            if self.stop.stop_file.exists():
+                log.warning("removing stale stop file %s", self.stop.stop_file)
+                self.stop.clear_file()
+            (self.out / REQUEUE_MARKER).unlink(missing_ok=True)
+        D.barrier(self.info)
+        self.stop.install()
+        c = self.cfg.metrics
+        self.metrics = Metrics(self.out, self.info.is_main, self.steps, self.state.step, c.tensorboard, c.progress,
+                               c.throughput_warn)
+        self.profiler = StepProfiler.maybe(self.cfg.profile, self.info, self.out, self.state.step)
+        if self.cb.on_setup:
+            self.cb.on_setup(self)
+        try:
+            yield self
+        finally:
+            if self.profiler is not None:
+                self.profiler.stop()
+            self.metrics.close()
+            self.stop.uninstall()
+            for ld in (self.loader, self.val_loader):
+                if getattr(ld, "close", None) is not None:
+                    ld.close()  # DataLoader workers
+        D.barrier(self.info)  # (not after a failure: the peers may be gone; the CLI exits this rank at once)
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+
+def train(cfg: TrainConfig, info: D.DistInfo, callbacks: Callbacks | None = None) -> int:
+    """One run on this rank: 0 when ``steps`` are done, ``job.requeue_exit_code`` after a stop
+    request (checkpoint saved). Raises on failure (:class:`train.metrics.NonFiniteError` when the
+    loss stays non-finite)."""
+    t = Trainer(cfg, info, callbacks)
+    t.resume()
+    code = 0
+    with t.running():
+        while t.state.step < t.steps:
+            t.train_step()
+            record = t.log_metrics() if t.due(cfg.metrics.every) else None
+            if t.cb.on_step:
+                t.cb.on_step(t.state.step, record)
+            if t.val_loader is not None and t.due(cfg.eval.every or cfg.checkpoint.every):
+                t.evaluate()
+            stopping = t.stop_requested()
+            if stopping or t.due(cfg.checkpoint.every):
+                t.save()
+            if stopping and t.state.step < t.steps:  # (a stop at the last step is just the end)
+                code = t.requeue()
+                break
+            if t.profiler is not None:
+                t.profiler.step()
+    return code
+
+
+def run(cfg: TrainConfig, callbacks: Callbacks | None = None) -> int:
+    """Join the process group from the torchrun environment (if any), :func:`train`, leave it.
+
+    An exception propagates without teardown: the caller (``train.cli``) exits the process at once
+    so that the peers fail fast instead of waiting in a collective.
+    """
+    info = D.init(cfg.dist.device, cfg.dist.backend, cfg.dist.pg_timeout_min)
+    code = train(cfg, info, callbacks)
+    D.teardown()
+    return code
