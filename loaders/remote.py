@@ -119,7 +119,7 @@ class RemoteCache:
             p.unlink(missing_ok=True)
         if not self.remote.exists(INDEX_FILE):
             raise FileNotFoundError(f"{self.url}/{INDEX_FILE} not found: is {self.url} a shardcache cache? "
-                                    "(made by `python -m precompute --out URL`)")
+                                    "(made by `shardcache precompute --cache URL`)")
         for name in (MANIFEST_FILE, INDEX_FILE):  # always fresh: the remote cache may have grown
             if name == INDEX_FILE or self.remote.exists(name):
                 self.remote.get(name, self.local / name)

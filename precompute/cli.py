@@ -21,6 +21,7 @@ Add / drop a field of an existing cache later (sidecar tars; see precompute.add_
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -48,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache", "--out", dest="cache", required=True,
                    help="cache directory to write shards, index.parquet, manifest.json into (--out: the old name)")
     g.add_argument("--root", default=None, help="folder media paths are relative to (default: the manifest's folder)")
+    g.add_argument("--storage-options", type=_mapping, default=None, metavar="JSON",
+                   help="with --cache s3://... (gs://, any fsspec URL): fsspec options as a JSON object, e.g. "
+                        "'{\"client_kwargs\": {\"endpoint_url\": \"http://minio:9000\"}}'. Not written into the "
+                        "cache (may hold secrets); credentials otherwise the store's usual way (AWS_* variables, "
+                        "~/.aws, instance roles)")
+    g.add_argument("--staging", default=None, metavar="DIR",
+                   help="with a URL --cache: local folder chunks are written to before upload (default "
+                        "$SHARDCACHE_STAGING, else ~/.cache/shardcache/staging)")
     g.add_argument("--config", default=None, metavar="FILE",
                    help=f"YAML config ('none' for none; default: ${CONFIG_ENV} if set, else none: the defaults below)")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -61,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     S.add_flags(p, PrecomputeConfig, {"--batch-size": "encoder_batch_size"}, titles={"": "config options (defaults: configs/precompute.yaml)"})
     return p
+
+
+def _mapping(text: str) -> dict:
+    """A ``--storage-options`` value: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _plugin(spec: str | None, current: dict) -> dict | None:
@@ -113,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary, manifest = run(args.manifest, args.cache, cfg, root=args.root, global_rank=global_rank,
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, storage_options=args.storage_options,
+                                staging=args.staging)
     except (ShardcacheError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -77,11 +77,11 @@ class RemoteOutput(LocalOutput):
     def __init__(self, url: str, *, staging: str | os.PathLike | None = None, storage_options: dict | None = None,
                  global_rank: int = 0, retries: int = 10):
         self.remote = RemoteFolder(url, storage_options, retries=retries)
-        self.target = self.remote.url
         if staging is None:
             base = os.environ.get("SHARDCACHE_STAGING") or Path.home() / ".cache" / "shardcache" / "staging"
             staging = Path(base) / hashlib.sha1(self.remote.url.encode()).hexdigest()[:16] / f"rank{global_rank}"
         super().__init__(staging)
+        self.target = self.remote.url  # (after the base class, which names the local folder)
 
     def pull(self) -> None:
         """Bring the bucket's ``parts/`` and ``manifest.json`` into staging (resume bookkeeping and

@@ -3,6 +3,7 @@ local folder. Against a real S3 protocol server (moto's, on 127.0.0.1, started a
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import threading
@@ -243,7 +244,7 @@ def _digests(files) -> dict[str, str]:
     return {Path(f).name: hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in files}
 
 
-def test_stage_one_uploads_and_resumes_against_the_bucket(s3, demo_cache, tiny_config, tmp_path):
+def test_stage_one_uploads_and_resumes_against_the_bucket(s3, demo_cache, tiny_config, tmp_path, capsys):
     from precompute.job import run
 
     url = "s3://stage-one/demo"
@@ -260,12 +261,22 @@ def test_stage_one_uploads_and_resumes_against_the_bucket(s3, demo_cache, tiny_c
     assert _digests(got.glob("shard-*.tar")) == _digests(demo_cache.glob("shard-*.tar"))
     # a job killed after uploading shard-000001.tar but before its commit marker: a rerun from a
     # fresh machine (no staging) redoes that chunk only
+    # (this rerun goes through the command line: --storage-options JSON, --staging)
     s3.fs.rm("stage-one/demo/parts/shard-000001.index.parquet")
     shutil.rmtree(tmp_path / "staging")
-    summary2, _ = run(ROOT / "data" / "demo" / "samples.jsonl", url, tiny_config, progress=False,
-                      storage_options=s3.options, staging=tmp_path / "staging2")
+    from precompute import cli
+    overrides = [f"{k}={getattr(tiny_config, k.split('.')[0])['pretrained'] if '.' in k else getattr(tiny_config, k)}"
+                 for k in ("audio_tokenizer.pretrained", "image_encoder.pretrained", "image_size",
+                           "samples_per_shard", "num_workers", "device")]
+    rc = cli.main(["--manifest", str(ROOT / "data" / "demo" / "samples.jsonl"), "--cache", url, "--config",
+                   str(ROOT / "configs" / "precompute.yaml"), *[a for o in overrides for a in ("--set", o)],
+                   "--storage-options", json.dumps(s3.options), "--staging", str(tmp_path / "staging2"),
+                   "--no-progress"])
     rows_in_chunk_1 = len([k for k in read_index(demo_cache).column("shard").to_pylist() if k == "shard-000001.tar"])
-    assert summary2.kept == rows_in_chunk_1 and summary2.shards_written == 1
+    out = capsys.readouterr().out
+    assert rc == 0 and f"kept {rows_in_chunk_1}, " in out and "skipped (already cached) 24" in out
+    assert (tmp_path / "staging2").is_dir()
+    assert "testing" not in s3.fs.cat("stage-one/demo/manifest.json").decode()  # no storage options in the cache
     again = tmp_path / "again"
     s3.fs.get("stage-one/demo/", str(again), recursive=True)
     assert _digests(again.glob("shard-*.tar")) == _digests(demo_cache.glob("shard-*.tar"))
@@ -273,3 +284,28 @@ def test_stage_one_uploads_and_resumes_against_the_bucket(s3, demo_cache, tiny_c
     ld = ShardLoader(url, 4, storage_options=s3.options, local_dir=tmp_path / "read")
     assert sum(len(b["keys"]) for b in ld) == 4 * len(ld)
     ld.close()
+
+
+def test_training_from_the_bucket_equals_training_from_local_files(s3, demo_cache, tmp_path, monkeypatch):
+    """``shardcache train --data.cache s3://...``: the model sizes come from the bucket's
+    manifest.json, the loader streams the shards; the loss of every step equals the same run on the
+    local copy (storage_options through ``data.loader_kwargs``)."""
+    from test_train_support import TINY_MODEL, read_metrics
+    from train.config import from_dict
+    from train.trainer import run
+
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SHARDCACHE_LOCAL_CACHE", str(tmp_path / "local"))
+    url = s3.upload(demo_cache, "s3://train-from/demo")
+
+    def cfg(cache, out, **loader_kwargs):
+        return from_dict({"cache": str(cache), "out": str(out), "model_kwargs": TINY_MODEL, "batch_size": 2,
+                          "steps": 3, "warmup_steps": 1, "progress": False, "threads": 1, "log_every": 1,
+                          "ckpt_every": 1000, "val_fraction": 0, "loader_kwargs": loader_kwargs})
+
+    assert run(cfg(demo_cache, tmp_path / "a")) == 0
+    assert run(cfg(url, tmp_path / "b", storage_options=s3.options)) == 0
+    local, remote = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert len(local) == 3 and [r["loss"] for r in remote] == [r["loss"] for r in local]
+    assert list((tmp_path / "local").glob("*/rank0/shard-*.tar"))  # streamed into the local folder

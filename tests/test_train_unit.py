@@ -356,7 +356,7 @@ def test_checkpoint_atomic_keep_k_and_resume_auto(tmp_path):
         opt.step()
         loader.sd["cursor"] = step * 4
         C.save(tmp_path, step, model=model, state={"optimizer": opt.state_dict(), "train_state": {"step": step}},
-               loader=loader, info=info, config={"seed": 0}, keep=3)
+               loader_state=loader.state_dict(), info=info, config={"seed": 0}, keep=3)
     after_save = (torch.rand(3), __import__("numpy").random.rand(2), __import__("random").random())
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-3", "step-4", "step-5", "step-98"], names
@@ -491,10 +491,13 @@ def test_stop_file_saves_and_returns_requeue_code(cache, tmp_path):
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
 
-def test_resume_bitwise_with_real_loader(cache, tmp_path):
+@pytest.mark.parametrize("prefetch", ["off", "on"])
+def test_resume_bitwise_with_real_loader(cache, tmp_path, prefetch):
     """Real ShardLoader, one process: stop at step 3, resume, same loss sequence bit for bit
-    (across an epoch boundary: 24 samples - 1 held out / batch 4 = 5 steps per epoch)."""
-    kw = dict(steps=8, latent_loss="mse", ckpt_every=3)
+    (across an epoch boundary: 24 samples - 1 held out / batch 4 = 5 steps per epoch). With
+    ``prefetch_to_device: on`` the loader is one batch ahead of the step (as on CUDA): the checkpoint
+    must hold the position of the batch last trained on, not the loader's."""
+    kw = {"steps": 8, "latent_loss": "mse", "ckpt_every": 3, "data.prefetch_to_device": prefetch}
     assert run(cfg_for(cache, tmp_path / "a", **kw)) == 0
     assert run(cfg_for(cache, tmp_path / "b", stop_at_step=3, **kw)) == 3
     assert run(cfg_for(cache, tmp_path / "b", resume="auto", **kw)) == 0

@@ -43,7 +43,7 @@ from shardcache.config import ConfigError
 
 from . import dist as D
 from .config import TrainConfig, build_parser, config_from_namespace
-from .data import batch_stream, make_loader, to_device
+from .data import batch_stream, cache_metadata, make_loader, to_device
 from .metrics import peak_memory_mb
 from .models import data_spec
 from .optim import make_optimizer
@@ -156,7 +156,7 @@ def find_batch_size(cfg: TrainConfig, max_batch_size: int = 1024, steps: int = 3
         free, _total = torch.cuda.mem_get_info(device)
         capacity_mb = free / 2**20
     precision = Precision.of(cfg.training.precision, device)
-    raw = prepare_model(cfg, data_spec(cfg.data.cache), device)
+    raw = prepare_model(cfg, data_spec(cache_metadata(cfg, cfg.data.cache)), device)
     optimizer = make_optimizer(raw, cfg, device)
     model: nn.Module = torch.compile(raw) if cfg.model.compile else raw
     model.train()

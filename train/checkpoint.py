@@ -310,16 +310,19 @@ def prune(out_dir: Path, keep: int) -> list[Path]:
 
 # ---- the collective save / load ------------------------------------------------------------------
 
-def save(out_dir: str | Path, step: int, *, model: nn.Module, state: dict[str, Any], loader: Any,
+def save(out_dir: str | Path, step: int, *, model: nn.Module, state: dict[str, Any], loader_state: dict[str, Any],
          info: D.DistInfo, config: dict, keep: int, adapter: dict | None = None) -> Path | None:
     """Collective: gather loader + RNG states of every rank, rank 0 writes ``step-N``, all wait.
+
+    ``loader_state``: this rank's loader position after the last batch trained on (its
+    ``state_dict()``; with batches prefetched to the device, the one recorded with that batch).
 
     ``model`` is the unwrapped model (not DDP, not compiled); ``state``: ``optimizer`` (its
     state_dict) and the trainer's own stateful parts (``lr_scheduler``, ``scaler``, ``train_state``:
     plain values), the same on every rank; ``adapter``: see :func:`write_dir`. Returns the path on
     rank 0, None elsewhere.
     """
-    local = {"loader": to_plain(loader.state_dict()), "rng": rng_state(info.device)}
+    local = {"loader": to_plain(loader_state), "rng": rng_state(info.device)}
     states = D.all_gather_object(local, info)
     path = None
     if info.is_main:

@@ -50,8 +50,8 @@ class DataConfig:
     """Samples per rank per micro-step. Global batch = batch_size x world size x training.grad_accum."""
     num_workers: int | str = option("auto", choices=("auto",), ge=0)
     """DataLoader worker processes per rank. auto: on CUDA the loader's default (this rank's share of the CPU
-    cores - 1, 1 to 8: loaders.loader.default_num_workers); on CPU 0 (worker processes compete with the
-    training threads: 0.03-0.05 x `cat` with workers vs 0.20 without on 2 cores, README)."""
+    cores - 1, 1 to 8: loaders.loader.default_num_workers); on CPU 0 (worker processes would take cores from the
+    training threads; the README's data-wait table measures both)."""
     loader: str = "loaders:ShardLoader"
     """module:class of the loader (the ShardLoader API)."""
     loader_kwargs: dict = option({}, merge=True)
@@ -59,6 +59,10 @@ class DataConfig:
     compact_batches: bool = True
     """Ask the loader for int16 audio and float16 latents as stored and widen them to float32 on the training
     device: half the host copies and host-to-device bytes (loaders that accept compact=)."""
+    prefetch_to_device: str = option("auto", choices=("auto", "on", "off"))
+    """Copy batch k+1 to the training device while step k runs (loaders.DevicePrefetcher: a side CUDA stream,
+    non-blocking copies from pinned memory; checkpoints keep the loader position of the batch last trained on).
+    auto = on CUDA; on = also on CPU (takes the next batch early, no overlap: for tests); off = copy in the step."""
     seed: int = option(0, ge=0)
     """Seed of the data order and of the model init; rank r seeds its own RNGs with seed + r."""
 

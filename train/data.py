@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import json
 import logging
 import math
 import warnings
@@ -101,8 +102,43 @@ def model_class(name: str) -> Any:
     return ReferenceModel if name == "reference" else recipe_class(name) if name in RECIPES else load_factory(name)
 
 
+def metadata_dir(cache: str, storage_options: dict | None = None) -> str:
+    """A local folder holding ``cache``'s ``manifest.json`` and ``index.parquet``: ``cache`` itself,
+    or for a URL (``s3://...``, any fsspec URL) a copy of the two files fetched into
+    ``$SHARDCACHE_LOCAL_CACHE`` (default ``~/.cache/shardcache/remote``) ``/<url hash>/meta`` (once per
+    process; the loader fetches its own copies and the shards). ``storage_options``: fsspec options
+    (the trainer passes ``data.loader_kwargs.storage_options``). Raises ``FileNotFoundError`` when the
+    URL holds no index."""
+    from shards.storage import is_url
+    if not is_url(cache):
+        return str(cache)
+    return _fetch_metadata(str(cache).rstrip("/"), json.dumps(storage_options or {}, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _fetch_metadata(url: str, options: str) -> str:
+    from loaders.remote import default_local_dir
+    from shards.schema import INDEX_FILE, MANIFEST_FILE
+    from shards.storage import RemoteFolder
+    remote = RemoteFolder(url, json.loads(options))
+    local = default_local_dir(url, 0).with_name("meta")
+    local.mkdir(parents=True, exist_ok=True)
+    if not remote.exists(INDEX_FILE):
+        raise FileNotFoundError(f"{url}/{INDEX_FILE} not found: is {url} a shardcache cache?")
+    for name in (INDEX_FILE, MANIFEST_FILE):
+        if name == INDEX_FILE or remote.exists(name):
+            remote.get(name, local / name)  # atomic: ranks of one node may fetch at once
+    return str(local)
+
+
+def cache_metadata(cfg: TrainConfig, cache: str) -> str:
+    """:func:`metadata_dir` of ``cache`` with the loader's ``storage_options``."""
+    return metadata_dir(cache, cfg.data.loader_kwargs.get("storage_options"))
+
+
 def cache_fields(cache: str) -> tuple[str, ...] | None:
-    """The fields some sample of ``cache`` holds (None when its index cannot be read)."""
+    """The fields some sample of ``cache`` (a local folder: see :func:`metadata_dir`) holds (None
+    when its index cannot be read)."""
     try:
         from shards.index import INDEX_FILE
         return _cache_fields(str(cache), (Path(cache) / INDEX_FILE).stat().st_mtime_ns)
@@ -132,7 +168,7 @@ def resolve_fields(cfg: TrainConfig, model: Any = None, cache: str | None = None
     declared = getattr(model if model is not None else model_class(cfg.model.name), "fields", None)
     if not declared:
         return None
-    held = cache_fields(cache) if cache else None
+    held = cache_fields(cache_metadata(cfg, cache)) if cache else None
     return tuple(f for f in declared if held is None or f in held) or tuple(declared)
 
 
@@ -285,7 +321,7 @@ def check_audio_tokenizer(cfg: TrainConfig) -> None:
         return
     from shards import read_manifest
     try:
-        manifest = read_manifest(cache)
+        manifest = read_manifest(cache_metadata(cfg, cache))
     except Exception:  # noqa: BLE001 - the loader reports an unreadable cache
         manifest = {}
     made = (manifest.get("config") or {}).get("audio_tokenizer")

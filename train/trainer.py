@@ -50,10 +50,12 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
+from loaders.device import DevicePrefetcher
+
 from . import checkpoint as C
 from . import dist as D
 from .config import TrainConfig
-from .data import (batch_stream, check_audio_tokenizer, count_tokens, make_loaders, n_samples, to_device,
+from .data import (batch_stream, cache_metadata, check_audio_tokenizer, count_tokens, make_loaders, n_samples, to_device,
                    total_steps)
 from .metrics import GradNormWarning, Metrics, StepStats, check_nonfinite, peak_memory_mb
 from .models import apply_lora, build_model, count_params, data_spec, set_activation_checkpointing
@@ -209,7 +211,7 @@ class Trainer:
         if info.is_main:
             D.log_env_set()
             log.info("effective config:\n%s", cfg.dump())
-        self.spec = data_spec(cfg.data.cache)
+        self.spec = data_spec(cache_metadata(cfg, cfg.data.cache))
         self.precision = Precision.of(cfg.training.precision, info.device)
         self.raw = prepare_model(cfg, self.spec, info.device)        # identical init on every rank
         self.loader, self.val_loader = make_loaders(cfg, info, self.raw)
@@ -261,8 +263,8 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint ``step-N`` (collective); first stops the run if the non-finite limit was reached."""
         self.check_health()
-        self.state.epoch = self.pos["epoch"]
-        C.save(self.out, self.state.step, model=self.raw, state=self.state_dict(), loader=self.loader,
+        self.state.epoch = self.data.state["epoch"]
+        C.save(self.out, self.state.step, model=self.raw, state=self.state_dict(), loader_state=self.data.state["loader"],
                info=self.info, config=self.cfg.to_dict(), keep=self.cfg.checkpoint.keep, adapter=self.adapter)
 
     def resume(self) -> None:
@@ -285,8 +287,12 @@ class Trainer:
                 log.warning("%s already holds checkpoints and --resume is not set: starting fresh; they "
                             "will be replaced or pruned (use --resume auto to continue)", self.out)
         self.run_start_step = self.state.step
-        self.pos = {"epoch": self.state.epoch}
-        self.data: Iterator[dict] = batch_stream(self.loader, self.pos)
+        pos = {"epoch": self.state.epoch}
+        ahead = {"auto": None, "on": True, "off": False}[self.cfg.data.prefetch_to_device]
+        # batches on the device, one ahead on CUDA; .state: the loader position of the batch last handed out
+        self.data = DevicePrefetcher(batch_stream(self.loader, pos), self.info.device, convert=to_device,
+                                     state=lambda: {"loader": self.loader.state_dict(), "epoch": pos["epoch"]},
+                                     ahead=ahead)
 
     # ---- one optimizer step -----------------------------------------------------------------------------
 
@@ -294,12 +300,12 @@ class Trainer:
         """Micro-steps with ``no_sync`` on all but the last, autocast, (scaled) backward; unscale,
         clip, a step skipped on the device when the norm is not finite, the schedule; no host sync
         (see the module docstring)."""
-        accum, device = self.cfg.training.grad_accum, self.info.device
+        accum = self.cfg.training.grad_accum
         self.model.train()
         for micro in range(accum):
             with record_function("data_wait"):
                 t0 = time.perf_counter()
-                batch = to_device(next(self.data), device)
+                batch = next(self.data)  # on the device, compact fields widened (data.to_device)
                 self.stats.data_wait += time.perf_counter() - t0
             last = micro == accum - 1
             sync = contextlib.nullcontext() if last or not self.info.distributed else self.model.no_sync()
@@ -340,7 +346,7 @@ class Trainer:
         factor = self.scheduler.lr_lambdas[0](self.state.step - 1)
         self.state.skipped_steps = rec["skipped_steps"]
         rec = {"step": self.state.step, **rec, "lr": self.cfg.optim.lr * factor,
-               "peak_mem_mb": peak_memory_mb(self.info.device), "epoch": self.pos["epoch"]}
+               "peak_mem_mb": peak_memory_mb(self.info.device), "epoch": self.data.state["epoch"]}
         self.metrics.log(rec)
         self.grad_warn(first, self.state.step, rec["grad_norm_max"], health["over_warn"])
         self._check(health["streak"])
