@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from test_train_support import (REAL_LOADER, REPO, TESTS, TINY_MODEL, base_env, free_port, launch, load_params,
-                                make_cache, read_metrics, train_args, wait_all)
+                                make_cache, read_metrics, train_args, wait_all, write_audit)
 
 pytestmark = pytest.mark.ddp
 
@@ -67,21 +67,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -> Non
     root = os.path.realpath(cfg["out"])
     writes: list[str] = []
 
-    def audit(event, args):  # every write this process makes under OUT
-        path = None
-        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
-            mode, flags = args[1], args[2] if len(args) > 2 else 0
-            if (mode and any(c in mode for c in "wax+")) or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-                path = args[0]
-        elif event in ("os.rename", "os.replace", "os.remove", "os.unlink", "os.mkdir", "os.rmdir",
-                       "shutil.rmtree", "os.truncate", "shutil.move") and args:
-            path = args[0]
-        if path is not None:
-            p = os.fsdecode(path) if not isinstance(path, int) else ""
-            if p and os.path.realpath(p).startswith(root):
-                writes.append(f"{event} {p}")
 
-    sys.addaudithook(audit)
+    sys.addaudithook(write_audit(root, writes))  # every write this process makes under OUT
     calls = [0]
     micro_log: list[tuple[int, int, int]] = []
     hashes: list[str] = []

@@ -9,14 +9,13 @@ the previous one, named), the ``--profile`` report, and the environment the code
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_train_support import REAL_LOADER, TINY_MODEL, load_params, make_cache, read_metrics
+from test_train_support import REAL_LOADER, TINY_MODEL, Captured, load_params, make_cache, read_metrics
 from train.config import from_dict
 from train.trainer import Callbacks, run
 
@@ -40,30 +39,6 @@ def cfg_for(cache: Path, out: Path, **kw):
     return from_dict(base)
 
 
-class Captured(logging.Handler):
-    """Messages of the ``train`` logger (it does not propagate)."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        lg = logging.getLogger("train")
-        self.level = lg.level
-        lg.addHandler(self)
-        lg.setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger("train").removeHandler(self)
-        logging.getLogger("train").setLevel(self.level)
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.messages)
 
 
 # ---- precision ---------------------------------------------------------------------------------------

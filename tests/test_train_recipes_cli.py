@@ -5,7 +5,6 @@ and the loop on an image-text cache without codes or audio (a plug-in model decl
 from __future__ import annotations
 
 import json
-import logging
 import math
 import subprocess
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from test_train_support import PY, REPO, base_env, read_metrics
+from test_train_support import PY, REPO, Captured, base_env, read_metrics
 from train.config import build_parser, from_dict, parse_args
 from train.data import HeldOut, held_out_mask, resolve_fields, total_steps
 from train.metrics import GradNormWarning
@@ -29,31 +28,6 @@ HIGGS = ("--model_path {lm} --audio_tokenizer_path {tok} --train_data_file {cach
 VOCAB, IMG_TOKEN, LATENT_C = 64, 5, 4
 
 
-class Captured(logging.Handler):
-    """Messages of the ``train`` logger (which does not propagate: caplog would not see them)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        lg = logging.getLogger("train")
-        self.level = lg.level
-        lg.addHandler(self)
-        lg.setLevel(logging.INFO)  # (train's setup_logging leaves a logger with handlers alone)
-        return self
-
-    def __exit__(self, *exc):
-        lg = logging.getLogger("train")
-        lg.removeHandler(self)
-        lg.setLevel(self.level)
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.messages)
 
 
 @pytest.fixture(autouse=True)

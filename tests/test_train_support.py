@@ -11,6 +11,7 @@ sleeps per batch (stop-request tests).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -246,3 +247,52 @@ class MeanCodesModel(torch.nn.Module):
 
 def make_mean_codes(n_codebooks: int, codebook_size: int, nan_at_calls: tuple = ()):
     return MeanCodesModel(n_codebooks, codebook_size, tuple(nan_at_calls))
+
+
+# ---- what a run logs and writes ----------------------------------------------------------------------
+
+class Captured(logging.Handler):
+    """Messages of the ``train`` logger while in a ``with`` block (the logger does not propagate:
+    caplog would not see them)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        lg = logging.getLogger("train")
+        self.level = lg.level
+        lg.addHandler(self)
+        lg.setLevel(logging.INFO)  # (train's setup_logging leaves a logger with handlers alone)
+        return self
+
+    def __exit__(self, *exc):
+        lg = logging.getLogger("train")
+        lg.removeHandler(self)
+        lg.setLevel(self.level)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.messages)
+
+
+def write_audit(root: str, writes: list[str]):
+    """An audit hook (``sys.addaudithook``) appending ``"EVENT PATH"`` to ``writes`` for every file
+    write, rename, removal or mkdir this process makes under the real path ``root``."""
+    def hook(event, args):
+        path = None
+        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            mode, flags = args[1], args[2] if len(args) > 2 else 0
+            if (mode and any(c in mode for c in "wax+")) or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                path = args[0]
+        elif event in ("os.rename", "os.replace", "os.remove", "os.unlink", "os.mkdir", "os.rmdir",
+                       "shutil.rmtree", "os.truncate", "shutil.move") and args:
+            path = args[0]
+        if path is not None and not isinstance(path, int):
+            p = os.fsdecode(path)
+            if os.path.realpath(p).startswith(root):
+                writes.append(f"{event} {p}")
+    return hook

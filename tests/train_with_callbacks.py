@@ -19,21 +19,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _audit(root: str, writes: list[str]):
-    def hook(event, args):
-        path = None
-        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
-            mode, flags = args[1], args[2] if len(args) > 2 else 0
-            if (mode and any(c in mode for c in "wax+")) or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-                path = args[0]
-        elif event in ("os.rename", "os.replace", "os.remove", "os.unlink", "os.mkdir", "os.rmdir",
-                       "shutil.rmtree", "os.truncate", "shutil.move") and args:
-            path = args[0]
-        if path is not None and not isinstance(path, int):
-            p = os.fsdecode(path)
-            if os.path.realpath(p).startswith(root):
-                writes.append(f"{event} {p}")
-    return hook
 
 
 def main() -> int:
@@ -48,6 +33,7 @@ def main() -> int:
 
     from train.cli import main as train_main
     from train.config import parse_args
+    from test_train_support import write_audit
     from train.trainer import Callbacks
 
     rank = int(os.environ.get("RANK", 0))
@@ -55,7 +41,7 @@ def main() -> int:
     rec: dict = {"env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")},
                  "train": {}, "eval": [], "writes": []}
     if ns.record:
-        sys.addaudithook(_audit(run_dir, rec["writes"]))
+        sys.addaudithook(write_audit(run_dir, rec["writes"]))
     state = {"step": 0}
 
     def on_setup(trainer):
