@@ -54,7 +54,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 $(MODELS)/.built: $(VENV)/.installed
-	$(PY) -m precompute.random_models --out $(MODELS)
+	$(PY) -m shardcache.testing --out $(MODELS)
 	touch $@
 
 models: $(MODELS)/.built

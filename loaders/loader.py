@@ -33,13 +33,14 @@ child cannot use CUDA. ``num_workers=None`` picks ``min(8, cpus // LOCAL_WORLD_S
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+
+from shardcache.workers import auto_workers
 
 from .batching import PlanSpec
 from .collate import check_fields
@@ -56,13 +57,8 @@ def _identity(x):
 
 
 def default_num_workers() -> int:
-    """``min(8, cpus_of_this_process // LOCAL_WORLD_SIZE - 1)``, at least 1."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-    return max(1, min(8, cpus // local - 1))
+    """``min(8, cpus_of_this_rank - 1)``, at least 1 (:func:`shardcache.workers.auto_workers`)."""
+    return auto_workers(on_accelerator=True)
 
 
 def _pin(x):

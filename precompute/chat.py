@@ -31,20 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from shards.tokens import (AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_OUT, AUDIO_OUT_BOS, BEGIN_OF_TEXT,  # noqa: F401
+                           END_HEADER, EOM, EOT, IGNORE_INDEX, IMAGE, PLACEHOLDERS, SPECIAL_TOKENS,
+                           START_HEADER)
+
 from .conversation import Conversation
 
-IGNORE_INDEX = -100
-BEGIN_OF_TEXT = "<|begin_of_text|>"
-START_HEADER, END_HEADER = "<|start_header_id|>", "<|end_header_id|>"
-EOT, EOM = "<|eot_id|>", "<|eom_id|>"
-AUDIO_BOS, AUDIO_IN, AUDIO_EOS = "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"
-AUDIO_OUT_BOS, AUDIO_OUT = "<|audio_out_bos|>", "<|AUDIO_OUT|>"
-IMAGE = "<image>"
-#: the special tokens the templates use (the byte tokenizer gives them ids 259, 260, ...)
-SPECIAL_TOKENS = (BEGIN_OF_TEXT, START_HEADER, END_HEADER, EOT, EOM, AUDIO_BOS, AUDIO_IN, AUDIO_EOS,
-                  AUDIO_OUT_BOS, AUDIO_OUT, IMAGE)
-#: tokens whose label is always -100 (one per media item; the k-th stands for item k)
-PLACEHOLDERS = (AUDIO_IN, AUDIO_OUT, IMAGE)
 TEMPLATES = ("auto", "llama3", "tokenizer")
 
 

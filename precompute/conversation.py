@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shards.tokens import IMAGE
+
 ROLES = ("system", "user", "assistant")
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                "system": "system"}
-IMAGE_TOKEN = "<image>"
+IMAGE_TOKEN = IMAGE  # LLaVA's placeholder in a turn's text
 
 
 class RowError(ValueError):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
+
+from shardcache.workers import auto_workers
 
 from shards import schema
 from shards.errors import FingerprintMismatch
@@ -238,18 +239,12 @@ def resolve_device(device: str, local_rank: int) -> str:
 
 
 def resolve_workers(num_workers: int | str, device: str) -> int:
-    """Decode worker processes for ``num_workers`` ("auto" or a count) on ``device``.
-
-    auto: on CUDA, this rank's share of the CPU cores minus one for the main process (1 to 8);
-    on CPU, 0 (the encoder's threads already occupy every core; with 2 workers on a 2-core machine
-    the real-size encoders ran 15 % slower than with decoding inline, see benchmarks/).
-    """
+    """Decode worker processes for ``num_workers`` ("auto" or a count) on ``device``: auto is
+    :func:`shardcache.workers.auto_workers` (on CPU 0: with 2 workers on a 2-core machine the
+    real-size encoders ran 15 % slower than with decoding inline)."""
     if num_workers != "auto":
         return int(num_workers)
-    if not device.startswith("cuda"):
-        return 0
-    per_rank = (os.cpu_count() or 2) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(1, min(8, per_rank - 1))
+    return auto_workers(on_accelerator=not device.startswith("cpu"))
 
 
 def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, root: str | Path | None = None,

@@ -21,7 +21,7 @@ Name rules (no entry needed): ``audio_<name>`` / ``audio_<name>_starts`` are ext
 ``python -m precompute add-field``) is a field of kind ``codes`` stored in sidecar tars: a field
 declared at add-field time inherits the kind of its base encoder output (:data:`DERIVABLE`).
 
-This module imports nothing from either stage (and nothing from the rest of :mod:`shards`).
+This module imports nothing from either stage (from the rest of :mod:`shards` only :mod:`shards.tokens`).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
-#: pad value of codes (PyTorch ``CrossEntropyLoss(ignore_index=-100)`` skips it) and of labels
-IGNORE_INDEX = -100
+from .tokens import IGNORE_INDEX  # pad value of codes and labels
+
 #: pad of ``text_ids`` / default pad of ``input_ids`` (the cache's ``text.pad_id`` wins)
 TEXT_PAD_ID = 0
 #: ``Field.pad`` value meaning "pad with the cache's text pad id"

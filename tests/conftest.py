@@ -28,9 +28,9 @@ def _restore_torch_threads():
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """The tiny random test models (dac, wan, mimi, tokenizer, lm), built once per session by
-    ``python -m precompute.random_models``."""
+    ``python -m shardcache.testing``."""
     out = tmp_path_factory.mktemp("models")
-    subprocess.run([sys.executable, "-m", "precompute.random_models", "--out", str(out), "--only",
+    subprocess.run([sys.executable, "-m", "shardcache.testing", "--out", str(out), "--only",
                     "dac,wan,mimi,tokenizer,lm"],
                    check=True, cwd=ROOT, capture_output=True)
     return out

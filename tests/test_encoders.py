@@ -1,6 +1,6 @@
 """Tests of precompute.encoders with tiny randomly initialised models of the real architectures.
 
-The models are built once per module with ``precompute.random_models`` into a temporary directory and
+The models are built once per module with ``shardcache.testing`` into a temporary directory and
 loaded back through ``from_pretrained``, the same code path a real checkpoint takes.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
-from precompute import random_models  # noqa: E402
+from shardcache import testing as random_models  # noqa: E402
 from precompute.encoders import (  # noqa: E402
     AudioTokenizer,
     ByteTokenizer,
@@ -120,7 +120,7 @@ def test_naive_padding_would_change_dac_tail(dac):
 
 
 def test_reload_gives_identical_codes_and_hash(models, dac):
-    fresh = DacTokenizer(random_models.make_dac("tiny"))
+    fresh = DacTokenizer(random_models.codecs.make_dac("tiny"))
     clips = [chirp(48000, seed=7), chirp(12345, seed=8)]
     for a, b in zip(fresh.encode(clips), dac.encode(clips)):
         np.testing.assert_array_equal(a, b)
@@ -357,16 +357,16 @@ def test_unknown_names_and_options(models, tmp_path):
     with pytest.raises(ValueError, match="unknown option"):
         load_audio_tokenizer({"name": "dac", "pretrained": str(models["dac"]), "bandwidth": 6.0})
     missing = tmp_path / "models" / "dac-tiny"
-    with pytest.raises(FileNotFoundError, match=r"python -m precompute\.random_models --out models"):
+    with pytest.raises(FileNotFoundError, match=r"python -m shardcache\.testing --out models"):
         load_audio_tokenizer({"name": "dac", "pretrained": str(missing)})
-    with pytest.raises(FileNotFoundError, match="random_models"):
+    with pytest.raises(FileNotFoundError, match="shardcache.testing"):
         load_image_encoder({"name": "wan", "pretrained": str(tmp_path / "nothing")})
 
 
 def test_relative_default_path_fails_fast(tmp_path, monkeypatch):
     """The default config's 'models/dac-tiny' is local even without models/ (no hub retries)."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="random_models"):
+    with pytest.raises(FileNotFoundError, match="shardcache.testing"):
         load_audio_tokenizer({"name": "dac", "pretrained": "models/dac-tiny"})
 
 
@@ -391,13 +391,13 @@ def test_fingerprint(models, dac):
     reordered = dict(reversed(list(pre.items())))
     assert fingerprint(dac.describe(), wan.describe(), text.describe(), preprocessing=reordered) == base
     assert fingerprint(dac.describe(), wan.describe(), text.describe(), preprocessing={**pre, "crop": "resize"}) != base
-    changed = random_models.make_dac("tiny")
+    changed = random_models.codecs.make_dac("tiny")
     with torch.no_grad():
         changed.encoder.conv1.bias[0] += 1e-3
     other = DacTokenizer(changed)
     assert other.describe()["weights_sha256"] != dac.describe()["weights_sha256"]
     assert fingerprint(other.describe(), wan.describe(), text.describe(), preprocessing=pre) != base
-    fewer = DacTokenizer(random_models.make_dac("tiny"), n_quantizers=4)
+    fewer = DacTokenizer(random_models.codecs.make_dac("tiny"), n_quantizers=4)
     assert fingerprint(fewer.describe(), wan.describe(), text.describe(), preprocessing=pre) != base
     with pytest.raises(TypeError):
         fingerprint(dac.describe(), preprocessing={"bad": object()})

@@ -379,7 +379,7 @@ def test_build_model_reads_the_manifest(lm_dir, tmp_path):
     assert v.projector[0].in_features == C_LAT
     with pytest.raises(ValueError, match="AUDIO_OUT"):
         build_model("tts", {"lm": lm_dir}, DataSpec())
-    with pytest.raises(FileNotFoundError, match="random_models"):
+    with pytest.raises(FileNotFoundError, match="shardcache.testing"):
         build_model("vlm", {"lm": str(tmp_path / "no" / "such-lm")}, spec)
 
 

@@ -36,7 +36,6 @@ with more tokens less), which is what lets 1 x B, 2 x B/2 and 2 x B/4 x accum 2 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import sys
 import logging
@@ -50,9 +49,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from shardcache.plugins import load_factory  # noqa: F401 (re-exported for train.data)
+from shards import tokens
+from shards.tokens import IGNORE_INDEX
+
 log = logging.getLogger("train")
 
-IGNORE_INDEX = -100  # == loaders.CODES_PAD_ID
 
 
 @dataclass
@@ -78,11 +80,11 @@ class DataSpec:
 
 #: DataSpec field -> special token in ``manifest.json`` ``text.special_token_ids``
 _TOKEN_FIELDS = {
-    "audio_in_token_id": "<|AUDIO|>",
-    "audio_out_token_id": "<|AUDIO_OUT|>",
-    "image_token_id": "<image>",
-    "audio_out_bos_token_id": "<|audio_out_bos|>",
-    "audio_eos_token_id": "<|audio_eos|>",
+    "audio_in_token_id": tokens.AUDIO_IN,
+    "audio_out_token_id": tokens.AUDIO_OUT,
+    "image_token_id": tokens.IMAGE,
+    "audio_out_bos_token_id": tokens.AUDIO_OUT_BOS,
+    "audio_eos_token_id": tokens.AUDIO_EOS,
 }
 
 
@@ -341,20 +343,6 @@ class ReferenceModel(nn.Module):
         err = torch.where(pair, err, torch.zeros((), dtype=err.dtype, device=err.device))
         per = err.sum(1) / pair.sum(1).clamp_min(1).to(err.dtype)
         return per.sum() / B
-
-
-def load_factory(spec: str):
-    """``module:attr`` -> the attribute (a class or function)."""
-    mod, sep, name = spec.partition(":")
-    if not sep or not mod or not name:
-        raise ValueError(f"expected module:factory, got {spec!r}")
-    try:
-        obj = importlib.import_module(mod)
-    except ImportError as e:
-        raise ImportError(f"cannot import {mod!r} for {spec!r}: {e} (is it on PYTHONPATH?)") from e
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def build_model(model: str, model_kwargs: dict, spec: DataSpec, latent_loss: str = "none",

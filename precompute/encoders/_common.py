@@ -8,17 +8,11 @@ import hashlib
 import json
 import math
 import os
-import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-#: how to create local test models when a ``pretrained`` directory is missing
-BUILD_HINT = (
-    "To build small randomly initialised test models of the real architectures run: "
-    "python -m precompute.random_models --out models"
-)
+from shardcache.pretrained import BUILD_HINT, load_error, resolve_pretrained  # noqa: F401 (one owner)
 
 #: config keys that name where a checkpoint came from or which library wrote it; they do not change
 #: the outputs, so they are left out of ``describe()`` (moving a model directory keeps its fingerprint)
@@ -162,46 +156,3 @@ def resolve_dtype(dtype: Any) -> "torch.dtype":
     return getattr(torch, name)
 
 
-#: directory names written by ``precompute.random_models`` (``dac-tiny``, ``wan-full``...): never hub ids
-_RANDOM_MODEL_DIR = re.compile(r"^(dac|encodec|mimi|wan|cosmos|tokenizer|lm)-(tiny|full)$")
-
-
-def resolve_pretrained(pretrained: Any, *, what: str) -> str:
-    """Return ``pretrained`` as a string for ``from_pretrained``, failing early on missing local dirs.
-
-    A value is treated as a local path when it exists, is absolute, starts with ``.``/``~``, has more
-    than one ``/``, its first component is an existing directory (``models/dac-tiny`` when
-    ``models/`` exists) or its last component is a ``precompute.random_models`` name (``dac-tiny``,
-    ``wan-full``...; so a forgotten ``make models`` fails at once instead of after the hub client's
-    retries). A missing local path raises ``FileNotFoundError`` with :data:`BUILD_HINT`.
-    Anything else (``org/name``, ``name``) is passed on as a Hugging Face hub id; if loading it fails
-    the caller raises :func:`load_error`, which carries the same hint.
-    """
-    if pretrained is None or str(pretrained).strip() == "":
-        raise ValueError(f"{what}: 'pretrained' (a local directory or hub id) is required. {BUILD_HINT}")
-    text = os.fspath(pretrained) if isinstance(pretrained, os.PathLike) else str(pretrained)
-    path = Path(text).expanduser()
-    if path.is_dir():
-        return str(path)
-    if path.exists():
-        raise NotADirectoryError(f"{what}: pretrained path {text!r} is a file; expected a model directory")
-    looks_local = (
-        isinstance(pretrained, os.PathLike)
-        or path.is_absolute()
-        or text.startswith((".", "~"))
-        or text.count("/") > 1
-        or Path(text.split("/", 1)[0]).is_dir()
-        or _RANDOM_MODEL_DIR.match(path.name) is not None
-        or os.sep != "/" and os.sep in text
-    )
-    if looks_local:
-        raise FileNotFoundError(f"{what}: model directory {text!r} does not exist. {BUILD_HINT}")
-    return text
-
-
-def load_error(what: str, pretrained: str, err: Exception) -> Exception:
-    """An ``OSError`` explaining that ``pretrained`` could not be loaded, chained by the caller."""
-    return OSError(
-        f"{what}: could not load {pretrained!r} as a local directory or Hugging Face hub id "
-        f"({type(err).__name__}: {err}). {BUILD_HINT}"
-    )

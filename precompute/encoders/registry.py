@@ -15,10 +15,11 @@ Names: audio ``dac`` (default) | ``encodec`` | ``mimi``; image ``wan`` (default)
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Mapping
 from typing import Any
+
+from shardcache.plugins import load_factory
 
 from ._common import BUILD_HINT
 from .audio import AUDIO_TOKENIZERS
@@ -27,33 +28,6 @@ from .image import IMAGE_ENCODERS
 from .text import TEXT_TOKENIZERS
 
 _FACTORY_KEYS = {"factory", "kwargs", "name"}
-
-
-def load_factory(spec: str):
-    """Resolve ``"package.module:attr[.attr...]"`` to the callable it names.
-
-    Raises:
-        ValueError: ``spec`` is not of the form ``module:callable``.
-        ImportError: the module cannot be imported (the message names it).
-        AttributeError: the module has no such attribute.
-        TypeError: the attribute is not callable.
-    """
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"factory must look like 'package.module:callable', got {spec!r}")
-    mod_name, attr = spec.split(":")
-    if not mod_name or not attr:
-        raise ValueError(f"factory must look like 'package.module:callable', got {spec!r}")
-    try:
-        obj = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ImportError(f"factory {spec!r}: cannot import module {mod_name!r}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise AttributeError(f"factory {spec!r}: {obj.__name__ if hasattr(obj, '__name__') else obj!r} has no attribute {part!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"factory {spec!r} is not callable ({type(obj).__name__})")
-    return obj
 
 
 def _accepts(fn, name: str) -> bool:

@@ -11,7 +11,7 @@ from ._common import canonical_json, load_error, resolve_pretrained
 
 
 def _default_specials() -> tuple[str, ...]:
-    from ..chat import SPECIAL_TOKENS
+    from shards.tokens import SPECIAL_TOKENS
     return SPECIAL_TOKENS
 
 
@@ -19,7 +19,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens: id = byte + 3; 0 = pad, 1 = bos, 2 = eos; then one id per special token.
 
     ``encode("hé")`` -> ``[1, 107, 198, 172, 2]`` (int32). Needs no files, so it is always available.
-    The chat templates' special tokens (:data:`precompute.chat.SPECIAL_TOKENS`: ``<|begin_of_text|>``,
+    The chat templates' special tokens (:data:`shards.tokens.SPECIAL_TOKENS`: ``<|begin_of_text|>``,
     ``<|AUDIO_OUT|>``, ``<image>``...) get ids ``259, 260, ...`` and are recognised in the text, as
     an HF tokenizer recognises its added special tokens; ``vocab_size`` = 259 + their number.
 

@@ -15,45 +15,30 @@ global batch does not depend on how it is split across ranks and micro-steps.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardcache.pretrained import BUILD_HINT, resolve_pretrained
+from shards.tokens import IGNORE_INDEX
+
 log = logging.getLogger("train")
 
-IGNORE_INDEX = -100
 DEFAULT_LM = "models/lm-tiny"
 #: LoRA targets of the recipes: the attention projections of Llama/Qwen/Mistral-style LMs
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-LM_HINT = ("build the tiny random test LM with: python -m precompute.random_models --out models --only lm, "
-           "or pass model_kwargs.lm = a local checkpoint directory or a Hugging Face hub id")
+LM_HINT = "pass model_kwargs.lm = a local checkpoint directory or a Hugging Face hub id; " + BUILD_HINT
 
 
 # -- loading ----------------------------------------------------------------------------------------
 
 def resolve_lm(lm: Any) -> str:
-    """``lm`` as a ``from_pretrained`` argument; a missing local directory fails at once.
-
-    Local: exists, absolute, starts with ``.``/``~``, more than one ``/``, or its first component is
-    an existing directory (``models/lm-tiny`` while ``models/`` exists). Else a hub id.
-    """
-    if lm is None or str(lm).strip() == "":
-        raise ValueError(f"model_kwargs.lm is empty; {LM_HINT}")
-    text = os.fspath(lm)
-    path = Path(text).expanduser()
-    if path.is_dir():
-        return str(path)
-    if path.exists():
-        raise NotADirectoryError(f"model_kwargs.lm {text!r} is a file; expected a model directory")
-    if (path.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1
-            or Path(text.split("/", 1)[0]).is_dir()):
-        raise FileNotFoundError(f"LM directory {text!r} does not exist; {LM_HINT}")
-    return text
+    """``lm`` as a ``from_pretrained`` argument (:func:`shardcache.pretrained.resolve_pretrained`: a
+    missing local directory fails at once, with the command that builds the tiny test LM)."""
+    return resolve_pretrained(lm, what="model_kwargs.lm")
 
 
 def load_causal_lm(lm: Any, vocab_size: int | None = None, dtype: str | torch.dtype = "float32",
