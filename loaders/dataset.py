@@ -185,6 +185,7 @@ class Sources:
         shapes = [s.latent_shape for s in self.sources if s.latent_shape is not None]
         self.latent_shape = shapes[0] if shapes else None
         self.compact = False  # collate_views(compact=...): int16 audio, float16 latents
+        self.transform = None  # applied to each collated batch (ShardLoader(transform=...))
         self.pad_id = self.sources[0].pad_id
 
     def read_batch(self, ids: np.ndarray, arena=None) -> dict[str, Any]:
@@ -192,7 +193,8 @@ class Sources:
         ``arena``: a worker's :class:`loaders.shm.SlotArena` to collate into."""
         ids = np.asarray(ids, dtype=np.int64)
         if len(self.sources) == 1:
-            return self._read_one(self.sources[0], ids, arena)
+            batch = self._read_one(self.sources[0], ids, arena)
+            return batch if self.transform is None else self.transform(batch)
         which = np.searchsorted(self.offsets, ids, side="right") - 1
         keys: list[Any] = [None] * len(ids)
         rates = np.zeros(len(ids), np.int64)
@@ -212,7 +214,7 @@ class Sources:
         for i in np.unique(which).tolist():
             self.sources[i].after_read()
         batch["source"] = [self.names[i] for i in which.tolist()]
-        return batch
+        return batch if self.transform is None else self.transform(batch)
 
     def _read_one(self, src: CacheSource, rows: np.ndarray, arena=None) -> dict[str, Any]:
         per_field = {f: src.views(f, rows) for f in self.fields}

@@ -112,6 +112,9 @@ class ShardLoader:
             32 GiB); files this epoch will not read again are deleted to stay under it.
         remote_retries: tries of each remote call on transient errors (exponential backoff from
             0.5 s, at most 30 s apart).
+        transform: a picklable callable applied to every collated batch where it is read (in the
+            worker process with ``num_workers > 0``), e.g. a model's own batch layout built from the
+            cached tensors (:attr:`train.recipes` ``batch_transform``); default None.
 
     Attribute ``prefetcher``: the :class:`loaders.remote.Prefetcher` of a remote cache (its
     ``stats``: downloads, bytes, evictions, peak_bytes), else None.
@@ -129,7 +132,7 @@ class ShardLoader:
                  persistent_workers: bool | None = None, multiprocessing_context: Any = None,
                  timeout: float = 0.0, compact: bool = False, verify_reads: bool = False,
                  storage_options: dict | None = None, local_dir: str | None = None,
-                 cache_limit: int | None = None, remote_retries: int = 10):
+                 cache_limit: int | None = None, remote_retries: int = 10, transform: Callable | None = None):
         fields = None if fields is None else check_fields(fields)
         remote = dict(rank=int(global_rank), local_dir=local_dir, storage_options=storage_options,
                       retries=remote_retries)
@@ -141,7 +144,7 @@ class ShardLoader:
                     prefetch_factor=prefetch_factor, bucket_window=bucket_window,
                     persistent_workers=persistent_workers,
                     multiprocessing_context=multiprocessing_context, timeout=timeout, compact=compact,
-                    cache_limit=cache_limit)
+                    cache_limit=cache_limit, transform=transform)
 
     # -- construction shared with MixedLoader ----------------------------------------------------
     def _setup(self, sources: Sources, order_fn: Callable[[int], np.ndarray], batch_size: int, *,
@@ -149,8 +152,9 @@ class ShardLoader:
                drop_remainder: bool, max_frames: int | None, device_pin, prefetch_factor: int,
                bucket_window: int | None, persistent_workers: bool | None,
                multiprocessing_context, timeout: float, compact: bool = False,
-               cache_limit: int | None = None) -> None:
+               cache_limit: int | None = None, transform: Callable | None = None) -> None:
         sources.compact = bool(compact)
+        sources.transform = transform
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if int(world_size) < 1 or not 0 <= int(global_rank) < int(world_size):

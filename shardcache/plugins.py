@@ -16,10 +16,10 @@ def load_factory(spec: str) -> Any:
         TypeError: the attribute is not callable.
     """
     if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"expected 'package.module:callable', got {spec!r}")
+        raise ValueError(f"expected 'package.module:callable' (a module:factory spec), got {spec!r}")
     mod_name, attr = spec.split(":")
     if not mod_name or not attr:
-        raise ValueError(f"expected 'package.module:callable', got {spec!r}")
+        raise ValueError(f"expected 'package.module:callable' (a module:factory spec), got {spec!r}")
     try:
         obj = importlib.import_module(mod_name)
     except ImportError as e:

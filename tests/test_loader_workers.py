@@ -119,3 +119,23 @@ def test_pinned_batches_equal_and_release_the_slot(cache):
         assert all(v.is_pinned() for v in b.values() if isinstance(v, torch.Tensor))
         assert_same(b, want[i])
     ld.close()
+
+
+class AddTotal:
+    """A picklable batch transform: the sum of each sample's codes as a new key."""
+
+    def __call__(self, batch):
+        batch["codes_total"] = batch["codes"].clamp_min(0).sum(dim=(1, 2))
+        return batch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_transform_runs_on_every_batch_where_it_is_read(cache, num_workers):
+    want = reference(cache, 0)
+    ld = ShardLoader(cache, 3, seed=3, num_workers=num_workers, transform=AddTotal())
+    got = list(ld)
+    ld.close()
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g["codes_total"], w["codes"].clamp_min(0).sum(dim=(1, 2)))
+        assert torch.equal(g["codes"], w["codes"])

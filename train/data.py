@@ -254,6 +254,9 @@ def make_loader(cfg: TrainConfig, cache: str, batch_size: int, info: D.DistInfo,
         kwargs["filters"] = held_out
     if drop_remainder is not None and _accepts(cls, "drop_remainder"):
         kwargs["drop_remainder"] = drop_remainder
+    transform = getattr(model, "batch_transform", None)
+    if transform is not None and "transform" not in kwargs and _accepts(cls, "transform"):
+        kwargs["transform"] = transform  # the model's own batch layout, built in the loader's workers
     return cls(cache, batch_size=batch_size, global_rank=info.rank, world_size=info.world_size,
                seed=cfg.data.seed, num_workers=num_workers(cfg.data.num_workers, info.device), **kwargs)
 
