@@ -44,10 +44,13 @@ key                  dtype      shape                      meaning
 ``has_image``        bool       (B,)                       sample has latents
 ===================  =========  =========================  =============================================
 
-Fields added to a cache with ``python -m precompute add-field`` (e.g. ``codes_mimi``, kind ``codes``
-in :mod:`shards.fields`) are collated like ``codes``: ``codes_mimi`` (B, Q', F') padded with -100,
-``codes_mimi_lengths`` (B,), ``codes_mimi_mask`` (B, F'). Every pad value, lengths/mask key and
-rank comes from the field registry (:mod:`shards.fields`).
+Every field is collated by its kind (:mod:`shards.kinds`): the pad value, the lengths/mask keys
+and dtypes come from the field's declaration (:mod:`shards.fields`), so a field added to a cache
+(e.g. ``codes_mimi`` with ``shardcache add-field``, kind ``codes``: ``codes_mimi`` (B, Q', F')
+padded with -100, ``codes_mimi_lengths`` (B,), ``codes_mimi_mask`` (B, F')) or declared by a
+plug-in needs no code here. With ``compact=True`` every field keeps its storage dtype (int16
+codes and audio, int32 ids, float16 latents): half the bytes to copy and to send to the GPU, where
+:func:`loaders.device.to_device` widens them to the dtypes in the table (exactly).
 
 (``T, H, W`` of the latent rows are latent frames and latent cells, e.g. ``(1, H_px/8, W_px/8)``,
 unrelated to the audio ``T``; in a conversation latent frame ``k`` is image ``k``.) Extra waveform
@@ -80,6 +83,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from shards import fields as registry
+from shards.kinds import PCM16_SCALE, BatchContext, copy_serial  # noqa: F401 (copy_serial re-exported)
 
 from . import shm
 
@@ -89,39 +93,17 @@ CODES_PAD_ID = registry.BY_NAME["codes"].pad
 TEXT_PAD_ID = registry.TEXT_PAD_ID
 #: label of tokens that are not trained (PyTorch's ``CrossEntropyLoss`` default ``ignore_index``).
 IGNORE_INDEX = registry.IGNORE_INDEX
-#: ``audio`` float32 = int16 PCM * AUDIO_SCALE (exact: a power of two).
-AUDIO_SCALE = np.float32(1.0 / 32768.0)
+#: ``audio`` float32 = int16 PCM * AUDIO_SCALE (exact: a power of two; owned by the waveform kind).
+AUDIO_SCALE = PCM16_SCALE
 #: the fields a loader reads by default (those of them the cache holds), in read order.
-#: (Derived from the field registry, :mod:`shards.fields`.)
 FIELDS = tuple(f.name for f in registry.FIELDS if f.default_read)
 #: fields read only when named in ``fields``: ``latents_logvar`` (caches made with store_posterior).
 OPTIONAL_FIELDS = tuple(f.name for f in registry.FIELDS if not f.default_read)
-#: every fixed field a batch can hold, in the order the loader reads them (plus extra waveforms,
-#: see :func:`is_waveform`).
+#: every fixed field a batch can hold, in the order the loader reads them (plus fields of the name
+#: rules and plug-ins, see :func:`shards.fields.lookup`).
 ALL_FIELDS = FIELDS + OPTIONAL_FIELDS
-#: member ndim of each field (``FIELD.npy``; extra waveforms: 1)
+#: member ndim of each fixed field (``FIELD.npy``)
 NDIM = {f.name: f.ndim for f in registry.FIELDS}
-
-
-def is_waveform(field: str) -> bool:
-    """``audio`` or an extra waveform field such as ``audio_16k`` (not ``audio_starts``/``audio_segments``)."""
-    return registry.kind(field) == "waveform"
-
-
-def is_starts(field: str) -> bool:
-    return registry.kind(field) == "starts"
-
-
-def is_codes(field: str) -> bool:
-    """``codes`` or a field of its kind (e.g. ``codes_mimi``, added with ``precompute add-field``)."""
-    return registry.kind(field) == "codes"
-
-
-def field_ndim(field: str) -> int:
-    return registry.ndim(field)
-#: the latent-shaped fields (padded together, share ``latents_mask``/``has_image``).
-LATENT_FIELDS = tuple(f.name for f in registry.FIELDS if f.kind == "latents")
-_PIECE = 32767  # < at::internal::GRAIN_SIZE (32768): copy_ stays serial
 
 # torch.from_numpy warns (once per process, from C++) on read-only arrays, and the views of a
 # read-only mmap are read-only. We only ever read from them (copy_ into a fresh tensor), so the
@@ -132,23 +114,23 @@ with warnings.catch_warnings():
 
 
 def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
-    """Validate a field selection; returns it as a tuple in :data:`ALL_FIELDS` order.
-
-    Raises ``ValueError`` for an unknown or empty selection.
-    """
+    """Validate a field selection; returns it as a tuple in :data:`ALL_FIELDS` order (other known
+    fields after them, sorted). Raises ``ValueError`` for an unknown or empty selection."""
     if isinstance(fields, str):
         fields = (fields,)
     fields = tuple(fields)
     bad = [f for f in fields if registry.lookup(f) is None]
     if bad or not fields:
         raise ValueError(f"unknown fields {bad} (or none given); choose from {ALL_FIELDS} "
-                         "(plus extra waveforms such as audio_16k, and added fields such as codes_mimi)")
+                         "(plus extra waveforms such as audio_16k, added fields such as codes_mimi, "
+                         "and fields registered by plug-ins)")
     extra = sorted(f for f in fields if f not in ALL_FIELDS)
     return tuple(f for f in ALL_FIELDS if f in fields) + tuple(extra)
 
 
-_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_,
-              torch.int16: np.int16, torch.int32: np.int32, torch.float16: np.float16}
+_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_, torch.int16: np.int16,
+              torch.int32: np.int32, torch.float16: np.float16, torch.uint16: np.uint16, torch.uint8: np.uint8,
+              torch.float64: np.float64}
 
 
 def allocate(layout: Sequence[tuple[str, Sequence[int], torch.dtype]], arena=None) -> dict[str, torch.Tensor]:
@@ -173,105 +155,36 @@ def allocate(layout: Sequence[tuple[str, Sequence[int], torch.dtype]], arena=Non
     return {name: shm.view(storage, off, shp, dt) for (name, shp, dt), off in zip(layout, offsets)}
 
 
-def empty_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """One uninitialised tensor, allocated as :func:`allocate` does."""
-    return allocate([("x", shape, dtype)])["x"]
-
-
-def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` (contiguous, same numel, dtype conversion allowed) on the calling thread.
-
-    A copy_ of 32768 elements or more opens an OpenMP parallel region. Per sample that costs more
-    than it saves (measured 79 vs 39 us for a 16x64x64 latent on 2 threads), and when the cores
-    are busy (DataLoader workers, other jobs) waking the pool can cost a scheduler time slice
-    (ms) per call. With more than one intra-op thread we copy in pieces below the grain size.
-    """
-    d, s = dst.view(-1), src.view(-1)
-    if d.numel() <= _PIECE or torch.get_num_threads() == 1:
-        d.copy_(s)
-        return
-    for a, b in zip(d.split(_PIECE), s.split(_PIECE)):
-        a.copy_(b)
-
-
 def _name(keys: Sequence[str], idx: Iterable[int]) -> list[str]:
     return [keys[i] for i in list(idx)[:6]]
 
 
-def _fill_lengths_mask(lens: list[int], lengths: torch.Tensor, mask: torch.Tensor) -> None:
-    lengths.numpy()[:] = lens
-    m = mask.numpy()
-    for j, n in enumerate(lens):
-        m[j, :n] = True
-        m[j, n:] = False
-
-
-def _latent_shape(keys, lists: dict[str, list], latent_shape) -> tuple[tuple[int, ...], bool]:
-    """``(padded (C, T, H, W), uniform)`` of a batch's latent-shaped fields.
-
-    ``lists`` maps the requested latent fields to per-sample arrays (None: no image). ``uniform``:
-    every image sample has the same shape (no padding). Raises ``ValueError`` naming the key when
-    ``latents_logvar`` is missing for a sample with latents (or vice versa) or differs in shape.
-    """
-    first = next(iter(lists.values()))
-    if len(lists) == 2:
-        for k, a, v in zip(keys, lists["latents"], lists["latents_logvar"]):
+def _check_pairs(keys: Sequence[str], fields: Sequence[str], arrays: dict[str, list]) -> None:
+    """A field declared ``paired_with`` another must be held exactly where, and shaped as, that one."""
+    for name in fields:
+        other = registry.get(name).paired_with
+        if other is None or other not in arrays:
+            continue
+        for k, a, v in zip(keys, arrays[other], arrays[name]):
             if (a is None) != (v is None) or (a is not None and a.shape != v.shape):
                 raise ValueError(
-                    f"sample {k!r}: latents {None if a is None else tuple(a.shape)} but latents_logvar "
+                    f"sample {k!r}: {other} {None if a is None else tuple(a.shape)} but {name} "
                     f"{None if v is None else tuple(v.shape)}; was the cache made with store_posterior?")
-    shapes = {tuple(a.shape) for a in first if a is not None}
-    if not shapes:
-        return tuple(int(v) for v in (latent_shape or (0, 0, 0, 0))), True
-    if len(shapes) == 1:
-        return next(iter(shapes)), True
-    if len({len(s) for s in shapes}) > 1:
-        raise ValueError(f"latents of one batch have different numbers of dims: {sorted(shapes)}")
-    return tuple(int(v) for v in np.max(np.array(sorted(shapes)), axis=0)), False
-
-
-def _copy_padded(o: torch.Tensor, a: np.ndarray) -> None:
-    """Write ``a`` (c, t, h, w) into the corner of ``o`` (C, T, H, W) and 0.0 into the rest only.
-
-    torch's strided copy converts float16 5x faster than numpy's; one channel at a time keeps each
-    copy below the OpenMP grain size (see :func:`copy_serial`).
-    """
-    c, t, h, w = a.shape
-    o[c:].zero_()
-    o[:c, t:].zero_()
-    o[:c, :t, h:].zero_()
-    o[:c, :t, :h, w:].zero_()
-    src = torch.from_numpy(a)
-    if a.size <= _PIECE or torch.get_num_threads() == 1:
-        o[:c, :t, :h, :w].copy_(src)
-        return
-    for i in range(c):
-        o[i, :t, :h, :w].copy_(src[i])
-
-
-def _ragged_spec(field: str, pad_id: int) -> tuple[int | None, str | None, str | None]:
-    """``(pad value (None: repeat the last value), lengths key, mask key)`` of a 1-D/2-D ragged field
-    (from its :class:`shards.fields.Field` entry)."""
-    return registry.ragged_spec(field, pad_id)
 
 
 def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],
                   latent_shape: Sequence[int] | None = None, compact: bool = False, pad_id: int = TEXT_PAD_ID,
-                  arena=None, **arrays: list) -> dict[str, Any]:
-    """Build a batch from per-field lists of numpy arrays (one entry per sample, keyword = field).
+                  arena=None, default_shapes: dict | None = None, **arrays: list) -> dict[str, Any]:
+    """Build a batch from per-field lists of numpy arrays (one entry per sample, keyword = field),
+    each field laid out by its kind (:mod:`shards.kinds`; see the module docstring).
 
-    ``codes``: int ``(n_codebooks, F_i)``; waveforms (``audio``, ``audio_16k``...): int16
-    ``(T_i,)`` (float input is copied unscaled); ``input_ids``/``labels``/``text_ids``: int
-    ``(L_i,)``; ``audio_starts``: int ``(S_i + 1,)``; ``audio_segments``: int ``(S_i, 6)``;
-    ``latents`` / ``latents_logvar``: float ``(C, T_i, H_i, W_i)``. None stands for a sample
-    without that member (no image: zero latents; no audio: empty codes/waveforms/segments).
-    ``sample_rates``: Hz per sample (0 for samples without audio). ``latent_shape`` is used when
-    no sample of the batch has an image (else the batch's latents are ``(B, 0, 0, 0, 0)``).
-    ``compact``: keep the cache's dtypes, waveforms int16 PCM (scale by :data:`AUDIO_SCALE` on the
-    device) and latents float16, half the bytes to copy here and to send to the GPU. ``pad_id``:
-    the pad of ``input_ids`` (the cache's ``text.pad_id``). ``arena``: a DataLoader worker's
+    None stands for a sample without that member. ``sample_rates``: Hz per sample (0 for samples
+    without audio). ``default_shapes``: field -> per-sample shape for a batch where no sample holds
+    the field (``latent_shape`` is that of ``latents`` and ``latents_logvar``). ``compact``: keep the
+    cache's dtypes (widened on the device by :func:`loaders.device.to_device`). ``pad_id``: the pad
+    of ``input_ids`` (the cache's ``text.pad_id``). ``arena``: a DataLoader worker's
     :class:`loaders.shm.SlotArena` to collate into (see :func:`allocate`). Raises ``ValueError``
-    naming the keys for mixed sample rates or codebook counts (see the module docstring).
+    naming the keys for mixed sample rates or a fixed axis that differs (e.g. codebook counts).
     """
     B = len(keys)
     rates = np.asarray(sample_rates, dtype=np.int64)
@@ -281,95 +194,29 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
         first = keys[int(np.flatnonzero(rates > 0)[0])]
         raise ValueError(f"samples of one batch have different sample rates: {first!r} at "
                          f"{audible[0]} Hz, {_name(keys, odd)} at {sorted(set(rates[odd].tolist()))} Hz")
-    i64, f32, b8 = torch.int64, torch.float32, torch.bool
-    layout: list = []
-    ragged: dict[str, tuple[list, list[int], int | None]] = {}  # field -> (arrays, lengths, pad)
-    code_fields = [f for f in fields if is_codes(f)]
-    c_lens: dict[str, list[int]] = {}
-    for cf in code_fields:
-        codes = arrays[cf]
-        ncb_all = np.array([a.shape[0] for a in codes if a is not None])
-        if len(ncb_all) and (ncb_all != ncb_all[0]).any():
-            odd = [j for j, a in enumerate(codes) if a is not None and a.shape[0] != ncb_all[0]]
-            raise ValueError(f"{cf} of one batch have different numbers of codebooks: {ncb_all[0]} and "
-                             f"{sorted(set(codes[j].shape[0] for j in odd))} ({_name(keys, odd)}); "
-                             "was the cache encoded with several codecs? filter by n_codebooks")
-        Q = int(ncb_all[0]) if len(ncb_all) else 0
-        c_len = c_lens[cf] = [0 if a is None else a.shape[1] for a in codes]
-        F = max(c_len, default=0)
-        _, lk, mk = _ragged_spec(cf, pad_id)
-        layout += [(cf, (B, Q, F), i64), (lk, (B,), i64), (mk, (B, F), b8)]
-    for f in fields:
-        if is_codes(f) or f in LATENT_FIELDS:
-            continue
-        pad, lengths, mask = _ragged_spec(f, pad_id)
-        arrs = arrays[f]
-        lens = [0 if a is None else a.shape[0] for a in arrs]
-        if is_starts(f):  # one more offset than items; an absent member is one item-less offset
-            lens = [1 if a is None else a.shape[0] for a in arrs]
-        n = max(lens, default=0)
-        wave = is_waveform(f)
-        dtype = (torch.int16 if compact else f32) if wave else i64
-        layout.append((f, (B, n, 6) if f == "audio_segments" else (B, n), dtype))
-        if lengths:
-            layout.append((lengths, (B,), i64))
-        if mask:
-            layout.append((mask, (B, n), b8))
-        ragged[f] = (arrs, lens, pad)
-    lat = {f: arrays[f] for f in LATENT_FIELDS if f in fields}
-    if lat:
-        shape, uniform = _latent_shape(keys, lat, latent_shape)
-        layout += [(f, (B, *shape), torch.float16 if compact else f32) for f in lat]
-        layout += [("latents_mask", (B, *shape[1:]), b8), ("has_image", (B,), b8)]
+    defaults = dict(default_shapes or {})
+    if latent_shape is not None:
+        defaults.setdefault("latents", tuple(latent_shape))
+        defaults.setdefault("latents_logvar", tuple(latent_shape))
+    ctx = BatchContext(pad_id=int(pad_id), compact=bool(compact), default_shapes=defaults)
+    _check_pairs(keys, fields, arrays)
+    plans, layout, seen = [], [], set()
+    for name in fields:
+        f = registry.get(name)
+        arrs = arrays[name]
+        empty = f.kind.empty_shape(f, ctx)
+        shapes = np.array([a.shape if a is not None else empty for a in arrs], dtype=np.int64).reshape(B, len(empty))
+        present = np.array([a is not None for a in arrs], dtype=bool)
+        S = f.kind.batch_shape(f, keys, shapes, present, ctx)
+        for key, shape, dtype in f.kind.layout(f, B, S, ctx):
+            if key not in seen:  # keys shared by several fields (latents_mask) are laid out once
+                seen.add(key)
+                layout.append((key, shape, dtype))
+        plans.append((f, arrs, shapes, present, S))
     batch: dict[str, Any] = {"keys": keys, "sample_rate": int(audible[0]) if len(audible) else 0}
     batch.update(allocate(layout, arena))
-
-    for cf in code_fields:
-        o, c_len = batch[cf].numpy(), c_lens[cf]
-        pad, lk, mk = _ragged_spec(cf, pad_id)
-        for j, a in enumerate(arrays[cf]):
-            n = c_len[j]
-            if n:
-                o[j, :, :n] = a
-            o[j, :, n:] = pad
-        _fill_lengths_mask(c_len, batch[lk], batch[mk])
-    for f, (arrs, lens, pad) in ragged.items():
-        o = batch[f].numpy()
-        scale = is_waveform(f) and not compact
-        for j, a in enumerate(arrs):
-            n = lens[j]
-            if a is None:
-                a = np.zeros((n,) + o.shape[2:], dtype=o.dtype)
-            if scale and a.dtype.kind != "f":
-                np.multiply(a, AUDIO_SCALE, out=o[j, :n])
-            else:
-                o[j, :n] = a
-            o[j, n:] = (a[-1] if len(a) else 0) if pad is None else pad
-        _, lengths, mask = _ragged_spec(f, pad_id)
-        if lengths and mask:
-            _fill_lengths_mask(lens, batch[lengths], batch[mask])
-        elif lengths:
-            batch[lengths].numpy()[:] = lens
-    if lat:
-        has, mask = batch["has_image"].numpy(), batch["latents_mask"].numpy()
-        first = next(iter(lat.values()))
-        has[:] = [a is not None for a in first]
-        mask[:] = has[:, None, None, None]
-        if not uniform:
-            for j, a in enumerate(first):
-                if a is not None and tuple(a.shape) != shape:
-                    _, t, h, w = a.shape
-                    mask[j] = False
-                    mask[j, :t, :h, :w] = True
-        for name, arrays_ in lat.items():
-            out = batch[name]
-            for j, a in enumerate(arrays_):
-                if a is None:
-                    out[j].numpy().fill(0.0)
-                elif uniform or tuple(a.shape) == shape:
-                    copy_serial(out[j], torch.from_numpy(a))
-                else:
-                    _copy_padded(out[j], a)
+    for f, arrs, shapes, present, S in plans:
+        f.kind.fill(f, batch, arrs, shapes, present, S, ctx)
     return batch
 
 
@@ -379,38 +226,35 @@ def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] | None =
     """Collate :meth:`shards.ShardReader.get` dicts into one padded batch (see the module table).
 
     Args:
-        samples: dicts with ``__key__``, ``json`` (for ``sample_rate``) and the numpy arrays
-            ``codes`` int16 (n_codebooks, F), ``audio`` int16 (T,), ``input_ids``/``labels``
-            int32 (L,), ``audio_segments`` int32 (S, 6), ``audio_starts`` int32 (S + 1,),
-            ``latents`` float16 (C, T, H, W) and ``latents_logvar`` float16 (C, T, H, W)
-            (image samples only; logvar only in caches made with ``store_posterior``).
+        samples: dicts with ``__key__``, ``json`` (for ``sample_rate``) and the numpy arrays of the
+            fields (e.g. ``codes`` int16 (n_codebooks, F), ``audio`` int16 (T,), ``input_ids`` /
+            ``labels`` int32 (L,), ``audio_segments`` int32 (S, 6), ``audio_starts`` int32 (S + 1,),
+            ``latents`` float16 (C, T, H, W), image samples only).
         fields: which fields to collate; default: those of :data:`FIELDS` any sample has.
         latent_shape: ``(C, T, H, W)`` used when no sample of the batch has an image.
-        compact: ``audio`` int16 and latents float16 as stored, instead of float32.
+        compact: keep the storage dtypes (int16 audio/codes, int32 ids, float16 latents).
         pad_id: pad of ``input_ids``.
 
-    Latents of different shapes are zero-padded to the batch's max ``(C, T, H, W)`` and
-    ``latents_mask`` (B, T, H, W) bool marks the real cells (see the module docstring).
-
-    Raises ``KeyError`` naming the key when no sample has a requested field, a sample lacks
-    ``input_ids``/``labels``/``text_ids``, or has ``latents`` without a requested
-    ``latents_logvar``; ``ValueError`` as described in the module docstring.
+    Raises ``KeyError`` naming the key when no sample has a requested field, or a sample lacks a
+    field every sample must hold (``input_ids``, ``labels``, ``text_ids``) or the partner of a
+    paired field (``latents_logvar`` without ``latents``); ``ValueError`` as :func:`collate_views`.
     """
     if fields is None:
         fields = [f for f in FIELDS if any(f in s for s in samples)]
     fields = check_fields(fields)
     keys = [s["__key__"] for s in samples]
     rates = [int((s.get("json") or {}).get("sample_rate", 0)) for s in samples]
-    for f in fields:
-        if f in LATENT_FIELDS:
+    for name in fields:
+        f = registry.get(name)
+        missing = [s["__key__"] for s in samples if name not in s]
+        if f.kind.uses_default_shape:
+            if f.paired_with:
+                bad = [s["__key__"] for s in samples if f.paired_with in s and name not in s]
+                if bad:
+                    raise KeyError(f"sample {bad[0]!r} has {f.paired_with} but no {name!r} (cache made without "
+                                   "store_posterior); drop it from fields")
             continue
-        missing = [s["__key__"] for s in samples if f not in s]
-        if missing and (len(missing) == len(samples) or registry.get(f).every_sample):
-            raise KeyError(f"sample {missing[0]!r} has no {f!r}; drop it from fields or filter")
-    if "latents_logvar" in fields:
-        for s in samples:
-            if "latents" in s and "latents_logvar" not in s:
-                raise KeyError(f"sample {s['__key__']!r} has latents but no 'latents_logvar' (cache made "
-                               "without store_posterior); drop it from fields")
+        if missing and (len(missing) == len(samples) or f.every_sample):
+            raise KeyError(f"sample {missing[0]!r} has no {name!r}; drop it from fields or filter")
     return collate_views(keys, rates, fields, latent_shape=latent_shape, compact=compact, pad_id=pad_id,
                          **{f: [s.get(f) for s in samples] for f in fields})

@@ -28,15 +28,10 @@ from shards.reader import refuse_unsafe
 from shards.storage import is_url
 
 from .batching import PlanSpec
-from .collate import (FIELDS, LATENT_FIELDS, TEXT_PAD_ID, check_fields, collate_views, field_ndim)
+from .collate import FIELDS, TEXT_PAD_ID, check_fields, collate_views
 from .order import filter_rows
 from .remote import RemoteCache
 from .shm import SlotArena
-
-#: fields every sample of a conversation cache has (others may be absent on some samples:
-#: codes/audio on samples without audio, latents on samples without an image)
-_EVERY_SAMPLE = tuple(f.name for f in registry.FIELDS if f.every_sample)
-
 
 def cache_fields(table: pa.Table) -> tuple[str, ...]:
     """The fields (of :data:`loaders.FIELDS`, extra waveforms and fields added with ``precompute
@@ -59,8 +54,9 @@ class CacheSource:
 
     Attributes (one entry per kept row, index order): ``n`` rows; ``keys`` (Arrow strings);
     ``shard_of`` int32 (shards numbered in sorted name order); ``frames`` int64 codes frames;
-    ``sample_rate`` int64; ``has_image`` bool; ``latent_shape`` the most common latent shape (or None;
-    used for batches without any image); ``reader`` the :class:`shards.ShardReader` of the kept rows
+    ``sample_rate`` int64; ``has_image`` bool; ``default_shapes`` field -> the most common shape of
+    the fields whose kind pads a batch without them to one (latents: a batch without any image);
+    ``reader`` the :class:`shards.ShardReader` of the kept rows
     (index arrays, mmaps, :meth:`views`).
 
     ``verify_reads``: check each sample's sha256 as it is read (about 86 us per 146 KB sample).
@@ -112,13 +108,13 @@ class CacheSource:
         self.frames = num("n_frames")
         self.sample_rate = num("sample_rate")
         self.has_image = t.column("has_image").to_numpy(zero_copy_only=False).astype(bool)
-        self.latent_shape = None
+        self.default_shapes: dict[str, tuple[int, ...]] = {}
         for field in self.fields:
             self._check_field(field)
         # the files each row reads: its shard, and the sidecar tar of every sidecar field read
         cols = [self.shard_of]
         for f in self.fields:
-            side = self.reader.field(f, field_ndim(f)).file
+            side = self.reader.field(f, registry.get(f).ndim).file
             if side is not None:
                 cols.append(side)
         self.row_files = np.stack(cols, axis=1).astype(np.int32)
@@ -139,26 +135,26 @@ class CacheSource:
         state["remote"] = None  # workers only read local files (the reader waits for them)
         return state
 
-    def _check_field(self, field: str) -> None:
-        fa = self.reader.field(field, field_ndim(field))  # raises ShardCorrupt for a bad shape/size
-        member, present = field + ".npy", fa.present
-        if field == "latents_logvar" and (self.has_image & ~present).any():
-            missing = np.flatnonzero(self.has_image & ~present)
-            raise ValueError(f"{self.cache_dir}: {len(missing)} image samples have no {member} (e.g. "
-                             f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); precompute with "
-                             "store_posterior: true, or drop 'latents_logvar' from fields")
-        if (field in _EVERY_SAMPLE and not present.all()) or (field not in LATENT_FIELDS and not present.any()):
+    def _check_field(self, name: str) -> None:
+        f = registry.get(name)
+        fa = self.reader.field(name, f.ndim)  # raises ShardCorrupt for a bad shape/size
+        member, present = f.suffix, fa.present
+        if f.paired_with is not None:
+            partner = self.reader.field(f.paired_with, registry.get(f.paired_with).ndim).present
+            missing = np.flatnonzero(partner & ~present)
+            if len(missing):
+                raise ValueError(f"{self.cache_dir}: {len(missing)} samples with {f.paired_with} have no {member} "
+                                 f"(e.g. {self.keys.take(pa.array(missing[:5])).to_pylist()}); was the cache made "
+                                 f"with store_posterior: true? else drop {name!r} from fields")
+        if (f.every_sample and not present.all()) or (not f.kind.uses_default_shape and not present.any()):
             missing = np.flatnonzero(~present)
             raise ValueError(f"{self.cache_dir}: {len(missing)} samples have no {member} (e.g. "
                              f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); drop "
-                             f"{field!r} from fields or filter them out")
-        if field in LATENT_FIELDS and self.latent_shape is None and present.any():
-            img = fa.shape[present]
-            if (img == img[0]).all():
-                self.latent_shape = tuple(int(v) for v in img[0])
-            else:  # several resolutions: the most common one
-                vals, counts = np.unique(img, axis=0, return_counts=True)
-                self.latent_shape = tuple(int(v) for v in vals[int(np.argmax(counts))])
+                             f"{name!r} from fields or filter them out")
+        if f.kind.uses_default_shape and present.any():  # the most common shape
+            shapes = fa.shape[present]
+            vals, counts = np.unique(shapes, axis=0, return_counts=True)
+            self.default_shapes[name] = tuple(int(v) for v in vals[int(np.argmax(counts))])
 
     def views(self, field: str, rows: np.ndarray) -> list[np.ndarray | None]:
         """Numpy views (read-only, zero copy) of ``field`` for ``rows``; None where absent."""
@@ -182,8 +178,10 @@ class Sources:
         self.n = int(self.offsets[-1])
         self.fields = self.sources[0].fields
         self.frames = np.concatenate([s.frames for s in self.sources])
-        shapes = [s.latent_shape for s in self.sources if s.latent_shape is not None]
-        self.latent_shape = shapes[0] if shapes else None
+        self.default_shapes: dict[str, tuple[int, ...]] = {}
+        for s in self.sources:  # the first source's shape wins
+            for k, v in s.default_shapes.items():
+                self.default_shapes.setdefault(k, v)
         self.compact = False  # collate_views(compact=...): int16 audio, float16 latents
         self.transform = None  # applied to each collated batch (ShardLoader(transform=...))
         self.pad_id = self.sources[0].pad_id
@@ -208,7 +206,7 @@ class Sources:
             for f in self.fields:
                 for p, v in zip(pos.tolist(), src.views(f, rows)):
                     per_field[f][p] = v
-        batch = collate_views(keys, rates, self.fields, latent_shape=self.latent_shape, compact=self.compact,
+        batch = collate_views(keys, rates, self.fields, default_shapes=self.default_shapes, compact=self.compact,
                               pad_id=self.pad_id, arena=arena, **per_field)
         del per_field
         for i in np.unique(which).tolist():
@@ -219,7 +217,7 @@ class Sources:
     def _read_one(self, src: CacheSource, rows: np.ndarray, arena=None) -> dict[str, Any]:
         per_field = {f: src.views(f, rows) for f in self.fields}
         batch = collate_views(src.keys.take(pa.array(rows)).to_pylist(), src.sample_rate[rows],
-                              self.fields, latent_shape=self.latent_shape, compact=self.compact,
+                              self.fields, default_shapes=self.default_shapes, compact=self.compact,
                               pad_id=self.pad_id, arena=arena, **per_field)
         del per_field
         src.after_read()

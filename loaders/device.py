@@ -22,10 +22,25 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from shards import fields as registry
 
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Every tensor of ``batch`` on ``device`` (non-blocking; other values as they are)."""
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """Every tensor of ``batch`` on ``device`` (non-blocking, no host sync), each field's tensor in
+    the dtype its model sees: a compact batch (the loader's ``compact=True``: int16 PCM, int16 codes,
+    int32 ids, float16 latents) is widened *there* by the field's kind
+    (:meth:`shards.kinds.FieldKind.to_model`: PCM scaled by 1/32768, ids and codes to int64, floats to
+    float32; all exact), never on the host. Keys that are not fields (lengths, masks, a model's own
+    batch layout) are only moved; non-tensor entries (``keys``) pass through."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(device, non_blocking=True)
+            f = registry.lookup(k)
+            if f is not None:
+                v = f.kind.to_model(f, v)
+        out[k] = v
+    return out
 
 
 class DevicePrefetcher:
@@ -36,7 +51,7 @@ class DevicePrefetcher:
             stream of its epochs).
         device: the training device.
         convert: ``convert(batch, device) -> batch`` run on the side stream (default
-            :func:`to_device`; the training loop passes one that also widens compact dtypes).
+            :func:`to_device`, which also widens compact fields on the device).
         state: called right after each batch is taken from ``batches`` (e.g. the loader's
             ``state_dict``); :attr:`state` holds its value for the batch last returned.
         ahead: take the next batch from ``batches`` when handing one out (default: on CUDA only,

@@ -1,27 +1,38 @@
 """Add, replace or drop a field of an existing cache, without touching a byte of its shards.
 
-``python -m precompute add-field CACHE --field codes_mimi --audio-tokenizer mimi`` encodes each
-sample's stored ``audio.npy`` waveform (no source file is read again: only what the new field
-needs is decoded) with the given codec and writes, next to each shard ``shard-000003.tar``, a
-sidecar ``shard-000003.codes_mimi.tar`` holding ``KEY.codes_mimi.npy`` for every key of the shard,
-in the same order (aligned by key order). ``codes_<name>`` fields are of kind ``codes``
-(:mod:`shards.fields`): int16 ``(Q, F)``, every audio item's codes concatenated along frames
-(``ceil(item samples / hop)`` frames each; a sample without audio gets ``(Q, 0)``).
+``shardcache add-field CACHE --field NAME --producer SPEC`` runs a stage-one producer
+(:mod:`precompute.producers`, the same code ``precompute`` runs for ``extra_fields``) over every
+sample of the cache and writes, next to each shard ``shard-000003.tar``, a sidecar
+``shard-000003.NAME.tar`` holding a ``KEY.<field>.npy`` member per field the producer writes for
+every key of the shard, in the same order (aligned by key order). The producer reads the cache
+itself (:class:`precompute.producers.cached.CachedSample`): audio from the stored waveform
+resampled as needed, images decoded again from the sources the sample's json names; no source
+audio is read again. Any declared field can be added (:mod:`shards.fields`), e.g.
+
+* ``--field codes_mimi --audio-tokenizer mimi --pretrained DIR`` (producer ``codes``; the
+  ``codes_<codec>`` name rule makes the field: kind ``codes``, int16 ``(Q, F)``);
+* ``--field audio_16k --producer waveform --options '{"sample_rate": 16000, "direction": "in"}'``;
+* a plug-in field: ``--producer mypkg.fields:make_mel`` (its module registers the field).
+
+Values are checked with the field's kind as stage one checks them; a sample the producer fails on
+gets no member (named in the log and in ``manifest.json`` ``fields.NAME.missing``).
 
 Commit: a sidecar is written to ``.tmp``, fsynced, renamed, then its part
-``parts/shard-000003.codes_mimi.sidecar.parquet`` (keys + member offsets, the sidecar's manifest
+``parts/shard-000003.NAME.sidecar.parquet`` (keys + member offsets, the sidecar's manifest
 entry in the metadata) is written atomically: a rerun skips sidecars whose part exists (resume).
-Many ranks (``torchrun ... -m precompute add-field``): shards are dealt round-robin by global rank;
+Many ranks (``torchrun ... -m shardcache add-field``): shards are dealt round-robin by global rank;
 rank 0 waits for every part, then joins the sidecar members into ``index.parquet`` (each member
 with ``file`` = its sidecar) and records the field in ``manifest.json`` ``fields`` with its own
-encoder fingerprint. The shards, their parts and their sha256 stay as they were.
+producer fingerprint. The shards, their parts and their sha256 stay as they were.
 
-``python -m precompute drop-field CACHE NAME`` removes the sidecars, their parts and the field
-from the index and manifest, again without touching any other byte.
+``shardcache drop-field CACHE NAME`` removes the sidecars, their parts and the field from the
+index and manifest, again without touching any other byte.
 """
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import logging
 import os
 import sys
@@ -32,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import read_yaml
 from shards import fields as registry
 from shards.errors import ShardcacheError
 from shards.index import (attach_sidecar, detach_field, fsync_dir, read_index, read_rejects,
@@ -50,56 +62,38 @@ class FieldError(ShardcacheError):
     """add-field / drop-field refused (unknown field, fingerprint mismatch...)."""
 
 
-def _check_field(name: str) -> registry.Field:
+def _check_field(name: str, man: CacheManifest, index) -> registry.Field:
     f = registry.lookup(name)
-    if f is None or not f.sidecar:
-        raise FieldError(f"{name!r} cannot be added to an existing cache: add-field writes fields named "
-                         f"{', '.join(b + '_<name>' for b in registry.DERIVABLE)} (e.g. codes_mimi); "
-                         "fixed fields are written by stage one")
-    if f.kind != "codes":
-        raise FieldError(f"{name!r}: only fields of kind 'codes' can be added for now")
+    if f is None:
+        raise FieldError(f"{name!r} cannot be added: it is not a declared field (a codes_<codec> or audio_<name> "
+                         "name, or a field a plug-in registers with shards.fields.register)")
+    import pyarrow.compute as pc
+    held = set(pc.unique(index.column("members").combine_chunks().flatten().field("name")).to_pylist())
+    if f.suffix in held and name not in man.sidecar_fields:
+        raise FieldError(f"{name!r} cannot be added: the cache's stage one already wrote it; choose another name "
+                         "(e.g. codes_<codec>)")
     return f
 
 
-def _resample(x: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
-    if sr_in == sr_out or x.size == 0:
-        return x
-    import soxr
-    return soxr.resample(x, sr_in, sr_out).astype(np.float32, copy=False)
-
-
-def encode_sample(tok, audio: np.ndarray | None, starts: np.ndarray | None, sr: int) -> np.ndarray:
-    """int16 ``(Q, F)`` codes of one sample's stored waveform, item by item (concatenated)."""
-    q = int(tok.n_codebooks)
-    if audio is None or audio.size == 0:
-        return np.zeros((q, 0), dtype=np.int16)
-    bounds = starts.tolist() if starts is not None and len(starts) >= 2 else [0, len(audio)]
-    wav = audio.astype(np.float32) / 32768.0
-    items = [_resample(wav[a:b], sr, int(tok.sample_rate)) for a, b in zip(bounds[:-1], bounds[1:])]
-    live = [i for i, w in enumerate(items) if w.size]
-    out = [np.zeros((q, 0), dtype=np.int16)] * len(items)
-    if live:
-        for i, c in zip(live, tok.encode([items[i] for i in live])):
-            out[i] = np.asarray(c, dtype=np.int16)
-    return np.concatenate(out, axis=1) if out else np.zeros((q, 0), dtype=np.int16)
-
-
-def write_sidecar(cache_dir: Path, shard: str, field_name: str, keys: list[str], arrays: list[np.ndarray]) -> dict:
-    """Write the sidecar tar atomically, then its part; returns its manifest entry."""
+def write_sidecar(cache_dir: Path, shard: str, field_name: str, keys: list[str],
+                  members: list[dict[str, np.ndarray]]) -> dict:
+    """Write the sidecar tar of ``field_name`` for ``shard`` atomically (one ``KEY.<field>.npy``
+    member per array of ``members[j]``, in key order), then its part; returns its manifest entry."""
     name = registry.sidecar_name(shard, field_name)
     path = safe_shard_path(cache_dir, name)
     tmp = path.with_name(name + ".tmp")
     with open(tmp, "wb") as fh:
         with tarfile.open(fileobj=fh, mode="w|", format=tarfile.PAX_FORMAT) as tf:
-            for key, arr in zip(keys, arrays):
-                data = npy_bytes(np.ascontiguousarray(arr, dtype=np.int16))
-                import io
-                tf.addfile(tar_member(f"{key}.{field_name}.npy", len(data)), io.BytesIO(data))
+            for key, arrays in zip(keys, members):
+                for field in sorted(arrays):
+                    data = npy_bytes(np.ascontiguousarray(arrays[field]))
+                    tf.addfile(tar_member(f"{key}.{field}.npy", len(data)), io.BytesIO(data))
         fh.flush()
         os.fsync(fh.fileno())
     os.chmod(tmp, 0o444)
     rows, sha, size = scan_shard(tmp, name)  # the same offsets a reader will use
-    if [r["key"] for r in rows] != list(keys):
+    written = [r["key"] for r in rows]
+    if [k for k, m in zip(keys, members) if m] != written:
         tmp.unlink()
         raise FieldError(f"{name}: written keys differ from {shard}'s (bug)")
     os.replace(tmp, path)
@@ -110,92 +104,114 @@ def write_sidecar(cache_dir: Path, shard: str, field_name: str, keys: list[str],
     return entry
 
 
+def image_loader(man: CacheManifest):
+    """``path -> uint8 (H, W, 3)`` with the image preprocessing recorded in the cache's config."""
+    from .config import PrecomputeConfig
+    from .images import load_image
+    cfg = dict(man.config or {})
+    d = PrecomputeConfig()
+    size, mode = int(cfg.get("image_size", d.image_size)), str(cfg.get("image_resize", d.image_resize))
+    return lambda path: load_image(path, size, mode=mode, max_pixels=int(cfg.get("max_image_pixels", d.max_image_pixels)),
+                                   min_side=int(cfg.get("min_image_side", d.min_image_side)))
+
+
 def _pending_path(cache_dir: Path, field_name: str) -> Path:
     return Path(cache_dir) / PARTS_DIR / f"{field_name}.field.json"
 
 
-def add_field(cache_dir: str | Path, field_name: str, tokenizer_cfg: dict, *, device: str = "cpu",
+def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str = "cpu",
               global_rank: int = 0, world_size: int = 1, barrier=None, replace: bool = False,
-              progress: bool = True) -> dict | None:
-    """Add ``field_name`` to the cache (this rank's share of the shards); rank 0 merges at the end.
+              progress: bool = True, batch_size: int = 8) -> dict | None:
+    """Add ``field_name`` to the cache with the producer of ``spec`` (this rank's share of the
+    shards, ``batch_size`` samples per producer call); rank 0 merges at the end.
 
     Returns the new manifest dict on rank 0 (None elsewhere). Raises :class:`FieldError` when the
-    field exists with another fingerprint (pass ``replace=True`` to drop and re-add it).
+    field is not declared, was written by stage one, or exists with another fingerprint (pass
+    ``replace=True`` to drop and re-add it); ``ValueError`` for a bad producer spec.
     """
-    from .encoders import fingerprint, load_audio_tokenizer
+    import pyarrow.compute as pc
+    import torch
+
+    from .encode import to_members, value_checks
+    from .encoders import fingerprint
+    from .producers import load_producer
+    from .producers.cached import CachedSample
 
     cache_dir = Path(cache_dir)
     sync = barrier or (lambda: None)
-    _check_field(field_name)
     man = CacheManifest.read(cache_dir)
+    index = read_index(cache_dir)
+    _check_field(field_name, man, index)
     sr = int(man.sample_rate or 0)
-    tok = load_audio_tokenizer(tokenizer_cfg, device)
-    describe = tok.describe()
-    fp = fingerprint(describe, preprocessing={"field": field_name, "from": "audio.npy", "sample_rate": sr})
+    producer = load_producer(spec, field_name, device)
+    describe = producer.describe()
+    fp = fingerprint(describe, preprocessing={"field": field_name, "from": "cache", "sample_rate": sr})
     old = man.fields.get(field_name)
     if old is not None and old.fingerprint != fp:
         if not replace:
             raise FieldError(f"{cache_dir}: field {field_name!r} exists with fingerprint {old.fingerprint[:16]}..., "
-                             f"this codec gives {fp[:16]}...; drop it first (`python -m precompute drop-field "
+                             f"this producer gives {fp[:16]}...; drop it first (`shardcache drop-field "
                              f"{cache_dir} {field_name}`) or pass --replace")
         if global_rank == 0:
             drop_field(cache_dir, field_name)
         sync()
         man = CacheManifest.read(cache_dir)
+        index = read_index(cache_dir)
+    info = FieldInfo.from_dict({"fingerprint": fp, "encoder": describe, "sidecar": True,
+                                "kind": registry.get(field_name).kind.name, "members": list(producer.outputs),
+                                **producer.manifest_info()})
+    man.fields[field_name] = info
+    checks = value_checks([producer], man)
     pending = _pending_path(cache_dir, field_name)
     if global_rank == 0:
         if pending.exists():
-            import json
             prev = json.loads(pending.read_text())
             if prev.get("fingerprint") != fp:
                 raise FieldError(f"{cache_dir}: an interrupted add-field of {field_name!r} used fingerprint "
                                  f"{str(prev.get('fingerprint'))[:16]}..., this run {fp[:16]}...; "
-                                 f"`python -m precompute drop-field {cache_dir} {field_name}` first")
+                                 f"`shardcache drop-field {cache_dir} {field_name}` first")
         else:
             pending.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic({"fingerprint": fp, "encoder": describe}, pending)
     sync()
-    index = read_index(cache_dir)
     shards = sorted(s["path"] for s in man.shards or [])
     mine = shards[global_rank::world_size]
-    t0, done = time.perf_counter(), 0
-    import torch
+    load_img = image_loader(man) if producer.needs_images else None
+    t0, done, missing = time.perf_counter(), 0, []
+    from .producers import Timer
+    timer = Timer(device)
     for shard in mine:
         if sidecar_part_path(cache_dir, shard, field_name).exists():
             continue  # committed by an earlier run
-        import pyarrow.compute as pc
         rows = index.filter(pc.equal(index.column("shard"), shard))
-        keys = rows.column("key").to_pylist()
         reader = ShardReader(cache_dir, index=rows, manifest=man.to_dict())
-        idx = np.arange(rows.num_rows)
-        has_audio = "audio.npy" in set(pc.unique(rows.column("members").combine_chunks().flatten()
-                                                 .field("name")).to_pylist())
-        audio = reader.views("audio", idx) if has_audio else [None] * len(keys)
-        starts = reader.views("audio_starts", idx) if has_audio and _has(rows, "audio_starts.npy") \
-            else [None] * len(keys)
+        samples = [CachedSample(reader.get(i), sr, load_img) for i in range(rows.num_rows)]
+        members: list[dict[str, np.ndarray]] = []
         with torch.inference_mode():
-            arrays = [encode_sample(tok, a, s, sr) for a, s in zip(audio, starts)]
+            for a in range(0, len(samples), batch_size):
+                batch = samples[a:a + batch_size]
+                for smp, got in zip(batch, producer.produce(batch, timer)):
+                    arrays, why = (None, f"{type(got).__name__}: {got}") if isinstance(got, Exception) \
+                        else to_members(got, checks)
+                    if why is not None:
+                        log.warning("%s: sample %r gets no %s: %s", shard, smp.key, field_name, why)
+                        missing.append({"key": smp.key, "reason": why})
+                    members.append({k[:-4]: v for k, v in (arrays or {}).items()})
         reader.close()
-        write_sidecar(cache_dir, shard, field_name, keys, arrays)
+        write_sidecar(cache_dir, shard, field_name, [smp.key for smp in samples], members)
         done += 1
         if progress:
             log.info("[rank %d] %s: %d samples (%d/%d shards, %.1f s)", global_rank,
-                     registry.sidecar_name(shard, field_name), len(keys), done, len(mine), time.perf_counter() - t0)
+                     registry.sidecar_name(shard, field_name), len(samples), done, len(mine), time.perf_counter() - t0)
     sync()
     if global_rank != 0:
         return None
     _wait(cache_dir, shards, field_name)
-    info = FieldInfo(fingerprint=fp, encoder=describe, sidecar=True, base=registry.get(field_name).name.split("_")[0],
-                     n_codebooks=int(tok.n_codebooks), codebook_size=int(tok.codebook_size),
-                     frame_rate=float(tok.frame_rate), codec_sample_rate=int(tok.sample_rate))
+    if missing:
+        info.extra["missing"] = missing
     manifest = _merge(cache_dir, man, field_name, info)
     pending.unlink(missing_ok=True)
     return manifest
-
-
-def _has(rows, member: str) -> bool:
-    import pyarrow.compute as pc
-    return member in set(pc.unique(rows.column("members").combine_chunks().flatten().field("name")).to_pylist())
 
 
 def _wait(cache_dir: Path, shards: list[str], field_name: str, poll_s: float = 2.0) -> None:
@@ -230,7 +246,8 @@ def drop_field(cache_dir: str | Path, field_name: str) -> dict:
     """Remove field ``field_name``: its sidecars, their parts, its index members and manifest entry."""
     cache_dir = Path(cache_dir)
     man = CacheManifest.read(cache_dir)
-    if field_name in registry.BY_NAME:
+    info = man.fields.get(field_name)
+    if field_name in {f.name for f in registry.FIELDS} or (info is not None and not info.sidecar):
         raise FieldError(f"{field_name!r} is a stage-one field; only fields added with add-field can be dropped")
     manifest = _merge(cache_dir, man, field_name, None)  # the index stops naming the sidecars first
     for p in sidecar_parts(cache_dir, field_name):
@@ -247,34 +264,62 @@ def drop_field(cache_dir: str | Path, field_name: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ CLI
 
-def _tokenizer_cfg(args) -> dict:
-    cfg: dict[str, Any] = {}
+def producer_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The producer spec of the command line: ``--producer`` (+ ``--options``), else the codec flags
+    (``--audio-tokenizer``/``--pretrained``/``--config``: producer ``codes``). Without either, a
+    ``codes_<codec>`` field needs the codec flags; other fields need ``--producer``."""
+    options: dict[str, Any] = {}
+    if args.options:
+        loaded = _yaml_text(args.options)
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"error: --options must be a JSON/YAML mapping, got {args.options!r}")
+        options = dict(loaded)
+    if args.producer:
+        if ":" in args.producer:
+            return {"factory": args.producer, "kwargs": options}
+        return {"producer": args.producer, **options}
+    codec: dict[str, Any] = {}
     if args.config:
-        import yaml
-        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
-        cfg = dict(loaded.get("audio_tokenizer") or loaded)
+        loaded = read_yaml(args.config)
+        codec = dict(loaded.get("audio_tokenizer") or loaded)
     if args.audio_tokenizer:
         spec = args.audio_tokenizer
-        cfg = {"factory": spec} if ":" in spec else dict(cfg, name=spec)
+        codec = {"factory": spec} if ":" in spec else dict(codec, name=spec)
     if args.pretrained:
-        cfg["pretrained"] = args.pretrained
-    if not cfg:
-        raise SystemExit("error: give --audio-tokenizer NAME|module:factory or --config YAML")
-    if cfg.get("name") and "pretrained" not in cfg and "factory" not in cfg:
-        cfg["pretrained"] = f"models/{cfg['name']}-tiny"
-    return cfg
+        codec["pretrained"] = args.pretrained
+    if not codec:
+        raise SystemExit("error: give --producer NAME|module:factory (with --options), or for a codes field "
+                         "--audio-tokenizer NAME|module:factory and --pretrained DIR|hub-id")
+    return {"producer": "codes", "audio_tokenizer": codec, **options}
+
+
+def _yaml_text(text: str) -> Any:
+    """A YAML/JSON value given on the command line (through the one size-limited YAML reader)."""
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
+        fh.write(text)
+    try:
+        return read_yaml(fh.name)
+    finally:
+        os.unlink(fh.name)
 
 
 def main_add(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m precompute add-field", description=__doc__,
+    p = argparse.ArgumentParser(prog="shardcache add-field", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cache", metavar="CACHE")
-    p.add_argument("--field", required=True, help="field name, e.g. codes_mimi")
-    p.add_argument("--audio-tokenizer", default=None, metavar="NAME|module:factory", help="codec: dac | encodec | mimi")
-    p.add_argument("--pretrained", default=None, help="model directory (default: models/NAME-tiny)")
-    p.add_argument("--config", default=None, help="YAML with an audio_tokenizer mapping (or the mapping itself)")
+    p.add_argument("--field", required=True, help="field name, e.g. codes_mimi, audio_16k or a plug-in's field")
+    p.add_argument("--producer", default=None, metavar="NAME|module:factory",
+                   help="what computes it: codes | waveform | latents, or a plug-in factory")
+    p.add_argument("--options", default=None, metavar="JSON",
+                   help="the producer's options, e.g. '{\"sample_rate\": 16000, \"direction\": \"in\"}'")
+    p.add_argument("--audio-tokenizer", default=None, metavar="NAME|module:factory",
+                   help="codes fields: the codec (dac | encodec | mimi | higgs, or a plug-in factory)")
+    p.add_argument("--pretrained", default=None, help="codes fields: the codec's checkpoint directory or hub id")
+    p.add_argument("--config", default=None, help="codes fields: YAML with an audio_tokenizer mapping (or the mapping)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--replace", action="store_true", help="drop the field first if it exists with another codec")
+    p.add_argument("--encoder-batch-size", type=int, default=8, help="samples per producer call (default 8)")
+    p.add_argument("--replace", action="store_true", help="drop the field first if it exists with another producer")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -284,11 +329,13 @@ def main_add(argv: list[str]) -> int:
     device = args.device
     if device == "cuda" and world_size > 1:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    spec = producer_spec(args)
     barrier, close = make_barrier(world_size, global_rank)
     try:
-        m = add_field(args.cache, args.field, _tokenizer_cfg(args), device=device, global_rank=global_rank,
-                      world_size=world_size, barrier=barrier, replace=args.replace, progress=not args.no_progress)
-    except (ShardcacheError, FileNotFoundError, ValueError) as e:
+        m = add_field(args.cache, args.field, spec, device=device, global_rank=global_rank,
+                      world_size=world_size, barrier=barrier, replace=args.replace, progress=not args.no_progress,
+                      batch_size=max(1, args.encoder_batch_size))
+    except (ShardcacheError, FileNotFoundError, ValueError, ImportError, AttributeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -301,7 +348,7 @@ def main_add(argv: list[str]) -> int:
 
 
 def main_drop(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m precompute drop-field",
+    p = argparse.ArgumentParser(prog="shardcache drop-field",
                                 description="Remove a field added with add-field (its sidecars, index members, "
                                             "manifest entry); no other byte changes.")
     p.add_argument("cache", metavar="CACHE")

@@ -30,6 +30,7 @@ import numpy as np
 import soundfile as sf
 
 from shards import schema
+from shards.kinds import WAVEFORM
 from shards.errors import CorruptSample
 
 #: containers libsndfile cannot read; decoded with audioread (ffmpeg) from the path
@@ -205,7 +206,7 @@ def _audioread_windows(path: str, label: str, spans: list[tuple[int, tuple[float
         pos, last = 0, (None if any(t[2] is None for t in todo) else max(t[2] for t in todo))
         try:
             for buf in aro:
-                y = (np.frombuffer(buf, "<i2").astype(np.float32) / 32768.0).reshape(-1, channels)
+                y = WAVEFORM.from_storage(np.frombuffer(buf, "<i2")).reshape(-1, channels)
                 b0, b1 = pos, pos + y.shape[0]
                 pos = b1
                 for t in todo:
@@ -358,5 +359,6 @@ def load_audio(path: str | Path, sample_rates: tuple[int, ...] | list[int], *, o
 
 
 def to_pcm16(y: np.ndarray) -> np.ndarray:
-    """float32 in [-1, 1] -> int16 PCM (full scale 32767, rounded, clipped)."""
-    return np.clip(np.rint(y * 32767.0), -32768, 32767).astype(np.int16)
+    """float32 in [-1, 1] -> int16 PCM: the waveform kind's convention (:data:`shards.kinds.PCM16_FULL_SCALE`,
+    32768, so a 16-bit source file is stored bit-exactly)."""
+    return WAVEFORM.to_storage(y)

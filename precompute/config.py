@@ -88,6 +88,11 @@ class PrecomputeConfig:
     """More waveform fields besides audio (all items at sample_rate): name -> {sample_rate: Hz, direction:
     in | out | all}; e.g. {audio_16k: {sample_rate: 16000, direction: in}} stores the user-side audio at
     16 kHz for a Whisper-style audio encoder."""
+    extra_fields: dict[str, dict[str, Any]] = option(factory=dict, flag=False)
+    """More fields, each computed by a producer (precompute.producers): name -> {producer: NAME, **options}
+    (built-in: codes, waveform, latents) or {factory: package.module:callable, kwargs: {...}} (a plug-in;
+    its fields must be declared, shards.fields.register). The same spec adds the field to an existing
+    cache: shardcache add-field CACHE --field NAME --producer ..."""
     manifest_format: str | None = option(None, choices=("jsonl", "chatml", "llava", "csv", "parquet"))
     """Manifest format; null = detected from the file."""
     columns: dict[str, str] = option(factory=dict, flag=False)
@@ -105,7 +110,8 @@ class PrecomputeConfig:
         a posterior) keep their fingerprint; True and False still give different fingerprints.
         """
         keys = ("sample_rate", "image_size", "image_resize")
-        out = {k: getattr(self, k) for k in keys} | {"audio_format": "pcm_s16le", "latents_dtype": "float16"}
+        out = {k: getattr(self, k) for k in keys} | {"audio_format": "pcm_s16le", "pcm_full_scale": 32768,
+                                                     "latents_dtype": "float16"}
         if self.store_posterior:
             out["store_posterior"] = True
         out["sample_layout"] = "conversation-1"  # precompute.conversation + precompute.chat

@@ -1,39 +1,30 @@
 """Encode decoded conversations into the tensors of one cached sample (see :mod:`shards.schema`).
 
-Per sample (a conversation with ``n`` audio items and ``m`` images):
-
-* ``codes.npy`` int16 ``(n_codebooks, F)``: every audio item's codes concatenated along frames
-  (Higgs-Audio's ``audio_ids_concat``), when the job has an audio tokenizer;
-* ``audio_segments.npy`` int32 ``(n, 6)``: ``[item, turn, direction (0 in / 1 out), code_start,
-  code_frames, speaker]`` per audio item (``audio_ids_start`` plus what the trainer needs);
-* ``audio.npy`` int16 ``(T,)`` every item's waveform at ``sample_rate`` concatenated and
-  ``audio_starts.npy`` int32 ``(n + 1,)`` offsets (``audio_waveforms_concat``/``_start``); the
-  same for each ``extra_waveforms`` field (items of the other direction have length 0; a sample
-  with no item of that field's direction has no such member);
-* ``latents.npy`` float16 ``(C, m, H/8, W/8)``: image ``k`` is ``latents[:, k]``;
-* ``input_ids.npy`` / ``labels.npy`` int32 ``(L,)`` (:mod:`precompute.chat`); ``json``.
-
-The encoders run batched over the rows of one encoder batch: the codec over every audio item
-(clip by clip unless configured otherwise, see :mod:`precompute.encoders.audio`), the VAE over
-every image grouped by size. A failing input costs only its own row (``encode_failed``).
+The fields of a sample come from the job's producers (:mod:`precompute.producers`), run in order
+over one encoder batch (so each encoder is called batched; a failing input costs only its own row,
+``encode_failed``): ``input_ids``/``labels``, ``audio`` + ``audio_starts`` and each extra waveform,
+``codes`` + ``audio_segments``, ``latents`` (+ ``latents_logvar``), then plug-in fields
+(``extra_fields``). Every value is checked here, once, with its field's kind
+(:meth:`shards.kinds.FieldKind.value_check`: codes in ``[0, codebook_size)``, ids in
+``[0, vocab_size)``, latents finite and inside float16's range) and cast to the field's storage
+dtype; a sample that breaks a check is rejected ``encode_failed`` naming the field. The ``json``
+member (the conversation, its audio items and images, sample rate, durations) is built here too.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
+from shards import fields as registry
 from shards import schema
+from shards.manifest import CacheManifest, FieldInfo, TextInfo
 
-from .audio import to_pcm16
+from . import producers as P
 from .config import PrecomputeConfig
-from .encoders import load_audio_tokenizer, load_image_encoder, load_text_tokenizer
+from .encoders import fingerprint, load_audio_tokenizer, load_image_encoder, load_text_tokenizer
 from .prepare import Prepared
-
-DIRECTIONS = {"in": 0, "out": 1}
 
 
 @dataclass
@@ -89,41 +80,6 @@ def load_encoders(cfg: PrecomputeConfig, device: str, dtype: str | None = None) 
         text=load_text_tokenizer(cfg.text_tokenizer))
 
 
-def _timed(summary: Summary, device: str, fn, *args):
-    """Run an encoder call and add its duration (device-synchronised) to ``summary.encoder_s``."""
-    t = time.perf_counter()
-    out = fn(*args)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    summary.encoder_s += time.perf_counter() - t
-    return out
-
-
-def _encode_each(fn, inputs: list, summary: Summary, device: str) -> list:
-    """Encode a batch; if the batch fails, encode one by one so a bad input costs only itself."""
-    if not inputs:
-        return []
-    try:
-        return list(_timed(summary, device, fn, inputs))
-    except Exception:
-        outs = []
-        for x in inputs:
-            try:
-                outs.append(_timed(summary, device, fn, [x])[0])
-            except Exception as e:
-                outs.append(e)
-        return outs
-
-
-def _concat_waves(p: Prepared, rate: int, directions: set[str]) -> tuple[np.ndarray, np.ndarray]:
-    """int16 concatenation of the selected items at ``rate`` and int32 ``(n + 1,)`` offsets."""
-    items = p.req.conversation.audio
-    waves = [to_pcm16(w[rate]) if it.direction in directions else np.zeros(0, np.int16)
-             for it, w in zip(items, p.audio)]
-    starts = np.concatenate([[0], np.cumsum([len(w) for w in waves])]).astype(np.int32)
-    return (np.concatenate(waves) if waves else np.zeros(0, np.int16)), starts
-
-
 def waveform_fields(cfg: PrecomputeConfig) -> dict[str, tuple[int, set[str]]]:
     """Waveform fields of the job: name -> (sample_rate, directions stored)."""
     out = {"audio": (int(cfg.sample_rate), {"in", "out"})}
@@ -133,7 +89,55 @@ def waveform_fields(cfg: PrecomputeConfig) -> dict[str, tuple[int, set[str]]]:
     return out
 
 
-def _meta(p: Prepared, cfg: PrecomputeConfig, enc: Encoders) -> dict[str, Any]:
+def job_producers(cfg: PrecomputeConfig, enc: Encoders, template: str, device: str = "cpu"
+                  ) -> tuple[list[P.Producer], dict[str, P.Producer]]:
+    """The producers of a job, in the order they run (see :mod:`precompute.producers`), and those
+    of its ``extra_fields`` by field name (also at the end of the list)."""
+    out: list[P.Producer] = [P.TextProducer(enc.text, template)]
+    for name, (rate, directions) in waveform_fields(cfg).items():
+        out.append(P.WaveformProducer(name, rate, directions, always=name == "audio"))
+    out.append(P.CodesProducer(enc.audio) if enc.audio is not None else P.SegmentsProducer())
+    if enc.image is not None:
+        out.append(P.LatentsProducer(enc.image, cfg.store_posterior))
+    extra = {name: P.load_producer(spec, name, device) for name, spec in (cfg.extra_fields or {}).items()}
+    return out + list(extra.values()), extra
+
+
+def job_rates(producers: list[P.Producer]) -> tuple[int, ...]:
+    """Every rate (Hz) the job's producers read audio at (each is resampled once from the decoded window)."""
+    return tuple(dict.fromkeys(r for p in producers for r in sorted(p.rates())))
+
+
+def job_info(producers: list[P.Producer], extra: dict[str, P.Producer], text: Any) -> CacheManifest:
+    """What ``manifest.json`` records about the job's fields: the built-in producers' facts at the
+    top level (codec sizes, latent channels), each extra field's in ``fields`` (its producer's
+    description and facts), the text vocabulary. Also what the value checks read while writing."""
+    info: dict[str, Any] = {}
+    for p in producers:
+        if not isinstance(p, P.WaveformProducer) and p not in extra.values():
+            info.update(p.manifest_info())
+    man = CacheManifest.from_dict(info)
+    man.text = TextInfo(vocab_size=int(text.vocab_size), pad_id=int(text.pad_id))
+    for name, p in extra.items():
+        man.fields[name] = FieldInfo.from_dict({"fingerprint": fingerprint(p.describe()), "encoder": p.describe(),
+                                                "sidecar": False, "kind": registry.get(name).kind.name,
+                                                "members": list(p.outputs), **p.manifest_info()})
+    return man
+
+
+def value_checks(producers: list[P.Producer], info: CacheManifest) -> dict[str, tuple]:
+    """field -> the check of its kind in this job (see :meth:`shards.kinds.FieldKind.value_check`)."""
+    out = {}
+    for p in producers:
+        for name in p.outputs:
+            f = registry.get(name)
+            check = f.kind.value_check(f, info)
+            if check is not None:
+                out[name] = check
+    return out
+
+
+def _meta(p: Prepared, cfg: PrecomputeConfig, frame_rate: float | None) -> dict[str, Any]:
     req, conv = p.req, p.req.conversation
     speakers = list(dict.fromkeys(a.speaker for a in conv.audio if a.speaker))
     meta = {"text": conv.text, "speaker": req.speaker, "conversation": conv.to_json(),
@@ -145,89 +149,67 @@ def _meta(p: Prepared, cfg: PrecomputeConfig, enc: Encoders) -> dict[str, Any]:
             "speakers": speakers, "sources": conv.sources,
             "sample_rate": cfg.sample_rate if conv.audio else 0, "duration_s": round(p.duration_s, 6),
             "row": req.row} | req.meta
-    if conv.audio and enc.audio is not None:
-        meta["frame_rate"] = float(enc.audio.frame_rate)
+    if conv.audio and frame_rate is not None:
+        meta["frame_rate"] = float(frame_rate)
     return meta
 
 
-def encode_batch(batch: list[Prepared], enc: Encoders, cfg: PrecomputeConfig, summary: Summary,
-                 device: str) -> list[tuple[str, dict | None, tuple | None]]:
-    """Encode the good rows of a batch; return ``(key, fields, reject)`` per row, in input order.
+def to_members(arrays: dict[str, Any], checks: dict[str, tuple]) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """``{field: array}`` -> ``{"FIELD.npy": array in the storage dtype}``, or ``(None, why)`` for the
+    first array whose values break its field's check (see :func:`value_checks`)."""
+    members = {}
+    for name, value in arrays.items():
+        f = registry.get(name)
+        a = np.asarray(value)
+        why = f.kind.value_problem(a, checks.get(name))
+        if why is not None:
+            return None, f"{name}: {why}"
+        members[f.suffix] = a.astype(f.dtype, copy=False)
+    return members, None
 
-    ``fields`` maps member names to values as :class:`shards.ShardWriter` takes them (see the
-    module docstring). Rows are rejected (``encode_failed``) when an encoder fails on one of their
-    items, when latents are non-finite or overflow float16 (``|x| > 65000``), or when a row has
-    an image but the job has no image encoder (``image_encoder: null``).
-    """
-    ok = [p for p in batch if p.error is None]
-    items = [(p, k) for p in ok for k in range(len(p.audio))] if enc.audio is not None else []
-    codes = _encode_each(enc.audio.encode, [p.audio[k][enc.audio.sample_rate] for p, k in items],
-                         summary, device) if items else []
-    codes_of: dict[tuple[int, int], Any] = {(id(p), k): c for (p, k), c in zip(items, codes)}
-    latents_of: dict[tuple[int, int], Any] = {}
-    if enc.image is not None:
-        by_shape: dict[tuple, list[tuple[Prepared, int]]] = {}
-        for p in ok:
-            for k, img in enumerate(p.images):
-                by_shape.setdefault(img.shape, []).append((p, k))
-        if cfg.store_posterior:  # one (mean, logvar) pair per image
-            fn = lambda imgs: list(zip(*enc.image.encode_posterior(np.stack(imgs))))  # noqa: E731
-        else:
-            fn = lambda imgs: list(enc.image.encode(np.stack(imgs)))  # noqa: E731
-        for group in by_shape.values():
-            for (p, k), z in zip(group, _encode_each(fn, [p.images[k] for p, k in group], summary, device)):
-                latents_of[(id(p), k)] = z
+
+def encode_batch(batch: list[Prepared], producers: list[P.Producer], checks: dict[str, tuple],
+                 cfg: PrecomputeConfig, summary: Summary, device: str) -> list[tuple[str, dict | None, tuple | None]]:
+    """Run the producers over the good rows of a batch; return ``(key, members, reject)`` per row,
+    in input order (``members`` maps member names to values as :class:`shards.ShardWriter` takes
+    them). Rows are rejected ``encode_failed`` when a producer fails on one of their items, a value
+    breaks its field's check (e.g. latents non-finite or beyond float16), or a row has an image but
+    the job has no image encoder (``image_encoder: null``)."""
+    timer = P.Timer(device)
+    ok = [p for p in batch if p.error is None and not (p.req.conversation.images and not _has_images(producers))]
+    results: dict[int, dict[str, Any] | Exception] = {id(p): {} for p in ok}
+    for prod in producers:
+        live = [p for p in ok if not isinstance(results[id(p)], Exception)]
+        for p, r in zip(live, prod.produce(live, timer)):
+            if isinstance(r, Exception):
+                results[id(p)] = r
+            else:
+                results[id(p)].update(r)
+    summary.encoder_s += timer.seconds
+    frame_rate = next((p.manifest_info().get("frame_rate") for p in producers
+                       if isinstance(p, P.CodesProducer) and "audio_segments" in p.outputs), None)
     out = []
     for p in batch:
-        fields, error = (None, p.error) if p.error is not None else _sample(p, enc, cfg, codes_of, latents_of)
-        if error is not None:
-            out.append((p.req.key, None, (p.req.key, p.req.source, error[0], error[1])))
-        else:
-            out.append((p.req.key, fields, None))
+        key = p.req.key
+        if p.error is not None:
+            out.append((key, None, (key, p.req.source, p.error[0], p.error[1])))
+            continue
+        r = results.get(id(p))
+        if r is None:
+            out.append((key, None, (key, p.req.source, schema.ENCODE_FAILED,
+                                    f"row has {len(p.req.conversation.images)} image(s) but the job has no image "
+                                    "encoder (image_encoder: null)")))
+            continue
+        if isinstance(r, Exception):
+            out.append((key, None, (key, p.req.source, schema.ENCODE_FAILED, f"{type(r).__name__}: {r}")))
+            continue
+        members, why = to_members(r, checks)
+        if why is not None:
+            out.append((key, None, (key, p.req.source, schema.ENCODE_FAILED, why)))
+            continue
+        out.append((key, {"json": _meta(p, cfg, frame_rate), **members}, None))
     return out
 
 
-def _sample(p: Prepared, enc: Encoders, cfg: PrecomputeConfig, codes_of: dict, latents_of: dict
-            ) -> tuple[dict | None, tuple[str, str] | None]:
-    conv = p.req.conversation
-    if conv.images and enc.image is None:
-        return None, (schema.ENCODE_FAILED, f"row has {len(conv.images)} image(s) but the job has no image "
-                                            "encoder (image_encoder: null)")
-    produced = [codes_of.get((id(p), k)) for k in range(len(p.audio))] + \
-               [latents_of.get((id(p), k)) for k in range(len(p.images))]
-    bad = next((x for x in produced if isinstance(x, Exception)), None)
-    if bad is not None:
-        return None, (schema.ENCODE_FAILED, f"{type(bad).__name__}: {bad}")
-    fields: dict[str, Any] = {"json": _meta(p, cfg, enc), "input_ids.npy": p.input_ids, "labels.npy": p.labels}
-    if conv.audio:
-        table = np.zeros((len(conv.audio), 6), dtype=np.int32)
-        speakers = fields["json"]["speakers"]
-        start = 0
-        per_item = []
-        for k, it in enumerate(conv.audio):
-            c = np.asarray(codes_of[(id(p), k)], dtype=np.int16) if enc.audio is not None else None
-            n = 0 if c is None else c.shape[1]
-            table[k] = (k, it.turn, DIRECTIONS[it.direction], start, n,
-                        speakers.index(it.speaker) if it.speaker else -1)
-            start += n
-            per_item.append(c)
-        fields["audio_segments.npy"] = table
-        if enc.audio is not None:
-            fields["codes.npy"] = np.concatenate(per_item, axis=1)
-        for name, (rate, directions) in waveform_fields(cfg).items():
-            if name != "audio" and not any(it.direction in directions for it in conv.audio):
-                continue  # e.g. audio_16k (input side) of a TTS sample: no member rather than an empty one
-            wave, starts = _concat_waves(p, rate, directions)
-            fields[f"{name}.npy"], fields[f"{name}_starts.npy"] = wave, starts
-    if p.images:
-        zs = [latents_of[(id(p), k)] for k in range(len(p.images))]
-        pairs = zs if cfg.store_posterior else [(z, None) for z in zs]
-        arrays = {"latents.npy": np.concatenate([np.asarray(z, np.float32) for z, _ in pairs], axis=1)}
-        if cfg.store_posterior:
-            arrays["latents_logvar.npy"] = np.concatenate([np.asarray(v, np.float32) for _, v in pairs], axis=1)
-        bad_l = [f"{k[:-4]} {'non-finite' if not np.isfinite(v).all() else 'overflow float16'}"
-                 for k, v in arrays.items() if not np.all(np.abs(v) <= 65000)]
-        if bad_l:
-            return None, (schema.ENCODE_FAILED, "; ".join(bad_l))
-        fields.update({k: v.astype(np.float16) for k, v in arrays.items()})
-    return fields, None
+def _has_images(producers: list[P.Producer]) -> bool:
+    return any(p.needs_images for p in producers)

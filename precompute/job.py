@@ -40,7 +40,8 @@ from shards.writer import ShardWriter
 
 from . import chat
 from .config import PrecomputeConfig
-from .encode import Encoders, Summary, encode_batch, load_encoders, waveform_fields
+from .encode import (Encoders, Summary, encode_batch, job_info, job_producers, job_rates, load_encoders,
+                     value_checks, waveform_fields)
 from .encoders import fingerprint
 from .manifests import Request, read_manifest
 from .output import LocalOutput, open_output
@@ -56,16 +57,16 @@ def row_id(req: Request) -> str:
     return "\0".join([req.key] + (req.conversation.sources if req.conversation is not None else []))
 
 
-def precision_check(enc: Encoders, cfg: PrecomputeConfig, requests: list[Request], device: str) -> dict | None:
-    """Measure half-precision encoders against float32 on the job's first rows (None for float32).
+def precision_check(enc: Encoders, cfg: PrecomputeConfig, requests: list[Request], device: str,
+                    rates: tuple[int, ...], template: str) -> dict | None:
+    """Measure half-precision encoders against float32 on the job's first rows (None for float32);
+    ``rates``: the job's audio rates (Hz), ``template``: its resolved chat template.
 
     Raises :class:`precompute.precision.PrecisionMismatch` outside ``cfg.precision_tolerance``.
     """
     if cfg.encoder_dtype in ("float32", "fp32"):
         return None
     ref = load_encoders(cfg, device, dtype="float32")
-    rates = job_rates(cfg, enc)
-    template = chat.resolve_template(cfg.chat_template, enc.text)
     # half of the rows with an image where the manifest has them, so both encoders are measured
     n_img = cfg.precision_samples // 2 if any(r.has_image and not r.error for r in requests) else 0
     picked: dict[bool, list] = {True: [], False: []}
@@ -208,12 +209,6 @@ class _ChunkWriter(threading.Thread):
         self.queue.put(item)
 
 
-def job_rates(cfg: PrecomputeConfig, enc: Encoders) -> tuple[int, ...]:
-    """Every rate (Hz) the job resamples to: the stored waveforms' and the codec's."""
-    rates = [r for r, _ in waveform_fields(cfg).values()]
-    return tuple(dict.fromkeys(rates + ([int(enc.audio.sample_rate)] if enc.audio is not None else [])))
-
-
 def image_multiple(enc: Encoders) -> int:
     """Pixels per latent cell of the image encoder (8 without one: images are then rejected anyway)."""
     return int(enc.image.spatial_factor) if enc.image is not None else 8
@@ -277,10 +272,17 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     template = chat.resolve_template(cfg.chat_template, enc.text)
     if any(r.conversation is not None for r in requests):
         chat.check_tokenizer(enc.text)
-    precision = precision_check(enc, cfg, requests, device)
+    producers, extra = job_producers(cfg, enc, template, device)
+    rates = job_rates(producers)
+    precision = precision_check(enc, cfg, requests, device, rates, template)
+    info = job_info(producers, extra, enc.text)
+    checks = value_checks(producers, info)
     encoders = enc.describe()  # hashes every weight: once per job
-    describe = encoders | {"preprocessing": cfg.preprocessing()}
-    fp = fingerprint(*encoders.values(), preprocessing=cfg.preprocessing())
+    preprocessing = cfg.preprocessing()
+    if extra:  # only when present: caches without extra fields keep their fingerprint
+        preprocessing["extra_fields"] = {name: p.describe() for name, p in extra.items()}
+    describe = encoders | {"preprocessing": preprocessing}
+    fp = fingerprint(*encoders.values(), preprocessing=preprocessing)
     if check_fingerprint(out_dir, fp, describe, global_rank):
         output.push_part(JOB_FILE)
     sync()
@@ -289,7 +291,6 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     chunks = plan[global_rank::world_size]  # chunk k of the plan -> rank k % world_size
     items = [(req, ci) for ci, (_, rows) in enumerate(chunks) for req in rows]
     summary = Summary(skipped_rows=len(requests) - sum(len(rows) for _, rows in plan))
-    rates = job_rates(cfg, enc)
     bar = tqdm(total=len(items), desc=f"precompute r{global_rank}", unit="sample",
                disable=not progress or global_rank != 0, dynamic_ncols=True)
     summary.setup_s = time.perf_counter() - t0
@@ -303,7 +304,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     try:
         with torch.inference_mode():
             for batch in loader:
-                for key, fields, reject in encode_batch(batch, enc, cfg, summary, device):
+                for key, fields, reject in encode_batch(batch, producers, checks, cfg, summary, device):
                     if reject:
                         summary.rejected += 1
                         summary.reasons[reject[2]] = summary.reasons.get(reject[2], 0) + 1
@@ -322,12 +323,9 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     result = None
     if global_rank == 0:  # the other ranks are done; rank 0 merges once every chunk is committed
         output.wait_for_chunks([name for name, _ in plan])
-        audio = {} if enc.audio is None else {
-            "codec_sample_rate": enc.audio.sample_rate, "n_codebooks": enc.audio.n_codebooks,
-            "codebook_size": enc.audio.codebook_size, "frame_rate": float(enc.audio.frame_rate)}
-        image = {} if enc.image is None else {"latent_channels": enc.image.latent_channels}
         result = merge_parts(out_dir, {
-            "fingerprint": fp, "encoders": describe, "sample_rate": cfg.sample_rate, **audio, **image,
+            "fingerprint": fp, "encoders": describe, "sample_rate": cfg.sample_rate,
+            **{k: v for k, v in info.to_dict().items() if k not in ("format_version", "text")},  # + fields
             "waveforms": {k: {"sample_rate": r, "directions": sorted(d)} for k, (r, d) in waveform_fields(cfg).items()},
             "text": chat.describe(template, enc.text),
             "text_vocab_size": enc.text.vocab_size, "text_pad_id": enc.text.pad_id,

@@ -47,6 +47,15 @@ class Prepared:
     def duration_s(self) -> float:
         return float(sum(self.durations))
 
+    @property
+    def key(self) -> str:
+        return self.req.key
+
+    @property
+    def conversation(self):
+        """The row's :class:`precompute.conversation.Conversation` (what producers read)."""
+        return self.req.conversation
+
 
 def _decode_audio(req: Request, rates: tuple[int, ...], cfg: PrecomputeConfig, out: Prepared) -> None:
     items = req.conversation.audio

@@ -1,42 +1,43 @@
 """The field registry: one declaration per tensor field of a cached sample.
 
-**Adding a field is one entry in** :data:`FIELDS` **plus the code that computes it** (stage one:
-:mod:`precompute.encode`; a field added to an existing cache later: :mod:`precompute.add_field`).
-Everything else is derived from the entries here:
+**A new field is one declaration** (a :class:`Field` here, or :func:`register` from a plug-in
+module) **plus one producer** that computes it at stage one (:mod:`precompute.producers`, shared
+by ``shardcache precompute`` and ``shardcache add-field``). A field points at its *kind*
+(:mod:`shards.kinds`), which owns its value checks, batch layout (pad value, lengths/mask keys,
+dtypes) and its move to the device; everything else is derived from the entries here:
 
-* :data:`shards.schema.TENSOR_DTYPES` (member name -> dtype; ``verify`` checks stored dtypes with it),
+* :data:`shards.schema.TENSOR_DTYPES` (member name -> dtype; the writer and ``verify`` check stored
+  dtypes with it),
 * the index columns a field contributes (:data:`INDEX_FIELD_COLUMNS`, hence
-  :data:`shards.index.INDEX_SCHEMA`, ``shards verify``'s ``ROW_FIELDS`` and
-  :data:`loaders.order.FILTER_COLUMNS`), filled by :func:`shards.scan.scan_shard` from member shapes,
-* the member rank the reader checks (:func:`ndim`), the collate layout (:func:`ragged_spec`:
-  pad value, ``*_lengths`` / ``*_mask`` keys) and the value checks (:attr:`Field.value_check`).
-
-A field's ``kind`` says how it is collated: ``codes`` (int ``(Q, F)``, ragged along frames,
-padded with -100 + ``NAME_lengths``/``NAME_mask``), ``waveform`` (int16 ``(T,)``, scaled to float),
-``starts`` (offsets, padded with the last offset), ``tokens`` (int ``(L,)``), ``segments``
-(``(S, 6)`` rows padded with -1) and ``latents`` (``(C, T, H, W)``, zero-padded + ``latents_mask``).
+  :data:`shards.index.INDEX_SCHEMA`, ``shards verify``'s row checks and the loaders' filters),
+  filled by :func:`shards.scan.scan_shard` from member shapes,
+* the member rank the reader checks (:attr:`Field.ndim`), what a loader reads by default, which
+  fields every sample must hold, and where each is stored (packed in ``tensors.npz``, its own
+  member, or a sidecar tar).
 
 Name rules (no entry needed): ``audio_<name>`` / ``audio_<name>_starts`` are extra waveform fields
 (``extra_waveforms`` in the stage-one config); ``codes_<name>`` (e.g. ``codes_mimi``, made by
-``python -m precompute add-field``) is a field of kind ``codes`` stored in sidecar tars: a field
-declared at add-field time inherits the kind of its base encoder output (:data:`DERIVABLE`).
+``shardcache add-field``) is a field of kind ``codes`` stored in sidecar tars. Fields of plug-in
+modules: :func:`register` them at import; modules named in ``$SHARDCACHE_PLUGINS`` (comma-separated)
+are imported at the first lookup of an unknown name, so DataLoader workers and ``torchrun`` ranks
+know them too.
 
-This module imports nothing from either stage (from the rest of :mod:`shards` only :mod:`shards.tokens`).
+This module imports nothing from either stage (from the rest of :mod:`shards` only its kinds and tokens).
 """
 from __future__ import annotations
 
+import importlib
+import os
 import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from . import kinds as K
+from .kinds import PAD_LAST, PAD_TEXT, FieldKind  # noqa: F401 (re-exported)
 from .tokens import IGNORE_INDEX  # pad value of codes and labels
 
 #: pad of ``text_ids`` / default pad of ``input_ids`` (the cache's ``text.pad_id`` wins)
 TEXT_PAD_ID = 0
-#: ``Field.pad`` value meaning "pad with the cache's text pad id"
-PAD_TEXT = "text_pad_id"
-#: ``Field.pad`` value meaning "repeat the last value" (offset arrays)
-PAD_LAST = "last"
 
 
 @dataclass(frozen=True)
@@ -56,47 +57,47 @@ class IndexColumn:
 
 @dataclass(frozen=True)
 class Field:
-    """Declaration of one tensor member ``KEY.<suffix>`` of a cached sample.
+    """Declaration of one tensor member ``KEY.<name>.npy`` of a cached sample.
 
     Attributes:
         name: field name (batch key, ``ShardReader.views(name)``).
         dtype: numpy dtype it is stored with.
         ndim: rank of the stored array.
-        kind: collate rule (see the module docstring).
-        ragged_axis: axis that varies between samples (padded in a batch); None: not ragged.
-        pad: pad value in a batch, or :data:`PAD_TEXT` / :data:`PAD_LAST`.
+        kind: its :class:`shards.kinds.FieldKind` (values, batch layout, device move).
+        pad: pad value in a batch, or :data:`PAD_TEXT` / :data:`PAD_LAST` (see the kind).
         lengths: batch key of the per-sample lengths (None: none); mask: of the bool mask.
+        present_key: batch key of a bool ``(B,)`` "sample holds it" (``has_image``); None: none.
         index_columns: the scalar index columns computed from its shape.
         optional: may be absent on some samples (e.g. codes on a sample without audio).
         every_sample: a loader asking for it requires it on every sample.
         default_read: read by a loader when no ``fields`` are given (if the cache holds it).
+        paired_with: a field whose samples must hold this one exactly where they hold that one,
+            with the same shape (``latents_logvar`` with ``latents``).
         stage: who writes it: ``precompute`` (stage one), ``add-field`` (a sidecar), ``legacy``
             (only in old caches; read only).
-        value_check: ``"codes"`` (``[0, codebook_size)``), ``"text"`` (``[0, vocab_size)``),
-            ``"finite"`` or None.
         sidecar: stored in sidecar tars ``shard-XXXXXX.<name>.tar`` (fields made by add-field).
         packed: stored inside the sample's ``tensors.npz`` member (format 3, :mod:`shards.npz`)
             rather than as a ``NAME.npy`` member of its own. Latents are not packed: they are large
             (a 512-byte tar header is < 2 % of them), and Hugging Face ``datasets`` cannot convert
             arrays of 3 or more dimensions nested in a struct (pyarrow: "Can only convert
             1-dimensional array values") while it reads a 4-D ``.npy`` member.
-        doc: one line for the README / docs.
+        doc: one line for the docs.
     """
 
     name: str
     dtype: str
     ndim: int
-    kind: str
-    ragged_axis: int | None = 0
+    kind: FieldKind
     pad: object = 0
     lengths: str | None = None
     mask: str | None = None
+    present_key: str | None = None
     index_columns: tuple[IndexColumn, ...] = ()
     optional: bool = True
     every_sample: bool = False
     default_read: bool = True
+    paired_with: str | None = None
     stage: str = "precompute"
-    value_check: str | None = None
     sidecar: bool = False
     packed: bool = True
     doc: str = ""
@@ -106,19 +107,24 @@ class Field:
         """Tar member suffix: ``KEY.<suffix>``."""
         return f"{self.name}.npy"
 
+    @property
+    def batch_keys(self) -> tuple[str, ...]:
+        """Every key this field puts into a batch (data, lengths, mask, present flag)."""
+        return tuple(k for k in (self.name, self.lengths, self.mask, self.present_key) if k)
+
 
 def _codes(name: str, **kw) -> Field:
-    return Field(name=name, dtype="int16", ndim=2, kind="codes", ragged_axis=1, pad=IGNORE_INDEX,
-                 lengths=f"{name}_lengths", mask=f"{name}_mask", value_check="codes", **kw)
+    return Field(name=name, dtype="int16", ndim=2, kind=K.CODES, pad=IGNORE_INDEX,
+                 lengths=f"{name}_lengths", mask=f"{name}_mask", **kw)
 
 
 def _waveform(name: str, **kw) -> Field:
-    return Field(name=name, dtype="int16", ndim=1, kind="waveform", pad=0, lengths=f"{name}_lengths",
+    return Field(name=name, dtype="int16", ndim=1, kind=K.WAVEFORM, pad=0, lengths=f"{name}_lengths",
                  mask=f"{name}_mask", **kw)
 
 
 def _starts(name: str, **kw) -> Field:
-    return Field(name=name, dtype="int32", ndim=1, kind="starts", pad=PAD_LAST, **kw)
+    return Field(name=name, dtype="int32", ndim=1, kind=K.OFFSETS, pad=PAD_LAST, **kw)
 
 
 def _shape0(shape: tuple) -> int:
@@ -134,27 +140,31 @@ FIELDS: tuple[Field, ...] = (
         IndexColumn("n_frames", "int32", lambda s: int(s[1]) if len(s) == 2 else 0),
         IndexColumn("n_codebooks", "int32", lambda s: int(s[0]) if len(s) == 2 else 0)),
         doc="codec tokens of every audio item, concatenated along frames"),
-    Field("audio_segments", "int32", 2, "segments", pad=-1, lengths="audio_segments_count",
+    Field("audio_segments", "int32", 2, K.SEGMENTS, pad=-1, lengths="audio_segments_count",
           doc="per audio item: item, turn, direction, code start, code frames, speaker"),
-    Field("input_ids", "int32", 1, "tokens", pad=PAD_TEXT, lengths="input_lengths", mask="attention_mask",
-          every_sample=True, value_check="text",
-          index_columns=(IndexColumn("n_text_tokens", "int32", _shape0),),
+    Field("input_ids", "int32", 1, K.TOKENS, pad=PAD_TEXT, lengths="input_lengths", mask="attention_mask",
+          every_sample=True, index_columns=(IndexColumn("n_text_tokens", "int32", _shape0),),
           doc="the conversation through the chat template"),
-    Field("labels", "int32", 1, "tokens", pad=IGNORE_INDEX, every_sample=True,
+    Field("labels", "int32", 1, K.LABELS, pad=IGNORE_INDEX, every_sample=True,
           doc="input_ids on trained tokens, -100 elsewhere (not shifted)"),
-    Field("text_ids", "int32", 1, "tokens", pad=TEXT_PAD_ID, lengths="text_lengths", mask="text_mask",
-          every_sample=True, value_check="text", stage="legacy",
-          index_columns=(IndexColumn("n_text_tokens", "int32", _shape0),),
+    Field("text_ids", "int32", 1, K.TOKENS, pad=TEXT_PAD_ID, lengths="text_lengths", mask="text_mask",
+          every_sample=True, stage="legacy", index_columns=(IndexColumn("n_text_tokens", "int32", _shape0),),
           doc="token ids of the text (caches made before conversations)"),
-    Field("latents", "float16", 4, "latents", ragged_axis=None, pad=0.0, value_check="finite", packed=False,
+    Field("latents", "float16", 4, K.LATENTS, pad=0.0, mask="latents_mask", present_key="has_image", packed=False,
           index_columns=(IndexColumn("has_image", "bool", lambda s: True, False),),
           doc="VAE latents (C, n_images, H/8, W/8); image samples only"),
-    Field("latents_logvar", "float16", 4, "latents", ragged_axis=None, pad=0.0, value_check="finite",
-          default_read=False, packed=False, doc="VAE posterior log-variance; only with store_posterior"),
+    Field("latents_logvar", "float16", 4, K.LATENTS, pad=0.0, mask="latents_mask", present_key="has_image",
+          default_read=False, packed=False, paired_with="latents",
+          doc="VAE posterior log-variance; only with store_posterior"),
 )
 
-#: name -> Field of the fixed entries
+#: name -> Field of the fixed entries and of registered plug-in fields
 BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
+#: the plug-in fields (:func:`register`), in registration order
+REGISTERED: dict[str, Field] = {}
+#: environment variable: comma-separated plug-in modules imported at the first unknown name
+PLUGINS_ENV = "SHARDCACHE_PLUGINS"
+_plugins_loaded = False
 #: base fields whose kind a field named ``<base>_<name>`` inherits (made by ``precompute add-field``)
 DERIVABLE = ("codes",)
 #: index columns contributed by fields, in schema order (first contributor of each name)
@@ -169,11 +179,46 @@ _DERIVED = re.compile(r"^(" + "|".join(DERIVABLE) + r")_([A-Za-z0-9_]+)$")
 _RESERVED = ("_lengths", "_mask", "_count")
 
 
+def register(field: Field) -> Field:
+    """Declare a plug-in field (e.g. in the module of its producer). Registering the same
+    declaration again is a no-op; another declaration under a known name raises ``ValueError``."""
+    if not isinstance(field, Field) or not _NAME.match(field.name) or field.name.endswith(_RESERVED):
+        raise ValueError(f"not a valid field declaration: {field!r}")
+    if field.index_columns:
+        raise ValueError(f"field {field.name!r}: a plug-in field cannot add index columns (the index schema "
+                         "is part of the format)")
+    old = BY_NAME.get(field.name) or _rule(field.name)
+    if old is not None and old != field:
+        raise ValueError(f"field {field.name!r} is already declared ({old.kind.name}, {old.dtype}); choose another name")
+    BY_NAME[field.name] = REGISTERED[field.name] = field
+    return field
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        importlib.import_module(mod)
+
+
 def lookup(name: str) -> Field | None:
-    """The :class:`Field` of ``name`` (fixed entry or name rule), or None for an unknown name."""
+    """The :class:`Field` of ``name`` (fixed entry, plug-in or name rule), or None for an unknown name."""
     f = BY_NAME.get(name)
     if f is not None:
         return f
+    if not isinstance(name, str) or not _NAME.match(name) or name.endswith(_RESERVED):
+        return None
+    f = _rule(name)
+    if f is None and not _plugins_loaded and os.environ.get(PLUGINS_ENV):
+        _load_plugins()
+        return BY_NAME.get(name)
+    return f
+
+
+def _rule(name: str) -> Field | None:
+    """The field a name rule gives ``name`` (``codes_<x>``, ``audio_<x>``, ``audio_<x>_starts``)."""
     if not isinstance(name, str) or not _NAME.match(name) or name.endswith(_RESERVED):
         return None
     m = _DERIVED.match(name)
@@ -205,10 +250,6 @@ def get(name: str) -> Field:
     return f
 
 
-def is_field(name: str) -> bool:
-    return lookup(name) is not None
-
-
 def field_of_member(member: str) -> Field | None:
     """The field stored as tar member ``member`` (e.g. ``codes.npy``), or None."""
     if not isinstance(member, str) or not member.endswith(".npy"):
@@ -222,21 +263,15 @@ def ndim(name: str) -> int:
     return f.ndim if f is not None else 1
 
 
-def kind(name: str) -> str | None:
+def kind(name: str) -> FieldKind | None:
+    """The kind of field ``name`` (None for an unknown name)."""
     f = lookup(name)
     return f.kind if f is not None else None
 
 
-def ragged_spec(name: str, pad_id: int = TEXT_PAD_ID) -> tuple[object, str | None, str | None]:
-    """``(pad value (None: repeat the last value), lengths key, mask key)`` of a field in a batch."""
-    f = get(name)
-    pad = pad_id if f.pad == PAD_TEXT else (None if f.pad == PAD_LAST else f.pad)
-    return pad, f.lengths, f.mask
-
-
 def tensor_dtypes() -> dict[str, str]:
-    """Member name -> dtype of the fixed entries."""
-    return {f.suffix: f.dtype for f in FIELDS}
+    """Member name -> dtype of the fixed and registered entries."""
+    return {f.suffix: f.dtype for f in BY_NAME.values()}
 
 
 def index_column_values(shapes: dict[str, tuple]) -> dict[str, object]:
@@ -269,16 +304,7 @@ def parse_sidecar_name(name: str) -> tuple[str, str] | None:
     return (m.group(1) + ".tar", m.group(2)) if m else None
 
 
-def markdown_table() -> str:
-    """The registry as a Markdown table (for the README)."""
-    lines = ["| field | dtype | ndim | kind | pad | index columns | stage |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for f in FIELDS:
-        lines.append(f"| `{f.name}` | {f.dtype} | {f.ndim} | {f.kind} | {f.pad} | "
-                     f"{', '.join(c.name for c in f.index_columns) or '-'} | {f.stage} |")
-    return "\n".join(lines)
-
-
-__all__ = ["Field", "IndexColumn", "FIELDS", "BY_NAME", "DERIVABLE", "INDEX_FIELD_COLUMNS", "lookup", "get",
-           "is_field", "field_of_member", "ndim", "kind", "ragged_spec", "tensor_dtypes", "index_column_values",
-           "sidecar_name", "parse_sidecar_name", "derived_field", "markdown_table", "IGNORE_INDEX",
-           "TEXT_PAD_ID"]
+__all__ = ["Field", "IndexColumn", "FIELDS", "BY_NAME", "REGISTERED", "DERIVABLE", "INDEX_FIELD_COLUMNS", "lookup",
+           "get", "register", "field_of_member", "ndim", "kind", "tensor_dtypes", "index_column_values",
+           "sidecar_name", "parse_sidecar_name", "derived_field", "IGNORE_INDEX", "TEXT_PAD_ID", "PAD_TEXT",
+           "PAD_LAST"]

@@ -265,8 +265,8 @@ def merge_parts(out_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         if fields.lookup(name) is not None and sidecar_parts_complete(out_dir, name, index):
             index = attach_sidecar(index, read_sidecar_parts(out_dir, name))
             kept[name] = info
-    if kept:
-        manifest = dict(manifest, fields=kept)
+    if kept:  # with the job's own extra fields (stage one's, not sidecars)
+        manifest = dict(manifest, fields={**(manifest.get("fields") or {}), **kept})
     rejects_tables = [pq.read_table(p, schema=REJECTS_SCHEMA) for p in sorted(parts.glob("*.rejects.parquet"))]
     rejects = pa.concat_tables(rejects_tables) if rejects_tables else REJECTS_SCHEMA.empty_table()
     return write_cache_files(out_dir, index, rejects, shards, manifest)
@@ -388,10 +388,16 @@ def attach_sidecar(index: pa.Table, sidecar: tuple[pa.Table, list[dict]] | pa.Ta
 
 
 def detach_field(index: pa.Table, field_name: str) -> pa.Table:
-    """``index`` without the members of field ``field_name`` (``FIELD.npy``)."""
+    """``index`` without the members of field ``field_name``: its ``FIELD.npy`` members and every
+    member of its sidecar tars (a producer may write several fields into one sidecar)."""
     rows = index.column("members").to_pylist()
     member = f"{field_name}.npy"
-    kept = [[m for m in r or [] if m["name"] != member] for r in rows]
+
+    def mine(m: dict) -> bool:
+        side = fields.parse_sidecar_name(m.get("file")) if m.get("file") else None
+        return m["name"] == member or (side is not None and side[1] == field_name)
+
+    kept = [[m for m in r or [] if not mine(m)] for r in rows]
     return index.set_column(index.schema.get_field_index("members"), INDEX_SCHEMA.field("members"),
                             pa.array(kept, pa.list_(MEMBER_TYPE)))
 

@@ -35,6 +35,8 @@ import pyarrow.compute as pc
 
 from . import fields, schema  # noqa: F401
 from .errors import ShardCorrupt, UnsafeMember
+from .kinds import value_problem
+from .manifest import CacheManifest
 from .index import (check_format_version, load_manifest_checked, read_index,  # noqa: F401
                     safe_shard_path)
 from .schema import JSON_MEMBER, PICKLE_EXTENSIONS, WHOLE_MEMBER_DTYPES
@@ -42,8 +44,6 @@ from .schema import JSON_MEMBER, PICKLE_EXTENSIONS, WHOLE_MEMBER_DTYPES
 _NPY_MAGIC = b"\x93NUMPY"
 _TAR_BLOCK = 512
 _MAX_NPY_HEADER = 65536 + 2 * _TAR_BLOCK  # npy v1 header length is a uint16
-#: float itemsize -> the exponent bits (all set: NaN or inf) as an unsigned int of that size
-_EXPONENT_MASK = {2: np.uint16(0x7C00), 4: np.uint32(0x7F800000), 8: np.uint64(0x7FF0000000000000)}
 
 # A member name is what follows the key's first dot: "codes.npy", "pyd", "x.pkl"; match both forms.
 _UNSAFE_RE = "(^|\\.)(" + "|".join(re.escape(e.lstrip(".")) for e in PICKLE_EXTENSIONS) + ")$"
@@ -65,33 +65,25 @@ def refuse_unsafe(table: pa.Table, where: str | Path) -> None:
             "shard data. Remove the member from the shard and rebuild the index (`shards reindex`).")
 
 
-def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, Any]:
-    """The value checks a cache's ``manifest.json`` implies, for ``ShardReader(value_checks=...)``.
-
-    ``codes`` in ``[0, codebook_size)`` and ``text_ids`` in ``[0, text_vocab_size)`` where the
-    manifest records those sizes (as an int), and ``"finite"`` for every float member of
-    :data:`shards.schema.TENSOR_DTYPES` (``latents``, ``latents_logvar``, ...).
-    """
-    manifest = manifest or {}
-    checks: dict[str, Any] = {}
-    added = manifest.get("fields") if isinstance(manifest.get("fields"), dict) else {}
-    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0  # noqa: E731
-    for f in list(fields.FIELDS) + [fields.lookup(n) for n in added]:
-        if f is None or f.value_check is None:
+def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, tuple]:
+    """The value checks a cache's ``manifest.json`` implies, for ``ShardReader(value_checks=...)``:
+    each declared field's kind says what to check (:meth:`shards.kinds.FieldKind.value_check`: codes
+    in ``[0, codebook_size)``, ids in ``[0, vocab_size)``, floats finite...), with the sizes the
+    manifest records."""
+    man = CacheManifest.from_dict(manifest or {})
+    checks: dict[str, tuple] = {}
+    for f in list(fields.BY_NAME.values()) + [fields.lookup(n) for n in man.fields]:
+        if f is None:
             continue
-        if f.value_check == "finite":
-            checks[f.name] = "finite"
-        elif f.value_check == "codes":
-            v = (added.get(f.name) or {}).get("codebook_size") if f.name in added else manifest.get("codebook_size")
-            if ok(v):
-                checks[f.name] = (0, v)
-        elif f.value_check == "text" and ok(manifest.get("text_vocab_size")):
-            checks[f.name] = (0, manifest["text_vocab_size"])
+        check = f.kind.value_check(f, man)
+        if check is not None:
+            checks[f.name] = check
     return checks
 
 
 def _normalise_checks(value_checks: dict[str, Any] | None) -> dict[str, tuple]:
-    """``{field: (lo, hi) | "finite"}`` -> ``{field: ("range", lo, hi) | ("finite",)}``."""
+    """``{field: (lo, hi) | "finite" | a kind's check tuple}`` -> ``{field: check tuple}``
+    (see :func:`shards.kinds.value_problem`)."""
     out: dict[str, tuple] = {}
     for field, spec in (value_checks or {}).items():
         if not isinstance(field, str) or field.endswith(".npy"):
@@ -99,7 +91,9 @@ def _normalise_checks(value_checks: dict[str, Any] | None) -> dict[str, tuple]:
         if spec is None:
             continue
         if spec == "finite":
-            out[field] = ("finite",)
+            out[field] = ("finite", None)
+        elif isinstance(spec, tuple) and spec and spec[0] in ("range", "finite", "labels"):
+            out[field] = spec
         elif (isinstance(spec, (tuple, list)) and len(spec) == 2
               and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in spec)
               and spec[0] < spec[1]):
@@ -396,42 +390,13 @@ class ShardReader:
         return out
 
     def _check_values(self, field: str, spec: tuple, rows: list[int], arrays: list) -> None:
-        """Raise :class:`ShardCorrupt` for the first array breaking ``spec`` (see ``value_checks``).
-
-        One reduction per array and no temporaries in the common cases: ``[0, hi)`` on a signed int
-        array is ``max(view as unsigned) < hi`` (negative values wrap to huge ones); ``finite`` on
-        a float array is ``max(bits & exponent mask) < exponent mask`` (NaN/inf have every exponent
-        bit set)."""
-        if spec[0] == "range":
-            lo, hi = spec[1], spec[2]
-            for r, a in zip(rows, arrays):
-                if a is None or not a.size:
-                    continue
-                if (lo == 0 and a.dtype.kind == "i" and a.flags.c_contiguous
-                        and hi <= 1 << (8 * a.dtype.itemsize - 1)):
-                    ok = a.reshape(-1).view(a.dtype.str.replace("i", "u")).max() < hi
-                else:
-                    ok = a.min() >= lo and a.max() < hi
-                if not ok:
-                    bad = a[(a < lo) | (a >= hi)]
-                    raise ShardCorrupt(
-                        f"{self._where(r)}: {field} value {bad.flat[0].item()} outside [{lo}, {hi}) "
-                        f"({bad.size} such value(s)); the shard is damaged or was not written for this "
-                        "cache's settings; run `shards verify --deep`")
-        else:
-            for r, a in zip(rows, arrays):
-                if a is None or not a.size or a.dtype.kind != "f":
-                    continue
-                mask = _EXPONENT_MASK.get(a.dtype.itemsize)
-                if mask is not None and a.flags.c_contiguous:
-                    ok = int(np.bitwise_and(a.reshape(-1).view(mask.dtype), mask).max()) < int(mask)
-                else:
-                    ok = bool(np.isfinite(a).all())
-                if not ok:
-                    n_bad = int(a.size - np.isfinite(a).sum())
-                    raise ShardCorrupt(
-                        f"{self._where(r)}: {field} has {n_bad} non-finite value(s) (NaN/inf); the "
-                        "shard is damaged or the encoder diverged; run `shards verify --deep`")
+        """Raise :class:`ShardCorrupt` naming shard and key for the first array breaking ``spec``
+        (:func:`shards.kinds.value_problem`)."""
+        for r, a in zip(rows, arrays):
+            why = value_problem(a, spec)
+            if why is not None:
+                raise ShardCorrupt(f"{self._where(r)}: {field} {why}; the shard is damaged or was not written "
+                                   "for this cache's settings; run `shards verify --deep`")
 
     def get(self, i: int) -> dict[str, Any]:
         """Sample at index row ``i`` as numpy views (see the class docstring)."""

@@ -163,7 +163,7 @@ def test_extra_waveform_for_input_audio_at_16k(real_mini, tiny_config, tmp_path)
     rec = json.loads((real_mini / "chatml_audio_understanding.json").read_text())[0]
     s = _by_key(tmp_path / "c")[rec["misc"]["key"]]
     y, sr = sf.read(real_mini / rec["messages"][1]["content"][1]["audio_url"], dtype="float32")
-    want = np.clip(np.rint(soxr.resample(y, sr, 16000, quality="HQ") * 32767), -32768, 32767).astype(np.int16)
+    want = np.clip(np.rint(soxr.resample(y, sr, 16000, quality="HQ") * 32768), -32768, 32767).astype(np.int16)
     assert s["audio_16k_starts"].tolist() == [0, len(want)]
     np.testing.assert_allclose(s["audio_16k"].astype(np.int32), want.astype(np.int32), atol=1)
 

@@ -24,12 +24,15 @@ def test_derived_tables_agree_with_registry():
 
 
 def test_name_rules():
+    from shards.kinds import BatchContext
     f = fields.get("codes_mimi")
-    assert (f.kind, f.dtype, f.ndim, f.pad, f.sidecar) == ("codes", "int16", 2, -100, True)
-    assert fields.ragged_spec("codes_mimi") == (-100, "codes_mimi_lengths", "codes_mimi_mask")
-    assert fields.ragged_spec("input_ids", 7) == (7, "input_lengths", "attention_mask")
-    assert fields.ragged_spec("audio_16k_starts") == (None, None, None)
-    assert fields.get("audio_16k").kind == "waveform"
+    assert (f.kind.name, f.dtype, f.ndim, f.pad, f.sidecar) == ("codes", "int16", 2, -100, True)
+    assert (f.lengths, f.mask) == ("codes_mimi_lengths", "codes_mimi_mask")
+    ids, starts = fields.get("input_ids"), fields.get("audio_16k_starts")
+    assert (ids.kind.pad_value(ids, BatchContext(pad_id=7)), ids.lengths, ids.mask) == (7, "input_lengths",
+                                                                                        "attention_mask")
+    assert (starts.kind.pad_value(starts, BatchContext()), starts.lengths, starts.mask) == (None, None, None)
+    assert fields.get("audio_16k").kind.name == "waveform"
     for bad in ("nope", "codes_mimi_lengths", "a.b", ""):
         assert fields.lookup(bad) is None
     from shards.schema import TENSOR_DTYPES

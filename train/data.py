@@ -5,8 +5,8 @@ Fields: ``data.fields: auto`` reads the model's declared ``fields`` that the cac
 held out by ``--data.val-fraction`` (:class:`HeldOut`: ``sha256(key)`` mapped to [0, 1), kept out
 of the training loader and read by the validation loader through the loader's ``filters=``).
 
-Batches stay compact on the host (int16 audio, float16 latents: ``data.compact_batches``) and are
-widened on the device by :func:`to_device`, without a host sync.
+Batches stay compact on the host (the cache's dtypes: ``data.compact_batches``) and are widened
+on the device by :func:`loaders.device.to_device` (each field by its kind), without a host sync.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from loaders.collate import AUDIO_SCALE
+from loaders.device import to_device  # noqa: F401 (the trainer's batch move)
+from shards import fields as registry
 
 from . import dist as D
 from .config import TrainConfig
@@ -38,32 +39,15 @@ MIN_SAMPLES_TO_HOLD_OUT = 20
 
 # ---- batches on the device ---------------------------------------------------------------------------
 
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Move a batch to ``device``; compact fields become float32 there (int16 audio scaled to
-    [-1, 1] by ``loaders.AUDIO_SCALE``, float16 latents widened; both exact), so the host never does
-    the conversion. Non-tensor entries (``keys``) pass through. No host sync (``non_blocking``)."""
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor):
-            v = v.to(device, non_blocking=True)
-            if v.dtype == torch.float16:
-                v = v.float()
-            elif k == "audio" and v.dtype == torch.int16:
-                v = v.float() * float(AUDIO_SCALE)
-        out[k] = v
-    return out
-
-
 def count_tokens(batch: dict[str, Any]) -> torch.Tensor | int:
-    """Valid text tokens (``attention_mask``, or ``text_mask`` of older caches) + audio frames
-    (``codes_mask``, or the codes that are not padding) of a batch, whichever it holds (a 0-dim
-    tensor: no host sync; 0 when it holds none)."""
+    """Tokens of a batch for throughput: the sum over its fields of what each field's kind counts
+    (:meth:`shards.kinds.FieldKind.count_tokens`: real text tokens, real codec frames); a 0-dim
+    tensor (no host sync), 0 when the batch holds none."""
     n: torch.Tensor | int = 0
-    for mask in ("attention_mask", "text_mask", "codes_mask"):
-        if mask in batch:
-            n = n + batch[mask].sum()
-    if "codes_mask" not in batch and "codes" in batch:
-        n = n + batch["codes"][:, 0].ne(-100).sum()
+    for k in batch:
+        f = registry.lookup(k)
+        if f is not None:
+            n = n + f.kind.count_tokens(f, batch)
     return n
 
 

@@ -1,0 +1,85 @@
+"""Stage-one producers: the code that computes each group of fields (see :mod:`.base`).
+
+A job (:func:`job_producers`) runs, in order: :class:`~.text.TextProducer` (``input_ids``,
+``labels``), a :class:`~.waveforms.WaveformProducer` for ``audio`` and for each ``extra_waveforms``
+field, :class:`~.codes.CodesProducer` (``codes`` + ``audio_segments``; without a codec
+:class:`~.codes.SegmentsProducer`), :class:`~.latents.LatentsProducer` (``latents``, with
+``store_posterior`` ``latents_logvar``), then one producer per ``extra_fields`` entry.
+
+Producers are registered by name in :data:`PRODUCERS`, shared by ``precompute`` (``extra_fields``)
+and ``add-field`` (``--producer``): a spec is ``{"producer": NAME, **options}`` or a plug-in
+``{"factory": "package.module:callable", "kwargs": {...}}``, the callable taking ``field=`` (the
+name the field gets) and ``device=`` and returning a :class:`~.base.Producer`. Built-in names:
+``codes`` (options: ``audio_tokenizer`` spec), ``waveform`` (``sample_rate``, ``direction``),
+``latents`` (``image_encoder`` spec, ``store_posterior``).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from shardcache.plugins import load_factory
+
+from .base import Producer, Timer, encode_each
+from .codes import CodesProducer, SegmentsProducer, segments_table
+from .latents import LatentsProducer
+from .text import TextProducer
+from .waveforms import WaveformProducer
+
+
+def _codes(field: str, device: str, audio_tokenizer: Mapping | None = None, **_: Any) -> Producer:
+    from ..encoders import load_audio_tokenizer
+    if not audio_tokenizer:
+        raise ValueError(f"producer codes for {field!r} needs an audio_tokenizer spec ({{name, pretrained}})")
+    return CodesProducer(load_audio_tokenizer(audio_tokenizer, device), field, segments=False)
+
+
+def _waveform(field: str, device: str, sample_rate: int | None = None, direction: str = "all", **_: Any) -> Producer:
+    if not isinstance(sample_rate, int) or isinstance(sample_rate, bool) or not 0 < sample_rate <= 768_000:
+        raise ValueError(f"producer waveform for {field!r} needs sample_rate: an integer number of Hz, got {sample_rate!r}")
+    if direction not in ("in", "out", "all"):
+        raise ValueError(f"producer waveform for {field!r}: direction must be in, out or all, got {direction!r}")
+    return WaveformProducer(field, sample_rate, None if direction == "all" else {direction}, always=False)
+
+
+def _latents(field: str, device: str, image_encoder: Mapping | None = None, store_posterior: bool = False,
+             **_: Any) -> Producer:
+    from ..encoders import load_image_encoder
+    if not image_encoder:
+        raise ValueError(f"producer latents for {field!r} needs an image_encoder spec ({{name, pretrained}})")
+    return LatentsProducer(load_image_encoder(image_encoder, device), bool(store_posterior), field)
+
+
+#: registry name -> factory(field=, device=, **options) -> Producer
+PRODUCERS: dict[str, Callable[..., Producer]] = {"codes": _codes, "waveform": _waveform, "latents": _latents}
+
+
+def load_producer(spec: Mapping[str, Any], field: str, device: str = "cpu") -> Producer:
+    """Build the producer of ``spec`` (see the module docstring) for field ``field`` on ``device``.
+
+    Raises ``ValueError`` (unknown name, bad options, a producer whose outputs do not include
+    ``field`` or are not declared fields), ``ImportError``/``AttributeError`` (plug-in not found).
+    """
+    from shards import fields as registry
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"producer spec for {field!r} must be a mapping, got {type(spec).__name__}")
+    if "factory" in spec:
+        kwargs = dict(spec.get("kwargs") or {})
+        producer = load_factory(spec["factory"])(field=field, device=device, **kwargs)
+    else:
+        name = spec.get("producer")
+        if name not in PRODUCERS:
+            raise ValueError(f"unknown producer {name!r} for {field!r}; known: {', '.join(PRODUCERS)} "
+                             "(or {factory: 'package.module:callable', kwargs: {...}})")
+        producer = PRODUCERS[name](field=field, device=device, **{k: v for k, v in spec.items() if k != "producer"})
+    if not isinstance(producer, Producer):
+        raise ValueError(f"producer for {field!r} is a {type(producer).__name__}, not a precompute.producers.Producer")
+    undeclared = [o for o in producer.outputs if registry.lookup(o) is None]
+    if field not in producer.outputs or undeclared:
+        raise ValueError(f"producer {producer.name!r} writes {list(producer.outputs)}: it must write {field!r} and "
+                         f"only declared fields (undeclared: {undeclared}; declare them with shards.fields.register)")
+    return producer
+
+
+__all__ = ["Producer", "Timer", "encode_each", "PRODUCERS", "load_producer", "TextProducer", "WaveformProducer",
+           "CodesProducer", "SegmentsProducer", "LatentsProducer", "segments_table"]

@@ -1,0 +1,58 @@
+"""Waveform fields: every audio item of a sample at one rate, int16 PCM, plus item offsets.
+
+``audio`` (all items at the job's ``sample_rate``) and each ``extra_waveforms`` field (e.g.
+``audio_16k``: the input-side items at 16 kHz for a Whisper-style encoder) are one producer each,
+following Higgs-Audio's ``audio_waveforms_concat`` / ``audio_waveforms_start`` layout.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shards.kinds import WAVEFORM
+
+from .base import Producer, Timer
+
+DIRECTIONS = ("in", "out")
+
+
+class WaveformProducer(Producer):
+    """``NAME`` int16 ``(T,)``: the selected items at ``rate`` Hz concatenated (items of the other
+    direction have length 0), ``NAME_starts`` int32 ``(n_items + 1,)``: item ``k`` is
+    ``NAME[starts[k]:starts[k + 1]]``.
+
+    ``directions``: the item directions it stores (``{"in", "out"}``: all). ``always``: write the
+    members for every sample with audio; else (extra waveforms) only for samples that have an item
+    of one of ``directions`` (no empty member for, e.g., the 16 kHz input audio of a TTS sample).
+    """
+
+    name = "waveform"
+
+    def __init__(self, field: str, rate: int, directions: set[str] | None = None, always: bool = True):
+        self.field, self.rate = field, int(rate)
+        self.directions = set(directions or DIRECTIONS)
+        self.always = bool(always)
+        self.outputs = (field, f"{field}_starts")
+
+    def rates(self) -> set[int]:
+        return {self.rate}
+
+    def describe(self) -> dict[str, Any]:
+        return super().describe() | {"sample_rate": self.rate, "directions": sorted(self.directions)}
+
+    def manifest_info(self) -> dict[str, Any]:
+        return {"sample_rate": self.rate, "directions": sorted(self.directions)}
+
+    def produce(self, samples: list, timer: Timer) -> list[dict[str, Any] | Exception]:
+        out: list[dict[str, Any] | Exception] = []
+        for s in samples:
+            items = s.conversation.audio
+            if not items or (not self.always and not any(it.direction in self.directions for it in items)):
+                out.append({})
+                continue
+            waves = [WAVEFORM.to_storage(w[self.rate]) if it.direction in self.directions else np.zeros(0, np.int16)
+                     for it, w in zip(items, s.audio)]
+            starts = np.concatenate([[0], np.cumsum([len(w) for w in waves])]).astype(np.int32)
+            out.append({self.field: np.concatenate(waves), f"{self.field}_starts": starts})
+        return out
