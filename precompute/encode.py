@@ -119,7 +119,8 @@ def job_info(producers: list[P.Producer], extra: dict[str, P.Producer], text: An
     man = CacheManifest.from_dict(info)
     man.text = TextInfo(vocab_size=int(text.vocab_size), pad_id=int(text.pad_id))
     for name, p in extra.items():
-        man.fields[name] = FieldInfo.from_dict({"fingerprint": fingerprint(p.describe()), "encoder": p.describe(),
+        man.fields[name] = FieldInfo.from_dict({"fingerprint": fingerprint(p.describe(), preprocessing={"field": name}),
+                                                "encoder": p.describe(),
                                                 "sidecar": False, "kind": registry.get(name).kind.name,
                                                 "members": list(p.outputs), **p.manifest_info()})
     return man

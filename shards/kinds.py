@@ -431,7 +431,7 @@ def value_problem(arr: np.ndarray, check: tuple | None) -> str | None:
     else:
         finite = bool(np.isfinite(a).all())
     if not finite:
-        return f"{int(a.size - np.isfinite(a).sum())} non-finite value(s) (NaN/inf)"
+        return f"has {int(a.size - np.isfinite(a).sum())} non-finite value(s) (NaN/inf)"
     limit = check[1] if len(check) > 1 else None
     if limit is not None and a.dtype.itemsize > 2 and float(np.abs(a).max()) > limit:
         return f"values beyond +-{limit:g} (largest {float(np.abs(a).max()):.4g}) overflow float16"

@@ -65,19 +65,21 @@ def refuse_unsafe(table: pa.Table, where: str | Path) -> None:
             "shard data. Remove the member from the shard and rebuild the index (`shards reindex`).")
 
 
-def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, tuple]:
+def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, Any]:
     """The value checks a cache's ``manifest.json`` implies, for ``ShardReader(value_checks=...)``:
-    each declared field's kind says what to check (:meth:`shards.kinds.FieldKind.value_check`: codes
-    in ``[0, codebook_size)``, ids in ``[0, vocab_size)``, floats finite...), with the sizes the
-    manifest records."""
+    each declared field's kind says what to check (:meth:`shards.kinds.FieldKind.value_check`), with
+    the sizes the manifest records: ``(lo, hi)`` (codes in ``[0, codebook_size)``, ids in
+    ``[0, vocab_size)``), ``"finite"`` (floats), or a kind's own check tuple (labels: ids or -100)."""
     man = CacheManifest.from_dict(manifest or {})
-    checks: dict[str, tuple] = {}
+    checks: dict[str, Any] = {}
     for f in list(fields.BY_NAME.values()) + [fields.lookup(n) for n in man.fields]:
         if f is None:
             continue
         check = f.kind.value_check(f, man)
-        if check is not None:
-            checks[f.name] = check
+        if check is None:
+            continue
+        checks[f.name] = (check[1], check[2]) if check[0] == "range" else "finite" \
+            if check[0] == "finite" and check[1:] in ((), (None,), (65504.0,)) else check
     return checks
 
 
@@ -90,7 +92,7 @@ def _normalise_checks(value_checks: dict[str, Any] | None) -> dict[str, tuple]:
             raise ValueError(f"value_checks: key {field!r} must be a field name such as 'codes'")
         if spec is None:
             continue
-        if spec == "finite":
+        if spec == "finite":  # values are read in their storage dtype: NaN/inf is what can go wrong
             out[field] = ("finite", None)
         elif isinstance(spec, tuple) and spec and spec[0] in ("range", "finite", "labels"):
             out[field] = spec

@@ -25,6 +25,17 @@ def _restore_torch_threads():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def _restore_train_logger():
+    """An in-process training run configures the ``train`` logger (its own handler, no propagation);
+    restore it after each test so later tests' ``caplog`` sees its records."""
+    import logging
+    log = logging.getLogger("train")
+    saved = (list(log.handlers), log.level, log.propagate)
+    yield
+    log.handlers[:], log.level, log.propagate = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """The tiny random test models (dac, wan, mimi, tokenizer, lm), built once per session by

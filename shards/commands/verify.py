@@ -31,7 +31,8 @@ import pyarrow as pa
 from .. import fields
 from ..errors import ShardcacheError, UnsafePath, UnsupportedFormat
 from ..index import rows_to_table
-from ..reader import ShardReader
+from ..index import load_manifest_checked
+from ..reader import ShardReader, value_checks_from_manifest
 from ..scan import scan_shard
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES, WHOLE_MEMBER_DTYPES,
                       is_main_shard_name, parse_shard_name)
@@ -173,10 +174,16 @@ def compare_rows(shard: str, scanned: list[dict], indexed: list[dict]) -> list[P
 
 
 def decode_check(shard: str, directory: Path, table: pa.Table) -> list[Problem]:
-    """Decode every member of ``table``'s rows via ShardReader; check shape x itemsize == size."""
+    """Decode every member of ``table``'s rows via ShardReader; check shape x itemsize == size and
+    every value with its field's kind (codes in ``[0, codebook_size)``, ids in the vocabulary,
+    floats finite: :func:`shards.reader.value_checks_from_manifest`)."""
     probs: list[Problem] = []
     try:  # manifest={}: the caller checked manifest.json (format version) once for the cache
-        reader = ShardReader(directory, index=table, manifest={})
+        try:
+            checks = value_checks_from_manifest(load_manifest_checked(directory))
+        except (ShardcacheError, OSError, ValueError):
+            checks = {}  # no usable manifest: shapes and dtypes are still checked
+        reader = ShardReader(directory, index=table, manifest={}, value_checks=checks)
     except (ShardcacheError, TypeError, ValueError) as e:
         return [_scan_problem(shard, directory / shard, e)]
     try:
