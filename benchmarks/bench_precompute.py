@@ -27,7 +27,7 @@ from precompute import chat
 from precompute.config import load_config
 from precompute.job import (Summary, chunk_batches, encode_batch, image_multiple, job_rates, load_encoders,
                             plan_chunks, run)
-from precompute.manifests import read_manifest
+from precompute.manifests import read_requests
 from precompute.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def encoders_alone(manifest: Path, cfg) -> tuple[float, int]:
     """Seconds spent in encoder calls when every row is decoded beforehand (same batching as the job)."""
     enc = load_encoders(cfg, "cpu")
     template = chat.resolve_template(cfg.chat_template, enc.text)
-    plan = plan_chunks(read_manifest(manifest), cfg.samples_per_shard, {})
+    plan = plan_chunks(read_requests(manifest), cfg.samples_per_shard, {})
     items = [(r, c) for c, (_, rows) in enumerate(plan) for r in rows]
     prepared = [prepare(r, c, cfg, job_rates(cfg, enc), enc.text, template, image_multiple(enc)) for r, c in items]
     summary = Summary()
@@ -78,7 +78,7 @@ def audio_opens(manifest: Path, cfg) -> dict:
     # one open per distinct existing file of each conversation (a reference clip shared by several
     # conversations is opened once in each of them)
     needed = sum(len({a.source for a in r.conversation.audio if Path(a.source).is_file()})
-                 for r in read_manifest(manifest) if r.error is None)
+                 for r in read_requests(manifest) if r.error is None)
     return {"audio_files_decoded": needed, "audio_opens": len(counted),
             "audio_opens_per_file": round(len(counted) / needed, 3) if needed else None}
 

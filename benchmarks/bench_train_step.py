@@ -21,7 +21,7 @@ import torch
 from loaders import ShardLoader, collate_fn
 from precompute import chat
 from precompute.job import Summary, encode_batch, image_multiple, job_rates, load_encoders
-from precompute.manifests import read_manifest
+from precompute.manifests import read_requests
 from precompute.prepare import prepare
 from train.models import ReferenceModel, data_spec
 
@@ -70,7 +70,7 @@ def bench(manifest: Path, cache: Path, cfg, batch_size: int = 4, steps: int = 4,
         keys_in_order.append(batch["keys"])
     loader.close()
     enc = load_encoders(cfg, "cpu")
-    by_key = {r.key: r for r in read_manifest(manifest) if r.error is None}
+    by_key = {r.key: r for r in read_requests(manifest) if r.error is None}
     uncached_times = []
     for i, keys in enumerate(keys_in_order):
         t = time.perf_counter()

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards import ShardReader, load_manifest_checked, read_index, value_checks_from_manifest
+from shards import CacheManifest, ShardReader, read_index, value_checks_from_manifest
 from shards import fields as registry
 from shards.reader import refuse_unsafe
 from shards.storage import is_url
@@ -86,11 +86,11 @@ class CacheSource:
             cache_dir = self.remote.local
         self.streamed = self.remote is not None
         self.cache_dir = Path(cache_dir)
-        manifest = load_manifest_checked(self.cache_dir)  # UnsupportedFormat for a newer format_version
+        man = CacheManifest.read(self.cache_dir)  # UnsupportedFormat for a newer format_version
+        manifest = man.to_dict()
         table = read_index(self.cache_dir)
         refuse_unsafe(table, self.cache_dir)  # the whole index, filtered-out rows too
-        text = manifest.get("text") or {}
-        self.pad_id = int(text.get("pad_id", TEXT_PAD_ID))
+        self.pad_id = int(man.pad_id() if man.pad_id() is not None else TEXT_PAD_ID)
         all_shards = sorted(pc.unique(table.column("shard")).to_pylist())  # numbering kept across filters
         rows = filter_rows(table, filters)
         if len(rows) == 0:

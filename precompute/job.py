@@ -36,6 +36,7 @@ from shardcache.workers import auto_workers
 from shards import schema
 from shards.errors import FingerprintMismatch
 from shards.index import PARTS_DIR, merge_parts, read_part_meta, write_json_atomic
+from shards.manifest import TextInfo
 from shards.writer import ShardWriter
 
 from . import chat
@@ -43,7 +44,7 @@ from .config import PrecomputeConfig
 from .encode import (Encoders, Summary, encode_batch, job_info, job_producers, job_rates, load_encoders,
                      value_checks, waveform_fields)
 from .encoders import fingerprint
-from .manifests import Request, read_manifest
+from .manifests import Request, read_requests
 from .output import LocalOutput, open_output
 from .precision import check_precision
 from .prepare import PrepareDataset, identity_collate, prepare
@@ -249,7 +250,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     """Run stage one for this rank; rank 0 merges the parts at the end.
 
     Args:
-        manifest: manifest file (see :func:`precompute.manifests.read_manifest`).
+        manifest: manifest file (see :func:`precompute.manifests.read_requests`).
         out_dir: cache directory (created). Existing committed chunks are kept and skipped. A URL
             (``s3://bucket/cache``...) writes through the local folder ``staging`` and uploads each
             committed chunk (:mod:`precompute.output`; ``storage_options`` for fsspec).
@@ -265,7 +266,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     out_dir = output.local
     sync = barrier or (lambda: None)
     device = resolve_device(cfg.device, local_rank)
-    requests = read_manifest(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
+    requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
     enc = load_encoders(cfg, device)
     if cfg.store_posterior and enc.image is not None:
         check_posterior(enc.image)
@@ -323,14 +324,14 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     result = None
     if global_rank == 0:  # the other ranks are done; rank 0 merges once every chunk is committed
         output.wait_for_chunks([name for name, _ in plan])
-        result = merge_parts(out_dir, {
-            "fingerprint": fp, "encoders": describe, "sample_rate": cfg.sample_rate,
-            **{k: v for k, v in info.to_dict().items() if k not in ("format_version", "text")},  # + fields
-            "waveforms": {k: {"sample_rate": r, "directions": sorted(d)} for k, (r, d) in waveform_fields(cfg).items()},
-            "text": chat.describe(template, enc.text),
-            "text_vocab_size": enc.text.vocab_size, "text_pad_id": enc.text.pad_id,
-            "config": cfg.to_dict(), "source_manifest": str(manifest), "world_size": world_size,
-            **({"precision_check": precision} if precision else {}),
-        })
+        man = info  # the producers' facts (codec sizes, latent channels, extra fields), typed
+        man.fingerprint, man.encoders, man.sample_rate = fp, describe, cfg.sample_rate
+        man.waveforms = {k: {"sample_rate": r, "directions": sorted(d)} for k, (r, d) in waveform_fields(cfg).items()}
+        man.text = TextInfo.from_dict(chat.describe(template, enc.text))
+        man.text_vocab_size, man.text_pad_id = enc.text.vocab_size, enc.text.pad_id
+        man.config, man.source_manifest, man.world_size = cfg.to_dict(), str(manifest), world_size
+        if precision:
+            man.extra["precision_check"] = precision
+        result = merge_parts(out_dir, man)
         output.publish()
     return summary, result

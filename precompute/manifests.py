@@ -197,7 +197,7 @@ def _table_records(path: Path, fmt: str) -> Iterator[tuple[Any, str | None]]:
         yield {k: (v if v != "" else None) for k, v in rec.items()}, None
 
 
-def read_manifest(path: str | Path, root: str | Path | None = None, fmt: str | None = None,
+def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | None = None,
                   columns: dict[str, str] | None = None, require_text: bool = True) -> list[Request]:
     """Read a manifest into Requests (one per row, input order).
 

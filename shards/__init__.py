@@ -4,7 +4,8 @@ Imports neither ``precompute`` nor ``loaders``/``train``; both stages import it.
 """
 from .errors import (CorruptSample, FingerprintMismatch, ShardCorrupt, ShardcacheError, UnsafeMember, UnsafePath,
                      UnsupportedFormat)
-from .index import (check_format_version, load_manifest_checked, merge_parts, read_index, read_manifest,
+from .manifest import CacheManifest, check_format_version, read_manifest
+from .index import (merge_parts, read_index,
                     read_rejects, safe_shard_path)
 from .reader import ShardReader, value_checks_from_manifest
 from .scan import scan_shard
@@ -13,7 +14,7 @@ from .writer import ShardWriter
 
 __all__ = [
     "CorruptSample", "FingerprintMismatch", "ShardCorrupt", "ShardcacheError", "UnsafeMember", "UnsafePath",
-    "UnsupportedFormat", "check_format_version", "load_manifest_checked", "safe_shard_path",
+    "UnsupportedFormat", "check_format_version", "CacheManifest", "safe_shard_path",
     "value_checks_from_manifest",
     "merge_parts", "read_index", "read_manifest", "read_rejects", "ShardReader", "scan_shard",
     "FORMAT_VERSION", "safe_key", "shard_name", "ShardWriter",

@@ -23,7 +23,7 @@ from the offsets: tar member data starts on a 512-byte block boundary).
 
 Every shard name an index row or ``manifest.json`` holds must be a plain file name directly inside
 the cache directory: :func:`safe_shard_path` is the one place that turns such a name into a path,
-and it refuses anything else (:class:`~shards.errors.UnsafePath`). :func:`check_format_version`
+and it refuses anything else (:class:`~shards.errors.UnsafePath`). :func:`shards.manifest.check_format_version`
 refuses caches written by a newer format (:class:`~shards.errors.UnsupportedFormat`).
 """
 from __future__ import annotations
@@ -39,8 +39,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import fields, schema
-from .errors import ShardCorrupt, UnsafePath, UnsupportedFormat
-from .schema import INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE
+from .errors import ShardCorrupt, UnsafePath
+from .manifest import CacheManifest, read_manifest
+from .schema import INDEX_FILE, PARTS_DIR, REJECTS_FILE
 
 #: ``file``: null for a member of the row's own shard; the sidecar tar name
 #: (``shard-000003.codes_mimi.tar``) for a member of a field added by ``precompute add-field``.
@@ -116,47 +117,6 @@ def safe_shard_path(cache_dir: str | Path, name: Any, what: str = "shard") -> Pa
     if why is not None:
         raise UnsafePath(f"{root}: refusing {what} name {name!r}: it {why}; {fix}")
     return path
-
-
-def check_format_version(manifest: dict[str, Any] | None, cache_dir: str | Path) -> int:
-    """The cache's format version (1 when there is no manifest or it has no ``format_version``).
-
-    Raises :class:`~shards.errors.UnsupportedFormat` naming the cache and the version when
-    ``format_version`` is not an int, is < 1, or is newer than :data:`shards.schema.FORMAT_VERSION`
-    (this code cannot read it safely: upgrade shardcache).
-    """
-    known = schema.FORMAT_VERSION
-    reads = f"format version {known}" if known == 1 else f"format versions 1 to {known}"
-    where = Path(cache_dir) / MANIFEST_FILE
-    if not manifest or "format_version" not in manifest:
-        return 1
-    v = manifest["format_version"]
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise UnsupportedFormat(f"{where}: format_version {v!r} is not a format version (a positive "
-                                f"integer; this shardcache reads {reads}); the manifest is damaged or "
-                                "not a shardcache manifest")
-    if v > known:
-        raise UnsupportedFormat(f"{where}: cache format_version {v} is newer than this shardcache "
-                                f"understands (it reads {reads}); upgrade shardcache "
-                                "(`pip install -U shardcache`) to read this cache")
-    return v
-
-
-def load_manifest_checked(cache_dir: str | Path) -> dict[str, Any]:
-    """``manifest.json`` (empty dict when absent), checked: valid JSON object, known format version.
-
-    Raises :class:`ShardCorrupt` for a malformed file, :class:`UnsupportedFormat` (see
-    :func:`check_format_version`).
-    """
-    p = Path(cache_dir) / MANIFEST_FILE
-    try:
-        manifest = read_manifest(cache_dir)
-    except ValueError as e:
-        raise ShardCorrupt(f"{p}: not valid JSON ({e})") from e
-    if not isinstance(manifest, dict):
-        raise ShardCorrupt(f"{p}: expected a JSON object")
-    check_format_version(manifest, cache_dir)
-    return manifest
 
 
 def fsync_dir(path: Path) -> None:
@@ -243,13 +203,15 @@ def read_part_meta(index_part: Path) -> dict | None:
     return json.loads(meta.get(_JOB_META, b"null"))
 
 
-def merge_parts(out_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def merge_parts(out_dir: Path, manifest: "CacheManifest | dict[str, Any]") -> dict[str, Any]:
     """Concatenate every part into ``index.parquet`` / ``rejects.parquet`` and write ``manifest.json``.
 
     ``manifest`` holds the job's own fields (encoders, fingerprint, config...); this adds
     ``format_version``, ``created``, ``counts`` and ``shards``. Returns the manifest written.
     """
     out_dir = Path(out_dir)
+    if isinstance(manifest, CacheManifest):
+        manifest = {k: v for k, v in manifest.to_dict().items() if k != "format_version"}
     parts = out_dir / PARTS_DIR
     index_parts = sorted(parts.glob("*.index.parquet"))
     tables, shards = [], []
@@ -260,7 +222,7 @@ def merge_parts(out_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
             shards.append(entry)
     index = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
     kept = {}  # fields added by `precompute add-field` survive a stage-one re-merge
-    old = read_manifest(out_dir) if (out_dir / MANIFEST_FILE).exists() else {}
+    old = read_manifest(out_dir)
     for name, info in (old.get("fields") or {}).items():
         if fields.lookup(name) is not None and sidecar_parts_complete(out_dir, name, index):
             index = attach_sidecar(index, read_sidecar_parts(out_dir, name))
@@ -297,7 +259,6 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     for r in rejects.column("reason").to_pylist():
         reasons[r] = reasons.get(r, 0) + 1
     durations = index.column("duration_s").to_pylist()
-    from .manifest import CacheManifest
     manifest = CacheManifest.from_dict(manifest).to_dict()  # typed: unknown keys are kept as they are
     manifest.update(
         format_version=format_version(index, manifest),
@@ -310,7 +271,7 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     )
     write_parquet_atomic(index, out_dir / INDEX_FILE)
     write_parquet_atomic(rejects, out_dir / REJECTS_FILE)
-    write_json_atomic(manifest, out_dir / MANIFEST_FILE)
+    CacheManifest.from_dict(manifest).write(out_dir)
     from .card import write_dataset_card  # README.md: HF datasets reads the tars with declared features
     write_dataset_card(out_dir, manifest, index)
     return manifest
@@ -415,9 +376,3 @@ def read_rejects(out_dir: Path) -> pa.Table:
     """Read ``OUT/rejects.parquet`` (an empty table when absent)."""
     p = Path(out_dir) / REJECTS_FILE
     return pq.read_table(p, schema=REJECTS_SCHEMA) if p.exists() else REJECTS_SCHEMA.empty_table()
-
-
-def read_manifest(out_dir: Path) -> dict[str, Any]:
-    """Read ``OUT/manifest.json`` (an empty dict when absent)."""
-    p = Path(out_dir) / MANIFEST_FILE
-    return json.loads(p.read_text()) if p.exists() else {}

@@ -12,11 +12,13 @@ sha256}]}}``. Keys this class does not know are kept in ``extra`` and written ba
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ShardCorrupt
+from . import schema
+from .errors import ShardCorrupt, UnsupportedFormat
 from .schema import MANIFEST_FILE
 
 
@@ -122,9 +124,8 @@ class CacheManifest:
 
     @classmethod
     def read(cls, cache_dir: str | Path) -> "CacheManifest":
-        """Read and check ``cache_dir/manifest.json`` (format version; empty when absent)."""
-        from .index import load_manifest_checked
-        return cls.from_dict(load_manifest_checked(cache_dir))
+        """Read and check ``cache_dir/manifest.json`` (empty when absent; see :func:`read_manifest`)."""
+        return cls.from_dict(read_manifest(cache_dir))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -168,3 +169,47 @@ class CacheManifest:
         for fi in self.fields.values():
             out.extend(fi.shards)
         return out
+
+
+def check_format_version(manifest: dict[str, Any] | None, cache_dir: str | Path) -> int:
+    """The cache's format version (1 when there is no manifest or it has no ``format_version``).
+
+    Raises :class:`~shards.errors.UnsupportedFormat` naming the cache and the version when
+    ``format_version`` is not an int, is < 1, or is newer than :data:`shards.schema.FORMAT_VERSION`
+    (this code cannot read it safely: upgrade shardcache).
+    """
+    known = schema.FORMAT_VERSION
+    reads = f"format version {known}" if known == 1 else f"format versions 1 to {known}"
+    where = Path(cache_dir) / MANIFEST_FILE
+    if not manifest or "format_version" not in manifest:
+        return 1
+    v = manifest["format_version"]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise UnsupportedFormat(f"{where}: format_version {v!r} is not a format version (a positive "
+                                f"integer; this shardcache reads {reads}); the manifest is damaged or "
+                                "not a shardcache manifest")
+    if v > known:
+        raise UnsupportedFormat(f"{where}: cache format_version {v} is newer than this shardcache "
+                                f"understands (it reads {reads}); upgrade shardcache "
+                                "(`pip install -U shardcache`) to read this cache")
+    return v
+
+
+def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
+    """``cache_dir/manifest.json`` as a dict (empty when absent), checked: a JSON object of a format
+    version this code reads. The one reader of the file (:meth:`CacheManifest.read` types it).
+
+    Raises :class:`ShardCorrupt` for a malformed file, :class:`UnsupportedFormat` (see
+    :func:`check_format_version`).
+    """
+    p = Path(cache_dir) / MANIFEST_FILE
+    if not p.exists():
+        return {}
+    try:
+        manifest = json.loads(p.read_text())
+    except ValueError as e:
+        raise ShardCorrupt(f"{p}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict):
+        raise ShardCorrupt(f"{p}: expected a JSON object")
+    check_format_version(manifest, cache_dir)
+    return manifest

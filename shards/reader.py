@@ -12,7 +12,7 @@ header (see :mod:`shards.index`), so an array is
 
 Safety: every shard name of the index goes through :func:`shards.index.safe_shard_path` at
 construction (and again when the shard is opened), ``manifest.json``'s ``format_version`` through
-:func:`shards.index.check_format_version`. While reading, a shard that shrank since it was mapped
+:func:`shards.manifest.check_format_version`. While reading, a shard that shrank since it was mapped
 raises :class:`ShardCorrupt` instead of killing the process with SIGBUS (checked once per shard per
 :meth:`~ShardReader.views` call; a truncation racing the copy of the returned views can still
 fault), optional ``value_checks`` refuse out-of-range codes and non-finite latents, and optional
@@ -37,7 +37,8 @@ from . import fields, schema  # noqa: F401
 from .errors import ShardCorrupt, UnsafeMember
 from .kinds import value_problem
 from .manifest import CacheManifest
-from .index import (check_format_version, load_manifest_checked, read_index,  # noqa: F401
+from .manifest import check_format_version, read_manifest
+from .index import (read_index,  # noqa: F401
                     safe_shard_path)
 from .schema import JSON_MEMBER, PICKLE_EXTENSIONS, WHOLE_MEMBER_DTYPES
 
@@ -177,7 +178,7 @@ class ShardReader:
         self.cache_dir = Path(cache_dir)
         self.await_file = await_file
         if manifest is None:
-            manifest = load_manifest_checked(self.cache_dir)
+            manifest = read_manifest(self.cache_dir)
         self.manifest = manifest
         self.format_version = check_format_version(manifest, self.cache_dir)
         self.value_checks = _normalise_checks(value_checks)

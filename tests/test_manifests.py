@@ -7,14 +7,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from precompute.manifests import detect_format, read_manifest
+from precompute.manifests import detect_format, read_requests
 from shards import schema
 
 from conftest import DEMO
 
 
 def test_jsonl_demo_rows_and_errors():
-    reqs = read_manifest(DEMO / "samples.jsonl")
+    reqs = read_requests(DEMO / "samples.jsonl")
     assert detect_format(DEMO / "samples.jsonl") == "jsonl"
     lines = (DEMO / "samples.jsonl").read_text().splitlines()
     assert len(reqs) == len(lines)
@@ -28,13 +28,13 @@ def test_jsonl_demo_rows_and_errors():
 
 def test_root_overrides_manifest_folder(tmp_path):
     (tmp_path / "m.jsonl").write_text(json.dumps({"key": "a", "text": "t", "audio": "x.wav"}) + "\n")
-    assert read_manifest(tmp_path / "m.jsonl", root="/data")[0].conversation.audio[0].source == "/data/x.wav"
+    assert read_requests(tmp_path / "m.jsonl", root="/data")[0].conversation.audio[0].source == "/data/x.wav"
 
 
 def test_chatml_real_mini(real_mini):
     path = real_mini / "train_chatml_samples.json"
     assert detect_format(path) == "chatml"
-    reqs = read_manifest(path)
+    reqs = read_requests(path)
     assert len(reqs) == len(json.loads(path.read_text()))
     first = reqs[0]
     conv = first.conversation
@@ -53,7 +53,7 @@ def test_chatml_offset_duration_and_hash_key(tmp_path):
                         {"role": "assistant", "content": [{"type": "audio", "audio_url": "a.wav",
                                                            "offset": 1.5, "duration": 2.0}]}]}
     (tmp_path / "c.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps(rec) + "\n")
-    a, b = read_manifest(tmp_path / "c.jsonl")
+    a, b = read_requests(tmp_path / "c.jsonl")
     item = a.conversation.audio[0]
     assert item.offset_s == 1.5 and item.duration_s == 2.0 and a.text == "hello"
     assert a.key.startswith("h") and len(a.key) == 17
@@ -61,7 +61,7 @@ def test_chatml_offset_duration_and_hash_key(tmp_path):
 
 
 def test_llava_real_mini(real_mini):
-    reqs = read_manifest(real_mini / "llava_captions.json")
+    reqs = read_requests(real_mini / "llava_captions.json")
     assert reqs and all(r.has_image and not r.has_audio and r.text for r in reqs)
     assert reqs[0].key == "astronaut" and "astronaut" in reqs[0].text
     conv = reqs[0].conversation
@@ -77,7 +77,7 @@ def test_tables_with_column_mapping(tmp_path, kind):
         path.write_text("id,transcript,path,spk\n" + "\n".join(",".join(r.values()) for r in rows) + "\n")
     else:
         pq.write_table(pa.Table.from_pylist(rows), path)
-    reqs = read_manifest(path, columns={"key": "id", "text": "transcript", "audio": "path", "speaker": "spk"})
+    reqs = read_requests(path, columns={"key": "id", "text": "transcript", "audio": "path", "speaker": "spk"})
     assert [r.key for r in reqs] == ["k1", "k_2"]  # dots are not allowed in WebDataset keys
     assert reqs[1].meta["original_key"] == "k.2"
     assert reqs[1].conversation.audio[0].source == str(tmp_path / "b.flac")
@@ -86,4 +86,4 @@ def test_tables_with_column_mapping(tmp_path, kind):
 
 def test_missing_manifest_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        read_manifest(tmp_path / "nope.jsonl")
+        read_requests(tmp_path / "nope.jsonl")

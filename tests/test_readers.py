@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shards.card import CARD_FILE, shard_patterns, write_dataset_card
-from shards.index import read_index, read_manifest
+from shards import read_index, read_manifest
 from shards.reader import ShardReader
 
 

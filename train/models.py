@@ -103,9 +103,8 @@ def data_spec(cache_dir: str | Path) -> DataSpec:
     """
     spec = DataSpec()
     try:
-        from shards import read_manifest
         from shards.manifest import CacheManifest
-        manifest = CacheManifest.from_dict(read_manifest(cache_dir))
+        manifest = CacheManifest.read(cache_dir)
     except Exception as e:  # noqa: BLE001 - an unreadable manifest only loses the hints
         log.warning("could not read %s/manifest.json (%s); using default model sizes", cache_dir, e)
         return spec

@@ -252,13 +252,11 @@ def check_version(d: Path) -> None:
     """Raise :class:`~shards.errors.UnsupportedFormat` if ``d/manifest.json`` declares a format
     this code does not know. A missing or malformed manifest passes here (the commands that read
     the manifest report it)."""
-    from ..index import check_format_version, read_manifest
+    from ..manifest import read_manifest
     try:
-        manifest = read_manifest(d)
-    except (ValueError, OSError):
+        read_manifest(d)
+    except (ShardCorrupt, OSError):  # UnsupportedFormat is not a ShardCorrupt: it propagates
         return
-    if isinstance(manifest, dict):
-        check_format_version(manifest, d)
 
 
 def shard_path(d: Path, name) -> Path:
@@ -353,5 +351,5 @@ def manifest_shards(manifest: dict, d: Path | None = None) -> list[dict]:
 def load_manifest(d: Path) -> dict:
     """``d/manifest.json`` as a dict (empty when absent); a malformed file is :class:`ShardCorrupt`,
     a format version this code does not know :class:`~shards.errors.UnsupportedFormat`."""
-    from ..index import load_manifest_checked
-    return load_manifest_checked(d)
+    from ..manifest import read_manifest
+    return read_manifest(d)

@@ -31,7 +31,7 @@ import pyarrow as pa
 from .. import fields
 from ..errors import ShardcacheError, UnsafePath, UnsupportedFormat
 from ..index import rows_to_table
-from ..index import load_manifest_checked
+from ..manifest import read_manifest
 from ..reader import ShardReader, value_checks_from_manifest
 from ..scan import scan_shard
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES, WHOLE_MEMBER_DTYPES,
@@ -180,7 +180,7 @@ def decode_check(shard: str, directory: Path, table: pa.Table) -> list[Problem]:
     probs: list[Problem] = []
     try:  # manifest={}: the caller checked manifest.json (format version) once for the cache
         try:
-            checks = value_checks_from_manifest(load_manifest_checked(directory))
+            checks = value_checks_from_manifest(read_manifest(directory))
         except (ShardcacheError, OSError, ValueError):
             checks = {}  # no usable manifest: shapes and dtypes are still checked
         reader = ShardReader(directory, index=table, manifest={}, value_checks=checks)
