@@ -203,7 +203,7 @@ def test_format_version(capsys, cache):
     assert f"format_version {newer}" in str(e.value) and "upgrade shardcache" in str(e.value)
     assert str(cache) in str(e.value)
     for argv in (("info", cache), ("show", cache, "s000"), ("verify", cache), ("ls", cache),
-                 ("query", cache, "has_image"), ("reindex", cache), ("stats", cache)):
+                 ("query", cache, "--where", "has_image"), ("reindex", cache), ("stats", cache)):
         code, out, err = cli(capsys, *argv)
         assert code == 1 and "upgrade shardcache" in err, (argv, out, err)
     set_manifest(cache, format_version=1)

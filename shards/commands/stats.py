@@ -34,8 +34,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="image samples to read latents from (default: %(default)s; 0 skips latents)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed for choosing which image samples to read (default: %(default)s)")
-    p.add_argument("--where", metavar="EXPR",
-                   help="only rows matching this query expression (see `shards query --help`)")
+    p.add_argument("--where", metavar="SQL",
+                   help="only rows matching this SQL condition (see `shards query --help`)")
     p.set_defaults(func=cmd_stats)
 
 
@@ -120,17 +120,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
         raise UsageError("--max-samples must be >= 0")
     if args.plot is not None:
         _check_plot_path(args.plot)
-    expr = None
-    if args.where:
-        from .query import compile_query
-        expr, _ = compile_query(args.where)
-    table = read_index_columns(d, list(DISTRIBUTIONS) + ["has_image"], filter=expr)
+    from .query import select
+    table = select(d, args.where, ["key"] + list(DISTRIBUTIONS) + ["has_image"])
     dists = {col: distribution(table.column(col).to_numpy(zero_copy_only=False)) for col in DISTRIBUTIONS}
-    image_filter = pc.field("has_image") if expr is None else (expr & pc.field("has_image"))
     latents = dict(image_samples=int(pc.sum(table.column("has_image")).as_py() or 0), samples_read=0,
                    channels=[], shapes={}, skipped=0, non_finite=0)
     if args.max_samples > 0 and latents["image_samples"]:
-        image_rows = read_index_columns(d, ["key", "shard", "members"], filter=image_filter)
+        keys = table.filter(table.column("has_image")).column("key")
+        image_rows = read_index_columns(d, ["key", "shard", "members"], filter=pc.field("key").isin(keys))
         latents = latent_stats(d, image_rows, args.max_samples, args.seed)
     result = dict(dir=str(d), where=args.where, samples=table.num_rows, distributions=dists,
                   latents=latents)
