@@ -357,8 +357,3 @@ def load_audio(path: str | Path, sample_rates: tuple[int, ...] | list[int], *, o
         raise out
     return out
 
-
-def to_pcm16(y: np.ndarray) -> np.ndarray:
-    """float32 in [-1, 1] -> int16 PCM: the waveform kind's convention (:data:`shards.kinds.PCM16_FULL_SCALE`,
-    32768, so a 16-bit source file is stored bit-exactly)."""
-    return WAVEFORM.to_storage(y)

@@ -613,10 +613,3 @@ def given(ns: argparse.Namespace, cls: type) -> dict[str, str]:
     """The option values given as flags, ``{path: text}``."""
     opts = options(cls)
     return {k: v for k, v in vars(ns).items() if k in opts}
-
-
-def report(prog: str, error: ConfigError) -> None:
-    """Print every problem of ``error`` as ``PROG: error: option: message`` on stderr."""
-    import sys
-    for line in error.lines():
-        sys.stderr.write(f"{prog}: error: {line}\n")

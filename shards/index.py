@@ -186,11 +186,6 @@ def write_parts(out_dir: Path, stem: str, rows: list[dict], rejects: list[dict],
     write_parquet_atomic(table, index_part)
 
 
-def part_done(out_dir: Path, stem: str) -> bool:
-    """True when the chunk ``stem`` has been committed (its index part exists)."""
-    return part_paths(out_dir, stem)[0].exists()
-
-
 def read_part_shard_entry(index_part: Path) -> dict | None:
     """The shard entry stored in an index part's metadata, or None for a chunk with no samples."""
     meta = pq.read_schema(index_part).metadata or {}

@@ -7,7 +7,8 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from precompute.audio import load_audio, to_pcm16
+from precompute.audio import load_audio
+from shards.kinds import WAVEFORM
 from precompute.images import load_image
 from shards import schema
 from shards.errors import CorruptSample
@@ -45,7 +46,7 @@ def test_mono_downmix_and_slicing(tmp_path):
     sf.write(path, np.stack([left, right], 1), sr, subtype="FLOAT")
     out, duration, _ = load_audio(path, (sr,), offset_s=0.25, duration_s=0.5)
     assert duration == pytest.approx(0.5) and np.allclose(out[sr], 0.2)
-    assert to_pcm16(np.array([1.0, -1.0, 0.0, 0.5], np.float32)).tolist() == [32767, -32768, 0, 16384]
+    assert WAVEFORM.to_storage(np.array([1.0, -1.0, 0.0, 0.5], np.float32)).tolist() == [32767, -32768, 0, 16384]
 
 
 @pytest.mark.parametrize("make,reason", [

@@ -129,11 +129,6 @@ def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest(out_dir: str | Path) -> Path | None:
-    ck = list_checkpoints(out_dir)
-    return ck[-1][1] if ck else None
-
-
 def _check_safetensors(path: Path) -> None:
     """The header parses and the file holds every byte it promises (a truncated file fails)."""
     size = path.stat().st_size
