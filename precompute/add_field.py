@@ -305,16 +305,18 @@ def _yaml_text(text: str) -> Any:
 
 
 def main_add(argv: list[str]) -> int:
+    from .encoders.registry import AUDIO_TOKENIZERS
+    from .producers import PRODUCERS
     p = argparse.ArgumentParser(prog="shardcache add-field", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cache", metavar="CACHE")
     p.add_argument("--field", required=True, help="field name, e.g. codes_mimi, audio_16k or a plug-in's field")
     p.add_argument("--producer", default=None, metavar="NAME|module:factory",
-                   help="what computes it: codes | waveform | latents, or a plug-in factory")
+                   help=f"what computes it: {' | '.join(PRODUCERS)}, or a plug-in factory")
     p.add_argument("--options", default=None, metavar="JSON",
                    help="the producer's options, e.g. '{\"sample_rate\": 16000, \"direction\": \"in\"}'")
     p.add_argument("--audio-tokenizer", default=None, metavar="NAME|module:factory",
-                   help="codes fields: the codec (dac | encodec | mimi | higgs, or a plug-in factory)")
+                   help=f"codes fields: the codec ({' | '.join(sorted(AUDIO_TOKENIZERS))}, or a plug-in factory)")
     p.add_argument("--pretrained", default=None, help="codes fields: the codec's checkpoint directory or hub id")
     p.add_argument("--config", default=None, help="codes fields: YAML with an audio_tokenizer mapping (or the mapping)")
     p.add_argument("--device", default="cpu")

@@ -38,10 +38,24 @@ log = logging.getLogger("precompute")
 PROG = "shardcache precompute"
 
 
+def registries() -> str:
+    """The names every registry accepts, for ``--help`` (derived from the registries themselves)."""
+    from .encoders.registry import AUDIO_TOKENIZERS, IMAGE_ENCODERS, TEXT_TOKENIZERS
+    from .manifests import FORMATS
+    from .producers import PRODUCERS
+    rows = [("codecs (audio_tokenizer.name)", AUDIO_TOKENIZERS), ("VAEs (image_encoder.name)", IMAGE_ENCODERS),
+            ("text tokenizers (text_tokenizer.name)", TEXT_TOKENIZERS), ("manifest formats", FORMATS),
+            ("producers (extra_fields, add-field)", PRODUCERS)]
+    return "names:\n" + "\n".join(f"  {what}: {', '.join(sorted(names))}" for what, names in rows) + \
+        "\n  (each also takes a plug-in: {factory: 'package.module:callable', kwargs: {...}})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The job's inputs (``--manifest``, ``--cache``, ``--root``), ``--config``/``--set`` and one
     flag per option of :class:`~precompute.config.PrecomputeConfig`."""
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .encoders.registry import AUDIO_TOKENIZERS, IMAGE_ENCODERS
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, epilog=registries(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("the job")
     g.add_argument("--manifest", required=True,
                    help="dataset manifest: JSONL (key,text,audio,image,speaker), Higgs-Audio ChatML JSON/JSONL, "
@@ -63,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override an option (value read as YAML), e.g. --set encoder_batch_size=16 "
                         "--set audio_tokenizer.pretrained=/ckpt/dac")
     g.add_argument("--audio-tokenizer", dest="audio_tokenizer_flag", default=None, metavar="NAME|module:factory",
-                   help="codec: dac | encodec | mimi (keeps the config's pretrained), or a plug-in factory module:factory")
+                   help=f"codec: {' | '.join(sorted(AUDIO_TOKENIZERS))} (keeps the config's pretrained), or a plug-in "
+                        "factory module:factory")
     g.add_argument("--image-encoder", dest="image_encoder_flag", default=None, metavar="NAME|module:factory",
-                   help="VAE: wan | cosmos, or a plug-in factory module:factory")
+                   help=f"VAE: {' | '.join(sorted(IMAGE_ENCODERS))}, or a plug-in factory module:factory")
     g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     S.add_flags(p, PrecomputeConfig, {"--batch-size": "encoder_batch_size"}, titles={"": "config options (defaults: configs/precompute.yaml)"})

@@ -71,12 +71,12 @@ class PrecomputeConfig:
     """The accepted difference: latents relative L2 error, fraction of equal codes."""
     audio_tokenizer: dict[str, Any] | None = option(
         factory=lambda: {"name": "dac", "pretrained": "models/dac-tiny"}, flag=False)
-    """Codec spec {name: dac | encodec | mimi, pretrained: DIR or hub id, options...} or {factory:
+    """Codec spec {name: a codec of the registry (listed by --help), pretrained: DIR or hub id, options...} or {factory:
     module:callable, kwargs}; null = no codes (an image-text job never loads a codec). Flag:
     --audio-tokenizer NAME|module:factory."""
     image_encoder: dict[str, Any] | None = option(
         factory=lambda: {"name": "wan", "pretrained": "models/wan-tiny"}, flag=False)
-    """VAE spec {name: wan | cosmos, pretrained: DIR or hub id, ...} or a factory; null = no latents (an audio
+    """VAE spec {name: a VAE of the registry (listed by --help), pretrained: DIR or hub id, ...} or a factory; null = no latents (an audio
     job never loads a VAE). Flag: --image-encoder NAME|module:factory."""
     text_tokenizer: dict[str, Any] = option(factory=lambda: {"name": "bytes"}, flag=False)
     """Text tokenizer spec: {name: bytes} or {name: hf, pretrained: DIR or hub id} (the LM's own tokenizer)."""

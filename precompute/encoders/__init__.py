@@ -2,9 +2,9 @@
 
 Public API::
 
-    load_audio_tokenizer(cfg, device="cpu") -> AudioTokenizer      # dac | encodec | mimi | factory
-    load_image_encoder(cfg, device="cpu") -> ImageEncoder          # wan | cosmos | factory
-    load_text_tokenizer(cfg=None) -> TextTokenizer                 # bytes | hf | factory
+    load_audio_tokenizer(cfg, device="cpu") -> AudioTokenizer      # a name of AUDIO_TOKENIZERS, or a factory
+    load_image_encoder(cfg, device="cpu") -> ImageEncoder          # a name of IMAGE_ENCODERS, or a factory
+    load_text_tokenizer(cfg=None) -> TextTokenizer                 # a name of TEXT_TOKENIZERS, or a factory
     fingerprint(*describe_dicts, preprocessing=dict) -> str        # sha256 hex
 
 See ``base`` for the contracts (shapes, dtypes), ``audio`` for why batches only hold clips of equal
