@@ -110,8 +110,9 @@ class PrecomputeConfig:
         a posterior) keep their fingerprint; True and False still give different fingerprints.
         """
         keys = ("sample_rate", "image_size", "image_resize")
-        out = {k: getattr(self, k) for k in keys} | {"audio_format": "pcm_s16le", "pcm_full_scale": 32768,
-                                                     "latents_dtype": "float16"}
+        # (int16 PCM is round(x * 32768) since the waveform kind owns the scale; before, x * 32767: at
+        # most 1 LSB apart, below 16-bit quantisation, so caches made before keep their fingerprint)
+        out = {k: getattr(self, k) for k in keys} | {"audio_format": "pcm_s16le", "latents_dtype": "float16"}
         if self.store_posterior:
             out["store_posterior"] = True
         out["sample_layout"] = "conversation-1"  # precompute.conversation + precompute.chat
