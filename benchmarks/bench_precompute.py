@@ -23,12 +23,10 @@ from pathlib import Path
 
 import torch
 
-from precompute import chat
 from precompute.config import load_config
-from precompute.job import (Summary, chunk_batches, encode_batch, image_multiple, job_rates, load_encoders,
-                            plan_chunks, run)
+from precompute.encode import Pipeline, Summary
+from precompute.job import chunk_batches, plan_chunks, run
 from precompute.manifests import read_requests
-from precompute.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,15 +45,14 @@ def _config(models: Path, size: str, **kw):
 
 def encoders_alone(manifest: Path, cfg) -> tuple[float, int]:
     """Seconds spent in encoder calls when every row is decoded beforehand (same batching as the job)."""
-    enc = load_encoders(cfg, "cpu")
-    template = chat.resolve_template(cfg.chat_template, enc.text)
+    pipe = Pipeline.build(cfg, "cpu")
     plan = plan_chunks(read_requests(manifest), cfg.samples_per_shard, {})
     items = [(r, c) for c, (_, rows) in enumerate(plan) for r in rows]
-    prepared = [prepare(r, c, cfg, job_rates(cfg, enc), enc.text, template, image_multiple(enc)) for r, c in items]
+    prepared = [pipe.prepare(r, c) for r, c in items]
     summary = Summary()
     with torch.inference_mode():
         for batch in chunk_batches([c for _, c in items], cfg.batch_size):
-            encode_batch([prepared[i] for i in batch], enc, cfg, summary, "cpu")
+            pipe.encode([prepared[i] for i in batch], summary)
     return summary.encoder_s, sum(p.error is None for p in prepared)
 
 

@@ -19,10 +19,8 @@ from pathlib import Path
 import torch
 
 from loaders import ShardLoader, collate_fn
-from precompute import chat
-from precompute.job import Summary, encode_batch, image_multiple, job_rates, load_encoders
+from precompute.encode import Pipeline, Summary
 from precompute.manifests import read_requests
-from precompute.prepare import prepare
 from train.models import ReferenceModel, data_spec
 
 FIELDS = ("codes", "input_ids", "latents")
@@ -36,13 +34,13 @@ def _step(model, opt, batch) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _uncached_batch(reqs, enc, cfg) -> dict:
+def _uncached_batch(reqs, pipe) -> dict:
     """What a training step pays without a cache: decode, resample, codec, VAE, tokenize, collate."""
-    template = chat.resolve_template(cfg.chat_template, enc.text)
-    prepared = [prepare(r, 0, cfg, job_rates(cfg, enc), enc.text, template, image_multiple(enc)) for r in reqs]
+    enc, cfg = pipe.enc, pipe.cfg
+    prepared = [pipe.prepare(r) for r in reqs]
     samples = []
     with torch.inference_mode():
-        encoded = encode_batch(prepared, enc, cfg, Summary(), "cpu")
+        encoded = pipe.encode(prepared, Summary())
     for key, fields, _ in encoded:
         samples.append({"__key__": key, "codes": fields["codes.npy"], "input_ids": fields["input_ids.npy"],
                         **({"latents": fields["latents.npy"]} if "latents.npy" in fields else {})})
@@ -69,12 +67,12 @@ def bench(manifest: Path, cache: Path, cfg, batch_size: int = 4, steps: int = 4,
             cached_times.append(time.perf_counter() - t)
         keys_in_order.append(batch["keys"])
     loader.close()
-    enc = load_encoders(cfg, "cpu")
+    pipe = Pipeline.build(cfg, "cpu")
     by_key = {r.key: r for r in read_requests(manifest) if r.error is None}
     uncached_times = []
     for i, keys in enumerate(keys_in_order):
         t = time.perf_counter()
-        batch = _uncached_batch([by_key[k] for k in keys], enc, cfg)
+        batch = _uncached_batch([by_key[k] for k in keys], pipe)
         _step(model, opt, batch)
         if i >= warmup:
             uncached_times.append(time.perf_counter() - t)

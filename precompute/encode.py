@@ -138,6 +138,56 @@ def value_checks(producers: list[P.Producer], info: CacheManifest) -> dict[str, 
     return out
 
 
+@dataclass
+class Pipeline:
+    """Everything encoding a manifest row needs, built once per job (:meth:`build`): the encoders,
+    the resolved chat template, the producers (and those of ``extra_fields``), the audio rates they
+    read, the value checks, and the job's fingerprint. ``shardcache precompute`` runs it over the
+    manifest; ``shardcache check`` over a few rows to compare with a cache."""
+
+    cfg: PrecomputeConfig
+    device: str
+    enc: Encoders
+    template: str
+    producers: list
+    extra: dict
+    rates: tuple[int, ...]
+    info: CacheManifest
+    checks: dict[str, tuple]
+    fingerprint: str
+    describe: dict[str, Any]
+
+    @classmethod
+    def build(cls, cfg: PrecomputeConfig, device: str) -> "Pipeline":
+        """Load the encoders on ``device`` and derive the rest (hashes every weight once)."""
+        from . import chat
+        enc = load_encoders(cfg, device)
+        template = chat.resolve_template(cfg.chat_template, enc.text)
+        producers, extra = job_producers(cfg, enc, template, device)
+        info = job_info(producers, extra, enc.text)
+        encoders = enc.describe()
+        preprocessing = cfg.preprocessing()
+        if extra:  # only when present: caches without extra fields keep their fingerprint
+            preprocessing["extra_fields"] = {name: p.describe() for name, p in extra.items()}
+        return cls(cfg, device, enc, template, producers, extra, job_rates(producers), info,
+                   value_checks(producers, info), fingerprint(*encoders.values(), preprocessing=preprocessing),
+                   encoders | {"preprocessing": preprocessing})
+
+    @property
+    def image_multiple(self) -> int:
+        """Pixels per latent cell of the image encoder (8 without one: images are then rejected anyway)."""
+        return int(self.enc.image.spatial_factor) if self.enc.image is not None else 8
+
+    def prepare(self, req: Any, chunk: int = 0) -> Prepared:
+        """Decode one manifest row (see :func:`precompute.prepare.prepare`)."""
+        from .prepare import prepare
+        return prepare(req, chunk, self.cfg, self.rates, self.enc.text, self.template, self.image_multiple)
+
+    def encode(self, batch: list[Prepared], summary: "Summary") -> list[tuple[str, dict | None, tuple | None]]:
+        """:func:`encode_batch` with this pipeline's producers and checks."""
+        return encode_batch(batch, self.producers, self.checks, self.cfg, summary, self.device)
+
+
 def _meta(p: Prepared, cfg: PrecomputeConfig, frame_rate: float | None) -> dict[str, Any]:
     req, conv = p.req, p.req.conversation
     speakers = list(dict.fromkeys(a.speaker for a in conv.audio if a.speaker))

@@ -41,13 +41,11 @@ from shards.writer import ShardWriter
 
 from . import chat
 from .config import PrecomputeConfig
-from .encode import (Encoders, Summary, encode_batch, job_info, job_producers, job_rates, load_encoders,
-                     value_checks, waveform_fields)
-from .encoders import fingerprint
+from .encode import Pipeline, Summary, load_encoders, waveform_fields
 from .manifests import Request, read_requests
 from .output import LocalOutput, open_output
 from .precision import check_precision
-from .prepare import PrepareDataset, identity_collate, prepare
+from .prepare import PrepareDataset, identity_collate
 
 log = logging.getLogger("precompute")
 JOB_FILE = "job.json"
@@ -58,16 +56,15 @@ def row_id(req: Request) -> str:
     return "\0".join([req.key] + (req.conversation.sources if req.conversation is not None else []))
 
 
-def precision_check(enc: Encoders, cfg: PrecomputeConfig, requests: list[Request], device: str,
-                    rates: tuple[int, ...], template: str) -> dict | None:
-    """Measure half-precision encoders against float32 on the job's first rows (None for float32);
-    ``rates``: the job's audio rates (Hz), ``template``: its resolved chat template.
+def precision_check(pipe: Pipeline, requests: list[Request]) -> dict | None:
+    """Measure half-precision encoders against float32 on the job's first rows (None for float32).
 
     Raises :class:`precompute.precision.PrecisionMismatch` outside ``cfg.precision_tolerance``.
     """
+    cfg, enc = pipe.cfg, pipe.enc
     if cfg.encoder_dtype in ("float32", "fp32"):
         return None
-    ref = load_encoders(cfg, device, dtype="float32")
+    ref = load_encoders(cfg, pipe.device, dtype="float32")
     # half of the rows with an image where the manifest has them, so both encoders are measured
     n_img = cfg.precision_samples // 2 if any(r.has_image and not r.error for r in requests) else 0
     picked: dict[bool, list] = {True: [], False: []}
@@ -78,7 +75,7 @@ def precision_check(enc: Encoders, cfg: PrecomputeConfig, requests: list[Request
             if all(len(picked[k]) >= quota[k] for k in picked):
                 break
             continue
-        p = prepare(req, 0, cfg, rates, enc.text, template, image_multiple(enc))
+        p = pipe.prepare(req)
         if p.error is None:
             picked[kind].append(p)
     prepared = picked[True] + picked[False]
@@ -210,11 +207,6 @@ class _ChunkWriter(threading.Thread):
         self.queue.put(item)
 
 
-def image_multiple(enc: Encoders) -> int:
-    """Pixels per latent cell of the image encoder (8 without one: images are then rejected anyway)."""
-    return int(enc.image.spatial_factor) if enc.image is not None else 8
-
-
 def chunk_batches(chunk_of_item: list[int], batch_size: int) -> list[list[int]]:
     """Encoder batches: consecutive items of ONE chunk, ``batch_size`` at a time from the chunk's
     start, so a batch never spans two chunks and its rows do not depend on what ran before."""
@@ -267,23 +259,13 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     sync = barrier or (lambda: None)
     device = resolve_device(cfg.device, local_rank)
     requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
-    enc = load_encoders(cfg, device)
+    pipe = Pipeline.build(cfg, device)
+    enc, template, fp, describe = pipe.enc, pipe.template, pipe.fingerprint, pipe.describe
     if cfg.store_posterior and enc.image is not None:
         check_posterior(enc.image)
-    template = chat.resolve_template(cfg.chat_template, enc.text)
     if any(r.conversation is not None for r in requests):
         chat.check_tokenizer(enc.text)
-    producers, extra = job_producers(cfg, enc, template, device)
-    rates = job_rates(producers)
-    precision = precision_check(enc, cfg, requests, device, rates, template)
-    info = job_info(producers, extra, enc.text)
-    checks = value_checks(producers, info)
-    encoders = enc.describe()  # hashes every weight: once per job
-    preprocessing = cfg.preprocessing()
-    if extra:  # only when present: caches without extra fields keep their fingerprint
-        preprocessing["extra_fields"] = {name: p.describe() for name, p in extra.items()}
-    describe = encoders | {"preprocessing": preprocessing}
-    fp = fingerprint(*encoders.values(), preprocessing=preprocessing)
+    precision = precision_check(pipe, requests)
     if check_fingerprint(out_dir, fp, describe, global_rank):
         output.push_part(JOB_FILE)
     sync()
@@ -299,13 +281,13 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     writer = _ChunkWriter(output, chunks, summary, bar)
     writer.start()
     workers = resolve_workers(cfg.num_workers, device) if items else 0
-    loader = DataLoader(PrepareDataset(items, cfg, rates, enc.text, template, image_multiple(enc)),
+    loader = DataLoader(PrepareDataset(items, cfg, pipe.rates, enc.text, template, pipe.image_multiple),
                         batch_sampler=chunk_batches([c for _, c in items], cfg.batch_size), num_workers=workers,
                         collate_fn=identity_collate, prefetch_factor=4 if workers else None)
     try:
         with torch.inference_mode():
             for batch in loader:
-                for key, fields, reject in encode_batch(batch, producers, checks, cfg, summary, device):
+                for key, fields, reject in pipe.encode(batch, summary):
                     if reject:
                         summary.rejected += 1
                         summary.reasons[reject[2]] = summary.reasons.get(reject[2], 0) + 1
@@ -324,7 +306,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     result = None
     if global_rank == 0:  # the other ranks are done; rank 0 merges once every chunk is committed
         output.wait_for_chunks([name for name, _ in plan])
-        man = info  # the producers' facts (codec sizes, latent channels, extra fields), typed
+        man = pipe.info  # the producers' facts (codec sizes, latent channels, extra fields), typed
         man.fingerprint, man.encoders, man.sample_rate = fp, describe, cfg.sample_rate
         man.waveforms = {k: {"sample_rate": r, "directions": sorted(d)} for k, (r, d) in waveform_fields(cfg).items()}
         man.text = TextInfo.from_dict(chat.describe(template, enc.text))

@@ -5,6 +5,7 @@
     shardcache precompute --manifest train.json --cache /data/cache --config configs/precompute-tts.yaml
     shardcache add-field CACHE --field codes_mimi --audio-tokenizer mimi
     shardcache drop-field CACHE codes_mimi
+    shardcache check /data/cache --manifest train.json --samples 16
     torchrun --nproc_per_node=8 -m shardcache train --cache /data/cache --run-dir runs/exp1
     shardcache find-batch-size --cache /data/cache --config configs/train.yaml
     shardcache shards info /data/cache
@@ -25,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "precompute": ("precompute.cli:main", "stage one: encode a manifest into a cache (codes, latents, token ids)"),
     "add-field": ("precompute.add_field:main_add", "encode a new field of an existing cache into sidecar tars"),
     "drop-field": ("precompute.add_field:main_drop", "remove a field added with add-field"),
+    "check": ("precompute.check:main", "re-derive random samples from the sources and compare them with the cache"),
     "train": ("train.cli:main", "stage two: train from a cache (torchrun -m shardcache train ... for DDP)"),
     "find-batch-size": ("train.batch_size:main", "time training steps at batch sizes 1, 2, 4... and recommend one"),
     "shards": ("shards.cli:main", "inspect, query, verify and repair a cache (info, show, verify, reindex...)"),

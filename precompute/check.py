@@ -1,0 +1,168 @@
+"""``shardcache check CACHE --manifest M --samples N``: re-derive samples on the fly, compare with the cache.
+
+A user trusts a cache before spending GPU-weeks on it: for ``N`` samples picked at random
+(``--seed``) from the cache's index, the manifest row with the same key is decoded again from its
+source files and encoded again with the encoders and preprocessing the cache's ``manifest.json``
+records (its ``config``: codec, VAE, tokenizer and chat template, image policy, extra fields),
+through the very code stage one runs (:class:`precompute.encode.Pipeline`), and every array is
+compared with the cached one:
+
+* token ids, labels, codes, segments, offsets, any integer field: exactly;
+* waveforms (int16 PCM): within 1 LSB;
+* float fields (latents, features): relative L2 error within the recorded tolerance
+  (``precision_tolerance.latents_rel_err`` of the cache's config, 0.02 by default).
+
+The encoders' fingerprint is compared with the cache's first: a different one is reported (the
+weights or the preprocessing changed since) and the comparison goes on, so the report names the
+fields that differ. Fields added later with ``add-field`` are not re-derived (listed as skipped).
+Exit status 0 when every compared array matches, 1 naming each key and field that does not (or a
+row that can no longer be decoded), 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardcache import config as S
+from shards import fields as registry
+from shards.errors import ShardcacheError
+from shards.manifest import CacheManifest
+from shards.reader import ShardReader
+
+from .config import LEGACY, PrecomputeConfig
+
+log = logging.getLogger("precompute.check")
+PROG = "shardcache check"
+
+
+def cache_config(man: CacheManifest, overrides: list[str] | None = None) -> PrecomputeConfig:
+    """The :class:`PrecomputeConfig` a cache was made with (``manifest.json`` ``config``), with
+    ``key=value`` overrides (e.g. ``device=cuda``, or a checkpoint moved elsewhere:
+    ``audio_tokenizer.pretrained=/new/path``). Raises ``ValueError`` when the manifest has no config."""
+    if not isinstance(man.config, dict) or not man.config:
+        raise ValueError("manifest.json records no config (a cache made before configs were recorded?); "
+                         "nothing to re-derive the samples with")
+    cfg = S.apply(PrecomputeConfig(), S.flatten(man.config, PrecomputeConfig, LEGACY, "manifest.json config"))
+    if overrides:
+        cfg = S.apply(cfg, S.parse_set(overrides, PrecomputeConfig, LEGACY), text=True)
+    return cfg
+
+
+def compare(name: str, cached: np.ndarray | None, fresh: np.ndarray | None, rel_tol: float) -> str | None:
+    """Why ``fresh`` (re-derived) differs from ``cached`` for field ``name``, or None when it matches
+    (see the module docstring for the rule of each kind of array)."""
+    if cached is None or fresh is None:
+        return None if cached is None and fresh is None else \
+            f"{'missing from the cache' if cached is None else 'not produced again'}"
+    if cached.shape != fresh.shape:
+        return f"shape {tuple(cached.shape)} in the cache, {tuple(fresh.shape)} re-derived"
+    a, b = cached.astype(np.float64), fresh.astype(np.float64)
+    if cached.dtype.kind == "f":
+        err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+        return None if err <= rel_tol else f"relative L2 error {err:.3g} > tolerance {rel_tol:g}"
+    f = registry.lookup(name)
+    limit = 1 if f is not None and f.kind.name == "waveform" else 0
+    diff = np.abs(a - b)
+    if float(diff.max(initial=0)) <= limit:
+        return None
+    n = int((diff > limit).sum())
+    j = int(np.flatnonzero(diff.reshape(-1) > limit)[0])
+    return (f"{n} of {a.size} values differ (first at flat index {j}: {int(a.reshape(-1)[j])} cached, "
+            f"{int(b.reshape(-1)[j])} re-derived)")
+
+
+def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root: str | Path | None = None,
+          seed: int = 0, overrides: list[str] | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Re-derive ``samples`` random samples of the cache and compare them (see the module docstring).
+
+    Returns ``{"fingerprint_matches", "checked", "skipped_fields", "problems": [{key, field, why}],
+    "missing_rows": [keys]}``. Raises ``FileNotFoundError`` (no index), ``ValueError`` (no recorded
+    config, bad overrides), :class:`shards.errors.ShardcacheError` (an unreadable cache).
+    """
+    import torch
+
+    from .encode import Pipeline, Summary
+    from .manifests import read_requests
+    from .validate import validate_config
+
+    cache_dir = Path(cache_dir)
+    man = CacheManifest.read(cache_dir)
+    cfg = validate_config(cache_config(man, overrides))
+    reader = ShardReader(cache_dir)
+    by_key: dict[str, Any] = {}
+    for r in read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns):
+        if r.error is None:  # rows rejected while reading (a duplicate key...) are not in the cache
+            by_key.setdefault(r.key, r)
+    rows = [i for i, k in enumerate(reader.keys) if k in by_key]
+    missing = [k for k in reader.keys if k not in by_key]
+    picked = sorted(random.Random(seed).sample(rows, min(samples, len(rows))))
+    pipe = Pipeline.build(cfg, device)
+    out: dict[str, Any] = {"fingerprint_matches": pipe.fingerprint == man.fingerprint, "checked": 0,
+                           "skipped_fields": sorted(man.sidecar_fields), "problems": [], "missing_rows": missing[:20]}
+    if not out["fingerprint_matches"]:
+        log.warning("the encoders and preprocessing give fingerprint %s..., the cache has %s...: the weights or "
+                    "settings changed since the cache was made", pipe.fingerprint[:16], str(man.fingerprint)[:16])
+    rel_tol = float((cfg.precision_tolerance or {}).get("latents_rel_err", 0.02))
+    prepared = [pipe.prepare(by_key[reader.keys[i]]) for i in picked]
+    with torch.inference_mode():
+        encoded = pipe.encode(prepared, Summary())
+    for i, (key, members, reject) in zip(picked, encoded):
+        out["checked"] += 1
+        if reject is not None:
+            out["problems"].append({"key": key, "field": "-", "why": f"rejected now: {reject[2]}: {reject[3]}"})
+            continue
+        cached = reader.get(i)
+        fresh = {k[:-4]: v for k, v in members.items() if k.endswith(".npy")}
+        names = sorted((set(fresh) | {k for k in cached if registry.lookup(k) is not None}) - set(out["skipped_fields"]))
+        for name in names:
+            why = compare(name, cached.get(name), fresh.get(name), rel_tol)
+            if why is not None:
+                out["problems"].append({"key": key, "field": name, "why": why})
+    reader.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cache", metavar="CACHE", help="the cache directory")
+    p.add_argument("--manifest", required=True, help="the manifest the cache was made from")
+    p.add_argument("--samples", type=int, default=8, metavar="N", help="samples to re-derive (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="which samples (default 0)")
+    p.add_argument("--root", default=None, help="folder media paths are relative to (as for precompute)")
+    p.add_argument("--device", default="cpu", help="device of the encoders (default cpu)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recorded option, e.g. --set audio_tokenizer.pretrained=/moved/dac")
+    args = p.parse_args(argv)
+    if args.samples < 1:
+        p.error("--samples must be >= 1")
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    overrides = list(args.overrides) + [f"device={args.device}"]
+    try:
+        r = check(args.cache, args.manifest, args.samples, root=args.root, seed=args.seed, overrides=overrides,
+                  device=args.device)
+    except (ShardcacheError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
+    fp = "matches" if r["fingerprint_matches"] else "DIFFERS (encoders or preprocessing changed)"
+    print(f"{args.cache}: re-derived {r['checked']} sample(s) from {args.manifest}; encoder fingerprint {fp}")
+    if r["skipped_fields"]:
+        print(f"not re-derived (added later with add-field): {', '.join(r['skipped_fields'])}")
+    if r["missing_rows"]:
+        print(f"{len(r['missing_rows'])}+ cached key(s) not in the manifest (not checked), e.g. {r['missing_rows'][:3]}")
+    for prob in r["problems"]:
+        print(f"MISMATCH {prob['key']}: {prob['field']}: {prob['why']}")
+    if r["problems"]:
+        print(f"{len(r['problems'])} mismatch(es) in {r['checked']} sample(s)")
+        return 1
+    print(f"OK: every array of {r['checked']} sample(s) matches")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
