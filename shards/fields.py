@@ -134,7 +134,7 @@ def _shape0(shape: tuple) -> int:
 #: THE REGISTRY, in read order (this order is also the order of the index columns they contribute).
 FIELDS: tuple[Field, ...] = (
     _waveform("audio", index_columns=(IndexColumn("num_samples", "int64", _shape0),),
-              doc="every item's mono PCM at sample_rate, concatenated (full scale 32767)"),
+              doc="every item's mono PCM at sample_rate, concatenated (int16, x * 32768)"),
     _starts("audio_starts", doc="item k is audio[starts[k]:starts[k+1]]"),
     _codes("codes", index_columns=(
         IndexColumn("n_frames", "int32", lambda s: int(s[1]) if len(s) == 2 else 0),

@@ -1,0 +1,111 @@
+"""Regenerate the tables of docs/ that are derived from the code's registries (the fields and their
+kinds, the encoder / manifest / producer names) and from ``make bench`` (docs/benchmarks.md).
+
+    python scripts/gen_docs.py            # rewrite the generated blocks in place
+    python scripts/gen_docs.py --check    # exit 1 when a block is out of date (tests/test_docs.py)
+
+A generated block sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; the
+text around it is written by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _cell(x) -> str:
+    return str(x).replace("|", "\\|")
+
+
+def fields_table() -> str:
+    from shards import fields
+    from shards.kinds import PAD_LAST, PAD_TEXT
+    rows = ["| field | kind | stored dtype, rank | batch keys | pad | stored as | what |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for f in fields.FIELDS:
+        pad = {PAD_TEXT: "the cache's pad id", PAD_LAST: "last offset"}.get(f.pad, f.pad) if isinstance(f.pad, str) \
+            else f.pad
+        where = "own member" if not f.packed else "tensors.npz"
+        if f.stage == "legacy":
+            where += " (old caches)"
+        rows.append(f"| `{f.name}` | {f.kind.name} | {f.dtype}, {f.ndim}-D | "
+                    f"{', '.join(f'`{k}`' for k in f.batch_keys)} | {_cell(pad)} | {where} | {_cell(f.doc)} |")
+    rows.append("| `audio_<name>`, `audio_<name>_starts` | waveform, offsets | int16 1-D, int32 1-D | as `audio` | "
+                "0, last offset | tensors.npz | `extra_waveforms` (e.g. `audio_16k`) |")
+    rows.append("| `codes_<codec>` | codes | int16, 2-D | `codes_<codec>`, `_lengths`, `_mask` | -100 | sidecar tar | "
+                "added later with `shardcache add-field` |")
+    return "\n".join(rows)
+
+
+def kinds_table() -> str:
+    from shards.kinds import KINDS
+    rows = ["| kind | the model sees | lengths axis | mask axes | fixed axes | counts tokens | what |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for k in KINDS.values():
+        first = " ".join((type(k).__doc__ or "").split("\n\n")[0].split()).replace("``", "`")
+        rows.append(f"| {k.name} | {k.model_dtype or 'its storage dtype'} | {k.lengths_axis} | {k.mask_axes or '-'} | "
+                    f"{k.fixed_axes or '-'} | {'yes' if k.counts_tokens else 'no'} | {_cell(first)} |")
+    return "\n".join(rows)
+
+
+def names_table() -> str:
+    from precompute.encoders.registry import AUDIO_TOKENIZERS, IMAGE_ENCODERS, TEXT_TOKENIZERS
+    from precompute.manifests import FORMATS
+    from precompute.producers import PRODUCERS
+    rows = ["| what | names | option |", "| --- | --- | --- |",
+            f"| codecs | {', '.join(f'`{n}`' for n in sorted(AUDIO_TOKENIZERS))} | `audio_tokenizer.name` |",
+            f"| image VAEs | {', '.join(f'`{n}`' for n in sorted(IMAGE_ENCODERS))} | `image_encoder.name` |",
+            f"| text tokenizers | {', '.join(f'`{n}`' for n in sorted(TEXT_TOKENIZERS))} | `text_tokenizer.name` |",
+            f"| manifest formats | {', '.join(f'`{n}`' for n in FORMATS)} | `manifest_format` (else detected) |",
+            f"| producers | {', '.join(f'`{n}`' for n in PRODUCERS)} | `extra_fields`, `add-field --producer` |"]
+    return "\n".join(rows)
+
+
+def bench_summary() -> str:
+    p = ROOT / "benchmarks" / "results" / "summary.md"
+    return p.read_text().strip() if p.exists() else "(run `make bench`)"
+
+
+BLOCKS = {"docs/format.md": {"fields": fields_table, "kinds": kinds_table},
+          "docs/configuration.md": {"names": names_table},
+          "docs/benchmarks.md": {"bench": bench_summary}}
+
+
+def render(text: str, blocks: dict) -> str:
+    for name, fn in blocks.items():
+        pat = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.S)
+        if not pat.search(text):
+            raise SystemExit(f"no generated:{name} block")
+        text = pat.sub(lambda m: m.group(1) + fn() + "\n" + m.group(2), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="only report blocks that are out of date (exit 1)")
+    p.add_argument("--skip-bench", action="store_true", help="leave docs/benchmarks.md alone")
+    args = p.parse_args(argv)
+    stale = []
+    for rel, blocks in BLOCKS.items():
+        if args.skip_bench and rel == "docs/benchmarks.md":
+            continue
+        path = ROOT / rel
+        old = path.read_text()
+        new = render(old, blocks)
+        if new != old:
+            stale.append(rel)
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print(f"out of date (run python scripts/gen_docs.py): {', '.join(stale)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
