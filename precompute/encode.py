@@ -76,16 +76,21 @@ def load_encoders(cfg: PrecomputeConfig, device: str, dtype: str | None = None) 
     """Load the configured encoders; ``audio_tokenizer: null`` / ``image_encoder: null`` load nothing.
 
     ``dtype`` (default ``cfg.encoder_dtype``) is given to the built-in codec and VAE unless their
-    spec sets ``dtype`` itself; plug-in factories get their own ``kwargs`` only.
+    spec sets ``dtype`` itself, and ``cfg.image_pixel_range`` to the built-in VAE as ``input_range``
+    unless its spec sets one; plug-in factories get their own ``kwargs`` only.
     """
+    from .encoders.image import PIXEL_RANGES
     dtype = dtype or cfg.encoder_dtype
 
-    def spec(s: dict) -> dict:
-        return s if "factory" in s or "dtype" in s or dtype == "float32" else dict(s, dtype=dtype)
+    def spec(s: dict, **default: Any) -> dict:
+        if "factory" in s:
+            return s
+        return default | (s if "dtype" in s or dtype == "float32" else dict(s, dtype=dtype))
 
+    image_spec = spec(cfg.image_encoder, input_range=PIXEL_RANGES[cfg.image_pixel_range]) if cfg.image_encoder else None
     return Encoders(
         audio=load_audio_tokenizer(spec(cfg.audio_tokenizer), device=device) if cfg.audio_tokenizer else None,
-        image=load_image_encoder(spec(cfg.image_encoder), device=device) if cfg.image_encoder else None,
+        image=load_image_encoder(image_spec, device=device) if image_spec else None,
         text=load_text_tokenizer(cfg.text_tokenizer))
 
 

@@ -214,6 +214,26 @@ def job_rates(cfg: PrecomputeConfig, enc: Encoders) -> tuple[int, ...]:
     return tuple(dict.fromkeys(rates + ([int(enc.audio.sample_rate)] if enc.audio is not None else [])))
 
 
+def latents_info(cfg: PrecomputeConfig, image_encoder: Any) -> dict[str, Any]:
+    """``manifest.json`` ``latents``: how the cached latents were made, for the trainer.
+
+    ``resize``/``size``/``interpolation``/``rgb`` (:mod:`precompute.images`), ``input_range`` (the
+    pixel values the VAE was fed), ``dtype`` (the VAE's compute dtype), ``normalized`` with the
+    per-channel ``latents_mean``/``latents_std`` (the values applied when normalised, else the VAE
+    config's, null when it has none; :meth:`precompute.encoders.image.DiffusersVAEEncoder.latent_stats`).
+    """
+    from .encoders.image import PIXEL_RANGES
+    from .images import RESAMPLE
+    rng = getattr(image_encoder, "input_range", None) or PIXEL_RANGES[cfg.image_pixel_range]  # plug-ins: the config's
+    dtype = getattr(image_encoder, "dtype", None)
+    out = {"resize": cfg.image_resize, "size": cfg.image_size, "interpolation": RESAMPLE[cfg.image_resize].name.lower(),
+           "rgb": cfg.image_rgb, "input_range": [float(v) for v in rng],
+           "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+           "store_posterior": cfg.store_posterior}
+    stats = getattr(image_encoder, "latent_stats", None)
+    return out | (stats() if callable(stats) else {"normalized": getattr(image_encoder, "normalize", None)})
+
+
 def image_multiple(enc: Encoders) -> int:
     """Pixels per latent cell of the image encoder (8 without one: images are then rejected anyway)."""
     return int(enc.image.spatial_factor) if enc.image is not None else 8
@@ -275,8 +295,14 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     if cfg.store_posterior and enc.image is not None:
         check_posterior(enc.image)
     template = chat.resolve_template(cfg.chat_template, enc.text)
+    tokens = chat.ChatTokens.of(cfg)
+    added = {}  # tokens the job needs and the tokenizer lacked: added when add_missing_tokens, else refused
     if any(r.conversation is not None for r in requests):
-        chat.check_tokenizer(enc.text)
+        added = chat.ensure_tokens(enc.text, chat.needed_kinds(r.conversation for r in requests), tokens,
+                                   cfg.add_missing_tokens)
+        if added:
+            log.info("added %s to the text tokenizer (vocab_size %d): resize the LM's embeddings", added,
+                     enc.text.vocab_size)
     precision = precision_check(enc, cfg, requests, device)
     encoders = enc.describe()  # hashes every weight: once per job
     describe = encoders | {"preprocessing": cfg.preprocessing()}
@@ -325,11 +351,12 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
         audio = {} if enc.audio is None else {
             "codec_sample_rate": enc.audio.sample_rate, "n_codebooks": enc.audio.n_codebooks,
             "codebook_size": enc.audio.codebook_size, "frame_rate": float(enc.audio.frame_rate)}
-        image = {} if enc.image is None else {"latent_channels": enc.image.latent_channels}
+        image = {} if enc.image is None else {"latent_channels": enc.image.latent_channels,
+                                              "latents": latents_info(cfg, enc.image)}
         result = merge_parts(out_dir, {
             "fingerprint": fp, "encoders": describe, "sample_rate": cfg.sample_rate, **audio, **image,
             "waveforms": {k: {"sample_rate": r, "directions": sorted(d)} for k, (r, d) in waveform_fields(cfg).items()},
-            "text": chat.describe(template, enc.text),
+            "text": chat.describe(template, enc.text, tokens, added),
             "text_vocab_size": enc.text.vocab_size, "text_pad_id": enc.text.pad_id,
             "config": cfg.to_dict(), "source_manifest": str(manifest), "world_size": world_size,
             **({"precision_check": precision} if precision else {}),

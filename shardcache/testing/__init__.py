@@ -22,6 +22,9 @@ checkpoint directory looks like, so tests load them through the same ``from_pret
                plus the Llama-3 / Higgs-Audio chat tokens (``<|begin_of_text|>`` ... ``<|AUDIO_OUT|>``,
                ``<image>``) as added special tokens (ids 300..310) and a Llama-3 header-style
                ``chat_template``, so ``apply_chat_template`` and the ``tokenizer`` chat template work.
+``gemma3-tokenizer``  a byte-level BPE with Gemma 3's special tokens (``<bos>``, ``<start_of_turn>``,
+               ``<start_of_image>``...) and its real chat template (:mod:`.chat_templates`; also Llama 3's and
+               Qwen2-VL's, built by the tests).
 ``lm``         transformers ``LlamaForCausalLM`` for the training recipes (``--model tts|vlm``). tiny:
                hidden 64, 2 layers, 4 heads (2 kv), intermediate 128, vocab 512 (covers the byte
                tokenizer's 270 ids and ``tokenizer``'s 311); full: the Llama-3.2-1B shape (~1.2 B params).
@@ -44,12 +47,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import codecs, text, vaes
+from . import chat_templates, codecs, text, vaes
 
 SIZES = ("tiny", "full")
 
 #: name -> ``make(size, seed)``: every model this package builds (one module per family)
-MAKERS: dict[str, Callable] = {**codecs.MAKERS, **vaes.MAKERS, **text.MAKERS}
+MAKERS: dict[str, Callable] = {**codecs.MAKERS, **vaes.MAKERS, **text.MAKERS, **chat_templates.MAKERS}
 
 # -- saving -----------------------------------------------------------------------------------------
 
