@@ -389,6 +389,12 @@ def test_build_model_reads_the_manifest(lm_dir, tmp_path):
     assert v.projector[0].in_features == C_LAT
     with pytest.raises(ValueError, match="AUDIO_OUT"):
         build_model("tts", {"lm": lm_dir}, DataSpec())
+    # a cache made with another image placeholder (Gemma 3's) names it in text.placeholders
+    gemma = json.loads((tmp_path / "manifest.json").read_text())
+    gemma["text"]["special_token_ids"] = {"<start_of_image>": IMG + 1, "<image>": IMG}
+    gemma["text"]["placeholders"] = {"image": "<start_of_image>"}
+    (tmp_path / "manifest.json").write_text(json.dumps(gemma))
+    assert data_spec(tmp_path).image_token_id == IMG + 1
     with pytest.raises(FileNotFoundError, match="shardcache.testing"):
         build_model("vlm", {"lm": str(tmp_path / "no" / "such-lm")}, spec)
 
