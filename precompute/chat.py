@@ -349,7 +349,8 @@ def describe(template: str, tokenizer, tokens: ChatTokens = DEFAULT_TOKENS,
     out = {"template": template, "vocab_size": int(tokenizer.vocab_size), "pad_id": int(tokenizer.pad_id),
            "special_token_ids": special_ids(tokenizer, tokens), "ignore_index": IGNORE_INDEX,
            "placeholders": dict(zip(("audio_in", "audio_out", "image"), tokens.placeholders)),
-           "labels": "higgs-audio"}  # AUDIO_OUT trained in trained turns (prepare_chatml_sample)
+           # <|AUDIO_OUT|> of a trained turn labelled (Higgs-Audio's prepare_chatml_sample), spans from the template
+           "label_convention": "prepare_chatml_sample"}
     if tokens.world:
         out["world_tokens"] = list(tokens.world)
     if added:

@@ -19,6 +19,7 @@ from precompute.config import load_config
 from precompute.job import run
 from shards import ShardReader
 from shardcache.testing.chat_templates import make_chat_tokenizer
+from test_chat import labelled_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,17 +34,6 @@ def gemma_dir(tmp_path_factory) -> Path:
 def samples(cache: Path) -> dict[str, dict]:
     r = ShardReader(cache)
     return {k: r.get(i) for i, k in enumerate(r.keys)}
-
-
-def labelled_runs(ids: np.ndarray, labels: np.ndarray) -> list[list[int]]:
-    runs, cur = [], []
-    for i, lab in zip(ids.tolist(), labels.tolist()):
-        if lab != -100:
-            cur.append(i)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    return runs + ([cur] if cur else [])
 
 
 def test_whitespace_padded_answers_through_gemma3_are_all_trained(real_mini, tiny_config, gemma_dir, tmp_path):
