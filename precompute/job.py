@@ -57,11 +57,15 @@ def row_id(req: Request) -> str:
 
 
 def precision_check(enc: Encoders, cfg: PrecomputeConfig, requests: list[Request], device: str) -> dict | None:
-    """Measure half-precision encoders against float32 on the job's first rows (None for float32).
+    """Measure half-precision encoders against float32 on the job's first rows (None for float32 and
+    for ``precision_samples`` 0).
 
     Raises :class:`precompute.precision.PrecisionMismatch` outside ``cfg.precision_tolerance``.
     """
     if cfg.encoder_dtype in ("float32", "fp32"):
+        return None
+    if cfg.precision_samples == 0:  # e.g. the theworld preset: bfloat16 is the reference there
+        log.info("encoder_dtype=%s not measured against float32 (precision_samples 0)", cfg.encoder_dtype)
         return None
     ref = load_encoders(cfg, device, dtype="float32")
     rates = job_rates(cfg, enc)
