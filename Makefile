@@ -53,7 +53,7 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-$(MODELS)/.built: $(VENV)/.installed
+$(MODELS)/.built: $(VENV)/.installed $(wildcard shardcache/testing/*.py)
 	$(PY) -m shardcache.testing --out $(MODELS)
 	touch $@
 

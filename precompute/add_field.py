@@ -111,8 +111,9 @@ def image_loader(man: CacheManifest):
     cfg = dict(man.config or {})
     d = PrecomputeConfig()
     size, mode = int(cfg.get("image_size", d.image_size)), str(cfg.get("image_resize", d.image_resize))
+    rgb = str(cfg.get("image_rgb", d.image_rgb))
     return lambda path: load_image(path, size, mode=mode, max_pixels=int(cfg.get("max_image_pixels", d.max_image_pixels)),
-                                   min_side=int(cfg.get("min_image_side", d.min_image_side)))
+                                   min_side=int(cfg.get("min_image_side", d.min_image_side)), rgb=rgb)
 
 
 def _pending_path(cache_dir: Path, field_name: str) -> Path:

@@ -8,46 +8,111 @@ Two ways, chosen by ``chat_template`` in the config:
       <|begin_of_text|><|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>
 
   audio in a user/system turn renders as ``<|audio_bos|><|AUDIO|><|audio_eos|>``, audio in an
-  assistant turn as ``<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>``, an image as ``<image>``
-  (LLaVA); an assistant turn followed by another assistant turn ends with ``<|eom_id|>``. Each
-  piece is tokenized on its own, as Higgs-Audio does.
+  assistant turn as ``<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>``, an image as the configured
+  image placeholder (``<image>``, LLaVA's, by default); an assistant turn followed by another
+  assistant turn ends with ``<|eom_id|>``. Each piece is tokenized on its own, as Higgs-Audio does.
 * ``tokenizer``: the HF tokenizer's own ``apply_chat_template`` over the turns (media rendered
-  to the same placeholder strings inside the content); turn boundaries come from rendering each
-  prefix of the conversation, and labels from the tokens' character offsets.
+  to the same placeholder strings inside the content), tokenized once as a whole.
 
 ``auto`` picks ``tokenizer`` when the (HF) tokenizer has a chat template, else ``llama3``.
 
 Labels (int32, same length as ``input_ids``, not shifted: the model shifts, HF convention) copy
-``input_ids`` on trained tokens and are ``-100`` elsewhere. Trained: the content and the closing
-``<|eot_id|>``/``<|eom_id|>`` of assistant turns at or after ``start_index`` (all assistant turns
-without one), as in Higgs-Audio. Not trained: headers, system and user turns, turns before
-``start_index``, and the media placeholder tokens themselves (``<|AUDIO|>``, ``<|AUDIO_OUT|>``,
-``<image>``; their targets, if any, are the codes), which differs from Higgs-Audio only there.
+``input_ids`` on trained tokens and are ``-100`` elsewhere. Trained: the assistant turns at or
+after ``start_index`` (all assistant turns without one), as in Higgs-Audio.
+
+* **Label spans come from the template's structure, never from searching for the content.** With
+  ``tokenizer``, turn ``i`` (a trained assistant turn) spans the characters between the
+  conversation so far rendered with the template's generation prompt (``turns[:i]``,
+  ``add_generation_prompt=True``: everything up to and including the assistant header) and the
+  conversation rendered up to turn ``i`` inclusive (``turns[:i + 1]``), minus the whitespace the
+  template puts after the turn's end token (Gemma 3's and ChatML's ``"\\n"`` after
+  ``<end_of_turn>`` / ``<|im_end|>``). So whatever the template does to the content (Llama 3 and
+  Gemma 3 ``trim`` it) the span is what the template rendered: the answer and its end token. A
+  token is trained when it starts inside a span (character offsets of one tokenization of the
+  whole text). Templates whose rendering of earlier turns changes when turns are added, or whose
+  generation prompt is not where the assistant turn starts, are refused (``ValueError``; the row
+  is rejected ``encode_failed`` naming the reason). With ``llama3`` the spans are the pieces:
+  content and ``<|eot_id|>``/``<|eom_id|>`` of a trained turn.
+* **Media placeholders** (Higgs-Audio's convention, ``prepare_chatml_sample``): the three
+  audio-out tokens ``<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>`` of a trained assistant turn are
+  trained like its text, so the ``<|AUDIO_OUT|>`` placeholder carries its own id as label (Boson's
+  ``HiggsAudioSampleCollator`` reads that label to decide which audio items are targets, and masks
+  it itself); ``<|AUDIO|>`` (input audio) and the image placeholder are never trained.
+* **No sample without targets**: a conversation whose trained turns hold no content (no text that
+  is not whitespace, no media), or that renders without a single trained token (no assistant turn
+  at or after ``start_index``), raises :class:`~shards.errors.CorruptSample` ``no_targets``.
+
+World tokens (TheWorld, ``python/theworld/modeling/theworld.py`` ``_inject_world_tokens``): with
+``world_tokens`` configured, every sample with images gets ``<start_of_world><end_of_world>`` once
+per image right after its BOS token (at position 0 when the rendering has no BOS), labels -100; the
+model puts an image's world embeddings between its pair.
+
+The token strings (:class:`ChatTokens`) come from the stage-one config; their defaults are
+:mod:`shards.tokens`. A job needs only the tokens of what its manifest holds
+(:func:`needed_tokens`): an image-only job its image placeholder, an audio job the audio tokens of
+the directions it has; :func:`ensure_tokens` refuses a tokenizer that lacks one, or adds them as
+special tokens when the config says so (recorded in ``manifest.json`` ``text``, :func:`describe`).
 """
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import numpy as np
 
-from shards.tokens import (AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_OUT, AUDIO_OUT_BOS, BEGIN_OF_TEXT,  # noqa: F401
-                           END_HEADER, EOM, EOT, IGNORE_INDEX, IMAGE, PLACEHOLDERS, SPECIAL_TOKENS,
-                           START_HEADER)
+from shards import schema
+from shards.errors import CorruptSample
+from shards.tokens import (AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_IN_TOKENS, AUDIO_OUT, AUDIO_OUT_BOS,  # noqa: F401
+                           AUDIO_OUT_TOKENS, BEGIN_OF_TEXT, END_HEADER, EOM, EOT, IGNORE_INDEX, IMAGE,
+                           PLACEHOLDERS, SPECIAL_TOKENS, START_HEADER)
 
 from .conversation import Conversation
 
 TEMPLATES = ("auto", "llama3", "tokenizer")
+#: media kinds a job can need tokens for (:func:`needed_kinds`)
+KINDS = ("audio_in", "audio_out", "image")
 
 
-def media_text(conv: Conversation, role: str, kind: str) -> str:
+@dataclass(frozen=True)
+class ChatTokens:
+    """The token strings a conversation is rendered with.
+
+    ``image``: the placeholder of one image (``<image>``; Gemma 3: ``<start_of_image>``);
+    ``world``: TheWorld's ``(start, end)`` world-token markers, or None (no world tokens).
+    The audio tokens are Higgs-Audio's (:mod:`shards.tokens`).
+    """
+
+    image: str = IMAGE
+    world: tuple[str, str] | None = None
+
+    @classmethod
+    def of(cls, cfg: Any) -> "ChatTokens":
+        """From a :class:`~precompute.config.PrecomputeConfig` (``image_token``, ``world_tokens``)."""
+        world = getattr(cfg, "world_tokens", None)
+        return cls(getattr(cfg, "image_token", IMAGE), tuple(world) if world else None)
+
+    @property
+    def placeholders(self) -> tuple[str, str, str]:
+        """``(<|AUDIO|>, <|AUDIO_OUT|>, image)``: one token per media item."""
+        return AUDIO_IN, AUDIO_OUT, self.image
+
+    def all(self) -> tuple[str, ...]:
+        """Every special string of the layouts: :data:`SPECIAL_TOKENS`, the image placeholder, the markers."""
+        return tuple(dict.fromkeys(SPECIAL_TOKENS + (self.image,) + (self.world or ())))
+
+
+DEFAULT_TOKENS = ChatTokens()
+
+
+def media_text(role: str, kind: str, tokens: ChatTokens = DEFAULT_TOKENS) -> str:
     """Placeholder text of one media item in a turn of ``role``."""
     if kind == "image":
-        return IMAGE
-    return AUDIO_OUT_BOS + AUDIO_OUT + AUDIO_EOS if role == "assistant" else AUDIO_BOS + AUDIO_IN + AUDIO_EOS
+        return tokens.image
+    return "".join(AUDIO_OUT_TOKENS if role == "assistant" else AUDIO_IN_TOKENS)
 
 
-def llama3_pieces(conv: Conversation) -> list[tuple[str, bool]]:
+def llama3_pieces(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS) -> list[tuple[str, bool]]:
     """The Llama-3 / Higgs-Audio rendering as ``[(text, trained)]`` pieces in order."""
     out: list[tuple[str, bool]] = []
     n = len(conv.turns)
@@ -55,7 +120,7 @@ def llama3_pieces(conv: Conversation) -> list[tuple[str, bool]]:
         trained = conv.trained(i)
         out.append(((BEGIN_OF_TEXT if i == 0 else "") + f"{START_HEADER}{turn.role}{END_HEADER}\n\n", False))
         for p in turn.parts:
-            text = p.text if p.type == "text" else media_text(conv, turn.role, p.type)
+            text = p.text if p.type == "text" else media_text(turn.role, p.type, tokens)
             if text:
                 out.append((text, trained))
         eom = turn.role == "assistant" and i + 1 < n and conv.turns[i + 1].role == "assistant"
@@ -63,36 +128,87 @@ def llama3_pieces(conv: Conversation) -> list[tuple[str, bool]]:
     return out
 
 
-def turn_messages(conv: Conversation) -> list[dict[str, str]]:
+def turn_messages(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS) -> list[dict[str, str]]:
     """``[{role, content}]`` with media as placeholder text, for ``apply_chat_template``."""
-    return [{"role": t.role, "content": "".join(p.text if p.type == "text" else media_text(conv, t.role, p.type)
+    return [{"role": t.role, "content": "".join(p.text if p.type == "text" else media_text(t.role, p.type, tokens)
                                                for p in t.parts)} for t in conv.turns]
 
 
-def special_ids(tokenizer) -> dict[str, int]:
-    """Ids of :data:`SPECIAL_TOKENS` in ``tokenizer`` (those it has)."""
+def special_ids(tokenizer, tokens: ChatTokens = DEFAULT_TOKENS) -> dict[str, int]:
+    """Ids of the layouts' special strings (:meth:`ChatTokens.all`) that ``tokenizer`` has as one token."""
     out = {}
-    for tok in SPECIAL_TOKENS:
+    for tok in tokens.all():
         i = tokenizer.token_to_id(tok)
         if i is not None:
             out[tok] = int(i)
     return out
 
 
-def check_tokenizer(tokenizer, conv_kinds: set[str] | None = None) -> dict[str, int]:
-    """The special-token ids, raising ``ValueError`` when a placeholder the job needs is missing.
+# -- what a job needs ----------------------------------------------------------------------------
+
+def needed_kinds(conversations: Iterable[Conversation | None]) -> set[str]:
+    """The media kinds (:data:`KINDS`) the conversations hold: ``audio_in`` (audio in a user/system
+    turn), ``audio_out`` (in an assistant turn), ``image``."""
+    kinds: set[str] = set()
+    for conv in conversations:
+        if conv is None:
+            continue
+        kinds |= {"audio_out" if a.direction == "out" else "audio_in" for a in conv.audio}
+        if conv.images:
+            kinds.add("image")
+        if kinds == set(KINDS):
+            break
+    return kinds
+
+
+def needed_tokens(kinds: Iterable[str] | None = None, tokens: ChatTokens = DEFAULT_TOKENS) -> list[str]:
+    """The strings that must be single tokens for a job holding media ``kinds`` (None: every kind):
+    the audio tokens of each audio direction, the image placeholder, and the world markers when
+    configured and the job has images."""
+    kinds = set(KINDS if kinds is None else kinds)
+    need: list[str] = []
+    if "audio_in" in kinds:
+        need += AUDIO_IN_TOKENS
+    if "audio_out" in kinds:
+        need += AUDIO_OUT_TOKENS
+    if "image" in kinds:
+        need += [tokens.image, *(tokens.world or ())]
+    return list(dict.fromkeys(need))
+
+
+def check_tokenizer(tokenizer, kinds: Iterable[str] | None = None, tokens: ChatTokens = DEFAULT_TOKENS
+                    ) -> dict[str, int]:
+    """The special-token ids, raising ``ValueError`` when a token the job needs
+    (:func:`needed_tokens`) is not a single token of ``tokenizer``.
 
     A tokenizer without ``<|AUDIO_OUT|>`` etc. would split them into ordinary tokens and the
-    trainer could not find the media positions: add them (``tokenizer.add_special_tokens``) and
-    resize the LM's embeddings.
+    trainer could not find the media positions: add them (``add_missing_tokens: true``, then the
+    LM's embeddings are resized to the ``vocab_size`` the manifest records).
     """
-    ids = special_ids(tokenizer)
-    missing = [t for t in PLACEHOLDERS + (AUDIO_BOS, AUDIO_EOS, AUDIO_OUT_BOS) if t not in ids]
+    ids = special_ids(tokenizer, tokens)
+    missing = [t for t in needed_tokens(kinds, tokens) if t not in ids]
     if missing:
-        raise ValueError(f"text tokenizer has no single-token ids for {missing}: add them as special tokens "
-                         "(tokenizer.add_special_tokens({'additional_special_tokens': [...]}) and "
-                         "model.resize_token_embeddings), or use the bytes tokenizer")
+        raise ValueError(f"text tokenizer has no single-token ids for {missing}: set add_missing_tokens: true "
+                         "(they are added as special tokens and the LM's embeddings resized to the cache's "
+                         "vocab_size), add them to the tokenizer yourself, or use the bytes tokenizer")
     return ids
+
+
+def ensure_tokens(tokenizer, kinds: Iterable[str] | None, tokens: ChatTokens, add: bool) -> dict[str, int]:
+    """:func:`check_tokenizer`, after adding the missing tokens as special tokens when ``add``.
+
+    Returns ``{token: id}`` of the tokens added (empty when none was missing). Raises
+    ``ValueError`` when tokens are missing and ``add`` is False, or the tokenizer cannot add tokens
+    (a plug-in without ``add_tokens``).
+    """
+    have = special_ids(tokenizer, tokens)
+    missing = [t for t in needed_tokens(kinds, tokens) if t not in have]
+    if missing and add:
+        if not callable(getattr(tokenizer, "add_tokens", None)):
+            raise ValueError(f"add_missing_tokens: {type(tokenizer).__name__} has no add_tokens() to add {missing}")
+        tokenizer.add_tokens(missing)
+    check_tokenizer(tokenizer, kinds, tokens)
+    return {t: int(tokenizer.token_to_id(t)) for t in missing} if add else {}
 
 
 def resolve_template(name: str, tokenizer) -> str:
@@ -107,45 +223,73 @@ def resolve_template(name: str, tokenizer) -> str:
     return name
 
 
-def _finish(ids: list[int], trained: list[bool], placeholder_ids: set[int]) -> tuple[np.ndarray, np.ndarray]:
+# -- rendering -----------------------------------------------------------------------------------
+
+def _finish(ids: list[int], trained: list[bool], never: set[int]) -> tuple[np.ndarray, np.ndarray]:
     input_ids = np.asarray(ids, dtype=np.int32)
     labels = np.where(np.asarray(trained, dtype=bool), input_ids, IGNORE_INDEX).astype(np.int32)
-    if placeholder_ids and len(labels):
-        labels[np.isin(input_ids, list(placeholder_ids))] = IGNORE_INDEX
+    if never and len(labels):
+        labels[np.isin(input_ids, list(never))] = IGNORE_INDEX
     return input_ids, labels
 
 
-def render(conv: Conversation, tokenizer, template: str) -> tuple[np.ndarray, np.ndarray]:
+def render(conv: Conversation, tokenizer, template: str, tokens: ChatTokens = DEFAULT_TOKENS
+           ) -> tuple[np.ndarray, np.ndarray]:
     """``(input_ids, labels)``, both int32 ``(L,)``, of ``conv`` (see the module docstring).
 
-    ``template``: ``llama3`` or ``tokenizer`` (already resolved). Raises ``ValueError`` when the
-    number of placeholder tokens differs from the number of media items (a placeholder string
-    inside the text itself, say) or the tokenizer's template is not prefix-stable.
+    ``template``: ``llama3`` or ``tokenizer`` (already resolved).
+
+    Raises:
+        CorruptSample: ``no_targets``: no trained turn has content, or no token is trained.
+        ValueError: the number of placeholder tokens differs from the number of media items (a
+            placeholder string inside the text itself, say); the tokenizer's template is not
+            prefix-stable or its generation prompt does not start the assistant turn.
     """
-    specials = special_ids(tokenizer)
-    ph = {i for t, i in specials.items() if t in PLACEHOLDERS}
+    specials = special_ids(tokenizer, tokens)
+    never = {specials[t] for t in (AUDIO_IN, tokens.image) if t in specials}  # never trained
+    if not _has_targets(conv):
+        raise CorruptSample(schema.NO_TARGETS, _no_targets_detail(conv), conv.sources[0] if conv.sources else "")
     if template == "llama3":
-        tokens: list[int] = []
+        ids: list[int] = []
         trained: list[bool] = []
-        for text, tr in llama3_pieces(conv):
+        for text, tr in llama3_pieces(conv, tokens):
             piece = tokenizer.encode(text, add_special_tokens=False).tolist()
-            tokens += piece
+            ids += piece
             trained += [tr] * len(piece)
-        input_ids, labels = _finish(tokens, trained, ph)
+        input_ids, labels = _finish(ids, trained, never)
     else:
-        input_ids, labels = _render_hf(conv, tokenizer, ph)
-    _check_placeholders(conv, specials, input_ids)
+        input_ids, labels = _render_hf(conv, tokenizer, never, tokens)
+    _check_placeholders(conv, specials, input_ids, tokens)
+    if tokens.world and conv.images:
+        input_ids, labels = _insert_world(input_ids, labels, tokenizer, specials, tokens.world, len(conv.images))
+    if not (labels != IGNORE_INDEX).any():
+        raise CorruptSample(schema.NO_TARGETS, "the rendered conversation has no trained token (labels all -100)",
+                            conv.sources[0] if conv.sources else "")
     return input_ids, labels
 
 
-def _render_hf(conv: Conversation, tokenizer, ph: set[int]) -> tuple[np.ndarray, np.ndarray]:
+def _has_targets(conv: Conversation) -> bool:
+    """Whether a trained turn holds content: text that is not only whitespace, or a media item."""
+    return any(conv.trained(i) and any(p.type != "text" or p.text.strip() for p in t.parts)
+               for i, t in enumerate(conv.turns))
+
+
+def _no_targets_detail(conv: Conversation) -> str:
+    roles = [t.role for t in conv.turns]
+    if "assistant" not in roles:
+        return f"no assistant turn (roles {roles})"
+    if not any(conv.trained(i) for i in range(len(roles))):
+        return f"no assistant turn at or after start_index {conv.start_index} (roles {roles})"
+    return "every trained assistant turn is empty (no text but whitespace, no media)"
+
+
+def _render_hf(conv: Conversation, tokenizer, never: set[int], tokens: ChatTokens) -> tuple[np.ndarray, np.ndarray]:
     tok = tokenizer.tokenizer
-    msgs = turn_messages(conv)
+    msgs = turn_messages(conv, tokens)
 
-    def text_of(n: int) -> str:
-        return tok.apply_chat_template(msgs[:n], tokenize=False) if n else ""
+    def text_of(n: int, prompt: bool = False) -> str:
+        return tok.apply_chat_template(msgs[:n], tokenize=False, add_generation_prompt=prompt)
 
-    full = text_of(len(msgs))
     spans: list[tuple[int, int]] = []  # trained character ranges
     prev = ""
     for i in range(len(msgs)):
@@ -154,31 +298,62 @@ def _render_hf(conv: Conversation, tokenizer, ph: set[int]) -> tuple[np.ndarray,
             raise ValueError("the tokenizer's chat template is not prefix-stable (rendering turn "
                              f"{i + 1} changes the text of the turns before it); use chat_template: llama3")
         if conv.trained(i):
-            seg = cur[len(prev):]
-            content = msgs[i]["content"]
-            at = seg.find(content) if content else -1
-            start = len(prev) + (at if at >= 0 else len(seg))
-            spans.append((start, len(cur)))
+            if i == 0:
+                raise ValueError("a conversation that starts with a trained assistant turn has no generation "
+                                 "prompt to locate the turn in the tokenizer's template; use chat_template: llama3")
+            head = text_of(i, prompt=True)  # the turns before + the template's assistant header
+            if not (head.startswith(prev) and cur.startswith(head)):
+                raise ValueError(f"turn {i}: the chat template's generation prompt is not where it renders the "
+                                 "assistant turn, so its label span cannot be located; use chat_template: llama3")
+            end = len(cur.rstrip())  # the whitespace after the turn's end token belongs to the layout
+            if end > len(head):
+                spans.append((len(head), end))
         prev = cur
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tok(prev, add_special_tokens=False, return_offsets_mapping=True)
     starts = [s for s, _ in spans]
     trained = []
     for a, b in enc["offset_mapping"]:
         k = bisect.bisect_right(starts, a) - 1
         trained.append(k >= 0 and a < spans[k][1] and b > a)
-    return _finish(list(enc["input_ids"]), trained, ph)
+    return _finish(list(enc["input_ids"]), trained, never)
 
 
-def _check_placeholders(conv: Conversation, ids: dict[str, int], input_ids: np.ndarray) -> None:
+def _insert_world(input_ids: np.ndarray, labels: np.ndarray, tokenizer, specials: dict[str, int],
+                  world: tuple[str, str], n_images: int) -> tuple[np.ndarray, np.ndarray]:
+    """``world`` marker pairs (one per image) after the leading BOS (position 0 without one), label -100."""
+    bos = {specials.get(BEGIN_OF_TEXT)}
+    inner = getattr(tokenizer, "tokenizer", None)
+    bos.add(getattr(inner, "bos_token_id", None) if inner is not None else getattr(tokenizer, "bos_id", None))
+    at = 1 if len(input_ids) and int(input_ids[0]) in bos - {None} else 0
+    pair = np.asarray([specials[world[0]], specials[world[1]]] * n_images, dtype=np.int32)
+    ignore = np.full(len(pair), IGNORE_INDEX, dtype=np.int32)
+    return (np.concatenate([input_ids[:at], pair, input_ids[at:]]),
+            np.concatenate([labels[:at], ignore, labels[at:]]))
+
+
+def _check_placeholders(conv: Conversation, ids: dict[str, int], input_ids: np.ndarray, tokens: ChatTokens) -> None:
     n_audio = int(np.isin(input_ids, [ids.get(AUDIO_IN, -1), ids.get(AUDIO_OUT, -1)]).sum())
-    n_image = int((input_ids == ids.get(IMAGE, -1)).sum())
+    n_image = int((input_ids == ids.get(tokens.image, -1)).sum())
     if n_audio != len(conv.audio) or n_image != len(conv.images):
         raise ValueError(f"rendered text has {n_audio} audio and {n_image} image placeholder tokens for "
                          f"{len(conv.audio)} audio and {len(conv.images)} image items (is a placeholder "
                          "string part of the text itself?)")
 
 
-def describe(template: str, tokenizer) -> dict[str, Any]:
-    """What goes into ``manifest.json`` ``text``: template, vocab size, pad id, special-token ids."""
-    return {"template": template, "vocab_size": int(tokenizer.vocab_size), "pad_id": int(tokenizer.pad_id),
-            "special_token_ids": special_ids(tokenizer), "ignore_index": IGNORE_INDEX}
+def describe(template: str, tokenizer, tokens: ChatTokens = DEFAULT_TOKENS,
+             added: dict[str, int] | None = None) -> dict[str, Any]:
+    """What goes into ``manifest.json`` ``text``: template, vocab size, pad id, special-token ids,
+    the placeholders (``{audio_in, audio_out, image}`` strings), the world markers, and the tokens
+    added to the tokenizer by this job (``added_tokens`` ``{token: id}``; the LM's embeddings must
+    be resized to ``vocab_size``, from ``base_vocab_size``)."""
+    out = {"template": template, "vocab_size": int(tokenizer.vocab_size), "pad_id": int(tokenizer.pad_id),
+           "special_token_ids": special_ids(tokenizer, tokens), "ignore_index": IGNORE_INDEX,
+           "placeholders": dict(zip(("audio_in", "audio_out", "image"), tokens.placeholders)),
+           # <|AUDIO_OUT|> of a trained turn labelled (Higgs-Audio's prepare_chatml_sample), spans from the template
+           "label_convention": "prepare_chatml_sample"}
+    if tokens.world:
+        out["world_tokens"] = list(tokens.world)
+    if added:
+        out["added_tokens"] = dict(added)
+        out["base_vocab_size"] = int(tokenizer.vocab_size) - len(added)
+    return out

@@ -95,14 +95,15 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     man = CacheManifest.read(cache_dir)
     cfg = validate_config(cache_config(man, overrides))
     reader = ShardReader(cache_dir)
+    requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
     by_key: dict[str, Any] = {}
-    for r in read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns):
+    for r in requests:
         if r.error is None:  # rows rejected while reading (a duplicate key...) are not in the cache
             by_key.setdefault(r.key, r)
     rows = [i for i, k in enumerate(reader.keys) if k in by_key]
     missing = [k for k in reader.keys if k not in by_key]
     picked = sorted(random.Random(seed).sample(rows, min(samples, len(rows))))
-    pipe = Pipeline.build(cfg, device)
+    pipe = Pipeline.build(cfg, device, requests)  # the same tokens added as the job did
     out: dict[str, Any] = {"fingerprint_matches": pipe.fingerprint == man.fingerprint, "checked": 0,
                            "skipped_fields": sorted(man.sidecar_fields), "problems": [], "missing_rows": missing[:20]}
     if not out["fingerprint_matches"]:

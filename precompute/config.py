@@ -18,6 +18,7 @@ from typing import Any
 
 from shardcache import config as S
 from shardcache.config import option
+from shards.tokens import IMAGE
 
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_PRECOMPUTE_CONFIG"
@@ -40,8 +41,28 @@ class PrecomputeConfig:
     """Reject clips whose RMS (full scale 1.0) is below this (silent); null disables the check."""
     image_size: int = option(256, gt=0)
     """Pixels of the square VAE input (a multiple of the VAE's spatial factor, 8)."""
-    image_resize: str = option("center_crop", choices=("center_crop", "pad", "bucket"))
-    """center_crop | pad | bucket (aspect kept: latent H, W vary; loaders pad them and return latents_mask)."""
+    image_resize: str = option("center_crop", choices=("center_crop", "pad", "bucket", "stretch"))
+    """center_crop | pad | bucket (aspect kept: latent H, W vary; loaders pad them and return latents_mask) |
+    stretch (the whole image, aspect not kept, Pillow bilinear to image_size x image_size: TheWorld's
+    CosmosVAEEncoder). center_crop, pad and bucket resample bicubic."""
+    image_rgb: str = option("composite", choices=("composite", "convert"))
+    """How a decoded image becomes 8-bit RGB: composite = EXIF orientation applied, transparency composited
+    over white, 16-bit scaled by 1/257 (precompute.images); convert = Pillow's Image.convert("RGB") of the file
+    as decoded, nothing else (TheWorld's loaders: no EXIF rotation, alpha dropped)."""
+    image_pixel_range: str = option("-1..1", choices=("-1..1", "0..255"))
+    """Pixel values the VAE is fed: -1..1 (x / 127.5 - 1, the range the Wan / Cosmos VAEs document) or 0..255
+    (uint8 values as floats, what TheWorld's CosmosVAEEncoder feeds: to_tensor(img) * 255; use it to
+    continue from a TheWorld checkpoint)."""
+    image_token: str = option(IMAGE)
+    """Placeholder token of an image in input_ids (one per image; the k-th is image k): <image> (LLaVA), Gemma
+    3's <start_of_image>. Must be one token of the text tokenizer (see add_missing_tokens)."""
+    world_tokens: tuple[str, ...] | None = None
+    """TheWorld's world-token markers, e.g. [<start_of_world>, <end_of_world>]: one pair per image is put right
+    after BOS in input_ids (label -100; the model puts the image's world embeddings between them); null = none."""
+    add_missing_tokens: bool = False
+    """Add the placeholder / marker tokens the job needs that the text tokenizer lacks, as special tokens
+    (manifest.json text.added_tokens; the LM's embeddings are resized to text.vocab_size); false = a tokenizer
+    that lacks one is refused before any work."""
     store_posterior: bool = False
     """Also store the VAE posterior: latents.npy = its mean (as without it: Wan's mode is the mean) plus
     latents_logvar.npy float16 (C, T, H, W), so training can sample mean + exp(0.5 * logvar) * eps. Needs an
@@ -106,16 +127,19 @@ class PrecomputeConfig:
     def preprocessing(self) -> dict[str, Any]:
         """Every parameter that changes cached bytes (part of the fingerprint).
 
-        ``store_posterior`` is listed only when true, so caches made before it existed (all without
-        a posterior) keep their fingerprint; True and False still give different fingerprints.
+        ``store_posterior`` is listed only when true (caches made before it existed have none).
+        ``sample_layout`` names the conversation rendering (:mod:`precompute.chat`): ``conversation-2``
+        = label spans from the template's structure and Higgs' ``<|AUDIO_OUT|>`` label (caches made
+        with ``conversation-1`` are read everywhere, but not appended to).
         """
-        keys = ("sample_rate", "image_size", "image_resize")
-        # (int16 PCM is round(x * 32768) since the waveform kind owns the scale; before, x * 32767: at
-        # most 1 LSB apart, below 16-bit quantisation, so caches made before keep their fingerprint)
+        keys = ("sample_rate", "image_size", "image_resize", "image_rgb", "image_pixel_range", "image_token")
         out = {k: getattr(self, k) for k in keys} | {"audio_format": "pcm_s16le", "latents_dtype": "float16"}
         if self.store_posterior:
             out["store_posterior"] = True
-        out["sample_layout"] = "conversation-1"  # precompute.conversation + precompute.chat
+        out["world_tokens"] = list(self.world_tokens) if self.world_tokens else None
+        from .encoders._common import _DTYPES  # the one table of dtype names
+        out["encoder_dtype"] = _DTYPES.get(self.encoder_dtype, self.encoder_dtype)
+        out["sample_layout"] = "conversation-2"  # precompute.conversation + precompute.chat
         out["chat_template"] = self.chat_template
         if self.extra_waveforms:
             out["extra_waveforms"] = self.extra_waveforms

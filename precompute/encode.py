@@ -12,6 +12,7 @@ member (the conversation, its audio items and images, sample rate, durations) is
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,8 @@ from . import producers as P
 from .config import PrecomputeConfig
 from .encoders import fingerprint, load_audio_tokenizer, load_image_encoder, load_text_tokenizer
 from .prepare import Prepared
+
+log = logging.getLogger("precompute")
 
 
 @dataclass
@@ -67,16 +70,21 @@ def load_encoders(cfg: PrecomputeConfig, device: str, dtype: str | None = None) 
     """Load the configured encoders; ``audio_tokenizer: null`` / ``image_encoder: null`` load nothing.
 
     ``dtype`` (default ``cfg.encoder_dtype``) is given to the built-in codec and VAE unless their
-    spec sets ``dtype`` itself; plug-in factories get their own ``kwargs`` only.
+    spec sets ``dtype`` itself, and ``cfg.image_pixel_range`` to the built-in VAE as ``input_range``
+    unless its spec sets one; plug-in factories get their own ``kwargs`` only.
     """
+    from .encoders.image import PIXEL_RANGES
     dtype = dtype or cfg.encoder_dtype
 
-    def spec(s: dict) -> dict:
-        return s if "factory" in s or "dtype" in s or dtype == "float32" else dict(s, dtype=dtype)
+    def spec(s: dict, **default: Any) -> dict:
+        if "factory" in s:
+            return s
+        return default | (s if "dtype" in s or dtype == "float32" else dict(s, dtype=dtype))
 
+    image_spec = spec(cfg.image_encoder, input_range=PIXEL_RANGES[cfg.image_pixel_range]) if cfg.image_encoder else None
     return Encoders(
         audio=load_audio_tokenizer(spec(cfg.audio_tokenizer), device=device) if cfg.audio_tokenizer else None,
-        image=load_image_encoder(spec(cfg.image_encoder), device=device) if cfg.image_encoder else None,
+        image=load_image_encoder(image_spec, device=device) if image_spec else None,
         text=load_text_tokenizer(cfg.text_tokenizer))
 
 
@@ -98,7 +106,7 @@ def job_producers(cfg: PrecomputeConfig, enc: Encoders, template: str, device: s
         out.append(P.WaveformProducer(name, rate, directions, always=name == "audio"))
     out.append(P.CodesProducer(enc.audio) if enc.audio is not None else P.SegmentsProducer())
     if enc.image is not None:
-        out.append(P.LatentsProducer(enc.image, cfg.store_posterior))
+        out.append(P.LatentsProducer(enc.image, cfg.store_posterior, info=P.latents_info(cfg, enc.image)))
     extra = {name: P.load_producer(spec, name, device) for name, spec in (cfg.extra_fields or {}).items()}
     return out + list(extra.values()), extra
 
@@ -149,6 +157,8 @@ class Pipeline:
     device: str
     enc: Encoders
     template: str
+    tokens: Any
+    added: dict[str, int]
     producers: list
     extra: dict
     rates: tuple[int, ...]
@@ -158,18 +168,29 @@ class Pipeline:
     describe: dict[str, Any]
 
     @classmethod
-    def build(cls, cfg: PrecomputeConfig, device: str) -> "Pipeline":
-        """Load the encoders on ``device`` and derive the rest (hashes every weight once)."""
+    def build(cls, cfg: PrecomputeConfig, device: str, requests: list | None = None) -> "Pipeline":
+        """Load the encoders on ``device`` and derive the rest (hashes every weight once). With the
+        job's ``requests``, the special tokens their conversations need are checked first (added to
+        the text tokenizer when ``add_missing_tokens``; :func:`precompute.chat.ensure_tokens`), so
+        the fingerprint describes the tokenizer the job renders with."""
         from . import chat
         enc = load_encoders(cfg, device)
         template = chat.resolve_template(cfg.chat_template, enc.text)
+        tokens = chat.ChatTokens.of(cfg)
+        added: dict[str, int] = {}  # tokens the job needs and the tokenizer lacked
+        convs = [r.conversation for r in requests or [] if r.conversation is not None]
+        if convs:
+            added = chat.ensure_tokens(enc.text, chat.needed_kinds(convs), tokens, cfg.add_missing_tokens)
+            if added:
+                log.info("added %s to the text tokenizer (vocab_size %d): resize the LM's embeddings", added,
+                         enc.text.vocab_size)
         producers, extra = job_producers(cfg, enc, template, device)
         info = job_info(producers, extra, enc.text)
         encoders = enc.describe()
         preprocessing = cfg.preprocessing()
         if extra:  # only when present: caches without extra fields keep their fingerprint
             preprocessing["extra_fields"] = {name: p.describe() for name, p in extra.items()}
-        return cls(cfg, device, enc, template, producers, extra, job_rates(producers), info,
+        return cls(cfg, device, enc, template, tokens, added, producers, extra, job_rates(producers), info,
                    value_checks(producers, info), fingerprint(*encoders.values(), preprocessing=preprocessing),
                    encoders | {"preprocessing": preprocessing})
 

@@ -1,13 +1,24 @@
-"""Image decoding with Pillow: bomb guard, EXIF orientation, any mode -> RGB, resize to the VAE grid.
+"""Image decoding with Pillow: bomb guard, any mode -> RGB, resize to the VAE grid.
 
-Modes L, LA, P (with or without transparency), RGBA, CMYK, I;16 and I become 8-bit RGB
-(transparency composited over white; 16-bit scaled by 1/257, see :func:`_to_8bit`; 16-bit RGB
-and gray+alpha PNGs are reduced to 8 bits by Pillow itself). Resize modes:
+RGB modes (``rgb``):
 
-* ``center_crop``: scale the shorter side to ``size`` and crop the centre to ``size x size``.
-* ``pad``: scale the longer side to ``size`` and pad to ``size x size`` with black.
+* ``composite`` (default): EXIF orientation applied; modes L, LA, P (with or without
+  transparency), RGBA, CMYK, I;16 and I become 8-bit RGB (transparency composited over white;
+  16-bit scaled by 1/257, see :func:`_to_8bit`; 16-bit RGB and gray+alpha PNGs are reduced to 8
+  bits by Pillow itself).
+* ``convert``: ``Image.convert("RGB")`` of the image as decoded and nothing else (no EXIF
+  rotation, alpha dropped): what TheWorld's loaders and ``CosmosVAEEncoder`` do
+  (``kasohrab/theworld``, ``python/theworld/modeling/cosmos_vae_encoder.py``).
+
+Resize modes:
+
+* ``center_crop``: scale the shorter side to ``size`` and crop the centre to ``size x size`` (bicubic).
+* ``pad``: scale the longer side to ``size`` and pad to ``size x size`` with black (bicubic).
 * ``bucket``: keep the aspect ratio: scale so that H*W ~= size**2, both rounded to multiples of
-  ``multiple`` (the VAE's spatial factor), e.g. 256x256, 192x320...
+  ``multiple`` (the VAE's spatial factor), e.g. 256x256, 192x320... (bicubic).
+* ``stretch``: the whole image to ``size x size``, aspect not kept, Pillow bilinear
+  (``Image.resize((size, size), BILINEAR)``, which torchvision's ``resize`` of a PIL image calls:
+  TheWorld's 512 x 512).
 """
 from __future__ import annotations
 
@@ -22,7 +33,11 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from shards import schema
 from shards.errors import CorruptSample
 
-RESIZE_MODES = ("center_crop", "pad", "bucket")
+RESIZE_MODES = ("center_crop", "pad", "bucket", "stretch")
+#: the Pillow resampling filter of each resize mode
+RESAMPLE = {"center_crop": Image.Resampling.BICUBIC, "pad": Image.Resampling.BICUBIC,
+            "bucket": Image.Resampling.BICUBIC, "stretch": Image.Resampling.BILINEAR}
+RGB_MODES = ("composite", "convert")
 
 
 def _to_8bit(im: Image.Image) -> Image.Image:
@@ -69,17 +84,20 @@ def target_size(width: int, height: int, size: int, mode: str, multiple: int = 8
 
 
 def load_image(path: str | Path, size: int = 256, *, mode: str = "center_crop", multiple: int = 8,
-               max_pixels: int = 64_000_000, min_side: int = 16) -> np.ndarray:
-    """Decode ``path`` (read once) to uint8 RGB ``(H, W, 3)`` on the VAE grid.
+               max_pixels: int = 64_000_000, min_side: int = 16, rgb: str = "composite") -> np.ndarray:
+    """Decode ``path`` (read once) to uint8 RGB ``(H, W, 3)`` on the VAE grid (``mode``, ``rgb``:
+    see the module docstring).
 
     Raises :class:`CorruptSample` with reason ``missing_file``, ``image_unreadable``,
     ``image_truncated``, ``image_too_large`` (more than ``max_pixels`` pixels: decompression-bomb
     guard, checked from the header before any pixel is decoded) or ``image_too_small`` (shorter
-    side below ``min_side`` px). ``ValueError`` for a bad ``mode`` or a ``size`` that is not a
-    multiple of ``multiple``.
+    side below ``min_side`` px). ``ValueError`` for a bad ``mode`` or ``rgb``, or a ``size`` that
+    is not a multiple of ``multiple``.
     """
     if mode not in RESIZE_MODES:
         raise ValueError(f"unknown resize mode {mode!r}; known: {', '.join(RESIZE_MODES)}")
+    if rgb not in RGB_MODES:
+        raise ValueError(f"unknown rgb mode {rgb!r}; known: {', '.join(RGB_MODES)}")
     if size % multiple:
         raise ValueError(f"image size {size} is not a multiple of the VAE's spatial factor {multiple}")
     path = Path(path)
@@ -105,10 +123,12 @@ def load_image(path: str | Path, size: int = 256, *, mode: str = "center_crop", 
         raise CorruptSample(reason, str(e), str(path)) from e
     if min(w, h) < min_side:
         raise CorruptSample(schema.IMAGE_TOO_SMALL, f"{w}x{h} has a side < min_side {min_side}", str(path))
-    im = _to_rgb(ImageOps.exif_transpose(im))
+    im = _to_rgb(ImageOps.exif_transpose(im)) if rgb == "composite" else im.convert("RGB")
     out_w, out_h = target_size(im.width, im.height, size, mode, multiple)
-    if mode == "pad":
-        im = ImageOps.pad(im, (out_w, out_h), Image.Resampling.BICUBIC, color=(0, 0, 0))
+    if mode == "stretch":
+        im = im.resize((out_w, out_h), RESAMPLE[mode])
+    elif mode == "pad":
+        im = ImageOps.pad(im, (out_w, out_h), RESAMPLE[mode], color=(0, 0, 0))
     else:
-        im = ImageOps.fit(im, (out_w, out_h), Image.Resampling.BICUBIC)
+        im = ImageOps.fit(im, (out_w, out_h), RESAMPLE[mode])
     return np.array(im, dtype=np.uint8)  # writable: torch.from_numpy warns on read-only arrays

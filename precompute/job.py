@@ -57,12 +57,16 @@ def row_id(req: Request) -> str:
 
 
 def precision_check(pipe: Pipeline, requests: list[Request]) -> dict | None:
-    """Measure half-precision encoders against float32 on the job's first rows (None for float32).
+    """Measure half-precision encoders against float32 on the job's first rows (None for float32 and
+    for ``precision_samples`` 0).
 
     Raises :class:`precompute.precision.PrecisionMismatch` outside ``cfg.precision_tolerance``.
     """
     cfg, enc = pipe.cfg, pipe.enc
     if cfg.encoder_dtype in ("float32", "fp32"):
+        return None
+    if cfg.precision_samples == 0:  # e.g. the theworld preset: bfloat16 is the reference there
+        log.info("encoder_dtype=%s not measured against float32 (precision_samples 0)", cfg.encoder_dtype)
         return None
     ref = load_encoders(cfg, pipe.device, dtype="float32")
     # half of the rows with an image where the manifest has them, so both encoders are measured
@@ -259,12 +263,10 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     sync = barrier or (lambda: None)
     device = resolve_device(cfg.device, local_rank)
     requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
-    pipe = Pipeline.build(cfg, device)
+    pipe = Pipeline.build(cfg, device, requests)  # tokens the rows need are checked / added first
     enc, template, fp, describe = pipe.enc, pipe.template, pipe.fingerprint, pipe.describe
     if cfg.store_posterior and enc.image is not None:
         check_posterior(enc.image)
-    if any(r.conversation is not None for r in requests):
-        chat.check_tokenizer(enc.text)
     precision = precision_check(pipe, requests)
     if check_fingerprint(out_dir, fp, describe, global_rank):
         output.push_part(JOB_FILE)
@@ -309,7 +311,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
         man = pipe.info  # the producers' facts (codec sizes, latent channels, extra fields), typed
         man.fingerprint, man.encoders, man.sample_rate = fp, describe, cfg.sample_rate
         man.waveforms = {k: {"sample_rate": r, "directions": sorted(d)} for k, (r, d) in waveform_fields(cfg).items()}
-        man.text = TextInfo.from_dict(chat.describe(template, enc.text))
+        man.text = TextInfo.from_dict(chat.describe(template, enc.text, pipe.tokens, pipe.added))
         man.text_vocab_size, man.text_pad_id = enc.text.vocab_size, enc.text.pad_id
         man.config, man.source_manifest, man.world_size = cfg.to_dict(), str(manifest), world_size
         if precision:

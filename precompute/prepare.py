@@ -88,25 +88,27 @@ def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, .
         out.error = req.error
         return out
     conv = req.conversation
-    stage = schema.UNREADABLE_AUDIO  # reason for an unexpected crash, by the step that crashed
+    stage = schema.ENCODE_FAILED  # reason for an unexpected crash, by the step that crashed
     try:
+        # rendered first: a row without targets (no_targets) is rejected before any decoding
+        out.input_ids, out.labels = chat.render(conv, text_tokenizer, template, chat.ChatTokens.of(cfg))
+        stage = schema.UNREADABLE_AUDIO
         if conv.audio:
             _decode_audio(req, rates, cfg, out)
         stage = schema.IMAGE_UNREADABLE
         for im in conv.images:
             out.images.append(load_image(im.source, cfg.image_size, mode=cfg.image_resize, multiple=image_multiple,
-                                         max_pixels=cfg.max_image_pixels, min_side=cfg.min_image_side))
+                                         max_pixels=cfg.max_image_pixels, min_side=cfg.min_image_side,
+                                         rgb=cfg.image_rgb))
         if len({a.shape for a in out.images}) > 1:
             raise CorruptSample(schema.MALFORMED_ROW, f"{len(out.images)} images of different sizes in one "
                                 "conversation (image_resize: bucket); use center_crop or pad", conv.images[0].source)
-        stage = schema.ENCODE_FAILED
-        out.input_ids, out.labels = chat.render(conv, text_tokenizer, template)
     except CorruptSample as e:
         out.error = (e.reason, e.detail)
-        out.audio, out.images = [], []
+        out.audio, out.images, out.input_ids, out.labels = [], [], None, None
     except Exception as e:  # a decoder bug must cost one sample, not the job
         out.error = (stage, f"{type(e).__name__}: {e}")
-        out.audio, out.images = [], []
+        out.audio, out.images, out.input_ids, out.labels = [], [], None, None
     return out
 
 

@@ -28,7 +28,8 @@ __all__ = ["ConfigError", "check_config", "validate_config", "choices", "CHOICES
 #: enumerated options: the choices declared with each option (the modules that implement them must agree)
 CHOICES: dict[str, tuple] = {p: o.rule("choices") for p, o in S.options(PrecomputeConfig).items()
                              if o.rule("choices") and p != "num_workers"}
-_SOURCES = {"image_resize": ("precompute.images", "RESIZE_MODES"), "chat_template": ("precompute.chat", "TEMPLATES"),
+_SOURCES = {"image_resize": ("precompute.images", "RESIZE_MODES"), "image_rgb": ("precompute.images", "RGB_MODES"),
+            "image_pixel_range": ("precompute.encoders.image", "PIXEL_RANGES"), "chat_template": ("precompute.chat", "TEMPLATES"),
             "manifest_format": ("precompute.manifests", "FORMATS"),
             "encoder_dtype": ("precompute.encoders._common", "_DTYPES")}
 
@@ -140,8 +141,24 @@ def _spec_check(field: str):
     return run
 
 
+def _token(v: Any) -> list[tuple[str, str]]:
+    if not v.strip() or v != v.strip():
+        return [("", f"expected a token string without surrounding whitespace, got {_show(v)}")]
+    return []
+
+
+def _world(v: Any) -> list[tuple[str, str]]:
+    if v is None:
+        return []
+    if len(v) != 2 or len(set(v)) != 2 or any(_token(t) for t in v):
+        return [("", f"expected two different tokens [start, end] (e.g. [<start_of_world>, <end_of_world>]), "
+                     f"got {_show(list(v))}")]
+    return []
+
+
 #: per-option checks beyond type, choices and bounds (run where those passed)
 CUSTOM = {"device": _device, "precision_tolerance": _tolerance, "extra_waveforms": _waveforms,
+          "image_token": _token, "world_tokens": _world,
           **{f: _spec_check(f) for f in ENCODER_SPECS}}
 
 
@@ -153,6 +170,8 @@ def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:
     if not bad & {"min_duration", "max_duration"} and cfg.max_duration is not None \
             and cfg.min_duration > cfg.max_duration:
         out.append(("min_duration", f"{cfg.min_duration} s is greater than max_duration {cfg.max_duration} s"))
+    if not bad & {"image_token", "world_tokens"} and cfg.world_tokens and cfg.image_token in cfg.world_tokens:
+        out.append(("world_tokens", f"{cfg.image_token!r} is the image placeholder (image_token)"))
     if "image_size" not in bad and cfg.image_size % IMAGE_MULTIPLE:
         out.append(("image_size", f"expected a multiple of {IMAGE_MULTIPLE} (the VAE's spatial factor), "
                                   f"got {cfg.image_size}"))

@@ -130,10 +130,11 @@ EMPTY_TEXT = "empty_text"
 DUPLICATE_KEY = "duplicate_key"
 MALFORMED_ROW = "malformed_row"
 ENCODE_FAILED = "encode_failed"
+NO_TARGETS = "no_targets"                      # rendered without one trained token (labels all -100)
 REASONS = (
     MISSING_FILE, UNREADABLE_AUDIO, ZERO_FRAMES, NON_FINITE, TOO_SHORT, TOO_LONG, SILENT,
     IMAGE_UNREADABLE, IMAGE_TRUNCATED, IMAGE_TOO_LARGE, IMAGE_TOO_SMALL, EMPTY_TEXT,
-    DUPLICATE_KEY, MALFORMED_ROW, ENCODE_FAILED,
+    DUPLICATE_KEY, MALFORMED_ROW, ENCODE_FAILED, NO_TARGETS,
 )
 
 _SHARD_RE = re.compile(r"^shard-(?:r(\d{4})-)?(\d{6})\.tar$")

@@ -10,7 +10,9 @@ Llama-3 headers)::
     <|begin_of_text|><|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>
 
 audio in a user/system turn is ``<|audio_bos|><|AUDIO|><|audio_eos|>``, audio in an assistant
-turn ``<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>``, an image ``<image>`` (LLaVA).
+turn ``<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>``, an image ``<image>`` (LLaVA; Gemma 3's
+``<start_of_image>`` by config). Labels follow ``prepare_chatml_sample``: the three audio-out tokens of
+a trained assistant turn carry their own ids as labels, the audio-in tokens and images never do.
 """
 from __future__ import annotations
 
@@ -24,13 +26,24 @@ EOT, EOM = "<|eot_id|>", "<|eom_id|>"
 AUDIO_BOS, AUDIO_IN, AUDIO_EOS = "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"
 AUDIO_OUT_BOS, AUDIO_OUT = "<|audio_out_bos|>", "<|AUDIO_OUT|>"
 IMAGE = "<image>"
+#: Gemma 3's image placeholder: its chat template renders an image item as this token and its
+#: processor expands it into the SigLIP soft tokens (``chat_template`` of ``google/gemma-3-4b-it``)
+GEMMA_IMAGE = "<start_of_image>"
+#: TheWorld's world-token markers (``kasohrab/theworld``, ``python/theworld/constants.py``): the world
+#: embeddings of an image sit between them, right after BOS (``TheWorld._inject_world_tokens``)
+WORLD_START, WORLD_END = "<start_of_world>", "<end_of_world>"
 
 #: every special token the chat layouts use, in this order (the byte tokenizer gives them ids
 #: 259, 260, ...; the test tokenizer adds them after its BPE vocabulary)
 SPECIAL_TOKENS = (BEGIN_OF_TEXT, START_HEADER, END_HEADER, EOT, EOM, AUDIO_BOS, AUDIO_IN, AUDIO_EOS,
                   AUDIO_OUT_BOS, AUDIO_OUT, IMAGE)
-#: media placeholder tokens: one per media item; the k-th stands for item k of its kind
+#: media placeholder tokens: one per media item; the k-th stands for item k of its kind (the image
+#: placeholder is configurable: ``image_token`` in the stage-one config, :data:`IMAGE` by default)
 PLACEHOLDERS = (AUDIO_IN, AUDIO_OUT, IMAGE)
+#: the tokens around each audio placeholder, by direction (Higgs-Audio's layout)
+AUDIO_IN_TOKENS = (AUDIO_BOS, AUDIO_IN, AUDIO_EOS)
+AUDIO_OUT_TOKENS = (AUDIO_OUT_BOS, AUDIO_OUT, AUDIO_EOS)
 
 __all__ = ["IGNORE_INDEX", "BEGIN_OF_TEXT", "START_HEADER", "END_HEADER", "EOT", "EOM", "AUDIO_BOS",
-           "AUDIO_IN", "AUDIO_EOS", "AUDIO_OUT_BOS", "AUDIO_OUT", "IMAGE", "SPECIAL_TOKENS", "PLACEHOLDERS"]
+           "AUDIO_IN", "AUDIO_EOS", "AUDIO_OUT_BOS", "AUDIO_OUT", "IMAGE", "GEMMA_IMAGE", "WORLD_START",
+           "WORLD_END", "SPECIAL_TOKENS", "PLACEHOLDERS", "AUDIO_IN_TOKENS", "AUDIO_OUT_TOKENS"]

@@ -38,7 +38,12 @@ def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
     (["--set", "batch_size=-1"], "error: encoder_batch_size: expected a positive integer, got -1"),  # old name
     (["--batch-size", "-1"], "error: encoder_batch_size: expected a positive integer, got -1"),
     (["--encoder-batch-size", "0"], "error: encoder_batch_size: expected a positive integer, got 0"),
-    (["--set", "image_resize=foo"], "error: image_resize: expected one of center_crop, pad, bucket, got 'foo'"),
+    (["--set", "image_resize=foo"], "error: image_resize: expected one of center_crop, pad, bucket, stretch, got 'foo'"),
+    (["--set", "image_pixel_range=0..1"], "error: image_pixel_range: expected one of -1..1, 0..255, got '0..1'"),
+    (["--set", "image_rgb=bgr"], "error: image_rgb: expected one of composite, convert"),
+    (["--set", "world_tokens=[<sow>]"], "error: world_tokens: expected two different tokens"),
+    (["--set", "image_token= <image>"], "error: image_token: expected a token string without surrounding"),
+    (["--set", "world_tokens=[<image>, <eow>]"], "error: world_tokens: '<image>' is the image placeholder"),
     (["--set", "num_workers=lots"], "error: num_workers: expected an integer >= 0 or 'auto', got 'lots'"),
     (["--num-workers", "lots"], "error: num_workers: expected an integer >= 0 or 'auto', got 'lots'"),
     (["--set", "min_duration=40"], "error: min_duration: 40.0 s is greater than max_duration 30.0 s"),
@@ -126,13 +131,22 @@ def test_cli_stops_before_loading_any_model(tmp_path):
 
 
 def test_config_files_keep_their_fingerprint_and_old_names(tmp_path):
-    """The preprocessing() of configs/precompute-tts.yaml as the code before the config rewrite
-    computed it (caches made then must not be refused), and a file with the old key batch_size."""
+    """The preprocessing() of configs/precompute-tts.yaml, written out (renaming an option never
+    changes it), and a file with the old key batch_size. Since sample_layout conversation-2 (the
+    <|AUDIO_OUT|> label of Higgs-Audio, label spans from the template) it also lists the image and
+    token options; caches made with conversation-1 are read, not appended to."""
     cfg = load_config(ROOT / "configs" / "precompute-tts.yaml")
     assert cfg.preprocessing() == {
         "audio_format": "pcm_s16le", "chat_template": "auto", "image_resize": "center_crop", "image_size": 256,
-        "latents_dtype": "float16", "sample_layout": "conversation-1", "sample_rate": 24000,
-        "extra_waveforms": {"audio_16k": {"direction": "in", "sample_rate": 16000}}}
+        "image_rgb": "composite", "image_pixel_range": "-1..1", "image_token": "<image>", "world_tokens": None,
+        "encoder_dtype": "float32", "latents_dtype": "float16", "sample_layout": "conversation-2",
+        "sample_rate": 24000, "extra_waveforms": {"audio_16k": {"direction": "in", "sample_rate": 16000}}}
+    theworld = load_config(ROOT / "configs" / "precompute-theworld.yaml").preprocessing()
+    assert {k: theworld[k] for k in ("image_resize", "image_size", "image_rgb", "image_pixel_range", "image_token",
+                                     "world_tokens", "encoder_dtype")} == {
+        "image_resize": "stretch", "image_size": 512, "image_rgb": "convert", "image_pixel_range": "0..255",
+        "image_token": "<start_of_image>", "world_tokens": ["<start_of_world>", "<end_of_world>"],
+        "encoder_dtype": "bfloat16"}
     old = tmp_path / "old.yaml"
     old.write_text("batch_size: 32\nsample_rate: 16000\n")
     cfg = load_config(old, ["image_size=128"])

@@ -70,11 +70,11 @@ def test_voice_clone_keeps_both_clips_and_trains_only_the_target(real_mini, cach
                   + header("assistant") + AUDIO_OUT + EOT + header("user") + target_text + EOT
                   + header("assistant"))
         assert s["input_ids"].tolist() == ids(prefix + AUDIO_OUT + EOT).tolist()
-        # Higgs-Audio trains the last assistant turn (start_index 4): its audio-out span and <|eot_id|>,
-        # minus the <|AUDIO_OUT|> placeholder itself (its targets are the codes)
-        span = trained_positions(prefix, AUDIO_OUT + EOT)
-        placeholder = span[1]
-        expect = [p for p in span if p != placeholder]
+        # Higgs-Audio (prepare_chatml_sample) trains the last assistant turn (start_index 4): its three
+        # audio-out tokens, the <|AUDIO_OUT|> placeholder included (Boson's collator reads that label to
+        # pick the target items), and <|eot_id|>; the reference turn (2) is context, all -100
+        expect = trained_positions(prefix, AUDIO_OUT + EOT)
+        assert len(expect) == 4 and s["input_ids"][expect[1]] == TOK.token_to_id("<|AUDIO_OUT|>")
         assert np.flatnonzero(s["labels"] != -100).tolist() == expect
         assert (s["labels"][expect] == s["input_ids"][expect]).all()
         # two audio segments: the reference (turn 2) and the target (turn 4), both output-side

@@ -120,6 +120,22 @@ def test_resize_modes(tmp_path):
     assert bucket.shape[1] > bucket.shape[0] and bucket.shape[0] % 8 == 0 and bucket.shape[1] % 8 == 0
 
 
+def test_stretch_and_convert_are_pillows_bilinear_resize_and_convert(tmp_path):
+    """TheWorld's preprocessing (``img.convert("RGB")`` then torchvision's bilinear resize of a PIL
+    image, which is Pillow's) written out with Pillow here, on an RGBA image with transparency."""
+    rgba = _photo().resize((200, 100)).convert("RGBA")
+    a = np.asarray(rgba).copy()
+    a[:50, :, 3] = 0                                    # the top half fully transparent
+    path = _save(Image.fromarray(a), tmp_path / "half_transparent.png")
+    want = np.asarray(Image.open(path).convert("RGB").resize((64, 64), Image.Resampling.BILINEAR))
+    got = load_image(path, 64, mode="stretch", rgb="convert")
+    np.testing.assert_array_equal(got, want)            # the whole image, aspect not kept, alpha dropped
+    composite = load_image(path, 64, mode="stretch")    # default: transparency over white
+    assert composite[:20].min() == 255 and not np.array_equal(composite, got)
+    with pytest.raises(ValueError, match="rgb mode"):
+        load_image(path, 64, rgb="bgr")
+
+
 @pytest.mark.parametrize("make,reason", [
     (lambda p: p.write_bytes(b""), schema.IMAGE_UNREADABLE),
     (lambda p: p.write_bytes(b"<html><body>404</body></html>"), schema.IMAGE_UNREADABLE),

@@ -227,6 +227,27 @@ def test_image_normalize(models, name):
     assert fingerprint(raw.describe(), preprocessing={}) != fingerprint(d, preprocessing={})
 
 
+def test_image_pixel_range_0_255_feeds_the_uint8_values(models):
+    """input_range (0, 255): the VAE gets the pixel values themselves (TheWorld's ``to_tensor(img) *
+    255``), computed here with diffusers directly; the default stays x / 127.5 - 1."""
+    from diffusers import AutoencoderKLWan
+    vae = AutoencoderKLWan.from_pretrained(str(models["wan"])).eval()
+    x = images(2, 64, 64, seed=7)
+    t = torch.from_numpy(x).permute(0, 3, 1, 2).float()[:, :, None]
+    with torch.no_grad():
+        want_255 = vae.encode(t).latent_dist.mode().numpy()
+        want_default = vae.encode(t / 127.5 - 1).latent_dist.mode().numpy()
+    enc = load_image_encoder({"name": "wan", "pretrained": str(models["wan"]), "input_range": [0, 255]})
+    np.testing.assert_allclose(enc.encode(x), want_255, rtol=1e-4, atol=1e-4)
+    default = load_image_encoder({"name": "wan", "pretrained": str(models["wan"])})
+    np.testing.assert_allclose(default.encode(x), want_default, rtol=1e-4, atol=1e-5)
+    assert enc.describe()["input_range"] == [0.0, 255.0] and default.describe()["input_range"] == [-1.0, 1.0]
+    stats = default.latent_stats()
+    assert stats["normalized"] is False and len(stats["latents_mean"]) == len(stats["latents_std"]) == 16
+    with pytest.raises(ValueError, match="input_range"):
+        load_image_encoder({"name": "wan", "pretrained": str(models["wan"]), "input_range": [1, 1]})
+
+
 def test_image_posterior(models):
     """Wan: encode_posterior's mean is encode()'s output, logvar is finite and shaped alike;
     normalize maps mean like encode and shifts logvar by -2 log(std). Cosmos has no posterior."""

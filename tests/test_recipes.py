@@ -76,7 +76,7 @@ def render(parts, seed=0):
         trained = part[0] == "out" and part[2]
         toks = [AO_BOS, A_OUT, A_EOS] if part[0] == "out" else [A_BOS, A_IN, A_EOS]
         ids += toks
-        labels += [toks[0] if trained else -100, -100, toks[2] if trained else -100]
+        labels += toks if trained else [-100] * 3    # Higgs' prepare_chatml_sample: the placeholder too
         rows.append([len(rows), 0, int(part[0] == "out"), start, frames, -1])
         codes.append(torch.randint(0, CB, (Q, frames), generator=g))
         start += frames
@@ -229,11 +229,21 @@ def test_audio_loss_counts_trained_output_items_only(lm_dir):
     r = s["rows"][1]
     trained["codes"][:, r[3] + 1] = (trained["codes"][:, r[3] + 1] + 5) % CB
     assert abs(audio_loss(trained) - base) > 1e-4
-    # labelling the last item's <|audio_out_bos|> makes it a target too
-    flipped = {**s, "labels": list(s["labels"])}
-    at = [i for i, t in enumerate(s["ids"]) if t == A_OUT][2] - 1
-    flipped["labels"][at] = AO_BOS
-    assert abs(audio_loss(flipped) - base) > 1e-4
+    # Higgs' rule: the last item becomes a target when its own <|AUDIO_OUT|> placeholder is labelled ...
+    at = [i for i, t in enumerate(s["ids"]) if t == A_OUT][2]
+    own = {**s, "labels": list(s["labels"])}
+    own["labels"][at] = A_OUT
+    assert abs(audio_loss(own) - base) > 1e-4
+    # ... and, for caches made before that convention (placeholders always -100), when the
+    # <|audio_out_bos|> before it is: the same loss
+    legacy = {**s, "labels": list(s["labels"])}
+    legacy["labels"][at - 1] = AO_BOS
+    assert audio_loss(legacy) == pytest.approx(audio_loss(own), abs=1e-6)
+    # a trained item with neither label is no target
+    neither = {**s, "labels": list(s["labels"])}
+    first_out = [i for i, t in enumerate(s["ids"]) if t == A_OUT][1]
+    neither["labels"][first_out] = neither["labels"][first_out - 1] = -100
+    assert abs(audio_loss(neither) - base) > 1e-4
 
 
 def test_per_sample_normalisation_and_padding(lm_dir):
@@ -379,6 +389,12 @@ def test_build_model_reads_the_manifest(lm_dir, tmp_path):
     assert v.projector[0].in_features == C_LAT
     with pytest.raises(ValueError, match="AUDIO_OUT"):
         build_model("tts", {"lm": lm_dir}, DataSpec())
+    # a cache made with another image placeholder (Gemma 3's) names it in text.placeholders
+    gemma = json.loads((tmp_path / "manifest.json").read_text())
+    gemma["text"]["special_token_ids"] = {"<start_of_image>": IMG + 1, "<image>": IMG}
+    gemma["text"]["placeholders"] = {"image": "<start_of_image>"}
+    (tmp_path / "manifest.json").write_text(json.dumps(gemma))
+    assert data_spec(tmp_path).image_token_id == IMG + 1
     with pytest.raises(FileNotFoundError, match="shardcache.testing"):
         build_model("vlm", {"lm": str(tmp_path / "no" / "such-lm")}, spec)
 

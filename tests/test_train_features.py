@@ -121,7 +121,8 @@ def test_activation_checkpointing_recomputes_the_blocks_in_backward(cache):
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 
 
-def test_no_host_sync_between_log_steps(cache, tmp_path, monkeypatch):
+@pytest.mark.parametrize("debug", [False, True])
+def test_no_host_sync_between_log_steps(cache, tmp_path, monkeypatch, debug):
     """Reading a tensor's value on the host (``.item()``, ``.tolist()``, ``bool()``, ``float()``...)
     is a GPU sync; the training loop does it only on log steps (metrics.every 4 here). Counted by
     patching those methods, leaving out calls made on the host side of the data path (loaders,
@@ -154,11 +155,40 @@ def test_no_host_sync_between_log_steps(cache, tmp_path, monkeypatch):
     def on_step(step, rec):
         at_step[step] = counts["n"]
 
-    cfg = cfg_for(cache, tmp_path / "run", steps=8, log_every=4, grad_norm_warn=1e-6, fused="auto")
+    cfg = cfg_for(cache, tmp_path / "run", steps=8, log_every=4, grad_norm_warn=1e-6, fused="auto",
+                  metrics={"debug": debug})
     assert run(cfg, Callbacks(on_setup=on_setup, on_step=on_step)) == 0
+    assert ("latents_mean" in read_metrics(tmp_path / "run")[0]) == debug
     per_step = {s: at_step[s] - at_step.get(s - 1, 0) for s in at_step if s > 1}
     assert per_step[4] > 0 and per_step[8] > 0            # the log steps read the record back
     assert [per_step[s] for s in (2, 3, 5, 6, 7)] == [0] * 5, per_step
+
+
+def test_debug_metrics_hold_the_batches_latent_statistics(cache, tmp_path):
+    """metrics.debug: latents_mean/std/min/max of each record equal the batch's latents over their
+    real cells (latents_mask), computed here from the batch the model received (one step a record)."""
+    seen = []
+
+    def on_setup(trainer):
+        real = trainer.raw.forward
+
+        def forward(batch):
+            seen.append((batch["latents"].detach().float().clone(), batch["latents_mask"].clone()))
+            return real(batch)
+        trainer.raw.forward = forward
+
+    cfg = cfg_for(cache, tmp_path / "run", steps=3, log_every=1, metrics={"debug": True})
+    assert run(cfg, Callbacks(on_setup=on_setup)) == 0
+    recs = read_metrics(tmp_path / "run")
+    assert len(recs) == len(seen) == 3
+    for r, (lat, mask) in zip(recs, seen):
+        x = lat.permute(0, 2, 3, 4, 1)[mask].double()                    # (real cells, C)
+        if x.numel() == 0:
+            continue
+        want = {"latents_mean": x.mean(), "latents_std": x.std(unbiased=False), "latents_min": x.min(),
+                "latents_max": x.max()}
+        for k, v in want.items():
+            assert r[k] == pytest.approx(v.item(), rel=1e-4, abs=1e-5), k
 
 
 # ---- fused AdamW -----------------------------------------------------------------------------------------

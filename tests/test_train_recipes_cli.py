@@ -277,13 +277,16 @@ def test_loop_on_an_image_text_cache_without_codes(image_cache, tmp_path):
     assert resolve_fields(cfg, make_tiny(VOCAB, LATENT_C)) == ("input_ids", "labels", "latents")
     assert resolve_fields(cfg) is None  # a factory function declares nothing: every field of the cache
     lrs: list[tuple[float, float]] = []
+    norms: list[dict[str, float]] = []
     state = {}
 
     def on_setup(trainer):
         state["opt"] = trainer.optimizer
 
-    def on_micro_step(step, micro):  # before the optimizer step: the lr this step runs with
+    def on_micro_step(step, micro):  # before the optimizer step: the lr this step runs with, pre-clip grads
         lrs.append(tuple(g["lr"] for g in state["opt"].param_groups))
+        norms.append({g["name"]: torch.cat([p.grad.flatten() for p in g["params"]]).norm().item()
+                      for g in state["opt"].param_groups})
 
     with Captured() as cap:
         assert run(cfg, Callbacks(on_setup=on_setup, on_micro_step=on_micro_step)) == 0
@@ -293,6 +296,13 @@ def test_loop_on_an_image_text_cache_without_codes(image_cache, tmp_path):
     recs = read_metrics(out)
     assert len(recs) == math.ceil(2 * (n_train // 4))                 # epochs x steps per epoch
     assert all(r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and "text_loss" in r for r in recs)
+    # lr and pre-clip grad norm per optimizer group: the projection at its own 3x rate is logged as
+    # such; `lr` is that of the biggest group (lm)
+    for r, (lr_lm, lr_proj), n in zip(recs, lrs, norms):
+        assert (r["lr/lm"], r["lr/proj"], r["lr"]) == (pytest.approx(lr_lm), pytest.approx(lr_proj), pytest.approx(lr_lm))
+        assert r["lr/proj"] == pytest.approx(3 * r["lr/lm"])
+        assert (r["grad_norm/lm"], r["grad_norm/proj"]) == (pytest.approx(n["lm"], rel=1e-5),
+                                                          pytest.approx(n["proj"], rel=1e-5))
     assert recs[-1]["epoch"] >= 1
     # held-out keys were validated on and never trained on
     assert held and set(SEEN["eval"]) == held and not held & set(SEEN["train"])

@@ -7,6 +7,8 @@ syncs, failures and the profiler report are in ``test_train_features.py``.
 """
 from __future__ import annotations
 
+import math
+
 import json
 import logging
 import subprocess
@@ -132,6 +134,53 @@ def test_repo_yaml_loads():
     assert cfg.checkpoint.keep == 3 and cfg.job.requeue_exit_code == 3 and cfg.dist.pg_timeout_min == 30
     for name in ("train-demo", "train-tts", "train-vlm"):
         load_yaml(REPO / "configs" / f"{name}.yaml")
+
+
+def test_eval_is_staggered_off_checkpoint_steps():
+    """The rule of eval.every (documented in its option): never in a checkpoint step, except the last
+    step and checkpoint.every 1; unstaggered it is the plain multiples."""
+    from train.trainer import eval_due
+
+    def evals(steps, every, ckpt, stagger=True):
+        return [s for s in range(1, steps + 1) if eval_due(s, steps, every, ckpt, stagger)]
+
+    assert evals(2500, 500, 1000) == [500, 1001, 1500, 2001, 2500]          # the option's example
+    assert evals(10, 0, 4) == [5, 9, 10]                                    # 0 = every checkpoint.every steps
+    assert evals(10, 0, 4, stagger=False) == [4, 8, 10]                     # what it was before
+    assert evals(6, 2, 1) == [2, 4, 6]                                      # every step a checkpoint
+    for steps, every, ckpt in [(100, 7, 21), (60, 3, 6), (50, 5, 5), (40, 4, 10), (30, 1, 3)]:
+        ev = evals(steps, every, ckpt)
+        ck = {s for s in range(1, steps + 1) if s % ckpt == 0}
+        assert not (set(ev) & ck) - {steps}, (every, ckpt)
+        # every multiple of `every` is evaluated, at it or right after its checkpoint
+        assert all(m in ev or m + 1 in ev or m == steps for m in range(every, steps + 1, every))
+
+
+def test_grad_norms_and_clipping_equal_clip_grad_norm():
+    """train.optim's per-group norms + clip give what torch's clip_grad_norm_ gives, mixed dtypes too."""
+    from train.optim import clip_grads_, grad_norms
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 4)) for _ in range(4)] + [torch.nn.Parameter(torch.randn(5).bfloat16())]
+    unused = torch.nn.Parameter(torch.randn(2))                       # no gradient: counts 0
+    grads = [torch.randn_like(p) * 3 for p in params]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, r, g in zip(params, ref, grads):
+        p.grad, r.grad = g.clone(), g.clone()
+    groups = [params[:2], params[2:] + [unused], [unused]]
+    norms = grad_norms(groups, torch.device("cpu"))
+    for got, ps in zip(norms.tolist(), groups):
+        want = torch.cat([p.grad.float().flatten() for p in ps if p.grad is not None] or [torch.zeros(1)]).norm()
+        half = any(p.dtype == torch.bfloat16 for p in ps)  # a bf16 tensor's norm is computed in bf16, as torch does
+        assert got == pytest.approx(want.item(), rel=4e-3 if half else 1e-5)
+    total = torch.linalg.vector_norm(norms)
+    want_total = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert total.item() == pytest.approx(want_total.item(), rel=1e-6)
+    clip_grads_(params, 1.0, total)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+    before = [p.grad.clone() for p in params]
+    clip_grads_(params, float("inf"), total)                          # grad_clip 0: untouched
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, params))
 
 
 def test_lr_schedule():
@@ -414,12 +463,17 @@ def test_run_writes_metrics_checkpoints_and_validation(cache, tmp_path):
     recs = read_metrics(out)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
     for k in ("loss", "lr", "grad_norm", "grad_norm_max", "samples_per_s", "tokens_per_s", "data_wait",
-              "peak_mem_mb", "codes_loss", "latent_loss", "skipped_steps", "step_time_s"):
+              "peak_mem_mb", "codes_loss", "latent_loss", "skipped_steps", "step_time_s", "lr/decay", "lr/no_decay",
+              "grad_norm/decay", "grad_norm/no_decay"):
         assert k in recs[0], k
+    for r in recs:  # the global norm is the L2 norm of the groups' norms
+        assert math.hypot(r["grad_norm/decay"], r["grad_norm/no_decay"]) == pytest.approx(r["grad_norm"], rel=1e-5)
+    assert "latents_mean" not in recs[0]                       # debug metrics only with metrics.debug
     assert all(0 <= r["data_wait"] <= 1 for r in recs)
     val = read_metrics(out, "val")
-    # 1 of 24 keys held out; the validation loader wraps around to fill its batch of 4
-    assert [r["step"] for r in val] == [2, 4, 5] and val[0]["val_samples"] == 4
+    # 1 of 24 keys held out; the validation loader wraps around to fill its batch of 4. eval.every 2 and
+    # checkpoint.every 2: staggered, validation runs the step after each checkpoint (3), and at the end (5)
+    assert [r["step"] for r in val] == [3, 5] and val[0]["val_samples"] == 4
     assert val[0]["val_loss"] != val[1]["val_loss"]
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["step-4", "step-5"]
     assert not list(out.glob("*.tmp"))

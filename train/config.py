@@ -225,7 +225,13 @@ class EvalConfig:
     """Validate during training (on --data.val-cache, else on the keys held out by --data.val-fraction);
     false (--no-validation, --disable_evaluation): never, and nothing is held out."""
     every: int = option(0, ge=0)
-    """Validate every N steps and at the end; 0 = at each checkpoint and at the end."""
+    """Validate every N steps and at the end; 0 = every checkpoint.every steps. With stagger (default) a
+    validation that falls on a checkpoint step runs after the next step instead, so the two never share a
+    step (TheWorld staggered them to avoid its eval OOM): eval.every 500 with checkpoint.every 1000 validates
+    at 500, 1001, 1500, 2001...; at the last step, a stop request or with checkpoint.every 1 both happen in
+    one step and the checkpoint is written first."""
+    stagger: bool = True
+    """Keep validation off checkpoint steps (see every); false: validate in the checkpoint's step, before it."""
     batches: int = option(0, ge=0)
     """Batches per rank per validation; 0 = the whole validation epoch."""
     batch_size: int = option(0, ge=0)
@@ -245,6 +251,10 @@ class MetricsConfig:
     """tqdm progress bar on global rank 0."""
     throughput_warn: float = option(0.5, ge=0.0)
     """Warn when samples/s falls below this fraction of its running average."""
+    debug: bool = False
+    """Debug-level metrics: every record also holds latents_mean / latents_std / latents_min / latents_max of
+    the window's batches (real cells; a few reductions per micro-step on the device, read with the record) and
+    is logged at DEBUG level."""
 
 
 @dataclass

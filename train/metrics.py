@@ -9,12 +9,19 @@ Each line of ``RUN_DIR/metrics.jsonl`` is one JSON record (non-finite numbers ar
 
 A record covers the steps since the previous one (``metrics.every`` steps): ``loss`` and the model's
 extra scalars are the mean over those steps, their micro-steps and all ranks; ``grad_norm`` is the
-pre-clip norm of the last step and ``grad_norm_max`` the largest of the window; ``samples_per_s`` /
-``tokens_per_s`` are global (every rank's samples and valid text + audio positions over this rank's
-wall time of the window); ``data_wait`` is the fraction of that time spent waiting for batches;
-``step_time_s`` the mean step time; ``skipped_steps`` the non-finite steps skipped so far; ``lr``
-the learning rate of a group at ``optim.lr`` in the record's last step; ``peak_mem_mb`` the CUDA
-allocator peak (or the process max RSS on CPU). Validation records carry ``"split": "val"``.
+pre-clip norm of the last step and ``grad_norm_max`` the largest of the window; ``grad_norm/<group>``
+the pre-clip norm of each optimizer group's gradients in the last step (their L2 norm is
+``grad_norm``; groups as :func:`train.optim.param_groups` names them: ``projection``, ``lm``...);
+``samples_per_s`` / ``tokens_per_s`` are global (every rank's samples and valid text + audio
+positions over this rank's wall time of the window); ``data_wait`` is the fraction of that time
+spent waiting for batches; ``step_time_s`` the mean step time; ``skipped_steps`` the non-finite
+steps skipped so far; ``lr/<group>`` the learning rate each group trained with in the record's last
+step (its own base lr x the schedule: a projection at ``projection_lr`` shows that rate) and ``lr``
+that of the group with the most parameters; ``peak_mem_mb`` the CUDA allocator peak (or the process
+max RSS on CPU). With ``metrics.debug`` a record also has ``latents_mean``, ``latents_std``,
+``latents_min``, ``latents_max``: the window's batches' latents over their real cells (this rank's
+batches, float32; a scale far from the VAE's, e.g. latents of [0, 255] pixels, shows here first).
+Validation records carry ``"split": "val"``.
 
 :class:`StepStats` keeps every per-step quantity as a device tensor, so the steps between log steps
 never wait for the GPU: the record is read back with one all-reduce and one device-to-host copy
@@ -69,8 +76,9 @@ class StepStats:
     non-finite counters of the run. Nothing here reads a value back to the host except :meth:`read`
     and :meth:`consecutive_nonfinite`."""
 
-    def __init__(self, device: torch.device, skipped: int = 0):
+    def __init__(self, device: torch.device, skipped: int = 0, groups: tuple[str, ...] = ()):
         self.device = device
+        self.groups = tuple(groups)  #: optimizer group names of :meth:`add_step`'s ``group_norms``
         self.skipped = torch.tensor(skipped, dtype=torch.float64, device=device)   #: run total
         self.consec = torch.zeros((), dtype=torch.float64, device=device)          #: current streak
         self.start_window()
@@ -78,11 +86,28 @@ class StepStats:
     def start_window(self) -> None:
         z = lambda: torch.zeros((), dtype=torch.float64, device=self.device)  # noqa: E731
         self.loss, self.tokens, self.norm, self.norm_max, self.over_warn = z(), z(), z(), z(), z()
+        self.group_norm = torch.zeros(len(self.groups), dtype=torch.float64, device=self.device)
+        self.latents: torch.Tensor | None = None  #: [sum, sum of squares, cells, min, max] of the window
         self.streak_max = self.consec.clone()
         self.extras: dict[str, torch.Tensor] = {}
         self.micro = self.steps = self.samples = 0
         self.data_wait = 0.0
         self.t0 = time.perf_counter()
+
+    def add_latents(self, latents: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Accumulate the statistics of a batch's ``latents`` (B, C, T, H, W) over its real cells
+        (``mask`` (B, T, H, W) bool, True on real cells; None = all): no host sync (no boolean
+        indexing)."""
+        x = latents.detach().float()
+        w = torch.ones_like(x) if mask is None else mask[:, None].expand_as(x).to(x.dtype)
+        big = torch.finfo(x.dtype).max
+        st = torch.stack([(x * w).sum(), (x * x * w).sum(), w.sum(),
+                          torch.where(w > 0, x, big).amin(), torch.where(w > 0, x, -big).amax()]).double()
+        if self.latents is None:
+            self.latents = st
+        else:
+            self.latents = torch.cat([self.latents[:3] + st[:3], torch.minimum(self.latents[3:4], st[3:4]),
+                                      torch.maximum(self.latents[4:], st[4:])])
 
     def add_micro(self, loss: torch.Tensor, extras: dict[str, torch.Tensor], tokens: Any, samples: int) -> None:
         self.loss += loss.detach().double()
@@ -92,7 +117,12 @@ class StepStats:
         self.samples += samples
         self.micro += 1
 
-    def add_step(self, norm: torch.Tensor, nonfinite: torch.Tensor, warn_above: float) -> None:
+    def add_step(self, norm: torch.Tensor, nonfinite: torch.Tensor, warn_above: float,
+                 group_norms: torch.Tensor | None = None) -> None:
+        """One optimizer step: its pre-clip global ``norm`` (0-dim), whether it was ``nonfinite``
+        (0-dim bool), and the pre-clip norm of each group in :attr:`groups` ((G,), optional)."""
+        if group_norms is not None:
+            self.group_norm = group_norms.detach().double()
         norm = norm.detach().double()
         bad = nonfinite.double()
         self.norm = norm
@@ -116,15 +146,24 @@ class StepStats:
         summed = torch.stack([self.loss, self.tokens] + [self.extras[k] for k in names])
         D.all_reduce_(summed, info)
         local = torch.stack([self.norm, self.norm_max, self.over_warn, self.skipped, self.streak_max])
-        vals = torch.cat([summed, local]).tolist()
+        lat = self.latents if self.latents is not None else torch.zeros(0, dtype=torch.float64, device=self.device)
+        vals = torch.cat([summed, local, self.group_norm, lat]).tolist()
+        n_sum = len(summed)
+        (norm, norm_max, over_warn, skipped, streak), rest = vals[n_sum:n_sum + 5], vals[n_sum + 5:]
+        gnorms, lat_vals = rest[:len(self.groups)], rest[len(self.groups):]
         n = max(self.micro, 1) * info.world_size
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        rec = {"loss": vals[0] / n, "grad_norm": vals[-5], "grad_norm_max": vals[-4],
+        rec = {"loss": vals[0] / n, "grad_norm": norm, "grad_norm_max": norm_max,
                "samples_per_s": self.samples * info.world_size / dt, "tokens_per_s": vals[1] / dt,
                "data_wait": self.data_wait / dt, "step_time_s": dt / max(self.steps, 1),
-               "skipped_steps": int(vals[-2])}
-        rec.update({k: v / n for k, v in zip(names, vals[2:2 + len(names)])})
-        return rec, {"over_warn": int(vals[-3]), "streak": int(vals[-1])}
+               "skipped_steps": int(skipped)}
+        rec.update({k: v / n for k, v in zip(names, vals[2:n_sum])})
+        rec.update({f"grad_norm/{g}": v for g, v in zip(self.groups, gnorms)})
+        if lat_vals and lat_vals[2] > 0:
+            mean = lat_vals[0] / lat_vals[2]
+            rec.update({"latents_mean": mean, "latents_std": math.sqrt(max(lat_vals[1] / lat_vals[2] - mean * mean, 0.0)),
+                        "latents_min": lat_vals[3], "latents_max": lat_vals[4]})
+        return rec, {"over_warn": int(over_warn), "streak": int(streak)}
 
 
 def check_nonfinite(streak: int, limit: int, step: int) -> None:

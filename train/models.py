@@ -73,7 +73,7 @@ class DataSpec:
     pad_id: int = 0                              #: pad of ``input_ids`` (== loaders' default)
     audio_in_token_id: int | None = None         #: ``<|AUDIO|>``: audio in a user/system turn
     audio_out_token_id: int | None = None        #: ``<|AUDIO_OUT|>``: audio in an assistant turn
-    image_token_id: int | None = None            #: ``<image>``
+    image_token_id: int | None = None            #: the image placeholder (``text.placeholders.image``, ``<image>``)
     audio_out_bos_token_id: int | None = None    #: ``<|audio_out_bos|>`` (right before ``<|AUDIO_OUT|>``)
     audio_eos_token_id: int | None = None        #: ``<|audio_eos|>`` (right after a placeholder)
 
@@ -116,7 +116,10 @@ def data_spec(cache_dir: str | Path) -> DataSpec:
         "pad_id": manifest.pad_id(),
     }
     specials = manifest.text.special_token_ids if manifest.text is not None else {}
-    values.update({f: specials.get(tok) for f, tok in _TOKEN_FIELDS.items()})
+    # the image placeholder is configurable at stage one (text.placeholders.image; <image> before it was)
+    placeholders = (manifest.text.extra.get("placeholders") if manifest.text is not None else None) or {}
+    names = _TOKEN_FIELDS | {"image_token_id": placeholders.get("image") or tokens.IMAGE}
+    values.update({f: specials.get(tok) for f, tok in names.items()})
     for fname, v in values.items():
         if _int(v) is not None:
             setattr(spec, fname, _int(v))

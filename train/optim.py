@@ -1,11 +1,17 @@
-"""AdamW over the model's parameter groups, and the learning-rate schedule as a ``LambdaLR``.
+"""AdamW over the model's parameter groups, the learning-rate schedule as a ``LambdaLR``, and the
+gradient norms per group.
 
 Groups: the model's ``optimizer_groups(lr, weight_decay)`` if it has one (a group may carry its own
 ``lr``: the VLM's projection), else weight decay on matrices/embeddings (dim >= 2) and none on
-biases and norms. The schedule multiplies every group's own lr (``LambdaLR``'s ``initial_lr``) by
-one factor, :class:`Schedule`: linear warmup, then constant | linear | cosine | polynomial decay to
-``min_lr_ratio``. The scheduler's state (step, base lrs, the schedule's parameters) is in every
-checkpoint.
+biases and norms. Every group has a ``name`` (the hook's, else ``decay``/``no_decay``, else
+``group<i>``): the metrics log ``lr/<name>`` and ``grad_norm/<name>``. The schedule multiplies every
+group's own lr (``LambdaLR``'s ``initial_lr``) by one factor, :class:`Schedule`: linear warmup, then
+constant | linear | cosine | polynomial decay to ``min_lr_ratio``. The scheduler's state (step, base
+lrs, the schedule's parameters) is in every checkpoint.
+
+Clipping (:func:`grad_norms`, :func:`clip_grads_`): the pre-clip L2 norm of each group's gradients,
+the global norm as the L2 norm of those (what ``clip_grad_norm_`` computes), and every gradient
+scaled by ``min(1, max_norm / (norm + 1e-6))`` (``clip_grad_norm_``'s rule), all on the device.
 """
 from __future__ import annotations
 
@@ -127,8 +133,14 @@ def param_groups(raw: nn.Module, cfg: TrainConfig) -> list[dict]:
         params = [p for p in raw.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    for g in groups:
+    if not callable(hook):
+        groups[0]["name"], groups[1]["name"] = "decay", "no_decay"
+    for i, g in enumerate(groups):
         g["lr"] = float(g.get("lr", lr))
+        g["name"] = str(g.get("name") or f"group{i}")
+    names = [g["name"] for g in groups]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{type(raw).__name__}.optimizer_groups: group names must differ, got {names}")
     return groups
 
 
@@ -166,3 +178,46 @@ def skipping_step(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> 
             del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
     elif not bool(nonfinite):
         optimizer.step()
+
+
+def trainable_groups(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, list[torch.Tensor]]]:
+    """``(index, name, params)`` of every optimizer group that holds a parameter, in order."""
+    return [(i, str(g.get("name") or f"group{i}"), list(g["params"]))
+            for i, g in enumerate(optimizer.param_groups) if g["params"]]
+
+
+def grad_norms(groups: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """float32 ``(G,)`` on ``device``: the L2 norm of each group's gradients (parameters without a
+    gradient count 0); the L2 norm of the result is the global norm. No host sync."""
+    out = []
+    for params in groups:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            out.append(torch.zeros((), dtype=torch.float32, device=device))
+            continue
+        norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [  # noqa: SLF001
+            torch.linalg.vector_norm(g) for g in grads]
+        out.append(torch.linalg.vector_norm(torch.stack([n.float().to(device) for n in norms])))
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float32, device=device)
+
+
+def clip_grads_(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` by ``min(1, max_norm / (total + 1e-6))`` on the device
+    (``torch.nn.utils.clip_grad_norm_``'s rule, given the global pre-clip norm ``total``); nothing
+    when ``max_norm`` is infinite."""
+    if math.isinf(max_norm):
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for dev, gs in by_device.items():
+        c = coef.to(dev)
+        if hasattr(torch, "_foreach_mul_"):
+            torch._foreach_mul_(gs, c)  # noqa: SLF001
+        else:  # pragma: no cover - torch without foreach
+            for g in gs:
+                g.mul_(c.to(g.dtype))

@@ -10,11 +10,12 @@ through one state dict (:meth:`Trainer.state_dict`, :mod:`train.checkpoint`). On
         with model.no_sync() unless last:       # covers forward AND backward: no all-reduce
             with autocast: out = model(batch)   # bf16 / fp16 (GradScaler) / fp32: train.precision
             backward(out.loss / grad_accum)     # last micro-step: DDP all-reduces the buckets
-    unscale (fp16); norm = clip_grad_norm_(params)
+    unscale (fp16); norms of each optimizer group's grads; norm = their L2 norm; clip to optim.grad_clip
     optimizer step, skipped on the device when the norm is not finite; scheduler.step()
 
-Nothing in a step reads a value back to the host: losses, token counts, grad norms and the
-non-finite counters stay device tensors (:class:`train.metrics.StepStats`) until a log step. The
+Nothing in a step reads a value back to the host: losses, token counts, grad norms (global and
+per group) and the non-finite counters stay device tensors (:class:`train.metrics.StepStats`)
+until a log step. The
 skip of a non-finite step happens on the device with the fused AdamW (``found_inf``, as
 ``torch.amp.GradScaler`` does); other optimizers need one host sync per step for it.
 
@@ -59,7 +60,8 @@ from .data import (batch_stream, cache_metadata, check_audio_tokenizer, count_to
                    total_steps)
 from .metrics import GradNormWarning, Metrics, StepStats, check_nonfinite, peak_memory_mb
 from .models import apply_lora, build_model, count_params, data_spec, set_activation_checkpointing
-from .optim import is_fused, make_optimizer, make_scheduler, restore_scheduler, skipping_step, step_scheduler
+from .optim import (clip_grads_, grad_norms, is_fused, make_optimizer, make_scheduler, restore_scheduler,
+                    skipping_step, step_scheduler, trainable_groups)
 from .precision import Precision
 from .profiling import StepProfiler
 
@@ -162,6 +164,22 @@ def wrap_ddp(model: nn.Module, info: D.DistInfo, cfg: TrainConfig) -> DDP:
     return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None, **kw)
 
 
+def eval_due(step: int, steps: int, every: int, ckpt_every: int, stagger: bool = True) -> bool:
+    """Whether to validate after optimizer step ``step`` (1-based) of ``steps``: at multiples of
+    ``every`` (0: ``ckpt_every``) and at the last step. With ``stagger`` a multiple that is a
+    checkpoint step (a multiple of ``ckpt_every``) moves to the next step, so validation and a
+    checkpoint never share a step (TheWorld staggered them to avoid its eval OOM); the exceptions
+    are the last step and ``ckpt_every`` 1 (every step a checkpoint), where the trainer writes the
+    checkpoint first. E.g. every 500, ckpt_every 1000: 500, 1001, 1500, 2001, ..."""
+    every = every or ckpt_every
+    if step == steps:
+        return True
+    if not stagger or ckpt_every == 1:
+        return step % every == 0
+    moved = step > 1 and (step - 1) % every == 0 and (step - 1) % ckpt_every == 0
+    return step % ckpt_every != 0 and (step % every == 0 or moved)
+
+
 def split_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A model's output -> (loss, other 0-dim float tensors to log)."""
     if isinstance(out, torch.Tensor):
@@ -225,7 +243,9 @@ class Trainer:
         self.eval_model: nn.Module = torch.compile(self.raw) if cfg.model.compile else self.raw
         self.model = wrap_ddp(self.eval_model, info, cfg) if info.distributed else self.eval_model
         self.params = [p for p in self.raw.parameters() if p.requires_grad]
-        self.stats = StepStats(info.device)
+        self.groups = trainable_groups(self.optimizer)  # (index, name, params): lr/<name>, grad_norm/<name>
+        self.main_group = max(self.groups, key=lambda g: sum(p.numel() for p in g[2]))[0] if self.groups else 0
+        self.stats = self._new_stats()
         self.grad_warn = GradNormWarning(cfg.optim.grad_norm_warn, cfg.optim.grad_clip, info.is_main)
         self.val_start = self.val_loader.state_dict() if self.val_loader is not None else None
         self.stop = D.StopRequest(info, cfg.job.stop_file or self.out / "STOP", cfg.job.stop_at_step)
@@ -258,7 +278,10 @@ class Trainer:
         restore_scheduler(self.scheduler, sd.get("lr_scheduler"), self.state.step)
         self.precision.load_state_dict(sd.get("scaler"))
         self.loader.load_state_dict(sd["loader"])
-        self.stats = StepStats(self.info.device, skipped=self.state.skipped_steps)
+        self.stats = self._new_stats(skipped=self.state.skipped_steps)
+
+    def _new_stats(self, skipped: int = 0) -> StepStats:
+        return StepStats(self.info.device, skipped=skipped, groups=tuple(name for _, name, _ in self.groups))
 
     def save(self) -> None:
         """Checkpoint ``step-N`` (collective); first stops the run if the non-finite limit was reached."""
@@ -315,12 +338,16 @@ class Trainer:
                 with record_function("backward"):
                     self.precision.backward(loss / accum)
             self.stats.add_micro(loss, extras, count_tokens(batch), n_samples(batch))
+            if self.cfg.metrics.debug and isinstance(batch.get("latents"), torch.Tensor):
+                self.stats.add_latents(batch["latents"], batch.get("latents_mask"))
             if self.cb.on_micro_step:
                 self.cb.on_micro_step(self.state.step, micro)
         with record_function("optimizer"):
             self.precision.unscale_(self.optimizer)
             clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+            group_norms = grad_norms([params for _, _, params in self.groups], self.info.device)
+            norm = torch.linalg.vector_norm(group_norms)     # = clip_grad_norm_'s global pre-clip norm
+            clip_grads_(self.params, clip, norm)
             nonfinite = ~torch.isfinite(norm)
             if self.precision.scaler is not None:              # skips overflowing (non-finite) steps itself
                 self.precision.scaler.step(self.optimizer)
@@ -329,7 +356,7 @@ class Trainer:
                 skipping_step(self.optimizer, nonfinite)
             self.optimizer.zero_grad(set_to_none=True)
             step_scheduler(self.scheduler)
-        self.stats.add_step(norm, nonfinite, self.cfg.optim.grad_norm_warn)
+        self.stats.add_step(norm, nonfinite, self.cfg.optim.grad_norm_warn, group_norms)
         self.state.step += 1
 
     # ---- what happens between steps --------------------------------------------------------------------
@@ -338,16 +365,25 @@ class Trainer:
         """Whether the step just done is a multiple of ``every`` or the last one."""
         return self.state.step % every == 0 or self.state.step == self.steps
 
+    def eval_due(self) -> bool:
+        """Whether to validate after the step just done (:func:`eval_due`)."""
+        c = self.cfg
+        return eval_due(self.state.step, self.steps, c.eval.every, c.checkpoint.every, c.eval.stagger)
+
     def log_metrics(self) -> dict[str, Any]:
         """The metrics record of the steps since the last one (the only host sync of those steps),
         written on rank 0; then the grad-norm warning and the non-finite limit."""
         rec, health = self.stats.read(self.info)
         first = self.state.step - self.stats.steps + 1
-        factor = self.scheduler.lr_lambdas[0](self.state.step - 1)
+        factor = self.scheduler.lr_lambdas[0](self.state.step - 1)  # the schedule of the record's last step
+        lrs = {name: self.scheduler.base_lrs[i] * factor for i, name, _ in self.groups}
         self.state.skipped_steps = rec["skipped_steps"]
-        rec = {"step": self.state.step, **rec, "lr": self.cfg.optim.lr * factor,
+        main = self.scheduler.base_lrs[self.main_group] if self.groups else self.cfg.optim.lr
+        rec = {"step": self.state.step, **rec, "lr": main * factor, **{f"lr/{k}": v for k, v in lrs.items()},
                "peak_mem_mb": peak_memory_mb(self.info.device), "epoch": self.data.state["epoch"]}
         self.metrics.log(rec)
+        if self.cfg.metrics.debug:
+            log.debug("step %d: %s", self.state.step, rec)
         self.grad_warn(first, self.state.step, rec["grad_norm_max"], health["over_warn"])
         self._check(health["streak"])
         self.stats.start_window()
@@ -396,7 +432,7 @@ class Trainer:
         stop request is acted on within ``metrics.every`` steps."""
         c = self.cfg
         if self.info.distributed and not (self.due(c.metrics.every) or self.due(c.checkpoint.every)
-                                          or self.due(c.eval.every or c.checkpoint.every)):
+                                          or self.eval_due()):
             return False
         return self.stop.agreed(self.state.step)
 
@@ -458,11 +494,15 @@ def train(cfg: TrainConfig, info: D.DistInfo, callbacks: Callbacks | None = None
             record = t.log_metrics() if t.due(cfg.metrics.every) else None
             if t.cb.on_step:
                 t.cb.on_step(t.state.step, record)
-            if t.val_loader is not None and t.due(cfg.eval.every or cfg.checkpoint.every):
-                t.evaluate()
             stopping = t.stop_requested()
-            if stopping or t.due(cfg.checkpoint.every):
+            saving = stopping or t.due(cfg.checkpoint.every)
+            validating = t.val_loader is not None and t.eval_due()
+            if validating and not (saving and cfg.eval.stagger):
+                t.evaluate()
+            if saving:
                 t.save()
+            if validating and saving and cfg.eval.stagger:  # the checkpoint is complete before the eval
+                t.evaluate()
             if stopping and t.state.step < t.steps:  # (a stop at the last step is just the end)
                 code = t.requeue()
                 break

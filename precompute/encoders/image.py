@@ -1,9 +1,11 @@
 """Image VAE encoders (diffusers ``AutoencoderKLWan``, ``AutoencoderKLCosmos``) behind :class:`ImageEncoder`.
 
 Pipeline for a batch of same-sized RGB images:
-uint8 ``(B, H, W, 3)`` -> float32 ``x / 127.5 - 1`` in [-1, 1] -> ``(B, 3, 1, H, W)`` (an image is a
-one-frame video) -> ``vae.encode(x).latent_dist.mode()`` -> ``(B, 16, 1, H/8, W/8)`` -> optional
-normalisation -> float32 numpy.
+uint8 ``(B, H, W, 3)`` -> float32 in ``input_range``: ``x / 127.5 - 1`` in [-1, 1] (the VAEs'
+documented range, default) or, generally, ``lo + x * (hi - lo) / 255`` (``[0, 255]``: the uint8 values
+themselves, what TheWorld's ``CosmosVAEEncoder`` feeds, ``to_tensor(img) * 255``) -> the VAE's dtype
+-> ``(B, 3, 1, H, W)`` (an image is a one-frame video) -> ``vae.encode(x).latent_dist.mode()`` ->
+``(B, 16, 1, H/8, W/8)`` -> optional normalisation -> float32 numpy.
 
 ``mode()`` is deterministic (Wan: the Gaussian's mean; Cosmos: an identity "distribution", which has
 no ``.mean``). Batch size changes the latents only by float rounding (about 1e-7 absolute on CPU).
@@ -38,6 +40,8 @@ from ._common import (
 
 #: bump when the pipeline above changes, so fingerprints of old caches stop matching
 ENCODE_VERSION = 1
+#: the stage-one option ``image_pixel_range`` -> ``input_range``
+PIXEL_RANGES: dict[str, tuple[float, float]] = {"-1..1": (-1.0, 1.0), "0..255": (0.0, 255.0)}
 
 
 class DiffusersVAEEncoder:
@@ -50,13 +54,15 @@ class DiffusersVAEEncoder:
             (``AutoencoderKLCosmos`` has no bf16 ``avg_pool3d`` on CPU).
         normalize: return ``(z - latents_mean) / latents_std`` instead of raw latents.
         max_batch_size: at most this many images per forward pass.
+        input_range: ``(lo, hi)`` the pixel values 0 and 255 are mapped to (default ``(-1, 1)``).
 
     Raises:
-        ValueError: half precision on CPU; ``normalize=True`` without latents_mean/std in the config.
+        ValueError: float16 on CPU; ``normalize=True`` without latents_mean/std in the config;
+            ``input_range`` not two finite numbers lo < hi.
     """
 
     name = "vae"
-    OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size", "subfolder")
+    OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size", "subfolder", "input_range")
 
     spatial_factor: int
     latent_channels: int
@@ -64,9 +70,15 @@ class DiffusersVAEEncoder:
     posterior_unsupported: str | None = None
 
     def __init__(
-        self, vae, *, device: Any = "cpu", dtype: Any = None, normalize: bool = False, max_batch_size: int = 8
+        self, vae, *, device: Any = "cpu", dtype: Any = None, normalize: bool = False, max_batch_size: int = 8,
+        input_range: Any = (-1.0, 1.0),
     ) -> None:
         import torch
+
+        lo, hi = (float(v) for v in input_range)
+        if not (np.isfinite(lo) and np.isfinite(hi) and lo < hi):
+            raise ValueError(f"input_range must be two finite numbers lo < hi, got {input_range!r}")
+        self.input_range = (lo, hi)
 
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
@@ -106,8 +118,8 @@ class DiffusersVAEEncoder:
         """Set ``spatial_factor`` and ``latent_channels`` from the config."""
         raise NotImplementedError
 
-    def _latent_stats(self) -> tuple[np.ndarray, np.ndarray] | None:  # pragma: no cover - abstract
-        """Per-channel float32 ``(latent_channels,)`` mean and std for an image, or None."""
+    def _latent_stats(self, dtype=np.float32) -> tuple[np.ndarray, np.ndarray] | None:  # pragma: no cover
+        """Per-channel ``(latent_channels,)`` mean and std (``dtype``) for an image, or None."""
         raise NotImplementedError
 
     # -- construction -------------------------------------------------------------------------
@@ -188,7 +200,7 @@ class DiffusersVAEEncoder:
             chunk = np.ascontiguousarray(a[start : start + self.max_batch_size])
             with torch.inference_mode():
                 x = torch.from_numpy(chunk).to(self.device)
-                x = x.permute(0, 3, 1, 2).to(torch.float32).div_(127.5).sub_(1.0)
+                x = self._to_range(x.permute(0, 3, 1, 2).to(torch.float32))
                 x = x.unsqueeze(2).to(self.dtype).contiguous()  # (b, 3, 1, H, W)
                 dist = self.vae.encode(x).latent_dist
                 if posterior and not (hasattr(dist, "mean") and hasattr(dist, "logvar")):
@@ -211,6 +223,22 @@ class DiffusersVAEEncoder:
                     out_lv[start : start + len(chunk)] = lv.to("cpu").numpy()
         return out, out_lv
 
+    def _to_range(self, x):
+        """float32 pixel values 0..255 -> ``input_range`` (in place)."""
+        lo, hi = self.input_range
+        if (lo, hi) == (-1.0, 1.0):
+            return x.div_(127.5).sub_(1.0)  # the bytes every cache before input_range was made with
+        return x.mul_((hi - lo) / 255.0).add_(lo)
+
+    def latent_stats(self) -> dict[str, Any]:
+        """What the cached latents are: ``{"normalized", "latents_mean", "latents_std"}``, the
+        per-channel ``(latent_channels,)`` values a normalised cache was made with (``z_cached = (z -
+        mean) / std``; undo with ``z = z_cached * std + mean``), else the VAE config's values (or None)
+        that a trainer may apply itself."""
+        stats = self._latent_stats(np.float64)  # the config's numbers as written
+        mean, std = (None, None) if stats is None else (stats[0].tolist(), stats[1].tolist())
+        return {"normalized": self.normalize, "latents_mean": mean, "latents_std": std}
+
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256``, geometry, ``normalize``, ``dtype``,
         ``encode_version``, plus ``latents_mean``/``latents_std`` when the config has them.
@@ -224,7 +252,7 @@ class DiffusersVAEEncoder:
             "dtype": str(self.dtype).replace("torch.", ""),
             "spatial_factor": int(self.spatial_factor),
             "latent_channels": int(self.latent_channels),
-            "input_range": [-1.0, 1.0],
+            "input_range": list(self.input_range),
             "normalize": self.normalize,
             "encode_version": ENCODE_VERSION,
         }
@@ -260,13 +288,13 @@ class WanVAEEncoder(DiffusersVAEEncoder):
         self.spatial_factor = int(cfg.get("scale_factor_spatial") or 8)
         self.latent_channels = int(cfg["z_dim"])
 
-    def _latent_stats(self):
+    def _latent_stats(self, dtype=np.float32):
         cfg = self.vae.config
         mean, std = cfg.get("latents_mean"), cfg.get("latents_std")
         if mean is None or std is None:
             return None
-        mean = np.asarray(mean, dtype=np.float32)
-        std = np.asarray(std, dtype=np.float32)
+        mean = np.asarray(mean, dtype=dtype)
+        std = np.asarray(std, dtype=dtype)
         if mean.shape != (self.latent_channels,) or std.shape != (self.latent_channels,):
             raise ValueError(
                 f"latents_mean/std must have {self.latent_channels} values, got {mean.shape} and {std.shape}"
@@ -298,14 +326,14 @@ class CosmosVAEEncoder(DiffusersVAEEncoder):
         self.spatial_factor = int(cfg["spatial_compression_ratio"])
         self.latent_channels = int(cfg["latent_channels"])
 
-    def _latent_stats(self):
+    def _latent_stats(self, dtype=np.float32):
         cfg = self.vae.config
         mean, std = cfg.get("latents_mean"), cfg.get("latents_std")
         if mean is None or std is None:
             return None
         c = self.latent_channels
-        mean = np.asarray(mean, dtype=np.float32)
-        std = np.asarray(std, dtype=np.float32)
+        mean = np.asarray(mean, dtype=dtype)
+        std = np.asarray(std, dtype=dtype)
         if mean.size % c or std.size != mean.size or mean.size == 0:
             raise ValueError(f"latents_mean/std must hold a multiple of {c} values, got {mean.size} and {std.size}")
         # (C, K) channel-major as in the Cosmos 1.0 pipelines' .view(1, C, -1, 1, 1)[:, :, :frames]

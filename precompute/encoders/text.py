@@ -54,6 +54,14 @@ class ByteTokenizer:
         """Id of a special token (None when it is not one)."""
         return self._special_id.get(token)
 
+    def add_tokens(self, tokens: list[str]) -> int:
+        """Append ``tokens`` (those not yet special) to the special tokens: ids ``vocab_size, ...``.
+        Returns the number added. Raises ``ValueError`` for an empty or non-str token."""
+        new = [t for t in dict.fromkeys(tokens) if t not in self._special_id]
+        if new:
+            self.__init__(add_bos=self.add_bos, add_eos=self.add_eos, special_tokens=self.special_tokens + tuple(new))
+        return len(new)
+
     def encode(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
         """int32 ``(n,)`` ids of ``text``'s UTF-8 bytes, special tokens as their own ids.
 
@@ -168,6 +176,17 @@ class HFTokenizer:
     def chat_template(self) -> str | None:
         """The tokenizer's own chat template (Jinja), or None."""
         return getattr(self.tokenizer, "chat_template", None)
+
+    def add_tokens(self, tokens: list[str]) -> int:
+        """Add ``tokens`` as special tokens (never split, not normalised), as TheWorld adds
+        ``<start_of_world>``/``<end_of_world>`` to Gemma's tokenizer; ``vocab_size`` grows with them (the
+        LM's embeddings must be resized to it). Returns the number added."""
+        from tokenizers import AddedToken  # the form transformers 4 and 5 both take
+
+        n = self.tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens],
+                                      special_tokens=True)
+        self.vocab_size = int(len(self.tokenizer))
+        return int(n)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of ``token`` when the vocabulary has it as one token (None otherwise)."""

@@ -22,7 +22,7 @@ from shardcache.plugins import load_factory
 
 from .base import Producer, Timer, encode_each
 from .codes import CodesProducer, SegmentsProducer, segments_table
-from .latents import LatentsProducer
+from .latents import LatentsProducer, latents_info
 from .text import TextProducer
 from .waveforms import WaveformProducer
 
@@ -82,4 +82,4 @@ def load_producer(spec: Mapping[str, Any], field: str, device: str = "cpu") -> P
 
 
 __all__ = ["Producer", "Timer", "encode_each", "PRODUCERS", "load_producer", "TextProducer", "WaveformProducer",
-           "CodesProducer", "SegmentsProducer", "LatentsProducer", "segments_table"]
+           "CodesProducer", "SegmentsProducer", "LatentsProducer", "segments_table", "latents_info"]

@@ -17,15 +17,19 @@ class LatentsProducer(Producer):
     name = "latents"
     needs_images = True
 
-    def __init__(self, vae: Any, posterior: bool = False, field: str = "latents"):
+    def __init__(self, vae: Any, posterior: bool = False, field: str = "latents", info: dict | None = None):
         self.vae, self.posterior, self.field = vae, bool(posterior), field
         self.outputs = (field, f"{field}_logvar") if posterior else (field,)
+        self.info = info  # manifest.json ``latents``: how they were made (see latents_info)
 
     def describe(self) -> dict[str, Any]:
         return self.vae.describe()
 
     def manifest_info(self) -> dict[str, Any]:
-        return {"latent_channels": int(self.vae.latent_channels)}
+        out: dict[str, Any] = {"latent_channels": int(self.vae.latent_channels)}
+        if self.info is not None:
+            out["latents"] = self.info
+        return out
 
     def produce(self, samples: list, timer: Timer) -> list[dict[str, Any] | Exception]:
         by_shape: dict[tuple, list[tuple[int, int]]] = {}
@@ -54,3 +58,23 @@ class LatentsProducer(Producer):
             else:
                 out.append({self.field: np.concatenate([np.asarray(z, np.float32) for z in zs], axis=1)})
         return out
+
+
+def latents_info(cfg: Any, image_encoder: Any) -> dict[str, Any]:
+    """``manifest.json`` ``latents``: how the cached latents were made, for the trainer.
+
+    ``resize``/``size``/``interpolation``/``rgb`` (:mod:`precompute.images`), ``input_range`` (the
+    pixel values the VAE was fed), ``dtype`` (the VAE's compute dtype), ``normalized`` with the
+    per-channel ``latents_mean``/``latents_std`` (the values applied when normalised, else the VAE
+    config's, null when it has none; :meth:`precompute.encoders.image.DiffusersVAEEncoder.latent_stats`).
+    """
+    from ..encoders.image import PIXEL_RANGES
+    from ..images import RESAMPLE
+    rng = getattr(image_encoder, "input_range", None) or PIXEL_RANGES[cfg.image_pixel_range]  # plug-ins: the config's
+    dtype = getattr(image_encoder, "dtype", None)
+    out = {"resize": cfg.image_resize, "size": cfg.image_size, "interpolation": RESAMPLE[cfg.image_resize].name.lower(),
+           "rgb": cfg.image_rgb, "input_range": [float(v) for v in rng],
+           "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+           "store_posterior": cfg.store_posterior}
+    stats = getattr(image_encoder, "latent_stats", None)
+    return out | (stats() if callable(stats) else {"normalized": getattr(image_encoder, "normalize", None)})

@@ -8,24 +8,27 @@ Usage::
 Writes ``OUT/<name>-<size>`` with ``save_pretrained`` (config + safetensors), exactly what a user's real
 checkpoint directory looks like, so tests load them through the same ``from_pretrained`` path:
 
-=============  ==========================================================================================
-``dac``        transformers ``DacModel`` shaped like the Higgs Audio v2 tokenizer: 24 kHz, ratios
-               [8,5,4,2,3], hop 960, 25 frames/s, 8 codebooks x 1024. tiny: encoder_hidden_size=8,
-               decoder_hidden_size=64, hidden_size=32, codebook_dim=8 (~1 M params); full: ~126 M params.
-``encodec``    transformers ``EncodecModel`` 24 kHz (hop 320). tiny: hidden 32, 4 filters, 1 LSTM layer.
-``mimi``       transformers ``MimiModel`` 24 kHz (hop 1920). tiny: hidden 32, 1 transformer layer, 8 codebooks.
-``wan``        diffusers ``AutoencoderKLWan`` (Wan 2.1 VAE, Cosmos-Predict2). tiny: base_dim=3, z_dim=16,
-               dim_mult=[1,1,1,1], num_res_blocks=1; full: the default (real) config.
-``cosmos``     diffusers ``AutoencoderKLCosmos`` (Cosmos 1.0 CV8x8x8). tiny: encoder channels
-               (8,16,16,16), decoder (16,16,16,16), num_layers=1; full: the default config.
-``tokenizer``  a byte-level BPE ``PreTrainedTokenizerFast`` (300 ids) trained on a few sentences, for ``hf``,
-               plus the Llama-3 / Higgs-Audio chat tokens (``<|begin_of_text|>`` ... ``<|AUDIO_OUT|>``,
-               ``<image>``) as added special tokens (ids 300..310) and a Llama-3 header-style
-               ``chat_template``, so ``apply_chat_template`` and the ``tokenizer`` chat template work.
-``lm``         transformers ``LlamaForCausalLM`` for the training recipes (``--model tts|vlm``). tiny:
-               hidden 64, 2 layers, 4 heads (2 kv), intermediate 128, vocab 512 (covers the byte
-               tokenizer's 270 ids and ``tokenizer``'s 311); full: the Llama-3.2-1B shape (~1.2 B params).
-=============  ==========================================================================================
+====================  ==========================================================================================
+``dac``               transformers ``DacModel`` shaped like the Higgs Audio v2 tokenizer: 24 kHz, ratios
+                      [8,5,4,2,3], hop 960, 25 frames/s, 8 codebooks x 1024. tiny: encoder_hidden_size=8,
+                      decoder_hidden_size=64, hidden_size=32, codebook_dim=8 (~1 M params); full: ~126 M params.
+``encodec``           transformers ``EncodecModel`` 24 kHz (hop 320). tiny: hidden 32, 4 filters, 1 LSTM layer.
+``mimi``              transformers ``MimiModel`` 24 kHz (hop 1920). tiny: hidden 32, 1 transformer layer, 8 codebooks.
+``wan``               diffusers ``AutoencoderKLWan`` (Wan 2.1 VAE, Cosmos-Predict2). tiny: base_dim=3, z_dim=16,
+                      dim_mult=[1,1,1,1], num_res_blocks=1; full: the default (real) config.
+``cosmos``            diffusers ``AutoencoderKLCosmos`` (Cosmos 1.0 CV8x8x8). tiny: encoder channels
+                      (8,16,16,16), decoder (16,16,16,16), num_layers=1; full: the default config.
+``tokenizer``         a byte-level BPE ``PreTrainedTokenizerFast`` (300 ids) trained on a few sentences, for ``hf``,
+                      plus the Llama-3 / Higgs-Audio chat tokens (``<|begin_of_text|>`` ... ``<|AUDIO_OUT|>``,
+                      ``<image>``) as added special tokens (ids 300..310) and a Llama-3 header-style
+                      ``chat_template``, so ``apply_chat_template`` and the ``tokenizer`` chat template work.
+``gemma3-tokenizer``  a byte-level BPE with Gemma 3's special tokens (``<bos>``, ``<start_of_turn>``,
+                      ``<start_of_image>``...) and its real chat template (:mod:`.chat_templates`; also Llama 3's and
+                      Qwen2-VL's, built by the tests).
+``lm``                transformers ``LlamaForCausalLM`` for the training recipes (``--model tts|vlm``). tiny:
+                      hidden 64, 2 layers, 4 heads (2 kv), intermediate 128, vocab 512 (covers the byte
+                      tokenizer's 270 ids and ``tokenizer``'s 311); full: the Llama-3.2-1B shape (~1.2 B params).
+====================  ==========================================================================================
 
 EnCodec and Mimi codebooks are calibrated so random models give non-constant codes (:mod:`.codecs`).
 
@@ -44,12 +47,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import codecs, text, vaes
+from . import chat_templates, codecs, text, vaes
 
 SIZES = ("tiny", "full")
 
 #: name -> ``make(size, seed)``: every model this package builds (one module per family)
-MAKERS: dict[str, Callable] = {**codecs.MAKERS, **vaes.MAKERS, **text.MAKERS}
+MAKERS: dict[str, Callable] = {**codecs.MAKERS, **vaes.MAKERS, **text.MAKERS, **chat_templates.MAKERS}
 
 # -- saving -----------------------------------------------------------------------------------------
 

@@ -27,14 +27,12 @@ LLAMA3_CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(size: str = "tiny", seed: int = 0):
-    """Byte-level BPE ``PreTrainedTokenizerFast`` (``<pad>``=0, ``<s>``=1, ``</s>``=2, ``<unk>``=3) adding
-    bos/eos, with :data:`SPECIAL_TOKENS` as added special tokens and :data:`LLAMA3_CHAT_TEMPLATE`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+def train_bpe(size: str, specials: list[str]):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on :data:`TOKENIZER_CORPUS` (300 ids tiny,
+    1000 full), ``specials`` first (ids 0, 1, ...); no post-processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if "<unk>" in specials else None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     vocab = 300 if size == "tiny" else 1000
@@ -42,6 +40,16 @@ def make_tokenizer(size: str = "tiny", seed: int = 0):
         vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator(TOKENIZER_CORPUS * 4, trainer=trainer)
+    return tok
+
+
+def make_tokenizer(size: str = "tiny", seed: int = 0):
+    """Byte-level BPE ``PreTrainedTokenizerFast`` (``<pad>``=0, ``<s>``=1, ``</s>``=2, ``<unk>``=3) adding
+    bos/eos, with :data:`SPECIAL_TOKENS` as added special tokens and :data:`LLAMA3_CHAT_TEMPLATE`."""
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_bpe(size, ["<pad>", "<s>", "</s>", "<unk>"])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
     )
