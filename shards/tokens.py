@@ -24,6 +24,13 @@ EOT, EOM = "<|eot_id|>", "<|eom_id|>"
 AUDIO_BOS, AUDIO_IN, AUDIO_EOS = "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"
 AUDIO_OUT_BOS, AUDIO_OUT = "<|audio_out_bos|>", "<|AUDIO_OUT|>"
 IMAGE = "<image>"
+#: Higgs-Audio v2's tokenizer (a Llama-3 tokenizer): end of text = its pad (``pad_token_id`` 128001),
+#: and the delay token that ``transformers``' ``HiggsAudioV2Processor`` writes after the frames of an
+#: audio item (its ``audio_delay_token``, id 128014: a Llama-3 reserved token). Not in
+#: :data:`SPECIAL_TOKENS`: no cache layout renders them (the trainer inserts delay tokens).
+END_OF_TEXT = "<|end_of_text|>"
+AUDIO_DELAY = "<|reserved_special_token_6|>"
+HIGGS_TOKENS = (END_OF_TEXT, AUDIO_DELAY)
 
 #: every special token the chat layouts use, in this order (the byte tokenizer gives them ids
 #: 259, 260, ...; the test tokenizer adds them after its BPE vocabulary)
@@ -33,4 +40,5 @@ SPECIAL_TOKENS = (BEGIN_OF_TEXT, START_HEADER, END_HEADER, EOT, EOM, AUDIO_BOS, 
 PLACEHOLDERS = (AUDIO_IN, AUDIO_OUT, IMAGE)
 
 __all__ = ["IGNORE_INDEX", "BEGIN_OF_TEXT", "START_HEADER", "END_HEADER", "EOT", "EOM", "AUDIO_BOS",
-           "AUDIO_IN", "AUDIO_EOS", "AUDIO_OUT_BOS", "AUDIO_OUT", "IMAGE", "SPECIAL_TOKENS", "PLACEHOLDERS"]
+           "AUDIO_IN", "AUDIO_EOS", "AUDIO_OUT_BOS", "AUDIO_OUT", "IMAGE", "SPECIAL_TOKENS", "PLACEHOLDERS",
+           "END_OF_TEXT", "AUDIO_DELAY", "HIGGS_TOKENS"]

@@ -37,6 +37,26 @@ def tiny_models(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def higgs_models(tmp_path_factory) -> Path:
+    """The tiny random Higgs-Audio v2 models (``higgs-tiny``: model + text tokenizer;
+    ``higgs-audio-tokenizer-tiny``), built once per session by ``python -m shardcache.testing``.
+    The in-process tests that run the audio tokenizer need :func:`higgs_codec` too."""
+    out = tmp_path_factory.mktemp("higgs-models")
+    subprocess.run([sys.executable, "-m", "shardcache.testing", "--out", str(out), "--only",
+                    "higgs,higgs-audio-tokenizer"], check=True, cwd=ROOT, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def higgs_codec(higgs_models) -> Path:
+    """``higgs_models``, with ``import torchaudio`` working in this process for the tiny Higgs audio
+    tokenizer (a stand-in where the real torchaudio cannot load: shardcache.testing.higgs)."""
+    from shardcache.testing.higgs import torchaudio_stand_in
+    torchaudio_stand_in()
+    return higgs_models
+
+
+@pytest.fixture(scope="session")
 def tiny_config(tiny_models):
     """A PrecomputeConfig pointing at the tiny models, small images and shards for fast tests."""
     from precompute.config import load_config

@@ -27,21 +27,35 @@ LLAMA3_CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(size: str = "tiny", seed: int = 0):
-    """Byte-level BPE ``PreTrainedTokenizerFast`` (``<pad>``=0, ``<s>``=1, ``</s>``=2, ``<unk>``=3) adding
-    bos/eos, with :data:`SPECIAL_TOKENS` as added special tokens and :data:`LLAMA3_CHAT_TEMPLATE`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+def train_bpe(vocab: int, specials: list[str]):
+    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab`` ids trained on :data:`TOKENIZER_CORPUS`,
+    ``specials`` first (ids 0, 1, ...)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    vocab = 300 if size == "tiny" else 1000
     trainer = trainers.BpeTrainer(
         vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator(TOKENIZER_CORPUS * 4, trainer=trainer)
+    return tok
+
+
+def add_chat_tokens(fast, tokens) -> None:
+    """Add ``tokens`` to a ``PreTrainedTokenizerFast`` as special tokens, each a single id after its vocabulary."""
+    from tokenizers import AddedToken
+
+    fast.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens], special_tokens=True)
+
+
+def make_tokenizer(size: str = "tiny", seed: int = 0):
+    """Byte-level BPE ``PreTrainedTokenizerFast`` (``<pad>``=0, ``<s>``=1, ``</s>``=2, ``<unk>``=3) adding
+    bos/eos, with :data:`SPECIAL_TOKENS` as added special tokens and :data:`LLAMA3_CHAT_TEMPLATE`."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_bpe(300 if size == "tiny" else 1000, ["<pad>", "<s>", "</s>", "<unk>"])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
     )
@@ -49,7 +63,7 @@ def make_tokenizer(size: str = "tiny", seed: int = 0):
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     # the chat templates' tokens (shards.tokens.SPECIAL_TOKENS), each a single id after the BPE vocab
-    fast.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
+    add_chat_tokens(fast, SPECIAL_TOKENS)
     fast.chat_template = LLAMA3_CHAT_TEMPLATE
     return fast
 
