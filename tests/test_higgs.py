@@ -1,6 +1,6 @@
 """Higgs-Audio v2 from the cache: batches equal to ``HiggsAudioV2Processor(output_labels=True)``'s.
 
-Each real-mini ChatML manifest (a few samples of each) is precomputed with configs/precompute-tts.yaml
+Each real-mini ChatML manifest (a few samples of each: conftest.higgs_caches) is precomputed with configs/precompute-tts.yaml
 (the tiny random Higgs audio tokenizer and text tokenizer). The same conversations go through
 ``transformers``' own processor, built as its conversion script builds it, with the same text tokenizer
 and the same audio tokenizer (``HiggsAudioV2TokenizerModel``, run here through the torchaudio stand-in;
@@ -15,51 +15,15 @@ and ``apply_chat_template(tokenize=True)`` then fails on such a conversation (ch
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import HIGGS_MANIFESTS, ROOT
 
-#: manifest -> samples used (the first N)
-MANIFESTS = {"voice_clone": ("chatml_voice_clone.json", 6), "understanding": ("chatml_audio_understanding.json", 5),
-             "train": ("train_chatml_samples.json", 8)}
 KEYS = ("input_ids", "attention_mask", "labels", "audio_input_ids", "audio_input_ids_mask", "audio_labels")
-
-
-def _absolute(rec: dict, base: Path) -> dict:
-    rec = json.loads(json.dumps(rec))
-    for m in rec["messages"]:
-        items = m["content"] if isinstance(m["content"], list) else [m["content"]]
-        for it in items:
-            if isinstance(it, dict):
-                for k in ("audio_url", "image_url"):
-                    if isinstance(it.get(k), str):
-                        it[k] = str(base / it[k])
-    return rec
-
-
-@pytest.fixture(scope="module")
-def caches(real_mini, higgs_codec, tmp_path_factory):
-    from precompute.config import load_config
-    from precompute.job import run
-
-    out = tmp_path_factory.mktemp("higgs-caches")
-    cfg = load_config(ROOT / "configs" / "precompute-tts.yaml", [
-        f"audio_tokenizer.pretrained={higgs_codec / 'higgs-audio-tokenizer-tiny'}",
-        f"text_tokenizer.pretrained={higgs_codec / 'higgs-tiny'}", "device=cpu", "num_workers=0"])
-    got = {}
-    for name, (file, n) in MANIFESTS.items():
-        recs = [_absolute(r, real_mini) for r in json.loads((real_mini / file).read_text())[:n]]
-        manifest = out / f"{name}.json"
-        manifest.write_text(json.dumps(recs))
-        summary, _ = run(manifest, out / name, cfg, progress=False)
-        assert summary.kept >= 4
-        got[name] = (out / name, {r["misc"]["key"]: r for r in recs})
-    return got
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +111,9 @@ def _both(processor, recipe, cache: Path, recs: dict, user_audio: str = "drop"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(MANIFESTS))
-def test_cache_batch_equals_the_processors_and_so_does_the_loss(name, caches, processor, higgs_codec):
-    cache, recs = caches[name]
+@pytest.mark.parametrize("name", list(HIGGS_MANIFESTS))
+def test_cache_batch_equals_the_processors_and_so_does_the_loss(name, higgs_caches, processor, higgs_codec):
+    cache, recs = higgs_caches[name]
     recipe = _recipe(higgs_codec, cache)
     proc, ours = _both(processor, recipe, cache, recs)
     assert set(ours) - {"keys"} == set(proc), (sorted(ours), sorted(proc))
@@ -165,9 +129,9 @@ def test_cache_batch_equals_the_processors_and_so_does_the_loss(name, caches, pr
 
 
 @pytest.mark.slow
-def test_input_audio_as_codes_equals_the_processor_given_them_as_audio_tokens(caches, processor, higgs_codec):
+def test_input_audio_as_codes_equals_the_processor_given_them_as_audio_tokens(higgs_caches, processor, higgs_codec):
     """``input_audio: codes``: a user-turn audio item written as the template writes scene audio."""
-    cache, recs = caches["understanding"]
+    cache, recs = higgs_caches["understanding"]
     recipe = _recipe(higgs_codec, cache, input_audio="codes")
     proc, ours = _both(processor, recipe, cache, recs, user_audio="codes")
     assert int(proc["audio_input_ids_mask"].sum()) > 0
@@ -176,8 +140,8 @@ def test_input_audio_as_codes_equals_the_processor_given_them_as_audio_tokens(ca
 
 
 @pytest.mark.slow
-def test_the_real_template_drops_user_audio_and_the_processor_then_refuses_it(caches, processor):
-    cache, recs = caches["understanding"]
+def test_the_real_template_drops_user_audio_and_the_processor_then_refuses_it(higgs_caches, processor):
+    cache, recs = higgs_caches["understanding"]
     conv, _ = _conversation(next(iter(recs.values())))
     conv[-1]["content"] = [{"type": "audio", "audio": np.zeros(2400, np.float32)}]   # an audio answer
     text = processor.apply_chat_template(conv, tokenize=False)
@@ -187,13 +151,13 @@ def test_the_real_template_drops_user_audio_and_the_processor_then_refuses_it(ca
 
 
 @pytest.mark.slow
-def test_targets_labels_train_only_the_trained_turns(caches, processor, higgs_codec):
+def test_targets_labels_train_only_the_trained_turns(higgs_caches, processor, higgs_codec):
     """``labels: targets``: same inputs; text labels the cached ones (the last assistant turn of a
     voice-cloning sample), audio labels the target item's codes and its stream EOS (Boson's
     collator), computed here from the cached codes column by column."""
     from shards import ShardReader
 
-    cache, recs = caches["voice_clone"]
+    cache, recs = higgs_caches["voice_clone"]
     recipe = _recipe(higgs_codec, cache, labels="targets")
     proc, ours = _both(processor, recipe, cache, recs)
     for k in ("input_ids", "attention_mask", "audio_input_ids", "audio_input_ids_mask"):
