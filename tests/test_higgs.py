@@ -200,3 +200,44 @@ def test_model_path_must_be_a_higgs_checkpoint(tiny_models, higgs_models):
         build_model("higgs", {"lm": str(higgs_models / "higgs-tiny")}, DataSpec(audio_out_token_id=268))
     with pytest.raises(ValueError, match="codebooks"):
         build_model("higgs", {"lm": str(higgs_models / "higgs-tiny")}, DataSpec(n_codebooks=4))
+
+
+@pytest.mark.slow
+def test_the_transform_runs_in_the_loader_workers(higgs_caches, higgs_codec):
+    """ShardLoader(transform=recipe.batch_transform): the same batches from 2 worker processes as in-process."""
+    from loaders import ShardLoader
+    cache, _ = higgs_caches["voice_clone"]
+    recipe = _recipe(higgs_codec, cache)
+
+    def batches(workers: int) -> list[dict]:
+        ld = ShardLoader(cache, 3, fields=recipe.fields, num_workers=workers, transform=recipe.batch_transform)
+        ld.set_epoch(0)
+        return list(ld)
+
+    here, there = batches(0), batches(2)
+    assert len(here) == len(there) == 2
+    for a, b in zip(here, there):
+        assert a["keys"] == b["keys"] and set(a) == set(b) and "audio_input_ids" in a
+        assert all(torch.equal(a[k], b[k]) for k in KEYS)
+
+
+@pytest.mark.slow
+def test_lora_checkpoints_hold_the_adapters_only(higgs_caches, higgs_models, tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    from train.config import from_dict
+    from train.trainer import run
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    cache, _ = higgs_caches["voice_clone"]
+    cfg = from_dict({"data": {"cache": str(cache), "batch_size": 2},
+                     "model": {"name": "higgs", "kwargs": {"lm": str(higgs_models / "higgs-tiny")}},
+                     "lora": {"enabled": True}, "training": {"steps": 3}, "checkpoint": {"every": 3},
+                     "job": {"dir": str(tmp_path / "run")}, "metrics": {"progress": False}, "dist": {"threads": 1}})
+    assert run(cfg) == 0
+    ck = tmp_path / "run" / "step-3"
+    assert (ck / "adapter.safetensors").exists() and not (ck / "model.safetensors").exists()
+    with safe_open(str(ck / "adapter.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and all("lora_" in n for n in names), names
+    assert any("self_attn.q_proj.lora_A" in n for n in names)
