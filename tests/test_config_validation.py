@@ -127,10 +127,11 @@ def test_cli_stops_before_loading_any_model(tmp_path):
 
 def test_config_files_keep_their_fingerprint_and_old_names(tmp_path):
     """The preprocessing() of configs/precompute-tts.yaml as the code before the config rewrite
-    computed it (caches made then must not be refused), and a file with the old key batch_size."""
+    computed it (caches made then must not be refused; the file renders Higgs-Audio's own layout,
+    chat_template llama3, since issue 20), and a file with the old key batch_size."""
     cfg = load_config(ROOT / "configs" / "precompute-tts.yaml")
     assert cfg.preprocessing() == {
-        "audio_format": "pcm_s16le", "chat_template": "auto", "image_resize": "center_crop", "image_size": 256,
+        "audio_format": "pcm_s16le", "chat_template": "llama3", "image_resize": "center_crop", "image_size": 256,
         "latents_dtype": "float16", "sample_layout": "conversation-1", "sample_rate": 24000,
         "extra_waveforms": {"audio_16k": {"direction": "in", "sample_rate": 16000}}}
     old = tmp_path / "old.yaml"
