@@ -15,6 +15,7 @@ and ``apply_chat_template(tokenize=True)`` then fails on such a conversation (ch
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -192,8 +193,11 @@ def test_targets_labels_train_only_the_trained_turns(higgs_caches, processor, hi
     assert not torch.equal(ours["labels"], proc["labels"])
 
 
-def test_model_path_must_be_a_higgs_checkpoint(tiny_models, higgs_models):
+def test_model_path_must_be_a_higgs_checkpoint(tiny_models, higgs_models, tmp_path):
     from train.models import DataSpec, build_model
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "higgs_audio"}))    # Boson's own format
+    with pytest.raises(ValueError, match="convert_higgs_audio_v2_to_hf"):
+        build_model("higgs", {"lm": str(tmp_path)}, DataSpec())
     with pytest.raises(ValueError, match="use --model tts"):
         build_model("higgs", {"lm": str(tiny_models / "lm-tiny")}, DataSpec())
     with pytest.raises(ValueError, match="another tokenizer"):   # a cache made with another tokenizer's ids

@@ -49,16 +49,23 @@ def load_config(lm: Any):
 
     name = resolve_lm(lm)
     with blocked_imports(FORBIDDEN_MODULES):
-        from transformers import AutoConfig
+        from transformers import AutoConfig, PretrainedConfig
         try:
-            cfg = AutoConfig.from_pretrained(name)
+            raw, _ = PretrainedConfig.get_config_dict(name)   # its model_type, before transformers resolves it
         except OSError as e:
             raise OSError(f"could not load the config of {name!r} ({e}); pass model.kwargs.lm (or --model_path) = "
                           "a Higgs-Audio v2 checkpoint directory or hub id; `make models` builds models/higgs-tiny") from e
-    if cfg.model_type != MODEL_TYPE:
-        raise ValueError(f"--model higgs needs a {MODEL_TYPE} checkpoint (transformers' "
-                         f"HiggsAudioV2ForConditionalGeneration); {name} is {cfg.model_type!r}: for a plain causal LM "
-                         "use --model tts")
+        model_type = raw.get("model_type")
+        if model_type == "higgs_audio":
+            raise ValueError(f"{name} is Higgs-Audio in Boson's own format (model_type 'higgs_audio', boson_multimodal): "
+                             "--model higgs loads transformers' form (higgs_audio_v2): convert it with transformers' "
+                             "convert_higgs_audio_v2_to_hf.py (docs/higgs-audio.md), or train it with Boson's trainer "
+                             "on loaders.higgs.HiggsChatMLDataset")
+        if model_type != MODEL_TYPE:
+            raise ValueError(f"--model higgs needs a {MODEL_TYPE} checkpoint (transformers' "
+                             f"HiggsAudioV2ForConditionalGeneration); {name} is {model_type!r}: for a plain causal LM "
+                             "use --model tts")
+        cfg = AutoConfig.from_pretrained(name)
     return cfg
 
 
