@@ -49,6 +49,9 @@ the text the template renders. ``input_audio="codes"`` feeds them to the model a
 written as the template writes audio of the ``scene`` turn (``<|audio_out_bos|><|AUDIO_OUT|>
 <|audio_eos|>`` in place of the three tokens), never trained with ``labels="targets"``.
 
+The delay pattern itself (:func:`build_delay_pattern`, :func:`delay_segments`, used by the ``tts``
+recipe too) lives here.
+
 Other differences between the cached (Boson) layout and the template, handled or documented: the
 template ends every turn with ``<|eot_id|>`` (Boson ends an assistant turn followed by another with
 ``<|eom_id|>``: replaced by ``<|eot_id|>`` here); it trims each text item (the cache does not: equal
@@ -77,17 +80,65 @@ LABELS = ("processor", "targets")
 INPUT_AUDIO = ("drop", "codes")
 
 
-def delay_pattern(codes: torch.Tensor, bos: int, eos: int) -> torch.Tensor:
-    """``[BOS, codes, EOS]`` delayed: codes (Q, n) int -> (Q, n + Q + 1) int64; column j of codebook q
-    is stream column ``c = j - q`` of ``[BOS, codes, EOS]``, BOS where ``c < 0``, EOS past the end
-    (``HiggsAudioV2Processor.build_delay_pattern``; Boson's ``build_delay_pattern_mask``)."""
+def delay_segments(codes: torch.Tensor, seg_batch: torch.Tensor, start: torch.Tensor, frames: torch.Tensor,
+                   bos: int, eos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Delayed input ids and labels of N audio items at once.
+
+    codes (B, Q, F) int64; item i = ``codes[seg_batch[i], :, start[i]:start[i] + frames[i]]``.
+    Returns ids (N, Q, M) int64, labels (N, Q, M) int64, lengths (N,) = frames + Q + 1, with
+    M = max(lengths) (1 when N = 0). Column j, codebook q reads stream column c = j - q of
+    ``[BOS, codes, EOS]``: ids are BOS for c <= 0, the code for 1 <= c <= n, EOS after; labels are the
+    code, EOS at c = n + 1, -100 elsewhere (also past ``lengths``). Raises ``ValueError`` when an
+    item reads padded (negative) codes or codes >= ``bos``.
+    """
+    B, Q, Fr = codes.shape
+    N = seg_batch.numel()
+    lengths = frames + Q + 1
+    M = int(lengths.max()) if N else 1
+    dev = codes.device
+    j = torch.arange(M, device=dev)
+    q = torch.arange(Q, device=dev)
+    c = (j[None, None, :] - q[None, :, None]).expand(N, Q, M)          # stream column
+    n = frames[:, None, None]
+    in_codes = (c >= 1) & (c <= n)
+    idx = (start[:, None, None] + c - 1).clamp(0, max(Fr - 1, 0))
+    if Fr:
+        got = codes[seg_batch[:, None, None], q[None, :, None], idx]
+    else:
+        got = torch.zeros((N, Q, M), dtype=torch.long, device=dev)
+    bad = in_codes & ((got < 0) | (got >= bos))
+    if N and bool(bad.any()):
+        i = int(bad.flatten(1).any(1).nonzero()[0])
+        raise ValueError(f"audio item {i} (sample {int(seg_batch[i])}, code_start {int(start[i])}, "
+                         f"code_frames {int(frames[i])}) reads codes outside [0, {bos}): padded frames "
+                         f"(codes has {Fr}) or a codebook_size smaller than the cache's")
+    ids = torch.where(c <= 0, torch.full_like(got, bos), torch.where(in_codes, got, torch.full_like(got, eos)))
+    labels = torch.where(in_codes, got, torch.where(c == n + 1, torch.full_like(got, eos),
+                                                    torch.full_like(got, IGNORE_INDEX)))
+    labels = labels.masked_fill(~(j[None, :] < lengths[:, None])[:, None, :], IGNORE_INDEX)
+    return ids, labels, lengths
+
+
+def build_delay_pattern(codes: torch.Tensor, bos: int, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, labels), both (Q, n + Q + 1) int64, of one item's codes (Q, n) (see :func:`delay_segments`).
+
+    Q = 3, n = 2, codes [[a, b], [c, d], [e, f]] (B = bos, E = eos, _ = -100)::
+
+        ids    [[B, a, b, E, E, E],     labels [[_, a, b, E, _, _],
+                [B, B, c, d, E, E],             [_, _, c, d, E, _],
+                [B, B, B, e, f, E]]             [_, _, _, e, f, E]]
+    """
     Q, n = codes.shape
-    j = torch.arange(n + Q + 1)
-    c = j[None, :] - torch.arange(Q)[:, None]                              # (Q, n + Q + 1)
-    idx = (c - 1).clamp(0, max(n - 1, 0))
-    got = codes.long().gather(1, idx) if n else torch.zeros((Q, n + Q + 1), dtype=torch.long)
-    out = torch.where(c <= 0, torch.full_like(got, bos), torch.where(c <= n, got, torch.full_like(got, eos)))
-    return out
+    z = torch.zeros(1, dtype=torch.long, device=codes.device)
+    ids, labels, _ = delay_segments(codes[None].long(), z, z, z + n, bos, eos)
+    return ids[0], labels[0]
+
+
+def revert_delay_pattern(delayed: torch.Tensor) -> torch.Tensor:
+    """(Q, M) delayed -> (Q, M - Q + 1) undelayed (Higgs ``revert_delay_pattern``); for ids from
+    :func:`build_delay_pattern` this is ``[BOS, codes, EOS]``."""
+    Q, M = delayed.shape
+    return torch.stack([delayed[q, q:M - Q + 1 + q] for q in range(Q)])
 
 
 @dataclass
@@ -270,15 +321,12 @@ class HiggsBatch:
         for items in audio:
             per_ids, per_lab = [], []
             for it in items:
-                d = delay_pattern(it.codes, self.stream_bos, self.stream_eos)          # (Q, n + Q + 1)
-                lab = d.masked_fill((d == self.stream_bos) | (d == self.stream_eos), IGNORE_INDEX)
+                # (Q, n + Q + 1) each; Boson's labels: [-100, codes, EOS] delayed, -100 fill (the stream EOS trains)
+                d, boson = build_delay_pattern(it.codes, self.stream_bos, self.stream_eos)
                 if self.labels == "targets":
-                    if it.trained:   # Boson: [-100, codes, EOS] delayed, -100 fill: the stream EOS trains too
-                        n = it.codes.shape[1]
-                        c = torch.arange(d.shape[1])[None, :] - torch.arange(self.Q)[:, None]
-                        lab = torch.where(c == n + 1, torch.full_like(lab, self.stream_eos), lab)
-                    else:
-                        lab = torch.full_like(lab, IGNORE_INDEX)
+                    lab = boson if it.trained else torch.full_like(boson, IGNORE_INDEX)
+                else:     # the processor's: the ids with stream BOS/EOS -100
+                    lab = d.masked_fill((d == self.stream_bos) | (d == self.stream_eos), IGNORE_INDEX)
                 per_ids.append(d.T)
                 per_lab.append(lab.T)
             cols.append(torch.cat(per_ids) if per_ids else torch.zeros((0, self.Q), dtype=torch.long))

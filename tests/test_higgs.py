@@ -229,6 +229,7 @@ def test_the_transform_runs_in_the_loader_workers(higgs_caches, higgs_codec):
 def test_lora_checkpoints_hold_the_adapters_only(higgs_caches, higgs_models, tmp_path, monkeypatch):
     from safetensors import safe_open
 
+    from test_train_support import Captured
     from train.config import from_dict
     from train.trainer import run
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -238,10 +239,40 @@ def test_lora_checkpoints_hold_the_adapters_only(higgs_caches, higgs_models, tmp
                      "model": {"name": "higgs", "kwargs": {"lm": str(higgs_models / "higgs-tiny")}},
                      "lora": {"enabled": True}, "training": {"steps": 3}, "checkpoint": {"every": 3},
                      "job": {"dir": str(tmp_path / "run")}, "metrics": {"progress": False}, "dist": {"threads": 1}})
-    assert run(cfg) == 0
+    with Captured():          # (a handler of our own: the trainer leaves the logger's propagation alone)
+        assert run(cfg) == 0
     ck = tmp_path / "run" / "step-3"
     assert (ck / "adapter.safetensors").exists() and not (ck / "model.safetensors").exists()
     with safe_open(str(ck / "adapter.safetensors"), "pt") as f:
         names = list(f.keys())
     assert names and all("lora_" in n for n in names), names
     assert any("self_attn.q_proj.lora_A" in n for n in names)
+
+
+def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches):
+    """HiggsChatMLDataset (without boson_multimodal: ``sample_class``): the input items' waveforms at
+    16 kHz (decoded here again from the source files), one speaker map for the whole cache."""
+    from types import SimpleNamespace
+
+    from loaders.higgs import HiggsChatMLDataset
+    from precompute.audio import load_audio
+    cache, recs = higgs_caches["understanding"]
+    ds = HiggsChatMLDataset(cache, sample_class=SimpleNamespace)
+    assert ds.waveforms == "audio_16k" and ds.rate == 16000
+    assert ds.speakers == sorted({r["speaker"] for r in recs.values()})
+    for i, key in enumerate(ds.reader.keys):
+        s, rec = ds[i], recs[key]
+        url = next(it["audio_url"] for m in rec["messages"] if isinstance(m["content"], list)
+                   for it in m["content"] if isinstance(it, dict) and it.get("type") == "audio")
+        want = load_audio(url, (16000,))[0][16000]
+        assert s.audio_sample_rate.tolist() == [16000.0] and s.audio_waveforms_start.tolist() == [0]
+        np.testing.assert_allclose(s.audio_waveforms_concat.numpy(), want, atol=2e-4)
+        assert s.audio_speaker_indices.tolist() == [-1]   # input items have a speaker only when the item names one
+        assert s.audio_ids_concat.shape[0] == 8 and s.audio_ids_start.tolist() == [0]
+    cache, recs = higgs_caches["voice_clone"]                # output items: the sample's speaker, cache-wide ids
+    for speakers in (None, ["nobody", "lucas", "jackson", "george"]):
+        ds = HiggsChatMLDataset(cache, speakers=speakers, sample_class=SimpleNamespace)
+        assert ds.speakers == (speakers or sorted({r["speaker"] for r in recs.values()}))
+        for i, key in enumerate(ds.reader.keys):
+            assert ds[i].audio_speaker_indices.tolist() == [ds.speakers.index(recs[key]["speaker"])] * 2
+            assert ds[i].audio_waveforms_concat.numel() == 0
