@@ -1,7 +1,8 @@
 """``loaders.higgs.HiggsChatMLDataset`` against the real ``boson-multimodal`` 0.1.1 (Higgs-Audio's own
 code). It pins ``transformers<4.47`` and cannot be imported beside transformers 5, so it runs in a venv
 of its own (``make boson-venv``, built on first use from the package index: skipped, with the reason,
-where that cannot be done) through ``tests/boson_check.py``.
+where that cannot be done; ``$SHARDCACHE_BOSON_VENV`` puts it elsewhere, e.g. somewhere that outlives a
+fresh clone) through ``tests/boson_check.py``.
 
 On a voice-cloning cache: each sample's ``input_ids``/``label_ids`` equal Boson's ``prepare_chatml_sample``
 on the same ChatML record (Boson's label rule computed by Boson's code), ``HiggsAudioSampleCollator``
@@ -14,12 +15,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
 
-VENV = ROOT / "build" / "boson-venv"
+VENV = Path(os.environ.get("SHARDCACHE_BOSON_VENV", ROOT / "build" / "boson-venv"))
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +29,8 @@ def boson_python() -> str:
     py = VENV / "bin" / "python"
     if not (VENV / ".installed").exists():
         try:
-            r = subprocess.run(["make", "-s", "boson-venv", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=1500)
+            r = subprocess.run(["make", "-s", "boson-venv", f"PYTHON={sys.executable}", f"BOSON_VENV={VENV}"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=1500)
         except (OSError, subprocess.TimeoutExpired) as e:
             pytest.skip(f"could not build {VENV} (make boson-venv): {e}")
         if r.returncode != 0:
