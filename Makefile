@@ -32,7 +32,7 @@ NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),2)
 PRECOMPUTE_NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),1)
 _PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(PRECOMPUTE_NPROC),$(PY))
 
-.PHONY: setup precompute train test inspect bench models demo-data clean help
+.PHONY: setup precompute train test inspect bench models demo-data boson-venv clean help
 
 help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
@@ -42,6 +42,7 @@ help:
 	@echo "make bench        benchmarks (writes benchmarks/results/*.json)"
 	@echo "make models       build the tiny random test models into $(MODELS)/"
 	@echo "make demo-data    regenerate data/demo (needs espeak-ng)"
+	@echo "make boson-venv   $(BOSON_VENV): boson-multimodal 0.1.1 + transformers 4.46 (tests/test_higgs_boson.py)"
 
 # The venv sees system site-packages, so a torch the user already has (e.g. a CUDA build) is kept;
 # only when none is importable do we install the CPU wheel torch==2.13.0.
@@ -58,6 +59,20 @@ $(MODELS)/.built: $(VENV)/.installed $(wildcard shardcache/testing/*.py)
 	touch $@
 
 models: $(MODELS)/.built
+
+# boson-multimodal 0.1.1 (Higgs-Audio's own code) pins transformers<4.47 and cannot be imported beside
+# transformers 5: a venv of its own, for the test of loaders.higgs.HiggsChatMLDataset against Boson's
+# prepare_chatml_sample, collator and model (tests/test_higgs_boson.py, which runs this target). --no-deps:
+# its other requirements (torchaudio, descript-audio-codec, boto3, s3fs, ruff...) serve its audio tokenizer
+# and serving code, which the test does not import; the rest is what those modules and loaders/shards import.
+BOSON_VENV ?= build/boson-venv
+$(BOSON_VENV)/.installed:
+	$(PYTHON) -m venv $(BOSON_VENV)
+	$(BOSON_VENV)/bin/pip install -q "torch==2.13.0" "transformers==4.46.3" dacite pandas loguru librosa pyarrow numpy safetensors fsspec
+	$(BOSON_VENV)/bin/pip install -q --no-deps "boson-multimodal==0.1.1"
+	touch $@
+
+boson-venv: $(BOSON_VENV)/.installed
 
 precompute: $(VENV)/.installed $(MODELS)/.built
 	$(_PRECOMPUTE_RUN) -m shardcache precompute --manifest $(DATA) --cache $(OUT) --config $(CONFIG)
@@ -79,4 +94,4 @@ demo-data: $(VENV)/.installed
 	$(PY) scripts/make_demo_data.py --out data/demo
 
 clean:
-	rm -rf cache runs $(MODELS)
+	rm -rf cache runs $(MODELS) $(BOSON_VENV)

@@ -10,6 +10,8 @@ Public API::
 * :func:`collate_fn` (:mod:`loaders.collate`): pad :meth:`shards.ShardReader.get` dicts into a batch.
 * :mod:`loaders.order` (global order, filters), :mod:`loaders.batching` (steps, rank split,
   budget batches), :mod:`loaders.dataset` (index arrays + mmap reads, the worker dataset).
+* :mod:`loaders.higgs` (imported on use): Higgs-Audio v2's own batch layout as a loader ``transform``
+  (``HiggsBatch``) and ``HiggsChatMLDataset`` for Boson's trainer.
 
 Never imports librosa, soundfile, PIL or diffusers: training machines do not need them.
 """

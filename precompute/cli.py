@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,
                                 progress=not args.no_progress, storage_options=args.storage_options,
                                 staging=args.staging)
-    except (ShardcacheError, FileNotFoundError, ValueError) as e:
+    except (ShardcacheError, FileNotFoundError, ValueError, ImportError) as e:  # ImportError: a codec's dependency
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -92,7 +92,8 @@ class PrecomputeConfig:
     """The accepted difference: latents relative L2 error, fraction of equal codes."""
     audio_tokenizer: dict[str, Any] | None = option(
         factory=lambda: {"name": "dac", "pretrained": "models/dac-tiny"}, flag=False)
-    """Codec spec {name: a codec of the registry (listed by --help), pretrained: DIR or hub id, options...} or {factory:
+    """Codec spec {name: a codec of the registry (listed by --help; higgs is the Higgs Audio v2 tokenizer and
+    needs torchaudio), pretrained: DIR or hub id, options...} or {factory:
     module:callable, kwargs}; null = no codes (an image-text job never loads a codec). Flag:
     --audio-tokenizer NAME|module:factory."""
     image_encoder: dict[str, Any] | None = option(

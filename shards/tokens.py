@@ -32,6 +32,13 @@ GEMMA_IMAGE = "<start_of_image>"
 #: TheWorld's world-token markers (``kasohrab/theworld``, ``python/theworld/constants.py``): the world
 #: embeddings of an image sit between them, right after BOS (``TheWorld._inject_world_tokens``)
 WORLD_START, WORLD_END = "<start_of_world>", "<end_of_world>"
+#: Higgs-Audio v2's tokenizer (a Llama-3 tokenizer): end of text = its pad (``pad_token_id`` 128001),
+#: and the delay token that ``transformers``' ``HiggsAudioV2Processor`` writes after the frames of an
+#: audio item (its ``audio_delay_token``, id 128014: a Llama-3 reserved token). Not in
+#: :data:`SPECIAL_TOKENS`: no cache layout renders them (the trainer inserts delay tokens).
+END_OF_TEXT = "<|end_of_text|>"
+AUDIO_DELAY = "<|reserved_special_token_6|>"
+HIGGS_TOKENS = (END_OF_TEXT, AUDIO_DELAY)
 
 #: every special token the chat layouts use, in this order (the byte tokenizer gives them ids
 #: 259, 260, ...; the test tokenizer adds them after its BPE vocabulary)
@@ -47,3 +54,5 @@ AUDIO_OUT_TOKENS = (AUDIO_OUT_BOS, AUDIO_OUT, AUDIO_EOS)
 __all__ = ["IGNORE_INDEX", "BEGIN_OF_TEXT", "START_HEADER", "END_HEADER", "EOT", "EOM", "AUDIO_BOS",
            "AUDIO_IN", "AUDIO_EOS", "AUDIO_OUT_BOS", "AUDIO_OUT", "IMAGE", "GEMMA_IMAGE", "WORLD_START",
            "WORLD_END", "SPECIAL_TOKENS", "PLACEHOLDERS", "AUDIO_IN_TOKENS", "AUDIO_OUT_TOKENS"]
+           "AUDIO_IN", "AUDIO_EOS", "AUDIO_OUT_BOS", "AUDIO_OUT", "IMAGE", "SPECIAL_TOKENS", "PLACEHOLDERS",
+           "END_OF_TEXT", "AUDIO_DELAY", "HIGGS_TOKENS"]

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models of the real architectures, and the demo cache."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,6 +46,66 @@ def tiny_models(tmp_path_factory) -> Path:
                     "dac,wan,mimi,tokenizer,lm"],
                    check=True, cwd=ROOT, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def higgs_models(tmp_path_factory) -> Path:
+    """The tiny random Higgs-Audio v2 models (``higgs-tiny``: model + text tokenizer;
+    ``higgs-audio-tokenizer-tiny``), built once per session by ``python -m shardcache.testing``.
+    The in-process tests that run the audio tokenizer need :func:`higgs_codec` too."""
+    out = tmp_path_factory.mktemp("higgs-models")
+    subprocess.run([sys.executable, "-m", "shardcache.testing", "--out", str(out), "--only",
+                    "higgs,higgs-audio-tokenizer"], check=True, cwd=ROOT, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def higgs_codec(higgs_models) -> Path:
+    """``higgs_models``, with ``import torchaudio`` working in this process for the tiny Higgs audio
+    tokenizer (a stand-in where the real torchaudio cannot load: shardcache.testing.higgs)."""
+    from shardcache.testing.higgs import torchaudio_stand_in
+    torchaudio_stand_in()
+    return higgs_models
+
+
+#: Higgs-Audio ChatML manifests -> samples used (the first N)
+HIGGS_MANIFESTS = {"voice_clone": ("chatml_voice_clone.json", 6), "understanding": ("chatml_audio_understanding.json", 5),
+             "train": ("train_chatml_samples.json", 8)}
+
+
+def _absolute(rec: dict, base: Path) -> dict:
+    rec = json.loads(json.dumps(rec))
+    for m in rec["messages"]:
+        items = m["content"] if isinstance(m["content"], list) else [m["content"]]
+        for it in items:
+            if isinstance(it, dict):
+                for k in ("audio_url", "image_url"):
+                    if isinstance(it.get(k), str):
+                        it[k] = str(base / it[k])
+    return rec
+
+
+@pytest.fixture(scope="session")
+def higgs_caches(real_mini, higgs_codec, tmp_path_factory) -> dict:
+    """The first samples of each real-mini ChatML manifest (:data:`HIGGS_MANIFESTS`) precomputed with
+    configs/precompute-tts.yaml and the tiny Higgs models: ``{name: (cache dir, {key: ChatML record})}``;
+    the records (paths made absolute) are in ``<cache>.json`` beside each cache."""
+    from precompute.config import load_config
+    from precompute.job import run
+
+    out = tmp_path_factory.mktemp("higgs-caches")
+    cfg = load_config(ROOT / "configs" / "precompute-tts.yaml", [
+        f"audio_tokenizer.pretrained={higgs_codec / 'higgs-audio-tokenizer-tiny'}",
+        f"text_tokenizer.pretrained={higgs_codec / 'higgs-tiny'}", "device=cpu", "num_workers=0"])
+    got = {}
+    for name, (file, n) in HIGGS_MANIFESTS.items():
+        recs = [_absolute(r, real_mini) for r in json.loads((real_mini / file).read_text())[:n]]
+        manifest = out / f"{name}.json"
+        manifest.write_text(json.dumps(recs))
+        summary, _ = run(manifest, out / name, cfg, progress=False)
+        assert summary.kept >= 4
+        got[name] = (out / name, {r["misc"]["key"]: r for r in recs})
+    return got
 
 
 @pytest.fixture(scope="session")

@@ -134,10 +134,11 @@ def test_config_files_keep_their_fingerprint_and_old_names(tmp_path):
     """The preprocessing() of configs/precompute-tts.yaml, written out (renaming an option never
     changes it), and a file with the old key batch_size. Since sample_layout conversation-2 (the
     <|AUDIO_OUT|> label of Higgs-Audio, label spans from the template) it also lists the image and
-    token options; caches made with conversation-1 are read, not appended to."""
+    token options; caches made with conversation-1 are read, not appended to. The TTS file renders
+    Higgs-Audio's own layout (chat_template llama3)."""
     cfg = load_config(ROOT / "configs" / "precompute-tts.yaml")
     assert cfg.preprocessing() == {
-        "audio_format": "pcm_s16le", "chat_template": "auto", "image_resize": "center_crop", "image_size": 256,
+        "audio_format": "pcm_s16le", "chat_template": "llama3", "image_resize": "center_crop", "image_size": 256,
         "image_rgb": "composite", "image_pixel_range": "-1..1", "image_token": "<image>", "world_tokens": None,
         "encoder_dtype": "float32", "latents_dtype": "float16", "sample_layout": "conversation-2",
         "sample_rate": 24000, "extra_waveforms": {"audio_16k": {"direction": "in", "sample_rate": 16000}}}

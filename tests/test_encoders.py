@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
+from conftest import ROOT  # noqa: E402
 from shardcache import testing as random_models  # noqa: E402
 from precompute.encoders import (  # noqa: E402
     AudioTokenizer,
@@ -43,8 +44,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = tmp_path_factory.mktemp("models")
-    return random_models.build_models(out, "tiny", log=None)
+    out = tmp_path_factory.mktemp("models")  # the Higgs models: test_higgs.py (higgs_models fixture)
+    return random_models.build_models(out, "tiny", [n for n in random_models.MAKERS if not n.startswith("higgs")],
+                                      log=None)
 
 
 def chirp(n: int, seed: int = 0, f0: float = 150.0) -> np.ndarray:
@@ -442,12 +444,43 @@ def test_random_models_cli(tmp_path, capsys):
 
 
 def test_higgs_tokenizer_is_registered_and_explains_a_missing_torchaudio(tmp_path):
-    from precompute.encoders import AUDIO_TOKENIZERS, load_audio_tokenizer
+    """In a fresh process (no stand-in): without a loadable torchaudio, loading says what is missing."""
+    import subprocess
+    import sys
+    from precompute.encoders import AUDIO_TOKENIZERS
     assert "higgs" in AUDIO_TOKENIZERS
-    try:
-        import torchaudio  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="torchaudio.*dac"):
-            load_audio_tokenizer({"name": "higgs", "pretrained": str(tmp_path)})
-    else:  # pragma: no cover - torchaudio does not install beside torch 2.13 here
+    code = ("import sys\nfrom shardcache.testing.higgs import torchaudio_importable\n"
+            "if torchaudio_importable(): sys.exit(3)\n"
+            "from precompute.encoders import load_audio_tokenizer\n"
+            f"load_audio_tokenizer({{'name': 'higgs', 'pretrained': {str(tmp_path)!r}}})\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if r.returncode == 3:  # pragma: no cover - torchaudio does not load beside torch 2.13 here
         pytest.skip("torchaudio is installed; the Higgs path needs a real checkpoint")
+    assert r.returncode != 0 and "ImportError" in r.stderr and "needs transformers' HiggsAudioV2TokenizerModel" in r.stderr
+    assert "torchaudio" in r.stderr.splitlines()[-1]
+
+
+def test_higgs_tokenizer_encodes_each_clip_unpadded_as_the_model_does(higgs_codec):
+    """The cached codes of the higgs codec are the model's own codes of the clip as it is (what
+    HiggsAudioV2Processor and boson_multimodal compute), alone or batched with clips of equal length;
+    zero-padding to a multiple of the hop (the other codecs' canonical encoding) would differ."""
+    from precompute.encoders import load_audio_tokenizer
+    tok = load_audio_tokenizer({"name": "higgs", "pretrained": str(higgs_codec / "higgs-audio-tokenizer-tiny")})
+    assert (tok.n_codebooks, tok.codebook_size, tok.sample_rate, tok.hop_length) == (8, 1024, 24000, 960)
+    assert tok.bandwidth == 2 and tok.describe()["padding"].startswith("none")
+    clips = [chirp(n, seed=n) for n in (25449, 961, 2400, 25449)]
+    got = tok.encode(clips)
+    with torch.inference_mode():
+        for c, g in zip(clips, got):
+            want = tok.model.encode(torch.from_numpy(c)[None, None], bandwidth=2).audio_codes[0].numpy()
+            np.testing.assert_array_equal(g, want)
+            padded = np.zeros(-(-len(c) // 960) * 960, np.float32)
+            padded[:len(c)] = c
+            pcodes = tok.model.encode(torch.from_numpy(padded)[None, None], bandwidth=2).audio_codes[0].numpy()
+            if len(c) == 25449:
+                assert pcodes.shape != g.shape or (pcodes != g).any()
+    assert [g.shape[1] for g in got] == [27, 1, 3, 27] and len({g.tobytes() for g in got}) == 3
+    batched = load_audio_tokenizer({"name": "higgs", "pretrained": str(higgs_codec / "higgs-audio-tokenizer-tiny"),
+                                    "max_batch_size": 4}).encode(clips)
+    for a, b in zip(batched, got):
+        np.testing.assert_array_equal(a, b)

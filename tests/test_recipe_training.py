@@ -1,8 +1,9 @@
 """The two jobs end to end on real-mini: precompute with the job's config, then train its recipe for 60
 steps under torchrun with 2 processes; the loss must fall (a handful of samples is overfitted) and
-metrics.jsonl must record it every step. (One process: the recipes overfit a batch in
-test_recipes.py and the Higgs command trains the tts recipe in-process in test_train_recipes_cli.py;
-the 1-process CLI runs once here cost ~25 s of the suite and checked nothing more.)"""
+metrics.jsonl must record it every step. The TTS job (Higgs-Audio v2: the tiny random
+``higgs_audio_v2`` model, its text tokenizer and audio tokenizer) also trains in 1 process, and its
+checkpoints record the model's transformers config. (vlm in one process: the recipes overfit a batch in
+test_recipes.py; the 1-process CLI run cost ~25 s of the suite and checked nothing more.)"""
 from __future__ import annotations
 
 import json
@@ -27,14 +28,16 @@ def recipe_models(tiny_models) -> Path:
 
 
 @pytest.fixture(scope="module")
-def job_caches(real_mini, recipe_models, tmp_path_factory):
+def job_caches(real_mini, recipe_models, higgs_codec, tmp_path_factory):
     out = tmp_path_factory.mktemp("jobs")
     caches = {}
+    overrides = {"tts": [f"text_tokenizer.pretrained={higgs_codec / 'higgs-tiny'}",
+                         f"audio_tokenizer.pretrained={higgs_codec / 'higgs-audio-tokenizer-tiny'}"],
+                 "vlm": [f"text_tokenizer.pretrained={recipe_models / 'tokenizer-tiny'}",
+                         f"image_encoder.pretrained={recipe_models / 'wan-tiny'}"]}
     for job, manifest in JOBS.items():
-        cfg = load_config(ROOT / "configs" / f"precompute-{job}.yaml", [
-            f"text_tokenizer.pretrained={recipe_models / 'tokenizer-tiny'}", "device=cpu", "num_workers=0",
-            f"audio_tokenizer.pretrained={recipe_models / 'dac-tiny'}" if job == "tts" else
-            f"image_encoder.pretrained={recipe_models / 'wan-tiny'}"])
+        cfg = load_config(ROOT / "configs" / f"precompute-{job}.yaml",
+                          overrides[job] + ["device=cpu", "num_workers=0"])
         summary, _ = run(real_mini / manifest, out / job, cfg, progress=False)
         assert summary.rejected == 0
         caches[job] = out / job
@@ -46,24 +49,32 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in recs if "loss" in r and r.get("split") != "val"]
 
 
-def _train(job: str, cache: Path, run_dir: Path, models: Path, nproc: int) -> subprocess.CompletedProcess:
+def _train(job: str, cache: Path, run_dir: Path, lm: Path, nproc: int) -> subprocess.CompletedProcess:
     head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                 f"--nproc_per_node={nproc}"]
     cmd = head + ["-m", "train", "--cache", str(cache), "--out", str(run_dir), "--config",
-                  str(ROOT / "configs" / f"train-{job}.yaml"), "--model-kwargs", json.dumps({"lm": str(models / "lm-tiny")}),
+                  str(ROOT / "configs" / f"train-{job}.yaml"), "--model-kwargs", json.dumps({"lm": str(lm)}),
                   "--no-progress"]
     return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=600)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2])
-@pytest.mark.parametrize("job", list(JOBS))
-def test_recipe_trains_and_the_loss_falls(job, nproc, job_caches, recipe_models, tmp_path):
-    r = _train(job, job_caches[job], tmp_path / "run", recipe_models, nproc)
+@pytest.mark.parametrize("job,nproc", [("tts", 1), ("tts", 2), ("vlm", 2)])
+def test_recipe_trains_and_the_loss_falls(job, nproc, job_caches, recipe_models, higgs_models, tmp_path):
+    lm = higgs_models / "higgs-tiny" if job == "tts" else recipe_models / "lm-tiny"
+    r = _train(job, job_caches[job], tmp_path / "run", lm, nproc)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = _losses(tmp_path / "run")
     assert len(losses) == 60  # log_every: 1
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.8 * first, (job, nproc, first, last)
     assert (tmp_path / "run" / "step-60").is_dir()
+    if job == "tts":   # a higgs_audio_v2 checkpoint: the config says so, the weights are the model's
+        cfg = json.loads((tmp_path / "run" / "step-60" / "config.json").read_text())
+        assert cfg["model"]["name"] == "higgs" and cfg["model_config"]["model_type"] == "higgs_audio_v2"
+        from safetensors import safe_open
+        with safe_open(str(tmp_path / "run" / "step-60" / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        assert {"lm.model.embed_audio_tokens.embed_audio_tokens.weight", "lm.audio_lm_head.weight",
+                "lm.text_lm_head.weight"} <= names

@@ -379,7 +379,7 @@ def test_build_model_reads_the_manifest(lm_dir, tmp_path):
             "<|AUDIO|>": A_IN, "<|AUDIO_OUT|>": A_OUT, "<|audio_out_bos|>": AO_BOS, "<|audio_eos|>": A_EOS,
             "<image>": IMG, "<|eot_id|>": EOT}}}))
     spec = data_spec(tmp_path)
-    assert spec == DataSpec(Q, CB, VOCAB, C_LAT, PAD, A_IN, A_OUT, IMG, AO_BOS, A_EOS)
+    assert spec == DataSpec(Q, CB, VOCAB, C_LAT, PAD, A_IN, A_OUT, IMG, AO_BOS, A_EOS, eot_token_id=EOT)
     m = build_model("tts", {"lm": lm_dir}, spec)
     assert isinstance(m, TTSModel) and m.fields == ("input_ids", "labels", "codes", "audio_segments")
     assert (m.audio_out_token_id, m.audio_in_token_id, m.n_codebooks, m.stream_eos) == (A_OUT, A_IN, Q, CB + 1)

@@ -8,7 +8,9 @@ Layout of ``RUN_DIR/step-N/`` (N = optimizer steps completed)::
     optimizer.pt        optimizer.state_dict()                           } torch.save of plain tensors
     trainer.pt          step, epoch, skipped steps, LR scheduler, grad    } and containers, read back
                         scaler, config, loader + RNG states of EVERY rank } with weights_only=True
-    config.json         the effective config (for people)
+    config.json         the effective config (for people); a model with ``checkpoint_config()`` adds
+                        what it returns under ``model_config`` (the higgs recipe: its transformers
+                        config, ``model_type: higgs_audio_v2``)
 
 Saving is a collective: every rank contributes its loader position and RNG states (torch, numpy,
 python, cuda) through ``all_gather_object``; rank 0 alone writes ``step-N.tmp/``, fsyncs each file

@@ -10,7 +10,8 @@ rank 0) and stored in every checkpoint (``config.json`` and ``trainer.pt``).
 
 The Higgs-Audio / HF Trainer spellings (``--train_data_file``, ``--learning_rate``, ``--bf16``...,
 :data:`HIGGS_ALIASES`) are accepted too, so the Higgs-Audio launch line works as written.
-``--model_path P`` sets ``model.kwargs.lm = P`` and ``--model tts`` unless a model is given. A
+``--model_path P`` sets ``model.kwargs.lm = P`` and ``--model higgs`` (Higgs-Audio v2 itself,
+:mod:`train.recipes.higgs`) unless a model is given. A
 model named on the command line that differs from the file's drops the file's ``model.kwargs``
 (they belong to the file's model).
 """
@@ -72,12 +73,13 @@ class ModelConfig:
     """What is trained."""
 
     name: str = "reference"
-    """'reference', a recipe (tts | vlm: train.recipes) or module:factory returning an nn.Module whose
+    """'reference', a recipe (higgs | tts | vlm: train.recipes) or module:factory returning an nn.Module whose
     forward(batch) returns a loss tensor or a dict with 'loss'."""
     kwargs: dict = option({}, merge=True)
     """Keyword arguments of the model factory (a mapping, JSON on the command line; a flag updates the
     file's). Reference model: d_model, n_layers, n_heads, mlp_ratio, dropout, patch_size, max_positions;
-    recipes: lm (checkpoint dir or hub id), freeze_lm, dtype..."""
+    recipes: lm (checkpoint dir or hub id), dtype, lora...; higgs: labels (processor | targets), input_audio
+    (drop | codes), use_text_head; tts/vlm: freeze_lm..."""
     audio_tokenizer: str = ""
     """The audio tokenizer (path or hub id) the cache's codes should come from: compared with manifest.json
     (config.audio_tokenizer.pretrained), a mismatch warns. Never loaded: the codes are cached."""
@@ -456,7 +458,8 @@ def build_parser(prog: str = "python -m train", description: str | None = None,
                              "--num_train_epochs, --logging_steps, --warmup_steps, --audio_tokenizer_path).")
     if "model.kwargs" not in exclude:
         g.add_argument("--model_path", dest="model_path", default=argparse.SUPPRESS, metavar="DIR",
-                       help="LM checkpoint (dir or hub id) = --set model.kwargs.lm=DIR; the model defaults to tts.")
+                       help="checkpoint (dir or hub id) = --set model.kwargs.lm=DIR; the model defaults to higgs "
+                            "(Higgs-Audio v2; --model tts for another causal LM).")
     for flag, (path, const, help_) in HIGGS_SWITCHES.items():
         if path not in exclude:
             g.add_argument(flag, dest=path, action="store_const", const=const, default=argparse.SUPPRESS, help=help_)
@@ -477,9 +480,9 @@ def config_from_namespace(ns: argparse.Namespace) -> TrainConfig:
     cli_model = flags.get("model.name", cli_model)
     model_path = getattr(ns, "model_path", None)
     if model_path:
-        cli_model = cli_model or "tts"
+        cli_model = cli_model or "higgs"
         if cli_model == "reference":
-            raise ConfigError([("--model_path", "the reference model loads no LM; use --model tts|vlm|module:factory")])
+            raise ConfigError([("--model_path", "the reference model loads no LM; use --model higgs|tts|vlm|module:factory")])
         flags["model.name"] = cli_model
     if cli_model is not None and cli_model != cfg.model.name:  # the file's kwargs are for the file's model
         cfg = S.replace(cfg, {"model.kwargs": {}})

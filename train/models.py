@@ -1,4 +1,4 @@
-"""The reference model, the recipe registry (``--model tts|vlm``, :mod:`train.recipes`) and the
+"""The reference model, the recipe registry (``--model higgs|tts|vlm``, :mod:`train.recipes`) and the
 ``module:factory`` plug-in loader.
 
 A training model is any ``nn.Module`` whose ``forward(batch)`` takes the collated batch dict of
@@ -76,6 +76,9 @@ class DataSpec:
     image_token_id: int | None = None            #: the image placeholder (``text.placeholders.image``, ``<image>``)
     audio_out_bos_token_id: int | None = None    #: ``<|audio_out_bos|>`` (right before ``<|AUDIO_OUT|>``)
     audio_eos_token_id: int | None = None        #: ``<|audio_eos|>`` (right after a placeholder)
+    audio_bos_token_id: int | None = None        #: ``<|audio_bos|>`` (right before ``<|AUDIO|>``)
+    eot_token_id: int | None = None              #: ``<|eot_id|>`` (end of a turn)
+    eom_token_id: int | None = None              #: ``<|eom_id|>`` (end of an assistant turn followed by another)
 
 
 #: DataSpec field -> special token in ``manifest.json`` ``text.special_token_ids``
@@ -85,6 +88,9 @@ _TOKEN_FIELDS = {
     "image_token_id": tokens.IMAGE,
     "audio_out_bos_token_id": tokens.AUDIO_OUT_BOS,
     "audio_eos_token_id": tokens.AUDIO_EOS,
+    "audio_bos_token_id": tokens.AUDIO_BOS,
+    "eot_token_id": tokens.EOT,
+    "eom_token_id": tokens.EOM,
 }
 
 

@@ -287,8 +287,11 @@ class Trainer:
         """Checkpoint ``step-N`` (collective); first stops the run if the non-finite limit was reached."""
         self.check_health()
         self.state.epoch = self.data.state["epoch"]
+        config = self.cfg.to_dict()
+        if callable(getattr(self.raw, "checkpoint_config", None)):  # e.g. the higgs recipe's transformers config
+            config["model_config"] = self.raw.checkpoint_config()
         C.save(self.out, self.state.step, model=self.raw, state=self.state_dict(), loader_state=self.data.state["loader"],
-               info=self.info, config=self.cfg.to_dict(), keep=self.cfg.checkpoint.keep, adapter=self.adapter)
+               info=self.info, config=config, keep=self.cfg.checkpoint.keep, adapter=self.adapter)
 
     def resume(self) -> None:
         """Load ``checkpoint.resume`` (weights, optimizer, schedule, scaler, loader position, RNG), or

@@ -137,6 +137,9 @@ class HFCodecTokenizer:
     OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples")
     #: ``max_batch_size`` on CUDA when not given (0: keep one-by-one for this codec)
     CUDA_BATCH = 0
+    #: clips are zero-padded to a multiple of ``hop_length`` (the canonical encoding above); False:
+    #: encoded as they are, and the model says how many frames (:class:`HiggsTokenizer`)
+    PADS_TO_HOP = True
 
     sample_rate: int
     hop_length: int
@@ -209,7 +212,8 @@ class HFCodecTokenizer:
         return self.sample_rate / self.hop_length
 
     def encode(self, waveforms: Iterable[np.ndarray]) -> list[np.ndarray]:
-        """Encode mono float32 clips at ``sample_rate`` Hz into int16 ``(n_codebooks, ceil(n / hop_length))`` codes.
+        """Encode mono float32 clips at ``sample_rate`` Hz into int16 ``(n_codebooks, ceil(n / hop_length))`` codes
+        (:class:`HiggsTokenizer`: the frames its model gives for the unpadded clip).
 
         With ``max_batch_size=1`` (default) every clip is encoded alone; otherwise clips of equal frame
         count are batched, never padded to each other's length (see module doc). Output order is input order.
@@ -224,7 +228,8 @@ class HFCodecTokenizer:
         if isinstance(waveforms, np.ndarray) or isinstance(waveforms, torch.Tensor):
             raise TypeError("encode() takes a list of 1-D arrays, not a single array; wrap it: encode([x])")
         clips = [_check_waveform(i, w) for i, w in enumerate(waveforms)]
-        hop = self.hop_length
+        # unpadded codecs (PADS_TO_HOP False) batch clips of exactly equal length: group by samples
+        hop = self.hop_length if self.PADS_TO_HOP else 1
         out: list[np.ndarray | None] = [None] * len(clips)
         for i, c in enumerate(clips):
             if c.size == 0:
@@ -237,7 +242,7 @@ class HFCodecTokenizer:
             with torch.inference_mode():
                 xt = torch.from_numpy(x).to(device=self.device, dtype=self.dtype)
                 codes = self._encode_batch(xt)
-            expected = (len(idxs), self.n_codebooks, frames)
+            expected = (len(idxs), self.n_codebooks, frames if self.PADS_TO_HOP else codes.shape[-1])
             if tuple(codes.shape) != expected:
                 raise RuntimeError(
                     f"{type(self).__name__}: model returned codes of shape {tuple(codes.shape)} for input "
@@ -429,25 +434,40 @@ class MimiTokenizer(HFCodecTokenizer):
 
 
 class HiggsTokenizer(HFCodecTokenizer):
-    """The Higgs Audio v2 tokenizer via transformers ``HiggsAudioV2TokenizerModel`` (24 kHz, 25 frames/s).
+    """The Higgs Audio v2 tokenizer via transformers ``HiggsAudioV2TokenizerModel`` (24 kHz, 25 frames/s),
+    the codec of Higgs-Audio v2: ``name: higgs``, ``pretrained``: a directory written by its
+    ``save_pretrained`` or a hub id of one in ``transformers`` format.
 
     ``model.encode(x (B, 1, T), bandwidth).audio_codes`` is ``(B, n_q, frames)`` with
-    ``n_q = bandwidth * 1000 / (frame_rate * log2(codebook_size))``: 2 kbps -> 8 codebooks of 1024,
-    the layout Higgs Audio v2 trains on. Its transformers port imports torchaudio (for the semantic
-    branch's 16 kHz resampling); where torchaudio is missing, loading fails with a message saying so
-    (use ``dac``, which has the same code contract, meanwhile).
+    ``n_q = floor(bandwidth * 1000 / (frame_rate * log2(codebook_size)))``: 2 kbps -> 8 codebooks of
+    1024, the layout Higgs Audio v2 trains on.
+
+    Canonical encoding (differs from the other codecs): each clip is encoded **as it is, unpadded**,
+    exactly as ``HiggsAudioV2Processor`` (``DacFeatureExtractor`` with hop 1, no padding) and
+    ``boson_multimodal``'s ``HiggsAudioTokenizer.encode`` do, so the cached codes are the codes the
+    model's own processor computes on the fly. The model pads internally and its frame count is its
+    own (about ``n / 960``: e.g. 961 samples -> 1 frame, 2,400 -> 3); with ``max_batch_size > 1`` only
+    clips of exactly equal length are batched (no padding at all).
+
+    Its transformers port imports torchaudio (used only for ``torchaudio.functional.resample`` of the
+    semantic branch's input to 16 kHz); where torchaudio cannot be imported, loading fails with a
+    message saying so. No torchaudio loads beside the CPU torch 2.13 of the test machines; the tests
+    run a tiny random model through a stand-in module (:func:`shardcache.testing.higgs.torchaudio_stand_in`).
 
     Args:
         model: a ``transformers.HiggsAudioV2TokenizerModel``.
-        bandwidth: kbps, one of ``config.target_bandwidths`` (default 2 -> 8 codebooks).
+        bandwidth: kbps, one of ``config.target_bandwidths``; default: the last one, what
+            ``model.encode`` and ``HiggsAudioV2Processor`` use (2 kbps -> 8 codebooks for Higgs v2).
         **kwargs: see :class:`HFCodecTokenizer`.
     """
 
     name = "higgs"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth",)
+    PADS_TO_HOP = False
 
-    def __init__(self, model, *, bandwidth: float = 2, **kwargs: Any) -> None:
+    def __init__(self, model, *, bandwidth: float | None = None, **kwargs: Any) -> None:
         cfg = model.config
+        bandwidth = cfg.target_bandwidths[-1] if bandwidth is None else bandwidth
         if bandwidth not in tuple(cfg.target_bandwidths):
             raise ValueError(f"bandwidth must be one of {list(cfg.target_bandwidths)}, got {bandwidth}")
         super().__init__(model, **kwargs)
@@ -455,25 +475,28 @@ class HiggsTokenizer(HFCodecTokenizer):
         self.sample_rate = int(cfg.sample_rate)
         self.hop_length = int(cfg.hop_length)
         self.codebook_size = int(cfg.codebook_size)
-        self.n_codebooks = int(round(bandwidth * 1000 / (cfg.frame_rate * math.log2(self.codebook_size))))
+        self.n_codebooks = int(model.quantizer.get_num_quantizers_for_bandwidth(bandwidth))
         self._check_codebook_size()
 
     @classmethod
     def _model_class(cls):
         try:
-            from transformers import HiggsAudioV2TokenizerModel
-            import torchaudio  # noqa: F401  (the transformers port needs it at import and run time)
-        except ImportError as e:
+            import torchaudio  # noqa: F401  (the transformers port imports it)
+            # the module itself: transformers' top-level name is a placeholder when it found no
+            # torchaudio at its own import time
+            from transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer import (
+                HiggsAudioV2TokenizerModel)
+        except (ImportError, OSError) as e:
             raise ImportError(
-                f"the Higgs Audio v2 tokenizer needs transformers' HiggsAudioV2TokenizerModel and torchaudio ({e}); "
-                "install torchaudio matching your torch, or use name: dac (same 8 x 1024 code contract)") from e
+                f"the Higgs Audio v2 tokenizer needs transformers' HiggsAudioV2TokenizerModel (transformers >= 5) "
+                f"and torchaudio ({e}); install torchaudio matching your torch") from e
         return HiggsAudioV2TokenizerModel
 
     def _encode_batch(self, x):
         return self.model.encode(x, bandwidth=self.bandwidth).audio_codes
 
     def _extra_describe(self) -> dict:
-        return {"bandwidth": self.bandwidth}
+        return {"bandwidth": self.bandwidth, "padding": "none: each clip as it is (HiggsAudioV2Processor's encoding)"}
 
 
 #: registry name -> wrapper class

@@ -28,9 +28,17 @@ checkpoint directory looks like, so tests load them through the same ``from_pret
 ``lm``                transformers ``LlamaForCausalLM`` for the training recipes (``--model tts|vlm``). tiny:
                       hidden 64, 2 layers, 4 heads (2 kv), intermediate 128, vocab 512 (covers the byte
                       tokenizer's 270 ids and ``tokenizer``'s 311); full: the Llama-3.2-1B shape (~1.2 B params).
-====================  ==========================================================================================
+``higgs``             transformers ``HiggsAudioV2ForConditionalGeneration`` (``model_type: higgs_audio_v2``, text
+                      head included) and its text tokenizer in one directory, like the released checkpoint:
+                      Llama-3 conventions, the chat tokens and the delay token as single ids, Higgs-Audio v2's
+                      real chat template; 8 codebooks of 1024 + stream BOS/EOS. tiny: hidden 64, 2 layers (:mod:`.higgs`).
+``higgs-audio-tokenizer``
+                      transformers ``HiggsAudioV2TokenizerModel``: 24 kHz, 25 frames/s, 8 codebooks x
+                      1024. tiny: narrow DAC + one-layer HuBERT reading 24 kHz (built and run with a torchaudio
+                      stand-in where torchaudio cannot load: :func:`.higgs.torchaudio_stand_in`).
+====================  ===================================================================================
 
-EnCodec and Mimi codebooks are calibrated so random models give non-constant codes (:mod:`.codecs`).
+EnCodec, Mimi and Higgs-tokenizer codebooks are calibrated so random models give non-constant codes (:mod:`.codecs`).
 
 Everything is seeded (``--seed``, default 0): the same command builds byte-identical weights.
 Existing directories are skipped unless ``--force``; a model is written to a per-process temporary
@@ -47,12 +55,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import chat_templates, codecs, text, vaes
+from . import chat_templates, codecs, higgs, text, vaes
 
 SIZES = ("tiny", "full")
 
 #: name -> ``make(size, seed)``: every model this package builds (one module per family)
-MAKERS: dict[str, Callable] = {**codecs.MAKERS, **vaes.MAKERS, **text.MAKERS, **chat_templates.MAKERS}
+MAKERS: dict[str, Callable] = {**codecs.MAKERS, **vaes.MAKERS, **text.MAKERS, **chat_templates.MAKERS,
+                               **higgs.MAKERS}
 
 # -- saving -----------------------------------------------------------------------------------------
 

@@ -74,11 +74,15 @@ def calibration_audio(sample_rate: int = 24000, seconds: float = 2.0, seed: int 
 
 
 def _fill_codebooks(layers, residual, g, set_entries: Callable) -> None:
-    """Data-matched random init of residual VQ ``layers`` from ``residual`` ``(B, D, frames)``, level by level."""
+    """Data-matched random init of residual VQ ``layers`` from ``residual`` ``(B, D, frames)``, level by level
+    (in the codebook's space: after the layer's ``project_in`` where it has one, as the Higgs tokenizer's)."""
     import torch
 
     for layer in layers:
         frames = residual.permute(0, 2, 1).reshape(-1, residual.shape[1])
+        project = getattr(layer, "project_in", None)
+        if project is not None:
+            frames = project(frames)
         k = layer.codebook.codebook_size
         mean = frames.mean(dim=0, keepdim=True)
         spread = frames.std(dim=0, keepdim=True).clamp_min(1e-6)
@@ -91,6 +95,7 @@ def _fill_codebooks(layers, residual, g, set_entries: Callable) -> None:
 
 
 def _set_encodec_entries(cb, entries) -> None:
+    """EnCodec's and the Higgs tokenizer's ``EuclideanCodebook`` buffers."""
     cb.embed.copy_(entries)
     cb.embed_avg.copy_(entries)
     cb.cluster_size.fill_(1.0)

@@ -43,10 +43,17 @@ def train_bpe(size: str, specials: list[str]):
     return tok
 
 
+def add_chat_tokens(fast, tokens) -> None:
+    """Add ``tokens`` to a ``PreTrainedTokenizerFast`` as special tokens, each a single id after its vocabulary."""
+    from tokenizers import AddedToken
+
+    fast.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens], special_tokens=True)
+
+
 def make_tokenizer(size: str = "tiny", seed: int = 0):
     """Byte-level BPE ``PreTrainedTokenizerFast`` (``<pad>``=0, ``<s>``=1, ``</s>``=2, ``<unk>``=3) adding
     bos/eos, with :data:`SPECIAL_TOKENS` as added special tokens and :data:`LLAMA3_CHAT_TEMPLATE`."""
-    from tokenizers import AddedToken, processors
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     tok = train_bpe(size, ["<pad>", "<s>", "</s>", "<unk>"])
@@ -57,7 +64,7 @@ def make_tokenizer(size: str = "tiny", seed: int = 0):
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     # the chat templates' tokens (shards.tokens.SPECIAL_TOKENS), each a single id after the BPE vocab
-    fast.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
+    add_chat_tokens(fast, SPECIAL_TOKENS)
     fast.chat_template = LLAMA3_CHAT_TEMPLATE
     return fast
 

@@ -1,14 +1,20 @@
 """Training recipes on real ``transformers`` architectures, selected by ``--model NAME``.
 
 =======  =======================================================================================
-``tts``  :class:`~train.recipes.tts.TTSModel`: Higgs-Audio-shaped speech LM (delay-pattern codec
-         frames in place of ``<|AUDIO|>``/``<|AUDIO_OUT|>``, one head per codebook, text + audio loss).
+``higgs`` :class:`~train.recipes.higgs.HiggsModel`: Higgs-Audio v2 itself (``transformers``'
+         ``HiggsAudioV2ForConditionalGeneration``, the released checkpoint), on batches built as its
+         own processor builds them (:class:`loaders.higgs.HiggsBatch`).
+``tts``  :class:`~train.recipes.tts.TTSModel`: Higgs-Audio-shaped speech LM on any ``transformers``
+         causal LM (delay-pattern codec frames in place of ``<|AUDIO|>``/``<|AUDIO_OUT|>``, new audio
+         embeddings and one head per codebook, text + audio loss): for an LM that is not Higgs-Audio,
+         and for input audio (``<|AUDIO|>``) as codes, which Higgs-Audio v2 has no path for.
 ``vlm``  :class:`~train.recipes.vlm.VLMModel`: LLaVA/TheWorld-shaped (Cosmos latent patches projected
          in place of ``<image>``, frozen LM by default, caption loss).
 =======  =======================================================================================
 
-Both load ``model_kwargs.lm`` (default ``models/lm-tiny``) with ``AutoModelForCausalLM``, declare the
-cached ``fields`` they need, handle LoRA themselves (``enable_lora``) and expose
+``tts`` and ``vlm`` load ``model_kwargs.lm`` (default ``models/lm-tiny``) with ``AutoModelForCausalLM``,
+``higgs`` (default ``models/higgs-tiny``) with ``HiggsAudioV2ForConditionalGeneration``; each declares
+the cached ``fields`` it needs, handles LoRA itself (``enable_lora``) and exposes
 ``optimizer_groups(lr, weight_decay)``.
 """
 from __future__ import annotations
@@ -17,6 +23,7 @@ import importlib
 
 #: ``--model`` name -> "module:class" (imported on use: transformers loads only when a recipe is chosen)
 RECIPES = {
+    "higgs": "train.recipes.higgs:HiggsModel",
     "tts": "train.recipes.tts:TTSModel",
     "vlm": "train.recipes.vlm:VLMModel",
 }

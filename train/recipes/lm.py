@@ -42,9 +42,11 @@ def resolve_lm(lm: Any) -> str:
 
 
 def load_causal_lm(lm: Any, vocab_size: int | None = None, dtype: str | torch.dtype = "float32",
-                   attn_implementation: str | None = None) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(lm)``; token embeddings resized (mean init,
-    transformers' default) when the cache's ``vocab_size`` exceeds the LM's."""
+                   attn_implementation: str | None = None, model_class: str = "AutoModelForCausalLM",
+                   **from_pretrained: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(lm)`` (or the ``transformers`` class named
+    ``model_class``, with the extra ``from_pretrained`` keyword arguments); token embeddings resized
+    (mean init, transformers' default) when the cache's ``vocab_size`` exceeds the LM's."""
     from train.models import FORBIDDEN_MODULES, blocked_imports
 
     name = resolve_lm(lm)
@@ -56,19 +58,18 @@ def load_causal_lm(lm: Any, vocab_size: int | None = None, dtype: str | torch.dt
         dtype = names[dtype]
     with blocked_imports(FORBIDDEN_MODULES):  # no PIL/soundfile via transformers' optional helpers
         import transformers
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         # from_pretrained's ``dtype`` was ``torch_dtype`` before transformers 4.56
         old = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 56)
-        kw: dict[str, Any] = {"torch_dtype" if old else "dtype": dtype}
+        kw: dict[str, Any] = {"torch_dtype" if old else "dtype": dtype, **from_pretrained}
         if attn_implementation:
             kw["attn_implementation"] = attn_implementation
 
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per rank is noise in training logs
         try:
-            model = AutoModelForCausalLM.from_pretrained(name, **kw)
+            model = getattr(transformers, model_class).from_pretrained(name, **kw)
         except OSError as e:
             raise OSError(f"could not load the LM {name!r} ({e}); {LM_HINT}") from e
         finally:

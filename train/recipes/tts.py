@@ -12,7 +12,7 @@ Layout (Higgs-Audio v2, ``boson_multimodal``: ``model/higgs_audio/modeling_higgs
 Audio item k of a sample (row k of ``audio_segments``) is ``codes[:, start:start + n]`` (Q, n).
 A stream-BOS column (id ``codebook_size``) is prepended and a stream-EOS column
 (``codebook_size + 1``) appended, then the MusicGen delay pattern shifts codebook q right by q
-(:func:`build_delay_pattern`, Higgs ``build_delay_pattern_mask`` with bos = stream BOS, pad = stream
+(:func:`loaders.higgs.build_delay_pattern`, Higgs ``build_delay_pattern_mask`` with bos = stream BOS, pad = stream
 EOS): (Q, n + 2) -> (Q, n + Q + 1). Frame j's input embedding is the sum over codebooks of
 ``audio_embed[q * (codebook_size + 2) + id[q, j]]`` (one table of Q x (codebook_size + 2) rows, as
 Higgs' ``audio_codebook_embeddings``). Input (``<|AUDIO|>``) and output (``<|AUDIO_OUT|>``) items
@@ -40,6 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loaders.higgs import build_delay_pattern, delay_segments, revert_delay_pattern  # noqa: F401 (re-exported)
+
 from .lm import (DEFAULT_LM, IGNORE_INDEX, LMRecipe, Merged, lora_options, merge_placeholders,
                  next_token_loss, per_sample_mean, touch)
 
@@ -47,67 +49,6 @@ log = logging.getLogger("train")
 
 #: ``audio_segments`` columns (contract): item, turn, direction (0 in, 1 out), code_start, code_frames, speaker
 SEG_DIRECTION, SEG_START, SEG_FRAMES = 2, 3, 4
-
-
-def delay_segments(codes: torch.Tensor, seg_batch: torch.Tensor, start: torch.Tensor, frames: torch.Tensor,
-                   bos: int, eos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Delayed input ids and labels of N audio items at once.
-
-    codes (B, Q, F) int64; item i = ``codes[seg_batch[i], :, start[i]:start[i] + frames[i]]``.
-    Returns ids (N, Q, M) int64, labels (N, Q, M) int64, lengths (N,) = frames + Q + 1, with
-    M = max(lengths) (1 when N = 0). Column j, codebook q reads stream column c = j - q of
-    ``[BOS, codes, EOS]``: ids are BOS for c <= 0, the code for 1 <= c <= n, EOS after; labels are the
-    code, EOS at c = n + 1, -100 elsewhere (also past ``lengths``). Raises ``ValueError`` when an
-    item reads padded (negative) codes or codes >= ``bos``.
-    """
-    B, Q, Fr = codes.shape
-    N = seg_batch.numel()
-    lengths = frames + Q + 1
-    M = int(lengths.max()) if N else 1
-    dev = codes.device
-    j = torch.arange(M, device=dev)
-    q = torch.arange(Q, device=dev)
-    c = (j[None, None, :] - q[None, :, None]).expand(N, Q, M)          # stream column
-    n = frames[:, None, None]
-    in_codes = (c >= 1) & (c <= n)
-    idx = (start[:, None, None] + c - 1).clamp(0, max(Fr - 1, 0))
-    if Fr:
-        got = codes[seg_batch[:, None, None], q[None, :, None], idx]
-    else:
-        got = torch.zeros((N, Q, M), dtype=torch.long, device=dev)
-    bad = in_codes & ((got < 0) | (got >= bos))
-    if N and bool(bad.any()):
-        i = int(bad.flatten(1).any(1).nonzero()[0])
-        raise ValueError(f"audio item {i} (sample {int(seg_batch[i])}, code_start {int(start[i])}, "
-                         f"code_frames {int(frames[i])}) reads codes outside [0, {bos}): padded frames "
-                         f"(codes has {Fr}) or a codebook_size smaller than the cache's")
-    ids = torch.where(c <= 0, torch.full_like(got, bos), torch.where(in_codes, got, torch.full_like(got, eos)))
-    labels = torch.where(in_codes, got, torch.where(c == n + 1, torch.full_like(got, eos),
-                                                    torch.full_like(got, IGNORE_INDEX)))
-    labels = labels.masked_fill(~(j[None, :] < lengths[:, None])[:, None, :], IGNORE_INDEX)
-    return ids, labels, lengths
-
-
-def build_delay_pattern(codes: torch.Tensor, bos: int, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, labels), both (Q, n + Q + 1) int64, of one item's codes (Q, n) (see :func:`delay_segments`).
-
-    Q = 3, n = 2, codes [[a, b], [c, d], [e, f]] (B = bos, E = eos, _ = -100)::
-
-        ids    [[B, a, b, E, E, E],     labels [[_, a, b, E, _, _],
-                [B, B, c, d, E, E],             [_, _, c, d, E, _],
-                [B, B, B, e, f, E]]             [_, _, _, e, f, E]]
-    """
-    Q, n = codes.shape
-    z = torch.zeros(1, dtype=torch.long, device=codes.device)
-    ids, labels, _ = delay_segments(codes[None].long(), z, z, z + n, bos, eos)
-    return ids[0], labels[0]
-
-
-def revert_delay_pattern(delayed: torch.Tensor) -> torch.Tensor:
-    """(Q, M) delayed -> (Q, M - Q + 1) undelayed (Higgs ``revert_delay_pattern``); for ids from
-    :func:`build_delay_pattern` this is ``[BOS, codes, EOS]``."""
-    Q, M = delayed.shape
-    return torch.stack([delayed[q, q:M - Q + 1 + q] for q in range(Q)])
 
 
 class TTSModel(LMRecipe):

@@ -1,0 +1,278 @@
+"""Higgs-Audio v2 from the cache: batches equal to ``HiggsAudioV2Processor(output_labels=True)``'s.
+
+Each real-mini ChatML manifest (a few samples of each: conftest.higgs_caches) is precomputed with configs/precompute-tts.yaml
+(the tiny random Higgs audio tokenizer and text tokenizer). The same conversations go through
+``transformers``' own processor, built as its conversion script builds it, with the same text tokenizer
+and the same audio tokenizer (``HiggsAudioV2TokenizerModel``, run here through the torchaudio stand-in;
+it never resamples), fed the waveforms the precompute job decoded. The cache's batch
+(``loaders.higgs.HiggsBatch``, the higgs recipe's ``batch_transform``) must be ``torch.equal`` on every
+key, and the model's loss equal on both paths.
+
+Text for the processor: Higgs-Audio v2's real chat template (``apply_chat_template(tokenize=False)``).
+It refuses assistant text (the audio-understanding answers); for those conversations the template's
+assistant branch renders text items as its user branch does (the only change). It drops user audio,
+and ``apply_chat_template(tokenize=True)`` then fails on such a conversation (checked below).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import HIGGS_MANIFESTS, ROOT
+
+KEYS = ("input_ids", "attention_mask", "labels", "audio_input_ids", "audio_input_ids_mask", "audio_labels")
+
+
+@pytest.fixture(scope="module")
+def processor(higgs_codec):
+    """``HiggsAudioV2Processor`` as ``convert_higgs_audio_v2_to_hf.py`` builds it."""
+    from transformers import AutoTokenizer, DacFeatureExtractor, HiggsAudioV2Processor
+
+    from precompute.encoders.audio import HiggsTokenizer
+    tok = AutoTokenizer.from_pretrained(str(higgs_codec / "higgs-tiny"))
+    codec = HiggsTokenizer._model_class().from_pretrained(str(higgs_codec / "higgs-audio-tokenizer-tiny")).eval()
+    fe = DacFeatureExtractor(feature_size=1, hop_length=1, padding_side="right", padding_value=0.0,
+                             sampling_rate=24000, return_attention_mask=True)
+    return HiggsAudioV2Processor(feature_extractor=fe, tokenizer=tok, audio_tokenizer=codec,
+                                 chat_template=tok.chat_template, audio_token="<|AUDIO_OUT|>",
+                                 audio_bos_token="<|audio_out_bos|>", audio_eos_token="<|audio_eos|>",
+                                 audio_stream_bos_id=1024, audio_stream_eos_id=1025)
+
+
+def _recipe(higgs_codec, cache, **kw):
+    from train.models import build_model, data_spec
+    torch.manual_seed(0)
+    return build_model("higgs", {"lm": str(higgs_codec / "higgs-tiny"), **kw}, data_spec(cache)).eval()
+
+
+def _wave(url: str) -> np.ndarray:
+    from precompute.audio import load_audio
+    return load_audio(url, (24000,))[0][24000]  # what the precompute job fed its codec
+
+
+def _conversation(rec: dict, user_audio: str = "drop") -> tuple[list[dict], list[np.ndarray]]:
+    """HF messages of a ChatML record and the waveforms the template renders, in order."""
+    conv, audios = [], []
+    for m in rec["messages"]:
+        items = m["content"] if isinstance(m["content"], list) else [m["content"]]
+        out = []
+        for it in items:
+            if isinstance(it, str):
+                out.append({"type": "text", "text": it})
+            elif it["type"] == "text":
+                out.append({"type": "text", "text": it["text"]})
+            elif it["type"] == "audio":
+                w = _wave(it["audio_url"])
+                out.append({"type": "audio", "audio": w})
+                if m["role"] == "assistant" or user_audio == "codes":
+                    audios.append(w)
+        conv.append({"role": m["role"], "content": out})
+    return conv, audios
+
+
+def _template(processor, user_audio: str = "drop") -> str:
+    """The real template; its assistant branch also takes text (rendered as the user branch renders
+    it); with ``user_audio="codes"`` the user branch writes audio as the scene branch does, unspaced."""
+    t = processor.chat_template
+    t = t.replace("{%- if message['role'] == 'assistant' %}",
+                  "{%- if message['role'] == 'assistant' and message['content'][0]['type'] == 'audio' %}")
+    if user_audio == "codes":
+        t = t.replace("""                {%- if content_item['type'] == 'text' %}
+                    {{- content_item['text'] | trim }}
+                {%- endif %}""", """                {%- if content_item['type'] == 'text' %}
+                    {{- content_item['text'] | trim }}
+                {%- elif content_item['type'] == 'audio' %}
+                    {{- '<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>' }}
+                {%- endif %}""")
+        assert "'<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>' }}\n                {%- endif %}" in t
+    return t
+
+
+def _both(processor, recipe, cache: Path, recs: dict, user_audio: str = "drop"):
+    """(processor batch, cache batch) of every sample the cache kept, in index order."""
+    from loaders.collate import collate_fn
+    from shards import ShardReader, read_manifest
+
+    reader = ShardReader(cache)
+    template = _template(processor, user_audio)
+    texts, audios = [], []
+    for key in reader.keys:
+        conv, waves = _conversation(recs[key], user_audio)
+        texts.append(processor.apply_chat_template(conv, chat_template=template, tokenize=False))
+        audios += waves
+    proc = processor(text=texts, audio=audios or None, output_labels=True, return_tensors="pt",
+                     add_special_tokens=False)   # as apply_chat_template(tokenize=True): the template writes BOS
+    pad = read_manifest(cache)["text"]["pad_id"]
+    batch = collate_fn([reader.get(i) for i in range(len(reader))], recipe.fields, pad_id=pad)
+    return dict(proc), recipe.batch_transform(batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HIGGS_MANIFESTS))
+def test_cache_batch_equals_the_processors_and_so_does_the_loss(name, higgs_caches, processor, higgs_codec):
+    cache, recs = higgs_caches[name]
+    recipe = _recipe(higgs_codec, cache)
+    proc, ours = _both(processor, recipe, cache, recs)
+    assert set(ours) - {"keys"} == set(proc), (sorted(ours), sorted(proc))
+    for k in proc:
+        assert ours[k].dtype == proc[k].dtype and torch.equal(ours[k], proc[k]), k
+    if name != "understanding":      # every sample has output audio: frames, delay tokens, audio labels
+        assert int(proc["audio_input_ids_mask"].sum()) > 0 and int((proc["audio_labels"] >= 0).sum()) > 0
+    assert int((proc["attention_mask"] == 0).sum()) > 0    # several lengths: left padding was compared
+    with torch.no_grad():
+        ref = recipe.lm(**{k: proc[k] for k in KEYS if k in proc}, use_cache=False).loss
+        loss = recipe({**ours})["loss"]
+    assert torch.isfinite(ref) and torch.equal(loss, ref.float()), (loss, ref)
+
+
+@pytest.mark.slow
+def test_input_audio_as_codes_equals_the_processor_given_them_as_audio_tokens(higgs_caches, processor, higgs_codec):
+    """``input_audio: codes``: a user-turn audio item written as the template writes scene audio."""
+    cache, recs = higgs_caches["understanding"]
+    recipe = _recipe(higgs_codec, cache, input_audio="codes")
+    proc, ours = _both(processor, recipe, cache, recs, user_audio="codes")
+    assert int(proc["audio_input_ids_mask"].sum()) > 0
+    for k in proc:
+        assert torch.equal(ours[k], proc[k]), k
+
+
+@pytest.mark.slow
+def test_the_real_template_drops_user_audio_and_the_processor_then_refuses_it(higgs_caches, processor):
+    cache, recs = higgs_caches["understanding"]
+    conv, _ = _conversation(next(iter(recs.values())))
+    conv[-1]["content"] = [{"type": "audio", "audio": np.zeros(2400, np.float32)}]   # an audio answer
+    text = processor.apply_chat_template(conv, tokenize=False)
+    assert "<|AUDIO|>" not in text and text.count("<|AUDIO_OUT|>") == 1                # user audio dropped
+    with pytest.raises(ValueError, match="number of audio tokens"):
+        processor.apply_chat_template(conv, tokenize=True, return_dict=True, return_tensors="pt")
+
+
+@pytest.mark.slow
+def test_targets_labels_train_only_the_trained_turns(higgs_caches, processor, higgs_codec):
+    """``labels: targets``: same inputs; text labels the cached ones (the last assistant turn of a
+    voice-cloning sample), audio labels the target item's codes and its stream EOS (Boson's
+    collator), computed here from the cached codes column by column."""
+    from shards import ShardReader
+
+    cache, recs = higgs_caches["voice_clone"]
+    recipe = _recipe(higgs_codec, cache, labels="targets")
+    proc, ours = _both(processor, recipe, cache, recs)
+    for k in ("input_ids", "attention_mask", "audio_input_ids", "audio_input_ids_mask"):
+        assert torch.equal(ours[k], proc[k]), k
+    reader = ShardReader(cache)
+    Q, bos, eos = 8, 1024, 1025
+    for b in range(len(reader)):
+        s = reader.get(b)
+        segs, codes = np.asarray(s["audio_segments"]), np.asarray(s["codes"]).astype(np.int64)
+        want = []
+        for k, seg in enumerate(segs):                       # start_index 4: only the last item trains
+            n, start = int(seg[4]), int(seg[3])
+            lab = np.full((n + Q + 1, Q), -100)
+            if k == len(segs) - 1:
+                for q in range(Q):
+                    for j in range(n + Q + 1):
+                        c = j - q
+                        if 1 <= c <= n:
+                            lab[j, q] = codes[q, start + c - 1]
+                        elif c == n + 1:
+                            lab[j, q] = eos
+            want.append(lab)
+        want = np.concatenate(want)
+        got = ours["audio_labels"][b, :len(want)].numpy()
+        assert (got == want).all() and (ours["audio_labels"][b, len(want):] == -100).all()
+        # text: exactly the tokens the cache trains (the last assistant turn), audio positions -100
+        n_text = int((np.asarray(s["labels"]) != -100).sum())
+        trained = ours["labels"][b][ours["labels"][b] != -100]
+        cached = torch.from_numpy(np.asarray(s["labels"]).astype(np.int64))
+        cached = cached[(cached != -100) & (cached != recipe.batch_transform.audio_token_id)]
+        assert torch.equal(trained, cached) and n_text > 0
+    assert not torch.equal(ours["labels"], proc["labels"])
+
+
+def test_model_path_must_be_a_higgs_checkpoint(tiny_models, higgs_models, tmp_path):
+    from train.models import DataSpec, build_model
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "higgs_audio"}))    # Boson's own format
+    with pytest.raises(ValueError, match="convert_higgs_audio_v2_to_hf"):
+        build_model("higgs", {"lm": str(tmp_path)}, DataSpec())
+    with pytest.raises(ValueError, match="use --model tts"):
+        build_model("higgs", {"lm": str(tiny_models / "lm-tiny")}, DataSpec())
+    with pytest.raises(ValueError, match="another tokenizer"):   # a cache made with another tokenizer's ids
+        build_model("higgs", {"lm": str(higgs_models / "higgs-tiny")}, DataSpec(audio_out_token_id=268))
+    with pytest.raises(ValueError, match="codebooks"):
+        build_model("higgs", {"lm": str(higgs_models / "higgs-tiny")}, DataSpec(n_codebooks=4))
+
+
+@pytest.mark.slow
+def test_the_transform_runs_in_the_loader_workers(higgs_caches, higgs_codec):
+    """ShardLoader(transform=recipe.batch_transform): the same batches from 2 worker processes as in-process."""
+    from loaders import ShardLoader
+    cache, _ = higgs_caches["voice_clone"]
+    recipe = _recipe(higgs_codec, cache)
+
+    def batches(workers: int) -> list[dict]:
+        ld = ShardLoader(cache, 3, fields=recipe.fields, num_workers=workers, transform=recipe.batch_transform)
+        ld.set_epoch(0)
+        return list(ld)
+
+    here, there = batches(0), batches(2)
+    assert len(here) == len(there) == 2
+    for a, b in zip(here, there):
+        assert a["keys"] == b["keys"] and set(a) == set(b) and "audio_input_ids" in a
+        assert all(torch.equal(a[k], b[k]) for k in KEYS)
+
+
+@pytest.mark.slow
+def test_lora_checkpoints_hold_the_adapters_only(higgs_caches, higgs_models, tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    from test_train_support import Captured
+    from train.config import from_dict
+    from train.trainer import run
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    cache, _ = higgs_caches["voice_clone"]
+    cfg = from_dict({"data": {"cache": str(cache), "batch_size": 2},
+                     "model": {"name": "higgs", "kwargs": {"lm": str(higgs_models / "higgs-tiny")}},
+                     "lora": {"enabled": True}, "training": {"steps": 3}, "checkpoint": {"every": 3},
+                     "job": {"dir": str(tmp_path / "run")}, "metrics": {"progress": False}, "dist": {"threads": 1}})
+    with Captured():          # (a handler of our own: the trainer leaves the logger's propagation alone)
+        assert run(cfg) == 0
+    ck = tmp_path / "run" / "step-3"
+    assert (ck / "adapter.safetensors").exists() and not (ck / "model.safetensors").exists()
+    with safe_open(str(ck / "adapter.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and all("lora_" in n for n in names), names
+    assert any("self_attn.q_proj.lora_A" in n for n in names)
+
+
+def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches):
+    """HiggsChatMLDataset (without boson_multimodal: ``sample_class``): the input items' waveforms at
+    16 kHz (decoded here again from the source files), one speaker map for the whole cache."""
+    from types import SimpleNamespace
+
+    from loaders.higgs import HiggsChatMLDataset
+    from precompute.audio import load_audio
+    cache, recs = higgs_caches["understanding"]
+    ds = HiggsChatMLDataset(cache, sample_class=SimpleNamespace)
+    assert ds.waveforms == "audio_16k" and ds.rate == 16000
+    assert ds.speakers == sorted({r["speaker"] for r in recs.values()})
+    for i, key in enumerate(ds.reader.keys):
+        s, rec = ds[i], recs[key]
+        url = next(it["audio_url"] for m in rec["messages"] if isinstance(m["content"], list)
+                   for it in m["content"] if isinstance(it, dict) and it.get("type") == "audio")
+        want = load_audio(url, (16000,))[0][16000]
+        assert s.audio_sample_rate.tolist() == [16000.0] and s.audio_waveforms_start.tolist() == [0]
+        np.testing.assert_allclose(s.audio_waveforms_concat.numpy(), want, atol=2e-4)
+        assert s.audio_speaker_indices.tolist() == [-1]   # input items have a speaker only when the item names one
+        assert s.audio_ids_concat.shape[0] == 8 and s.audio_ids_start.tolist() == [0]
+    cache, recs = higgs_caches["voice_clone"]                # output items: the sample's speaker, cache-wide ids
+    for speakers in (None, ["nobody", "lucas", "jackson", "george"]):
+        ds = HiggsChatMLDataset(cache, speakers=speakers, sample_class=SimpleNamespace)
+        assert ds.speakers == (speakers or sorted({r["speaker"] for r in recs.values()}))
+        for i, key in enumerate(ds.reader.keys):
+            assert ds[i].audio_speaker_indices.tolist() == [ds.speakers.index(recs[key]["speaker"])] * 2
+            assert ds[i].audio_waveforms_concat.numel() == 0

@@ -1,0 +1,152 @@
+"""``--model higgs``: Higgs-Audio v2 itself, ``transformers``' ``HiggsAudioV2ForConditionalGeneration``.
+
+Loaded with ``from_pretrained`` from a local directory or a hub id (``model.kwargs.lm``, or the
+Higgs-Audio command line's ``--model_path``): the released ``bosonai/higgs-audio-v2-generation-3B-base``
+in its ``transformers`` form, or ``models/higgs-tiny`` (``make models``). Its config must say
+``model_type: higgs_audio_v2``; a plain causal LM is refused (``--model tts`` trains one).
+
+Batches: the loader turns the cached ``input_ids``/``labels``/``codes``/``audio_segments`` into exactly
+what ``HiggsAudioV2Processor(..., output_labels=True)`` builds on the fly
+(:class:`loaders.higgs.HiggsBatch`, this recipe's ``batch_transform``, run in the loader's workers):
+frame-expanded audio tokens and delay tokens, ``audio_input_ids`` (B, T, Q) with the delay pattern,
+``audio_input_ids_mask``, left-padded text, ``labels`` and ``audio_labels``. ``labels: targets``
+trains only the turns a Higgs-Audio ChatML sample trains (``start_index``) instead of everything the
+processor labels; ``input_audio: codes`` feeds user-turn audio as codes instead of dropping it as
+the model's chat template does (see :mod:`loaders.higgs`).
+
+Loss: the model's own (``outputs.loss``): per codebook, next-frame cross entropy over the audio
+positions, summed over codebooks, plus the text head's next-token loss when ``use_text_head``
+(the released checkpoint has the head). Each is a mean over the labelled positions of the micro
+batch (transformers' ``ForCausalLMLoss``), not the per-sample mean of the other recipes.
+
+LoRA (``--lora`` / ``model.kwargs.lora``): peft adapters on the model's attention projections
+(q/k/v/o_proj by default, ``lora.targets`` to change); every other weight is frozen, so LoRA
+checkpoints hold the adapters only. Without LoRA the whole model trains.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from loaders.higgs import HiggsBatch
+
+from .lm import LMRecipe, load_causal_lm, lora_options, resolve_lm, touch
+
+log = logging.getLogger("train")
+
+DEFAULT_HIGGS = "models/higgs-tiny"
+MODEL_TYPE = "higgs_audio_v2"
+#: the batch keys ``HiggsAudioV2ForConditionalGeneration.forward`` takes
+INPUTS = ("input_ids", "attention_mask", "audio_input_ids", "audio_input_ids_mask", "labels", "audio_labels")
+
+
+def load_config(lm: Any):
+    """The ``transformers`` config of ``lm`` (dir or hub id); ``ValueError`` unless it is ``higgs_audio_v2``."""
+    from train.models import FORBIDDEN_MODULES, blocked_imports
+
+    name = resolve_lm(lm)
+    with blocked_imports(FORBIDDEN_MODULES):
+        from transformers import AutoConfig, PretrainedConfig
+        try:
+            raw, _ = PretrainedConfig.get_config_dict(name)   # its model_type, before transformers resolves it
+        except OSError as e:
+            raise OSError(f"could not load the config of {name!r} ({e}); pass model.kwargs.lm (or --model_path) = "
+                          "a Higgs-Audio v2 checkpoint directory or hub id; `make models` builds models/higgs-tiny") from e
+        model_type = raw.get("model_type")
+        if model_type == "higgs_audio":
+            raise ValueError(f"{name} is Higgs-Audio in Boson's own format (model_type 'higgs_audio', boson_multimodal): "
+                             "--model higgs loads transformers' form (higgs_audio_v2): convert it with transformers' "
+                             "convert_higgs_audio_v2_to_hf.py (docs/higgs-audio.md), or train it with Boson's trainer "
+                             "on loaders.higgs.HiggsChatMLDataset")
+        if model_type != MODEL_TYPE:
+            raise ValueError(f"--model higgs needs a {MODEL_TYPE} checkpoint (transformers' "
+                             f"HiggsAudioV2ForConditionalGeneration); {name} is {model_type!r}: for a plain causal LM "
+                             "use --model tts")
+        cfg = AutoConfig.from_pretrained(name)
+    return cfg
+
+
+class HiggsModel(LMRecipe):
+    """``HiggsAudioV2ForConditionalGeneration`` fine-tuned on the cache (see the module docstring).
+
+    Args (``model.kwargs``; the cache's ids come from ``manifest.json`` through :class:`train.models.DataSpec`):
+        lm: checkpoint directory or hub id (default ``models/higgs-tiny``).
+        dtype: weight dtype (float32 | bfloat16 | float16), default float32.
+        attn_implementation: passed to ``from_pretrained`` (default: transformers' choice).
+        lora: false | true | {r, alpha, dropout, targets}.
+        labels: ``processor`` (default: what ``HiggsAudioV2Processor(output_labels=True)`` labels) |
+            ``targets`` (the trained turns of the ChatML samples only, Higgs-Audio's rule).
+        input_audio: ``drop`` (default, as the chat template) | ``codes`` (user-turn audio as codes).
+        use_text_head: build (or load) the text head and add its loss (default True, as the
+            converted checkpoint); False: audio loss only.
+        n_codebooks, codebook_size, pad_id, audio_*_token_id, eot_token_id, eom_token_id: the cache's.
+
+    Raises ``ValueError`` when the cache does not fit the model: other placeholder ids (tokenized
+    with another tokenizer), other number of codebooks, codes that reach the stream BOS/EOS ids,
+    text ids past the model's vocabulary.
+    """
+
+    fields = HiggsBatch.fields
+    media_name = "audio"
+
+    def __init__(self, *, lm: str = DEFAULT_HIGGS, dtype: str = "float32", attn_implementation: str | None = None,
+                 lora: Any = False, labels: str = "processor", input_audio: str = "drop", use_text_head: bool = True,
+                 n_codebooks: int = 8, codebook_size: int = 1024, vocab_size: int | None = None, pad_id: int = 0,
+                 audio_in_token_id: int | None = None, audio_out_token_id: int | None = None,
+                 audio_out_bos_token_id: int | None = None, audio_eos_token_id: int | None = None,
+                 audio_bos_token_id: int | None = None, eot_token_id: int | None = None,
+                 eom_token_id: int | None = None) -> None:
+        super().__init__()
+        cfg = load_config(lm)
+        cache = {"<|AUDIO_OUT|>": (audio_out_token_id, cfg.audio_token_id),
+                 "<|audio_out_bos|>": (audio_out_bos_token_id, cfg.audio_bos_token_id)}
+        bad = {t: ids for t, ids in cache.items() if ids[0] is not None and ids[0] != ids[1]}
+        if bad:
+            raise ValueError("the cache was tokenized with another tokenizer than the model's: "
+                             + ", ".join(f"{t} is {a} in the cache, {b} in the model" for t, (a, b) in bad.items())
+                             + f"; precompute with text_tokenizer.pretrained = {lm}")
+        if int(n_codebooks) != cfg.num_codebooks:
+            raise ValueError(f"the cache has {n_codebooks} codebooks, the model {cfg.num_codebooks}: encode with the "
+                             "model's audio tokenizer (audio_tokenizer: {name: higgs, ...})")
+        if int(codebook_size) > cfg.audio_stream_bos_id:
+            raise ValueError(f"the cache's codec has {codebook_size} codes; the model's stream BOS/EOS ids are "
+                             f"{cfg.audio_stream_bos_id}/{cfg.audio_stream_eos_id}: codes would collide with them")
+        if vocab_size is not None and int(vocab_size) > cfg.vocab_size:
+            raise ValueError(f"the cache's text vocabulary ({vocab_size}) exceeds the model's ({cfg.vocab_size})")
+        self.use_text_head = bool(use_text_head)
+        self.lm = load_causal_lm(lm, None, dtype, attn_implementation, model_class="HiggsAudioV2ForConditionalGeneration",
+                                 use_text_head=self.use_text_head)
+        self.lm_name = str(lm)
+        self.lora = None
+        self.hidden_size = cfg.hidden_size
+        #: the loader transform (``ShardLoader(transform=...)``): the processor's batch from the cached tensors
+        self.batch_transform = HiggsBatch(
+            audio_token_id=cfg.audio_token_id, audio_bos_token_id=cfg.audio_bos_token_id,
+            audio_delay_token_id=cfg.audio_delay_token_id, pad_token_id=pad_id,
+            audio_stream_bos_id=cfg.audio_stream_bos_id, audio_stream_eos_id=cfg.audio_stream_eos_id,
+            num_codebooks=cfg.num_codebooks, audio_in_token_id=audio_in_token_id,
+            audio_in_bos_token_id=audio_bos_token_id, audio_eos_token_id=audio_eos_token_id,
+            eot_token_id=eot_token_id, eom_token_id=eom_token_id, labels=labels, input_audio=input_audio)
+        self._finish_init(False, lora_options(lora))
+
+    def media_modules(self) -> list[nn.Module]:
+        return []  # every weight is the model's own: one "lm" optimizer group
+
+    def checkpoint_config(self) -> dict:
+        """The model's ``transformers`` config (stored in each checkpoint's ``config.json``)."""
+        return self.lm.config.to_dict()
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """``batch``: :class:`loaders.higgs.HiggsBatch` output on the device. Returns ``{"loss"}``
+        (0-dim float32): the model's own loss."""
+        kw = {k: batch[k] for k in INPUTS if k in batch}
+        if not self.use_text_head:
+            kw.pop("labels", None)
+        out = self.lm(**kw, use_cache=False)
+        loss = out.loss
+        if loss is None:   # nothing labelled (no audio, no text head): a zero that reaches every weight
+            loss = out.logits.float().sum() * 0.0 + touch(self.lm.parameters()).to(out.logits.device)
+        return {"loss": loss.float()}
