@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import HIGGS_MANIFESTS, ROOT
+from conftest import HIGGS_MANIFESTS
 
 KEYS = ("input_ids", "attention_mask", "labels", "audio_input_ids", "audio_input_ids_mask", "audio_labels")
 
@@ -164,7 +164,7 @@ def test_targets_labels_train_only_the_trained_turns(higgs_caches, processor, hi
     for k in ("input_ids", "attention_mask", "audio_input_ids", "audio_input_ids_mask"):
         assert torch.equal(ours[k], proc[k]), k
     reader = ShardReader(cache)
-    Q, bos, eos = 8, 1024, 1025
+    Q, eos = 8, 1025
     for b in range(len(reader)):
         s = reader.get(b)
         segs, codes = np.asarray(s["audio_segments"]), np.asarray(s["codes"]).astype(np.int64)

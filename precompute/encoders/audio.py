@@ -40,7 +40,6 @@ together (sort a shard's clips by length) to get full batches.
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
