@@ -30,17 +30,24 @@ def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, An
     the dtype its model sees: a compact batch (the loader's ``compact=True``: int16 PCM, int16 codes,
     int32 ids, float16 latents) is widened *there* by the field's kind
     (:meth:`shards.kinds.FieldKind.to_model`: PCM scaled by 1/32768, ids and codes to int64, floats to
-    float32; all exact), never on the host. Keys that are not fields (lengths, masks, a model's own
-    batch layout) are only moved; non-tensor entries (``keys``) pass through."""
+    float32; all exact), never on the host. Only a tensor in its field's storage dtype is widened:
+    keys that are not fields (lengths, masks), and a model's own batch layout built by a loader
+    transform (whose keys may look like field names, e.g. ``audio_input_ids``), are only moved;
+    non-tensor entries (``keys``) pass through."""
     out = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
             v = v.to(device, non_blocking=True)
             f = registry.lookup(k)
-            if f is not None:
+            if f is not None and v.dtype == storage_dtype(f):
                 v = f.kind.to_model(f, v)
         out[k] = v
     return out
+
+
+def storage_dtype(field) -> torch.dtype:
+    """The torch dtype ``field`` is stored (and batched with ``compact=True``) in."""
+    return field.kind.host_dtype(field, compact=True)
 
 
 class DevicePrefetcher:

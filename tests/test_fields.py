@@ -68,3 +68,20 @@ def test_manifest_round_trip():
     assert m.fields["codes_mimi"].extra == {"x": 2} and m.extra == {"odd_key": [1]}
     assert m.vocab_size() == 300 and m.text.special_token_ids["<image>"] == 5
     assert m.codebook_size_of("codes") == 1024 and list(m.sidecar_fields) == ["codes_mimi"]
+
+
+def test_to_device_widens_only_fields_in_their_storage_dtype():
+    """Compact fields are widened by their kind; a model's own layout whose keys look like field names
+    (Higgs' ``audio_input_ids`` matches the ``audio_<name>`` rule) is only moved."""
+    import torch
+
+    from loaders.device import to_device
+    pcm = torch.tensor([[-32768, 0, 16384]], dtype=torch.int16)
+    batch = {"audio": pcm, "codes": torch.tensor([[[1, 2]]], dtype=torch.int16),
+             "input_ids": torch.tensor([[5, 6]], dtype=torch.int32),
+             "audio_input_ids": torch.tensor([[[7, 1025]]], dtype=torch.int64), "keys": ["k"]}
+    out = to_device(batch, "cpu")
+    assert out["audio"].dtype == torch.float32 and out["audio"].tolist() == [[-1.0, 0.0, 0.5]]
+    assert out["codes"].dtype == torch.int64 and out["input_ids"].dtype == torch.int64
+    assert out["audio_input_ids"].dtype == torch.int64 and out["audio_input_ids"].tolist() == [[[7, 1025]]]
+    assert out["keys"] == ["k"]
