@@ -250,8 +250,8 @@ def drop_field(cache_dir: str | Path, field_name: str) -> dict:
 def _tokenizer_cfg(args) -> dict:
     cfg: dict[str, Any] = {}
     if args.config:
-        import yaml
-        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        from shardcache.config import read_yaml  # the one YAML reader (size and alias limits)
+        loaded = read_yaml(args.config)
         cfg = dict(loaded.get("audio_tokenizer") or loaded)
     if args.audio_tokenizer:
         spec = args.audio_tokenizer

@@ -40,6 +40,7 @@ from shards.writer import ShardWriter
 
 from . import chat
 from .config import PrecomputeConfig
+from .conversation import OUTSIDE_ROOT
 from .encode import Encoders, Summary, encode_batch, load_encoders, waveform_fields
 from .encoders import fingerprint
 from .manifests import Request, read_manifest
@@ -109,6 +110,21 @@ def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) 
         write_json_atomic({"fingerprint": fp, "describe": describe}, path)
         return True
     return False
+
+
+def check_root(requests: list[Request], manifest: str | Path, root: str | Path | None) -> None:
+    """Raise ``ValueError`` when every row was rejected for a path outside the media root: then the
+    root is wrong, not the rows (an empty cache with exit 0 would hide it). Some such rows only
+    log a warning (their rejects name each one)."""
+    outside = [r for r in requests if r.error and OUTSIDE_ROOT in r.error[1]]
+    if not outside:
+        return
+    where = f"--root {root}" if root else f"the manifest's folder {Path(manifest).resolve().parent}"
+    if len(outside) == len(requests):
+        raise ValueError(f"{manifest}: every row names media outside {where} (e.g. {outside[0].error[1]}); "
+                         "pass --root DIR (a folder holding every media file) or set allow_outside_root: true")
+    log.warning("%d of %d rows name media outside %s: rejected as malformed_row (see rejects.parquet; "
+                "allow_outside_root: true reads them)", len(outside), len(requests), where)
 
 
 def check_posterior(image_encoder: Any) -> None:
@@ -270,7 +286,9 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     out_dir = output.local
     sync = barrier or (lambda: None)
     device = resolve_device(cfg.device, local_rank)
-    requests = read_manifest(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
+    requests = read_manifest(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns,
+                             allow_outside_root=cfg.allow_outside_root)
+    check_root(requests, manifest, root)
     enc = load_encoders(cfg, device)
     if cfg.store_posterior and enc.image is not None:
         check_posterior(enc.image)

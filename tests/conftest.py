@@ -38,12 +38,13 @@ def tiny_models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_config(tiny_models):
-    """A PrecomputeConfig pointing at the tiny models, small images and shards for fast tests."""
+    """A PrecomputeConfig pointing at the tiny models, small images and shards for fast tests
+    (``allow_outside_root``: test manifests in tmp folders name the repo's demo files)."""
     from precompute.config import load_config
     return load_config(ROOT / "configs" / "precompute.yaml", [
         f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
         f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-        "image_size=64", "samples_per_shard=8", "num_workers=0", "device=cpu"])
+        "image_size=64", "samples_per_shard=8", "num_workers=0", "device=cpu", "allow_outside_root=true"])
 
 
 @pytest.fixture(scope="session")
