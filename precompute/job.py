@@ -43,6 +43,7 @@ from .config import PrecomputeConfig
 from .conversation import OUTSIDE_ROOT
 from .encode import Encoders, Summary, encode_batch, load_encoders, waveform_fields
 from .encoders import fingerprint
+from .lock import CacheLock
 from .manifests import Request, read_manifest
 from .output import LocalOutput, open_output
 from .precision import check_precision
@@ -278,10 +279,24 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
         barrier: callable synchronising all ranks (``torch.distributed.barrier``) when world_size > 1.
 
     Returns ``(summary, manifest_dict)``; ``manifest_dict`` is None on ranks other than 0.
-    Raises :class:`FingerprintMismatch` when ``out_dir`` holds a cache from other encoders.
+    Raises :class:`FingerprintMismatch` when ``out_dir`` holds a cache from other encoders,
+    :class:`precompute.lock.CacheLocked` (rank 0, before anything is written) when another job
+    is writing to it.
     """
     t0 = time.perf_counter()
     output = open_output(out_dir, storage_options=storage_options, staging=staging, global_rank=global_rank)
+    lock = CacheLock(output.local).acquire() if global_rank == 0 else None  # one writer per cache
+    try:
+        return _run(output, manifest, cfg, root=root, global_rank=global_rank, world_size=world_size,
+                    local_rank=local_rank, barrier=barrier, progress=progress, t0=t0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_rank: int, world_size: int,
+         local_rank: int, barrier, progress: bool, t0: float) -> tuple[Summary, dict | None]:
+    """:func:`run` once the cache's writer lock is held (by rank 0)."""
     output.pull()  # a remote cache: its committed parts, so a rerun resumes against the bucket
     out_dir = output.local
     sync = barrier or (lambda: None)

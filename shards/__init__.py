@@ -2,17 +2,17 @@
 
 Imports neither ``precompute`` nor ``loaders``/``train``; both stages import it.
 """
-from .errors import (CorruptSample, FingerprintMismatch, ShardCorrupt, ShardcacheError, UnsafeMember, UnsafePath,
-                     UnsupportedFormat)
-from .index import (check_format_version, load_manifest_checked, merge_parts, read_index, read_manifest,
-                    read_rejects, safe_shard_path)
+from .errors import (CorruptSample, FingerprintMismatch, ManifestError, ShardCorrupt, ShardcacheError,
+                     UnsafeMember, UnsafePath, UnsupportedFormat)
+from .index import (cache_id, check_format_version, load_manifest_checked, merge_parts, read_cache_id, read_index,
+                    read_manifest, read_rejects, safe_shard_path)
 from .reader import ShardReader, value_checks_from_manifest
 from .scan import scan_shard
 from .schema import FORMAT_VERSION, safe_key, shard_name
 from .writer import ShardWriter
 
 __all__ = [
-    "CorruptSample", "FingerprintMismatch", "ShardCorrupt", "ShardcacheError", "UnsafeMember", "UnsafePath",
+    "CorruptSample", "FingerprintMismatch", "ManifestError", "cache_id", "read_cache_id", "ShardCorrupt", "ShardcacheError", "UnsafeMember", "UnsafePath",
     "UnsupportedFormat", "check_format_version", "load_manifest_checked", "safe_shard_path",
     "value_checks_from_manifest",
     "merge_parts", "read_index", "read_manifest", "read_rejects", "ShardReader", "scan_shard",
