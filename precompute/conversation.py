@@ -372,7 +372,7 @@ def from_chatml(rec: dict, base: MediaRoot | Path) -> tuple[Conversation, str]:
             if item is None:
                 continue
             if isinstance(item, str):
-                conv.add_text(item)
+                conv.add_text(as_text(item, iname))
                 continue
             if not isinstance(item, dict):
                 raise RowError(iname, f"expected text or an item object, got {type(item).__name__}")

@@ -98,8 +98,26 @@ def decode_text(data: bytes, where: str) -> str:
 
 
 def read_text(path: Path) -> str:
-    """A manifest's whole text (see :func:`decode_text`)."""
-    return decode_text(path.read_bytes(), str(path))
+    """A manifest's whole text: UTF-8 (a leading BOM dropped), line by line where the file is not
+    all UTF-8: a line that is not is read as Latin-1 (one warning names them), the others stay
+    UTF-8 (one bad byte must not change the text of every other row)."""
+    data = path.read_bytes()
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    out, latin = [], []
+    for n, line in enumerate(data.splitlines(keepends=True), 1):
+        try:
+            out.append(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            out.append(line.decode("latin-1"))
+            latin.append(n)
+    log.warning("%s: line(s) %s%s are not valid UTF-8; read as Latin-1", path, ", ".join(map(str, latin[:10])),
+                f" and {len(latin) - 10} more" if len(latin) > 10 else "")
+    return "".join(out)
 
 
 def _first_record(path: Path) -> Any:

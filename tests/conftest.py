@@ -61,3 +61,16 @@ def real_mini() -> Path:
     if not (REAL_MINI / "samples_with_corrupt.jsonl").exists():
         pytest.skip(f"real-mini corpus not found at {REAL_MINI}")
     return REAL_MINI
+
+
+# hypothesis (tests/test_hostile_rows.py): a bounded number of examples in CI, many in `make test-long`
+try:
+    from hypothesis import settings as _hsettings
+except ImportError:  # the property tests skip themselves
+    pass
+else:
+    _hsettings.register_profile("ci", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 20)),
+                                deadline=None, database=None, derandomize=True, print_blob=True)
+    _hsettings.register_profile("long", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 400)),
+                                deadline=None, print_blob=True)
+    _hsettings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
