@@ -120,29 +120,35 @@ def read_text(path: Path) -> str:
     return "".join(out)
 
 
+def _is_json_list(path: Path, text: bytes | str) -> bool:
+    """Whether ``path`` holds one JSON list of records (a ``.json`` file starting with ``[``) rather
+    than JSON lines: a ``.jsonl`` file is always read line by line, so a first line that is itself a
+    JSON array (a bad row) is that row's problem, not the file's."""
+    start = b"[" if isinstance(text, bytes) else "["
+    return path.suffix.lower() != ".jsonl" and text.lstrip().startswith(start)
+
+
 def _first_record(path: Path) -> Any:
     text = read_text(path).lstrip()
-    if text.startswith("["):
-        try:
+    try:
+        if _is_json_list(path, text):
             data = json.loads(text)
-            return data[0] if data else None
-        except ValueError:
-            return None
-    for line in text.splitlines():
-        if line.strip():
-            try:
-                return json.loads(line)
-            except ValueError:
-                return None
-    return None
+            return data[0] if isinstance(data, list) and data else None
+        line = next((x for x in text.splitlines() if x.strip()), None)
+        return json.loads(line) if line is not None else None
+    except (ValueError, RecursionError):
+        return None
 
 
 def _json_records(path: Path) -> Iterator[tuple[Any, str | None]]:
-    """Yield ``(record, None)`` or ``(None, error_detail)`` for a JSON list or a JSONL file."""
+    """Yield ``(record, None)`` or ``(None, error_detail)`` for a JSON list or a JSONL file.
+
+    Raises ``ValueError`` naming the file for a JSON list that does not parse as a whole (its rows
+    cannot be told apart)."""
     raw = path.read_bytes()
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
-    if raw.lstrip().startswith(b"["):
+    if _is_json_list(path, raw):
         try:
             data = json.loads(decode_text(raw, str(path)))
         except ValueError as e:

@@ -138,6 +138,18 @@ def test_rows_are_checked_field_by_field(tmp_path):
     assert "line 9" in errors[8] and got[8].error[0] == "malformed_row"
 
 
+@pytest.mark.parametrize("first", ["[1, 2]", "[" * 100_000 + "]" * 100_000, "{not json"],
+                         ids=["array", "deep", "not-json"])
+def test_a_bad_first_line_of_jsonl_is_one_bad_row(tmp_path, first):
+    """Found by make test-long: a JSONL manifest whose first line was a JSON array was read as one JSON
+    list (the whole job failed: "Extra data"), a deeply nested first line raised RecursionError."""
+    from precompute.manifests import read_manifest as read_rows
+    (tmp_path / "a.wav").write_bytes(b"")
+    (tmp_path / "m.jsonl").write_text(first + "\n" + json.dumps({"key": "ok", "text": "t", "audio": "a.wav"}) + "\n")
+    bad, good = read_rows(tmp_path / "m.jsonl")
+    assert bad.error[0] == "malformed_row" and good.error is None and good.key == "ok"
+
+
 def test_a_number_out_of_bounds_exits_2_before_any_work(tmp_path):
     """--sample-rate 100000000000 gave an empty cache with exit 0 (every row MemoryError)."""
     out = tmp_path / "cache"
