@@ -635,7 +635,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, aliases: Mapping[str, 
             no_flag.setdefault(sec, []).append(f"{path}: {opt.doc} (default: {_shown(opt.default)})")
             continue
         flags = [flag_of(path)] + [f for f in by_path.get(path, []) if f != flag_of(path)]
-        help_ = f"{opt.doc} (default: {_shown(opt.default)})".replace("%", "%%")
+        bounded = any(opt.rule(k) is not None for k in ("gt", "ge", "le"))
+        accepted = f"; {_bounds_text(opt, int in _args(opt.type) and float not in _args(opt.type))}" if bounded else ""
+        help_ = f"{opt.doc} (default: {_shown(opt.default)}{accepted})".replace("%", "%%")
         kinds = {_base(k) for k in _args(opt.type) if k is not type(None)}
         if kinds == {bool}:
             g.add_argument(*flags, dest=path, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,

@@ -102,6 +102,19 @@ def test_nul_key_caps_and_recipient_through_the_cli(tiny_models, tmp_path):
     assert sorted(ShardReader(tmp_path / "cache").keys) == ["good", "recipient"]
 
 
+def test_chatml_recipient_is_kept_with_its_turn(tmp_path):
+    """Issue 20 item 6: the recipient of a ChatML message was dropped silently."""
+    from precompute.manifests import read_manifest as read_rows
+    (tmp_path / "a.wav").write_bytes(b"")
+    rec = {"messages": [_turn("system", "s"), _turn("user", "hi", recipient="narrator"),
+                        _turn("assistant", {"type": "audio", "audio_url": "a.wav"}, recipient="")],
+           "misc": {"key": "r"}}
+    _write_jsonl(tmp_path / "m.jsonl", [rec])
+    conv = read_rows(tmp_path / "m.jsonl")[0].conversation
+    assert [t.get("recipient") for t in conv.to_json()["turns"]] == [None, "narrator", ""]
+    assert "recipient" not in conv.to_json()["turns"][0]       # no key where the message had none
+
+
 def _nested(depth: int) -> list:
     v: list = []
     for _ in range(depth):
