@@ -6,7 +6,9 @@ its index; the file records the holder (``host``, ``pid``, ``job``, ``since``). 
 same cache finds the lock held and stops at once with :class:`CacheLocked` naming the holder
 (``shardcache precompute`` exits 1; nothing was written). The other ranks of one job take no lock:
 they write nothing before passing a barrier with their rank 0, so all ranks of one job are one
-writer, and ranks of another job stop with their rank 0.
+writer, and ranks of another job end with their rank 0 (torchrun, as the Makefile and
+``scripts/slurm`` launch it, stops the group when a rank fails; under another launcher they wait at
+the first barrier until it ends them).
 
 A holder that dies (killed, node lost) releases the lock with its process (the kernel drops a
 ``flock`` with its last open file), so the next job takes it over and logs whose it was: no stale
