@@ -3,7 +3,8 @@
 The JSON keys are those stage one has always written (``format_version``, ``fingerprint``,
 ``encoders``, ``sample_rate``, ``codec_sample_rate``, ``n_codebooks``, ``codebook_size``,
 ``frame_rate``, ``latent_channels``, ``waveforms``, ``text``, ``text_vocab_size``,
-``text_pad_id``, ``counts``, ``shards``, ``config``...) plus ``fields``: the fields added after
+``text_pad_id``, ``counts``, ``shards``, ``config``...), ``cache_id`` (the identity of the samples:
+:func:`shards.index.cache_id`), plus ``fields``: the fields added after
 stage one (``python -m precompute add-field``), ``{name: {fingerprint, encoder, sidecar, base,
 n_codebooks, codebook_size, frame_rate, codec_sample_rate, shards: [{path, shard, samples, bytes,
 sha256}]}}``. Keys this class does not know are kept in ``extra`` and written back unchanged, so
