@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,14 +30,29 @@ IMAGE = "images/coffee.jpg"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
+def _argv(manifest, cache, tiny_models, *extra, root=DEMO) -> list[str]:
+    """``shardcache precompute`` arguments with the tiny models."""
+    return ["--manifest", str(manifest), "--cache", str(cache), "--config", str(ROOT / "configs" / "precompute.yaml"),
+            "--set", f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
+            "--set", f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
+            "--set", "image_size=64", "--set", "device=cpu", "--set", "num_workers=0", "--no-progress",
+            *(["--root", str(root)] if root else []), *extra]
+
+
 def _precompute(manifest, cache, tiny_models, *extra, root=DEMO, timeout=600):
-    cmd = [sys.executable, "-m", "shardcache", "precompute", "--manifest", str(manifest), "--cache", str(cache),
-           "--config", str(ROOT / "configs" / "precompute.yaml"),
-           "--set", f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
-           "--set", f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-           "--set", "image_size=64", "--set", "device=cpu", "--set", "num_workers=0", "--no-progress",
-           *(["--root", str(root)] if root else []), *extra]
+    """The command line in a process of its own."""
+    cmd = [sys.executable, "-m", "shardcache", "precompute", *_argv(manifest, cache, tiny_models, *extra, root=root)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def _precompute_here(capsys, manifest, cache, tiny_models, *extra, root=DEMO) -> tuple[int, str, str]:
+    """The command line's entry point (``precompute.cli.main``) in this process: its exit status,
+    stdout and stderr (no interpreter start-up to pay)."""
+    from precompute.cli import main
+    capsys.readouterr()
+    rc = main(_argv(manifest, cache, tiny_models, *extra, root=root))
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 def _write_jsonl(path: Path, rows: list) -> Path:
@@ -56,7 +70,7 @@ def _turn(role, content, **kw):
 
 # ---- any row, any bytes, never an abort; caps; recipient -------------------------------------------
 
-def test_nul_key_caps_and_recipient_through_the_cli(tiny_models, tmp_path):
+def test_nul_key_caps_and_recipient_through_the_cli(tiny_models, tmp_path, capsys):
     """A key holding a NUL ended the job with exit 1 (`member 'bad' has no KEY.ext name`) on every
     run. Now it is one malformed_row naming the key; the job and a rerun exit 0. The caps per sample
     reject with too_large naming the option; the ChatML recipient is in the sample's conversation."""
@@ -79,9 +93,8 @@ def test_nul_key_caps_and_recipient_through_the_cli(tiny_models, tmp_path):
     ]
     manifest = _write_jsonl(tmp_path / "m.jsonl", rows)
     caps = ["--max-text-tokens", "300", "--max-total-duration-s", "5", "--max-images", "1"]
-    r = _precompute(manifest, tmp_path / "cache", tiny_models, *caps)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr
+    rc, out, err = _precompute_here(capsys, manifest, tmp_path / "cache", tiny_models, *caps)
+    assert rc == 0, err[-3000:]
     rejects = _rejects(tmp_path / "cache")
     assert rejects["row-1"]["reason"] == "malformed_row"
     assert "key" in rejects["row-1"]["detail"] and "control character '\\x00'" in rejects["row-1"]["detail"]
@@ -96,9 +109,9 @@ def test_nul_key_caps_and_recipient_through_the_cli(tiny_models, tmp_path):
     turns = reader.get(reader.keys.index("recipient"))["json"]["conversation"]["turns"]
     assert [t.get("recipient") for t in turns] == ["narrator", None]
     # the rerun: nothing left to encode, exit 0 again, the same cache
-    r2 = _precompute(manifest, tmp_path / "cache", tiny_models, *caps)
-    assert r2.returncode == 0, r2.stderr[-3000:]
-    assert "kept 0, rejected 0, skipped (already cached) 9" in r2.stdout
+    rc, out, err = _precompute_here(capsys, manifest, tmp_path / "cache", tiny_models, *caps)
+    assert rc == 0, err[-3000:]
+    assert "kept 0, rejected 0, skipped (already cached) 9" in out
     assert sorted(ShardReader(tmp_path / "cache").keys) == ["good", "recipient"]
 
 
@@ -291,39 +304,36 @@ def test_a_manifest_whose_every_path_is_outside_stops_naming_root(tmp_path):
 
 # ---- one writer per cache ------------------------------------------------------------------------------
 
-def test_two_precompute_processes_on_one_cache(tiny_models, tmp_path):
+def test_two_precompute_processes_on_one_cache(tiny_models, tmp_path, capsys):
     """Two processes on one cache both encoded everything and one could fail with FileNotFoundError
-    on a .tmp. Now the second stops at once naming the first (host, pid); the first finishes; a
-    rerun after it takes the lock and has nothing to do."""
+    on a .tmp. Now the second (this process, through the CLI's entry point) stops at once naming the
+    first (host, pid); the first finishes."""
     cache = tmp_path / "cache"
-    cmd = lambda: _precompute(DEMO / "samples.jsonl", cache, tiny_models, root=None)  # noqa: E731
-    result = {}
-    t = threading.Thread(target=lambda: result.setdefault("first", cmd()))
-    t.start()
+    manifest = _write_jsonl(tmp_path / "m.jsonl", [{"key": f"k{i}", "text": "Hello.", "audio": AUDIO} for i in range(2)])
+    first = subprocess.Popen([sys.executable, "-m", "shardcache", "precompute",
+                              *_argv(manifest, cache, tiny_models)], cwd=ROOT, env=ENV, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lock = cache / "parts" / "writer.lock"
     deadline = time.monotonic() + 300
-    holder = {}
-    while time.monotonic() < deadline and not holder.get("pid"):
-        time.sleep(0.2)
+    holder: dict = {}
+    while time.monotonic() < deadline and holder.get("pid") != first.pid and first.poll() is None:
+        time.sleep(0.05)
         try:
             holder = json.loads(lock.read_text() or "{}")
         except (OSError, ValueError):
             pass
-    assert holder.get("pid"), "the first job never took the lock"
-    second = cmd()
-    t.join()
-    assert second.returncode == 1, second.stderr[-2000:]
-    assert f"is being written by another precompute job (host {holder['host']}, pid {holder['pid']}" in second.stderr
-    assert "Traceback" not in second.stderr and "Loading weights" not in second.stderr
-    assert result["first"].returncode == 0, result["first"].stderr[-2000:]
-    assert "kept 24," in result["first"].stdout
-    third = cmd()
-    assert third.returncode == 0 and "kept 0, rejected 0, skipped (already cached) 32" in third.stdout, third.stderr
+    assert holder.get("pid") == first.pid, "the first job never took the lock"
+    rc, out, err = _precompute_here(capsys, manifest, cache, tiny_models)
+    stdout, stderr = first.communicate(timeout=600)
+    assert rc == 1, err[-2000:]
+    assert f"is being written by another precompute job (host {holder['host']}, pid {first.pid} " in err, err
+    assert "lock file" in err and str(lock) in err
+    assert first.returncode == 0, stderr[-2000:]
+    assert "kept 2," in stdout
 
 
-def test_a_dead_writers_lock_is_taken_over(tiny_config, tmp_path, caplog):
-    """A holder killed with SIGKILL leaves its lock file; the next job takes the lock over."""
-    from precompute.job import run
+def test_a_dead_writers_lock_is_taken_over(tmp_path, caplog):
+    """A holder killed with SIGKILL leaves its lock file; the next writer takes the lock over."""
     from precompute.lock import CacheLock, CacheLocked
     cache = tmp_path / "cache"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from precompute.lock import CacheLock; "
@@ -334,12 +344,16 @@ def test_a_dead_writers_lock_is_taken_over(tiny_config, tmp_path, caplog):
         CacheLock(cache).acquire()
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    manifest = _write_jsonl(tmp_path / "m.jsonl", [{"key": "a", "text": "Hi.", "audio": str(DEMO / AUDIO)}])
+    assert json.loads((cache / "parts" / "writer.lock").read_text())["pid"] == holder.pid   # the stale file stays
     caplog.set_level("INFO", logger="precompute")
-    summary, _ = run(manifest, cache, tiny_config, progress=False)
-    assert summary.kept == 1
-    assert f"pid {holder.pid} " in caplog.text and "lock taken over" in caplog.text
-    assert json.loads((cache / "parts" / "writer.lock").read_text())["pid"] == os.getpid()
+    with CacheLock(cache):
+        assert f"pid {holder.pid} " in caplog.text and "lock taken over" in caplog.text
+        assert json.loads((cache / "parts" / "writer.lock").read_text())["pid"] == os.getpid()
+        other = subprocess.run([sys.executable, "-c", f"from precompute.lock import CacheLock; "
+                                f"CacheLock({str(cache)!r}).acquire()"], cwd=ROOT, env=ENV, capture_output=True,
+                               text=True)
+        assert other.returncode == 1 and f"pid {os.getpid()} " in other.stderr, other.stderr
+    CacheLock(cache).acquire().release()                                              # released on exit
 
 
 # ---- manifest.json at training time -------------------------------------------------------------------
