@@ -83,8 +83,9 @@ class MediaRoot:
     def of(cls, base: "MediaRoot | str | os.PathLike") -> "MediaRoot":
         return base if isinstance(base, MediaRoot) else cls(base)
 
-    def _inside(self, path: str) -> bool:
-        return path == self._real_root or path.startswith(self._real_root.rstrip(os.sep) + os.sep)
+    @staticmethod
+    def _under(path: str, root: str) -> bool:
+        return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
     def _real(self, path: str) -> str:
         """``realpath(path)`` with the folder's resolution cached (one ``lstat`` per file)."""
@@ -101,9 +102,10 @@ class MediaRoot:
         if self.allow_outside:
             return path
         norm = os.path.normpath(path)
-        real = self._real(norm)
-        if not self._inside(norm) or not self._inside(real):
-            where = norm if not self._inside(norm) else f"{real} (through a symlink)"
+        real = self._real(norm)  # resolves ../ and every symlink: a root that is itself a link is fine
+        if not self._under(real, self._real_root):
+            linked = self._under(norm, os.path.normpath(self.root))
+            where = f"{real} (through a symlink)" if linked else norm
             raise RowError(name, f"{value!r} is {OUTSIDE_ROOT} {self.root}: it resolves to {where}; "
                                  "pass --root DIR (a folder holding every media file) or set "
                                  "allow_outside_root: true (--allow-outside-root) to read it")

@@ -289,6 +289,10 @@ def test_paths_outside_the_root_are_rejected_naming_the_field(tmp_path):
     assert everything[3].conversation.audio[0].source == str(root / "../elsewhere/a.flac")
     # --root a folder holding both: the absolute path elsewhere is inside it
     assert read_rows(manifest, root=tmp_path)[4].error is None
+    # --root a symlink to the folder: the same rows are inside and outside as before
+    (tmp_path / "root-link").symlink_to(root)
+    via_link = read_rows(manifest, root=tmp_path / "root-link")
+    assert [r.error is None for r in via_link] == [r.error is None for r in got.values()]
 
 
 def test_a_manifest_whose_every_path_is_outside_stops_naming_root(tmp_path):
