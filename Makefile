@@ -32,12 +32,13 @@ NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),2)
 PRECOMPUTE_NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),1)
 _PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(PRECOMPUTE_NPROC),$(PY))
 
-.PHONY: setup precompute train test inspect bench models demo-data boson-venv clean help
+.PHONY: setup precompute train test test-long inspect bench models demo-data boson-venv clean help
 
 help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
 	@echo "make train        DDP training on OUT with torchrun ($(NPROC) processes)"
 	@echo "make test         the test suite"
+	@echo "make test-long    the property tests with many examples (HYPOTHESIS_PROFILE=long)"
 	@echo "make inspect      shardcache shards info OUT"
 	@echo "make bench        benchmarks (writes benchmarks/results/*.json)"
 	@echo "make models       build the tiny random test models into $(MODELS)/"
@@ -83,6 +84,11 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# hypothesis-built hostile manifests through the real stage-one job: 400 examples (the suite runs 20);
+# HYPOTHESIS_MAX_EXAMPLES=N for another number. Prints how many rows ran and the reject reasons seen.
+test-long: $(VENV)/.installed
+	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -s -p no:warnings tests/test_hostile_rows.py $(PYTEST_ARGS)
 
 inspect: $(VENV)/.installed
 	$(PY) -m shardcache shards info $(OUT)

@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardcache.workers import auto_workers
+from shards.index import read_cache_id
 
 from .batching import PlanSpec
 from .collate import check_fields
@@ -117,7 +118,9 @@ class ShardLoader:
             cached tensors (:attr:`train.recipes` ``batch_transform``); default None.
 
     Attribute ``prefetcher``: the :class:`loaders.remote.Prefetcher` of a remote cache (its
-    ``stats``: downloads, bytes, evictions, peak_bytes), else None.
+    ``stats``: downloads, bytes, evictions, peak_bytes), else None. ``cache_id``: the cache's
+    identity (:func:`shards.cache_id`; a MixedLoader's: its caches' ids joined by ``+``), recorded
+    in :meth:`state_dict`: :meth:`load_state_dict` refuses a state recorded on another cache.
 
     Raises ``ValueError`` for bad arguments or when an epoch would have no step (fewer samples
     after filters than one global batch with ``drop_remainder=True``), and whatever
@@ -164,6 +167,7 @@ class ShardLoader:
         if max_frames is not None and int(max_frames) < 1:
             raise ValueError(f"max_frames must be >= 1, got {max_frames}")
         self.sources = sources
+        self.cache_id = "+".join(read_cache_id(s.cache_dir) for s in sources.sources)
         self.batch_size, self.world_size, self.global_rank = int(batch_size), int(world_size), int(global_rank)
         self.seed, self.max_frames = int(seed), (None if max_frames is None else int(max_frames))
         self.num_workers = default_num_workers() if num_workers is None else int(num_workers)
@@ -240,11 +244,13 @@ class ShardLoader:
         """Position after the last batch the consumer received; the same on every rank.
 
         ``{"epoch", "cursor" (global samples consumed this epoch), "seed", "world_size",
-        "global_batch_size"}`` plus what the order depends on (``num_samples``, ``shuffle``,
-        ``shuffle_window``, ``max_frames``, ``batch_size``, ``drop_remainder``...), all plain ints/bools.
+        "global_batch_size", "cache_id"}`` plus what the order depends on (``num_samples``,
+        ``shuffle``, ``shuffle_window``, ``max_frames``, ``batch_size``, ``drop_remainder``...), all
+        plain ints/bools/strings.
         """
         sd = {"epoch": self.epoch, "cursor": int(self._cursor), "seed": self.seed,
-              "world_size": self.world_size, "global_batch_size": self.global_batch_size}
+              "world_size": self.world_size, "global_batch_size": self.global_batch_size,
+              "cache_id": self.cache_id}
         sd.update(self._signature())
         return sd
 
@@ -261,11 +267,18 @@ class ShardLoader:
         Allowed with other ``num_workers`` and another ``world_size`` as long as the global batch
         ``world_size * batch_size`` is the same (budget mode: same ``max_frames``/``batch_size``
         and a cursor on a step boundary of the new world size). Raises ``ValueError`` explaining
-        what differs otherwise (seed, global batch, cache size after filters, shuffle settings...).
+        what differs otherwise (seed, global batch, cache size after filters, shuffle settings...),
+        and when ``sd`` was recorded on another cache (its ``cache_id`` differs; both ids named). A
+        state without ``cache_id`` (made before ids, or one the caller removed on purpose to resume
+        on other data) is not checked for it.
         """
         missing = [k for k in STATE_KEYS if k not in sd]
         if missing:
             raise ValueError(f"not a ShardLoader state: missing {missing}")
+        if sd.get("cache_id") is not None and sd["cache_id"] != self.cache_id:
+            raise ValueError(f"the state was recorded on the cache with id {sd['cache_id']}, this loader reads the "
+                             f"cache with id {self.cache_id}: its position would land on other data. Resume on the "
+                             "same cache, or drop 'cache_id' from the state to continue by position anyway")
         if int(sd["seed"]) != self.seed:
             raise ValueError(f"checkpoint was made with seed={sd['seed']}, this loader has seed={self.seed}: "
                              "the order would differ; construct the loader with the checkpoint's seed")

@@ -24,22 +24,24 @@ from shards.tokens import IMAGE
 CONFIG_ENV = "SHARDCACHE_PRECOMPUTE_CONFIG"
 #: option names before the rename -> option (YAML keys, --set keys and flags)
 LEGACY = {"batch_size": "encoder_batch_size"}
+#: the highest sample rate (Hz) an option accepts: 384 kHz, the highest of studio converters
+MAX_SAMPLE_RATE = 384_000
 
 
 @dataclass
 class PrecomputeConfig:
     """Every option of ``shardcache precompute`` (defaults: ``configs/precompute.yaml``)."""
 
-    sample_rate: int = option(24000, gt=0)
+    sample_rate: int = option(24000, gt=0, le=MAX_SAMPLE_RATE)
     """Hz of the stored waveform (audio.npy). The codec gets its own rate (tokenizer.sample_rate); both are
     resampled from the one decoded array."""
-    min_duration: float = option(0.05, ge=0.0)
+    min_duration: float = option(0.05, ge=0.0, le=86400.0)
     """Seconds; shorter clips are rejected (too_short)."""
-    max_duration: float = option(30.0, gt=0.0)
+    max_duration: float = option(30.0, gt=0.0, le=86400.0)
     """Seconds; longer clips are rejected (too_long) from the file header, before decoding."""
-    silence_rms: float | None = option(None, ge=0.0)
+    silence_rms: float | None = option(None, ge=0.0, le=1.0)
     """Reject clips whose RMS (full scale 1.0) is below this (silent); null disables the check."""
-    image_size: int = option(256, gt=0)
+    image_size: int = option(256, gt=0, le=16384)
     """Pixels of the square VAE input (a multiple of the VAE's spatial factor, 8)."""
     image_resize: str = option("center_crop", choices=("center_crop", "pad", "bucket", "stretch"))
     """center_crop | pad | bucket (aspect kept: latent H, W vary; loaders pad them and return latents_mask) |
@@ -67,15 +69,15 @@ class PrecomputeConfig:
     """Also store the VAE posterior: latents.npy = its mean (as without it: Wan's mode is the mean) plus
     latents_logvar.npy float16 (C, T, H, W), so training can sample mean + exp(0.5 * logvar) * eps. Needs an
     encoder with encode_posterior (wan; not cosmos)."""
-    max_image_pixels: int = option(64_000_000, gt=0)
+    max_image_pixels: int = option(64_000_000, gt=0, le=1 << 30)
     """Decompression-bomb guard: images with more pixels are rejected (image_too_large)."""
-    min_image_side: int = option(16, gt=0)
+    min_image_side: int = option(16, gt=0, le=16384)
     """Images whose shorter side is below this many pixels are rejected (image_too_small)."""
-    samples_per_shard: int = option(256, gt=0)
+    samples_per_shard: int = option(256, gt=0, le=1_000_000)
     """Rows of the manifest per shard (rejected rows included)."""
-    encoder_batch_size: int = option(8, gt=0)
+    encoder_batch_size: int = option(8, gt=0, le=65536)
     """Clips or images per encoder call (was batch_size, still accepted; not the training batch)."""
-    num_workers: int | str = option("auto", choices=("auto",), ge=0)
+    num_workers: int | str = option("auto", choices=("auto",), ge=0, le=1024)
     """Decode worker processes (0 = decode in the main process). auto: on CUDA, the rank's share of the CPU
     cores minus one (at most 8); on CPU, 0, because the encoder's intra-op threads already use every core and
     worker processes only add contention (measured: make bench)."""
@@ -85,7 +87,7 @@ class PrecomputeConfig:
                                                     "fp16", "half"))
     """Compute dtype of the codec and the VAE: float32 | bfloat16 | float16 (CUDA). Anything but float32 is
     measured against float32 on the job's first rows before use (precompute.precision)."""
-    precision_samples: int = option(8, ge=0)
+    precision_samples: int = option(8, ge=0, le=100_000)
     """Rows used for that measurement."""
     precision_tolerance: dict[str, float] = option(
         factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95}, flag=False)
@@ -119,6 +121,19 @@ class PrecomputeConfig:
     """Manifest format; null = detected from the file."""
     columns: dict[str, str] = option(factory=dict, flag=False)
     """Column mapping for JSONL/CSV/Parquet rows, e.g. {audio: path} (--set columns.audio=path)."""
+    allow_outside_root: bool = False
+    """Read media files outside --root (default root: the manifest's folder). Off: a path that leaves it (../,
+    an absolute path elsewhere, a symlink pointing out) rejects its row as malformed_row naming the field."""
+    max_text_tokens: int = option(65536, gt=0, le=100_000_000)
+    """Per sample: the most input_ids tokens (the rendered conversation); a longer one is rejected as too_large
+    (a 50 MB JSON line would otherwise become one 52 M-token sample that no batch can hold)."""
+    max_audio_items: int = option(256, gt=0, le=1_000_000)
+    """Per sample: the most audio items of a conversation; more are rejected as too_large before any decoding."""
+    max_total_duration_s: float = option(3600.0, gt=0.0, le=1e7)
+    """Per sample: the most seconds of audio, every item together; more is rejected as too_large (from the
+    windows' durations before decoding where the row gives them, else after)."""
+    max_images: int = option(64, gt=0, le=1_000_000)
+    """Per sample: the most images of a conversation; more are rejected as too_large before any decoding."""
 
     @property
     def batch_size(self) -> int:

@@ -17,14 +17,23 @@ Every manifest shape becomes a :class:`Conversation` (see :mod:`precompute.manif
 Audio items in a user/system turn are *input* (``direction = "in"``), in an assistant turn
 *output* (``"out"``), as Higgs-Audio renders them (``<|AUDIO|>`` vs ``<|AUDIO_OUT|>``).
 
+A ChatML message's ``recipient`` (Higgs-Audio's ``Message.recipient``) is kept with its turn
+(:attr:`Turn.recipient`, in the sample's ``json`` conversation); the chat templates do not render it.
+
 Malformed values raise :class:`RowError` naming the field (e.g. ``messages[2].content[1].audio_url``);
-the manifest reader turns it into a ``malformed_row`` reject, so no value can abort a job.
+the manifest reader turns it into a ``malformed_row`` reject, so no value can abort a job. What is
+checked (:func:`as_text`, :func:`as_path`, :func:`check_json`): text is valid Unicode (no lone
+surrogate: it could not be written as UTF-8), paths hold no NUL, are at most :data:`MAX_PATH_BYTES`
+long and stay inside the media root (:class:`MediaRoot`), metadata stored verbatim is plain JSON
+(finite numbers, at most :data:`MAX_JSON_DEPTH` levels and :data:`MAX_JSON_BYTES` bytes).
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,12 +46,70 @@ LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant":
 IMAGE_TOKEN = IMAGE  # LLaVA's placeholder in a turn's text
 
 
+#: the longest media path (bytes of UTF-8): Linux's PATH_MAX
+MAX_PATH_BYTES = 4096
+#: metadata stored verbatim in a sample's json (ChatML ``misc``): the deepest nesting and the most bytes
+MAX_JSON_DEPTH = 32
+MAX_JSON_BYTES = 1 << 20
+#: the words of every "path outside the root" reject (precompute.job counts them)
+OUTSIDE_ROOT = "outside the media root"
+
+
 class RowError(ValueError):
     """A manifest value that cannot be used. ``field`` names it (dotted/indexed path)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class MediaRoot:
+    """The folder media paths are relative to and must stay inside (``--root``; default: the
+    manifest's folder), unless ``allow_outside`` (``allow_outside_root: true``).
+
+    :meth:`resolve` makes a path absolute against the root; a path that leaves it (``../``, an
+    absolute path elsewhere, or a symlink, of the file or of a folder on its way, pointing out)
+    raises :class:`RowError` naming the field and saying how to allow it. The recorded source is
+    ``root / value`` as written (symlinks are resolved only for the check).
+    """
+
+    def __init__(self, root: str | os.PathLike, allow_outside: bool = False):
+        self.root = Path(os.path.abspath(root))
+        self.allow_outside = bool(allow_outside)
+        self._real_root = os.path.realpath(self.root)
+        self._real_dirs: dict[str, str] = {}
+
+    @classmethod
+    def of(cls, base: "MediaRoot | str | os.PathLike") -> "MediaRoot":
+        return base if isinstance(base, MediaRoot) else cls(base)
+
+    @staticmethod
+    def _under(path: str, root: str) -> bool:
+        return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+    def _real(self, path: str) -> str:
+        """``realpath(path)`` with the folder's resolution cached (one ``lstat`` per file)."""
+        folder, name = os.path.split(path)
+        real_dir = self._real_dirs.get(folder)
+        if real_dir is None:
+            real_dir = self._real_dirs[folder] = os.path.realpath(folder)
+        full = os.path.join(real_dir, name)
+        return os.path.realpath(full) if os.path.islink(full) else full
+
+    def resolve(self, value: str, name: str) -> str:
+        """``value`` (a checked, non-empty path text) as an absolute path string."""
+        path = str(self.root / value)
+        if self.allow_outside:
+            return path
+        norm = os.path.normpath(path)
+        real = self._real(norm)  # resolves ../ and every symlink: a root that is itself a link is fine
+        if not self._under(real, self._real_root):
+            linked = self._under(norm, os.path.normpath(self.root))
+            where = f"{real} (through a symlink)" if linked else norm
+            raise RowError(name, f"{value!r} is {OUTSIDE_ROOT} {self.root}: it resolves to {where}; "
+                                 "pass --root DIR (a folder holding every media file) or set "
+                                 "allow_outside_root: true (--allow-outside-root) to read it")
+        return path
 
 
 @dataclass
@@ -81,8 +148,11 @@ class Part:
 
 @dataclass
 class Turn:
+    """One turn: its role, its parts in order and, for ChatML, the message's ``recipient``."""
+
     role: str
     parts: list[Part] = field(default_factory=list)
+    recipient: str | None = None
 
 
 @dataclass
@@ -112,7 +182,8 @@ class Conversation:
         return {
             "turns": [{"role": t.role, "parts": [
                 {"type": "text", "text": p.text} if p.type == "text" else {"type": p.type, "item": p.item}
-                for p in t.parts]} for t in self.turns],
+                for p in t.parts], **({"recipient": t.recipient} if t.recipient is not None else {})}
+                for t in self.turns],
             "start_index": self.start_index,
         }
 
@@ -134,29 +205,76 @@ class Conversation:
 
 
 # -- value checks --------------------------------------------------------------------------------
+def check_unicode(value: str, name: str) -> str:
+    """``value`` unchanged when it can be written as UTF-8, else :class:`RowError` (a lone
+    surrogate, e.g. from a JSON ``"\\ud800"``)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError(name, f"not valid Unicode text: lone surrogate {value[e.start]!r} at character "
+                             f"{e.start}") from None
+    return value
+
+
 def as_text(value: Any, name: str) -> str:
-    """``value`` as a str (None -> ""); numbers are accepted as their text, anything else raises."""
+    """``value`` as a str (None -> ""); numbers are accepted as their text, anything else raises;
+    text that is not valid Unicode raises (:func:`check_unicode`)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
     if isinstance(value, str):
-        return value
+        return check_unicode(value, name)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     raise RowError(name, f"expected text, got {type(value).__name__}")
 
 
-def as_path(value: Any, name: str, base: Path) -> str | None:
-    """A media path (str) made absolute against ``base``; None/"" -> None; other types raise."""
+def as_path(value: Any, name: str, base: "MediaRoot | Path") -> str | None:
+    """A media path (str) made absolute against the media root (:meth:`MediaRoot.resolve`: a path
+    outside it raises); None/"" -> None; other types, a NUL, invalid Unicode or a path longer than
+    :data:`MAX_PATH_BYTES` raise :class:`RowError`."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
     if not isinstance(value, str):
         raise RowError(name, f"expected a file path (string), got {type(value).__name__} {value!r:.40}")
-    value = value.strip()
+    value = check_unicode(value, name).strip()
     if not value:
         return None
     if "\0" in value:
         raise RowError(name, "path contains a NUL byte")
-    return str(base / value)
+    if len(value.encode()) > MAX_PATH_BYTES:
+        raise RowError(name, f"path of {len(value.encode())} bytes, longer than {MAX_PATH_BYTES}")
+    return MediaRoot.of(base).resolve(value, name)
+
+
+def check_json(value: Any, name: str) -> Any:
+    """``value`` unchanged when it can be stored verbatim in a sample's json: dicts with string
+    keys, lists, strings (valid Unicode), finite numbers, booleans, None; at most
+    :data:`MAX_JSON_DEPTH` levels and :data:`MAX_JSON_BYTES` bytes. Raises :class:`RowError`
+    naming the place (``misc.a[3]``)."""
+    stack = [(value, name, 0)]
+    while stack:
+        v, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RowError(where, f"nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(v, str):
+            check_unicode(v, where)
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise RowError(where, f"{v!r} is not a finite number (JSON has none)")
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise RowError(where, f"key {k!r:.40} is not a string")
+                check_unicode(k, f"{where} key")
+                stack.append((x, f"{where}.{k}", depth + 1))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
+        elif not (v is None or isinstance(v, (bool, int))):
+            raise RowError(where, f"expected a JSON value, got {type(v).__name__}")
+    n = len(json.dumps(value, ensure_ascii=False).encode())
+    if n > MAX_JSON_BYTES:
+        raise RowError(name, f"{n} bytes of JSON, more than {MAX_JSON_BYTES}")
+    return value
 
 
 def as_seconds(value: Any, name: str, *, allow_none: bool) -> float | None:
@@ -167,9 +285,11 @@ def as_seconds(value: Any, name: str, *, allow_none: bool) -> float | None:
         return 0.0
     if isinstance(value, bool):
         raise RowError(name, f"expected seconds, got {value!r}")
+    if isinstance(value, str):
+        check_unicode(value, name)
     try:
         x = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise RowError(name, f"expected a number of seconds, got {value!r:.40}") from None
     if not math.isfinite(x) or x < 0:
         raise RowError(name, f"must be a finite number >= 0, got {value!r:.40}")
@@ -177,7 +297,7 @@ def as_seconds(value: Any, name: str, *, allow_none: bool) -> float | None:
 
 
 # -- shapes ---------------------------------------------------------------------------------------
-def _audio_item(d: dict, name: str, base: Path, turn: int, role: str, speaker: str) -> AudioItem:
+def _audio_item(d: dict, name: str, base: MediaRoot, turn: int, role: str, speaker: str) -> AudioItem:
     direction = "out" if role == "assistant" else "in"
     offset = as_seconds(d.get("offset"), f"{name}.offset", allow_none=False)
     duration = as_seconds(d.get("duration"), f"{name}.duration", allow_none=True)
@@ -221,8 +341,10 @@ def _turns(rec: dict, name: str) -> list:
     return turns
 
 
-def from_chatml(rec: dict, base: Path) -> tuple[Conversation, str]:
-    """Higgs-Audio ChatML record -> (conversation, speaker). Raises :class:`RowError`."""
+def from_chatml(rec: dict, base: MediaRoot | Path) -> tuple[Conversation, str]:
+    """Higgs-Audio ChatML record -> (conversation, speaker). ``base``: the media root (a folder:
+    paths must stay inside it). Raises :class:`RowError`."""
+    base = MediaRoot.of(base)
     messages = _turns(rec, "messages")
     misc = rec.get("misc")
     if misc is not None and not isinstance(misc, dict):
@@ -231,7 +353,8 @@ def from_chatml(rec: dict, base: Path) -> tuple[Conversation, str]:
     conv = Conversation()
     si = rec.get("start_index")
     if si is not None and not (isinstance(si, float) and math.isnan(si)):
-        if isinstance(si, bool) or not isinstance(si, (int, float)) or si != int(si) or not 0 <= si <= len(messages):
+        if isinstance(si, bool) or not isinstance(si, (int, float)) or not math.isfinite(si) or si != int(si) \
+                or not 0 <= si <= len(messages):
             raise RowError("start_index", f"expected an integer in [0, {len(messages)}], got {si!r:.40}")
         conv.start_index = int(si)
     for i, msg in enumerate(messages):
@@ -239,9 +362,11 @@ def from_chatml(rec: dict, base: Path) -> tuple[Conversation, str]:
         if not isinstance(msg, dict):
             raise RowError(name, f"expected an object with role and content, got {type(msg).__name__}")
         role = msg.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise RowError(f"{name}.role", f"expected one of {', '.join(ROLES)}, got {role!r:.40}")
-        conv.add_turn(role)
+        turn = conv.add_turn(role)
+        if msg.get("recipient") is not None:
+            turn.recipient = as_text(msg["recipient"], f"{name}.recipient")
         content = msg.get("content")
         items = content if isinstance(content, list) else [content]
         for j, item in enumerate(items):
@@ -249,7 +374,7 @@ def from_chatml(rec: dict, base: Path) -> tuple[Conversation, str]:
             if item is None:
                 continue
             if isinstance(item, str):
-                conv.add_text(item)
+                conv.add_text(as_text(item, iname))
                 continue
             if not isinstance(item, dict):
                 raise RowError(iname, f"expected text or an item object, got {type(item).__name__}")
@@ -268,8 +393,10 @@ def from_chatml(rec: dict, base: Path) -> tuple[Conversation, str]:
     return conv, speaker
 
 
-def from_llava(rec: dict, base: Path) -> Conversation:
-    """LLaVA record (``id``, ``image`` (path or list), ``conversations``) -> conversation."""
+def from_llava(rec: dict, base: MediaRoot | Path) -> Conversation:
+    """LLaVA record (``id``, ``image`` (path or list), ``conversations``) -> conversation;
+    ``base`` as in :func:`from_chatml`."""
+    base = MediaRoot.of(base)
     turns = _turns(rec, "conversations")
     images = rec.get("image")
     images = images if isinstance(images, list) else [images]
@@ -281,7 +408,7 @@ def from_llava(rec: dict, base: Path) -> Conversation:
         name = f"conversations[{i}]"
         if not isinstance(t, dict):
             raise RowError(name, f"expected an object with from and value, got {type(t).__name__}")
-        role = LLAVA_ROLES.get(t.get("from"))
+        role = LLAVA_ROLES.get(t.get("from")) if isinstance(t.get("from"), str) else None
         if role is None:
             raise RowError(f"{name}.from", f"expected human or gpt, got {t.get('from')!r:.40}")
         value = as_text(t.get("value"), f"{name}.value")

@@ -41,7 +41,9 @@ from shards.writer import ShardWriter
 
 from . import chat
 from .config import PrecomputeConfig
+from .conversation import OUTSIDE_ROOT
 from .encode import Pipeline, Summary, load_encoders, waveform_fields
+from .lock import CacheLock
 from .manifests import Request, read_requests
 from .output import LocalOutput, open_output
 from .precision import check_precision
@@ -112,6 +114,21 @@ def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) 
         write_json_atomic({"fingerprint": fp, "describe": describe}, path)
         return True
     return False
+
+
+def check_root(requests: list[Request], manifest: str | Path, root: str | Path | None) -> None:
+    """Raise ``ValueError`` when every row was rejected for a path outside the media root: then the
+    root is wrong, not the rows (an empty cache with exit 0 would hide it). Some such rows only
+    log a warning (their rejects name each one)."""
+    outside = [r for r in requests if r.error and OUTSIDE_ROOT in r.error[1]]
+    if not outside:
+        return
+    where = f"--root {root}" if root else f"the manifest's folder {Path(manifest).resolve().parent}"
+    if len(outside) == len(requests):
+        raise ValueError(f"{manifest}: every row names media outside {where} (e.g. {outside[0].error[1]}); "
+                         "pass --root DIR (a folder holding every media file) or set allow_outside_root: true")
+    log.warning("%d of %d rows name media outside %s: rejected as malformed_row (see rejects.parquet; "
+                "allow_outside_root: true reads them)", len(outside), len(requests), where)
 
 
 def check_posterior(image_encoder: Any) -> None:
@@ -254,15 +271,31 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
         barrier: callable synchronising all ranks (``torch.distributed.barrier``) when world_size > 1.
 
     Returns ``(summary, manifest_dict)``; ``manifest_dict`` is None on ranks other than 0.
-    Raises :class:`FingerprintMismatch` when ``out_dir`` holds a cache from other encoders.
+    Raises :class:`FingerprintMismatch` when ``out_dir`` holds a cache from other encoders,
+    :class:`precompute.lock.CacheLocked` (rank 0, before anything is written) when another job
+    is writing to it.
     """
     t0 = time.perf_counter()
     output = open_output(out_dir, storage_options=storage_options, staging=staging, global_rank=global_rank)
+    lock = CacheLock(output.local).acquire() if global_rank == 0 else None  # one writer per cache
+    try:
+        return _run(output, manifest, cfg, root=root, global_rank=global_rank, world_size=world_size,
+                    local_rank=local_rank, barrier=barrier, progress=progress, t0=t0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_rank: int, world_size: int,
+         local_rank: int, barrier, progress: bool, t0: float) -> tuple[Summary, dict | None]:
+    """:func:`run` once the cache's writer lock is held (by rank 0)."""
     output.pull()  # a remote cache: its committed parts, so a rerun resumes against the bucket
     out_dir = output.local
     sync = barrier or (lambda: None)
     device = resolve_device(cfg.device, local_rank)
-    requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
+    requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns,
+                             allow_outside_root=cfg.allow_outside_root)
+    check_root(requests, manifest, root)
     pipe = Pipeline.build(cfg, device, requests)  # tokens the rows need are checked / added first
     enc, template, fp, describe = pipe.enc, pipe.template, pipe.fingerprint, pipe.describe
     if cfg.store_posterior and enc.image is not None:

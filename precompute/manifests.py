@@ -3,7 +3,15 @@
 Every row of the input becomes exactly one :class:`Request`, in input order; rows that cannot be
 used (malformed JSON, no key-able content, empty text, a key seen before) carry an ``error``
 ``(reason, detail)`` instead of raising, so they land in ``rejects.parquet`` with the chunk they
-belong to. Relative paths resolve against ``root`` (``--root``), else the manifest's folder.
+belong to. Relative paths resolve against ``root`` (``--root``), else the manifest's folder, and
+must stay inside it unless ``allow_outside_root`` (:class:`precompute.conversation.MediaRoot`).
+
+Every value of a row is checked here, whatever its shape: the key (:func:`shards.schema.key_problem`:
+no control character, valid Unicode, at most 200 bytes), text and paths
+(:mod:`precompute.conversation`), numbers, and metadata stored verbatim (ChatML ``misc``,
+:func:`~precompute.conversation.check_json`). A value that cannot be written safely makes its row
+a ``malformed_row`` reject naming the row and the field; anything unforeseen that a row raises
+(a bug) is a ``malformed_row`` too, never the end of the job.
 """
 from __future__ import annotations
 
@@ -13,7 +21,6 @@ import io
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,11 +28,13 @@ from typing import Any, Iterator
 from shards import schema
 
 from . import conversation as C
-from .conversation import Conversation, RowError
+from .conversation import Conversation, MediaRoot, RowError
 
 log = logging.getLogger("precompute")
 
 FORMATS = ("jsonl", "chatml", "llava", "csv", "parquet")
+#: the largest CSV cell read (characters); a longer one makes its line a malformed_row
+MAX_CSV_FIELD = 1 << 28
 
 
 @dataclass
@@ -89,37 +98,63 @@ def decode_text(data: bytes, where: str) -> str:
 
 
 def read_text(path: Path) -> str:
-    """A manifest's whole text (see :func:`decode_text`)."""
-    return decode_text(path.read_bytes(), str(path))
+    """A manifest's whole text: UTF-8 (a leading BOM dropped), line by line where the file is not
+    all UTF-8: a line that is not is read as Latin-1 (one warning names them), the others stay
+    UTF-8 (one bad byte must not change the text of every other row)."""
+    data = path.read_bytes()
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    out, latin = [], []
+    for n, line in enumerate(data.splitlines(keepends=True), 1):
+        try:
+            out.append(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            out.append(line.decode("latin-1"))
+            latin.append(n)
+    log.warning("%s: line(s) %s%s are not valid UTF-8; read as Latin-1", path, ", ".join(map(str, latin[:10])),
+                f" and {len(latin) - 10} more" if len(latin) > 10 else "")
+    return "".join(out)
+
+
+def _is_json_list(path: Path, text: bytes | str) -> bool:
+    """Whether ``path`` holds one JSON list of records (a ``.json`` file starting with ``[``) rather
+    than JSON lines: a ``.jsonl`` file is always read line by line, so a first line that is itself a
+    JSON array (a bad row) is that row's problem, not the file's."""
+    start = b"[" if isinstance(text, bytes) else "["
+    return path.suffix.lower() != ".jsonl" and text.lstrip().startswith(start)
 
 
 def _first_record(path: Path) -> Any:
     text = read_text(path).lstrip()
-    if text.startswith("["):
-        try:
+    try:
+        if _is_json_list(path, text):
             data = json.loads(text)
-            return data[0] if data else None
-        except ValueError:
-            return None
-    for line in text.splitlines():
-        if line.strip():
-            try:
-                return json.loads(line)
-            except ValueError:
-                return None
-    return None
+            return data[0] if isinstance(data, list) and data else None
+        line = next((x for x in text.splitlines() if x.strip()), None)
+        return json.loads(line) if line is not None else None
+    except (ValueError, RecursionError):
+        return None
 
 
 def _json_records(path: Path) -> Iterator[tuple[Any, str | None]]:
-    """Yield ``(record, None)`` or ``(None, error_detail)`` for a JSON list or a JSONL file."""
+    """Yield ``(record, None)`` or ``(None, error_detail)`` for a JSON list or a JSONL file.
+
+    Raises ``ValueError`` naming the file for a JSON list that does not parse as a whole (its rows
+    cannot be told apart)."""
     raw = path.read_bytes()
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
-    if raw.lstrip().startswith(b"["):
+    if _is_json_list(path, raw):
         try:
             data = json.loads(decode_text(raw, str(path)))
         except ValueError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
+        except RecursionError:
+            raise ValueError(f"{path}: not readable JSON (nested too deeply)") from None
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a JSON list of records")
         for rec in data:
@@ -132,6 +167,8 @@ def _json_records(path: Path) -> Iterator[tuple[Any, str | None]]:
             yield json.loads(decode_text(line, f"{path}:{n}")), None
         except ValueError as e:
             yield None, f"line {n}: {e}"
+        except RecursionError:
+            yield None, f"line {n}: JSON nested too deeply"
 
 
 def _hash_key(*parts: str | None) -> str:
@@ -139,6 +176,8 @@ def _hash_key(*parts: str | None) -> str:
 
 
 def _raw_key(value: Any, name: str) -> str | None:
+    """The row's key as written (None when absent); raises :class:`RowError` for a key that cannot
+    name a sample even once made WebDataset-safe (:func:`shards.schema.key_problem`)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -146,10 +185,13 @@ def _raw_key(value: Any, name: str) -> str | None:
     value = str(value)
     if not value.strip():
         raise RowError(name, "key is empty or only whitespace")
+    why = schema.key_problem(schema.safe_key(value))
+    if why is not None:
+        raise RowError(name, why)
     return value
 
 
-def _parse(rec: dict, fmt: str, base: Path, columns: dict[str, str]) -> tuple[Conversation, str | None, str, dict]:
+def _parse(rec: dict, fmt: str, base: MediaRoot, columns: dict[str, str]) -> tuple[Conversation, str | None, str, dict]:
     """One record -> (conversation, raw key, speaker, meta). Raises :class:`RowError`.
 
     In JSON manifests each record is read by its own shape (``messages``: ChatML,
@@ -161,7 +203,7 @@ def _parse(rec: dict, fmt: str, base: Path, columns: dict[str, str]) -> tuple[Co
         conv, speaker = C.from_chatml(rec, base)
         misc = rec.get("misc") if isinstance(rec.get("misc"), dict) else {}
         key = _raw_key(misc.get("key"), "misc.key") or _raw_key(rec.get("key"), "key") or _raw_key(rec.get("id"), "id")
-        meta = {"misc": misc} if misc else {}
+        meta = {"misc": C.check_json(misc, "misc")} if misc else {}
         return conv, key, speaker, meta
     if fmt == "llava":
         conv = C.from_llava(rec, base)
@@ -190,21 +232,39 @@ def _table_records(path: Path, fmt: str) -> Iterator[tuple[Any, str | None]]:
             yield rec, None
         return
     dialect = "excel-tab" if path.suffix.lower() == ".tsv" else "excel"
-    for n, rec in enumerate(csv.DictReader(io.StringIO(read_text(path), newline=""), dialect=dialect), 2):
-        if None in rec:  # more cells than header columns
-            yield None, f"line {n}: {len(rec[None])} more cell(s) than the header has columns"
-            continue
-        yield {k: (v if v != "" else None) for k, v in rec.items()}, None
+    reader = csv.DictReader(io.StringIO(read_text(path), newline=""), dialect=dialect)
+    limit = csv.field_size_limit()
+    csv.field_size_limit(MAX_CSV_FIELD)  # a big cell is a row's problem (caps, checks), not the reader's
+    try:
+        n = 1
+        while True:
+            try:
+                rec = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:  # the reader goes on at the next line
+                n = reader.line_num
+                yield None, f"line {n}: not CSV ({e})"
+                continue
+            n = reader.line_num
+            if None in rec:  # more cells than header columns
+                yield None, f"line {n}: {len(rec[None])} more cell(s) than the header has columns"
+                continue
+            yield {k: (v if v != "" else None) for k, v in rec.items()}, None
+    finally:
+        csv.field_size_limit(limit)
 
 
 def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | None = None,
-                  columns: dict[str, str] | None = None, require_text: bool = True) -> list[Request]:
+                  columns: dict[str, str] | None = None, require_text: bool = True,
+                  allow_outside_root: bool = False) -> list[Request]:
     """Read a manifest into Requests (one per row, input order).
 
     Args:
         path: manifest file (``.jsonl``/``.json``/``.csv``/``.tsv``/``.parquet``), UTF-8 (a BOM
             is fine) or, with a warning, Latin-1.
-        root: folder that relative media paths are relative to (default: the manifest's folder).
+        root: folder that relative media paths are relative to (default: the manifest's folder);
+            a path outside it is a ``malformed_row`` unless ``allow_outside_root``.
         fmt: one of :data:`FORMATS`; default: :func:`detect_format`.
         columns: for jsonl/csv/parquet, maps our names (key, text, audio, image, speaker, offset,
             duration) to the file's column names.
@@ -225,7 +285,7 @@ def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | N
     fmt = fmt or detect_format(path)
     if fmt not in FORMATS:
         raise ValueError(f"unknown manifest format {fmt!r}; known: {', '.join(FORMATS)}")
-    base = Path(os.path.abspath(root if root else path.parent))  # sources are recorded absolute
+    base = MediaRoot(root if root else path.parent, allow_outside_root)  # sources are recorded absolute
     columns = columns or {}
     records = _table_records(path, fmt) if fmt in ("csv", "parquet") else _json_records(path)
     out: list[Request] = []
@@ -242,6 +302,11 @@ def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | N
         except RowError as e:
             out.append(Request(row=row, key=f"row-{row}", meta={"row": row},
                                error=(schema.MALFORMED_ROW, f"row {row}: {e}")))
+            continue
+        except (Exception, RecursionError) as e:  # noqa: BLE001 - no row may end the job (a bug: report it)
+            log.warning("row %d of %s: unexpected %s while reading it: %s", row, path, type(e).__name__, e)
+            out.append(Request(row=row, key=f"row-{row}", meta={"row": row},
+                               error=(schema.MALFORMED_ROW, f"row {row}: {type(e).__name__}: {str(e)[:200]}")))
             continue
         if raw_key is None:
             raw_key = _hash_key(*conv.sources)

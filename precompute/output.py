@@ -23,6 +23,8 @@ from shards.index import PARTS_DIR, part_paths
 from shards.schema import INDEX_FILE, MANIFEST_FILE, REJECTS_FILE
 from shards.storage import RemoteFolder, is_url, local_path
 
+from .lock import LOCK_FILE
+
 log = logging.getLogger("precompute")
 
 
@@ -90,7 +92,7 @@ class RemoteOutput(LocalOutput):
         parts.mkdir(parents=True, exist_ok=True)
         there = set(self.remote.list(PARTS_DIR))
         for p in parts.iterdir():
-            if p.is_file() and p.name not in there:
+            if p.is_file() and p.name not in there and p.name != LOCK_FILE:  # the lock stays local
                 p.unlink()  # committed locally but never uploaded: redo it
         for name in sorted(there):
             if not (parts / name).exists():

@@ -80,9 +80,30 @@ def _decode_audio(req: Request, rates: tuple[int, ...], cfg: PrecomputeConfig, o
         out.orig_sample_rates.append(sr)
 
 
+def _too_large(what: str, n: float, cap: float, option: str) -> CorruptSample:
+    return CorruptSample(schema.TOO_LARGE, f"{what} {n:g}, more than {option} {cap:g} per sample")
+
+
+def check_caps(conv, cfg: PrecomputeConfig) -> None:
+    """The caps per sample that need no decoding: ``max_audio_items``, ``max_images`` and
+    ``max_total_duration_s`` over the windows whose duration the row gives. Raises
+    :class:`CorruptSample` (``too_large``) naming the cap."""
+    if len(conv.audio) > cfg.max_audio_items:
+        raise _too_large("audio items", len(conv.audio), cfg.max_audio_items, "max_audio_items")
+    if len(conv.images) > cfg.max_images:
+        raise _too_large("images", len(conv.images), cfg.max_images, "max_images")
+    given = sum(a.duration_s for a in conv.audio if a.duration_s is not None)
+    if given > cfg.max_total_duration_s:
+        raise _too_large("seconds of audio", given, cfg.max_total_duration_s, "max_total_duration_s")
+
+
 def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, ...], text_tokenizer,
             template: str = "llama3", image_multiple: int = 8) -> Prepared:
-    """Decode ``req``; a :class:`CorruptSample` (or any decoder crash) becomes ``Prepared.error``."""
+    """Decode ``req``; a :class:`CorruptSample` (or any decoder crash) becomes ``Prepared.error``.
+
+    The caps per sample (``max_audio_items``, ``max_images``, ``max_total_duration_s``,
+    ``max_text_tokens``) reject a row as ``too_large``: counts before any decoding, seconds after
+    decoding the audio, tokens after rendering the conversation."""
     out = Prepared(req=req, chunk=chunk)
     if req.error:
         out.error = req.error
@@ -90,11 +111,17 @@ def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, .
     conv = req.conversation
     stage = schema.ENCODE_FAILED  # reason for an unexpected crash, by the step that crashed
     try:
-        # rendered first: a row without targets (no_targets) is rejected before any decoding
+        check_caps(conv, cfg)
+        # rendered first: a row without targets (no_targets) or past max_text_tokens is rejected before decoding
         out.input_ids, out.labels = chat.render(conv, text_tokenizer, template, chat.ChatTokens.of(cfg))
+        if len(out.input_ids) > cfg.max_text_tokens:
+            raise _too_large("text tokens", len(out.input_ids), cfg.max_text_tokens, "max_text_tokens")
         stage = schema.UNREADABLE_AUDIO
         if conv.audio:
             _decode_audio(req, rates, cfg, out)
+            if out.duration_s > cfg.max_total_duration_s:
+                raise _too_large("seconds of audio", round(out.duration_s, 3), cfg.max_total_duration_s,
+                                 "max_total_duration_s")
         stage = schema.IMAGE_UNREADABLE
         for im in conv.images:
             out.images.append(load_image(im.source, cfg.image_size, mode=cfg.image_resize, multiple=image_multiple,

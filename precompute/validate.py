@@ -125,8 +125,9 @@ def _waveforms(v: Mapping) -> list[tuple[str, str]]:
         if extra:
             out.append((where, f"unknown key(s) {extra}; known: sample_rate, direction"))
         sr = spec.get("sample_rate", 1)
-        if not _is_int(sr) or sr <= 0:
-            out.append((f"{where}.sample_rate", f"expected a positive integer, got {_show(sr)}"))
+        bad = S.check_option(S.options(PrecomputeConfig)["sample_rate"], sr)  # the bounds of sample_rate
+        if bad is not None:
+            out.append((f"{where}.sample_rate", bad[1]))
         d = spec.get("direction", WAVEFORM_DIRECTIONS[-1])
         if d not in WAVEFORM_DIRECTIONS:
             out.append((f"{where}.direction", f"expected one of {', '.join(WAVEFORM_DIRECTIONS)}, got {_show(d)}"))

@@ -206,7 +206,7 @@ def coerce(opt: Opt, value: Any, text: bool = False) -> Any:
             return tuple(s.strip() for s in value.split(",") if s.strip())
         if text:
             try:
-                value = yaml.safe_load(value) if value.strip() else ("" if str in bases else {} if dict in bases else value)
+                value = load_yaml(value, opt.path) if value.strip() else ("" if str in bases else {} if dict in bases else value)
             except yaml.YAMLError:
                 return value
     if isinstance(value, str) and (float in bases or int in bases) and str not in bases:
@@ -307,8 +307,8 @@ def matches(v: Any, tp: Any) -> tuple[str, str] | None:
 def _bounds_text(opt: Opt, integer: bool) -> str:
     gt, ge, le = opt.rule("gt"), opt.rule("ge"), opt.rule("le")
     noun = "an integer" if integer else "a number"
-    if gt == 0 and ge is None and le is None:
-        return "a positive integer" if integer else "a positive number"
+    if gt == 0 and ge is None:
+        return ("a positive integer" if integer else "a positive number") + (f" <= {le:g}" if le is not None else "")
     if ge is not None and le is not None:
         return f"{noun} between {ge:g} and {le:g}"
     parts = [f"> {gt:g}" if gt is not None else "", f">= {ge:g}" if ge is not None else "",
@@ -440,12 +440,79 @@ def flatten(data: Mapping[str, Any], cls: type, legacy: Mapping[str, str] | None
     return out
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML config file as a mapping; errors name the file."""
+#: the most bytes of YAML read at once (a config file, one command-line value)
+YAML_MAX_BYTES = 1 << 20
+#: the most values a YAML document may stand for, each alias counted at every place it is used: a
+#: "billion laughs" document (9 aliases of 9 aliases...: 10**9 values from a few hundred bytes) is
+#: refused here, before anything walks it
+YAML_MAX_VALUES = 100_000
+
+
+def _yaml_values(root: yaml.Node, limit: int) -> int | str:
+    """The number of values ``root`` expands to (aliases counted at each use, stopping at
+    ``limit + 1``), or the reason it cannot be expanded (a recursive alias)."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        kids = [] if isinstance(node, yaml.ScalarNode) else \
+            [x for kv in node.value for x in kv] if isinstance(node, yaml.MappingNode) else list(node.value)
+        if done:
+            on_path.discard(id(node))
+            size[id(node)] = min(limit + 1, 1 + sum(size[id(k)] for k in kids))
+            continue
+        if id(node) in size:
+            continue
+        if id(node) in on_path:
+            return "a recursive alias (an anchor used inside itself)"
+        on_path.add(id(node))
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids if id(k) not in size)
+        if any(id(k) in on_path for k in kids):
+            return "a recursive alias (an anchor used inside itself)"
+    return size[id(root)]
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)`` within limits: at most :data:`YAML_MAX_BYTES` bytes and
+    :data:`YAML_MAX_VALUES` values once aliases are expanded, no recursive alias, no nesting deeper
+    than Python's recursion limit. The one YAML reader of this project (config files, ``--set``
+    and flag values, ``add-field --config``).
+
+    Raises :class:`ConfigError` ``(where, reason)`` past a limit and ``yaml.YAMLError`` for text
+    that is not YAML.
+    """
+    n = len(text.encode("utf-8", "surrogatepass"))
+    if n > YAML_MAX_BYTES:
+        raise ConfigError([(where, f"{n} bytes of YAML, more than the {YAML_MAX_BYTES} a config may have")])
+    loader = yaml.SafeLoader(text)
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            values = _yaml_values(node, YAML_MAX_VALUES)
+            if isinstance(values, str):
+                raise ConfigError([(where, f"refused: {values}")])
+            if values > YAML_MAX_VALUES:
+                raise ConfigError([(where, f"refused: its aliases expand to more than {YAML_MAX_VALUES} values "
+                                           "(a YAML alias bomb?); write the values out")])
+            return loader.construct_document(node)
+        except RecursionError:
+            raise ConfigError([(where, "refused: YAML nested too deeply")]) from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML config file as a mapping (read by :func:`load_yaml`); errors name the file."""
+    try:
+        data = load_yaml(Path(path).read_text(), f"--config {path}")
     except OSError as e:
         raise ConfigError([("--config", f"{path}: {e.strerror or e}")]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([("--config", f"{path}: not UTF-8 text ({e})")]) from None
     except yaml.YAMLError as e:
         raise ConfigError([("--config", f"{path}: not valid YAML ({str(e).splitlines()[0]})")]) from None
     data = data or {}
@@ -493,7 +560,7 @@ def apply(cfg: Any, updates: Mapping[str, Any] | Iterable[tuple[str, tuple, Any]
                 nxt = node.get(k)
                 node[k] = dict(nxt) if isinstance(nxt, Mapping) else {}
                 node = node[k]
-            node[keys[-1]] = yaml.safe_load(value) if (text and isinstance(value, str)) else value
+            node[keys[-1]] = load_yaml(value, ".".join((path,) + keys)) if (text and isinstance(value, str)) else value
             values[path] = root
             continue
         new = coerce(opt, value, text=text)
@@ -568,7 +635,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, aliases: Mapping[str, 
             no_flag.setdefault(sec, []).append(f"{path}: {opt.doc} (default: {_shown(opt.default)})")
             continue
         flags = [flag_of(path)] + [f for f in by_path.get(path, []) if f != flag_of(path)]
-        help_ = f"{opt.doc} (default: {_shown(opt.default)})".replace("%", "%%")
+        bounded = any(opt.rule(k) is not None for k in ("gt", "ge", "le"))
+        accepted = f"; {_bounds_text(opt, int in _args(opt.type) and float not in _args(opt.type))}" if bounded else ""
+        help_ = f"{opt.doc} (default: {_shown(opt.default)}{accepted})".replace("%", "%%")
         kinds = {_base(k) for k in _args(opt.type) if k is not type(None)}
         if kinds == {bool}:
             g.add_argument(*flags, dest=path, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,

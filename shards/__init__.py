@@ -2,19 +2,19 @@
 
 Imports neither ``precompute`` nor ``loaders``/``train``; both stages import it.
 """
-from .errors import (CorruptSample, FingerprintMismatch, ShardCorrupt, ShardcacheError, UnsafeMember, UnsafePath,
-                     UnsupportedFormat)
+from .errors import (CorruptSample, FingerprintMismatch, ManifestError, ShardCorrupt, ShardcacheError,
+                     UnsafeMember, UnsafePath, UnsupportedFormat)
 from .manifest import CacheManifest, check_format_version, read_manifest
-from .index import (merge_parts, read_index,
-                    read_rejects, safe_shard_path)
+from .index import cache_id, merge_parts, read_cache_id, read_index, read_rejects, safe_shard_path
 from .reader import ShardReader, value_checks_from_manifest
 from .scan import scan_shard
 from .schema import FORMAT_VERSION, safe_key, shard_name
 from .writer import ShardWriter
 
 __all__ = [
-    "CorruptSample", "FingerprintMismatch", "ShardCorrupt", "ShardcacheError", "UnsafeMember", "UnsafePath",
-    "UnsupportedFormat", "check_format_version", "CacheManifest", "safe_shard_path",
+    "CorruptSample", "FingerprintMismatch", "ManifestError", "cache_id", "read_cache_id", "ShardCorrupt",
+    "ShardcacheError", "UnsafeMember", "UnsafePath", "UnsupportedFormat", "check_format_version", "CacheManifest",
+    "safe_shard_path",
     "value_checks_from_manifest",
     "merge_parts", "read_index", "read_manifest", "read_rejects", "ShardReader", "scan_shard",
     "FORMAT_VERSION", "safe_key", "shard_name", "ShardWriter",

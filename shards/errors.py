@@ -15,6 +15,11 @@ class UnsafePath(ShardCorrupt):
     directory (an absolute path, ``..``, a path separator, or a symlink resolving outside)."""
 
 
+class ManifestError(ShardCorrupt):
+    """A cache's ``manifest.json`` is missing, or a field of it has the wrong type or range; the
+    message names the file and the field."""
+
+
 class UnsupportedFormat(ShardcacheError):
     """``manifest.json`` has a ``format_version`` this code does not know (newer, or not an int)."""
 

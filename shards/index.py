@@ -28,6 +28,7 @@ refuses caches written by a newer format (:class:`~shards.errors.UnsupportedForm
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -229,6 +230,32 @@ def merge_parts(out_dir: Path, manifest: "CacheManifest | dict[str, Any]") -> di
     return write_cache_files(out_dir, index, rejects, shards, manifest)
 
 
+def cache_id(index: pa.Table) -> str:
+    """The identity of a cache: 16 hex digits of the sha256 of every index row's ``key``, ``shard``
+    and ``sha256`` (the sample's bytes), in index order. Two caches with the same id hold the same
+    samples in the same places; re-merging, ``shards reindex`` and ``add-field`` (sidecars) keep it.
+    Recorded in ``manifest.json`` (``cache_id``), in a loader's state and in training checkpoints,
+    so a resume on other data is refused."""
+    h = hashlib.sha256()
+    for batch in index.select(["key", "shard", "sha256"]).to_batches(max_chunksize=1 << 16):
+        keys, shards, shas = (c.to_pylist() for c in batch.columns)
+        h.update("".join(f"{k}\t{s}\t{d or ''}\n" for k, s, d in zip(keys, shards, shas)).encode())
+    return h.hexdigest()[:16]
+
+
+def read_cache_id(cache_dir: str | Path) -> str:
+    """``cache_id`` of the cache in ``cache_dir`` (a local folder with ``index.parquet``): from
+    ``manifest.json``, else (a cache written before ids) computed from the index."""
+    manifest = read_manifest(Path(cache_dir))
+    cid = manifest.get("cache_id") if isinstance(manifest, dict) else None
+    if isinstance(cid, str) and cid:
+        return cid
+    p = Path(cache_dir) / INDEX_FILE
+    if not p.exists():
+        raise FileNotFoundError(f"{p} not found: is {cache_dir} a shardcache cache?")
+    return cache_id(pq.read_table(p, columns=["key", "shard", "sha256"]))
+
+
 def format_version(index: pa.Table, manifest: dict[str, Any]) -> int:
     """The lowest format version that describes the cache (older readers refuse newer versions):
     3 when arrays are packed in ``tensors.npz`` members, 2 with sidecar fields, else 1."""
@@ -258,6 +285,7 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     manifest.update(
         format_version=format_version(index, manifest),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        cache_id=cache_id(index),
         counts=dict(samples=index.num_rows, rejected=rejects.num_rows, rejects_by_reason=reasons,
                     images=int(sum(index.column("has_image").to_pylist())),
                     audio_hours=round(sum(durations) / 3600.0, 6), shards=len(shards),

@@ -3,7 +3,8 @@
 The JSON keys are those stage one has always written (``format_version``, ``fingerprint``,
 ``encoders``, ``sample_rate``, ``codec_sample_rate``, ``n_codebooks``, ``codebook_size``,
 ``frame_rate``, ``latent_channels``, ``waveforms``, ``text``, ``text_vocab_size``,
-``text_pad_id``, ``counts``, ``shards``, ``config``...) plus ``fields``: the fields added after
+``text_pad_id``, ``counts``, ``shards``, ``config``...), ``cache_id`` (the identity of the samples:
+:func:`shards.index.cache_id`), plus ``fields``: the fields added after
 stage one (``python -m precompute add-field``), ``{name: {fingerprint, encoder, sidecar, base,
 n_codebooks, codebook_size, frame_rate, codec_sample_rate, shards: [{path, shard, samples, bytes,
 sha256}]}}``. Keys this class does not know are kept in ``extra`` and written back unchanged, so
@@ -18,8 +19,59 @@ from pathlib import Path
 from typing import Any
 
 from . import schema
-from .errors import ShardCorrupt, UnsupportedFormat
+from .errors import ManifestError, ShardCorrupt, UnsupportedFormat
 from .schema import MANIFEST_FILE
+
+
+def _int_rule(lo: int, hi: int | None = None):
+    def ok(v: Any) -> str | None:
+        if isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi):
+            return None
+        return f"expected an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {v!r:.60}"
+    return ok
+
+
+def _positive_number(v: Any) -> str | None:
+    import math
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+        return None
+    return f"expected a positive number, got {v!r:.60}"
+
+
+def _kind(tp: type, words: str):
+    return lambda v: None if isinstance(v, tp) else f"expected {words}, got {type(v).__name__}"
+
+
+#: what each field of manifest.json must hold when present (training sizes its model from them)
+FIELD_RULES = {
+    "fingerprint": _kind(str, "a string"), "encoders": _kind(dict, "an object"),
+    "sample_rate": _int_rule(1), "codec_sample_rate": _int_rule(1), "n_codebooks": _int_rule(1),
+    "codebook_size": _int_rule(1, 32768),  # codes are int16
+    "frame_rate": _positive_number, "latent_channels": _int_rule(1), "waveforms": _kind(dict, "an object"),
+    "text": _kind(dict, "an object"), "text_vocab_size": _int_rule(1), "text_pad_id": _int_rule(0),
+    "config": _kind(dict, "an object"), "counts": _kind(dict, "an object"), "shards": _kind(list, "a list"),
+    "fields": _kind(dict, "an object"), "cache_id": _kind(str, "a string"),
+}
+TEXT_RULES = {"vocab_size": _int_rule(1), "pad_id": _int_rule(0), "special_token_ids": _kind(dict, "an object")}
+
+
+def manifest_problems(d: Any) -> list[tuple[str, str]]:
+    """Every field of a ``manifest.json`` object that has the wrong type or range, as
+    ``(field, message)`` (``text.pad_id``, ``text.special_token_ids.<|AUDIO|>``...); absent and
+    null fields are fine (a job without a codec writes no ``n_codebooks``)."""
+    if not isinstance(d, dict):
+        return [("", f"expected a JSON object, got {type(d).__name__}")]
+    out = [(k, why) for k, rule in FIELD_RULES.items()
+           if d.get(k) is not None and (why := rule(d[k])) is not None]
+    text = d.get("text")
+    if isinstance(text, dict):
+        out += [(f"text.{k}", why) for k, rule in TEXT_RULES.items()
+                if text.get(k) is not None and (why := rule(text[k])) is not None]
+        ids = text.get("special_token_ids")
+        if isinstance(ids, dict):
+            out += [(f"text.special_token_ids.{k}", why) for k, v in ids.items()
+                    if v is not None and (why := _int_rule(0)(v)) is not None]
+    return out
 
 
 @dataclass
@@ -77,7 +129,7 @@ class FieldInfo:
 
 
 #: top-level keys, in the order they are written
-_KEYS = ("format_version", "created", "fingerprint", "encoders", "sample_rate", "codec_sample_rate",
+_KEYS = ("format_version", "created", "fingerprint", "cache_id", "encoders", "sample_rate", "codec_sample_rate",
          "n_codebooks", "codebook_size", "frame_rate", "latent_channels", "waveforms", "text",
          "text_vocab_size", "text_pad_id", "config", "source_manifest", "world_size", "counts", "shards",
          "fields")
@@ -108,6 +160,7 @@ class CacheManifest:
     counts: dict[str, Any] | None = None
     shards: list[dict[str, Any]] | None = None
     fields: dict[str, FieldInfo] = field(default_factory=dict)
+    cache_id: str | None = None             #: :func:`shards.index.cache_id` of the index
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -126,6 +179,27 @@ class CacheManifest:
     def read(cls, cache_dir: str | Path) -> "CacheManifest":
         """Read and check ``cache_dir/manifest.json`` (empty when absent; see :func:`read_manifest`)."""
         return cls.from_dict(read_manifest(cache_dir))
+
+    @classmethod
+    def read_required(cls, cache_dir: str | Path) -> "CacheManifest":
+        """``cache_dir/manifest.json``, which must exist, parse and have every field of the right type
+        (:func:`manifest_problems`): what training reads before it sizes a model.
+
+        Raises :class:`~shards.errors.ManifestError` naming the file and each bad field (also for a
+        missing file: say how to write it again), :class:`~shards.errors.UnsupportedFormat`.
+        """
+        path = Path(cache_dir) / MANIFEST_FILE
+        if not path.is_file():
+            raise ManifestError(f"{path} is missing: the cache's sizes (n_codebooks, codebook_size, vocab size, "
+                                "special token ids) are unknown without it. Rerun the same `shardcache "
+                                "precompute ... --cache` (committed shards are kept; it writes the manifest again)")
+        d = read_manifest(cache_dir)
+        problems = manifest_problems(d)
+        if problems:
+            raise ManifestError(f"{path}: " + "; ".join(f"{k}: {m}" for k, m in problems) +
+                                " (the file is damaged or was edited; rerun `shardcache precompute` on the same "
+                                "--cache to write it again)")
+        return cls.from_dict(d)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

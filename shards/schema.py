@@ -131,10 +131,11 @@ DUPLICATE_KEY = "duplicate_key"
 MALFORMED_ROW = "malformed_row"
 ENCODE_FAILED = "encode_failed"
 NO_TARGETS = "no_targets"                      # rendered without one trained token (labels all -100)
+TOO_LARGE = "too_large"                        # a sample past a cap: text tokens, audio items/seconds, images
 REASONS = (
     MISSING_FILE, UNREADABLE_AUDIO, ZERO_FRAMES, NON_FINITE, TOO_SHORT, TOO_LONG, SILENT,
     IMAGE_UNREADABLE, IMAGE_TRUNCATED, IMAGE_TOO_LARGE, IMAGE_TOO_SMALL, EMPTY_TEXT,
-    DUPLICATE_KEY, MALFORMED_ROW, ENCODE_FAILED, NO_TARGETS,
+    DUPLICATE_KEY, MALFORMED_ROW, ENCODE_FAILED, NO_TARGETS, TOO_LARGE,
 )
 
 _SHARD_RE = re.compile(r"^shard-(?:r(\d{4})-)?(\d{6})\.tar$")
@@ -165,6 +166,26 @@ def parse_shard_name(name: str) -> tuple[int, int]:
 def is_main_shard_name(name: str) -> bool:
     """True for a stage-one shard name (not a sidecar ``shard-XXXXXX.FIELD.tar``)."""
     return bool(_SHARD_RE.match(name))
+
+
+#: the longest key (bytes of UTF-8): a member ``KEY.latents_logvar.npy`` extracted to a file still
+#: fits the 255-byte file name limit of common file systems
+MAX_KEY_BYTES = 200
+
+
+def key_problem(key: str) -> str | None:
+    """Why ``key`` (already :func:`safe_key`) cannot name a sample, or None: a control character
+    (a NUL ends a tar member name), a lone surrogate (not writable as UTF-8), more than
+    :data:`MAX_KEY_BYTES` bytes."""
+    for i, ch in enumerate(key):
+        if ch < " " or "\x7f" <= ch <= "\x9f":
+            return f"key holds the control character {ch!r} at character {i}"
+        if "\ud800" <= ch <= "\udfff":
+            return f"key holds a lone surrogate {ch!r} at character {i} (not valid Unicode)"
+    n = len(key.encode("utf-8"))
+    if n > MAX_KEY_BYTES:
+        return f"key of {n} bytes, longer than {MAX_KEY_BYTES}"
+    return None
 
 
 def safe_key(key: str) -> str:

@@ -30,7 +30,7 @@ from . import fields as registry, npz
 from .index import fsync_dir, unsafe_name_reason, write_parts
 from .npz import npy_bytes  # noqa: F401 - re-exported (callers import it from here)
 from .scan import scan_shard
-from .schema import JSON_MEMBER, TENSOR_DTYPES, safe_key
+from .schema import JSON_MEMBER, TENSOR_DTYPES, key_problem, safe_key
 
 
 #: ustar fields of every member (the values webdataset's TarWriter uses)
@@ -91,9 +91,13 @@ class ShardWriter:
         self._tar = tarfile.open(fileobj=self._file, mode="w|", format=tarfile.PAX_FORMAT)
 
     def add(self, key: str, fields: dict[str, Any]) -> None:
-        """Append one sample. Raises ``ValueError`` for an unsafe key, unknown member or wrong dtype."""
+        """Append one sample. Raises ``ValueError`` for an unsafe key (:func:`shards.schema.safe_key`,
+        :func:`shards.schema.key_problem`), unknown member or wrong dtype."""
         if key != safe_key(key):
             raise ValueError(f"key {key!r} contains '.', '/' or whitespace; use shards.schema.safe_key")
+        why = key_problem(key)
+        if why is not None:
+            raise ValueError(f"key {key!r}: {why}")
         obj: dict[str, bytes] = {}
         arrays: dict[str, np.ndarray] = {}
         for name, value in fields.items():

@@ -110,12 +110,13 @@ def higgs_caches(real_mini, higgs_codec, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_config(tiny_models):
-    """A PrecomputeConfig pointing at the tiny models, small images and shards for fast tests."""
+    """A PrecomputeConfig pointing at the tiny models, small images and shards for fast tests
+    (``allow_outside_root``: test manifests in tmp folders name the repo's demo files)."""
     from precompute.config import load_config
     return load_config(ROOT / "configs" / "precompute.yaml", [
         f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
         f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-        "image_size=64", "samples_per_shard=8", "num_workers=0", "device=cpu"])
+        "image_size=64", "samples_per_shard=8", "num_workers=0", "device=cpu", "allow_outside_root=true"])
 
 
 @pytest.fixture(scope="session")
@@ -132,3 +133,16 @@ def real_mini() -> Path:
     if not (REAL_MINI / "samples_with_corrupt.jsonl").exists():
         pytest.skip(f"real-mini corpus not found at {REAL_MINI}")
     return REAL_MINI
+
+
+# hypothesis (tests/test_hostile_rows.py): a bounded number of examples in CI, many in `make test-long`
+try:
+    from hypothesis import settings as _hsettings
+except ImportError:  # the property tests skip themselves
+    pass
+else:
+    _hsettings.register_profile("ci", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 20)),
+                                deadline=None, database=None, derandomize=True, print_blob=True)
+    _hsettings.register_profile("long", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 400)),
+                                deadline=None, print_blob=True)
+    _hsettings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

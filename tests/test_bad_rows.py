@@ -33,7 +33,8 @@ def _cli(manifest, out, tiny_models, *extra):
            "--config", str(ROOT / "configs" / "precompute.yaml"),
            "--set", f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
            "--set", f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-           "--set", "image_size=64", "--set", "device=cpu", "--set", "num_workers=0", *extra]
+           "--set", "image_size=64", "--set", "device=cpu", "--set", "num_workers=0",
+           "--set", "allow_outside_root=true", *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

@@ -33,24 +33,24 @@ def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--set", "sample_rate=abc"], "error: sample_rate: expected a positive integer, got 'abc'"),
-    (["--set", "sample_rate=0"], "error: sample_rate: expected a positive integer, got 0"),
-    (["--set", "batch_size=-1"], "error: encoder_batch_size: expected a positive integer, got -1"),  # old name
-    (["--batch-size", "-1"], "error: encoder_batch_size: expected a positive integer, got -1"),
-    (["--encoder-batch-size", "0"], "error: encoder_batch_size: expected a positive integer, got 0"),
+    (["--set", "sample_rate=abc"], "error: sample_rate: expected a positive integer <= 384000, got 'abc'"),
+    (["--set", "sample_rate=0"], "error: sample_rate: expected a positive integer <= 384000, got 0"),
+    (["--set", "batch_size=-1"], "error: encoder_batch_size: expected a positive integer <= 65536, got -1"),  # old name
+    (["--batch-size", "-1"], "error: encoder_batch_size: expected a positive integer <= 65536, got -1"),
+    (["--encoder-batch-size", "0"], "error: encoder_batch_size: expected a positive integer <= 65536, got 0"),
     (["--set", "image_resize=foo"], "error: image_resize: expected one of center_crop, pad, bucket, stretch, got 'foo'"),
     (["--set", "image_pixel_range=0..1"], "error: image_pixel_range: expected one of -1..1, 0..255, got '0..1'"),
     (["--set", "image_rgb=bgr"], "error: image_rgb: expected one of composite, convert"),
     (["--set", "world_tokens=[<sow>]"], "error: world_tokens: expected two different tokens"),
     (["--set", "image_token= <image>"], "error: image_token: expected a token string without surrounding"),
     (["--set", "world_tokens=[<image>, <eow>]"], "error: world_tokens: '<image>' is the image placeholder"),
-    (["--set", "num_workers=lots"], "error: num_workers: expected an integer >= 0 or 'auto', got 'lots'"),
-    (["--num-workers", "lots"], "error: num_workers: expected an integer >= 0 or 'auto', got 'lots'"),
+    (["--set", "num_workers=lots"], "error: num_workers: expected an integer between 0 and 1024 or 'auto', got 'lots'"),
+    (["--num-workers", "lots"], "error: num_workers: expected an integer between 0 and 1024 or 'auto', got 'lots'"),
     (["--set", "min_duration=40"], "error: min_duration: 40.0 s is greater than max_duration 30.0 s"),
     (["--set", "image_size=100"], "error: image_size: expected a multiple of 8 (the VAE's spatial factor), got 100"),
-    (["--set", "max_duration=-1"], "error: max_duration: expected a positive number, got -1"),
-    (["--set", "silence_rms=loud"], "error: silence_rms: expected a number >= 0 or null, got 'loud'"),
-    (["--sample-rate", "fast"], "error: sample_rate: expected a positive integer, got 'fast'"),
+    (["--set", "max_duration=-1"], "error: max_duration: expected a positive number <= 86400, got -1"),
+    (["--set", "silence_rms=loud"], "error: silence_rms: expected a number between 0 and 1 or null, got 'loud'"),
+    (["--sample-rate", "fast"], "error: sample_rate: expected a positive integer <= 384000, got 'fast'"),
     (["--set", "optim.lr=1"], "error: optim.lr: unknown option"),
     (["--set", "store_posterior=maybe"], "error: store_posterior: expected true or false, got 'maybe'"),
     (["--set", "device=gpu"], "error: device: expected auto, cpu, cuda"),
@@ -61,7 +61,7 @@ def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
     (["--set", "audio_tokenizer.name=snac"], "error: audio_tokenizer.name: expected one of"),
     (["--set", "image_encoder.nomalize=true"], "error: image_encoder: unknown option(s) ['nomalize']"),
     (["--set", "extra_waveforms={audio_16k: {sample_rate: 0, direction: in}}"],
-     "error: extra_waveforms.audio_16k.sample_rate: expected a positive integer, got 0"),
+     "error: extra_waveforms.audio_16k.sample_rate: expected a positive integer <= 384000, got 0"),
     (["--set", "no_such_option=1"], "no_such_option"),
     (["--set", "sample_rate"], "key=value"),
 ])
@@ -106,8 +106,8 @@ def test_valid_values_pass(monkeypatch, capsys, tmp_path):
         assert check_config(load_config(None, [f"audio_tokenizer={plugin}"])) == []
     with pytest.raises(ConfigError) as e:
         validate_config(load_config(None, ["image_size=0", "max_duration=abc"]))
-    assert e.value.lines() == ["max_duration: expected a positive number, got 'abc'",  # in the order of the fields
-                               "image_size: expected a positive integer, got 0"]
+    assert e.value.lines() == ["max_duration: expected a positive number <= 86400, got 'abc'",  # in the order of the fields
+                               "image_size: expected a positive integer <= 16384, got 0"]
 
 
 def test_fallback_enumerations_match_the_modules():
@@ -126,7 +126,7 @@ def test_cli_stops_before_loading_any_model(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
     assert r.returncode == 2, r.stderr
-    assert "error: sample_rate: expected a positive integer, got 'abc'" in r.stderr
+    assert "error: sample_rate: expected a positive integer <= 384000, got 'abc'" in r.stderr
     assert "no-models" not in r.stderr and not (tmp_path / "out").exists()
 
 

@@ -106,7 +106,7 @@ def test_config_errors_name_every_bad_option_and_exit_2(tmp_path):
         parse_args(["--config", "none", "--lr", "fast", "--batch-size", "0", "--set", "schedule.name=step",
                     "--training.precision", "fp8"])
     assert [k for k, _ in e.value.problems] == ["data.batch_size", "optim.lr", "schedule.name", "training.precision"]
-    assert "optim.lr: expected a number >= 0, got 'fast'" in e.value.lines()
+    assert "optim.lr: expected a number between 0 and 100, got 'fast'" in e.value.lines()
     with pytest.raises(ConfigError, match="optim.lrr: unknown option"):
         parse_args(["--config", "none", "--set", "optim.lrr=1"])
     # the old absolute min_lr becomes a ratio of the final lr (configs written before min_lr_ratio)

@@ -29,6 +29,8 @@ from shardcache.config import ConfigError, option, section
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_TRAIN_CONFIG"
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+#: the most steps any step-count option accepts (a trillion)
+MAX_STEPS = 10**12
 SCHEDULES = ("constant", "linear", "cosine", "polynomial")
 
 
@@ -47,9 +49,9 @@ class DataConfig:
     fields: tuple = ("auto",)
     """Cached fields the loader collates: auto = the model's `fields` attribute (recipes declare theirs), else
     every field the cache holds; all = every field the cache holds; or a list: input_ids,labels,codes."""
-    batch_size: int = option(8, gt=0)
+    batch_size: int = option(8, gt=0, le=1_000_000)
     """Samples per rank per micro-step. Global batch = batch_size x world size x training.grad_accum."""
-    num_workers: int | str = option("auto", choices=("auto",), ge=0)
+    num_workers: int | str = option("auto", choices=("auto",), ge=0, le=1024)
     """DataLoader worker processes per rank. auto: on CUDA the loader's default (this rank's share of the CPU
     cores - 1, 1 to 8: loaders.loader.default_num_workers); on CPU 0 (worker processes would take cores from the
     training threads; the README's data-wait table measures both)."""
@@ -64,7 +66,7 @@ class DataConfig:
     """Copy batch k+1 to the training device while step k runs (loaders.DevicePrefetcher: a side CUDA stream,
     non-blocking copies from pinned memory; checkpoints keep the loader position of the batch last trained on).
     auto = on CUDA; on = also on CPU (takes the next batch early, no overlap: for tests); off = copy in the step."""
-    seed: int = option(0, ge=0)
+    seed: int = option(0, ge=0, le=2**63 - 1)
     """Seed of the data order and of the model init; rank r seeds its own RNGs with seed + r."""
 
 
@@ -85,7 +87,7 @@ class ModelConfig:
     (config.audio_tokenizer.pretrained), a mismatch warns. Never loaded: the codes are cached."""
     latent_loss: str = option("none", choices=("none", "cosine", "mse"))
     """Reference model: latent-regression head (next image patch)."""
-    latent_loss_weight: float = option(1.0, ge=0.0)
+    latent_loss_weight: float = option(1.0, ge=0.0, le=1e6)
     """Weight of the latent-regression loss."""
     init_from: str = ""
     """Initialise weights from a checkpoint (a step-N dir with model.safetensors or a LoRA adapter, or a
@@ -102,9 +104,9 @@ class LoraConfig:
 
     enabled: bool = False
     """Train LoRA adapters instead of all weights; checkpoints then hold the trainable tensors only."""
-    r: int = option(8, gt=0)
+    r: int = option(8, gt=0, le=65536)
     """LoRA rank."""
-    alpha: int = option(16, gt=0)
+    alpha: int = option(16, gt=0, le=1_000_000)
     """LoRA alpha (scale alpha / r)."""
     dropout: float = option(0.0, ge=0.0, le=1.0)
     """LoRA dropout."""
@@ -117,22 +119,22 @@ class LoraConfig:
 class OptimConfig:
     """AdamW and gradient clipping."""
 
-    lr: float = option(3e-4, ge=0.0)
+    lr: float = option(3e-4, ge=0.0, le=100.0)
     """Peak learning rate (a model's own optimizer groups may scale it: the VLM's projection_lr)."""
-    weight_decay: float = option(0.1, ge=0.0)
+    weight_decay: float = option(0.1, ge=0.0, le=100.0)
     """AdamW weight decay on matrices and embeddings (dim >= 2); biases and norms exempt."""
     beta1: float = option(0.9, ge=0.0, le=1.0)
     """AdamW beta1."""
     beta2: float = option(0.95, ge=0.0, le=1.0)
     """AdamW beta2."""
-    eps: float = option(1e-8, gt=0.0)
+    eps: float = option(1e-8, gt=0.0, le=1.0)
     """AdamW epsilon."""
     fused: str = option("auto", choices=("auto", "on", "off"))
     """Fused AdamW: auto (if this torch/device supports it) | on | off. Fused also skips a non-finite step on
     the device (no host sync)."""
-    grad_clip: float = option(1.0, ge=0.0)
+    grad_clip: float = option(1.0, ge=0.0, le=1e12)
     """Max global grad norm; 0 = no clipping (the norm is still logged). A non-finite norm skips the step."""
-    grad_norm_warn: float = option(1000.0, ge=0.0)
+    grad_norm_warn: float = option(1000.0, ge=0.0, le=1e30)
     """Warn (global rank 0, on log steps) when the pre-clip grad norm exceeded this since the last log;
     expected O(1-100); 0 = never."""
 
@@ -144,13 +146,13 @@ class ScheduleConfig:
     name: str = option("cosine", choices=SCHEDULES)
     """After warmup, from lr down to min_lr_ratio x lr at the last step: constant | linear | cosine |
     polynomial (1 - progress) ** power."""
-    warmup_steps: int = option(100, ge=0)
+    warmup_steps: int = option(100, ge=0, le=MAX_STEPS)
     """Linear warmup steps (lr x (step + 1) / warmup_steps)."""
     min_lr_ratio: float = option(0.1, ge=0.0, le=1.0)
     """Final lr as a fraction of each group's lr (groups with their own lr keep their ratio)."""
-    power: float = option(1.0, gt=0.0)
+    power: float = option(1.0, gt=0.0, le=1000.0)
     """Exponent of the polynomial schedule (1 = linear)."""
-    min_lr: float | None = option(None, ge=0.0)
+    min_lr: float | None = option(None, ge=0.0, le=100.0)
     """Deprecated (configs before min_lr_ratio): an absolute final lr, converted to min_lr_ratio = min_lr / lr
     once every layer of the config is read."""
 
@@ -159,17 +161,17 @@ class ScheduleConfig:
 class TrainingConfig:
     """Length, accumulation, precision, failure limits."""
 
-    steps: int = option(1000, ge=0)
+    steps: int = option(1000, ge=0, le=MAX_STEPS)
     """Optimizer steps in total (the schedule spans them); ignored when --training.epochs > 0."""
-    epochs: float = option(0.0, ge=0.0)
+    epochs: float = option(0.0, ge=0.0, le=1e6)
     """Train this many epochs (may be fractional): steps = ceil(epochs x steps_per_epoch), steps_per_epoch =
     loader batches per epoch // grad_accum; 0 = use --training.steps."""
-    grad_accum: int = option(1, gt=0)
+    grad_accum: int = option(1, gt=0, le=1_000_000)
     """Micro-steps per optimizer step; gradients are all-reduced on the last only (no_sync)."""
     precision: str = option("auto", choices=PRECISIONS)
     """auto: on CUDA bf16 where the GPU supports it, else fp16 with a GradScaler; fp32 on CPU. bf16 | fp16
     (autocast; fp16 with torch.amp.GradScaler, also on CPU where this torch supports it) | fp32."""
-    nonfinite_limit: int = option(20, ge=0)
+    nonfinite_limit: int = option(20, ge=0, le=MAX_STEPS)
     """Stop the run (exit 1, no checkpoint for it) after this many consecutive non-finite steps (skipped
     optimizer steps); checked on log and checkpoint steps; 0 = never."""
 
@@ -182,13 +184,13 @@ class DistConfig:
     """auto (cuda:LOCAL_RANK if available, else cpu) | cpu | cuda."""
     backend: str = option("auto", choices=("auto", "nccl", "gloo"))
     """Process-group backend: auto (nccl on CUDA, gloo on CPU)."""
-    pg_timeout_min: float = option(30.0, gt=0.0)
+    pg_timeout_min: float = option(30.0, gt=0.0, le=525_600.0)
     """Process-group timeout in minutes (a hung collective fails after it)."""
-    bucket_cap_mb: int = option(25, gt=0)
+    bucket_cap_mb: int = option(25, gt=0, le=65536)
     """DDP gradient bucket size in MiB."""
     find_unused_parameters: bool = False
     """DDP find_unused_parameters (plug-in models with unused branches)."""
-    threads: int = option(0, ge=0)
+    threads: int = option(0, ge=0, le=4096)
     """torch intra-op threads per process; 0 = leave as is (torchrun sets OMP_NUM_THREADS=1)."""
 
 
@@ -196,13 +198,17 @@ class DistConfig:
 class CheckpointConfig:
     """Atomic step-N checkpoints in the run directory."""
 
-    every: int = option(500, gt=0)
+    every: int = option(500, gt=0, le=MAX_STEPS)
     """Save a checkpoint every N steps (and at the end, and on a stop request)."""
-    keep: int = option(3, gt=0)
+    keep: int = option(3, gt=0, le=1_000_000)
     """Complete checkpoints kept (older ones are deleted after a new one is complete)."""
     resume: str = ""
     """'' = start fresh; 'auto' = the newest readable checkpoint in the run dir if any (a damaged newest one is
     named in a warning and the one before it used); or a step-N dir."""
+    allow_other_cache: bool = False
+    """Resume even when the checkpoint was made on another cache (its cache id, from the cache's manifest.json,
+    differs from --data.cache's): the data position then means other samples. Off: such a resume is refused,
+    naming both ids."""
 
 
 @dataclass
@@ -213,7 +219,7 @@ class JobConfig:
     """Run directory: checkpoints step-N/, metrics.jsonl, profile/, REQUEUE."""
     stop_file: str = ""
     """A stop is requested when this file exists; '' = RUN_DIR/STOP. Consumed after the stop checkpoint."""
-    stop_at_step: int = option(0, ge=0)
+    stop_at_step: int = option(0, ge=0, le=MAX_STEPS)
     """Request a stop after this step (as if SIGUSR1 arrived); 0 = never."""
     requeue_exit_code: int = option(3, ge=0, le=255)
     """Exit status after a stop request (checkpoint saved; the job should be requeued)."""
@@ -226,7 +232,7 @@ class EvalConfig:
     enabled: bool = True
     """Validate during training (on --data.val-cache, else on the keys held out by --data.val-fraction);
     false (--no-validation, --disable_evaluation): never, and nothing is held out."""
-    every: int = option(0, ge=0)
+    every: int = option(0, ge=0, le=MAX_STEPS)
     """Validate every N steps and at the end; 0 = every checkpoint.every steps. With stagger (default) a
     validation that falls on a checkpoint step runs after the next step instead, so the two never share a
     step (TheWorld staggered them to avoid its eval OOM): eval.every 500 with checkpoint.every 1000 validates
@@ -234,9 +240,9 @@ class EvalConfig:
     one step and the checkpoint is written first."""
     stagger: bool = True
     """Keep validation off checkpoint steps (see every); false: validate in the checkpoint's step, before it."""
-    batches: int = option(0, ge=0)
+    batches: int = option(0, ge=0, le=MAX_STEPS)
     """Batches per rank per validation; 0 = the whole validation epoch."""
-    batch_size: int = option(0, ge=0)
+    batch_size: int = option(0, ge=0, le=1_000_000)
     """Samples per rank per validation batch; 0 = --data.batch-size."""
 
 
@@ -244,14 +250,14 @@ class EvalConfig:
 class MetricsConfig:
     """metrics.jsonl (and TensorBoard) on global rank 0."""
 
-    every: int = option(10, gt=0)
+    every: int = option(10, gt=0, le=MAX_STEPS)
     """Write a metrics record every N steps. Only these steps read values back from the device (one host
     sync); the steps between run without waiting for the GPU."""
     tensorboard: bool = False
     """Also log to RUN_DIR/tb (needs the tensorboard package)."""
     progress: bool = True
     """tqdm progress bar on global rank 0."""
-    throughput_warn: float = option(0.5, ge=0.0)
+    throughput_warn: float = option(0.5, ge=0.0, le=1.0)
     """Warn when samples/s falls below this fraction of its running average."""
     debug: bool = False
     """Debug-level metrics: every record also holds latents_mean / latents_std / latents_min / latents_max of
@@ -266,11 +272,11 @@ class ProfileConfig:
     enabled: bool = False
     """Profile the steps of the schedule below (global rank 0): Chrome trace, top ops and the time in data
     wait / forward / backward / optimizer / communication in RUN_DIR/profile/report.md."""
-    wait: int = option(1, ge=0)
+    wait: int = option(1, ge=0, le=1_000_000)
     """Profiler schedule: steps skipped."""
-    warmup: int = option(1, ge=0)
+    warmup: int = option(1, ge=0, le=1_000_000)
     """Profiler schedule: warmup steps."""
-    active: int = option(3, gt=0)
+    active: int = option(3, gt=0, le=1_000_000)
     """Profiler schedule: recorded steps."""
 
 

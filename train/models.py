@@ -106,14 +106,14 @@ def data_spec(cache_dir: str | Path) -> DataSpec:
     section (``vocab_size``, ``pad_id``, ``special_token_ids``), else the top-level
     ``text_vocab_size`` / ``text_pad_id``. Anything absent keeps the default (8 / 1024 / 259 / 16,
     pad 0, token ids None).
+
+    Raises :class:`shards.ManifestError` naming ``manifest.json`` and the field when the file is
+    missing or a field has the wrong type (a model sized from a guess failed later with an
+    ``IndexError`` deep in an embedding), :class:`shards.UnsupportedFormat` for a newer cache.
     """
+    from shards.manifest import CacheManifest
     spec = DataSpec()
-    try:
-        from shards.manifest import CacheManifest
-        manifest = CacheManifest.read(cache_dir)
-    except Exception as e:  # noqa: BLE001 - an unreadable manifest only loses the hints
-        log.warning("could not read %s/manifest.json (%s); using default model sizes", cache_dir, e)
-        return spec
+    manifest = CacheManifest.read_required(cache_dir)
     values = {
         "n_codebooks": manifest.n_codebooks,
         "codebook_size": manifest.codebook_size,

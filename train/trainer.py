@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
 from loaders.device import DevicePrefetcher
+from shards.index import read_cache_id
 
 from . import checkpoint as C
 from . import dist as D
@@ -230,6 +231,7 @@ class Trainer:
             D.log_env_set()
             log.info("effective config:\n%s", cfg.dump())
         self.spec = data_spec(cache_metadata(cfg, cfg.data.cache))
+        self.cache_id = read_cache_id(cache_metadata(cfg, cfg.data.cache))  # recorded in every checkpoint
         self.precision = Precision.of(cfg.training.precision, info.device)
         self.raw = prepare_model(cfg, self.spec, info.device)        # identical init on every rank
         self.loader, self.val_loader = make_loaders(cfg, info, self.raw)
@@ -268,6 +270,7 @@ class Trainer:
         self.state.skipped_steps = int(self.stats.skipped.item())
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.state_dict(), "train_state": self.state.state_dict(),
+                "cache_id": self.cache_id,
                 # read by checkpoints made before train_state (format 1) and by people
                 "step": self.state.step, "epoch": self.state.epoch, "skipped_steps": self.state.skipped_steps}
 
@@ -298,8 +301,10 @@ class Trainer:
         seed this rank's RNGs for a fresh start."""
         path = C.resolve_resume(self.cfg.checkpoint.resume, self.out, self.info)
         if path is not None:
+            st = C.read_state(path, self.info)
+            self.check_cache(st, path)
             C.load_model(self.raw, path)
-            self.load_state_dict(C.read_state(path, self.info))
+            self.load_state_dict(st)
             if self.info.is_main:
                 log.info("resumed from %s at step %d (epoch %d)", path, self.state.step, self.state.epoch)
         else:
@@ -319,6 +324,24 @@ class Trainer:
         self.data = DevicePrefetcher(batch_stream(self.loader, pos), self.info.device, convert=to_device,
                                      state=lambda: {"loader": self.loader.state_dict(), "epoch": pos["epoch"]},
                                      ahead=ahead)
+
+    def check_cache(self, st: dict[str, Any], path: Path) -> None:
+        """Refuse a checkpoint made on another cache (its ``cache_id`` differs from ours), naming both
+        ids and caches, unless ``checkpoint.allow_other_cache``: then warn and let the loader continue
+        by position (``cache_id`` removed from its state). Checkpoints made before ids pass."""
+        theirs = st.get("cache_id")
+        if theirs is None or theirs == self.cache_id:
+            return
+        was = ((st.get("config") or {}).get("data") or {}).get("cache", "?")
+        what = (f"checkpoint {path} was trained on the cache {was} (cache id {theirs}); --data.cache "
+                f"{self.cfg.data.cache} has cache id {self.cache_id}")
+        if not self.cfg.checkpoint.allow_other_cache:
+            raise ValueError(f"{what}: resuming would continue at a data position that means other samples. "
+                             "Resume on the same cache, start a new run dir, or pass "
+                             "--checkpoint.allow-other-cache to resume anyway")
+        if self.info.is_main:
+            log.warning("%s: resuming anyway (--checkpoint.allow-other-cache)", what)
+        st["loader"] = {k: v for k, v in st["loader"].items() if k != "cache_id"}
 
     # ---- one optimizer step -----------------------------------------------------------------------------
 
