@@ -16,6 +16,13 @@ REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" /
 # one thread per process keeps the 2-core CI machine responsive under DataLoader workers
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Where the real torchaudio cannot load (no build for the CPU torch here), a stand-in module lets
+# transformers import the Higgs audio tokenizer; installed before any test imports transformers, so
+# every import resolves the same classes (installed later, the processor saw two different classes).
+from shardcache.testing.higgs import torchaudio_stand_in  # noqa: E402
+
+torchaudio_stand_in()
+
 
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
@@ -63,8 +70,6 @@ def higgs_models(tmp_path_factory) -> Path:
 def higgs_codec(higgs_models) -> Path:
     """``higgs_models``, with ``import torchaudio`` working in this process for the tiny Higgs audio
     tokenizer (a stand-in where the real torchaudio cannot load: shardcache.testing.higgs)."""
-    from shardcache.testing.higgs import torchaudio_stand_in
-    torchaudio_stand_in()
     return higgs_models
 
 
@@ -96,7 +101,8 @@ def higgs_caches(real_mini, higgs_codec, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("higgs-caches")
     cfg = load_config(ROOT / "configs" / "precompute-tts.yaml", [
         f"audio_tokenizer.pretrained={higgs_codec / 'higgs-audio-tokenizer-tiny'}",
-        f"text_tokenizer.pretrained={higgs_codec / 'higgs-tiny'}", "device=cpu", "num_workers=0"])
+        f"text_tokenizer.pretrained={higgs_codec / 'higgs-tiny'}", "device=cpu", "num_workers=0",
+        "allow_outside_root=true"])
     got = {}
     for name, (file, n) in HIGGS_MANIFESTS.items():
         recs = [_absolute(r, real_mini) for r in json.loads((real_mini / file).read_text())[:n]]

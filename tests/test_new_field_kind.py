@@ -112,7 +112,7 @@ def test_verify_checks_its_values_with_its_kind(mel_cache, tmp_path):
     v = subprocess.run([sys.executable, "-m", "shards", "verify", str(cache), "--deep", "--no-progress"],
                        cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert v.returncode == 1
-    assert row["key"] in v.stdout and "mel" in v.stdout and "non-finite" in v.stdout, v.stdout
+    assert row["key"] in v.stdout and "mel" in v.stdout and "non-finite" in v.stdout, v.stdout + v.stderr
     assert ShardReader(cache).get(0)["mel"].dtype == np.float16
 
 

@@ -57,7 +57,8 @@ def test_whitespace_padded_answers_through_gemma3_are_all_trained(real_mini, tin
     manifest.write_text(json.dumps(recs))
     cfg = load_config(None, [f"image_encoder.pretrained={tiny_config.image_encoder['pretrained']}",
                              "audio_tokenizer=null", f"text_tokenizer={{name: hf, pretrained: {gemma_dir}}}",
-                             "image_token=<start_of_image>", "image_size=64", "num_workers=0", "device=cpu"])
+                             "image_token=<start_of_image>", "image_size=64", "num_workers=0", "device=cpu",
+                             "allow_outside_root=true"])
     summary, manifest_json = run(manifest, tmp_path / "cache", cfg, progress=False)
     assert (summary.kept, summary.rejected, summary.reasons) == (3, 2, {"no_targets": 2})
     rejects = pq.read_table(tmp_path / "cache" / "rejects.parquet").to_pylist()
@@ -88,7 +89,7 @@ def test_theworld_preset_latents_are_theworlds_own(real_mini, tiny_models, gemma
     manifest.write_text(json.dumps([rec]))
     cfg = load_config(ROOT / "configs" / "precompute-theworld.yaml", [
         f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma_dir}",
-        "num_workers=0", "device=cpu"])
+        "num_workers=0", "device=cpu", "allow_outside_root=true"])
     summary, m = run(manifest, tmp_path / "cache", cfg, progress=False)
     assert summary.kept == 1, summary.reasons
     s = samples(tmp_path / "cache")["rocket"]

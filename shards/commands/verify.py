@@ -179,10 +179,7 @@ def decode_check(shard: str, directory: Path, table: pa.Table) -> list[Problem]:
     floats finite: :func:`shards.reader.value_checks_from_manifest`)."""
     probs: list[Problem] = []
     try:  # manifest={}: the caller checked manifest.json (format version) once for the cache
-        try:
-            checks = value_checks_from_manifest(read_manifest(directory))
-        except (ShardcacheError, OSError, ValueError):
-            checks = {}  # no usable manifest: shapes and dtypes are still checked
+        checks = value_checks_from_manifest(read_manifest(directory))  # {} without a manifest
         reader = ShardReader(directory, index=table, manifest={}, value_checks=checks)
     except (ShardcacheError, TypeError, ValueError) as e:
         return [_scan_problem(shard, directory / shard, e)]
