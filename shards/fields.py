@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import threading
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -165,6 +166,7 @@ REGISTERED: dict[str, Field] = {}
 #: environment variable: comma-separated plug-in modules imported at the first unknown name
 PLUGINS_ENV = "SHARDCACHE_PLUGINS"
 _plugins_loaded = False
+_plugins_lock = threading.RLock()  # reentrant: a plug-in module registers while being imported
 #: base fields whose kind a field named ``<base>_<name>`` inherits (made by ``precompute add-field``)
 DERIVABLE = ("codes",)
 #: index columns contributed by fields, in schema order (first contributor of each name)
@@ -195,12 +197,17 @@ def register(field: Field) -> Field:
 
 
 def _load_plugins() -> None:
+    """Import the modules of ``$SHARDCACHE_PLUGINS`` once (thread-safe: a thread that looks a name
+    up while another imports them waits, instead of seeing the field missing)."""
     global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
-        importlib.import_module(mod)
+    with _plugins_lock:
+        if _plugins_loaded:
+            return
+        try:
+            for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+                importlib.import_module(mod)
+        finally:
+            _plugins_loaded = True
 
 
 def lookup(name: str) -> Field | None:
@@ -211,7 +218,7 @@ def lookup(name: str) -> Field | None:
     if not isinstance(name, str) or not _NAME.match(name) or name.endswith(_RESERVED):
         return None
     f = _rule(name)
-    if f is None and not _plugins_loaded and os.environ.get(PLUGINS_ENV):
+    if f is None and os.environ.get(PLUGINS_ENV):
         _load_plugins()
         return BY_NAME.get(name)
     return f
