@@ -356,14 +356,16 @@ def _drops(caplog) -> list[str]:
 
 
 def test_throughput_drop_warning(tmp_path, train_log):
-    steady = Metrics(tmp_path / "steady", True, 100, 0, progress=False, throughput_warn=0.5)
+    steady = Metrics(tmp_path / "steady", True, 100, progress=False, throughput_warn=0.5)
+    steady.open(0)
     for step in range(1, 61):  # +-30 % jitter stays above half the running average
         steady.log({"step": step, "loss": 1.0, "samples_per_s": 100.0 + 30 * ((-1) ** step),
                     "data_wait": 0.01})
     steady.close()
     assert _drops(train_log) == []
 
-    m = Metrics(tmp_path / "drop", True, 100, 0, progress=False, throughput_warn=0.5)
+    m = Metrics(tmp_path / "drop", True, 100, progress=False, throughput_warn=0.5)
+    m.open(0)
     for step in range(1, 21):
         m.log({"step": step, "loss": 1.0, "samples_per_s": 100.0, "data_wait": 0.01})
     assert _drops(train_log) == []

@@ -416,3 +416,38 @@ def read_state(path: str | Path, info: D.DistInfo) -> dict[str, Any]:
         np.random.seed(seed % 2**32)
         random.seed(seed)
     return st
+
+
+class Checkpointer:
+    """The checkpoints of one run (after torchtitan's ``CheckpointManager``): the run directory, how
+    many to keep, which one to resume from (``checkpoint.resume``), and what an adapter checkpoint
+    records about its base (``adapter``: :func:`train.trainer.adapter_info`). Built once by the
+    trainer; :meth:`save` and :meth:`load` are its two verbs (both collective with a process group).
+    """
+
+    def __init__(self, out_dir: str | Path, info: D.DistInfo, *, keep: int, resume: str = "",
+                 adapter: dict | None = None):
+        self.out, self.info, self.keep, self.resume, self.adapter = Path(out_dir), info, int(keep), resume, adapter
+
+    def find(self) -> Path | None:
+        """The checkpoint to resume from (:func:`resolve_resume`), None for a fresh start."""
+        return resolve_resume(self.resume, self.out, self.info)
+
+    def existing(self) -> list[tuple[int, Path]]:
+        """The complete checkpoints of the run directory, oldest first."""
+        return list_checkpoints(self.out)
+
+    def load(self, path: Path, model: nn.Module, check: Any = None) -> dict[str, Any]:
+        """This rank's state of ``path`` (:func:`read_state`), then the weights into ``model`` (full or
+        adapter); ``check(state, path)`` runs in between (it may refuse the checkpoint)."""
+        st = read_state(path, self.info)
+        if check is not None:
+            check(st, path)
+        load_model(model, path)
+        return st
+
+    def save(self, step: int, *, model: nn.Module, state: dict[str, Any], loader_state: dict[str, Any],
+             config: dict) -> Path | None:
+        """Checkpoint ``step-N`` (:func:`save`; the path on rank 0, None elsewhere)."""
+        return save(self.out, step, model=model, state=state, loader_state=loader_state, info=self.info,
+                    config=config, keep=self.keep, adapter=self.adapter)

@@ -209,32 +209,35 @@ def peak_memory_mb(device: torch.device) -> float:
 class Metrics:
     """Writes records on the main rank; warns on a NaN loss and on a throughput drop."""
 
-    def __init__(self, out_dir: str | Path, is_main: bool, total_steps: int, start_step: int,
-                 tensorboard: bool = False, progress: bool = True, throughput_warn: float = 0.5):
-        self.is_main = is_main
-        self.throughput_warn = throughput_warn
+    def __init__(self, out_dir: str | Path, is_main: bool, total_steps: int, tensorboard: bool = False,
+                 progress: bool = True, throughput_warn: float = 0.5):
+        self.out, self.is_main, self.total_steps = Path(out_dir), is_main, total_steps
+        self.tensorboard, self.progress, self.throughput_warn = tensorboard, progress, throughput_warn
+        self.path = self.out / "metrics.jsonl"
         self._ema: float | None = None
         self._n = 0
         self._last_warn = -10**9
         self._file = None
         self._tb = None
         self._bar = None
-        if not is_main:
+
+    def open(self, start_step: int) -> None:
+        """Start writing at ``start_step`` (0, or the step a run resumes from): records of later
+        steps are dropped from ``metrics.jsonl`` first. A no-op on ranks other than the main one."""
+        if not self.is_main:
             return
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        self.path = out / "metrics.jsonl"
+        self.out.mkdir(parents=True, exist_ok=True)
         self._drop_after(start_step)
         self._file = open(self.path, "a", buffering=1)
-        if tensorboard:
+        if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(out / "tb"))
+                self._tb = SummaryWriter(str(self.out / "tb"))
             except Exception as e:  # noqa: BLE001 - tensorboard is optional
                 log.warning("--tensorboard: not available (%s); JSONL only", e)
-        if progress:
+        if self.progress:
             from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
+            self._bar = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                              file=sys.stderr, mininterval=1.0)
 
     def _drop_after(self, step: int) -> None:

@@ -75,19 +75,25 @@ class StepProfiler:
     """torch.profiler on global rank 0 over the schedule of ``cfg``; :meth:`step` after each
     optimizer step, :meth:`stop` at the end (writes nothing if the schedule never completed)."""
 
-    def __init__(self, cfg: ProfileConfig, info: D.DistInfo, out: Path, start_step: int):
+    def __init__(self, cfg: ProfileConfig, info: D.DistInfo, out: Path):
+        self.info, self.out, self.cfg = info, Path(out), cfg
+        self.first = 0
+        self.prof = None
+
+    @classmethod
+    def maybe(cls, cfg: ProfileConfig, info: D.DistInfo, out: Path) -> "StepProfiler | None":
+        return cls(cfg, info, out) if cfg.enabled and info.is_main else None
+
+    def start(self, start_step: int) -> None:
+        """Begin the schedule after optimizer step ``start_step`` (0, or the step a run resumes from)."""
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        self.info, self.out, self.cfg = info, Path(out), cfg
+        cfg = self.cfg
         self.first = start_step + cfg.wait + cfg.warmup + 1
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.info.device.type == "cuda" else [])
         self.prof = profile(activities=acts, on_trace_ready=self._ready,
                             schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1))
         self.prof.start()
-
-    @classmethod
-    def maybe(cls, cfg: ProfileConfig, info: D.DistInfo, out: Path, start_step: int) -> "StepProfiler | None":
-        return cls(cfg, info, out, start_step) if cfg.enabled and info.is_main else None
 
     def _ready(self, p) -> None:
         d = self.out / "profile"
@@ -99,7 +105,10 @@ class StepProfiler:
         log.info("profiler: trace %s, report %s\n%s", trace, d / "report.md", text)
 
     def step(self) -> None:
-        self.prof.step()
+        if self.prof is not None:
+            self.prof.step()
 
     def stop(self) -> None:
-        self.prof.stop()
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None

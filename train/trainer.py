@@ -1,15 +1,19 @@
 """The trainer (after torchtitan's ``Trainer``) and :func:`train`, the run read top to bottom.
 
-:class:`Trainer` owns the stateful parts of a run (model, optimizer, LR scheduler, grad scaler,
-loader, :class:`TrainState`): it builds them (``__init__``), runs one optimizer step
-(:meth:`Trainer.train_step`), validates (:meth:`Trainer.evaluate`) and saves / resumes them
-through one state dict (:meth:`Trainer.state_dict`, :mod:`train.checkpoint`). One optimizer step::
+:class:`Trainer` owns the parts of a run and builds every one of them in ``__init__`` (model,
+optimizer, LR scheduler, grad scaler, loaders and the batch stream on the device, metrics,
+profiler, checkpointer, :class:`TrainState`); :meth:`Trainer.resume` only loads state into them.
+It runs one optimizer step (:meth:`Trainer.train_step`, made of micro-steps
+:meth:`Trainer.forward_backward_step`), validates (:meth:`Trainer.evaluate`) and saves / resumes
+through one state dict (:meth:`Trainer.state_dict`, :class:`train.checkpoint.Checkpointer`). One
+optimizer step::
 
     for micro in range(grad_accum):
-        batch = to_device(next(data))           # time spent here is the step's data wait
-        with model.no_sync() unless last:       # covers forward AND backward: no all-reduce
-            with autocast: out = model(batch)   # bf16 / fp16 (GradScaler) / fp32: train.precision
-            backward(out.loss / grad_accum)     # last micro-step: DDP all-reduces the buckets
+        batch = next(data)                      # on the device, widened; the wait is the step's data wait
+        forward_backward_step(batch, sync_grads=last)
+            with model.no_sync() unless last:   # covers forward AND backward: no all-reduce
+                with autocast: out = model(batch)   # bf16 / fp16 (GradScaler) / fp32: train.precision
+                backward(out.loss / grad_accum) # last micro-step: DDP all-reduces the buckets
     unscale (fp16); norms of each optimizer group's grads; norm = their L2 norm; clip to optim.grad_clip
     optimizer step, skipped on the device when the norm is not finite; scheduler.step()
 
@@ -239,7 +243,8 @@ class Trainer:
         self.steps = total_steps(cfg, steps_per_epoch)
         self.optimizer = make_optimizer(self.raw, cfg, info.device)
         self.scheduler = make_scheduler(self.optimizer, cfg, self.steps)
-        self.adapter = adapter_info(cfg, self.raw)
+        self.checkpointer = C.Checkpointer(self.out, info, keep=cfg.checkpoint.keep, resume=cfg.checkpoint.resume,
+                                           adapter=adapter_info(cfg, self.raw))
         self.state = TrainState()
         # parallelism: compile, then DDP (the compiled, unwrapped model validates)
         self.eval_model: nn.Module = torch.compile(self.raw) if cfg.model.compile else self.raw
@@ -252,6 +257,16 @@ class Trainer:
         self.val_start = self.val_loader.state_dict() if self.val_loader is not None else None
         self.stop = D.StopRequest(info, cfg.job.stop_file or self.out / "STOP", cfg.job.stop_at_step)
         self.run_start_step = 0
+        c = cfg.metrics
+        self.metrics = Metrics(self.out, info.is_main, self.steps, c.tensorboard, c.progress, c.throughput_warn)
+        self.profiler = StepProfiler.maybe(cfg.profile, info, self.out)
+        # batches on the device, one ahead on CUDA; .state: the loader position of the batch last handed
+        # out. The stream starts at the loader's position when first read (after resume(), if any).
+        self.pos = {"epoch": 0}
+        ahead = {"auto": None, "on": True, "off": False}[cfg.data.prefetch_to_device]
+        self.data = DevicePrefetcher(batch_stream(self.loader, self.pos), info.device, convert=to_device,
+                                     state=lambda: {"loader": self.loader.state_dict(), "epoch": self.pos["epoch"]},
+                                     ahead=ahead)
         if info.is_main:
             check_audio_tokenizer(cfg)
             n_train, n_total = count_params(self.raw)
@@ -293,18 +308,15 @@ class Trainer:
         config = self.cfg.to_dict()
         if callable(getattr(self.raw, "checkpoint_config", None)):  # e.g. the higgs recipe's transformers config
             config["model_config"] = self.raw.checkpoint_config()
-        C.save(self.out, self.state.step, model=self.raw, state=self.state_dict(), loader_state=self.data.state["loader"],
-               info=self.info, config=config, keep=self.cfg.checkpoint.keep, adapter=self.adapter)
+        self.checkpointer.save(self.state.step, model=self.raw, state=self.state_dict(),
+                               loader_state=self.data.state["loader"], config=config)
 
     def resume(self) -> None:
         """Load ``checkpoint.resume`` (weights, optimizer, schedule, scaler, loader position, RNG), or
-        seed this rank's RNGs for a fresh start."""
-        path = C.resolve_resume(self.cfg.checkpoint.resume, self.out, self.info)
+        seed this rank's RNGs for a fresh start. Loads state only: every component exists already."""
+        path = self.checkpointer.find()
         if path is not None:
-            st = C.read_state(path, self.info)
-            self.check_cache(st, path)
-            C.load_model(self.raw, path)
-            self.load_state_dict(st)
+            self.load_state_dict(self.checkpointer.load(path, self.raw, check=self.check_cache))
             if self.info.is_main:
                 log.info("resumed from %s at step %d (epoch %d)", path, self.state.step, self.state.epoch)
         else:
@@ -314,16 +326,11 @@ class Trainer:
             random.seed(seed)
             if self.cfg.checkpoint.resume == "auto" and self.info.is_main:
                 log.info("--resume auto: no checkpoint in %s, starting fresh", self.out)
-            elif self.info.is_main and C.list_checkpoints(self.out):
+            elif self.info.is_main and self.checkpointer.existing():
                 log.warning("%s already holds checkpoints and --resume is not set: starting fresh; they "
                             "will be replaced or pruned (use --resume auto to continue)", self.out)
         self.run_start_step = self.state.step
-        pos = {"epoch": self.state.epoch}
-        ahead = {"auto": None, "on": True, "off": False}[self.cfg.data.prefetch_to_device]
-        # batches on the device, one ahead on CUDA; .state: the loader position of the batch last handed out
-        self.data = DevicePrefetcher(batch_stream(self.loader, pos), self.info.device, convert=to_device,
-                                     state=lambda: {"loader": self.loader.state_dict(), "epoch": pos["epoch"]},
-                                     ahead=ahead)
+        self.pos["epoch"] = self.state.epoch
 
     def check_cache(self, st: dict[str, Any], path: Path) -> None:
         """Refuse a checkpoint made on another cache (its ``cache_id`` differs from ours), naming both
@@ -345,24 +352,31 @@ class Trainer:
 
     # ---- one optimizer step -----------------------------------------------------------------------------
 
+    def forward_backward_step(self, batch: dict[str, Any], sync_grads: bool) -> tuple[torch.Tensor, dict]:
+        """One micro-step on ``batch`` (on the device): forward under autocast and the (scaled)
+        backward of ``loss / grad_accum``; without ``sync_grads`` both run under DDP's ``no_sync``
+        (no all-reduce in forward or backward). Returns ``(loss, extras)`` (device tensors)."""
+        accum = self.cfg.training.grad_accum
+        sync = contextlib.nullcontext() if sync_grads or not self.info.distributed else self.model.no_sync()
+        with sync:
+            with record_function("forward"), self.precision.autocast():
+                loss, extras = split_output(self.model(batch))
+            with record_function("backward"):
+                self.precision.backward(loss / accum)
+        return loss, extras
+
     def train_step(self) -> None:
-        """Micro-steps with ``no_sync`` on all but the last, autocast, (scaled) backward; unscale,
-        clip, a step skipped on the device when the norm is not finite, the schedule; no host sync
-        (see the module docstring)."""
+        """Micro-steps (:meth:`forward_backward_step`, gradients synchronised on the last only);
+        unscale, clip, a step skipped on the device when the norm is not finite, the schedule; no
+        host sync (see the module docstring)."""
         accum = self.cfg.training.grad_accum
         self.model.train()
         for micro in range(accum):
             with record_function("data_wait"):
                 t0 = time.perf_counter()
-                batch = next(self.data)  # on the device, compact fields widened (data.to_device)
+                batch = next(self.data)  # on the device, compact fields widened (loaders.device.to_device)
                 self.stats.data_wait += time.perf_counter() - t0
-            last = micro == accum - 1
-            sync = contextlib.nullcontext() if last or not self.info.distributed else self.model.no_sync()
-            with sync:                                          # no all-reduce in forward or backward
-                with record_function("forward"), self.precision.autocast():
-                    loss, extras = split_output(self.model(batch))
-                with record_function("backward"):
-                    self.precision.backward(loss / accum)
+            loss, extras = self.forward_backward_step(batch, sync_grads=micro == accum - 1)
             self.stats.add_micro(loss, extras, count_tokens(batch), n_samples(batch))
             if self.cfg.metrics.debug and isinstance(batch.get("latents"), torch.Tensor):
                 self.stats.add_latents(batch["latents"], batch.get("latents_mask"))
@@ -477,8 +491,9 @@ class Trainer:
 
     @contextlib.contextmanager
     def running(self) -> Iterator["Trainer"]:
-        """Stop requests (a stale stop file is from an earlier job: removed), metrics, profiler; at
-        the end the loaders' workers are closed and every rank meets at a barrier."""
+        """Stop requests (a stale stop file is from an earlier job: removed); metrics and profiler start
+        at the run's first step; at the end the loaders' workers are closed and every rank meets at a
+        barrier."""
         if self.info.is_main:
             if self.stop.stop_file.exists():
                 log.warning("removing stale stop file %s", self.stop.stop_file)
@@ -486,10 +501,9 @@ class Trainer:
             (self.out / REQUEUE_MARKER).unlink(missing_ok=True)
         D.barrier(self.info)
         self.stop.install()
-        c = self.cfg.metrics
-        self.metrics = Metrics(self.out, self.info.is_main, self.steps, self.state.step, c.tensorboard, c.progress,
-                               c.throughput_warn)
-        self.profiler = StepProfiler.maybe(self.cfg.profile, self.info, self.out, self.state.step)
+        self.metrics.open(self.state.step)
+        if self.profiler is not None:
+            self.profiler.start(self.state.step)
         if self.cb.on_setup:
             self.cb.on_setup(self)
         try:
