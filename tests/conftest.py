@@ -16,12 +16,12 @@ REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" /
 # one thread per process keeps the 2-core CI machine responsive under DataLoader workers
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Where the real torchaudio cannot load (no build for the CPU torch here), a stand-in module lets
-# transformers import the Higgs audio tokenizer; installed before any test imports transformers, so
-# every import resolves the same classes (installed later, the processor saw two different classes).
-from shardcache.testing.higgs import torchaudio_stand_in  # noqa: E402
+# Where the real torchaudio cannot load (no build for the CPU torch here), the product's soxr
+# fallback lets transformers import the Higgs audio tokenizer; installed before any test imports
+# transformers, so every import resolves the same classes (installed later, the processor saw two).
+from precompute.encoders.torchaudio_compat import ensure_torchaudio  # noqa: E402
 
-torchaudio_stand_in()
+ensure_torchaudio()
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +69,7 @@ def higgs_models(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def higgs_codec(higgs_models) -> Path:
     """``higgs_models``, with ``import torchaudio`` working in this process for the tiny Higgs audio
-    tokenizer (a stand-in where the real torchaudio cannot load: shardcache.testing.higgs)."""
+    tokenizer (the soxr fallback where the real torchaudio cannot load: precompute.encoders.torchaudio_compat)."""
     return higgs_models
 
 

@@ -3,7 +3,7 @@
 Each real-mini ChatML manifest (a few samples of each: conftest.higgs_caches) is precomputed with configs/precompute-tts.yaml
 (the tiny random Higgs audio tokenizer and text tokenizer). The same conversations go through
 ``transformers``' own processor, built as its conversion script builds it, with the same text tokenizer
-and the same audio tokenizer (``HiggsAudioV2TokenizerModel``, run here through the torchaudio stand-in;
+and the same audio tokenizer (``HiggsAudioV2TokenizerModel``, run here with the soxr fallback for torchaudio;
 it never resamples), fed the waveforms the precompute job decoded. The cache's batch
 (``loaders.higgs.HiggsBatch``, the higgs recipe's ``batch_transform``) must be ``torch.equal`` on every
 key, and the model's loss equal on both paths.

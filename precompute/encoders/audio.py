@@ -449,9 +449,10 @@ class HiggsTokenizer(HFCodecTokenizer):
     clips of exactly equal length are batched (no padding at all).
 
     Its transformers port imports torchaudio (used only for ``torchaudio.functional.resample`` of the
-    semantic branch's input to 16 kHz); where torchaudio cannot be imported, loading fails with a
-    message saying so. No torchaudio loads beside the CPU torch 2.13 of the test machines; the tests
-    run a tiny random model through a stand-in module (:func:`shardcache.testing.higgs.torchaudio_stand_in`).
+    semantic branch's input to 16 kHz); where torchaudio cannot be imported (none loads beside the
+    CPU torch 2.13 of the development machines) a soxr resampler stands in for it
+    (:mod:`precompute.encoders.torchaudio_compat`), with a warning, and ``describe()`` records which
+    resampler ran (``resampler``), so the two never share a fingerprint.
 
     Args:
         model: a ``transformers.HiggsAudioV2TokenizerModel``.
@@ -479,23 +480,27 @@ class HiggsTokenizer(HFCodecTokenizer):
 
     @classmethod
     def _model_class(cls):
+        from .torchaudio_compat import ensure_torchaudio
+        cls.resampler = ensure_torchaudio()  # the transformers port imports torchaudio
         try:
-            import torchaudio  # noqa: F401  (the transformers port imports it)
             # the module itself: transformers' top-level name is a placeholder when it found no
             # torchaudio at its own import time
             from transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer import (
                 HiggsAudioV2TokenizerModel)
         except (ImportError, OSError) as e:
-            raise ImportError(
-                f"the Higgs Audio v2 tokenizer needs transformers' HiggsAudioV2TokenizerModel (transformers >= 5) "
-                f"and torchaudio ({e}); install torchaudio matching your torch") from e
+            raise ImportError(f"the Higgs Audio v2 tokenizer needs transformers' HiggsAudioV2TokenizerModel "
+                              f"(transformers >= 5) ({e})") from e
         return HiggsAudioV2TokenizerModel
 
     def _encode_batch(self, x):
         return self.model.encode(x, bandwidth=self.bandwidth).audio_codes
 
     def _extra_describe(self) -> dict:
-        return {"bandwidth": self.bandwidth, "padding": "none: each clip as it is (HiggsAudioV2Processor's encoding)"}
+        out = {"bandwidth": self.bandwidth, "padding": "none: each clip as it is (HiggsAudioV2Processor's encoding)"}
+        cfg = self.model.config
+        if cfg.sample_rate != cfg.semantic_sample_rate and getattr(type(self), "resampler", "torchaudio") != "torchaudio":
+            out["resampler"] = self.resampler  # semantic input resampled without torchaudio: other codes
+        return out
 
 
 #: registry name -> wrapper class

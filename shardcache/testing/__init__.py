@@ -35,7 +35,7 @@ checkpoint directory looks like, so tests load them through the same ``from_pret
 ``higgs-audio-tokenizer``
                       transformers ``HiggsAudioV2TokenizerModel``: 24 kHz, 25 frames/s, 8 codebooks x
                       1024. tiny: narrow DAC + one-layer HuBERT reading 24 kHz (built and run with a torchaudio
-                      stand-in where torchaudio cannot load: :func:`.higgs.torchaudio_stand_in`).
+                      soxr fallback where torchaudio cannot load: :mod:`precompute.encoders.torchaudio_compat`).
 ====================  ===================================================================================
 
 EnCodec, Mimi and Higgs-tokenizer codebooks are calibrated so random models give non-constant codes (:mod:`.codecs`).

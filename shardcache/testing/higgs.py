@@ -22,16 +22,12 @@ its codebooks are calibrated like EnCodec's (:mod:`.codecs`) so codes are not co
 The ``transformers`` port of the audio tokenizer imports ``torchaudio`` at import time and uses it
 only for ``torchaudio.functional.resample`` (semantic branch, when its rate differs from the input
 rate). No torchaudio build loads beside the CPU torch 2.13 used here (torchaudio 2.11, the newest
-on PyPI, fails to load its extension: ``OSError``), so :func:`torchaudio_stand_in` puts a module in
-its place whose ``resample`` raises: enough to build and run the tiny tokenizer, which never
-resamples. The real 16 kHz semantic branch needs the real torchaudio (GPU nodes have it).
+on PyPI, fails to load its extension: ``OSError``); the product's soxr fallback
+(:func:`precompute.encoders.torchaudio_compat.ensure_torchaudio`) takes its place. The tiny tokenizer
+never resamples; the real 16 kHz semantic branch with the real torchaudio is untested here.
 """
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import sys
-import types
 from typing import Callable
 
 from shards.tokens import (AUDIO_DELAY, AUDIO_OUT, AUDIO_OUT_BOS, BEGIN_OF_TEXT, END_OF_TEXT, EOT, HIGGS_TOKENS,
@@ -50,53 +46,6 @@ HIGGS_CHAT_TEMPLATE = "{{- bos_token }}\n{#- This block extracts the system mess
 
 #: codec contract of Higgs-Audio v2 (its audio tokenizer at 2 kbps): codebooks x codes
 NUM_CODEBOOKS, CODEBOOK_SIZE = 8, 1024
-
-
-# -- torchaudio ---------------------------------------------------------------------------------------
-
-def torchaudio_importable() -> bool:
-    """Whether the real ``torchaudio`` imports here (False where it is missing or cannot load its
-    extension against this torch)."""
-    if "torchaudio" in sys.modules:
-        return getattr(sys.modules["torchaudio"], "__standin__", False) is False
-    if importlib.util.find_spec("torchaudio") is None:
-        return False
-    try:
-        import torchaudio  # noqa: F401
-    except Exception:  # noqa: BLE001 - OSError from its extension, ImportError...
-        sys.modules.pop("torchaudio", None)
-        return False
-    return True
-
-
-def torchaudio_stand_in() -> bool:
-    """Where the real ``torchaudio`` cannot be imported, put a module named ``torchaudio`` in
-    ``sys.modules`` whose ``functional.resample`` raises ``RuntimeError`` (see the module docstring),
-    and tell ``transformers`` it is there (its ``is_torchaudio_available`` is cached). Returns True
-    when the stand-in is (now) in place, False when the real torchaudio is used. For tests and
-    ``make models`` only: the tiny Higgs audio tokenizer never resamples."""
-    if torchaudio_importable():
-        return False
-    if "torchaudio" not in sys.modules:
-        def resample(*args, **kwargs):
-            raise RuntimeError("torchaudio is a stand-in here (shardcache.testing.higgs.torchaudio_stand_in): "
-                               "resampling needs the real torchaudio")
-
-        mod = types.ModuleType("torchaudio")
-        mod.__spec__ = importlib.machinery.ModuleSpec("torchaudio", loader=None)
-        mod.__version__ = "0+standin"
-        mod.__standin__ = True
-        fn = types.ModuleType("torchaudio.functional")
-        fn.__spec__ = importlib.machinery.ModuleSpec("torchaudio.functional", loader=None)
-        fn.resample = resample
-        mod.functional = fn
-        sys.modules["torchaudio"], sys.modules["torchaudio.functional"] = mod, fn
-    try:
-        from transformers.utils import import_utils
-        import_utils.is_torchaudio_available.cache_clear()
-    except (ImportError, AttributeError):  # pragma: no cover - older transformers: nothing cached
-        pass
-    return True
 
 
 # -- the audio tokenizer ------------------------------------------------------------------------------
@@ -124,11 +73,12 @@ def audio_tokenizer_config(size: str = "tiny"):
 
 
 def make_audio_tokenizer(size: str = "tiny", seed: int = 0):
-    """Random ``HiggsAudioV2TokenizerModel`` (eval mode) with calibrated codebooks (tiny: runs with the
-    :func:`torchaudio_stand_in`; full: calibration resamples, so it needs the real torchaudio)."""
+    """Random ``HiggsAudioV2TokenizerModel`` (eval mode) with calibrated codebooks (where torchaudio
+    cannot load, with the soxr fallback: :mod:`precompute.encoders.torchaudio_compat`)."""
     import torch
 
-    torchaudio_stand_in()
+    from precompute.encoders.torchaudio_compat import ensure_torchaudio
+    ensure_torchaudio()
     from precompute.encoders.audio import HiggsTokenizer
 
     torch.manual_seed(seed)
