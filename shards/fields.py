@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import threading
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -165,6 +166,7 @@ REGISTERED: dict[str, Field] = {}
 #: environment variable: comma-separated plug-in modules imported at the first unknown name
 PLUGINS_ENV = "SHARDCACHE_PLUGINS"
 _plugins_loaded = False
+_plugins_lock = threading.RLock()  # re-entrant: a plug-in module may look fields up while it is imported
 #: base fields whose kind a field named ``<base>_<name>`` inherits (made by ``precompute add-field``)
 DERIVABLE = ("codes",)
 #: index columns contributed by fields, in schema order (first contributor of each name)
@@ -196,11 +198,14 @@ def register(field: Field) -> Field:
 
 def _load_plugins() -> None:
     global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
-        importlib.import_module(mod)
+    with _plugins_lock:  # threads (shards verify checks shards in a pool) wait for the import
+        if _plugins_loaded:
+            return
+        try:
+            for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+                importlib.import_module(mod)
+        finally:
+            _plugins_loaded = True
 
 
 def lookup(name: str) -> Field | None:
