@@ -67,7 +67,9 @@ def build_cache(out: Path, n: int, n_shards: int, seed: int = 0) -> Path:
                 })
                 k += 1
             w.commit()
-    merge_parts(out, {"benchmark": "bench_loader"})
+    # the sizes a real cache records: reads of a cache without checksums check values against them
+    merge_parts(out, {"benchmark": "bench_loader", "codebook_size": 1024, "n_codebooks": 8,
+                      "text": {"vocab_size": 32000, "pad_id": 0}})
     return out
 
 
