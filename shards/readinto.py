@@ -18,6 +18,7 @@ member), the message naming the shard, the key and the member, so the loader can
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -66,7 +67,8 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
     file, start, off, n, plan, dst, pos = (np.concatenate(c) for c in zip(*parts))
     # by file and member, each member's runs together in stored order (a sample may come twice)
     order = np.lexsort((off, plan * len(rows) + pos, start, file))
-    file, off, n, plan, dst, pos = file[order], off[order], n[order], plan[order], dst[order], pos[order]
+    file, start, off, n = file[order], start[order], off[order], n[order]
+    plan, dst, pos = plan[order], dst[order], pos[order]
     end = off + n
     new = np.ones(len(off), dtype=bool)
     if len(off) > 1:
@@ -94,9 +96,10 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
             total = endl[k - 1] - s
             got = read_segments(fd, s, iov, total)
             if got < total:
+                size = os.fstat(fd).st_size
                 for m in range(j, k):
                     if endl[m] > s + got and int(pos[m]) not in short:
-                        short[int(pos[m])] = where.short(int(plan[m]), int(pos[m]), s + got)
+                        short[int(pos[m])] = where.short(int(plan[m]), int(pos[m]), size, int(start[m]))
             j = k
     problems = dict(short)
     if checksums:
@@ -137,9 +140,9 @@ class _Where:
         row = int(self.rows[int(pos[int(np.argmax(file == f))])])
         return f"sample {self.reader.key_array[row].as_py()!r}"
 
-    def short(self, p: int, q: int, size: int) -> str:
-        return (f"{self._at(p, q)}: the file ends at byte {size}, inside or before the member (truncated "
-                "shard?); run `shards verify`")
+    def short(self, p: int, q: int, size: int, start: int) -> str:
+        return (f"{self._at(p, q)}: the member starts at byte {start} but the file is {size} bytes now "
+                "(truncated while being read?); run `shards verify`")
 
     def mismatch(self, p: int, q: int, got: int, want: int) -> str:
         return (f"{self._at(p, q)}: checksum mismatch ({ALGORITHM} of the bytes read {got:016x}, recorded "
