@@ -91,14 +91,21 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
     for name in fields:
         f = registry.get(name)
         empty = f.kind.empty_shape(f, ctx)
-        shapes = np.empty((B, len(empty)), dtype=np.int64)
-        shapes[:] = empty
-        present = np.zeros(B, dtype=bool)
-        for src, pos, rows in groups:
-            fa = src.reader.field(name, f.ndim)
-            have = fa.present[rows]
-            shapes[pos[have]] = fa.shape[rows[have]]
-            present[pos] = have
+        if len(groups) == 1:  # one cache: the index arrays at the batch's rows
+            fa = groups[0][0].reader.field(name, f.ndim)
+            rows = groups[0][2]
+            shapes, present = fa.shape[rows], fa.present[rows]
+            if not present.all():
+                shapes[~present] = empty
+        else:
+            shapes = np.empty((B, len(empty)), dtype=np.int64)
+            shapes[:] = empty
+            present = np.zeros(B, dtype=bool)
+            for src, pos, rows in groups:
+                fa = src.reader.field(name, f.ndim)
+                have = fa.present[rows]
+                shapes[pos[have]] = fa.shape[rows[have]]
+                present[pos] = have
         S = f.kind.batch_shape(f, keys, shapes, present, ctx)
         for key, shape, dtype in f.kind.layout(f, B, S, ctx):
             if key not in seen:  # keys shared by several fields (latents_mask) are laid out once
@@ -124,14 +131,19 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
         sample, src_el, dst_el, n = f.kind.runs(f, shapes, present, S)
         item = target.element_size()
         buf = memoryview(target.numpy()).cast("B")
+        if len(groups) == 1:
+            reads[0].append((f.name, buf, (sample, src_el * item, dst_el * item, n * item)))
+            continue
         for g, (src, pos, rows) in enumerate(groups):
-            sel = np.isin(sample, pos) if len(groups) > 1 else slice(None)
+            sel = np.isin(sample, pos)
             reads[g].append((f.name, buf, (sample[sel], src_el[sel] * item, dst_el[sel] * item, n[sel] * item)))
     problems: list[tuple[int, str]] = []
     for (src, pos, rows), plan in zip(groups, reads):
         if plan:
-            at = np.full(B, -1, dtype=np.int64)
-            at[pos] = rows
+            at = rows
+            if len(groups) > 1:
+                at = np.full(B, -1, dtype=np.int64)
+                at[pos] = rows
             problems += src.reader.read_into(at, plan, checksums=checks == "checksums")
     if checks != "none":
         problems += _value_problems(groups, plans, targets, checks, {p for p, _ in problems})

@@ -79,11 +79,16 @@ class BatchContext:
         return None if s is None else tuple(int(v) for v in s)
 
 
+_TORCH_DTYPES: dict = {}
+
+
 def _torch_dtype(name: str):
-    import torch
-    return {"int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "uint8": torch.uint8,
-            "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-            "uint16": torch.uint16, "bool": torch.bool, "float64": torch.float64}[name]
+    if not _TORCH_DTYPES:  # built on first use: this module imports numpy only
+        import torch
+        _TORCH_DTYPES.update({"int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "uint8": torch.uint8,
+                              "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                              "uint16": torch.uint16, "bool": torch.bool, "float64": torch.float64})
+    return _TORCH_DTYPES[name]
 
 
 class FieldKind:
@@ -169,12 +174,11 @@ class FieldKind:
     def layout(self, field: "Field", B: int, S: tuple[int, ...], ctx: BatchContext) -> list[tuple]:
         """``[(key, shape, torch dtype)]`` of the batch tensors of this field: the data
         ``(B, *S)``, then ``Field.lengths`` and ``Field.mask`` when declared."""
-        import torch
         out = [(field.name, (B, *S), self.host_dtype(field, ctx.compact))]
         if field.lengths and self.lengths_axis is not None:
-            out.append((field.lengths, (B,), torch.int64))
+            out.append((field.lengths, (B,), _torch_dtype("int64")))
         if field.mask:
-            out.append((field.mask, (B, *(S[a] for a in self.mask_axes)), torch.bool))
+            out.append((field.mask, (B, *(S[a] for a in self.mask_axes)), _torch_dtype("bool")))
         return out
 
     def fill(self, field: "Field", out: dict, arrays: Sequence[np.ndarray | None], shapes: np.ndarray,
@@ -441,10 +445,9 @@ class Latents(FieldKind):
     uses_default_shape = True
 
     def layout(self, field, B, S, ctx):
-        import torch
         out = super().layout(field, B, S, ctx)
         if field.present_key:
-            out.append((field.present_key, (B,), torch.bool))
+            out.append((field.present_key, (B,), _torch_dtype("bool")))
         return out
 
     def finish(self, field, out, shapes, present, S, ctx):

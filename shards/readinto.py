@@ -79,7 +79,15 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
     where = _Where(reader, rows, plans)
     for f in np.unique(file).tolist():  # one stat per file per batch: replaced or resized?
         reader.io.check(f, lambda f=f: where.first_in(f, file, pos))
-    short: dict[int, str] = {}
+    problems: dict[int, str] = {}
+    # members: each is a run of consecutive segments; hashed right after the preadv that completes
+    # it, while its bytes are still in the core's cache (a sample is ~0.4 MB, a batch many MB)
+    member = plan * len(rows) + pos
+    first = np.flatnonzero(np.r_[True, member[1:] != member[:-1]])
+    m_first, m_last = first.tolist(), (np.r_[first[1:], len(member)] - 1).tolist()
+    m_want = [int(fas[p].xxh3[rows[q]]) if checksums and fas[p].has_sum[rows[q]] else None
+              for p, q in zip(plan[first].tolist(), pos[first].tolist())]
+    mi = 0
     starts = np.flatnonzero(new).tolist() + [len(off)]
     offl, endl, filel = off.tolist(), end.tolist(), file.tolist()
     for a, b in zip(starts[:-1], starts[1:]):
@@ -98,30 +106,17 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
             if got < total:
                 size = os.fstat(fd).st_size
                 for m in range(j, k):
-                    if endl[m] > s + got and int(pos[m]) not in short:
-                        short[int(pos[m])] = where.short(int(plan[m]), int(pos[m]), size, int(start[m]))
+                    if endl[m] > s + got and int(pos[m]) not in problems:
+                        problems[int(pos[m])] = where.short(int(plan[m]), int(pos[m]), size, int(start[m]))
+            while mi < len(m_first) and m_last[mi] < k:  # the members this read completed
+                want, f0, f1 = m_want[mi], m_first[mi], m_last[mi]
+                if want is not None and int(pos[f0]) not in problems:
+                    got_sum = checksum(views[f0]) if f0 == f1 else checksum_of_parts(views[f0:f1 + 1])
+                    if got_sum != want:
+                        problems[int(pos[f0])] = where.mismatch(int(plan[f0]), int(pos[f0]), got_sum, want)
+                mi += 1
             j = k
-    problems = dict(short)
-    if checksums:
-        _check(problems, fas, rows, plan, pos, views, where)
     return sorted(problems.items())
-
-
-def _check(problems: dict, fas, rows, plan, pos, views, where) -> None:
-    """Hash each member where it landed; record mismatches (one per sample) in ``problems``."""
-    B = len(rows)
-    member = plan * B + pos
-    first = np.flatnonzero(np.r_[True, member[1:] != member[:-1]])
-    bounds = first.tolist() + [len(member)]
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        p, q = int(plan[a]), int(pos[a])
-        row, fa = int(rows[q]), fas[p]
-        if q in problems or not fa.has_sum[row]:
-            continue
-        got = checksum(views[a]) if b - a == 1 else checksum_of_parts(views[a:b])
-        want = int(fa.xxh3[row])
-        if got != want:
-            problems[q] = where.mismatch(p, q, got, want)
 
 
 class _Where:
