@@ -25,8 +25,9 @@ import torch
 
 from precompute import chat
 from precompute.config import load_config
-from precompute.job import (Summary, chunk_batches, encode_batch, image_multiple, job_rates, load_encoders,
-                            plan_chunks, run)
+from precompute.encode import (Summary, encode_batch, job_info, job_producers, job_rates, load_encoders,
+                               value_checks)
+from precompute.job import chunk_batches, image_multiple, plan_chunks, run
 from precompute.manifests import read_requests
 from precompute.prepare import prepare
 
@@ -38,24 +39,28 @@ def corpus_name(manifest: Path) -> str:
     return manifest.parent.name if manifest.name in ("samples.jsonl", "samples_with_corrupt.jsonl") else manifest.stem
 
 
-def _config(models: Path, size: str, **kw):
+def _config(models: Path, size: str, device: str = "cpu", **kw):
     cfg = load_config(ROOT / "configs" / "precompute.yaml", [
         f"audio_tokenizer.pretrained={models / f'dac-{size}'}",
-        f"image_encoder.pretrained={models / f'wan-{size}'}", "device=cpu"])
+        f"image_encoder.pretrained={models / f'wan-{size}'}", f"device={device}"])
     return dataclasses.replace(cfg, **kw)
 
 
 def encoders_alone(manifest: Path, cfg) -> tuple[float, int]:
-    """Seconds spent in encoder calls when every row is decoded beforehand (same batching as the job)."""
-    enc = load_encoders(cfg, "cpu")
+    """Seconds spent in encoder calls when every row is decoded beforehand (the job's producers,
+    batched exactly as the job batches them)."""
+    enc = load_encoders(cfg, cfg.device)
     template = chat.resolve_template(cfg.chat_template, enc.text)
+    producers, _ = job_producers(cfg, enc, template, cfg.device)
+    checks = value_checks(producers, job_info(producers, {}, enc.text))
+    rates = job_rates(producers)
     plan = plan_chunks(read_requests(manifest), cfg.samples_per_shard, {})
     items = [(r, c) for c, (_, rows) in enumerate(plan) for r in rows]
-    prepared = [prepare(r, c, cfg, job_rates(cfg, enc), enc.text, template, image_multiple(enc)) for r, c in items]
+    prepared = [prepare(r, c, cfg, rates, enc.text, template, image_multiple(enc)) for r, c in items]
     summary = Summary()
     with torch.inference_mode():
-        for batch in chunk_batches([c for _, c in items], cfg.batch_size):
-            encode_batch([prepared[i] for i in batch], enc, cfg, summary, "cpu")
+        for batch in chunk_batches([c for _, c in items], cfg.encoder_batch_size):
+            encode_batch([prepared[i] for i in batch], producers, checks, cfg, summary, cfg.device)
     return summary.encoder_s, sum(p.error is None for p in prepared)
 
 
@@ -83,8 +88,8 @@ def audio_opens(manifest: Path, cfg) -> dict:
             "audio_opens_per_file": round(len(counted) / needed, 3) if needed else None}
 
 
-def bench(manifest: Path, models: Path, size: str, repeats: int = 1) -> dict:
-    cfg = _config(models, size)
+def bench(manifest: Path, models: Path, size: str, repeats: int = 1, device: str = "cpu") -> dict:
+    cfg = _config(models, size, device)
     walls, enc_in_job = [], []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as d:
