@@ -399,7 +399,8 @@ def main(argv=None) -> dict:
     print(f"{'cat > /dev/null':<46}{cat_rate:>11.0f}{cat['MB_s']:>9.0f}{1:>8.2f}")
     for r in rows:
         lit = f"{r['ratio_to_litdata']:>11.2f}" if r["ratio_to_litdata"] else ""
-        print(f"{'ShardLoader, ' + r['label']:<46}{r['samples_s']:>11.0f}{r['MB_s']:>9.0f}{r['ratio_to_cat']:>8.2f}{lit}")
+        print(f"{'ShardLoader, ' + r['label']:<46}{r['samples_s']:>11.0f}{r['MB_s']:>9.0f}"
+              f"{r['ratio_to_cat']:>8.2f}{lit}")
     for name in ("litdata", "mosaic"):
         v = peers.get(name) or {}
         if "samples_s" in v:

@@ -78,7 +78,8 @@ def loader_lines(r: dict) -> list[str]:
            "| reader | samples/s | MB/s | x `cat` | x LitData (one process) | x ShardLoader one process, same dtypes |",
            "| --- | --- | --- | --- | --- | --- |",
            f"| `cat` > /dev/null | {cat['samples_s']:.0f} | {cat['MB_s']:.0f} | 1.00 | | |"]
-    base = {x["compact"]: x["samples_s"] for x in r["shardloader"] if x["num_workers"] == 0 and x["checks"] == "checksums"}
+    base = {x["compact"]: x["samples_s"] for x in r["shardloader"]
+            if x["num_workers"] == 0 and x["checks"] == "checksums"}
     for x in r["shardloader"]:
         lx = f"{x['samples_s'] / lit:.2f}" if lit else "-"
         rel = f"{x['samples_s'] / base[x['compact']]:.2f}"
@@ -104,8 +105,8 @@ def loader_lines(r: dict) -> list[str]:
             for x in r.get("real_caches", [])]
     w = r["webdataset"]
     lx = f"{w['samples_s'] / lit:.2f}" if lit else "-"
-    out.append(f"| webdataset `.decode()` (no collate) | {w['samples_s']:.0f} | {w['MB_s']:.0f} | {w['ratio_to_cat']:.2f} | "
-               f"{lx} | |")
+    out.append(f"| webdataset `.decode()` (no collate) | {w['samples_s']:.0f} | {w['MB_s']:.0f} | "
+               f"{w['ratio_to_cat']:.2f} | {lx} | |")
     t = r.get("targets") or {}
     names = {"compact_over_cat": "one process compact / `cat`", "compact_over_litdata": "one process compact / LitData",
              "float32_over_cat": "one process float32 / `cat`",

@@ -6,8 +6,10 @@ it in again (measured ~800 minor faults per batch, a third of the read time). :c
 keeps a few blocks and lays each batch out in one (the layout of :func:`loaders.shm.layout_bytes`,
 as a worker's shared-memory slot); a block is reused once every tensor of its batch is gone (the
 tensors share one storage whose last reference runs a finalizer, the mechanism of
-:mod:`loaders.shm`). With ``pin`` the blocks are page-locked (CUDA only): the batch is read straight
-into memory the GPU copies from, with no other host copy.
+:mod:`loaders.shm`). With ``pin`` (CUDA only) each batch is one page-locked block from torch's caching
+host allocator instead: the batch is read straight into memory the GPU copies from, with no other
+host copy, and torch reuses the block only once the asynchronous copies recorded on it are done (a
+block reused by this arena could be overwritten while a ``non_blocking`` copy still reads it).
 """
 from __future__ import annotations
 
@@ -36,6 +38,10 @@ class HostArena:
     def allocate(self, layout: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> dict[str, torch.Tensor]:
         """Uninitialised tensors ``{name: tensor}`` (``(name, shape, dtype)`` entries), views of one block."""
         offsets, total = layout_bytes(layout)
+        if self.pin:
+            storage = torch.empty(total, dtype=torch.uint8, pin_memory=True).untyped_storage()
+            return {name: view(storage, off, tuple(int(x) for x in shape), dtype)
+                    for (name, shape, dtype), off in zip(layout, offsets)}
         with self._lock:
             fits = [b for b in self._free if b.nbytes >= total]
             block = min(fits, key=lambda b: b.nbytes) if fits else None
@@ -43,8 +49,7 @@ class HostArena:
                 self._free.remove(block)
         if block is None:
             size = -(-int(total * 1.25) // _MIB) * _MIB  # budget batches vary in size
-            block = (torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy() if self.pin
-                     else np.empty(size, dtype=np.uint8))
+            block = np.empty(size, dtype=np.uint8)
         lease = block[:total]  # a new numpy object per batch: its life is the batch's
         weakref.finalize(lease, self._give_back, block)
         storage = torch.from_numpy(lease).untyped_storage()

@@ -207,9 +207,10 @@ def _value_problems(groups, plans, targets, checks: str, known: set) -> list[tup
                 why = f.kind.value_problem(region, spec)
                 if why is not None:
                     known.add(p)
-                    out.append((p, f"{src.reader.io.paths[int(src.reader.shard_of[r] if fa.file is None else fa.file[r])]}: "
-                                   f"sample {src.reader.key_array[r].as_py()!r}: {f.name} {why}; the shard is damaged or was "
-                                   "not written for this cache's settings; run `shards verify --deep`"))
+                    path = src.reader.io.paths[int(src.reader.shard_of[r] if fa.file is None else fa.file[r])]
+                    out.append((p, f"{path}: sample {src.reader.key_array[r].as_py()!r}: {f.name} {why}; the "
+                                   "shard is damaged or was not written for this cache's settings; run "
+                                   "`shards verify --deep`"))
     return out
 
 

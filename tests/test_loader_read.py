@@ -149,8 +149,8 @@ def test_a_plugin_kind_needs_no_reader_code(tmp_path):
     rng = np.random.default_rng(1)
     with ShardWriter(tmp_path, shard_name(0, 0)) as w:
         for i in range(6):
-            w.add(f"m{i}", {"json": {}, "mel.npy": rng.standard_normal((8, int(rng.integers(1, 30)))).astype(np.float16),
-                            "input_ids.npy": np.arange(3, dtype=np.int32)})
+            mel = rng.standard_normal((8, int(rng.integers(1, 30)))).astype(np.float16)
+            w.add(f"m{i}", {"json": {}, "mel.npy": mel, "input_ids.npy": np.arange(3, dtype=np.int32)})
         w.commit()
     merge_parts(tmp_path, {})
     assert registry.get("mel").kind.name == "frame_features"

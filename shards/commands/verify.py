@@ -178,7 +178,8 @@ def compare_rows(shard: str, scanned: list[dict], indexed: list[dict]) -> list[P
         if set(ma) != set(mb):
             probs.append(Problem(shard, k, f"members differ: index {sorted(ma)}, tar {sorted(mb)}"))
         for name in sorted(set(ma) & set(mb)):
-            probs.extend(Problem(shard, k, f"member {name}: {d} in tar") for d in member_differences(ma[name], mb[name]))
+            probs.extend(Problem(shard, k, f"member {name}: {d} in tar")
+                         for d in member_differences(ma[name], mb[name]))
         for f in ROW_FIELDS:
             if a[f] != b[f]:
                 probs.append(Problem(shard, k, f"{f} {a[f]!r} in index, {b[f]!r} in tar"))
