@@ -42,11 +42,9 @@ class HostArena:
             storage = torch.empty(total, dtype=torch.uint8, pin_memory=True).untyped_storage()
             return {name: view(storage, off, tuple(int(x) for x in shape), dtype)
                     for (name, shape, dtype), off in zip(layout, offsets)}
-        with self._lock:
-            fits = [b for b in self._free if b.nbytes >= total]
-            block = min(fits, key=lambda b: b.nbytes) if fits else None
-            if block is not None:
-                self._free.remove(block)
+        with self._lock:  # the smallest free block that fits (by position: arrays do not compare)
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= total]
+            block = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes)) if fits else None
         if block is None:
             size = -(-int(total * 1.25) // _MIB) * _MIB  # budget batches vary in size
             block = np.empty(size, dtype=np.uint8)
@@ -64,7 +62,7 @@ class HostArena:
         with self._lock:
             self._free.append(block)
             if len(self._free) > self.keep:
-                self._free.remove(min(self._free, key=lambda b: b.nbytes))
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].nbytes))
 
     def __getstate__(self):
         return {"pin": self.pin, "keep": self.keep}

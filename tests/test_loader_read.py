@@ -161,3 +161,33 @@ def test_a_plugin_kind_needs_no_reader_code(tmp_path):
                              compact=compact)
             assert_same(ref, b)
             assert b["mel"].dtype == (torch.float16 if compact else torch.float32)
+
+
+def test_host_blocks_are_reused_only_once_their_batch_is_gone():
+    """The loader's own process reuses batch memory (no page faults per batch), never under a live batch."""
+    import gc
+
+    from loaders.host import HostArena
+    arena = HostArena(keep=2)
+
+    def batch(n):
+        return arena.allocate([("x", (n,), torch.int16), ("m", (n, 2), torch.bool)])
+
+    small = batch(1000)
+    first = small["x"].data_ptr()
+    big = batch(600_000)  # does not fit the small block: a block of its own
+    assert big["x"].data_ptr() != first
+    x = small["x"]
+    del small
+    gc.collect()
+    held = batch(800)
+    assert held["x"].data_ptr() != first  # a tensor of the batch is still alive: not reused
+    del x
+    gc.collect()
+    again = batch(500)
+    assert again["x"].data_ptr() == first  # its batch is gone: reused
+    again["x"].fill_(7)
+    del big
+    gc.collect()
+    other = batch(500)  # the big block is free, the small one is not
+    assert other["x"].data_ptr() not in (first, held["x"].data_ptr()) and (again["x"] == 7).all()
