@@ -32,7 +32,7 @@ NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),2)
 PRECOMPUTE_NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),1)
 _PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(PRECOMPUTE_NPROC),$(PY))
 
-.PHONY: setup precompute train test test-long inspect bench models demo-data boson-venv clean help
+.PHONY: setup precompute train test test-long inspect bench bench-venv bench-gpu models demo-data boson-venv clean help
 
 help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
@@ -40,7 +40,9 @@ help:
 	@echo "make test         the test suite"
 	@echo "make test-long    the property tests with many examples (HYPOTHESIS_PROFILE=long)"
 	@echo "make inspect      shardcache shards info OUT"
-	@echo "make bench        benchmarks (writes benchmarks/results/*.json)"
+	@echo "make bench        benchmarks (writes benchmarks/results/*.json), the loader beside LitData/Mosaic"
+	@echo "make bench-venv   the peers' benchmark venv ($(BENCH_VENV): litdata, mosaicml-streaming)"
+	@echo "make bench-gpu    stage one with real-size encoders and the recipes' data wait on a CUDA GPU"
 	@echo "make models       build the tiny random test models into $(MODELS)/"
 	@echo "make demo-data    regenerate data/demo (needs espeak-ng)"
 	@echo "make boson-venv   $(BOSON_VENV): boson-multimodal 0.1.1 + transformers 4.46 (tests/test_higgs_boson.py)"
@@ -93,8 +95,26 @@ test-long: $(VENV)/.installed
 inspect: $(VENV)/.installed
 	$(PY) -m shardcache shards info $(OUT)
 
+# The loader's peers (LitData, Mosaic Streaming) pin numpy and transformers versions this project does
+# not use, so they get a venv of their own, with the torch version of $(VENV) (the same wheel where it is
+# at hand). `make bench` builds it when it can and otherwise measures without the peers (it says so).
+BENCH_VENV ?= .venv-bench
+PEERS ?= "litdata==0.2.76" "mosaicml-streaming==0.13.0"
+$(BENCH_VENV)/.installed: $(VENV)/.installed
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install "torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')" $(PEERS)
+	touch $@
+
+bench-venv: $(BENCH_VENV)/.installed
+
 bench: $(VENV)/.installed $(MODELS)/.built
+	@$(MAKE) --no-print-directory bench-venv || echo "bench: no benchmark venv ($(BENCH_VENV)); the peers (LitData, Mosaic) are skipped"
 	$(PY) -m benchmarks.run
+
+# On a CUDA machine: stage one with real-size random encoders and the recipes' data wait with 0/2/8
+# workers (benchmarks/results/gpu.*); elsewhere it says it needs a GPU and exits 0.
+bench-gpu: $(VENV)/.installed $(MODELS)/.built
+	$(PY) -m benchmarks.gpu
 
 demo-data: $(VENV)/.installed
 	$(PY) scripts/make_demo_data.py --out data/demo

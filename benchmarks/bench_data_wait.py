@@ -20,15 +20,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_once(cache: Path, workers: int, steps: int, batch_size: int, out: Path) -> dict:
+def run_once(cache: Path, workers: int, steps: int, batch_size: int, out: Path,
+             config: Path = ROOT / "configs" / "train-demo.yaml", extra: tuple = ("--dist.threads", "1")) -> dict:
+    """One ``shardcache train`` run (``config`` plus ``extra`` flags); the medians of its metrics."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "shardcache", "train", "--config", str(ROOT / "configs" / "train-demo.yaml"),
+    cmd = [sys.executable, "-m", "shardcache", "train", "--config", str(config),
            "--cache", str(cache), "--run-dir", str(out), "--training.steps", str(steps),
            "--data.batch-size", str(batch_size), "--data.num-workers", str(workers), "--metrics.every", "1",
-           "--no-eval.enabled", "--checkpoint.every", str(10 * steps), "--no-metrics.progress",
-           "--dist.threads", "1"]
+           "--no-eval.enabled", "--checkpoint.every", str(10 * steps), "--no-metrics.progress", *extra]
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "split" not in r][max(5, steps // 5):]  # after warm-up (workers start, allocator)

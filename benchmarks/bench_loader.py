@@ -1,29 +1,31 @@
-"""Stage two: collated torch batches per second vs ``cat`` of the same shard files.
+"""Stage two: collated torch batches per second vs ``cat`` and the peers, on the same samples.
 
 Builds a realistic synthetic cache in a temporary directory (default 1000 samples in 8 shards:
 7 s of 16 kHz int16 audio, (8, 175) int16 codes, (16, 1, 64, 64) float16 latents, ~60 text ids,
-about 350 KiB per sample), then measures in one run, everything from the page cache:
+about 350 KiB per sample; the manifest records codebook and vocabulary sizes, as stage one's does),
+then measures in one run, everything from the page cache:
 
-1. ``cat``: ``cat shards > /dev/null`` (MB/s, best of 3): the ceiling for reading these bytes.
-2. ``shardloader``: :class:`loaders.ShardLoader` with ``num_workers=0`` (one process) delivering
-   padded, collated batches (float32 audio + masks, float32 latents, int64 codes/text; and with
-   ``compact=True``: int16 audio and float16 latents as stored, converted on the GPU instead):
-   samples/s, shard MB/s and the ratio to ``cat`` (issue target >= 0.4). Also with workers.
-3. ``webdataset``: ``webdataset.WebDataset(shards, shardshuffle=False).decode()``, per-sample
-   dicts of numpy arrays, no batching or collation (so flattering to webdataset): ratio to ``cat``.
-4. resume latency: a fresh loader, ``load_state_dict`` at 10 % and 90 % of an epoch, until the
-   first batch arrives (constant: the loader seeks, it replays nothing), next to the time it takes
-   to iterate to that point.
-5. RSS over 3 epochs with persistent workers: main and worker processes, anonymous memory
-   (``RssAnon``, what a leak grows) and file-backed memory (``RssFile``: mmapped shard pages that
-   the kernel can drop at any time) after each epoch.
+1. ``cat``: ``cat shards > /dev/null`` (MB/s, median of 3): the ceiling for reading these bytes.
+2. ``shardloader``: :class:`loaders.ShardLoader` delivering padded, collated batches, one process
+   (``num_workers=0``) and with persistent workers: ``compact`` (int16 audio, float16 latents as
+   stored, widened on the GPU) and float32 (widened on the host); one process compact also with
+   ``checks="values"`` (the value checks every read did before checksums) and ``checks="none"``
+   (nothing checked), so the cost of the checksum is in every run. The loaders are built once and
+   their epochs interleaved round by round (so a neighbour's burst on this shared machine hits every
+   configuration alike); samples/s is the median over ``--epochs`` epochs after a warm-up epoch.
+3. the peers on the same samples: LitData and Mosaic Streaming ``StreamingDataset`` in one process,
+   per-sample dicts of numpy arrays, no collation (``benchmarks/bench_peers.py``, run in the
+   benchmark venv ``.venv-bench``: ``make bench-venv``; skipped with a message without it).
+4. ``webdataset``: ``webdataset.WebDataset(shards, shardshuffle=False).decode()``, per-sample dicts.
+5. startup (build the loader from the index) and resume latency: a fresh loader, ``load_state_dict``
+   at 10 % and 90 % of an epoch, until the first batch arrives, next to iterating to that point.
+6. RSS over 3 epochs with persistent workers (``RssAnon``: what a leak grows; ``RssFile``).
 
 Prints a table and writes ``benchmarks/results/loader.json``. CPU time (``process_time``) is
-reported next to wall time: on a shared machine the wall rate depends on the neighbours, so the
-"per CPU second" rows (ours / cat, both in MB per CPU second) are the better estimate of the ratio
-on an idle machine.
+reported next to wall time for the one-process runs: on a shared machine the wall rate depends on
+the neighbours.
 
-Usage: ``python benchmarks/bench_loader.py [--samples 1000] [--shards 8] [--batch-size 32]``
+Usage: ``python benchmarks/bench_loader.py [--samples 1000] [--shards 8] [--batch-size 16]``
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import os
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,7 +70,9 @@ def build_cache(out: Path, n: int, n_shards: int, seed: int = 0) -> Path:
                 })
                 k += 1
             w.commit()
-    merge_parts(out, {"benchmark": "bench_loader"})
+    # the sizes a real cache records: reads of a cache without checksums check values against them
+    merge_parts(out, {"benchmark": "bench_loader", "codebook_size": 1024, "n_codebooks": 8,
+                      "text": {"vocab_size": 32000, "pad_id": 0}})
     return out
 
 
@@ -83,7 +88,7 @@ def _timed(fn, repeat: int = 1) -> tuple[float, float, object]:
 
 
 def bench_cat(files: list[Path], min_bytes: int = 256 << 20) -> dict:
-    """``cat`` to /dev/null: best wall time of 3, and its CPU time (user + sys of the child).
+    """``cat`` to /dev/null: median wall time of 3, and its CPU time (user + sys of the child).
 
     Small caches are listed several times in one ``cat`` call (at least ``min_bytes`` in all), so
     the process start does not count as reading time.
@@ -101,43 +106,105 @@ def bench_cat(files: list[Path], min_bytes: int = 256 << 20) -> dict:
         walls.append(time.perf_counter() - t0)
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpus.append((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime))
-    wall, cpu = min(walls), max(min(cpus), 1e-3)
+    wall, cpu = statistics.median(walls), max(statistics.median(cpus), 1e-3)
     return {"bytes": once, "wall_s": wall, "cpu_s": cpu, "MB_s": nbytes / wall / 1e6,
-            "MB_s_cpu": nbytes / cpu / 1e6}
+            "MB_s_cpu": nbytes / cpu / 1e6, "MB_s_runs": [nbytes / w / 1e6 for w in walls]}
 
 
-def bench_loader(cache: Path | str, batch_size: int, num_workers: int, shard_bytes: int, n_total: int,
-                 epochs: int = 3, compact: bool = False, **kw) -> dict:
-    loader = ShardLoader(cache, batch_size, num_workers=num_workers, seed=0, compact=compact, **kw)
+#: the loader configurations every run measures: (label, ShardLoader keyword arguments)
+CONFIGS = [
+    ("one process, compact", dict(num_workers=0, compact=True)),
+    ("one process, compact, checks=values", dict(num_workers=0, compact=True, checks="values")),
+    ("one process, compact, checks=none", dict(num_workers=0, compact=True, checks="none")),
+    ("one process, float32", dict(num_workers=0, compact=False)),
+    ("1 worker, compact", dict(num_workers=1, compact=True)),
+    ("2 workers, compact", dict(num_workers=2, compact=True)),
+    ("2 workers, float32", dict(num_workers=2, compact=False)),
+]
 
-    def one_epoch(e=[0]):
-        loader.set_epoch(e[0])
-        e[0] += 1
-        n = 0
-        for b in loader:
-            n += len(b["keys"])
-        return n
 
-    one_epoch()  # warm: mmaps, workers, allocator
-    wall, cpu, n = _timed(one_epoch, epochs)
-    loader.close()
-    mb = shard_bytes * n / n_total / 1e6
-    return {"num_workers": num_workers, "compact": compact, "samples": n, "wall_s": wall, "cpu_s": cpu,
-            "samples_s": n / wall, "MB_s": mb / wall, "MB_s_cpu": mb / cpu if num_workers == 0 else None}
+def bench_loaders(cache: Path | str, batch_size: int, shard_bytes: int, n_total: int, epochs: int = 3,
+                  configs=CONFIGS) -> list[dict]:
+    """Each configuration's loader built once (persistent workers), one warm-up epoch each, then
+    ``epochs`` rounds of one epoch per loader in turn; samples/s = median over the rounds."""
+    loaders = [(label, kw, ShardLoader(cache, batch_size, seed=0, **kw)) for label, kw in configs]
+    walls = {label: [] for label, _ in configs}
+    cpus = {label: [] for label, _ in configs}
+    counts = {}
+
+    def one_epoch(loader, e):
+        loader.set_epoch(e)
+        return sum(len(b["keys"]) for b in loader)
+
+    for _, _, ld in loaders:
+        one_epoch(ld, 0)
+    for e in range(1, epochs + 1):
+        for label, _, ld in loaders:
+            w0, c0 = time.perf_counter(), time.process_time()
+            counts[label] = one_epoch(ld, e)
+            walls[label].append(time.perf_counter() - w0)
+            cpus[label].append(time.process_time() - c0)
+    out = []
+    for label, kw, ld in loaders:
+        ld.close()
+        n, wall, cpu = counts[label], statistics.median(walls[label]), statistics.median(cpus[label])
+        mb = shard_bytes * n / n_total / 1e6
+        one = kw.get("num_workers", 0) == 0
+        out.append({"label": label, "num_workers": kw.get("num_workers", 0), "compact": bool(kw.get("compact")),
+                    "checks": kw.get("checks", "checksums"), "samples": n, "wall_s": wall, "cpu_s": cpu,
+                    "samples_s": n / wall, "samples_s_epochs": [n / w for w in walls[label]], "MB_s": mb / wall,
+                    "MB_s_cpu": mb / cpu if one else None})
+    return out
+
+
+def export_samples(cache: Path, out: Path) -> Path:
+    """The cache's samples as ``NNNNNN.npz`` (audio, codes, input_ids, latents): the input of the
+    peers' own writers (``bench_peers.py``)."""
+    from shards import ShardReader
+    out.mkdir(parents=True, exist_ok=True)
+    r = ShardReader(cache)
+    for i in range(len(r)):
+        s = r.get(i)
+        np.savez(out / f"{i:06d}.npz", **{k: s[k] for k in ("audio", "codes", "input_ids", "latents")})
+    r.close()
+    return out
+
+
+def bench_venv_python() -> Path | None:
+    """The benchmark venv's python (``$SHARDCACHE_BENCH_PYTHON``, else ``.venv-bench``), or None."""
+    p = Path(os.environ.get("SHARDCACHE_BENCH_PYTHON", ROOT / ".venv-bench" / "bin" / "python"))
+    return p if p.exists() else None
+
+
+def bench_peers(cache: Path, work: Path, epochs: int = 3) -> dict:
+    """LitData and Mosaic Streaming on the cache's samples (see ``bench_peers.py``); ``{"skipped":
+    why}`` when the benchmark venv is missing or the run fails."""
+    py = bench_venv_python()
+    if py is None:
+        return {"skipped": "no benchmark venv (.venv-bench): `make bench-venv` installs litdata and "
+                           "mosaicml-streaming there"}
+    samples = export_samples(cache, work / "samples")
+    out = work / "peers.json"
+    r = subprocess.run([str(py), str(ROOT / "benchmarks" / "bench_peers.py"), "--samples", str(samples),
+                        "--work", str(work / "peers"), "--out", str(out), "--epochs", str(epochs)],
+                       cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=""))
+    if r.returncode != 0 or not out.exists():
+        return {"skipped": f"bench_peers.py failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(out.read_text())
 
 
 def bench_remote(cache: Path, batch_size: int, shard_bytes: int, n_total: int, local_rate: float) -> dict:
     """The same cache streamed from a local S3 server (moto, its own process): the first epoch
     (every shard downloaded), the next (all held locally), and two epochs with ``cache_limit`` a
     quarter of the cache (shards evicted and fetched again every epoch). Rates as ratios to
-    ``local_rate`` (the local loader, num_workers=0, same run)."""
+    ``local_rate`` (the local loader, num_workers=0, compact, same run)."""
     from s3_server import s3_server
     out = {}
     with s3_server() as s3:
         url = s3.upload(cache, "s3://bench/cache")
         tmp = Path(tempfile.mkdtemp(prefix="bench_remote_"))
         try:
-            ld = ShardLoader(url, batch_size, seed=0, storage_options=s3.options, local_dir=tmp / "a")
+            ld = ShardLoader(url, batch_size, seed=0, storage_options=s3.options, local_dir=tmp / "a", compact=True)
             for e, name in ((0, "cold_epoch"), (1, "warm_epoch")):
                 ld.set_epoch(e)
                 t0 = time.perf_counter()
@@ -146,7 +213,7 @@ def bench_remote(cache: Path, batch_size: int, shard_bytes: int, n_total: int, l
                 out[name] = {"samples_s": n / dt, "ratio_to_local": n / dt / local_rate}
             ld.close()
             limit = shard_bytes // 4
-            ld = ShardLoader(url, batch_size, seed=0, storage_options=s3.options, local_dir=tmp / "b",
+            ld = ShardLoader(url, batch_size, seed=0, storage_options=s3.options, local_dir=tmp / "b", compact=True,
                              cache_limit=limit)
             t0, n = time.perf_counter(), 0
             for e in range(2):
@@ -247,15 +314,17 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=1000)
     ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="extra runs with workers")
+    ap.add_argument("--batch-size", type=int, default=16, help="samples per batch (the issue's table: 16)")
+    ap.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration (median)")
     ap.add_argument("--no-remote", action="store_true", help="skip the local S3 server runs")
+    ap.add_argument("--no-peers", action="store_true", help="skip LitData and Mosaic Streaming")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "loader.json")
     ap.add_argument("--keep", action="store_true", help="keep the temporary cache")
     ap.add_argument("--real-cache", type=Path, nargs="*", default=[],
                     help="caches made by precompute (e.g. real-mini conversations) to measure too")
     args = ap.parse_args(argv)
 
+    load_start = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="bench_loader_"))
     try:
         t0 = time.perf_counter()
@@ -266,10 +335,10 @@ def main(argv=None) -> dict:
         disk = bytes_on_disk(cache)
         cat = bench_cat(files)
         nbytes = cat["bytes"]
-        ours = [bench_loader(cache, args.batch_size, 0, nbytes, args.samples),
-                bench_loader(cache, args.batch_size, 0, nbytes, args.samples, compact=True)]
-        ours += [bench_loader(cache, args.batch_size, w, nbytes, args.samples) for w in args.workers]
-        ours += [bench_loader(cache, args.batch_size, w, nbytes, args.samples, compact=True) for w in args.workers]
+        ours = bench_loaders(cache, args.batch_size, nbytes, args.samples, epochs=args.epochs)
+        peers = {"skipped": "--no-peers"} if args.no_peers else bench_peers(cache, tmp / "peers", args.epochs)
+        if "skipped" in peers:
+            print(f"peers skipped: {peers['skipped']}")
         web = bench_webdataset(files, nbytes)
         remote = None
         if not args.no_remote:
@@ -285,52 +354,72 @@ def main(argv=None) -> dict:
             rcat = bench_cat(rfiles)
             n = len(__import__("shards").read_index(c))
             bs = min(8, n)
-            r = bench_loader(c, bs, 0, rcat["bytes"], n, epochs=max(3, 1000 // n))
+            r = bench_loaders(c, bs, rcat["bytes"], n, epochs=max(3, 1000 // n), configs=CONFIGS[:1])[0]
             real.append(dict(r, cache=c.name, ratio_to_cat=r["MB_s"] / rcat["MB_s"], cat_MB_s=rcat["MB_s"],
                              KiB_per_sample=rcat["bytes"] / n / 1024, batch_size=bs))
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    cat_rate = cat["MB_s"] * 1e6 / (nbytes / args.samples)  # samples/s
+    best_peer = max((v["samples_s"], k) for k, v in peers.items() if isinstance(v, dict) and "samples_s" in v) \
+        if any(isinstance(v, dict) and "samples_s" in v for v in peers.values()) else None
+    rows = [dict(r, ratio_to_cat=r["MB_s"] / cat["MB_s"],
+                 ratio_to_cat_cpu=(r["MB_s_cpu"] / cat["MB_s_cpu"]) if r["MB_s_cpu"] else None,
+                 ratio_to_litdata=(r["samples_s"] / peers["litdata"]["samples_s"]
+                                   if "samples_s" in peers.get("litdata", {}) else None))
+            for r in ours]
+    by = {r["label"]: r["samples_s"] for r in rows}
     result = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform(), "loadavg_end": os.getloadavg()},
+                    "platform": platform.platform(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "cache": {"samples": args.samples, "shards": args.shards, "bytes": nbytes,
                   "disk_over_tensor": disk["disk_over_tensor"],
                   "KiB_per_sample": nbytes / args.samples / 1024, "build_s": build_s},
-        "batch_size": args.batch_size, "cat": cat,
-        "shardloader": [dict(r, ratio_to_cat=r["MB_s"] / cat["MB_s"],
-                             ratio_to_cat_cpu=(r["MB_s_cpu"] / cat["MB_s_cpu"]) if r["MB_s_cpu"] else None)
-                        for r in ours],
+        "batch_size": args.batch_size, "epochs": args.epochs, "cat": dict(cat, samples_s=cat_rate),
+        "shardloader": rows, "peers": peers,
         "webdataset": dict(web, ratio_to_cat=web["MB_s"] / cat["MB_s"]),
-        "resume": resume, "rss": rss, "target_ratio": 0.4, "real_caches": real, "remote": remote,
+        "resume": resume, "rss": rss, "real_caches": real, "remote": remote,
+        "targets": {
+            "compact_over_cat": (by["one process, compact"] / cat_rate, 0.6),
+            "compact_over_litdata": ((by["one process, compact"] / peers["litdata"]["samples_s"])
+                                     if "samples_s" in peers.get("litdata", {}) else None, 2.0),
+            "float32_over_cat": (by["one process, float32"] / cat_rate, 0.4),
+            "2_workers_over_one_process_compact": (by["2 workers, compact"] / by["one process, compact"], 1.8),
+            "2_workers_over_one_process_float32": (by["2 workers, float32"] / by["one process, float32"], 1.8),
+            "checksums_over_none": (by["one process, compact"] / by["one process, compact, checks=none"], 0.95),
+            "checksums_over_values": (by["one process, compact"] / by["one process, compact, checks=values"], None),
+        },
+        "best_peer": None if best_peer is None else {"name": best_peer[1], "samples_s": best_peer[0]},
     }
-    by = {(r["num_workers"], r["compact"]): r["samples_s"] for r in ours}
-    result["workers_over_one_process"] = {f"{w}{' compact' if c else ''}": by[(w, c)] / by[(0, c)]
-                                          for (w, c) in by if w}
     print(f"cache: {args.samples} samples, {args.shards} shards, {nbytes / 1e6:.0f} MB "
           f"({nbytes / args.samples / 1024:.0f} KiB/sample); batch {args.batch_size}; load avg "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
-    print(f"{'reader':<34}{'samples/s':>11}{'MB/s':>9}{'x cat':>8}")
-    print(f"{'cat > /dev/null':<34}{'':>11}{cat['MB_s']:>9.0f}{1:>8.2f}")
-    print(f"{'  same, per CPU second':<34}{'':>11}{cat['MB_s_cpu']:>9.0f}{1:>8.2f}")
-    for r in result["shardloader"]:
-        name = f"ShardLoader num_workers={r['num_workers']}" + (" compact" if r["compact"] else "")
-        print(f"{name:<34}{r['samples_s']:>11.0f}{r['MB_s']:>9.0f}{r['ratio_to_cat']:>8.2f}")
-        if r["ratio_to_cat_cpu"]:
-            print(f"{'  same, per CPU second':<34}{r['samples'] / r['cpu_s']:>11.0f}{r['MB_s_cpu']:>9.0f}"
-                  f"{r['ratio_to_cat_cpu']:>8.2f}")
-    for k, v in result["workers_over_one_process"].items():
-        print(f"  workers={k} / num_workers=0: {v:.2f}")
+          f"{load_start[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    print(f"{'reader':<46}{'samples/s':>11}{'MB/s':>9}{'x cat':>8}{'x LitData':>11}")
+    print(f"{'cat > /dev/null':<46}{cat_rate:>11.0f}{cat['MB_s']:>9.0f}{1:>8.2f}")
+    for r in rows:
+        lit = f"{r['ratio_to_litdata']:>11.2f}" if r["ratio_to_litdata"] else ""
+        print(f"{'ShardLoader, ' + r['label']:<46}{r['samples_s']:>11.0f}{r['MB_s']:>9.0f}"
+              f"{r['ratio_to_cat']:>8.2f}{lit}")
+    for name in ("litdata", "mosaic"):
+        v = peers.get(name) or {}
+        if "samples_s" in v:
+            print(f"{name + ' StreamingDataset (no collate)':<46}{v['samples_s']:>11.0f}"
+                  f"{v['samples_s'] * nbytes / args.samples / 1e6:>9.0f}{v['samples_s'] / cat_rate:>8.2f}")
+        elif v:
+            print(f"{name}: {v}")
+    w = result["webdataset"]
+    print(f"{'webdataset .decode() (no collate)':<46}{w['samples_s']:>11.0f}{w['MB_s']:>9.0f}{w['ratio_to_cat']:>8.2f}")
+    for k, (v, target) in result["targets"].items():
+        if v is not None:
+            print(f"  {k}: {v:.2f}" + (f" (target {target})" if target else ""))
     if remote:
         for k, v in remote.items():
             print(f"  remote (local S3 server) {k}: {v['samples_s']:.0f} samples/s = {v['ratio_to_local']:.2f} x local")
-    w = result["webdataset"]
-    print(f"{'webdataset .decode() (no collate)':<34}{w['samples_s']:>11.0f}{w['MB_s']:>9.0f}{w['ratio_to_cat']:>8.2f}")
-    print("resume (fresh loader, load_state_dict -> first batch) vs iterating there:")
+    print("startup / resume (fresh loader, load_state_dict -> first batch) vs iterating there:")
     for r in resume:
-        print(f"  at {r['fraction']:.0%} (step {r['step']}), workers={r['num_workers']}: "
-              f"{r['resume_to_first_batch_s'] * 1e3:.0f} ms (+ {r['construct_s'] * 1e3:.0f} ms construct) vs "
+        print(f"  at {r['fraction']:.0%} (step {r['step']}), workers={r['num_workers']}: construct "
+              f"{r['construct_s'] * 1e3:.0f} ms, first batch {r['resume_to_first_batch_s'] * 1e3:.0f} ms vs "
               f"{r['iterate_to_same_point_s'] * 1e3:.0f} ms")
     print("RSS with 2 persistent workers (MiB): epoch, main RssAnon/RssFile, workers RssAnon/RssFile")
     for r in rss:

@@ -36,22 +36,22 @@ def corpus_name(manifest: Path) -> str:
     return manifest.parent.name if manifest.name in ("samples.jsonl", "samples_with_corrupt.jsonl") else manifest.stem
 
 
-def _config(models: Path, size: str, **kw):
+def _config(models: Path, size: str, device: str = "cpu", **kw):
     cfg = load_config(ROOT / "configs" / "precompute.yaml", [
         f"audio_tokenizer.pretrained={models / f'dac-{size}'}",
-        f"image_encoder.pretrained={models / f'wan-{size}'}", "device=cpu"])
+        f"image_encoder.pretrained={models / f'wan-{size}'}", f"device={device}"])
     return dataclasses.replace(cfg, **kw)
 
 
 def encoders_alone(manifest: Path, cfg) -> tuple[float, int]:
     """Seconds spent in encoder calls when every row is decoded beforehand (same batching as the job)."""
-    pipe = Pipeline.build(cfg, "cpu")
+    pipe = Pipeline.build(cfg, cfg.device)
     plan = plan_chunks(read_requests(manifest), cfg.samples_per_shard, {})
     items = [(r, c) for c, (_, rows) in enumerate(plan) for r in rows]
     prepared = [pipe.prepare(r, c) for r, c in items]
     summary = Summary()
     with torch.inference_mode():
-        for batch in chunk_batches([c for _, c in items], cfg.batch_size):
+        for batch in chunk_batches([c for _, c in items], cfg.encoder_batch_size):
             pipe.encode([prepared[i] for i in batch], summary)
     return summary.encoder_s, sum(p.error is None for p in prepared)
 
@@ -80,8 +80,8 @@ def audio_opens(manifest: Path, cfg) -> dict:
             "audio_opens_per_file": round(len(counted) / needed, 3) if needed else None}
 
 
-def bench(manifest: Path, models: Path, size: str, repeats: int = 1) -> dict:
-    cfg = _config(models, size)
+def bench(manifest: Path, models: Path, size: str, repeats: int = 1, device: str = "cpu") -> dict:
+    cfg = _config(models, size, device)
     walls, enc_in_job = [], []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as d:

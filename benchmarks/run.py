@@ -64,6 +64,76 @@ def save(name: str, data) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
+def loader_lines(r: dict) -> list[str]:
+    """The loader section of the summary (``loader.json`` of ``bench_loader.py``)."""
+    cat = r["cat"]
+    per = r["cache"]["bytes"] / r["cache"]["samples"]
+    peers = r.get("peers") or {}
+    lit = (peers.get("litdata") or {}).get("samples_s")
+    out = [f"**Loader** ({r['cache']['samples']} samples of ~{r['cache']['KiB_per_sample']:.0f} KiB in "
+           f"{r['cache']['shards']} shards, page cache; median of "
+           f"{r.get('epochs', 3)} epochs, configurations interleaved; ShardLoader: padded, collated torch batches of "
+           f"{r['batch_size']}, checksums checked unless said; peers: per-sample dicts of numpy arrays, not collated, "
+           "one process; workers: persistent DataLoader processes collating into reused shared-memory slots):", "",
+           "| reader | samples/s | MB/s | x `cat` | x LitData (one process) | x ShardLoader one process, same dtypes |",
+           "| --- | --- | --- | --- | --- | --- |",
+           f"| `cat` > /dev/null | {cat['samples_s']:.0f} | {cat['MB_s']:.0f} | 1.00 | | |"]
+    base = {x["compact"]: x["samples_s"] for x in r["shardloader"]
+            if x["num_workers"] == 0 and x["checks"] == "checksums"}
+    for x in r["shardloader"]:
+        lx = f"{x['samples_s'] / lit:.2f}" if lit else "-"
+        rel = f"{x['samples_s'] / base[x['compact']]:.2f}"
+        out.append(f"| ShardLoader, {x['label']} | {x['samples_s']:.0f} | {x['MB_s']:.0f} | {x['ratio_to_cat']:.2f} | "
+                   f"{lx} | {rel} |")
+    for name, label in (("litdata", "LitData `StreamingDataset`"), ("mosaic", "Mosaic `StreamingDataset`")):
+        v = peers.get(name) or {}
+        if "samples_s" in v:
+            lx = f"{v['samples_s'] / lit:.2f}" if lit else "-"
+            out.append(f"| {label} {v.get('version', '')}, one process (no collate) | {v['samples_s']:.0f} | "
+                       f"{v['samples_s'] * per / 1e6:.0f} | {v['samples_s'] / cat['samples_s']:.2f} | {lx} | |")
+    if "skipped" in peers:
+        out.append(f"| LitData, Mosaic Streaming | skipped: {peers['skipped']} | | | | |")
+    rem = r.get("remote") or {}
+    names = {"cold_epoch": "first epoch (every shard downloaded)", "warm_epoch": "second epoch (shards held locally)",
+             "cache_limited": "2 epochs, cache_limit = 1/4 of the cache"}
+    for k, label in names.items():
+        if k in rem:
+            out.append(f"| ShardLoader from `s3://` (moto server on 127.0.0.1), compact, {label} | "
+                       f"{rem[k]['samples_s']:.0f} | | | | {rem[k]['ratio_to_local']:.2f} |")
+    out += [f"| ShardLoader, one process, real-mini `{x['cache']}` cache ({x['KiB_per_sample']:.0f} KiB/sample, "
+            f"batch {x['batch_size']}) | {x['samples_s']:.0f} | {x['MB_s']:.0f} | {x['ratio_to_cat']:.2f} | | |"
+            for x in r.get("real_caches", [])]
+    w = r["webdataset"]
+    lx = f"{w['samples_s'] / lit:.2f}" if lit else "-"
+    out.append(f"| webdataset `.decode()` (no collate) | {w['samples_s']:.0f} | {w['MB_s']:.0f} | "
+               f"{w['ratio_to_cat']:.2f} | {lx} | |")
+    t = r.get("targets") or {}
+    names = {"compact_over_cat": "one process compact / `cat`", "compact_over_litdata": "one process compact / LitData",
+             "float32_over_cat": "one process float32 / `cat`",
+             "2_workers_over_one_process_compact": "2 workers / one process (compact)",
+             "2_workers_over_one_process_float32": "2 workers / one process (float32)",
+             "checksums_over_none": "checksums checked / nothing checked",
+             "checksums_over_values": "checksums checked / value checks (before checksums)"}
+    parts = []
+    for k, label in names.items():
+        v, target = t.get(k, (None, None))
+        if v is not None:
+            parts.append(f"{label} {v:.2f}" + (f" (target {target})" if target else ""))
+    best = r.get("best_peer")
+    load = r["machine"]
+    out += ["", "Ratios: " + "; ".join(parts) + "." + (f" Best peer: {best['name']}." if best else ""),
+            f"Shard bytes / raw tensor bytes: {r['cache'].get('disk_over_tensor', '-')}. Startup (construct the loader "
+            "from the index, workers=0 / 2): " + " / ".join(f"{x['construct_s'] * 1e3:.0f} ms" for x in r["resume"]
+                                                             if x["fraction"] < 0.5) +
+            ". Resume latency (fresh loader, load_state_dict, to the first batch): " + ", ".join(
+                f"{x['fraction']:.0%} of epoch, workers={x['num_workers']}: {x['resume_to_first_batch_s'] * 1e3:.0f} ms"
+                for x in r["resume"]) + ". RSS (RssAnon MiB, main/workers) per epoch: " + ", ".join(
+                f"{x['main_MiB'].get('RssAnon', 0):.0f}/{x['workers_RssAnon_MiB']:.0f}" for x in r["rss"]) +
+            f". Load average during the run: {load.get('loadavg_start', [0])[0]:.1f} -> "
+            f"{load.get('loadavg_end', [0])[0]:.1f} on {load['cpus']} cores (shared machine).", ""]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip the real-size encoder configs")
@@ -106,38 +176,7 @@ def main(argv=None) -> int:
         conv = [c for m, c in caches.items() if m.suffix == ".json"]  # the conversation caches
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_loader.py"), "--out",
                         str(RESULTS / "loader.json"), "--real-cache", *map(str, conv)], check=True, cwd=ROOT)
-        r = json.loads((RESULTS / "loader.json").read_text())
-        best = r["shardloader"][0]
-        base = {bool(x["compact"]): x["samples_s"] for x in r["shardloader"] if x["num_workers"] == 0}
-        lines += ["**Loader** (collated torch batches of 32; 1000 samples of ~360 KiB in 8 shards, page cache; "
-                  "workers: DataLoader processes collating into reused shared-memory slots):", "",
-                  "| reader | samples/s | MB/s | x `cat` | x local ShardLoader, num_workers=0, same dtypes |",
-                  "| --- | --- | --- | --- | --- |",
-                  f"| `cat` > /dev/null | | {r['cat']['MB_s']:.0f} | 1.00 | |"]
-        for s in r["shardloader"]:
-            mode = ", compact (int16 audio, fp16 latents)" if s.get("compact") else ""
-            lines.append(f"| ShardLoader, num_workers={s['num_workers']}{mode} | {s['samples_s']:.0f} | {s['MB_s']:.0f} | "
-                         f"{s['ratio_to_cat']:.2f} | {s['samples_s'] / base[bool(s['compact'])]:.2f} |")
-        w = r["webdataset"]
-        rem = r.get("remote") or {}
-        names = {"cold_epoch": "first epoch (every shard downloaded)", "warm_epoch": "second epoch (shards held locally)",
-                 "cache_limited": "2 epochs, cache_limit = 1/4 of the cache"}
-        for k, label in names.items():
-            if k in rem:
-                lines.append(f"| ShardLoader from `s3://` (moto server on 127.0.0.1), {label} | {rem[k]['samples_s']:.0f} | | | "
-                             f"{rem[k]['ratio_to_local']:.2f} |")
-        lines += [f"| ShardLoader, num_workers=0, real-mini `{x['cache']}` cache ({x['KiB_per_sample']:.0f} KiB/sample, "
-                  f"batch {x['batch_size']}) | {x['samples_s']:.0f} | {x['MB_s']:.0f} | {x['ratio_to_cat']:.2f} | |"
-                  for x in r.get("real_caches", [])]
-        lines += [f"| webdataset `.decode()` (no collate) | {w['samples_s']:.0f} | {w['MB_s']:.0f} | {w['ratio_to_cat']:.2f} | |",
-                  "", f"Shard bytes / raw tensor bytes of these shards: {r['cache'].get('disk_over_tensor', '-')}. "
-                  f"ShardLoader / webdataset: {best['MB_s'] / w['MB_s']:.1f}x. Startup (construct the loader from "
-                  "the index, workers=0 / 2): " + " / ".join(f"{x['construct_s'] * 1e3:.0f} ms" for x in r["resume"]
-                                                              if x["fraction"] < 0.5) + ". Resume latency (fresh loader to first "
-                  "batch): " + ", ".join(f"{x['fraction']:.0%} of epoch, workers={x['num_workers']}: "
-                                         f"{x['resume_to_first_batch_s'] * 1e3:.0f} ms" for x in r["resume"]) + ". "
-                  "RSS (RssAnon MiB, main/workers) per epoch: " + ", ".join(
-                      f"{x['main_MiB'].get('RssAnon', 0):.0f}/{x['workers_RssAnon_MiB']:.0f}" for x in r["rss"]) + ".", ""]
+        lines += loader_lines(json.loads((RESULTS / "loader.json").read_text()))
 
     marks["cache"] = len(lines)
     if "cache" in only:

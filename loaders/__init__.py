@@ -9,7 +9,8 @@ Public API::
 * :class:`MixedLoader` (:mod:`loaders.mixing`): several caches mixed by weight.
 * :func:`collate_fn` (:mod:`loaders.collate`): pad :meth:`shards.ShardReader.get` dicts into a batch.
 * :mod:`loaders.order` (global order, filters), :mod:`loaders.batching` (steps, rank split,
-  budget batches), :mod:`loaders.dataset` (index arrays + mmap reads, the worker dataset).
+  budget batches), :mod:`loaders.dataset` (index arrays, the worker dataset), :mod:`loaders.read`
+  (a batch read straight into its tensors, checksums checked).
 * :mod:`loaders.higgs` (imported on use): Higgs-Audio v2's own batch layout as a loader ``transform``
   (``HiggsBatch``) and ``HiggsChatMLDataset`` for Boson's trainer.
 

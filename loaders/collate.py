@@ -1,8 +1,10 @@
 """Pad a list of samples into one batch of torch tensors (lengths + masks), with one copy per array.
 
 :func:`collate_fn` takes the dicts returned by :meth:`shards.ShardReader.get` (numpy views of the
-memory-mapped tars). :class:`loaders.ShardLoader` skips the dicts and hands the same views straight
-to :func:`collate_views`, so both produce identical batches.
+memory-mapped tars) and :func:`collate_views` per-field lists of arrays. :class:`loaders.ShardLoader`
+reads the same samples straight from the shard files into the batch tensors
+(:func:`loaders.read.read_batch`: the same kinds lay out, pad and mask both), so all three produce
+identical batches.
 
 Batch layout (``B`` samples; only the requested ``fields`` are present):
 
@@ -136,14 +138,15 @@ _NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.b
 def allocate(layout: Sequence[tuple[str, Sequence[int], torch.dtype]], arena=None) -> dict[str, torch.Tensor]:
     """Uninitialised tensors ``{name: tensor}`` for a batch, from ``(name, shape, dtype)`` entries.
 
-    In the main process each is its own numpy allocation wrapped by ``torch.from_numpy``: glibc
-    recycles freed numpy blocks, whereas ``torch.empty`` blocks of this size come back as fresh
-    kernel pages on every batch (page faults + zeroing: measured 2x slower for a 14 MB batch).
-    In a DataLoader worker all of them are views of ONE shared-memory block (64-byte aligned): a
-    reused slot of ``arena`` (:class:`loaders.shm.SlotArena`), so nothing is allocated, faulted in
-    or sent but a small message (see :mod:`loaders.shm`); without an arena, or with every slot
-    busy, a new shared block (one file descriptor per batch instead of ``default_collate``'s one
-    per tensor). Keeping any one of these tensors alive keeps the whole block alive.
+    With an ``arena`` all of them are views of ONE block it hands out (64-byte aligned): in a
+    DataLoader worker a reused shared-memory slot (:class:`loaders.shm.SlotArena`), so nothing is
+    allocated, faulted in or sent but a small message (see :mod:`loaders.shm`); in the loader's own
+    process a reused (possibly pinned) host block (:class:`loaders.host.HostArena`). Keeping any one
+    of these tensors alive keeps the whole block alive. Without an arena: in the main process each
+    is its own numpy allocation wrapped by ``torch.from_numpy`` (glibc recycles part of freed
+    numpy blocks, whereas ``torch.empty`` blocks of this size come back as fresh kernel pages on
+    every batch); in a worker a new shared block (one file descriptor per batch instead of
+    ``default_collate``'s one per tensor).
     """
     layout = [(n, tuple(int(x) for x in shp), dt) for n, shp, dt in layout]
     if arena is not None:
@@ -172,6 +175,19 @@ def _check_pairs(keys: Sequence[str], fields: Sequence[str], arrays: dict[str, l
                     f"{None if v is None else tuple(v.shape)}; was the cache made with store_posterior?")
 
 
+def check_rates(keys: Sequence[str], sample_rates: Sequence[int]) -> int:
+    """The batch's ``sample_rate`` (Hz; 0 when no sample has audio). Raises ``ValueError`` naming
+    the keys when samples with audio (rate > 0) have different rates."""
+    rates = np.asarray(sample_rates, dtype=np.int64)
+    audible = rates[rates > 0]
+    if len(audible) and (audible != audible[0]).any():
+        odd = np.flatnonzero((rates != audible[0]) & (rates > 0))
+        first = keys[int(np.flatnonzero(rates > 0)[0])]
+        raise ValueError(f"samples of one batch have different sample rates: {first!r} at "
+                         f"{audible[0]} Hz, {_name(keys, odd)} at {sorted(set(rates[odd].tolist()))} Hz")
+    return int(audible[0]) if len(audible) else 0
+
+
 def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],
                   latent_shape: Sequence[int] | None = None, compact: bool = False, pad_id: int = TEXT_PAD_ID,
                   arena=None, default_shapes: dict | None = None, **arrays: list) -> dict[str, Any]:
@@ -187,13 +203,7 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
     naming the keys for mixed sample rates or a fixed axis that differs (e.g. codebook counts).
     """
     B = len(keys)
-    rates = np.asarray(sample_rates, dtype=np.int64)
-    audible = rates[rates > 0]
-    if len(audible) and (audible != audible[0]).any():
-        odd = np.flatnonzero((rates != audible[0]) & (rates > 0))
-        first = keys[int(np.flatnonzero(rates > 0)[0])]
-        raise ValueError(f"samples of one batch have different sample rates: {first!r} at "
-                         f"{audible[0]} Hz, {_name(keys, odd)} at {sorted(set(rates[odd].tolist()))} Hz")
+    rate = check_rates(keys, sample_rates)
     defaults = dict(default_shapes or {})
     if latent_shape is not None:
         defaults.setdefault("latents", tuple(latent_shape))
@@ -213,7 +223,7 @@ def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence
                 seen.add(key)
                 layout.append((key, shape, dtype))
         plans.append((f, arrs, shapes, present, S))
-    batch: dict[str, Any] = {"keys": keys, "sample_rate": int(audible[0]) if len(audible) else 0}
+    batch: dict[str, Any] = {"keys": keys, "sample_rate": rate}
     batch.update(allocate(layout, arena))
     for f, arrs, shapes, present, S in plans:
         f.kind.fill(f, batch, arrs, shapes, present, S, ctx)

@@ -1,17 +1,21 @@
-"""Read batches straight from the shard files: the index as numpy arrays, mmaps, no tar parsing.
+"""Read batches straight from the shard files: the index as numpy arrays, no tar parsing.
 
 :class:`CacheSource` loads one cache's ``index.parquet`` once, refuses members that would need
-unpickling, applies the filters, checks the requested fields, and reads through a
-:class:`shards.ShardReader` (per-field byte offsets / shapes / dtypes as numpy arrays and lazily
-opened mmaps, so a worker never touches JSON). :class:`Sources` puts several caches in one id
-space (``id = offset[source] + row``). :class:`PlanDataset` is the ``IterableDataset`` that
-DataLoader workers run: it rebuilds the epoch's plan from a :class:`loaders.batching.PlanSpec`,
-reads the position ``(epoch, start_step)`` from a small shared-memory tensor that the main process
-writes before every ``iter()`` (persistent workers never see attribute changes made after they
-started), and yields ``(step, batch)`` for the steps ``start + worker_id + k * num_workers``.
+unpickling, applies the filters, checks the requested fields, pins the shard files, and reads
+through a :class:`shards.ShardReader` (per-field byte offsets / shapes / dtypes / checksums as numpy
+arrays and lazily opened files, so a worker never touches JSON). :class:`Sources` puts several
+caches in one id space (``id = offset[source] + row``) and reads batches with
+:func:`loaders.read.read_batch` (one copy from the page cache into the batch tensors; damaged
+samples stop the loader or, within ``skip_corrupt``, are left out). :class:`PlanDataset` is the
+``IterableDataset`` that DataLoader workers run: it rebuilds the epoch's plan from a
+:class:`loaders.batching.PlanSpec`, reads the position ``(epoch, start_step)`` from a small
+shared-memory tensor that the main process writes before every ``iter()`` (persistent workers never
+see attribute changes made after they started), and yields ``(step, batch)`` for the steps
+``start + worker_id + k * num_workers``.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -22,16 +26,24 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards import CacheManifest, ShardReader, read_index, value_checks_from_manifest
+from shards import CacheManifest, ShardCorrupt, ShardReader, read_index, value_checks_from_manifest
 from shards import fields as registry
+from shards.kinds import BatchContext
 from shards.reader import refuse_unsafe
 from shards.storage import is_url
 
 from .batching import PlanSpec
-from .collate import FIELDS, TEXT_PAD_ID, check_fields, collate_views
+from .collate import FIELDS, TEXT_PAD_ID, check_fields
 from .order import filter_rows
+from .host import HostArena
+from .read import CHECKS, Staging, read_batch
 from .remote import RemoteCache
 from .shm import SlotArena
+
+log = logging.getLogger("loaders")
+#: batch key under which a batch carries the messages of the samples skipped while reading it
+#: (``skip_corrupt``); :class:`loaders.ShardLoader` removes it before the batch is handed out
+SKIPPED = "__skipped__"
 
 def cache_fields(table: pa.Table) -> tuple[str, ...]:
     """The fields (of :data:`loaders.FIELDS`, extra waveforms and fields added with ``precompute
@@ -56,13 +68,15 @@ class CacheSource:
     ``shard_of`` int32 (shards numbered in sorted name order); ``frames`` int64 codes frames;
     ``sample_rate`` int64; ``has_image`` bool; ``default_shapes`` field -> the most common shape of
     the fields whose kind pads a batch without them to one (latents: a batch without any image);
-    ``reader`` the :class:`shards.ShardReader` of the kept rows
-    (index arrays, mmaps, :meth:`views`).
+    ``reader`` the :class:`shards.ShardReader` of the kept rows (index arrays, files).
 
-    ``verify_reads``: check each sample's sha256 as it is read (about 86 us per 146 KB sample).
-    Reads always check that a shard did not shrink, that codes / ids lie in ``[0, codebook_size)``
-    / ``[0, vocab_size)`` and that latents are finite, raising :class:`shards.ShardCorrupt` naming
-    shard and key (:func:`shards.value_checks_from_manifest`).
+    Every read checks each member against the checksum the index recorded when it was written
+    (:mod:`shards.checksum`); members of caches written before checksums get their kind's value
+    checks instead (codes / ids in ``[0, codebook_size)`` / ``[0, vocab_size)``, floats finite:
+    :func:`shards.value_checks_from_manifest`), and this logs once that they are unchecked. The
+    shard files are pinned when the source is built (local caches): a shard replaced, resized or
+    deleted later stops the reads (:mod:`shards.files`). ``verify_reads``: also check each
+    sample's sha256 as it is read (opt-in; about 86 us per 146 KB sample).
 
     ``cache_dir`` may be a URL (``s3://...``, any fsspec protocol): then ``remote`` holds the
     :class:`loaders.remote.RemoteCache` keyword arguments (``rank``, ``local_dir``,
@@ -122,6 +136,12 @@ class CacheSource:
             self.remote.adopt([self.reader.files[i] for i in np.unique(self.row_files).tolist()], manifest)
         else:
             self.reader.check_files()
+            self.reader.pin_files(np.unique(self.row_files).tolist())  # replaced later: ShardCorrupt
+        unchecked = [f for f in self.fields if not self.reader.has_checksums(f)]
+        if unchecked:
+            log.warning("%s: %s of this cache have no checksums (written before shardcache recorded them): their "
+                        "reads are not checked against the bytes written, only their values; `shards verify --deep` "
+                        "then `shards reindex` records them", self.cache_dir, ", ".join(unchecked))
         self.reader.drop_index()  # workers get numpy arrays only
 
     def after_read(self) -> None:
@@ -156,12 +176,8 @@ class CacheSource:
             vals, counts = np.unique(shapes, axis=0, return_counts=True)
             self.default_shapes[name] = tuple(int(v) for v in vals[int(np.argmax(counts))])
 
-    def views(self, field: str, rows: np.ndarray) -> list[np.ndarray | None]:
-        """Numpy views (read-only, zero copy) of ``field`` for ``rows``; None where absent."""
-        return self.reader.views(field, rows)
-
     def close(self) -> None:
-        """Close the mmaps (views handed out earlier must not be used afterwards) and release the
+        """Close the files and maps (views handed out earlier must not be used afterwards) and release the
         local folder of a streamed cache."""
         self.reader.close()
         if self.remote is not None:
@@ -169,7 +185,13 @@ class CacheSource:
 
 
 class Sources:
-    """Several :class:`CacheSource` in one id space: ``id = offsets[i] + row`` of source ``i``."""
+    """Several :class:`CacheSource` in one id space: ``id = offsets[i] + row`` of source ``i``.
+
+    Settings the loader sets after construction: ``compact`` (keep the stored dtypes),
+    ``transform`` (applied to each batch), ``pin`` (allocate batches in page-locked memory when read
+    in the loader's own process), ``checks`` (:data:`loaders.read.CHECKS`), ``skip_corrupt``
+    (damaged samples this process may leave out of their batches before it raises).
+    """
 
     def __init__(self, sources: Sequence[CacheSource], names: Sequence[str] | None = None):
         self.sources = list(sources)
@@ -182,45 +204,61 @@ class Sources:
         for s in self.sources:  # the first source's shape wins
             for k, v in s.default_shapes.items():
                 self.default_shapes.setdefault(k, v)
-        self.compact = False  # collate_views(compact=...): int16 audio, float16 latents
+        self.compact = False  # int16 audio, float16 latents (widened on the device)
         self.transform = None  # applied to each collated batch (ShardLoader(transform=...))
         self.pad_id = self.sources[0].pad_id
+        self.pin = False
+        self.checks = "checksums"
+        self.skip_corrupt = 0
+        self.skipped = 0  # damaged samples left out in this process
+        self._staging = Staging()
+        self._arena: HostArena | None = None
+
+    def _host(self) -> HostArena:
+        """The reused host blocks of batches read in this process (pinned when ``pin``)."""
+        if self._arena is None or self._arena.pin != bool(self.pin):
+            self._arena = HostArena(pin=bool(self.pin))
+        return self._arena
 
     def read_batch(self, ids: np.ndarray, arena=None) -> dict[str, Any]:
-        """The collated batch (see :mod:`loaders.collate`) of sample ``ids`` (int64, global);
-        ``arena``: a worker's :class:`loaders.shm.SlotArena` to collate into."""
+        """The collated batch (see :mod:`loaders.collate`; read by :func:`loaders.read.read_batch`)
+        of sample ``ids`` (int64, global); ``arena``: a worker's :class:`loaders.shm.SlotArena` to
+        collate into. A damaged sample raises :class:`shards.ShardCorrupt` (naming shard, key and
+        member), or within ``skip_corrupt`` is left out: the batch is read again without it and
+        carries the messages under :data:`SKIPPED`."""
+        if self.checks not in CHECKS:
+            raise ValueError(f"checks={self.checks!r}: choose from {CHECKS}")
         ids = np.asarray(ids, dtype=np.int64)
-        if len(self.sources) == 1:
-            batch = self._read_one(self.sources[0], ids, arena)
-            return batch if self.transform is None else self.transform(batch)
         which = np.searchsorted(self.offsets, ids, side="right") - 1
-        keys: list[Any] = [None] * len(ids)
-        rates = np.zeros(len(ids), np.int64)
-        per_field: dict[str, list] = {f: [None] * len(ids) for f in self.fields}
-        for i in np.unique(which).tolist():
-            pos = np.flatnonzero(which == i)
-            src, rows = self.sources[i], ids[pos] - self.offsets[i]
-            for p, k in zip(pos.tolist(), src.keys.take(pa.array(rows)).to_pylist()):
-                keys[p] = k
-            rates[pos] = src.sample_rate[rows]
-            for f in self.fields:
-                for p, v in zip(pos.tolist(), src.views(f, rows)):
-                    per_field[f][p] = v
-        batch = collate_views(keys, rates, self.fields, default_shapes=self.default_shapes, compact=self.compact,
-                              pad_id=self.pad_id, arena=arena, **per_field)
-        del per_field
+        ctx = BatchContext(pad_id=int(self.pad_id), compact=bool(self.compact), default_shapes=self.default_shapes)
+        skipped: list[str] = []
+        while True:
+            groups = [(self.sources[i], np.flatnonzero(which == i), ids[which == i] - self.offsets[i])
+                      for i in np.unique(which).tolist()]
+            batch, problems = read_batch(groups, len(ids), self.fields, ctx, arena=arena or self._host(),
+                                         checks=self.checks, staging=self._staging)
+            if not problems:
+                break
+            if arena is not None:
+                arena.abandon()  # the slot of the incomplete batch is free again
+            for _, why in problems:
+                if self.skipped >= self.skip_corrupt:
+                    extra = (f" ({self.skipped} damaged sample(s) skipped before, skip_corrupt={self.skip_corrupt})"
+                             if self.skip_corrupt else " (skip_corrupt=N lets a run skip up to N damaged samples)")
+                    raise ShardCorrupt(why + extra)
+                self.skipped += 1
+                skipped.append(why)
+            keep = np.setdiff1d(np.arange(len(ids)), [p for p, _ in problems])
+            if not len(keep):
+                raise ShardCorrupt(f"every sample of a batch is damaged; the last: {problems[-1][1]}")
+            ids, which = ids[keep], which[keep]
         for i in np.unique(which).tolist():
             self.sources[i].after_read()
-        batch["source"] = [self.names[i] for i in which.tolist()]
-        return batch if self.transform is None else self.transform(batch)
-
-    def _read_one(self, src: CacheSource, rows: np.ndarray, arena=None) -> dict[str, Any]:
-        per_field = {f: src.views(f, rows) for f in self.fields}
-        batch = collate_views(src.keys.take(pa.array(rows)).to_pylist(), src.sample_rate[rows],
-                              self.fields, default_shapes=self.default_shapes, compact=self.compact,
-                              pad_id=self.pad_id, arena=arena, **per_field)
-        del per_field
-        src.after_read()
+        if len(self.sources) > 1:
+            batch["source"] = [self.names[i] for i in which.tolist()]
+        batch = batch if self.transform is None else self.transform(batch)
+        if skipped:
+            batch[SKIPPED] = skipped
         return batch
 
     def close(self) -> None:

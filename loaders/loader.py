@@ -32,6 +32,7 @@ child cannot use CUDA. ``num_workers=None`` picks ``min(8, cpus // LOCAL_WORLD_S
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -42,15 +43,18 @@ from torch.utils.data import DataLoader
 
 from shardcache.workers import auto_workers
 from shards.index import read_cache_id
+from shards import ShardCorrupt
 
 from .batching import PlanSpec
 from .collate import check_fields
-from .dataset import CacheSource, PlanDataset, Sources
+from .dataset import SKIPPED, CacheSource, PlanDataset, Sources
+from .read import CHECKS
 from .order import ShardOrder
 from .remote import DEFAULT_CACHE_LIMIT, Prefetcher, file_uses
 from .shm import SlotBatch, SlotReceiver, new_flags
 
 STATE_KEYS = ("epoch", "cursor", "seed", "world_size", "global_batch_size")
+log = logging.getLogger("loaders")
 
 
 def _identity(x):
@@ -103,8 +107,16 @@ class ShardLoader:
         compact: deliver ``audio`` as int16 PCM and latents as float16 (the cache's dtypes) instead
             of float32: half the bytes to copy and to move to the GPU; convert there
             (``audio * loaders.AUDIO_SCALE``, ``latents.float()``). Default False.
-        verify_reads: check every sample's sha256 against the index as it is read (opt-in; shrunk
-            shards, out-of-range codes/ids and non-finite latents are always caught).
+        verify_reads: also check every sample's sha256 against the index as it is read (opt-in).
+        checks: what every read checks: ``"checksums"`` (default: each member's XXH3-64 against the
+            index, :mod:`shards.checksum`; members of caches written before checksums get their
+            kind's value checks: codes/ids in range, floats finite), ``"values"`` (the value checks
+            only), ``"none"`` (nothing; for benchmarks). A shard replaced, resized or deleted under
+            the loader, or a member past the end of its file, is always caught.
+        skip_corrupt: damaged samples (checksum mismatch, truncated member, bad value) the loader
+            may leave out of their batch (logged, named; the batch is one sample shorter) before
+            it raises :class:`shards.ShardCorrupt`; default 0: the first one stops it. Counted
+            over the loader's life (all workers together).
         storage_options: a remote cache's fsspec options (credentials, ``client_kwargs.endpoint_url``
             ...); default: the store's usual environment/config (:mod:`shards.storage`).
         local_dir: a remote cache's local folder (default ``$SHARDCACHE_LOCAL_CACHE`` or
@@ -135,7 +147,8 @@ class ShardLoader:
                  persistent_workers: bool | None = None, multiprocessing_context: Any = None,
                  timeout: float = 0.0, compact: bool = False, verify_reads: bool = False,
                  storage_options: dict | None = None, local_dir: str | None = None,
-                 cache_limit: int | None = None, remote_retries: int = 10, transform: Callable | None = None):
+                 cache_limit: int | None = None, remote_retries: int = 10, transform: Callable | None = None,
+                 checks: str = "checksums", skip_corrupt: int = 0):
         fields = None if fields is None else check_fields(fields)
         remote = dict(rank=int(global_rank), local_dir=local_dir, storage_options=storage_options,
                       retries=remote_retries)
@@ -147,7 +160,7 @@ class ShardLoader:
                     prefetch_factor=prefetch_factor, bucket_window=bucket_window,
                     persistent_workers=persistent_workers,
                     multiprocessing_context=multiprocessing_context, timeout=timeout, compact=compact,
-                    cache_limit=cache_limit, transform=transform)
+                    cache_limit=cache_limit, transform=transform, checks=checks, skip_corrupt=skip_corrupt)
 
     # -- construction shared with MixedLoader ----------------------------------------------------
     def _setup(self, sources: Sources, order_fn: Callable[[int], np.ndarray], batch_size: int, *,
@@ -155,9 +168,17 @@ class ShardLoader:
                drop_remainder: bool, max_frames: int | None, device_pin, prefetch_factor: int,
                bucket_window: int | None, persistent_workers: bool | None,
                multiprocessing_context, timeout: float, compact: bool = False,
-               cache_limit: int | None = None, transform: Callable | None = None) -> None:
+               cache_limit: int | None = None, transform: Callable | None = None, checks: str = "checksums",
+               skip_corrupt: int = 0) -> None:
         sources.compact = bool(compact)
         sources.transform = transform
+        if checks not in CHECKS:
+            raise ValueError(f"checks={checks!r}: choose from {CHECKS}")
+        if int(skip_corrupt) < 0:
+            raise ValueError(f"skip_corrupt must be >= 0, got {skip_corrupt}")
+        sources.checks, sources.skip_corrupt = checks, int(skip_corrupt)
+        self.skip_corrupt = int(skip_corrupt)
+        self.skipped: list[str] = []  # messages of the damaged samples left out (all workers)
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if int(world_size) < 1 or not 0 <= int(global_rank) < int(world_size):
@@ -186,6 +207,7 @@ class ShardLoader:
         if device_pin is None:
             device_pin = torch.cuda.is_available()
         self.pin_memory = bool(device_pin)
+        sources.pin = self.pin_memory and self.num_workers == 0  # read straight into pinned memory
         self._dl_kwargs = dict(
             prefetch_factor=int(prefetch_factor),
             persistent_workers=True if persistent_workers is None else bool(persistent_workers),
@@ -329,6 +351,7 @@ class ShardLoader:
             pending[step] = batch.unpack() if isinstance(batch, SlotBatch) else batch
             while expected in pending:
                 out = pending.pop(expected)
+                self._count_skipped(out.pop(SKIPPED, None))
                 self._cursor = int(plan.cursors[expected + 1])
                 expected += 1
                 if self.prefetcher is not None:
@@ -340,6 +363,16 @@ class ShardLoader:
         if expected != plan.n_steps:
             raise RuntimeError(f"rank {self.global_rank}: received steps up to {expected} of {plan.n_steps} "
                                f"in epoch {self.epoch} (missing {sorted(pending)[:5]}...); a worker lost batches")
+
+    def _count_skipped(self, skipped: list[str] | None) -> None:
+        """Log the samples a worker left out of a batch; over ``skip_corrupt`` in all: ShardCorrupt."""
+        for why in skipped or ():
+            self.skipped.append(why)
+            log.warning("skipped a damaged sample (%d of skip_corrupt=%d): %s", len(self.skipped),
+                        self.skip_corrupt, why)
+            if len(self.skipped) > self.skip_corrupt:
+                raise ShardCorrupt(f"{why} ({len(self.skipped)} damaged samples, more than skip_corrupt="
+                                   f"{self.skip_corrupt})")
 
     def _dataloader(self) -> DataLoader:
         if self._dl is None:

@@ -203,7 +203,7 @@ class Prefetcher(threading.Thread):
         self._uses: dict[tuple[int, str], np.ndarray] = {}  # file -> the steps of the epoch reading it
         self._heap: list = []  # (next use, file) of files not held (lazy: see _next)
         self._consumed = 0
-        self._stop = False
+        self._stopping = False
         self._warned = False
         self.error: BaseException | None = None
         self.stats = {"downloads": 0, "bytes": 0, "evictions": 0, "peak_bytes": self._held(), "over_limit": 0}
@@ -219,7 +219,7 @@ class Prefetcher(threading.Thread):
             for f in uses:
                 self._push(f)
             self._cond.notify_all()
-        if not self.is_alive() and not self._stop:
+        if not self.is_alive() and not self._stopping:
             self.start()
 
     def advance(self, step: int) -> None:
@@ -234,7 +234,7 @@ class Prefetcher(threading.Thread):
 
     def stop(self) -> None:
         with self._cond:
-            self._stop = True
+            self._stopping = True
             self._cond.notify_all()
 
     # -- the thread -------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ class Prefetcher(threading.Thread):
         try:
             while True:
                 with self._cond:
-                    if self._stop:
+                    if self._stopping:
                         return
                     if self._failed is not None:
                         raise self._failed

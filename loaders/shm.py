@@ -63,14 +63,14 @@ def layout_bytes(layout) -> tuple[list[int], int]:
     offsets, total = [], 0
     for _, shape, dtype in layout:
         offsets.append(total)
-        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         total += -(-n // ALIGN) * ALIGN
     return offsets, max(total, ALIGN)
 
 
 def view(storage: torch.UntypedStorage, byte_offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous tensor of ``shape``/``dtype`` at ``byte_offset`` of ``storage`` (shares it)."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     stride, acc = [], 1
     for d in reversed(shape):
         stride.append(acc)
@@ -119,7 +119,8 @@ class SlotArena:
 
     ``allocate(layout)`` returns the tensors of a batch as views of a free slot (or of a one-off
     shared block when every slot is busy); ``seal(batch)`` turns the collated batch into the message
-    to send (a :class:`SlotBatch`, or the batch itself after a one-off allocation).
+    to send (a :class:`SlotBatch`, or the batch itself after a one-off allocation); ``abandon()``
+    frees the slot of a batch that will not be sent.
     """
 
     def __init__(self, flags: torch.Tensor, worker: int, receiver: int):
@@ -166,6 +167,15 @@ class SlotArena:
         row[k] = token
         self._current = (k, token, nbytes)
         return k
+
+    def abandon(self) -> None:
+        """Free the slot of the batch being collated: it will not be sent (a damaged sample was
+        found; the batch is read again without it)."""
+        if self._current is not None:
+            k, token, _ = self._current
+            if int(self.flags[self.worker, k]) == token:
+                self.flags[self.worker, k] = 0
+            self._current = None
 
     def seal(self, batch: dict[str, Any]) -> SlotBatch | dict[str, Any]:
         if self._current is None:

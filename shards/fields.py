@@ -200,7 +200,7 @@ def _load_plugins() -> None:
     """Import the modules of ``$SHARDCACHE_PLUGINS`` once (thread-safe: a thread that looks a name
     up while another imports them waits, instead of seeing the field missing)."""
     global _plugins_loaded
-    with _plugins_lock:
+    with _plugins_lock:  # threads (shards verify checks shards in a pool) wait for the import
         if _plugins_loaded:
             return
         try:

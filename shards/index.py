@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import fields, schema
+from .checksum import COLUMN as CHECKSUM
 from .errors import ShardCorrupt, UnsafePath
 from .manifest import CacheManifest, read_manifest
 from .schema import INDEX_FILE, PARTS_DIR, REJECTS_FILE
@@ -50,10 +51,13 @@ from .schema import INDEX_FILE, PARTS_DIR, REJECTS_FILE
 #: ``member``: for an array packed in a container member (format 3: ``tensors.npz``, see
 #: :mod:`shards.npz`), that member's name; null for an entry that is a tar member itself. Indexes
 #: written before packing have no ``member``: it reads as null.
+#: ``xxh3``: XXH3-64 of the bytes the entry locates (:mod:`shards.checksum`), checked on every read;
+#: indexes written before it have none: it reads as null (unchecked). Readers that predate it
+#: ignore the field, so it needs no new format version.
 MEMBER_TYPE = pa.struct([
     ("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64()),
     ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("file", pa.string()),
-    ("member", pa.string()),
+    ("member", pa.string()), (CHECKSUM, pa.uint64()),
 ])
 _ARROW_TYPES = {"int32": pa.int32(), "int64": pa.int64(), "bool": pa.bool_(), "float64": pa.float64(),
                 "string": pa.string()}

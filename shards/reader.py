@@ -1,10 +1,11 @@
-"""Random access to cached samples: the index as numpy arrays, each shard mmapped once.
+"""Random access to cached samples: the index as numpy arrays, the shards mapped or read with pread.
 
 No tar header and no ``.npy`` header is parsed at read time, and nothing is ever unpickled: the
-index records where each array's raw bytes sit, and :class:`ShardReader` returns ``np.frombuffer``
-views of the memory-mapped tar (zero copy; the collate step does the one copy into batch tensors).
-Both the ``shards`` CLI (per sample, :meth:`ShardReader.get`) and :mod:`loaders` (per batch,
-:meth:`ShardReader.views`) read through this module.
+index records where each array's raw bytes sit (and their XXH3-64, :mod:`shards.checksum`).
+:class:`ShardReader` returns ``np.frombuffer`` views of the memory-mapped tar (:meth:`~ShardReader.get`
+per sample, used by the ``shards`` CLI; :meth:`~ShardReader.views` per field), or copies a batch's
+members straight into the caller's buffers with ``preadv`` (:meth:`~ShardReader.read_into`, what
+:mod:`loaders` use: :mod:`shards.readinto`).
 
 Offsets: an index member's ``offset``/``size`` locate the raw array payload AFTER the ``.npy``
 header (see :mod:`shards.index`), so an array is
@@ -12,11 +13,13 @@ header (see :mod:`shards.index`), so an array is
 
 Safety: every shard name of the index goes through :func:`shards.index.safe_shard_path` at
 construction (and again when the shard is opened), ``manifest.json``'s ``format_version`` through
-:func:`shards.manifest.check_format_version`. While reading, a shard that shrank since it was mapped
-raises :class:`ShardCorrupt` instead of killing the process with SIGBUS (checked once per shard per
-:meth:`~ShardReader.views` call; a truncation racing the copy of the returned views can still
-fault), optional ``value_checks`` refuse out-of-range codes and non-finite latents, and optional
-``verify_reads`` recomputes each sample's sha256.
+:func:`shards.manifest.check_format_version`. Every member read is checked against its checksum
+(``checksums=True``, the default). :meth:`~ShardReader.read_into` maps nothing: a shard truncated
+or replaced under it is a :class:`ShardCorrupt` naming shard, key and member, never a SIGBUS
+(:mod:`shards.files`). Through the maps, a shard that shrank since it was mapped raises
+:class:`ShardCorrupt` (checked once per shard per :meth:`~ShardReader.views` call; a truncation
+racing the copy of the returned views can still fault). Optional ``value_checks`` refuse
+out-of-range codes and non-finite latents, optional ``verify_reads`` recomputes each sample's sha256.
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import fields, schema  # noqa: F401
+from .checksum import ALGORITHM, COLUMN as CHECKSUM, checksum
 from .errors import ShardCorrupt, UnsafeMember
+from .files import ShardFiles
 from .kinds import value_problem
 from .manifest import CacheManifest
 from .manifest import check_format_version, read_manifest
@@ -113,7 +118,8 @@ class FieldArrays:
 
     ``off`` int64 byte offset (-1 where the row has no such member); ``shape`` int64 ``(n, ndim)``
     (zeros where absent); ``count`` int64 elements; ``present`` bool; ``code`` int8 index into
-    ``dtypes`` (the distinct numpy dtypes the member is stored with).
+    ``dtypes`` (the distinct numpy dtypes the member is stored with); ``xxh3`` uint64 the member's
+    checksum (:mod:`shards.checksum`) where ``has_sum`` (bool) says the index records one.
     """
     off: np.ndarray
     shape: np.ndarray
@@ -122,6 +128,8 @@ class FieldArrays:
     code: np.ndarray
     dtypes: list
     file: np.ndarray | None = None  #: int32 file number per row (main shard or sidecar tar)
+    xxh3: np.ndarray | None = None
+    has_sum: np.ndarray | None = None
 
 
 class ShardReader:
@@ -148,9 +156,16 @@ class ShardReader:
             previous call's are not hashed again, so reading several fields of one batch hashes each
             sample once). Mismatch: :class:`ShardCorrupt`. Hashes every member of the sample, read
             or not.
+        checksums: check every member read (:meth:`get`, :meth:`views`, :meth:`read_into`) against
+            the XXH3-64 its index entry records (:mod:`shards.checksum`; written by every writer
+            since they exist; entries without one are read unchecked). Mismatch:
+            :class:`ShardCorrupt` naming shard, key and member. Default True.
 
     Offsets: member ``offset``/``size`` in the index locate the raw array payload after the
-    ``.npy`` header; arrays are ``np.frombuffer(mmap, dtype, count, offset).reshape(shape)``.
+    ``.npy`` header; arrays are ``np.frombuffer(mmap, dtype, count, offset).reshape(shape)``
+    (:meth:`get`, :meth:`views`), or copied by ``preadv`` straight into a caller's buffers
+    (:meth:`read_into`, what the loaders use: no mapping, so a shard truncated under the reader is
+    a :class:`ShardCorrupt`, never a SIGBUS).
 
     Attributes: ``index`` (the table), ``keys`` (list of str, built on first use), ``key_array``
     (Arrow strings), ``shard_names`` (sorted), ``shard_of`` int32 ``(n,)`` shard number per row,
@@ -174,7 +189,7 @@ class ShardReader:
     def __init__(self, cache_dir: str | Path, index: pa.Table | None = None, *,
                  shard_names: list[str] | None = None, manifest: dict[str, Any] | None = None,
                  value_checks: dict[str, Any] | None = None, verify_reads: bool = False,
-                 await_file: Any = None):
+                 await_file: Any = None, checksums: bool = True):
         self.cache_dir = Path(cache_dir)
         self.await_file = await_file
         if manifest is None:
@@ -183,6 +198,7 @@ class ShardReader:
         self.format_version = check_format_version(manifest, self.cache_dir)
         self.value_checks = _normalise_checks(value_checks)
         self.verify_reads = bool(verify_reads)
+        self.checksums = bool(checksums)
         self.index = read_index(self.cache_dir) if index is None else index
         refuse_unsafe(self.index, self.cache_dir)
         self.n = self.index.num_rows
@@ -199,6 +215,7 @@ class ShardReader:
         side = pc.unique(pc.drop_null(self.index.column("members").combine_chunks().flatten().field("file")))
         self.files: list[str] = self.shard_names + sorted(set(side.to_pylist()) - set(self.shard_names))
         self._paths = [safe_shard_path(self.cache_dir, name) for name in self.files]
+        self.io = ShardFiles(self._paths, await_file)  # pread descriptors (read_into)
         self._fields: dict[str, FieldArrays] = {}
         self._keys: list[str] | None = None
         self._rows: list | None = None  # per-sample member lists for get(), built on first use
@@ -313,7 +330,12 @@ class ShardReader:
         if (fn >= 0).any():  # a sidecar field: its rows read from their sidecar tar
             file = self.shard_of.copy()
             file[rows[fn >= 0]] = fn[fn >= 0]
-        fa = self._fields[field] = FieldArrays(off, shape, count, present, code, dtypes, file)
+        xxh3, has_sum = np.zeros(self.n, dtype=np.uint64), np.zeros(self.n, dtype=bool)
+        if CHECKSUM in {t.name for t in flat.type}:  # indexes written before checksums: none
+            sums = flat.field(CHECKSUM).take(pa.array(sel))
+            has_sum[rows] = sums.is_valid().to_numpy(zero_copy_only=False)
+            xxh3[rows] = pc.fill_null(sums, 0).to_numpy(zero_copy_only=False).astype(np.uint64)
+        fa = self._fields[field] = FieldArrays(off, shape, count, present, code, dtypes, file, xxh3, has_sum)
         return fa
 
     # -- reading ------------------------------------------------------------------------------
@@ -383,6 +405,11 @@ class ShardReader:
                 raise ShardCorrupt(f"{self._where(r, s)} member {field}.npy lies past the end of the file "
                                    f"({len(mm)} bytes when mapped; truncated shard?); run `shards verify`")
             out.append(np.frombuffer(mm, dtype=dtypes[d], count=c, offset=o).reshape(shp))
+        if self.checksums:
+            sums, has = fa.xxh3[rows].tolist(), fa.has_sum[rows].tolist()
+            for r, a, want, h, s in zip(row_list, out, sums, has, shards):
+                if h and a is not None:
+                    self._check_sum(checksum(a), want, r, s, field + ".npy")
         if self.verify_reads and not (self._last_verified is not None
                                       and np.array_equal(self._last_verified, rows)):
             self.verify_rows(rows)
@@ -391,6 +418,31 @@ class ShardReader:
         if spec is not None:
             self._check_values(field, spec, row_list, out)
         return out
+
+    def _check_sum(self, got: int, want: int, row: int, file: int, member: str) -> None:
+        if got != want:
+            raise ShardCorrupt(f"{self._paths[file]}: sample {self.key_array[row].as_py()!r} member {member}: checksum "
+                               f"mismatch ({ALGORITHM} of the bytes read {got:016x}, recorded in the index when the "
+                               f"cache was written {want:016x}): the bytes changed since; run `shards verify --deep`")
+
+    def read_into(self, rows: np.ndarray, plans, checksums: bool | None = None) -> list[tuple[int, str]]:
+        """Copy the members of index ``rows`` straight from the shard files into batch buffers with
+        ``preadv`` and check their checksums (default: :attr:`checksums`); returns ``[(position,
+        message)]`` of the damaged samples. See :func:`shards.readinto.read_into`."""
+        from .readinto import read_into
+        return read_into(self, rows, plans, self.checksums if checksums is None else checksums)
+
+    def pin_files(self, which=None) -> None:
+        """Record the identity (device, inode, size) of files ``which`` (file numbers; default all)
+        now: :meth:`read_into` then stops with :class:`ShardCorrupt` when one is replaced, resized or
+        deleted (see :mod:`shards.files`)."""
+        self.io.pin(range(len(self.files)) if which is None else which)
+
+    def has_checksums(self, field: str, rows=None) -> bool:
+        """Whether every present member of ``field`` (at ``rows``; default all) has a checksum."""
+        fa = self._fields.get(field) or self.field(field)
+        sel = slice(None) if rows is None else np.asarray(rows)
+        return bool((fa.has_sum[sel] | ~fa.present[sel]).all())
 
     def _check_values(self, field: str, spec: tuple, rows: list[int], arrays: list) -> None:
         """Raise :class:`ShardCorrupt` naming shard and key for the first array breaking ``spec``
@@ -416,6 +468,11 @@ class ShardReader:
             if off < 0 or size < 0 or off + size > len(mm):
                 raise ShardCorrupt(f"{self._where(i)} member {name} lies past the end of the file "
                                    "(truncated shard?)")
+            want = m.get(CHECKSUM) if self.checksums and m["dtype"] != "npz" else None  # npz: its arrays
+            if want is not None:
+                f = self.files.index(m["file"]) if m.get("file") else int(self.shard_of[i])
+                with memoryview(mm) as v, v[off:off + size] as part:
+                    self._check_sum(checksum(part), want, i, f, name)
             if name == JSON_MEMBER:
                 out["json"] = json.loads(mm[off:off + size])
             elif m["dtype"] == "npz":
@@ -523,8 +580,8 @@ class ShardReader:
     def close_stale(self) -> int:
         """Close the memory maps of files that were deleted or replaced since they were mapped (a
         streamed cache evicts files: closing their maps gives the disk space back; a later read
-        maps the file again). One ``stat`` per open map; returns how many were closed."""
-        n = 0
+        maps the file again). One ``stat`` per open map or file; returns how many were closed."""
+        n = self.io.close_stale()
         for i, mm in enumerate(self._maps):
             if mm is None:
                 continue
@@ -543,7 +600,8 @@ class ShardReader:
         return n
 
     def close(self) -> None:
-        """Close every memory map (views returned earlier must not be used afterwards)."""
+        """Close every memory map (views returned earlier must not be used afterwards) and file."""
+        self.io.close()
         for i, mm in enumerate(self._maps):
             if mm is not None:
                 try:

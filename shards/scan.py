@@ -7,7 +7,8 @@ Index entries per sample: one per tar member (``json``; ``tensors.npz``, dtype `
 caches of format 1-2 one ``NAME.npy`` per array), plus, for a packed ``tensors.npz`` member, one
 entry per array it holds (``NAME.npy`` with the array payload's offset/size/dtype/shape and
 ``member="tensors.npz"``; see :mod:`shards.npz`). So an array is always found by ``NAME.npy``,
-whether it is a member of its own or packed.
+whether it is a member of its own or packed. Every entry carries the XXH3-64 checksum of the
+bytes it locates (:mod:`shards.checksum`): what every read checks.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 
+from .checksum import COLUMN as CHECKSUM, checksum
 from .errors import ShardCorrupt, UnsafeMember
 from . import fields, npz
 from .schema import JSON_MEMBER, PICKLE_EXTENSIONS
@@ -51,7 +53,8 @@ def _row(key: str, shard: str, members: dict[str, bytes], where: dict[str, tuple
                 meta = json.loads(data)
             except ValueError as e:
                 raise ShardCorrupt(f"{shard}: sample {key!r} has invalid JSON: {e}") from e
-            entries.append(dict(name=name, offset=offset, size=size, dtype="json", shape=[]))
+            entries.append(dict(name=name, offset=offset, size=size, dtype="json", shape=[],
+                                **{CHECKSUM: checksum(data)}))
         elif name.endswith(".npy"):
             try:
                 hlen, dtype, shape = npy_payload(data)
@@ -59,19 +62,21 @@ def _row(key: str, shard: str, members: dict[str, bytes], where: dict[str, tuple
                 raise ShardCorrupt(f"{shard}: sample {key!r} member {name}: {e}") from e
             shapes[name] = shape
             entries.append(dict(name=name, offset=offset + hlen, size=size - hlen, dtype=dtype,
-                                shape=list(shape)))
+                                shape=list(shape), **{CHECKSUM: checksum(memoryview(data)[hlen:])}))
         elif name == npz.MEMBER:  # the packed arrays: one entry for the member, one per array
             try:
                 inner = npz.entries(data)
             except ValueError as e:
                 raise ShardCorrupt(f"{shard}: sample {key!r} member {name}: {e}") from e
-            entries.append(dict(name=name, offset=offset, size=size, dtype="npz", shape=[]))
+            entries.append(dict(name=name, offset=offset, size=size, dtype="npz", shape=[],
+                                **{CHECKSUM: checksum(data)}))
             for array, off, n, dtype, shape in inner:
                 shapes[array + ".npy"] = shape
-                entries.append(dict(name=array + ".npy", offset=offset + off, size=n, dtype=dtype,
-                                    shape=list(shape), member=name))
+                entries.append(dict(name=array + ".npy", offset=offset + off, size=n, dtype=dtype, shape=list(shape),
+                                    member=name, **{CHECKSUM: checksum(memoryview(data)[off:off + n])}))
         else:
-            entries.append(dict(name=name, offset=offset, size=size, dtype="bytes", shape=[]))
+            entries.append(dict(name=name, offset=offset, size=size, dtype="bytes", shape=[],
+                                **{CHECKSUM: checksum(data)}))
     return dict(
         key=key,
         shard=shard,

@@ -95,6 +95,17 @@ def _check_added(cache: Path, before: dict[str, str]) -> None:
     r = ShardReader(cache)
     s = r.get(0)
     assert s["codes_mimi"].dtype == np.int16 and s["codes_mimi"].ndim == 2
+    # every sidecar member entry records the XXH3-64 of its bytes (computed here from the file)
+    import xxhash
+    sums = 0
+    for members in r.index.column("members").to_pylist():
+        for m in members:
+            if m.get("file"):
+                with open(cache / m["file"], "rb") as f:
+                    f.seek(m["offset"])
+                    assert m["xxh3"] == xxhash.xxh3_64_intdigest(f.read(m["size"])), m
+                sums += 1
+    assert sums >= 8  # the rows with audio (image-only rows have no codes_mimi)
     loader = ShardLoader(cache, 4, shuffle=False, num_workers=0, verify_reads=True)
     b = next(iter(loader))
     assert {"codes", "codes_mimi", "codes_mimi_lengths", "codes_mimi_mask"} <= set(b)

@@ -98,7 +98,7 @@ def test_add_field_adds_it_to_an_existing_cache(demo_cache, mel_cache, tmp_path)
 
 def test_verify_checks_its_values_with_its_kind(mel_cache, tmp_path):
     """A NaN written into a mel member: ``verify --deep`` names the sample and the field."""
-    from shards import ShardReader, read_index
+    from shards import ShardCorrupt, ShardReader, read_index
     cache = tmp_path / "c"
     shutil.copytree(mel_cache, cache)
     idx = read_index(cache).to_pylist()
@@ -113,7 +113,9 @@ def test_verify_checks_its_values_with_its_kind(mel_cache, tmp_path):
                        cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert v.returncode == 1
     assert row["key"] in v.stdout and "mel" in v.stdout and "non-finite" in v.stdout, v.stdout + v.stderr
-    assert ShardReader(cache).get(0)["mel"].dtype == np.float16
+    assert ShardReader(cache, checksums=False).get(0)["mel"].dtype == np.float16  # read as stored
+    with pytest.raises(ShardCorrupt, match=f"'{row['key']}' member mel.npy: checksum mismatch"):
+        ShardReader(cache).get(0)  # the member checksum (on by default) names the damaged member
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

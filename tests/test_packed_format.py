@@ -124,7 +124,9 @@ def test_verify_and_verify_reads_catch_a_flipped_byte_inside_the_packed_member(c
     data[m["offset"] + 1] ^= 0x01  # inside input_ids: still in range, so only a hash can tell
     path.write_bytes(bytes(data))
     with pytest.raises(ShardCorrupt, match="sha256 mismatch"):
-        ShardReader(cache, verify_reads=True).get(row)
+        ShardReader(cache, verify_reads=True, checksums=False).get(row)
+    with pytest.raises(ShardCorrupt, match="'s03' member input_ids.npy: checksum mismatch"):
+        ShardReader(cache).get(row)  # the member checksum, on by default
     capsys.readouterr()
     assert main(["verify", str(cache), "--deep"]) == 1
     assert "s03" in capsys.readouterr().out

@@ -68,6 +68,10 @@ class DataConfig:
     auto = on CUDA; on = also on CPU (takes the next batch early, no overlap: for tests); off = copy in the step."""
     seed: int = option(0, ge=0, le=2**63 - 1)
     """Seed of the data order and of the model init; rank r seeds its own RNGs with seed + r."""
+    skip_corrupt: int = option(0, ge=0, le=1_000_000)
+    """Damaged samples (a member whose bytes fail the checksum recorded when the cache was written, a truncated
+    shard) a rank may leave out of their batches, each logged with its shard, key and member, before training
+    stops with ShardCorrupt; 0 = stop at the first (loaders that accept skip_corrupt=)."""
 
 
 @dataclass

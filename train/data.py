@@ -230,6 +230,8 @@ def make_loader(cfg: TrainConfig, cache: str, batch_size: int, info: D.DistInfo,
     kwargs = dict(cfg.data.loader_kwargs)
     if cfg.data.compact_batches and "compact" not in kwargs and "compact" in inspect.signature(cls).parameters:
         kwargs["compact"] = True  # converted on the device by to_device
+    if cfg.data.skip_corrupt and "skip_corrupt" not in kwargs and _accepts(cls, "skip_corrupt"):
+        kwargs["skip_corrupt"] = cfg.data.skip_corrupt
     fields = resolve_fields(cfg, model, cache)
     if fields is not None:
         kwargs["fields"] = fields

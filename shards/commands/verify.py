@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import fields
+from ..checksum import COLUMN as CHECKSUM
 from ..errors import ShardcacheError, UnsafePath, UnsupportedFormat
 from ..index import rows_to_table
 from ..manifest import read_manifest
@@ -42,7 +43,7 @@ from ._common import (Out, UsageError, expand_targets, load_manifest, manifest_s
 #: scalar index fields re-derived by scan_shard and compared in deep mode
 ROW_FIELDS = ("duration_s", "sample_rate") + tuple(c.name for c in fields.INDEX_FIELD_COLUMNS) \
     + ("speaker", "bytes")  # derived from the field registry (shards.fields)
-MEMBER_FIELDS = ("offset", "size", "dtype", "shape", "member")
+MEMBER_FIELDS = ("offset", "size", "dtype", "shape", "member", CHECKSUM)
 _SAMPLE_IN_MESSAGE = re.compile(r"(?:sample '([^']+)'|member '([^'./]+)\.)")
 
 
@@ -137,6 +138,22 @@ def _scan_problem(shard: str, path: Path, e: Exception) -> Problem:
     return Problem(shard, sample, msg)
 
 
+def member_differences(indexed: dict, scanned: dict) -> list[str]:
+    """``"FIELD A in index, B"`` for each of :data:`MEMBER_FIELDS` where an index member entry and
+    the entry scanned from the tar differ (a checksum the index does not record is not compared:
+    indexes written before checksums)."""
+    out = []
+    for f in MEMBER_FIELDS:
+        va, vb = indexed.get(f), scanned.get(f)
+        if f == "shape":
+            va, vb = list(va or []), list(vb or [])
+        if f == CHECKSUM and va is None:
+            continue
+        if va != vb:
+            out.append(f"{f} {va} in index, {vb}")
+    return out
+
+
 def compare_rows(shard: str, scanned: list[dict], indexed: list[dict]) -> list[Problem]:
     """Differences between the rows scan_shard derived from a tar and the index rows of it."""
     probs: list[Problem] = []
@@ -161,12 +178,8 @@ def compare_rows(shard: str, scanned: list[dict], indexed: list[dict]) -> list[P
         if set(ma) != set(mb):
             probs.append(Problem(shard, k, f"members differ: index {sorted(ma)}, tar {sorted(mb)}"))
         for name in sorted(set(ma) & set(mb)):
-            for f in MEMBER_FIELDS:
-                va, vb = ma[name].get(f), mb[name].get(f)
-                if f == "shape":
-                    va, vb = list(va or []), list(vb or [])
-                if va != vb:
-                    probs.append(Problem(shard, k, f"member {name}: {f} {va} in index, {vb} in tar"))
+            probs.extend(Problem(shard, k, f"member {name}: {d} in tar")
+                         for d in member_differences(ma[name], mb[name]))
         for f in ROW_FIELDS:
             if a[f] != b[f]:
                 probs.append(Problem(shard, k, f"{f} {a[f]!r} in index, {b[f]!r} in tar"))
@@ -180,7 +193,9 @@ def decode_check(shard: str, directory: Path, table: pa.Table) -> list[Problem]:
     probs: list[Problem] = []
     try:  # manifest={}: the caller checked manifest.json (format version) once for the cache
         checks = value_checks_from_manifest(read_manifest(directory))  # {} without a manifest
-        reader = ShardReader(directory, index=table, manifest={}, value_checks=checks)
+        # checksums=False: every value is checked with its kind below, so the report says what is wrong
+        reader = ShardReader(directory, index=table, manifest={}, value_checks=checks,
+                             checksums=False)
     except (ShardcacheError, TypeError, ValueError) as e:
         return [_scan_problem(shard, directory / shard, e)]
     try:
@@ -323,12 +338,8 @@ def check_sidecar(path: Path, entry: dict, deep: bool,
             if r["key"] in idx:
                 probs.append(Problem(name, r["key"], f"{member} in the sidecar but not in index.parquet"))
             continue
-        for f in MEMBER_FIELDS:
-            va, vb = want.get(f), got[member].get(f)
-            if f == "shape":
-                va, vb = list(va or []), list(vb or [])
-            if va != vb:
-                probs.append(Problem(name, r["key"], f"member {member}: {f} {va} in index, {vb} in sidecar"))
+        probs.extend(Problem(name, r["key"], f"member {member}: {d} in sidecar")
+                     for d in member_differences(want, got[member]))
     return _dedupe(probs), len(rows)
 
 

@@ -1,0 +1,149 @@
+"""One copy: members of a batch's samples straight from the shard files into their place in the batch.
+
+:meth:`shards.ShardReader.read_into` (implemented here) takes, per field, the batch buffer and the
+*runs* its kind computed (:meth:`shards.kinds.FieldKind.runs`: which bytes of each sample's
+stored array go where in the padded batch tensor). It sorts every run of the batch by file and
+offset, merges neighbours into one ``os.preadv`` per stretch of a file (one buffer per run; the
+few hundred bytes of tar and zip headers between two members of a sample go to a scratch buffer,
+so a format-3 sample is usually one system call), and the kernel copies the bytes from the page
+cache into the batch tensors: no mapping, no page faults on the source, no intermediate array.
+Then each member is hashed where it landed, while it is still in cache, and compared with the
+XXH3-64 the index recorded when the cache was written (:mod:`shards.checksum`).
+
+Nothing here raises for a damaged sample: :func:`read_into` returns ``(position, message)`` for
+each sample whose bytes are not what the index says (checksum mismatch, file shorter than the
+member), the message naming the shard, the key and the member, so the loader can stop or skip it
+(its ``skip_corrupt`` budget). A shard replaced, resized or deleted under the reader raises
+:class:`~shards.errors.ShardCorrupt` at once (:meth:`shards.files.ShardFiles.check`).
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from .checksum import ALGORITHM, checksum, checksum_of_parts
+from .files import IOV_MAX, read_segments
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .reader import ShardReader
+
+#: bytes between two members (of one file) that one ``preadv`` reads through into a scratch buffer
+#: rather than issuing a second call: tar headers (512 B + padding), zip local headers, ``.npy``
+#: headers, small members that were not asked for
+READ_THROUGH = 4096
+_SCRATCH = memoryview(bytearray(READ_THROUGH))
+
+
+def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str, memoryview, tuple]],
+              checksums: bool = True) -> list[tuple[int, str]]:
+    """Copy members of index ``rows`` into batch buffers (see the module docstring).
+
+    Args:
+        reader: the :class:`~shards.ShardReader` whose index ``rows`` refers to.
+        rows: int64 ``(B,)`` index row of each batch position.
+        plans: per field ``(name, buf, (pos, src, dst, n))``: ``buf`` a writable flat byte
+            memoryview of the field's batch tensor (storage dtype); run ``r`` copies ``n[r]`` bytes
+            from byte ``src[r]`` of the stored array of ``rows[pos[r]]`` to byte ``dst[r]`` of
+            ``buf`` (int64 arrays; a kind's runs times the itemsize). A sample's runs of one field
+            must be in stored order and cover the whole array.
+        checksums: compare each member read with the index's checksum (members whose index
+            entry has none are not checked).
+
+    Returns ``[(position, message)]``, one per damaged sample (first problem), in batch order.
+    Raises :class:`~shards.errors.ShardCorrupt` when a shard was replaced, resized or deleted
+    since it was pinned (or is missing).
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    fas = [reader.field(name) for name, _, _ in plans]
+    parts = []
+    for i, ((name, buf, (pos, src, dst, n)), fa) in enumerate(zip(plans, fas)):
+        r = rows[pos]
+        f = (reader.shard_of if fa.file is None else fa.file)[r]
+        parts.append((f.astype(np.int64), fa.off[r], fa.off[r] + src, n, np.full(len(pos), i, np.int64), dst, pos))
+    if not parts:
+        return []
+    file, start, off, n, plan, dst, pos = (np.concatenate(c) for c in zip(*parts))
+    # by file and member, each member's runs together in stored order (a sample may come twice)
+    order = np.lexsort((off, plan * len(rows) + pos, start, file))
+    file, start, off, n = file[order], start[order], off[order], n[order]
+    plan, dst, pos = plan[order], dst[order], pos[order]
+    end = off + n
+    new = np.ones(len(off), dtype=bool)
+    if len(off) > 1:
+        gap = off[1:] - end[:-1]
+        new[1:] = (file[1:] != file[:-1]) | (gap < 0) | (gap > READ_THROUGH)
+    bufs = [p[1] for p in plans]
+    views = [bufs[p][d:d + k] for p, d, k in zip(plan.tolist(), dst.tolist(), n.tolist())]
+    where = _Where(reader, rows, plans)
+    for f in np.unique(file).tolist():  # one stat per file per batch: replaced or resized?
+        reader.io.check(f, lambda f=f: where.first_in(f, file, pos))
+    problems: dict[int, str] = {}
+    # members: each is a run of consecutive segments; hashed right after the preadv that completes
+    # it, while its bytes are still in the core's cache (a sample is ~0.4 MB, a batch many MB)
+    member = plan * len(rows) + pos
+    first = np.flatnonzero(np.r_[True, member[1:] != member[:-1]])
+    m_first, m_last = first.tolist(), (np.r_[first[1:], len(member)] - 1).tolist()
+    m_want = [int(fas[p].xxh3[rows[q]]) if checksums and fas[p].has_sum[rows[q]] else None
+              for p, q in zip(plan[first].tolist(), pos[first].tolist())]
+    mi = 0
+    starts = np.flatnonzero(new).tolist() + [len(off)]
+    offl, endl, filel = off.tolist(), end.tolist(), file.tolist()
+    for a, b in zip(starts[:-1], starts[1:]):
+        fd = reader.io.fd(filel[a], lambda f=filel[a]: where.first_in(f, file, pos))
+        j = a
+        while j < b:  # one preadv per stretch (fewer than IOV_MAX buffers)
+            iov, s, k = [], offl[j], j
+            while k < b and len(iov) < IOV_MAX - 1:
+                g = offl[k] - (endl[k - 1] if k > j else s)
+                if g:
+                    iov.append(_SCRATCH[:g])
+                iov.append(views[k])
+                k += 1
+            total = endl[k - 1] - s
+            got = read_segments(fd, s, iov, total)
+            if got < total:
+                size = os.fstat(fd).st_size
+                for m in range(j, k):
+                    if endl[m] > s + got and int(pos[m]) not in problems:
+                        problems[int(pos[m])] = where.short(int(plan[m]), int(pos[m]), size, int(start[m]))
+            while mi < len(m_first) and m_last[mi] < k:  # the members this read completed
+                want, f0, f1 = m_want[mi], m_first[mi], m_last[mi]
+                if want is not None and int(pos[f0]) not in problems:
+                    got_sum = checksum(views[f0]) if f0 == f1 else checksum_of_parts(views[f0:f1 + 1])
+                    if got_sum != want:
+                        problems[int(pos[f0])] = where.mismatch(int(plan[f0]), int(pos[f0]), got_sum, want)
+                mi += 1
+            j = k
+    return sorted(problems.items())
+
+
+class _Where:
+    """Messages naming the shard, the sample and the member (built only when needed)."""
+
+    def __init__(self, reader, rows, plans):
+        self.reader, self.rows, self.names = reader, rows, [p[0] for p in plans]
+
+    def _at(self, p: int, q: int) -> str:
+        row = int(self.rows[q])
+        fa = self.reader.field(self.names[p])
+        f = int(self.reader.shard_of[row] if fa.file is None else fa.file[row])
+        return f"{self.reader.io.paths[f]}: sample {self.reader.key_array[row].as_py()!r} member {self.names[p]}.npy"
+
+    def first_in(self, f: int, file: np.ndarray, pos: np.ndarray) -> str:
+        row = int(self.rows[int(pos[int(np.argmax(file == f))])])
+        return f"sample {self.reader.key_array[row].as_py()!r}"
+
+    def short(self, p: int, q: int, size: int, start: int) -> str:
+        return (f"{self._at(p, q)}: the member starts at byte {start} but the file is {size} bytes now "
+                "(truncated while being read?); run `shards verify`")
+
+    def mismatch(self, p: int, q: int, got: int, want: int) -> str:
+        return (f"{self._at(p, q)}: checksum mismatch ({ALGORITHM} of the bytes read {got:016x}, recorded "
+                f"in the index when the cache was written {want:016x}): the bytes changed since (disk or "
+                "memory fault, or the file was modified); run `shards verify --deep` and re-run precompute "
+                "for this shard")
+
+
+__all__ = ["read_into", "READ_THROUGH"]

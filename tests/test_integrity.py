@@ -1,0 +1,241 @@
+"""A cache is never silently wrong (issue 22): every member carries the XXH3-64 of its bytes from the
+moment it is written; every read checks it; a damaged sample stops the loader (or is left out,
+within a budget) naming shard, key and member; a shard truncated or replaced under a running loader
+is a ShardCorrupt naming shard and key, in the main process and in workers, never a signal."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import xxhash
+
+from loaders import ShardLoader, collate_fn
+from shards import ShardCorrupt, ShardReader, read_index
+from shards.schema import INDEX_FILE
+from test_train_support import REPO, base_env, make_cache, train_args
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> Path:
+    """24 samples in 3 shards, the format stage one writes (input_ids, labels, codes, audio, latents)."""
+    return make_cache(tmp_path_factory.mktemp("integrity") / "cache", n=N, n_shards=3)
+
+
+@pytest.fixture
+def cache(clean, tmp_path) -> Path:
+    out = Path(shutil.copytree(clean, tmp_path / "cache"))
+    for p in out.glob("shard-*.tar"):
+        p.chmod(0o644)
+    return out
+
+
+def entry(cache: Path, key: str, member: str) -> tuple[str, dict]:
+    """(shard name, index member entry) of ``key``'s ``member``."""
+    row = next(r for r in read_index(cache).to_pylist() if r["key"] == key)
+    return row["shard"], next(m for m in row["members"] if m["name"] == member)
+
+
+def flip_low_bit(cache: Path, key: str, member: str, index: int = 0) -> str:
+    """XOR 1 into element ``index`` of ``key``'s array ``member`` in place: a code stays a code in
+    [0, 1024), a float16 latent stays finite, a PCM sample stays a PCM sample. Returns the shard."""
+    shard, m = entry(cache, key, member)
+    item = np.dtype(m["dtype"]).itemsize
+    with open(cache / shard, "r+b") as f:
+        f.seek(m["offset"] + index * item)
+        b = bytearray(f.read(item))
+        b[0] ^= 1  # little-endian: the lowest bit of the value (of a float16's mantissa)
+        f.seek(m["offset"] + index * item)
+        f.write(bytes(b))
+    return shard
+
+
+def keys_of(batches) -> list[str]:
+    return [k for b in batches for k in b["keys"]]
+
+
+# ----------------------------------------------------------------------------- written with the data
+
+def test_every_member_entry_records_the_checksum_of_its_bytes(clean):
+    n = 0
+    for row in read_index(clean).to_pylist():
+        with open(clean / row["shard"], "rb") as f:
+            for m in row["members"]:
+                f.seek(m["offset"])
+                assert m["xxh3"] == xxhash.xxh3_64_intdigest(f.read(m["size"])), (row["key"], m["name"])
+                n += 1
+    assert n >= N * 5  # json, tensors.npz and its arrays, latents
+
+
+# ----------------------------------------------------------------------------- damaged values
+
+@pytest.mark.parametrize("member, workers", [("codes.npy", 0), ("latents.npy", 0), ("audio.npy", 0),
+                                             ("codes.npy", 2)])
+def test_a_flipped_bit_that_leaves_the_value_valid_stops_the_loader_naming_it(cache, member, workers):
+    key = "s0006"  # has latents (every third sample)
+    shard = flip_low_bit(cache, key, member, index=5)
+    # the changed value is still valid for its kind: only a checksum can tell
+    from shards.reader import value_checks_from_manifest, read_manifest
+    checks = value_checks_from_manifest(read_manifest(cache))
+    ShardReader(cache, value_checks=checks, checksums=False).get(int(ShardReader(cache).keys.index(key)))
+    ld = ShardLoader(cache, 4, num_workers=workers, seed=1)
+    with pytest.raises(ShardCorrupt) as e:
+        list(ld)
+    ld.close()
+    msg = str(e.value)
+    assert f"{shard}: sample '{key}' member {member}: checksum mismatch" in msg, msg
+
+
+def test_value_checks_alone_miss_it(cache):
+    """What every read checked before checksums: the epoch goes by with the changed code."""
+    flip_low_bit(cache, "s0003", "codes.npy")
+    ld = ShardLoader(cache, 4, seed=1, checks="values")
+    assert sorted(keys_of(ld)) == [f"s{i:04d}" for i in range(N)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_corrupt_leaves_damaged_samples_out_within_its_budget(cache, workers, caplog):
+    bad = {"s0004", "s0017"}
+    for k in bad:
+        flip_low_bit(cache, k, "audio.npy", index=100)
+    ref = ShardLoader(cache, 4, seed=2, checks="none")
+    want = keys_of(ref)
+    ld = ShardLoader(cache, 4, seed=2, num_workers=workers, skip_corrupt=2)
+    with caplog.at_level(logging.WARNING, logger="loaders"):
+        got = list(ld)
+    ld.close()
+    assert keys_of(got) == [k for k in want if k not in bad]  # the same order, less the damaged
+    assert sorted(len(b["keys"]) for b in got)[:2] == [3, 3] and all("__skipped__" not in b for b in got)
+    assert len(ld.skipped) == 2 and all(any(f"'{k}' member audio.npy" in s for s in ld.skipped) for k in bad)
+    assert sum("skipped a damaged sample" in r.getMessage() for r in caplog.records) == 2
+    reader = ShardReader(cache, checksums=False)  # a shortened batch is still the collated batch
+    short = next(b for b in got if len(b["keys"]) == 3)
+    ref_b = collate_fn([reader.get(reader.keys.index(k)) for k in short["keys"]])
+    assert all(torch.equal(ref_b[k], short[k]) for k in ref_b if isinstance(ref_b[k], torch.Tensor))
+    over = ShardLoader(cache, 4, seed=2, num_workers=workers, skip_corrupt=1)
+    with pytest.raises(ShardCorrupt, match="skip_corrupt=1"):
+        list(over)
+    over.close()
+
+
+# ----------------------------------------------------------------------------- files changing underneath
+
+TRUNCATE_RUNS = """
+import os, shutil, sys
+import numpy as np
+from shards import ShardCorrupt
+from loaders import ShardLoader
+clean, work, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = np.random.default_rng(0)
+for run in range(runs):
+    cache = os.path.join(work, f"c{run}")
+    shutil.copytree(clean, cache)
+    shards = sorted(os.path.join(cache, p) for p in os.listdir(cache) if p.endswith(".tar"))
+    loader = ShardLoader(cache, batch_size=2, num_workers=2, persistent_workers=True, prefetch_factor=2, seed=run)
+    it = iter(loader)
+    next(it)
+    for p in shards:  # every shard shrinks mid-epoch, while the workers read ahead
+        os.truncate(p, int(rng.integers(0, os.path.getsize(p))))
+    try:
+        n = sum(1 for _ in it)
+        print("NOT CAUGHT", n, flush=True)
+    except ShardCorrupt as e:
+        print("CAUGHT", str(e).strip().splitlines()[-1], flush=True)  # a worker's: its last line
+    loader.close()
+    shutil.rmtree(cache)
+"""
+
+
+def test_shards_truncated_mid_epoch_under_two_workers_20_times_never_a_signal(clean, tmp_path):
+    """Before: a worker died of "Bus error" in 7 of 17 such runs, naming nothing."""
+    env = dict(base_env(), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", TRUNCATE_RUNS, str(clean), str(tmp_path), "20"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])  # -7: SIGBUS
+    lines = r.stdout.splitlines()
+    assert len(lines) == 20 and all(x.startswith("CAUGHT") for x in lines), r.stdout
+    assert all(".tar: sample 's" in x for x in lines), r.stdout  # the shard and the key
+
+
+def test_a_truncation_racing_the_read_is_a_short_read_naming_the_member(cache, monkeypatch):
+    """The window the per-batch check cannot close: the file shrinks after it was checked."""
+    from shards.files import ShardFiles
+    ld = ShardLoader(cache, 4, shuffle=False)
+    it = iter(ld)
+    next(it)
+    monkeypatch.setattr(ShardFiles, "check", lambda self, i, where: None)  # as if it shrank right after
+    os.truncate(cache / "shard-r0000-000000.tar", 20000)
+    with pytest.raises(ShardCorrupt, match=r"shard-r0000-000000.tar: sample 's000\d' member \w+\.npy: the member "
+                                           r"starts at byte \d+ but the file is 20000 bytes now"):
+        list(it)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_cache_rewritten_in_place_under_a_running_loader_stops_it(cache, tmp_path, workers):
+    """Before: 7 batches of misaligned audio, then a ShardCorrupt. Every batch delivered must be the
+    old cache's; then the loader stops naming the replaced shard."""
+    old = Path(shutil.copytree(cache, tmp_path / "old"))
+    ld = ShardLoader(cache, 2, num_workers=workers, seed=4, prefetch_factor=1)
+    it = iter(ld)
+    got = [next(it)]
+    make_cache(cache, n=N, n_shards=3, seed=99)  # precompute again into the same folder
+    with pytest.raises(ShardCorrupt, match=r"shard-r0000-00000\d.tar: sample 's\d+': the shard changed since "
+                                           r"this loader read the index: it is another file now"):
+        for b in it:
+            got.append(b)
+    ld.close()
+    reader = ShardReader(old)
+    for b in got:
+        ref = collate_fn([reader.get(reader.keys.index(k)) for k in b["keys"]])
+        assert torch.equal(ref["audio"], b["audio"]) and torch.equal(ref["codes"], b["codes"])
+
+
+# ----------------------------------------------------------------------------- older caches
+
+def test_a_cache_without_checksums_reads_unchecked_says_so_and_still_checks_values(cache, caplog):
+    t = read_index(cache)
+    members = t.column("members").to_pylist()
+    for ms in members:
+        for m in ms:
+            m["xxh3"] = None
+    t = t.set_column(t.schema.get_field_index("members"), t.schema.field("members"),
+                     pa.array(members, t.schema.field("members").type))
+    pq.write_table(t, cache / INDEX_FILE)
+    with caplog.at_level(logging.WARNING, logger="loaders"):
+        ld = ShardLoader(cache, 4, seed=3, compact=True)
+    assert any("have no checksums" in r.getMessage() for r in caplog.records)
+    assert sorted(keys_of(ld)) == [f"s{i:04d}" for i in range(N)]
+    shard, m = entry(cache, "s0008", "codes.npy")
+    with open(cache / shard, "r+b") as f:
+        f.seek(m["offset"])
+        f.write(np.array([2000], np.int16).tobytes())  # beyond codebook_size 1024
+    with pytest.raises(ShardCorrupt, match=r"sample 's0008': codes value 2000 outside \[0, 1024\)"):
+        list(ShardLoader(cache, 4, seed=3))
+
+
+# ----------------------------------------------------------------------------- training
+
+def test_training_stops_on_a_damaged_sample_naming_it(cache, tmp_path):
+    """Before: `shardcache train` exited 0 having trained on the changed values. Now it stops naming
+    shard, key and member; with --data.skip-corrupt 1 it leaves the sample out, logs it, and goes on."""
+    shard = flip_low_bit(cache, "s0010", "codes.npy", index=3)
+    run = lambda out, **kw: subprocess.run(  # noqa: E731 - one epoch: every sample is read
+        [sys.executable, "-m", "shardcache", "train",
+         *train_args(cache, out, steps=6, val_fraction=0, num_workers=0, **kw)],
+        cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=300)
+    r = run(tmp_path / "run")
+    assert r.returncode != 0, r.stderr[-3000:]
+    assert f"{shard}: sample 's0010' member codes.npy: checksum mismatch" in r.stderr, r.stderr[-3000:]
+    ok = run(tmp_path / "run2", **{"data.skip_corrupt": 1})
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "skipped a damaged sample" in ok.stderr and "'s0010' member codes.npy" in ok.stderr, ok.stderr[-3000:]
