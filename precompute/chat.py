@@ -67,9 +67,10 @@ from shards.tokens import (AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_IN_TOKENS, AUDI
                            AUDIO_OUT_TOKENS, BEGIN_OF_TEXT, END_HEADER, EOM, EOT, IGNORE_INDEX, IMAGE,
                            PLACEHOLDERS, SPECIAL_TOKENS, START_HEADER)
 
+from .config import CHAT_TEMPLATES
 from .conversation import Conversation
 
-TEMPLATES = ("auto", "llama3", "tokenizer")
+TEMPLATES = CHAT_TEMPLATES  # the option values (owner: precompute.config)
 #: media kinds a job can need tokens for (:func:`needed_kinds`)
 KINDS = ("audio_in", "audio_out", "image")
 

@@ -27,6 +27,22 @@ LEGACY = {"batch_size": "encoder_batch_size"}
 #: the highest sample rate (Hz) an option accepts: 384 kHz, the highest of studio converters
 MAX_SAMPLE_RATE = 384_000
 
+# The values of the enumerated options. Each list has its one owner here: the option below declares
+# it as its choices, and the module that implements it (named beside it) imports it from here.
+#: ``image_resize`` (:func:`precompute.images.resize_image`)
+RESIZE_MODES = ("center_crop", "pad", "bucket", "stretch")
+#: ``image_rgb`` (:mod:`precompute.images`)
+RGB_MODES = ("composite", "convert")
+#: ``image_pixel_range`` -> the (low, high) pixel values the VAE is fed (:mod:`precompute.encoders.image`)
+PIXEL_RANGES: dict[str, tuple[float, float]] = {"-1..1": (-1.0, 1.0), "0..255": (0.0, 255.0)}
+#: ``chat_template`` (:mod:`precompute.chat`)
+CHAT_TEMPLATES = ("auto", "llama3", "tokenizer")
+#: ``manifest_format`` (:mod:`precompute.manifests`)
+MANIFEST_FORMATS = ("jsonl", "chatml", "llava", "csv", "parquet")
+#: ``encoder_dtype`` spellings -> the dtype they mean (:func:`precompute.encoders._common.resolve_dtype`)
+ENCODER_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16",
+                  "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
 
 @dataclass
 class PrecomputeConfig:
@@ -43,15 +59,15 @@ class PrecomputeConfig:
     """Reject clips whose RMS (full scale 1.0) is below this (silent); null disables the check."""
     image_size: int = option(256, gt=0, le=16384)
     """Pixels of the square VAE input (a multiple of the VAE's spatial factor, 8)."""
-    image_resize: str = option("center_crop", choices=("center_crop", "pad", "bucket", "stretch"))
+    image_resize: str = option("center_crop", choices=RESIZE_MODES)
     """center_crop | pad | bucket (aspect kept: latent H, W vary; loaders pad them and return latents_mask) |
     stretch (the whole image, aspect not kept, Pillow bilinear to image_size x image_size: TheWorld's
     CosmosVAEEncoder). center_crop, pad and bucket resample bicubic."""
-    image_rgb: str = option("composite", choices=("composite", "convert"))
+    image_rgb: str = option("composite", choices=RGB_MODES)
     """How a decoded image becomes 8-bit RGB: composite = EXIF orientation applied, transparency composited
     over white, 16-bit scaled by 1/257 (precompute.images); convert = Pillow's Image.convert("RGB") of the file
     as decoded, nothing else (TheWorld's loaders: no EXIF rotation, alpha dropped)."""
-    image_pixel_range: str = option("-1..1", choices=("-1..1", "0..255"))
+    image_pixel_range: str = option("-1..1", choices=tuple(PIXEL_RANGES))
     """Pixel values the VAE is fed: -1..1 (x / 127.5 - 1, the range the Wan / Cosmos VAEs document) or 0..255
     (uint8 values as floats, what TheWorld's CosmosVAEEncoder feeds: to_tensor(img) * 255; use it to
     continue from a TheWorld checkpoint)."""
@@ -83,8 +99,7 @@ class PrecomputeConfig:
     worker processes only add contention (measured: make bench)."""
     device: str = "auto"
     """auto = cuda:LOCAL_RANK when available, else cpu; or cpu, cuda, cuda:N (mps, xpu:N...)."""
-    encoder_dtype: str = option("float32", choices=("float32", "fp32", "float", "bfloat16", "bf16", "float16",
-                                                    "fp16", "half"))
+    encoder_dtype: str = option("float32", choices=tuple(ENCODER_DTYPES))
     """Compute dtype of the codec and the VAE: float32 | bfloat16 | float16 (CUDA). Anything but float32 is
     measured against float32 on the job's first rows before use (precompute.precision)."""
     precision_samples: int = option(8, ge=0, le=100_000)
@@ -104,7 +119,7 @@ class PrecomputeConfig:
     job never loads a VAE). Flag: --image-encoder NAME|module:factory."""
     text_tokenizer: dict[str, Any] = option(factory=lambda: {"name": "bytes"}, flag=False)
     """Text tokenizer spec: {name: bytes} or {name: hf, pretrained: DIR or hub id} (the LM's own tokenizer)."""
-    chat_template: str = option("auto", choices=("auto", "llama3", "tokenizer"))
+    chat_template: str = option("auto", choices=CHAT_TEMPLATES)
     """How a conversation becomes input_ids/labels (precompute.chat): auto = the HF tokenizer's own
     apply_chat_template when it has a chat template, else llama3 (Higgs-Audio's Llama-3 headers with
     audio/image placeholders); tokenizer forces the tokenizer's template (error if it has none)."""
@@ -117,7 +132,7 @@ class PrecomputeConfig:
     (built-in: codes, waveform, latents) or {factory: package.module:callable, kwargs: {...}} (a plug-in;
     its fields must be declared, shards.fields.register). The same spec adds the field to an existing
     cache: shardcache add-field CACHE --field NAME --producer ..."""
-    manifest_format: str | None = option(None, choices=("jsonl", "chatml", "llava", "csv", "parquet"))
+    manifest_format: str | None = option(None, choices=MANIFEST_FORMATS)
     """Manifest format; null = detected from the file."""
     columns: dict[str, str] = option(factory=dict, flag=False)
     """Column mapping for JSONL/CSV/Parquet rows, e.g. {audio: path} (--set columns.audio=path)."""
@@ -153,8 +168,7 @@ class PrecomputeConfig:
         if self.store_posterior:
             out["store_posterior"] = True
         out["world_tokens"] = list(self.world_tokens) if self.world_tokens else None
-        from .encoders._common import _DTYPES  # the one table of dtype names
-        out["encoder_dtype"] = _DTYPES.get(self.encoder_dtype, self.encoder_dtype)
+        out["encoder_dtype"] = ENCODER_DTYPES.get(self.encoder_dtype, self.encoder_dtype)
         out["sample_layout"] = "conversation-2"  # precompute.conversation + precompute.chat
         out["chat_template"] = self.chat_template
         if self.extra_waveforms:

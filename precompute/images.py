@@ -33,11 +33,13 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from shards import schema
 from shards.errors import CorruptSample
 
-RESIZE_MODES = ("center_crop", "pad", "bucket", "stretch")
+from .config import RESIZE_MODES, RGB_MODES  # noqa: F401 (the option values: one owner)
+
+#: the resize modes and RGB conversions (:data:`precompute.config.RESIZE_MODES`, ``RGB_MODES``)
+
 #: the Pillow resampling filter of each resize mode
 RESAMPLE = {"center_crop": Image.Resampling.BICUBIC, "pad": Image.Resampling.BICUBIC,
             "bucket": Image.Resampling.BICUBIC, "stretch": Image.Resampling.BILINEAR}
-RGB_MODES = ("composite", "convert")
 
 
 def _to_8bit(im: Image.Image) -> Image.Image:

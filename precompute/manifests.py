@@ -28,11 +28,12 @@ from typing import Any, Iterator
 from shards import schema
 
 from . import conversation as C
+from .config import MANIFEST_FORMATS
 from .conversation import Conversation, MediaRoot, RowError
 
 log = logging.getLogger("precompute")
 
-FORMATS = ("jsonl", "chatml", "llava", "csv", "parquet")
+FORMATS = MANIFEST_FORMATS  # the option values (owner: precompute.config)
 #: the largest CSV cell read (characters); a longer one makes its line a malformed_row
 MAX_CSV_FIELD = 1 << 28
 

@@ -23,27 +23,12 @@ from shardcache.config import ConfigError, show as _show
 
 from .config import PrecomputeConfig
 
-__all__ = ["ConfigError", "check_config", "validate_config", "choices", "CHOICES"]
+__all__ = ["ConfigError", "check_config", "validate_config", "CHOICES"]
 
-#: enumerated options: the choices declared with each option (the modules that implement them must agree)
+#: enumerated options: the choices declared with each option (their lists live in precompute.config,
+#: which the implementing modules import: one owner)
 CHOICES: dict[str, tuple] = {p: o.rule("choices") for p, o in S.options(PrecomputeConfig).items()
                              if o.rule("choices") and p != "num_workers"}
-_SOURCES = {"image_resize": ("precompute.images", "RESIZE_MODES"), "image_rgb": ("precompute.images", "RGB_MODES"),
-            "image_pixel_range": ("precompute.encoders.image", "PIXEL_RANGES"), "chat_template": ("precompute.chat", "TEMPLATES"),
-            "manifest_format": ("precompute.manifests", "FORMATS"),
-            "encoder_dtype": ("precompute.encoders._common", "_DTYPES")}
-
-
-def choices(name: str) -> tuple:
-    """Accepted values of an enumerated option as the module that uses them defines them
-    (:data:`CHOICES`, the option's declaration, when that module cannot be imported)."""
-    import importlib
-
-    mod, attr = _SOURCES.get(name, (None, None))
-    try:
-        return tuple(getattr(importlib.import_module(mod), attr)) if mod else CHOICES[name]
-    except (ImportError, AttributeError):
-        return CHOICES[name]
 
 
 #: the VAE's spatial factor: ``image_size`` must be a multiple of it

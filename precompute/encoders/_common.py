@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..config import ENCODER_DTYPES
+
 from shardcache.pretrained import BUILD_HINT, load_error, resolve_pretrained  # noqa: F401 (one owner)
 
 #: config keys that name where a checkpoint came from or which library wrote it; they do not change
@@ -128,16 +130,7 @@ def resolve_device(device: Any) -> "torch.device":
     return dev
 
 
-_DTYPES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-}
+_DTYPES = ENCODER_DTYPES  # the encoder_dtype spellings (owner: precompute.config)
 
 
 def resolve_dtype(dtype: Any) -> "torch.dtype":
