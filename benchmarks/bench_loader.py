@@ -114,6 +114,7 @@ def bench_cat(files: list[Path], min_bytes: int = 256 << 20) -> dict:
 #: the loader configurations every run measures: (label, ShardLoader keyword arguments)
 CONFIGS = [
     ("one process, compact", dict(num_workers=0, compact=True)),
+    ("one process, compact, read on demand", dict(num_workers=0, compact=True, read_threads=1)),
     ("one process, compact, checks=values", dict(num_workers=0, compact=True, checks="values")),
     ("one process, compact, checks=none", dict(num_workers=0, compact=True, checks="none")),
     ("one process, float32", dict(num_workers=0, compact=False)),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -211,7 +212,8 @@ class Sources:
         self.checks = "checksums"
         self.skip_corrupt = 0
         self.skipped = 0  # damaged samples left out in this process
-        self._staging = Staging()
+        self._local = threading.local()  # per reading thread (loaders.readahead): its staging buffers
+        self._skip_lock = threading.Lock()
         self._arena: HostArena | None = None
 
     def _host(self) -> HostArena:
@@ -219,6 +221,21 @@ class Sources:
         if self._arena is None or self._arena.pin != bool(self.pin):
             self._arena = HostArena(pin=bool(self.pin))
         return self._arena
+
+    def __getstate__(self):  # to DataLoader workers: no thread state
+        state = self.__dict__.copy()
+        del state["_local"], state["_skip_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local, self._skip_lock = threading.local(), threading.Lock()
+
+    def _staging(self) -> Staging:
+        st = getattr(self._local, "staging", None)
+        if st is None:
+            st = self._local.staging = Staging()
+        return st
 
     def read_batch(self, ids: np.ndarray, arena=None) -> dict[str, Any]:
         """The collated batch (see :mod:`loaders.collate`; read by :func:`loaders.read.read_batch`)
@@ -236,17 +253,19 @@ class Sources:
             groups = [(self.sources[i], np.flatnonzero(which == i), ids[which == i] - self.offsets[i])
                       for i in np.unique(which).tolist()]
             batch, problems = read_batch(groups, len(ids), self.fields, ctx, arena=arena or self._host(),
-                                         checks=self.checks, staging=self._staging)
+                                         checks=self.checks, staging=self._staging())
             if not problems:
                 break
             if arena is not None:
                 arena.abandon()  # the slot of the incomplete batch is free again
             for _, why in problems:
-                if self.skipped >= self.skip_corrupt:
+                with self._skip_lock:  # reading threads share the budget
+                    over = self.skipped >= self.skip_corrupt
+                    self.skipped += 0 if over else 1
+                if over:
                     extra = (f" ({self.skipped} damaged sample(s) skipped before, skip_corrupt={self.skip_corrupt})"
                              if self.skip_corrupt else " (skip_corrupt=N lets a run skip up to N damaged samples)")
                     raise ShardCorrupt(why + extra)
-                self.skipped += 1
                 skipped.append(why)
             keep = np.setdiff1d(np.arange(len(ids)), [p for p, _ in problems])
             if not len(keep):

@@ -49,6 +49,7 @@ from .batching import PlanSpec
 from .collate import check_fields
 from .dataset import SKIPPED, CacheSource, PlanDataset, Sources
 from .read import CHECKS
+from .readahead import Failed, ReadAhead
 from .order import ShardOrder
 from .remote import DEFAULT_CACHE_LIMIT, Prefetcher, file_uses
 from .shm import SlotBatch, SlotReceiver, new_flags
@@ -126,8 +127,13 @@ class ShardLoader:
         remote_retries: tries of each remote call on transient errors (exponential backoff from
             0.5 s, at most 30 s apart).
         transform: a picklable callable applied to every collated batch where it is read (in the
-            worker process with ``num_workers > 0``), e.g. a model's own batch layout built from the
-            cached tensors (:attr:`train.recipes` ``batch_transform``); default None.
+            worker process with ``num_workers > 0``, a read-ahead thread with ``read_threads > 1``),
+            e.g. a model's own batch layout built from the cached tensors (:attr:`train.recipes`
+            ``batch_transform``); default None.
+        read_threads: with ``num_workers=0``, threads of this process that read the next batches
+            while the consumer works (:mod:`loaders.readahead`; ``prefetch_factor`` batches each);
+            1 reads each batch when it is asked for. Default 2. Ignored with worker processes and
+            for remote caches (their download thread already runs ahead of the reads).
 
     Attribute ``prefetcher``: the :class:`loaders.remote.Prefetcher` of a remote cache (its
     ``stats``: downloads, bytes, evictions, peak_bytes), else None. ``cache_id``: the cache's
@@ -148,7 +154,7 @@ class ShardLoader:
                  timeout: float = 0.0, compact: bool = False, verify_reads: bool = False,
                  storage_options: dict | None = None, local_dir: str | None = None,
                  cache_limit: int | None = None, remote_retries: int = 10, transform: Callable | None = None,
-                 checks: str = "checksums", skip_corrupt: int = 0):
+                 checks: str = "checksums", skip_corrupt: int = 0, read_threads: int = 2):
         fields = None if fields is None else check_fields(fields)
         remote = dict(rank=int(global_rank), local_dir=local_dir, storage_options=storage_options,
                       retries=remote_retries)
@@ -160,7 +166,8 @@ class ShardLoader:
                     prefetch_factor=prefetch_factor, bucket_window=bucket_window,
                     persistent_workers=persistent_workers,
                     multiprocessing_context=multiprocessing_context, timeout=timeout, compact=compact,
-                    cache_limit=cache_limit, transform=transform, checks=checks, skip_corrupt=skip_corrupt)
+                    cache_limit=cache_limit, transform=transform, checks=checks, skip_corrupt=skip_corrupt,
+                    read_threads=read_threads)
 
     # -- construction shared with MixedLoader ----------------------------------------------------
     def _setup(self, sources: Sources, order_fn: Callable[[int], np.ndarray], batch_size: int, *,
@@ -169,7 +176,7 @@ class ShardLoader:
                bucket_window: int | None, persistent_workers: bool | None,
                multiprocessing_context, timeout: float, compact: bool = False,
                cache_limit: int | None = None, transform: Callable | None = None, checks: str = "checksums",
-               skip_corrupt: int = 0) -> None:
+               skip_corrupt: int = 0, read_threads: int = 2) -> None:
         sources.compact = bool(compact)
         sources.transform = transform
         if checks not in CHECKS:
@@ -192,6 +199,10 @@ class ShardLoader:
         self.batch_size, self.world_size, self.global_rank = int(batch_size), int(world_size), int(global_rank)
         self.seed, self.max_frames = int(seed), (None if max_frames is None else int(max_frames))
         self.num_workers = default_num_workers() if num_workers is None else int(num_workers)
+        if int(read_threads) < 1:
+            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
+        self.read_threads = int(read_threads)
+        self._prefetch_factor = int(prefetch_factor)
         self.drop_remainder = bool(drop_remainder)
         self.bucket_window = int(bucket_window or 64 * self.batch_size)
         self._order_fn = order_fn
@@ -221,7 +232,7 @@ class ShardLoader:
             self.prefetcher = Prefetcher(
                 lambda epoch: file_uses(self._spec.plan(epoch), self.global_rank, sources),
                 remotes, DEFAULT_CACHE_LIMIT if cache_limit is None else int(cache_limit),
-                lookahead=self.num_workers * int(prefetch_factor) + 1)
+                lookahead=max(self.num_workers, self.read_threads) * int(prefetch_factor) + 1)
         if len(self) == 0:
             raise ValueError(
                 f"an epoch has no step: {sources.n} samples after filters, global batch "
@@ -335,7 +346,11 @@ class ShardLoader:
         self._position[0], self._position[1], self._position[2] = self.epoch, start, self._generation
         if self.prefetcher is not None:
             self.prefetcher.start_epoch(self.epoch, start)
-        if self.num_workers == 0:
+        if self.num_workers == 0 and self.read_threads > 1 and self.prefetcher is None:  # local caches:
+            rank, sources = self.global_rank, self.sources
+            src = ReadAhead(lambda s: sources.read_batch(plan.rank_batch(s, rank)), range(start, plan.n_steps),
+                            self.read_threads, self._prefetch_factor)
+        elif self.num_workers == 0:
             src = iter(self.dataset)
         else:
             self._receiver.reclaim(self._generation)  # slots of batches an earlier iter() dropped unread
@@ -343,6 +358,14 @@ class ShardLoader:
         return self._consume(plan, start, src, self._generation)
 
     def _consume(self, plan, start: int, src, gen: int) -> Iterator[dict[str, Any]]:
+        ahead = src if isinstance(src, ReadAhead) else None
+        try:
+            yield from self._in_order(plan, start, src, gen, ahead)
+        finally:
+            if ahead is not None:
+                ahead.close()
+
+    def _in_order(self, plan, start: int, src, gen: int, ahead: ReadAhead | None) -> Iterator[dict[str, Any]]:
         expected, pending = start, {}
         pin = self.pin_memory and self.num_workers == 0
         for step, batch in src:
@@ -351,6 +374,10 @@ class ShardLoader:
             pending[step] = batch.unpack() if isinstance(batch, SlotBatch) else batch
             while expected in pending:
                 out = pending.pop(expected)
+                if isinstance(out, Failed):
+                    raise out.error
+                if ahead is not None:
+                    ahead.taken(expected)
                 self._count_skipped(out.pop(SKIPPED, None))
                 self._cursor = int(plan.cursors[expected + 1])
                 expected += 1

@@ -124,7 +124,7 @@ class MixedLoader(ShardLoader):
         defaults = dict(global_rank=0, world_size=1, num_workers=0, drop_remainder=True, max_frames=None,
                         device_pin=None, prefetch_factor=2, bucket_window=None, persistent_workers=None,
                         multiprocessing_context=None, timeout=0.0, compact=False, transform=None,
-                        checks="checksums", skip_corrupt=0)
+                        checks="checksums", skip_corrupt=0, read_threads=2)
         unknown_kw = set(kwargs) - set(defaults)
         if unknown_kw:
             raise TypeError(f"MixedLoader got unexpected keyword arguments {sorted(unknown_kw)}")

@@ -24,6 +24,7 @@ a cache of many thousand shards stays under the usual 1024-descriptor limit.
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Sequence
@@ -53,6 +54,11 @@ class ShardFiles:
         self.await_file = await_file
         self.pinned: list[tuple[int, int, int] | None] = [None] * len(self.paths)
         self._fds: OrderedDict[int, tuple[int, tuple[int, int, int]]] = OrderedDict()
+        self._lock = threading.Lock()  # the loader's read-ahead threads share the descriptors
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def pin(self, which: Sequence[int]) -> None:
         """Record the identity of files ``which`` now (missing files are left to the readers)."""
@@ -72,6 +78,10 @@ class ShardFiles:
     def fd(self, i: int, where) -> int:
         """The descriptor of file ``i`` (opened and checked against its pinned identity if needed).
         ``where``: what is being read, for messages (a str, or a callable returning one)."""
+        with self._lock:
+            return self._fd(i, where)
+
+    def _fd(self, i: int, where) -> int:
         got = self._fds.get(i)
         if got is not None:
             self._fds.move_to_end(i)
@@ -113,6 +123,10 @@ class ShardFiles:
     def close_stale(self) -> int:
         """Close the descriptors of files deleted or replaced since they were opened (a streamed
         cache's evicted files: their disk space comes back); returns how many."""
+        with self._lock:
+            return self._close_stale()
+
+    def _close_stale(self) -> int:
         n = 0
         for i, (fd, ident) in list(self._fds.items()):
             try:
@@ -126,16 +140,18 @@ class ShardFiles:
         return n
 
     def close(self) -> None:
-        for fd, _ in self._fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds.clear()
+        with self._lock:
+            for fd, _ in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds.clear()
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_fds"] = OrderedDict()  # reopened lazily in each process
+        del state["_lock"]
         return state
 
     def __del__(self):

@@ -170,7 +170,7 @@ def test_shards_truncated_mid_epoch_under_two_workers_20_times_never_a_signal(cl
 def test_a_truncation_racing_the_read_is_a_short_read_naming_the_member(cache, monkeypatch):
     """The window the per-batch check cannot close: the file shrinks after it was checked."""
     from shards.files import ShardFiles
-    ld = ShardLoader(cache, 4, shuffle=False)
+    ld = ShardLoader(cache, 4, shuffle=False, read_threads=1)  # reads on demand: the next read is after
     it = iter(ld)
     next(it)
     monkeypatch.setattr(ShardFiles, "check", lambda self, i, where: None)  # as if it shrank right after
@@ -239,3 +239,39 @@ def test_training_stops_on_a_damaged_sample_naming_it(cache, tmp_path):
     ok = run(tmp_path / "run2", **{"data.skip_corrupt": 1})
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "skipped a damaged sample" in ok.stderr and "'s0010' member codes.npy" in ok.stderr, ok.stderr[-3000:]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_read_ahead_threads_give_the_same_batches_and_stop_at_the_damaged_step(cache, threads):
+    """num_workers=0 reads ahead in threads (loaders.readahead): the same batches in the same order
+    as reading on demand, an exact resume, and a damaged sample raised when the consumer reaches
+    its step (not when a thread read it), with state_dict counting only the batches taken."""
+    def run(ld, upto=None):
+        out = []
+        for b in ld:
+            out.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in b.items()})
+            if upto is not None and len(out) == upto:
+                break
+        return out
+
+    ref = run(ShardLoader(cache, 3, seed=4, read_threads=1))
+    got = run(ShardLoader(cache, 3, seed=4, read_threads=threads, prefetch_factor=1))
+    assert [b["keys"] for b in got] == [b["keys"] for b in ref] and len(ref) > 4
+    for a, b in zip(ref, got):
+        assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+    first = ShardLoader(cache, 3, seed=4, read_threads=threads)
+    run(first, upto=2)  # threads have read further than the consumer took
+    again = ShardLoader(cache, 3, seed=4, read_threads=threads)
+    again.load_state_dict(first.state_dict())
+    assert [b["keys"] for b in run(again)] == [b["keys"] for b in ref[2:]]
+
+    step = next(i for i, b in enumerate(ref) if i >= 2 and b["keys"][0] not in ref[0]["keys"])
+    key = ref[step]["keys"][0]
+    flip_low_bit(cache, key, "codes.npy")
+    ld = ShardLoader(cache, 3, seed=4, read_threads=threads)
+    seen = []
+    with pytest.raises(ShardCorrupt, match=f"sample '{key}' member codes.npy: checksum mismatch"):
+        for b in ld:
+            seen.append(b["keys"])
+            assert ld.state_dict()["cursor"] == 3 * len(seen)
+    assert seen == [b["keys"] for b in ref[:step]]  # every batch before the damaged one, then the error
