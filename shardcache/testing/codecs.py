@@ -141,7 +141,8 @@ def make_mimi(size: str = "tiny", seed: int = 0):
     model = MimiModel(mimi_config(size)).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        latents = model.encoder(calibration_audio(model.config.sampling_rate, seed=seed)).latents
+        out = model.encoder(calibration_audio(model.config.sampling_rate, seed=seed))
+        latents = getattr(out, "latents", out)  # a tensor before transformers 5.x returned an output object
         for rvq in (model.quantizer.semantic_residual_vector_quantizer, model.quantizer.acoustic_residual_vector_quantizer):
             x = rvq.input_proj(latents) if rvq.input_proj is not None else latents
             _fill_codebooks(rvq.layers, x, g, _set_mimi_entries)
