@@ -32,7 +32,7 @@ NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),2)
 PRECOMPUTE_NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),1)
 _PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(PRECOMPUTE_NPROC),$(PY))
 
-.PHONY: setup precompute train test test-long inspect bench bench-venv bench-gpu models demo-data boson-venv clean help
+.PHONY: setup precompute train test test-long test-floors inspect bench bench-venv bench-gpu models demo-data boson-venv clean help
 
 help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
@@ -91,6 +91,18 @@ test: $(VENV)/.installed
 # HYPOTHESIS_MAX_EXAMPLES=N for another number. Prints how many rows ran and the reject reasons seen.
 test-long: $(VENV)/.installed
 	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -s -p no:warnings tests/test_hostile_rows.py $(PYTEST_ARGS)
+
+# The suite on the dependency floors of pyproject.toml (tests/floors.txt; torch 2.9.1 is a CUDA build of
+# several GB from PyPI, run on the CPU). Run once when a floor changes; not part of `make test`.
+FLOORS_VENV ?= .venv-floors
+test-floors:
+	test -x $(FLOORS_VENV)/bin/python || $(PYTHON) -m venv $(FLOORS_VENV)
+	PIP_CONSTRAINT= $(FLOORS_VENV)/bin/python -m pip install --isolated -c tests/floors.txt -e . pytest scikit-image \
+		"peft>=0.10" "s3fs>=2024.6" "moto[server]>=5" "hypothesis>=6.100"
+	rm -f $(MODELS)/.built  # the tiny models saved by the floor versions; `make models` remakes them after
+	$(FLOORS_VENV)/bin/python -m shardcache.testing --out $(MODELS)
+	$(FLOORS_VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	rm -f $(MODELS)/.built
 
 inspect: $(VENV)/.installed
 	$(PY) -m shardcache shards info $(OUT)
