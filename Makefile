@@ -85,11 +85,15 @@ train: $(VENV)/.installed
 		-m shardcache train --cache $(OUT) --run-dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS))
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" $(PYTEST_ARGS)
 
-# hypothesis-built hostile manifests through the real stage-one job: 400 examples (the suite runs 20);
-# HYPOTHESIS_MAX_EXAMPLES=N for another number. Prints how many rows ran and the reject reasons seen.
+# The tests marked `long` (a cheaper test of each feature runs in `make test`), Boson's own trainer
+# against loaders.higgs (builds $(BOSON_VENV) on first use), then hypothesis-built hostile manifests
+# through the real stage-one job: 400 examples (the suite runs 20); HYPOTHESIS_MAX_EXAMPLES=N for
+# another number. Prints how many rows ran and the reject reasons seen.
 test-long: $(VENV)/.installed
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
+	SHARDCACHE_BUILD_BOSON=1 $(PY) -m pytest -q tests/test_higgs_boson.py $(PYTEST_ARGS)
 	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -s -p no:warnings tests/test_hostile_rows.py $(PYTEST_ARGS)
 
 # The suite on the dependency floors of pyproject.toml (tests/floors.txt; torch 2.9.1 is a CUDA build of

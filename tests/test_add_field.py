@@ -196,6 +196,7 @@ def test_unknown_field_refused(cache, mimi_models):
     assert r.returncode == 1 and "cannot be added" in r.stderr
 
 
+@pytest.mark.long  # make test-long; test_add_field_keeps_shards_and_loads covers add-field in make test
 def test_real_mini_add_codes_mimi(real_mini, mimi_models, tmp_path):
     cache = tmp_path / "rm"
     _precompute(real_mini / "samples_with_corrupt.jsonl", cache, mimi_models / "dac-tiny")

@@ -164,7 +164,7 @@ def reference(tiny_models, tmp_path_factory):
     return _layout(out)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # make test-long; test_rank_killed_mid_chunk_is_restarted_by_torchrun covers a kill in make test
 def test_killed_three_times_and_resumed_writes_the_same_bytes(tiny_models, reference, tmp_path):
     out = tmp_path / "killed"
     cmd = _precompute_cmd(tiny_models, out)

@@ -60,7 +60,7 @@ def _train(job: str, cache: Path, run_dir: Path, lm: Path, nproc: int) -> subpro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job,nproc", [("tts", 1), ("tts", 2), ("vlm", 2)])
+@pytest.mark.parametrize("job,nproc", [("tts", 1), pytest.param("tts", 2, marks=pytest.mark.long), ("vlm", 2)])
 def test_recipe_trains_and_the_loss_falls(job, nproc, job_caches, recipe_models, higgs_models, tmp_path):
     lm = higgs_models / "higgs-tiny" if job == "tts" else recipe_models / "lm-tiny"
     r = _train(job, job_caches[job], tmp_path / "run", lm, nproc)
