@@ -29,6 +29,9 @@ COLUMN = "xxh3"
 ALGORITHM = "xxh3_64"
 
 
+from xxhash import xxh3_64_intdigest  # noqa: E402,F401 - the hot path calls it directly (shards.readinto)
+
+
 def checksum(data) -> int:
     """XXH3-64 (seed 0) of a bytes-like object (bytes, memoryview, C-contiguous numpy array) as an
     unsigned int in ``[0, 2**64)``."""

@@ -130,6 +130,8 @@ class FieldArrays:
     file: np.ndarray | None = None  #: int32 file number per row (main shard or sidecar tar)
     xxh3: np.ndarray | None = None
     has_sum: np.ndarray | None = None
+    #: every present member has a checksum (the common case: reads skip the per-row look-up)
+    all_summed: bool = False
 
 
 class ShardReader:
@@ -335,7 +337,8 @@ class ShardReader:
             sums = flat.field(CHECKSUM).take(pa.array(sel))
             has_sum[rows] = sums.is_valid().to_numpy(zero_copy_only=False)
             xxh3[rows] = pc.fill_null(sums, 0).to_numpy(zero_copy_only=False).astype(np.uint64)
-        fa = self._fields[field] = FieldArrays(off, shape, count, present, code, dtypes, file, xxh3, has_sum)
+        fa = self._fields[field] = FieldArrays(off, shape, count, present, code, dtypes, file, xxh3, has_sum,
+                                               bool((has_sum | ~present).all()))
         return fa
 
     # -- reading ------------------------------------------------------------------------------

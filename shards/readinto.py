@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .checksum import ALGORITHM, checksum, checksum_of_parts
+from .checksum import ALGORITHM, checksum_of_parts, xxh3_64_intdigest as _xxh3
 from .files import IOV_MAX, read_segments
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,11 +85,10 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
     member = plan * len(rows) + pos
     first = np.flatnonzero(np.r_[True, member[1:] != member[:-1]])
     m_first, m_last = first.tolist(), (np.r_[first[1:], len(member)] - 1).tolist()
-    m_want = [int(fas[p].xxh3[rows[q]]) if checksums and fas[p].has_sum[rows[q]] else None
-              for p, q in zip(plan[first].tolist(), pos[first].tolist())]
-    mi = 0
+    m_want = _wanted(fas, rows, plan[first], pos[first]) if checksums else [None] * len(first)
+    mi, n_members = 0, len(m_first)
     starts = np.flatnonzero(new).tolist() + [len(off)]
-    offl, endl, filel = off.tolist(), end.tolist(), file.tolist()
+    offl, endl, filel, posl = off.tolist(), end.tolist(), file.tolist(), pos.tolist()
     for a, b in zip(starts[:-1], starts[1:]):
         fd = reader.io.fd(filel[a], lambda f=filel[a]: where.first_in(f, file, pos))
         j = a
@@ -108,15 +107,31 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
                 for m in range(j, k):
                     if endl[m] > s + got and int(pos[m]) not in problems:
                         problems[int(pos[m])] = where.short(int(plan[m]), int(pos[m]), size, int(start[m]))
-            while mi < len(m_first) and m_last[mi] < k:  # the members this read completed
+            while mi < n_members and m_last[mi] < k:  # the members this read completed
                 want, f0, f1 = m_want[mi], m_first[mi], m_last[mi]
-                if want is not None and int(pos[f0]) not in problems:
-                    got_sum = checksum(views[f0]) if f0 == f1 else checksum_of_parts(views[f0:f1 + 1])
-                    if got_sum != want:
-                        problems[int(pos[f0])] = where.mismatch(int(plan[f0]), int(pos[f0]), got_sum, want)
                 mi += 1
+                if want is None or (problems and posl[f0] in problems):
+                    continue
+                got_sum = _xxh3(views[f0]) if f0 == f1 else checksum_of_parts(views[f0:f1 + 1])
+                if got_sum != want:
+                    problems[posl[f0]] = where.mismatch(int(plan[f0]), posl[f0], got_sum, want)
             j = k
     return sorted(problems.items())
+
+
+def _wanted(fas, rows: np.ndarray, plan: np.ndarray, pos: np.ndarray) -> list:
+    """The recorded checksum of each member (``plan``: field number, ``pos``: batch position), None
+    where the index has none; vectorised per field."""
+    want = np.zeros(len(plan), dtype=np.uint64)
+    has = np.zeros(len(plan), dtype=bool)
+    for p in np.unique(plan).tolist():
+        sel = plan == p
+        r = rows[pos[sel]]
+        want[sel] = fas[p].xxh3[r]
+        has[sel] = True if fas[p].all_summed else fas[p].has_sum[r]
+    if has.all():
+        return want.tolist()
+    return [w if h else None for w, h in zip(want.tolist(), has.tolist())]
 
 
 class _Where:
