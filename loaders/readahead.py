@@ -12,12 +12,23 @@ the thread that holds the step the consumer waits for has none outstanding, so i
 blocked). An exception raised while reading step ``s`` is delivered as that step's item
 (:class:`Failed`) and raised when the consumer reaches ``s``, so a damaged sample stops the
 consumer exactly where a single-threaded read would (``state_dict`` counts only batches taken).
+
+The threads are always joined before the interpreter finalises: :meth:`ReadAhead.close` waits for
+them, and an ``atexit`` hook closes any read-ahead still open (an iterator abandoned unfinished).
+A daemon thread still inside a read when Python finalises is ended with ``pthread_exit`` from
+within C++ frames (torch, numpy), and the process aborts ("terminate called without an active
+exception", SIGABRT) after the program has finished.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Iterator
+
+_OPEN: "weakref.WeakSet[ReadAhead]" = weakref.WeakSet()
+_JOIN_TIMEOUT_S = 30.0  # one batch read; a thread still busy after this is left (and logged by Python)
 
 
 class Failed:
@@ -44,6 +55,7 @@ class ReadAhead:
         self._left = len(steps)
         self._workers = [threading.Thread(target=self._work, args=(k,), daemon=True,
                                           name=f"shardcache-read-{k}") for k in range(self.threads)]
+        _OPEN.add(self)
         for t in self._workers:
             t.start()
 
@@ -71,10 +83,23 @@ class ReadAhead:
         self._budget[(step - self._steps.start) // self._steps.step % self.threads].release()
 
     def close(self) -> None:
-        """Stop reading (threads finish their current read and exit; batches not taken are dropped)."""
+        """Stop reading and wait for the threads (each finishes its current read, at most one batch);
+        batches not taken are dropped. Safe to call more than once and from any thread but a reader."""
         self._stop.set()
         for b in self._budget:
             b.release()
+        me = threading.current_thread()
+        for t in self._workers:
+            if t is not me:
+                t.join(_JOIN_TIMEOUT_S)
+        _OPEN.discard(self)
+
+
+@atexit.register
+def _close_all() -> None:
+    """Join every read-ahead thread before the interpreter finalises (see the module docstring)."""
+    for ahead in list(_OPEN):
+        ahead.close()
 
 
 __all__ = ["ReadAhead", "Failed"]

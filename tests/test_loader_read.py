@@ -191,3 +191,26 @@ def test_host_blocks_are_reused_only_once_their_batch_is_gone():
     gc.collect()
     other = batch(500)  # the big block is free, the small one is not
     assert other["x"].data_ptr() not in (first, held["x"].data_ptr()) and (again["x"] == 7).all()
+
+
+def test_read_ahead_close_waits_for_the_reads_in_flight():
+    """close() returns only once no reader thread is left: a daemon thread still inside a read when
+    the interpreter finalises aborts the process (SIGABRT, "terminate called without an active
+    exception"; seen in the truncated-shard test of tests/test_shards_safety.py)."""
+    import threading
+    import time
+
+    from loaders.readahead import ReadAhead
+
+    started = threading.Event()
+
+    def slow_read(step: int) -> int:
+        started.set()
+        time.sleep(0.3)  # a read in flight when the consumer gives up
+        return step
+
+    ahead = ReadAhead(slow_read, range(8), threads=2, depth=2)
+    assert started.wait(5)
+    ahead.close()
+    assert not any(t.is_alive() for t in ahead._workers)
+    ahead.close()  # a second close (the atexit hook after the iterator's own) is harmless
