@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import struct
+import threading
 import zipfile
 import zlib
 
@@ -52,16 +53,26 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+#: numpy parses an ``.npy`` header with ``ast.literal_eval``. CPython 3.11 keeps the AST converter's
+#: recursion counter per interpreter, not per call: two threads parsing at once, with a garbage
+#: collection running Python finalizers between them, raise ``SystemError: AST constructor
+#: recursion depth mismatch`` (seen in ``shards verify``'s shard threads and reproduced by
+#: tests/test_packed_format.py). Header parses are microseconds: they take turns.
+_HEADER_LOCK = threading.Lock()
+
+
 def npy_header(data: bytes | memoryview) -> tuple[int, str, tuple[int, ...]]:
     """Parse an ``.npy`` blob's header: ``(header_len, dtype_str, shape)``; the array data starts
     ``header_len`` bytes into ``data``. Raises ``ValueError`` for Fortran order or object dtypes
-    (they would need copying or unpickling) and for anything that is not ``.npy``."""
+    (they would need copying or unpickling) and for anything that is not ``.npy``. Thread-safe
+    (see :data:`_HEADER_LOCK`)."""
     fp = io.BytesIO(data)
-    version = np.lib.format.read_magic(fp)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
-    else:
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+    with _HEADER_LOCK:
+        version = np.lib.format.read_magic(fp)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
     if fortran:
         raise ValueError("Fortran-ordered array")
     if dtype.hasobject:

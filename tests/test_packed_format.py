@@ -142,3 +142,49 @@ def test_a_compressed_npz_member_is_refused_naming_the_sample(tmp_path):
         tf.addfile(info, io.BytesIO(data))
     with pytest.raises(ShardCorrupt, match="bad.*compressed"):
         shards.scan_shard(tmp_path / "shard-000000.tar")
+
+
+def test_npy_headers_parse_in_threads_while_finalizers_run():
+    """shards verify scans shards in threads; numpy parses each .npy header with ast.literal_eval,
+    whose CPython 3.11 recursion counter is shared by the threads: a garbage collection running a
+    Python finalizer between two parses raised ``SystemError: AST constructor recursion depth
+    mismatch`` (seen in the suite). npy_header must parse in any number of threads."""
+    import gc
+    import sys
+    import threading
+
+    from shards.npz import npy_bytes, npy_header
+
+    blob = npy_bytes(np.zeros(55632, np.int16))
+
+    class Finalized:
+        def __del__(self):
+            [0] * 10  # Python code run by the collector, in whichever thread triggered it
+
+    class Cycle:  # only the cyclic collector frees it: collections run mid-parse
+        def __init__(self):
+            self.me, self.fin = self, Finalized()
+
+    errors: list[BaseException] = []
+
+    def parse_many():
+        try:
+            for _ in range(3000):
+                assert npy_header(blob)[1:] == ("<i2", (55632,))
+                Cycle()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    old, switch = gc.get_threshold(), sys.getswitchinterval()
+    gc.set_threshold(20, 2, 2)
+    sys.setswitchinterval(1e-6)  # the GIL changes hands as often as it can
+    try:
+        threads = [threading.Thread(target=parse_many) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        gc.set_threshold(*old)
+        sys.setswitchinterval(switch)
+    assert not errors, errors[:1]
