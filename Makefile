@@ -71,7 +71,7 @@ models: $(MODELS)/.built
 BOSON_VENV ?= build/boson-venv
 $(BOSON_VENV)/.installed:
 	$(PYTHON) -m venv $(BOSON_VENV)
-	$(BOSON_VENV)/bin/pip install -q "torch==2.13.0" "transformers==4.46.3" dacite pandas loguru librosa pyarrow numpy safetensors fsspec
+	$(BOSON_VENV)/bin/pip install -q "torch==2.13.0" "transformers==4.46.3" dacite pandas loguru librosa pyarrow numpy safetensors fsspec xxhash
 	$(BOSON_VENV)/bin/pip install -q --no-deps "boson-multimodal==0.1.1"
 	touch $@
 
