@@ -132,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
-        for line in e.lines():
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+        return e.report()
     if args.print_config:
         sys.stdout.write(S.dump(cfg))
         return 0

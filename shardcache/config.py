@@ -68,6 +68,16 @@ class ConfigError(ValueError):
         """One ``option: message`` line per problem (what the CLIs print after ``error: ``)."""
         return [f"{k}: {m}" for k, m in self.problems]
 
+    def report(self, prog: str | None = None) -> int:
+        """Write ``[PROG: ]error: option: message`` to stderr per problem; return 2 (the exit status
+        of every CLI for bad options)."""
+        import sys
+
+        head = f"{prog}: error" if prog else "error"
+        for line in self.lines():
+            sys.stderr.write(f"{head}: {line}\n")
+        return 2
+
 
 # ---- declaring options -----------------------------------------------------------------------------
 

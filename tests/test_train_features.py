@@ -15,20 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train_support import REAL_LOADER, TINY_MODEL, Captured, load_params, make_cache, read_metrics
+from test_train_support import _single_process, cache  # noqa: F401 (fixtures)
+from test_train_support import REAL_LOADER, TINY_MODEL, Captured, load_params, read_metrics
 from train.config import from_dict
 from train.trainer import Callbacks, run
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return make_cache(tmp_path_factory.mktemp("cache") / "c", n=24)
-
-
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
 
 
 def cfg_for(cache: Path, out: Path, **kw):

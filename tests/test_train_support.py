@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,6 +69,21 @@ def make_cache(out: Path, n: int = 24, n_shards: int = 2, seed: int = 0, image_e
                       "n_codebooks": N_CODEBOOKS, "codebook_size": CODEBOOK_SIZE,
                       "text_vocab_size": VOCAB, "latent_channels": 16})
     return out
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The 24-sample training cache of :func:`make_cache`, built once per test module that imports it."""
+    return make_cache(tmp_path_factory.mktemp("cache") / "c", n=24)
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    """No torchrun variables inherited from the environment (the run is one process); one intra-op
+    thread in the subprocesses a test starts."""
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 def collate(samples: list[dict], fields=None, compact: bool = False) -> dict[str, Any]:

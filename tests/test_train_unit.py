@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train_support import (PY, REAL_LOADER, REPO, TINY_MODEL, base_env, collate, load_params, make_cache,
-                                read_metrics)
+from test_train_support import _single_process, cache  # noqa: F401 (fixtures)
+from test_train_support import (PY, REAL_LOADER, REPO, TINY_MODEL, base_env, collate, load_params, read_metrics)
 from train import checkpoint as C
 from train import dist as D
 from train.config import TrainConfig, build_parser, from_dict, load_yaml, parse_args
@@ -26,18 +26,6 @@ from train.metrics import Metrics
 from train.optim import lr_at
 from train.trainer import Callbacks, run
 from train.models import DataSpec, ReferenceModel, build_model, count_params, data_spec
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return make_cache(tmp_path_factory.mktemp("cache") / "c", n=24)
-
-
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 def cfg_for(cache: Path, out: Path, **kw) -> TrainConfig:

@@ -299,9 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             raise ConfigError(problems)
     except ConfigError as e:
-        for line in e.lines():
-            sys.stderr.write(f"shardcache find-batch-size: error: {line}\n")
-        return 2
+        return e.report("shardcache find-batch-size")
     if ns.print_config:
         sys.stdout.write(cfg.dump())
         return 0

@@ -24,9 +24,7 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
     try:
         cfg, ns = parse_args(argv)
     except ConfigError as e:
-        for line in e.lines():
-            sys.stderr.write(f"{PROG}: error: {line}\n")
-        return 2
+        return e.report(PROG)
     if ns.print_config:
         sys.stdout.write(cfg.dump())
         return 0

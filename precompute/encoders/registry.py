@@ -10,8 +10,9 @@ Two forms are accepted by every loader:
   called (``device=`` is added for audio/image factories that accept it and do not get it in kwargs),
   and the result must satisfy the protocol (checked by :func:`check_protocol`).
 
-Names: audio ``dac`` (default) | ``encodec`` | ``mimi``; image ``wan`` (default) | ``cosmos``; text
-``bytes`` (default) | ``hf``.
+The names are the keys of the registries (``AUDIO_TOKENIZERS``, ``IMAGE_ENCODERS``,
+``TEXT_TOKENIZERS``, each owned by its module); ``--help``, the config checks and docs/ derive their
+lists from them.
 """
 from __future__ import annotations
 
@@ -74,6 +75,17 @@ def _check_cfg(cfg: Any, what: str) -> Mapping:
     return cfg
 
 
+def _load_media_encoder(cfg: Any, table: dict[str, type], default: str, protocol: type, what: str,
+                        device: Any):
+    """The one path of :func:`load_audio_tokenizer` and :func:`load_image_encoder`."""
+    cfg = _check_cfg(cfg, what)
+    if "factory" in cfg:
+        return _from_factory(cfg, protocol, what, cfg.get("device", device))
+    cls, options = _builtin(cfg, table, default, what)
+    options.setdefault("device", device)
+    return cls.from_pretrained(cfg.get("pretrained"), **options)
+
+
 def load_audio_tokenizer(cfg: Mapping, device: Any = "cpu") -> AudioTokenizer:
     """Build an :class:`AudioTokenizer` from ``cfg`` on ``device`` (``cfg["device"]`` wins if given).
 
@@ -84,12 +96,7 @@ def load_audio_tokenizer(cfg: Mapping, device: Any = "cpu") -> AudioTokenizer:
         FileNotFoundError: missing local model directory (the message says how to build test models).
         TypeError: a plug-in's result does not satisfy the protocol.
     """
-    cfg = _check_cfg(cfg, "audio tokenizer")
-    if "factory" in cfg:
-        return _from_factory(cfg, AudioTokenizer, "audio tokenizer", cfg.get("device", device))
-    cls, options = _builtin(cfg, AUDIO_TOKENIZERS, "dac", "audio tokenizer")
-    options.setdefault("device", device)
-    return cls.from_pretrained(cfg.get("pretrained"), **options)
+    return _load_media_encoder(cfg, AUDIO_TOKENIZERS, "dac", AudioTokenizer, "audio tokenizer", device)
 
 
 def load_image_encoder(cfg: Mapping, device: Any = "cpu") -> ImageEncoder:
@@ -98,12 +105,7 @@ def load_image_encoder(cfg: Mapping, device: Any = "cpu") -> ImageEncoder:
     Example: ``load_image_encoder({"name": "wan", "pretrained": "models/wan-tiny", "normalize": True})``.
     Raises as :func:`load_audio_tokenizer`.
     """
-    cfg = _check_cfg(cfg, "image encoder")
-    if "factory" in cfg:
-        return _from_factory(cfg, ImageEncoder, "image encoder", cfg.get("device", device))
-    cls, options = _builtin(cfg, IMAGE_ENCODERS, "wan", "image encoder")
-    options.setdefault("device", device)
-    return cls.from_pretrained(cfg.get("pretrained"), **options)
+    return _load_media_encoder(cfg, IMAGE_ENCODERS, "wan", ImageEncoder, "image encoder", device)
 
 
 def load_text_tokenizer(cfg: Mapping | None = None) -> TextTokenizer:

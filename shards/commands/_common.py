@@ -1,9 +1,11 @@
 """Helpers shared by the ``shards`` subcommands: output, errors, locating caches and shards."""
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import math
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -353,3 +355,10 @@ def load_manifest(d: Path) -> dict:
     a format version this code does not know :class:`~shards.errors.UnsupportedFormat`."""
     from ..manifest import read_manifest
     return read_manifest(d)
+
+
+def add_jobs_option(p: argparse.ArgumentParser, what: str) -> None:
+    """``-j/--jobs N``: ``what`` run in parallel; default ``min(4, CPU cores)`` (I/O- and hash-bound
+    work: more threads than that only contend for the disk)."""
+    p.add_argument("-j", "--jobs", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
+                   help=f"{what} in parallel (default: %(default)s)")

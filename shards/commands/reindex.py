@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from joblib import Parallel, delayed
@@ -18,7 +17,7 @@ from ..index import attach_sidecar, read_sidecar_parts, sidecar_parts_complete
 from ..scan import scan_shard
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, SHARD_GLOB,
                       parse_shard_name)
-from ._common import Out, UsageError, load_manifest, progress, shard_path, warn
+from ._common import Out, UsageError, add_jobs_option, load_manifest, progress, shard_path, warn
 
 #: manifest fields that write_cache_files recomputes; every other field is kept as it is
 RECOMPUTED = ("format_version", "created", "counts", "shards")
@@ -34,8 +33,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                     "while a precompute job is writing to DIR.")
     p.add_argument("dir", metavar="DIR", help="cache directory")
     p.add_argument("--dry-run", action="store_true", help="scan and report, write nothing")
-    p.add_argument("-j", "--jobs", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
-                   help="tars scanned in parallel (default: %(default)s)")
+    add_jobs_option(p, "tars scanned")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_reindex)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import re
 import threading
 from collections import Counter
@@ -37,7 +36,7 @@ from ..reader import ShardReader, value_checks_from_manifest
 from ..scan import scan_shard
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES, WHOLE_MEMBER_DTYPES,
                       is_main_shard_name, parse_shard_name)
-from ._common import (Out, UsageError, expand_targets, load_manifest, manifest_shards, progress,
+from ._common import (Out, UsageError, add_jobs_option, expand_targets, load_manifest, manifest_shards, progress,
                       read_index_columns, shard_path)
 
 #: scalar index fields re-derived by scan_shard and compared in deep mode
@@ -77,8 +76,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="re-scan every tar and compare every sample with the index; decode tensors")
     p.add_argument("--strict", action="store_true",
                    help="also fail (exit 1) on warnings such as leftover .tmp files")
-    p.add_argument("-j", "--jobs", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
-                   help="shards checked in parallel (default: %(default)s)")
+    add_jobs_option(p, "shards checked")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_verify)
 

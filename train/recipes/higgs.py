@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from loaders.higgs import HiggsBatch
+from shards.tokens import AUDIO_OUT, AUDIO_OUT_BOS
 
 from .lm import LMRecipe, load_causal_lm, lora_options, resolve_lm, touch
 
@@ -101,8 +102,8 @@ class HiggsModel(LMRecipe):
                  eom_token_id: int | None = None) -> None:
         super().__init__()
         cfg = load_config(lm)
-        cache = {"<|AUDIO_OUT|>": (audio_out_token_id, cfg.audio_token_id),
-                 "<|audio_out_bos|>": (audio_out_bos_token_id, cfg.audio_bos_token_id)}
+        cache = {AUDIO_OUT: (audio_out_token_id, cfg.audio_token_id),
+                 AUDIO_OUT_BOS: (audio_out_bos_token_id, cfg.audio_bos_token_id)}
         bad = {t: ids for t, ids in cache.items() if ids[0] is not None and ids[0] != ids[1]}
         if bad:
             raise ValueError("the cache was tokenized with another tokenizer than the model's: "
