@@ -126,6 +126,7 @@ bench-venv: $(BENCH_VENV)/.installed
 bench: $(VENV)/.installed $(MODELS)/.built
 	@$(MAKE) --no-print-directory bench-venv || echo "bench: no benchmark venv ($(BENCH_VENV)); the peers (LitData, Mosaic) are skipped"
 	$(PY) -m benchmarks.run
+	$(PY) scripts/gen_docs.py  # docs/benchmarks.md's table from benchmarks/results/summary.md
 
 # On a CUDA machine: stage one with real-size random encoders and the recipes' data wait with 0/2/8
 # workers (benchmarks/results/gpu.*); elsewhere it says it needs a GPU and exits 0.
