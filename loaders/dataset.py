@@ -34,7 +34,7 @@ from shards.reader import refuse_unsafe
 from shards.storage import is_url
 
 from .batching import PlanSpec
-from .collate import FIELDS, TEXT_PAD_ID, check_fields
+from .collate import ALL_FIELDS, FIELDS, TEXT_PAD_ID, check_fields
 from .order import filter_rows
 from .host import HostArena
 from .read import CHECKS, Staging, read_batch
@@ -47,10 +47,11 @@ log = logging.getLogger("loaders")
 SKIPPED = "__skipped__"
 
 def cache_fields(table: pa.Table) -> tuple[str, ...]:
-    """The fields (of :data:`loaders.FIELDS`, extra waveforms and fields added with ``precompute
-    add-field`` such as ``codes_mimi``) that some sample of the index holds."""
+    """The fields (of :data:`loaders.collate.ALL_FIELDS`: those read by default and those read only
+    when asked for, such as ``latents_logvar`` and ``image_features``; extra waveforms and fields
+    added with ``precompute add-field`` such as ``codes_mimi``) that some sample of the index holds."""
     names = set(pc.unique(table.column("members").combine_chunks().flatten().field("name")).to_pylist())
-    have = [f for f in FIELDS if f + ".npy" in names]
+    have = [f for f in ALL_FIELDS if f + ".npy" in names]
     extra = sorted(n[:-4] for n in names if n.endswith(".npy") and n[:-4] not in registry.BY_NAME
                    and registry.lookup(n[:-4]) is not None)  # audio_16k, audio_16k_starts, codes_mimi...
     return tuple(have) + tuple(extra)
