@@ -46,12 +46,14 @@ log = logging.getLogger("loaders")
 #: (``skip_corrupt``); :class:`loaders.ShardLoader` removes it before the batch is handed out
 SKIPPED = "__skipped__"
 
-def cache_fields(table: pa.Table) -> tuple[str, ...]:
-    """The fields (of :data:`loaders.collate.ALL_FIELDS`: those read by default and those read only
-    when asked for, such as ``latents_logvar`` and ``image_features``; extra waveforms and fields
-    added with ``precompute add-field`` such as ``codes_mimi``) that some sample of the index holds."""
+def cache_fields(table: pa.Table, requested: bool = False) -> tuple[str, ...]:
+    """The fields (of :data:`loaders.FIELDS`, extra waveforms and fields added with ``precompute
+    add-field`` such as ``codes_mimi``) that some sample of the index holds: what a loader reads
+    when no ``fields`` are given. ``requested``: also the fields read only when asked for
+    (:data:`loaders.collate.OPTIONAL_FIELDS`: ``latents_logvar``, ``image_features``), for a model
+    that declares them."""
     names = set(pc.unique(table.column("members").combine_chunks().flatten().field("name")).to_pylist())
-    have = [f for f in ALL_FIELDS if f + ".npy" in names]
+    have = [f for f in (ALL_FIELDS if requested else FIELDS) if f + ".npy" in names]
     extra = sorted(n[:-4] for n in names if n.endswith(".npy") and n[:-4] not in registry.BY_NAME
                    and registry.lookup(n[:-4]) is not None)  # audio_16k, audio_16k_starts, codes_mimi...
     return tuple(have) + tuple(extra)
