@@ -234,3 +234,31 @@ def test_projection_only_trains_only_the_projection(world_cache, gemma3, caplog,
     save_file(theirs, str(tmp_path / "proj.safetensors"))
     m2 = build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(tmp_path / "proj.safetensors")}, spec)
     assert all(bool((p == 0.5).all()) for p in m2.world_projector.parameters())
+
+
+def test_verify_checks_bf16_bits_and_the_config_is_validated(world_cache, tmp_path):
+    """A NaN bit pattern written into an image_features member: `shards verify --deep` names the sample
+    and the field (the kind's check: no exponent of all ones). A bad image_features section is refused
+    before any model is loaded, naming the option."""
+    import shutil
+    from precompute.config import load_config
+    from precompute.validate import check_config
+    from shards import read_index
+    cache = tmp_path / "c"
+    shutil.copytree(world_cache, cache)
+    row = read_index(cache).to_pylist()[0]
+    m = next(x for x in row["members"] if x["name"] == "image_features.npy")
+    shard = cache / row["shard"]
+    shard.chmod(0o644)
+    with open(shard, "r+b") as f:
+        f.seek(m["offset"] + 2 * 5)
+        f.write(np.array([0x7FC0], np.uint16).tobytes())          # bfloat16 NaN
+    v = subprocess.run([sys.executable, "-m", "shards", "verify", str(cache), "--deep", "--no-progress"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert v.returncode == 1 and row["key"] in v.stdout, v.stdout + v.stderr
+    assert "image_features has 1 non-finite bfloat16 value" in v.stdout, v.stdout
+    problems = dict(check_config(load_config(ROOT / "configs" / "precompute-theworld.yaml", [
+        "image_features={name: siglip, pretrained: x}"])))
+    assert "image_features.name" in problems and "gemma3" in problems["image_features.name"]
+    problems = dict(check_config(load_config(None, ["image_features={name: gemma3, dtype: fp8}"])))
+    assert set(problems) >= {"image_features.pretrained", "image_features.dtype"}, problems
