@@ -34,7 +34,7 @@ from shards.reader import refuse_unsafe
 from shards.storage import is_url
 
 from .batching import PlanSpec
-from .collate import FIELDS, TEXT_PAD_ID, check_fields
+from .collate import ALL_FIELDS, FIELDS, TEXT_PAD_ID, check_fields
 from .order import filter_rows
 from .host import HostArena
 from .read import CHECKS, Staging, read_batch
@@ -46,11 +46,14 @@ log = logging.getLogger("loaders")
 #: (``skip_corrupt``); :class:`loaders.ShardLoader` removes it before the batch is handed out
 SKIPPED = "__skipped__"
 
-def cache_fields(table: pa.Table) -> tuple[str, ...]:
+def cache_fields(table: pa.Table, requested: bool = False) -> tuple[str, ...]:
     """The fields (of :data:`loaders.FIELDS`, extra waveforms and fields added with ``precompute
-    add-field`` such as ``codes_mimi``) that some sample of the index holds."""
+    add-field`` such as ``codes_mimi``) that some sample of the index holds: what a loader reads
+    when no ``fields`` are given. ``requested``: also the fields read only when asked for
+    (:data:`loaders.collate.OPTIONAL_FIELDS`: ``latents_logvar``, ``image_features``), for a model
+    that declares them."""
     names = set(pc.unique(table.column("members").combine_chunks().flatten().field("name")).to_pylist())
-    have = [f for f in FIELDS if f + ".npy" in names]
+    have = [f for f in (ALL_FIELDS if requested else FIELDS) if f + ".npy" in names]
     extra = sorted(n[:-4] for n in names if n.endswith(".npy") and n[:-4] not in registry.BY_NAME
                    and registry.lookup(n[:-4]) is not None)  # audio_16k, audio_16k_starts, codes_mimi...
     return tuple(have) + tuple(extra)

@@ -80,12 +80,20 @@ class ChatTokens:
     """The token strings a conversation is rendered with.
 
     ``image``: the placeholder of one image (``<image>``; Gemma 3: ``<start_of_image>``);
-    ``world``: TheWorld's ``(start, end)`` world-token markers, or None (no world tokens).
+    ``world``: TheWorld's ``(start, end)`` world-token markers, or None (no world tokens);
+    ``image_sequence``: the text each image placeholder is expanded into before tokenizing, or None
+    (one placeholder token per image). Gemma 3: ``Gemma3Processor.full_image_sequence``,
+    ``"\\n\\n<start_of_image>" + mm_tokens_per_image x "<image_soft_token>" + "<end_of_image>\\n\\n"``,
+    which its processor substitutes for every ``<start_of_image>`` of the text (so the cache's ids
+    are the processor's); ``image_inner``: the tokens of that sequence other than the placeholder
+    (``<image_soft_token>``, ``<end_of_image>``), never trained and recorded in ``special_token_ids``.
     The audio tokens are Higgs-Audio's (:mod:`shards.tokens`).
     """
 
     image: str = IMAGE
     world: tuple[str, str] | None = None
+    image_sequence: str | None = None
+    image_inner: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, cfg: Any) -> "ChatTokens":
@@ -100,7 +108,24 @@ class ChatTokens:
 
     def all(self) -> tuple[str, ...]:
         """Every special string of the layouts: :data:`SPECIAL_TOKENS`, the image placeholder, the markers."""
-        return tuple(dict.fromkeys(SPECIAL_TOKENS + (self.image,) + (self.world or ())))
+        return tuple(dict.fromkeys(SPECIAL_TOKENS + (self.image,) + (self.world or ()) + tuple(self.image_inner)))
+
+    def expand(self, text: str) -> tuple[str, list[int]]:
+        """``text`` with every image placeholder replaced by :attr:`image_sequence` (as
+        ``Gemma3Processor`` does: ``ProcessorMixin._process_images`` / ``replace_image_token``, one
+        plain substitution per occurrence), and the start offsets of the placeholders in ``text``
+        (to move character positions; :meth:`moved`). Without a sequence: ``text`` unchanged."""
+        if not self.image_sequence:
+            return text, []
+        at, i = [], text.find(self.image)
+        while i >= 0:
+            at.append(i)
+            i = text.find(self.image, i + len(self.image))
+        return text.replace(self.image, self.image_sequence), at
+
+    def moved(self, pos: int, at: list[int]) -> int:
+        """Character position ``pos`` of the text before :meth:`expand` in the expanded text."""
+        return pos + bisect.bisect_left(at, pos) * (len(self.image_sequence or self.image) - len(self.image))
 
 
 DEFAULT_TOKENS = ChatTokens()
@@ -122,6 +147,8 @@ def llama3_pieces(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS) -> li
         out.append(((BEGIN_OF_TEXT if i == 0 else "") + f"{START_HEADER}{turn.role}{END_HEADER}\n\n", False))
         for p in turn.parts:
             text = p.text if p.type == "text" else media_text(turn.role, p.type, tokens)
+            if p.type == "image" and tokens.image_sequence:
+                text = tokens.image_sequence
             if text:
                 out.append((text, trained))
         eom = turn.role == "assistant" and i + 1 < n and conv.turns[i + 1].role == "assistant"
@@ -173,7 +200,7 @@ def needed_tokens(kinds: Iterable[str] | None = None, tokens: ChatTokens = DEFAU
     if "audio_out" in kinds:
         need += AUDIO_OUT_TOKENS
     if "image" in kinds:
-        need += [tokens.image, *(tokens.world or ())]
+        need += [tokens.image, *tokens.image_inner, *(tokens.world or ())]
     return list(dict.fromkeys(need))
 
 
@@ -247,7 +274,7 @@ def render(conv: Conversation, tokenizer, template: str, tokens: ChatTokens = DE
             prefix-stable or its generation prompt does not start the assistant turn.
     """
     specials = special_ids(tokenizer, tokens)
-    never = {specials[t] for t in (AUDIO_IN, tokens.image) if t in specials}  # never trained
+    never = {specials[t] for t in (AUDIO_IN, tokens.image, *tokens.image_inner) if t in specials}  # never trained
     if not _has_targets(conv):
         raise CorruptSample(schema.NO_TARGETS, _no_targets_detail(conv), conv.sources[0] if conv.sources else "")
     if template == "llama3":
@@ -310,6 +337,8 @@ def _render_hf(conv: Conversation, tokenizer, never: set[int], tokens: ChatToken
             if end > len(head):
                 spans.append((len(head), end))
         prev = cur
+    prev, at = tokens.expand(prev)  # Gemma 3's image sequence, as its processor expands it before tokenizing
+    spans = [(tokens.moved(a, at), tokens.moved(b, at)) for a, b in spans]
     enc = tok(prev, add_special_tokens=False, return_offsets_mapping=True)
     starts = [s for s, _ in spans]
     trained = []
@@ -354,6 +383,8 @@ def describe(template: str, tokenizer, tokens: ChatTokens = DEFAULT_TOKENS,
            "label_convention": "prepare_chatml_sample"}
     if tokens.world:
         out["world_tokens"] = list(tokens.world)
+    if tokens.image_sequence:  # each image placeholder expanded (Gemma 3's processor's full_image_sequence)
+        out["image_sequence"] = tokens.image_sequence
     if added:
         out["added_tokens"] = dict(added)
         out["base_vocab_size"] = int(tokenizer.vocab_size) - len(added)

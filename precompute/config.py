@@ -117,6 +117,12 @@ class PrecomputeConfig:
         factory=lambda: {"name": "wan", "pretrained": "models/wan-tiny"}, flag=False)
     """VAE spec {name: a VAE of the registry (listed by --help), pretrained: DIR or hub id, ...} or a factory; null = no latents (an audio
     job never loads a VAE). Flag: --image-encoder NAME|module:factory."""
+    image_features: dict[str, Any] | None = option(None, flag=False)
+    """A VLM's frozen image encoder run once here: {name: gemma3, pretrained: DIR or hub id, dtype: bfloat16}
+    runs Gemma 3's processor + SigLIP vision tower + multimodal projector on each decoded image and stores
+    image_features (n_images, mm_tokens_per_image, hidden) bfloat16 (as int16 bits); input_ids then hold
+    Gemma's expanded image sequence exactly as Gemma3Processor builds it (image_token must be its
+    <start_of_image>). null = not computed (a job that does not need them never loads the model)."""
     text_tokenizer: dict[str, Any] = option(factory=lambda: {"name": "bytes"}, flag=False)
     """Text tokenizer spec: {name: bytes} or {name: hf, pretrained: DIR or hub id} (the LM's own tokenizer)."""
     chat_template: str = option("auto", choices=CHAT_TEMPLATES)
@@ -173,6 +179,8 @@ class PrecomputeConfig:
         out["chat_template"] = self.chat_template
         if self.extra_waveforms:
             out["extra_waveforms"] = self.extra_waveforms
+        if self.image_features:  # only when set: caches without it keep their fingerprint
+            out["image_features"] = dict(self.image_features)
         return out
 
     def to_dict(self) -> dict[str, Any]:

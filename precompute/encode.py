@@ -107,8 +107,29 @@ def job_producers(cfg: PrecomputeConfig, enc: Encoders, template: str, device: s
     out.append(P.CodesProducer(enc.audio) if enc.audio is not None else P.SegmentsProducer())
     if enc.image is not None:
         out.append(P.LatentsProducer(enc.image, cfg.store_posterior, info=P.latents_info(cfg, enc.image)))
-    extra = {name: P.load_producer(spec, name, device) for name, spec in (cfg.extra_fields or {}).items()}
+    extra = {}
+    if cfg.image_features:  # the VLM's own image encoder (Gemma 3), only when the config asks for it
+        extra["image_features"] = P.load_producer({"producer": "image_features", "image_rgb": cfg.image_rgb,
+                                                   **cfg.image_features}, "image_features", device)
+    extra |= {name: P.load_producer(spec, name, device) for name, spec in (cfg.extra_fields or {}).items()}
     return out + list(extra.values()), extra
+
+
+def job_tokens(cfg: PrecomputeConfig, extra: dict[str, P.Producer]):
+    """The job's :class:`precompute.chat.ChatTokens`: the config's, plus the image sequence of an
+    ``image_features`` producer (Gemma 3: its processor's ``full_image_sequence``, whose placeholder
+    must be the config's ``image_token``). Raises ``ValueError`` when they disagree."""
+    from . import chat
+    tokens = chat.ChatTokens.of(cfg)
+    p = extra.get("image_features")
+    enc = getattr(p, "encoder", None)
+    if enc is None or not getattr(enc, "image_sequence", None):
+        return tokens
+    if enc.boi_token != tokens.image:
+        raise ValueError(f"image_features: {cfg.image_features.get('pretrained')}'s processor expands "
+                         f"{enc.boi_token!r}, but image_token is {tokens.image!r}; set image_token: {enc.boi_token}")
+    inner = tuple(t for t in (enc.image_token, enc.eoi_token) if t)
+    return chat.ChatTokens(tokens.image, tokens.world, enc.image_sequence, inner)
 
 
 def job_rates(producers: list[P.Producer]) -> tuple[int, ...]:
@@ -166,6 +187,7 @@ class Pipeline:
     checks: dict[str, tuple]
     fingerprint: str
     describe: dict[str, Any]
+    source_images: bool = False  #: a producer gives decoded images to a model's own processor
 
     @classmethod
     def build(cls, cfg: PrecomputeConfig, device: str, requests: list | None = None) -> "Pipeline":
@@ -176,7 +198,8 @@ class Pipeline:
         from . import chat
         enc = load_encoders(cfg, device)
         template = chat.resolve_template(cfg.chat_template, enc.text)
-        tokens = chat.ChatTokens.of(cfg)
+        producers, extra = job_producers(cfg, enc, template, device)
+        tokens = job_tokens(cfg, extra)
         added: dict[str, int] = {}  # tokens the job needs and the tokenizer lacked
         convs = [r.conversation for r in requests or [] if r.conversation is not None]
         if convs:
@@ -184,7 +207,6 @@ class Pipeline:
             if added:
                 log.info("added %s to the text tokenizer (vocab_size %d): resize the LM's embeddings", added,
                          enc.text.vocab_size)
-        producers, extra = job_producers(cfg, enc, template, device)
         info = job_info(producers, extra, enc.text)
         encoders = enc.describe()
         preprocessing = cfg.preprocessing()
@@ -192,7 +214,8 @@ class Pipeline:
             preprocessing["extra_fields"] = {name: p.describe() for name, p in extra.items()}
         return cls(cfg, device, enc, template, tokens, added, producers, extra, job_rates(producers), info,
                    value_checks(producers, info), fingerprint(*encoders.values(), preprocessing=preprocessing),
-                   encoders | {"preprocessing": preprocessing})
+                   encoders | {"preprocessing": preprocessing},
+                   any(hasattr(p, "image_sequence") for p in producers))
 
     @property
     def image_multiple(self) -> int:
@@ -202,7 +225,8 @@ class Pipeline:
     def prepare(self, req: Any, chunk: int = 0) -> Prepared:
         """Decode one manifest row (see :func:`precompute.prepare.prepare`)."""
         from .prepare import prepare
-        return prepare(req, chunk, self.cfg, self.rates, self.enc.text, self.template, self.image_multiple)
+        return prepare(req, chunk, self.cfg, self.rates, self.enc.text, self.template, self.image_multiple,
+                       self.tokens, self.source_images)
 
     def encode(self, batch: list[Prepared], summary: "Summary") -> list[tuple[str, dict | None, tuple | None]]:
         """:func:`encode_batch` with this pipeline's producers and checks."""

@@ -85,23 +85,13 @@ def target_size(width: int, height: int, size: int, mode: str, multiple: int = 8
     return w, h
 
 
-def load_image(path: str | Path, size: int = 256, *, mode: str = "center_crop", multiple: int = 8,
-               max_pixels: int = 64_000_000, min_side: int = 16, rgb: str = "composite") -> np.ndarray:
-    """Decode ``path`` (read once) to uint8 RGB ``(H, W, 3)`` on the VAE grid (``mode``, ``rgb``:
-    see the module docstring).
-
-    Raises :class:`CorruptSample` with reason ``missing_file``, ``image_unreadable``,
-    ``image_truncated``, ``image_too_large`` (more than ``max_pixels`` pixels: decompression-bomb
-    guard, checked from the header before any pixel is decoded) or ``image_too_small`` (shorter
-    side below ``min_side`` px). ``ValueError`` for a bad ``mode`` or ``rgb``, or a ``size`` that
-    is not a multiple of ``multiple``.
-    """
-    if mode not in RESIZE_MODES:
-        raise ValueError(f"unknown resize mode {mode!r}; known: {', '.join(RESIZE_MODES)}")
+def decode_image(path: str | Path, *, max_pixels: int = 64_000_000, min_side: int = 16,
+                 rgb: str = "composite") -> Image.Image:
+    """Decode ``path`` (read once) to an 8-bit RGB Pillow image of its own size (``rgb``: see the
+    module docstring): what :func:`load_image` resizes, and what a model's own image processor
+    (Gemma 3's, for ``image_features``) is given. Raises as :func:`load_image`."""
     if rgb not in RGB_MODES:
         raise ValueError(f"unknown rgb mode {rgb!r}; known: {', '.join(RGB_MODES)}")
-    if size % multiple:
-        raise ValueError(f"image size {size} is not a multiple of the VAE's spatial factor {multiple}")
     path = Path(path)
     if not path.is_file():
         raise CorruptSample(schema.MISSING_FILE, "file does not exist", str(path))
@@ -125,7 +115,28 @@ def load_image(path: str | Path, size: int = 256, *, mode: str = "center_crop", 
         raise CorruptSample(reason, str(e), str(path)) from e
     if min(w, h) < min_side:
         raise CorruptSample(schema.IMAGE_TOO_SMALL, f"{w}x{h} has a side < min_side {min_side}", str(path))
-    im = _to_rgb(ImageOps.exif_transpose(im)) if rgb == "composite" else im.convert("RGB")
+    return _to_rgb(ImageOps.exif_transpose(im)) if rgb == "composite" else im.convert("RGB")
+
+
+def load_image(path: str | Path, size: int = 256, *, mode: str = "center_crop", multiple: int = 8,
+               max_pixels: int = 64_000_000, min_side: int = 16, rgb: str = "composite",
+               decoded: Image.Image | None = None) -> np.ndarray:
+    """Decode ``path`` (read once) to uint8 RGB ``(H, W, 3)`` on the VAE grid (``mode``, ``rgb``:
+    see the module docstring); ``decoded``: the image :func:`decode_image` already returned for it.
+
+    Raises :class:`CorruptSample` with reason ``missing_file``, ``image_unreadable``,
+    ``image_truncated``, ``image_too_large`` (more than ``max_pixels`` pixels: decompression-bomb
+    guard, checked from the header before any pixel is decoded) or ``image_too_small`` (shorter
+    side below ``min_side`` px). ``ValueError`` for a bad ``mode`` or ``rgb``, or a ``size`` that
+    is not a multiple of ``multiple``.
+    """
+    if mode not in RESIZE_MODES:
+        raise ValueError(f"unknown resize mode {mode!r}; known: {', '.join(RESIZE_MODES)}")
+    if rgb not in RGB_MODES:
+        raise ValueError(f"unknown rgb mode {rgb!r}; known: {', '.join(RGB_MODES)}")
+    if size % multiple:
+        raise ValueError(f"image size {size} is not a multiple of the VAE's spatial factor {multiple}")
+    im = decoded if decoded is not None else decode_image(path, max_pixels=max_pixels, min_side=min_side, rgb=rgb)
     out_w, out_h = target_size(im.width, im.height, size, mode, multiple)
     if mode == "stretch":
         im = im.resize((out_w, out_h), RESAMPLE[mode])

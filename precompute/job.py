@@ -316,7 +316,8 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     writer = _ChunkWriter(output, chunks, summary, bar)
     writer.start()
     workers = resolve_workers(cfg.num_workers, device) if items else 0
-    loader = DataLoader(PrepareDataset(items, cfg, pipe.rates, enc.text, template, pipe.image_multiple),
+    loader = DataLoader(PrepareDataset(items, cfg, pipe.rates, enc.text, template, pipe.image_multiple,
+                                       pipe.tokens, pipe.source_images),
                         batch_sampler=chunk_batches([c for _, c in items], cfg.encoder_batch_size), num_workers=workers,
                         collate_fn=identity_collate, prefetch_factor=4 if workers else None)
     try:

@@ -19,7 +19,7 @@ from shards.errors import CorruptSample
 from . import chat
 from .audio import load_audio_windows
 from .config import PrecomputeConfig
-from .images import load_image
+from .images import decode_image, load_image
 from .manifests import Request
 
 
@@ -28,7 +28,10 @@ class Prepared:
     """Decoded inputs of one row.
 
     ``audio``: one ``{rate Hz: float32 (n,)}`` per audio item of the conversation (in order);
-    ``durations``: seconds per item; ``images``: uint8 ``(H, W, 3)`` per image item;
+    ``durations``: seconds per item; ``images``: uint8 ``(H, W, 3)`` per image item on the VAE grid;
+    ``source_images``: uint8 ``(H0, W0, 3)`` per image item at its own size (RGB as ``image_rgb``
+    says, nothing else), only when a producer gives images to a model's own processor
+    (``image_features``);
     ``input_ids``/``labels``: int32 ``(L,)`` (:func:`precompute.chat.render`);
     ``error``: ``(reason, detail)`` when the row is rejected.
     """
@@ -39,6 +42,7 @@ class Prepared:
     durations: list[float] = field(default_factory=list)
     orig_sample_rates: list[int] = field(default_factory=list)
     images: list[np.ndarray] = field(default_factory=list)
+    source_images: list[np.ndarray] = field(default_factory=list)
     input_ids: np.ndarray | None = None
     labels: np.ndarray | None = None
     error: tuple[str, str] | None = None
@@ -98,12 +102,16 @@ def check_caps(conv, cfg: PrecomputeConfig) -> None:
 
 
 def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, ...], text_tokenizer,
-            template: str = "llama3", image_multiple: int = 8) -> Prepared:
+            template: str = "llama3", image_multiple: int = 8, tokens: "chat.ChatTokens | None" = None,
+            source_images: bool = False) -> Prepared:
     """Decode ``req``; a :class:`CorruptSample` (or any decoder crash) becomes ``Prepared.error``.
 
     The caps per sample (``max_audio_items``, ``max_images``, ``max_total_duration_s``,
     ``max_text_tokens``) reject a row as ``too_large``: counts before any decoding, seconds after
-    decoding the audio, tokens after rendering the conversation."""
+    decoding the audio, tokens after rendering the conversation. ``tokens``: the job's
+    :class:`precompute.chat.ChatTokens` (default: from ``cfg``; the job's carry Gemma 3's image
+    sequence when ``image_features`` is set); ``source_images``: keep each decoded image at its own
+    size too (``Prepared.source_images``)."""
     out = Prepared(req=req, chunk=chunk)
     if req.error:
         out.error = req.error
@@ -113,7 +121,7 @@ def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, .
     try:
         check_caps(conv, cfg)
         # rendered first: a row without targets (no_targets) or past max_text_tokens is rejected before decoding
-        out.input_ids, out.labels = chat.render(conv, text_tokenizer, template, chat.ChatTokens.of(cfg))
+        out.input_ids, out.labels = chat.render(conv, text_tokenizer, template, tokens or chat.ChatTokens.of(cfg))
         if len(out.input_ids) > cfg.max_text_tokens:
             raise _too_large("text tokens", len(out.input_ids), cfg.max_text_tokens, "max_text_tokens")
         stage = schema.UNREADABLE_AUDIO
@@ -124,18 +132,22 @@ def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, .
                                  "max_total_duration_s")
         stage = schema.IMAGE_UNREADABLE
         for im in conv.images:
+            decoded = decode_image(im.source, max_pixels=cfg.max_image_pixels, min_side=cfg.min_image_side,
+                                   rgb=cfg.image_rgb)  # once, for the VAE grid and the model's processor
             out.images.append(load_image(im.source, cfg.image_size, mode=cfg.image_resize, multiple=image_multiple,
                                          max_pixels=cfg.max_image_pixels, min_side=cfg.min_image_side,
-                                         rgb=cfg.image_rgb))
+                                         rgb=cfg.image_rgb, decoded=decoded))
+            if source_images:
+                out.source_images.append(np.array(decoded, dtype=np.uint8))
         if len({a.shape for a in out.images}) > 1:
             raise CorruptSample(schema.MALFORMED_ROW, f"{len(out.images)} images of different sizes in one "
                                 "conversation (image_resize: bucket); use center_crop or pad", conv.images[0].source)
     except CorruptSample as e:
         out.error = (e.reason, e.detail)
-        out.audio, out.images, out.input_ids, out.labels = [], [], None, None
+        out.audio, out.images, out.source_images, out.input_ids, out.labels = [], [], [], None, None
     except Exception as e:  # a decoder bug must cost one sample, not the job
         out.error = (stage, f"{type(e).__name__}: {e}")
-        out.audio, out.images, out.input_ids, out.labels = [], [], None, None
+        out.audio, out.images, out.source_images, out.input_ids, out.labels = [], [], [], None, None
     return out
 
 
@@ -143,16 +155,19 @@ class PrepareDataset(Dataset):
     """Map-style dataset over ``[(request, chunk)]`` returning :class:`Prepared` (use ``collate_fn=list``)."""
 
     def __init__(self, items: list[tuple[Request, int]], cfg: PrecomputeConfig, rates: tuple[int, ...],
-                 text_tokenizer, template: str = "llama3", image_multiple: int = 8):
+                 text_tokenizer, template: str = "llama3", image_multiple: int = 8, tokens=None,
+                 source_images: bool = False):
         self.items, self.cfg, self.rates = items, cfg, rates
         self.text_tokenizer, self.template, self.image_multiple = text_tokenizer, template, image_multiple
+        self.tokens, self.source_images = tokens, source_images
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> Prepared:
         req, chunk = self.items[i]
-        return prepare(req, chunk, self.cfg, self.rates, self.text_tokenizer, self.template, self.image_multiple)
+        return prepare(req, chunk, self.cfg, self.rates, self.text_tokenizer, self.template, self.image_multiple,
+                       self.tokens, self.source_images)
 
 
 def identity_collate(batch: list[Prepared]) -> list[Prepared]:

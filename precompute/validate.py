@@ -142,9 +142,31 @@ def _world(v: Any) -> list[tuple[str, str]]:
     return []
 
 
+def _image_features(v: Any) -> list[tuple[str, str]]:
+    """``{name: gemma3, pretrained: DIR_OR_HUB_ID, dtype}`` (null: none)."""
+    if v is None:
+        return []
+    from .config import ENCODER_DTYPES
+    from .producers.image_features import VISION_ENCODERS
+    out = []
+    name = v.get("name", "gemma3")
+    if name not in VISION_ENCODERS:
+        return [(".name", f"expected one of {', '.join(VISION_ENCODERS)}, got {_show(name)}")]
+    accepted = {"name", "pretrained", *VISION_ENCODERS[name].OPTIONS}
+    unknown = sorted(set(v) - accepted)
+    if unknown:
+        out.append(("", f"unknown option(s) {unknown} for {name!r}; accepted: {sorted(accepted)}"))
+    p = v.get("pretrained")
+    if not isinstance(p, str) or not p.strip():
+        out.append((".pretrained", f"expected a local directory or hub id (e.g. google/gemma-3-4b-it), got {_show(p)}"))
+    if "dtype" in v and v["dtype"] not in ENCODER_DTYPES:
+        out.append((".dtype", f"expected one of {', '.join(ENCODER_DTYPES)}, got {_show(v['dtype'])}"))
+    return out
+
+
 #: per-option checks beyond type, choices and bounds (run where those passed)
 CUSTOM = {"device": _device, "precision_tolerance": _tolerance, "extra_waveforms": _waveforms,
-          "image_token": _token, "world_tokens": _world,
+          "image_token": _token, "world_tokens": _world, "image_features": _image_features,
           **{f: _spec_check(f) for f in ENCODER_SPECS}}
 
 

@@ -157,6 +157,10 @@ FIELDS: tuple[Field, ...] = (
     Field("latents_logvar", "float16", 4, K.LATENTS, pad=0.0, mask="latents_mask", present_key="has_image",
           default_read=False, packed=False, paired_with="latents",
           doc="VAE posterior log-variance; only with store_posterior"),
+    Field("image_features", "int16", 3, K.BF16_BITS, pad=0, lengths="image_features_count",
+          mask="image_features_mask", default_read=False, packed=False,
+          doc="Gemma 3 vision tower + projector output (n_images, tokens, hidden), bfloat16 bits; "
+              "only with image_features"),
 )
 
 #: name -> Field of the fixed entries and of registered plug-in fields

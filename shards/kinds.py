@@ -28,7 +28,9 @@ Built-in kinds (instances below): :data:`TOKENS` (ids ``(L,)``), :data:`LABELS` 
 tokens), :data:`WAVEFORM` (int16 PCM ``(T,)``; owns the PCM scale), :data:`OFFSETS` (``(S + 1,)``
 item offsets, padded with the last offset), :data:`SEGMENTS` (``(S, 6)`` table rows, padded with -1),
 :data:`LATENTS` (``(C, T, H, W)`` VAE latents, padded on every axis, mask over ``(T, H, W)``) and
-:data:`FEATURES` (float ``(D, frames)`` features such as log-mel spectrograms, frame mask). A new
+:data:`FEATURES` (float ``(D, frames)`` features such as log-mel spectrograms, frame mask) and
+:data:`BF16_BITS` (bfloat16 ``(n_items, tokens, hidden)`` stored as exact int16 bit patterns, e.g.
+Gemma 3's ``image_features``). A new
 kind is a subclass (or an instance with other parameters) of :class:`FieldKind`.
 
 This module imports numpy only; torch is imported by the methods that build or move tensors.
@@ -469,11 +471,73 @@ class Features(FieldKind):
     fixed_axes = (0,)
 
 
-TOKENS, LABELS, CODES, WAVEFORM, OFFSETS, SEGMENTS, LATENTS, FEATURES = (
-    Tokens(), Tokens(labels=True), Codes(), Waveform(), Offsets(), Rows(columns=6), Latents(), Features())
+#: ``("bf16_finite",)``: the value check of bfloat16 bit patterns stored as int16 (:class:`BFloat16Bits`)
+BF16_FINITE = "bf16_finite"
+#: the exponent bits of a bfloat16 (all set: NaN or inf)
+BF16_EXPONENT = 0x7F80
+
+
+class BFloat16Bits(FieldKind):
+    """bfloat16 values ``(n_items, tokens, hidden)`` stored as their exact bit patterns in int16
+    (numpy has no bfloat16: ``torch_tensor.view(torch.int16).numpy()``, read back with
+    ``torch.from_numpy(a).view(torch.bfloat16)``; no rounding anywhere, a bf16 value round-trips
+    bit for bit). E.g. ``image_features``: Gemma 3's vision tower + multimodal projector output,
+    one ``(mm_tokens_per_image, hidden)`` block per image, in bfloat16 as Gemma 3 computes it.
+
+    A batch pads the item axis to its maximum with 0 (the bits of +0.0), ``NAME_lengths`` items per
+    sample, ``NAME_mask`` ``(B, n_items)``; ``tokens`` and ``hidden`` fixed. A compact batch keeps
+    the int16 bits on the host and the device move reinterprets them as bfloat16 there (a view:
+    no copy, exact); a batch that is not compact holds float32 (every bfloat16 is a float32: exact).
+    Values: no NaN/inf (exponent bits not all set)."""
+
+    name = "bf16_bits"
+    model_dtype = "float32"
+    lengths_axis = 0
+    mask_axes = (0,)
+    fixed_axes = (1, 2)
+
+    def value_check(self, field, manifest):
+        return (BF16_FINITE,)
+
+    @staticmethod
+    def to_storage(x) -> np.ndarray:
+        """A torch tensor (cast to bfloat16 first, round to nearest even) -> int16 bits, same shape."""
+        import torch
+        return x.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
+
+    @staticmethod
+    def from_storage(bits: np.ndarray) -> np.ndarray:
+        """int16 bits -> float32 values (exact: a bfloat16 is the top half of a float32)."""
+        b = np.ascontiguousarray(bits)
+        return (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+    def copy_into(self, dst, src, ctx):
+        if dst.dtype == np.float32 and src.dtype == np.int16:
+            dst[...] = self.from_storage(src)
+        else:
+            _copy(dst, src)
+
+    def widen_host(self, field, dst, src):
+        import torch
+        if dst.dtype == torch.float32 and src.dtype == torch.int16:
+            serial(lambda d, s: d.copy_(s.view(torch.bfloat16)), dst, src)
+        else:
+            super().widen_host(field, dst, src)
+
+    def to_model(self, field, value):
+        """int16 bits (a compact batch) -> the bfloat16 they are (a view, exact); float32 kept."""
+        import torch
+        if value.dtype == torch.int16:
+            return value.view(torch.bfloat16)
+        return value if value.is_floating_point() else value.float()
+
+
+TOKENS, LABELS, CODES, WAVEFORM, OFFSETS, SEGMENTS, LATENTS, FEATURES, BF16_BITS = (
+    Tokens(), Tokens(labels=True), Codes(), Waveform(), Offsets(), Rows(columns=6), Latents(), Features(),
+    BFloat16Bits())
 #: name -> kind, for ``shards show`` and the docs table
 KINDS: dict[str, FieldKind] = {k.name: k for k in (TOKENS, LABELS, CODES, WAVEFORM, OFFSETS, SEGMENTS, LATENTS,
-                                                   FEATURES)}
+                                                   FEATURES, BF16_BITS)}
 
 
 # ------------------------------------------------------------------------------ value checks
@@ -492,6 +556,10 @@ def value_problem(arr: np.ndarray, check: tuple | None) -> str | None:
     if check is None or arr is None or not arr.size:
         return None
     a = np.asarray(arr)
+    if check[0] == BF16_FINITE:  # bfloat16 bit patterns (int16): exponent bits all set = NaN/inf
+        bits = np.ascontiguousarray(a).reshape(-1).view(np.uint16) & np.uint16(BF16_EXPONENT)
+        bad = int((bits == BF16_EXPONENT).sum())
+        return None if not bad else f"has {bad} non-finite bfloat16 value(s) (NaN/inf)"
     if check[0] == "labels":  # ids in [0, hi) or IGNORE_INDEX
         ok = a >= 0
         bad = a[(~ok & (a != IGNORE_INDEX)) | (ok & (a >= check[1]))]
@@ -587,5 +655,5 @@ def _pad_tails(row: np.ndarray, shape: tuple[int, ...], pad: Any) -> None:
 
 
 __all__ = ["FieldKind", "BatchContext", "Tokens", "Codes", "Waveform", "Offsets", "Rows", "Latents", "Features",
-           "TOKENS", "LABELS", "CODES", "WAVEFORM", "OFFSETS", "SEGMENTS", "LATENTS", "FEATURES", "KINDS", "PAD_TEXT", "PAD_LAST",
+           "BFloat16Bits", "BF16_BITS", "BF16_FINITE", "TOKENS", "LABELS", "CODES", "WAVEFORM", "OFFSETS", "SEGMENTS", "LATENTS", "FEATURES", "KINDS", "PAD_TEXT", "PAD_LAST",
            "PCM16_SCALE", "PCM16_FULL_SCALE", "IGNORE_INDEX", "value_problem", "copy_serial", "serial"]

@@ -100,7 +100,7 @@ def _normalise_checks(value_checks: dict[str, Any] | None) -> dict[str, tuple]:
             continue
         if spec == "finite":  # values are read in their storage dtype: NaN/inf is what can go wrong
             out[field] = ("finite", None)
-        elif isinstance(spec, tuple) and spec and spec[0] in ("range", "finite", "labels"):
+        elif isinstance(spec, tuple) and spec and spec[0] in ("range", "finite", "labels", "bf16_finite"):
             out[field] = spec
         elif (isinstance(spec, (tuple, list)) and len(spec) == 2
               and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in spec)

@@ -32,6 +32,9 @@ GEMMA_IMAGE = "<start_of_image>"
 #: TheWorld's world-token markers (``kasohrab/theworld``, ``python/theworld/constants.py``): the world
 #: embeddings of an image sit between them, right after BOS (``TheWorld._inject_world_tokens``)
 WORLD_START, WORLD_END = "<start_of_world>", "<end_of_world>"
+#: Gemma 3's image soft token: ``Gemma3Processor`` expands each ``<start_of_image>`` into
+#: ``mm_tokens_per_image`` of them (``config.image_token_id``, where the image features go)
+GEMMA_IMAGE_SOFT = "<image_soft_token>"
 #: Higgs-Audio v2's tokenizer (a Llama-3 tokenizer): end of text = its pad (``pad_token_id`` 128001),
 #: and the delay token that ``transformers``' ``HiggsAudioV2Processor`` writes after the frames of an
 #: audio item (its ``audio_delay_token``, id 128014: a Llama-3 reserved token). Not in
@@ -51,7 +54,7 @@ PLACEHOLDERS = (AUDIO_IN, AUDIO_OUT, IMAGE)
 AUDIO_IN_TOKENS = (AUDIO_BOS, AUDIO_IN, AUDIO_EOS)
 AUDIO_OUT_TOKENS = (AUDIO_OUT_BOS, AUDIO_OUT, AUDIO_EOS)
 
-__all__ = ["IGNORE_INDEX", "BEGIN_OF_TEXT", "START_HEADER", "END_HEADER", "EOT", "EOM", "AUDIO_BOS",
+__all__ = ["GEMMA_IMAGE_SOFT", "IGNORE_INDEX", "BEGIN_OF_TEXT", "START_HEADER", "END_HEADER", "EOT", "EOM", "AUDIO_BOS",
            "AUDIO_IN", "AUDIO_EOS", "AUDIO_OUT_BOS", "AUDIO_OUT", "IMAGE", "GEMMA_IMAGE", "WORLD_START",
            "WORLD_END", "SPECIAL_TOKENS", "PLACEHOLDERS", "AUDIO_IN_TOKENS", "AUDIO_OUT_TOKENS", "END_OF_TEXT",
            "AUDIO_DELAY", "HIGGS_TOKENS"]

@@ -89,7 +89,7 @@ def test_theworld_preset_latents_are_theworlds_own(real_mini, tiny_models, gemma
     manifest.write_text(json.dumps([rec]))
     cfg = load_config(ROOT / "configs" / "precompute-theworld.yaml", [
         f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma_dir}",
-        "num_workers=0", "device=cpu", "allow_outside_root=true"])
+        "image_features=null", "num_workers=0", "device=cpu", "allow_outside_root=true"])
     summary, m = run(manifest, tmp_path / "cache", cfg, progress=False)
     assert summary.kept == 1, summary.reasons
     s = samples(tmp_path / "cache")["rocket"]

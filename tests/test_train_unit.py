@@ -120,7 +120,7 @@ def test_config_errors_name_every_bad_option_and_exit_2(tmp_path):
 def test_repo_yaml_loads():
     cfg = load_yaml(REPO / "configs" / "train.yaml")
     assert cfg.checkpoint.keep == 3 and cfg.job.requeue_exit_code == 3 and cfg.dist.pg_timeout_min == 30
-    for name in ("train-demo", "train-tts", "train-vlm"):
+    for name in ("train-demo", "train-tts", "train-vlm", "train-theworld"):
         load_yaml(REPO / "configs" / f"{name}.yaml")
 
 

@@ -135,7 +135,7 @@ def _cache_fields(cache: str, mtime_ns: int) -> tuple[str, ...]:
     """(read once per index version: the train and validation loaders and the log all ask)"""
     from loaders.dataset import cache_fields as fields_of
     from shards import read_index
-    return fields_of(read_index(Path(cache)))
+    return fields_of(read_index(Path(cache)), requested=True)  # what a model may declare
 
 
 def resolve_fields(cfg: TrainConfig, model: Any = None, cache: str | None = None) -> tuple[str, ...] | None:

@@ -79,6 +79,9 @@ class DataSpec:
     audio_bos_token_id: int | None = None        #: ``<|audio_bos|>`` (right before ``<|AUDIO|>``)
     eot_token_id: int | None = None              #: ``<|eot_id|>`` (end of a turn)
     eom_token_id: int | None = None              #: ``<|eom_id|>`` (end of an assistant turn followed by another)
+    image_soft_token_id: int | None = None       #: Gemma 3's ``<image_soft_token>`` (expanded image sequence)
+    world_start_token_id: int | None = None      #: TheWorld's world start marker (``text.world_tokens[0]``)
+    world_end_token_id: int | None = None        #: TheWorld's world end marker (``text.world_tokens[1]``)
 
 
 #: DataSpec field -> special token in ``manifest.json`` ``text.special_token_ids``
@@ -124,7 +127,11 @@ def data_spec(cache_dir: str | Path) -> DataSpec:
     specials = manifest.text.special_token_ids if manifest.text is not None else {}
     # the image placeholder is configurable at stage one (text.placeholders.image; <image> before it was)
     placeholders = (manifest.text.extra.get("placeholders") if manifest.text is not None else None) or {}
-    names = _TOKEN_FIELDS | {"image_token_id": placeholders.get("image") or tokens.IMAGE}
+    world = (manifest.text.extra.get("world_tokens") if manifest.text is not None else None) or ()
+    names = _TOKEN_FIELDS | {"image_token_id": placeholders.get("image") or tokens.IMAGE,
+                             "image_soft_token_id": tokens.GEMMA_IMAGE_SOFT}
+    if len(world) == 2:
+        names |= {"world_start_token_id": world[0], "world_end_token_id": world[1]}
     values.update({f: specials.get(tok) for f, tok in names.items()})
     for fname, v in values.items():
         if _int(v) is not None:

@@ -11,7 +11,9 @@ and ``add-field`` (``--producer``): a spec is ``{"producer": NAME, **options}`` 
 ``{"factory": "package.module:callable", "kwargs": {...}}``, the callable taking ``field=`` (the
 name the field gets) and ``device=`` and returning a :class:`~.base.Producer`. Built-in names:
 ``codes`` (options: ``audio_tokenizer`` spec), ``waveform`` (``sample_rate``, ``direction``),
-``latents`` (``image_encoder`` spec, ``store_posterior``).
+``latents`` (``image_encoder`` spec, ``store_posterior``), ``image_features`` (Gemma 3's vision
+tower + projector: ``name``, ``pretrained``, ``dtype``, ``image_rgb``; :mod:`.image_features`; the
+precompute config's ``image_features`` section runs it).
 """
 from __future__ import annotations
 
@@ -50,8 +52,14 @@ def _latents(field: str, device: str, image_encoder: Mapping | None = None, stor
     return LatentsProducer(load_image_encoder(image_encoder, device), bool(store_posterior), field)
 
 
+def _image_features(field: str, device: str, **options: Any) -> Producer:
+    from .image_features import make_image_features  # transformers' Gemma 3 only when asked for
+    return make_image_features(field=field, device=device, **options)
+
+
 #: registry name -> factory(field=, device=, **options) -> Producer
-PRODUCERS: dict[str, Callable[..., Producer]] = {"codes": _codes, "waveform": _waveform, "latents": _latents}
+PRODUCERS: dict[str, Callable[..., Producer]] = {"codes": _codes, "waveform": _waveform, "latents": _latents,
+                                                 "image_features": _image_features}
 
 
 def load_producer(spec: Mapping[str, Any], field: str, device: str = "cpu") -> Producer:

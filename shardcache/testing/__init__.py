@@ -36,6 +36,9 @@ checkpoint directory looks like, so tests load them through the same ``from_pret
                       transformers ``HiggsAudioV2TokenizerModel``: 24 kHz, 25 frames/s, 8 codebooks x
                       1024. tiny: narrow DAC + one-layer HuBERT reading 24 kHz (built and run with a torchaudio
                       soxr fallback where torchaudio cannot load: :mod:`precompute.encoders.torchaudio_compat`).
+``gemma3``            transformers ``Gemma3ForConditionalGeneration`` + its ``Gemma3Processor`` in one directory,
+                      like ``google/gemma-3-4b-it`` (``--model theworld``, stage one's ``image_features``). tiny:
+                      SigLIP 64 px / patch 8, 16 image tokens, Gemma 3 text hidden 64, 2 layers (:mod:`.gemma3`).
 ====================  ===================================================================================
 
 EnCodec, Mimi and Higgs-tokenizer codebooks are calibrated so random models give non-constant codes (:mod:`.codecs`).
@@ -55,13 +58,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import chat_templates, codecs, higgs, text, vaes
+from . import chat_templates, codecs, gemma3, higgs, text, vaes
 
 SIZES = ("tiny", "full")
 
 #: name -> ``make(size, seed)``: every model this package builds (one module per family)
 MAKERS: dict[str, Callable] = {**codecs.MAKERS, **vaes.MAKERS, **text.MAKERS, **chat_templates.MAKERS,
-                               **higgs.MAKERS}
+                               **higgs.MAKERS, **gemma3.MAKERS}
 
 # -- saving -----------------------------------------------------------------------------------------
 

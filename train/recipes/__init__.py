@@ -10,10 +10,14 @@
          and for input audio (``<|AUDIO|>``) as codes, which Higgs-Audio v2 has no path for.
 ``vlm``  :class:`~train.recipes.vlm.VLMModel`: LLaVA/TheWorld-shaped (Cosmos latent patches projected
          in place of ``<image>``, frozen LM by default, caption loss).
+``theworld`` :class:`~train.recipes.theworld.TheWorldModel`: TheWorld itself: Gemma 3
+         (``Gemma3ForConditionalGeneration``) with cached SigLIP ``image_features`` scattered at its image
+         tokens and TheWorld's world projection of cached Cosmos latents between the world markers.
 =======  =======================================================================================
 
 ``tts`` and ``vlm`` load ``model_kwargs.lm`` (default ``models/lm-tiny``) with ``AutoModelForCausalLM``,
-``higgs`` (default ``models/higgs-tiny``) with ``HiggsAudioV2ForConditionalGeneration``; each declares
+``higgs`` (default ``models/higgs-tiny``) with ``HiggsAudioV2ForConditionalGeneration``, ``theworld``
+(default ``models/gemma3-tiny``) with ``Gemma3ForConditionalGeneration``; each declares
 the cached ``fields`` it needs, handles LoRA itself (``enable_lora``) and exposes
 ``optimizer_groups(lr, weight_decay)``.
 """
@@ -26,6 +30,7 @@ RECIPES = {
     "higgs": "train.recipes.higgs:HiggsModel",
     "tts": "train.recipes.tts:TTSModel",
     "vlm": "train.recipes.vlm:VLMModel",
+    "theworld": "train.recipes.theworld:TheWorldModel",
 }
 
 

@@ -1,0 +1,190 @@
+"""``image_features``: a VLM's frozen image encoder run once at stage one (Gemma 3's SigLIP vision
+tower + multimodal projector), so training needs no pixels, no vision tower and no image decode.
+
+For each image of a sample, as Gemma 3 computes it on the fly (``transformers``
+``Gemma3Model.get_image_features``, which TheWorld calls in ``python/theworld/modeling/gemma_vision.py``)::
+
+    decoded RGB image (its own size, ``image_rgb``)
+      -> Gemma3Processor's image processor (resize to the tower's image_size, bilinear; x / 255;
+         (x - mean) / std)                                   pixel_values (3, S, S) float32
+      -> vision_tower (SigLIP) -> multi_modal_projector (avg-pool to mm_tokens_per_image, RMSNorm,
+         matmul)                                              (mm_tokens_per_image, hidden)
+      -> bfloat16 (the model's compute dtype; ``dtype`` option)  stored as its int16 bit patterns
+
+so ``image_features`` is ``(n_images, mm_tokens_per_image, text hidden)`` (kind
+:class:`shards.kinds.BFloat16Bits`: exact bfloat16 on the device). The job's text must then hold
+Gemma's expanded image sequence (``\\n\\n<start_of_image>`` + ``mm_tokens_per_image`` x
+``<image_soft_token>`` + ``<end_of_image>\\n\\n`` per image, what ``Gemma3Processor`` builds): the
+producer gives it as :attr:`ImageFeaturesProducer.image_sequence` and the stage-one job renders
+conversations with it (:class:`precompute.chat.ChatTokens`), so feature ``t`` of image ``k`` is the
+``t``-th ``<image_soft_token>`` of image ``k``'s run in ``input_ids``.
+
+Only the vision tower and projector stay in memory: the language model of the checkpoint is
+dropped right after loading (``from_pretrained`` still reads the whole checkpoint once).
+Configured by ``image_features: {name: gemma3, pretrained: DIR_OR_HUB_ID, dtype: bfloat16}`` in the
+precompute config (registered here as producer ``image_features`` for ``add-field`` too; a cache
+whose ``input_ids`` were rendered without the expanded sequence cannot use features added later:
+the recipe finds a different number of image tokens and refuses it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import Producer, Timer, encode_each
+
+
+class Gemma3VisionEncoder:
+    """Gemma 3's image path up to the LM's inputs: ``Gemma3Processor``'s image processor, the
+    SigLIP ``vision_tower`` and ``multi_modal_projector`` of a ``Gemma3ForConditionalGeneration``
+    checkpoint (``google/gemma-3-4b-it`` or ``shardcache.testing``'s ``gemma3-tiny``).
+
+    Attributes: ``processor`` (the ``Gemma3Processor``), ``image_sequence`` (its
+    ``full_image_sequence``), ``boi_token`` / ``image_token`` / ``eoi_token`` (strings),
+    ``tokens_per_image``, ``hidden_size`` (the text model's), ``dtype``, ``device``.
+    """
+
+    #: spec options besides name and pretrained
+    OPTIONS = ("dtype",)
+
+    def __init__(self, pretrained: str, device: str = "cpu", dtype: str = "bfloat16"):
+        import torch
+        from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+        from shardcache.pretrained import resolve_pretrained
+
+        from ..encoders._common import resolve_dtype
+
+        self.pretrained = resolve_pretrained(pretrained, what="image_features.pretrained")
+        self.dtype = resolve_dtype(dtype)
+        self.device = torch.device(device)
+        self.processor = AutoProcessor.from_pretrained(self.pretrained)
+        model = Gemma3ForConditionalGeneration.from_pretrained(self.pretrained, dtype=self.dtype)
+        self.config = model.config
+        self.vision_tower = model.model.vision_tower.to(self.device).eval()
+        self.projector = model.model.multi_modal_projector.to(self.device).eval()
+        del model  # the language model is not needed at stage one
+        tok = self.processor.tokenizer
+        self.boi_token, self.image_token, self.eoi_token = tok.boi_token, tok.image_token, tok.eoi_token
+        self.image_sequence = self.processor.full_image_sequence
+        self.tokens_per_image = int(self.config.mm_tokens_per_image)
+        self.hidden_size = int(self.config.text_config.hidden_size)
+        for p in list(self.vision_tower.parameters()) + list(self.projector.parameters()):
+            p.requires_grad_(False)
+
+    def pixel_values(self, images: list[np.ndarray]):
+        """uint8 ``(H, W, 3)`` images (any sizes) -> ``pixel_values`` float32 ``(N, 3, S, S)``,
+        exactly as ``Gemma3Processor(images=...)`` makes them."""
+        from PIL import Image
+        out = self.processor.image_processor([Image.fromarray(np.asarray(a, dtype=np.uint8)) for a in images],
+                                             return_tensors="pt")
+        return out["pixel_values"]
+
+    def features(self, pixel_values):
+        """``pixel_values`` ``(N, 3, S, S)`` -> bfloat16 (the encoder dtype) ``(N, tokens_per_image,
+        hidden)``: ``multi_modal_projector(vision_tower(pixel_values).last_hidden_state)``, as
+        ``Gemma3Model.get_image_features`` computes its ``pooler_output``."""
+        import torch
+        with torch.inference_mode():
+            x = pixel_values.to(self.device, self.dtype)
+            h = self.vision_tower(pixel_values=x).last_hidden_state
+            return self.projector(h)
+
+    def encode(self, images: list[np.ndarray]) -> list[np.ndarray]:
+        """One int16 ``(tokens_per_image, hidden)`` array of bfloat16 bits per image."""
+        from shards.kinds import BFloat16Bits
+        f = self.features(self.pixel_values(images))
+        return list(BFloat16Bits.to_storage(f))
+
+    def describe(self) -> dict[str, Any]:
+        from ..encoders._common import clean_config, state_dict_sha256
+        ip = self.processor.image_processor
+        return {"class": f"{type(self).__module__}.{type(self).__qualname__}", "name": "gemma3",
+                "config": clean_config(self.config), "dtype": str(self.dtype).replace("torch.", ""),
+                "weights_sha256": state_dict_sha256(self.vision_tower) + ":" + state_dict_sha256(self.projector),
+                "image_processor": ip.to_dict() if hasattr(ip, "to_dict") else type(ip).__name__,
+                "image_sequence": self.image_sequence}
+
+
+#: ``image_features.name`` -> the encoder class
+VISION_ENCODERS = {"gemma3": Gemma3VisionEncoder}
+
+
+def load_vision_encoder(spec: dict, device: str = "cpu") -> Gemma3VisionEncoder:
+    """The encoder of an ``image_features`` spec ``{name, pretrained, **options}``. Raises ``ValueError``."""
+    spec = dict(spec)
+    name = spec.pop("name", "gemma3")
+    if name not in VISION_ENCODERS:
+        raise ValueError(f"image_features.name: expected one of {', '.join(VISION_ENCODERS)}, got {name!r}")
+    cls = VISION_ENCODERS[name]
+    unknown = sorted(set(spec) - {"pretrained", *cls.OPTIONS})
+    if unknown:
+        raise ValueError(f"image_features: unknown option(s) {unknown}; accepted: pretrained, {', '.join(cls.OPTIONS)}")
+    return cls(spec.get("pretrained"), device=device, **{k: spec[k] for k in cls.OPTIONS if k in spec})
+
+
+class ImageFeaturesProducer(Producer):
+    """``image_features`` int16 ``(n_images, tokens, hidden)`` (bfloat16 bits) of each sample with
+    images (see the module docstring); samples without images get nothing. Reads
+    ``sample.source_images`` (decoded at their own size by the job) when the sample has them, else
+    decodes the sources the conversation names (``add-field``) with ``image_rgb``."""
+
+    name = "image_features"
+    needs_images = True
+
+    def __init__(self, encoder: Any, field: str = "image_features", image_rgb: str = "composite"):
+        self.encoder, self.field, self.image_rgb = encoder, field, image_rgb
+        self.outputs = (field,)
+
+    @property
+    def image_sequence(self) -> str:
+        """The text each image placeholder becomes in ``input_ids`` (``Gemma3Processor.full_image_sequence``)."""
+        return self.encoder.image_sequence
+
+    def describe(self) -> dict[str, Any]:
+        return super().describe() | {"encoder": self.encoder.describe(), "image_rgb": self.image_rgb}
+
+    def manifest_info(self) -> dict[str, Any]:
+        return {"tokens_per_image": self.encoder.tokens_per_image, "hidden_size": self.encoder.hidden_size,
+                "dtype": "bfloat16", "storage": "int16 bit patterns of bfloat16 (shards.kinds.BFloat16Bits)",
+                "image_sequence": self.encoder.image_sequence}
+
+    def _images(self, s) -> list[np.ndarray]:
+        got = getattr(s, "source_images", None)
+        if got or not s.conversation.images:
+            return list(got or [])
+        from ..images import decode_image
+        return [np.array(decode_image(im.source, rgb=self.image_rgb), dtype=np.uint8) for im in s.conversation.images]
+
+    def produce(self, samples: list, timer: Timer) -> list[dict[str, Any] | Exception]:
+        where, images, out = [], [], []
+        for j, s in enumerate(samples):
+            try:
+                for k, img in enumerate(self._images(s)):
+                    where.append((j, k))
+                    images.append(img)
+            except Exception as e:  # noqa: BLE001 - travels with its sample
+                where.append((j, -1))
+                images.append(e)
+        ok = [i for i, im in enumerate(images) if not isinstance(im, Exception)]
+        feats = dict(zip(ok, encode_each(self.encoder.encode, [images[i] for i in ok], timer)))
+        per: dict[int, list] = {}
+        for i, (j, _) in enumerate(where):
+            per.setdefault(j, []).append(images[i] if isinstance(images[i], Exception) else feats[i])
+        for j in range(len(samples)):
+            got = per.get(j, [])
+            bad = next((f for f in got if isinstance(f, Exception)), None)
+            out.append(bad if bad is not None else ({self.field: np.stack(got)} if got else {}))
+        return out
+
+
+def make_image_features(field: str = "image_features", device: str = "cpu", image_rgb: str = "composite",
+                        **spec: Any) -> ImageFeaturesProducer:
+    """The registered producer ``image_features`` (options: the ``image_features`` spec ``name``,
+    ``pretrained``, ``dtype``; and ``image_rgb``)."""
+    return ImageFeaturesProducer(load_vision_encoder(spec, device), field, image_rgb)
+
+
+__all__ = ["Gemma3VisionEncoder", "ImageFeaturesProducer", "VISION_ENCODERS", "load_vision_encoder",
+           "make_image_features"]

@@ -1,0 +1,264 @@
+"""TheWorld from a cache (issue 21, items 4 and 5): Gemma 3's vision tower runs once at stage one
+(``image_features``), and ``--model theworld`` trains Gemma 3 + TheWorld's world projection on the
+cached tensors alone.
+
+Gemma 3's processor and vision tower are run here independently of the code under test
+(``transformers``' ``Gemma3Processor`` on the image file, ``Gemma3ForConditionalGeneration
+.get_image_features``), on real-mini's LLaVA multi-turn manifest and the tiny random Gemma 3 of
+``shardcache.testing``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT
+
+MANIFEST = "llava_multiturn.json"
+#: pixels of the VAE input in these tests (the preset's 512 gives 4096 world tokens per image:
+#: 6 s per step on 2 CPU processes; 64 gives 64, and the same code paths)
+IMAGE_SIZE = 64
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> Path:
+    """The tiny random Gemma 3 + processor (what ``python -m shardcache.testing --only gemma3`` writes)."""
+    from shardcache.testing import build
+    path, _ = build("gemma3", tmp_path_factory.mktemp("gemma3"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def world_cache(real_mini, tiny_models, gemma3, tmp_path_factory) -> Path:
+    """real-mini's LLaVA multi-turn manifest through configs/precompute-theworld.yaml (image_features on)."""
+    from precompute.config import load_config
+    from precompute.job import run
+    from precompute.validate import validate_config
+    cfg = validate_config(load_config(ROOT / "configs" / "precompute-theworld.yaml", [
+        f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma3}",
+        f"image_features.pretrained={gemma3}", f"image_size={IMAGE_SIZE}", "device=cpu", "num_workers=0"]))
+    out = tmp_path_factory.mktemp("theworld") / "cache"
+    summary, _ = run(real_mini / MANIFEST, out, cfg, progress=False)
+    assert summary.kept == 8 and summary.rejected == 0, summary.reasons
+    return out
+
+
+def _samples(cache: Path) -> dict[str, dict]:
+    from shards import ShardReader
+    r = ShardReader(cache)
+    return {k: r.get(i) for i, k in enumerate(r.keys)}
+
+
+def _processor(gemma3: Path):
+    """Gemma 3's own processor, with TheWorld's world markers added to its tokenizer (as TheWorld does)."""
+    from transformers import AutoProcessor
+    proc = AutoProcessor.from_pretrained(str(gemma3))
+    proc.tokenizer.add_tokens(["<start_of_world>", "<end_of_world>"], special_tokens=True)
+    return proc
+
+
+def _on_the_fly(proc, record: dict, real_mini: Path) -> tuple[dict, str]:
+    """What TheWorld feeds Gemma 3 on the fly for a LLaVA record: the conversation through Gemma's
+    chat template (``<image>`` -> ``<start_of_image>``), one world-marker pair per image after
+    ``<bos>``, then ``Gemma3Processor(text, images)`` (the file opened with Pillow)."""
+    from PIL import Image
+    roles = {"human": "user", "gpt": "assistant"}
+    msgs = [{"role": roles[t["from"]], "content": t["value"].replace("<image>", "<start_of_image>")}
+            for t in record["conversations"]]
+    text = proc.tokenizer.apply_chat_template(msgs, tokenize=False)
+    assert text.startswith("<bos>")
+    text = "<bos>" + "<start_of_world><end_of_world>" + text[len("<bos>"):]
+    image = Image.open(real_mini / record["image"])
+    out = proc(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
+    return out, text
+
+
+def test_cached_image_features_and_ids_are_gemma3s_own(world_cache, gemma3, real_mini):
+    """Done-when: Gemma 3's processor + vision tower, run here on the same real-mini image, give the
+    cached image_features (bfloat16, bit for bit up to bf16 rounding), and the cached input_ids equal
+    the processor's for the same rendered text (the expanded image sequence included, labels -100 on it)."""
+    from transformers import Gemma3ForConditionalGeneration
+    proc = _processor(gemma3)
+    model = Gemma3ForConditionalGeneration.from_pretrained(str(gemma3), dtype=torch.bfloat16).eval()
+    got = _samples(world_cache)
+    records = {r["id"]: r for r in json.loads((real_mini / MANIFEST).read_text())}
+    soft = model.config.image_token_id
+    for key, s in got.items():
+        out, _ = _on_the_fly(proc, records[key], real_mini)
+        assert s["input_ids"].tolist() == out["input_ids"][0].tolist(), key
+        assert (s["labels"][out["token_type_ids"][0].numpy() == 1] == -100).all()
+        assert int((s["input_ids"] == soft).sum()) == model.config.mm_tokens_per_image
+        with torch.no_grad():
+            want = model.model.get_image_features(out["pixel_values"].to(torch.bfloat16)).pooler_output  # (1, 16, 64)
+        bits = s["image_features"]
+        assert bits.dtype == np.int16 and bits.shape == tuple(want.shape)
+        cached = torch.from_numpy(bits.copy()).view(torch.bfloat16)
+        # the same ops on the same bf16 weights and pixels: equal within one bf16 step
+        torch.testing.assert_close(cached.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+        assert float(want.float().abs().mean()) > 1e-2                 # not a comparison of zeros
+    man = json.loads((world_cache / "manifest.json").read_text())
+    info = man["fields"]["image_features"]
+    assert info["kind"] == "bf16_bits" and info["tokens_per_image"] == 16 and info["dtype"] == "bfloat16"
+    assert man["text"]["image_sequence"] == proc.full_image_sequence
+    assert man["encoders"]["preprocessing"]["image_features"]["name"] == "gemma3"
+
+
+def test_bf16_bits_kind_is_exact_in_both_batch_dtypes(world_cache):
+    """The kind owns the layout: a compact batch holds the int16 bits and the device move gives
+    bfloat16 (a view); a full batch holds float32; both equal the stored bf16 values exactly."""
+    from loaders import ShardLoader
+    from loaders.device import to_device
+    stored = {k: torch.from_numpy(s["image_features"].copy()).view(torch.bfloat16) for k, s in _samples(world_cache).items()}
+    for compact, host, dev in ((True, torch.int16, torch.bfloat16), (False, torch.float32, torch.float32)):
+        ld = ShardLoader(world_cache, 3, fields=("input_ids", "image_features"), num_workers=0, compact=compact, seed=0)
+        for b in ld:
+            assert b["image_features"].dtype == host and b["image_features_mask"].shape == b["image_features"].shape[:2]
+            d = to_device(b, "cpu")
+            assert d["image_features"].dtype == dev
+            for j, key in enumerate(b["keys"]):
+                assert torch.equal(d["image_features"][j, :1].float(), stored[key].float())
+        ld.close()
+
+
+def test_cached_batch_gives_the_on_the_fly_loss(world_cache, gemma3, real_mini):
+    """Done-when: the batch the loader yields for the theworld cache, through the recipe, gives the
+    loss the recipe gives on the processor's outputs with pixel values through the real vision tower."""
+    from loaders import ShardLoader
+    from loaders.device import to_device
+    from train.models import build_model, data_spec
+    torch.manual_seed(0)
+    model = build_model("theworld", {"lm": str(gemma3), "vision_tower": True}, data_spec(world_cache)).eval()
+    ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=True, seed=0)
+    batch = to_device(next(iter(ld)), "cpu")
+    ld.close()
+    proc = _processor(gemma3)
+    records = {r["id"]: r for r in json.loads((real_mini / MANIFEST).read_text())}
+    outs = [_on_the_fly(proc, records[k], real_mini)[0] for k in batch["keys"]]
+    L = max(o["input_ids"].shape[1] for o in outs)
+    ids = torch.full((len(outs), L), proc.tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(outs), L), dtype=torch.bool)
+    for j, o in enumerate(outs):
+        n = o["input_ids"].shape[1]
+        ids[j, :n], mask[j, :n] = o["input_ids"][0], True
+    fly = {"input_ids": ids, "attention_mask": mask, "labels": batch["labels"],
+           "pixel_values": torch.cat([o["pixel_values"] for o in outs]),
+           "latents": batch["latents"], "latents_mask": batch["latents_mask"]}
+    assert torch.equal(ids, batch["input_ids"])
+    with torch.no_grad():
+        cached, on_the_fly = model(batch)["loss"], model(fly)["loss"]
+        torch.testing.assert_close(cached, on_the_fly, rtol=1e-4, atol=1e-4)
+        # the features matter: zeroing them changes the loss (so the comparison above can fail)
+        zeroed = dict(batch, image_features=torch.zeros_like(batch["image_features"]))
+        assert abs(float(model(zeroed)["loss"]) - float(cached)) > 1e-3
+    assert model.lm.model.vision_tower is not None
+    plain = build_model("theworld", {"lm": str(gemma3)}, data_spec(world_cache))
+    assert plain.lm.model.vision_tower is None and plain.lm.model.multi_modal_projector is None
+    with pytest.raises(ValueError, match="vision_tower: true"):
+        plain(fly)
+
+
+def _train(cache: Path, run_dir: Path, gemma3: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+    head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                f"--nproc_per_node={nproc}"]
+    cmd = head + ["-m", "train", "--cache", str(cache), "--out", str(run_dir), "--config",
+                  str(ROOT / "configs" / "train-theworld.yaml"), "--model-kwargs", json.dumps({"lm": str(gemma3)}),
+                  "--no-progress", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=600)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if "loss" in r and r.get("split") != "val"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.long)])
+def test_theworld_trains_and_the_loss_falls(nproc, world_cache, gemma3, tmp_path):
+    """Done-when: `shardcache train --model theworld` (configs/train-theworld.yaml) on the real-mini
+    LLaVA multi-turn cache, 60 steps: the loss falls below 0.8 x its start; the trainable fraction is
+    logged; only the world projection and the LoRA adapters are saved. The profile of steps 3-5
+    holds no convolution or pooling (no VAE, no SigLIP patch embedding or pooling: nothing of the
+    image path runs in a step)."""
+    profile = ["--set", "profile.enabled=true", "--profile.wait", "1", "--profile.warmup", "1",
+               "--profile.active", "3"] if nproc == 1 else []
+    r = _train(world_cache, tmp_path / "run", gemma3, nproc, *profile)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = _losses(tmp_path / "run")
+    assert len(losses) == 60
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.8 * first, (nproc, first, last)
+    assert "TheWorldModel: trainable fraction" in r.stderr and "world projection + LoRA" in r.stderr
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "run" / "step-60" / "adapter.safetensors"), "pt") as f:   # LoRA: trainables only
+        names = set(f.keys())
+    assert {"world_projector.projection.0.weight", "world_projector.projection.2.weight"} <= names
+    assert any("lora_" in n for n in names) and not any("vision_tower" in n for n in names)
+    print(f"theworld nproc={nproc}: loss {first:.3f} -> {last:.3f} (x{last / first:.3f})")
+    if profile:
+        report = (tmp_path / "run" / "profile" / "report.md").read_text()
+        assert "# Profile of steps 3-5" in report and "| forward |" in report and "aten::" in report
+        trace = next((tmp_path / "run" / "profile").glob("trace-rank0-*.json"))
+        ops = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
+        image_ops = sorted(o for o in ops if any(w in o for w in ("conv", "pool", "upsample")))
+        assert not image_ops, image_ops
+        assert not any(w in report for w in ("conv", "pool"))
+
+
+def test_projection_only_trains_only_the_projection(world_cache, gemma3, caplog, tmp_path):
+    """TheWorld's setting (no LoRA): the LM is frozen, the vision tower is gone before the model
+    reaches a device, the world projection alone trains and the logged fraction is its share; a
+    TheWorld projection state dict is loaded to continue from."""
+    import logging
+    from safetensors.torch import save_file
+    from train.models import build_model, data_spec
+    spec = data_spec(world_cache)
+    with caplog.at_level(logging.INFO, logger="train"):
+        m = build_model("theworld", {"lm": str(gemma3)}, spec)
+    trainable = {n for n, p in m.named_parameters() if p.requires_grad}
+    assert trainable == {f"world_projector.projection.{i}.{w}" for i in (0, 2) for w in ("weight", "bias")}
+    share = (16 * 64 + 64 + 64 * 64 + 64) / sum(p.numel() for p in m.parameters())
+    assert m.trainable_fraction() == pytest.approx(share)
+    assert any("trainable fraction" in r.message and "world projection only" in r.message for r in caplog.records)
+    assert m.lm.model.vision_tower is None and m.lm.model.multi_modal_projector is None
+    assert [g["name"] for g in m.optimizer_groups(1e-3, 0.0)] == ["projection", "projection_no_decay"]
+    theirs = {f"world_projector.projection.{k}": torch.full_like(v, 0.5)
+              for k, v in m.world_projector.projection.state_dict().items()}
+    save_file(theirs, str(tmp_path / "proj.safetensors"))
+    m2 = build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(tmp_path / "proj.safetensors")}, spec)
+    assert all(bool((p == 0.5).all()) for p in m2.world_projector.parameters())
+
+
+def test_verify_checks_bf16_bits_and_the_config_is_validated(world_cache, tmp_path):
+    """A NaN bit pattern written into an image_features member: `shards verify --deep` names the sample
+    and the field (the kind's check: no exponent of all ones). A bad image_features section is refused
+    before any model is loaded, naming the option."""
+    import shutil
+    from precompute.config import load_config
+    from precompute.validate import check_config
+    from shards import read_index
+    cache = tmp_path / "c"
+    shutil.copytree(world_cache, cache)
+    row = read_index(cache).to_pylist()[0]
+    m = next(x for x in row["members"] if x["name"] == "image_features.npy")
+    shard = cache / row["shard"]
+    shard.chmod(0o644)
+    with open(shard, "r+b") as f:
+        f.seek(m["offset"] + 2 * 5)
+        f.write(np.array([0x7FC0], np.uint16).tobytes())          # bfloat16 NaN
+    v = subprocess.run([sys.executable, "-m", "shards", "verify", str(cache), "--deep", "--no-progress"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert v.returncode == 1 and row["key"] in v.stdout, v.stdout + v.stderr
+    assert "image_features has 1 non-finite bfloat16 value" in v.stdout, v.stdout
+    problems = dict(check_config(load_config(ROOT / "configs" / "precompute-theworld.yaml", [
+        "image_features={name: siglip, pretrained: x}"])))
+    assert "image_features.name" in problems and "gemma3" in problems["image_features.name"]
+    problems = dict(check_config(load_config(None, ["image_features={name: gemma3, dtype: fp8}"])))
+    assert set(problems) >= {"image_features.pretrained", "image_features.dtype"}, problems

@@ -1,0 +1,286 @@
+"""``--model theworld``: TheWorld (github.com/kasohrab/theworld, ``python/theworld/modeling/``) from a
+cache: Gemma 3 (``transformers``' ``Gemma3ForConditionalGeneration``, ``google/gemma-3-4b-it``) with
+its image features taken from the cache and Cosmos "world tokens" projected from cached latents.
+
+The LM's inputs, for a batch of the cache (``input_ids`` rendered through Gemma 3's chat template,
+each image expanded into Gemma's image sequence and one world-marker pair per image after BOS, all
+at stage one)::
+
+    inputs_embeds = embed_tokens(input_ids)                          (B, L, D)  Gemma's scaled embedding
+    inputs_embeds[input_ids == <image_soft_token>] = image_features  masked_scatter, image k of sample b
+                                                                     = its k-th run of soft tokens
+    world_k = GELU(W2 GELU(W1 z_k))      z_k = latents[b, :, k] (C, H, W) -> (H*W, C) row-major
+    ... <start_of_world> world_k <end_of_world> ...                 inserted between image k's pair
+
+which is what TheWorld computes on the fly: ``gemma_vision.py`` (``embed_tokens``,
+``get_image_features``, ``get_placeholder_mask``, ``masked_scatter``), ``world_projector.py``
+(one token per latent cell, ``Linear(z_dim, D) -> GELU -> Linear(D, D) -> GELU``) and ``fusion.py``
+(``embeds[:, :sow + 1] + world + embeds[:, eow:]``, attention mask 1 on the world tokens). TheWorld
+has one image per batch position; here image ``k`` of a sample goes with its ``k``-th marker pair.
+Labels are -100 on the inserted world tokens (and, from stage one, on the image sequence and the
+markers). ``token_type_ids`` (1 on the image soft tokens, 0 elsewhere, world tokens included) go to
+Gemma 3, whose ``create_masks_for_vision_model`` lets an image's tokens attend to each other
+bidirectionally, as the processor's ``token_type_ids`` do on the fly.
+
+Nothing of the image path runs in training: the SigLIP vision tower and its projector ran once at
+stage one (``image_features``, bfloat16) and are dropped from the model right after loading, so they
+never reach the device (``vision_tower: true`` keeps them, to feed ``pixel_values`` on the fly, as the
+tests do to compare both paths). The LM is frozen (``freeze_lm``, default True) and trains through
+LoRA adapters when asked (``lora``); the world projection always trains (``projection_lr``). A
+TheWorld projection state dict continues training with ``projection_checkpoint``.
+
+Loss: next-token cross entropy on ``labels``, per-sample normalised like the other recipes
+(:mod:`train.recipes.lm`). Returns ``{"loss", "caption_loss"}``.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .lm import LMRecipe, load_causal_lm, lora_options, merge_placeholders, next_token_loss, resolve_lm, touch
+
+log = logging.getLogger("train")
+
+DEFAULT_GEMMA3 = "models/gemma3-tiny"
+MODEL_TYPE = "gemma3"
+
+
+class WorldProjector(nn.Module):
+    """TheWorld's world projection (``world_projector.py``): latents ``(N, C, H, W)`` -> one token
+    per latent cell, row-major ``(N, H*W, C)`` -> ``Linear(C, D) -> GELU -> Linear(D, D) -> GELU``
+    -> ``(N, H*W, D)``. ``projection`` is TheWorld's ``nn.Sequential`` (state-dict keys
+    ``projection.0.*``, ``projection.2.*``)."""
+
+    def __init__(self, z_dim: int, hidden: int):
+        super().__init__()
+        self.projection = nn.Sequential(nn.Linear(z_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
+
+    @staticmethod
+    def tokens(latents: torch.Tensor) -> torch.Tensor:
+        """``(N, C, H, W)`` -> ``(N, H*W, C)``: one token per cell, row-major (TheWorld's layout)."""
+        return latents.flatten(2).transpose(1, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.projection(tokens.to(self.projection[0].weight.dtype))
+
+
+def load_projection_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """A projection checkpoint (``.safetensors``, or a torch file of tensors only, read with
+    ``weights_only=True``) as ``{"projection.0.weight": ..., ...}``: the keys' last two components
+    (``0.weight`` ... ``2.bias``) are kept, whatever prefix TheWorld's module path gave them."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        raw = load_file(str(path))
+    else:
+        raw = torch.load(str(path), map_location="cpu", weights_only=True)
+        raw = raw.get("state_dict", raw) if isinstance(raw, dict) else raw
+    out = {}
+    for k, v in raw.items():
+        m = re.search(r"(?:^|\.)([02])\.(weight|bias)$", k)
+        if m:
+            out[f"projection.{m.group(1)}.{m.group(2)}"] = v
+    if len(out) != 4:
+        raise ValueError(f"{path}: expected a TheWorld projection state dict (Linear 0 and 2, weight and bias), "
+                         f"found {sorted(raw)}")
+    return out
+
+
+def check_config(lm: Any):
+    """The ``transformers`` config of ``lm``; ``ValueError`` unless it is a Gemma 3 (``gemma3``)."""
+    from train.models import FORBIDDEN_MODULES, blocked_imports
+    name = resolve_lm(lm)
+    with blocked_imports(FORBIDDEN_MODULES):
+        from transformers import AutoConfig
+        try:
+            cfg = AutoConfig.from_pretrained(name)
+        except OSError as e:
+            raise OSError(f"could not load the config of {name!r} ({e}); pass model.kwargs.lm = a Gemma 3 "
+                          "directory or hub id; `make models` builds models/gemma3-tiny") from e
+    if cfg.model_type != MODEL_TYPE:
+        raise ValueError(f"--model theworld needs a Gemma 3 checkpoint (Gemma3ForConditionalGeneration, e.g. "
+                         f"google/gemma-3-4b-it); {name} is {cfg.model_type!r}")
+    return cfg
+
+
+class TheWorldModel(LMRecipe):
+    """Gemma 3 + TheWorld's world tokens on cached image features and latents (see the module docstring).
+
+    Args (``model.kwargs``; ids and sizes of the cache come from ``manifest.json`` via
+    :class:`train.models.DataSpec`):
+        lm: Gemma 3 directory or hub id (default ``models/gemma3-tiny``; users: ``google/gemma-3-4b-it``).
+        dtype: weight dtype of the LM and the projection (float32 | bfloat16 | float16; default float32).
+        attn_implementation: passed to ``from_pretrained`` (Gemma 3 refuses flash attention: its
+            bidirectional image mask).
+        freeze_lm: default True: the LM trains only through LoRA adapters (if any).
+        lora: false | true | {r, alpha, dropout, targets}: peft LoRA on the LM's q/k/v/o_proj.
+        projection_lr: learning rate of the world projection (default: the run's lr).
+        projection_checkpoint: a TheWorld projection state dict to start from (:func:`load_projection_state`).
+        vision_tower: keep Gemma's vision tower and projector (default False: dropped, never on the
+            device); needed only for batches holding ``pixel_values`` instead of ``image_features``.
+        vision_dtype: dtype the kept vision tower runs in (default bfloat16, as stage one).
+        max_trainable_fraction: warn above this trainable fraction with a frozen LM (default 0.10).
+        latent_channels, vocab_size, pad_id, image_token_id (``<start_of_image>``),
+        image_soft_token_id, world_start_token_id, world_end_token_id: the cache's.
+
+    Batch (on the device): ``input_ids``/``labels`` int64 (B, L), ``attention_mask`` bool (B, L);
+    ``image_features`` (B, N, T, D) bfloat16 or float32 with ``image_features_mask`` bool (B, N)
+    (or ``pixel_values`` (n_images, 3, S, S) float32 in sample order, with ``vision_tower: true``);
+    ``latents`` float32 (B, C, N, H, W) with ``latents_mask`` bool (B, N, H, W).
+
+    Raises ``ValueError`` when the cache does not fit the model: not a Gemma 3, other image-token id
+    (tokenized with another tokenizer), no world markers in the cache, image tokens that do not match
+    the features (a cache made without ``image_features``), markers that do not match the images.
+    """
+
+    fields = ("input_ids", "labels", "latents", "image_features")
+    media_name = "projection"
+
+    def __init__(self, *, lm: str = DEFAULT_GEMMA3, dtype: str = "float32", attn_implementation: str | None = None,
+                 freeze_lm: bool = True, lora: Any = False, projection_lr: float | None = None,
+                 projection_checkpoint: str | None = None, vision_tower: bool = False,
+                 vision_dtype: str = "bfloat16", max_trainable_fraction: float = 0.10, latent_channels: int = 16,
+                 vocab_size: int | None = None, pad_id: int = 0, image_token_id: int | None = None,
+                 image_soft_token_id: int | None = None, world_start_token_id: int | None = None,
+                 world_end_token_id: int | None = None) -> None:
+        super().__init__()
+        cfg = check_config(lm)
+        if image_soft_token_id is not None and int(image_soft_token_id) != cfg.image_token_id:
+            raise ValueError(f"the cache's <image_soft_token> is {image_soft_token_id}, the model's image_token_id "
+                             f"{cfg.image_token_id}: precompute with text_tokenizer.pretrained = {lm}")
+        if world_start_token_id is None or world_end_token_id is None:
+            raise ValueError("--model theworld needs the world markers in the cache (precompute with world_tokens: "
+                             "[<start_of_world>, <end_of_world>], configs/precompute-theworld.yaml)")
+        self.soft_id, self.pad_id = int(cfg.image_token_id), int(pad_id)
+        self.sow_id, self.eow_id = int(world_start_token_id), int(world_end_token_id)
+        self.latent_channels = int(latent_channels)
+        self.projection_lr, self.max_trainable_fraction = projection_lr, max_trainable_fraction
+        self.lm = load_causal_lm(lm, vocab_size, dtype, attn_implementation,
+                                 model_class="Gemma3ForConditionalGeneration")
+        self.lm_name, self.lora = str(lm), None
+        inner = self.lm.model
+        self.keep_vision = bool(vision_tower)
+        if self.keep_vision:
+            vd = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[vision_dtype]
+            inner.vision_tower.to(vd)
+            inner.multi_modal_projector.to(vd)
+        else:  # ran at stage one: never on the device, never run
+            inner.vision_tower = None
+            inner.multi_modal_projector = None
+        self.hidden_size = self.lm.get_input_embeddings().weight.shape[1]
+        self.world_projector = WorldProjector(self.latent_channels, self.hidden_size).to(
+            self.lm.get_input_embeddings().weight.dtype)
+        if projection_checkpoint:
+            self.world_projector.load_state_dict(load_projection_state(projection_checkpoint))
+            log.info("world projection loaded from %s", projection_checkpoint)
+        self._finish_init(freeze_lm, lora_options(lora))
+
+    def media_modules(self) -> list[nn.Module]:
+        return [self.world_projector]
+
+    def _lr_of_media(self, lr: float) -> float:
+        return float(self.projection_lr) if self.projection_lr is not None else lr
+
+    def checkpoint_config(self) -> dict:
+        """The model's ``transformers`` config (stored in each checkpoint's ``config.json``)."""
+        return self.lm.config.to_dict()
+
+    def log_trainable(self) -> float:
+        frac = super().log_trainable()
+        log.info("TheWorldModel: trainable fraction %.4f (world projection%s)", frac,
+                 " + LoRA" if self.lora else (" + LM" if not self.freeze_lm else " only"))
+        return frac
+
+    # -- the inputs ---------------------------------------------------------------------------------
+
+    def image_features(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        """Every image's features in sample order, ``(n_images, T, D)``: the cached ones
+        (``image_features[image_features_mask]``) or, with ``pixel_values`` and ``vision_tower: true``,
+        Gemma's own ``get_image_features(pixel_values).pooler_output``. None when the batch has neither."""
+        feats = batch.get("image_features")
+        if feats is not None:
+            mask = batch.get("image_features_mask")
+            return feats[mask.bool()] if mask is not None else feats.flatten(0, 1)
+        pv = batch.get("pixel_values")
+        if pv is None:
+            return None
+        if not self.keep_vision:
+            raise ValueError("a batch with pixel_values needs model.kwargs.vision_tower: true (the cache's "
+                             "image_features make it unnecessary)")
+        inner = self.lm.model
+        w = next(inner.vision_tower.parameters())
+        return inner.get_image_features(pv.to(w.device, w.dtype), return_dict=True).pooler_output
+
+    def inputs(self, batch: dict[str, Any]):
+        """``(merged, token_type_ids)``: the LM inputs (:class:`train.recipes.lm.Merged`: embeddings
+        with image features scattered and world tokens inserted, attention mask, labels) and
+        ``token_type_ids`` int64 ``(B, L2)`` (1 on image soft tokens)."""
+        ids, valid, labels = self._text(batch)
+        B = ids.shape[0]
+        embeds = self.lm.get_input_embeddings()(ids.clamp_min(0))
+        soft = (ids == self.soft_id) & valid
+        feats = self.image_features(batch)
+        n_soft = int(soft.sum())
+        if n_soft or feats is not None:
+            have = 0 if feats is None else feats.shape[0] * feats.shape[1]
+            if have != n_soft:
+                raise ValueError(f"{n_soft} image tokens in input_ids but {have} image feature vectors "
+                                 f"({'none' if feats is None else tuple(feats.shape)}): was the cache made with "
+                                 "image_features (input_ids with Gemma's expanded image sequence)?")
+            if n_soft:   # gemma_vision.py: inputs_embeds.masked_scatter(special_image_mask, image_features)
+                embeds = embeds.masked_scatter(soft[..., None].expand_as(embeds), feats.to(embeds.dtype))
+        sow = (ids == self.sow_id) & valid
+        pb, pi = sow.nonzero(as_tuple=True)
+        D = embeds.shape[-1]
+        if pb.numel():
+            k = (sow.long().cumsum(1) - 1)[pb, pi]                     # pair k <-> image k of the sample
+            lat = batch.get("latents")
+            if lat is None or lat.dim() != 5:
+                raise ValueError("input_ids hold world markers but the batch has no latents (B, C, T, H, W)")
+            if lat.shape[1] != self.latent_channels:
+                raise ValueError(f"latents have {lat.shape[1]} channels, the world projection {self.latent_channels}")
+            n_img = batch["latents_mask"].flatten(2).any(2).sum(1) if batch.get("latents_mask") is not None \
+                else torch.full((B,), lat.shape[2], device=ids.device)
+            bad = sow.sum(1) != n_img
+            if bool(bad.any()):
+                b = int(bad.nonzero()[0])
+                raise ValueError(f"sample {b} ({batch.get('keys', [None] * B)[b]}): {int(sow[b].sum())} world marker "
+                                 f"pairs but {int(n_img[b])} images in latents")
+            z = lat[pb, :, k]                                           # (N, C, H, W)
+            tokens = WorldProjector.tokens(z)                           # (N, H*W, C)
+            lengths = torch.full_like(pb, tokens.shape[1])
+            if batch.get("latents_mask") is not None:                   # padded latents: real cells first
+                keep = batch["latents_mask"].bool()[pb, k].flatten(1)
+                order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices
+                tokens = tokens.gather(1, order[..., None].expand_as(tokens))
+                lengths = keep.sum(1)
+            world = self.world_projector(tokens)                        # (N, H*W, D)
+            inserts = torch.cat([embeds[pb, pi][:, None].to(world.dtype), world], 1)   # the marker, then its world
+            lengths = lengths + 1
+        else:
+            inserts, lengths = embeds.new_zeros((0, 1, D)), torch.zeros_like(pb)
+        merged = merge_placeholders(embeds, valid, labels, sow, inserts, lengths)
+        counts = valid.long()
+        counts[pb, pi] = lengths
+        starts = counts.cumsum(1) - counts                              # new position of every input token
+        tb, ti = soft.nonzero(as_tuple=True)
+        token_type = torch.zeros(merged.labels.shape, dtype=torch.long, device=ids.device)
+        token_type[tb, starts[tb, ti]] = 1
+        return merged, token_type
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        merged, token_type = self.inputs(batch)
+        out = self.lm.model(inputs_embeds=merged.inputs_embeds, attention_mask=merged.attention_mask.long(),
+                            token_type_ids=token_type, use_cache=False)
+        hidden = out.last_hidden_state
+        head = self.lm.get_output_embeddings()
+        loss = next_token_loss(hidden, merged.labels, head)
+        if loss is None:
+            loss = hidden.float().sum() * 0.0 + touch(head.parameters()).to(hidden.device)
+        loss = loss + touch(self.world_projector.parameters()).to(loss.device)   # no image: DDP still sees it
+        return {"loss": loss, "caption_loss": loss.detach()}
