@@ -3,10 +3,10 @@
 :meth:`shards.ShardReader.read_into` (implemented here) takes, per field, the batch buffer and the
 *runs* its kind computed (:meth:`shards.kinds.FieldKind.runs`: which bytes of each sample's
 stored array go where in the padded batch tensor). It sorts every run of the batch by file and
-offset, merges neighbours into one ``os.preadv`` per stretch of a file (one buffer per run; the
-few hundred bytes of tar and zip headers between two members of a sample go to a scratch buffer,
-so a format-3 sample is usually one system call), and the kernel copies the bytes from the page
-cache into the batch tensors: no mapping, no page faults on the source, no intermediate array.
+offset, merges neighbours into one ``os.preadv`` per stretch of a file of at most
+:data:`READ_CAP` bytes beyond its first run (one buffer per run; the few hundred bytes of tar and
+zip headers between two members of a sample go to a scratch buffer), and the kernel copies the
+bytes from the page cache into the batch tensors: no mapping, no page faults on the source, no intermediate array.
 Then each member is hashed where it landed, while it is still in cache, and compared with the
 XXH3-64 the index recorded when the cache was written (:mod:`shards.checksum`).
 
