@@ -6,9 +6,9 @@ stored array go where in the padded batch tensor). It sorts every run of the bat
 offset, merges neighbours into one ``os.preadv`` per stretch of a file of at most
 :data:`READ_CAP` bytes beyond its first run (one buffer per run; the few hundred bytes of tar and
 zip headers between two members of a sample go to a scratch buffer), and the kernel copies the
-bytes from the page cache into the batch tensors: no mapping, no page faults on the source, no intermediate array.
-Then each member is hashed where it landed, while it is still in cache, and compared with the
-XXH3-64 the index recorded when the cache was written (:mod:`shards.checksum`).
+bytes from the page cache into the batch tensors: no mapping, no page faults on the source, no
+intermediate array. Then each member is hashed where it landed, while it is still in cache, and
+compared with the XXH3-64 the index recorded when the cache was written (:mod:`shards.checksum`).
 
 Nothing here raises for a damaged sample: :func:`read_into` returns ``(position, message)`` for
 each sample whose bytes are not what the index says (checksum mismatch, file shorter than the
