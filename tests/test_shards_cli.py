@@ -268,12 +268,13 @@ def test_query_output_options(capsys, clean_cache):
     assert run_json(capsys, "query", clean_cache)["count"] == 5  # no condition: every row
 
 
+# where a message is DuckDB's own, each version's wording is accepted (duckdb 1.3, the floor, and 2.x)
 @pytest.mark.parametrize("expr, message", [
-    ("duration_s > 1; DROP TABLE x", "more than one statement"),
+    ("duration_s > 1; DROP TABLE x", ("more than one statement", "Expected a single SELECT statement")),
     ("key IN (SELECT column0 FROM read_csv('/etc/passwd'))", "disabled"),
     ("key IN (SELECT * FROM read_text('PWNED'))", "disabled"),
     ("durration_s > 1", "duration_s"),
-    ("1 < duration_s <= 6", "Chained comparisons"),
+    ("1 < duration_s <= 6", ("Chained comparisons", 'syntax error at or near "<="')),
     ("speaker = 3 AND duration_s + 'x' > 1", "--where"),
     ("duration_s >", "--where"),
     ("(" * 500 + "has_image" + ")" * 500, ""),
@@ -284,7 +285,8 @@ def test_query_rejects_unsafe_or_invalid(capsys, clean_cache, tmp_path, monkeypa
     if expr.startswith("((("):  # deep nesting: either answered or refused, never a crash
         assert code in (0, 2)
         return
-    assert code == 2 and message in err and out == "", (code, err)
+    messages = (message,) if isinstance(message, str) else message
+    assert code == 2 and any(m in err for m in messages) and out == "", (code, err)
     assert not (tmp_path / "PWNED").exists()
 
 
