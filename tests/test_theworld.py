@@ -164,6 +164,46 @@ def test_cached_batch_gives_the_on_the_fly_loss(world_cache, gemma3, real_mini):
         plain(fly)
 
 
+def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(world_cache, gemma3):
+    """The recipe's LM inputs, checked position by position against values computed here: the
+    positions marked ``token_type_ids == 1`` (Gemma 3's bidirectional image attention) hold exactly
+    the cached image features, in order, as many per sample as its ``<image_soft_token>``s; after
+    the k-th ``<start_of_world>`` come TheWorld's projected latent cells of image k (one per cell,
+    row-major), then ``<end_of_world>``'s own embedding."""
+    from loaders import ShardLoader
+    from loaders.device import to_device
+    from train.models import build_model, data_spec
+    spec = data_spec(world_cache)
+    model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
+    ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=False, seed=0)
+    batch = to_device(next(iter(ld)), "cpu")
+    ld.close()
+    with torch.no_grad():
+        merged, token_type = model.inputs(batch)
+        embed = model.lm.get_input_embeddings()
+        feats = batch["image_features"][batch["image_features_mask"]].flatten(0, 1)   # (n_images * T, D)
+        marked = merged.inputs_embeds[token_type.bool()]
+        assert marked.shape == feats.shape
+        torch.testing.assert_close(marked, feats.to(marked.dtype))
+        n_soft = (batch["input_ids"] == spec.image_soft_token_id).sum(1)
+        assert torch.equal(token_type.sum(1), n_soft)
+        for b in range(batch["input_ids"].shape[0]):
+            ids = batch["input_ids"][b][batch["attention_mask"][b].bool()]
+            row = merged.inputs_embeds[b]
+            sow = (ids == spec.world_start_token_id).nonzero().flatten().tolist()
+            shift = 0   # world tokens inserted before the current marker
+            for k, at in enumerate(sow):
+                lat = batch["latents"][b, :, k]                                       # (C, H, W)
+                cells = lat.flatten(1).T                                              # (H*W, C) row-major
+                world = model.world_projector.projection(cells.to(row.dtype))
+                start = at + shift + 1
+                torch.testing.assert_close(row[start:start + len(cells)], world)
+                eow = embed(torch.tensor([spec.world_end_token_id]))[0]
+                torch.testing.assert_close(row[start + len(cells)], eow.to(row.dtype))
+                shift += len(cells)
+            assert len(sow) > 0
+
+
 def _train(cache: Path, run_dir: Path, gemma3: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
     head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                 f"--nproc_per_node={nproc}"]
