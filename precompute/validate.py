@@ -14,6 +14,7 @@ options), ``precision_tolerance`` keys, ``extra_waveforms`` entries, and rules a
 """
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -36,10 +37,13 @@ IMAGE_MULTIPLE = 8
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
 TOLERANCE_KEYS = {"latents_rel_err": (0.0, None), "codes_agreement": (0.0, 1.0)}
 WAVEFORM_DIRECTIONS = ("in", "out", "all")
-#: fields whose value is an encoder spec, and the registry table of their built-in names
-ENCODER_SPECS = {"audio_tokenizer": "AUDIO_TOKENIZERS", "image_encoder": "IMAGE_ENCODERS",
-                 "text_tokenizer": "TEXT_TOKENIZERS"}
-DEFAULT_NAMES = {"audio_tokenizer": "dac", "image_encoder": "wan", "text_tokenizer": "bytes"}  # registry defaults
+#: fields whose value is an encoder spec -> (module, table of their built-in names)
+ENCODER_SPECS = {"audio_tokenizer": ("precompute.encoders.registry", "AUDIO_TOKENIZERS"),
+                 "image_encoder": ("precompute.encoders.registry", "IMAGE_ENCODERS"),
+                 "text_tokenizer": ("precompute.encoders.registry", "TEXT_TOKENIZERS"),
+                 "image_features": ("precompute.producers.image_features", "VISION_ENCODERS")}
+DEFAULT_NAMES = {"audio_tokenizer": "dac", "image_encoder": "wan", "text_tokenizer": "bytes",  # the tables' defaults
+                 "image_features": "gemma3"}
 
 
 def _is_int(v: Any) -> bool:
@@ -67,8 +71,8 @@ def _encoder_spec(field: str, spec: Any, out: list[tuple[str, str]]) -> None:
             out.append((f"{field}.kwargs", f"expected a mapping, got {_show(spec['kwargs'])}"))
         return
     try:
-        from .encoders import registry
-        table = getattr(registry, ENCODER_SPECS[field])
+        module, attr = ENCODER_SPECS[field]
+        table = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError):  # encoders not importable here: names are checked when loading
         return
     name = spec.get("name", DEFAULT_NAMES[field])
@@ -143,22 +147,18 @@ def _world(v: Any) -> list[tuple[str, str]]:
 
 
 def _image_features(v: Any) -> list[tuple[str, str]]:
-    """``{name: gemma3, pretrained: DIR_OR_HUB_ID, dtype}`` (null: none)."""
+    """``{name: gemma3, pretrained: DIR_OR_HUB_ID, dtype}`` (null: none): the encoder-spec check, and
+    a ``pretrained`` and a ``dtype`` of the encoder dtypes (no plug-in form: a plug-in image encoder
+    is a producer under ``extra_fields``)."""
     if v is None:
         return []
-    from .config import ENCODER_DTYPES
-    from .producers.image_features import VISION_ENCODERS
-    out = []
-    name = v.get("name", "gemma3")
-    if name not in VISION_ENCODERS:
-        return [(".name", f"expected one of {', '.join(VISION_ENCODERS)}, got {_show(name)}")]
-    accepted = {"name", "pretrained", *VISION_ENCODERS[name].OPTIONS}
-    unknown = sorted(set(v) - accepted)
-    if unknown:
-        out.append(("", f"unknown option(s) {unknown} for {name!r}; accepted: {sorted(accepted)}"))
+    if "factory" in v:
+        return [("", "a plug-in image encoder is a producer: extra_fields: {NAME: {factory: ...}}")]
+    out = _spec_check("image_features")(v)
     p = v.get("pretrained")
     if not isinstance(p, str) or not p.strip():
         out.append((".pretrained", f"expected a local directory or hub id (e.g. google/gemma-3-4b-it), got {_show(p)}"))
+    from .config import ENCODER_DTYPES
     if "dtype" in v and v["dtype"] not in ENCODER_DTYPES:
         out.append((".dtype", f"expected one of {', '.join(ENCODER_DTYPES)}, got {_show(v['dtype'])}"))
     return out
@@ -166,8 +166,8 @@ def _image_features(v: Any) -> list[tuple[str, str]]:
 
 #: per-option checks beyond type, choices and bounds (run where those passed)
 CUSTOM = {"device": _device, "precision_tolerance": _tolerance, "extra_waveforms": _waveforms,
-          "image_token": _token, "world_tokens": _world, "image_features": _image_features,
-          **{f: _spec_check(f) for f in ENCODER_SPECS}}
+          "image_token": _token, "world_tokens": _world,
+          **{f: _spec_check(f) for f in ENCODER_SPECS}, "image_features": _image_features}
 
 
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:

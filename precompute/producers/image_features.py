@@ -112,16 +112,11 @@ VISION_ENCODERS = {"gemma3": Gemma3VisionEncoder}
 
 
 def load_vision_encoder(spec: dict, device: str = "cpu") -> Gemma3VisionEncoder:
-    """The encoder of an ``image_features`` spec ``{name, pretrained, **options}``. Raises ``ValueError``."""
-    spec = dict(spec)
-    name = spec.pop("name", "gemma3")
-    if name not in VISION_ENCODERS:
-        raise ValueError(f"image_features.name: expected one of {', '.join(VISION_ENCODERS)}, got {name!r}")
-    cls = VISION_ENCODERS[name]
-    unknown = sorted(set(spec) - {"pretrained", *cls.OPTIONS})
-    if unknown:
-        raise ValueError(f"image_features: unknown option(s) {unknown}; accepted: pretrained, {', '.join(cls.OPTIONS)}")
-    return cls(spec.get("pretrained"), device=device, **{k: spec[k] for k in cls.OPTIONS if k in spec})
+    """The encoder of an ``image_features`` spec ``{name, pretrained, **options}`` (names and options
+    checked as every encoder spec's: :func:`precompute.encoders.registry._builtin`). Raises ``ValueError``."""
+    from ..encoders.registry import _builtin
+    cls, options = _builtin(spec, VISION_ENCODERS, "gemma3", "image_features encoder")
+    return cls(spec.get("pretrained"), device=device, **options)
 
 
 class ImageFeaturesProducer(Producer):
