@@ -44,6 +44,7 @@ import functools
 import inspect
 import math
 import os
+import sys
 import textwrap
 import types
 import typing
@@ -71,8 +72,6 @@ class ConfigError(ValueError):
     def report(self, prog: str | None = None) -> int:
         """Write ``[PROG: ]error: option: message`` to stderr per problem; return 2 (the exit status
         of every CLI for bad options)."""
-        import sys
-
         head = f"{prog}: error" if prog else "error"
         for line in self.lines():
             sys.stderr.write(f"{head}: {line}\n")
