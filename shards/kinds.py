@@ -655,5 +655,6 @@ def _pad_tails(row: np.ndarray, shape: tuple[int, ...], pad: Any) -> None:
 
 
 __all__ = ["FieldKind", "BatchContext", "Tokens", "Codes", "Waveform", "Offsets", "Rows", "Latents", "Features",
-           "BFloat16Bits", "BF16_BITS", "BF16_FINITE", "TOKENS", "LABELS", "CODES", "WAVEFORM", "OFFSETS", "SEGMENTS", "LATENTS", "FEATURES", "KINDS", "PAD_TEXT", "PAD_LAST",
-           "PCM16_SCALE", "PCM16_FULL_SCALE", "IGNORE_INDEX", "value_problem", "copy_serial", "serial"]
+           "BFloat16Bits", "TOKENS", "LABELS", "CODES", "WAVEFORM", "OFFSETS", "SEGMENTS", "LATENTS", "FEATURES",
+           "BF16_BITS", "BF16_FINITE", "KINDS", "PAD_TEXT", "PAD_LAST", "PCM16_SCALE", "PCM16_FULL_SCALE",
+           "IGNORE_INDEX", "value_problem", "copy_serial", "serial"]

@@ -40,7 +40,7 @@ from . import fields, schema  # noqa: F401
 from .checksum import ALGORITHM, COLUMN as CHECKSUM, checksum
 from .errors import ShardCorrupt, UnsafeMember
 from .files import ShardFiles
-from .kinds import value_problem
+from .kinds import BF16_FINITE, value_problem
 from .manifest import CacheManifest
 from .manifest import check_format_version, read_manifest
 from .index import (read_index,  # noqa: F401
@@ -100,7 +100,7 @@ def _normalise_checks(value_checks: dict[str, Any] | None) -> dict[str, tuple]:
             continue
         if spec == "finite":  # values are read in their storage dtype: NaN/inf is what can go wrong
             out[field] = ("finite", None)
-        elif isinstance(spec, tuple) and spec and spec[0] in ("range", "finite", "labels", "bf16_finite"):
+        elif isinstance(spec, tuple) and spec and spec[0] in ("range", "finite", "labels", BF16_FINITE):
             out[field] = spec
         elif (isinstance(spec, (tuple, list)) and len(spec) == 2
               and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in spec)
