@@ -6,6 +6,11 @@ about 350 KiB per sample; the manifest records codebook and vocabulary sizes, as
 then measures in one run, everything from the page cache:
 
 1. ``cat``: ``cat shards > /dev/null`` (MB/s, median of 3): the ceiling for reading these bytes.
+   Next to it the one-copy ceiling (:func:`bench_copy_ceiling`): each sample's bytes read by one
+   ``preadv`` into its place in a reused batch-sized buffer, no other work. ``cat`` reads into a
+   128 KiB buffer that never leaves the core's cache; a loader's destination is a batch of
+   megabytes, and on this shared VM that copy runs from 0.3x to 1.0x ``cat``'s rate depending on
+   the moment, so this row says how much of the gap to ``cat`` is the machine's and how much ours.
 2. ``shardloader``: :class:`loaders.ShardLoader` delivering padded, collated batches, one process
    (``num_workers=0``) and with persistent workers: ``compact`` (int16 audio, float16 latents as
    stored, widened on the GPU) and float32 (widened on the host); one process compact also with
@@ -109,6 +114,67 @@ def bench_cat(files: list[Path], min_bytes: int = 256 << 20) -> dict:
     wall, cpu = statistics.median(walls), max(statistics.median(cpus), 1e-3)
     return {"bytes": once, "wall_s": wall, "cpu_s": cpu, "MB_s": nbytes / wall / 1e6,
             "MB_s_cpu": nbytes / cpu / 1e6, "MB_s_runs": [nbytes / w / 1e6 for w in walls]}
+
+
+def bench_copy_ceiling(cache: Path, batch_size: int, n_total: int, repeat: int = 3) -> dict:
+    """What this machine's memory allows any reader that hands out a batch in memory, measured in the
+    same run as ``cat`` and the loaders. Each sample's bytes (its first member to its last, tar
+    headers included) in random order, by one ``os.preadv`` per sample and no other Python:
+
+    * ``batch``: into the sample's place in a reused buffer of ``batch_size`` samples (the one copy
+      a loader makes: its destination is a batch, megabytes, larger than a core's L2 cache);
+    * ``l2``: into one 128 KiB buffer reused for every read (``cat``'s way: its destination never
+      leaves the core's cache; a sample larger than it is read in pieces).
+
+    Returns samples/s (median of ``repeat`` passes) of each. The ratio batch / ``cat`` bounds what a
+    one-copy loader can reach on this machine at this moment."""
+    import pyarrow.compute as pc
+    from shards import read_index
+    t = read_index(cache)
+    members = t.column("members").combine_chunks()
+    flat = pc.list_flatten(members)
+    parent = pc.list_parent_indices(members).to_numpy()
+    off = pc.struct_field(flat, "offset").to_numpy()
+    end = off + pc.struct_field(flat, "size").to_numpy()
+    first = np.full(t.num_rows, np.iinfo(np.int64).max)
+    last = np.zeros(t.num_rows, np.int64)
+    np.minimum.at(first, parent, off)
+    np.maximum.at(last, parent, end)
+    first -= 512  # the first member's tar header
+    shards = t.column("shard").to_pylist()
+    fds = {name: os.open(cache / name, os.O_RDONLY) for name in set(shards)}
+    order = np.random.default_rng(0).permutation(t.num_rows).tolist()
+    size = (last - first).tolist()
+    start, fd = first.tolist(), [fds[x] for x in shards]
+    per = max(size)
+    batch = np.empty(per * batch_size, dtype=np.uint8)
+    slots = [memoryview(batch)[k * per:(k + 1) * per] for k in range(batch_size)]
+    small = memoryview(np.empty(128 << 10, dtype=np.uint8))
+
+    def into_batch():
+        for k, i in enumerate(order):
+            os.preadv(fd[i], [slots[k % batch_size][:size[i]]], start[i])
+
+    def into_l2():
+        for i in order:
+            done, n = 0, size[i]
+            while done < n:
+                done += os.preadv(fd[i], [small[:min(len(small), n - done)]], start[i] + done)
+
+    out = {}
+    try:
+        for name, fn in (("batch", into_batch), ("l2", into_l2)):
+            fn()
+            walls = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                fn()
+                walls.append(time.perf_counter() - t0)
+            out[name] = {"samples_s": len(order) / statistics.median(walls)}
+    finally:
+        for x in fds.values():
+            os.close(x)
+    return out
 
 
 #: the loader configurations every run measures: (label, ShardLoader keyword arguments)
@@ -337,6 +403,7 @@ def main(argv=None) -> dict:
         cat = bench_cat(files)
         nbytes = cat["bytes"]
         ours = bench_loaders(cache, args.batch_size, nbytes, args.samples, epochs=args.epochs)
+        ceiling = bench_copy_ceiling(cache, args.batch_size, args.samples)
         peers = {"skipped": "--no-peers"} if args.no_peers else bench_peers(cache, tmp / "peers", args.epochs)
         if "skipped" in peers:
             print(f"peers skipped: {peers['skipped']}")
@@ -378,6 +445,7 @@ def main(argv=None) -> dict:
                   "disk_over_tensor": disk["disk_over_tensor"],
                   "KiB_per_sample": nbytes / args.samples / 1024, "build_s": build_s},
         "batch_size": args.batch_size, "epochs": args.epochs, "cat": dict(cat, samples_s=cat_rate),
+        "copy_ceiling": {k: dict(v, ratio_to_cat=v["samples_s"] / cat_rate) for k, v in ceiling.items()},
         "shardloader": rows, "peers": peers,
         "webdataset": dict(web, ratio_to_cat=web["MB_s"] / cat["MB_s"]),
         "resume": resume, "rss": rss, "real_caches": real, "remote": remote,
@@ -398,6 +466,10 @@ def main(argv=None) -> dict:
           f"{load_start[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
     print(f"{'reader':<46}{'samples/s':>11}{'MB/s':>9}{'x cat':>8}{'x LitData':>11}")
     print(f"{'cat > /dev/null':<46}{cat_rate:>11.0f}{cat['MB_s']:>9.0f}{1:>8.2f}")
+    for k, label in (("batch", "preadv per sample into a batch buffer"), ("l2", "preadv through 128 KiB (as cat)")):
+        v = result["copy_ceiling"][k]
+        print(f"{label:<46}{v['samples_s']:>11.0f}{v['samples_s'] * nbytes / args.samples / 1e6:>9.0f}"
+              f"{v['ratio_to_cat']:>8.2f}")
     for r in rows:
         lit = f"{r['ratio_to_litdata']:>11.2f}" if r["ratio_to_litdata"] else ""
         print(f"{'ShardLoader, ' + r['label']:<46}{r['samples_s']:>11.0f}{r['MB_s']:>9.0f}"

@@ -78,6 +78,13 @@ def loader_lines(r: dict) -> list[str]:
            "| reader | samples/s | MB/s | x `cat` | x LitData (one process) | x ShardLoader one process, same dtypes |",
            "| --- | --- | --- | --- | --- | --- |",
            f"| `cat` > /dev/null | {cat['samples_s']:.0f} | {cat['MB_s']:.0f} | 1.00 | | |"]
+    ceiling = r.get("copy_ceiling") or {}
+    for k, label in (("batch", "one `preadv` per sample into a reused batch buffer (the one-copy ceiling)"),
+                     ("l2", "one `preadv` per sample through a 128 KiB buffer (as `cat`)")):
+        if k in ceiling:
+            v = ceiling[k]
+            out.append(f"| {label} | {v['samples_s']:.0f} | {v['samples_s'] * per / 1e6:.0f} | "
+                       f"{v['ratio_to_cat']:.2f} | | |")
     base = {x["compact"]: x["samples_s"] for x in r["shardloader"]
             if x["num_workers"] == 0 and x["checks"] == "checksums"}
     for x in r["shardloader"]:

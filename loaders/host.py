@@ -44,7 +44,7 @@ class HostArena:
                     for (name, shape, dtype), off in zip(layout, offsets)}
         with self._lock:  # the smallest free block that fits (by position: arrays do not compare)
             fits = [i for i, b in enumerate(self._free) if b.nbytes >= total]
-            block = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes)) if fits else None
+            block = self._free.pop(fits[-1]) if fits else None
         if block is None:
             size = -(-int(total * 1.25) // _MIB) * _MIB  # budget batches vary in size
             block = np.empty(size, dtype=np.uint8)

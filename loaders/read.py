@@ -80,18 +80,23 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
     not empty the batch is incomplete and must not be used. Raises :class:`shards.ShardCorrupt`
     for a shard replaced or missing, ``ValueError`` as :func:`~loaders.collate.collate_views`.
     """
-    keys: list[Any] = [None] * B
-    rates = np.zeros(B, dtype=np.int64)
-    for src, pos, rows in groups:
-        for p, k in zip(pos.tolist(), src.keys.take(pa.array(rows)).to_pylist()):
-            keys[p] = k
-        rates[pos] = src.sample_rate[rows]
+    single = len(groups) == 1  # one cache: its rows are the batch's positions in order
+    if single:
+        keys: list[Any] = groups[0][0].reader.keys_at(groups[0][2])
+        rates = groups[0][0].sample_rate[groups[0][2]]
+    else:
+        keys = [None] * B
+        rates = np.zeros(B, dtype=np.int64)
+        for src, pos, rows in groups:
+            for p, k in zip(pos.tolist(), src.keys.take(pa.array(rows)).to_pylist()):
+                keys[p] = k
+            rates[pos] = src.sample_rate[rows]
     rate = check_rates(keys, rates)
     plans, layout, seen = [], [], set()
     for name in fields:
         f = registry.get(name)
         empty = f.kind.empty_shape(f, ctx)
-        if len(groups) == 1:  # one cache: the index arrays at the batch's rows
+        if single:  # the index arrays at the batch's rows
             fa = groups[0][0].reader.field(name, f.ndim)
             rows = groups[0][2]
             shapes, present = fa.shape[rows], fa.present[rows]
@@ -165,8 +170,13 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
 
 
 def _stored_as(fa, f) -> bool:
-    """Every row of the field is stored in the field's dtype (what the format says)."""
-    return all(d == np.dtype(f.dtype) for d in fa.dtypes)
+    """Every row of the field is stored in the field's dtype (what the format says); remembered on
+    the index arrays (they do not change)."""
+    memo = fa.__dict__.setdefault("_stored_as", {})
+    ok = memo.get(f.dtype)
+    if ok is None:
+        ok = memo[f.dtype] = all(d == np.dtype(f.dtype) for d in fa.dtypes)
+    return ok
 
 
 def _check_paired(keys: list, plans: list) -> None:

@@ -31,6 +31,7 @@ the batch from the slot into page-locked memory (so the slot is released at once
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import weakref
@@ -61,9 +62,9 @@ def new_flags(num_workers: int, max_slots: int) -> torch.Tensor:
 def layout_bytes(layout) -> tuple[list[int], int]:
     """Byte offsets (:data:`ALIGN`-aligned) of ``(name, shape, dtype)`` entries and the total."""
     offsets, total = [], 0
-    for _, shape, dtype in layout:
+    for _, shape, dtype in layout:  # math.prod: np.prod costs ~5 us a call, a dozen per batch
         offsets.append(total)
-        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        n = math.prod(int(d) for d in shape) * dtype.itemsize
         total += -(-n // ALIGN) * ALIGN
     return offsets, max(total, ALIGN)
 
@@ -154,7 +155,7 @@ class SlotArena:
 
     def _take(self, nbytes: int) -> int | None:
         row = self.flags[self.worker]
-        free = [k for k in range(self.max_slots) if int(row[k]) == 0]
+        free = [k for k, v in enumerate(row.tolist()) if v == 0]  # one read of the row, not one per slot
         if not free:
             return None
         fits = [k for k in free if self.slots[k] is not None and self.slots[k].storage.nbytes() >= nbytes]

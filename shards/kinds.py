@@ -60,6 +60,9 @@ PCM16_FULL_SCALE = 32768.0
 PCM16_SCALE = np.float32(1.0 / PCM16_FULL_SCALE)
 #: largest finite float16
 FLOAT16_MAX = 65504.0
+#: 1-D batch tensors (and masks) up to this many bytes are padded (filled) with one vectorised write
+#: (ids, labels, attention masks); larger ones (audio) row by row, touching only the tails
+_SMALL_PAD = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,11 @@ class FieldKind:
         pad = self.pad_value(field, ctx)
         S_ = np.asarray(S, dtype=np.int64)
         todo = ~(present & (shapes == S_).all(axis=1)) if len(S_) else ~present
+        if pad is not None and len(S_) == 1 and o.nbytes <= _SMALL_PAD and todo.any():
+            # small 1-D fields (ids, labels): one masked write instead of a slice per row
+            np.copyto(o, pad, where=np.arange(S_[0]) >= np.where(present, shapes[:, 0], 0)[:, None],
+                      casting="unsafe")
+            return
         for j in np.flatnonzero(todo).tolist():
             row = o[j]
             if not present[j]:
@@ -241,6 +249,10 @@ class FieldKind:
         values. Vectorised; the reader turns runs into ``preadv`` buffers.
         """
         B, nd = shapes.shape
+        if nd == 1:  # 1-D fields (audio, ids): one run per sample holding values
+            count = shapes[:, 0]
+            sample = np.flatnonzero(present & (count > 0))
+            return sample, np.zeros(len(sample), np.int64), sample * int(S[0]), count[sample]
         Sa = np.asarray(S, dtype=np.int64)
         count = shapes.prod(axis=1) if nd else np.ones(B, np.int64)
         have = (count > 0) & present
@@ -282,22 +294,29 @@ class FieldKind:
             out[field.lengths].numpy()[:] = shapes[:, self.lengths_axis]
         if field.mask and field.mask in out:
             m = out[field.mask].numpy()
-            n = len(self.mask_axes)
-            if n == 1:  # one memset per row and side: 5x faster than a comparison over the mask
-                for j, d in enumerate(shapes[:, self.mask_axes[0]].tolist()):
+            axes = self.mask_axes
+            if not axes:
+                m[...] = True
+                return
+            real = shapes[:, axes]
+            full = (real == np.array([S[a] for a in axes], dtype=np.int64)).all(axis=1)
+            if full.all():  # no sample is short along a masked axis: one fill
+                m.fill(True)
+                return
+            if len(axes) == 1 and m.nbytes <= _SMALL_PAD:  # small (attention masks): one comparison
+                np.less(np.arange(m.shape[1]), real, out=m)
+                return
+            if len(axes) == 1:  # one memset per row and side: 5x faster than a comparison over the mask
+                for j, d in enumerate(real[:, 0].tolist()):
                     m[j, :d] = True
                     m[j, d:] = False
                 return
-            for i, ax in enumerate(self.mask_axes):
-                shape = [1] * (n + 1)
-                shape[i + 1] = S[ax]
-                cells, real = np.arange(S[ax]).reshape(shape), shapes[:, ax].reshape((-1,) + (1,) * n)
-                if i == 0:
-                    np.less(cells, real, out=m)
-                else:
-                    m &= cells < real
-            if not n:
-                m[...] = True
+            for j, dims in enumerate(real.tolist()):  # a row: all True, or False then its corner True
+                if full[j]:
+                    m[j] = True
+                    continue
+                m[j] = False
+                m[j][tuple(slice(0, d) for d in dims)] = True
 
     # -- the device ------------------------------------------------------------------------------
     def to_model(self, field: "Field", value: "torch.Tensor") -> "torch.Tensor":
@@ -387,7 +406,12 @@ class Waveform(FieldKind):
 
     def widen_host(self, field, dst, src):
         if dst.is_floating_point() and not src.is_floating_point():
-            serial(lambda d, s: torch_mul(s, float(PCM16_SCALE), out=d), dst, src)
+            # numpy, two passes on the calling thread (no OpenMP region): a cast (exact, every int16
+            # is a float32) then a multiply by a power of two (exact). 4x faster than torch's
+            # mixed-dtype multiply run serially in pieces (2.3 ms vs 0.53 ms for 16 x 7 s at 16 kHz)
+            d = dst.numpy()
+            np.copyto(d, src.numpy(), casting="unsafe")
+            np.multiply(d, PCM16_SCALE.astype(d.dtype), out=d)
         else:
             super().widen_host(field, dst, src)
 
@@ -603,11 +627,6 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
         copy_serial(torch.from_numpy(dst), src)
     else:
         dst[...] = src
-
-
-def torch_mul(a, b, out):
-    import torch
-    return torch.mul(a, b, out=out)
 
 
 def serial(op, dst, src) -> None:

@@ -38,8 +38,11 @@ _SCRATCH = memoryview(bytearray(READ_THROUGH))
 #: members are grouped): the members a call completes are hashed right after it, so their bytes must
 #: still be in the core's cache. One call for a whole batch (up to IOV_MAX runs, several MB) made
 #: the hash read them back from memory: checksums cost 0.81-0.86 x the unchecked rate in CPU time,
-#: 0.90-0.94 with 32-128 KiB calls (A/B on make bench's loader cache, 2-core EPYC VM)
-READ_CAP = 32 << 10
+#: 0.90-0.94 with 32-128 KiB calls (A/B on make bench's loader cache, 2-core EPYC VM). With two
+#: read-ahead threads every call is a GIL hand-over: 256 KiB calls (a member of ~220 KiB of audio
+#: in one) read 7-30 % more batches per second than 32 KiB ones, checked or not (interleaved A/B,
+#: 3 runs, same cache)
+READ_CAP = 256 << 10
 
 
 def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str, memoryview, tuple]],
@@ -62,82 +65,110 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
     since it was pinned (or is missing).
     """
     rows = np.asarray(rows, dtype=np.int64)
-    fas = [reader.field(name) for name, _, _ in plans]
-    parts = []
-    for i, ((name, buf, (pos, src, dst, n)), fa) in enumerate(zip(plans, fas)):
-        r = rows[pos]
-        f = (reader.shard_of if fa.file is None else fa.file)[r]
-        parts.append((f.astype(np.int64), fa.off[r], fa.off[r] + src, n, np.full(len(pos), i, np.int64), dst, pos))
-    if not parts:
+    if not plans:
         return []
-    file, start, off, n, plan, dst, pos = (np.concatenate(c) for c in zip(*parts))
+    B = len(rows)
+    keys, offs, ns, dsts, mids, wants, known = [], [], [], [], [], [], []
+    for i, (name, _, (pos, src, dst, n)) in enumerate(plans):
+        fa = reader.field(name)
+        r = rows[pos]
+        keys.append(_member_keys(reader, fa)[r])  # the member: by file, then its offset
+        offs.append(fa.off[r] + src)
+        ns.append(n)
+        dsts.append(dst)
+        mids.append(pos + i * B)  # member: field i of batch position pos
+        if checksums:
+            wants.append(fa.xxh3[r])
+            known.append(True if fa.all_summed else fa.has_sum[r])
+    key, off, n, dst, mid = (np.concatenate(c) for c in (keys, offs, ns, dsts, mids))
     # by file and member, each member's runs together in stored order (a sample may come twice)
-    order = np.lexsort((off, plan * len(rows) + pos, start, file))
-    file, start, off, n = file[order], start[order], off[order], n[order]
-    plan, dst, pos = plan[order], dst[order], pos[order]
+    order = np.lexsort((off, mid, key))
+    key, off, n, dst, mid = key[order], off[order], n[order], dst[order], mid[order]
+    file = key >> _FILE_SHIFT
     end = off + n
     new = np.ones(len(off), dtype=bool)
     if len(off) > 1:
         gap = off[1:] - end[:-1]
         new[1:] = (file[1:] != file[:-1]) | (gap < 0) | (gap > READ_THROUGH)
+    first = np.flatnonzero(np.r_[True, mid[1:] != mid[:-1]])
+    if checksums:
+        w = np.concatenate(wants)[order][first].tolist()
+        if all(k is True for k in known):
+            m_want = w
+        else:
+            has = np.concatenate([np.broadcast_to(k, len(m)) for k, m in zip(known, mids)])[order][first]
+            m_want = [x if h else None for x, h in zip(w, has.tolist())]
+    else:
+        m_want = [None] * len(first)
+    midl = mid.tolist()
     bufs = [p[1] for p in plans]
-    views = [bufs[p][d:d + k] for p, d, k in zip(plan.tolist(), dst.tolist(), n.tolist())]
+    views = [bufs[m // B][d:d + k] for m, d, k in zip(midl, dst.tolist(), n.tolist())]
     where = _Where(reader, rows, plans)
-    for f in np.unique(file).tolist():  # one stat per file per batch: replaced or resized?
-        reader.io.check(f, lambda f=f: where.first_in(f, file, pos))
+    filel = file.tolist()
+    for f in set(filel):  # one stat per file per batch: replaced or resized?
+        reader.io.check(f, lambda f=f: where.first_in(f, file, mid % B))
     problems: dict[int, str] = {}
     # members: each is a run of consecutive segments; hashed right after the preadv that completes
     # it, while its bytes are still in the core's cache (a sample is ~0.4 MB, a batch many MB)
-    member = plan * len(rows) + pos
-    first = np.flatnonzero(np.r_[True, member[1:] != member[:-1]])
-    m_first, m_last = first.tolist(), (np.r_[first[1:], len(member)] - 1).tolist()
-    m_want = _wanted(fas, rows, plan[first], pos[first]) if checksums else [None] * len(first)
+    m_first = first.tolist()
+    m_last = [x - 1 for x in m_first[1:]] + [len(midl) - 1]
     mi, n_members = 0, len(m_first)
     starts = np.flatnonzero(new).tolist() + [len(off)]
-    offl, endl, filel, posl = off.tolist(), end.tolist(), file.tolist(), pos.tolist()
+    offl, endl = off.tolist(), end.tolist()
     for a, b in zip(starts[:-1], starts[1:]):
-        fd = reader.io.fd(filel[a], lambda f=filel[a]: where.first_in(f, file, pos))
+        fd = reader.io.fd(filel[a], lambda f=filel[a]: where.first_in(f, file, mid % B))
         j = a
         while j < b:  # one preadv per stretch (fewer than IOV_MAX buffers)
-            iov, s, k = [], offl[j], j
-            while k < b and len(iov) < IOV_MAX - 1 and (k == j or endl[k - 1] - s < READ_CAP):
-                g = offl[k] - (endl[k - 1] if k > j else s)
+            s, iov, k = offl[j], [views[j]], j + 1
+            prev = endl[j]
+            while k < b and len(iov) < IOV_MAX - 1 and prev - s < READ_CAP:
+                g = offl[k] - prev
                 if g:
                     iov.append(_SCRATCH[:g])
                 iov.append(views[k])
+                prev = endl[k]
                 k += 1
-            total = endl[k - 1] - s
+            total = prev - s
             got = read_segments(fd, s, iov, total)
             if got < total:
                 size = os.fstat(fd).st_size
                 for m in range(j, k):
-                    if endl[m] > s + got and int(pos[m]) not in problems:
-                        problems[int(pos[m])] = where.short(int(plan[m]), int(pos[m]), size, int(start[m]))
+                    q = midl[m] % B
+                    if endl[m] > s + got and q not in problems:
+                        problems[q] = where.short(midl[m] // B, q, size, int(_member_start(reader, plans, rows, midl[m], B)))
             while mi < n_members and m_last[mi] < k:  # the members this read completed
                 want, f0, f1 = m_want[mi], m_first[mi], m_last[mi]
                 mi += 1
-                if want is None or (problems and posl[f0] in problems):
+                if want is None:
+                    continue
+                q = midl[f0] % B
+                if problems and q in problems:
                     continue
                 got_sum = _xxh3(views[f0]) if f0 == f1 else checksum_of_parts(views[f0:f1 + 1])
                 if got_sum != want:
-                    problems[posl[f0]] = where.mismatch(int(plan[f0]), posl[f0], got_sum, want)
+                    problems[q] = where.mismatch(midl[f0] // B, q, got_sum, want)
             j = k
     return sorted(problems.items())
 
 
-def _wanted(fas, rows: np.ndarray, plan: np.ndarray, pos: np.ndarray) -> list:
-    """The recorded checksum of each member (``plan``: field number, ``pos``: batch position), None
-    where the index has none; vectorised per field."""
-    want = np.zeros(len(plan), dtype=np.uint64)
-    has = np.zeros(len(plan), dtype=bool)
-    for p in np.unique(plan).tolist():
-        sel = plan == p
-        r = rows[pos[sel]]
-        want[sel] = fas[p].xxh3[r]
-        has[sel] = True if fas[p].all_summed else fas[p].has_sum[r]
-    if has.all():
-        return want.tolist()
-    return [w if h else None for w, h in zip(want.tolist(), has.tolist())]
+#: bits of a member's sort key that hold its byte offset (the file number above them: 1 TiB per
+#: shard at most)
+_FILE_SHIFT = 40
+
+
+def _member_keys(reader, fa) -> np.ndarray:
+    """int64 ``(n,)`` sort key of every row's member of ``fa``: its file number, then its offset
+    (built once per field and reader)."""
+    k = fa.__dict__.get("_sort_keys")
+    if k is None:
+        f = (reader.shard_of if fa.file is None else fa.file).astype(np.int64)
+        k = fa.__dict__["_sort_keys"] = (f << _FILE_SHIFT) | np.maximum(fa.off, 0)
+    return k
+
+
+def _member_start(reader, plans, rows, m: int, B: int) -> int:
+    """Byte offset in its file of member ``m`` (field ``m // B`` of batch position ``m % B``)."""
+    return int(reader.field(plans[m // B][0]).off[rows[m % B]])
 
 
 class _Where:

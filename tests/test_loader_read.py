@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -17,11 +18,12 @@ from shards.kinds import FieldKind
 PAD_ID = 7
 
 
+@pytest.mark.parametrize("nd", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(6))
-def test_runs_place_every_value_in_its_corner(seed):
+def test_runs_place_every_value_in_its_corner(seed, nd):
     """Scatter random arrays with the kind's runs; compare with ``out[j][:s0, :s1, :s2] = a``."""
     rng = np.random.default_rng(seed)
-    B, nd = 7, 3
+    B = 7
     S_full = rng.integers(1, 6, nd)
     shapes = np.stack([[int(rng.integers(0, d + 1)) for d in S_full] for _ in range(B)]).astype(np.int64)
     if seed % 2:  # trailing axes equal in every sample: fewer, longer runs
@@ -43,6 +45,43 @@ def test_runs_place_every_value_in_its_corner(seed):
     for d, k in zip(dst, n):
         covered[d:d + k] += 1
     assert covered.max(initial=0) <= 1 and covered.sum() == sum(a.size for a in arrays if a is not None)
+
+
+@pytest.mark.parametrize("name,S_full", [("input_ids", (50,)), ("audio", (40000,)), ("codes", (4, 30)),
+                                         ("latents", (3, 2, 5, 6))])
+@pytest.mark.parametrize("seed", range(4))
+def test_finish_pads_outside_each_corner_and_masks_it(name, S_full, seed):
+    """Padding, lengths and mask written by the kind (small 1-D fields in one vectorised write, large
+    ones row by row, every row full in one fill), against a cell-by-cell reference computed here."""
+    from shards.kinds import BatchContext
+    rng = np.random.default_rng(seed)
+    f = registry.get(name)
+    B = 6
+    shapes = np.array([[int(rng.integers(0, d + 1)) for d in S_full] for _ in range(B)], dtype=np.int64)
+    if name in ("codes", "latents"):
+        shapes[:, 0] = S_full[0]  # codebooks, latent channels: never masked (codebooks: a fixed axis)
+    if seed == 0:
+        shapes[:] = S_full  # every row full
+    present = rng.random(B) > 0.2 if seed else np.ones(B, bool)
+    shapes[~present] = 0
+    S = tuple(int(v) for v in np.maximum(shapes.max(axis=0), 1))
+    ctx = BatchContext(pad_id=PAD_ID, compact=True)
+    out = {k: torch.from_numpy(np.full(shape, 1, dtype=torch.empty((), dtype=dt).numpy().dtype))
+           for k, shape, dt in f.kind.layout(f, B, S, ctx)}
+    data = out[f.name].numpy()
+    data[...] = 55  # the values read; the padding must replace every one outside the corners
+    f.kind.finish(f, out, shapes, present, S, ctx)
+    pad = f.kind.pad_value(f, ctx)
+    corner = np.zeros((B, *S), bool)
+    for j in range(B):
+        corner[j][tuple(slice(0, d) for d in shapes[j])] = True
+    np.testing.assert_array_equal(data, np.where(corner, 55, pad))
+    if f.lengths:
+        np.testing.assert_array_equal(out[f.lengths].numpy(), shapes[:, f.kind.lengths_axis])
+    if f.mask:
+        axes = f.kind.mask_axes
+        want = corner[(slice(None),) + tuple(slice(None) if a in axes else 0 for a in range(len(S)))]
+        np.testing.assert_array_equal(out[f.mask].numpy(), want)
 
 
 def conversation_cache(out: Path, n: int = 14, seed: int = 0) -> Path:
@@ -130,6 +169,25 @@ def test_loader_batches_equal_collate_fn_for_every_kind(conv, compact):
     assert partial  # some image padded along T, H or W: several runs per sample
     assert any((~b["audio_mask"]).any() for b in batches) and any(b["audio_segments_count"].min() == 0
                                                                   for b in batches)
+
+
+def test_keys_at_slices_the_arrow_key_buffer(tmp_path):
+    """Keys of any rows (repeated, non-ASCII, of a sliced index whose Arrow array has an offset)."""
+    keys = ["a", "ü-Ünï", "日本語-7", "", "x" * 150, "last"]
+    with ShardWriter(tmp_path, shard_name(0, 0)) as w:
+        for k in keys[:3] + keys[4:]:
+            w.add(k or "e", {"json": {"sample_rate": 0}, "input_ids.npy": np.arange(3, dtype=np.int32)})
+        w.commit()
+    merge_parts(tmp_path, {"text": {"vocab_size": 10, "pad_id": 0}})
+    full = ShardReader(tmp_path)
+    shifted = ShardReader(tmp_path)  # the same keys in an Arrow array that starts at offset 1 of its buffers
+    shifted.key_array = pa.concat_arrays([pa.array(["pad"]), shifted.key_array]).slice(1)
+    assert shifted.key_array.offset == 1
+    for reader in (full, shifted, ShardReader(tmp_path, index=full.index.slice(2), shard_names=full.shard_names)):
+        names = reader.key_array.to_pylist()
+        rows = np.array([len(names) - 1, 0, 0, 1, len(names) - 1], dtype=np.int64)
+        assert reader.keys_at(rows) == [names[r] for r in rows]
+        assert reader.keys_at(np.zeros(0, np.int64)) == []
 
 
 def test_a_sample_twice_in_one_batch(conv):
