@@ -218,10 +218,9 @@ class FieldKind:
         pad = self.pad_value(field, ctx)
         S_ = np.asarray(S, dtype=np.int64)
         todo = ~(present & (shapes == S_).all(axis=1)) if len(S_) else ~present
-        if pad is not None and len(S_) == 1 and o.nbytes <= _SMALL_PAD and todo.any():
-            # small 1-D fields (ids, labels): one masked write instead of a slice per row
-            np.copyto(o, pad, where=np.arange(S_[0]) >= np.where(present, shapes[:, 0], 0)[:, None],
-                      casting="unsafe")
+        if pad is not None and len(S_) and o.nbytes <= _SMALL_PAD and todo.any():
+            # small fields (ids, labels, codes of short clips): one masked write, not slices per row
+            np.copyto(o, pad, where=~_inside(np.where(present[:, None], shapes, 0), S), casting="unsafe")
             return
         for j in np.flatnonzero(todo).tolist():
             row = o[j]
@@ -303,8 +302,8 @@ class FieldKind:
             if full.all():  # no sample is short along a masked axis: one fill
                 m.fill(True)
                 return
-            if len(axes) == 1 and m.nbytes <= _SMALL_PAD:  # small (attention masks): one comparison
-                np.less(np.arange(m.shape[1]), real, out=m)
+            if m.nbytes <= _SMALL_PAD:  # small (attention masks, short clips): one comparison per axis
+                m[...] = _inside(real, [S[a] for a in axes])
                 return
             if len(axes) == 1:  # one memset per row and side: 5x faster than a comparison over the mask
                 for j, d in enumerate(real[:, 0].tolist()):
@@ -662,6 +661,18 @@ def copy_serial(dst, src: np.ndarray) -> None:
             a.copy_(b)
     else:
         dst.copy_(s.view(dst.shape))
+
+
+def _inside(dims: np.ndarray, S: Sequence[int]) -> np.ndarray:
+    """bool ``(B, *S)``: True on the cells of row ``j`` inside its corner ``[:dims[j, 0], :dims[j, 1], ...]``
+    (``dims`` int64 ``(B, len(S))``), one broadcast comparison per axis."""
+    n, out = len(S), None
+    for a, size in enumerate(S):
+        shape = [1] * (n + 1)
+        shape[a + 1] = int(size)
+        cmp = np.arange(int(size)).reshape(shape) < dims[:, a].reshape((-1,) + (1,) * n)
+        out = cmp if out is None else out & cmp
+    return out
 
 
 def _pad_tails(row: np.ndarray, shape: tuple[int, ...], pad: Any) -> None:

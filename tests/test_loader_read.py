@@ -48,7 +48,7 @@ def test_runs_place_every_value_in_its_corner(seed, nd):
 
 
 @pytest.mark.parametrize("name,S_full", [("input_ids", (50,)), ("audio", (40000,)), ("codes", (4, 30)),
-                                         ("latents", (3, 2, 5, 6))])
+                                         ("codes", (8, 800)), ("latents", (3, 2, 5, 6)), ("latents", (2, 4, 120, 120))])
 @pytest.mark.parametrize("seed", range(4))
 def test_finish_pads_outside_each_corner_and_masks_it(name, S_full, seed):
     """Padding, lengths and mask written by the kind (small 1-D fields in one vectorised write, large
