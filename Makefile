@@ -84,8 +84,12 @@ train: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
 		-m shardcache train --cache $(OUT) --run-dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS))
 
+# The suite in parallel processes (pytest-xdist): one per core, at most 4 (every test keeps to its own
+# tmp_path and free ports; 13.5 min serially vs 9.3 min with 2 processes on the 2-core CI machine).
+# TEST_JOBS=0 runs it in this process.
+TEST_JOBS ?= auto
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not long" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" -n $(TEST_JOBS) --maxprocesses 4 $(PYTEST_ARGS)
 
 # The tests marked `long` (a cheaper test of each feature runs in `make test`), Boson's own trainer
 # against loaders.higgs (builds $(BOSON_VENV) on first use), then hypothesis-built hostile manifests
