@@ -116,7 +116,7 @@ def bench_cat(files: list[Path], min_bytes: int = 256 << 20) -> dict:
             "MB_s_cpu": nbytes / cpu / 1e6, "MB_s_runs": [nbytes / w / 1e6 for w in walls]}
 
 
-def bench_copy_ceiling(cache: Path, batch_size: int, n_total: int, repeat: int = 3) -> dict:
+def bench_copy_ceiling(cache: Path, batch_size: int, repeat: int = 3) -> dict:
     """What this machine's memory allows any reader that hands out a batch in memory, measured in the
     same run as ``cat`` and the loaders. Each sample's bytes (its first member to its last, tar
     headers included) in random order, by one ``os.preadv`` per sample and no other Python:
@@ -403,7 +403,7 @@ def main(argv=None) -> dict:
         cat = bench_cat(files)
         nbytes = cat["bytes"]
         ours = bench_loaders(cache, args.batch_size, nbytes, args.samples, epochs=args.epochs)
-        ceiling = bench_copy_ceiling(cache, args.batch_size, args.samples)
+        ceiling = bench_copy_ceiling(cache, args.batch_size)
         peers = {"skipped": "--no-peers"} if args.no_peers else bench_peers(cache, tmp / "peers", args.epochs)
         if "skipped" in peers:
             print(f"peers skipped: {peers['skipped']}")

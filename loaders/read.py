@@ -35,8 +35,6 @@ import torch
 from shards import fields as registry
 from shards.kinds import BatchContext
 
-import pyarrow as pa
-
 from .collate import allocate, check_rates
 
 #: what a read checks: "checksums" (default), "values" (each kind's value checks), "none"
@@ -81,16 +79,12 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
     for a shard replaced or missing, ``ValueError`` as :func:`~loaders.collate.collate_views`.
     """
     single = len(groups) == 1  # one cache: its rows are the batch's positions in order
-    if single:
-        keys: list[Any] = groups[0][0].reader.keys_at(groups[0][2])
-        rates = groups[0][0].sample_rate[groups[0][2]]
-    else:
-        keys = [None] * B
-        rates = np.zeros(B, dtype=np.int64)
-        for src, pos, rows in groups:
-            for p, k in zip(pos.tolist(), src.keys.take(pa.array(rows)).to_pylist()):
-                keys[p] = k
-            rates[pos] = src.sample_rate[rows]
+    keys: list[Any] = [None] * B
+    rates = np.zeros(B, dtype=np.int64)
+    for src, pos, rows in groups:
+        for p, k in zip(pos.tolist(), src.reader.keys_at(rows)):
+            keys[p] = k
+        rates[pos] = src.sample_rate[rows]
     rate = check_rates(keys, rates)
     plans, layout, seen = [], [], set()
     for name in fields:
@@ -170,13 +164,8 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
 
 
 def _stored_as(fa, f) -> bool:
-    """Every row of the field is stored in the field's dtype (what the format says); remembered on
-    the index arrays (they do not change)."""
-    memo = fa.__dict__.setdefault("_stored_as", {})
-    ok = memo.get(f.dtype)
-    if ok is None:
-        ok = memo[f.dtype] = all(d == np.dtype(f.dtype) for d in fa.dtypes)
-    return ok
+    """Every row of the field is stored in the field's dtype (what the format says)."""
+    return all(d == np.dtype(f.dtype) for d in fa.dtypes)
 
 
 def _check_paired(keys: list, plans: list) -> None:

@@ -60,8 +60,9 @@ PCM16_FULL_SCALE = 32768.0
 PCM16_SCALE = np.float32(1.0 / PCM16_FULL_SCALE)
 #: largest finite float16
 FLOAT16_MAX = 65504.0
-#: 1-D batch tensors (and masks) up to this many bytes are padded (filled) with one vectorised write
-#: (ids, labels, attention masks); larger ones (audio) row by row, touching only the tails
+#: batch tensors and masks up to this many bytes are padded (masks written) with one broadcast write
+#: (ids, labels, attention masks, codes of short clips); larger ones (audio, latents) row by row,
+#: touching only each row's tails
 _SMALL_PAD = 1 << 16
 
 
@@ -287,8 +288,8 @@ class FieldKind:
 
     def fill_lengths_mask(self, field: "Field", out: dict, shapes: np.ndarray, S: tuple[int, ...]) -> None:
         """``Field.lengths`` (int64 ``(B,)``: each sample's size along :attr:`lengths_axis`) and
-        ``Field.mask`` (bool ``(B, *S[mask_axes])``: True on real cells) from ``shapes``; the mask is
-        written in place, one pass per mask axis."""
+        ``Field.mask`` (bool ``(B, *S[mask_axes])``: True on real cells) from ``shapes``, written in
+        place: one fill when no row is short, one broadcast comparison when small, else row by row."""
         if field.lengths and field.lengths in out and self.lengths_axis is not None:
             out[field.lengths].numpy()[:] = shapes[:, self.lengths_axis]
         if field.mask and field.mask in out:

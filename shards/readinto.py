@@ -72,8 +72,10 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
     for i, (name, _, (pos, src, dst, n)) in enumerate(plans):
         fa = reader.field(name)
         r = rows[pos]
-        keys.append(_member_keys(reader, fa)[r])  # the member: by file, then its offset
-        offs.append(fa.off[r] + src)
+        start = fa.off[r]
+        fnum = (reader.shard_of if fa.file is None else fa.file)[r].astype(np.int64)
+        keys.append((fnum << _FILE_SHIFT) | start)  # the member: by file, then its offset
+        offs.append(start + src)
         ns.append(n)
         dsts.append(dst)
         mids.append(pos + i * B)  # member: field i of batch position pos
@@ -154,16 +156,6 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
 #: bits of a member's sort key that hold its byte offset (the file number above them: 1 TiB per
 #: shard at most)
 _FILE_SHIFT = 40
-
-
-def _member_keys(reader, fa) -> np.ndarray:
-    """int64 ``(n,)`` sort key of every row's member of ``fa``: its file number, then its offset
-    (built once per field and reader)."""
-    k = fa.__dict__.get("_sort_keys")
-    if k is None:
-        f = (reader.shard_of if fa.file is None else fa.file).astype(np.int64)
-        k = fa.__dict__["_sort_keys"] = (f << _FILE_SHIFT) | np.maximum(fa.off, 0)
-    return k
 
 
 def _member_start(reader, plans, rows, m: int, B: int) -> int:
