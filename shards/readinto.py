@@ -2,13 +2,26 @@
 
 :meth:`shards.ShardReader.read_into` (implemented here) takes, per field, the batch buffer and the
 *runs* its kind computed (:meth:`shards.kinds.FieldKind.runs`: which bytes of each sample's
-stored array go where in the padded batch tensor). It sorts every run of the batch by file and
-offset, merges neighbours into one ``os.preadv`` per stretch of a file of at most
-:data:`READ_CAP` bytes beyond its first run (one buffer per run; the few hundred bytes of tar and
-zip headers between two members of a sample go to a scratch buffer), and the kernel copies the
-bytes from the page cache into the batch tensors: no mapping, no page faults on the source, no
-intermediate array. Then each member is hashed where it landed, while it is still in cache, and
-compared with the XXH3-64 the index recorded when the cache was written (:mod:`shards.checksum`).
+stored array go where in the padded batch tensor). It builds the batch's read plan with numpy: every
+run sorted by file and offset, each member's runs together, the descriptor of each run's file, the
+checksum each member must have. Then an *executor* carries it out: one ``preadv`` per stretch of a
+file whose runs lie at most :data:`READ_THROUGH` bytes apart, filling at most :data:`READ_CAP` bytes
+beyond its first run (one buffer per run; the few hundred bytes of tar and zip headers between two
+members of a sample go to a scratch buffer), so the kernel copies the bytes from the page cache
+into the batch tensors: no mapping, no page faults on the source, no intermediate array. Each
+member is hashed where it landed right after the ``preadv`` that completes it, while it is still in
+cache, and compared with the XXH3-64 the index recorded when the cache was written
+(:mod:`shards.checksum`).
+
+Two executors, the same plan, the same bytes and checks (the tests compare them):
+
+* **native** (``shards._readv``, ``shards/native/readv.c``, built by ``pip install``): the whole
+  plan in one call that holds no GIL. Used whenever it is built.
+* **python**: the same loop with :func:`os.preadv` and :mod:`xxhash`, for installs without a C
+  compiler (``SHARDCACHE_NATIVE_READ=0`` selects it). Every ``preadv`` and every hash of more than
+  64 KiB hands the GIL over, ~60 times per batch of 16 samples of 360 KiB: with two read threads the
+  threads wait for each other (measured on the 2-core bench machine: 2 read threads slower than 1),
+  where the native executor's threads copy and hash in parallel.
 
 Nothing here raises for a damaged sample: :func:`read_into` returns ``(position, message)`` for
 each sample whose bytes are not what the index says (checksum mismatch, file shorter than the
@@ -29,24 +42,28 @@ from .files import IOV_MAX, read_segments
 if TYPE_CHECKING:  # pragma: no cover
     from .reader import ShardReader
 
+try:  # built by `pip install` (setup.py); absent where no C compiler was found
+    from . import _readv
+except ImportError:  # pragma: no cover - depends on the install
+    _readv = None
+
 #: bytes between two members (of one file) that one ``preadv`` reads through into a scratch buffer
 #: rather than issuing a second call: tar headers (512 B + padding), zip local headers, ``.npy``
 #: headers, small members that were not asked for
 READ_THROUGH = 4096
-_SCRATCH = memoryview(bytearray(READ_THROUGH))
-#: bytes one ``preadv`` fills at most (whole runs: a run larger than this is one call, small
+#: bytes one ``preadv`` fills at most beyond its first run (a run larger than this is one call, small
 #: members are grouped): the members a call completes are hashed right after it, so their bytes must
-#: still be in the core's cache. One call for a whole batch (up to IOV_MAX runs, several MB) made
-#: the hash read them back from memory: checksums cost 0.81-0.86 x the unchecked rate in CPU time,
-#: 0.90-0.94 with 32-128 KiB calls (A/B on make bench's loader cache, 2-core EPYC VM). With two
-#: read-ahead threads every call is a GIL hand-over: 256 KiB calls (a member of ~220 KiB of audio
-#: in one) read 7-30 % more batches per second than 32 KiB ones, checked or not (interleaved A/B,
-#: 3 runs, same cache)
+#: still be in the core's cache. One call for a whole batch (several MB) made the hash read them back
+#: from memory: checksums cost 0.81-0.86 x the unchecked rate in CPU time, 0.90-0.94 with 32-128 KiB
+#: calls (A/B on make bench's loader cache, 2-core EPYC VM; a member of ~220 KiB of audio is one call)
 READ_CAP = 256 << 10
+#: the executor: "native" where ``shards._readv`` is built (unless ``SHARDCACHE_NATIVE_READ=0``), else "python"
+EXECUTOR = "native" if _readv is not None and os.environ.get("SHARDCACHE_NATIVE_READ", "1") != "0" else "python"
+_STATUS_MISMATCH, _STATUS_SHORT = 1, 2
 
 
 def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str, memoryview, tuple]],
-              checksums: bool = True) -> list[tuple[int, str]]:
+              checksums: bool = True, executor: str | None = None) -> list[tuple[int, str]]:
     """Copy members of index ``rows`` into batch buffers (see the module docstring).
 
     Args:
@@ -59,10 +76,12 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
             must be in stored order and cover the whole array.
         checksums: compare each member read with the index's checksum (members whose index
             entry has none are not checked).
+        executor: ``"native"`` or ``"python"`` (default :data:`EXECUTOR`).
 
     Returns ``[(position, message)]``, one per damaged sample (first problem), in batch order.
     Raises :class:`~shards.errors.ShardCorrupt` when a shard was replaced, resized or deleted
-    since it was pinned (or is missing).
+    since it was pinned (or is missing), ``OSError`` when the system fails a read (EIO),
+    ``ValueError`` for runs outside their buffer.
     """
     rows = np.asarray(rows, dtype=np.int64)
     if not plans:
@@ -81,86 +100,93 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
         mids.append(pos + i * B)  # member: field i of batch position pos
         if checksums:
             wants.append(fa.xxh3[r])
-            known.append(True if fa.all_summed else fa.has_sum[r])
+            known.append(np.ones(len(r), bool) if fa.all_summed else fa.has_sum[r])
     key, off, n, dst, mid = (np.concatenate(c) for c in (keys, offs, ns, dsts, mids))
+    if not len(off):
+        return []
     # by file and member, each member's runs together in stored order (a sample may come twice)
     order = np.lexsort((off, mid, key))
     key, off, n, dst, mid = key[order], off[order], n[order], dst[order], mid[order]
     file = key >> _FILE_SHIFT
-    end = off + n
-    new = np.ones(len(off), dtype=bool)
-    if len(off) > 1:
-        gap = off[1:] - end[:-1]
-        new[1:] = (file[1:] != file[:-1]) | (gap < 0) | (gap > READ_THROUGH)
     first = np.flatnonzero(np.r_[True, mid[1:] != mid[:-1]])
+    last = np.r_[first[1:] - 1, len(mid) - 1].astype(np.int64)
     if checksums:
-        w = np.concatenate(wants)[order][first].tolist()
-        if all(k is True for k in known):
-            m_want = w
-        else:
-            has = np.concatenate([np.broadcast_to(k, len(m)) for k, m in zip(known, mids)])[order][first]
-            m_want = [x if h else None for x, h in zip(w, has.tolist())]
+        want = np.concatenate(wants)[order][first].astype(np.uint64)
+        check = np.concatenate(known)[order][first].astype(np.uint8)
     else:
-        m_want = [None] * len(first)
-    midl = mid.tolist()
-    bufs = [p[1] for p in plans]
-    views = [bufs[m // B][d:d + k] for m, d, k in zip(midl, dst.tolist(), n.tolist())]
+        want, check = np.zeros(len(first), np.uint64), np.zeros(len(first), np.uint8)
     where = _Where(reader, rows, plans)
-    filel = file.tolist()
-    for f in set(filel):  # one stat per file per batch: replaced or resized?
+    files, inverse = np.unique(file, return_inverse=True)
+    fds = []
+    for f in files.tolist():  # one stat per file per batch: replaced or resized?
         reader.io.check(f, lambda f=f: where.first_in(f, file, mid % B))
+        fds.append(reader.io.fd(f, lambda f=f: where.first_in(f, file, mid % B)))
+    fd = np.asarray(fds, dtype=np.int32)[inverse.reshape(-1)]
+    status, got = np.zeros(len(first), np.int8), np.zeros(len(first), np.uint64)
+    bufs = tuple(p[1] for p in plans)
+    if (executor or EXECUTOR) == "native":
+        bad = _readv.read_members(fd, off, n, (mid // B).astype(np.int32), dst, bufs, last, want, check, status,
+                                  got, READ_THROUGH, READ_CAP)
+    else:
+        bad = _read_members(fd, off, n, (mid // B).astype(np.int32), dst, bufs, last, want, check, status, got)
+    if not bad:
+        return []
     problems: dict[int, str] = {}
-    # members: each is a run of consecutive segments; hashed right after the preadv that completes
-    # it, while its bytes are still in the core's cache (a sample is ~0.4 MB, a batch many MB)
-    m_first = first.tolist()
-    m_last = [x - 1 for x in m_first[1:]] + [len(midl) - 1]
-    mi, n_members = 0, len(m_first)
-    starts = np.flatnonzero(new).tolist() + [len(off)]
-    offl, endl = off.tolist(), end.tolist()
-    for a, b in zip(starts[:-1], starts[1:]):
-        fd = reader.io.fd(filel[a], lambda f=filel[a]: where.first_in(f, file, mid % B))
-        j = a
-        while j < b:  # one preadv per stretch (fewer than IOV_MAX buffers)
-            s, iov, k = offl[j], [views[j]], j + 1
-            prev = endl[j]
-            while k < b and len(iov) < IOV_MAX - 1 and prev - s < READ_CAP:
-                g = offl[k] - prev
-                if g:
-                    iov.append(_SCRATCH[:g])
-                iov.append(views[k])
-                prev = endl[k]
-                k += 1
-            total = prev - s
-            got = read_segments(fd, s, iov, total)
-            if got < total:
-                size = os.fstat(fd).st_size
-                for m in range(j, k):
-                    q = midl[m] % B
-                    if endl[m] > s + got and q not in problems:
-                        problems[q] = where.short(midl[m] // B, q, size, int(_member_start(reader, plans, rows, midl[m], B)))
-            while mi < n_members and m_last[mi] < k:  # the members this read completed
-                want, f0, f1 = m_want[mi], m_first[mi], m_last[mi]
-                mi += 1
-                if want is None:
-                    continue
-                q = midl[f0] % B
-                if problems and q in problems:
-                    continue
-                got_sum = _xxh3(views[f0]) if f0 == f1 else checksum_of_parts(views[f0:f1 + 1])
-                if got_sum != want:
-                    problems[q] = where.mismatch(midl[f0] // B, q, got_sum, want)
-            j = k
+    for m in np.flatnonzero(status).tolist():
+        j = int(first[m])
+        p, q = int(mid[j]) // B, int(mid[j]) % B
+        if q in problems:
+            continue
+        if status[m] == _STATUS_SHORT:
+            size = os.fstat(int(fd[j])).st_size
+            problems[q] = where.short(p, q, size, int(reader.field(plans[p][0]).off[rows[q]]))
+        else:
+            problems[q] = where.mismatch(p, q, int(got[m]), int(want[m]))
     return sorted(problems.items())
+
+
+def _read_members(fd, off, n, buf, dst, bufs, last, want, check, status, got) -> int:
+    """The python executor: what ``shards._readv.read_members`` does (shards/native/readv.c), with
+    :func:`os.preadv` and :mod:`xxhash`; same arguments, same outputs."""
+    fdl, offl, nl, bufl, dstl, lastl = (a.tolist() for a in (fd, off, n, buf, dst, last))
+    views = [bufs[b][d:d + k] for b, d, k in zip(bufl, dstl, nl)]
+    scratch = memoryview(bytearray(READ_THROUGH))
+    nseg, nmem, problems = len(offl), len(lastl), 0
+    j = mi = 0
+    while j < nseg:
+        s, prev, iov, k = offl[j], offl[j] + nl[j], [views[j]], j + 1
+        while (k < nseg and fdl[k] == fdl[j] and 0 <= offl[k] - prev <= READ_THROUGH and len(iov) < IOV_MAX - 2
+               and prev - s < READ_CAP):
+            if offl[k] > prev:
+                iov.append(scratch[:offl[k] - prev])
+            iov.append(views[k])
+            prev = offl[k] + nl[k]
+            k += 1
+        have = read_segments(fdl[j], s, iov, prev - s)
+        if have < prev - s:  # the file ended: every member with a run past its end is short
+            m = mi
+            for r in range(j, k):
+                while lastl[m] < r:
+                    m += 1
+                if offl[r] + nl[r] > s + have and status[m] == 0:
+                    status[m] = _STATUS_SHORT
+                    problems += 1
+        while mi < nmem and lastl[mi] < k:  # the members this read completed
+            f0 = lastl[mi - 1] + 1 if mi else 0
+            if status[mi] == 0 and check[mi]:
+                h = _xxh3(views[f0]) if f0 == lastl[mi] else checksum_of_parts(views[f0:lastl[mi] + 1])
+                got[mi] = h
+                if h != int(want[mi]):
+                    status[mi] = _STATUS_MISMATCH
+                    problems += 1
+            mi += 1
+        j = k
+    return problems
 
 
 #: bits of a member's sort key that hold its byte offset (the file number above them: 1 TiB per
 #: shard at most)
 _FILE_SHIFT = 40
-
-
-def _member_start(reader, plans, rows, m: int, B: int) -> int:
-    """Byte offset in its file of member ``m`` (field ``m // B`` of batch position ``m % B``)."""
-    return int(reader.field(plans[m // B][0]).off[rows[m % B]])
 
 
 class _Where:
@@ -190,4 +216,4 @@ class _Where:
                 "for this shard")
 
 
-__all__ = ["read_into", "READ_THROUGH"]
+__all__ = ["read_into", "READ_THROUGH", "READ_CAP", "EXECUTOR"]
