@@ -17,4 +17,4 @@ if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
     macros.append(("SHARDS_XXH_DISPATCH", "1"))
 
 setup(ext_modules=[Extension("shards._readv", sources, include_dirs=["shards/native"], define_macros=macros,
-                             extra_compile_args=["-O2", "-fvisibility=hidden"], optional=True)])
+                             extra_compile_args=["-O3", "-fvisibility=hidden"], optional=True)])

@@ -130,9 +130,7 @@ def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
     return tuple(f for f in ALL_FIELDS if f in fields) + tuple(extra)
 
 
-_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_, torch.int16: np.int16,
-              torch.int32: np.int32, torch.float16: np.float16, torch.uint16: np.uint16, torch.uint8: np.uint8,
-              torch.float64: np.float64}
+_NP_DTYPES = shm.NP_DTYPES
 
 
 def allocate(layout: Sequence[tuple[str, Sequence[int], torch.dtype]], arena=None) -> dict[str, torch.Tensor]:
@@ -178,14 +176,15 @@ def _check_pairs(keys: Sequence[str], fields: Sequence[str], arrays: dict[str, l
 def check_rates(keys: Sequence[str], sample_rates: Sequence[int]) -> int:
     """The batch's ``sample_rate`` (Hz; 0 when no sample has audio). Raises ``ValueError`` naming
     the keys when samples with audio (rate > 0) have different rates."""
-    rates = np.asarray(sample_rates, dtype=np.int64)
-    audible = rates[rates > 0]
-    if len(audible) and (audible != audible[0]).any():
+    seen = {r for r in (sample_rates.tolist() if isinstance(sample_rates, np.ndarray) else sample_rates) if r > 0}
+    if len(seen) > 1:
+        rates = np.asarray(sample_rates, dtype=np.int64)
+        audible = rates[rates > 0]
         odd = np.flatnonzero((rates != audible[0]) & (rates > 0))
         first = keys[int(np.flatnonzero(rates > 0)[0])]
         raise ValueError(f"samples of one batch have different sample rates: {first!r} at "
                          f"{audible[0]} Hz, {_name(keys, odd)} at {sorted(set(rates[odd].tolist()))} Hz")
-    return int(audible[0]) if len(audible) else 0
+    return int(seen.pop()) if seen else 0
 
 
 def collate_views(keys: list[str], sample_rates: Sequence[int], fields: Sequence[str],

@@ -253,8 +253,11 @@ class Sources:
         ctx = BatchContext(pad_id=int(self.pad_id), compact=bool(self.compact), default_shapes=self.default_shapes)
         skipped: list[str] = []
         while True:
-            groups = [(self.sources[i], np.flatnonzero(which == i), ids[which == i] - self.offsets[i])
-                      for i in np.unique(which).tolist()]
+            if len(self.sources) == 1:  # one cache: ids are its rows, in batch order
+                groups = [(self.sources[0], np.arange(len(ids)), ids)]
+            else:
+                groups = [(self.sources[i], np.flatnonzero(which == i), ids[which == i] - self.offsets[i])
+                          for i in np.unique(which).tolist()]
             batch, problems = read_batch(groups, len(ids), self.fields, ctx, arena=arena or self._host(),
                                          checks=self.checks, staging=self._staging())
             if not problems:
@@ -274,8 +277,9 @@ class Sources:
             if not len(keep):
                 raise ShardCorrupt(f"every sample of a batch is damaged; the last: {problems[-1][1]}")
             ids, which = ids[keep], which[keep]
-        for i in np.unique(which).tolist():
-            self.sources[i].after_read()
+        for i, src in enumerate(self.sources):
+            if src.streamed and (len(self.sources) == 1 or (which == i).any()):
+                src.after_read()
         if len(self.sources) > 1:
             batch["source"] = [self.names[i] for i in which.tolist()]
         batch = batch if self.transform is None else self.transform(batch)

@@ -5,8 +5,8 @@ hands part of it back to the kernel when the previous batch is freed and the nex
 it in again (measured ~800 minor faults per batch, a third of the read time). :class:`HostArena`
 keeps a few blocks and lays each batch out in one (the layout of :func:`loaders.shm.layout_bytes`,
 as a worker's shared-memory slot); a block is reused once every tensor of its batch is gone (the
-tensors share one storage whose last reference runs a finalizer, the mechanism of
-:mod:`loaders.shm`). With ``pin`` (CUDA only) each batch is one page-locked block from torch's caching
+tensors are views of one per-batch numpy view of the block whose finalizer runs when the last of
+them is freed, the mechanism of :mod:`loaders.shm`). With ``pin`` (CUDA only) each batch is one page-locked block from torch's caching
 host allocator instead: the batch is read straight into memory the GPU copies from, with no other
 host copy, and torch reuses the block only once the asynchronous copies recorded on it are done (a
 block reused by this arena could be overwritten while a ``non_blocking`` copy still reads it).
@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .shm import layout_bytes, view
+from .shm import layout_bytes, lease, view, views
 
 #: blocks kept for reuse (a consumer holds one or two batches at a time, a device prefetcher one more)
 KEEP = 4
@@ -48,12 +48,9 @@ class HostArena:
         if block is None:
             size = -(-int(total * 1.25) // _MIB) * _MIB  # budget batches vary in size
             block = np.empty(size, dtype=np.uint8)
-        lease = block[:total]  # a new numpy object per batch: its life is the batch's
-        weakref.finalize(lease, self._give_back, block)
-        storage = torch.from_numpy(lease).untyped_storage()
-        del lease
-        return {name: view(storage, off, tuple(int(x) for x in shape), dtype)
-                for (name, shape, dtype), off in zip(layout, offsets)}
+        held = lease(block, total)  # a new numpy object per batch: its life is the batch's
+        weakref.finalize(held, self._give_back, block)
+        return views(held, layout, offsets)
 
     def abandon(self) -> None:
         """(The interface of :class:`loaders.shm.SlotArena`: a block comes back when its tensors go.)"""

@@ -34,6 +34,7 @@ import torch
 
 from shards import fields as registry
 from shards.kinds import BatchContext
+from shards.readinto import conversion
 
 from .collate import allocate, check_rates
 
@@ -79,24 +80,28 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
     for a shard replaced or missing, ``ValueError`` as :func:`~loaders.collate.collate_views`.
     """
     single = len(groups) == 1  # one cache: its rows are the batch's positions in order
-    keys: list[Any] = [None] * B
-    rates = np.zeros(B, dtype=np.int64)
-    for src, pos, rows in groups:
-        for p, k in zip(pos.tolist(), src.reader.keys_at(rows)):
-            keys[p] = k
-        rates[pos] = src.sample_rate[rows]
+    if single:
+        src0, _, rows0 = groups[0]
+        keys: list[Any] = src0.reader.keys_at(rows0)
+        rates = src0.sample_rate[rows0]
+    else:
+        keys = [None] * B
+        rates = np.zeros(B, dtype=np.int64)
+        for src, pos, rows in groups:
+            for p, k in zip(pos.tolist(), src.reader.keys_at(rows)):
+                keys[p] = k
+            rates[pos] = src.sample_rate[rows]
     rate = check_rates(keys, rates)
     plans, layout, seen = [], [], set()
     for name in fields:
         f = registry.get(name)
-        empty = f.kind.empty_shape(f, ctx)
         if single:  # the index arrays at the batch's rows
-            fa = groups[0][0].reader.field(name, f.ndim)
-            rows = groups[0][2]
-            shapes, present = fa.shape[rows], fa.present[rows]
+            fa = src0.reader.field(name, f.ndim)
+            shapes, present = fa.shape[rows0], fa.present[rows0]
             if not present.all():
-                shapes[~present] = empty
+                shapes[~present] = f.kind.empty_shape(f, ctx)
         else:
+            empty = f.kind.empty_shape(f, ctx)
             shapes = np.empty((B, len(empty)), dtype=np.int64)
             shapes[:] = empty
             present = np.zeros(B, dtype=bool)
@@ -111,19 +116,28 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
                 seen.add(key)
                 layout.append((key, shape, dtype))
         plans.append((f, shapes, present, S))
-    _check_paired(keys, plans)
+    if any(f.paired_with for f, _, _, _ in plans):
+        _check_paired(keys, plans)
     batch: dict[str, Any] = {"keys": keys, "sample_rate": rate}
     batch.update(allocate(layout, arena))
     staging = staging if staging is not None else Staging()
     targets, reads = {}, [[] for _ in groups]
-    fallback = []
+    fallback, widened = [], set()
     for f, shapes, present, S in plans:
         data = batch[f.name]
         stored = f.kind.host_dtype(f, True)
         if not all(_stored_as(src.reader.field(f.name), f) for src, _, _ in groups):
             fallback.append(f.name)
             continue
-        target = data if data.dtype == stored else staging.get(f.name, tuple(data.shape), stored)
+        conv = None
+        if data.dtype != stored:  # read into staging; widened per member by the reader where it can
+            target = staging.get(f.name, tuple(data.shape), stored)
+            how = conversion(f.kind.host_widening(f), f.dtype, str(data.dtype).removeprefix("torch."))
+            if how is not None and data.numel():
+                conv = (memoryview(data.numpy()).cast("B"), *how)
+                widened.add(f.name)
+        else:
+            target = data
         targets[f.name] = target
         if not target.numel():
             continue
@@ -131,11 +145,12 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
         item = target.element_size()
         buf = memoryview(target.numpy()).cast("B")
         if len(groups) == 1:
-            reads[0].append((f.name, buf, (sample, src_el * item, dst_el * item, n * item)))
+            reads[0].append((f.name, buf, (sample, src_el * item, dst_el * item, n * item), conv))
             continue
         for g, (src, pos, rows) in enumerate(groups):
             sel = np.isin(sample, pos)
-            reads[g].append((f.name, buf, (sample[sel], src_el[sel] * item, dst_el[sel] * item, n[sel] * item)))
+            reads[g].append((f.name, buf, (sample[sel], src_el[sel] * item, dst_el[sel] * item, n[sel] * item),
+                             conv))
     problems: list[tuple[int, str]] = []
     for (src, pos, rows), plan in zip(groups, reads):
         if plan:
@@ -157,7 +172,7 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
             f.kind.fill(f, batch, arrays, shapes, present, S, ctx)
             continue
         data, target = batch[f.name], targets[f.name]
-        if target is not data and data.numel():
+        if target is not data and data.numel() and f.name not in widened:
             f.kind.widen_host(f, data, target)
         f.kind.finish(f, batch, shapes, present, S, ctx)
     return batch, []
@@ -165,7 +180,7 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
 
 def _stored_as(fa, f) -> bool:
     """Every row of the field is stored in the field's dtype (what the format says)."""
-    return all(d == np.dtype(f.dtype) for d in fa.dtypes)
+    return not fa.dtypes or (len(fa.dtypes) == 1 and fa.dtypes[0] == f.dtype)
 
 
 def _check_paired(keys: list, plans: list) -> None:

@@ -283,8 +283,17 @@ class FieldKind:
     def widen_host(self, field: "Field", dst: "torch.Tensor", src: "torch.Tensor") -> None:
         """``dst`` (the host dtype) from ``src`` (the same shape in the storage dtype), the whole
         batch tensor at once, converting as :meth:`copy_into` does (default: a cast). For batches
-        that are not ``compact``: the reader fills ``src``, this converts it in one pass."""
+        that are not ``compact``: the reader fills ``src``, this converts it in one pass (unless the
+        native reader widened each member as it read it: :meth:`host_widening`)."""
         serial(lambda d, s: d.copy_(s), dst, src)
+
+    def host_widening(self, field: "Field") -> tuple | None:
+        """What :meth:`widen_host` does, said so that the native reader (``shards._readv``) can do it
+        per member, right after reading it (``shards.readinto.CONVERSIONS``): ``("cast", scale)``:
+        the stored value cast to the host dtype, times ``scale`` (1.0: none); ``("bf16",)``: int16
+        bfloat16 bit patterns to the float32 they are. None: only :meth:`widen_host` knows (the
+        default for a kind that overrides :meth:`widen_host` but not this)."""
+        return ("cast", 1.0) if type(self).widen_host is FieldKind.widen_host else None
 
     def fill_lengths_mask(self, field: "Field", out: dict, shapes: np.ndarray, S: tuple[int, ...]) -> None:
         """``Field.lengths`` (int64 ``(B,)``: each sample's size along :attr:`lengths_axis`) and
@@ -414,6 +423,9 @@ class Waveform(FieldKind):
             np.multiply(d, PCM16_SCALE.astype(d.dtype), out=d)
         else:
             super().widen_host(field, dst, src)
+
+    def host_widening(self, field):
+        return ("cast", float(PCM16_SCALE))
 
     def to_model(self, field, value):
         import torch
@@ -547,6 +559,9 @@ class BFloat16Bits(FieldKind):
             serial(lambda d, s: d.copy_(s.view(torch.bfloat16)), dst, src)
         else:
             super().widen_host(field, dst, src)
+
+    def host_widening(self, field):
+        return ("bf16",)
 
     def to_model(self, field, value):
         """int16 bits (a compact batch) -> the bfloat16 they are (a view, exact); float32 kept."""

@@ -60,6 +60,25 @@ READ_CAP = 256 << 10
 #: the executor: "native" where ``shards._readv`` is built (unless ``SHARDCACHE_NATIVE_READ=0``), else "python"
 EXECUTOR = "native" if _readv is not None and os.environ.get("SHARDCACHE_NATIVE_READ", "1") != "0" else "python"
 _STATUS_MISMATCH, _STATUS_SHORT = 1, 2
+#: widenings the native executor does per member, right after reading it (shards/native/readv.c):
+#: ``(widening, stored dtype, host dtype) -> op`` (widening: :meth:`shards.kinds.FieldKind.host_widening`;
+#: a cast with a scale other than 1 only for int16 -> float32, the PCM scale)
+CONVERSIONS = {("cast", "int16", "float32"): 1, ("cast", "float16", "float32"): 2, ("bf16", "int16", "float32"): 3,
+               ("cast", "int16", "int64"): 4, ("cast", "int32", "int64"): 5}
+
+
+def conversion(widening: tuple | None, stored: str, host: str) -> tuple[int, float] | None:
+    """``(op, scale)`` of the native executor for a field stored as ``stored`` and batched as
+    ``host`` (dtype names) whose kind widens as ``widening``; None when it has none (the caller
+    widens the whole tensor after the read: :meth:`shards.kinds.FieldKind.widen_host`), or when the
+    executor is the python one."""
+    if widening is None or EXECUTOR != "native":
+        return None
+    op = CONVERSIONS.get((widening[0], stored, host))
+    scale = float(widening[1]) if len(widening) > 1 else 1.0
+    if op is None or (scale != 1.0 and op != 1):
+        return None
+    return op, scale
 
 
 def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str, memoryview, tuple]],
@@ -69,11 +88,14 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
     Args:
         reader: the :class:`~shards.ShardReader` whose index ``rows`` refers to.
         rows: int64 ``(B,)`` index row of each batch position.
-        plans: per field ``(name, buf, (pos, src, dst, n))``: ``buf`` a writable flat byte
-            memoryview of the field's batch tensor (storage dtype); run ``r`` copies ``n[r]`` bytes
-            from byte ``src[r]`` of the stored array of ``rows[pos[r]]`` to byte ``dst[r]`` of
-            ``buf`` (int64 arrays; a kind's runs times the itemsize). A sample's runs of one field
-            must be in stored order and cover the whole array.
+        plans: per field ``(name, buf, (pos, src, dst, n))`` or ``(name, buf, (pos, src, dst, n),
+            (out, op, scale))``: ``buf`` a writable flat byte memoryview of the field's batch tensor
+            (storage dtype); run ``r`` copies ``n[r]`` bytes from byte ``src[r]`` of the stored array
+            of ``rows[pos[r]]`` to byte ``dst[r]`` of ``buf`` (int64 arrays; a kind's runs times the
+            itemsize). A sample's runs of one field must be in stored order and cover the whole
+            array. With ``(out, op, scale)`` (native executor only, :func:`conversion`) each run is
+            also widened into ``out`` (the flat bytes of the batch tensor in its host dtype) at the
+            same element index, once its member is read and checked.
         checksums: compare each member read with the index's checksum (members whose index
             entry has none are not checked).
         executor: ``"native"`` or ``"python"`` (default :data:`EXECUTOR`).
@@ -88,7 +110,7 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
         return []
     B = len(rows)
     keys, offs, ns, dsts, mids, wants, known = [], [], [], [], [], [], []
-    for i, (name, _, (pos, src, dst, n)) in enumerate(plans):
+    for i, (name, _, (pos, src, dst, n), *_) in enumerate(plans):
         fa = reader.field(name)
         r = rows[pos]
         start = fa.off[r]
@@ -124,10 +146,13 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
     fd = np.asarray(fds, dtype=np.int32)[inverse.reshape(-1)]
     status, got = np.zeros(len(first), np.int8), np.zeros(len(first), np.uint64)
     bufs = tuple(p[1] for p in plans)
+    convs = tuple(p[3] if len(p) > 3 else None for p in plans)
     if (executor or EXECUTOR) == "native":
         bad = _readv.read_members(fd, off, n, (mid // B).astype(np.int32), dst, bufs, last, want, check, status,
-                                  got, READ_THROUGH, READ_CAP)
+                                  got, READ_THROUGH, READ_CAP, convs if any(convs) else None)
     else:
+        if any(convs):
+            raise ValueError("the python executor does not widen: widen after the read (FieldKind.widen_host)")
         bad = _read_members(fd, off, n, (mid // B).astype(np.int32), dst, bufs, last, want, check, status, got)
     if not bad:
         return []
@@ -216,4 +241,4 @@ class _Where:
                 "for this shard")
 
 
-__all__ = ["read_into", "READ_THROUGH", "READ_CAP", "EXECUTOR"]
+__all__ = ["read_into", "conversion", "READ_THROUGH", "READ_CAP", "EXECUTOR", "CONVERSIONS"]

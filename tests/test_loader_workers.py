@@ -90,6 +90,38 @@ def test_slots_are_reused_and_views_keep_them_alive(cache, monkeypatch):
     ld.close()
 
 
+def test_slot_storages_travel_once_not_every_epoch(cache, monkeypatch):
+    """A slot's storage (a file descriptor through a socket, mapped again by the receiver) goes with
+    the first batch the receiver gets from that slot, and never again while it keeps it mapped:
+    epochs after the first send none. An iteration dropped right after its first batch leaves
+    messages unread; whatever storage they carried goes again."""
+    sent = []
+    orig = shm_mod.SlotBatch.unpack
+
+    def unpack(msg):
+        sent.append(msg.storage is not None)
+        return orig(msg)
+    monkeypatch.setattr(shm_mod.SlotBatch, "unpack", unpack)
+    ld = ShardLoader(cache, 3, seed=3, num_workers=2, prefetch_factor=2)
+    per_epoch = []
+    for e in range(3):
+        ld.set_epoch(e)
+        sent.clear()
+        for b in ld:
+            del b
+        per_epoch.append(sum(sent))
+    assert 0 < per_epoch[0] <= 2 * (2 + 2) and per_epoch[1:] == [0, 0], per_epoch
+    ld.set_epoch(3)
+    next(iter(ld))  # messages of this iteration are dropped unread
+    gc.collect()
+    ld.set_epoch(4)
+    want = reference(cache, 4)
+    for i, b in enumerate(ld):
+        assert_same(b, want[i])
+        del b
+    ld.close()
+
+
 def test_iterations_abandoned_mid_epoch_do_not_leak_slots(cache, monkeypatch):
     """Breaking out after one batch, again and again (an eval limited to N batches does), must not
     leave slots busy for ever: a later full epoch still comes through the slots."""

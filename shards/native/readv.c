@@ -100,8 +100,103 @@ read_all(int fd, struct iovec *iov, int niov, int64_t start, int64_t total)
     return done;
 }
 
+/* Widening of a run from the stored dtype (in the staging buffer, still in cache: the member was just
+ * read and hashed) into the batch tensor's dtype: what shards.kinds' widen_host does for a batch that is
+ * not compact (shards.readinto.CONVERSIONS names them). Every conversion is exact. */
+enum { CONV_NONE = 0, CONV_I16_F32 = 1, CONV_F16_F32 = 2, CONV_BF16_F32 = 3, CONV_I16_I64 = 4, CONV_I32_I64 = 5 };
+static const int conv_in[] = {0, 2, 2, 2, 2, 4}, conv_out[] = {0, 4, 4, 4, 8, 8};
+
+/* IEEE half -> float (exact; subnormals, inf and NaN included) */
+static inline float
+half_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F)
+        bits = sign | 0x7F800000 | (man << 13);
+    else if (exp)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man)
+        bits = sign;
+    else { /* subnormal: normalise */
+        int e = -1;
+        do {
+            e++;
+            man <<= 1;
+        } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define HAVE_F16C_PATH 1
+__attribute__((target("avx,f16c"))) static void
+f16_f32_f16c(const uint16_t *in, float *out, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + i))));
+    for (; i < n; i++)
+        out[i] = half_to_float(in[i]);
+}
+#endif
+
+static int has_f16c = 0;
+
+static void
+convert(int op, double scale, const char *in, char *out, size_t n)
+{
+    size_t i;
+    switch (op) {
+    case CONV_I16_F32: {
+        const int16_t *a = (const int16_t *)in;
+        float *b = (float *)out, s = (float)scale;
+        for (i = 0; i < n; i++)
+            b[i] = (float)a[i] * s;
+        break;
+    }
+    case CONV_F16_F32: {
+#ifdef HAVE_F16C_PATH
+        if (has_f16c) {
+            f16_f32_f16c((const uint16_t *)in, (float *)out, n);
+            break;
+        }
+#endif
+        const uint16_t *a = (const uint16_t *)in;
+        float *b = (float *)out;
+        for (i = 0; i < n; i++)
+            b[i] = half_to_float(a[i]);
+        break;
+    }
+    case CONV_BF16_F32: {
+        const uint16_t *a = (const uint16_t *)in;
+        uint32_t *b = (uint32_t *)out;
+        for (i = 0; i < n; i++)
+            b[i] = (uint32_t)a[i] << 16;
+        break;
+    }
+    case CONV_I16_I64: {
+        const int16_t *a = (const int16_t *)in;
+        int64_t *b = (int64_t *)out;
+        for (i = 0; i < n; i++)
+            b[i] = a[i];
+        break;
+    }
+    case CONV_I32_I64: {
+        const int32_t *a = (const int32_t *)in;
+        int64_t *b = (int64_t *)out;
+        for (i = 0; i < n; i++)
+            b[i] = a[i];
+        break;
+    }
+    }
+}
+
 PyDoc_STRVAR(read_members_doc,
-"read_members(fd, off, n, buf, dst, buffers, last, want, check, status, got, read_through, read_cap)\n"
+"read_members(fd, off, n, buf, dst, buffers, last, want, check, status, got, read_through, read_cap, convs=None)\n"
 "\n"
 "Copy the runs of a batch from files into buffers and check each member's XXH3-64, holding no GIL.\n"
 "\n"
@@ -110,15 +205,19 @@ PyDoc_STRVAR(read_members_doc,
 "dst int64 (byte in that buffer). Members: last int64 (index of the member's last run, ascending),\n"
 "want uint64 (the recorded XXH3-64), check uint8 (1: compare), and the outputs status int8\n"
 "(0 ok, 1 checksum mismatch, 2 file ended inside the member) and got uint64 (the XXH3-64 of the\n"
-"bytes read, where checked). Returns how many members have a nonzero status.");
+"bytes read, where checked). convs: None, or per buffer None or (out, op, scale): once a member is read\n"
+"(and checked), its runs in that buffer are widened into the writable buffer `out` at the same element\n"
+"index (op: 1 int16->float32 times scale, 2 float16->float32, 3 bfloat16 bits->float32, 4 int16->int64,\n"
+"5 int32->int64). Returns how many members have a nonzero status.");
 
 static PyObject *
 read_members(PyObject *self, PyObject *args)
 {
     PyObject *o_fd, *o_off, *o_n, *o_buf, *o_dst, *o_bufs, *o_last, *o_want, *o_check, *o_status, *o_got;
+    PyObject *o_convs = Py_None;
     long long read_through, read_cap;
-    if (!PyArg_ParseTuple(args, "OOOOOO!OOOOOLL", &o_fd, &o_off, &o_n, &o_buf, &o_dst, &PyTuple_Type, &o_bufs,
-                          &o_last, &o_want, &o_check, &o_status, &o_got, &read_through, &read_cap))
+    if (!PyArg_ParseTuple(args, "OOOOOO!OOOOOLL|O", &o_fd, &o_off, &o_n, &o_buf, &o_dst, &PyTuple_Type, &o_bufs,
+                          &o_last, &o_want, &o_check, &o_status, &o_got, &read_through, &read_cap, &o_convs))
         return NULL;
     if (read_through < 0 || read_cap < 0) {
         PyErr_SetString(PyExc_ValueError, "read_through and read_cap must be >= 0");
@@ -128,10 +227,13 @@ read_members(PyObject *self, PyObject *args)
     memset(a, 0, sizeof a);
     Py_ssize_t nbufs = PyTuple_GET_SIZE(o_bufs);
     Buf *out = PyMem_Calloc(nbufs ? (size_t)nbufs : 1, sizeof(Buf));
+    Buf *wide = PyMem_Calloc(nbufs ? (size_t)nbufs : 1, sizeof(Buf)); /* conversion targets */
+    int *op = PyMem_Calloc(nbufs ? (size_t)nbufs : 1, sizeof(int));
+    double *scale = PyMem_Calloc(nbufs ? (size_t)nbufs : 1, sizeof(double));
     char *scratch = PyMem_Malloc((size_t)read_through + 1);
     struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * MAX_IOV);
     PyObject *result = NULL;
-    if (!out || !scratch || !iov) {
+    if (!out || !wide || !op || !scale || !scratch || !iov) {
         PyErr_NoMemory();
         goto done;
     }
@@ -149,6 +251,25 @@ read_members(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < nbufs; i++)
         if (get_array(PyTuple_GET_ITEM(o_bufs, i), &out[i], 1, -1, 1, "buffers") < 0)
             goto done;
+    if (o_convs != Py_None) {
+        if (!PyTuple_Check(o_convs) || PyTuple_GET_SIZE(o_convs) != nbufs) {
+            PyErr_SetString(PyExc_ValueError, "convs: a tuple with one entry per buffer");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < nbufs; i++) {
+            PyObject *c = PyTuple_GET_ITEM(o_convs, i), *o_out;
+            if (c == Py_None)
+                continue;
+            if (!PyArg_ParseTuple(c, "Oid", &o_out, &op[i], &scale[i]))
+                goto done;
+            if (op[i] < CONV_I16_F32 || op[i] > CONV_I32_I64) {
+                PyErr_Format(PyExc_ValueError, "convs[%zd]: unknown conversion %d", i, op[i]);
+                goto done;
+            }
+            if (get_array(o_out, &wide[i], 1, -1, 1, "convs") < 0)
+                goto done;
+        }
+    }
     const int32_t *fd = a[0].view.buf, *buf = a[3].view.buf;
     const int64_t *off = a[1].view.buf, *n = a[2].view.buf, *dst = a[4].view.buf, *last = a[5].view.buf;
     const uint64_t *want = a[6].view.buf;
@@ -163,7 +284,17 @@ read_members(PyObject *self, PyObject *args)
                          (int)buf[j], (long long)dst[j], (long long)(dst[j] + n[j]));
             goto done;
         }
+        int c = op[buf[j]];
+        if (c && (dst[j] % conv_in[c] || n[j] % conv_in[c] ||
+                  (dst[j] + n[j]) / conv_in[c] > wide[buf[j]].view.len / conv_out[c])) {
+            PyErr_Format(PyExc_ValueError, "run %zd (buffer %d, bytes %lld..%lld) widened lies outside its target",
+                         j, (int)buf[j], (long long)dst[j], (long long)(dst[j] + n[j]));
+            goto done;
+        }
     }
+#ifdef HAVE_F16C_PATH
+    has_f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+#endif
     for (Py_ssize_t m = 0; m < nmem; m++) {
         if (last[m] < (m ? last[m - 1] + 1 : 0) || last[m] >= nseg || (m == nmem - 1 && last[m] != nseg - 1)) {
             PyErr_Format(PyExc_ValueError, "member %zd: runs up to %lld do not follow the previous member's", m,
@@ -234,6 +365,13 @@ read_members(PyObject *self, PyObject *args)
                     problems++;
                 }
             }
+            for (Py_ssize_t r = first; status[mi] == 0 && r <= last[mi]; r++) {
+                int c = op[buf[r]];
+                if (c)
+                    convert(c, scale[buf[r]], (const char *)out[buf[r]].view.buf + dst[r],
+                            (char *)wide[buf[r]].view.buf + dst[r] / conv_in[c] * conv_out[c],
+                            (size_t)(n[r] / conv_in[c]));
+            }
             mi++;
         }
         j = k;
@@ -249,7 +387,12 @@ done:
     release(a, 11);
     if (out)
         release(out, nbufs);
+    if (wide)
+        release(wide, nbufs);
     PyMem_Free(out);
+    PyMem_Free(wide);
+    PyMem_Free(op);
+    PyMem_Free(scale);
     PyMem_Free(scratch);
     PyMem_Free(iov);
     return result;
