@@ -12,12 +12,17 @@ then measures in one run, everything from the page cache:
    megabytes, and on this shared VM that copy runs from 0.3x to 1.0x ``cat``'s rate depending on
    the moment, so this row says how much of the gap to ``cat`` is the machine's and how much ours.
 2. ``shardloader``: :class:`loaders.ShardLoader` delivering padded, collated batches, one process
-   (``num_workers=0``) and with persistent workers: ``compact`` (int16 audio, float16 latents as
-   stored, widened on the GPU) and float32 (widened on the host); one process compact also with
-   ``checks="values"`` (the value checks every read did before checksums) and ``checks="none"``
-   (nothing checked), so the cost of the checksum is in every run. The loaders are built once and
-   their epochs interleaved round by round (so a neighbour's burst on this shared machine hits every
-   configuration alike); samples/s is the median over ``--epochs`` epochs after a warm-up epoch.
+   (``num_workers=0``: two read-ahead threads, and one, "read on demand") and with persistent
+   workers: ``compact`` (int16 audio, float16 latents as stored, widened on the GPU) and float32
+   (widened on the host); one process compact also with ``checks="values"`` (the value checks every
+   read did before checksums) and ``checks="none"`` (nothing checked), so the cost of the checksum
+   is in every run. The loaders are built once and their epochs interleaved round by round, each
+   round opened by one ``cat`` of the shards: samples/s is the median over ``--epochs`` rounds after
+   a warm-up epoch, and every ratio (to ``cat``, between configurations) is the median over the
+   rounds of the ratio within the round. This VM's memory speed changes by 2x from one minute to the
+   next (``cat`` itself: 15,000-25,000 samples/s on one day), so only rates measured a moment apart
+   compare; LitData and Mosaic are compared the same way, through their ratio to a ``cat`` run
+   right before each of their epochs.
 3. the peers on the same samples: LitData and Mosaic Streaming ``StreamingDataset`` in one process,
    per-sample dicts of numpy arrays, no collation (``benchmarks/bench_peers.py``, run in the
    benchmark venv ``.venv-bench``: ``make bench-venv``; skipped with a message without it).
@@ -183,6 +188,8 @@ CONFIGS = [
     ("one process, compact, read on demand", dict(num_workers=0, compact=True, read_threads=1)),
     ("one process, compact, checks=values", dict(num_workers=0, compact=True, checks="values")),
     ("one process, compact, checks=none", dict(num_workers=0, compact=True, checks="none")),
+    ("one process, compact, read on demand, checks=none", dict(num_workers=0, compact=True, read_threads=1,
+                                                              checks="none")),
     ("one process, float32", dict(num_workers=0, compact=False)),
     ("1 worker, compact", dict(num_workers=1, compact=True)),
     ("2 workers, compact", dict(num_workers=2, compact=True)),
@@ -190,14 +197,27 @@ CONFIGS = [
 ]
 
 
+def cat_rate(files: list[Path], n_samples: int) -> float:
+    """Samples/s of one ``cat files > /dev/null`` (the page cache's rate right now)."""
+    t0 = time.perf_counter()
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    return n_samples / (time.perf_counter() - t0)
+
+
 def bench_loaders(cache: Path | str, batch_size: int, shard_bytes: int, n_total: int, epochs: int = 3,
                   configs=CONFIGS) -> list[dict]:
     """Each configuration's loader built once (persistent workers), one warm-up epoch each, then
-    ``epochs`` rounds of one epoch per loader in turn; samples/s = median over the rounds."""
+    ``epochs`` rounds: one ``cat`` of the shards (:func:`cat_rate`), then one epoch per loader in
+    turn. samples/s = median over the rounds; ``ratio_to_cat`` = median over the rounds of the
+    epoch's rate over that round's ``cat`` (this VM's memory speed changes by 2x from one minute to
+    the next: a ratio measured a second apart holds, one against a ``cat`` of another minute does
+    not); ``samples_s_epochs`` / ``cat_samples_s_rounds`` keep the rounds for paired ratios."""
     loaders = [(label, kw, ShardLoader(cache, batch_size, seed=0, **kw)) for label, kw in configs]
     walls = {label: [] for label, _ in configs}
     cpus = {label: [] for label, _ in configs}
     counts = {}
+    files = sorted(Path(cache).glob("shard-*.tar"))
+    cats = []
 
     def one_epoch(loader, e):
         loader.set_epoch(e)
@@ -206,6 +226,7 @@ def bench_loaders(cache: Path | str, batch_size: int, shard_bytes: int, n_total:
     for _, _, ld in loaders:
         one_epoch(ld, 0)
     for e in range(1, epochs + 1):
+        cats.append(cat_rate(files, n_total))
         for label, _, ld in loaders:
             w0, c0 = time.perf_counter(), time.process_time()
             counts[label] = one_epoch(ld, e)
@@ -217,11 +238,21 @@ def bench_loaders(cache: Path | str, batch_size: int, shard_bytes: int, n_total:
         n, wall, cpu = counts[label], statistics.median(walls[label]), statistics.median(cpus[label])
         mb = shard_bytes * n / n_total / 1e6
         one = kw.get("num_workers", 0) == 0
+        rates = [n / w for w in walls[label]]
         out.append({"label": label, "num_workers": kw.get("num_workers", 0), "compact": bool(kw.get("compact")),
-                    "checks": kw.get("checks", "checksums"), "samples": n, "wall_s": wall, "cpu_s": cpu,
-                    "samples_s": n / wall, "samples_s_epochs": [n / w for w in walls[label]], "MB_s": mb / wall,
-                    "MB_s_cpu": mb / cpu if one else None})
+                    "checks": kw.get("checks", "checksums"), "read_threads": kw.get("read_threads", 2),
+                    "samples": n, "wall_s": wall, "cpu_s": cpu,
+                    "samples_s": n / wall, "samples_s_epochs": rates, "cat_samples_s_rounds": cats,
+                    "ratio_to_cat": statistics.median(r / c for r, c in zip(rates, cats)),
+                    "MB_s": mb / wall, "MB_s_cpu": mb / cpu if one else None})
     return out
+
+
+def paired(rows: list[dict], a: str, b: str) -> float:
+    """Median over the rounds of configuration ``a``'s rate over ``b``'s (epochs of one round run
+    back to back)."""
+    by = {r["label"]: r["samples_s_epochs"] for r in rows}
+    return statistics.median(x / y for x, y in zip(by[a], by[b]))
 
 
 def export_samples(cache: Path, out: Path) -> Path:
@@ -252,8 +283,9 @@ def bench_peers(cache: Path, work: Path, epochs: int = 3) -> dict:
                            "mosaicml-streaming there"}
     samples = export_samples(cache, work / "samples")
     out = work / "peers.json"
+    cat = [str(p) for p in sorted(cache.glob("shard-*.tar"))]
     r = subprocess.run([str(py), str(ROOT / "benchmarks" / "bench_peers.py"), "--samples", str(samples),
-                        "--work", str(work / "peers"), "--out", str(out), "--epochs", str(epochs)],
+                        "--work", str(work / "peers"), "--out", str(out), "--epochs", str(epochs), "--cat", *cat],
                        cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=""))
     if r.returncode != 0 or not out.exists():
         return {"skipped": f"bench_peers.py failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}"}
@@ -382,7 +414,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--samples", type=int, default=1000)
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=16, help="samples per batch (the issue's table: 16)")
-    ap.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration (median)")
+    ap.add_argument("--epochs", type=int, default=7, help="timed rounds: a cat, then an epoch per configuration")
     ap.add_argument("--no-remote", action="store_true", help="skip the local S3 server runs")
     ap.add_argument("--no-peers", action="store_true", help="skip LitData and Mosaic Streaming")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "loader.json")
@@ -423,21 +455,23 @@ def main(argv=None) -> dict:
             n = len(__import__("shards").read_index(c))
             bs = min(8, n)
             r = bench_loaders(c, bs, rcat["bytes"], n, epochs=max(3, 1000 // n), configs=CONFIGS[:1])[0]
-            real.append(dict(r, cache=c.name, ratio_to_cat=r["MB_s"] / rcat["MB_s"], cat_MB_s=rcat["MB_s"],
-                             KiB_per_sample=rcat["bytes"] / n / 1024, batch_size=bs))
+            real.append(dict(r, cache=c.name, cat_MB_s=rcat["MB_s"], KiB_per_sample=rcat["bytes"] / n / 1024,
+                             batch_size=bs))
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    cat_rate = cat["MB_s"] * 1e6 / (nbytes / args.samples)  # samples/s
+    cat_rate = statistics.median(ours[0]["cat_samples_s_rounds"])  # samples/s: the rounds' cats
+    cat = dict(cat, MB_s=cat_rate * nbytes / args.samples / 1e6)
     best_peer = max((v["samples_s"], k) for k, v in peers.items() if isinstance(v, dict) and "samples_s" in v) \
         if any(isinstance(v, dict) and "samples_s" in v for v in peers.values()) else None
-    rows = [dict(r, ratio_to_cat=r["MB_s"] / cat["MB_s"],
-                 ratio_to_cat_cpu=(r["MB_s_cpu"] / cat["MB_s_cpu"]) if r["MB_s_cpu"] else None,
-                 ratio_to_litdata=(r["samples_s"] / peers["litdata"]["samples_s"]
-                                   if "samples_s" in peers.get("litdata", {}) else None))
+    lit = peers.get("litdata") if isinstance(peers.get("litdata"), dict) else {}
+    rows = [dict(r, ratio_to_cat_cpu=(r["MB_s_cpu"] / cat["MB_s_cpu"]) if r["MB_s_cpu"] else None,
+                 # both through their ratio to a cat a moment before (their own runs): see bench_peers.py
+                 ratio_to_litdata=r["ratio_to_cat"] / lit["ratio_to_cat"] if lit.get("ratio_to_cat") else None,
+                 ratio_to_litdata_raw=r["samples_s"] / lit["samples_s"] if lit.get("samples_s") else None)
             for r in ours]
-    by = {r["label"]: r["samples_s"] for r in rows}
+    by = {r["label"]: r for r in rows}
     result = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
@@ -447,17 +481,21 @@ def main(argv=None) -> dict:
         "batch_size": args.batch_size, "epochs": args.epochs, "cat": dict(cat, samples_s=cat_rate),
         "copy_ceiling": {k: dict(v, ratio_to_cat=v["samples_s"] / cat_rate) for k, v in ceiling.items()},
         "shardloader": rows, "peers": peers,
-        "webdataset": dict(web, ratio_to_cat=web["MB_s"] / cat["MB_s"]),
+        "webdataset": dict(web, ratio_to_cat=web["samples_s"] / cat_rate),
         "resume": resume, "rss": rss, "real_caches": real, "remote": remote,
-        "targets": {
-            "compact_over_cat": (by["one process, compact"] / cat_rate, 0.6),
-            "compact_over_litdata": ((by["one process, compact"] / peers["litdata"]["samples_s"])
-                                     if "samples_s" in peers.get("litdata", {}) else None, 2.0),
-            "float32_over_cat": (by["one process, float32"] / cat_rate, 0.4),
-            "2_workers_over_one_process_compact": (by["2 workers, compact"] / by["one process, compact"], 1.8),
-            "2_workers_over_one_process_float32": (by["2 workers, float32"] / by["one process, float32"], 1.8),
-            "checksums_over_none": (by["one process, compact"] / by["one process, compact, checks=none"], 0.95),
-            "checksums_over_values": (by["one process, compact"] / by["one process, compact, checks=values"], None),
+        "targets": {  # (value, target): ratios of rates measured a moment apart (see bench_loaders)
+            "compact_over_cat": (by["one process, compact"]["ratio_to_cat"], 0.6),
+            "compact_over_litdata": (by["one process, compact"]["ratio_to_litdata"], 2.0),
+            "float32_over_cat": (by["one process, float32"]["ratio_to_cat"], 0.4),
+            "2_workers_over_one_process_compact": (paired(rows, "2 workers, compact", "one process, compact"), 1.8),
+            "2_workers_over_one_thread_compact": (paired(rows, "2 workers, compact",
+                                                         "one process, compact, read on demand"), 1.8),
+            "2_workers_over_one_process_float32": (paired(rows, "2 workers, float32", "one process, float32"), 1.8),
+            "checksums_over_none": (paired(rows, "one process, compact", "one process, compact, checks=none"), 0.95),
+            "checksums_over_none_one_thread": (paired(rows, "one process, compact, read on demand",
+                                                      "one process, compact, read on demand, checks=none"), 0.95),
+            "checksums_over_values": (paired(rows, "one process, compact", "one process, compact, checks=values"),
+                                      None),
         },
         "best_peer": None if best_peer is None else {"name": best_peer[1], "samples_s": best_peer[0]},
     }
@@ -478,7 +516,8 @@ def main(argv=None) -> dict:
         v = peers.get(name) or {}
         if "samples_s" in v:
             print(f"{name + ' StreamingDataset (no collate)':<46}{v['samples_s']:>11.0f}"
-                  f"{v['samples_s'] * nbytes / args.samples / 1e6:>9.0f}{v['samples_s'] / cat_rate:>8.2f}")
+                  f"{v['samples_s'] * nbytes / args.samples / 1e6:>9.0f}"
+                  f"{v.get('ratio_to_cat', v['samples_s'] / cat_rate):>8.2f}")
         elif v:
             print(f"{name}: {v}")
     w = result["webdataset"]

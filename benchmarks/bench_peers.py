@@ -12,9 +12,12 @@ For each peer: write the samples in its own format with its own writer (``litdat
 64 MB chunks; ``streaming.MDSWriter`` with ``ndarray`` columns into 64 MB shards), read every sample
 once to fill the page cache, then ``--epochs`` epochs in this one process (no DataLoader, no
 workers, no shuffling: each peer's fastest way through its own files), each sample delivered as the
-peer delivers it (a dict of numpy arrays, not collated). Reports samples/s per epoch and their
-median, and checks the first sample against the exported arrays (a peer that reads wrongly would
-flatter itself). Writes JSON.
+peer delivers it (a dict of numpy arrays, not collated). With ``--cat FILES`` (bench_loader.py passes
+ShardLoader's shards) each epoch follows one ``cat FILES > /dev/null``, and ``ratio_to_cat`` is the
+median over the epochs of the epoch's rate over that ``cat``'s, as bench_loader.py measures ShardLoader:
+the two are compared through ratios each measured a moment apart (this VM's memory speed changes by
+2x from one minute to the next). Reports samples/s per epoch and their median, and checks the first
+sample against the exported arrays (a peer that reads wrongly would flatter itself). Writes JSON.
 
 torchvision: Mosaic's package imports ``torchvision`` at import time (its vision datasets); PyPI's
 torchvision wheels for Linux are built for CUDA torch and fail to load with a CPU torch. When that
@@ -28,6 +31,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -47,17 +51,29 @@ def load_samples(folder: Path) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def _timed_epochs(make_iter, epochs: int, n: int) -> list[float]:
+#: files one ``cat`` reads before each epoch (``--cat``), or none
+CAT: list[str] = []
+
+
+def _timed_epochs(make_iter, epochs: int, n: int) -> dict:
+    """Samples/s of ``epochs`` epochs (after a warm one), each after a ``cat`` of :data:`CAT`."""
     for _ in make_iter():  # warm: the page cache, the peer's own caches and index
         pass
-    rates = []
+    rates, cats = [], []
     for _ in range(epochs):
+        if CAT:
+            t0 = time.perf_counter()
+            subprocess.run(["cat", *CAT], stdout=subprocess.DEVNULL, check=True)
+            cats.append(n / (time.perf_counter() - t0))
         t0, k = time.perf_counter(), 0
         for _ in make_iter():
             k += 1
         rates.append(k / (time.perf_counter() - t0))
         assert k == n, f"read {k} samples of {n}"
-    return rates
+    out = {"samples_s_epochs": rates, "samples_s": statistics.median(rates)}
+    if cats:
+        out.update(cat_samples_s_rounds=cats, ratio_to_cat=statistics.median(r / c for r, c in zip(rates, cats)))
+    return out
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -75,9 +91,8 @@ def bench_litdata(samples: list[dict], work: Path, epochs: int) -> dict:
     write_s = time.perf_counter() - t0
     ds = StreamingDataset(str(out), shuffle=False)  # one dataset, iterated once per epoch (as ShardLoader)
     ok = _same(ds[0], samples[0])
-    rates = _timed_epochs(lambda: iter(ds), epochs, len(samples))
-    return {"version": litdata.__version__, "write_s": write_s, "samples_s_epochs": rates,
-            "samples_s": statistics.median(rates), "first_sample_matches": bool(ok),
+    timed = _timed_epochs(lambda: iter(ds), epochs, len(samples))
+    return {"version": litdata.__version__, "write_s": write_s, **timed, "first_sample_matches": bool(ok),
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
 
 
@@ -125,9 +140,8 @@ def bench_mosaic(samples: list[dict], work: Path, epochs: int) -> dict:
 
     ds = StreamingDataset(local=str(out), shuffle=False, batch_size=1)  # iterated once per epoch
     ok = _same(ds[0], samples[0])
-    rates = _timed_epochs(lambda: iter(ds), epochs, len(samples))
-    return {"version": streaming.__version__, "write_s": write_s, "samples_s_epochs": rates,
-            "samples_s": statistics.median(rates), "first_sample_matches": bool(ok),
+    timed = _timed_epochs(lambda: iter(ds), epochs, len(samples))
+    return {"version": streaming.__version__, "write_s": write_s, **timed, "first_sample_matches": bool(ok),
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
 
 
@@ -137,7 +151,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--work", type=Path, required=True, help="scratch folder for the peers' files")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--cat", nargs="*", default=[], help="files to cat before each epoch (ratio_to_cat)")
     args = ap.parse_args(argv)
+    CAT[:] = args.cat
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     samples = load_samples(args.samples)
     args.work.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,11 +71,15 @@ def loader_lines(r: dict) -> list[str]:
     per = r["cache"]["bytes"] / r["cache"]["samples"]
     peers = r.get("peers") or {}
     lit = (peers.get("litdata") or {}).get("samples_s")
+    lit_rc = (peers.get("litdata") or {}).get("ratio_to_cat")
     out = [f"**Loader** ({r['cache']['samples']} samples of ~{r['cache']['KiB_per_sample']:.0f} KiB in "
-           f"{r['cache']['shards']} shards, page cache; median of "
-           f"{r.get('epochs', 3)} epochs, configurations interleaved; ShardLoader: padded, collated torch batches of "
-           f"{r['batch_size']}, checksums checked unless said; peers: per-sample dicts of numpy arrays, not collated, "
-           "one process; workers: persistent DataLoader processes collating into reused shared-memory slots):", "",
+           f"{r['cache']['shards']} shards, page cache; {r.get('epochs', 3)} rounds of one `cat` then one epoch per "
+           "configuration, samples/s the median over the rounds, every ratio the median over the rounds of the ratio "
+           "within a round (LitData and Mosaic: through their ratio to a `cat` right before each of their epochs); "
+           f"ShardLoader: padded, collated torch batches of {r['batch_size']}, checksums checked unless said, one "
+           "process = two read-ahead threads unless \"read on demand\"; peers: per-sample dicts of numpy arrays, not "
+           "collated, one process; workers: persistent DataLoader processes collating into reused shared-memory "
+           "slots):", "",
            "| reader | samples/s | MB/s | x `cat` | x LitData (one process) | x ShardLoader one process, same dtypes |",
            "| --- | --- | --- | --- | --- | --- |",
            f"| `cat` > /dev/null | {cat['samples_s']:.0f} | {cat['MB_s']:.0f} | 1.00 | | |"]
@@ -85,19 +90,23 @@ def loader_lines(r: dict) -> list[str]:
             v = ceiling[k]
             out.append(f"| {label} | {v['samples_s']:.0f} | {v['samples_s'] * per / 1e6:.0f} | "
                        f"{v['ratio_to_cat']:.2f} | | |")
-    base = {x["compact"]: x["samples_s"] for x in r["shardloader"]
-            if x["num_workers"] == 0 and x["checks"] == "checksums"}
+    base = {}  # the one-process loader (read-ahead threads, checksums) of each dtype: its epochs
     for x in r["shardloader"]:
-        lx = f"{x['samples_s'] / lit:.2f}" if lit else "-"
-        rel = f"{x['samples_s'] / base[x['compact']]:.2f}"
+        if x["num_workers"] == 0 and x["checks"] == "checksums" and x.get("read_threads", 2) > 1:
+            base.setdefault(x["compact"], x["samples_s_epochs"])
+    for x in r["shardloader"]:
+        lx = f"{x['ratio_to_litdata']:.2f}" if x.get("ratio_to_litdata") else "-"
+        rel = f"{statistics.median(a / b for a, b in zip(x['samples_s_epochs'], base[x['compact']])):.2f}"
         out.append(f"| ShardLoader, {x['label']} | {x['samples_s']:.0f} | {x['MB_s']:.0f} | {x['ratio_to_cat']:.2f} | "
                    f"{lx} | {rel} |")
     for name, label in (("litdata", "LitData `StreamingDataset`"), ("mosaic", "Mosaic `StreamingDataset`")):
         v = peers.get(name) or {}
         if "samples_s" in v:
             lx = f"{v['samples_s'] / lit:.2f}" if lit else "-"
+            rc = v.get("ratio_to_cat", v["samples_s"] / cat["samples_s"])
+            lx = f"{rc / lit_rc:.2f}" if lit_rc else "-"
             out.append(f"| {label} {v.get('version', '')}, one process (no collate) | {v['samples_s']:.0f} | "
-                       f"{v['samples_s'] * per / 1e6:.0f} | {v['samples_s'] / cat['samples_s']:.2f} | {lx} | |")
+                       f"{v['samples_s'] * per / 1e6:.0f} | {rc:.2f} | {lx} | |")
     if "skipped" in peers:
         out.append(f"| LitData, Mosaic Streaming | skipped: {peers['skipped']} | | | | |")
     rem = r.get("remote") or {}
@@ -117,9 +126,11 @@ def loader_lines(r: dict) -> list[str]:
     t = r.get("targets") or {}
     names = {"compact_over_cat": "one process compact / `cat`", "compact_over_litdata": "one process compact / LitData",
              "float32_over_cat": "one process float32 / `cat`",
-             "2_workers_over_one_process_compact": "2 workers / one process (compact)",
+             "2_workers_over_one_process_compact": "2 workers / one process (compact, 2 read-ahead threads)",
+             "2_workers_over_one_thread_compact": "2 workers / one process reading on demand (one thread, compact)",
              "2_workers_over_one_process_float32": "2 workers / one process (float32)",
              "checksums_over_none": "checksums checked / nothing checked",
+             "checksums_over_none_one_thread": "checksums checked / nothing checked, one thread",
              "checksums_over_values": "checksums checked / value checks (before checksums)"}
     parts = []
     for k, label in names.items():

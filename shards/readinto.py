@@ -32,6 +32,7 @@ member), the message naming the shard, the key and the member, so the loader can
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -42,9 +43,16 @@ from .files import IOV_MAX, read_segments
 if TYPE_CHECKING:  # pragma: no cover
     from .reader import ShardReader
 
+#: the calling convention of ``shards._readv`` this module speaks (API_VERSION in readv.c)
+NATIVE_API = 2
 try:  # built by `pip install` (setup.py); absent where no C compiler was found
     from . import _readv
 except ImportError:  # pragma: no cover - depends on the install
+    _readv = None
+if _readv is not None and getattr(_readv, "API_VERSION", None) != NATIVE_API:  # built from older sources
+    warnings.warn(f"shards._readv was built from other sources (API {getattr(_readv, 'API_VERSION', 1)}, this "
+                  f"code needs {NATIVE_API}): reading with the python executor; run `pip install -e .` "
+                  "(`make setup`) again to rebuild it", RuntimeWarning, stacklevel=1)
     _readv = None
 
 #: bytes between two members (of one file) that one ``preadv`` reads through into a scratch buffer

@@ -36,6 +36,9 @@
 #endif
 
 #define MAX_IOV 1024
+/* the calling convention of read_members; shards/readinto.py uses the module only when it matches
+ * (an extension built from older sources, before `pip install -e .` ran again, is left unused) */
+#define API_VERSION 2
 
 typedef struct {
     Py_buffer view;
@@ -292,9 +295,7 @@ read_members(PyObject *self, PyObject *args)
             goto done;
         }
     }
-#ifdef HAVE_F16C_PATH
-    has_f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
-#endif
+
     for (Py_ssize_t m = 0; m < nmem; m++) {
         if (last[m] < (m ? last[m - 1] + 1 : 0) || last[m] >= nseg || (m == nmem - 1 && last[m] != nseg - 1)) {
             PyErr_Format(PyExc_ValueError, "member %zd: runs up to %lld do not follow the previous member's", m,
@@ -398,8 +399,26 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(use_f16c_doc,
+"use_f16c(flag=None) -> bool: whether float16 -> float32 uses the CPU's F16C instructions (x86 CPUs that have\n"
+"them) or the portable conversion; flag False selects the portable one (tests compare both).");
+
+static PyObject *
+use_f16c(PyObject *self, PyObject *args)
+{
+    int flag = -1;
+    if (!PyArg_ParseTuple(args, "|p", &flag))
+        return NULL;
+#ifdef HAVE_F16C_PATH
+    if (flag >= 0)
+        has_f16c = flag && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+#endif
+    return PyBool_FromLong(has_f16c);
+}
+
 static PyMethodDef methods[] = {
     {"read_members", read_members, METH_VARARGS, read_members_doc},
+    {"use_f16c", use_f16c, METH_VARARGS, use_f16c_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -413,5 +432,13 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__readv(void)
 {
-    return PyModule_Create(&module);
+#ifdef HAVE_F16C_PATH
+    has_f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }
