@@ -145,9 +145,39 @@ f16_f32_f16c(const uint16_t *in, float *out, size_t n)
     for (; i < n; i++)
         out[i] = half_to_float(in[i]);
 }
+
+/* Large outputs with non-temporal stores: a batch tensor of several MB does not stay in cache, and a
+ * plain store first reads each line it writes (twice the memory traffic). */
+__attribute__((target("avx2,f16c"))) static void
+f16_f32_stream(const uint16_t *in, float *out, size_t n)
+{
+    size_t i = 0;
+    for (; i < n && ((uintptr_t)(out + i) & 31); i++)
+        out[i] = half_to_float(in[i]);
+    for (; i + 8 <= n; i += 8)
+        _mm256_stream_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + i))));
+    for (; i < n; i++)
+        out[i] = half_to_float(in[i]);
+}
+
+__attribute__((target("avx2"))) static void
+i16_f32_stream(const int16_t *in, float *out, size_t n, float s)
+{
+    size_t i = 0;
+    for (; i < n && ((uintptr_t)(out + i) & 31); i++)
+        out[i] = (float)in[i] * s;
+    __m256 vs = _mm256_set1_ps(s);
+    for (; i + 8 <= n; i += 8) {
+        __m256i w = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(in + i)));
+        _mm256_stream_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), vs));
+    }
+    for (; i < n; i++)
+        out[i] = (float)in[i] * s;
+}
 #endif
 
-static int has_f16c = 0;
+static int has_f16c = 0, has_avx2 = 0;
+#define STREAM_MIN 16384 /* elements: below, plain stores (the output may be read soon, from cache) */
 
 static void
 convert(int op, double scale, const char *in, char *out, size_t n)
@@ -155,6 +185,12 @@ convert(int op, double scale, const char *in, char *out, size_t n)
     size_t i;
     switch (op) {
     case CONV_I16_F32: {
+#ifdef HAVE_F16C_PATH
+        if (has_avx2 && n >= STREAM_MIN) {
+            i16_f32_stream((const int16_t *)in, (float *)out, n, (float)scale);
+            break;
+        }
+#endif
         const int16_t *a = (const int16_t *)in;
         float *b = (float *)out, s = (float)scale;
         for (i = 0; i < n; i++)
@@ -163,6 +199,10 @@ convert(int op, double scale, const char *in, char *out, size_t n)
     }
     case CONV_F16_F32: {
 #ifdef HAVE_F16C_PATH
+        if (has_f16c && has_avx2 && n >= STREAM_MIN) {
+            f16_f32_stream((const uint16_t *)in, (float *)out, n);
+            break;
+        }
         if (has_f16c) {
             f16_f32_f16c((const uint16_t *)in, (float *)out, n);
             break;
@@ -377,6 +417,10 @@ read_members(PyObject *self, PyObject *args)
         }
         j = k;
     }
+#ifdef HAVE_F16C_PATH
+    if (has_avx2)
+        _mm_sfence(); /* the streamed stores are visible before the batch is */
+#endif
     Py_END_ALLOW_THREADS
     if (err) {
         errno = err;
@@ -434,6 +478,7 @@ PyInit__readv(void)
 {
 #ifdef HAVE_F16C_PATH
     has_f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    has_avx2 = __builtin_cpu_supports("avx2");
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0) {
