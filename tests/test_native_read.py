@@ -90,45 +90,48 @@ def test_a_short_file_is_named_alike(cache, tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- the widenings, bit for bit
 
-def read_converted(tmp_path: Path, data: np.ndarray, op: int, scale: float, out_dtype) -> np.ndarray:
+def read_converted(tmp_path: Path, data: np.ndarray, op: int, scale: float, out_dtype, at: int = 0) -> np.ndarray:
     """``data`` written to a file, read back by one run of read_members into a staging buffer and
-    widened into an ``out_dtype`` buffer by conversion ``op``."""
+    widened into an ``out_dtype`` buffer by conversion ``op`` (at element ``at`` of staging and
+    output: an output not aligned to 32 bytes)."""
     path = tmp_path / "values.bin"
     path.write_bytes(b"\x00" * 100 + data.tobytes())
-    staging = np.zeros(data.nbytes, np.uint8)
-    out = np.zeros(data.size, out_dtype)
+    staging = np.zeros(data.nbytes + at * data.itemsize, np.uint8)
+    out = np.zeros(data.size + at, out_dtype)
     fd = os.open(path, os.O_RDONLY)
     try:
         status, got = np.zeros(1, np.int8), np.zeros(1, np.uint64)
         bad = _readv.read_members(np.array([fd], np.int32), np.array([100], np.int64),
-                                  np.array([data.nbytes], np.int64), np.zeros(1, np.int32), np.zeros(1, np.int64),
+                                  np.array([data.nbytes], np.int64), np.zeros(1, np.int32),
+                                  np.array([at * data.itemsize], np.int64),
                                   (memoryview(staging),), np.zeros(1, np.int64), np.zeros(1, np.uint64),
                                   np.zeros(1, np.uint8), status, got, 4096, 1 << 18,
                                   ((memoryview(out).cast("B"), op, scale),))
     finally:
         os.close(fd)
-    assert bad == 0 and staging.tobytes() == data.tobytes()
-    return out
+    assert bad == 0 and staging[at * data.itemsize:].tobytes() == data.tobytes() and not out[:at].any()
+    return out[at:]
 
 
 EVERY_INT16 = np.arange(-32768, 32768, dtype=np.int32).astype(np.int16)
 
 
-def test_pcm_to_float32_equals_numpy(tmp_path):
+@pytest.mark.parametrize("at", [0, 3])
+def test_pcm_to_float32_equals_numpy(tmp_path, at):
     out = read_converted(tmp_path, EVERY_INT16, readinto.CONVERSIONS[("cast", "int16", "float32")],
-                         float(PCM16_SCALE), np.float32)
+                         float(PCM16_SCALE), np.float32, at)
     want = EVERY_INT16.astype(np.float32) * PCM16_SCALE
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("f16c", [True, False])
-def test_float16_to_float32_equals_numpy_for_every_bit_pattern(tmp_path, f16c):
+@pytest.mark.parametrize("f16c, at", [(True, 0), (True, 5), (False, 0)])
+def test_float16_to_float32_equals_numpy_for_every_bit_pattern(tmp_path, f16c, at):
     """Normals, subnormals, +-0, +-inf bit for bit; NaN stays NaN (F16C may set the quiet bit)."""
     was = _readv.use_f16c()
     try:
         _readv.use_f16c(f16c)
         out = read_converted(tmp_path, EVERY_INT16, readinto.CONVERSIONS[("cast", "float16", "float32")], 1.0,
-                             np.float32)
+                             np.float32, at)
     finally:
         _readv.use_f16c(was)
     want = EVERY_INT16.view(np.float16).astype(np.float32)
