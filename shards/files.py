@@ -120,6 +120,16 @@ class ShardFiles:
         if now != ref:
             raise self._changed(i, ref, now, where)
 
+    def checked_fds(self, which: Sequence[int], where: Callable[[int], str]) -> list[int]:
+        """:meth:`check` then :meth:`fd` for each file number of ``which`` (a batch's files, each
+        once: one ``stat`` each): their descriptors. ``where(i)``: what is read from file ``i``, for
+        messages (called only to build one)."""
+        out = []
+        for i in which:
+            self.check(i, lambda i=i: where(i))
+            out.append(self.fd(i, lambda i=i: where(i)))
+        return out
+
     def close_stale(self) -> int:
         """Close the descriptors of files deleted or replaced since they were opened (a streamed
         cache's evicted files: their disk space comes back); returns how many."""

@@ -146,12 +146,9 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
     else:
         want, check = np.zeros(len(first), np.uint64), np.zeros(len(first), np.uint8)
     where = _Where(reader, rows, plans)
-    files, inverse = np.unique(file, return_inverse=True)
-    fds = []
-    for f in files.tolist():  # one stat per file per batch: replaced or resized?
-        reader.io.check(f, lambda f=f: where.first_in(f, file, mid % B))
-        fds.append(reader.io.fd(f, lambda f=f: where.first_in(f, file, mid % B)))
-    fd = np.asarray(fds, dtype=np.int32)[inverse.reshape(-1)]
+    starts = np.flatnonzero(np.r_[True, file[1:] != file[:-1]])  # runs are sorted by file
+    fds = reader.io.checked_fds(file[starts].tolist(), lambda f: where.first_in(f, file, mid % B))
+    fd = np.repeat(np.asarray(fds, dtype=np.int32), np.diff(np.r_[starts, len(file)]))
     status, got = np.zeros(len(first), np.int8), np.zeros(len(first), np.uint64)
     bufs = tuple(p[1] for p in plans)
     convs = tuple(p[3] if len(p) > 3 else None for p in plans)
