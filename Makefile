@@ -48,8 +48,10 @@ help:
 	@echo "make boson-venv   $(BOSON_VENV): boson-multimodal 0.1.1 + transformers 4.46 (tests/test_higgs_boson.py)"
 
 # The venv sees system site-packages, so a torch the user already has (e.g. a CUDA build) is kept;
-# only when none is importable do we install the CPU wheel torch==2.13.0.
-$(VENV)/.installed: pyproject.toml
+# only when none is importable do we install the CPU wheel torch==2.13.0. `pip install -e .` also
+# compiles the loader's native reader (setup.py: shards/native/readv.c, with a C compiler; without
+# one it is skipped and the loaders read with the pure-Python executor), again when its source changes.
+$(VENV)/.installed: pyproject.toml setup.py shards/native/readv.c
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
 	$(PY) -m pip install -e ".[dev]"
