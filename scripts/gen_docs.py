@@ -80,27 +80,30 @@ def loader_headline() -> str:
         return "(run `make bench`)"
     r = json.loads(p.read_text())
     cat = r["cat"]["samples_s"]
-    lit = ((r.get("peers") or {}).get("litdata") or {}).get("samples_s")
+    lit = ((r.get("peers") or {}).get("litdata") or {}).get("ratio_to_cat")
     rows = [f"Batches of {r['batch_size']} padded, collated samples of ~{r['cache']['KiB_per_sample']:.0f} KiB "
             f"from the page cache, one `make bench` run on {r['machine']['cpus']} cores (peers: per-sample "
-            "dicts, no collation):", "",
+            "dicts, no collation; ratios measured within rounds that each open with a `cat`, see "
+            "[benchmarks.md](docs/benchmarks.md)):", "",
             "| reader | samples/s | x `cat` | x LitData |", "| --- | --- | --- | --- |",
             f"| `cat` > /dev/null | {cat:.0f} | 1.00 | |"]
 
-    def row(label, v):
-        lx = f"{v / lit:.2f}" if lit else ""
-        rows.append(f"| {label} | {v:.0f} | {v / cat:.2f} | {lx} |")
+    def row(label, v, to_cat=None):
+        to_cat = v / cat if to_cat is None else to_cat
+        lx = f"{to_cat / lit:.2f}" if lit else ""
+        rows.append(f"| {label} | {v:.0f} | {to_cat:.2f} | {lx} |")
 
     if "batch" in (r.get("copy_ceiling") or {}):
         row("one `preadv` per sample into a batch buffer (one-copy ceiling)", r["copy_ceiling"]["batch"]["samples_s"])
-    keep = ("one process, compact", "one process, float32", "2 workers, compact")
+    keep = ("one process, compact", "one process, compact, read on demand", "one process, float32",
+            "2 workers, compact")
     for x in r["shardloader"]:
         if x["label"] in keep:
-            row(f"ShardLoader, {x['label']}", x["samples_s"])
+            row(f"ShardLoader, {x['label']}", x["samples_s"], x.get("ratio_to_cat"))
     for name, label in (("litdata", "LitData `StreamingDataset`"), ("mosaic", "Mosaic `StreamingDataset`")):
-        v = ((r.get("peers") or {}).get(name) or {}).get("samples_s")
-        if v:
-            row(f"{label}, one process", v)
+        v = (r.get("peers") or {}).get(name) or {}
+        if v.get("samples_s"):
+            row(f"{label}, one process", v["samples_s"], v.get("ratio_to_cat"))
     row("webdataset `.decode()`", r["webdataset"]["samples_s"])
     return "\n".join(rows)
 
