@@ -208,7 +208,7 @@ def bench_loaders(cache: Path | str, batch_size: int, shard_bytes: int, n_total:
                   configs=CONFIGS) -> list[dict]:
     """Each configuration's loader built once (persistent workers), one warm-up epoch each, then
     ``epochs`` rounds: one ``cat`` of the shards (:func:`cat_rate`), then one epoch per loader in
-    turn. samples/s = median over the rounds; ``ratio_to_cat`` = median over the rounds of the
+    turn (in the opposite order every other round). samples/s = median over the rounds; ``ratio_to_cat`` = median over the rounds of the
     epoch's rate over that round's ``cat`` (this VM's memory speed changes by 2x from one minute to
     the next: a ratio measured a second apart holds, one against a ``cat`` of another minute does
     not); ``samples_s_epochs`` / ``cat_samples_s_rounds`` keep the rounds for paired ratios."""
@@ -227,7 +227,7 @@ def bench_loaders(cache: Path | str, batch_size: int, shard_bytes: int, n_total:
         one_epoch(ld, 0)
     for e in range(1, epochs + 1):
         cats.append(cat_rate(files, n_total))
-        for label, _, ld in loaders:
+        for label, _, ld in (loaders if e % 2 else loaders[::-1]):  # every other round backwards: no order bias
             w0, c0 = time.perf_counter(), time.process_time()
             counts[label] = one_epoch(ld, e)
             walls[label].append(time.perf_counter() - w0)
