@@ -31,6 +31,7 @@ from shards import CacheManifest, ShardCorrupt, ShardReader, read_index, value_c
 from shards import fields as registry
 from shards.kinds import BatchContext
 from shards.reader import refuse_unsafe
+from shards.readinto import say_executor
 from shards.storage import is_url
 
 from .batching import PlanSpec
@@ -146,6 +147,7 @@ class CacheSource:
             log.warning("%s: %s of this cache have no checksums (written before shardcache recorded them): their "
                         "reads are not checked against the bytes written, only their values; `shards verify --deep` "
                         "then `shards reindex` records them", self.cache_dir, ", ".join(unchecked))
+        say_executor(log)
         self.reader.drop_index()  # workers get numpy arrays only
 
     def after_read(self) -> None:

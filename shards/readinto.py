@@ -68,6 +68,18 @@ READ_CAP = 256 << 10
 #: the executor: "native" where ``shards._readv`` is built (unless ``SHARDCACHE_NATIVE_READ=0``), else "python"
 EXECUTOR = "native" if _readv is not None and os.environ.get("SHARDCACHE_NATIVE_READ", "1") != "0" else "python"
 _STATUS_MISMATCH, _STATUS_SHORT = 1, 2
+_said = False
+
+
+def say_executor(log) -> None:
+    """Once per process, when the reads fall back to the python executor although nobody asked for
+    it: say why and how to get the native one (``log``: a :class:`logging.Logger`)."""
+    global _said
+    if EXECUTOR == "python" and not _said and os.environ.get("SHARDCACHE_NATIVE_READ", "1") != "0":
+        _said = True
+        log.warning("shards._readv (the loader's native reader) is not built: batches are read with the python "
+                    "executor, same batches but slower with several read threads or workers; install a C "
+                    "compiler and run `pip install -e .` (`make setup`) again")
 #: widenings the native executor does per member, right after reading it (shards/native/readv.c):
 #: ``(widening, stored dtype, host dtype) -> op`` (widening: :meth:`shards.kinds.FieldKind.host_widening`;
 #: a cast with a scale other than 1 only for int16 -> float32, the PCM scale)
@@ -246,4 +258,4 @@ class _Where:
                 "for this shard")
 
 
-__all__ = ["read_into", "conversion", "READ_THROUGH", "READ_CAP", "EXECUTOR", "CONVERSIONS"]
+__all__ = ["read_into", "conversion", "say_executor", "READ_THROUGH", "READ_CAP", "EXECUTOR", "CONVERSIONS"]

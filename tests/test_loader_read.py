@@ -272,3 +272,25 @@ def test_read_ahead_close_waits_for_the_reads_in_flight():
     ahead.close()
     assert not any(t.is_alive() for t in ahead._workers)
     ahead.close()  # a second close (the atexit hook after the iterator's own) is harmless
+
+
+def test_reading_without_the_native_reader_says_so_once(conv, monkeypatch, caplog):
+    """An install where shards._readv could not be built reads with the python executor and says
+    why, once per process; asking for it (SHARDCACHE_NATIVE_READ=0) is not warned about."""
+    import logging
+
+    from shards import readinto
+    monkeypatch.setattr(readinto, "EXECUTOR", "python")
+    monkeypatch.setattr(readinto, "_said", False)
+    monkeypatch.delenv("SHARDCACHE_NATIVE_READ", raising=False)
+    with caplog.at_level(logging.WARNING, logger="loaders"):
+        ShardLoader(conv, 4, fields=FIELDS).close()
+        ShardLoader(conv, 4, fields=FIELDS).close()
+    said = [r.getMessage() for r in caplog.records if "native reader) is not built" in r.getMessage()]
+    assert len(said) == 1 and "pip install -e ." in said[0]
+    caplog.clear()
+    monkeypatch.setattr(readinto, "_said", False)
+    monkeypatch.setenv("SHARDCACHE_NATIVE_READ", "0")
+    with caplog.at_level(logging.WARNING, logger="loaders"):
+        ShardLoader(conv, 4, fields=FIELDS).close()
+    assert not [r for r in caplog.records if "not built" in r.getMessage()]
