@@ -193,6 +193,7 @@ CONFIGS = [
     ("one process, float32", dict(num_workers=0, compact=False)),
     ("1 worker, compact", dict(num_workers=1, compact=True)),
     ("2 workers, compact", dict(num_workers=2, compact=True)),
+    ("2 workers, compact, prefetch_factor=4", dict(num_workers=2, compact=True, prefetch_factor=4)),
     ("2 workers, float32", dict(num_workers=2, compact=False)),
 ]
 

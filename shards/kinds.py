@@ -169,7 +169,7 @@ class FieldKind:
                 raise ValueError(f"{field.name} of one batch have different sizes along axis {ax}: "
                                  f"{int(vals[0])} and {sorted(set(vals[vals != vals[0]].tolist()))} ({odd}); "
                                  f"{self.mixed_hint(field)}")
-        return tuple(int(v) for v in shapes.max(axis=0))
+        return tuple(shapes.max(axis=0).tolist())
 
     #: use ``BatchContext.default_shapes`` for a batch where no sample holds the field
     uses_default_shape = False
