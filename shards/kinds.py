@@ -217,18 +217,21 @@ class FieldKind:
         touched); a row without the field is all pad (0 where the pad repeats the last value)."""
         o = data.numpy()
         pad = self.pad_value(field, ctx)
-        S_ = np.asarray(S, dtype=np.int64)
-        todo = ~(present & (shapes == S_).all(axis=1)) if len(S_) else ~present
-        if pad is not None and len(S_) and o.nbytes <= _SMALL_PAD and todo.any():
-            # small fields (ids, labels, codes of short clips): one masked write, not slices per row
-            np.copyto(o, pad, where=~_inside(np.where(present[:, None], shapes, 0), S), casting="unsafe")
+        rows, pres, full = shapes.tolist(), present.tolist(), list(S)  # a batch is a few dozen rows: lists
+        todo = [j for j, (p, r) in enumerate(zip(pres, rows)) if not p or r != full]
+        if not todo:
             return
-        for j in np.flatnonzero(todo).tolist():
+        if pad is not None and full and o.nbytes <= _SMALL_PAD:
+            # small fields (ids, labels, codes of short clips): one masked write, not slices per row
+            dims = shapes if all(pres) else np.where(present[:, None], shapes, 0)
+            np.copyto(o, pad, where=~_inside(dims, S), casting="unsafe")
+            return
+        for j in todo:
             row = o[j]
-            if not present[j]:
+            if not pres[j]:
                 row[...] = 0 if pad is None else pad
                 continue
-            shape = tuple(shapes[j].tolist())
+            shape = rows[j]
             value = pad
             if pad is None:  # repeat the sample's last value
                 value = row[tuple(d - 1 for d in shape)] if all(shape) else 0
@@ -307,21 +310,22 @@ class FieldKind:
             if not axes:
                 m[...] = True
                 return
-            real = shapes[:, axes]
-            full = (real == np.array([S[a] for a in axes], dtype=np.int64)).all(axis=1)
-            if full.all():  # no sample is short along a masked axis: one fill
+            want = [S[a] for a in axes]
+            real = [[r[a] for a in axes] for r in shapes.tolist()]  # a few dozen rows: lists
+            short = {j for j, r in enumerate(real) if r != want}
+            if not short:  # no sample is short along a masked axis: one fill
                 m.fill(True)
                 return
             if m.nbytes <= _SMALL_PAD:  # small (attention masks, short clips): one comparison per axis
-                m[...] = _inside(real, [S[a] for a in axes])
+                m[...] = _inside(np.asarray(real, dtype=np.int64).reshape(len(real), len(axes)), want)
                 return
             if len(axes) == 1:  # one memset per row and side: 5x faster than a comparison over the mask
-                for j, d in enumerate(real[:, 0].tolist()):
+                for j, (d,) in enumerate(real):
                     m[j, :d] = True
                     m[j, d:] = False
                 return
-            for j, dims in enumerate(real.tolist()):  # a row: all True, or False then its corner True
-                if full[j]:
+            for j, dims in enumerate(real):  # a row: all True, or False then its corner True
+                if j not in short:
                     m[j] = True
                     continue
                 m[j] = False
