@@ -130,9 +130,6 @@ def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
     return tuple(f for f in ALL_FIELDS if f in fields) + tuple(extra)
 
 
-_NP_DTYPES = shm.NP_DTYPES
-
-
 def allocate(layout: Sequence[tuple[str, Sequence[int], torch.dtype]], arena=None) -> dict[str, torch.Tensor]:
     """Uninitialised tensors ``{name: tensor}`` for a batch, from ``(name, shape, dtype)`` entries.
 
@@ -146,11 +143,11 @@ def allocate(layout: Sequence[tuple[str, Sequence[int], torch.dtype]], arena=Non
     every batch); in a worker a new shared block (one file descriptor per batch instead of
     ``default_collate``'s one per tensor).
     """
-    layout = [(n, tuple(int(x) for x in shp), dt) for n, shp, dt in layout]
+    layout = [(n, tuple(shp), dt) for n, shp, dt in layout]
     if arena is not None:
         return arena.allocate(layout)
     if get_worker_info() is None:
-        return {n: torch.from_numpy(np.empty(shp, dtype=_NP_DTYPES[dt])) for n, shp, dt in layout}
+        return {n: torch.from_numpy(np.empty(shp, dtype=shm.NP_DTYPES[dt])) for n, shp, dt in layout}
     offsets, total = shm.layout_bytes([(None, shp, dt) for _, shp, dt in layout])
     storage = torch.UntypedStorage._new_shared(total)
     return {name: shm.view(storage, off, shp, dt) for (name, shp, dt), off in zip(layout, offsets)}

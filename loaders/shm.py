@@ -92,7 +92,7 @@ def layout_bytes(layout) -> tuple[list[int], int]:
     offsets, total = [], 0
     for _, shape, dtype in layout:  # math.prod: np.prod costs ~5 us a call, a dozen per batch
         offsets.append(total)
-        n = math.prod(int(d) for d in shape) * dtype.itemsize
+        n = math.prod(shape) * dtype.itemsize
         total += -(-n // ALIGN) * ALIGN
     return offsets, max(total, ALIGN)
 

@@ -92,8 +92,7 @@ def test_slots_are_reused_and_views_keep_them_alive(cache, monkeypatch):
 
 def test_slot_storages_travel_once_not_every_epoch(cache, monkeypatch):
     """A slot's storage (a file descriptor through a socket, mapped again by the receiver) goes with
-    the first batch the receiver gets from that slot, and never again while it keeps it mapped:
-    epochs after the first send none. An iteration dropped right after its first batch leaves
+    the first batch the receiver gets from that slot, and never again while it keeps it mapped. An iteration dropped right after its first batch leaves
     messages unread; whatever storage they carried goes again."""
     sent = []
     orig = shm_mod.SlotBatch.unpack
@@ -104,18 +103,20 @@ def test_slot_storages_travel_once_not_every_epoch(cache, monkeypatch):
     monkeypatch.setattr(shm_mod.SlotBatch, "unpack", unpack)
     ld = ShardLoader(cache, 3, seed=3, num_workers=2, prefetch_factor=2)
     per_epoch = []
-    for e in range(3):
+    for e in range(4):
         ld.set_epoch(e)
         sent.clear()
         for b in ld:
             del b
         per_epoch.append(sum(sent))
-    assert 0 < per_epoch[0] <= 2 * (2 + 2) and per_epoch[1:] == [0, 0], per_epoch
-    ld.set_epoch(3)
+    # each of the 2 x (2 + 2) slots' storage once at most, whichever epoch first used the slot (sent
+    # again every epoch, as before, this was 4 x 5 or more)
+    assert per_epoch[0] > 0 and sum(per_epoch) <= 2 * (2 + 2), per_epoch
+    ld.set_epoch(4)
     next(iter(ld))  # messages of this iteration are dropped unread
     gc.collect()
-    ld.set_epoch(4)
-    want = reference(cache, 4)
+    ld.set_epoch(5)
+    want = reference(cache, 5)
     for i, b in enumerate(ld):
         assert_same(b, want[i])
         del b
