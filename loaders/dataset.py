@@ -37,7 +37,7 @@ from shards.storage import is_url
 from .batching import PlanSpec
 from .collate import ALL_FIELDS, FIELDS, TEXT_PAD_ID, check_fields
 from .order import filter_rows
-from .host import HostArena
+from .host import KEEP, HostArena
 from .read import CHECKS, Staging, read_batch
 from .remote import RemoteCache
 from .shm import SlotArena
@@ -214,6 +214,7 @@ class Sources:
         self.transform = None  # applied to each collated batch (ShardLoader(transform=...))
         self.pad_id = self.sources[0].pad_id
         self.pin = False
+        self.host_blocks = KEEP  # free host blocks kept for reuse (ShardLoader: what its reads keep in flight)
         self.checks = "checksums"
         self.skip_corrupt = 0
         self.skipped = 0  # damaged samples left out in this process
@@ -223,8 +224,8 @@ class Sources:
 
     def _host(self) -> HostArena:
         """The reused host blocks of batches read in this process (pinned when ``pin``)."""
-        if self._arena is None or self._arena.pin != bool(self.pin):
-            self._arena = HostArena(pin=bool(self.pin))
+        if self._arena is None or self._arena.pin != bool(self.pin) or self._arena.keep != self.host_blocks:
+            self._arena = HostArena(pin=bool(self.pin), keep=self.host_blocks)
         return self._arena
 
     def __getstate__(self):  # to DataLoader workers: no thread state

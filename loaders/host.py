@@ -22,7 +22,8 @@ import torch
 
 from .shm import layout_bytes, lease, view, views
 
-#: blocks kept for reuse (a consumer holds one or two batches at a time, a device prefetcher one more)
+#: free blocks kept for reuse at least (a consumer holds one or two batches at a time, a device
+#: prefetcher one more); a loader with read-ahead threads keeps what its threads can hold in flight
 KEEP = 4
 _MIB = 1 << 20
 
@@ -32,6 +33,7 @@ class HostArena:
 
     def __init__(self, pin: bool = False, keep: int = KEEP):
         self.pin, self.keep = bool(pin), int(keep)
+        self.blocks_made = 0  #: blocks allocated so far (each a fresh, page-faulted block)
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
 
@@ -48,6 +50,7 @@ class HostArena:
         if block is None:
             size = -(-int(total * 1.25) // _MIB) * _MIB  # budget batches vary in size
             block = np.empty(size, dtype=np.uint8)
+            self.blocks_made += 1
         held = lease(block, total)  # a new numpy object per batch: its life is the batch's
         weakref.finalize(held, self._give_back, block)
         return views(held, layout, offsets)

@@ -49,6 +49,7 @@ from shards import ShardCorrupt
 from .batching import PlanSpec
 from .collate import check_fields
 from .dataset import SKIPPED, CacheSource, PlanDataset, Sources
+from .host import KEEP
 from .read import CHECKS
 from .readahead import Failed, ReadAhead
 from .order import ShardOrder
@@ -229,6 +230,10 @@ class ShardLoader:
             device_pin = torch.cuda.is_available()
         self.pin_memory = bool(device_pin)
         sources.pin = self.pin_memory and self.num_workers == 0  # read straight into pinned memory
+        # every batch the reads can hold at once: each read-ahead thread's untaken ones and the one it
+        # fills, and the consumer's (loaders.host: fewer free blocks kept made a fresh, page-faulted
+        # block every few batches: float32 batches 0.45 -> 0.63 x cat, compact 0.75 -> 0.84 with 10)
+        sources.host_blocks = max(KEEP, self.read_threads * (int(prefetch_factor) + 1) + 2)
         self._dl_kwargs = dict(
             prefetch_factor=int(prefetch_factor),
             persistent_workers=True if persistent_workers is None else bool(persistent_workers),

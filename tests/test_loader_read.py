@@ -294,3 +294,27 @@ def test_reading_without_the_native_reader_says_so_once(conv, monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="loaders"):
         ShardLoader(conv, 4, fields=FIELDS).close()
     assert not [r for r in caplog.records if "not built" in r.getMessage()]
+
+
+@pytest.mark.parametrize("threads, depth", [(1, 2), (2, 2), (3, 1)])
+def test_an_epoch_after_the_first_makes_no_new_host_block(tmp_path, threads, depth):
+    """The loader's own process keeps as many free blocks as its read-ahead threads and the consumer
+    can hold at once, so it never makes more blocks than that, epoch after epoch (with too few kept,
+    a freed block was dropped and a fresh one page-faulted in every few batches: 15 MB of float32
+    batch cost milliseconds). Samples of one shape: every batch needs the same block size."""
+    rng = np.random.default_rng(0)
+    with ShardWriter(tmp_path, shard_name(0, 0)) as w:
+        for i in range(24):
+            w.add(f"u{i:03d}", {"json": {"sample_rate": 16000}, "audio.npy": rng.integers(-9, 9, 4000).astype(np.int16),
+                               "input_ids.npy": rng.integers(1, 50, 7).astype(np.int32)})
+        w.commit()
+    merge_parts(tmp_path, {"text": {"vocab_size": 50, "pad_id": 0}})
+    ld = ShardLoader(tmp_path, 3, fields=("audio", "input_ids"), seed=0, read_threads=threads, prefetch_factor=depth)
+    made = []
+    for e in range(4):
+        ld.set_epoch(e)
+        for b in ld:
+            del b
+        made.append(ld.sources._host().blocks_made)
+    assert 0 < made[0] and made[-1] <= ld.sources.host_blocks, (made, ld.sources.host_blocks)
+    ld.close()
