@@ -189,18 +189,19 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
     return sorted(problems.items())
 
 
-def _read_members(fd, off, n, buf, dst, bufs, last, want, check, status, got) -> int:
+def _read_members(fd, off, n, buf, dst, bufs, last, want, check, status, got, read_through: int = READ_THROUGH,
+                  read_cap: int = READ_CAP) -> int:
     """The python executor: what ``shards._readv.read_members`` does (shards/native/readv.c), with
     :func:`os.preadv` and :mod:`xxhash`; same arguments, same outputs."""
     fdl, offl, nl, bufl, dstl, lastl = (a.tolist() for a in (fd, off, n, buf, dst, last))
     views = [bufs[b][d:d + k] for b, d, k in zip(bufl, dstl, nl)]
-    scratch = memoryview(bytearray(READ_THROUGH))
+    scratch = memoryview(bytearray(read_through))
     nseg, nmem, problems = len(offl), len(lastl), 0
     j = mi = 0
     while j < nseg:
         s, prev, iov, k = offl[j], offl[j] + nl[j], [views[j]], j + 1
-        while (k < nseg and fdl[k] == fdl[j] and 0 <= offl[k] - prev <= READ_THROUGH and len(iov) < IOV_MAX - 2
-               and prev - s < READ_CAP):
+        while (k < nseg and fdl[k] == fdl[j] and 0 <= offl[k] - prev <= read_through and len(iov) < IOV_MAX - 2
+               and prev - s < read_cap):
             if offl[k] > prev:
                 iov.append(scratch[:offl[k] - prev])
             iov.append(views[k])

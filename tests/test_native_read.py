@@ -178,3 +178,104 @@ def test_a_plan_outside_its_buffers_is_refused_before_reading(tmp_path):
         os.close(fd)
     with pytest.raises(OSError):  # a failing preadv (here: a closed descriptor) is an OSError
         call()
+
+
+# ----------------------------------------------------------------------------- any plan, both executors
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def plans(draw):
+    """Files of random bytes; runs at increasing offsets per file (gaps, empty runs, runs past the end
+    of the file), cut into members; each run a region of one of a few buffers; recorded checksums
+    right, wrong or absent; small READ_THROUGH / READ_CAP so that stretches split and merge."""
+    import xxhash
+    n_files = draw(st.integers(1, 3))
+    files = [draw(st.binary(min_size=0, max_size=6000)) for _ in range(n_files)]
+    runs = []  # (file, offset, length)
+    for f, data in enumerate(files):
+        pos = draw(st.integers(0, 64))
+        for _ in range(draw(st.integers(0, 6))):
+            length = draw(st.integers(0, 1500))
+            runs.append((f, pos, length))
+            pos += length + draw(st.sampled_from([0, 0, 3, 100, 600, 2000]))
+    if not runs:
+        runs.append((0, 0, 0))
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(1, len(runs) - 1)), max_size=len(runs)))) - {len(runs)})
+    last = [c - 1 for c in cuts] + [len(runs) - 1]
+    n_bufs = draw(st.integers(1, 3))
+    sizes, buf_of, dst = [0] * n_bufs, [], []
+    for _, _, length in runs:
+        b = draw(st.integers(0, n_bufs - 1))
+        pad = draw(st.integers(0, 9))
+        buf_of.append(b)
+        dst.append(sizes[b] + pad)
+        sizes[b] += pad + length
+    want, check = [], []
+    for m, hi in enumerate(last):
+        lo = last[m - 1] + 1 if m else 0
+        member = b"".join(files[f][o:o + k] for f, o, k in runs[lo:hi + 1])
+        right = xxhash.xxh3_64_intdigest(member)
+        how = draw(st.sampled_from(["right", "right", "wrong", "unchecked"]))
+        want.append(right if how != "wrong" else right ^ 1)
+        check.append(how != "unchecked")
+    return (files, runs, last, buf_of, dst, sizes, want, check, draw(st.sampled_from([0, 16, 4096])),
+            draw(st.sampled_from([1, 700, 1 << 18])))
+
+
+def _edge_plan():
+    """A member ending exactly at the end of its file, then one past it, in one preadv: only the
+    second is short."""
+    import xxhash
+    data = bytes(range(100))
+    return ([data], [(0, 0, 100), (0, 100, 20)], [0, 1], [0, 0], [0, 100], [120],
+            [xxhash.xxh3_64_intdigest(data), 0], [True, True], 4096, 1 << 18)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plans())
+@example(plan=_edge_plan())
+def test_any_plan_reads_and_checks_alike_in_both_executors(tmp_path, plan):
+    """The same bytes in the same places (reads past the end of a file included), the same status
+    for every member (0 read and right or unchecked, 1 checksum mismatch, 2 file too short) and the
+    same checksums, whatever the grouping of runs into preadv calls."""
+    files, runs, last, buf_of, dst, sizes, want, check, read_through, read_cap = plan
+    fds = []
+    for i, data in enumerate(files):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(data)
+        fds.append(os.open(p, os.O_RDONLY))
+    try:
+        a = dict(fd=np.array([fds[f] for f, _, _ in runs], np.int32), off=np.array([o for _, o, _ in runs], np.int64),
+                 n=np.array([k for _, _, k in runs], np.int64), buf=np.array(buf_of, np.int32),
+                 dst=np.array(dst, np.int64), last=np.array(last, np.int64), want=np.array(want, np.uint64),
+                 check=np.array(check, np.uint8))
+        out = {}
+        for name in ("native", "python"):
+            bufs = tuple(memoryview(np.full(max(s, 1), 0xAB, np.uint8)) for s in sizes)
+            status, got = np.zeros(len(last), np.int8), np.zeros(len(last), np.uint64)
+            if name == "native":
+                bad = _readv.read_members(a["fd"], a["off"], a["n"], a["buf"], a["dst"], bufs, a["last"], a["want"],
+                                          a["check"], status, got, read_through, read_cap)
+            else:
+                bad = readinto._read_members(a["fd"], a["off"], a["n"], a["buf"], a["dst"], bufs, a["last"],
+                                             a["want"], a["check"], status, got, read_through, read_cap)
+            out[name] = (bad, [bytes(b) for b in bufs], status.tolist(), got.tolist())
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert out["native"] == out["python"]
+    bad, _, status, _ = out["native"]
+    for m, hi in enumerate(last):  # and both right, from the plan alone
+        lo = last[m - 1] + 1 if m else 0
+        short = any(k and o + k > len(files[f]) for f, o, k in runs[lo:hi + 1])
+        expect = 2 if short else (1 if check[m] and want[m] != plan_hash(files, runs[lo:hi + 1]) else 0)
+        assert status[m] == expect, (m, status, expect)
+    assert bad == sum(1 for s in status if s)
+
+
+def plan_hash(files, runs) -> int:
+    import xxhash
+    return xxhash.xxh3_64_intdigest(b"".join(files[f][o:o + k] for f, o, k in runs))
