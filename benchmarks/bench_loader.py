@@ -209,10 +209,11 @@ def bench_loaders(cache: Path | str, batch_size: int, shard_bytes: int, n_total:
                   configs=CONFIGS) -> list[dict]:
     """Each configuration's loader built once (persistent workers), one warm-up epoch each, then
     ``epochs`` rounds: one ``cat`` of the shards (:func:`cat_rate`), then one epoch per loader in
-    turn (in the opposite order every other round). samples/s = median over the rounds; ``ratio_to_cat`` = median over the rounds of the
-    epoch's rate over that round's ``cat`` (this VM's memory speed changes by 2x from one minute to
-    the next: a ratio measured a second apart holds, one against a ``cat`` of another minute does
-    not); ``samples_s_epochs`` / ``cat_samples_s_rounds`` keep the rounds for paired ratios."""
+    turn (in the opposite order every other round). samples/s = median over the rounds;
+    ``ratio_to_cat`` = median over the rounds of the epoch's rate over that round's ``cat`` (this
+    VM's memory speed changes by 2x from one minute to the next: a ratio measured a second apart
+    holds, one against a ``cat`` of another minute does not); ``samples_s_epochs`` /
+    ``cat_samples_s_rounds`` keep the rounds for paired ratios."""
     loaders = [(label, kw, ShardLoader(cache, batch_size, seed=0, **kw)) for label, kw in configs]
     walls = {label: [] for label, _ in configs}
     cpus = {label: [] for label, _ in configs}

@@ -6,10 +6,11 @@ it in again (measured ~800 minor faults per batch, a third of the read time). :c
 keeps a few blocks and lays each batch out in one (the layout of :func:`loaders.shm.layout_bytes`,
 as a worker's shared-memory slot); a block is reused once every tensor of its batch is gone (the
 tensors are views of one per-batch numpy view of the block whose finalizer runs when the last of
-them is freed, the mechanism of :mod:`loaders.shm`). With ``pin`` (CUDA only) each batch is one page-locked block from torch's caching
-host allocator instead: the batch is read straight into memory the GPU copies from, with no other
-host copy, and torch reuses the block only once the asynchronous copies recorded on it are done (a
-block reused by this arena could be overwritten while a ``non_blocking`` copy still reads it).
+them is freed, the mechanism of :mod:`loaders.shm`). With ``pin`` (CUDA only) each batch is one
+page-locked block from torch's caching host allocator instead: the batch is read straight into
+memory the GPU copies from, with no other host copy, and torch reuses the block only once the
+asynchronous copies recorded on it are done (a block reused by this arena could be overwritten
+while a ``non_blocking`` copy still reads it).
 """
 from __future__ import annotations
 

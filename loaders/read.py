@@ -12,10 +12,12 @@ samples (the tests compare them), without numpy views of mapped files in between
 3. each field's kind says where each sample's values land (:meth:`~shards.kinds.FieldKind.runs`),
    and :meth:`shards.ShardReader.read_into` copies them there with one ``preadv`` per sample
    (usually: adjacent members of a sample are read in one call) and checks each member's XXH3-64
-   against the index while it is still in cache;
+   against the index while it is still in cache, the whole batch in one call that holds no GIL
+   where the native reader is built (:mod:`shards.readinto`);
 4. fields whose batch dtype is not the stored one (``compact=False``: float32 audio and latents,
-   int64 ids and codes) are read into a reused buffer in the stored dtype and widened in one
-   vectorised pass per field (:meth:`~shards.kinds.FieldKind.widen_host`);
+   int64 ids and codes) are read into a reused buffer in the stored dtype and widened into the
+   batch member by member by the native reader (:meth:`~shards.kinds.FieldKind.host_widening`),
+   else in one vectorised pass per field after the read (:meth:`~shards.kinds.FieldKind.widen_host`);
 5. padding is written once, outside each sample's corner (:meth:`~shards.kinds.FieldKind.pad`).
 
 Members whose index entry records no checksum (caches written before checksums existed) get their

@@ -80,6 +80,8 @@ def say_executor(log) -> None:
         log.warning("shards._readv (the loader's native reader) is not built: batches are read with the python "
                     "executor, same batches but slower with several read threads or workers; install a C "
                     "compiler and run `pip install -e .` (`make setup`) again")
+
+
 #: widenings the native executor does per member, right after reading it (shards/native/readv.c):
 #: ``(widening, stored dtype, host dtype) -> op`` (widening: :meth:`shards.kinds.FieldKind.host_widening`;
 #: a cast with a scale other than 1 only for int16 -> float32, the PCM scale)

@@ -92,8 +92,9 @@ def test_slots_are_reused_and_views_keep_them_alive(cache, monkeypatch):
 
 def test_slot_storages_travel_once_not_every_epoch(cache, monkeypatch):
     """A slot's storage (a file descriptor through a socket, mapped again by the receiver) goes with
-    the first batch the receiver gets from that slot, and never again while it keeps it mapped. An iteration dropped right after its first batch leaves
-    messages unread; whatever storage they carried goes again."""
+    the first batch the receiver gets from that slot, and never again while it keeps it mapped. An
+    iteration dropped right after its first batch leaves messages unread; whatever storage they
+    carried goes again."""
     sent = []
     orig = shm_mod.SlotBatch.unpack
 

@@ -5,9 +5,11 @@
  * index recorded for it) is built with numpy by shards/readinto.py; this file only carries it out:
  * one preadv per stretch of a file (runs at most READ_THROUGH bytes apart, at most READ_CAP bytes
  * beyond the stretch's first run, the bytes in between going to a scratch buffer), and each member
- * hashed right after the preadv that completes it, while its bytes are still in the core's cache.
- * The pure-Python executor in shards/readinto.py does the same with os.preadv and xxhash; the tests
- * compare the two.
+ * hashed right after the preadv that completes it, while its bytes are still in the core's cache;
+ * for a batch that is not compact, each member is then widened into the batch tensor's dtype
+ * (convert(): what the field kinds' widen_host does, named by shards.readinto.CONVERSIONS). The
+ * pure-Python executor in shards/readinto.py reads and checks the same way with os.preadv and
+ * xxhash (and widens after the read); tests/test_native_read.py compares the two.
  *
  * Why C: from Python every preadv and every hash of more than 64 KiB is a hand-over of the GIL;
  * with two read threads a batch of 16 samples of 360 KiB made ~60 of them, and the threads spent
