@@ -92,9 +92,8 @@ def test_slots_are_reused_and_views_keep_them_alive(cache, monkeypatch):
 
 def test_slot_storages_travel_once_not_every_epoch(cache, monkeypatch):
     """A slot's storage (a file descriptor through a socket, mapped again by the receiver) goes with
-    the first batch the receiver gets from that slot, and never again while it keeps it mapped. An
-    iteration dropped right after its first batch leaves messages unread; whatever storage they
-    carried goes again."""
+    the first batch the receiver gets from that slot, and never again while it keeps it mapped
+    (messages dropped unread, storage included, and the batches after them: the next test)."""
     sent = []
     orig = shm_mod.SlotBatch.unpack
 
@@ -113,14 +112,6 @@ def test_slot_storages_travel_once_not_every_epoch(cache, monkeypatch):
     # each of the 2 x (2 + 2) slots' storage once at most, whichever epoch first used the slot (sent
     # again every epoch, as before, this was 4 x 5 or more)
     assert per_epoch[0] > 0 and sum(per_epoch) <= 2 * (2 + 2), per_epoch
-    ld.set_epoch(4)
-    next(iter(ld))  # messages of this iteration are dropped unread
-    gc.collect()
-    ld.set_epoch(5)
-    want = reference(cache, 5)
-    for i, b in enumerate(ld):
-        assert_same(b, want[i])
-        del b
     ld.close()
 
 
