@@ -23,7 +23,7 @@ generation. Beside them the receiver records the id of the storage it has mapped
 worker sends a slot's storage (a file descriptor through a socket, mapped again by the receiver)
 only when the receiver has not mapped it yet, so an epoch after the first sends none (a message
 that carried it and was dropped unread left no record: the storage goes again). The table is read
-and written through numpy views (a torch element access costs ~20 us of dispatch, several per
+and written through numpy views (a torch element read and write costs ~15 us of dispatch, several per
 batch). The worker only takes a slot whose flag is 0; the receiver clears a flag only if it still
 holds the token it handed out. Messages dropped unread (the DataLoader discards in-flight
 batches of an iteration abandoned mid-epoch) would keep their slot busy forever, so at each new
