@@ -22,7 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_once(cache: Path, workers: int, steps: int, batch_size: int, out: Path,
              config: Path = ROOT / "configs" / "train-demo.yaml", extra: tuple = ("--dist.threads", "1")) -> dict:
-    """One ``shardcache train`` run (``config`` plus ``extra`` flags); the medians of its metrics."""
+    """One ``shardcache train`` run (``config`` plus ``extra`` flags); the medians of its metrics.
+
+    Raises:
+        RuntimeError: the run failed (its exit status and the end of its stderr).
+    """
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -30,7 +34,9 @@ def run_once(cache: Path, workers: int, steps: int, batch_size: int, out: Path,
            "--cache", str(cache), "--run-dir", str(out), "--training.steps", str(steps),
            "--data.batch-size", str(batch_size), "--data.num-workers", str(workers), "--metrics.every", "1",
            "--no-eval.enabled", "--checkpoint.every", str(10 * steps), "--no-metrics.progress", *extra]
-    subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise RuntimeError(f"shardcache train exited {done.returncode} ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "split" not in r][max(5, steps // 5):]  # after warm-up (workers start, allocator)
     return {"num_workers": workers, "steps_measured": len(recs),

@@ -1,30 +1,32 @@
 """``make bench-gpu``: stage one with real-size encoders and the recipes' data wait, on a CUDA GPU.
 
-    python -m benchmarks.gpu [--steps 40] [--workers 0 2 8]
+    python -m benchmarks.gpu [--steps 40] [--workers 0 2 8] [--sections ...] [--recipes ...] [--out DIR]
 
 Without CUDA it prints that it needs a GPU and exits 0: no figure is written (none of this
 project's figures was measured on a GPU unless ``benchmarks/results/gpu.md`` says so). On a CUDA
 machine, with randomly initialised models of the real sizes (``python -m shardcache.testing --size
 full``; built here on demand):
 
-1. **encoders alone** (CUDA events around each call, after warm-up):
+1. **encoders alone** (synchronised wall time of each call, median of 10 after a warm-up):
 
-   * Wan 2.1 VAE (``wan-full``, what Cosmos-Predict2 uses): 512 x 512 RGB images in batches of 8,
-     float32 and bfloat16: images/s and ms per image;
-   * audio codecs: ``dac-full`` (Higgs Audio v2 shaped DAC), ``mimi-full`` and every other full-size
-     codec :mod:`shardcache.testing` can build (``higgs`` once it can), 8 clips of 10 s at their
-     sample rate per call, float32: seconds of audio encoded per second;
+   * ``vae``: Wan 2.1 VAE (``wan-full``, what Cosmos-Predict2 uses), 512 x 512 RGB images in
+     batches of 8, float32 and bfloat16: images/s and ms per image;
+   * ``siglip``: TheWorld's Gemma 3 image path (SigLIP tower + projector of ``gemma-3-4b-it``'s
+     shapes, 896 px, bfloat16, batch 8), built on the device without the 4 B LM;
+   * ``codecs``: the audio tokenizers of :data:`CODECS` (DAC, Mimi, Higgs-Audio v2's), 8 clips of 10 s
+     at their sample rate per call, float32: seconds of audio encoded per second;
 
-2. **stage one end to end** (:mod:`benchmarks.bench_precompute` with ``device=cuda``): the job's wall
-   time over the encoder calls alone on the same batches, with decode workers (target <= 1.15);
+2. ``precompute``: stage one end to end (:mod:`benchmarks.bench_precompute`, ``device=cuda``), the
+   job's wall time over the encoder calls alone on the same batches;
 
-3. **data wait** (:mod:`benchmarks.bench_data_wait`): ``shardcache train`` with the recipes that
-   exist (``--model tts`` on a cache of real-mini's ``chatml_voice_clone.json``, ``--model vlm`` on
-   one of ``llava_multiturn.json``, both with the Llama-3.2-1B-shaped ``lm-full``) and 0, 2 and 8
-   loader workers: the median share of the step spent waiting for the batch (target < 2 %).
+3. ``data_wait`` (:mod:`benchmarks.bench_data_wait`): ``shardcache train`` with 0, 2 and 8 loader
+   workers for each of :data:`DATA_WAIT_RUNS` (recipe, LM size), on a cache of the recipe's real-mini
+   manifest made with its own precompute config: the median share of the step spent waiting for the
+   batch (target < 2 %). A run that fails is reported in ``errors``; the others still run.
 
-Writes ``benchmarks/results/gpu.json`` and ``gpu.md``. ``--smoke`` runs the same code on the CPU with
-the tiny models and a few steps, to check it (nothing is written to the results).
+Writes ``gpu.json`` and ``gpu.md`` to ``--out`` (default ``benchmarks/results``) after each
+measurement, so a run cut short keeps what it finished. ``--smoke`` runs the same code on the CPU
+with the tiny models and a few steps, to check it (nothing is written).
 """
 from __future__ import annotations
 
@@ -34,15 +36,41 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.run import MODELS, REAL_MINI, RESULTS, ROOT, corpora, machine  # noqa: E402
 
-#: recipe -> (precompute config, real-mini manifest, train config)
-RECIPES = {"tts": ("precompute-tts.yaml", "chatml_voice_clone.json", "train-tts.yaml"),
-           "vlm": ("precompute-vlm.yaml", "llava_multiturn.json", "train-vlm.yaml")}
+#: audio tokenizer name (precompute/encoders/registry.py) -> the random model that stands for its checkpoint
+CODECS = {"dac": "dac", "mimi": "mimi", "higgs": "higgs-audio-tokenizer"}
+
+@dataclass(frozen=True)
+class Recipe:
+    """One recipe's data-wait run: its configs, the real-mini manifest it reads, the random models."""
+
+    precompute: str            #: configs/<name>: how its cache is made
+    manifest: str              #: real-mini manifest (conversations of that recipe's shape)
+    train: str                 #: configs/<name>: the training run
+    models: dict               #: precompute config key -> random model standing for its checkpoint (tiny)
+    lm: str                    #: the trainer's ``model.kwargs.lm``: a model directory under models/
+    batch_size: int            #: per step (the recipe config's own)
+    kwargs: dict = field(default_factory=dict)   #: more ``model.kwargs``
+
+
+#: the recipes as configs/ has them, with their tiny models (the step a loader must keep up with is
+#: then at its shortest: the harshest data-wait test), and the VLM recipe again on the Llama-3.2-1B-shaped LM
+RECIPES = {
+    "tts": Recipe("precompute-tts.yaml", "chatml_voice_clone.json", "train-tts.yaml",
+                  {"audio_tokenizer": "higgs-audio-tokenizer", "text_tokenizer": "higgs"}, "higgs", 4),
+    "theworld": Recipe("precompute-theworld.yaml", "llava_multiturn.json", "train-theworld.yaml",
+                       {"image_encoder": "wan", "text_tokenizer": "gemma3", "image_features": "gemma3"}, "gemma3", 2),
+    "vlm": Recipe("precompute-vlm.yaml", "llava_multiturn.json", "train-vlm.yaml",
+                  {"image_encoder": "wan", "text_tokenizer": "tokenizer"}, "lm", 2, {"freeze_lm": True, "patch_size": 2}),
+}
+#: (recipe, size of its LM) pairs measured on a GPU
+DATA_WAIT_RUNS = (("tts", "tiny"), ("theworld", "tiny"), ("vlm", "tiny"), ("vlm", "full"))
 
 
 def _sync(device: str) -> None:
@@ -83,6 +111,32 @@ def bench_vae(path: Path, device: str, dtypes, side: int, batch: int, calls: int
     return rows
 
 
+def bench_siglip(device: str, size: str, batch: int, calls: int) -> dict:
+    """TheWorld's Gemma 3 image path at stage one (what ``image_features: gemma3`` runs): the SigLIP
+    ``vision_tower`` and ``multi_modal_projector`` of ``google/gemma-3-4b-it``'s shapes (896 px, 27
+    layers, 256 tokens of 2560 per image), random, bfloat16, built on the device (the 4 B language model
+    it would be loaded with is never needed)."""
+    import torch
+    from transformers import AutoModel
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+    from shardcache.testing.gemma3 import gemma3_config
+    cfg = gemma3_config(size)
+    with torch.device(device):
+        tower = AutoModel.from_config(cfg.vision_config).to(torch.bfloat16).eval()
+        projector = Gemma3MultiModalProjector(cfg).to(torch.bfloat16).eval()
+    side = cfg.vision_config.image_size
+    x = torch.rand(batch, 3, side, side, device=device, dtype=torch.bfloat16)
+
+    def features():
+        with torch.inference_mode():
+            return projector(tower(pixel_values=x).last_hidden_state)
+
+    s = statistics.median(_time_calls(features, calls, device))
+    return {"encoder": "gemma3-siglip", "dtype": "bfloat16", "image_px": side, "batch": batch,
+            "images_per_s": batch / s, "ms_per_image": s / batch * 1e3}
+
+
 def bench_codec(name: str, path: Path, device: str, seconds: float, batch: int, calls: int) -> dict:
     import numpy as np
     from precompute.encoders.registry import load_audio_tokenizer
@@ -94,40 +148,34 @@ def bench_codec(name: str, path: Path, device: str, seconds: float, batch: int, 
             "audio_s_per_s": batch * seconds / s, "s_per_call": s}
 
 
-def recipe_cache(recipe: str, size: str, device: str, work: Path) -> Path | None:
-    """A cache of the recipe's real-mini manifest made with its precompute config (None without real-mini)."""
+def recipe_cache(name: str, device: str, work: Path) -> Path | None:
+    """A cache of the recipe's real-mini manifest made with its precompute config and tiny models (None
+    without real-mini)."""
     import dataclasses
     from precompute.config import load_config
     from precompute.job import run
-    pre, manifest, _ = RECIPES[recipe]
-    if not (REAL_MINI / manifest).exists():
+    recipe = RECIPES[name]
+    if not (REAL_MINI / recipe.manifest).exists():
         return None
-    cfg = load_config(ROOT / "configs" / pre, [f"device={device}"])
-    models = {"audio_tokenizer": "dac", "image_encoder": "wan"}
-    for key, model in models.items():
-        spec = getattr(cfg, key)
-        if spec:
-            cfg = dataclasses.replace(cfg, **{key: dict(spec, pretrained=str(MODELS / f"{model}-{size}"))})
-    text = dict(cfg.text_tokenizer or {})
-    if text.get("pretrained"):
-        cfg = dataclasses.replace(cfg, text_tokenizer=dict(text, pretrained=str(MODELS / "tokenizer-tiny")))
-    out = work / f"{recipe}-cache"
-    run(REAL_MINI / manifest, out, cfg, progress=False)
+    _models("tiny", list(recipe.models.values()))
+    cfg = load_config(ROOT / "configs" / recipe.precompute, [f"device={device}", "allow_outside_root=true"])
+    for key, model in recipe.models.items():
+        cfg = dataclasses.replace(cfg, **{key: dict(getattr(cfg, key), pretrained=str(MODELS / f"{model}-tiny"))})
+    out = work / f"{name}-cache"
+    run(REAL_MINI / recipe.manifest, out, cfg, progress=False)
     return out
 
 
-def bench_data_wait(recipe: str, cache: Path, size: str, device: str, workers, steps: int, work: Path) -> dict:
+def bench_data_wait(name: str, cache: Path, size: str, device: str, workers, steps: int, work: Path) -> dict:
     from benchmarks.bench_data_wait import run_once
-    _, _, train = RECIPES[recipe]
-    kwargs = {"lm": str(MODELS / f"lm-{size}")}
-    if recipe == "vlm":
-        kwargs.update(freeze_lm=True, patch_size=2)
+    recipe = RECIPES[name]
+    lm = _models(size, [recipe.lm])[recipe.lm]
+    kwargs = {"lm": str(lm), **recipe.kwargs}
     extra = ("--model.kwargs", json.dumps(kwargs), "--dist.device", device)
-    batch = 4 if recipe == "tts" else 2
-    runs = [run_once(cache, w, steps, batch, work / f"{recipe}-w{w}", config=ROOT / "configs" / train, extra=extra)
-            for w in workers]
-    return {"recipe": recipe, "cache": cache.name, "batch_size": batch, "steps": steps, "lm": f"lm-{size}",
-            "runs": runs}
+    runs = [run_once(cache, w, steps, recipe.batch_size, work / f"{name}-{size}-w{w}",
+                     config=ROOT / "configs" / recipe.train, extra=extra) for w in workers]
+    return {"recipe": name, "cache": cache.name, "batch_size": recipe.batch_size, "steps": steps,
+            "lm": lm.name, "runs": runs}
 
 
 def markdown(r: dict) -> str:
@@ -136,6 +184,9 @@ def markdown(r: dict) -> str:
              "| encoder | dtype | input | throughput | per item |", "| --- | --- | --- | --- | --- |"]
     for v in r["vae"]:
         lines.append(f"| Wan 2.1 VAE | {v['dtype']} | {v['image_px']} px, batch {v['batch']} | "
+                     f"{v['images_per_s']:.1f} images/s | {v['ms_per_image']:.1f} ms/image |")
+    for v in r.get("siglip", []):
+        lines.append(f"| Gemma 3 SigLIP + projector | {v['dtype']} | {v['image_px']} px, batch {v['batch']} | "
                      f"{v['images_per_s']:.1f} images/s | {v['ms_per_image']:.1f} ms/image |")
     for c in r["codecs"]:
         lines.append(f"| {c['encoder']} | float32 | {c['batch']} x {c['clip_s']:.0f} s at {c['sample_rate']} Hz | "
@@ -150,10 +201,29 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SECTIONS = ("vae", "siglip", "codecs", "precompute", "data_wait")
+
+
+def _save(result: dict, out: Path | None) -> None:
+    """Write what is measured so far (``gpu.json`` + ``gpu.md``): a run cut short keeps its finished parts."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "gpu.md").write_text(markdown(result))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="training steps per data-wait run")
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2, 8])
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="what to measure (default: all, in this order)")
+    ap.add_argument("--recipes", nargs="+", default=[f"{r}:{s}" for r, s in DATA_WAIT_RUNS],
+                    choices=[f"{r}:{s}" for r, s in DATA_WAIT_RUNS],
+                    help="data-wait runs as RECIPE:LM_SIZE (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="folder for gpu.json and gpu.md, rewritten after each measurement (default: %(default)s)")
     ap.add_argument("--smoke", action="store_true", help="check the code on the CPU with tiny models; no results")
     args = ap.parse_args(argv)
     import torch
@@ -162,34 +232,54 @@ def main(argv=None) -> int:
               "Nothing measured, no figures written.")
         return 0
     device, size = ("cpu", "tiny") if args.smoke else ("cuda", "full")
+    out = None if args.smoke else args.out
     calls = 2 if args.smoke else 10
-    models = _models(size, ["wan", "dac", "mimi", "higgs", "lm"])
-    if "tokenizer" not in models:
-        models.update(_models("tiny", ["tokenizer"]))
-    result: dict = {"machine": machine(), "device": device, "size": size}
-    result["vae"] = bench_vae(models["wan"], device, ["float32"] if args.smoke else ["float32", "bfloat16"],
-                              64 if args.smoke else 512, 2 if args.smoke else 8, calls)
-    result["codecs"] = [bench_codec(n, models[n], device, 1.0 if args.smoke else 10.0, 2 if args.smoke else 8, calls)
-                        for n in ("dac", "mimi", "higgs") if n in models]
-    from benchmarks import bench_precompute
-    result["precompute"] = [bench_precompute.bench(m, MODELS, size, device=device)
-                            for m in corpora()[:1 if args.smoke else 2]]
-    work = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
-    result["data_wait"] = []
-    for recipe in RECIPES:
-        cache = recipe_cache(recipe, "tiny" if args.smoke else size, device, work)
-        if cache is None:
-            print(f"{recipe}: real-mini's {RECIPES[recipe][1]} not found at {REAL_MINI}: data wait skipped")
-            continue
-        result["data_wait"].append(bench_data_wait(recipe, cache, size, device, [0, 2] if args.smoke else args.workers,
-                                                   8 if args.smoke else args.steps, work))
-    md = markdown(result)
-    print(md)
-    if not args.smoke:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / "gpu.md").write_text(md)
-        print(f"wrote {RESULTS}/gpu.json and gpu.md")
+    result: dict = {"machine": machine(), "device": device, "size": size,
+                    "vae": [], "siglip": [], "codecs": [], "precompute": [], "data_wait": []}
+    if "vae" in args.sections:
+        wan = _models(size, ["wan"])["wan"]
+        result["vae"] = bench_vae(wan, device, ["float32"] if args.smoke else ["float32", "bfloat16"],
+                                  64 if args.smoke else 512, 2 if args.smoke else 8, calls)
+        _save(result, out)
+    if "siglip" in args.sections:
+        result["siglip"] = [bench_siglip(device, size, 2 if args.smoke else 8, calls)]
+        _save(result, out)
+    if "codecs" in args.sections:
+        dirs = _models(size, list(CODECS.values()))
+        for name, model in CODECS.items():
+            result["codecs"].append(bench_codec(name, dirs[model], device, 1.0 if args.smoke else 10.0,
+                                                2 if args.smoke else 8, calls))
+            _save(result, out)
+    if "precompute" in args.sections:
+        from benchmarks import bench_precompute
+        _models(size, ["dac", "wan"])
+        _models("tiny", ["tokenizer"])
+        for m in corpora()[:1 if args.smoke else 2]:
+            result["precompute"].append(bench_precompute.bench(m, MODELS, size, device=device))
+            _save(result, out)
+    if "data_wait" in args.sections:
+        work = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
+        caches: dict = {}
+        for run in args.recipes:
+            name, lm_size = run.split(":")
+            if args.smoke and lm_size != "tiny":
+                continue
+            if name not in caches:
+                caches[name] = recipe_cache(name, device, work)
+            if caches[name] is None:
+                print(f"{name}: real-mini's {RECIPES[name].manifest} not found at {REAL_MINI}: data wait skipped")
+                continue
+            try:
+                result["data_wait"].append(bench_data_wait(name, caches[name], lm_size, device,
+                                                           [0, 2] if args.smoke else args.workers,
+                                                           8 if args.smoke else args.steps, work))
+            except RuntimeError as e:  # one recipe's failure is reported; the others still run
+                print(f"{name} with lm-{lm_size}: {e}", file=sys.stderr)
+                result.setdefault("errors", []).append({"recipe": name, "lm_size": lm_size, "error": str(e)[-2000:]})
+            _save(result, out)
+    print(markdown(result))
+    if out is not None:
+        print(f"wrote {out}/gpu.json and gpu.md")
     return 0
 
 

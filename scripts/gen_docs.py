@@ -108,12 +108,20 @@ def loader_headline() -> str:
     return "\n".join(rows)
 
 
+def gpu_summary() -> str:
+    """``make bench-gpu``'s tables (``benchmarks/results/gpu.md``), or the line saying none ran."""
+    md = ROOT / "benchmarks" / "results" / "gpu.md"
+    if not md.exists():
+        return "No `make bench-gpu` results: nothing here was measured on a GPU."
+    return md.read_text().rstrip("\n")
+
+
 BLOCKS = {"docs/format.md": {"fields": fields_table, "kinds": kinds_table},
           "docs/configuration.md": {"names": names_table},
-          "docs/benchmarks.md": {"bench": bench_summary},
+          "docs/benchmarks.md": {"bench": bench_summary, "gpu": gpu_summary},
           "README.md": {"loader": loader_headline}}
 #: the blocks copied from ``make bench``'s results (``--skip-bench`` leaves them alone)
-BENCH_BLOCKS = {"bench", "loader"}
+BENCH_BLOCKS = {"bench", "loader", "gpu"}
 
 
 def render(text: str, blocks: dict) -> str:

@@ -104,3 +104,24 @@ def test_init_from_an_adapter_and_a_full_checkpoint(setup, tmp_path):
                           "seed": 5}), cb) == 0
     want = load_file(str(tmp_path / "full" / "step-1" / "model.safetensors"))
     assert all(torch.equal(seen["full"][k], want[k]) for k in want)
+
+
+def test_base_fingerprint_samples_inside_every_tensor_size():
+    """The frozen-base fingerprint reads evenly spaced elements of each tensor, first and last included,
+    for sizes where float32 cannot hold n - 1 (Llama-3.2-1B's embedding, 262,668,288 elements, made a
+    float32 linspace index one past the end: IndexError at the trainer's start)."""
+    from train.checkpoint import base_fingerprint
+    n = 2 ** 24 + 4   # float32(n - 1) == n
+    p = torch.nn.Parameter(torch.arange(n, dtype=torch.int32), requires_grad=False)
+    m = torch.nn.Module()
+    m.register_parameter("w", p)
+    first = base_fingerprint(m, samples=5)
+    # the sampled elements are 0, (n-1)/4, ...: changing the last element changes the fingerprint,
+    # changing one between the samples does not
+    with torch.no_grad():
+        p[n - 1] = -1
+    assert base_fingerprint(m, samples=5) != first
+    with torch.no_grad():
+        p[n - 1] = n - 1
+        p[1] = -1
+    assert base_fingerprint(m, samples=5) == first

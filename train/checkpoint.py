@@ -248,7 +248,10 @@ def base_fingerprint(model: nn.Module, samples: int = 4096) -> str:
         if p.requires_grad:
             continue
         flat = p.detach().reshape(-1)
-        idx = torch.linspace(0, max(flat.numel() - 1, 0), min(samples, flat.numel()), device=flat.device).long()
+        # evenly spaced indices in integer arithmetic: a float32 linspace rounds n - 1 up past the end
+        # for some n > 2**24 (Llama-3.2-1B's 262,668,288-element embedding gave index n: IndexError)
+        k = min(samples, flat.numel())
+        idx = torch.arange(k, device=flat.device) * max(flat.numel() - 1, 0) // max(k - 1, 1)
         h.update(f"{name}|{p.dtype}|{tuple(p.shape)}|".encode())
         h.update(flat[idx].float().cpu().numpy().tobytes())
     return h.hexdigest()

@@ -1,0 +1,47 @@
+"""``make bench-gpu``'s code (benchmarks/gpu.py) on the CPU with the tiny models (``--smoke``).
+
+The GPU run is rare (a device is lent to few sessions) and it must not be the first run of this
+code: the encoder names must resolve to the right model directories and the recipes' configs must
+still train. Each run here is the real code path with ``device=cpu``; the figures are not checked,
+only that every measurement ran and has the shape the GPU results use.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _smoke(*args: str, timeout: int = 600) -> str:
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--smoke", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.mark.slow
+def test_encoders_smoke():
+    """Every encoder row: the VAE, Gemma 3's SigLIP + projector and each codec of CODECS, loaded
+    through the precompute registry from the model built for it (the Higgs tokenizer once read the
+    Higgs LM's directory: AttributeError)."""
+    from benchmarks.gpu import CODECS
+    out = _smoke("--sections", "vae", "siglip", "codecs")
+    assert "| Wan 2.1 VAE | float32 |" in out and "| Gemma 3 SigLIP + projector | bfloat16 |" in out
+    for name in CODECS:
+        assert f"| {name} | float32 |" in out
+
+
+@pytest.mark.long
+def test_recipes_data_wait_smoke(real_mini):
+    """Each recipe's data-wait run trains on a cache made with its own precompute config (the TTS
+    recipe once got a DAC cache and a Llama LM for ``--model higgs``)."""
+    from benchmarks.gpu import DATA_WAIT_RUNS
+    out = _smoke("--sections", "data_wait", "--recipes", *[f"{r}:{s}" for r, s in DATA_WAIT_RUNS if s == "tiny"])
+    for recipe, size in DATA_WAIT_RUNS:
+        if size == "tiny":
+            assert f"| {recipe} (" in out, out
