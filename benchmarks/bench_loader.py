@@ -30,6 +30,9 @@ then measures in one run, everything from the page cache:
 5. startup (build the loader from the index) and resume latency: a fresh loader, ``load_state_dict``
    at 10 % and 90 % of an epoch, until the first batch arrives, next to iterating to that point.
 6. RSS over 3 epochs with persistent workers (``RssAnon``: what a leak grows; ``RssFile``).
+7. forkserver workers (the start method when CUDA is initialised): the first batch of three loaders
+   made one after the other in a fresh process, with :data:`loaders.context.FORKSERVER_PRELOAD` and
+   without it (each worker then imports torch and the loaders itself).
 
 Prints a table and writes ``benchmarks/results/loader.json``. CPU time (``process_time``) is
 reported next to wall time for the one-process runs: on a shared machine the wall rate depends on
@@ -411,6 +414,35 @@ def bench_rss(cache: Path, batch_size: int, num_workers: int, epochs: int = 3) -
     return rows
 
 
+_FORKSERVER_RUN = """
+import json, sys, time
+import loaders.context
+from loaders import ShardLoader
+if sys.argv[2] == "off":
+    loaders.context.FORKSERVER_PRELOAD = ()
+out = []
+for _ in range(3):
+    t = time.perf_counter()
+    ld = ShardLoader(sys.argv[1], int(sys.argv[3]), seed=0, num_workers=2, multiprocessing_context="forkserver",
+                     compact=True, device_pin=False)
+    next(iter(ld))
+    out.append(time.perf_counter() - t)
+    ld.close()
+print(json.dumps(out))
+"""
+
+
+def bench_forkserver(cache: Path, batch_size: int) -> dict:
+    """Seconds to the first batch of 3 successive 2-worker forkserver loaders, preload on and off
+    (each in a fresh process: one forkserver per process)."""
+    got = {}
+    for preload in ("on", "off"):
+        r = subprocess.run([sys.executable, "-c", _FORKSERVER_RUN, str(cache), preload, str(batch_size)],
+                           cwd=ROOT, capture_output=True, text=True, check=True)
+        got[f"preload_{preload}_s"] = json.loads(r.stdout.strip().splitlines()[-1])
+    return got
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=1000)
@@ -450,6 +482,7 @@ def main(argv=None) -> dict:
                 print(f"remote runs skipped: {e}")
         resume = bench_resume(cache, args.batch_size, 0) + bench_resume(cache, args.batch_size, 2)
         rss = bench_rss(cache, args.batch_size, 2)
+        forkserver = bench_forkserver(cache, args.batch_size)
         real = []
         for c in args.real_cache:  # small caches: as many epochs as make ~1000 samples
             rfiles = sorted(c.glob("shard-*.tar"))
@@ -484,7 +517,7 @@ def main(argv=None) -> dict:
         "copy_ceiling": {k: dict(v, ratio_to_cat=v["samples_s"] / cat_rate) for k, v in ceiling.items()},
         "shardloader": rows, "peers": peers,
         "webdataset": dict(web, ratio_to_cat=web["samples_s"] / cat_rate),
-        "resume": resume, "rss": rss, "real_caches": real, "remote": remote,
+        "resume": resume, "rss": rss, "forkserver_first_batch": forkserver, "real_caches": real, "remote": remote,
         "targets": {  # (value, target): ratios of rates measured a moment apart (see bench_loaders)
             "compact_over_cat": (by["one process, compact"]["ratio_to_cat"], 0.6),
             "compact_over_litdata": (by["one process, compact"]["ratio_to_litdata"], 2.0),
@@ -539,6 +572,9 @@ def main(argv=None) -> dict:
     for r in rss:
         print(f"  {r['epoch']}: {r['main_MiB'].get('RssAnon', 0):.0f}/{r['main_MiB'].get('RssFile', 0):.0f}, "
               f"{r['workers_RssAnon_MiB']:.0f}/{r['workers_RssFile_MiB']:.0f}")
+    print("forkserver workers (CUDA initialised), first batch of 3 successive loaders (ms): preload "
+          + ", ".join(f"{x * 1e3:.0f}" for x in forkserver["preload_on_s"]) + "; without "
+          + ", ".join(f"{x * 1e3:.0f}" for x in forkserver["preload_off_s"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = args.out.with_suffix(".json.tmp")
     tmp_out.write_text(json.dumps(result, indent=2) + "\n")

@@ -27,14 +27,12 @@ DataLoader settings (when ``num_workers > 0``): ``persistent_workers=True`` (the
 step reach persistent workers through a shared-memory tensor read at each ``iter()``),
 ``prefetch_factor`` batches per worker, ``pin_memory`` when CUDA is available (``device_pin``),
 multiprocessing context: the platform default (fork on Linux) unless CUDA is already initialised
-in this process, then ``"forkserver"`` (``"spawn"`` where forkserver is missing), because a forked
-child cannot use CUDA. ``num_workers=None`` picks ``min(8, cpus // LOCAL_WORLD_SIZE - 1)`` (>= 1).
+in this process, then ``"forkserver"`` with the loaders preloaded in it (:mod:`loaders.context`). ``num_workers=None`` picks ``min(8, cpus // LOCAL_WORLD_SIZE - 1)`` (>= 1).
 """
 from __future__ import annotations
 
 import gc
 import logging
-import multiprocessing as mp
 import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -48,6 +46,7 @@ from shards import ShardCorrupt
 
 from .batching import PlanSpec
 from .collate import check_fields
+from .context import worker_context
 from .dataset import SKIPPED, CacheSource, PlanDataset, Sources
 from .host import KEEP
 from .read import CHECKS
@@ -237,7 +236,7 @@ class ShardLoader:
         self._dl_kwargs = dict(
             prefetch_factor=int(prefetch_factor),
             persistent_workers=True if persistent_workers is None else bool(persistent_workers),
-            multiprocessing_context=multiprocessing_context or self._default_context(),
+            multiprocessing_context=worker_context(multiprocessing_context),
             timeout=float(timeout), worker_init_fn=_worker_init)
         self._dl: DataLoader | None = None
         self.epoch, self._cursor, self._generation = 0, 0, 0
@@ -253,12 +252,6 @@ class ShardLoader:
                 f"an epoch has no step: {sources.n} samples after filters, global batch "
                 f"{self.global_batch_size} (world_size {self.world_size} x batch_size {self.batch_size}); "
                 "use a smaller batch_size, fewer ranks or drop_remainder=False")
-
-    @staticmethod
-    def _default_context():
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-        return None
 
     # -- the contract ----------------------------------------------------------------------------
     @property
