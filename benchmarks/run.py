@@ -147,9 +147,19 @@ def loader_lines(r: dict) -> list[str]:
                 f"{x['fraction']:.0%} of epoch, workers={x['num_workers']}: {x['resume_to_first_batch_s'] * 1e3:.0f} ms"
                 for x in r["resume"]) + ". RSS (RssAnon MiB, main/workers) per epoch: " + ", ".join(
                 f"{x['main_MiB'].get('RssAnon', 0):.0f}/{x['workers_RssAnon_MiB']:.0f}" for x in r["rss"]) +
+            _forkserver_part(r.get("forkserver_first_batch")) +
             f". Load average during the run: {load.get('loadavg_start', [0])[0]:.1f} -> "
             f"{load.get('loadavg_end', [0])[0]:.1f} on {load['cpus']} cores (shared machine).", ""]
     return out
+
+
+def _forkserver_part(f: dict | None) -> str:
+    if not f:
+        return ""
+    ms = lambda xs: ", ".join(f"{x * 1e3:.0f}" for x in xs)  # noqa: E731
+    return (". Forkserver workers (the start method once CUDA is initialised), first batch of 3 successive "
+            f"loaders: {ms(f['preload_on_s'])} ms with the loaders preloaded in the server, "
+            f"{ms(f['preload_off_s'])} ms without")
 
 
 def main(argv=None) -> int:
