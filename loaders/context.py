@@ -9,8 +9,8 @@ so every worker imports torch, numpy and :mod:`loaders` itself before its first 
 per loader on this 2-core VM, 8.6-9.5 s on an H100 node's 16-vCPU host (``make bench``,
 ``make bench-gpu``; once per loader with persistent workers, again for the eval loader and every
 resume). :func:`worker_context` adds :data:`FORKSERVER_PRELOAD` to what the forkserver imports when it
-starts, so workers are forked with those modules loaded: ~60 ms to a first batch for every loader
-after the first here (the first one pays the server's import once).
+starts, so workers are forked with those modules loaded: 55-110 ms to a first batch for every loader
+after the first here (the first one pays the server's import once, ~1.4 s).
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def preload_forkserver(modules=None) -> list[str]:
     what is there (``__main__`` by default, or what the user set). Takes effect when this process's
     forkserver starts; a forkserver already running keeps its modules. Returns the list now set."""
     from multiprocessing import forkserver
-    current = list(getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"])
+    current = getattr(forkserver._forkserver, "_preload_modules", None)
+    current = ["__main__"] if current is None else list(current)  # None: CPython's default
     wanted = current + [m for m in (FORKSERVER_PRELOAD if modules is None else modules) if m not in current]
     if wanted != current:
         mp.get_context("forkserver").set_forkserver_preload(wanted)

@@ -27,7 +27,8 @@ DataLoader settings (when ``num_workers > 0``): ``persistent_workers=True`` (the
 step reach persistent workers through a shared-memory tensor read at each ``iter()``),
 ``prefetch_factor`` batches per worker, ``pin_memory`` when CUDA is available (``device_pin``),
 multiprocessing context: the platform default (fork on Linux) unless CUDA is already initialised
-in this process, then ``"forkserver"`` with the loaders preloaded in it (:mod:`loaders.context`). ``num_workers=None`` picks ``min(8, cpus // LOCAL_WORLD_SIZE - 1)`` (>= 1).
+in this process, then ``"forkserver"`` with the loaders preloaded in it (:mod:`loaders.context`).
+``num_workers=None`` picks ``min(8, cpus // LOCAL_WORLD_SIZE - 1)`` (>= 1).
 """
 from __future__ import annotations
 

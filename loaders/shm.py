@@ -72,17 +72,20 @@ class _Table:
         self.flags = flags
         self._np: np.ndarray | None = None
 
-    @property
-    def tokens(self) -> np.ndarray:
+    def _array(self) -> np.ndarray:
         if self._np is None:
             self._np = self.flags.numpy()
-        return self._np[0]
+        return self._np
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """``(num_workers, max_slots)``: each slot's token (0: free)."""
+        return self._array()[0]
 
     @property
     def mapped(self) -> np.ndarray:
-        if self._np is None:
-            self._np = self.flags.numpy()
-        return self._np[1]
+        """``(num_workers, max_slots)``: the storage id the receiver has mapped for each slot (0: none)."""
+        return self._array()[1]
 
     def __getstate__(self):
         return {"flags": self.flags, "_np": None}
