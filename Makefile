@@ -59,8 +59,8 @@ $(VENV)/.installed: pyproject.toml setup.py shards/native/readv.c
 
 setup: $(VENV)/.installed
 
-$(MODELS)/.built: $(VENV)/.installed $(wildcard shardcache/testing/*.py)
-	$(PY) -m shardcache.testing --out $(MODELS)
+$(MODELS)/.built: $(VENV)/.installed $(wildcard tools/testing/*.py)
+	$(PY) -m tools.testing --out $(MODELS)
 	touch $@
 
 models: $(MODELS)/.built
@@ -110,7 +110,7 @@ test-floors:
 	PIP_CONSTRAINT= $(FLOORS_VENV)/bin/python -m pip install --isolated -c tests/floors.txt -e . pytest scikit-image \
 		"peft>=0.10" "s3fs>=2024.6" "moto[server]>=5" "hypothesis>=6.100"
 	rm -f $(MODELS)/.built  # the tiny models saved by the floor versions; `make models` remakes them after
-	$(FLOORS_VENV)/bin/python -m shardcache.testing --out $(MODELS)
+	$(FLOORS_VENV)/bin/python -m tools.testing --out $(MODELS)
 	$(FLOORS_VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 	rm -f $(MODELS)/.built
 

@@ -4,7 +4,7 @@
 
 Without CUDA it prints that it needs a GPU and exits 0: no figure is written (none of this
 project's figures was measured on a GPU unless ``benchmarks/results/gpu.md`` says so). On a CUDA
-machine, with randomly initialised models of the real sizes (``python -m shardcache.testing --size
+machine, with randomly initialised models of the real sizes (``python -m tools.testing --size
 full``; built here on demand):
 
 1. **encoders alone** (synchronised wall time of each call, median of 10 after a warm-up):
@@ -41,6 +41,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tools.torchaudio_shim import install as install_torchaudio_shim  # noqa: E402
+
+install_torchaudio_shim()  # the higgs codec where the real torchaudio cannot load (random models only)
 from benchmarks.run import MODELS, REAL_MINI, RESULTS, ROOT, corpora, machine  # noqa: E402
 
 #: audio tokenizer name (precompute/encoders/registry.py) -> the random model that stands for its checkpoint
@@ -80,7 +83,7 @@ def _sync(device: str) -> None:
 
 
 def _models(size: str, names: list[str]) -> dict[str, Path]:
-    from shardcache.testing import MAKERS, build
+    from tools.testing import MAKERS, build
     return {n: build(n, MODELS, size)[0] for n in names if n in MAKERS}
 
 
@@ -120,7 +123,7 @@ def bench_siglip(device: str, size: str, batch: int, calls: int) -> dict:
     from transformers import AutoModel
     from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
-    from shardcache.testing.gemma3 import gemma3_config
+    from tools.testing.gemma3 import gemma3_config
     cfg = gemma3_config(size)
     with torch.device(device):
         tower = AutoModel.from_config(cfg.vision_config).to(torch.bfloat16).eval()

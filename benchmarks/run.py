@@ -5,7 +5,7 @@
 Writes ``benchmarks/results/<name>.json`` per section and ``benchmarks/results/summary.md`` (the
 table the README shows). Uses the bundled demo data and, when present,
 ``../shared/data/real-mini``. ``--quick`` skips the real-size (randomly initialised) encoders.
-Needs the test models: ``python -m shardcache.testing --out models`` (tiny) and
+Needs the test models: ``python -m tools.testing --out models`` (tiny) and
 ``--size full --only dac,wan`` (built here on demand).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def machine() -> dict:
 def ensure_models(size: str) -> None:
     only = "dac,wan"
     if not all((MODELS / f"{m}-{size}").is_dir() for m in only.split(",")):
-        subprocess.run([sys.executable, "-m", "shardcache.testing", "--out", str(MODELS), "--size", size,
+        subprocess.run([sys.executable, "-m", "tools.testing", "--out", str(MODELS), "--size", size,
                         "--only", only], check=True, cwd=ROOT)
 
 

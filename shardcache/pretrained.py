@@ -7,26 +7,20 @@ must exist (failing at once, with the command that builds the tiny test models) 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 #: how to create local test models when a ``pretrained`` directory is missing
-BUILD_HINT = ("To build small randomly initialised test models of the real architectures run: "
-              "python -m shardcache.testing --out models")
-
-#: directory names written by :mod:`shardcache.testing` (``dac-tiny``, ``lm-full``...): never hub ids
-_TEST_MODEL_DIR = re.compile(r"^[a-z0-9_]+-(tiny|full)$")
+BUILD_HINT = ("To build small randomly initialised test models of the real architectures, in a source "
+              "checkout run: make models (python -m tools.testing --out models)")
 
 
 def resolve_pretrained(pretrained: Any, *, what: str) -> str:
     """Return ``pretrained`` as a string for ``from_pretrained``, failing early on missing local dirs.
 
     A value is a local path when it exists, is absolute, starts with ``.``/``~``, has more than one
-    ``/``, its first component is an existing directory (``models/dac-tiny`` when ``models/``
-    exists) or its last component looks like a :mod:`shardcache.testing` directory name
-    (``dac-tiny``, ``wan-full``...; so a forgotten ``make models`` fails at once instead of after
-    the hub client's retries). Anything else (``org/name``, ``name``) is a Hugging Face hub id.
+    ``/``, its first component is an existing directory (``ckpt/dac`` when ``ckpt/``
+    exists). Anything else (``org/name``, ``name``) is a Hugging Face hub id.
 
     Raises:
         ValueError: ``pretrained`` is empty.
@@ -47,7 +41,6 @@ def resolve_pretrained(pretrained: Any, *, what: str) -> str:
         or text.startswith((".", "~"))
         or text.count("/") > 1
         or Path(text.split("/", 1)[0]).is_dir()
-        or _TEST_MODEL_DIR.match(path.name) is not None
         or (os.sep != "/" and os.sep in text)
     )
     if looks_local:

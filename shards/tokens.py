@@ -1,7 +1,6 @@
 """The text conventions of a cache: the one place that names the special tokens and ``IGNORE_INDEX``.
 
-Stage one renders conversations with these strings (:mod:`precompute.chat`), the test tokenizers
-add them (:mod:`shardcache.testing`), ``manifest.json`` records their ids (``text.special_token_ids``)
+Stage one renders conversations with these strings (:mod:`precompute.chat`), ``manifest.json`` records their ids (``text.special_token_ids``)
 and the trainer reads the ids back by these names (:func:`train.models.data_spec`).
 
 Layout (Higgs-Audio's ``boson_multimodal/dataset/chatml_dataset.py`` ``prepare_chatml_sample``,

@@ -16,12 +16,12 @@ REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" /
 # one thread per process keeps the 2-core CI machine responsive under DataLoader workers
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Where the real torchaudio cannot load (no build for the CPU torch here), the product's soxr
-# fallback lets transformers import the Higgs audio tokenizer; installed before any test imports
-# transformers, so every import resolves the same classes (installed later, the processor saw two).
-from precompute.encoders.torchaudio_compat import ensure_torchaudio  # noqa: E402
+# Where the real torchaudio cannot load (no build for the CPU torch here), the tests' stand-in
+# (tools/shims/torchaudio, soxr) lets transformers import the Higgs audio tokenizer, in this process
+# and in subprocesses (PYTHONPATH); installed before any test imports transformers.
+from tools.torchaudio_shim import install as install_torchaudio_shim  # noqa: E402
 
-ensure_torchaudio()
+install_torchaudio_shim()
 
 
 @pytest.fixture(autouse=True)
@@ -47,9 +47,9 @@ def _restore_train_logger():
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """The tiny random test models (dac, wan, mimi, tokenizer, lm), built once per session by
-    ``python -m shardcache.testing``."""
+    ``python -m tools.testing``."""
     out = tmp_path_factory.mktemp("models")
-    subprocess.run([sys.executable, "-m", "shardcache.testing", "--out", str(out), "--only",
+    subprocess.run([sys.executable, "-m", "tools.testing", "--out", str(out), "--only",
                     "dac,wan,mimi,tokenizer,lm"],
                    check=True, cwd=ROOT, capture_output=True)
     return out
@@ -58,10 +58,10 @@ def tiny_models(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def higgs_models(tmp_path_factory) -> Path:
     """The tiny random Higgs-Audio v2 models (``higgs-tiny``: model + text tokenizer;
-    ``higgs-audio-tokenizer-tiny``), built once per session by ``python -m shardcache.testing``.
+    ``higgs-audio-tokenizer-tiny``), built once per session by ``python -m tools.testing``.
     The in-process tests that run the audio tokenizer need :func:`higgs_codec` too."""
     out = tmp_path_factory.mktemp("higgs-models")
-    subprocess.run([sys.executable, "-m", "shardcache.testing", "--out", str(out), "--only",
+    subprocess.run([sys.executable, "-m", "tools.testing", "--out", str(out), "--only",
                     "higgs,higgs-audio-tokenizer"], check=True, cwd=ROOT, capture_output=True)
     return out
 
@@ -69,7 +69,7 @@ def higgs_models(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def higgs_codec(higgs_models) -> Path:
     """``higgs_models``, with ``import torchaudio`` working in this process for the tiny Higgs audio
-    tokenizer (the soxr fallback where the real torchaudio cannot load: precompute.encoders.torchaudio_compat)."""
+    tokenizer (the tests' stand-in where the real torchaudio cannot load: tools.torchaudio_shim)."""
     return higgs_models
 
 

@@ -13,7 +13,7 @@ from precompute import chat
 from precompute.conversation import from_chatml, from_llava
 from precompute.encoders import load_text_tokenizer
 from shards.errors import CorruptSample
-from shardcache.testing.chat_templates import QWEN2VL_IMAGE, make_chat_tokenizer
+from tools.testing.chat_templates import QWEN2VL_IMAGE, make_chat_tokenizer
 
 #: per model: its image placeholder, the answer as its template renders it (Llama 3 and Gemma 3
 #: ``trim`` the content, Qwen2-VL keeps it), the end token of an assistant turn

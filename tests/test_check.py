@@ -23,7 +23,7 @@ def test_fresh_cache_passes(demo_cache):
 
 
 def test_codes_of_another_codec_seed_are_named(demo_cache, tmp_path):
-    from shardcache.testing import build
+    from tools.testing import build
     other, _ = build("dac", tmp_path / "models", "tiny", seed=1)  # same architecture, other weights
     r = _check(demo_cache, "--set", f"audio_tokenizer.pretrained={other}")
     assert r.returncode == 1, r.stdout + r.stderr

@@ -1,6 +1,6 @@
 """Tests of precompute.encoders with tiny randomly initialised models of the real architectures.
 
-The models are built once per module with ``shardcache.testing`` into a temporary directory and
+The models are built once per module with ``tools.testing`` into a temporary directory and
 loaded back through ``from_pretrained``, the same code path a real checkpoint takes.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 from conftest import ROOT  # noqa: E402
-from shardcache import testing as random_models  # noqa: E402
+from tools import testing as random_models  # noqa: E402
 from precompute.encoders import (  # noqa: E402
     AudioTokenizer,
     ByteTokenizer,
@@ -380,17 +380,21 @@ def test_unknown_names_and_options(models, tmp_path):
     with pytest.raises(ValueError, match="unknown option"):
         load_audio_tokenizer({"name": "dac", "pretrained": str(models["dac"]), "bandwidth": 6.0})
     missing = tmp_path / "models" / "dac-tiny"
-    with pytest.raises(FileNotFoundError, match=r"python -m shardcache\.testing --out models"):
+    with pytest.raises(FileNotFoundError, match=r"python -m tools\.testing --out models"):
         load_audio_tokenizer({"name": "dac", "pretrained": str(missing)})
-    with pytest.raises(FileNotFoundError, match="shardcache.testing"):
+    with pytest.raises(FileNotFoundError, match="tools.testing"):
         load_image_encoder({"name": "wan", "pretrained": str(tmp_path / "nothing")})
 
 
-def test_relative_default_path_fails_fast(tmp_path, monkeypatch):
-    """The default config's 'models/dac-tiny' is local even without models/ (no hub retries)."""
+def test_pretrained_values_are_not_matched_against_test_model_names(tmp_path, monkeypatch):
+    """The product knows no test-model directory names: without a ``models/`` folder here,
+    ``models/dac-tiny`` is a hub id like any ``org/name`` (``./models/dac-tiny`` is local and fails fast)."""
+    from shardcache.pretrained import resolve_pretrained
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="shardcache.testing"):
-        load_audio_tokenizer({"name": "dac", "pretrained": "models/dac-tiny"})
+    assert resolve_pretrained("models/dac-tiny", what="audio_tokenizer") == "models/dac-tiny"
+    assert resolve_pretrained("dac-tiny", what="audio_tokenizer") == "dac-tiny"
+    with pytest.raises(FileNotFoundError, match="tools.testing"):
+        load_audio_tokenizer({"name": "dac", "pretrained": "./models/dac-tiny"})
 
 
 def test_vae_in_pipeline_layout(models, tmp_path):
@@ -443,32 +447,31 @@ def test_random_models_cli(tmp_path, capsys):
         random_models.main(["--out", str(tmp_path), "--only", "nope"])
 
 
-def test_higgs_tokenizer_loads_without_torchaudio_through_the_soxr_fallback():
-    """In a fresh process without a loadable torchaudio: the fallback module resamples like
-    torchaudio's contract (shape ``(..., ceil(n * new / old))``, soxr's values), warns once, and
-    transformers imports the Higgs audio tokenizer."""
-    import subprocess
+def test_higgs_codec_refuses_to_load_without_torchaudio(higgs_models, monkeypatch):
+    """Where torchaudio cannot be imported the product fakes nothing: the higgs codec refuses to load,
+    naming torchaudio and the reason (precompute turns this ImportError into exit 2)."""
     import sys
-    from precompute.encoders import AUDIO_TOKENIZERS
-    assert "higgs" in AUDIO_TOKENIZERS
-    code = ("import sys, numpy as np, torch, soxr\n"
-            "from precompute.encoders.torchaudio_compat import ensure_torchaudio\n"
-            "got = ensure_torchaudio()\n"
-            "if got == 'torchaudio': sys.exit(3)\n"
-            "import torchaudio\n"
-            "x = torch.randn(2, 1, 2401)\n"
-            "y = torchaudio.functional.resample(x, 24000, 16000)\n"
-            "assert y.shape == (2, 1, 1601), y.shape\n"
-            "want = soxr.resample(x[1, 0].numpy(), 24000, 16000, 'HQ')[:1601]\n"
-            "assert np.allclose(y[1, 0, :len(want)].numpy(), want)\n"
-            "from transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer import "
-            "HiggsAudioV2TokenizerModel\n"
-            "print('OK', got)\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    if r.returncode == 3:  # pragma: no cover - torchaudio does not load beside torch 2.13 here
-        pytest.skip("the real torchaudio is installed here")
-    assert r.returncode == 0 and "OK soxr" in r.stdout, r.stderr[-2000:]
-    assert "resamples its semantic input with soxr" in r.stderr
+    monkeypatch.setitem(sys.modules, "torchaudio", None)   # what a failed import looks like
+    with pytest.raises(ImportError, match=r"higgs audio tokenizer needs torchaudio .* cannot be imported here"):
+        load_audio_tokenizer({"name": "higgs", "pretrained": str(higgs_models / "higgs-audio-tokenizer-tiny")})
+
+
+def test_the_tests_torchaudio_stand_in_resamples_like_soxr():
+    """tools/shims/torchaudio (tests only): torchaudio's resample contract (shape
+    ``(..., ceil(n * new / old))``, dtype kept) with soxr's HQ values, and a version naming it."""
+    import importlib.util
+    import soxr
+    from tools.torchaudio_shim import SHIMS
+    spec = importlib.util.spec_from_file_location("shim_functional", SHIMS / "torchaudio" / "functional.py")
+    functional = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(functional)
+    x = torch.randn(2, 1, 2401)
+    y = functional.resample(x, 24000, 16000)
+    assert y.shape == (2, 1, 1601) and y.dtype == x.dtype
+    want = soxr.resample(x[1, 0].numpy(), 24000, 16000, "HQ")[:1601]
+    assert np.allclose(y[1, 0, :len(want)].numpy(), want)
+    assert functional.resample(x, 16000, 16000) is x
+    assert "shim" in (SHIMS / "torchaudio" / "__init__.py").read_text().split("__version__ = ")[1]
 
 
 def test_higgs_tokenizer_encodes_each_clip_unpadded_as_the_model_does(higgs_codec):

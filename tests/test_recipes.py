@@ -395,7 +395,7 @@ def test_build_model_reads_the_manifest(lm_dir, tmp_path):
     gemma["text"]["placeholders"] = {"image": "<start_of_image>"}
     (tmp_path / "manifest.json").write_text(json.dumps(gemma))
     assert data_spec(tmp_path).image_token_id == IMG + 1
-    with pytest.raises(FileNotFoundError, match="shardcache.testing"):
+    with pytest.raises(FileNotFoundError, match="tools.testing"):
         build_model("vlm", {"lm": str(tmp_path / "no" / "such-lm")}, spec)
 
 

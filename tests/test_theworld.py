@@ -5,7 +5,7 @@ cached tensors alone.
 Gemma 3's processor and vision tower are run here independently of the code under test
 (``transformers``' ``Gemma3Processor`` on the image file, ``Gemma3ForConditionalGeneration
 .get_image_features``), on real-mini's LLaVA multi-turn manifest and the tiny random Gemma 3 of
-``shardcache.testing``.
+``tools.testing``.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ IMAGE_SIZE = 64
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory) -> Path:
-    """The tiny random Gemma 3 + processor (what ``python -m shardcache.testing --only gemma3`` writes)."""
-    from shardcache.testing import build
+    """The tiny random Gemma 3 + processor (what ``python -m tools.testing --only gemma3`` writes)."""
+    from tools.testing import build
     path, _ = build("gemma3", tmp_path_factory.mktemp("gemma3"))
     return path
 

@@ -18,7 +18,7 @@ from PIL import Image
 from precompute.config import load_config
 from precompute.job import run
 from shards import ShardReader
-from shardcache.testing.chat_templates import make_chat_tokenizer
+from tools.testing.chat_templates import make_chat_tokenizer
 from test_chat import labelled_runs
 
 ROOT = Path(__file__).resolve().parents[1]

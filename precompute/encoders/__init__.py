@@ -8,8 +8,7 @@ Public API::
     fingerprint(*describe_dicts, preprocessing=dict) -> str        # sha256 hex
 
 See ``base`` for the contracts (shapes, dtypes), ``audio`` for why batches only hold clips of equal
-frame count, ``image`` for the latent normalisation conventions, and ``shardcache.testing``
-for building small random test models.
+frame count, ``image`` for the latent normalisation conventions.
 """
 from .audio import AUDIO_TOKENIZERS, DacTokenizer, EncodecTokenizer, HFCodecTokenizer, MimiTokenizer, plan_batches
 from .base import AudioTokenizer, ImageEncoder, TextTokenizer, check_protocol

@@ -449,10 +449,9 @@ class HiggsTokenizer(HFCodecTokenizer):
     clips of exactly equal length are batched (no padding at all).
 
     Its transformers port imports torchaudio (used only for ``torchaudio.functional.resample`` of the
-    semantic branch's input to 16 kHz); where torchaudio cannot be imported (none loads beside the
-    CPU torch 2.13 of the development machines) a soxr resampler stands in for it
-    (:mod:`precompute.encoders.torchaudio_compat`), with a warning, and ``describe()`` records which
-    resampler ran (``resampler``), so the two never share a fingerprint.
+    semantic branch's input to 16 kHz): where torchaudio cannot be imported the codec refuses to load
+    (``ImportError`` naming torchaudio and the reason), and ``describe()`` records the torchaudio
+    version that resampled (``resampler``), so codes resampled differently never share a fingerprint.
 
     Args:
         model: a ``transformers.HiggsAudioV2TokenizerModel``.
@@ -480,11 +479,16 @@ class HiggsTokenizer(HFCodecTokenizer):
 
     @classmethod
     def _model_class(cls):
-        from .torchaudio_compat import ensure_torchaudio
-        cls.resampler = ensure_torchaudio()  # the transformers port imports torchaudio
         try:
-            # the module itself: transformers' top-level name is a placeholder when it found no
-            # torchaudio at its own import time
+            import torchaudio
+        except (ImportError, OSError) as e:  # OSError: an extension built for another torch
+            import torch
+            raise ImportError(f"the higgs audio tokenizer needs torchaudio (transformers' HiggsAudioV2TokenizerModel "
+                              f"resamples with torchaudio.functional.resample), which cannot be imported here "
+                              f"({type(e).__name__}: {e}); install the torchaudio build for torch {torch.__version__}"
+                              ) from e
+        cls.resampler = f"torchaudio {torchaudio.__version__}"
+        try:
             from transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer import (
                 HiggsAudioV2TokenizerModel)
         except (ImportError, OSError) as e:
@@ -498,8 +502,8 @@ class HiggsTokenizer(HFCodecTokenizer):
     def _extra_describe(self) -> dict:
         out = {"bandwidth": self.bandwidth, "padding": "none: each clip as it is (HiggsAudioV2Processor's encoding)"}
         cfg = self.model.config
-        if cfg.sample_rate != cfg.semantic_sample_rate and getattr(type(self), "resampler", "torchaudio") != "torchaudio":
-            out["resampler"] = self.resampler  # semantic input resampled without torchaudio: other codes
+        if cfg.sample_rate != cfg.semantic_sample_rate:
+            out["resampler"] = self.resampler  # the semantic input's resampling is part of the codes
         return out
 
 

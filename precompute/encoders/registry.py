@@ -2,7 +2,7 @@
 
 Two forms are accepted by every loader:
 
-- built-in: ``{"name": "dac", "pretrained": "models/dac-tiny", **options}``. ``pretrained`` is a local
+- built-in: ``{"name": "dac", "pretrained": "descript/dac_24khz", **options}``. ``pretrained`` is a local
   directory or a Hugging Face hub id. Options are passed to the wrapper (e.g. ``dtype``,
   ``max_batch_size``, ``bandwidth`` for EnCodec, ``num_quantizers`` for Mimi, ``normalize`` for VAEs);
   unknown options raise ``ValueError`` listing the accepted ones.
@@ -89,7 +89,7 @@ def _load_media_encoder(cfg: Any, table: dict[str, type], default: str, protocol
 def load_audio_tokenizer(cfg: Mapping, device: Any = "cpu") -> AudioTokenizer:
     """Build an :class:`AudioTokenizer` from ``cfg`` on ``device`` (``cfg["device"]`` wins if given).
 
-    Example: ``load_audio_tokenizer({"name": "dac", "pretrained": "models/dac-tiny"})``.
+    Example: ``load_audio_tokenizer({"name": "dac", "pretrained": "descript/dac_24khz"})``.
 
     Raises:
         ValueError: unknown name (the message lists the known ones) or option.
@@ -102,7 +102,7 @@ def load_audio_tokenizer(cfg: Mapping, device: Any = "cpu") -> AudioTokenizer:
 def load_image_encoder(cfg: Mapping, device: Any = "cpu") -> ImageEncoder:
     """Build an :class:`ImageEncoder` from ``cfg`` on ``device`` (``cfg["device"]`` wins if given).
 
-    Example: ``load_image_encoder({"name": "wan", "pretrained": "models/wan-tiny", "normalize": True})``.
+    Example: ``load_image_encoder({"name": "wan", "pretrained": "/ckpt/wan2.1-vae", "normalize": True})``.
     Raises as :func:`load_audio_tokenizer`.
     """
     return _load_media_encoder(cfg, IMAGE_ENCODERS, "wan", ImageEncoder, "image encoder", device)
@@ -111,7 +111,7 @@ def load_image_encoder(cfg: Mapping, device: Any = "cpu") -> ImageEncoder:
 def load_text_tokenizer(cfg: Mapping | None = None) -> TextTokenizer:
     """Build a :class:`TextTokenizer`; ``None`` or ``{}`` gives the :class:`ByteTokenizer`.
 
-    Example: ``load_text_tokenizer({"name": "hf", "pretrained": "models/tokenizer-tiny"})``.
+    Example: ``load_text_tokenizer({"name": "hf", "pretrained": "meta-llama/Llama-3.2-1B"})``.
     Raises as :func:`load_audio_tokenizer`; ``hf`` without ``pretrained`` raises ``ValueError``.
     """
     cfg = _check_cfg({} if cfg is None else cfg, "text tokenizer")

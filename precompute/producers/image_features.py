@@ -38,7 +38,7 @@ from .base import Producer, Timer, encode_each
 class Gemma3VisionEncoder:
     """Gemma 3's image path up to the LM's inputs: ``Gemma3Processor``'s image processor, the
     SigLIP ``vision_tower`` and ``multi_modal_projector`` of a ``Gemma3ForConditionalGeneration``
-    checkpoint (``google/gemma-3-4b-it`` or ``shardcache.testing``'s ``gemma3-tiny``).
+    checkpoint (e.g. ``google/gemma-3-4b-it``).
 
     Attributes: ``processor`` (the ``Gemma3Processor``), ``image_sequence`` (its
     ``full_image_sequence``), ``boi_token`` / ``image_token`` / ``eoi_token`` (strings),

@@ -15,10 +15,8 @@
          tokens and TheWorld's world projection of cached Cosmos latents between the world markers.
 =======  =======================================================================================
 
-``tts`` and ``vlm`` load ``model_kwargs.lm`` (default ``models/lm-tiny``) with ``AutoModelForCausalLM``,
-``higgs`` (default ``models/higgs-tiny``) with ``HiggsAudioV2ForConditionalGeneration``, ``theworld``
-(default ``models/gemma3-tiny``) with ``Gemma3ForConditionalGeneration``; each declares
-the cached ``fields`` it needs, handles LoRA itself (``enable_lora``) and exposes
+Each loads ``model_kwargs.lm`` (a directory or hub id; its default is the module's ``DEFAULT_*``),
+declares the cached ``fields`` it needs, handles LoRA itself (``enable_lora``) and exposes
 ``optimizer_groups(lr, weight_decay)``.
 """
 from __future__ import annotations

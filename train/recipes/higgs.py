@@ -2,7 +2,7 @@
 
 Loaded with ``from_pretrained`` from a local directory or a hub id (``model.kwargs.lm``, or the
 Higgs-Audio command line's ``--model_path``): the released ``bosonai/higgs-audio-v2-generation-3B-base``
-in its ``transformers`` form, or ``models/higgs-tiny`` (``make models``). Its config must say
+in its ``transformers`` form (the default), or a local directory. Its config must say
 ``model_type: higgs_audio_v2``; a plain causal LM is refused (``--model tts`` trains one).
 
 Batches: the loader turns the cached ``input_ids``/``labels``/``codes``/``audio_segments`` into exactly
@@ -38,7 +38,7 @@ from .lm import LMRecipe, load_causal_lm, lora_options, resolve_lm, touch
 
 log = logging.getLogger("train")
 
-DEFAULT_HIGGS = "models/higgs-tiny"
+DEFAULT_HIGGS = "bosonai/higgs-audio-v2-generation-3B-base"
 MODEL_TYPE = "higgs_audio_v2"
 #: the batch keys ``HiggsAudioV2ForConditionalGeneration.forward`` takes
 INPUTS = ("input_ids", "attention_mask", "audio_input_ids", "audio_input_ids_mask", "labels", "audio_labels")
@@ -55,7 +55,7 @@ def load_config(lm: Any):
             raw, _ = PretrainedConfig.get_config_dict(name)   # its model_type, before transformers resolves it
         except OSError as e:
             raise OSError(f"could not load the config of {name!r} ({e}); pass model.kwargs.lm (or --model_path) = "
-                          "a Higgs-Audio v2 checkpoint directory or hub id; `make models` builds models/higgs-tiny") from e
+                          "a Higgs-Audio v2 checkpoint directory or hub id") from e
         model_type = raw.get("model_type")
         if model_type == "higgs_audio":
             raise ValueError(f"{name} is Higgs-Audio in Boson's own format (model_type 'higgs_audio', boson_multimodal): "
@@ -74,7 +74,7 @@ class HiggsModel(LMRecipe):
     """``HiggsAudioV2ForConditionalGeneration`` fine-tuned on the cache (see the module docstring).
 
     Args (``model.kwargs``; the cache's ids come from ``manifest.json`` through :class:`train.models.DataSpec`):
-        lm: checkpoint directory or hub id (default ``models/higgs-tiny``).
+        lm: checkpoint directory or hub id (default :data:`DEFAULT_HIGGS`).
         dtype: weight dtype (float32 | bfloat16 | float16), default float32.
         attn_implementation: passed to ``from_pretrained`` (default: transformers' choice).
         lora: false | true | {r, alpha, dropout, targets}.

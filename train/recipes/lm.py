@@ -27,7 +27,7 @@ from shards.tokens import IGNORE_INDEX
 
 log = logging.getLogger("train")
 
-DEFAULT_LM = "models/lm-tiny"
+DEFAULT_LM = "meta-llama/Llama-3.2-1B"
 #: LoRA targets of the recipes: the attention projections of Llama/Qwen/Mistral-style LMs
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LM_HINT = "pass model_kwargs.lm = a local checkpoint directory or a Hugging Face hub id; " + BUILD_HINT

@@ -46,7 +46,7 @@ from .lm import LMRecipe, load_causal_lm, lora_options, merge_placeholders, next
 
 log = logging.getLogger("train")
 
-DEFAULT_GEMMA3 = "models/gemma3-tiny"
+DEFAULT_GEMMA3 = "google/gemma-3-4b-it"
 MODEL_TYPE = "gemma3"
 
 
@@ -101,7 +101,7 @@ def check_config(lm: Any):
             cfg = AutoConfig.from_pretrained(name)
         except OSError as e:
             raise OSError(f"could not load the config of {name!r} ({e}); pass model.kwargs.lm = a Gemma 3 "
-                          "directory or hub id; `make models` builds models/gemma3-tiny") from e
+                          "directory or hub id") from e
     if cfg.model_type != MODEL_TYPE:
         raise ValueError(f"--model theworld needs a Gemma 3 checkpoint (Gemma3ForConditionalGeneration, e.g. "
                          f"google/gemma-3-4b-it); {name} is {cfg.model_type!r}")
@@ -113,7 +113,7 @@ class TheWorldModel(LMRecipe):
 
     Args (``model.kwargs``; ids and sizes of the cache come from ``manifest.json`` via
     :class:`train.models.DataSpec`):
-        lm: Gemma 3 directory or hub id (default ``models/gemma3-tiny``; users: ``google/gemma-3-4b-it``).
+        lm: Gemma 3 directory or hub id (default :data:`DEFAULT_GEMMA3`).
         dtype: weight dtype of the LM and the projection (float32 | bfloat16 | float16; default float32).
         attn_implementation: passed to ``from_pretrained`` (Gemma 3 refuses flash attention: its
             bidirectional image mask).

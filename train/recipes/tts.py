@@ -55,7 +55,7 @@ class TTSModel(LMRecipe):
     """Higgs-Audio-shaped speech LM (see the module docstring).
 
     Args (``--model-kwargs``; the spec ids come from ``manifest.json`` through ``build_model``):
-        lm: LM directory or hub id for ``AutoModelForCausalLM.from_pretrained`` (default ``models/lm-tiny``).
+        lm: LM directory or hub id for ``AutoModelForCausalLM.from_pretrained`` (default :data:`train.recipes.lm.DEFAULT_LM`).
         dtype: LM weight dtype (float32 | bfloat16 | float16), default float32.
         attn_implementation: passed to ``from_pretrained`` (default: transformers' choice, sdpa).
         freeze_lm: train only the audio modules (and LoRA adapters); default False (full fine-tune).

@@ -55,7 +55,7 @@ class VLMModel(LMRecipe):
     """Latent-patch projection into a (frozen) causal LM (see the module docstring).
 
     Args (``--model-kwargs``; the spec values come from ``manifest.json`` through ``build_model``):
-        lm: LM directory or hub id (default ``models/lm-tiny``).
+        lm: LM directory or hub id (default :data:`train.recipes.lm.DEFAULT_LM`).
         dtype, attn_implementation: as for ``from_pretrained`` (default float32, transformers' choice).
         freeze_lm: default True: only the projection (and LoRA adapters, if any) trains.
         lora: false | true | {r, alpha, dropout, targets}: peft LoRA on the LM (q/k/v/o_proj).

@@ -3,7 +3,7 @@ downloaded here), for the tests, the demo and ``make models``.
 
 Usage::
 
-    python -m shardcache.testing --out models [--size tiny|full] [--only dac,wan,...] [--force] [--seed 0]
+    python -m tools.testing --out models [--size tiny|full] [--only dac,wan,...] [--force] [--seed 0]
 
 Writes ``OUT/<name>-<size>`` with ``save_pretrained`` (config + safetensors), exactly what a user's real
 checkpoint directory looks like, so tests load them through the same ``from_pretrained`` path:
@@ -34,8 +34,8 @@ checkpoint directory looks like, so tests load them through the same ``from_pret
                       real chat template; 8 codebooks of 1024 + stream BOS/EOS. tiny: hidden 64, 2 layers (:mod:`.higgs`).
 ``higgs-audio-tokenizer``
                       transformers ``HiggsAudioV2TokenizerModel``: 24 kHz, 25 frames/s, 8 codebooks x
-                      1024. tiny: narrow DAC + one-layer HuBERT reading 24 kHz (built and run with a torchaudio
-                      soxr fallback where torchaudio cannot load: :mod:`precompute.encoders.torchaudio_compat`).
+                      1024. tiny: narrow DAC + one-layer HuBERT reading 24 kHz (built and run with the test
+                      stand-in for torchaudio where the real one cannot load: :mod:`tools.torchaudio_shim`).
 ``gemma3``            transformers ``Gemma3ForConditionalGeneration`` + its ``Gemma3Processor`` in one directory,
                       like ``google/gemma-3-4b-it`` (``--model theworld``, stage one's ``image_features``). tiny:
                       SigLIP 64 px / patch 8, 16 image tokens, Gemma 3 text hidden 64, 2 layers (:mod:`.gemma3`).
@@ -163,7 +163,7 @@ def _describe_params(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m shardcache.testing",
+        prog="python -m tools.testing",
         description="Build randomly initialised encoder models of the real architectures (save_pretrained).",
     )
     parser.add_argument("--out", required=True, help="output directory (models are written to OUT/<name>-<size>)")

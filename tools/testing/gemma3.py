@@ -2,7 +2,7 @@
 like the released ``google/gemma-3-4b-it`` directory: ``config.json`` + ``model.safetensors`` +
 ``processor_config.json`` (``Gemma3ImageProcessor``: resize to the vision tower's
 ``image_size``, rescale 1/255, normalise with mean = std = 0.5) + the tokenizer of
-:func:`shardcache.testing.chat_templates.make_chat_tokenizer` (Gemma 3's special tokens and its
+:func:`tools.testing.chat_templates.make_chat_tokenizer` (Gemma 3's special tokens and its
 real chat template) declaring ``boi_token`` / ``eoi_token`` / ``image_token`` as the released
 tokenizer does, so ``Gemma3Processor`` expands each ``<start_of_image>`` into
 ``"\\n\\n<start_of_image>" + mm_tokens_per_image x "<image_soft_token>" + "<end_of_image>\\n\\n"``.

@@ -1,7 +1,7 @@
 """Tiny tokenizers that carry the REAL chat templates of Llama 3, Gemma 3 and Qwen2-VL.
 
 Weights and vocabularies cannot be downloaded here, so each tokenizer is a small byte-level BPE
-(:func:`shardcache.testing.text.train_bpe`) with the model's own special tokens (same strings, same
+(:func:`tools.testing.text.train_bpe`) with the model's own special tokens (same strings, same
 roles: bos, eos, pad, turn markers, image tokens) and the model's own Jinja ``chat_template``,
 copied verbatim from the released tokenizer configuration:
 

@@ -22,8 +22,8 @@ its codebooks are calibrated like EnCodec's (:mod:`.codecs`) so codes are not co
 The ``transformers`` port of the audio tokenizer imports ``torchaudio`` at import time and uses it
 only for ``torchaudio.functional.resample`` (semantic branch, when its rate differs from the input
 rate). No torchaudio build loads beside the CPU torch 2.13 used here (torchaudio 2.11, the newest
-on PyPI, fails to load its extension: ``OSError``); the product's soxr fallback
-(:func:`precompute.encoders.torchaudio_compat.ensure_torchaudio`) takes its place. The tiny tokenizer
+on PyPI, fails to load its extension: ``OSError``); the tests' stand-in
+(:mod:`tools.torchaudio_shim`) takes its place. The tiny tokenizer
 never resamples; the real 16 kHz semantic branch with the real torchaudio is untested here.
 """
 from __future__ import annotations
@@ -74,11 +74,11 @@ def audio_tokenizer_config(size: str = "tiny"):
 
 def make_audio_tokenizer(size: str = "tiny", seed: int = 0):
     """Random ``HiggsAudioV2TokenizerModel`` (eval mode) with calibrated codebooks (where torchaudio
-    cannot load, with the soxr fallback: :mod:`precompute.encoders.torchaudio_compat`)."""
+    cannot load, with the test stand-in: :mod:`tools.torchaudio_shim`)."""
+    from tools.torchaudio_shim import install
+    install()
     import torch
 
-    from precompute.encoders.torchaudio_compat import ensure_torchaudio
-    ensure_torchaudio()
     from precompute.encoders.audio import HiggsTokenizer
 
     torch.manual_seed(seed)

@@ -1,6 +1,0 @@
-"""``python -m shardcache.testing --out models``: build the tiny random test models."""
-import sys
-
-from . import main
-
-sys.exit(main())
