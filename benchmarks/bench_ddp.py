@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, port: int, accum: int, steps: int, out: str) 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(rank)
         batch = {"codes": torch.randint(0, 1024, (2, 8, 50), generator=g),
-                 "text_ids": torch.randint(3, 259, (2, 20), generator=g),
+                 "input_ids": torch.randint(3, 259, (2, 20), generator=g),
                  "latents": torch.randn(2, 16, 1, 8, 8, generator=g), "has_image": torch.ones(2, dtype=torch.bool)}
         times = []
         for step in range(steps + 1):

@@ -6,45 +6,12 @@ reads the same samples straight from the shard files into the batch tensors
 (:func:`loaders.read.read_batch`: the same kinds lay out, pad and mask both), so all three produce
 identical batches.
 
-Batch layout (``B`` samples; only the requested ``fields`` are present):
-
-===================  =========  =========================  =============================================
-key                  dtype      shape                      meaning
-===================  =========  =========================  =============================================
-``keys``             list[str]  B                          sample keys
-``sample_rate``      int                                   audio sample rate in Hz (same for every sample)
-``codes``            int64      (B, n_codebooks, F)        codec tokens, padded with ``CODES_PAD_ID``
-``codes_lengths``    int64      (B,)                       real frames per sample
-``codes_mask``       bool       (B, F)                     True on real frames
-``audio``            float32    (B, T)                     PCM int16 / 32768 in [-1, 1), padded with 0.0
-``audio_lengths``    int64      (B,)                       real samples per sample
-``audio_mask``       bool       (B, T)                     True on real samples
-``audio_starts``     int64      (B, S + 1)                 item k of sample j is ``audio[j, s[k]:s[k+1]]``;
-                                                           padded with the last offset (empty items)
-``audio_segments``   int64      (B, S, 6)                  ``[item, turn, direction, code_start,
-                                                           code_frames, speaker]`` per audio item,
-                                                           padded with rows of -1
-``audio_segments_count`` int64  (B,)                       audio items per sample
-``input_ids``        int64      (B, L)                     rendered conversation, padded with the cache's
-                                                           pad id (``manifest.json`` ``text.pad_id``)
-``input_lengths``    int64      (B,)                       real tokens
-``attention_mask``   bool       (B, L)                     True on real tokens
-``labels``           int64      (B, L)                     ``input_ids`` on trained tokens, else -100;
-                                                           padded with -100 (not shifted)
-``text_ids``         int64      (B, L)                     token ids, padded with ``TEXT_PAD_ID`` (caches
-                                                           made before conversations)
-``text_lengths``     int64      (B,)                       real tokens
-``text_mask``        bool       (B, L)                     True on real tokens
-``latents``          float32    (B, C, T, H, W)            VAE latents (mode = mean), zero-padded to the
-                                                           batch's max C, T, H, W; all zeros where
-                                                           ``has_image`` is False
-``latents_mask``     bool       (B, T, H, W)               True on real latent cells; all False where
-                                                           ``has_image`` is False
-``latents_logvar``   float32    (B, C, T, H, W)            VAE posterior log-variance (natural log),
-                                                           padded like ``latents`` with 0.0; only when
-                                                           requested (:data:`OPTIONAL_FIELDS`)
-``has_image``        bool       (B,)                       sample has latents
-===================  =========  =========================  =============================================
+Batch layout (``B`` samples; only the requested ``fields`` are present): ``keys`` (list[str]),
+``sample_rate`` (int, Hz, the same for every sample), and per field the batch keys its kind makes
+(the field, ``NAME_lengths`` / ``NAME_count``, ``NAME_mask``, ``has_image``...), padded with the
+field's pad: the fields table of docs/format.md, generated from the registry (:mod:`shards.fields`,
+:attr:`shards.fields.Field.batch_keys`). Waveforms are float32 ``int16 * AUDIO_SCALE`` in [-1, 1),
+token ids and codes int64, latents float32 (mode = mean), masks bool.
 
 Every field is collated by its kind (:mod:`shards.kinds`): the pad value, the lengths/mask keys
 and dtypes come from the field's declaration (:mod:`shards.fields`), so a field added to a cache
@@ -52,7 +19,7 @@ and dtypes come from the field's declaration (:mod:`shards.fields`), so a field 
 padded with -100, ``codes_mimi_lengths`` (B,), ``codes_mimi_mask`` (B, F')) or declared by a
 plug-in needs no code here. With ``compact=True`` every field keeps its storage dtype (int16
 codes and audio, int32 ids, float16 latents): half the bytes to copy and to send to the GPU, where
-:func:`loaders.device.to_device` widens them to the dtypes in the table (exactly).
+:func:`loaders.device.to_device` widens them to the dtypes above (exactly).
 
 (``T, H, W`` of the latent rows are latent frames and latent cells, e.g. ``(1, H_px/8, W_px/8)``,
 unrelated to the audio ``T``; in a conversation latent frame ``k`` is image ``k``.) Extra waveform
@@ -91,7 +58,7 @@ from . import shm
 
 #: pad value of ``codes``: PyTorch ``CrossEntropyLoss(ignore_index=-100)`` skips these positions.
 CODES_PAD_ID = registry.BY_NAME["codes"].pad
-#: pad value of ``text_ids``.
+#: default pad value of ``input_ids`` (the cache's ``text.pad_id`` wins).
 TEXT_PAD_ID = registry.TEXT_PAD_ID
 #: label of tokens that are not trained (PyTorch's ``CrossEntropyLoss`` default ``ignore_index``).
 IGNORE_INDEX = registry.IGNORE_INDEX
@@ -242,7 +209,7 @@ def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] | None =
         pad_id: pad of ``input_ids``.
 
     Raises ``KeyError`` naming the key when no sample has a requested field, or a sample lacks a
-    field every sample must hold (``input_ids``, ``labels``, ``text_ids``) or the partner of a
+    field every sample must hold (:attr:`shards.fields.Field.every_sample`) or the partner of a
     paired field (``latents_logvar`` without ``latents``); ``ValueError`` as :func:`collate_views`.
     """
     if fields is None:

@@ -142,11 +142,6 @@ class CacheSource:
         else:
             self.reader.check_files()
             self.reader.pin_files(np.unique(self.row_files).tolist())  # replaced later: ShardCorrupt
-        unchecked = [f for f in self.fields if not self.reader.has_checksums(f)]
-        if unchecked:
-            log.warning("%s: %s of this cache have no checksums (written before shardcache recorded them): their "
-                        "reads are not checked against the bytes written, only their values; `shards verify --deep` "
-                        "then `shards reindex` records them", self.cache_dir, ", ".join(unchecked))
         say_executor(log)
         self.reader.drop_index()  # workers get numpy arrays only
 

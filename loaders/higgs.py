@@ -235,10 +235,7 @@ class HiggsBatch:
                 pieces_lab.append(lab[at:a])
                 at = b
                 continue
-            # Boson's rule: the placeholder's label says whether the item is a target; caches made
-            # before the placeholder carried one: the label of the <|audio_out_bos|> before it
-            trained = is_out and (int(lab[p]) != IGNORE_INDEX or (p > 0 and int(ids[p - 1]) == self.audio_bos_token_id
-                                                                   and int(lab[p - 1]) != IGNORE_INDEX))
+            trained = is_out and int(lab[p]) != IGNORE_INDEX   # Boson's rule: the placeholder's label
             head_ids, head_lab = ids[at:p], lab[at:p]
             if not is_out:                                        # input item as codes: scene-style tokens
                 head_ids = head_ids.clone()
@@ -357,8 +354,7 @@ class HiggsChatMLDataset(torch.utils.data.Dataset):
     Per sample (``boson_multimodal/dataset/chatml_dataset.py``): ``input_ids`` / ``label_ids`` int64
     (L,) as ``prepare_chatml_sample`` renders them (the cache's ``input_ids``; labels in its
     convention: the ``<|AUDIO_OUT|>`` of a trained turn carries its own id, which is how the
-    collator tells target items from context; a cache made before that convention gets it restored
-    here from the label of the ``<|audio_out_bos|>`` before it); ``audio_ids_concat`` int64
+    collator tells target items from context); ``audio_ids_concat`` int64
     (Q, F) every audio item's codes (input and output items, in order) and ``audio_ids_start`` int64
     (n_items,); ``audio_waveforms_concat`` float32 (T,) the waveforms of the **input** items (the
     collator reads them for its Whisper features, indexed among the input items), in [-1, 1], from

@@ -31,8 +31,6 @@ def fields_table() -> str:
         pad = {PAD_TEXT: "the cache's pad id", PAD_LAST: "last offset"}.get(f.pad, f.pad) if isinstance(f.pad, str) \
             else f.pad
         where = "own member" if not f.packed else "tensors.npz"
-        if f.stage == "legacy":
-            where += " (old caches)"
         rows.append(f"| `{f.name}` | {f.kind.name} | {f.dtype}, {f.ndim}-D | "
                     f"{', '.join(f'`{k}`' for k in f.batch_keys)} | {_cell(pad)} | {where} | {_cell(f.doc)} |")
     rows.append("| `audio_<name>`, `audio_<name>_starts` | waveform, offsets | int16 1-D, int32 1-D | as `audio` | "

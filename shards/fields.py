@@ -37,7 +37,7 @@ from . import kinds as K
 from .kinds import PAD_LAST, PAD_TEXT, FieldKind  # noqa: F401 (re-exported)
 from .tokens import IGNORE_INDEX  # pad value of codes and labels
 
-#: pad of ``text_ids`` / default pad of ``input_ids`` (the cache's ``text.pad_id`` wins)
+#: default pad of ``input_ids`` (the cache's ``text.pad_id`` wins)
 TEXT_PAD_ID = 0
 
 
@@ -46,8 +46,7 @@ class IndexColumn:
     """One scalar ``index.parquet`` column a field contributes, computed from the member's shape.
 
     ``value(shape)`` for a sample holding the member; ``default`` for one without it. When several
-    fields contribute the same column (``n_text_tokens`` from ``input_ids`` or ``text_ids``) the
-    first field of :data:`FIELDS` the sample holds wins.
+    fields contribute the same column the first field of :data:`FIELDS` the sample holds wins.
     """
 
     name: str
@@ -74,10 +73,9 @@ class Field:
         default_read: read by a loader when no ``fields`` are given (if the cache holds it).
         paired_with: a field whose samples must hold this one exactly where they hold that one,
             with the same shape (``latents_logvar`` with ``latents``).
-        stage: who writes it: ``precompute`` (stage one), ``add-field`` (a sidecar), ``legacy``
-            (only in old caches; read only).
+        stage: who writes it: ``precompute`` (stage one) or ``add-field`` (a sidecar).
         sidecar: stored in sidecar tars ``shard-XXXXXX.<name>.tar`` (fields made by add-field).
-        packed: stored inside the sample's ``tensors.npz`` member (format 3, :mod:`shards.npz`)
+        packed: stored inside the sample's ``tensors.npz`` member (:mod:`shards.npz`)
             rather than as a ``NAME.npy`` member of its own. Latents are not packed: they are large
             (a 512-byte tar header is < 2 % of them), and Hugging Face ``datasets`` cannot convert
             arrays of 3 or more dimensions nested in a struct (pyarrow: "Can only convert
@@ -148,9 +146,6 @@ FIELDS: tuple[Field, ...] = (
           doc="the conversation through the chat template"),
     Field("labels", "int32", 1, K.LABELS, pad=IGNORE_INDEX, every_sample=True,
           doc="input_ids on trained tokens, -100 elsewhere (not shifted)"),
-    Field("text_ids", "int32", 1, K.TOKENS, pad=TEXT_PAD_ID, lengths="text_lengths", mask="text_mask",
-          every_sample=True, stage="legacy", index_columns=(IndexColumn("n_text_tokens", "int32", _shape0),),
-          doc="token ids of the text (caches made before conversations)"),
     Field("latents", "float16", 4, K.LATENTS, pad=0.0, mask="latents_mask", present_key="has_image", packed=False,
           index_columns=(IndexColumn("has_image", "bool", lambda s: True, False),),
           doc="VAE latents (C, n_images, H/8, W/8); image samples only"),

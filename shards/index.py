@@ -7,8 +7,8 @@ parts into the cache-level files.
 
 Member locations (the ``members`` column, one struct ``{name, offset, size, dtype, shape, file,
 member}`` per tar member of a sample and per array): ``offset`` is an absolute byte offset into the
-shard tar and ``size`` a byte count. For an array (``NAME.npy``, whether a tar member of its own,
-format 1-2, or packed in ``tensors.npz``, format 3, then ``member == "tensors.npz"``) they locate
+shard tar and ``size`` a byte count. For an array (``NAME.npy``, whether a tar member of its own
+or packed in ``tensors.npz``, then ``member == "tensors.npz"``) they locate
 the raw array payload AFTER the ``.npy`` header (the header's bytes are not counted in ``size``),
 so a reader does::
 
@@ -18,7 +18,7 @@ so a reader does::
 ``tensors.npz`` member (``dtype == "npz"``) and any other member (``dtype == "bytes"``) they locate
 the whole member data. A sample's ``sha256`` covers its whole tar members (see
 :func:`shards.scan.sample_sha256`); :meth:`shards.reader.ShardReader.verify_rows` hashes the
-entries whose ``member`` is null (for format 1-2 ``.npy`` members it recovers the ``.npy`` header
+entries whose ``member`` is null (for ``.npy`` members of their own it recovers the ``.npy`` header
 from the offsets: tar member data starts on a 512-byte block boundary).
 
 Every shard name an index row or ``manifest.json`` holds must be a plain file name directly inside
@@ -260,16 +260,6 @@ def read_cache_id(cache_dir: str | Path) -> str:
     return cache_id(pq.read_table(p, columns=["key", "shard", "sha256"]))
 
 
-def format_version(index: pa.Table, manifest: dict[str, Any]) -> int:
-    """The lowest format version that describes the cache (older readers refuse newer versions):
-    3 when arrays are packed in ``tensors.npz`` members, 2 with sidecar fields, else 1."""
-    if index.num_rows:
-        flat = index.column("members").combine_chunks().flatten()
-        if flat.field("member").null_count < len(flat):
-            return 3
-    return 2 if any((f or {}).get("sidecar", True) for f in (manifest.get("fields") or {}).values()) else 1
-
-
 def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards: list[dict],
                       manifest: dict[str, Any]) -> dict[str, Any]:
     """Write ``index.parquet``, ``rejects.parquet`` and ``manifest.json`` (atomically, in that order)."""
@@ -287,7 +277,7 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     durations = index.column("duration_s").to_pylist()
     manifest = CacheManifest.from_dict(manifest).to_dict()  # typed: unknown keys are kept as they are
     manifest.update(
-        format_version=format_version(index, manifest),
+        format_version=schema.FORMAT_VERSION,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         cache_id=cache_id(index),
         counts=dict(samples=index.num_rows, rejected=rejects.num_rows, rejects_by_reason=reasons,

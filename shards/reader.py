@@ -119,7 +119,7 @@ class FieldArrays:
     ``off`` int64 byte offset (-1 where the row has no such member); ``shape`` int64 ``(n, ndim)``
     (zeros where absent); ``count`` int64 elements; ``present`` bool; ``code`` int8 index into
     ``dtypes`` (the distinct numpy dtypes the member is stored with); ``xxh3`` uint64 the member's
-    checksum (:mod:`shards.checksum`) where ``has_sum`` (bool) says the index records one.
+    checksum (:mod:`shards.checksum`).
     """
     off: np.ndarray
     shape: np.ndarray
@@ -129,9 +129,6 @@ class FieldArrays:
     dtypes: list
     file: np.ndarray | None = None  #: int32 file number per row (main shard or sidecar tar)
     xxh3: np.ndarray | None = None
-    has_sum: np.ndarray | None = None
-    #: every present member has a checksum (the common case: reads skip the per-row look-up)
-    all_summed: bool = False
 
 
 class ShardReader:
@@ -144,7 +141,7 @@ class ShardReader:
         shard_names: number shards by position in this list (it must hold every shard of
             ``index``; shards without rows are never opened); default: sorted shard names.
         manifest: the cache's ``manifest.json`` as a dict, if already loaded; default: read it
-            from ``cache_dir`` (a cache without one reads as format version 1).
+            from ``cache_dir``.
         value_checks: ``{field: (lo, hi) | "finite"}``: :meth:`views` and :meth:`get` raise
             :class:`ShardCorrupt` (naming shard, key and the bad value) when an array of ``field``
             has a value outside ``[lo, hi)``, or (``"finite"``) a NaN/inf. E.g.
@@ -159,9 +156,9 @@ class ShardReader:
             sample once). Mismatch: :class:`ShardCorrupt`. Hashes every member of the sample, read
             or not.
         checksums: check every member read (:meth:`get`, :meth:`views`, :meth:`read_into`) against
-            the XXH3-64 its index entry records (:mod:`shards.checksum`; written by every writer
-            since they exist; entries without one are read unchecked). Mismatch:
-            :class:`ShardCorrupt` naming shard, key and member. Default True.
+            the XXH3-64 its index entry records (:mod:`shards.checksum`; every entry has one: an
+            entry without one is :class:`ShardCorrupt`). Mismatch: :class:`ShardCorrupt` naming shard, key and
+            member. Default True.
 
     Offsets: member ``offset``/``size`` in the index locate the raw array payload after the
     ``.npy`` header; arrays are ``np.frombuffer(mmap, dtype, count, offset).reshape(shape)``
@@ -174,7 +171,7 @@ class ShardReader:
     ``manifest`` (dict), ``format_version`` (int), ``value_checks`` (normalised), ``verify_reads``.
 
     ``get(i)`` returns ``{"__key__": str, "json": dict, "codes": int16 (n_codebooks, frames),
-    "audio": int16 (num_samples,), "text_ids": int32 (n_tokens,), "latents": float16 (C,T,H,W)}``
+    "audio": int16 (num_samples,), "input_ids": int32 (n_tokens,), "latents": float16 (C,T,H,W)}``
     (``latents`` only for image samples; ``latents_logvar`` float16 (C,T,H,W) too where the cache
     stores the posterior) as read-only numpy views. ``views(field, rows)`` gives the same arrays
     for many rows of one field (vectorised; see :meth:`field`).
@@ -349,13 +346,14 @@ class ShardReader:
         if (fn >= 0).any():  # a sidecar field: its rows read from their sidecar tar
             file = self.shard_of.copy()
             file[rows[fn >= 0]] = fn[fn >= 0]
-        xxh3, has_sum = np.zeros(self.n, dtype=np.uint64), np.zeros(self.n, dtype=bool)
-        if CHECKSUM in {t.name for t in flat.type}:  # indexes written before checksums: none
-            sums = flat.field(CHECKSUM).take(pa.array(sel))
-            has_sum[rows] = sums.is_valid().to_numpy(zero_copy_only=False)
-            xxh3[rows] = pc.fill_null(sums, 0).to_numpy(zero_copy_only=False).astype(np.uint64)
-        fa = self._fields[field] = FieldArrays(off, shape, count, present, code, dtypes, file, xxh3, has_sum,
-                                               bool((has_sum | ~present).all()))
+        sums = flat.field(CHECKSUM).take(pa.array(sel))
+        if sums.null_count:
+            bad = int(rows[np.flatnonzero(sums.is_null().to_numpy(zero_copy_only=False))[0]])
+            raise ShardCorrupt(f"{self.cache_dir / self._where(bad)} member {member} has no checksum in the "
+                               "index; run `shards verify --deep`, then `shards reindex`")
+        xxh3 = np.zeros(self.n, dtype=np.uint64)
+        xxh3[rows] = sums.to_numpy(zero_copy_only=False).astype(np.uint64)
+        fa = self._fields[field] = FieldArrays(off, shape, count, present, code, dtypes, file, xxh3)
         return fa
 
     # -- reading ------------------------------------------------------------------------------
@@ -426,9 +424,8 @@ class ShardReader:
                                    f"({len(mm)} bytes when mapped; truncated shard?); run `shards verify`")
             out.append(np.frombuffer(mm, dtype=dtypes[d], count=c, offset=o).reshape(shp))
         if self.checksums:
-            sums, has = fa.xxh3[rows].tolist(), fa.has_sum[rows].tolist()
-            for r, a, want, h, s in zip(row_list, out, sums, has, shards):
-                if h and a is not None:
+            for r, a, want, s in zip(row_list, out, fa.xxh3[rows].tolist(), shards):
+                if a is not None:
                     self._check_sum(checksum(a), want, r, s, field + ".npy")
         if self.verify_reads and not (self._last_verified is not None
                                       and np.array_equal(self._last_verified, rows)):
@@ -458,12 +455,6 @@ class ShardReader:
         deleted (see :mod:`shards.files`)."""
         self.io.pin(range(len(self.files)) if which is None else which)
 
-    def has_checksums(self, field: str, rows=None) -> bool:
-        """Whether every present member of ``field`` (at ``rows``; default all) has a checksum."""
-        fa = self._fields.get(field) or self.field(field)
-        sel = slice(None) if rows is None else np.asarray(rows)
-        return bool((fa.has_sum[sel] | ~fa.present[sel]).all())
-
     def _check_values(self, field: str, spec: tuple, rows: list[int], arrays: list) -> None:
         """Raise :class:`ShardCorrupt` naming shard and key for the first array breaking ``spec``
         (:func:`shards.kinds.value_problem`)."""
@@ -488,8 +479,11 @@ class ShardReader:
             if off < 0 or size < 0 or off + size > len(mm):
                 raise ShardCorrupt(f"{self._where(i)} member {name} lies past the end of the file "
                                    "(truncated shard?)")
-            want = m.get(CHECKSUM) if self.checksums and m["dtype"] != "npz" else None  # npz: its arrays
-            if want is not None:
+            if self.checksums and m["dtype"] != "npz":  # npz: its arrays have entries of their own
+                want = m.get(CHECKSUM)
+                if want is None:
+                    raise ShardCorrupt(f"{self._where(i)} member {name} has no checksum in the index; run "
+                                       "`shards verify --deep`, then `shards reindex`")
                 f = self.files.index(m["file"]) if m.get("file") else int(self.shard_of[i])
                 with memoryview(mm) as v, v[off:off + size] as part:
                     self._check_sum(checksum(part), want, i, f, name)

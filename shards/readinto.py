@@ -144,7 +144,7 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
         mids.append(pos + i * B)  # member: field i of batch position pos
         if checksums:
             wants.append(fa.xxh3[r])
-            known.append(np.ones(len(r), bool) if fa.all_summed else fa.has_sum[r])
+            known.append(np.ones(len(r), bool))  # every member has a checksum (ShardReader.field)
     key, off, n, dst, mid = (np.concatenate(c) for c in (keys, offs, ns, dsts, mids))
     if not len(off):
         return []

@@ -3,8 +3,8 @@
 This is the single source of truth for index rows: the writer calls it on every shard it
 finishes, and ``shards reindex`` / ``shards verify`` call it on existing tars.
 
-Index entries per sample: one per tar member (``json``; ``tensors.npz``, dtype ``"npz"``; in
-caches of format 1-2 one ``NAME.npy`` per array), plus, for a packed ``tensors.npz`` member, one
+Index entries per sample: one per tar member (``json``; ``tensors.npz``, dtype ``"npz"``;
+``NAME.npy`` for an array stored as a member of its own: latents, sidecar fields), plus, for a packed ``tensors.npz`` member, one
 entry per array it holds (``NAME.npy`` with the array payload's offset/size/dtype/shape and
 ``member="tensors.npz"``; see :mod:`shards.npz`). So an array is always found by ``NAME.npy``,
 whether it is a member of its own or packed. Every entry carries the XXH3-64 checksum of the

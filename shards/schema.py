@@ -1,4 +1,4 @@
-"""The cache format (version 3): member names, dtypes, file names and reject reason codes.
+"""The cache format (version 1): member names, dtypes, file names and reject reason codes.
 
 Both stages import this module; it imports neither. Layout of a cache directory::
 
@@ -18,9 +18,9 @@ columns); ``TENSOR_DTYPES`` and ``INDEX_COLUMNS`` below are derived from it.
 A sample is a group of tar members sharing the basename ``KEY`` (WebDataset's convention: the key
 is everything before the first dot of the member name, so keys never contain ``.`` or ``/``).
 
-Arrays (each ``.npy`` as ``numpy.save`` writes it with ``allow_pickle=False``; since format 3 all
-but the latents are entries of the one ``KEY.tensors.npz`` member, formats 1-2 have one
-``KEY.NAME.npy`` tar member each; the index locates every array either way):
+Arrays (each ``.npy`` as ``numpy.save`` writes it with ``allow_pickle=False``; all but the latents
+are entries of the one ``KEY.tensors.npz`` member, sidecar fields are ``KEY.NAME.npy`` members of
+their sidecar tar; the index locates every array either way):
 
 * ``codes.npy``    int16 ``(n_codebooks, frames)`` audio codec tokens (codebook size <= 32768).
 * ``audio.npy``    int16 ``(num_samples,)`` mono PCM at ``sample_rate`` Hz (full scale 32767).
@@ -40,7 +40,6 @@ but the latents are entries of the one ``KEY.tensors.npz`` member, formats 1-2 h
 * ``audio_starts.npy`` int32 ``(n_audio_items + 1,)``: item ``k``'s waveform is
   ``audio[starts[k]:starts[k + 1]]``. Extra waveform fields (``extra_waveforms`` in the stage-one
   config, e.g. ``audio_16k.npy`` + ``audio_16k_starts.npy``) follow the same rule.
-* ``text_ids.npy`` int32 ``(n_tokens,)`` token ids (caches made before conversations; read only).
 * ``json``         UTF-8 JSON metadata: conversation, audio_items, text, speaker, sources, ...
 
 In a conversation, ``codes`` holds every audio item concatenated along frames, ``audio`` every
@@ -53,12 +52,10 @@ import re
 
 from . import fields
 
-#: the newest format this code reads and writes (a cache records the lowest version that describes
-#: it, :func:`shards.index.format_version`). 1: one ``.npy`` tar member per array; 2: plus sidecar
-#: fields (``fields`` in manifest.json, index members with a ``file``); 3: a sample's arrays packed in
-#: one ``tensors.npz`` member (:mod:`shards.npz`; index entries with a ``member``), what stage one
-#: writes now. Older code must refuse a newer version rather than read it wrongly.
-FORMAT_VERSION = 3
+#: the format this code reads and writes (the layout above; every index entry with its checksum).
+#: A reader refuses a newer version (:func:`shards.manifest.check_format_version`) rather than read
+#: it wrongly.
+FORMAT_VERSION = 1
 
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.parquet"

@@ -63,14 +63,12 @@ class ShardWriter:
     file name (``ValueError`` otherwise: readers refuse any other, see
     :func:`shards.index.safe_shard_path`).
 
-    ``packed`` (default, format 3): a sample's arrays go into one ``KEY.tensors.npz`` member
-    (:mod:`shards.npz`; all but the latents, see :attr:`shards.fields.Field.packed`), so a sample
-    is two or three tar members (``json``, ``tensors.npz``, ``latents.npy``) whatever its number
-    of arrays. ``packed=False`` writes one ``KEY.NAME.npy`` member per array (formats 1-2,
-    as sidecar tars still are): every reader of this project reads both.
+    A sample's arrays go into one ``KEY.tensors.npz`` member (:mod:`shards.npz`; all but the
+    latents, see :attr:`shards.fields.Field.packed`), so a sample is two or three tar members
+    (``json``, ``tensors.npz``, ``latents.npy``) whatever its number of arrays.
     """
 
-    def __init__(self, out_dir: str | Path, name: str, packed: bool = True):
+    def __init__(self, out_dir: str | Path, name: str):
         why = unsafe_name_reason(name)
         if why is not None:
             raise ValueError(f"shard name {name!r}: it {why}; use shards.schema.shard_name")
@@ -80,7 +78,6 @@ class ShardWriter:
         self.stem = name[:-4] if name.endswith(".tar") else name
         self.path = self.out_dir / name
         self.tmp = self.out_dir / (name + ".tmp")
-        self.packed = bool(packed)
         self._file = None
         self._tar = None
         self.keys: list[str] = []
@@ -110,7 +107,7 @@ class ShardWriter:
                 arrays[name] = arr
             else:
                 raise ValueError(f"{key}: unknown member {name!r}; known: json, {', '.join(TENSOR_DTYPES)}")
-        pack = sorted(n for n in arrays if self.packed and registry.field_of_member(n).packed)
+        pack = sorted(n for n in arrays if registry.field_of_member(n).packed)
         if pack:  # in sorted name order, like the members
             obj[npz.MEMBER] = npz.pack({n[:-4]: arrays[n] for n in pack})
         obj.update({n: npy_bytes(a) for n, a in arrays.items() if n not in pack})

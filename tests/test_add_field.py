@@ -84,7 +84,7 @@ def _check_added(cache: Path, before: dict[str, str]) -> None:
     assert {p.name: _sha(p) for p in cache.glob("shard-??????.tar")} == before
     m = json.loads((cache / "manifest.json").read_text())
     fi = m["fields"]["codes_mimi"]
-    assert m["format_version"] == 3 and fi["sidecar"] and len(fi["fingerprint"]) == 64
+    assert m["format_version"] == 1 and fi["sidecar"] and len(fi["fingerprint"]) == 64
     assert sorted(s["shard"] for s in fi["shards"]) == sorted(before)
     assert [s["path"] for s in m["shards"]] == sorted(before)  # main shard entries as they were
     # sidecar tars: one member per key of the main shard, in its order
@@ -171,7 +171,7 @@ def test_drop_field_restores_cache(added, base_cache):
     assert r.returncode == 0, r.stderr
     assert not list(cache.glob("shard-*.codes_mimi.tar")) and not list(cache.glob("parts/*.sidecar.parquet"))
     m = json.loads((cache / "manifest.json").read_text())
-    assert "fields" not in m and m["format_version"] == 3
+    assert "fields" not in m and m["format_version"] == 1
     assert {p.name: _sha(p) for p in cache.glob("shard-??????.tar")} == shards_before
     import pyarrow.parquet as pq
     import io as _io

@@ -43,9 +43,9 @@ def test_name_rules():
 
 
 def test_index_columns_from_shapes():
-    v = fields.index_column_values({"codes.npy": (8, 50), "text_ids.npy": (3,), "audio.npy": (100,)})
+    v = fields.index_column_values({"codes.npy": (8, 50), "input_ids.npy": (3,), "audio.npy": (100,)})
     assert v == dict(num_samples=100, n_frames=50, n_codebooks=8, n_text_tokens=3, has_image=False)
-    v = fields.index_column_values({"input_ids.npy": (9,), "text_ids.npy": (3,), "latents.npy": (16, 1, 4, 4)})
+    v = fields.index_column_values({"input_ids.npy": (9,), "latents.npy": (16, 1, 4, 4)})
     assert v["n_text_tokens"] == 9 and v["has_image"] is True
 
 

@@ -200,27 +200,27 @@ def test_a_cache_rewritten_in_place_under_a_running_loader_stops_it(cache, tmp_p
         assert torch.equal(ref["audio"], b["audio"]) and torch.equal(ref["codes"], b["codes"])
 
 
-# ----------------------------------------------------------------------------- older caches
+# ----------------------------------------------------------------------------- entries without checksums
 
-def test_a_cache_without_checksums_reads_unchecked_says_so_and_still_checks_values(cache, caplog):
+def test_an_index_entry_without_a_checksum_is_refused_naming_it(cache):
+    """Every entry of a cache records its checksum: one without is damage, named, refused before
+    anything is read (caches made before checksums are not read unchecked)."""
     t = read_index(cache)
     members = t.column("members").to_pylist()
-    for ms in members:
-        for m in ms:
-            m["xxh3"] = None
+    row = t.column("key").to_pylist().index("s0008")
+    next(m for m in members[row] if m["name"] == "codes.npy")["xxh3"] = None
     t = t.set_column(t.schema.get_field_index("members"), t.schema.field("members"),
                      pa.array(members, t.schema.field("members").type))
     pq.write_table(t, cache / INDEX_FILE)
-    with caplog.at_level(logging.WARNING, logger="loaders"):
-        ld = ShardLoader(cache, 4, seed=3, compact=True)
-    assert any("have no checksums" in r.getMessage() for r in caplog.records)
-    assert sorted(keys_of(ld)) == [f"s{i:04d}" for i in range(N)]
-    shard, m = entry(cache, "s0008", "codes.npy")
-    with open(cache / shard, "r+b") as f:
-        f.seek(m["offset"])
-        f.write(np.array([2000], np.int16).tobytes())  # beyond codebook_size 1024
-    with pytest.raises(ShardCorrupt, match=r"sample 's0008': codes value 2000 outside \[0, 1024\)"):
-        list(ShardLoader(cache, 4, seed=3))
+    with pytest.raises(ShardCorrupt, match=r"s0008.* member codes.npy has no checksum in the index"):
+        ShardLoader(cache, 4, seed=3)
+    with pytest.raises(ShardCorrupt, match=r"s0008.* member codes.npy has no checksum in the index"):
+        ShardReader(cache).get(row)
+    stripped = t.set_column(t.schema.get_field_index("members"), "members", pa.array(
+        [[{k: v for k, v in m.items() if k != "xxh3"} for m in ms] for ms in members]))
+    pq.write_table(stripped, cache / INDEX_FILE)      # an index without the column at all
+    with pytest.raises(ShardCorrupt, match=r"s0000.* member audio.npy has no checksum in the index"):
+        ShardLoader(cache, 4, seed=3)
 
 
 # ----------------------------------------------------------------------------- training

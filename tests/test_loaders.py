@@ -42,7 +42,7 @@ def make_cache(root: Path, shard_sizes=(7, 13, 5), *, seed=0, image_every=3, fra
                              "text": "x"},
                     "codes.npy": rng.integers(0, 1024, (ncb, F)).astype(np.int16),
                     "audio.npy": rng.integers(-32768, 32767, T).astype(np.int16),
-                    "text_ids.npy": rng.integers(1, 500, int(rng.integers(1, 12))).astype(np.int32),
+                    "input_ids.npy": rng.integers(1, 500, int(rng.integers(1, 12))).astype(np.int32),
                 }
                 if image_every and k % image_every == 0:
                     shp = latent_shapes[(k // image_every) % len(latent_shapes)]
@@ -79,27 +79,28 @@ def test_collate_shapes_dtypes_pads_masks(cache):
     B = 6
     F = max(s["codes"].shape[1] for s in samples)
     T = max(s["audio"].shape[0] for s in samples)
-    L = max(s["text_ids"].shape[0] for s in samples)
+    L = max(s["input_ids"].shape[0] for s in samples)
     assert b["keys"] == [s["__key__"] for s in samples] and b["sample_rate"] == 16000
     assert b["codes"].shape == (B, 2, F) and b["codes"].dtype == torch.int64
     assert b["audio"].shape == (B, T) and b["audio"].dtype == torch.float32
-    assert b["text_ids"].shape == (B, L) and b["text_ids"].dtype == torch.int64
+    assert b["input_ids"].shape == (B, L) and b["input_ids"].dtype == torch.int64
     assert b["latents"].shape == (B, *LATENT) and b["latents"].dtype == torch.float32
     assert b["has_image"].dtype == torch.bool
     assert b["latents_mask"].shape == (B, *LATENT[1:]) and b["latents_mask"].dtype == torch.bool
     assert torch.equal(b["latents_mask"], b["has_image"][:, None, None, None].expand(B, *LATENT[1:]))
-    for name in ("codes", "audio", "text"):
-        assert b[f"{name}_lengths"].dtype == torch.int64 and b[f"{name}_mask"].dtype == torch.bool
+    for lengths, mask in (("codes_lengths", "codes_mask"), ("audio_lengths", "audio_mask"),
+                          ("input_lengths", "attention_mask")):
+        assert b[lengths].dtype == torch.int64 and b[mask].dtype == torch.bool
     for j, s in enumerate(samples):
-        f, t, l = s["codes"].shape[1], s["audio"].shape[0], s["text_ids"].shape[0]
-        assert b["codes_lengths"][j] == f and b["audio_lengths"][j] == t and b["text_lengths"][j] == l
+        f, t, l = s["codes"].shape[1], s["audio"].shape[0], s["input_ids"].shape[0]
+        assert b["codes_lengths"][j] == f and b["audio_lengths"][j] == t and b["input_lengths"][j] == l
         assert torch.equal(b["codes"][j, :, :f], torch.from_numpy(s["codes"].astype(np.int64)))
         assert (b["codes"][j, :, f:] == CODES_PAD_ID).all()
         assert b["codes_mask"][j, :f].all() and not b["codes_mask"][j, f:].any()
         assert torch.equal(b["audio"][j, :t], torch.from_numpy(s["audio"].astype(np.float32) / 32768))
         assert (b["audio"][j, t:] == 0).all() and b["audio_mask"][j].sum() == t
-        assert torch.equal(b["text_ids"][j, :l], torch.from_numpy(s["text_ids"].astype(np.int64)))
-        assert (b["text_ids"][j, l:] == TEXT_PAD_ID).all() and b["text_mask"][j].sum() == l
+        assert torch.equal(b["input_ids"][j, :l], torch.from_numpy(s["input_ids"].astype(np.int64)))
+        assert (b["input_ids"][j, l:] == TEXT_PAD_ID).all() and b["attention_mask"][j].sum() == l
         if "latents" in s:
             assert b["has_image"][j]
             assert torch.equal(b["latents"][j], torch.from_numpy(s["latents"].astype(np.float32)))
@@ -119,8 +120,8 @@ def test_loader_batch_equals_collate_fn(cache):
         assert set(ref) == set(b)
         for k, v in ref.items():
             assert torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k], k
-    sub = next(iter(ShardLoader(cache, 4, fields=("text_ids", "latents"))))
-    assert set(sub) == {"keys", "sample_rate", "text_ids", "text_lengths", "text_mask", "latents",
+    sub = next(iter(ShardLoader(cache, 4, fields=("input_ids", "latents"))))
+    assert set(sub) == {"keys", "sample_rate", "input_ids", "input_lengths", "attention_mask", "latents",
                         "latents_mask", "has_image"}
 
 
@@ -383,7 +384,7 @@ def _index_tar(root: Path, name: str, rows: list[dict]) -> None:
 def test_pickle_member_is_refused(tmp_path):
     base = {"json": b'{"sample_rate": 16000, "duration_s": 0.1}',
             "codes.npy": _npy(np.zeros((2, 3), np.int16)), "audio.npy": _npy(np.zeros(120, np.int16)),
-            "text_ids.npy": _npy(np.ones(2, np.int32))}
+            "input_ids.npy": _npy(np.ones(2, np.int32))}
     # (a) KEY.pyd: indexed by scan_shard (its check misses a bare ".pyd" extension), refused by us
     root = tmp_path / "pyd"
     root.mkdir()
@@ -623,7 +624,7 @@ def test_compact_batches_keep_the_cache_dtypes(tmp_path):
             fields = {"json": {"text": "t", "sample_rate": 16000, "duration_s": 0.1},
                       "codes.npy": rng.integers(0, 1024, (8, 5 + i)).astype(np.int16),
                       "audio.npy": rng.integers(-30000, 30000, 1600 + 10 * i).astype(np.int16),
-                      "text_ids.npy": np.arange(3 + i, dtype=np.int32)}
+                      "input_ids.npy": np.arange(3 + i, dtype=np.int32)}
             if i % 2:
                 fields["latents.npy"] = rng.standard_normal((16, 1, 4, 4)).astype(np.float16)
             w.add(f"s{i}", fields)

@@ -1,5 +1,5 @@
-"""Format 3: a sample's arrays packed in one ``KEY.tensors.npz`` member (shards.npz), read by
-offset exactly like the one-member-per-array layout of formats 1-2, which stays readable."""
+"""The cache format: a sample's arrays packed in one ``KEY.tensors.npz`` member (shards.npz), read
+by offset like the arrays stored as members of their own (latents, sidecar fields)."""
 from __future__ import annotations
 
 import io
@@ -39,9 +39,9 @@ def sample(i: int) -> dict:
     return fields
 
 
-def build(out: Path, packed: bool, n: int = 10) -> Path:
+def build(out: Path, n: int = 10) -> Path:
     for chunk, keys in enumerate((range(0, 6), range(6, n))):
-        with shards.ShardWriter(out, chunk_shard_name(chunk), packed=packed) as w:
+        with shards.ShardWriter(out, chunk_shard_name(chunk)) as w:
             for i in keys:
                 w.add(f"s{i:02d}", sample(i))
             w.commit()
@@ -50,9 +50,8 @@ def build(out: Path, packed: bool, n: int = 10) -> Path:
 
 
 @pytest.fixture(scope="module")
-def caches(tmp_path_factory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("packed")
-    return build(tmp / "packed", True), build(tmp / "unpacked", False)
+def packed(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("packed") / "packed")
 
 
 def test_npz_member_is_a_standard_npz_with_aligned_payloads():
@@ -72,48 +71,41 @@ def test_npz_member_is_a_standard_npz_with_aligned_payloads():
     assert npz.pack(arrays) == blob  # reproducible
 
 
-def test_a_sample_is_json_plus_one_packed_member(caches):
-    packed, unpacked = caches
+def test_a_sample_is_json_plus_one_packed_member(packed):
     with tarfile.open(packed / chunk_shard_name(0)) as tf:
-        names = [i.name for i in tf.getmembers()]
+        members = tf.getmembers()
+    names = [i.name for i in members]
     assert names[:3] == ["s00.json", "s00.latents.npy", "s00.tensors.npz"]  # latents stay a member
     assert names[3:5] == ["s01.json", "s01.tensors.npz"]
-    with tarfile.open(unpacked / chunk_shard_name(0)) as tf:
-        assert sum(i.name.startswith("s01.") for i in tf.getmembers()) == 7
 
-    def blocks(cache):  # bytes of headers + padded member data (the tar's end padding aside)
-        with tarfile.open(cache / chunk_shard_name(0)) as tf:
-            return sum(512 + -(-i.size // 512) * 512 for i in tf.getmembers())
-    assert blocks(packed) < 0.75 * blocks(unpacked), (blocks(packed), blocks(unpacked))
-    assert json.loads((packed / "manifest.json").read_text())["format_version"] == 3
-    assert json.loads((unpacked / "manifest.json").read_text())["format_version"] == 1
+    def blocks(sizes):  # bytes of tar headers + member data padded to 512-byte blocks
+        return sum(512 + -(-n // 512) * 512 for n in sizes)
+    # one .npy member per array (as numpy.save writes them) would take a header and padding each
+    one_per_array = blocks([len(json.dumps(sample(i)["json"]).encode()) for i in range(6)]
+                           + [len(npz.npy_bytes(v)) for i in range(6) for k, v in sample(i).items() if k != "json"])
+    assert blocks([i.size for i in members]) < 0.75 * one_per_array, (blocks([i.size for i in members]), one_per_array)
+    assert json.loads((packed / "manifest.json").read_text())["format_version"] == shards.FORMAT_VERSION == 1
 
 
-def test_packed_and_unpacked_caches_read_the_same(caches):
-    packed, unpacked = caches
-    a, b = ShardReader(packed, verify_reads=True), ShardReader(unpacked, verify_reads=True)
-    assert a.keys == b.keys == [f"s{i:02d}" for i in range(10)]
-    for i, key in enumerate(a.keys):
+def test_packed_cache_reads_the_arrays_written(packed):
+    r = ShardReader(packed, verify_reads=True)
+    assert r.keys == [f"s{i:02d}" for i in range(10)]
+    for i, key in enumerate(r.keys):
         want = {k[:-4]: v for k, v in sample(int(key[1:])).items() if k.endswith(".npy")}
-        for r in (a, b):
-            got = r.get(i)
-            assert set(got) - {"__key__", "json"} == set(want), key
-            for k, v in want.items():
-                assert got[k].dtype == v.dtype and np.array_equal(got[k], v), (key, k)
-    batches = []
-    for cache in caches:
-        loader = ShardLoader(cache, 3, seed=1, fields=None)
-        batches.append(list(loader))
-    assert len(batches[0]) == len(batches[1]) == 3
-    for x, y in zip(*batches):
-        assert x["keys"] == y["keys"] and set(x) == set(y)
-        for k, v in x.items():
-            if hasattr(v, "shape"):
-                assert v.dtype == y[k].dtype and bool((v == y[k]).all()), k
+        got = r.get(i)
+        assert set(got) - {"__key__", "json"} == set(want), key
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype and np.array_equal(got[k], v), (key, k)
+    loaded = list(ShardLoader(packed, 5, seed=1, fields=None))
+    assert sorted(k for b in loaded for k in b["keys"]) == r.keys
+    for b in loaded:
+        for j, key in enumerate(b["keys"]):
+            ids = sample(int(key[1:]))["input_ids.npy"]
+            assert np.array_equal(b["input_ids"][j, :len(ids)].numpy(), ids), key
 
 
-def test_verify_and_verify_reads_catch_a_flipped_byte_inside_the_packed_member(caches, tmp_path, capsys):
-    cache = Path(shutil.copytree(caches[0], tmp_path / "c"))
+def test_verify_and_verify_reads_catch_a_flipped_byte_inside_the_packed_member(packed, tmp_path, capsys):
+    cache = Path(shutil.copytree(packed, tmp_path / "c"))
     assert main(["verify", str(cache), "--deep"]) == 0
     r = ShardReader(cache)
     row = r.keys.index("s03")

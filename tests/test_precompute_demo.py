@@ -46,7 +46,7 @@ def test_cache_files_and_manifest(demo_cache):
     for name in ("index.parquet", "rejects.parquet", "manifest.json"):
         assert (demo_cache / name).is_file()
     m = read_manifest(demo_cache)
-    assert m["format_version"] == 3  # arrays packed in tensors.npz
+    assert m["format_version"] == 1
     assert m["n_codebooks"] == 8 and m["codebook_size"] == 1024 and m["frame_rate"] == 25.0
     assert m["encoders"]["audio_tokenizer"]["class"].endswith("DacTokenizer")
     assert m["encoders"]["image_encoder"]["class"].endswith("WanVAEEncoder")

@@ -234,11 +234,11 @@ def test_audio_loss_counts_trained_output_items_only(lm_dir):
     own = {**s, "labels": list(s["labels"])}
     own["labels"][at] = A_OUT
     assert abs(audio_loss(own) - base) > 1e-4
-    # ... and, for caches made before that convention (placeholders always -100), when the
-    # <|audio_out_bos|> before it is: the same loss
-    legacy = {**s, "labels": list(s["labels"])}
-    legacy["labels"][at - 1] = AO_BOS
-    assert audio_loss(legacy) == pytest.approx(audio_loss(own), abs=1e-6)
+    # ... and only then: a labelled <|audio_out_bos|> before it does not make it one (the
+    # pre-release convention of caches made before the placeholder carried the label is not read)
+    bos_only = {**s, "labels": list(s["labels"])}
+    bos_only["labels"][at - 1] = AO_BOS
+    assert audio_loss(bos_only) == pytest.approx(base, abs=1e-6)
     # a trained item with neither label is no target
     neither = {**s, "labels": list(s["labels"])}
     first_out = [i for i, t in enumerate(s["ids"]) if t == A_OUT][1]

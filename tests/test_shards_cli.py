@@ -35,7 +35,7 @@ def make_arrays(key: str) -> dict:
         "json": {"text": text, "speaker": speaker, "sample_rate": sr, "duration_s": dur},
         "codes.npy": rng.integers(0, 1024, size=(8, frames)).astype(np.int16),
         "audio.npy": rng.integers(-20000, 20000, size=int(dur * sr)).astype(np.int16),
-        "text_ids.npy": rng.integers(0, 32000, size=2 * len(text.split())).astype(np.int32),
+        "input_ids.npy": rng.integers(0, 32000, size=2 * len(text.split())).astype(np.int32),
     }
     if has_image:
         offsets = (np.arange(16) * 0.1).reshape(16, 1, 1, 1)
@@ -189,7 +189,7 @@ def test_head_and_show(capsys, clean_cache):
     assert b["text"] == SAMPLES["utt-b"][5] and b["json"]["speaker"] == "bob"
     assert b["fields"]["n_frames"] == arrays["codes.npy"].shape[1] and b["fields"]["has_image"]
     members = {m["name"]: m for m in b["members"]}
-    assert set(members) == {"json", "tensors.npz", "codes.npy", "audio.npy", "text_ids.npy", "latents.npy"}
+    assert set(members) == {"json", "tensors.npz", "codes.npy", "audio.npy", "input_ids.npy", "latents.npy"}
     assert members["codes.npy"]["member"] == "tensors.npz" and members["latents.npy"]["member"] is None
     lat = arrays["latents.npy"].astype(np.float64)
     m = members["latents.npy"]
@@ -302,7 +302,7 @@ def test_stats_and_plot(capsys, clean_cache, tmp_path):
     assert d["p50"] == pytest.approx(np.median(durations)) and d["max"] == 7.5 and d["min"] == 0.5
     frames = [make_arrays(k)["codes.npy"].shape[1] for k in SAMPLES]
     assert data["distributions"]["n_frames"]["mean"] == pytest.approx(np.mean(frames))
-    tokens = [make_arrays(k)["text_ids.npy"].shape[0] for k in SAMPLES]
+    tokens = [make_arrays(k)["input_ids.npy"].shape[0] for k in SAMPLES]
     assert data["distributions"]["n_text_tokens"]["p95"] == pytest.approx(np.percentile(tokens, 95))
     lat = np.stack([make_arrays(k)["latents.npy"].astype(np.float64) for k in SAMPLES if SAMPLES[k][4]])
     per_channel = lat.transpose(1, 0, 2, 3, 4).reshape(16, -1)

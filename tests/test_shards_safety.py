@@ -32,7 +32,7 @@ def arrays(i: int, audio_len: int = 4000, image: bool = True) -> dict:
                  "duration_s": audio_len / 16000},
         "codes.npy": rng.integers(0, 1024, size=(4, 20 + i)).astype(np.int16),
         "audio.npy": rng.integers(-20000, 20000, size=audio_len).astype(np.int16),
-        "text_ids.npy": rng.integers(3, 259, size=5 + i).astype(np.int32),
+        "input_ids.npy": rng.integers(3, 259, size=5 + i).astype(np.int32),
     }
     if image:
         fields["latents.npy"] = rng.normal(size=(16, 1, 4, 4)).astype(np.float16)
@@ -302,7 +302,7 @@ def test_value_checks_argument_is_validated(clean):
 
 def test_verify_reads(cache):
     r = ShardReader(cache, verify_reads=True)
-    for f in ("codes", "audio", "text_ids", "latents"):
+    for f in ("codes", "audio", "input_ids", "latents"):
         r.views(f, np.arange(r.n))
     for i in range(r.n):
         r.get(i)

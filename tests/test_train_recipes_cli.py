@@ -249,7 +249,7 @@ class TinyImageText(nn.Module):
                 {"params": list(self.proj.parameters()), "lr": 3 * lr, "weight_decay": 0.0, "name": "proj"}]
 
     def forward(self, batch):
-        assert not {"codes", "audio", "text_ids"} & set(batch), sorted(batch)
+        assert not {"codes", "audio"} & set(batch), sorted(batch)
         SEEN["train" if self.training else "eval"].extend(batch["keys"])
         h = self.emb(batch["input_ids"])
         if batch["latents"].numel():  # (B, 0, ...) when no sample of the batch has an image

@@ -64,11 +64,11 @@ def test_config_precedence_yaml_then_cli(tmp_path):
     cfg = load_yaml(y)
     assert (cfg.training.steps, cfg.data.batch_size, cfg.lora.enabled) == (7, 3, True)
     cfg, _ = parse_args(["--config", str(y), "--steps", "9", "--model-kwargs", '{"d_model": 32}',
-                         "--no-lora", "--fields", "codes,text_ids", "--lr", "1e-3"])
+                         "--no-lora", "--fields", "codes,input_ids", "--lr", "1e-3"])
     assert cfg.training.steps == 9 and cfg.data.batch_size == 3 and cfg.lora.enabled is False
     assert cfg.optim.lr == 1e-3
     assert cfg.model.kwargs == {"d_model": 32, "n_layers": 1}  # dict flags update the file's dict
-    assert cfg.data.fields == ("codes", "text_ids")
+    assert cfg.data.fields == ("codes", "input_ids")
     # the same file written with sections; dotted flags and --set; --set < flags
     y2 = tmp_path / "nested.yaml"
     y2.write_text("training: {steps: 7}\ndata: {batch_size: 3}\nmodel: {kwargs: {d_model: 64}}\n")
@@ -273,7 +273,7 @@ def _image_batch(sizes, pad_hw, mask: bool = True) -> dict:
             h, w = hw
             lat[i, :, :, :h, :w] = torch.randn(16, 1, h, w, generator=torch.Generator().manual_seed(100 + i))
             lmask[i, :, :h, :w] = True
-    batch = {"codes": codes, "codes_mask": codes[:, 0] != -100, "text_ids": text, "text_mask": text != 0,
+    batch = {"codes": codes, "codes_mask": codes[:, 0] != -100, "input_ids": text, "attention_mask": text != 0,
              "latents": lat, "has_image": torch.tensor([hw is not None for hw in sizes])}
     if mask:
         batch["latents_mask"] = lmask

@@ -142,7 +142,7 @@ def resolve_fields(cfg: TrainConfig, model: Any = None, cache: str | None = None
     """``data.fields`` -> the loader's ``fields``: a tuple, or None = every field the cache holds.
     ``auto``: the ``fields`` attribute of ``model`` (default: of the class ``model.name`` builds), less
     those no sample of ``cache`` holds (a model may declare fields that only some caches have, e.g.
-    ``input_ids`` and ``text_ids``; if it holds none of them, all are asked for, and the loader names
+    ``input_ids`` and ``latents``; if it holds none of them, all are asked for, and the loader names
     them); None when it declares none."""
     fields = tuple(cfg.data.fields)
     if fields == ("all",):

@@ -183,7 +183,7 @@ class ReferenceModel(nn.Module):
     """Text + image-latent prefix, causal transformer over codec frames (see the module docstring)."""
 
     #: what it reads from a cache (``latents`` only where samples have them)
-    fields = ("codes", "input_ids", "text_ids", "latents")
+    fields = ("codes", "input_ids", "latents")
 
     def __init__(self, n_codebooks: int = 8, codebook_size: int = 1024, vocab_size: int = 259,
                  latent_channels: int = 16, d_model: int = 256, n_layers: int = 4, n_heads: int = 4,
@@ -256,11 +256,9 @@ class ReferenceModel(nn.Module):
         prev = (codes[:, :, :-1].clamp_min(0) + self.code_offsets)
         audio = torch.cat([self.bos.expand(B, 1, -1), self.code_emb(prev).sum(1)], 1)
         parts, masks, types = [], [], []
-        # the rendered conversation (input_ids), or the plain text of caches made before conversations
-        text_key, mask_key = ("input_ids", "attention_mask") if "input_ids" in batch else ("text_ids", "text_mask")
-        if text_key in batch:
-            text = batch[text_key]
-            tmask = batch.get(mask_key)
+        if "input_ids" in batch:  # the rendered conversation
+            text = batch["input_ids"]
+            tmask = batch.get("attention_mask")
             parts.append(self.text_emb(text))
             masks.append(tmask if tmask is not None else text != 0)
             types.append(0)

@@ -23,9 +23,7 @@ Audio loss (Higgs' ``label_audio_ids``): labels of an item are ``[-100, codes, E
 predicts the labels of frame j + 1 through one ``Linear(hidden, codebook_size + 2)`` head per
 codebook. Only OUTPUT items of trained turns count: an item is trained iff its ``<|AUDIO_OUT|>``
 placeholder has a label != -100, Higgs' rule (``prepare_chatml_sample`` labels the placeholder of a
-trained turn, ``HiggsAudioSampleCollator`` reads that label to pick the target items); caches made
-before that convention (``sample_layout: conversation-1``) label every placeholder -100 and the
-``<|audio_out_bos|>`` right before it like the turn, so that label is read for them. Text loss:
+trained turn, ``HiggsAudioSampleCollator`` reads that label to pick the target items). Text loss:
 next-token cross entropy on ``labels`` (a placeholder's own label is dropped with the placeholder,
 as the collator masks it; the token after an item, ``<|audio_eos|>``, is predicted from the item's
 last frame). Both per-sample normalised (see :mod:`train.recipes.lm`);
@@ -146,8 +144,7 @@ class TTSModel(LMRecipe):
         if self.audio_out_bos_token_id is not None and bool(
                 (out_tok & ((pi == 0) | (ids[pb, prev] != self.audio_out_bos_token_id))).any()):
             raise ValueError("an <|AUDIO_OUT|> token is not preceded by <|audio_out_bos|>")
-        # Higgs: the placeholder's own label; older caches (placeholders always -100): <|audio_out_bos|>'s
-        trained = out_tok & ((labels[pb, pi] != IGNORE_INDEX) | ((pi > 0) & (labels[pb, prev] != IGNORE_INDEX)))
+        trained = out_tok & (labels[pb, pi] != IGNORE_INDEX)   # Higgs: the placeholder's own label
         codes = batch.get("codes")
         if codes is None:
             codes = torch.zeros((B, self.n_codebooks, 0), dtype=torch.long, device=dev)
