@@ -68,6 +68,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from shards.kinds import WAVEFORM
 from shards.schema import SEGMENT_COLUMNS
 from shards.tokens import IGNORE_INDEX
 
@@ -452,7 +453,7 @@ class HiggsChatMLDataset(torch.utils.data.Dataset):
             rate = self.rate
             at = 0
             for k in inputs.tolist():
-                w = np.asarray(wave[offs[k]:offs[k + 1]], dtype=np.float32) / 32768.0   # int16 PCM -> [-1, 1)
+                w = WAVEFORM.from_storage(wave[offs[k]:offs[k + 1]])   # int16 PCM -> float32 [-1, 1)
                 waves.append(torch.from_numpy(w))
                 starts.append(at)
                 rates.append(rate)

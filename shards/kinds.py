@@ -8,10 +8,12 @@ the declared fields and calls their kind; no such code names a specific field.
 
 What a kind decides:
 
-* **values** (:meth:`FieldKind.value_check`, :meth:`FieldKind.value_problem`): e.g. codes in
-  ``[0, codebook_size)`` (the size comes from ``manifest.json``), token ids in ``[0, vocab_size)``,
-  floats finite and inside the storage dtype's range. Checked when a sample is written and by
-  ``shards verify``.
+* **values** (:meth:`FieldKind.value_check`): a :class:`ValueCheck` object that finds the first
+  bad value itself (:class:`InRange`: codes in ``[0, codebook_size)``, the size from
+  ``manifest.json``, token ids in ``[0, vocab_size)``; :class:`LabelIds`; :class:`Finite`: floats
+  finite and inside the storage dtype's range; :class:`Bf16Finite`). A kind with a check of its own
+  declares it beside the kind, nothing else. Checked when a sample is written, by readers asked to
+  (``value_checks``) and by ``shards verify``.
 * **batch layout** (:meth:`FieldKind.layout`, :meth:`FieldKind.fill`): every sample's array of
   shape ``s_j`` goes into a batch tensor ``(B, *S)`` with ``S`` the element-wise maximum over the
   batch; the rest is the kind's pad value. The per-sample sizes along :attr:`FieldKind.lengths_axis`
@@ -117,18 +119,17 @@ class FieldKind:
     counts_tokens = False
 
     # -- values ----------------------------------------------------------------------------------
-    def value_check(self, field: "Field", manifest: Any) -> tuple | None:
+    def value_check(self, field: "Field", manifest: Any) -> "ValueCheck | None":
         """The check of this field's values in a cache with ``manifest`` (a
-        :class:`shards.manifest.CacheManifest`): ``("range", lo, hi)`` (values in ``[lo, hi)``),
-        ``("finite", max_abs)`` or None (nothing to check). Default: finite and inside the storage
-        dtype's range for float fields, else nothing."""
+        :class:`shards.manifest.CacheManifest`), or None (nothing to check). Default: finite and
+        inside the storage dtype's range for float fields (:class:`Finite`), else nothing."""
         if np.dtype(field.dtype).kind == "f":
-            return ("finite", FLOAT16_MAX if np.dtype(field.dtype).itemsize == 2 else None)
+            return Finite(FLOAT16_MAX if np.dtype(field.dtype).itemsize == 2 else None)
         return None
 
-    def value_problem(self, arr: np.ndarray, check: tuple | None) -> str | None:
+    def value_problem(self, arr: np.ndarray, check: "ValueCheck | None") -> str | None:
         """Why ``arr`` breaks ``check`` (a short text naming the first bad value), or None."""
-        return value_problem(arr, check)
+        return None if check is None else check.problem(arr)
 
     # -- batch geometry --------------------------------------------------------------------------
     def model_torch_dtype(self, field: "Field"):
@@ -362,7 +363,7 @@ class Tokens(FieldKind):
         v = manifest.vocab_size() if manifest is not None else None
         if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             return None
-        return ("labels", int(v)) if self.labels else ("range", 0, int(v))
+        return LabelIds(int(v)) if self.labels else InRange(0, int(v))
 
 
 class Codes(FieldKind):
@@ -379,7 +380,7 @@ class Codes(FieldKind):
 
     def value_check(self, field, manifest):
         v = manifest.codebook_size_of(field.name) if manifest is not None else None
-        return ("range", 0, int(v)) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        return InRange(0, int(v)) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
     def mixed_hint(self, field):
         return "was the cache encoded with several codecs? filter by n_codebooks"
@@ -511,8 +512,6 @@ class Features(FieldKind):
     fixed_axes = (0,)
 
 
-#: ``("bf16_finite",)``: the value check of bfloat16 bit patterns stored as int16 (:class:`BFloat16Bits`)
-BF16_FINITE = "bf16_finite"
 #: the exponent bits of a bfloat16 (all set: NaN or inf)
 BF16_EXPONENT = 0x7F80
 
@@ -537,7 +536,7 @@ class BFloat16Bits(FieldKind):
     fixed_axes = (1, 2)
 
     def value_check(self, field, manifest):
-        return (BF16_FINITE,)
+        return Bf16Finite()
 
     @staticmethod
     def to_storage(x) -> np.ndarray:
@@ -589,27 +588,33 @@ KINDS: dict[str, FieldKind] = {k.name: k for k in (TOKENS, LABELS, CODES, WAVEFO
 _EXPONENT_MASK = {2: np.uint16(0x7C00), 4: np.uint32(0x7F800000), 8: np.uint64(0x7FF0000000000000)}
 
 
-def value_problem(arr: np.ndarray, check: tuple | None) -> str | None:
-    """Why ``arr`` breaks ``check`` (``("range", lo, hi)`` or ``("finite", max_abs | None)``), or None.
+class ValueCheck:
+    """A check of one field's values, made by its kind (:meth:`FieldKind.value_check`), handed to
+    readers as ``value_checks`` (picklable: DataLoader workers get it). Subclasses implement
+    :meth:`find` on a non-empty array; compare by value (frozen dataclasses)."""
 
-    One reduction per array and no temporaries in the common cases: ``[0, hi)`` on a signed int
-    array is ``max(view as unsigned) < hi`` (negative values wrap to huge ones); ``finite`` on a
-    float array is ``max(bits & exponent mask) < exponent mask`` (NaN/inf have every exponent bit set).
-    """
-    if check is None or arr is None or not arr.size:
-        return None
-    a = np.asarray(arr)
-    if check[0] == BF16_FINITE:  # bfloat16 bit patterns (int16): exponent bits all set = NaN/inf
-        bits = np.ascontiguousarray(a).reshape(-1).view(np.uint16) & np.uint16(BF16_EXPONENT)
-        bad = int((bits == BF16_EXPONENT).sum())
-        return None if not bad else f"has {bad} non-finite bfloat16 value(s) (NaN/inf)"
-    if check[0] == "labels":  # ids in [0, hi) or IGNORE_INDEX
-        ok = a >= 0
-        bad = a[(~ok & (a != IGNORE_INDEX)) | (ok & (a >= check[1]))]
-        return None if not bad.size else \
-            f"label {bad.flat[0].item()} neither {IGNORE_INDEX} nor in [0, {check[1]}) ({bad.size} such value(s))"
-    if check[0] == "range":
-        lo, hi = check[1], check[2]
+    def problem(self, arr: np.ndarray | None) -> str | None:
+        """Why ``arr`` breaks the check (a short text naming the first bad value), or None
+        (also for None and empty arrays)."""
+        if arr is None or not np.asarray(arr).size:
+            return None
+        return self.find(np.asarray(arr))
+
+    def find(self, a: np.ndarray) -> str | None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class InRange(ValueCheck):
+    """Values in ``[lo, hi)`` (codes ``[0, codebook_size)``, ids ``[0, vocab_size)``). One reduction
+    and no temporaries in the common case: ``[0, hi)`` on a signed int array is ``max(view as
+    unsigned) < hi`` (negative values wrap to huge ones)."""
+
+    lo: int
+    hi: int
+
+    def find(self, a):
+        lo, hi = self.lo, self.hi
         if (lo == 0 and a.dtype.kind == "i" and a.flags.c_contiguous and hi <= 1 << (8 * a.dtype.itemsize - 1)):
             ok = a.reshape(-1).view(a.dtype.str.replace("i", "u")).max() < hi
         else:
@@ -618,19 +623,53 @@ def value_problem(arr: np.ndarray, check: tuple | None) -> str | None:
             return None
         bad = a[(a < lo) | (a >= hi)]
         return f"value {bad.flat[0].item()} outside [{lo}, {hi}) ({bad.size} such value(s))"
-    if a.dtype.kind != "f":
+
+
+@dataclass(frozen=True)
+class LabelIds(ValueCheck):
+    """Label ids: each in ``[0, vocab_size)`` or :data:`IGNORE_INDEX`."""
+
+    vocab_size: int
+
+    def find(self, a):
+        ok = a >= 0
+        bad = a[(~ok & (a != IGNORE_INDEX)) | (ok & (a >= self.vocab_size))]
+        return None if not bad.size else \
+            f"label {bad.flat[0].item()} neither {IGNORE_INDEX} nor in [0, {self.vocab_size}) ({bad.size} such value(s))"
+
+
+@dataclass(frozen=True)
+class Finite(ValueCheck):
+    """Floats without NaN/inf (``max(bits & exponent mask) < exponent mask``: NaN/inf have every
+    exponent bit set) and, for floats wider than 2 bytes, within ``+-max_abs`` (None: no bound) so
+    they fit float16. Integer arrays pass."""
+
+    max_abs: float | None = None
+
+    def find(self, a):
+        if a.dtype.kind != "f":
+            return None
+        mask = _EXPONENT_MASK.get(a.dtype.itemsize)
+        if mask is not None and a.flags.c_contiguous:
+            finite = int(np.bitwise_and(a.reshape(-1).view(mask.dtype), mask).max()) < int(mask)
+        else:
+            finite = bool(np.isfinite(a).all())
+        if not finite:
+            return f"has {int(a.size - np.isfinite(a).sum())} non-finite value(s) (NaN/inf)"
+        limit = self.max_abs
+        if limit is not None and a.dtype.itemsize > 2 and float(np.abs(a).max()) > limit:
+            return f"values beyond +-{limit:g} (largest {float(np.abs(a).max()):.4g}) overflow float16"
         return None
-    mask = _EXPONENT_MASK.get(a.dtype.itemsize)
-    if mask is not None and a.flags.c_contiguous:
-        finite = int(np.bitwise_and(a.reshape(-1).view(mask.dtype), mask).max()) < int(mask)
-    else:
-        finite = bool(np.isfinite(a).all())
-    if not finite:
-        return f"has {int(a.size - np.isfinite(a).sum())} non-finite value(s) (NaN/inf)"
-    limit = check[1] if len(check) > 1 else None
-    if limit is not None and a.dtype.itemsize > 2 and float(np.abs(a).max()) > limit:
-        return f"values beyond +-{limit:g} (largest {float(np.abs(a).max()):.4g}) overflow float16"
-    return None
+
+
+@dataclass(frozen=True)
+class Bf16Finite(ValueCheck):
+    """bfloat16 bit patterns (int16) without NaN/inf (exponent bits all set)."""
+
+    def find(self, a):
+        bits = np.ascontiguousarray(a).reshape(-1).view(np.uint16) & np.uint16(BF16_EXPONENT)
+        bad = int((bits == BF16_EXPONENT).sum())
+        return None if not bad else f"has {bad} non-finite bfloat16 value(s) (NaN/inf)"
 
 
 # ------------------------------------------------------------------------------ copying
@@ -706,5 +745,5 @@ def _pad_tails(row: np.ndarray, shape: tuple[int, ...], pad: Any) -> None:
 
 __all__ = ["FieldKind", "BatchContext", "Tokens", "Codes", "Waveform", "Offsets", "Rows", "Latents", "Features",
            "BFloat16Bits", "TOKENS", "LABELS", "CODES", "WAVEFORM", "OFFSETS", "SEGMENTS", "LATENTS", "FEATURES",
-           "BF16_BITS", "BF16_FINITE", "KINDS", "PAD_TEXT", "PAD_LAST", "PCM16_SCALE", "PCM16_FULL_SCALE",
-           "IGNORE_INDEX", "value_problem", "copy_serial", "serial"]
+           "BF16_BITS", "KINDS", "PAD_TEXT", "PAD_LAST", "PCM16_SCALE", "PCM16_FULL_SCALE",
+           "IGNORE_INDEX", "ValueCheck", "InRange", "LabelIds", "Finite", "Bf16Finite", "copy_serial", "serial"]

@@ -40,7 +40,7 @@ from . import fields, schema  # noqa: F401
 from .checksum import ALGORITHM, COLUMN as CHECKSUM, checksum
 from .errors import ShardCorrupt, UnsafeMember
 from .files import ShardFiles
-from .kinds import BF16_FINITE, value_problem
+from .kinds import Finite, InRange, ValueCheck
 from .manifest import CacheManifest
 from .manifest import check_format_version, read_manifest
 from .index import (read_index,  # noqa: F401
@@ -74,8 +74,8 @@ def refuse_unsafe(table: pa.Table, where: str | Path) -> None:
 def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, Any]:
     """The value checks a cache's ``manifest.json`` implies, for ``ShardReader(value_checks=...)``:
     each declared field's kind says what to check (:meth:`shards.kinds.FieldKind.value_check`), with
-    the sizes the manifest records: ``(lo, hi)`` (codes in ``[0, codebook_size)``, ids in
-    ``[0, vocab_size)``), ``"finite"`` (floats), or a kind's own check tuple (labels: ids or -100)."""
+    the sizes the manifest records: ``{field: ValueCheck}`` (:class:`shards.kinds.ValueCheck`: codes
+    in ``[0, codebook_size)``, ids in ``[0, vocab_size)``, labels ids or -100, floats finite...)."""
     man = CacheManifest.from_dict(manifest or {})
     checks: dict[str, Any] = {}
     for f in list(fields.BY_NAME.values()) + [fields.lookup(n) for n in man.fields]:
@@ -84,31 +84,30 @@ def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, Any
         check = f.kind.value_check(f, man)
         if check is None:
             continue
-        checks[f.name] = (check[1], check[2]) if check[0] == "range" else "finite" \
-            if check[0] == "finite" and check[1:] in ((), (None,), (65504.0,)) else check
+        checks[f.name] = check
     return checks
 
 
-def _normalise_checks(value_checks: dict[str, Any] | None) -> dict[str, tuple]:
-    """``{field: (lo, hi) | "finite" | a kind's check tuple}`` -> ``{field: check tuple}``
-    (see :func:`shards.kinds.value_problem`)."""
-    out: dict[str, tuple] = {}
+def _normalise_checks(value_checks: dict[str, Any] | None) -> dict[str, ValueCheck]:
+    """``{field: ValueCheck | (lo, hi) | "finite"}`` -> ``{field: ValueCheck}`` (the two shorthands
+    are :class:`~shards.kinds.InRange` and :class:`~shards.kinds.Finite`)."""
+    out: dict[str, ValueCheck] = {}
     for field, spec in (value_checks or {}).items():
         if not isinstance(field, str) or field.endswith(".npy"):
             raise ValueError(f"value_checks: key {field!r} must be a field name such as 'codes'")
         if spec is None:
             continue
-        if spec == "finite":  # values are read in their storage dtype: NaN/inf is what can go wrong
-            out[field] = ("finite", None)
-        elif isinstance(spec, tuple) and spec and spec[0] in ("range", "finite", "labels", BF16_FINITE):
+        if isinstance(spec, ValueCheck):
             out[field] = spec
+        elif isinstance(spec, str) and spec == "finite":  # read in the storage dtype: NaN/inf can go wrong
+            out[field] = Finite()
         elif (isinstance(spec, (tuple, list)) and len(spec) == 2
               and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in spec)
               and spec[0] < spec[1]):
-            out[field] = ("range", int(spec[0]), int(spec[1]))
+            out[field] = InRange(int(spec[0]), int(spec[1]))
         else:
-            raise ValueError(f"value_checks[{field!r}] = {spec!r}: expected (lo, hi) ints with lo < hi "
-                             "(values must lie in [lo, hi)) or 'finite'")
+            raise ValueError(f"value_checks[{field!r}] = {spec!r}: expected a shards.kinds.ValueCheck, (lo, hi) "
+                             "ints with lo < hi (values must lie in [lo, hi)) or 'finite'")
     return out
 
 
@@ -142,7 +141,7 @@ class ShardReader:
             ``index``; shards without rows are never opened); default: sorted shard names.
         manifest: the cache's ``manifest.json`` as a dict, if already loaded; default: read it
             from ``cache_dir``.
-        value_checks: ``{field: (lo, hi) | "finite"}``: :meth:`views` and :meth:`get` raise
+        value_checks: ``{field: ValueCheck | (lo, hi) | "finite"}``: :meth:`views` and :meth:`get` raise
             :class:`ShardCorrupt` (naming shard, key and the bad value) when an array of ``field``
             has a value outside ``[lo, hi)``, or (``"finite"``) a NaN/inf. E.g.
             ``{"codes": (0, codebook_size), "latents": "finite"}``;
@@ -455,11 +454,10 @@ class ShardReader:
         deleted (see :mod:`shards.files`)."""
         self.io.pin(range(len(self.files)) if which is None else which)
 
-    def _check_values(self, field: str, spec: tuple, rows: list[int], arrays: list) -> None:
-        """Raise :class:`ShardCorrupt` naming shard and key for the first array breaking ``spec``
-        (:func:`shards.kinds.value_problem`)."""
+    def _check_values(self, field: str, spec: ValueCheck, rows: list[int], arrays: list) -> None:
+        """Raise :class:`ShardCorrupt` naming shard and key for the first array breaking ``spec``."""
         for r, a in zip(rows, arrays):
-            why = value_problem(a, spec)
+            why = spec.problem(a)
             if why is not None:
                 raise ShardCorrupt(f"{self._where(r)}: {field} {why}; the shard is damaged or was not written "
                                    "for this cache's settings; run `shards verify --deep`")

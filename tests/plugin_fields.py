@@ -9,15 +9,34 @@ verify``, loader workers started by spawn) learn the field from ``SHARDCACHE_PLU
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn as nn
 
 from shards.fields import Field, register
-from shards.kinds import FieldKind
+from shards.kinds import FieldKind, ValueCheck
 
 #: rate and hop of the features (Whisper's: 16 kHz, 10 ms)
 RATE, HOP = 16000, 160
+#: the least value ``log(1e-5 + power)`` can take, less float16's rounding there
+MEL_FLOOR = math.log(1e-5) - 0.01
+
+
+@dataclass(frozen=True)
+class LogFloor(ValueCheck):
+    """Log-mel values: finite and not below ``floor`` (the kind's own check, declared only here)."""
+
+    floor: float
+
+    def find(self, a):
+        x = a.astype(np.float32)
+        if not np.isfinite(x).all():
+            return f"has {int((~np.isfinite(x)).sum())} non-finite value(s)"
+        low = x[x < self.floor]
+        return None if not low.size else f"value {low.flat[0]:g} below the log-mel floor {self.floor:.4g}"
 
 
 class FrameFeatures(FieldKind):
@@ -29,6 +48,9 @@ class FrameFeatures(FieldKind):
     lengths_axis = 1
     mask_axes = (1,)
     fixed_axes = (0,)
+
+    def value_check(self, field, manifest):
+        return LogFloor(MEL_FLOOR)
 
 
 MEL = register(Field("mel", "float16", 2, FrameFeatures(), pad=0.0, lengths="mel_lengths", mask="mel_mask",
@@ -89,4 +111,4 @@ class MelModel(nn.Module):
         return err.sum() / ok.sum().clamp_min(1) / x.shape[1]
 
 
-__all__ = ["FrameFeatures", "MEL", "make_mel", "log_mel", "MelModel", "torch"]
+__all__ = ["FrameFeatures", "LogFloor", "MEL_FLOOR", "MEL", "make_mel", "log_mel", "MelModel", "torch"]

@@ -48,6 +48,30 @@ def mel_cache(tmp_path_factory, tiny_config) -> Path:
     return out
 
 
+def test_the_kinds_own_value_check_is_declared_once_and_applied_by_readers(tmp_path):
+    """The plug-in kind declares a check of its own (plugin_fields.LogFloor, in that one module):
+    the manifest's checks carry it and a reader refuses a value breaking it, naming the sample;
+    no whitelist or dispatch elsewhere has to learn it."""
+    from shards import ShardCorrupt, ShardReader, ShardWriter, merge_parts
+    from shards.reader import read_manifest, value_checks_from_manifest
+    from shards.schema import shard_name
+    good = np.full((N_MELS, 4), -3.0, np.float16)
+    bad = good.copy()
+    bad[2, 1] = -40.0
+    with ShardWriter(tmp_path, shard_name(0, 0)) as w:
+        for key, mel in (("a", good), ("b", bad)):
+            w.add(key, {"json": {"text": key, "sample_rate": 16000, "duration_s": 0.1}, "mel.npy": mel})
+        w.commit()
+    merge_parts(tmp_path, {})
+    checks = value_checks_from_manifest(read_manifest(tmp_path))
+    assert checks["mel"] == plugin_fields.LogFloor(plugin_fields.MEL_FLOOR)
+    r = ShardReader(tmp_path, value_checks=checks)
+    assert np.array_equal(r.get(r.keys.index("a"))["mel"], good)
+    with pytest.raises(ShardCorrupt, match=r"'b'.*mel value -40 below the log-mel floor -11.52"):
+        r.get(r.keys.index("b"))
+    assert np.array_equal(ShardReader(tmp_path).get(r.keys.index("b"))["mel"], bad)  # unchecked: as stored
+
+
 def test_precompute_writes_the_new_field(mel_cache):
     from shards import ShardReader
     man = json.loads((mel_cache / "manifest.json").read_text())

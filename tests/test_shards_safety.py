@@ -18,6 +18,7 @@ import shards
 from shards.cli import main
 from shards.errors import ShardCorrupt, UnsafePath, UnsupportedFormat
 from shards import check_format_version, read_index, read_manifest, safe_shard_path
+from shards.kinds import Finite, InRange
 from shards.reader import ShardReader, value_checks_from_manifest
 from shards.schema import FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, shard_name
 
@@ -264,7 +265,7 @@ def test_code_out_of_range_is_caught(tmp_path):
             fields["codes.npy"][2, 7] = 32767
     c = build(tmp_path / "c", edit=edit)
     checks = value_checks_from_manifest(read_manifest(c))
-    assert checks["codes"] == (0, 1024) and checks["latents"] == "finite"
+    assert checks["codes"] == InRange(0, 1024) and checks["latents"] == Finite(65504.0)
     r = ShardReader(c, value_checks=checks)
     ok = np.arange(5)
     assert len(r.views("codes", ok)) == 5
@@ -335,7 +336,7 @@ def test_pickled_reader_keeps_checks(clean):
     r.drop_index()
     r2 = pickle.loads(pickle.dumps(r))
     assert len(r2.views("codes", np.arange(r2.n))) == r2.n
-    assert r2.value_checks == {"codes": ("range", 0, 1024)} and r2.verify_reads
+    assert r2.value_checks == {"codes": InRange(0, 1024)} and r2.verify_reads
 
 
 LOADER_TRUNCATE_SCRIPT = """

@@ -331,6 +331,25 @@ def test_latents_mask_padding_gets_no_gradient(latent_loss):
 
 # ---- metrics ---------------------------------------------------------------------------------------
 
+def test_step_stats_read_gives_every_quantity_under_its_name():
+    """Extras (sorted or not), optimizer groups and latent statistics each land under their own name,
+    with the values computed here directly (means over micro-steps, last step's group norms)."""
+    from train.metrics import StepStats
+    st = StepStats(torch.device("cpu"), skipped=2, groups=("proj", "lm"))
+    st.add_micro(torch.tensor(2.0), {"z_loss": torch.tensor(1.0), "a_loss": torch.tensor(10.0)}, 5, 2)
+    st.add_micro(torch.tensor(4.0), {"z_loss": torch.tensor(3.0), "a_loss": torch.tensor(30.0)}, 7, 2)
+    st.add_step(torch.tensor(5.0), torch.tensor(False), 4.0, torch.tensor([3.0, 4.0]))
+    lat = torch.tensor([1.0, 2.0, 3.0, 6.0]).reshape(1, 1, 1, 2, 2)
+    st.add_latents(lat, torch.tensor([[[[True, True], [True, False]]]]))     # 6.0 masked out
+    rec, health = st.read(D.DistInfo())
+    assert rec["loss"] == 3.0 and rec["z_loss"] == 2.0 and rec["a_loss"] == 20.0
+    assert rec["grad_norm/proj"] == 3.0 and rec["grad_norm/lm"] == 4.0 and rec["grad_norm"] == 5.0
+    assert rec["skipped_steps"] == 2 and health == {"over_warn": 1, "streak": 0}
+    assert rec["latents_mean"] == 2.0 and rec["latents_min"] == 1.0 and rec["latents_max"] == 3.0
+    assert rec["latents_std"] == pytest.approx(math.sqrt(((1 - 2) ** 2 + 0 + (3 - 2) ** 2) / 3))
+    assert rec["tokens_per_s"] > 0 and rec["samples_per_s"] > 0
+
+
 @pytest.fixture
 def train_log(caplog, monkeypatch):
     """caplog for the ``train`` logger (an in-process run's setup_logging turns propagation off)."""

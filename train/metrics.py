@@ -71,6 +71,10 @@ def to_json(rec: dict[str, Any]) -> str:
     return json.dumps(finite_or_none(rec), allow_nan=False)
 
 
+#: the window's latent statistics (:meth:`StepStats.add_latents`), in the order they are kept
+LATENT_STATS = ("latents_sum", "latents_sum_sq", "latents_cells", "latents_min", "latents_max")
+
+
 class StepStats:
     """Per-step quantities as device tensors: sums over the window since the last read, and the
     non-finite counters of the run. Nothing here reads a value back to the host except :meth:`read`
@@ -141,29 +145,30 @@ class StepStats:
     def read(self, info: D.DistInfo) -> tuple[dict[str, Any], dict[str, int]]:
         """(the window's record, its health: ``over_warn`` steps above the grad-norm warning,
         ``streak`` the longest run of non-finite steps), every rank's sums all-reduced: one
-        all-reduce, one device-to-host copy."""
-        names = sorted(self.extras)
-        summed = torch.stack([self.loss, self.tokens] + [self.extras[k] for k in names])
-        D.all_reduce_(summed, info)
-        local = torch.stack([self.norm, self.norm_max, self.over_warn, self.skipped, self.streak_max])
-        lat = self.latents if self.latents is not None else torch.zeros(0, dtype=torch.float64, device=self.device)
-        vals = torch.cat([summed, local, self.group_norm, lat]).tolist()
-        n_sum = len(summed)
-        (norm, norm_max, over_warn, skipped, streak), rest = vals[n_sum:n_sum + 5], vals[n_sum + 5:]
-        gnorms, lat_vals = rest[:len(self.groups)], rest[len(self.groups):]
+        all-reduce, one device-to-host copy. Every quantity travels under its name."""
+        summed = {"loss": self.loss, "tokens": self.tokens, **{("extra", k): v for k, v in self.extras.items()}}
+        local = {"grad_norm": self.norm, "grad_norm_max": self.norm_max, "over_warn": self.over_warn,
+                 "skipped": self.skipped, "streak": self.streak_max,
+                 **{f"grad_norm/{g}": v for g, v in zip(self.groups, self.group_norm.unbind())}}
+        if self.latents is not None:
+            local.update(zip(LATENT_STATS, self.latents.unbind()))
+        reduced = torch.stack(list(summed.values()))
+        D.all_reduce_(reduced, info)
+        v = dict(zip([*summed, *local], torch.cat([reduced, torch.stack(list(local.values()))]).tolist()))
         n = max(self.micro, 1) * info.world_size
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        rec = {"loss": vals[0] / n, "grad_norm": norm, "grad_norm_max": norm_max,
-               "samples_per_s": self.samples * info.world_size / dt, "tokens_per_s": vals[1] / dt,
+        rec = {"loss": v["loss"] / n, "grad_norm": v["grad_norm"], "grad_norm_max": v["grad_norm_max"],
+               "samples_per_s": self.samples * info.world_size / dt, "tokens_per_s": v["tokens"] / dt,
                "data_wait": self.data_wait / dt, "step_time_s": dt / max(self.steps, 1),
-               "skipped_steps": int(skipped)}
-        rec.update({k: v / n for k, v in zip(names, vals[2:n_sum])})
-        rec.update({f"grad_norm/{g}": v for g, v in zip(self.groups, gnorms)})
-        if lat_vals and lat_vals[2] > 0:
-            mean = lat_vals[0] / lat_vals[2]
-            rec.update({"latents_mean": mean, "latents_std": math.sqrt(max(lat_vals[1] / lat_vals[2] - mean * mean, 0.0)),
-                        "latents_min": lat_vals[3], "latents_max": lat_vals[4]})
-        return rec, {"over_warn": int(over_warn), "streak": int(streak)}
+               "skipped_steps": int(v["skipped"])}
+        rec.update({k: v[("extra", k)] / n for k in sorted(self.extras)})
+        rec.update({f"grad_norm/{g}": v[f"grad_norm/{g}"] for g in self.groups})
+        if v.get("latents_cells", 0) > 0:
+            mean = v["latents_sum"] / v["latents_cells"]
+            rec.update({"latents_mean": mean,
+                        "latents_std": math.sqrt(max(v["latents_sum_sq"] / v["latents_cells"] - mean * mean, 0.0)),
+                        "latents_min": v["latents_min"], "latents_max": v["latents_max"]})
+        return rec, {"over_warn": int(v["over_warn"]), "streak": int(v["streak"])}
 
 
 def check_nonfinite(streak: int, limit: int, step: int) -> None:
