@@ -5,12 +5,11 @@ forked child of a CUDA process cannot use CUDA, and the driver's threads make ``
 then ``"forkserver"`` (``"spawn"`` where forkserver is missing).
 
 A forkserver is one clean process that forks each worker. By default it imports nothing of ours,
-so every worker imports torch, numpy and :mod:`loaders` itself before its first batch: 2.3-3.0 s
-per loader on this 2-core VM, 8.6-9.5 s on an H100 node's 16-vCPU host (``make bench``,
-``make bench-gpu``; once per loader with persistent workers, again for the eval loader and every
-resume). :func:`worker_context` adds :data:`FORKSERVER_PRELOAD` to what the forkserver imports when it
-starts, so workers are forked with those modules loaded: 55-110 ms to a first batch for every loader
-after the first here (the first one pays the server's import once, ~1.4 s).
+so every worker imports torch, numpy and :mod:`loaders` itself before its first batch (seconds;
+once per loader with persistent workers, again for the eval loader and every resume).
+:func:`worker_context` adds :data:`FORKSERVER_PRELOAD` to what the forkserver imports when it
+starts, so workers are forked with those modules loaded and only the first loader pays the import
+(the figures: docs/benchmarks.md).
 """
 from __future__ import annotations
 

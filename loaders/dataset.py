@@ -81,7 +81,7 @@ class CacheSource:
     :func:`shards.value_checks_from_manifest`), and this logs once that they are unchecked. The
     shard files are pinned when the source is built (local caches): a shard replaced, resized or
     deleted later stops the reads (:mod:`shards.files`). ``verify_reads``: also check each
-    sample's sha256 as it is read (opt-in; about 86 us per 146 KB sample).
+    sample's sha256 as it is read (opt-in; its cost: docs/benchmarks.md).
 
     ``cache_dir`` may be a URL (``s3://...``, any fsspec protocol): then ``remote`` holds the
     :class:`loaders.remote.RemoteCache` keyword arguments (``rank``, ``local_dir``,

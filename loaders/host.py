@@ -2,7 +2,7 @@
 
 Why: a batch of 32 samples of ~360 KiB is ~15 MB of tensors. Allocated afresh per batch, glibc
 hands part of it back to the kernel when the previous batch is freed and the next one page-faults
-it in again (measured ~800 minor faults per batch, a third of the read time). :class:`HostArena`
+it in again (page faults: docs/benchmarks.md). :class:`HostArena`
 keeps a few blocks and lays each batch out in one (the layout of :func:`loaders.shm.layout_bytes`,
 as a worker's shared-memory slot); a block is reused once every tensor of its batch is gone (the
 tensors are views of one per-batch numpy view of the block whose finalizer runs when the last of

@@ -68,8 +68,8 @@ def _worker_init(_worker_id: int) -> None:
     """Each DataLoader worker moves the objects it inherited (the loader, the index arrays, torch's
     modules) to the garbage collector's permanent generation (``gc.freeze``): the collections a
     worker's reads trigger then scan only what it allocated since, and leave the inherited pages
-    unwritten (copy-on-write keeps them shared with the parent). Measured on ``make bench``'s loader
-    cache, 2 workers: 2-5 % more batches per second."""
+    unwritten (copy-on-write keeps them shared with the parent; a few % more batches per second,
+    docs/benchmarks.md)."""
     gc.freeze()
 
 

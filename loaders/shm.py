@@ -2,10 +2,9 @@
 
 Why: a worker that collates each batch into a *new* shared-memory block (what ``default_collate``
 and our old ``allocate`` did) pays for the block every batch: creating it, page-faulting and
-zeroing every fresh page while writing (measured 36.9 ms against 9.4 ms for the same 32-sample
-batch collated into reused memory), passing a file descriptor through a socket, and, in the main
-process, mapping it, faulting the pages in again and unmapping them when the batch is freed. With 2
-workers on 2 cores that made ShardLoader 5x slower than reading in one process.
+zeroing every fresh page while writing, passing a file descriptor through a socket, and, in the main
+process, mapping it, faulting the pages in again and unmapping them when the batch is freed (what
+that cost: docs/benchmarks.md).
 
 How: each worker keeps up to ``max_slots`` shared-memory slots (:class:`SlotArena`). It collates a
 batch straight into a free slot and sends a small :class:`SlotBatch` message (the layout: name,
@@ -23,7 +22,7 @@ generation. Beside them the receiver records the id of the storage it has mapped
 worker sends a slot's storage (a file descriptor through a socket, mapped again by the receiver)
 only when the receiver has not mapped it yet, so an epoch after the first sends none (a message
 that carried it and was dropped unread left no record: the storage goes again). The table is read
-and written through numpy views (a torch element read and write costs ~15 us of dispatch, several per
+and written through numpy views (a torch element read and write pays torch's dispatch, several per
 batch). The worker only takes a slot whose flag is 0; the receiver clears a flag only if it still
 holds the token it handed out. Messages dropped unread (the DataLoader discards in-flight
 batches of an iteration abandoned mid-epoch) would keep their slot busy forever, so at each new
@@ -94,7 +93,7 @@ class _Table:
 def layout_bytes(layout) -> tuple[list[int], int]:
     """Byte offsets (:data:`ALIGN`-aligned) of ``(name, shape, dtype)`` entries and the total."""
     offsets, total = [], 0
-    for _, shape, dtype in layout:  # math.prod: np.prod costs ~5 us a call, a dozen per batch
+    for _, shape, dtype in layout:  # math.prod: np.prod costs more a call, a dozen per batch
         offsets.append(total)
         n = math.prod(shape) * dtype.itemsize
         total += -(-n // ALIGN) * ALIGN
@@ -128,8 +127,8 @@ def lease(block: np.ndarray, nbytes: int) -> np.ndarray:
 def views(block: np.ndarray, layout, offsets) -> dict[str, torch.Tensor]:
     """The tensors of ``layout`` (``(name, shape, torch dtype)``) at byte ``offsets`` of ``block``
     (a uint8 numpy array): each is ``torch.from_numpy`` of a numpy view of ``block``, so ``block``
-    lives until the last of them (and of any ``.numpy()`` or view taken of them) is gone. A third of
-    the cost of :func:`view` per tensor (1 us vs 3 us, a dozen tensors per batch)."""
+    lives until the last of them (and of any ``.numpy()`` or view taken of them) is gone. Cheaper
+    than :func:`view` per tensor (a dozen tensors per batch)."""
     out = {}
     for (name, shape, dtype), off in zip(layout, offsets):
         np_dtype = NP_DTYPES.get(dtype)

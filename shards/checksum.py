@@ -5,13 +5,10 @@ into index rows: stage one's shards, ``add-field`` sidecars, ``shards reindex``)
 member entry of ``index.parquet`` (field :data:`COLUMN` of :data:`shards.index.MEMBER_TYPE`,
 uint64), the checksum of the bytes the entry locates: an array's raw payload (``offset``,
 ``size``: exactly the bytes a loader copies into a batch, ``.npy`` header excluded), or a whole
-member (``json``, ``tensors.npz``). Indexes written before it have null there: such caches read
-as before, unchecked (the loaders say so once).
+member (``json``, ``tensors.npz``); an entry without one is refused as damage.
 
-Why XXH3-64 (:mod:`xxhash`, ``xxh3_64`` with seed 0): the fastest of the checksums measured on
-this project's 2-core AMD EPYC machine over 364 KiB buffers held in L2 (best of 3, one core):
-XXH3-64 26 GB/s, crc32c (``crc32c`` package, SSE4.2) 14 GB/s, google-crc32c 8-13 GB/s, ISA-L
-crc32 6.5 GB/s, zlib.crc32 0.8 GB/s. The reader hashes each member right after copying it into
+Why XXH3-64 (:mod:`xxhash`, ``xxh3_64`` with seed 0): the fastest of the checksums measured (crc32c,
+google-crc32c, ISA-L crc32, zlib.crc32; figures in docs/benchmarks.md). The reader hashes each member right after copying it into
 its batch (the bytes are still in cache), so the check costs one pass over cached bytes per read
 (see docs/loader.md for the measured cost). It detects accidental damage (bit flips, torn or
 misplaced writes, a shard rewritten under a reader); it is not a defence against an attacker who

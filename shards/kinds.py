@@ -320,7 +320,7 @@ class FieldKind:
             if m.nbytes <= _SMALL_PAD:  # small (attention masks, short clips): one comparison per axis
                 m[...] = _inside(np.asarray(real, dtype=np.int64).reshape(len(real), len(axes)), want)
                 return
-            if len(axes) == 1:  # one memset per row and side: 5x faster than a comparison over the mask
+            if len(axes) == 1:  # one memset per row and side: faster than a comparison over the mask
                 for j, (d,) in enumerate(real):
                     m[j, :d] = True
                     m[j, d:] = False
@@ -421,8 +421,8 @@ class Waveform(FieldKind):
     def widen_host(self, field, dst, src):
         if dst.is_floating_point() and not src.is_floating_point():
             # numpy, two passes on the calling thread (no OpenMP region): a cast (exact, every int16
-            # is a float32) then a multiply by a power of two (exact). 4x faster than torch's
-            # mixed-dtype multiply run serially in pieces (2.3 ms vs 0.53 ms for 16 x 7 s at 16 kHz)
+            # is a float32) then a multiply by a power of two (exact); faster than torch's
+            # mixed-dtype multiply run serially in pieces (docs/benchmarks.md)
             d = dst.numpy()
             np.copyto(d, src.numpy(), casting="unsafe")
             np.multiply(d, PCM16_SCALE.astype(d.dtype), out=d)
@@ -679,7 +679,7 @@ _PIECE = 32767
 
 
 def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[...] = src``; float16 -> float32 of a large array through torch (5x faster than numpy)."""
+    """``dst[...] = src``; float16 -> float32 of a large array through torch (faster than numpy)."""
     if dst.dtype == np.float32 and src.dtype == np.float16 and src.size > 4096:
         import torch
         copy_serial(torch.from_numpy(dst), src)
@@ -704,10 +704,10 @@ def copy_serial(dst, src: np.ndarray) -> None:
     calling thread.
 
     A copy_ of 32768 elements or more opens an OpenMP parallel region. Per sample that costs more
-    than it saves (measured 79 vs 39 us for a 16x64x64 latent on 2 threads), and when the cores
+    than it saves (docs/benchmarks.md), and when the cores
     are busy (DataLoader workers, other jobs) waking the pool can cost a scheduler time slice
     (ms) per call. With more than one intra-op thread we copy in pieces below the grain size.
-    torch's strided copy converts float16 5x faster than numpy's.
+    torch's strided copy converts float16 faster than numpy's.
     """
     import torch
     s = torch.from_numpy(np.ascontiguousarray(src)).reshape(-1)

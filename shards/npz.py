@@ -1,10 +1,10 @@
 """The packed tensor member ``KEY.tensors.npz``: every array of a sample in one uncompressed zip.
 
-Why one member (format 3): a tar member costs a 512-byte header plus padding to a 512-byte
-block, so a conversation sample with 6 small arrays (``input_ids``, ``labels``,
-``audio_segments``, ``audio_starts``, short ``codes``...) paid ~1 KiB per array for a few hundred
-bytes of data (real-mini: disk / tensor bytes 1.18). Packed, a sample is two tar members
-(``KEY.json``, ``KEY.tensors.npz``): 1.10 on real-mini, 1.01 on 360 KB samples.
+Why one member: a tar member costs a 512-byte header plus padding to a 512-byte block, so a
+conversation sample with 6 small arrays (``input_ids``, ``labels``, ``audio_segments``,
+``audio_starts``, short ``codes``...) would pay ~1 KiB per array for a few hundred bytes of data.
+Packed, a sample is two tar members (``KEY.json``, ``KEY.tensors.npz``; disk / tensor bytes
+measured: docs/benchmarks.md).
 
 The container is a standard ``.npz`` (what :func:`numpy.savez` writes and ``numpy.load(f,
 allow_pickle=False)`` reads: a zip of ``NAME.npy`` entries), with three properties the readers

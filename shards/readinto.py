@@ -20,8 +20,8 @@ Two executors, the same plan, the same bytes and checks (the tests compare them)
 * **python**: the same loop with :func:`os.preadv` and :mod:`xxhash`, for installs without a C
   compiler (``SHARDCACHE_NATIVE_READ=0`` selects it). Every ``preadv`` and every hash of more than
   64 KiB hands the GIL over, ~60 times per batch of 16 samples of 360 KiB: with two read threads the
-  threads wait for each other (measured on the 2-core bench machine: 2 read threads slower than 1),
-  where the native executor's threads copy and hash in parallel.
+  threads wait for each other (docs/benchmarks.md), where the native executor's threads copy and
+  hash in parallel.
 
 Nothing here raises for a damaged sample: :func:`read_into` returns ``(position, message)`` for
 each sample whose bytes are not what the index says (checksum mismatch, file shorter than the
@@ -62,8 +62,7 @@ READ_THROUGH = 4096
 #: bytes one ``preadv`` fills at most beyond its first run (a run larger than this is one call, small
 #: members are grouped): the members a call completes are hashed right after it, so their bytes must
 #: still be in the core's cache. One call for a whole batch (several MB) made the hash read them back
-#: from memory: checksums cost 0.81-0.86 x the unchecked rate in CPU time, 0.90-0.94 with 32-128 KiB
-#: calls (A/B on make bench's loader cache, 2-core EPYC VM; a member of ~220 KiB of audio is one call)
+#: from memory (the A/B figures: docs/benchmarks.md; a member of ~220 KiB of audio is one call)
 READ_CAP = 256 << 10
 #: the executor: "native" where ``shards._readv`` is built (unless ``SHARDCACHE_NATIVE_READ=0``), else "python"
 EXECUTOR = "native" if _readv is not None and os.environ.get("SHARDCACHE_NATIVE_READ", "1") != "0" else "python"
@@ -232,8 +231,8 @@ def _read_members(fd, off, n, buf, dst, bufs, last, want, check, status, got, re
 
 
 def _starts(a: np.ndarray) -> np.ndarray:
-    """int64 indices where a new value begins in ``a`` (1-D, non-empty), 0 first (``np.r_`` costs
-    ~8 us a call: this is on the path of every batch)."""
+    """int64 indices where a new value begins in ``a`` (1-D, non-empty), 0 first (not ``np.r_``:
+    this is on the path of every batch)."""
     new = np.empty(len(a), dtype=bool)
     new[0] = True
     np.not_equal(a[1:], a[:-1], out=new[1:])

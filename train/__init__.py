@@ -7,7 +7,7 @@ schedule), :mod:`train.precision` (autocast, GradScaler), :mod:`train.metrics` (
 statistics, JSONL/TensorBoard/tqdm on rank 0), :mod:`train.checkpoint` (atomic step-N dirs, LoRA
 adapters, resume with fallback), :mod:`train.profiling` (``--profile`` report), :mod:`train.dist`
 (process group, stop requests), :mod:`train.models` (reference model, ``module:factory`` plug-ins,
-LoRA), :mod:`train.recipes` (tts, vlm), :mod:`train.cli` (``shardcache train``), :mod:`train.batch_size`
+LoRA), :mod:`train.recipes` (the recipes of ``RECIPES``), :mod:`train.cli` (``shardcache train``), :mod:`train.batch_size`
 (``shardcache find-batch-size``).
 
 Never imports decoders (librosa, soundfile, PIL) or diffusers: a training machine must not need

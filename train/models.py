@@ -1,4 +1,4 @@
-"""The reference model, the recipe registry (``--model higgs|tts|vlm``, :mod:`train.recipes`) and the
+"""The reference model, the recipe registry (``--model NAME``, :data:`train.recipes.RECIPES`) and the
 ``module:factory`` plug-in loader.
 
 A training model is any ``nn.Module`` whose ``forward(batch)`` takes the collated batch dict of
@@ -360,7 +360,7 @@ class ReferenceModel(nn.Module):
 
 def build_model(model: str, model_kwargs: dict, spec: DataSpec, latent_loss: str = "none",
                 latent_loss_weight: float = 1.0) -> nn.Module:
-    """The reference model, a recipe (``tts``, ``vlm``: :mod:`train.recipes`) or
+    """The reference model, a recipe (a name of :data:`train.recipes.RECIPES`) or
     ``module:factory(**kwargs)`` (see the module docstring). :class:`DataSpec` values are passed
     to every parameter of the same name that ``model_kwargs`` does not set."""
     from .recipes import RECIPES, recipe_class
@@ -418,7 +418,7 @@ REFERENCE_LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float, targets: tuple) -> nn.Module:
     """Inject peft LoRA adapters into ``targets`` (module-name suffixes) and freeze everything else.
 
-    A model with an ``enable_lora(r, alpha, dropout, targets)`` method (the ``tts``/``vlm`` recipes:
+    A model with an ``enable_lora(r, alpha, dropout, targets)`` method (every recipe:
     adapters on the LM only, their audio/image modules stay trainable) does it itself; the
     reference model's default targets are then replaced by the model's own default (None).
     """

@@ -8,34 +8,27 @@ Canonical encoding of one clip of ``n`` samples (what :meth:`HFCodecTokenizer.en
 2. the padded clip alone, shape ``(1, 1, frames * hop_length)``, goes through ``model.encode``;
 3. the codes ``(n_codebooks, frames)`` are returned as int16.
 
-Batched vs one-by-one (measured with transformers 5.23, torch 2.13 CPU, fp32, random weights):
+Batched vs one-by-one (the measurements: docs/benchmarks.md):
 
 - Padding clips of *different* lengths to the longest one and trimming afterwards is NOT equal to
   one-by-one for DAC. DAC's encoder is non-causal (symmetric zero padding in every conv, residual
   units with dilations 1/3/9 at every stride level); after the first layer the activations over
   the padded tail are not zero, so the deeper layers of a short clip see other right context than
-  the conv padding they see when the clip is encoded alone. The one-sided receptive field is about
-  39 * (1+8+40+160+320) + 960 ~ 21,600 samples, i.e. ~23 frames (0.9 s) at hop 960. Measured: tiny
-  DAC, the last frame of a 20,160-sample clip batched with a 48,000-sample one changed; the
-  Higgs-shaped full DAC, the last 12 frames (40 of 256 codes) of a 30,000-sample clip and the only
-  2 frames of a 961-sample clip. EnCodec and Mimi are causal (no right context), so in exact
-  arithmetic padding cannot change earlier frames, but see the next point.
+  the conv padding they see when the clip is encoded alone (the last frames of the shorter clip
+  change). EnCodec and Mimi are causal (no right context), so in exact arithmetic padding cannot
+  change earlier frames, but see the next point.
 - Even batches of clips of *equal* padded length are not bit-identical to one-by-one: conv, LSTM
-  and attention kernels round differently for different batch sizes (measured max |diff| of the
-  encoder output: DAC 1e-10, EnCodec 1e-7 from the LSTM, Mimi 1e-5). Codes are arg-min/arg-max
-  over codebook distances, so a near tie can flip: in a batch of 8 two-second clips, 2-3 of 2,400
-  codes for the tiny EnCodec and 0-2 for the full-size one (1 or 2 threads); none for DAC (tiny,
-  full: 0 of 3,200) or Mimi (full: 0 of 6,400). Trained codebooks have fewer near ties than
-  random ones, but nothing rules them out.
-- On CPU, batching does not pay: 8 two-second clips through the full DAC took 5.8 s one by one and
-  10.7 s as one batch (1 thread, busy 2-core machine).
+  and attention kernels round differently for different batch sizes. Codes are arg-min/arg-max
+  over codebook distances, so a near tie can flip (seen for EnCodec; trained codebooks have fewer
+  near ties than random ones, but nothing rules them out).
+- On CPU, batching does not pay.
 
 Therefore :meth:`encode` encodes clip by clip by default (``max_batch_size=1``): the codes of a clip
 are a function of the clip and the weights only, never of the other clips in the call or of how a
 job was split into calls. ``max_batch_size > 1`` (for GPUs, where batching pays) batches only clips
 of equal frame count, each padded to its own ``frames * hop_length``, so there is never cross-clip
 padding and the receptive-field effect above cannot occur; results then equal one-by-one up to the
-rare float near-tie flips described above (none measured for DAC). Feed clips of similar length
+rare float near-tie flips described above. Feed clips of similar length
 together (sort a shard's clips by length) to get full batches.
 """
 from __future__ import annotations
