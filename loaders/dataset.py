@@ -76,9 +76,9 @@ class CacheSource:
     ``reader`` the :class:`shards.ShardReader` of the kept rows (index arrays, files).
 
     Every read checks each member against the checksum the index recorded when it was written
-    (:mod:`shards.checksum`); members of caches written before checksums get their kind's value
-    checks instead (codes / ids in ``[0, codebook_size)`` / ``[0, vocab_size)``, floats finite:
-    :func:`shards.value_checks_from_manifest`), and this logs once that they are unchecked. The
+    (:mod:`shards.checksum`; an entry without one is :class:`shards.ShardCorrupt`); the kind's value
+    checks (codes / ids in ``[0, codebook_size)`` / ``[0, vocab_size)``, floats finite:
+    :func:`shards.value_checks_from_manifest`) run with ``checks="values"``. The
     shard files are pinned when the source is built (local caches): a shard replaced, resized or
     deleted later stops the reads (:mod:`shards.files`). ``verify_reads``: also check each
     sample's sha256 as it is read (opt-in; its cost: docs/benchmarks.md).

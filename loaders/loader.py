@@ -121,9 +121,8 @@ class ShardLoader:
             (``audio * loaders.AUDIO_SCALE``, ``latents.float()``). Default False.
         verify_reads: also check every sample's sha256 against the index as it is read (opt-in).
         checks: what every read checks: ``"checksums"`` (default: each member's XXH3-64 against the
-            index, :mod:`shards.checksum`; members of caches written before checksums get their
-            kind's value checks: codes/ids in range, floats finite), ``"values"`` (the value checks
-            only), ``"none"`` (nothing; for benchmarks). A shard replaced, resized or deleted under
+            index, :mod:`shards.checksum`), ``"values"`` (the kinds' value checks only: codes/ids in
+            range, floats finite), ``"none"`` (nothing; for benchmarks). A shard replaced, resized or deleted under
             the loader, or a member past the end of its file, is always caught.
         skip_corrupt: damaged samples (checksum mismatch, truncated member, bad value) the loader
             may leave out of their batch (logged, named; the batch is one sample shorter) before

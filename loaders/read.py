@@ -20,9 +20,8 @@ samples (the tests compare them), without numpy views of mapped files in between
    else in one vectorised pass per field after the read (:meth:`~shards.kinds.FieldKind.widen_host`);
 5. padding is written once, outside each sample's corner (:meth:`~shards.kinds.FieldKind.pad`).
 
-Members whose index entry records no checksum (caches written before checksums existed) get their
-kind's value checks instead (codes and ids in range, floats finite), as every read did before;
-``checks="values"`` asks for those instead of checksums, ``"none"`` for nothing (benchmarks).
+``checks="values"`` asks for the kinds' value checks (codes and ids in range, floats finite)
+instead of checksums, ``"none"`` for nothing (benchmarks).
 A field whose samples are stored with another dtype than the format's (never written by this
 project) is read through :meth:`~shards.ShardReader.views` and collated as
 :func:`~loaders.collate.collate_views` does.

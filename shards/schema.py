@@ -146,8 +146,8 @@ def chunk_shard_name(chunk: int) -> str:
 
 
 def shard_name(global_rank: int, n: int) -> str:
-    """Shard ``n`` of a writer ``global_rank``: ``shard-r{rank:04d}-{n:06d}.tar`` (caches made before
-    chunk numbering, and hand-built caches; still read everywhere)."""
+    """Shard ``n`` of a writer ``global_rank``: ``shard-r{rank:04d}-{n:06d}.tar`` (hand-built
+    caches and tests; read everywhere like chunk names)."""
     return f"shard-r{global_rank:04d}-{n:06d}.tar"
 
 

@@ -63,7 +63,7 @@ class DataSpec:
 
     The first four fields size the reference model; the token ids locate the media placeholders
     of conversation caches (``manifest.json`` ``text.special_token_ids``; None when the cache does
-    not say, e.g. a cache made before conversations or with a tokenizer lacking the token).
+    not say, e.g. a cache without conversations or with a tokenizer lacking the token).
     """
 
     n_codebooks: int = 8
