@@ -449,7 +449,7 @@ def test_random_models_cli(tmp_path, capsys):
 
 def test_higgs_codec_refuses_to_load_without_torchaudio(higgs_models, monkeypatch):
     """Where torchaudio cannot be imported the product fakes nothing: the higgs codec refuses to load,
-    naming torchaudio and the reason (precompute turns this ImportError into exit 2)."""
+    naming torchaudio and the reason (precompute stops with this one-line error, before any row)."""
     import sys
     monkeypatch.setitem(sys.modules, "torchaudio", None)   # what a failed import looks like
     with pytest.raises(ImportError, match=r"higgs audio tokenizer needs torchaudio .* cannot be imported here"):
