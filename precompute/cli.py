@@ -1,4 +1,4 @@
-"""``shardcache precompute`` / ``python -m precompute``: encode a manifest once into a shard cache.
+"""``shardcache precompute``: encode a manifest once into a shard cache.
 
 Single process::
 
@@ -122,9 +122,6 @@ def config_from_args(args: argparse.Namespace) -> PrecomputeConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("add-field", "drop-field"):  # python -m precompute add-field CACHE --field ...
-        from . import add_field
-        return (add_field.main_add if argv[0] == "add-field" else add_field.main_drop)(argv[1:])
     parser = build_parser()
     args = parser.parse_args(S.normalize_argv(parser, argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -1,4 +1,4 @@
-"""Configuration errors stop ``python -m precompute`` before any work: exit 2, the option named."""
+"""Configuration errors stop ``shardcache precompute`` before any work: exit 2, the option named."""
 from __future__ import annotations
 
 import os
@@ -145,7 +145,7 @@ def test_cli_stops_before_loading_any_model(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"audio_tokenizer: {{name: dac, pretrained: {tmp_path / 'no-models' / 'dac'}}}\n"
                    f"image_encoder: {{name: wan, pretrained: {tmp_path / 'no-models' / 'wan'}}}\n")
-    r = subprocess.run([sys.executable, "-m", "precompute", "--manifest", str(DEMO / "samples.jsonl"),
+    r = subprocess.run([sys.executable, "-m", "shardcache", "precompute", "--manifest", str(DEMO / "samples.jsonl"),
                         "--out", str(tmp_path / "out"), "--config", str(cfg), "--set", "sample_rate=abc"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))

@@ -51,3 +51,26 @@ def test_console_script_is_registered():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     mod, _, func = scripts["shardcache"].partition(":")
     assert callable(getattr(importlib.import_module(mod), func))
+
+
+def test_one_console_script_and_one_module_entry():
+    """``shardcache`` is the only console script and ``python -m shardcache`` the only ``-m`` entry:
+    the stages' packages have no ``__main__`` of their own."""
+    import tomllib
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"] == {
+        "shardcache": "shardcache.cli:main"}
+    assert (ROOT / "shardcache" / "__main__.py").is_file()
+    for path in ("precompute/__main__.py", "train/__main__.py", "shards/__main__.py", "train/find_batch_size.py"):
+        assert not (ROOT / path).exists(), path
+
+
+def test_version():
+    """``shardcache --version`` (and ``shardcache shards --version``): the installed distribution's
+    version and the cache format written (read independently: importlib.metadata, shards.schema)."""
+    from importlib.metadata import version
+
+    from shards.schema import FORMAT_VERSION
+    want = f"shardcache {version('shardcache')} (cache format {FORMAT_VERSION})"
+    for args in (["--version"], ["shards", "--version"]):
+        r = _run(*args)
+        assert r.returncode == 0 and r.stdout.strip() == want, (args, r.stdout, r.stderr)

@@ -1,4 +1,4 @@
-"""The batch-size finder (``python -m train.find_batch_size`` / :func:`train.batch_size.find_batch_size`)
+"""The batch-size finder (``shardcache find-batch-size`` / :func:`train.batch_size.find_batch_size`)
 on CPU with the tiny synthetic cache; out-of-memory is simulated by patching the step."""
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_cli(cache, tmp_path, capsys):
     out = tmp_path / "res.json"
     args = ["--cache", str(cache), "--config", "none", "--loader", FAKE, "--model-kwargs", json.dumps(TINY_MODEL),
             "--threads", "1", "--device", "cpu", "--max-batch-size", "4", "--steps", "2", "--json", str(out)]
-    r = subprocess.run([PY, "-m", "train.find_batch_size", *args], cwd=REPO, env=base_env(),
+    r = subprocess.run([PY, "-m", "shardcache", "find-batch-size", *args], cwd=REPO, env=base_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "samples/s" in r.stdout and "recommended --batch-size" in r.stdout

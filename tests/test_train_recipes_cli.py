@@ -1,4 +1,4 @@
-"""``python -m train`` for the real jobs: the Higgs-Audio command line (aliases), a manifest given
+"""``shardcache train`` for the real jobs: the Higgs-Audio command line (aliases), a manifest given
 where a cache belongs, the held-out validation split, optimizer groups under the schedule, epochs,
 and the loop on an image-text cache without codes or audio (a plug-in model declaring its fields).
 """
@@ -40,7 +40,7 @@ def _single_process(monkeypatch):
 # ---- the Higgs-Audio command line ------------------------------------------------------------------
 
 def test_higgs_command_line_maps_onto_our_options(tmp_path):
-    """The multi-node launch line, as written (less `torchrun ... -m train`), over configs/train.yaml
+    """The multi-node launch line, as written (less `torchrun ... -m shardcache train`), over configs/train.yaml
     (model: reference and its model_kwargs: dropped, they belong to the file's model)."""
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -76,7 +76,7 @@ def test_higgs_command_line_maps_onto_our_options(tmp_path):
 def test_manifest_file_as_train_data_file_exits_2_with_the_precompute_command(tmp_path):
     manifest = tmp_path / "train_chatml.json"
     manifest.write_text("[]\n")
-    r = subprocess.run([PY, "-m", "train", "--config", "none", "--train_data_file", str(manifest),
+    r = subprocess.run([PY, "-m", "shardcache", "train", "--config", "none", "--train_data_file", str(manifest),
                         "--output_dir", str(tmp_path / "run")], cwd=REPO, env=base_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr

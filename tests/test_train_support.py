@@ -191,7 +191,7 @@ def train_args(cache: Path, out: Path, **opts) -> list[str]:
 
 def launch(nprocs: int, args: list[str], cwd: Path, env: dict | None = None,
            script: list[str] | None = None) -> list[subprocess.Popen]:
-    """Start ``python -m train ARGS`` (or ``python SCRIPT... ARGS``) once per rank with the torchrun
+    """Start ``python -m shardcache train ARGS`` (or ``python SCRIPT... ARGS``) once per rank with the torchrun
     environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and no launcher
     process in between, so that what a test observes is the trainer's own behaviour."""
     port = free_port()
@@ -203,7 +203,7 @@ def launch(nprocs: int, args: list[str], cwd: Path, env: dict | None = None,
         if nprocs == 1:
             for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                 e.pop(k, None)
-        procs.append(subprocess.Popen([PY, *(script or ["-m", "train"]), *args], cwd=cwd, env=e,
+        procs.append(subprocess.Popen([PY, *(script or ["-m", "shardcache", "train"]), *args], cwd=cwd, env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

@@ -44,7 +44,7 @@ def test_train_never_imports_decoders_or_diffusers(tmp_path):
         "import sys, torch\n"
         "import train, train.cli, train.trainer, train.data, train.optim, train.precision, train.profiling\n"
         "import train.config, train.dist, train.models, train.checkpoint, train.metrics\n"
-        "import train.batch_size, train.find_batch_size, shardcache.cli\n"
+        "import train.batch_size, shardcache.cli\n"
         "import loaders\n"
         + "from train.models import ReferenceModel, apply_lora\n"
         "m = apply_lora(ReferenceModel(d_model=16, n_layers=1, n_heads=2), 2, 4, 0.0, ('qkv',))\n"
@@ -560,10 +560,10 @@ def test_plugin_loader(cache, tmp_path):
 
 
 def test_cli_help_and_bad_option():
-    r = subprocess.run([PY, "-m", "train", "--help"], cwd=REPO, env=base_env(), capture_output=True,
+    r = subprocess.run([PY, "-m", "shardcache", "train", "--help"], cwd=REPO, env=base_env(), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "--training.grad-accum" in r.stdout and "torchrun" in r.stdout
-    r = subprocess.run([PY, "-m", "train", "--config", "none", "--schedule", "nope", "--lr", "x"], cwd=REPO,
+    r = subprocess.run([PY, "-m", "shardcache", "train", "--config", "none", "--schedule", "nope", "--lr", "x"], cwd=REPO,
                        env=base_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "schedule.name: expected one of" in r.stderr and "optim.lr:" in r.stderr
     assert "Traceback" not in r.stderr

@@ -428,7 +428,7 @@ def test_cache_id_is_recorded_and_kept_by_a_remerge_and_reindex(two_caches, tmp_
     d = read_manifest(c)
     merge_parts(c, {k: v for k, v in d.items() if k not in ("cache_id", "counts", "shards", "created")})
     assert read_manifest(c)["cache_id"] == ida
-    r = subprocess.run([sys.executable, "-m", "shards", "reindex", str(c), "--no-progress"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(c), "--no-progress"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr
     assert read_manifest(c)["cache_id"] == ida

@@ -1,6 +1,6 @@
-"""Batch-size finder: ``shardcache find-batch-size --cache DIR [train options]`` (``python -m train.find_batch_size``).
+"""Batch-size finder: ``shardcache find-batch-size --cache DIR [train options]`` 
 
-Builds the configured model, optimizer and loader on one device (exactly as ``python -m train``
+Builds the configured model, optimizer and loader on one device (exactly as ``shardcache train``
 does: ``--config``, ``--set``, ``--model.name``, ``--model.kwargs``, ``--training.precision``,
 ``--model.activation-checkpointing``, ``--lora``, ``--model.compile``, ``--data.loader-kwargs``...) and times full training steps (forward, backward,
 gradient clipping, AdamW step) at batch sizes 1, 2, 4, ... (powers of two, then

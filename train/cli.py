@@ -1,4 +1,4 @@
-"""``shardcache train`` / ``python -m train`` / ``torchrun --nproc_per_node=N -m shardcache train``.
+"""``shardcache train`` / ``torchrun --nproc_per_node=N -m shardcache train``.
 
 Exit status: 0 when the run reached its steps; ``--job.requeue-exit-code`` (default 3) after a stop
 request (SIGUSR1/SIGTERM, the stop file or ``--job.stop-at-step``), with a checkpoint saved at the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-PROG = "python -m train"
+PROG = "shardcache train"
 
 
 def main(argv: list[str] | None = None, callbacks=None) -> int:

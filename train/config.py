@@ -286,7 +286,7 @@ class ProfileConfig:
 
 @dataclass
 class TrainConfig:
-    """Every option of ``shardcache train`` / ``python -m train`` (see ``configs/train.yaml``)."""
+    """Every option of ``shardcache train`` (see ``configs/train.yaml``)."""
 
     data: DataConfig = section(DataConfig)
     model: ModelConfig = section(ModelConfig)
@@ -432,7 +432,7 @@ def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
     return from_dict(S.read_yaml(path), base, source=str(path))
 
 
-def build_parser(prog: str = "python -m train", description: str | None = None,
+def build_parser(prog: str = "shardcache train", description: str | None = None,
                  exclude: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     """``--config``, ``--set``, ``--print-config`` and one flag per option (plus aliases), except
     the option paths in ``exclude`` (another tool that reuses the options may give those flag
