@@ -32,6 +32,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def plain(doc: str | None) -> str:
+    """A docstring as plain help text: ``x`` and :role:`x` (Sphinx/RST markup) as x."""
+    import re
+    return re.sub(r"(?::\w+:)?`+([^`]+)`+", r"\1", doc or "")
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: shardcache [--version] COMMAND [options]   (shardcache COMMAND --help for its options)", "",

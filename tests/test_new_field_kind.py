@@ -143,7 +143,7 @@ def test_loader_collates_it_with_its_mask_and_the_device_widens_it(mel_cache, nu
 
 
 def test_a_model_trains_on_it(mel_cache, tmp_path, monkeypatch):
-    from train.config import from_dict
+    from test_train_support import from_dict
     from train.trainer import Callbacks, run
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)

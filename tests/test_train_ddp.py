@@ -61,7 +61,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -> Non
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from train.config import from_dict
+    from test_train_support import from_dict
     from train.trainer import Callbacks, run
 
     root = os.path.realpath(cfg["out"])
@@ -134,7 +134,7 @@ def runs(cache, tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("runs")
     out: dict = {}
     # 1 x 8 in this process (no process group)
-    from train.config import from_dict
+    from test_train_support import from_dict
     from train.trainer import run
     saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
     threads = torch.get_num_threads()
@@ -283,7 +283,7 @@ def test_a_failing_rank_makes_the_other_exit(cache, tmp_path, fail_rank):
 def test_elastic_resume_of_a_two_rank_checkpoint_on_one_rank(runs, tmp_path):
     """A 2 x 4 checkpoint resumed by 1 x 8 (same global batch): the loader continues from the same
     global position, so the last steps match the 2-rank run to float tolerance."""
-    from train.config import from_dict
+    from test_train_support import from_dict
     from train.trainer import run
 
     src = runs["2x4"]["out"]

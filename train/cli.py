@@ -19,10 +19,18 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
     point (e.g. fault injection under torchrun)."""
     from shardcache.config import ConfigError
 
-    from .config import parse_args
+    from .config import help_text, parse_args
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help-all" in argv or "-h" in argv or "--help" in argv:
+        sys.stdout.write(help_text(everything="--help-all" in argv))
+        return 0
     try:
         cfg, ns = parse_args(argv)
+        if not ns.print_config:  # the options that reach the loader and model constructors
+            from .bounds import problems
+            if bad := problems(cfg):
+                raise ConfigError(bad)
     except ConfigError as e:
         return e.report(PROG)
     if ns.print_config:
