@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.cli import plain
 from shardcache.config import read_yaml
 from shards import fields as registry
 from shards.errors import ShardcacheError
@@ -308,7 +309,7 @@ def _yaml_text(text: str) -> Any:
 def main_add(argv: list[str]) -> int:
     from .encoders.registry import AUDIO_TOKENIZERS
     from .producers import PRODUCERS
-    p = argparse.ArgumentParser(prog="shardcache add-field", description=__doc__,
+    p = argparse.ArgumentParser(prog="shardcache add-field", description=plain(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cache", metavar="CACHE")
     p.add_argument("--field", required=True, help="field name, e.g. codes_mimi, audio_16k or a plug-in's field")

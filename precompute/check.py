@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from shardcache import config as S
+from shardcache.cli import plain
 from shards import fields as registry
 from shards.errors import ShardcacheError
 from shards.manifest import CacheManifest
 from shards.reader import ShardReader
 
-from .config import LEGACY, PrecomputeConfig
+from .config import PrecomputeConfig, load_config
 
 log = logging.getLogger("precompute.check")
 PROG = "shardcache check"
@@ -48,10 +48,7 @@ def cache_config(man: CacheManifest, overrides: list[str] | None = None) -> Prec
     if not isinstance(man.config, dict) or not man.config:
         raise ValueError("manifest.json records no config (a cache made before configs were recorded?); "
                          "nothing to re-derive the samples with")
-    cfg = S.apply(PrecomputeConfig(), S.flatten(man.config, PrecomputeConfig, LEGACY, "manifest.json config"))
-    if overrides:
-        cfg = S.apply(cfg, S.parse_set(overrides, PrecomputeConfig, LEGACY), text=True)
-    return cfg
+    return load_config(man.config, overrides)
 
 
 def compare(name: str, cached: np.ndarray | None, fresh: np.ndarray | None, rel_tol: float) -> str | None:
@@ -132,7 +129,7 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cache", metavar="CACHE", help="the cache directory")
     p.add_argument("--manifest", required=True, help="the manifest the cache was made from")
     p.add_argument("--samples", type=int, default=8, metavar="N", help="samples to re-derive (default 8)")

@@ -1,23 +1,4 @@
-"""``shardcache precompute`` / ``python -m precompute``: encode a manifest once into a shard cache.
-
-Single process::
-
-    shardcache precompute --manifest data/demo/samples.jsonl --cache cache/demo --config configs/precompute.yaml
-
-Many GPUs / nodes (each global rank encodes its own rows on ``cuda:LOCAL_RANK`` and writes its
-own shards; rank 0 merges the index and manifest at the end)::
-
-    torchrun --nproc_per_node=8 -m shardcache precompute --manifest train.json --cache /data/cache
-
-Options: the defaults (``--help``), then the config file (``--config FILE``; else
-``$SHARDCACHE_PRECOMPUTE_CONFIG``; else none), then ``--set key=value``, then flags. Bad options
-exit with status 2 before any model is loaded, each named; a failed job exits 1.
-
-Add / drop a field of an existing cache later (sidecar tars; see precompute.add_field)::
-
-    shardcache add-field CACHE --field codes_mimi --audio-tokenizer mimi [--pretrained DIR]
-    shardcache drop-field CACHE codes_mimi
-"""
+"""``shardcache precompute``: encode a manifest once into a shard cache (see :data:`DESCRIPTION`)."""
 from __future__ import annotations
 
 import argparse
@@ -29,7 +10,7 @@ import sys
 from shardcache import config as S
 from shards.errors import ShardcacheError
 
-from .config import CONFIG_ENV, LEGACY, PrecomputeConfig
+from .config import CONFIG_ENV, PrecomputeConfig
 from .job import run
 from .ranks import make_barrier
 from .validate import ConfigError, validate_config
@@ -50,18 +31,28 @@ def registries() -> str:
         "\n  (each also takes a plug-in: {factory: 'package.module:callable', kwargs: {...}})"
 
 
+DESCRIPTION = """Encode a manifest once into a shard cache (stage one).
+
+  shardcache precompute --manifest data/demo/samples.jsonl --cache cache/demo --config configs/precompute.yaml
+  torchrun --nproc_per_node=8 -m shardcache precompute --manifest train.json --cache /data/cache
+
+With torchrun each global rank encodes its own rows on cuda:LOCAL_RANK and writes its own shards;
+rank 0 merges the index and manifest at the end. Options: the defaults below, then the config file
+(--config FILE; else $SHARDCACHE_PRECOMPUTE_CONFIG; else none), then flags in their order
+(--sample_rate 16000, --audio_tokenizer.name mimi, --set encoder_batch_size=16). Bad options exit
+with status 2 before any model is loaded, each named; a failed job exits 1. Add or drop a field of
+an existing cache later: shardcache add-field / drop-field."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The job's inputs (``--manifest``, ``--cache``, ``--root``), ``--config``/``--set`` and one
-    flag per option of :class:`~precompute.config.PrecomputeConfig`."""
-    from .encoders.registry import AUDIO_TOKENIZERS, IMAGE_ENCODERS
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, epilog=registries(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The job's inputs (``--manifest``, ``--cache``, ``--root``...), ``--config``/``--set`` and
+    one flag per option of :class:`~precompute.config.PrecomputeConfig`."""
+    p = S.parser(PrecomputeConfig, PROG, DESCRIPTION, registries())
     g = p.add_argument_group("the job")
     g.add_argument("--manifest", required=True,
                    help="dataset manifest: JSONL (key,text,audio,image,speaker), Higgs-Audio ChatML JSON/JSONL, "
-                        "LLaVA JSON, CSV/TSV or Parquet (format detected, or --manifest-format)")
-    g.add_argument("--cache", "--out", dest="cache", required=True,
-                   help="cache directory to write shards, index.parquet, manifest.json into (--out: the old name)")
+                        "LLaVA JSON, CSV/TSV or Parquet (format detected, or --manifest_format)")
+    g.add_argument("--cache", required=True, help="cache directory to write shards, index.parquet, manifest.json into")
     g.add_argument("--root", default=None, help="folder media paths are relative to (default: the manifest's folder)")
     g.add_argument("--storage-options", type=_mapping, default=None, metavar="JSON",
                    help="with --cache s3://... (gs://, any fsspec URL): fsspec options as a JSON object, e.g. "
@@ -71,19 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--staging", default=None, metavar="DIR",
                    help="with a URL --cache: local folder chunks are written to before upload (default "
                         "$SHARDCACHE_STAGING, else ~/.cache/shardcache/staging)")
-    g.add_argument("--config", default=None, metavar="FILE",
-                   help=f"YAML config ('none' for none; default: ${CONFIG_ENV} if set, else none: the defaults below)")
-    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override an option (value read as YAML), e.g. --set encoder_batch_size=16 "
-                        "--set audio_tokenizer.pretrained=/ckpt/dac")
-    g.add_argument("--audio-tokenizer", dest="audio_tokenizer_flag", default=None, metavar="NAME|module:factory",
-                   help=f"codec: {' | '.join(sorted(AUDIO_TOKENIZERS))} (keeps the config's pretrained), or a plug-in "
-                        "factory module:factory")
-    g.add_argument("--image-encoder", dest="image_encoder_flag", default=None, metavar="NAME|module:factory",
-                   help=f"VAE: {' | '.join(sorted(IMAGE_ENCODERS))}, or a plug-in factory module:factory")
     g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    S.add_flags(p, PrecomputeConfig, {"--batch-size": "encoder_batch_size"}, titles={"": "config options (defaults: configs/precompute.yaml)"})
     return p
 
 
@@ -98,39 +78,21 @@ def _mapping(text: str) -> dict:
     return value
 
 
-def _plugin(spec: str | None, current: dict) -> dict | None:
-    if spec is None:
-        return None
-    return {"factory": spec} if ":" in spec else dict(current, name=spec)
-
-
-def config_from_args(args: argparse.Namespace) -> PrecomputeConfig:
-    """defaults < config file < --set < flags; checked (raises :class:`ConfigError`)."""
-    path, why = S.config_path(args.config, CONFIG_ENV)
-    args.config_file, args.config_source = path, why
-    cfg = PrecomputeConfig()
-    if path:
-        cfg = S.apply(cfg, S.flatten(S.read_yaml(path), PrecomputeConfig, LEGACY, path))
-    cfg = S.apply(cfg, S.parse_set(args.overrides, PrecomputeConfig, LEGACY), text=True)
-    cfg = S.apply(cfg, S.given(args, PrecomputeConfig), text=True)
-    for name, value in (("audio_tokenizer", _plugin(args.audio_tokenizer_flag, cfg.audio_tokenizer or {})),
-                        ("image_encoder", _plugin(args.image_encoder_flag, cfg.image_encoder or {}))):
-        if value is not None:
-            cfg = S.replace(cfg, {name: value})
-    return validate_config(cfg)
+def config_from_args(argv: list[str]) -> tuple[PrecomputeConfig, argparse.Namespace]:
+    """defaults < config file < flags; checked (raises :class:`ConfigError`)."""
+    cfg, args = S.parse(build_parser(), PrecomputeConfig, argv, CONFIG_ENV)
+    return validate_config(cfg), args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("add-field", "drop-field"):  # python -m precompute add-field CACHE --field ...
-        from . import add_field
-        return (add_field.main_add if argv[0] == "add-field" else add_field.main_drop)(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(S.normalize_argv(parser, argv))
+    if any(a in ("-h", "--help") for a in argv):
+        build_parser().print_help()
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # configuration errors stop here, before any model is loaded or any file written
     try:
-        cfg = config_from_args(args)
+        cfg, args = config_from_args(argv)
     except ConfigError as e:
         return e.report()
     if args.print_config:

@@ -1,9 +1,9 @@
 """Stage-one configuration: :class:`PrecomputeConfig`, one section of documented, checked options.
 
-Read through :mod:`shardcache.config` (the mechanism ``train`` uses too): dataclass defaults < config
-file (YAML; ``--config FILE``, else ``$SHARDCACHE_PRECOMPUTE_CONFIG``, else none) < ``--set
-key=value`` (a key may continue into a mapping: ``--set audio_tokenizer.pretrained=/ckpt/dac``) <
-flags (``--sample-rate 16000``, ``--encoder-batch-size 32``...). Every problem is reported as
+Read through :mod:`shardcache.config` (jsonargparse; the mechanism ``train`` uses too): dataclass
+defaults < config file (YAML; ``--config FILE``, else ``$SHARDCACHE_PRECOMPUTE_CONFIG``, else none)
+< flags in their order (``--sample_rate 16000``, ``--audio_tokenizer.pretrained /ckpt/dac``,
+``--set encoder_batch_size=32``). Every problem is reported as
 ``option: message`` and ``shardcache precompute`` exits with status 2 before any model is loaded
 (:mod:`precompute.validate` adds the rules across options and the encoder specs).
 
@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from shardcache import config as S
 from shardcache.config import option
 from shards.tokens import IMAGE
 
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_PRECOMPUTE_CONFIG"
-#: option names before the rename -> option (YAML keys, --set keys and flags)
-LEGACY = {"batch_size": "encoder_batch_size"}
 #: the highest sample rate (Hz) an option accepts: 384 kHz, the highest of studio converters
 MAX_SAMPLE_RATE = 384_000
 
@@ -46,7 +46,7 @@ ENCODER_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "
 
 @dataclass
 class PrecomputeConfig:
-    """Every option of ``shardcache precompute`` (defaults: ``configs/precompute.yaml``)."""
+    """Every option of shardcache precompute (defaults: configs/precompute.yaml)."""
 
     sample_rate: int = option(24000, gt=0, le=MAX_SAMPLE_RATE)
     """Hz of the stored waveform (audio.npy). The codec gets its own rate (tokenizer.sample_rate); both are
@@ -92,7 +92,7 @@ class PrecomputeConfig:
     samples_per_shard: int = option(256, gt=0, le=1_000_000)
     """Rows of the manifest per shard (rejected rows included)."""
     encoder_batch_size: int = option(8, gt=0, le=65536)
-    """Clips or images per encoder call (was batch_size, still accepted; not the training batch)."""
+    """Clips or images per encoder call (not the training batch)."""
     num_workers: int | str = option("auto", choices=("auto",), ge=0, le=1024)
     """Decode worker processes (0 = decode in the main process). auto: on CUDA, the rank's share of the CPU
     cores minus one (at most 8); on CPU, 0, because the encoder's intra-op threads already use every core and
@@ -105,42 +105,42 @@ class PrecomputeConfig:
     precision_samples: int = option(8, ge=0, le=100_000)
     """Rows used for that measurement."""
     precision_tolerance: dict[str, float] = option(
-        factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95}, flag=False)
+        factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95})
     """The accepted difference: latents relative L2 error, fraction of equal codes."""
     audio_tokenizer: dict[str, Any] | None = option(
-        factory=lambda: {"name": "dac", "pretrained": "models/dac-tiny"}, flag=False)
+        factory=lambda: {"name": "dac", "pretrained": "models/dac-tiny"})
     """Codec spec {name: a codec of the registry (listed by --help; higgs is the Higgs Audio v2 tokenizer and
     needs torchaudio), pretrained: DIR or hub id, options...} or {factory:
-    module:callable, kwargs}; null = no codes (an image-text job never loads a codec). Flag:
-    --audio-tokenizer NAME|module:factory."""
+    module:callable, kwargs}; null = no codes (an image-text job never loads a codec). Flags:
+    --audio_tokenizer.name NAME, --audio_tokenizer.pretrained DIR."""
     image_encoder: dict[str, Any] | None = option(
-        factory=lambda: {"name": "wan", "pretrained": "models/wan-tiny"}, flag=False)
+        factory=lambda: {"name": "wan", "pretrained": "models/wan-tiny"})
     """VAE spec {name: a VAE of the registry (listed by --help), pretrained: DIR or hub id, ...} or a factory; null = no latents (an audio
-    job never loads a VAE). Flag: --image-encoder NAME|module:factory."""
-    image_features: dict[str, Any] | None = option(None, flag=False)
+    job never loads a VAE). Flags: --image_encoder.name NAME, --image_encoder.pretrained DIR."""
+    image_features: dict[str, Any] | None = option(None)
     """A VLM's frozen image encoder run once here: {name: gemma3, pretrained: DIR or hub id, dtype: bfloat16}
     runs Gemma 3's processor + SigLIP vision tower + multimodal projector on each decoded image and stores
     image_features (n_images, mm_tokens_per_image, hidden) bfloat16 (as int16 bits); input_ids then hold
     Gemma's expanded image sequence exactly as Gemma3Processor builds it (image_token must be its
     <start_of_image>). null = not computed (a job that does not need them never loads the model)."""
-    text_tokenizer: dict[str, Any] = option(factory=lambda: {"name": "bytes"}, flag=False)
+    text_tokenizer: dict[str, Any] = option(factory=lambda: {"name": "bytes"})
     """Text tokenizer spec: {name: bytes} or {name: hf, pretrained: DIR or hub id} (the LM's own tokenizer)."""
     chat_template: str = option("auto", choices=CHAT_TEMPLATES)
     """How a conversation becomes input_ids/labels (precompute.chat): auto = the HF tokenizer's own
     apply_chat_template when it has a chat template, else llama3 (Higgs-Audio's Llama-3 headers with
     audio/image placeholders); tokenizer forces the tokenizer's template (error if it has none)."""
-    extra_waveforms: dict[str, dict[str, Any]] = option(factory=dict, flag=False)
+    extra_waveforms: dict[str, dict[str, Any]] = option(factory=dict)
     """More waveform fields besides audio (all items at sample_rate): name -> {sample_rate: Hz, direction:
     in | out | all}; e.g. {audio_16k: {sample_rate: 16000, direction: in}} stores the user-side audio at
     16 kHz for a Whisper-style audio encoder."""
-    extra_fields: dict[str, dict[str, Any]] = option(factory=dict, flag=False)
+    extra_fields: dict[str, dict[str, Any]] = option(factory=dict)
     """More fields, each computed by a producer (precompute.producers): name -> {producer: NAME, **options}
     (built-in: codes, waveform, latents) or {factory: package.module:callable, kwargs: {...}} (a plug-in;
     its fields must be declared, shards.fields.register). The same spec adds the field to an existing
     cache: shardcache add-field CACHE --field NAME --producer ..."""
     manifest_format: str | None = option(None, choices=MANIFEST_FORMATS)
     """Manifest format; null = detected from the file."""
-    columns: dict[str, str] = option(factory=dict, flag=False)
+    columns: dict[str, str] = option(factory=dict)
     """Column mapping for JSONL/CSV/Parquet rows, e.g. {audio: path} (--set columns.audio=path)."""
     allow_outside_root: bool = False
     """Read media files outside --root (default root: the manifest's folder). Off: a path that leaves it (../,
@@ -155,11 +155,6 @@ class PrecomputeConfig:
     windows' durations before decoding where the row gives them, else after)."""
     max_images: int = option(64, gt=0, le=1_000_000)
     """Per sample: the most images of a conversation; more are rejected as too_large before any decoding."""
-
-    @property
-    def batch_size(self) -> int:
-        """Deprecated name of :attr:`encoder_batch_size` (read-only)."""
-        return self.encoder_batch_size
 
     def preprocessing(self) -> dict[str, Any]:
         """Every parameter that changes cached bytes (part of the fingerprint).
@@ -187,16 +182,11 @@ class PrecomputeConfig:
         return S.to_dict(self)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PrecomputeConfig:
-    """Defaults < the YAML file ``path`` < ``key=value`` overrides (values read as YAML).
-
-    Unknown options and bad ``--set`` syntax raise :class:`shardcache.config.ConfigError` (a
-    ValueError) naming them; values are not checked here: :func:`precompute.validate.validate_config`
-    reports every bad value at once.
-    """
-    cfg = PrecomputeConfig()
-    if path:
-        cfg = S.apply(cfg, S.flatten(S.read_yaml(path), PrecomputeConfig, LEGACY, str(path)))
-    if overrides:
-        cfg = S.apply(cfg, S.parse_set(overrides, PrecomputeConfig, LEGACY), text=True)
-    return cfg
+def load_config(path: str | Path | dict | None = None, overrides: list[str] | None = None) -> PrecomputeConfig:
+    """Defaults < the YAML file ``path`` (or a mapping, e.g. a cache's recorded config) < ``key=value``
+    overrides (values read as YAML). Unknown options and values of the wrong type raise
+    :class:`shardcache.config.ConfigError` naming them; the declared rules are checked by
+    :func:`precompute.validate.validate_config`."""
+    text = yaml.safe_dump(path) if isinstance(path, dict) else str(path) if path else "none"
+    argv = ["--config", text] + [a for o in overrides or () for a in ("--set", o)]
+    return S.parse(S.parser(PrecomputeConfig, "load_config"), PrecomputeConfig, argv, "")[0]

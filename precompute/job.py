@@ -9,7 +9,7 @@ inside one chunk, from its start). One mechanism gives resume after a kill, incr
 added to the manifest go into new chunks) and elastic multi-rank jobs: a torchrun restart with
 any number of ranks shares out the chunks still missing. Rank 0 merges the index when every
 chunk is committed, polling the parts folder instead of waiting at a collective (a slow rank
-delays the job, never crashes it); ``python -m shards reindex`` rebuilds the index from committed
+delays the job, never crashes it); ``shardcache shards reindex`` rebuilds the index from committed
 shards at any time. ``out_dir`` may be a URL in object storage: chunks are committed in a local
 staging folder and uploaded, index part last (:mod:`precompute.output`).
 

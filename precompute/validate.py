@@ -1,14 +1,14 @@
 """Check a :class:`~precompute.config.PrecomputeConfig` before any work (no model is loaded).
 
-Each option's type (its annotation) and its own rules (``choices``, bounds: declared with the option
-in :mod:`precompute.config`) are checked by :func:`shardcache.config.check`; this module adds what
-one option cannot say alone: the device spelling, encoder specs (names from the registry, their
+Each option's type (its annotation) is checked when the config is read and its own rules
+(``choices``, bounds: declared with the option in :mod:`precompute.config`) by
+:func:`shardcache.config.check`; this module adds what one option cannot say alone: the device spelling, encoder specs (names from the registry, their
 options), ``precision_tolerance`` keys, ``extra_waveforms`` entries, and rules across options
 (``min_duration <= max_duration``, ``image_size`` a multiple of 8). Every problem is reported as
 ``option: message``::
 
-    sample_rate: expected a positive integer, got 'abc'
-    image_resize: expected one of center_crop, pad, bucket, got 'foo'
+    sample_rate: expected a number > 0 and <= 384000, got 0
+    image_resize: expected one of center_crop, pad, bucket, stretch, got 'foo'
 
 ``shardcache precompute`` prints each as ``error: ...`` and exits with status 2.
 """
@@ -20,16 +20,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardcache import config as S
-from shardcache.config import ConfigError, show as _show
+from shardcache.config import ConfigError
 
 from .config import PrecomputeConfig
 
 __all__ = ["ConfigError", "check_config", "validate_config", "CHOICES"]
+_show = repr
 
 #: enumerated options: the choices declared with each option (their lists live in precompute.config,
 #: which the implementing modules import: one owner)
-CHOICES: dict[str, tuple] = {p: o.rule("choices") for p, o in S.options(PrecomputeConfig).items()
-                             if o.rule("choices") and p != "num_workers"}
+CHOICES: dict[str, tuple] = {p: f.metadata["choices"] for p, (_, f) in S.options(PrecomputeConfig).items()
+                             if f.metadata.get("choices") and p != "num_workers"}
 
 
 #: the VAE's spatial factor: ``image_size`` must be a multiple of it
@@ -44,14 +45,6 @@ ENCODER_SPECS = {"audio_tokenizer": ("precompute.encoders.registry", "AUDIO_TOKE
                  "image_features": ("precompute.producers.image_features", "VISION_ENCODERS")}
 DEFAULT_NAMES = {"audio_tokenizer": "dac", "image_encoder": "wan", "text_tokenizer": "bytes",  # the tables' defaults
                  "image_features": "gemma3"}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return S._is_number(v)  # noqa: SLF001 - the one definition of "a finite number"
 
 
 def _encoder_spec(field: str, spec: Any, out: list[tuple[str, str]]) -> None:
@@ -98,25 +91,34 @@ def _tolerance(v: Mapping) -> list[tuple[str, str]]:
             out.append((f".{k}", f"unknown key; known: {', '.join(TOLERANCE_KEYS)}"))
             continue
         lo, hi = TOLERANCE_KEYS[k]
-        if not _is_number(x) or x < lo or (hi is not None and x > hi):
+        if x < lo or (hi is not None and x > hi):
             rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
             out.append((f".{k}", f"expected a number {rng}, got {_show(x)}"))
     return out
 
 
 def _waveforms(v: Mapping) -> list[tuple[str, str]]:
+    """Each name must be a waveform field of the registry that no fixed field owns (``audio_16k``:
+    shards.fields' ``audio_<name>`` rule; ``audio``, ``codes``, ``latents``... refused), with a
+    ``sample_rate`` in the bounds of the option ``sample_rate`` and a ``direction``."""
+    from shards import fields
+    from shards.kinds import WAVEFORM
+
     out = []
+    sr_meta = S.options(PrecomputeConfig)["sample_rate"][1].metadata
     for k, spec in v.items():
-        where = f".{k}"
-        if k == "audio" or not k.isidentifier():
-            out.append((where, "expected a field name (an identifier other than 'audio')"))
+        where, f = f".{k}", fields.lookup(k)
+        if k in fields.BY_NAME and k not in fields.REGISTERED:
+            out.append((where, f"{k!r} is a field of its own (reserved); name it audio_<name>, e.g. audio_16k"))
+        elif f is None or f.kind is not WAVEFORM:
+            what = f"a {f.kind.name} field" if f is not None else "not a field shards.fields knows"
+            out.append((where, f"{k!r} is {what}; a waveform field is named audio_<name>, e.g. audio_16k"))
         extra = sorted(set(spec) - {"sample_rate", "direction"})
         if extra:
             out.append((where, f"unknown key(s) {extra}; known: sample_rate, direction"))
-        sr = spec.get("sample_rate", 1)
-        bad = S.check_option(S.options(PrecomputeConfig)["sample_rate"], sr)  # the bounds of sample_rate
-        if bad is not None:
-            out.append((f"{where}.sample_rate", bad[1]))
+        sr = spec.get("sample_rate")
+        if not isinstance(sr, int) or isinstance(sr, bool) or not 0 < sr <= sr_meta["le"]:
+            out.append((f"{where}.sample_rate", f"expected an integer > 0 and <= {sr_meta['le']}, got {_show(sr)}"))
         d = spec.get("direction", WAVEFORM_DIRECTIONS[-1])
         if d not in WAVEFORM_DIRECTIONS:
             out.append((f"{where}.direction", f"expected one of {', '.join(WAVEFORM_DIRECTIONS)}, got {_show(d)}"))

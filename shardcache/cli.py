@@ -10,11 +10,10 @@
     shardcache find-batch-size --cache /data/cache --config configs/train.yaml
     shardcache shards info /data/cache
 
-Each subcommand is the module's own CLI (``python -m precompute``, ``python -m train``,
-``python -m train.find_batch_size``, ``python -m shards``), imported only when it runs, so
-``shardcache --help`` is fast. Installed as a console script, it also resolves ``train`` and
-``precompute`` to this package wherever it runs: ``python -m train`` from a directory that holds
-a ``train.py`` of one's own would run that file instead.
+The one console script (``shardcache``; ``python -m shardcache`` and ``torchrun -m shardcache`` run
+the same). Each subcommand's module is imported only when it runs, so ``shardcache --help`` is fast.
+The packages have no ``__main__`` of their own: ``python -m train`` from a directory holding a
+``train.py`` of one's own would run that file instead.
 """
 from __future__ import annotations
 
@@ -33,9 +32,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def plain(doc: str | None) -> str:
+    """A docstring as plain help text: ``x`` and :role:`x` (Sphinx/RST markup) as x."""
+    import re
+    return re.sub(r"(?::\w+:)?`+([^`]+)`+", r"\1", doc or "")
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: shardcache COMMAND [options]   (shardcache COMMAND --help for its options)", "",
+    lines = ["usage: shardcache [--version] COMMAND [options]   (shardcache COMMAND --help for its options)", "",
              "commands:"]
     lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
     lines += ["", "Exit status: 0 done, 1 the work failed, 2 bad options (named on stderr); train also",
@@ -49,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(usage())
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from shards.cli import version
+        sys.stdout.write(version() + "\n")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         sys.stderr.write(f"shardcache: error: unknown command {name!r}\n\n" + usage())

@@ -1,9 +1,9 @@
-"""``shards``: inspect, query, verify and repair a shardcache cache directory.
+"""``shardcache shards``: inspect, query, verify and repair a shardcache cache directory.
 
-Run ``shards --help`` or ``shards COMMAND --help``. Every command takes ``--json`` for scripts;
-on a terminal results are rich tables, otherwise plain text. Exit codes: 0 success, 1 a check
-failed / a sample was not found / the cache is corrupt, 2 usage error (bad arguments, a path that
-is not a cache), 130 interrupted.
+Run ``shardcache shards --help`` or ``shardcache shards COMMAND --help``. Every command takes
+``--json`` for scripts; on a terminal results are rich tables, otherwise plain text. Exit codes:
+0 success, 1 a check failed / a sample was not found / the cache is corrupt, 2 usage error (bad
+arguments, a path that is not a cache), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -16,40 +16,46 @@ from .errors import ShardcacheError
 
 EPILOG = """\
 examples:
-  shards info cache/
-  shards ls cache/                       shards ls 'cache/shard-r0000-*.tar'
-  shards head cache/ -n 3                shards show cache/ spk-us-0001
-  shards query cache/ "duration_s > 5 and has_image" --count
-  shards stats cache/ --plot stats.png
-  shards verify cache/ --deep
-  shards export-audio cache/ spk-us-0001 out.wav
-  shards export-lhotse cache/ shar/        (Lhotse Shar: audio, text, speaker, codes)
-  shards rejects cache/ --reason unreadable_audio
-  shards reindex cache/
+  shardcache shards info cache/
+  shardcache shards ls cache/
+  shardcache shards ls 'cache/shard-r0000-*.tar'
+  shardcache shards head cache/ -n 3
+  shardcache shards show cache/ spk-us-0001
+  shardcache shards query cache/ --where "duration_s > 5 and has_image" --count
+  shardcache shards stats cache/ --plot stats.png
+  shardcache shards verify cache/ --deep
+  shardcache shards export-audio cache/ spk-us-0001 out.wav
+  shardcache shards export-lhotse cache/ shar/   (Lhotse Shar: audio, text, speaker, codes)
+  shardcache shards rejects cache/ --reason unreadable_audio
+  shardcache shards reindex cache/
 
 exit codes: 0 ok, 1 check failed / not found / corrupt cache, 2 usage error.
 """
 
 
-def _version() -> str:
+def version() -> str:
+    """``shardcache VERSION (cache format N)``: the installed distribution's version ("unknown" when
+    running from a checkout that is not installed) and the cache format this code writes."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
     from .schema import FORMAT_VERSION
     try:
-        from importlib.metadata import version
-        v = version("shardcache")
-    except Exception:  # not installed (running from a checkout)
+        v = dist_version("shardcache")
+    except PackageNotFoundError:
         v = "unknown"
-    return f"shards (shardcache {v}, cache format {FORMAT_VERSION})"
+    return f"shardcache {v} (cache format {FORMAT_VERSION})"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand registered."""
     from .commands import MODULES
     parser = argparse.ArgumentParser(
-        prog="shards",
+        prog="shardcache shards",
         description="Inspect, query, verify and repair a shardcache cache directory "
                     "(manifest.json, index.parquet, rejects.parquet, shard-r*-*.tar).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=version())
     parser.add_argument("--json", action="store_true",
                         help="print the result as JSON (also accepted after the command)")
     common = argparse.ArgumentParser(add_help=False)
@@ -63,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _error(command: str | None, message: str) -> None:
-    prefix = f"shards {command}" if command else "shards"
+    prefix = f"shardcache shards {command}" if command else "shardcache shards"
     sys.stderr.write(f"{prefix}: error: {message}\n")
 
 

@@ -5,7 +5,7 @@ The JSON keys are those stage one has always written (``format_version``, ``fing
 ``frame_rate``, ``latent_channels``, ``waveforms``, ``text``, ``text_vocab_size``,
 ``text_pad_id``, ``counts``, ``shards``, ``config``...), ``cache_id`` (the identity of the samples:
 :func:`shards.index.cache_id`), plus ``fields``: the fields added after
-stage one (``python -m precompute add-field``), ``{name: {fingerprint, encoder, sidecar, base,
+stage one (``shardcache add-field``), ``{name: {fingerprint, encoder, sidecar, base,
 n_codebooks, codebook_size, frame_rate, codec_sample_rate, shards: [{path, shard, samples, bytes,
 sha256}]}}``. Keys this class does not know are kept in ``extra`` and written back unchanged, so
 ``from_dict(d).to_dict() == d`` for every manifest.

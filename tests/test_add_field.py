@@ -1,4 +1,4 @@
-"""``python -m precompute add-field`` / ``drop-field``: sidecar fields next to untouched shards."""
+"""``shardcache add-field`` / ``drop-field``: sidecar fields next to untouched shards."""
 from __future__ import annotations
 
 import hashlib
@@ -53,13 +53,13 @@ def added_cache(tmp_path_factory, base_cache, mimi_models) -> tuple[Path, dict[s
 
 
 def _add(cache: Path, models: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "precompute", "add-field", str(cache), "--field", "codes_mimi",
+    return subprocess.run([sys.executable, "-m", "shardcache", "add-field", str(cache), "--field", "codes_mimi",
                            "--audio-tokenizer", "mimi", "--pretrained", str(models / "mimi-tiny"),
                            "--no-progress", *extra], cwd=ROOT, capture_output=True, text=True)
 
 
 def _verify(cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shards", "verify", str(cache), "--no-progress", *extra],
+    return subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--no-progress", *extra],
                           cwd=ROOT, capture_output=True, text=True)
 
 
@@ -166,7 +166,7 @@ def test_verify_catches_misaligned_sidecar(added):
 def test_drop_field_restores_cache(added, base_cache):
     cache, shards_before = added
     index_before = (base_cache / "index.parquet").read_bytes()
-    r = subprocess.run([sys.executable, "-m", "precompute", "drop-field", str(cache), "codes_mimi"],
+    r = subprocess.run([sys.executable, "-m", "shardcache", "drop-field", str(cache), "codes_mimi"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert not list(cache.glob("shard-*.codes_mimi.tar")) and not list(cache.glob("parts/*.sidecar.parquet"))
@@ -181,7 +181,7 @@ def test_drop_field_restores_cache(added, base_cache):
 
 def test_reindex_keeps_sidecar_field(added):
     cache, _ = added
-    r = subprocess.run([sys.executable, "-m", "shards", "reindex", str(cache), "--no-progress", "-j", "1"],
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(cache), "--no-progress", "-j", "1"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     from shards import ShardReader
@@ -190,7 +190,7 @@ def test_reindex_keeps_sidecar_field(added):
 
 
 def test_unknown_field_refused(cache, mimi_models):
-    r = subprocess.run([sys.executable, "-m", "precompute", "add-field", str(cache), "--field", "codes",
+    r = subprocess.run([sys.executable, "-m", "shardcache", "add-field", str(cache), "--field", "codes",
                         "--audio-tokenizer", "mimi", "--pretrained", str(mimi_models / "mimi-tiny")],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 1 and "cannot be added" in r.stderr

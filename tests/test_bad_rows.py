@@ -29,7 +29,7 @@ def _long_wav(path, minutes: int = 40, rate: int = 48000, channels: int = 2) -> 
 
 
 def _cli(manifest, out, tiny_models, *extra):
-    cmd = [sys.executable, "-m", "precompute", "--manifest", str(manifest), "--out", str(out),
+    cmd = [sys.executable, "-m", "shardcache", "precompute", "--manifest", str(manifest), "--cache", str(out),
            "--config", str(ROOT / "configs" / "precompute.yaml"),
            "--set", f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
            "--set", f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",

@@ -1,4 +1,4 @@
-"""Configuration errors stop ``python -m precompute`` before any work: exit 2, the option named."""
+"""Configuration errors stop ``shardcache precompute`` before any work: exit 2, the option named."""
 from __future__ import annotations
 
 import os
@@ -26,43 +26,42 @@ def no_work(monkeypatch):
 
 
 def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
-    rc = cli.main(["--manifest", str(DEMO / "samples.jsonl"), "--out", str(tmp_path / "out"),
+    rc = cli.main(["--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "out"),
                    "--config", str(ROOT / "configs" / "precompute.yaml"), "--no-progress", *extra])
     assert not (tmp_path / "out").exists()
     return rc, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--set", "sample_rate=abc"], "error: sample_rate: expected a positive integer <= 384000, got 'abc'"),
-    (["--set", "sample_rate=0"], "error: sample_rate: expected a positive integer <= 384000, got 0"),
-    (["--set", "batch_size=-1"], "error: encoder_batch_size: expected a positive integer <= 65536, got -1"),  # old name
-    (["--batch-size", "-1"], "error: encoder_batch_size: expected a positive integer <= 65536, got -1"),
-    (["--encoder-batch-size", "0"], "error: encoder_batch_size: expected a positive integer <= 65536, got 0"),
+    (["--set", "sample_rate=abc"], "error: sample_rate: expected an integer > 0 and <= 384000, got 'abc'"),
+    (["--set", "sample_rate=0"], "error: sample_rate: expected an integer > 0 and <= 384000, got 0"),
+    (["--encoder-batch-size", "0"], "error: encoder_batch_size: expected an integer > 0 and <= 65536, got 0"),
+    (["--encoder_batch_size=-1"], "error: encoder_batch_size: expected an integer > 0 and <= 65536, got -1"),
     (["--set", "image_resize=foo"], "error: image_resize: expected one of center_crop, pad, bucket, stretch, got 'foo'"),
     (["--set", "image_pixel_range=0..1"], "error: image_pixel_range: expected one of -1..1, 0..255, got '0..1'"),
     (["--set", "image_rgb=bgr"], "error: image_rgb: expected one of composite, convert"),
     (["--set", "world_tokens=[<sow>]"], "error: world_tokens: expected two different tokens"),
     (["--set", "image_token= <image>"], "error: image_token: expected a token string without surrounding"),
     (["--set", "world_tokens=[<image>, <eow>]"], "error: world_tokens: '<image>' is the image placeholder"),
-    (["--set", "num_workers=lots"], "error: num_workers: expected an integer between 0 and 1024 or 'auto', got 'lots'"),
-    (["--num-workers", "lots"], "error: num_workers: expected an integer between 0 and 1024 or 'auto', got 'lots'"),
+    (["--set", "num_workers=lots"], "error: num_workers: expected an integer >= 0 and <= 1024 or one of auto, got 'lots'"),
+    (["--num-workers", "lots"], "error: num_workers: expected an integer >= 0 and <= 1024 or one of auto, got 'lots'"),
     (["--set", "min_duration=40"], "error: min_duration: 40.0 s is greater than max_duration 30.0 s"),
     (["--set", "image_size=100"], "error: image_size: expected a multiple of 8 (the VAE's spatial factor), got 100"),
-    (["--set", "max_duration=-1"], "error: max_duration: expected a positive number <= 86400, got -1"),
-    (["--set", "silence_rms=loud"], "error: silence_rms: expected a number between 0 and 1 or null, got 'loud'"),
-    (["--sample-rate", "fast"], "error: sample_rate: expected a positive integer <= 384000, got 'fast'"),
+    (["--set", "max_duration=-1"], "error: max_duration: expected a number > 0 and <= 86400, got -1"),
+    (["--set", "silence_rms=loud"], "error: silence_rms: expected a number or null >= 0 and <= 1, got 'loud'"),
+    (["--sample-rate", "fast"], "error: sample_rate: expected an integer > 0 and <= 384000, got 'fast'"),
     (["--set", "optim.lr=1"], "error: optim.lr: unknown option"),
     (["--set", "store_posterior=maybe"], "error: store_posterior: expected true or false, got 'maybe'"),
     (["--set", "device=gpu"], "error: device: expected auto, cpu, cuda"),
     (["--set", "encoder_dtype=int8"], "error: encoder_dtype: expected one of"),
     (["--set", "precision_tolerance.codes_agreement=1.5"],
      "error: precision_tolerance.codes_agreement: expected a number between 0.0 and 1.0, got 1.5"),
-    (["--set", "columns.audio=3"], "error: columns.audio: expected a string, got 3"),
     (["--set", "audio_tokenizer.name=snac"], "error: audio_tokenizer.name: expected one of"),
+    (["--audio_tokenizer.name", "snac"], "error: audio_tokenizer.name: expected one of"),
     (["--set", "image_encoder.nomalize=true"], "error: image_encoder: unknown option(s) ['nomalize']"),
     (["--set", "extra_waveforms={audio_16k: {sample_rate: 0, direction: in}}"],
-     "error: extra_waveforms.audio_16k.sample_rate: expected a positive integer <= 384000, got 0"),
-    (["--set", "no_such_option=1"], "no_such_option"),
+     "error: extra_waveforms.audio_16k.sample_rate: expected an integer > 0 and <= 384000, got 0"),
+    (["--set", "no_such_option=1"], "error: no_such_option: unknown option"),
     (["--set", "sample_rate"], "key=value"),
 ])
 def test_invalid_option_exits_2_naming_it(capsys, tmp_path, no_work, args, message):
@@ -71,7 +70,7 @@ def test_invalid_option_exits_2_naming_it(capsys, tmp_path, no_work, args, messa
 
 
 def test_every_problem_is_listed(capsys, tmp_path, no_work):
-    rc, err = _main(capsys, tmp_path, "--set", "sample_rate=abc", "--set", "batch_size=0", "--set", "image_resize=x")
+    rc, err = _main(capsys, tmp_path, "--set", "sample_rate=0", "--set", "encoder_batch_size=0", "--set", "image_resize=x")
     assert rc == 2
     named = {ln.split(":")[1].strip() for ln in err.strip().splitlines()}
     assert named == {"sample_rate", "encoder_batch_size", "image_resize"}
@@ -80,10 +79,10 @@ def test_every_problem_is_listed(capsys, tmp_path, no_work):
 def test_yaml_errors_exit_2(capsys, tmp_path, no_work):
     bad = tmp_path / "bad.yaml"
     bad.write_text("sample_rate: [1,\n")
-    rc = cli.main(["--manifest", str(DEMO / "samples.jsonl"), "--out", str(tmp_path / "out"), "--config", str(bad)])
+    rc = cli.main(["--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "out"), "--config", str(bad)])
     assert rc == 2 and "error:" in capsys.readouterr().err
     bad.write_text("sampel_rate: 16000\n")
-    rc = cli.main(["--manifest", str(DEMO / "samples.jsonl"), "--out", str(tmp_path / "out"), "--config", str(bad)])
+    rc = cli.main(["--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "out"), "--config", str(bad)])
     assert rc == 2 and "sampel_rate" in capsys.readouterr().err
 
 
@@ -105,9 +104,12 @@ def test_valid_values_pass(monkeypatch, capsys, tmp_path):
     for plugin in ({"factory": "mypkg.codec:make", "kwargs": {"n": 3}}, {"name": "encodec", "pretrained": "x"}):
         assert check_config(load_config(None, [f"audio_tokenizer={plugin}"])) == []
     with pytest.raises(ConfigError) as e:
-        validate_config(load_config(None, ["image_size=0", "max_duration=abc"]))
-    assert e.value.lines() == ["max_duration: expected a positive number <= 86400, got 'abc'",  # in the order of the fields
-                               "image_size: expected a positive integer <= 16384, got 0"]
+        validate_config(load_config(None, ["image_size=0", "max_duration=-2.5"]))
+    assert e.value.lines() == ["max_duration: expected a number > 0 and <= 86400, got -2.5",  # in the order of the fields
+                               "image_size: expected an integer > 0 and <= 16384, got 0"]
+    with pytest.raises(ConfigError) as e:  # a value of the wrong type: named when the config is read
+        load_config(None, ["max_duration=abc"])
+    assert e.value.lines() == ["max_duration: expected a number > 0 and <= 86400, got 'abc'"]
 
 
 def test_every_declared_choice_is_implemented(tmp_path):
@@ -145,18 +147,18 @@ def test_cli_stops_before_loading_any_model(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"audio_tokenizer: {{name: dac, pretrained: {tmp_path / 'no-models' / 'dac'}}}\n"
                    f"image_encoder: {{name: wan, pretrained: {tmp_path / 'no-models' / 'wan'}}}\n")
-    r = subprocess.run([sys.executable, "-m", "precompute", "--manifest", str(DEMO / "samples.jsonl"),
-                        "--out", str(tmp_path / "out"), "--config", str(cfg), "--set", "sample_rate=abc"],
+    r = subprocess.run([sys.executable, "-m", "shardcache", "precompute", "--manifest", str(DEMO / "samples.jsonl"),
+                        "--cache", str(tmp_path / "out"), "--config", str(cfg), "--set", "sample_rate=abc"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
     assert r.returncode == 2, r.stderr
-    assert "error: sample_rate: expected a positive integer <= 384000, got 'abc'" in r.stderr
+    assert "error: sample_rate: expected an integer > 0 and <= 384000, got 'abc'" in r.stderr
     assert "no-models" not in r.stderr and not (tmp_path / "out").exists()
 
 
-def test_config_files_keep_their_fingerprint_and_old_names(tmp_path):
+def test_config_files_keep_their_fingerprint(tmp_path):
     """The preprocessing() of configs/precompute-tts.yaml, written out (renaming an option never
-    changes it), and a file with the old key batch_size. Since sample_layout conversation-2 (the
+    changes it), and a file read under --set. Since sample_layout conversation-2 (the
     <|AUDIO_OUT|> label of Higgs-Audio, label spans from the template) it also lists the image and
     token options; caches made with conversation-1 are read, not appended to. The TTS file renders
     Higgs-Audio's own layout (chat_template llama3)."""
@@ -173,6 +175,9 @@ def test_config_files_keep_their_fingerprint_and_old_names(tmp_path):
         "image_token": "<start_of_image>", "world_tokens": ["<start_of_world>", "<end_of_world>"],
         "encoder_dtype": "bfloat16"}
     old = tmp_path / "old.yaml"
-    old.write_text("batch_size: 32\nsample_rate: 16000\n")
+    old.write_text("encoder_batch_size: 32\nsample_rate: 16000\n")
     cfg = load_config(old, ["image_size=128"])
-    assert (cfg.encoder_batch_size, cfg.batch_size, cfg.sample_rate, cfg.image_size) == (32, 32, 16000, 128)
+    assert (cfg.encoder_batch_size, cfg.sample_rate, cfg.image_size) == (32, 16000, 128)
+    old.write_text("batch_size: 32\n")  # the name before encoder_batch_size: gone
+    with pytest.raises(ConfigError, match="batch_size: unknown option"):
+        load_config(old)

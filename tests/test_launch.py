@@ -201,13 +201,13 @@ def test_precompute_sbatch_under_fake_slurm(fake_slurm):
 @needs_bash
 def test_precompute_sbatch_default_config_and_failure(fake_slurm):
     fs = fake_slurm
-    r = subprocess.run([BASH, str(SLURM / "precompute.sbatch"), "m.jsonl", "out", "--batch-size", "4"],
+    r = subprocess.run([BASH, str(SLURM / "precompute.sbatch"), "m.jsonl", "out", "--encoder-batch-size", "4"],
                        env=fs["env"] | {"STUB_RC": "1"}, cwd=fs["submit"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0
     a = _torchrun_args(_argv(fs["rec"] / "python.0.argv"))
     assert a.training_script_args == ["precompute", "--manifest", "m.jsonl", "--cache", "out", "--config",
-                                      "configs/precompute.yaml", "--num-workers", "7", "--batch-size", "4"]
+                                      "configs/precompute.yaml", "--num-workers", "7", "--encoder-batch-size", "4"]
     assert not (fs["rec"] / "python.batch.argv").exists()  # no summary after a failed srun
 
 
@@ -215,13 +215,13 @@ def test_precompute_sbatch_default_config_and_failure(fake_slurm):
 def test_train_sbatch_under_fake_slurm(fake_slurm):
     fs = fake_slurm
     out = fs["submit"] / "runs" / "exp1"
-    r = subprocess.run([BASH, str(SLURM / "train.sbatch"), "--cache", "/data/cache", "--steps", "100"],
+    r = subprocess.run([BASH, str(SLURM / "train.sbatch"), "--cache", "/data/cache", "--training.steps", "100"],
                        env=fs["env"] | {"OUT": str(out)}, cwd=fs["submit"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     _check_nodes(fs, "train", ["--config", "configs/train.yaml", "--job.dir", str(out), "--checkpoint.resume", "auto",
                                "--job.stop-file", str(out / "STOP"), "--job.requeue-exit-code", "3",
-                               "--no-metrics.progress", "--cache", "/data/cache", "--steps", "100"])
+                               "--no-metrics.progress", "--cache", "/data/cache", "--training.steps", "100"])
     for k, v in RECOMMENDED_ENV.items():
         assert f"  {k}={v}\n" in r.stdout
     assert not (fs["rec"] / "scontrol.argv").read_text().count("requeue")

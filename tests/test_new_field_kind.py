@@ -115,7 +115,7 @@ def test_add_field_adds_it_to_an_existing_cache(demo_cache, mel_cache, tmp_path)
         assert np.median(np.abs(a[big].astype(np.float32) - b[big].astype(np.float32))) < 0.05
         n += 1
     assert n > 8
-    v = subprocess.run([sys.executable, "-m", "shards", "verify", str(cache), "--deep", "--no-progress"],
+    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--deep", "--no-progress"],
                        cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert v.returncode == 0, v.stdout + v.stderr
 
@@ -133,7 +133,7 @@ def test_verify_checks_its_values_with_its_kind(mel_cache, tmp_path):
     with open(shard, "r+b") as f:
         f.seek(m["offset"])
         f.write(np.array([np.nan], np.float16).tobytes())
-    v = subprocess.run([sys.executable, "-m", "shards", "verify", str(cache), "--deep", "--no-progress"],
+    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--deep", "--no-progress"],
                        cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert v.returncode == 1
     assert row["key"] in v.stdout and "mel" in v.stdout and "non-finite" in v.stdout, v.stdout + v.stderr
@@ -167,7 +167,7 @@ def test_loader_collates_it_with_its_mask_and_the_device_widens_it(mel_cache, nu
 
 
 def test_a_model_trains_on_it(mel_cache, tmp_path, monkeypatch):
-    from train.config import from_dict
+    from test_train_support import from_dict
     from train.trainer import Callbacks, run
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)

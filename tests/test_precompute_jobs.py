@@ -142,7 +142,7 @@ def _layout(cache: Path) -> tuple[dict[str, str], dict[str, str]]:
 def _precompute_cmd(tiny_models, out, *extra, nproc: int = 0, restarts: int = 0):
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             f"--max-restarts={restarts}"] if nproc else [sys.executable]
-    return head + ["-m", "precompute", "--manifest", str(DEMO / "samples.jsonl"), "--out", str(out),
+    return head + ["-m", "shardcache", "precompute", "--manifest", str(DEMO / "samples.jsonl"), "--cache", str(out),
                    *_cli_args(tiny_models, *DETERMINISM, "--set", "num_workers=0", *extra)]
 
 

@@ -291,7 +291,7 @@ def test_training_from_the_bucket_equals_training_from_local_files(s3, demo_cach
     manifest.json, the loader streams the shards; the loss of every step equals the same run on the
     local copy (storage_options through ``data.loader_kwargs``)."""
     from test_train_support import TINY_MODEL, read_metrics
-    from train.config import from_dict
+    from test_train_support import from_dict
     from train.trainer import run
 
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

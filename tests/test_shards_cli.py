@@ -115,7 +115,7 @@ def test_help_and_usage_errors(capsys, tmp_path):
 
 def test_subprocess_python_m_shards(clean_cache):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    r = subprocess.run([sys.executable, "-m", "shards", "info", str(clean_cache)],
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "info", str(clean_cache)],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "samples:" in r.stdout and FINGERPRINT in r.stdout and "\x1b[" not in r.stdout
@@ -472,3 +472,18 @@ def test_rich_output_on_a_terminal(capsys, clean_cache, monkeypatch, tmp_path):
     # --json is never decorated, before or after the command
     assert json.loads(run(capsys, "info", clean_cache, "--json")[1])["samples"] == 5
     assert json.loads(run(capsys, "--json", "ls", clean_cache)[1])["total"]["shards"] == 2
+
+
+def test_help_query_example_works_as_written(clean_cache, capsys):
+    """The ``query`` example of ``shardcache shards --help``, run as written on a cache (``cache/``
+    replaced by its path): exit 0 and the count the samples table gives (duration > 5 s with an image)."""
+    import shlex
+
+    from shards.cli import EPILOG
+    lines = [ln.strip() for ln in EPILOG.splitlines() if ln.strip().startswith("shardcache shards query ")]
+    assert lines
+    want = sum(1 for _, dur, _, _, img, _ in SAMPLES.values() if dur > 5 and img)
+    for line in lines:
+        argv = [str(clean_cache) if a == "cache/" else a for a in shlex.split(line)[2:]]
+        assert main(argv) == 0, line
+        assert capsys.readouterr().out.strip() == str(want), line

@@ -1,4 +1,4 @@
-"""The batch-size finder (``python -m train.find_batch_size`` / :func:`train.batch_size.find_batch_size`)
+"""The batch-size finder (``shardcache find-batch-size`` / :func:`train.batch_size.find_batch_size`)
 on CPU with the tiny synthetic cache; out-of-memory is simulated by patching the step."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from test_train_support import PY, REAL_LOADER, REPO, TINY_MODEL, base_env, make_cache
 from train import batch_size as BS
-from train.config import from_dict
+from test_train_support import from_dict
 
 FAKE = "test_train_support:FakeLoader"
 LOADERS = [FAKE, REAL_LOADER]
@@ -102,9 +102,9 @@ def test_recommend_on_cuda_uses_the_margin():
 
 def test_cli(cache, tmp_path, capsys):
     out = tmp_path / "res.json"
-    args = ["--cache", str(cache), "--config", "none", "--loader", FAKE, "--model-kwargs", json.dumps(TINY_MODEL),
-            "--threads", "1", "--device", "cpu", "--max-batch-size", "4", "--steps", "2", "--json", str(out)]
-    r = subprocess.run([PY, "-m", "train.find_batch_size", *args], cwd=REPO, env=base_env(),
+    args = ["--cache", str(cache), "--config", "none", "--data.loader", FAKE, "--model.kwargs", json.dumps(TINY_MODEL),
+            "--dist.threads", "1", "--dist.device", "cpu", "--max-batch-size", "4", "--steps", "2", "--json", str(out)]
+    r = subprocess.run([PY, "-m", "shardcache", "find-batch-size", *args], cwd=REPO, env=base_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "samples/s" in r.stdout and "recommended --batch-size" in r.stdout
@@ -115,4 +115,4 @@ def test_cli(cache, tmp_path, capsys):
         BS.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    assert "--max-batch-size" in text and "--model.activation-checkpointing" in text
+    assert "--max-batch-size" in text and "--model.activation_checkpointing" in text

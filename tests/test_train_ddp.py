@@ -7,11 +7,11 @@ Three launchers, each for what it can observe:
   identical parameters on both ranks after every step, all-reduces (counted by a DDP comm hook)
   only on the final micro-step, the DDP settings and the fused AdamW in use, nothing written by
   rank 1 (an audit hook records its file writes);
-* ``python -m train`` once per rank with the torchrun environment and no launcher in between:
+* ``shardcache train`` once per rank with the torchrun environment and no launcher in between:
   SIGUSR1 to one rank -> both save at the same step and exit with the requeue code; a rank that
   raises (``tests/train_with_callbacks.py`` injects the failure) -> the other exits long before the
   process-group timeout;
-* ``torchrun --nproc_per_node=2 -m train``: the resume after that stop, which must reproduce the
+* ``torchrun --nproc_per_node=2 -m shardcache train``: the resume after that stop, which must reproduce the
   uninterrupted 2 x 4 run's loss sequence bit for bit.
 
 The data come from ``loaders.ShardLoader``. The 2-node simulation (4 ranks) is in test_train_multinode.py.
@@ -61,7 +61,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, result_dir: str) -> Non
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from train.config import from_dict
+    from test_train_support import from_dict
     from train.trainer import Callbacks, run
 
     root = os.path.realpath(cfg["out"])
@@ -134,7 +134,7 @@ def runs(cache, tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("runs")
     out: dict = {}
     # 1 x 8 in this process (no process group)
-    from train.config import from_dict
+    from test_train_support import from_dict
     from train.trainer import run
     saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
     threads = torch.get_num_threads()
@@ -250,7 +250,7 @@ def test_stop_request_then_torchrun_resume_is_bitwise(cache, runs, tmp_path):
 
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "train",
+    cmd += ["--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "shardcache", "train",
             *train_args(cache, out, **dict(opts, resume="auto"))]
     r = subprocess.run(cmd, cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -283,7 +283,7 @@ def test_a_failing_rank_makes_the_other_exit(cache, tmp_path, fail_rank):
 def test_elastic_resume_of_a_two_rank_checkpoint_on_one_rank(runs, tmp_path):
     """A 2 x 4 checkpoint resumed by 1 x 8 (same global batch): the loader continues from the same
     global position, so the last steps match the 2-rank run to float tolerance."""
-    from train.config import from_dict
+    from test_train_support import from_dict
     from train.trainer import run
 
     src = runs["2x4"]["out"]

@@ -17,7 +17,7 @@ import torch
 
 from test_train_recipes_cli import _tts_cache
 from test_train_support import TINY_MODEL, make_cache, read_metrics
-from train.config import from_dict
+from test_train_support import from_dict
 from train.trainer import Callbacks, run
 
 pytestmark = pytest.mark.slow

@@ -173,8 +173,68 @@ def base_env(extra: dict | None = None) -> dict:
     return env
 
 
+#: the tests' short names of train options -> option path (test shorthand only: the product reads
+#: nested sections and ``--section.option`` flags)
+SHORT: dict[str, str] = {
+    **{k: f"data.{k}" for k in ("cache", "val_cache", "val_fraction", "fields", "batch_size", "num_workers",
+                                "loader", "loader_kwargs", "compact_batches", "seed")},
+    "model": "model.name", "model_kwargs": "model.kwargs",
+    **{k: f"model.{k}" for k in ("audio_tokenizer", "latent_loss", "latent_loss_weight", "init_from",
+                                 "activation_checkpointing", "compile")},
+    "lora": "lora.enabled", "lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+    "lora_targets": "lora.targets",
+    **{k: f"optim.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "fused", "grad_clip",
+                                 "grad_norm_warn")},
+    "schedule": "schedule.name", "warmup_steps": "schedule.warmup_steps", "min_lr_ratio": "schedule.min_lr_ratio",
+    **{k: f"training.{k}" for k in ("steps", "epochs", "grad_accum", "precision", "nonfinite_limit")},
+    **{k: f"dist.{k}" for k in ("device", "backend", "pg_timeout_min", "bucket_cap_mb", "find_unused_parameters",
+                                "threads")},
+    "ckpt_every": "checkpoint.every", "keep": "checkpoint.keep", "resume": "checkpoint.resume",
+    "out": "job.dir", "stop_file": "job.stop_file", "stop_at_step": "job.stop_at_step",
+    "requeue_exit_code": "job.requeue_exit_code",
+    "validation": "eval.enabled", "eval_every": "eval.every", "eval_batches": "eval.batches",
+    "eval_batch_size": "eval.batch_size",
+    "log_every": "metrics.every", "tensorboard": "metrics.tensorboard", "progress": "metrics.progress",
+    "throughput_warn": "metrics.throughput_warn",
+    "profile": "profile.enabled", "profile_wait": "profile.wait", "profile_warmup": "profile.warmup",
+    "profile_active": "profile.active",
+}
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"lr": 1e-3, "data.seed": 1, "optim": {...}}`` -> nested sections (short names of :data:`SHORT`,
+    dotted option paths or sections)."""
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        if isinstance(v, dict) and "." not in k and not k.endswith("kwargs"):  # a section
+            out.setdefault(k, {}).update(v)
+        else:
+            sec, name = (SHORT.get(k) or k).split(".")
+            out.setdefault(sec, {})[name] = v
+    return out
+
+
+def from_dict(flat: dict[str, Any]):
+    """:func:`train.config.from_dict` of the tests' short names (see :func:`nest`)."""
+    from train.config import from_dict as nested
+    return nested(nest(flat))
+
+
+def flags(argv: list[str]) -> list[str]:
+    """Command-line flags with the tests' short names (``--batch-size 4``, ``--no-progress``) as options."""
+    out = []
+    for a in argv:
+        name, eq, val = a.partition("=")
+        key = name[2:].replace("-", "_") if name.startswith("--") else ""
+        neg = key.startswith("no_") and key[3:] in SHORT
+        if key in SHORT or neg:
+            a = ("--no-" if neg else "--") + SHORT[key[3:] if neg else key] + eq + val
+        out.append(a)
+    return out
+
+
 def train_args(cache: Path, out: Path, **opts) -> list[str]:
-    """CLI flags for a tiny CPU run; ``opts`` override (``foo_bar=1`` -> ``--foo-bar 1``)."""
+    """CLI flags for a tiny CPU run; ``opts`` override (``foo_bar=1`` -> ``--foo-bar 1``, short names of :data:`SHORT`)."""
     base = dict(cache=str(cache), out=str(out), config="none", model_kwargs=json.dumps(TINY_MODEL),
                 batch_size=4, steps=4, warmup_steps=2, lr=1e-3, ckpt_every=1000, keep=3,
                 no_progress=True, threads=1)
@@ -186,12 +246,12 @@ def train_args(cache: Path, out: Path, **opts) -> list[str]:
             args.append(flag)
         elif v is not False and v is not None:
             args += [flag, str(v)]
-    return args
+    return flags(args)
 
 
 def launch(nprocs: int, args: list[str], cwd: Path, env: dict | None = None,
            script: list[str] | None = None) -> list[subprocess.Popen]:
-    """Start ``python -m train ARGS`` (or ``python SCRIPT... ARGS``) once per rank with the torchrun
+    """Start ``python -m shardcache train ARGS`` (or ``python SCRIPT... ARGS``) once per rank with the torchrun
     environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and no launcher
     process in between, so that what a test observes is the trainer's own behaviour."""
     port = free_port()
@@ -203,7 +263,7 @@ def launch(nprocs: int, args: list[str], cwd: Path, env: dict | None = None,
         if nprocs == 1:
             for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                 e.pop(k, None)
-        procs.append(subprocess.Popen([PY, *(script or ["-m", "train"]), *args], cwd=cwd, env=e,
+        procs.append(subprocess.Popen([PY, *(script or ["-m", "shardcache", "train"]), *flags(args)], cwd=cwd, env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

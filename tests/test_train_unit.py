@@ -21,7 +21,8 @@ from test_train_support import _single_process, cache  # noqa: F401 (fixtures)
 from test_train_support import (PY, REAL_LOADER, REPO, TINY_MODEL, base_env, collate, load_params, read_metrics)
 from train import checkpoint as C
 from train import dist as D
-from train.config import TrainConfig, build_parser, from_dict, load_yaml, parse_args
+from test_train_support import from_dict
+from train.config import TrainConfig, build_parser, load_yaml, parse_args
 from train.metrics import Metrics
 from train.optim import lr_at
 from train.trainer import Callbacks, run
@@ -44,7 +45,7 @@ def test_train_never_imports_decoders_or_diffusers(tmp_path):
         "import sys, torch\n"
         "import train, train.cli, train.trainer, train.data, train.optim, train.precision, train.profiling\n"
         "import train.config, train.dist, train.models, train.checkpoint, train.metrics\n"
-        "import train.batch_size, train.find_batch_size, shardcache.cli\n"
+        "import train.batch_size, shardcache.cli\n"
         "import loaders\n"
         + "from train.models import ReferenceModel, apply_lora\n"
         "m = apply_lora(ReferenceModel(d_model=16, n_layers=1, n_heads=2), 2, 4, 0.0, ('qkv',))\n"
@@ -60,49 +61,52 @@ def test_train_never_imports_decoders_or_diffusers(tmp_path):
 
 def test_config_precedence_yaml_then_cli(tmp_path):
     y = tmp_path / "t.yaml"
-    y.write_text("steps: 7\nbatch_size: 3\nmodel_kwargs: {d_model: 64, n_layers: 1}\nlora: true\n")
+    y.write_text("training: {steps: 7}\ndata: {batch_size: 3}\nmodel: {kwargs: {d_model: 64, n_layers: 1}}\n"
+                 "lora: {enabled: true}\noptim: {lr: 3e-4}\n")
     cfg = load_yaml(y)
-    assert (cfg.training.steps, cfg.data.batch_size, cfg.lora.enabled) == (7, 3, True)
-    cfg, _ = parse_args(["--config", str(y), "--steps", "9", "--model-kwargs", '{"d_model": 32}',
-                         "--no-lora", "--fields", "codes,input_ids", "--lr", "1e-3"])
+    assert (cfg.training.steps, cfg.data.batch_size, cfg.lora.enabled, cfg.optim.lr) == (7, 3, True, 3e-4)
+    cfg, _ = parse_args(["--config", str(y), "--training.steps", "9", "--model.kwargs", '{"d_model": 32}',
+                         "--no-lora.enabled", "--data.fields", "[codes, input_ids]", "--optim.lr", "1e-3"])
     assert cfg.training.steps == 9 and cfg.data.batch_size == 3 and cfg.lora.enabled is False
     assert cfg.optim.lr == 1e-3
-    assert cfg.model.kwargs == {"d_model": 32, "n_layers": 1}  # dict flags update the file's dict
+    assert cfg.model.kwargs == {"d_model": 32, "n_layers": 1}  # a merge option: the flag updates the file's dict
     assert cfg.data.fields == ("codes", "input_ids")
-    # the same file written with sections; dotted flags and --set; --set < flags
-    y2 = tmp_path / "nested.yaml"
-    y2.write_text("training: {steps: 7}\ndata: {batch_size: 3}\nmodel: {kwargs: {d_model: 64}}\n")
-    cfg, _ = parse_args(["--config", str(y2), "--set", "optim.lr=2e-3", "--set", "training.steps=11",
-                         "--training.steps", "12", "--set", "model.kwargs.n_layers=1", "--optim.weight_decay", "0"])
+    # --set, dashes or underscores, one key of a mapping; flags in their order
+    cfg, _ = parse_args(["--config", str(y), "--set", "optim.lr=2e-3", "--set", "training.steps=11",
+                         "--training.steps", "12", "--set", "model.kwargs.n_layers=2", "--optim.weight-decay", "0",
+                         "--cache", "/c", "--run-dir", "/r"])
     assert (cfg.training.steps, cfg.data.batch_size, cfg.optim.lr, cfg.optim.weight_decay) == (12, 3, 2e-3, 0.0)
-    assert cfg.model.kwargs == {"d_model": 64, "n_layers": 1}
-    with pytest.raises(ValueError, match="unknown option"):
-        from_dict({"stepz": 1})
-    with pytest.raises(ValueError, match="schedule"):
-        from_dict({"schedule": "step"})
-    # every option is a documented flag, under its section
+    assert cfg.model.kwargs == {"d_model": 64, "n_layers": 2} and (cfg.data.cache, cfg.job.dir) == ("/c", "/r")
+    with pytest.raises(ValueError, match="stepz: unknown option"):
+        from_dict({"training": {"stepz": 1}})
+    with pytest.raises(ValueError, match="schedule.name"):
+        from_dict({"schedule": {"name": "step"}})
+    # the flat names before sections are gone
+    y.write_text("steps: 7\n")
+    with pytest.raises(ValueError, match="steps: unknown option"):
+        load_yaml(y)
+    # every option is a documented flag (--help-all), under its section
     helptext = build_parser().format_help()
-    from shardcache.config import flag_of, options
-    for path, opt in options(TrainConfig).items():
-        assert flag_of(path) in helptext and opt.doc, path
-    assert "requeue" in helptext and "--lr" in helptext and "--batch-size" in helptext
+    from shardcache.config import options
+    for path, (_, f) in options(TrainConfig).items():
+        assert f"--{path} " in helptext, path
+    assert "requeue" in helptext
 
 
 def test_config_errors_name_every_bad_option_and_exit_2(tmp_path):
     from shardcache.config import ConfigError
     with pytest.raises(ConfigError) as e:
-        parse_args(["--config", "none", "--lr", "fast", "--batch-size", "0", "--set", "schedule.name=step",
+        parse_args(["--config", "none", "--data.batch_size", "0", "--set", "schedule.name=step",
                     "--training.precision", "fp8"])
-    assert [k for k, _ in e.value.problems] == ["data.batch_size", "optim.lr", "schedule.name", "training.precision"]
-    assert "optim.lr: expected a number between 0 and 100, got 'fast'" in e.value.lines()
+    assert [k for k, _ in e.value.problems] == ["data.batch_size", "schedule.name", "training.precision"]
+    with pytest.raises(ConfigError) as e:  # a value of the wrong type: named as the command line is read
+        parse_args(["--config", "none", "--optim.lr", "fast"])
+    assert e.value.lines() == ["optim.lr: expected a number >= 0 and <= 100, got 'fast'"]
     with pytest.raises(ConfigError, match="optim.lrr: unknown option"):
         parse_args(["--config", "none", "--set", "optim.lrr=1"])
-    # the old absolute min_lr becomes a ratio of the final lr (configs written before min_lr_ratio)
-    cfg = from_dict({"lr": 1e-3, "min_lr": 1e-4})
-    assert cfg.schedule.min_lr_ratio == pytest.approx(0.1) and cfg.schedule.min_lr is None
     # no file is read unless named: not configs/train.yaml of the working directory
     (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "train.yaml").write_text("steps: 5\n")
+    (tmp_path / "configs" / "train.yaml").write_text("training: {steps: 5}\n")
     import os
     cwd = os.getcwd()
     try:
@@ -172,12 +176,12 @@ def test_grad_norms_and_clipping_equal_clip_grad_norm():
 
 
 def test_lr_schedule():
-    cfg = from_dict(dict(lr=1.0, min_lr=0.1, warmup_steps=4, steps=14, schedule="cosine"))
+    cfg = from_dict(dict(lr=1.0, min_lr_ratio=0.1, warmup_steps=4, steps=14, schedule="cosine"))
     assert [lr_at(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_at(4, cfg) == pytest.approx(1.0)
     assert lr_at(9, cfg) == pytest.approx(0.55)
     assert lr_at(14, cfg) == pytest.approx(0.1) and lr_at(100, cfg) == pytest.approx(0.1)
-    lin = from_dict(dict(lr=1.0, min_lr=0.0, warmup_steps=0, steps=10, schedule="linear"))
+    lin = from_dict(dict(lr=1.0, min_lr_ratio=0.0, warmup_steps=0, steps=10, schedule="linear"))
     assert lr_at(5, lin) == pytest.approx(0.5)
     poly = from_dict({"optim": {"lr": 2.0}, "schedule": {"name": "polynomial", "power": 2.0, "warmup_steps": 2,
                                                           "min_lr_ratio": 0.0}, "training": {"steps": 12}})
@@ -579,12 +583,12 @@ def test_plugin_loader(cache, tmp_path):
 
 
 def test_cli_help_and_bad_option():
-    r = subprocess.run([PY, "-m", "train", "--help"], cwd=REPO, env=base_env(), capture_output=True,
+    r = subprocess.run([PY, "-m", "shardcache", "train", "--help"], cwd=REPO, env=base_env(), capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode == 0 and "--training.grad-accum" in r.stdout and "torchrun" in r.stdout
-    r = subprocess.run([PY, "-m", "train", "--config", "none", "--schedule", "nope", "--lr", "x"], cwd=REPO,
+    assert r.returncode == 0 and "--training.steps" in r.stdout and "torchrun" in r.stdout
+    r = subprocess.run([PY, "-m", "shardcache", "train", "--config", "none", "--schedule.name", "nope"], cwd=REPO,
                        env=base_env(), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "schedule.name: expected one of" in r.stderr and "optim.lr:" in r.stderr
+    assert r.returncode == 2 and "schedule.name: expected one of" in r.stderr
     assert "Traceback" not in r.stderr
 
 

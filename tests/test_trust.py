@@ -184,13 +184,13 @@ def test_a_number_out_of_bounds_exits_2_before_any_work(tmp_path):
            "--set", "extra_waveforms={a16k: {sample_rate: 1000000}}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 2, r.stderr
-    assert "error: sample_rate: expected a positive integer <= 384000, got 100000000000" in r.stderr
-    assert "error: max_audio_items: expected a positive integer <= 1e+06, got 0" in r.stderr
-    assert "error: extra_waveforms.a16k.sample_rate: expected a positive integer <= 384000" in r.stderr
+    assert "error: sample_rate: expected an integer > 0 and <= 384000, got 100000000000" in r.stderr
+    assert "error: max_audio_items: expected an integer > 0 and <= 1000000, got 0" in r.stderr
+    assert "error: extra_waveforms.a16k.sample_rate: expected an integer > 0 and <= 384000" in r.stderr
     assert not out.exists()
-    r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--cache", str(out), "--batch-size", "1e9",
+    r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--cache", str(out), "--data.batch_size", "1000000000",
                         "--print-config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
-    assert r.returncode == 2 and "data.batch_size: expected a positive integer <= 1e+06" in r.stderr, r.stderr
+    assert r.returncode == 2 and "data.batch_size: expected an integer > 0 and <= 1000000" in r.stderr, r.stderr
 
 
 def test_every_number_of_both_configs_is_bounded():
@@ -198,12 +198,12 @@ def test_every_number_of_both_configs_is_bounded():
     from precompute.config import PrecomputeConfig
     from shardcache import config as S
     from train.config import TrainConfig
+    import typing
     for cls in (PrecomputeConfig, TrainConfig):
-        for path, opt in S.options(cls).items():
-            kinds = set(S._args(opt.type)) - {type(None)}  # noqa: SLF001
-            if kinds & {int, float}:
-                assert opt.rule("le") is not None, f"{cls.__name__}.{path} has no upper bound"
-                assert opt.rule("gt") is not None or opt.rule("ge") is not None, f"{cls.__name__}.{path}"
+        for path, (tp, f) in S.options(cls).items():
+            if {int, float} & ({tp} | set(typing.get_args(tp) if "|" in str(tp) else ())):
+                assert f.metadata.get("le") is not None, f"{cls.__name__}.{path} has no upper bound"
+                assert f.metadata.get("gt") is not None or f.metadata.get("ge") is not None, f"{cls.__name__}.{path}"
 
 
 # ---- YAML with limits -------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_yaml_alias_bomb_in_model_kwargs_is_refused_fast(tmp_path):
     assert r.returncode == 2, r.stderr
     assert f"--config {cfg}: refused: its aliases expand to more than 100000 values" in r.stderr
     flag = "{" + ", ".join(_bomb(prefix="").splitlines()) + "}"
-    r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--model-kwargs", flag, "--cache", str(tmp_path),
+    r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--model.kwargs", flag, "--cache", str(tmp_path),
                         "--print-config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 2 and "model.kwargs: refused: its aliases expand" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-m", "shardcache", "add-field", str(tmp_path / "no-cache"), "--field",
@@ -372,7 +372,7 @@ def two_caches(tmp_path_factory):
 
 def _cfg(cache, out, **kw):
     from test_train_support import REAL_LOADER, TINY_MODEL
-    from train.config import from_dict
+    from test_train_support import from_dict
     base = dict(cache=str(cache), out=str(out), loader=REAL_LOADER, model_kwargs=TINY_MODEL, batch_size=4,
                 steps=4, warmup_steps=0, lr=1e-3, ckpt_every=4, progress=False, threads=1, log_every=1,
                 validation=False)
@@ -428,7 +428,7 @@ def test_cache_id_is_recorded_and_kept_by_a_remerge_and_reindex(two_caches, tmp_
     d = read_manifest(c)
     merge_parts(c, {k: v for k, v in d.items() if k not in ("cache_id", "counts", "shards", "created")})
     assert read_manifest(c)["cache_id"] == ida
-    r = subprocess.run([sys.executable, "-m", "shards", "reindex", str(c), "--no-progress"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(c), "--no-progress"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr
     assert read_manifest(c)["cache_id"] == ida

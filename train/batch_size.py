@@ -1,6 +1,6 @@
-"""Batch-size finder: ``shardcache find-batch-size --cache DIR [train options]`` (``python -m train.find_batch_size``).
+"""Batch-size finder: ``shardcache find-batch-size --cache DIR [train options]`` 
 
-Builds the configured model, optimizer and loader on one device (exactly as ``python -m train``
+Builds the configured model, optimizer and loader on one device (exactly as ``shardcache train``
 does: ``--config``, ``--set``, ``--model.name``, ``--model.kwargs``, ``--training.precision``,
 ``--model.activation-checkpointing``, ``--lora``, ``--model.compile``, ``--data.loader-kwargs``...) and times full training steps (forward, backward,
 gradient clipping, AdamW step) at batch sizes 1, 2, 4, ... (powers of two, then
@@ -38,11 +38,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardcache import config as S
 from shardcache.config import ConfigError
 
 from . import dist as D
-from .config import TrainConfig, build_parser, config_from_namespace
+from .config import TrainConfig, build_parser, parse_args
 from .data import batch_stream, cache_metadata, make_loader, to_device
 from .metrics import peak_memory_mb
 from .models import data_spec
@@ -261,13 +260,13 @@ def format_table(res: dict[str, Any]) -> str:
 
 def build_finder_parser() -> argparse.ArgumentParser:
     p = build_parser(
-        prog="shardcache find-batch-size", exclude=("training.steps",),
+        prog="shardcache find-batch-size",
         description=(
             "Find the largest / fastest per-rank batch size for the configured model on one device.\n\n"
             "  shardcache find-batch-size --cache cache/demo --config configs/train.yaml\n"
             "  shardcache find-batch-size --cache /data/cache --max-batch-size 256 --margin 0.85\n\n"
-            "Takes every option of `shardcache train` (defaults < config file < --set < flags), except\n"
-            "that --steps is the number of steps per batch size. Exit status 0, 2 for bad options."))
+            "Takes every option of `shardcache train` (defaults < config file < flags); --steps is the\n"
+            "number of steps per batch size. Exit status 0, 2 for bad options."))
     g = p.add_argument_group("batch-size finder")
     g.add_argument("--max-batch-size", dest="find_max_batch_size", type=int, default=1024, metavar="INT",
                    help="largest batch size tried (default: 1024).")
@@ -284,11 +283,9 @@ def build_finder_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_finder_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    ns = parser.parse_args(S.normalize_argv(parser, argv))
     try:
-        cfg = config_from_namespace(ns)
+        cfg, ns = parse_args(argv, build_finder_parser())
         problems = []
         if ns.find_max_batch_size < 1 or ns.find_start < 1 or ns.find_steps < 1:
             problems.append(("--max-batch-size/--start/--steps", "must be >= 1"))

@@ -1,4 +1,4 @@
-"""``shardcache train`` / ``python -m train`` / ``torchrun --nproc_per_node=N -m shardcache train``.
+"""``shardcache train`` / ``torchrun --nproc_per_node=N -m shardcache train``.
 
 Exit status: 0 when the run reached its steps; ``--job.requeue-exit-code`` (default 3) after a stop
 request (SIGUSR1/SIGTERM, the stop file or ``--job.stop-at-step``), with a checkpoint saved at the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-PROG = "python -m train"
+PROG = "shardcache train"
 
 
 def main(argv: list[str] | None = None, callbacks=None) -> int:
@@ -19,10 +19,18 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
     point (e.g. fault injection under torchrun)."""
     from shardcache.config import ConfigError
 
-    from .config import parse_args
+    from .config import help_text, parse_args
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help-all" in argv or "-h" in argv or "--help" in argv:
+        sys.stdout.write(help_text(everything="--help-all" in argv))
+        return 0
     try:
         cfg, ns = parse_args(argv)
+        if not ns.print_config:  # the options that reach the loader and model constructors
+            from .bounds import problems
+            if bad := problems(cfg):
+                raise ConfigError(bad)
     except ConfigError as e:
         return e.report(PROG)
     if ns.print_config:

@@ -1,24 +1,16 @@
 """Stage-two configuration: :class:`TrainConfig`, nested sections with a docstring per option.
 
-Read through :mod:`shardcache.config` (the mechanism precompute uses too): dataclass defaults <
-config file (YAML; ``--config FILE``, else ``$SHARDCACHE_TRAIN_CONFIG``, else none) < ``--set
-section.option=value`` < flags (``--optim.lr 3e-4``). Files may be nested (``optim: {lr: 3e-4}``)
-or flat with the option names used before sections existed (``lr: 3e-4``, :data:`LEGACY`); every
-old flag (``--lr``, ``--batch-size``, ``--cache``, ``--out``, ``--model-kwargs JSON``,
-``--no-progress``...) is an alias of its option. The effective config is logged at start (global
-rank 0) and stored in every checkpoint (``config.json`` and ``trainer.pt``).
-
-The Higgs-Audio / HF Trainer spellings (``--train_data_file``, ``--learning_rate``, ``--bf16``...,
-:data:`HIGGS_ALIASES`) are accepted too, so the Higgs-Audio launch line works as written.
-``--model_path P`` sets ``model.kwargs.lm = P`` and ``--model higgs`` (Higgs-Audio v2 itself,
-:mod:`train.recipes.higgs`) unless a model is given. A
-model named on the command line that differs from the file's drops the file's ``model.kwargs``
-(they belong to the file's model).
+Read through :mod:`shardcache.config` (jsonargparse; the mechanism precompute uses too): dataclass
+defaults < config file (YAML, nested sections; ``--config FILE``, else ``$SHARDCACHE_TRAIN_CONFIG``,
+else none) < flags in their order (``--optim.lr 3e-4``, ``--set optim.lr=3e-4``; ``--cache`` and
+``--run-dir`` are ``--data.cache`` and ``--job.dir``). The Higgs-Audio launch line is translated by
+:mod:`train.recipes.higgs_argv`. The effective config is logged at start (global rank 0) and stored
+in every checkpoint (``config.json`` and ``trainer.pt``).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +38,7 @@ class DataConfig:
     """Without --data.val-cache: the fraction of the cache's keys held out of training for validation, chosen by
     sha256(key) (the same keys for every run, seed and world size); at least 1 key when the cache has >= 20
     samples, none below; 0 = nothing held out. At most 0.5."""
-    fields: tuple = ("auto",)
+    fields: tuple[str, ...] = ("auto",)
     """Cached fields the loader collates: auto = the model's `fields` attribute (recipes declare theirs), else
     every field the cache holds; all = every field the cache holds; or a list: input_ids,labels,codes."""
     batch_size: int = option(8, gt=0, le=1_000_000)
@@ -57,7 +49,7 @@ class DataConfig:
     training threads; the README's data-wait table measures both)."""
     loader: str = "loaders:ShardLoader"
     """module:class of the loader (the ShardLoader API)."""
-    loader_kwargs: dict = option({}, merge=True)
+    loader_kwargs: dict[str, Any] = option({}, merge=True)
     """Extra keyword arguments for the loader (a mapping; a flag or --set updates the file's)."""
     compact_batches: bool = True
     """Ask the loader for int16 audio and float16 latents as stored and widen them to float32 on the training
@@ -81,7 +73,7 @@ class ModelConfig:
     name: str = "reference"
     """'reference', a recipe (higgs | tts | vlm: train.recipes) or module:factory returning an nn.Module whose
     forward(batch) returns a loss tensor or a dict with 'loss'."""
-    kwargs: dict = option({}, merge=True)
+    kwargs: dict[str, Any] = option({}, merge=True)
     """Keyword arguments of the model factory (a mapping, JSON on the command line; a flag updates the
     file's). Reference model: d_model, n_layers, n_heads, mlp_ratio, dropout, patch_size, max_positions;
     recipes: lm (checkpoint dir or hub id), dtype, lora...; higgs: labels (processor | targets), input_audio
@@ -114,7 +106,7 @@ class LoraConfig:
     """LoRA alpha (scale alpha / r)."""
     dropout: float = option(0.0, ge=0.0, le=1.0)
     """LoRA dropout."""
-    targets: tuple = ("qkv", "proj", "fc1", "fc2")
+    targets: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
     """Module-name suffixes that get adapters (this default: the reference model's; recipes use their own
     q/k/v/o_proj unless others are given)."""
 
@@ -156,9 +148,6 @@ class ScheduleConfig:
     """Final lr as a fraction of each group's lr (groups with their own lr keep their ratio)."""
     power: float = option(1.0, gt=0.0, le=1000.0)
     """Exponent of the polynomial schedule (1 = linear)."""
-    min_lr: float | None = option(None, ge=0.0, le=100.0)
-    """Deprecated (configs before min_lr_ratio): an absolute final lr, converted to min_lr_ratio = min_lr / lr
-    once every layer of the config is read."""
 
 
 @dataclass
@@ -286,7 +275,7 @@ class ProfileConfig:
 
 @dataclass
 class TrainConfig:
-    """Every option of ``shardcache train`` / ``python -m train`` (see ``configs/train.yaml``)."""
+    """Every option of shardcache train (see configs/train.yaml)."""
 
     data: DataConfig = section(DataConfig)
     model: ModelConfig = section(ModelConfig)
@@ -308,55 +297,6 @@ class TrainConfig:
     def dump(self) -> str:
         """The effective config as nested YAML (what is logged at start)."""
         return S.dump(self)
-
-
-#: option names before sections (flat YAML keys and flags ``--name``) -> option path
-LEGACY: dict[str, str] = {
-    **{k: f"data.{k}" for k in ("cache", "val_cache", "val_fraction", "fields", "batch_size", "num_workers",
-                                "loader", "loader_kwargs", "compact_batches", "seed")},
-    "model": "model.name", "model_kwargs": "model.kwargs",
-    **{k: f"model.{k}" for k in ("audio_tokenizer", "latent_loss", "latent_loss_weight", "init_from",
-                                 "activation_checkpointing", "compile")},
-    "lora": "lora.enabled", "lora_r": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
-    "lora_targets": "lora.targets",
-    **{k: f"optim.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "fused", "grad_clip",
-                                 "grad_norm_warn")},
-    "schedule": "schedule.name", "warmup_steps": "schedule.warmup_steps", "min_lr": "schedule.min_lr",
-    "min_lr_ratio": "schedule.min_lr_ratio",
-    **{k: f"training.{k}" for k in ("steps", "epochs", "grad_accum", "precision", "nonfinite_limit")},
-    **{k: f"dist.{k}" for k in ("device", "backend", "pg_timeout_min", "bucket_cap_mb", "find_unused_parameters",
-                                "threads")},
-    "ckpt_every": "checkpoint.every", "keep": "checkpoint.keep", "resume": "checkpoint.resume",
-    "out": "job.dir", "run_dir": "job.dir", "stop_file": "job.stop_file", "stop_at_step": "job.stop_at_step",
-    "requeue_exit_code": "job.requeue_exit_code",
-    "validation": "eval.enabled", "eval_every": "eval.every", "eval_batches": "eval.batches",
-    "eval_batch_size": "eval.batch_size",
-    "log_every": "metrics.every", "tensorboard": "metrics.tensorboard", "progress": "metrics.progress",
-    "throughput_warn": "metrics.throughput_warn",
-    "profile": "profile.enabled", "profile_wait": "profile.wait", "profile_warmup": "profile.warmup",
-    "profile_active": "profile.active",
-}
-
-#: Higgs-Audio / HF Trainer flags that take a value -> option path
-HIGGS_ALIASES: dict[str, str] = {
-    "--train_data_file": "data.cache", "--output_dir": "job.dir", "--save_steps": "checkpoint.every",
-    "--per_device_train_batch_size": "data.batch_size", "--learning_rate": "optim.lr",
-    "--num_train_epochs": "training.epochs", "--logging_steps": "metrics.every",
-    "--warmup_steps": "schedule.warmup_steps", "--audio_tokenizer_path": "model.audio_tokenizer",
-}
-#: Higgs-Audio flags without a value -> (option path, the value they set, help)
-HIGGS_SWITCHES: dict[str, tuple[str, Any, str]] = {
-    "--bf16": ("training.precision", "bf16", "= --training.precision bf16."),
-    "--disable_evaluation": ("eval.enabled", False, "= --no-validation (nothing held out)."),
-    "--use_lora": ("lora.enabled", True, "= --lora."),
-}
-
-
-def flag_aliases(exclude: tuple[str, ...] = ()) -> dict[str, str]:
-    """Every alias flag -> option path: the old flat names (``--batch-size``) and the Higgs ones."""
-    out = {"--" + k.replace("_", "-"): v for k, v in LEGACY.items()}
-    out.update(HIGGS_ALIASES)
-    return {f: p for f, p in out.items() if p not in exclude}
 
 
 # ---- checks ------------------------------------------------------------------------------------------
@@ -407,116 +347,52 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def finalize(cfg: TrainConfig) -> TrainConfig:
-    """The deprecated absolute ``schedule.min_lr`` -> ``min_lr_ratio`` (with the final lr), then
-    :func:`validate`."""
-    s = cfg.schedule
-    if s.min_lr is not None and S.check_option(S.options(TrainConfig)["schedule.min_lr"], s.min_lr) is None \
-            and isinstance(cfg.optim.lr, float):
-        ratio = min(1.0, s.min_lr / cfg.optim.lr) if cfg.optim.lr > 0 else 0.0
-        cfg = S.replace(cfg, {"schedule.min_lr_ratio": ratio, "schedule.min_lr": None})
-    return validate(cfg)
+#: the short spellings of the two paths every run names
+SHORT_FLAGS = {"--cache": "--data.cache", "--run-dir": "--job.dir"}
+#: the options ``shardcache train --help`` shows (``--help-all``: every option)
+COMMON = ("data.cache", "job.dir", "model.name", "model.kwargs", "data.batch_size", "data.fields", "optim.lr",
+          "training.steps", "training.epochs", "training.precision", "lora.enabled", "checkpoint.every",
+          "checkpoint.resume", "eval.every", "metrics.every")
 
 
-# ---- building ----------------------------------------------------------------------------------------
-
-def from_dict(data: dict[str, Any] | None, base: TrainConfig | None = None, source: str = "config") -> TrainConfig:
-    """``base`` (default: the defaults) with ``data`` (nested sections and/or the old flat names)
-    applied; validated (raises :class:`ConfigError`, a ValueError)."""
-    cfg = S.apply(base or TrainConfig(), S.flatten(data or {}, TrainConfig, LEGACY, source))
-    return finalize(cfg)
+def from_dict(data: dict[str, Any] | None) -> TrainConfig:
+    """A nested mapping (as a config file holds) -> a validated :class:`TrainConfig` (raises :class:`ConfigError`)."""
+    return validate(S.from_dict(TrainConfig, data or {}))
 
 
-def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
-    """A YAML config file (nested or flat) over ``base``; validated."""
-    return from_dict(S.read_yaml(path), base, source=str(path))
+def load_yaml(path: str | Path) -> TrainConfig:
+    """A YAML config file (nested sections) -> a validated config."""
+    return parse_args(["--config", str(path)])[0]
 
 
-def build_parser(prog: str = "python -m train", description: str | None = None,
-                 exclude: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    """``--config``, ``--set``, ``--print-config`` and one flag per option (plus aliases), except
-    the option paths in ``exclude`` (another tool that reuses the options may give those flag
-    names its own meaning)."""
-    p = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s [--config FILE] [--set SECTION.OPTION=VALUE ...] [--SECTION.OPTION VALUE ...]",
-        description=description if description is not None else (
-            "Train from a shardcache cache (stage two).\n\n"
-            "  shardcache train --cache cache/demo --run-dir runs/demo --training.steps 50\n"
-            "  torchrun --nproc_per_node=2 -m shardcache train --config configs/train.yaml --cache cache/demo\n\n"
-            "Options: the defaults below, then the config file (--config FILE; else $SHARDCACHE_TRAIN_CONFIG;\n"
-            "else none), then --set section.option=value, then flags. Every option has its --section.name\n"
-            "flag; the old flat spellings (--lr, --batch-size, --cache, --out, --model-kwargs JSON...) and\n"
-            "the Higgs-Audio ones are aliases. Exit status: 0 done; the --job.requeue-exit-code (default 3)\n"
-            "after a stop request (SIGUSR1/SIGTERM or the stop file; a checkpoint was saved: requeue the\n"
-            "job); 1 on an error on any rank (also: training.nonfinite_limit non-finite steps in a row);\n"
-            "2 for bad options (each named)."),
-    )
-    p.add_argument("--config", default=None, metavar="FILE",
-                   help=f"YAML config (nested sections or the old flat keys); 'none' for none (default: "
-                        f"${CONFIG_ENV} if set, else none: the defaults below).")
-    p.add_argument("--set", dest="set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
-                   help="override an option (value read as YAML), e.g. --set optim.lr=1e-4 --set model.kwargs.lm=/ckpt")
+def build_parser(prog: str = "shardcache train", description: str | None = None) -> argparse.ArgumentParser:
+    """``--config``, ``--set``, ``--print-config`` and one flag per option (callers may add their own)."""
+    p = S.parser(TrainConfig, prog, description if description is not None else (
+        "Train from a shardcache cache (stage two).\n\n"
+        "  shardcache train --cache cache/demo --run-dir runs/demo --training.steps 50\n"
+        "  torchrun --nproc_per_node=2 -m shardcache train --config configs/train.yaml --cache cache/demo\n\n"
+        "Options: the defaults below, then the config file (--config FILE; else $SHARDCACHE_TRAIN_CONFIG;\n"
+        "else none), then flags in their order. --cache DIR is --data.cache, --run-dir DIR is --job.dir. Exit status:\n"
+        "0 done; --job.requeue_exit_code (default 3) after a stop request; 1 on an error on any rank; 2 for\n"
+        "bad options (each named)."))
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit.")
-    aliases = flag_aliases(exclude)
-    if "job.dir" not in exclude:
-        aliases["--run-dir"] = "job.dir"
-    S.add_flags(p, TrainConfig, aliases, exclude=exclude)
-    g = p.add_argument_group("aliases (Higgs-Audio / HF Trainer spelling)",
-                             "Those that take a value are listed with their option above (--learning_rate, "
-                             "--train_data_file, --output_dir, --save_steps, --per_device_train_batch_size, "
-                             "--num_train_epochs, --logging_steps, --warmup_steps, --audio_tokenizer_path).")
-    if "model.kwargs" not in exclude:
-        g.add_argument("--model_path", dest="model_path", default=argparse.SUPPRESS, metavar="DIR",
-                       help="checkpoint (dir or hub id) = --set model.kwargs.lm=DIR; the model defaults to higgs "
-                            "(Higgs-Audio v2; --model tts for another causal LM).")
-    for flag, (path, const, help_) in HIGGS_SWITCHES.items():
-        if path not in exclude:
-            g.add_argument(flag, dest=path, action="store_const", const=const, default=argparse.SUPPRESS, help=help_)
+    p.add_argument("--help-all", action="store_true", help="every option (--help shows the common ones).")
     return p
 
 
-def config_from_namespace(ns: argparse.Namespace) -> TrainConfig:
-    """Parsed flags (of :func:`build_parser`) -> the effective config; sets ``ns.config_file`` and
-    ``ns.config_source`` (which file was read and why)."""
-    path, why = S.config_path(ns.config, CONFIG_ENV)
-    ns.config_file, ns.config_source = path, why
-    cfg = TrainConfig()
-    if path:
-        cfg = S.apply(cfg, S.flatten(S.read_yaml(path), TrainConfig, LEGACY, path))
-    sets = S.parse_set(getattr(ns, "set", []) or [], TrainConfig, LEGACY)
-    flags = S.given(ns, TrainConfig)
-    cli_model = next((v for p, k, v in sets if p == "model.name" and not k), None)
-    cli_model = flags.get("model.name", cli_model)
-    model_path = getattr(ns, "model_path", None)
-    if model_path:
-        cli_model = cli_model or "higgs"
-        if cli_model == "reference":
-            raise ConfigError([("--model_path", "the reference model loads no LM; use --model higgs|tts|vlm|module:factory")])
-        flags["model.name"] = cli_model
-    if cli_model is not None and cli_model != cfg.model.name:  # the file's kwargs are for the file's model
-        cfg = S.replace(cfg, {"model.kwargs": {}})
-    cfg = S.apply(cfg, sets, text=True)
-    cfg = S.apply(cfg, flags, text=True)
-    if model_path:
-        cfg = S.replace(cfg, {"model.kwargs": {**cfg.model.kwargs, "lm": str(model_path)}})
-    return finalize(cfg)
+def help_text(everything: bool = False, parser: argparse.ArgumentParser | None = None) -> str:
+    """``--help`` (the common options) or ``--help-all`` (every option)."""
+    p = parser or build_parser()
+    return p.format_help() if everything else S.short_help(p, COMMON, "Every option: --help-all.")
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
-    """Command line -> (effective config, namespace). Raises :class:`ConfigError` for bad values
-    (argparse exits 2 itself for unknown flags)."""
-    import sys
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    ns = parser.parse_args(S.normalize_argv(parser, argv))
-    return config_from_namespace(ns), ns
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    """Command line (the Higgs-Audio spellings translated first) -> (validated config, namespace
+    with the parser's other flags, ``config_file`` and ``config_source``). Raises :class:`ConfigError`."""
+    from .recipes.higgs_argv import translate
+    argv = translate(sys.argv[1:] if argv is None else list(argv))
+    cfg, ns = S.parse(parser or build_parser(), TrainConfig, argv, CONFIG_ENV, SHORT_FLAGS)
+    return validate(cfg), ns
 
 
-def replace(cfg: TrainConfig, **values: Any) -> TrainConfig:
-    """``cfg`` with options set by path, ``replace(cfg, **{"training.steps": 10})``."""
-    return S.replace(cfg, values)
-
-
-__all__ = ["TrainConfig", "ConfigError", "from_dict", "load_yaml", "parse_args", "build_parser",
-           "config_from_namespace", "validate", "dataclasses"]
+__all__ = ["TrainConfig", "ConfigError", "from_dict", "load_yaml", "parse_args", "build_parser", "validate"]

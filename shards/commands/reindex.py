@@ -174,7 +174,7 @@ def cmd_reindex(args: argparse.Namespace) -> int:
                 index = attach_sidecar(index, read_sidecar_parts(d, fname))
             else:
                 warn(f"field {fname!r}: not every shard has a committed sidecar; dropped from the "
-                     "manifest (rerun `python -m precompute add-field`)")
+                     "manifest (rerun `shardcache add-field`)")
                 del added[fname]
         if "fields" in base:
             base["fields"] = added

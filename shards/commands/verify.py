@@ -7,7 +7,7 @@ names the samples affected. ``--deep`` does that scan for every shard: it compar
 sha256 and member offsets/sizes/dtypes/shapes with the index and decodes every tensor member
 through :class:`~shards.reader.ShardReader`.
 
-Sidecar tars of fields added with ``python -m precompute add-field`` (``manifest.json`` ``fields``)
+Sidecar tars of fields added with ``shardcache add-field`` (``manifest.json`` ``fields``)
 are checked the same way (size + sha256 against their manifest entry) and, with ``--deep`` or when
 that fails, for key alignment with their main shard (same keys, same order, one ``FIELD.npy``
 each at the index's offsets): see :func:`check_sidecar`.
@@ -321,7 +321,7 @@ def check_sidecar(path: Path, entry: dict, deep: bool,
         b = keys[j] if j < len(keys) else None
         probs.append(Problem(name, a or b, f"misaligned with {main}: sample {j} is {a!r} in the sidecar, "
                                            f"{b!r} in the shard ({len(side_keys)} vs {len(keys)} samples); "
-                                           f"`python -m precompute drop-field` and add the field again"))
+                                           f"`shardcache drop-field` and add the field again"))
     member = f"{field_name}.npy"
     idx = {k: [m for m in ms or [] if m.get("file") == name]
            for k, ms in zip(keys, indexed.column("members").to_pylist())}

@@ -1,0 +1,101 @@
+"""Options that reach a constructor are bounded before any model loads: exit 2 naming the option
+(issue 30 item 6): extra_waveforms names against the field registry, data.loader_kwargs against
+the loader's parameters, the reference model's model.kwargs, a batch larger than the cache."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from conftest import DEMO, ROOT
+from test_train_support import make_cache
+
+
+@pytest.fixture
+def no_precompute(monkeypatch):
+    from precompute import cli
+    monkeypatch.setattr(cli, "run", lambda *a, **k: pytest.fail("the job started"))
+    return cli
+
+
+@pytest.mark.parametrize("name,message", [
+    ("codes", "'codes' is a field of its own (reserved)"),
+    ("audio", "'audio' is a field of its own (reserved)"),
+    ("latents", "'latents' is a field of its own (reserved)"),
+    ("mel", "'mel' is not a field shards.fields knows"),
+    ("codes_16k", "'codes_16k' is a codes field"),
+])
+def test_extra_waveforms_names_are_checked_against_the_registry(no_precompute, capsys, tmp_path, name, message):
+    from shards import fields
+    assert (name in fields.BY_NAME) == message.endswith("(reserved)")  # the registry's own answer
+    rc = no_precompute.main(["--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "c"),
+                             "--config", str(ROOT / "configs" / "precompute.yaml"),
+                             "--set", f"extra_waveforms={{{name}: {{sample_rate: 16000, direction: in}}}}"])
+    assert rc == 2 and f"error: extra_waveforms.{name}: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_waveform_name_of_the_registry_passes():
+    from precompute.config import load_config
+    from precompute.validate import check_config
+    assert check_config(load_config(None, ["extra_waveforms={audio_16k: {sample_rate: 16000, direction: in}}"])) == []
+
+
+@pytest.fixture
+def train_main(monkeypatch):
+    import train.trainer
+    monkeypatch.setattr(train.trainer, "run", lambda *a, **k: 99)  # training would start: exit 99, not 2
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from train.cli import main
+    return main
+
+
+@pytest.fixture(scope="module")
+def cache24(tmp_path_factory):
+    return make_cache(tmp_path_factory.mktemp("bounds") / "cache", n=24)
+
+
+def _rc_err(main, capsys, cache, *args):
+    rc = main(["--config", "none", "--cache", str(cache), "--model.kwargs", '{"d_model": 32, "n_heads": 2}', *args])
+    return rc, capsys.readouterr().err
+
+
+def test_loader_kwargs_are_the_loaders_parameters(train_main, capsys, cache24):
+    from loaders import ShardLoader
+    params = inspect.signature(ShardLoader).parameters
+    assert "shufle" not in params and "shuffle" in params and "seed" in params
+    rc, err = _rc_err(train_main, capsys, cache24, "--data.loader_kwargs", "{shufle: false}")
+    assert rc == 2 and "error: data.loader_kwargs.shufle: not a parameter of loaders:ShardLoader" in err, err
+    rc, err = _rc_err(train_main, capsys, cache24, "--data.loader_kwargs", "{seed: 3}")
+    assert rc == 2 and "data.loader_kwargs.seed: not a parameter of loaders:ShardLoader (the trainer sets it" in err
+    from train.bounds import problems
+    from train.config import parse_args
+    cfg, _ = parse_args(["--config", "none", "--cache", str(cache24), "--data.loader_kwargs", "{shuffle: false}"])
+    assert problems(cfg) == []
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ('{"d_model": -1}', "model.kwargs.d_model: expected an integer between 1 and 65536, got -1"),
+    ('{"dropout": 1.5}', "model.kwargs.dropout: expected a number between 0 and 1, got 1.5"),
+    ('{"n_layers": 2.5}', "model.kwargs.n_layers: expected an integer between 1 and 1024, got 2.5"),
+    ('{"d_modell": 32}', "model.kwargs.d_modell: not an option of the reference model"),
+    ('{"d_model": 30, "n_heads": 4}', "model.kwargs.d_model: 30 is not a multiple of n_heads 4"),
+])
+def test_reference_model_kwargs_out_of_range_exit_2(train_main, capsys, cache24, kwargs, message):
+    rc = train_main(["--config", "none", "--cache", str(cache24), "--model.kwargs", kwargs])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"error: {message}" in err and "Traceback" not in err, err
+
+
+def test_a_batch_larger_than_the_cache_exits_2(train_main, capsys, cache24, monkeypatch):
+    import json
+    samples = json.loads((cache24 / "manifest.json").read_text())["counts"]["samples"]
+    assert samples == 24
+    rc, err = _rc_err(train_main, capsys, cache24, "--data.batch_size", "25")
+    assert rc == 2 and "error: data.batch_size: 25 per rank x 1 rank(s) is more than the 24 samples" in err, err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    rc, err = _rc_err(train_main, capsys, cache24, "--data.batch_size", "13")
+    assert rc == 2 and "13 per rank x 2 rank(s) is more than the 24 samples" in err and "at most 12" in err, err
+    from train.bounds import problems
+    from train.config import parse_args
+    assert problems(parse_args(["--config", "none", "--cache", str(cache24), "--data.batch_size", "12"])[0]) == []

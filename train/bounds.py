@@ -1,0 +1,85 @@
+"""Bounds of the training options that reach a constructor, checked before any model loads.
+
+:func:`problems` reports, as ``(option, message)`` pairs for :class:`shardcache.config.ConfigError`
+(exit status 2):
+
+* ``data.loader_kwargs`` keys that are not parameters the loader class declares (its ``__init__``
+  signature; those the trainer sets itself are refused too, a loader taking ``**kwargs`` accepts any);
+* ``model.kwargs`` of the reference model outside :data:`REFERENCE_KWARGS` (unknown keys, values of
+  the wrong type or out of range, ``d_model`` not a multiple of ``n_heads``);
+* a ``data.batch_size`` larger than the samples each rank gets from the cache (``manifest.json``
+  ``counts.samples`` over ``$WORLD_SIZE``): with whole batches only, such a run would have no step.
+
+Recipes' own ``model.kwargs`` are checked by the recipe's declared contract (:mod:`train.recipes`).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from shards.schema import MANIFEST_FILE as MANIFEST
+
+#: the parameters of the loader the trainer passes itself (not ``data.loader_kwargs``' to set)
+TRAINER_SET = ("cache_dir", "batch_size", "global_rank", "world_size", "seed", "num_workers")
+#: the reference model's ``model.kwargs``: name -> (type, lowest, highest); the cache gives the others
+REFERENCE_KWARGS: dict[str, tuple[type, float, float]] = {
+    "d_model": (int, 1, 65536), "n_layers": (int, 1, 1024), "n_heads": (int, 1, 1024), "mlp_ratio": (int, 1, 64),
+    "dropout": (float, 0.0, 1.0), "patch_size": (int, 1, 64), "max_positions": (int, 1, 10**7),
+    "n_codebooks": (int, 1, 1024), "codebook_size": (int, 1, 1 << 20), "vocab_size": (int, 1, 1 << 24),
+    "latent_channels": (int, 1, 4096)}
+
+
+def _loader_kwargs(loader: str, kwargs: dict[str, Any]) -> list[tuple[str, str]]:
+    from shardcache.plugins import load_factory
+    try:
+        params = inspect.signature(load_factory(loader)).parameters
+    except (ImportError, AttributeError, ValueError, TypeError) as e:
+        return [("data.loader", f"cannot import {loader!r}: {e}")]
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return []
+    accepted = [n for n in params if n not in TRAINER_SET and n != "self"]
+    return [(f"data.loader_kwargs.{k}", f"not a parameter of {loader}" + (
+        " (the trainer sets it: use the option of the data section)" if k in TRAINER_SET else
+        f"; it takes: {', '.join(accepted)}")) for k in kwargs if k not in accepted]
+
+
+def _reference_kwargs(kwargs: dict[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    for k, v in kwargs.items():
+        if k not in REFERENCE_KWARGS:
+            out.append((f"model.kwargs.{k}", f"not an option of the reference model; it takes: "
+                                             f"{', '.join(REFERENCE_KWARGS)}"))
+            continue
+        tp, lo, hi = REFERENCE_KWARGS[k]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (tp is float or isinstance(v, int))
+        if not ok or not lo <= v <= hi:
+            out.append((f"model.kwargs.{k}", f"expected {'an integer' if tp is int else 'a number'} between "
+                                             f"{lo:g} and {hi:g}, got {v!r}"))
+    d, h = kwargs.get("d_model", 256), kwargs.get("n_heads", 4)
+    if not out and d % h:
+        out.append(("model.kwargs.d_model", f"{d} is not a multiple of n_heads {h}"))
+    return out
+
+
+def _batch_vs_cache(cache: str, batch_size: int) -> list[tuple[str, str]]:
+    try:
+        samples = int(json.loads((Path(cache) / MANIFEST).read_text())["counts"]["samples"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # not a local cache with counts: the loader reports it
+    world = max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    if batch_size * world > samples:
+        return [("data.batch_size", f"{batch_size} per rank x {world} rank(s) is more than the {samples} samples "
+                                    f"of {cache}: no whole batch; use at most {max(1, samples // world)}")]
+    return []
+
+
+def problems(cfg: Any) -> list[tuple[str, str]]:
+    """Every problem of ``cfg``'s options that reach the loader and model constructors (see the
+    module docstring); reads at most ``manifest.json`` of the cache, loads no model."""
+    out = _loader_kwargs(cfg.data.loader, cfg.data.loader_kwargs)
+    if cfg.model.name == "reference":
+        out += _reference_kwargs(cfg.model.kwargs)
+    return out + _batch_vs_cache(cfg.data.cache, cfg.data.batch_size)
