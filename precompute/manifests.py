@@ -16,7 +16,6 @@ a ``malformed_row`` reject naming the row and the field; anything unforeseen tha
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import logging
@@ -30,6 +29,7 @@ from shards import schema
 from . import conversation as C
 from .config import MANIFEST_FORMATS
 from .conversation import Conversation, MediaRoot, RowError
+from .keys import assign_keys, identity_key
 
 log = logging.getLogger("precompute")
 
@@ -172,10 +172,6 @@ def _json_records(path: Path) -> Iterator[tuple[Any, str | None]]:
             yield None, f"line {n}: JSON nested too deeply"
 
 
-def _hash_key(*parts: str | None) -> str:
-    return "h" + hashlib.sha256("\0".join(p or "" for p in parts).encode()).hexdigest()[:16]
-
-
 def _raw_key(value: Any, name: str) -> str | None:
     """The row's key as written (None when absent); raises :class:`RowError` for a key that cannot
     name a sample even once made WebDataset-safe (:func:`shards.schema.key_problem`)."""
@@ -271,10 +267,14 @@ def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | N
             duration) to the file's column names.
         require_text: reject rows without any text (reason ``empty_text``).
 
-    Keys: the row's key made WebDataset-safe (:func:`shards.schema.safe_key`); a row without a
-    key gets a hash of its media paths. Two different keys that sanitise to the same one (``a.b``
-    and ``a_b``) both stay: the later one gets a short hash suffix; the original key is kept in
-    the sample's JSON (``original_key``). The same key twice is a ``duplicate_key`` reject.
+    Keys (:mod:`precompute.keys`): the row's key made WebDataset-safe
+    (:func:`shards.schema.safe_key`); a row without a key gets a hash of what identifies it
+    (sources with offset and duration, inline audio bytes, text and turns:
+    :func:`~precompute.keys.identity_key`). Two different keys that sanitise to the same one
+    (``a.b`` and ``a_b``) both stay: the later one gets a short hash suffix, checked against every
+    key taken and kept within :data:`shards.schema.MAX_KEY_BYTES`
+    (:func:`~precompute.keys.assign_keys`); the original key is kept in the sample's JSON
+    (``original_key``). The same key twice is a ``duplicate_key`` reject.
 
     Raises ``FileNotFoundError`` for a missing manifest and ``ValueError`` for an unknown format or
     a JSON list that does not parse; a single bad row never raises: malformed values become
@@ -291,7 +291,6 @@ def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | N
     records = _table_records(path, fmt) if fmt in ("csv", "parquet") else _json_records(path)
     out: list[Request] = []
     raw_seen: set[str] = set()
-    used: set[str] = set()
     for row, (rec, err) in enumerate(records):
         if err is not None or not isinstance(rec, dict):
             detail = err or f"row {row}: expected an object, got {type(rec).__name__}"
@@ -310,7 +309,7 @@ def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | N
                                error=(schema.MALFORMED_ROW, f"row {row}: {type(e).__name__}: {str(e)[:200]}")))
             continue
         if raw_key is None:
-            raw_key = _hash_key(*conv.sources)
+            raw_key = identity_key(conv, speaker)
         key = schema.safe_key(raw_key)
         if key != raw_key:
             meta["original_key"] = raw_key
@@ -319,11 +318,11 @@ def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | N
             req.error = (schema.DUPLICATE_KEY, f"row {row}: key {raw_key!r} already used by an earlier row")
         elif require_text and not conv.text:
             req.error = (schema.EMPTY_TEXT, f"row {row}: text is empty")
-        else:
-            if key in used:  # another key sanitised to the same name: keep both rows
-                key = req.key = f"{key}-{_hash_key(raw_key)[1:9]}"
-                meta["original_key"] = raw_key
-            used.add(key)
         raw_seen.add(raw_key)
         out.append(req)
+    wanted = [(r.key, r.meta.get("original_key", r.key)) if r.error is None else None for r in out]
+    for req, key in zip(out, assign_keys(wanted)):
+        if key is not None and key != req.key:  # another row has this key: keep both rows
+            req.meta["original_key"] = req.meta.get("original_key", req.key)
+            req.key = key
     return out
