@@ -33,6 +33,8 @@ from shards import schema
 from shards.kinds import WAVEFORM
 from shards.errors import CorruptSample
 
+from .sources import MISSING, file_problem
+
 #: containers libsndfile cannot read; decoded with audioread (ffmpeg) from the path
 FALLBACK_SUFFIXES = (".m4a", ".aac", ".mp4", ".wma", ".webm", ".amr")
 
@@ -298,8 +300,9 @@ def load_audio_windows(source: str | Path | bytes, windows: Sequence[Window], sa
                 _sf_windows(io.BytesIO(data), label, spans, results, sample_rates, **kw)
         else:
             path = Path(source)
-            if not path.is_file():
-                raise _fail(schema.MISSING_FILE, label, "file does not exist")
+            problem = file_problem(path)
+            if problem is not None:  # a directory, FIFO or socket is named as such
+                raise _fail(schema.MISSING_FILE if problem == MISSING else schema.UNREADABLE_AUDIO, label, problem)
             if path.suffix.lower() in FALLBACK_SUFFIXES:
                 if path.stat().st_size == 0:
                     raise _fail(schema.UNREADABLE_AUDIO, label, "zero-byte file")
