@@ -74,3 +74,47 @@ def test_hf_datasets_gives_each_cache_its_own_samples(two_caches, tmp_path):
     for cache in two_caches:
         ds = datasets.load_dataset(str(cache), split="train", cache_dir=str(hf))
         assert sorted(ds["__key__"]) == sorted(ShardReader(cache).keys), cache
+
+
+# ---- file:// URLs ----------------------------------------------------------------------------------
+
+def _file_url(path: Path) -> str:
+    from urllib.parse import quote
+    return "file://" + quote(str(path.resolve()))
+
+
+def test_local_path_reads_file_urls():
+    from shards.storage import is_url, local_path
+    assert local_path("file:///tmp/a%20b/c") == Path("/tmp/a b/c")
+    assert local_path("file://localhost/tmp/x") == Path("/tmp/x")
+    assert local_path("/tmp/x") == Path("/tmp/x") and local_path(Path("rel")) == Path("rel")
+    assert not is_url("file:///tmp/x") and is_url("s3://b/x")
+    with pytest.raises(ValueError, match="other.host"):
+        local_path("file://other.host/tmp/x")
+
+
+def test_file_urls_work_wherever_a_path_does(two_caches, tmp_path, tiny_config):
+    import dataclasses
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from loaders.loader import ShardLoader
+    from precompute.job import run
+    cache = two_caches[0]
+    spaced = tmp_path / "a cache"
+    import shutil
+    shutil.copytree(cache, spaced)
+    for where in (cache, spaced):
+        url = _file_url(where)
+        assert ShardReader(url).keys == ShardReader(cache).keys
+        assert read_cache_id(url) == read_cache_id(cache)
+        loader = ShardLoader(url, batch_size=1, num_workers=0, shuffle=False, drop_remainder=False)
+        assert sorted(k for b in loader for k in b["keys"]) == sorted(ShardReader(cache).keys)
+        for cmd in (["info", url], ["verify", url], ["ls", url]):
+            r = subprocess.run([sys.executable, "-m", "shards", *cmd], cwd=ROOT, capture_output=True, text=True,
+                               timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+            assert r.returncode == 0, (cmd, r.stdout[-500:], r.stderr[-1500:])
+    cfg = dataclasses.replace(tiny_config, image_encoder=None)
+    out = tmp_path / "new cache"
+    summary, _ = run(_manifest(tmp_path / "m", range(0, 2)), _file_url(out), cfg, progress=False)
+    assert summary.kept == 2 and sorted(ShardReader(out).keys) == sorted(r["key"] for r in _good_rows()[:2])
