@@ -341,6 +341,23 @@ def _sf_windows(f, label: str, spans, results: list, sample_rates, *, min_durati
                 results[slot] = e
 
 
+def header_seconds(path: str | Path) -> float | None:
+    """Length in seconds of the audio file ``path`` from its header (frames / sample rate; nothing
+    decoded), or None where the header does not say: a container read through audioread
+    (:data:`FALLBACK_SUFFIXES`), a stream of unknown length, a path that is not a readable
+    regular file (decoding reports those)."""
+    path = Path(path)
+    if path.suffix.lower() in FALLBACK_SUFFIXES or file_problem(path) is not None:
+        return None
+    try:
+        info = sf.info(str(path))
+    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError):
+        return None
+    if not 0 <= info.frames < _UNKNOWN_FRAMES or info.samplerate <= 0:
+        return None
+    return info.frames / info.samplerate
+
+
 def load_audio(path: str | Path, sample_rates: tuple[int, ...] | list[int], *, offset_s: float = 0.0,
                duration_s: float | None = None, min_duration: float = 0.0,
                max_duration: float | None = None, silence_rms: float | None = None

@@ -131,11 +131,12 @@ def config_name(cache_id: str) -> str:
 
 def card_metadata(manifest: dict[str, Any], index, shard_names: Iterable[str], cache_id: str) -> dict[str, Any]:
     """The YAML front matter of the card as a dict: ``configs`` (one, :func:`config_name`, the
-    default), ``dataset_info``, ``tags``."""
+    default), ``dataset_info`` (of that config: ``datasets`` applies features to the config they
+    name, ``default`` when they name none), ``tags``."""
     return {
         "configs": [{"config_name": config_name(cache_id), "default": True,
                      "data_files": [{"split": SPLIT, "path": shard_patterns(shard_names)}]}],
-        "dataset_info": {"features": member_features(index)},
+        "dataset_info": {"config_name": config_name(cache_id), "features": member_features(index)},
         "tags": ["webdataset", "shardcache"],
     }
 
