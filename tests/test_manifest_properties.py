@@ -22,7 +22,7 @@ every media window (one per key, plain JSONL) gives the reference codes; the tes
   a key (or keyless identity) an earlier row has, an ``empty_text`` only for blank text;
 * the counts add up (kept + rejected = rows).
 
-Examples: 6 in ``make test`` (about 10 s); ``make test-long`` (``HYPOTHESIS_PROFILE=long``) runs the
+Examples: 10 in ``make test`` (about 10 s); ``make test-long`` (``HYPOTHESIS_PROFILE=long``) runs the
 long profile's number.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ SOURCES = {"a.flac": "spk-us-0001.flac", "b.wav": "spk-us-0002.wav", "c.flac": "
            "long.flac": "img-camera.flac"}
 COLUMNS = ("key", "text", "audio", "offset", "duration")
 #: the example count: the profile's under ``make test-long``, else a few (each runs the job)
-EXAMPLES = {} if os.environ.get("HYPOTHESIS_PROFILE") == "long" else {"max_examples": 6}
+EXAMPLES = {} if os.environ.get("HYPOTHESIS_PROFILE") == "long" else {"max_examples": 10}
 
 
 def _suffix(raw: str) -> str:
