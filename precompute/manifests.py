@@ -1,9 +1,13 @@
 """Manifest readers: JSONL, Higgs-Audio ChatML, LLaVA JSON, CSV and Parquet -> :class:`Request` rows.
 
-Every row of the input becomes exactly one :class:`Request`, in input order; rows that cannot be
-used (malformed JSON, no key-able content, empty text, a key seen before) carry an ``error``
-``(reason, detail)`` instead of raising, so they land in ``rejects.parquet`` with the chunk they
-belong to. Relative paths resolve against ``root`` (``--root``), else the manifest's folder, and
+The formats are one table, :data:`FORMATS` (name -> how it is detected, read and parsed). Every
+row of the input becomes exactly one :class:`Request`, in input order; rows that cannot be used
+(malformed JSON, a CSV record that is not CSV, no key-able content, empty text, a key seen before)
+carry an ``error`` ``(reason, detail)`` instead of raising, so they land in ``rejects.parquet``
+with the chunk they belong to, under the row's own key where it has one. No row is ever joined
+to another or split: CSV/TSV are read in strict mode and read again after a bad record
+(:func:`_csv_records`), a JSON list record by record (:func:`_json_list`). Encodings come from a
+byte-order mark or are UTF-8 (:func:`read_text`). Keys: :mod:`precompute.keys`. Relative paths resolve against ``root`` (``--root``), else the manifest's folder, and
 must stay inside it unless ``allow_outside_root`` (:class:`precompute.conversation.MediaRoot`).
 
 Every value of a row is checked here, whatever its shape: the key (:func:`shards.schema.key_problem`:

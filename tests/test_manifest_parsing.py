@@ -18,10 +18,6 @@ from shards.errors import CorruptSample
 from conftest import ROOT
 
 
-def _by_key(reqs):
-    return {r.key: r for r in reqs}
-
-
 def _audio(req):
     return [a.source for a in req.conversation.audio]
 
