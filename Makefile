@@ -95,12 +95,13 @@ test: $(VENV)/.installed
 
 # The tests marked `long` (a cheaper test of each feature runs in `make test`), Boson's own trainer
 # against loaders.higgs (builds $(BOSON_VENV) on first use), then hypothesis-built hostile manifests
-# through the real stage-one job: 400 examples (the suite runs 20); HYPOTHESIS_MAX_EXAMPLES=N for
+# and manifests of colliding keys and quoted cells through the real stage-one job: 400 examples each
+# (the suite runs 20 and 10); HYPOTHESIS_MAX_EXAMPLES=N for
 # another number. Prints how many rows ran and the reject reasons seen.
 test-long: $(VENV)/.installed
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 	SHARDCACHE_BUILD_BOSON=1 $(PY) -m pytest -q tests/test_higgs_boson.py $(PYTEST_ARGS)
-	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -s -p no:warnings tests/test_hostile_rows.py $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -s -p no:warnings tests/test_hostile_rows.py tests/test_manifest_properties.py $(PYTEST_ARGS)
 
 # The suite on the dependency floors of pyproject.toml (tests/floors.txt; torch 2.9.1 is a CUDA build of
 # several GB from PyPI, run on the CPU). Run once when a floor changes; not part of `make test`.

@@ -32,7 +32,7 @@ from shards import fields as registry
 from shards.kinds import BatchContext
 from shards.reader import refuse_unsafe
 from shards.readinto import say_executor
-from shards.storage import is_url
+from shards.storage import is_url, local_path
 
 from .batching import PlanSpec
 from .collate import ALL_FIELDS, FIELDS, TEXT_PAD_ID, check_fields
@@ -104,7 +104,7 @@ class CacheSource:
             self.remote = RemoteCache(str(cache_dir), **(remote or {}))
             cache_dir = self.remote.local
         self.streamed = self.remote is not None
-        self.cache_dir = Path(cache_dir)
+        self.cache_dir = local_path(cache_dir)  # a file:// URL is a local folder
         man = CacheManifest.read(self.cache_dir)  # UnsupportedFormat for a newer format_version
         manifest = man.to_dict()
         table = read_index(self.cache_dir)

@@ -33,6 +33,8 @@ from shards import schema
 from shards.kinds import WAVEFORM
 from shards.errors import CorruptSample
 
+from .sources import MISSING, file_problem
+
 #: containers libsndfile cannot read; decoded with audioread (ffmpeg) from the path
 FALLBACK_SUFFIXES = (".m4a", ".aac", ".mp4", ".wma", ".webm", ".amr")
 
@@ -298,8 +300,9 @@ def load_audio_windows(source: str | Path | bytes, windows: Sequence[Window], sa
                 _sf_windows(io.BytesIO(data), label, spans, results, sample_rates, **kw)
         else:
             path = Path(source)
-            if not path.is_file():
-                raise _fail(schema.MISSING_FILE, label, "file does not exist")
+            problem = file_problem(path)
+            if problem is not None:  # a directory, FIFO or socket is named as such
+                raise _fail(schema.MISSING_FILE if problem == MISSING else schema.UNREADABLE_AUDIO, label, problem)
             if path.suffix.lower() in FALLBACK_SUFFIXES:
                 if path.stat().st_size == 0:
                     raise _fail(schema.UNREADABLE_AUDIO, label, "zero-byte file")
@@ -336,6 +339,23 @@ def _sf_windows(f, label: str, spans, results: list, sample_rates, *, min_durati
                                         silence_rms)
             except CorruptSample as e:
                 results[slot] = e
+
+
+def header_seconds(path: str | Path) -> float | None:
+    """Length in seconds of the audio file ``path`` from its header (frames / sample rate; nothing
+    decoded), or None where the header does not say: a container read through audioread
+    (:data:`FALLBACK_SUFFIXES`), a stream of unknown length, a path that is not a readable
+    regular file (decoding reports those)."""
+    path = Path(path)
+    if path.suffix.lower() in FALLBACK_SUFFIXES or file_problem(path) is not None:
+        return None
+    try:
+        info = sf.info(str(path))
+    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError):
+        return None
+    if not 0 <= info.frames < _UNKNOWN_FRAMES or info.samplerate <= 0:
+        return None
+    return info.frames / info.samplerate
 
 
 def load_audio(path: str | Path, sample_rates: tuple[int, ...] | list[int], *, offset_s: float = 0.0,

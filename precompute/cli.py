@@ -12,6 +12,7 @@ from shards.errors import ShardcacheError
 
 from .config import CONFIG_ENV, PrecomputeConfig
 from .job import run
+from .manifests import ManifestUnreadable
 from .ranks import make_barrier
 from .validate import ConfigError, validate_config
 
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,
                                 progress=not args.no_progress, storage_options=args.storage_options,
                                 staging=args.staging)
+    except ManifestUnreadable as e:  # the manifest as a whole (its encoding...): read before any model loads
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ShardcacheError, FileNotFoundError, ValueError, ImportError) as e:  # ImportError: a codec's dependency
         print(f"error: {e}", file=sys.stderr)
         return 1

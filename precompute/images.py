@@ -34,6 +34,7 @@ from shards import schema
 from shards.errors import CorruptSample
 
 from .config import RESIZE_MODES, RGB_MODES  # noqa: F401 (the option values: one owner)
+from .sources import MISSING, file_problem
 
 #: the resize modes and RGB conversions (:data:`precompute.config.RESIZE_MODES`, ``RGB_MODES``)
 
@@ -93,8 +94,9 @@ def decode_image(path: str | Path, *, max_pixels: int = 64_000_000, min_side: in
     if rgb not in RGB_MODES:
         raise ValueError(f"unknown rgb mode {rgb!r}; known: {', '.join(RGB_MODES)}")
     path = Path(path)
-    if not path.is_file():
-        raise CorruptSample(schema.MISSING_FILE, "file does not exist", str(path))
+    problem = file_problem(path)
+    if problem is not None:  # a directory, FIFO or socket is named as such
+        raise CorruptSample(schema.MISSING_FILE if problem == MISSING else schema.IMAGE_UNREADABLE, problem, str(path))
     data = path.read_bytes()
     if not data:
         raise CorruptSample(schema.IMAGE_UNREADABLE, "zero-byte file", str(path))

@@ -17,7 +17,7 @@ from shards import schema
 from shards.errors import CorruptSample
 
 from . import chat
-from .audio import load_audio_windows
+from .audio import header_seconds, load_audio_windows
 from .config import PrecomputeConfig
 from .images import decode_image, load_image
 from .manifests import Request
@@ -78,6 +78,9 @@ def _decode_audio(req: Request, rates: tuple[int, ...], cfg: PrecomputeConfig, o
                 raise CorruptSample(r.reason, f"audio item {k}: {r.detail}" if len(items) > 1 else r.detail,
                                     r.source)
             results[k] = r
+        decoded = sum(r[1] for r in results if r is not None)
+        if decoded > cfg.max_total_duration_s:  # lengths no header gave: stop at the first file past the cap
+            raise _too_large("seconds of audio", round(decoded, 3), cfg.max_total_duration_s, "max_total_duration_s")
     for waves, duration, sr in results:
         out.audio.append(waves)
         out.durations.append(duration)
@@ -89,9 +92,12 @@ def _too_large(what: str, n: float, cap: float, option: str) -> CorruptSample:
 
 
 def check_caps(conv, cfg: PrecomputeConfig) -> None:
-    """The caps per sample that need no decoding: ``max_audio_items``, ``max_images`` and
-    ``max_total_duration_s`` over the windows whose duration the row gives. Raises
-    :class:`CorruptSample` (``too_large``) naming the cap."""
+    """The caps per sample, before any decoding: ``max_audio_items``, ``max_images`` and
+    ``max_total_duration_s`` over what is known of each audio item's length: the duration the row
+    gives, else the file's length from its header (:func:`precompute.audio.header_seconds`, read
+    once per file) less the item's offset. Raises :class:`CorruptSample` (``too_large``) naming
+    the cap; items whose length no header gives are counted as they are decoded
+    (:func:`_decode_audio`)."""
     if len(conv.audio) > cfg.max_audio_items:
         raise _too_large("audio items", len(conv.audio), cfg.max_audio_items, "max_audio_items")
     if len(conv.images) > cfg.max_images:
@@ -99,6 +105,18 @@ def check_caps(conv, cfg: PrecomputeConfig) -> None:
     given = sum(a.duration_s for a in conv.audio if a.duration_s is not None)
     if given > cfg.max_total_duration_s:
         raise _too_large("seconds of audio", given, cfg.max_total_duration_s, "max_total_duration_s")
+    lengths: dict[str, float | None] = {}
+    total = given
+    for a in conv.audio:
+        if a.duration_s is not None or a.data is not None:
+            continue
+        if a.source not in lengths:
+            lengths[a.source] = header_seconds(a.source)
+        if lengths[a.source] is not None:
+            total += max(0.0, lengths[a.source] - a.offset_s)
+            if total > cfg.max_total_duration_s:
+                raise _too_large("seconds of audio (from the files' headers, before decoding)", round(total, 3),
+                                 cfg.max_total_duration_s, "max_total_duration_s")
 
 
 def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, ...], text_tokenizer,
@@ -107,8 +125,9 @@ def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, .
     """Decode ``req``; a :class:`CorruptSample` (or any decoder crash) becomes ``Prepared.error``.
 
     The caps per sample (``max_audio_items``, ``max_images``, ``max_total_duration_s``,
-    ``max_text_tokens``) reject a row as ``too_large``: counts before any decoding, seconds after
-    decoding the audio, tokens after rendering the conversation. ``tokens``: the job's
+    ``max_text_tokens``) reject a row as ``too_large``: counts and seconds before any decoding
+    (:func:`check_caps`: seconds from the row and the files' headers; seconds no header gives as
+    each file is decoded), tokens after rendering the conversation. ``tokens``: the job's
     :class:`precompute.chat.ChatTokens` (default: from ``cfg``; the job's carry Gemma 3's image
     sequence when ``image_features`` is set); ``source_images``: keep each decoded image at its own
     size too (``Prepared.source_images``)."""

@@ -5,7 +5,9 @@
 * ``configs``: the ``train`` split is the main shard tars only, named by character-class patterns
   (``shard-[0-9][0-9][0-9][0-9][0-9][0-9].tar``), so ``index.parquet``, ``rejects.parquet``,
   ``parts/`` and future sidecar tars (``shard-000000.codes_mimi.tar``) are never read as data.
-  Without the card, ``datasets`` picks the Parquet files and ignores the tars.
+  Without the card, ``datasets`` picks the Parquet files and ignores the tars. The one config is
+  named after the cache id (:func:`config_name`), so caches in folders of the same name never
+  share what ``datasets`` prepared.
 * ``dataset_info.features``: one feature per tar member, built from the ``members`` column of the
   index (name, dtype, number of dimensions), so ``datasets`` never infers types from the first few
   samples. The packed ``tensors.npz`` member (format 3) is a struct of its arrays; an array is
@@ -119,21 +121,31 @@ def _shard_names(out_dir: Path, manifest: dict[str, Any], index) -> list[str]:
     return names
 
 
-def card_metadata(manifest: dict[str, Any], index, shard_names: Iterable[str]) -> dict[str, Any]:
-    """The YAML front matter of the card as a dict: ``configs``, ``dataset_info``, ``tags``."""
+def config_name(cache_id: str) -> str:
+    """The card's one config: ``cache-<cache id>``. ``datasets`` keeps what it prepared under the
+    folder's name and the config name, so two caches in folders of the same name (``a/cache``,
+    ``b/cache``) must not share a config name: with ``default`` the second load returned the
+    first cache's samples."""
+    return f"cache-{cache_id}"
+
+
+def card_metadata(manifest: dict[str, Any], index, shard_names: Iterable[str], cache_id: str) -> dict[str, Any]:
+    """The YAML front matter of the card as a dict: ``configs`` (one, :func:`config_name`, the
+    default), ``dataset_info`` (of that config: ``datasets`` applies features to the config they
+    name, ``default`` when they name none), ``tags``."""
     return {
-        "configs": [{"config_name": "default",
+        "configs": [{"config_name": config_name(cache_id), "default": True,
                      "data_files": [{"split": SPLIT, "path": shard_patterns(shard_names)}]}],
-        "dataset_info": {"features": member_features(index)},
+        "dataset_info": {"config_name": config_name(cache_id), "features": member_features(index)},
         "tags": ["webdataset", "shardcache"],
     }
 
 
-def dataset_card(manifest: dict[str, Any], index, shard_names: Iterable[str]) -> str:
+def dataset_card(manifest: dict[str, Any], index, shard_names: Iterable[str], cache_id: str) -> str:
     """The whole card: YAML front matter plus a short description of the cache."""
     import yaml
     shard_names = list(shard_names)
-    meta = card_metadata(manifest, index, shard_names)
+    meta = card_metadata(manifest, index, shard_names, cache_id)
     n = (manifest.get("counts") or {}).get("samples", index.num_rows if index is not None else 0)
     facts = {k: manifest[k] for k in ("format_version", "sample_rate", "frame_rate", "n_codebooks",
                                       "codebook_size", "latent_channels") if k in manifest}
@@ -164,17 +176,21 @@ Megatron-Energon): see `docs/readers.md` in shardcache.
 
 
 def write_dataset_card(out_dir: str | Path, manifest: dict[str, Any], index) -> Path:
-    """Write ``OUT/README.md`` atomically (temp file, fsync, rename) and return its path.
+    """Write ``OUT/README.md`` atomically (temp file, fsync, rename), mode 0644, and return its path.
 
     ``manifest``: the cache's manifest dict (its ``shards`` list names the tars; when absent the
     index's ``shard`` column, then the folder's ``shard-*.tar`` are used). ``index``: the index
-    ``pyarrow.Table``. Call it after ``index.parquet`` and ``manifest.json`` are written.
+    ``pyarrow.Table``. The config is named after the cache id (:func:`shards.index.read_cache_id`,
+    :func:`config_name`): call it once the cache's own files (``index.parquet``,
+    ``manifest.json``, whatever the id is read from) are written.
     """
+    from .index import read_cache_id
     out_dir = Path(out_dir)
-    text = dataset_card(manifest, index, _shard_names(out_dir, manifest, index))
+    text = dataset_card(manifest, index, _shard_names(out_dir, manifest, index), read_cache_id(out_dir))
     path = out_dir / CARD_FILE
     fd, tmp = tempfile.mkstemp(prefix=f".{CARD_FILE}.", suffix=".tmp", dir=out_dir)
     try:
+        os.fchmod(fd, 0o644)  # a card others read (mkstemp makes 0600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

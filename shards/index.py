@@ -250,7 +250,9 @@ def cache_id(index: pa.Table) -> str:
 def read_cache_id(cache_dir: str | Path) -> str:
     """``cache_id`` of the cache in ``cache_dir`` (a local folder with ``index.parquet``): from
     ``manifest.json``, else (a cache written before ids) computed from the index."""
-    manifest = read_manifest(Path(cache_dir))
+    from .storage import local_path  # (storage imports this module)
+    cache_dir = local_path(cache_dir)  # a file:// URL is a local folder
+    manifest = read_manifest(cache_dir)
     cid = manifest.get("cache_id") if isinstance(manifest, dict) else None
     if isinstance(cid, str) and cid:
         return cid

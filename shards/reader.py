@@ -46,6 +46,7 @@ from .manifest import check_format_version, read_manifest
 from .index import (read_index,  # noqa: F401
                     safe_shard_path)
 from .schema import JSON_MEMBER, PICKLE_EXTENSIONS, WHOLE_MEMBER_DTYPES
+from .storage import local_path
 
 _NPY_MAGIC = b"\x93NUMPY"
 _TAR_BLOCK = 512
@@ -188,7 +189,7 @@ class ShardReader:
                  shard_names: list[str] | None = None, manifest: dict[str, Any] | None = None,
                  value_checks: dict[str, Any] | None = None, verify_reads: bool = False,
                  await_file: Any = None, checksums: bool = True):
-        self.cache_dir = Path(cache_dir)
+        self.cache_dir = local_path(cache_dir)  # a file:// URL is a local folder
         self.await_file = await_file
         if manifest is None:
             manifest = read_manifest(self.cache_dir)

@@ -47,9 +47,20 @@ def is_url(path: Any) -> bool:
 
 
 def local_path(path: Any) -> Path:
-    """A local folder given as a path or a ``file://`` URL."""
+    """A local folder given as a path or a ``file://`` URL (``file:///abs/path`` or
+    ``file://localhost/abs/path``, percent-escapes decoded: ``file:///a%20b`` is ``/a b``).
+    Raises ``ValueError`` for a ``file://`` URL naming another host."""
+    if isinstance(path, os.PathLike):
+        return Path(path)
     s = str(path)
-    return Path(s[len("file://"):] if s.startswith("file://") else s)
+    if not s.startswith("file://"):
+        return Path(s)
+    from urllib.parse import unquote, urlsplit
+    parts = urlsplit(s)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"{s}: a file:// URL on another host ({parts.netloc}) is not a local folder; "
+                         "mount it, or give its path")
+    return Path(unquote(parts.path))
 
 
 def check_name(name: str) -> str:

@@ -98,7 +98,7 @@ def test_nul_key_caps_and_recipient_through_the_cli(tiny_models, tmp_path, capsy
     rejects = _rejects(tmp_path / "cache")
     assert rejects["row-1"]["reason"] == "malformed_row"
     assert "key" in rejects["row-1"]["detail"] and "control character '\\x00'" in rejects["row-1"]["detail"]
-    assert rejects["row-2"]["reason"] == "malformed_row" and "text: not valid Unicode" in rejects["row-2"]["detail"]
+    assert rejects["lone"]["reason"] == "malformed_row" and "text: not valid Unicode" in rejects["lone"]["detail"]
     for key, option in [("long-text", "max_text_tokens"), ("ten-thousand-items", "max_audio_items"),
                         ("given-seconds", "max_total_duration_s"), ("decoded-seconds", "max_total_duration_s"),
                         ("two-images", "max_images")]:

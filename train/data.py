@@ -93,9 +93,9 @@ def metadata_dir(cache: str, storage_options: dict | None = None) -> str:
     process; the loader fetches its own copies and the shards). ``storage_options``: fsspec options
     (the trainer passes ``data.loader_kwargs.storage_options``). Raises ``FileNotFoundError`` when the
     URL holds no index."""
-    from shards.storage import is_url
+    from shards.storage import is_url, local_path
     if not is_url(cache):
-        return str(cache)
+        return str(local_path(cache))  # a file:// URL is a local folder
     return _fetch_metadata(str(cache).rstrip("/"), json.dumps(storage_options or {}, sort_keys=True))
 
 

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ShardCorrupt
+from ..storage import local_path
 from ..index import INDEX_SCHEMA
 from ..schema import INDEX_FILE, MANIFEST_FILE
 
@@ -236,8 +237,12 @@ def progress(total: int, label: str, enabled: bool = True) -> Iterator[Callable[
 # ------------------------------------------------------------------------------- caches, shards
 
 def cache_dir(arg: str | Path) -> Path:
-    """Check that ``arg`` is a cache directory (holds index.parquet or manifest.json)."""
-    p = Path(arg)
+    """Check that ``arg`` (a path or a ``file://`` URL) is a cache directory (holds index.parquet or
+    manifest.json)."""
+    try:
+        p = local_path(arg)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if not p.exists():
         raise UsageError(f"{p}: no such directory")
     if not p.is_dir():
@@ -306,8 +311,13 @@ def read_index_head(d: Path, n: int) -> pa.Table:
 def expand_targets(args: Sequence[str]) -> tuple[Path | None, list[Path]]:
     """``ls``/``verify`` arguments: ``(cache_dir, [])`` for one directory, else ``(None, tars)``.
 
-    Shell-style globs are expanded here too (for quoted patterns and shells that do not).
+    Shell-style globs are expanded here too (for quoted patterns and shells that do not);
+    ``file://`` URLs are local paths.
     """
+    try:
+        args = [str(local_path(a)) for a in args]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if len(args) == 1 and Path(args[0]).is_dir():
         return cache_dir(args[0]), []
     tars: list[Path] = []

@@ -15,6 +15,7 @@ from ..index import (REJECTS_SCHEMA, part_paths, read_part_shard_entry, rows_to_
 from ..fields import parse_sidecar_name
 from ..index import attach_sidecar, read_sidecar_parts, sidecar_parts_complete
 from ..scan import scan_shard
+from ..storage import local_path
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, SHARD_GLOB,
                       parse_shard_name)
 from ._common import Out, UsageError, add_jobs_option, load_manifest, progress, shard_path, warn
@@ -72,7 +73,7 @@ def _scan(path: Path) -> tuple[str, tuple | None, str | None]:
 
 def cmd_reindex(args: argparse.Namespace) -> int:
     out = Out(args)
-    d = Path(args.dir)
+    d = local_path(args.dir)
     if not d.is_dir():
         raise UsageError(f"{d}: no such directory" if not d.exists() else f"{d}: not a directory")
     if args.jobs < 1:
