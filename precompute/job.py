@@ -19,8 +19,10 @@ fraction of wall time spent inside encoder calls is reported as ``encoder_busy``
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,7 +45,7 @@ from . import chat
 from .config import PrecomputeConfig
 from .conversation import OUTSIDE_ROOT
 from .encode import Pipeline, Summary, load_encoders, waveform_fields
-from .lock import CacheLock
+from .lock import CacheLock, die_with_parent
 from .manifests import Request, read_requests
 from .output import LocalOutput, open_output
 from .precision import check_precision
@@ -319,7 +321,8 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     loader = DataLoader(PrepareDataset(items, cfg, pipe.rates, enc.text, template, pipe.image_multiple,
                                        pipe.tokens, pipe.source_images),
                         batch_sampler=chunk_batches([c for _, c in items], cfg.encoder_batch_size), num_workers=workers,
-                        collate_fn=identity_collate, prefetch_factor=4 if workers else None)
+                        collate_fn=identity_collate, prefetch_factor=4 if workers else None,
+                        worker_init_fn=functools.partial(die_with_parent, os.getpid()) if workers else None)
     try:
         with torch.inference_mode():
             for batch in loader:

@@ -352,7 +352,9 @@ def test_a_dead_writers_lock_is_taken_over(tmp_path, caplog):
     caplog.set_level("INFO", logger="precompute")
     with CacheLock(cache):
         assert f"pid {holder.pid} " in caplog.text and "lock taken over" in caplog.text
-        assert json.loads((cache / "parts" / "writer.lock").read_text())["pid"] == os.getpid()
+        # read by another process: a second descriptor closed here would drop this process's record lock
+        lock_text = subprocess.run(["cat", str(cache / "parts" / "writer.lock")], capture_output=True, text=True).stdout
+        assert json.loads(lock_text)["pid"] == os.getpid()
         other = subprocess.run([sys.executable, "-c", f"from precompute.lock import CacheLock; "
                                 f"CacheLock({str(cache)!r}).acquire()"], cwd=ROOT, env=ENV, capture_output=True,
                                text=True)
