@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards import CacheManifest, ShardCorrupt, ShardReader, read_index, value_checks_from_manifest
+from shards import CacheManifest, ShardCorrupt, ShardReader, read_cache_id, read_index, value_checks_from_manifest
 from shards import fields as registry
 from shards.kinds import BatchContext
 from shards.reader import refuse_unsafe
@@ -105,6 +105,7 @@ class CacheSource:
             cache_dir = self.remote.local
         self.streamed = self.remote is not None
         self.cache_dir = Path(cache_dir)
+        self.cache_id = read_cache_id(self.cache_dir)  # index + manifest checked against integrity.json first
         man = CacheManifest.read(self.cache_dir)  # UnsupportedFormat for a newer format_version
         manifest = man.to_dict()
         table = read_index(self.cache_dir)

@@ -9,7 +9,7 @@ chunks in flight). A job killed at any moment therefore resumes against the buck
 the bucket's ``parts/`` (small Parquet files) into staging, skips the committed chunks and redoes
 the others (a tar uploaded without its index part is overwritten). Rank 0 waits for every chunk's
 index part in the bucket, merges the parts in staging and uploads ``index.parquet``,
-``rejects.parquet``, the dataset card ``README.md`` and ``manifest.json`` (last).
+``rejects.parquet``, the dataset card ``README.md``, ``manifest.json`` and ``integrity.json`` (last).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from shards.index import PARTS_DIR, part_paths
-from shards.schema import INDEX_FILE, MANIFEST_FILE, REJECTS_FILE
+from shards.schema import INDEX_FILE, MANIFEST_FILE, REJECTS_FILE, ROOT_FILE
 from shards.storage import RemoteFolder, is_url, local_path
 
 from .lock import LOCK_FILE
@@ -127,8 +127,8 @@ class RemoteOutput(LocalOutput):
         return missing
 
     def publish(self) -> None:
-        """Upload the merged cache files; ``manifest.json`` last (a reader sees a complete cache)."""
-        for name in (INDEX_FILE, REJECTS_FILE, "README.md", MANIFEST_FILE):
+        """Upload the merged cache files; the integrity root last (a reader sees a complete cache)."""
+        for name in (INDEX_FILE, REJECTS_FILE, "README.md", MANIFEST_FILE, ROOT_FILE):
             if (self.local / name).exists():
                 self.remote.put(self.local / name, name)
         log.info("uploaded the cache to %s", self.target)

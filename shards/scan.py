@@ -27,6 +27,9 @@ from . import fields, npz
 from .schema import JSON_MEMBER, PICKLE_EXTENSIONS
 
 
+_TWICE_FIX = ("two samples were written under one key, and a reader would keep only one of them: "
+              "rerun `shardcache precompute` into a new --cache")
+
 #: ``.npy`` header parser (kept under its old name for callers of this module)
 npy_payload = npz.npy_header
 
@@ -95,7 +98,8 @@ def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[di
 
     ``rows`` are index rows (see :data:`shards.schema.INDEX_COLUMNS`) in tar order. Offsets are
     absolute byte offsets into the tar file. Raises :class:`ShardCorrupt` for a truncated or
-    unreadable tar, a member without a key, or a key whose members are not contiguous, and
+    unreadable tar, a member without a key, or a key held twice (its members not contiguous, or
+    one member name twice: webdataset raises "duplicate file name" for both), and
     :class:`UnsafeMember` for a member that would need unpickling. Nothing is unpickled.
     """
     path = Path(path)
@@ -124,10 +128,14 @@ def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[di
                 if key != current:
                     if current is not None:
                         rows.append(_row(current, shard, members, where))
-                    if key in seen:
-                        raise ShardCorrupt(f"{path}: members of sample {key!r} are not contiguous")
+                    if key in seen:  # (webdataset raises "duplicate file name" for such a tar)
+                        raise ShardCorrupt(f"{path}: holds sample key {key!r} twice (its members are not "
+                                           f"contiguous); {_TWICE_FIX}")
                     seen.add(key)
                     current, members, where = key, {}, {}
+                elif ext in members:  # the same member name again: a second sample under one key
+                    raise ShardCorrupt(f"{path}: holds sample key {key!r} twice (member {info.name!r} "
+                                       f"appears twice); {_TWICE_FIX}")
                 end = info.offset_data + info.size
                 if end > len(raw):
                     raise ShardCorrupt(f"{path}: truncated inside member {info.name!r}")

@@ -130,3 +130,165 @@ def test_the_same_process_cannot_take_its_own_lock_twice(tmp_path):
         with pytest.raises(CacheLocked, match="already being written by this process"):
             CacheLock(tmp_path).acquire()
     CacheLock(tmp_path).acquire().release()
+
+
+# ---- the integrity root: index.parquet and manifest.json checked on open --------------------------------
+
+@pytest.fixture(scope="module")
+def small_cache(tmp_path_factory) -> Path:
+    """A cache of 24 samples in the format stage one writes (no model needed)."""
+    from test_train_support import make_cache
+    return make_cache(tmp_path_factory.mktemp("small") / "c", n=24, seed=0)
+
+
+@pytest.fixture()
+def copy(small_cache, tmp_path) -> Path:
+    import shutil
+    c = tmp_path / "c"
+    shutil.copytree(small_cache, c)
+    return c
+
+
+def _rewrite_index(cache: Path, edit) -> None:
+    """Rewrite index.parquet with one value changed by ``edit(rows)`` (as a hand edit would)."""
+    import pyarrow.parquet as pq
+    from shards.index import read_index, rows_to_table
+    rows = read_index(cache).to_pylist()
+    edit(rows)
+    pq.write_table(rows_to_table(rows), cache / "index.parquet")
+
+
+def _verify_quick(cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shards", "verify", str(cache), "--no-progress"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _set(member: str, key: str, value):
+    def edit(rows):
+        for m in rows[3]["members"]:
+            if m["name"] == member:
+                m[key] = value
+                return
+        raise AssertionError(f"no member {member}")
+    return edit
+
+
+@pytest.mark.parametrize("edit", [
+    _set("input_ids.npy", "dtype", "int16"),                        # one dtype
+    _set("input_ids.npy", "shape", [1]),                            # one shape
+    _set("input_ids.npy", "name", "labels.npy"),                    # one member name
+], ids=["dtype", "shape", "member-name"])
+def test_one_edited_index_value_is_refused_by_open_quick_verify_and_the_loader(copy, edit):
+    from loaders import ShardLoader
+    from shards import ShardCorrupt, read_cache_id
+    read_cache_id(copy)                                              # intact: opens
+    assert _verify_quick(copy).returncode == 0
+    _rewrite_index(copy, edit)
+    with pytest.raises(ShardCorrupt, match=r"index.parquet does not match integrity.json.*`shards reindex"):
+        read_cache_id(copy)
+    r = _verify_quick(copy)
+    assert r.returncode == 1 and "index.parquet does not match integrity.json" in r.stdout, r.stdout + r.stderr
+    with pytest.raises(ShardCorrupt, match="index.parquet does not match"):
+        ShardLoader(copy, batch_size=4, seed=0)
+
+
+@pytest.mark.parametrize("name", ["index.parquet", "manifest.json"])
+def test_eight_flipped_bits_are_caught(copy, name):
+    """8 random bit flips in index.parquet gave other batches with every member checksum passing."""
+    import random
+    from shards import ShardCorrupt, read_cache_id
+    p = copy / name
+    data = bytearray(p.read_bytes())
+    rng = random.Random(7)
+    for _ in range(8):
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+    p.write_bytes(bytes(data))
+    with pytest.raises(ShardCorrupt, match=f"{name} does not match integrity.json"):
+        read_cache_id(copy)
+    r = _verify_quick(copy)
+    assert r.returncode == 1 and f"{name} does not match integrity.json" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_manifest_cache_id_edited_to_match_a_checkpoint_is_refused(copy, tmp_path):
+    """The loader took the cache id from manifest.json without checking it: editing it made a resume
+    from another cache's checkpoint pass."""
+    from shards import ShardCorrupt, read_cache_id
+    m = json.loads((copy / "manifest.json").read_text())
+    m["cache_id"] = "0123456789abcdef"
+    (copy / "manifest.json").write_text(json.dumps(m, indent=2) + "\n")
+    with pytest.raises(ShardCorrupt, match="manifest.json does not match integrity.json"):
+        read_cache_id(copy)
+    (copy / "integrity.json").unlink()
+    with pytest.raises(ShardCorrupt, match=r"integrity.json is missing.*`shards reindex"):
+        read_cache_id(copy)
+    r = subprocess.run([sys.executable, "-m", "shards", "reindex", str(copy), "--no-progress"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert read_cache_id(copy) == json.loads((copy / "manifest.json").read_text())["cache_id"] != "0123456789abcdef"
+
+
+def test_add_field_drop_field_and_replace_give_new_ids(demo_cache, tmp_path):
+    """add-field --replace kept the cache id, so a resume landed on the replaced field."""
+    import shutil
+    import plugin_fields  # noqa: F401 (declares the field 'mel')
+    from precompute.add_field import add_field, drop_field
+    from shards import read_cache_id
+    cache = tmp_path / "c"
+    shutil.copytree(demo_cache, cache)
+    ids = [read_cache_id(cache)]
+    add_field(cache, "mel", {"factory": "plugin_fields:make_mel", "kwargs": {"n_mels": 8}}, progress=False)
+    ids.append(read_cache_id(cache))
+    add_field(cache, "mel", {"factory": "plugin_fields:make_mel", "kwargs": {"n_mels": 4}}, replace=True,
+              progress=False)
+    ids.append(read_cache_id(cache))
+    drop_field(cache, "mel")
+    ids.append(read_cache_id(cache))
+    assert len(set(ids[:3])) == 3 and ids[3] != ids[2], ids
+    assert ids[3] == ids[0]                                         # the same samples and fields as before
+    assert _verify_quick(cache).returncode == 0
+
+
+# ---- a tar holding a key twice --------------------------------------------------------------------------
+
+def _tar_with_a_key_twice(cache: Path, contiguous: bool) -> Path:
+    """Rewrite the cache's first shard with the members of its first sample written again: right
+    after them (the same member names twice in a row), or after the second sample."""
+    import io
+    import tarfile
+    p = sorted(cache.glob("shard-*.tar"))[0]
+    with tarfile.open(p) as tf:
+        members = [(ti, tf.extractfile(ti).read()) for ti in tf.getmembers()]
+    key0 = members[0][0].name.split(".")[0]
+    first = [m for m in members if m[0].name.split(".")[0] == key0]
+    n_first = len(first)
+    at = n_first if contiguous else n_first + len([m for m in members[n_first:]
+                                                    if m[0].name.split(".")[0] == members[n_first][0].name.split(".")[0]])
+    out = members[:at] + [(ti, b"X" + data[1:] if ti.name.endswith(".json") else data) for ti, data in first] + members[at:]
+    p.chmod(0o644)
+    with open(p, "wb") as fh, tarfile.open(fileobj=fh, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for ti, data in out:
+            tf.addfile(ti, io.BytesIO(data))
+    return p
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["same-names-in-a-row", "not-contiguous"])
+def test_a_tar_holding_a_key_twice_is_refused_by_scan_verify_and_reindex(copy, contiguous):
+    import webdataset as wds
+    from shards import ShardCorrupt
+    from shards.scan import scan_shard
+    p = _tar_with_a_key_twice(copy, contiguous)
+    if contiguous:                                                   # what webdataset itself says of this tar
+        with pytest.raises(ValueError, match="duplicate file name"):
+            list(wds.WebDataset(str(p), shardshuffle=False, empty_check=False))
+    else:                                                            # ... or yields: one key, two samples
+        keys = [s["__key__"] for s in wds.WebDataset(str(p), shardshuffle=False, empty_check=False)]
+        assert keys.count("s0000") == 2
+    with pytest.raises(ShardCorrupt, match="holds sample key 's0000' twice"):
+        scan_shard(p)
+    r = subprocess.run([sys.executable, "-m", "shards", "verify", str(copy), "--deep", "--no-progress"], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "holds sample key 's0000' twice" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "shards", "reindex", str(copy), "--no-progress"], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "twice" in r.stdout + r.stderr, r.stdout + r.stderr

@@ -4,6 +4,7 @@ within a budget) naming shard, key and member; a shard truncated or replaced und
 is a ShardCorrupt naming shard and key, in the main process and in workers, never a signal."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -211,6 +212,8 @@ def test_a_cache_without_checksums_reads_unchecked_says_so_and_still_checks_valu
     t = t.set_column(t.schema.get_field_index("members"), t.schema.field("members"),
                      pa.array(members, t.schema.field("members").type))
     pq.write_table(t, cache / INDEX_FILE)
+    from shards.index import write_root  # an index written so (not an edit): its integrity root says so
+    write_root(cache, json.loads((cache / "manifest.json").read_text())["cache_id"])
     with caplog.at_level(logging.WARNING, logger="loaders"):
         ld = ShardLoader(cache, 4, seed=3, compact=True)
     assert any("have no checksums" in r.getMessage() for r in caplog.records)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import DEMO, ROOT
-from shards import ManifestError, ShardReader, read_manifest
+from shards import ManifestError, ShardCorrupt, ShardReader, read_manifest
 
 AUDIO = "audio/spk-us-0001.flac"      # 2.3 s, relative to --root DEMO
 IMAGE = "images/coffee.jpg"
@@ -434,9 +434,11 @@ def test_cache_id_is_recorded_and_kept_by_a_remerge_and_reindex(two_caches, tmp_
                        capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr
     assert read_manifest(c)["cache_id"] == ida
-    del d["cache_id"]                                                       # a cache made before ids
+    assert read_cache_id(c) == ida                                          # checked against integrity.json
+    del d["cache_id"]                                                       # an edited manifest is refused
     (c / "manifest.json").write_text(json.dumps(d))
-    assert read_cache_id(c) == ida
+    with pytest.raises(ShardCorrupt, match="manifest.json does not match integrity.json"):
+        read_cache_id(c)
 
 
 def test_loader_state_refuses_another_cache(two_caches):

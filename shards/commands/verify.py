@@ -30,7 +30,7 @@ import pyarrow as pa
 from .. import fields
 from ..checksum import COLUMN as CHECKSUM
 from ..errors import ShardcacheError, UnsafePath, UnsupportedFormat
-from ..index import rows_to_table
+from ..index import rows_to_table, verify_root
 from ..manifest import read_manifest
 from ..reader import ShardReader, value_checks_from_manifest
 from ..scan import scan_shard
@@ -358,6 +358,11 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
     problems: list[Problem] = []
     warnings: list[str] = []
     manifest = None
+    if (d / MANIFEST_FILE).exists() and (d / INDEX_FILE).exists():
+        try:  # index.parquet and manifest.json against integrity.json (their sha256 and the cache id)
+            verify_root(d)
+        except ShardcacheError as e:
+            problems.append(Problem(None, None, str(e)))
     if not (d / MANIFEST_FILE).exists():
         problems.append(Problem(None, None, f"{d / MANIFEST_FILE} is missing; `shards reindex {d}` "
                                             "rebuilds it from the tars"))
