@@ -214,6 +214,11 @@ def merge_parts(out_dir: Path, manifest: "CacheManifest | dict[str, Any]") -> di
 
     ``manifest`` holds the job's own fields (encoders, fingerprint, config...); this adds
     ``format_version``, ``created``, ``counts`` and ``shards``. Returns the manifest written.
+
+    Fields added by ``add-field`` (the sidecar entries of the manifest already there) are kept with
+    the sidecars whose parts are committed; an entry whose field lacks the sidecar of some shard (a
+    chunk a rerun encoded again, or a new one) lists those shards in ``incomplete``: running the
+    same ``add-field`` again adds just those.
     """
     out_dir = Path(out_dir)
     if isinstance(manifest, CacheManifest):
@@ -227,12 +232,20 @@ def merge_parts(out_dir: Path, manifest: "CacheManifest | dict[str, Any]") -> di
         if entry:
             shards.append(entry)
     index = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
-    kept = {}  # fields added by `precompute add-field` survive a stage-one re-merge
+    kept = {}  # fields added by `precompute add-field` survive a stage-one re-merge (and any rerun)
     old = read_manifest(out_dir)
+    main_shards = sorted(set(index.column("shard").unique().to_pylist()))
     for name, info in (old.get("fields") or {}).items():
-        if fields.lookup(name) is not None and sidecar_parts_complete(out_dir, name, index):
-            index = attach_sidecar(index, read_sidecar_parts(out_dir, name))
-            kept[name] = info
+        if not isinstance(info, dict) or not info.get("sidecar", True):
+            continue  # a stage-one field: the job's manifest declares it
+        side, entries = read_sidecar_parts(out_dir, name)
+        index = attach_sidecar(index, side)
+        info = dict(info, shards=sorted(entries, key=lambda e: e["path"]))
+        info.pop("incomplete", None)
+        missing = [s for s in main_shards if not sidecar_part_path(out_dir, s, name).exists()]
+        if missing:  # new or re-encoded chunks: `add-field` with the same producer adds just these
+            info["incomplete"] = missing
+        kept[name] = info
     if kept:  # with the job's own extra fields (stage one's, not sidecars)
         manifest = dict(manifest, fields={**(manifest.get("fields") or {}), **kept})
     rejects_tables = [pq.read_table(p, schema=REJECTS_SCHEMA) for p in sorted(parts.glob("*.rejects.parquet"))]

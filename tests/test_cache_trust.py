@@ -292,3 +292,146 @@ def test_a_tar_holding_a_key_twice_is_refused_by_scan_verify_and_reindex(copy, c
     r = subprocess.run([sys.executable, "-m", "shards", "reindex", str(copy), "--no-progress"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "twice" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+# ---- reruns that follow the manifest --------------------------------------------------------------------
+
+TEXTS = ["The train leaves at seven fifteen.", "Please close the window before it rains.",
+         "A cup of tea fixes most things.", "Four.", "Five.", "Six."]
+AUDIOS = ["audio/spk-us-0001.flac", "audio/spk-us-0002.wav", "audio/spk-gb-0003.flac"]
+
+
+def _rows(n: int = 6) -> list[dict]:
+    return [{"key": f"k{i}", "text": TEXTS[i % len(TEXTS)], "audio": str(DEMO / AUDIOS[i % 3])} for i in range(n)]
+
+
+@pytest.fixture()
+def rerun_cfg(tiny_config):
+    """Chunks of 2 rows: 6 rows are 3 chunks, so a change redoes one chunk and keeps two."""
+    import dataclasses
+    return dataclasses.replace(tiny_config, samples_per_shard=2, image_encoder=None)
+
+
+def _run(rows, cache, cfg, tmp_path, **kw):
+    import dataclasses
+    from precompute.job import run
+    manifest = _write_jsonl(tmp_path / "m.jsonl", rows)
+    return run(manifest, cache, dataclasses.replace(cfg, **kw) if kw else cfg, progress=False)[0]
+
+
+def _cached(cache: Path) -> dict[str, tuple[str, str]]:
+    """key -> (the sample's stored json text, the sample's sha256), read back through the reader."""
+    from shards import ShardReader, read_cache_id
+    read_cache_id(cache)                                             # index + manifest as the root says
+    r = ShardReader(cache)
+    shas = r.index.column("sha256").to_pylist()
+    return {k: (json.dumps(r.get(i)["json"], sort_keys=True), shas[i]) for i, k in enumerate(r.keys)}
+
+
+def _chunk_of(cache: Path, key: str) -> set[str]:
+    """The keys that share ``key``'s shard."""
+    from shards.index import read_index
+    t = read_index(cache).to_pylist()
+    shard = next(r["shard"] for r in t if r["key"] == key)
+    return {r["key"] for r in t if r["shard"] == shard}
+
+
+def test_rerun_with_a_corrected_transcript_re_encodes_that_row(rerun_cfg, tmp_path):
+    """A corrected transcript exited 0 and kept the stale sample without a word."""
+    cache = tmp_path / "c"
+    rows = _rows()
+    _run(rows, cache, rerun_cfg, tmp_path)
+    before = _cached(cache)
+    rows[3]["text"] = "Four, corrected."
+    s = _run(rows, cache, rerun_cfg, tmp_path)
+    after = _cached(cache)
+    assert "Four, corrected." in after["k3"][0] and "Four, corrected." not in before["k3"][0]
+    assert s.rerun == {"kept": 4, "reencoded": 1, "reencoded_with_chunk": 1, "removed": 0, "kept_removed": 0,
+                       "added": 0}
+    assert sorted(after) == sorted(before)
+    for k in set(before) - _chunk_of(cache, "k3"):                   # the other chunks: the same bytes
+        assert after[k][1] == before[k][1]
+    again = _run(rows, cache, rerun_cfg, tmp_path)                   # nothing changed: nothing redone
+    assert again.rerun["kept"] == 6 and again.kept == 0 and _cached(cache) == after
+
+
+def test_rerun_removes_a_deleted_row_or_keeps_it_with_the_flag(rerun_cfg, tmp_path, caplog):
+    """A deleted row stayed in the cache without a word."""
+    cache = tmp_path / "c"
+    rows = _rows()
+    _run(rows, cache, rerun_cfg, tmp_path)
+    caplog.set_level("INFO", logger="precompute")
+    kept = _run(rows[:1] + rows[2:], cache, rerun_cfg, tmp_path, keep_removed_rows=True)
+    assert kept.rerun["kept_removed"] == 1 and kept.rerun["removed"] == 0 and "k1" in _cached(cache)
+    assert "kept 1 cached rows no longer in the manifest (keep_removed_rows: true)" in caplog.text
+    s = _run(rows[:1] + rows[2:], cache, rerun_cfg, tmp_path)
+    assert s.rerun["removed"] == 1 and s.rerun["kept"] == 4 and s.rerun["reencoded_with_chunk"] == 1
+    assert sorted(_cached(cache)) == ["k0", "k2", "k3", "k4", "k5"]
+    assert "rerun: kept 4, re-encoded 0 (+1 unchanged rows of their chunks), removed 1, added 0" in caplog.text
+
+
+def test_rerun_with_a_corrected_media_path_or_a_replaced_file(rerun_cfg, tmp_path):
+    """A corrected media path for an existing key encoded everything and then failed with "duplicate
+    keys across shards" on this and every later run. A file replaced in place (same path) is seen too."""
+    import shutil
+    import soundfile as sf
+    cache = tmp_path / "c"
+    media = tmp_path / "media"
+    media.mkdir()
+    for a in AUDIOS:
+        shutil.copy(DEMO / a, media / Path(a).name)
+    rows = [dict(r, audio=str(media / Path(AUDIOS[i % 3]).name)) for i, r in enumerate(_rows())]
+    _run(rows, cache, rerun_cfg, tmp_path)
+    rows[2]["audio"] = str(media / "spk-us-0001.flac")               # the corrected path
+    s = _run(rows, cache, rerun_cfg, tmp_path)
+    got = {k: json.loads(v[0]) for k, v in _cached(cache).items()}
+    assert got["k2"]["duration_s"] == pytest.approx(sf.info(media / "spk-us-0001.flac").duration, abs=0.05)
+    assert s.rerun["reencoded"] == 1 and s.rerun["kept"] == 4
+    # the same path, other bytes: spk-us-0002.wav (rows k1, k4) replaced by a copy of spk-gb-0003.flac's audio
+    y, rate = sf.read(media / "spk-gb-0003.flac")
+    sf.write(media / "spk-us-0002.wav", y, rate)
+    s = _run(rows, cache, rerun_cfg, tmp_path)
+    got = {k: json.loads(v[0]) for k, v in _cached(cache).items()}
+    assert got["k1"]["duration_s"] == pytest.approx(len(y) / rate, abs=0.05)
+    assert s.rerun["reencoded"] == 2, s.rerun
+    assert sorted(got) == [f"k{i}" for i in range(6)]
+
+
+def test_rerun_with_an_added_row_encodes_only_it(rerun_cfg, tmp_path):
+    cache = tmp_path / "c"
+    rows = _rows()
+    _run(rows, cache, rerun_cfg, tmp_path)
+    tars = {p.name: p.read_bytes() for p in cache.glob("shard-*.tar")}
+    s = _run(rows + [{"key": "k6", "text": "Seven.", "audio": str(DEMO / AUDIOS[0])}], cache, rerun_cfg, tmp_path)
+    assert s.kept == 1 and "Seven." in _cached(cache)["k6"][0]
+    assert all((cache / n).read_bytes() == b for n, b in tars.items())
+    assert s.rerun == {"kept": 6, "reencoded": 0, "reencoded_with_chunk": 0, "removed": 0, "kept_removed": 0,
+                       "added": 1}
+
+
+def test_a_rerun_after_add_field_keeps_the_field(rerun_cfg, tmp_path, caplog):
+    """An incremental run after add-field silently dropped the added field from the manifest."""
+    import plugin_fields  # noqa: F401 (declares the field 'mel')
+    from precompute.add_field import add_field
+    from shards import ShardReader
+    cache = tmp_path / "c"
+    rows = _rows()
+    _run(rows, cache, rerun_cfg, tmp_path)
+    spec = {"factory": "plugin_fields:make_mel", "kwargs": {"n_mels": 8}}
+    add_field(cache, "mel", spec, progress=False)
+    rows[3]["text"] = "Four, corrected."
+    caplog.set_level("INFO", logger="precompute")
+    _run(rows + [{"key": "k6", "text": "Seven.", "audio": str(DEMO / AUDIOS[0])}], cache, rerun_cfg, tmp_path)
+    man = json.loads((cache / "manifest.json").read_text())
+    redone = sorted({r["shard"] for r in ShardReader(cache).index.to_pylist() if r["key"] in ("k2", "k3", "k6")})  # k2: in k3's chunk
+    assert man["fields"]["mel"]["incomplete"] == redone                # kept, and says what it lacks
+    assert "field 'mel' (added by add-field) has no sidecar for 3 new or re-encoded shard(s)" in caplog.text
+    r = ShardReader(cache)
+    assert r.get(r.keys.index("k0"))["mel"] is not None              # the kept chunks keep their sidecars
+    assert _verify_quick(cache).returncode == 1                      # verify names the missing sidecars
+    add_field(cache, "mel", spec, progress=False)                    # the same add-field completes it
+    man = json.loads((cache / "manifest.json").read_text())
+    assert "incomplete" not in man["fields"]["mel"]
+    r = ShardReader(cache)
+    assert all(r.get(i)["mel"] is not None for i in range(len(r.keys)))
+    assert _verify_quick(cache).returncode == 0
