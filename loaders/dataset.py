@@ -31,6 +31,7 @@ from shards import CacheManifest, ShardCorrupt, ShardReader, read_cache_id, read
 from shards import fields as registry
 from shards.kinds import BatchContext
 from shards.reader import refuse_unsafe
+from shards.scan import unindexed_members
 from shards.readinto import say_executor
 from shards.storage import is_url
 
@@ -110,6 +111,9 @@ class CacheSource:
         manifest = man.to_dict()
         table = read_index(self.cache_dir)
         refuse_unsafe(table, self.cache_dir)  # the whole index, filtered-out rows too
+        hidden = unindexed_members(table)  # e.g. a tar holding a key twice, one of them indexed
+        if hidden:
+            raise ShardCorrupt(f"{self.cache_dir}: {hidden[0]}; check it with `shards verify --deep`")
         self.pad_id = int(man.pad_id() if man.pad_id() is not None else TEXT_PAD_ID)
         all_shards = sorted(pc.unique(table.column("shard")).to_pylist())  # numbering kept across filters
         rows = filter_rows(table, filters)

@@ -435,3 +435,42 @@ def test_a_rerun_after_add_field_keeps_the_field(rerun_cfg, tmp_path, caplog):
     r = ShardReader(cache)
     assert all(r.get(i)["mel"] is not None for i in range(len(r.keys)))
     assert _verify_quick(cache).returncode == 0
+
+
+def test_an_index_that_hides_a_second_sample_under_one_key_is_refused_by_the_loader_and_quick_verify(copy):
+    """What the old scanner wrote for a tar holding a key twice: an index with one of the two samples
+    (verify --deep passed). The tar is built with the copy under a key of the same length, scanned,
+    the copy's row dropped, then the copy renamed to the first key (the same offsets)."""
+    import io
+    import tarfile
+    from loaders import ShardLoader
+    from shards import ShardCorrupt, read_manifest
+    from shards.index import read_index, rows_to_table, write_parquet_atomic, write_root
+    from shards.scan import scan_shard
+    p = sorted(copy.glob("shard-*.tar"))[0]
+    with tarfile.open(p) as tf:
+        members = [(ti, tf.extractfile(ti).read()) for ti in tf.getmembers()]
+    n = sum(ti.name.split(".")[0] == "s0000" for ti, _ in members)
+
+    def write(hidden_key):
+        copies = []
+        for ti, data in members[:n]:
+            c = tarfile.TarInfo(hidden_key + ti.name[len("s0000"):])
+            c.size, c.mtime, c.mode, c.uname, c.gname = ti.size, ti.mtime, ti.mode, ti.uname, ti.gname
+            copies.append((c, data))
+        p.chmod(0o644)
+        with open(p, "wb") as fh, tarfile.open(fileobj=fh, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            for ti, data in members[:n] + copies + members[n:]:
+                tf.addfile(ti, io.BytesIO(data))
+
+    write("s000x")
+    rows = [r for r in scan_shard(p)[0] if r["key"] != "s000x"]
+    write("s0000")                                                   # the same bytes but for the names
+    index = read_index(copy).to_pylist()
+    index = [r for r in index if r["shard"] != p.name] + rows
+    write_parquet_atomic(rows_to_table(index), copy / "index.parquet")
+    write_root(copy, read_manifest(copy)["cache_id"])                # as the old writer sealed it
+    with pytest.raises(ShardCorrupt, match="bytes the index does not locate before member .*a key held twice"):
+        ShardLoader(copy, batch_size=4, seed=0)
+    r = _verify_quick(copy)
+    assert r.returncode == 1 and "bytes the index does not locate" in r.stdout, r.stdout + r.stderr
