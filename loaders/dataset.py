@@ -27,10 +27,11 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards import CacheManifest, ShardCorrupt, ShardReader, read_index, value_checks_from_manifest
+from shards import CacheManifest, ShardCorrupt, ShardReader, read_cache_id, read_index, value_checks_from_manifest
 from shards import fields as registry
 from shards.kinds import BatchContext
 from shards.reader import refuse_unsafe
+from shards.scan import unindexed_members
 from shards.readinto import say_executor
 from shards.storage import is_url, local_path
 
@@ -105,10 +106,14 @@ class CacheSource:
             cache_dir = self.remote.local
         self.streamed = self.remote is not None
         self.cache_dir = local_path(cache_dir)  # a file:// URL is a local folder
+        self.cache_id = read_cache_id(self.cache_dir)  # index + manifest checked against integrity.json first
         man = CacheManifest.read(self.cache_dir)  # UnsupportedFormat for a newer format_version
         manifest = man.to_dict()
         table = read_index(self.cache_dir)
         refuse_unsafe(table, self.cache_dir)  # the whole index, filtered-out rows too
+        hidden = unindexed_members(table)  # e.g. a tar holding a key twice, one of them indexed
+        if hidden:
+            raise ShardCorrupt(f"{self.cache_dir}: {hidden[0]}; check it with `shards verify --deep`")
         self.pad_id = int(man.pad_id() if man.pad_id() is not None else TEXT_PAD_ID)
         all_shards = sorted(pc.unique(table.column("shard")).to_pylist())  # numbering kept across filters
         rows = filter_rows(table, filters)

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from shards.index import safe_shard_path
-from shards.schema import INDEX_FILE, MANIFEST_FILE
+from shards.schema import INDEX_FILE, MANIFEST_FILE, ROOT_FILE
 from shards.storage import RemoteFolder, check_name
 
 log = logging.getLogger("loaders")
@@ -120,7 +120,7 @@ class RemoteCache:
         if not self.remote.exists(INDEX_FILE):
             raise FileNotFoundError(f"{self.url}/{INDEX_FILE} not found: is {self.url} a shardcache cache? "
                                     "(made by `shardcache precompute --cache URL`)")
-        for name in (MANIFEST_FILE, INDEX_FILE):  # always fresh: the remote cache may have grown
+        for name in (MANIFEST_FILE, INDEX_FILE, ROOT_FILE):  # always fresh: the remote cache may have grown
             if name == INDEX_FILE or self.remote.exists(name):
                 self.remote.get(name, self.local / name)
         self._sizes: dict[str, int] = {}

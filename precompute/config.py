@@ -39,6 +39,8 @@ PIXEL_RANGES: dict[str, tuple[float, float]] = {"-1..1": (-1.0, 1.0), "0..255": 
 CHAT_TEMPLATES = ("auto", "llama3", "tokenizer")
 #: ``manifest_format`` (:mod:`precompute.manifests`)
 MANIFEST_FORMATS = ("jsonl", "chatml", "llava", "csv", "parquet")
+#: ``source_digest``: what a rerun compares of each media file (:mod:`precompute.rerun`)
+SOURCE_DIGESTS = ("stat", "content")
 #: ``encoder_dtype`` spellings -> the dtype they mean (:func:`precompute.encoders._common.resolve_dtype`)
 ENCODER_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16",
                   "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -145,6 +147,12 @@ class PrecomputeConfig:
     allow_outside_root: bool = False
     """Read media files outside --root (default root: the manifest's folder). Off: a path that leaves it (../,
     an absolute path elsewhere, a symlink pointing out) rejects its row as malformed_row naming the field."""
+    source_digest: str = option("stat", choices=SOURCE_DIGESTS)
+    """What a rerun compares of each media file to tell a changed row: stat = its path, size and modification
+    time; content = its path and the sha256 of its bytes (reads every media file on every rerun)."""
+    keep_removed_rows: bool = False
+    """Rerun: keep cached rows that are no longer in the manifest (the job says how many) instead of removing
+    them (their chunk is still redone when another of its rows changed)."""
     max_text_tokens: int = option(65536, gt=0, le=100_000_000)
     """Per sample: the most input_ids tokens (the rendered conversation); a longer one is rejected as too_large
     (a 50 MB JSON line would otherwise become one 52 M-token sample that no batch can hold)."""

@@ -59,6 +59,7 @@ class Summary:
     encoder_s: float = 0.0
     skipped_rows: int = 0
     shards_written: int = 0
+    rerun: dict[str, int] = field(default_factory=dict)  # precompute.rerun.RerunPlan.counts()
 
     @property
     def encoder_busy(self) -> float:

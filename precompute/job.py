@@ -6,10 +6,11 @@ commit marker). Chunks not yet committed are dealt round-robin to the ranks of t
 cache is a function of (manifest, config, encoder weights) only: the same shard names and sample
 bytes for any number of ranks, kills and reruns, or decode workers (encoder batches are formed
 inside one chunk, from its start). One mechanism gives resume after a kill, incremental runs (rows
-added to the manifest go into new chunks) and elastic multi-rank jobs: a torchrun restart with
-any number of ranks shares out the chunks still missing. Rank 0 merges the index when every
-chunk is committed, polling the parts folder instead of waiting at a collective (a slow rank
-delays the job, never crashes it); ``shardcache shards reindex`` rebuilds the index from committed
+added to the manifest go into new chunks), reruns that follow an edited manifest (a chunk holding a
+changed or deleted row is deleted and its rows encoded again: :mod:`precompute.rerun`) and elastic
+multi-rank jobs: a torchrun restart with any number of ranks shares out the chunks still missing.
+Rank 0 merges the index when every chunk is committed, polling the parts folder instead of waiting
+at a collective (a slow rank delays the job, never crashes it); ``shardcache shards reindex`` rebuilds the index from committed
 shards at any time. ``out_dir`` may be a URL in object storage: chunks are committed in a local
 staging folder and uploaded, index part last (:mod:`precompute.output`).
 
@@ -19,8 +20,10 @@ fraction of wall time spent inside encoder calls is reported as ``encoder_busy``
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,10 +46,11 @@ from . import chat
 from .config import PrecomputeConfig
 from .conversation import OUTSIDE_ROOT
 from .encode import Pipeline, Summary, load_encoders, waveform_fields
-from .lock import CacheLock
+from .lock import CacheLock, die_with_parent
 from .manifests import Request, read_requests
 from .output import LocalOutput, open_output
 from .precision import check_precision
+from .rerun import plan_rerun
 from .prepare import PrepareDataset, identity_collate
 
 log = logging.getLogger("precompute")
@@ -54,8 +58,9 @@ JOB_FILE = "job.json"
 
 
 def row_id(req: Request) -> str:
-    """Identity of a manifest row for resume bookkeeping: key + its media paths."""
-    return "\0".join([req.key] + (req.conversation.sources if req.conversation is not None else []))
+    """Identity of a manifest row for resume bookkeeping: its key (:func:`precompute.rerun.row_ids`
+    numbers the later rows of a manifest that repeats a key; what the row says is in its digest)."""
+    return req.key
 
 
 def precision_check(pipe: Pipeline, requests: list[Request]) -> dict | None:
@@ -141,14 +146,15 @@ def check_posterior(image_encoder: Any) -> None:
                          "Set store_posterior: false or use the wan image encoder.")
 
 
-def committed(out_dir: Path) -> dict[str, set[str]]:
-    """Committed chunks: part stem (``shard-000003``) -> the row ids it covered."""
-    return {p.name.split(".")[0]: set((read_part_meta(p) or {}).get("rows", []))
+def committed(out_dir: Path) -> dict[str, dict]:
+    """Committed chunks: part stem (``shard-000003``) -> the job metadata of its index part
+    (``{"rows": [row id...], "digests": [row digest...]}``, :mod:`precompute.rerun`)."""
+    return {p.name.split(".")[0]: read_part_meta(p) or {}
             for p in sorted((out_dir / PARTS_DIR).glob("*.index.parquet"))}
 
 
-def plan_chunks(requests: list[Request], per_shard: int, done: dict[str, set[str]]
-                ) -> list[tuple[str, list[Request]]]:
+def plan_chunks(requests: list[Request], per_shard: int, done: dict[str, set[str]],
+                ids: list[str] | None = None) -> list[tuple[str, list[Request]]]:
     """The chunks still to encode: ``[(shard_name, rows)]`` in manifest order.
 
     The manifest's ``N`` rows are cut into ``ceil(N / per_shard)`` chunks of equal size (give or
@@ -156,14 +162,17 @@ def plan_chunks(requests: list[Request], per_shard: int, done: dict[str, set[str
     by shard stay balanced); chunk ``j`` becomes ``shard-{j:06d}.tar``, whatever the number of
     ranks, kills and reruns (a committed chunk is skipped). Rows added to the manifest after a
     chunk was committed (incremental runs) go, in order, into new chunks numbered after every
-    chunk there is.
+    chunk there is. ``done``: stem -> the row ids of each committed chunk kept; ``ids``: each
+    request's id (default :func:`row_id`).
     """
     covered = set().union(*done.values()) if done else set()
+    ids = ids if ids is not None else [row_id(r) for r in requests]
+    id_of = {id(r): i for r, i in zip(requests, ids)}
     n_pos = -(-len(requests) // per_shard)
     edges = [j * len(requests) // n_pos for j in range(n_pos + 1)] if n_pos else [0]  # sizes differ by <= 1
     todo, leftover = [], []
     for j in range(n_pos):
-        rows = [r for r in requests[edges[j]:edges[j + 1]] if row_id(r) not in covered]
+        rows = [r for r in requests[edges[j]:edges[j + 1]] if id_of[id(r)] not in covered]
         if schema.chunk_shard_name(j)[:-4] in done:
             leftover += rows  # the chunk was committed when the manifest was shorter
         elif rows:
@@ -179,9 +188,10 @@ class _ChunkWriter(threading.Thread):
     """Background thread: receives encoded rows in order, commits each chunk when complete."""
 
     def __init__(self, output: LocalOutput, chunks: list[tuple[str, list[Request]]], summary: Summary,
-                 progress):
+                 progress, row_meta: dict[int, tuple[str, str]]):
         super().__init__(daemon=True, name="shard-writer")
         self.output, self.out_dir = output, output.local
+        self.row_meta = row_meta  # id(request) -> (row id, row digest)
         self.chunks, self.summary, self.progress = chunks, summary, progress
         self.queue: queue.Queue = queue.Queue(maxsize=64)
         self.error: BaseException | None = None
@@ -215,8 +225,9 @@ class _ChunkWriter(threading.Thread):
                     continue
 
     def _commit(self, writer: ShardWriter, rows: list[Request]) -> None:
-        # the manifest rows this chunk covered: resume / incremental bookkeeping
-        entry = writer.commit({"rows": [row_id(r) for r in rows]})
+        # the manifest rows this chunk covered and what they said: resume / rerun bookkeeping
+        meta = [self.row_meta[id(r)] for r in rows]
+        entry = writer.commit({"rows": [m[0] for m in meta], "digests": [m[1] for m in meta]})
         self.output.chunk_committed(writer.name, entry is not None)  # a remote cache: upload it
         self.summary.shards_written += entry is not None
         if self.progress is not None:
@@ -303,23 +314,32 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     precision = precision_check(pipe, requests)
     if check_fingerprint(out_dir, fp, describe, global_rank):
         output.push_part(JOB_FILE)
+    done = committed(out_dir)  # read by every rank before rank 0 deletes stale chunks
+    rerun, ids, digests = plan_rerun(requests, done, source_digest=cfg.source_digest,
+                                     keep_removed=cfg.keep_removed_rows)
+    if done and global_rank == 0:
+        log.info("%s", rerun.describe())
     sync()
-    plan = plan_chunks(requests, cfg.samples_per_shard, committed(out_dir))
+    if rerun.stale and global_rank == 0:
+        output.drop_chunks(rerun.stale)  # changed or deleted rows: their chunks are encoded again
+    kept = {stem: set(meta.get("rows") or []) for stem, meta in done.items() if stem not in rerun.stale}
+    plan = plan_chunks(requests, cfg.samples_per_shard, kept, ids)
     sync()  # every rank has read the same state before anyone commits a chunk
     chunks = plan[global_rank::world_size]  # chunk k of the plan -> rank k % world_size
     items = [(req, ci) for ci, (_, rows) in enumerate(chunks) for req in rows]
-    summary = Summary(skipped_rows=len(requests) - sum(len(rows) for _, rows in plan))
+    summary = Summary(skipped_rows=len(requests) - sum(len(rows) for _, rows in plan), rerun=rerun.counts())
     bar = tqdm(total=len(items), desc=f"precompute r{global_rank}", unit="sample",
                disable=not progress or global_rank != 0, dynamic_ncols=True)
     summary.setup_s = time.perf_counter() - t0
     t_loop = time.perf_counter()
-    writer = _ChunkWriter(output, chunks, summary, bar)
+    writer = _ChunkWriter(output, chunks, summary, bar, {id(r): m for r, m in zip(requests, zip(ids, digests))})
     writer.start()
     workers = resolve_workers(cfg.num_workers, device) if items else 0
     loader = DataLoader(PrepareDataset(items, cfg, pipe.rates, enc.text, template, pipe.image_multiple,
                                        pipe.tokens, pipe.source_images),
                         batch_sampler=chunk_batches([c for _, c in items], cfg.encoder_batch_size), num_workers=workers,
-                        collate_fn=identity_collate, prefetch_factor=4 if workers else None)
+                        collate_fn=identity_collate, prefetch_factor=4 if workers else None,
+                        worker_init_fn=functools.partial(die_with_parent, os.getpid()) if workers else None)
     try:
         with torch.inference_mode():
             for batch in loader:
@@ -352,4 +372,10 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
             man.extra["precision_check"] = precision
         result = merge_parts(out_dir, man)
         output.publish()
+        for name, info in sorted((result.get("fields") or {}).items()):
+            if isinstance(info, dict) and info.get("incomplete"):
+                log.warning("field %r (added by add-field) has no sidecar for %d new or re-encoded shard(s) (%s): "
+                            "run the same `shardcache add-field %s --field %s ...` again (it adds only the missing "
+                            "sidecars), or `shardcache drop-field %s %s`", name, len(info["incomplete"]),
+                            ", ".join(info["incomplete"][:3]), output.target, name, output.target, name)
     return summary, result

@@ -1,6 +1,7 @@
 """One writer per cache: the lock a precompute job holds on its cache folder.
 
-Global rank 0 of a job takes an exclusive ``flock`` on ``CACHE/parts/writer.lock`` before anything
+Global rank 0 of a job takes an exclusive POSIX record lock (``fcntl.lockf``, ``F_SETLK``) on
+``CACHE/parts/writer.lock`` before anything
 is written (before the fingerprint, before the first chunk) and holds it until the job has merged
 its index; the file records the holder (``host``, ``pid``, ``job``, ``since``). A second job on the
 same cache finds the lock held and stops at once with :class:`CacheLocked` naming the holder
@@ -10,20 +11,29 @@ writer, and ranks of another job end with their rank 0 (torchrun, as the Makefil
 ``scripts/slurm`` launch it, stops the group when a rank fails; under another launcher they wait at
 the first barrier until it ends them).
 
-A holder that dies (killed, node lost) releases the lock with its process (the kernel drops a
-``flock`` with its last open file), so the next job takes it over and logs whose it was: no stale
-lock to delete by hand. On a file system without locks (``flock`` fails with ``ENOLCK``,
-``EOPNOTSUPP``...) the job warns and goes on unlocked. For a cache in object storage the lock covers
+The lock belongs to the job's process alone. A record lock is per process: a forked decode worker
+does not inherit it (a ``flock`` belongs to the open file description, which ``fork()`` shares, so
+workers that outlived a killed job kept the cache locked), and the kernel drops it when the process
+dies (killed, node lost). The descriptor is close-on-exec. A record lock is also dropped when the
+process closes ANY descriptor of the file, so the file is only ever read through the lock's own
+descriptor while it is held. A clean release empties the file, so only a job that died leaves its
+holder there: the next job takes the lock over and logs whose it was (no such line after a clean
+run): no stale lock to delete by hand. Decode workers end with the job (:func:`die_with_parent`).
+On a file system without locks (``lockf`` fails with ``ENOLCK``, ``EOPNOTSUPP``...) the job warns
+and goes on unlocked. For a cache in object storage the lock covers
 the local staging folder (jobs sharing a machine), not the bucket.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
 import logging
 import os
+import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +43,7 @@ from shards.schema import PARTS_DIR
 log = logging.getLogger("precompute")
 
 LOCK_FILE = "writer.lock"
+_HELD: set[str] = set()  # lock files this process holds (record locks never conflict within a process)
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
@@ -57,12 +68,48 @@ def job_id() -> str:
     return f"process:{socket.gethostname()}:{os.getpid()}"
 
 
-def _read(path: Path) -> dict:
+def _parse(raw: bytes) -> dict:
     try:
-        data = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
+        data = json.loads(raw.decode() or "{}")
+    except (UnicodeDecodeError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _read(path: Path) -> dict:
+    """The lock file's holder, read by a process that does NOT hold the lock (reading through a
+    second descriptor would drop a record lock this process holds)."""
+    try:
+        return _parse(path.read_bytes())
+    except OSError:
+        return {}
+
+
+def _read_fd(fd: int) -> dict:
+    """The lock file's holder, read through the lock's own descriptor."""
+    size = os.fstat(fd).st_size
+    return _parse(os.pread(fd, size, 0)) if size else {}
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int, worker_id: int | None = None) -> None:
+    """Make this (forked worker) process get SIGKILL when its parent dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), and exit at once if the parent ``parent_pid`` is already gone.
+    ``worker_id`` (what a DataLoader passes to its ``worker_init_fn``) is not used.
+
+    Used as the decode workers' ``worker_init_fn``: a ``kill -9`` of the job leaves no worker behind.
+    Elsewhere than Linux it only does the parent check (torch's workers also poll their parent).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def describe(holder: dict) -> str:
@@ -82,10 +129,13 @@ class CacheLock:
 
     def acquire(self) -> "CacheLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if str(self.path.resolve()) in _HELD:
+            raise CacheLocked(f"{self.path.parent.parent} is already being written by this process (lock file "
+                              f"{self.path}): one writer per cache", {"pid": os.getpid()})
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: held by another process
             os.close(fd)
             holder = _read(self.path)
             raise CacheLocked(
@@ -101,20 +151,26 @@ class CacheLock:
                         self.path, e.strerror)
             self._fd = fd
             return self
-        before = _read(self.path)
+        before = _read_fd(fd)  # (never self.path: opening it again and closing would drop the lock)
         if before.get("pid") and (before.get("pid"), before.get("host")) != (os.getpid(), socket.gethostname()):
             log.info("%s: the previous writer (%s) is gone; lock taken over", self.path, describe(before))
         me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "since": time.time()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
         self._fd = fd
+        _HELD.add(str(self.path.resolve()))
         return self
 
     def release(self) -> None:
-        """Drop the lock (the file stays; its contents name the last holder)."""
+        """Drop the lock. The file stays, emptied: a holder named in it is one that died holding it."""
         if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor releases the flock
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass
+            os.close(self._fd)  # releases the record lock
             self._fd = None
+            _HELD.discard(str(self.path.resolve()))
 
     def __enter__(self) -> "CacheLock":
         return self.acquire()

@@ -9,7 +9,7 @@ chunks in flight). A job killed at any moment therefore resumes against the buck
 the bucket's ``parts/`` (small Parquet files) into staging, skips the committed chunks and redoes
 the others (a tar uploaded without its index part is overwritten). Rank 0 waits for every chunk's
 index part in the bucket, merges the parts in staging and uploads ``index.parquet``,
-``rejects.parquet``, the dataset card ``README.md`` and ``manifest.json`` (last).
+``rejects.parquet``, the dataset card ``README.md``, ``manifest.json`` and ``integrity.json`` (last).
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from shards.index import PARTS_DIR, part_paths
-from shards.schema import INDEX_FILE, MANIFEST_FILE, REJECTS_FILE
+from shards.schema import INDEX_FILE, MANIFEST_FILE, REJECTS_FILE, ROOT_FILE
+from shards import fields as registry
 from shards.storage import RemoteFolder, is_url, local_path
 
 from .lock import LOCK_FILE
@@ -52,6 +53,16 @@ class LocalOutput:
 
     def publish(self) -> None:
         pass
+
+    def drop_chunks(self, stems: list[str]) -> None:
+        """Delete committed chunks ``stems`` (a rerun found them stale, :mod:`precompute.rerun`): the
+        integrity root first (until the merge, readers are told to rerun), then per chunk its index
+        part (the commit marker), its rejects part, its tar and the sidecars of added fields."""
+        (self.local / ROOT_FILE).unlink(missing_ok=True)
+        for stem in stems:
+            for p in _chunk_files(stem, [p.name for p in self.local.iterdir() if p.is_file()],
+                                  [p.name for p in (self.local / PARTS_DIR).iterdir() if p.is_file()]):
+                (self.local / p).unlink(missing_ok=True)
 
     def wait_for_chunks(self, names: list[str], poll_s: float = 2.0) -> None:
         """Block until every chunk in ``names`` is committed (its index part exists). No collective
@@ -126,12 +137,32 @@ class RemoteOutput(LocalOutput):
                 self.remote.get(f"{PARTS_DIR}/{index_part.name}", index_part)
         return missing
 
+    def drop_chunks(self, stems: list[str]) -> None:
+        """:meth:`LocalOutput.drop_chunks` in the bucket, then in staging."""
+        self.remote.remove(ROOT_FILE)
+        top, parts = self.remote.list(), self.remote.list(PARTS_DIR)
+        for stem in stems:
+            for name in _chunk_files(stem, top, parts):
+                self.remote.remove(name)
+        super().drop_chunks(stems)
+
     def publish(self) -> None:
-        """Upload the merged cache files; ``manifest.json`` last (a reader sees a complete cache)."""
-        for name in (INDEX_FILE, REJECTS_FILE, "README.md", MANIFEST_FILE):
+        """Upload the merged cache files; the integrity root last (a reader sees a complete cache)."""
+        for name in (INDEX_FILE, REJECTS_FILE, "README.md", MANIFEST_FILE, ROOT_FILE):
             if (self.local / name).exists():
                 self.remote.put(self.local / name, name)
         log.info("uploaded the cache to %s", self.target)
+
+
+def _chunk_files(stem: str, top: list[str], parts: list[str]) -> list[str]:
+    """The files of chunk ``stem`` among the cache folder's ``top`` names and ``parts/`` names,
+    as paths relative to the cache, its index part (the commit marker) first."""
+    index_part, rejects_part = f"{stem}.index.parquet", f"{stem}.rejects.parquet"
+    out = [f"{PARTS_DIR}/{n}" for n in (index_part, rejects_part) if n in parts]
+    out += [f"{PARTS_DIR}/{n}" for n in sorted(parts) if n.startswith(stem + ".") and n.endswith(".sidecar.parquet")]
+    shard = f"{stem}.tar"
+    out += [n for n in sorted(top) if n == shard or (registry.parse_sidecar_name(n) or ("",))[0] == shard]
+    return out
 
 
 def open_output(out: str | os.PathLike, *, storage_options: dict | None = None, staging=None,

@@ -25,6 +25,12 @@ Every shard name an index row or ``manifest.json`` holds must be a plain file na
 the cache directory: :func:`safe_shard_path` is the one place that turns such a name into a path,
 and it refuses anything else (:class:`~shards.errors.UnsafePath`). :func:`shards.manifest.check_format_version`
 refuses caches written by a newer format (:class:`~shards.errors.UnsupportedFormat`).
+
+The integrity root ``integrity.json`` (:func:`write_root`, written last by every writer of the
+index or manifest) records the sha256 and size of ``index.parquet`` and ``manifest.json`` and the
+cache id; :func:`read_cache_id` (what loaders, the trainer and ``shards.Cache`` call) and
+``shards verify`` check both files against it, so an edited index value or a flipped bit in either
+file is refused (:class:`~shards.errors.ShardCorrupt`) instead of read.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from . import fields, schema
 from .checksum import COLUMN as CHECKSUM
 from .errors import ShardCorrupt, UnsafePath
 from .manifest import CacheManifest, read_manifest
-from .schema import INDEX_FILE, PARTS_DIR, REJECTS_FILE
+from .schema import INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, ROOT_FILE
 
 #: ``file``: null for a member of the row's own shard; the sidecar tar name
 #: (``shard-000003.codes_mimi.tar``) for a member of a field added by ``precompute add-field``.
@@ -208,6 +214,11 @@ def merge_parts(out_dir: Path, manifest: "CacheManifest | dict[str, Any]") -> di
 
     ``manifest`` holds the job's own fields (encoders, fingerprint, config...); this adds
     ``format_version``, ``created``, ``counts`` and ``shards``. Returns the manifest written.
+
+    Fields added by ``add-field`` (the sidecar entries of the manifest already there) are kept with
+    the sidecars whose parts are committed; an entry whose field lacks the sidecar of some shard (a
+    chunk a rerun encoded again, or a new one) lists those shards in ``incomplete``: running the
+    same ``add-field`` again adds just those.
     """
     out_dir = Path(out_dir)
     if isinstance(manifest, CacheManifest):
@@ -221,12 +232,20 @@ def merge_parts(out_dir: Path, manifest: "CacheManifest | dict[str, Any]") -> di
         if entry:
             shards.append(entry)
     index = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
-    kept = {}  # fields added by `precompute add-field` survive a stage-one re-merge
+    kept = {}  # fields added by `precompute add-field` survive a stage-one re-merge (and any rerun)
     old = read_manifest(out_dir)
+    main_shards = sorted(set(index.column("shard").unique().to_pylist()))
     for name, info in (old.get("fields") or {}).items():
-        if fields.lookup(name) is not None and sidecar_parts_complete(out_dir, name, index):
-            index = attach_sidecar(index, read_sidecar_parts(out_dir, name))
-            kept[name] = info
+        if not isinstance(info, dict) or not info.get("sidecar", True):
+            continue  # a stage-one field: the job's manifest declares it
+        side, entries = read_sidecar_parts(out_dir, name)
+        index = attach_sidecar(index, side)
+        info = dict(info, shards=sorted(entries, key=lambda e: e["path"]))
+        info.pop("incomplete", None)
+        missing = [s for s in main_shards if not sidecar_part_path(out_dir, s, name).exists()]
+        if missing:  # new or re-encoded chunks: `add-field` with the same producer adds just these
+            info["incomplete"] = missing
+        kept[name] = info
     if kept:  # with the job's own extra fields (stage one's, not sidecars)
         manifest = dict(manifest, fields={**(manifest.get("fields") or {}), **kept})
     rejects_tables = [pq.read_table(p, schema=REJECTS_SCHEMA) for p in sorted(parts.glob("*.rejects.parquet"))]
@@ -234,37 +253,104 @@ def merge_parts(out_dir: Path, manifest: "CacheManifest | dict[str, Any]") -> di
     return write_cache_files(out_dir, index, rejects, shards, manifest)
 
 
-def cache_id(index: pa.Table) -> str:
+def cache_id(index: pa.Table, added_fields: dict[str, Any] | None = None) -> str:
     """The identity of a cache: 16 hex digits of the sha256 of every index row's ``key``, ``shard``
-    and ``sha256`` (the sample's bytes), in index order. Two caches with the same id hold the same
-    samples in the same places; re-merging, ``shards reindex`` and ``add-field`` (sidecars) keep it.
-    Recorded in ``manifest.json`` (``cache_id``), in a loader's state and in training checkpoints,
-    so a resume on other data is refused."""
+    and ``sha256`` (the sample's bytes), in index order, and, when fields were added after stage one
+    (``added_fields``: ``manifest.json``'s ``fields``), of each sidecar field's name, fingerprint
+    and sidecar tars' sha256. Two caches with the same id hold the same samples and fields in the
+    same places; re-merging and ``shards reindex`` keep it; ``add-field``, ``drop-field`` and
+    ``add-field --replace`` change it. Recorded in ``integrity.json`` and ``manifest.json``
+    (``cache_id``), in a loader's state and in training checkpoints, so a resume on other data is
+    refused."""
     h = hashlib.sha256()
     for batch in index.select(["key", "shard", "sha256"]).to_batches(max_chunksize=1 << 16):
         keys, shards, shas = (c.to_pylist() for c in batch.columns)
         h.update("".join(f"{k}\t{s}\t{d or ''}\n" for k, s, d in zip(keys, shards, shas)).encode())
+    sidecars = {name: [info.get("fingerprint"), sorted((e.get("path"), e.get("sha256")) for e in info.get("shards") or [])]
+                for name, info in sorted((added_fields or {}).items())
+                if isinstance(info, dict) and info.get("sidecar", True)}
+    if sidecars:
+        h.update(b"fields\0" + json.dumps(sidecars, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
+def file_sha256(path: str | Path, chunk: int = 4 << 20) -> str:
+    """sha256 (hex) of a file's bytes, read in ``chunk``-byte blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+_ROOT_COVERS = (INDEX_FILE, MANIFEST_FILE)
+
+
+def write_root(cache_dir: str | Path, cid: str) -> dict[str, Any]:
+    """Write ``integrity.json``: ``{"cache_id": cid, "files": {name: {"sha256", "bytes"}}}`` for
+    ``index.parquet`` and ``manifest.json`` as they are now (atomically; call it after writing
+    them). Returns what it wrote."""
+    d = Path(cache_dir)
+    root = {"cache_id": cid,
+            "files": {n: {"sha256": file_sha256(d / n), "bytes": (d / n).stat().st_size} for n in _ROOT_COVERS}}
+    write_json_atomic(root, d / ROOT_FILE)
+    return root
+
+
+def verify_root(cache_dir: str | Path) -> dict[str, Any]:
+    """Check ``index.parquet`` and ``manifest.json`` against ``integrity.json``; return the root.
+
+    Raises :class:`~shards.errors.ShardCorrupt` naming the file and the fix when the root is
+    missing or unreadable, when a file's size or sha256 differs from the one recorded (edited,
+    damaged, or written by something other than shardcache), or when ``manifest.json``'s
+    ``cache_id`` differs from the root's; ``FileNotFoundError`` when ``cache_dir`` has no index.
+    """
+    d = Path(cache_dir)
+    if not (d / INDEX_FILE).exists():
+        raise FileNotFoundError(f"{d / INDEX_FILE} not found: is {cache_dir} a shardcache cache?")
+    fix = (f"rebuild the index and root from the shard tars with `shards reindex {d}` (or rerun "
+           "`shardcache precompute` on the same cache)")
+    try:
+        root = json.loads((d / ROOT_FILE).read_text())
+        files, cid = root["files"], root["cache_id"]
+        if not isinstance(cid, str) or not all(isinstance(files[n]["sha256"], str) for n in _ROOT_COVERS):
+            raise TypeError("wrong types")
+    except FileNotFoundError:
+        raise ShardCorrupt(f"{d / ROOT_FILE} is missing: nothing vouches for {INDEX_FILE} and {MANIFEST_FILE} "
+                           f"(a cache written before integrity roots, or a partial copy); {fix}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ShardCorrupt(f"{d / ROOT_FILE} is unreadable ({type(e).__name__}: {e}); {fix}") from None
+    for name in _ROOT_COVERS:
+        p, want = d / name, files[name]
+        if not p.exists():
+            raise ShardCorrupt(f"{p} is missing; {fix}")
+        size = p.stat().st_size
+        got = file_sha256(p) if size == want.get("bytes") else None
+        if got != want["sha256"]:
+            what = f"sha256 {got[:16]}..." if got else f"{size} bytes"
+            rec = f"sha256 {want['sha256'][:16]}..." if got else f"{want.get('bytes')} bytes"
+            raise ShardCorrupt(f"{p} does not match {ROOT_FILE} ({what}, recorded {rec}): it was changed or "
+                               f"damaged after the cache was written, and reading it could give other data; {fix}")
+    mid = read_manifest(d).get("cache_id")
+    if mid != cid:
+        raise ShardCorrupt(f"{d / MANIFEST_FILE} records cache id {mid}, {ROOT_FILE} {cid}; {fix}")
+    return root
+
+
 def read_cache_id(cache_dir: str | Path) -> str:
-    """``cache_id`` of the cache in ``cache_dir`` (a local folder with ``index.parquet``): from
-    ``manifest.json``, else (a cache written before ids) computed from the index."""
+    """The verified ``cache_id`` of the cache in ``cache_dir`` (a local folder): the root's, once
+    :func:`verify_root` has checked ``index.parquet`` and ``manifest.json`` against it.
+
+    Raises :class:`~shards.errors.ShardCorrupt` (naming the file and ``shards reindex``) when they
+    do not match the root, ``FileNotFoundError`` when there is no index."""
     from .storage import local_path  # (storage imports this module)
-    cache_dir = local_path(cache_dir)  # a file:// URL is a local folder
-    manifest = read_manifest(cache_dir)
-    cid = manifest.get("cache_id") if isinstance(manifest, dict) else None
-    if isinstance(cid, str) and cid:
-        return cid
-    p = Path(cache_dir) / INDEX_FILE
-    if not p.exists():
-        raise FileNotFoundError(f"{p} not found: is {cache_dir} a shardcache cache?")
-    return cache_id(pq.read_table(p, columns=["key", "shard", "sha256"]))
+    return verify_root(local_path(cache_dir))["cache_id"]  # a file:// URL is a local folder
 
 
 def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards: list[dict],
                       manifest: dict[str, Any]) -> dict[str, Any]:
-    """Write ``index.parquet``, ``rejects.parquet`` and ``manifest.json`` (atomically, in that order)."""
+    """Write ``index.parquet``, ``rejects.parquet``, ``manifest.json`` and, last, the integrity root
+    ``integrity.json`` (:func:`write_root`), each atomically."""
     for name in sorted(set(index.column("shard").to_pylist()) | {s["path"] for s in shards}):
         why = unsafe_name_reason(name)
         if why is not None:
@@ -281,7 +367,7 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     manifest.update(
         format_version=schema.FORMAT_VERSION,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        cache_id=cache_id(index),
+        cache_id=cache_id(index, manifest.get("fields")),
         counts=dict(samples=index.num_rows, rejected=rejects.num_rows, rejects_by_reason=reasons,
                     images=int(sum(index.column("has_image").to_pylist())),
                     audio_hours=round(sum(durations) / 3600.0, 6), shards=len(shards),
@@ -293,6 +379,7 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     CacheManifest.from_dict(manifest).write(out_dir)
     from .card import write_dataset_card  # README.md: HF datasets reads the tars with declared features
     write_dataset_card(out_dir, manifest, index)
+    write_root(out_dir, manifest["cache_id"])
     return manifest
 
 

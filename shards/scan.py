@@ -27,6 +27,9 @@ from . import fields, npz
 from .schema import JSON_MEMBER, PICKLE_EXTENSIONS
 
 
+_TWICE_FIX = ("two samples were written under one key, and a reader would keep only one of them: "
+              "rerun `shardcache precompute` into a new --cache")
+
 #: ``.npy`` header parser (kept under its old name for callers of this module)
 npy_payload = npz.npy_header
 
@@ -95,7 +98,8 @@ def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[di
 
     ``rows`` are index rows (see :data:`shards.schema.INDEX_COLUMNS`) in tar order. Offsets are
     absolute byte offsets into the tar file. Raises :class:`ShardCorrupt` for a truncated or
-    unreadable tar, a member without a key, or a key whose members are not contiguous, and
+    unreadable tar, a member without a key, or a key held twice (its members not contiguous, or
+    one member name twice: webdataset raises "duplicate file name" for both), and
     :class:`UnsafeMember` for a member that would need unpickling. Nothing is unpickled.
     """
     path = Path(path)
@@ -124,10 +128,14 @@ def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[di
                 if key != current:
                     if current is not None:
                         rows.append(_row(current, shard, members, where))
-                    if key in seen:
-                        raise ShardCorrupt(f"{path}: members of sample {key!r} are not contiguous")
+                    if key in seen:  # (webdataset raises "duplicate file name" for such a tar)
+                        raise ShardCorrupt(f"{path}: holds sample key {key!r} twice (its members are not "
+                                           f"contiguous); {_TWICE_FIX}")
                     seen.add(key)
                     current, members, where = key, {}, {}
+                elif ext in members:  # the same member name again: a second sample under one key
+                    raise ShardCorrupt(f"{path}: holds sample key {key!r} twice (member {info.name!r} "
+                                       f"appears twice); {_TWICE_FIX}")
                 end = info.offset_data + info.size
                 if end > len(raw):
                     raise ShardCorrupt(f"{path}: truncated inside member {info.name!r}")
@@ -139,3 +147,48 @@ def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[di
     if current is not None:
         rows.append(_row(current, shard, members, where))
     return rows, hashlib.sha256(raw).hexdigest(), len(raw)  # mmap closes when garbage collected
+
+
+#: the most bytes between two members a sample's index entries locate: one member header, with a pax
+#: extended header for a long or non-ASCII name (header 512 + records <= 512 + header 512)
+_MAX_HEADER = 1536
+
+
+def unindexed_members(index) -> list[str]:
+    """Where a shard holds tar members its index does not locate: ``["SHARD: N bytes before
+    member M of sample K", ...]`` (empty for a cache written by :class:`shards.writer.ShardWriter`).
+
+    Reads only ``index`` (a table with ``key``, ``shard`` and ``members``): within each shard the
+    whole tar members the index locates (``member`` and ``file`` null) must follow one another with
+    no more than a header (:data:`_MAX_HEADER` bytes) between them. A gap is a member nobody reads:
+    a second sample under a key already there (what a scanner that kept one of them wrote into the
+    index), or anything else written into the tar after the fact. A reader that refuses such an
+    index refuses a tar holding a key twice without reading the tar.
+    """
+    import numpy as np
+    import pyarrow.compute as pc
+
+    if index.num_rows == 0:
+        return []
+    members = index.column("members").combine_chunks()
+    flat = members.flatten()
+    row = np.repeat(np.arange(len(members)), np.diff(members.offsets.to_numpy()))
+    whole = pc.and_(pc.is_null(flat.field("member")), pc.is_null(flat.field("file"))).to_numpy(zero_copy_only=False)
+    shard = index.column("shard").combine_chunks().dictionary_encode().indices.to_numpy()[row][whole]
+    offset = flat.field("offset").to_numpy(zero_copy_only=False)[whole]
+    size = flat.field("size").to_numpy(zero_copy_only=False)[whole]
+    order = np.lexsort((offset, shard))
+    shard, offset, size, rows = shard[order], offset[order], size[order], row[whole][order]
+    names = flat.field("name").to_numpy(zero_copy_only=False)[whole][order]
+    dtypes = flat.field("dtype").to_numpy(zero_copy_only=False)[whole][order]
+    # a whole .npy member's entry (formats 1-2) locates its payload after the .npy header: allow for it
+    slack = np.where((dtypes != "json") & (dtypes != "npz") & (dtypes != "bytes"), 4096, 0)
+    end = -(-(offset + size) // 512) * 512
+    same = shard[1:] == shard[:-1]
+    gap = offset[1:] - end[:-1]
+    bad = np.nonzero(same & (gap > _MAX_HEADER + slack[1:]))[0]
+    keys = index.column("key").to_pylist()
+    shards = index.column("shard").to_pylist()
+    return [f"{shards[rows[i + 1]]}: {int(gap[i])} bytes the index does not locate before member "
+            f"{names[i + 1]!r} of sample {keys[rows[i + 1]]!r} (a key held twice, or members added to the tar)"
+            for i in bad[:20]]

@@ -61,6 +61,8 @@ MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.parquet"
 REJECTS_FILE = "rejects.parquet"
 PARTS_DIR = "parts"
+#: the integrity root: sha256 of index.parquet and manifest.json, and the cache id (shards.index.write_root)
+ROOT_FILE = "integrity.json"
 SHARD_GLOB = "shard-*.tar"  # also matches sidecars: filter with is_main_shard_name
 
 class MemberDtypes(dict):

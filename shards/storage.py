@@ -178,5 +178,14 @@ class RemoteFolder:
     def put_bytes(self, data: bytes, name: str) -> None:
         self._retry(lambda: self.fs.pipe_file(self._path(name), data), name)
 
+    def remove(self, name: str) -> None:
+        """Delete the file ``name`` (nothing when it does not exist)."""
+        def rm():
+            try:
+                self.fs.rm_file(self._path(name))
+            except FileNotFoundError:
+                pass
+        self._retry(rm, name)
+
 
 __all__ = ["RemoteFolder", "is_url", "local_path", "check_name", "retry", "PERMANENT"]

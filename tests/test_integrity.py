@@ -4,6 +4,7 @@ within a budget) naming shard, key and member; a shard truncated or replaced und
 is a ShardCorrupt naming shard and key, in the main process and in workers, never a signal."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -212,6 +213,9 @@ def test_an_index_entry_without_a_checksum_is_refused_naming_it(cache):
     t = t.set_column(t.schema.get_field_index("members"), t.schema.field("members"),
                      pa.array(members, t.schema.field("members").type))
     pq.write_table(t, cache / INDEX_FILE)
+    from shards.index import write_root  # an index written so (not an edit): its integrity root says so
+    cid = json.loads((cache / "manifest.json").read_text())["cache_id"]
+    write_root(cache, cid)
     with pytest.raises(ShardCorrupt, match=r"s0008.* member codes.npy has no checksum in the index"):
         ShardLoader(cache, 4, seed=3)
     with pytest.raises(ShardCorrupt, match=r"s0008.* member codes.npy has no checksum in the index"):
@@ -219,6 +223,7 @@ def test_an_index_entry_without_a_checksum_is_refused_naming_it(cache):
     stripped = t.set_column(t.schema.get_field_index("members"), "members", pa.array(
         [[{k: v for k, v in m.items() if k != "xxh3"} for m in ms] for ms in members]))
     pq.write_table(stripped, cache / INDEX_FILE)      # an index without the column at all
+    write_root(cache, cid)
     with pytest.raises(ShardCorrupt, match=r"s0000.* member audio.npy has no checksum in the index"):
         ShardLoader(cache, 4, seed=3)
 

@@ -21,6 +21,7 @@ moto_server = pytest.importorskip("moto.server")
 from loaders import ShardLoader  # noqa: E402
 from shards.errors import UnsafePath  # noqa: E402
 from shards.index import read_index  # noqa: E402
+from shards.manifest import read_manifest  # noqa: E402
 from test_loaders import make_cache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,6 +235,8 @@ def test_a_hostile_remote_index_cannot_reach_outside_the_local_folder(s3, local_
     t = read_index(evil)
     names = ["../../outside.tar" if i == 0 else n for i, n in enumerate(t.column("shard").to_pylist())]
     pq.write_table(t.set_column(t.schema.get_field_index("shard"), "shard", pa.array(names)), evil / "index.parquet")
+    from shards.index import write_root  # sealed as if written so: the shard-name gate behind the root is tested
+    write_root(evil, read_manifest(evil)["cache_id"])
     url = s3.upload(evil, "s3://evil-bucket/cache")
     with pytest.raises(UnsafePath):
         ShardLoader(url, 2, storage_options=s3.options, local_dir=tmp_path / "l" / "rank0")

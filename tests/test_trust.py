@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import DEMO, ROOT
-from shards import ManifestError, ShardReader, read_manifest
+from shards import ManifestError, ShardCorrupt, ShardReader, read_manifest
 
 AUDIO = "audio/spk-us-0001.flac"      # 2.3 s, relative to --root DEMO
 IMAGE = "images/coffee.jpg"
@@ -352,7 +352,9 @@ def test_a_dead_writers_lock_is_taken_over(tmp_path, caplog):
     caplog.set_level("INFO", logger="precompute")
     with CacheLock(cache):
         assert f"pid {holder.pid} " in caplog.text and "lock taken over" in caplog.text
-        assert json.loads((cache / "parts" / "writer.lock").read_text())["pid"] == os.getpid()
+        # read by another process: a second descriptor closed here would drop this process's record lock
+        lock_text = subprocess.run(["cat", str(cache / "parts" / "writer.lock")], capture_output=True, text=True).stdout
+        assert json.loads(lock_text)["pid"] == os.getpid()
         other = subprocess.run([sys.executable, "-c", f"from precompute.lock import CacheLock; "
                                 f"CacheLock({str(cache)!r}).acquire()"], cwd=ROOT, env=ENV, capture_output=True,
                                text=True)
@@ -432,9 +434,11 @@ def test_cache_id_is_recorded_and_kept_by_a_remerge_and_reindex(two_caches, tmp_
                        capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr
     assert read_manifest(c)["cache_id"] == ida
-    del d["cache_id"]                                                       # a cache made before ids
+    assert read_cache_id(c) == ida                                          # checked against integrity.json
+    del d["cache_id"]                                                       # an edited manifest is refused
     (c / "manifest.json").write_text(json.dumps(d))
-    assert read_cache_id(c) == ida
+    with pytest.raises(ShardCorrupt, match="manifest.json does not match integrity.json"):
+        read_cache_id(c)
 
 
 def test_loader_state_refuses_another_cache(two_caches):

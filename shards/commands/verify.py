@@ -30,10 +30,10 @@ import pyarrow as pa
 from .. import fields
 from ..checksum import COLUMN as CHECKSUM
 from ..errors import ShardcacheError, UnsafePath, UnsupportedFormat
-from ..index import rows_to_table
+from ..index import rows_to_table, verify_root
 from ..manifest import read_manifest
 from ..reader import ShardReader, value_checks_from_manifest
-from ..scan import scan_shard
+from ..scan import scan_shard, unindexed_members
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, SHARD_GLOB, TENSOR_DTYPES, WHOLE_MEMBER_DTYPES,
                       is_main_shard_name, parse_shard_name)
 from ._common import (Out, UsageError, add_jobs_option, expand_targets, load_manifest, manifest_shards, progress,
@@ -358,6 +358,11 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
     problems: list[Problem] = []
     warnings: list[str] = []
     manifest = None
+    if (d / MANIFEST_FILE).exists() and (d / INDEX_FILE).exists():
+        try:  # index.parquet and manifest.json against integrity.json (their sha256 and the cache id)
+            verify_root(d)
+        except ShardcacheError as e:
+            problems.append(Problem(None, None, str(e)))
     if not (d / MANIFEST_FILE).exists():
         problems.append(Problem(None, None, f"{d / MANIFEST_FILE} is missing; `shards reindex {d}` "
                                             "rebuilds it from the tars"))
@@ -449,6 +454,8 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
             unsafe.add(name)
             if not any(p.message == str(e) or p.shard == name for p in problems):
                 problems.append(Problem(None, None, str(e)))
+    for message in unindexed_members(read_index_columns(d, ["key", "shard", "members"])):
+        problems.append(Problem(None, None, message))
     keys = t.column("key").to_pylist()
     if len(keys) != len(set(keys)):
         dups = [k for k, n in Counter(keys).items() if n > 1]
