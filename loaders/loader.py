@@ -42,7 +42,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardcache.workers import auto_workers
-from shards.index import read_cache_id
 from shards import ShardCorrupt
 
 from .batching import PlanSpec
@@ -206,7 +205,7 @@ class ShardLoader:
         if max_frames is not None and int(max_frames) < 1:
             raise ValueError(f"max_frames must be >= 1, got {max_frames}")
         self.sources = sources
-        self.cache_id = "+".join(read_cache_id(s.cache_dir) for s in sources.sources)
+        self.cache_id = "+".join(s.cache_id for s in sources.sources)
         self.batch_size, self.world_size, self.global_rank = int(batch_size), int(world_size), int(global_rank)
         self.seed, self.max_frames = int(seed), (None if max_frames is None else int(max_frames))
         self.num_workers = default_num_workers() if num_workers is None else int(num_workers)

@@ -132,9 +132,9 @@ def test_cached_batch_gives_the_on_the_fly_loss(world_cache, gemma3, real_mini):
     loss the recipe gives on the processor's outputs with pixel values through the real vision tower."""
     from loaders import ShardLoader
     from loaders.device import to_device
-    from train.models import build_model, data_spec
+    from train.models import build_model
     torch.manual_seed(0)
-    model = build_model("theworld", {"lm": str(gemma3), "vision_tower": True}, data_spec(world_cache)).eval()
+    model = build_model("theworld", {"lm": str(gemma3), "vision_tower": True}, world_cache).eval()
     ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=True, seed=0)
     batch = to_device(next(iter(ld)), "cpu")
     ld.close()
@@ -158,7 +158,7 @@ def test_cached_batch_gives_the_on_the_fly_loss(world_cache, gemma3, real_mini):
         zeroed = dict(batch, image_features=torch.zeros_like(batch["image_features"]))
         assert abs(float(model(zeroed)["loss"]) - float(cached)) > 1e-3
     assert model.lm.model.vision_tower is not None
-    plain = build_model("theworld", {"lm": str(gemma3)}, data_spec(world_cache))
+    plain = build_model("theworld", {"lm": str(gemma3)}, world_cache)
     assert plain.lm.model.vision_tower is None and plain.lm.model.multi_modal_projector is None
     with pytest.raises(ValueError, match="vision_tower: true"):
         plain(fly)
@@ -172,8 +172,8 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
     row-major), then ``<end_of_world>``'s own embedding."""
     from loaders import ShardLoader
     from loaders.device import to_device
-    from train.models import build_model, data_spec
-    spec = data_spec(world_cache)
+    from train.models import build_model
+    spec = world_cache
     model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
     ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=False, seed=0)
     batch = to_device(next(iter(ld)), "cpu")
@@ -258,8 +258,8 @@ def test_projection_only_trains_only_the_projection(world_cache, gemma3, caplog,
     TheWorld projection state dict is loaded to continue from."""
     import logging
     from safetensors.torch import save_file
-    from train.models import build_model, data_spec
-    spec = data_spec(world_cache)
+    from train.models import build_model
+    spec = world_cache
     with caplog.at_level(logging.INFO, logger="train"):
         m = build_model("theworld", {"lm": str(gemma3)}, spec)
     trainable = {n for n, p in m.named_parameters() if p.requires_grad}

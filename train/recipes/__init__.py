@@ -18,8 +18,10 @@
 ``tts`` and ``vlm`` load ``model_kwargs.lm`` (default ``models/lm-tiny``) with ``AutoModelForCausalLM``,
 ``higgs`` (default ``models/higgs-tiny``) with ``HiggsAudioV2ForConditionalGeneration``, ``theworld``
 (default ``models/gemma3-tiny``) with ``Gemma3ForConditionalGeneration``; each declares
-the cached ``fields`` it needs, handles LoRA itself (``enable_lora``) and exposes
-``optimizer_groups(lr, weight_decay)``.
+its contract (:class:`train.recipes.base.Recipe`: the cached fields, special tokens, codec,
+tokenizer, image preset and feature encoder it needs, checked by ``cache.require`` before any weight
+loads), handles LoRA itself (``enable_lora``) and exposes ``optimizer_groups(lr, weight_decay)``.
+A new recipe: one module with a ``Recipe`` subclass, plus its line here.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import importlib
 
 #: ``--model`` name -> "module:class" (imported on use: transformers loads only when a recipe is chosen)
 RECIPES = {
+    "reference": "train.models:ReferenceModel",
     "higgs": "train.recipes.higgs:HiggsModel",
     "tts": "train.recipes.tts:TTSModel",
     "vlm": "train.recipes.vlm:VLMModel",
