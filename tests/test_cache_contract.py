@@ -83,6 +83,11 @@ def test_open_reads_manifest_index_id_fields_and_encoders(typed_cache):
     assert (c.vocab_size, c.pad_id, c.token_id("<|AUDIO_OUT|>"), c.token_id("<nope>")) == (16, 1, 10, None)
     assert Cache.open(c) is c
     c.require(MATCHING)  # every item met: nothing raised
+    from loaders import ShardLoader
+    ld = ShardLoader(c, 2, fields=("codes", "input_ids"))   # a loader takes the opened cache
+    ld.set_epoch(0)
+    assert ld.cache_id == c.id and sorted(next(iter(ld))["keys"]) == ["k000", "k001"]
+    ld.close()
 
 
 @pytest.mark.parametrize("item", sorted(ITEMS))
@@ -245,6 +250,7 @@ def test_the_trainer_reads_the_manifest_and_index_once(tmp_path, monkeypatch):
         t.val_loader.close()
 
 
+@pytest.mark.slow
 def test_higgs_accepts_its_own_caches_and_refuses_a_real_encodec_cache(higgs_caches, tiny_config, tmp_path):
     """Caches precomputed with the tiny models: configs/precompute-tts.yaml with Higgs' tiny tokenizers
     meets every item of --model higgs's contract (the tokenizer fingerprint stage one records is the one
@@ -266,5 +272,5 @@ def test_higgs_accepts_its_own_caches_and_refuses_a_real_encodec_cache(higgs_cac
     assert c.codec == Codec("encodec", 24000, 75.0, 8, 1024, 6.0)
     with pytest.raises(ContractMismatch) as e:
         c.require(contract)
-    items = [m[0] for m in e.value.mismatches]
-    assert items[:3] == ["codec.name", "codec.frame_rate", "codec.bandwidth"] and "codec.n_codebooks" not in items
+    codec = [m[0] for m in e.value.mismatches if m[0].startswith("codec.")]
+    assert codec == ["codec.name", "codec.frame_rate", "codec.bandwidth"]   # codebooks and their size agree

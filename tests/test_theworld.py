@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from shards import Cache
 
 MANIFEST = "llava_multiturn.json"
 #: pixels of the VAE input in these tests (the preset's 512 gives 4096 world tokens per image:
@@ -173,8 +174,9 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
     from loaders import ShardLoader
     from loaders.device import to_device
     from train.models import build_model
-    spec = world_cache
-    model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
+    from train.recipes.base import cache_values
+    spec = cache_values(Cache.open(world_cache))
+    model = build_model("theworld", {"lm": str(gemma3)}, world_cache).eval()
     ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=False, seed=0)
     batch = to_device(next(iter(ld)), "cpu")
     ld.close()
@@ -185,12 +187,12 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
         marked = merged.inputs_embeds[token_type.bool()]
         assert marked.shape == feats.shape
         torch.testing.assert_close(marked, feats.to(marked.dtype))
-        n_soft = (batch["input_ids"] == spec.image_soft_token_id).sum(1)
+        n_soft = (batch["input_ids"] == spec["image_soft_token_id"]).sum(1)
         assert torch.equal(token_type.sum(1), n_soft)
         for b in range(batch["input_ids"].shape[0]):
             ids = batch["input_ids"][b][batch["attention_mask"][b].bool()]
             row = merged.inputs_embeds[b]
-            sow = (ids == spec.world_start_token_id).nonzero().flatten().tolist()
+            sow = (ids == spec["world_start_token_id"]).nonzero().flatten().tolist()
             shift = 0   # world tokens inserted before the current marker
             for k, at in enumerate(sow):
                 lat = batch["latents"][b, :, k]                                       # (C, H, W)
@@ -198,7 +200,7 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
                 world = model.world_projector.projection(cells.to(row.dtype))
                 start = at + shift + 1
                 torch.testing.assert_close(row[start:start + len(cells)], world)
-                eow = embed(torch.tensor([spec.world_end_token_id]))[0]
+                eow = embed(torch.tensor([spec["world_end_token_id"]]))[0]
                 torch.testing.assert_close(row[start + len(cells)], eow.to(row.dtype))
                 shift += len(cells)
             assert len(sow) > 0

@@ -190,6 +190,9 @@ class SlowLoader:
     def load_state_dict(self, sd):
         self.inner.load_state_dict(sd)
 
+    def close(self):
+        self.inner.close()
+
 
 # ---- launching ranks -----------------------------------------------------------------------------
 

@@ -249,7 +249,8 @@ def build_finder_parser() -> argparse.ArgumentParser:
             "  shardcache find-batch-size --cache cache/demo --config configs/train.yaml\n"
             "  shardcache find-batch-size --cache /data/cache --max-batch-size 256 --margin 0.85\n\n"
             "Takes every option of `shardcache train` (defaults < config file < --set < flags), except\n"
-            "that --steps is the number of steps per batch size. Exit status 0, 2 for bad options."))
+            "that --steps is the number of steps per batch size. Exit status 0, 2 for bad options and for a\n"
+            "cache that does not fit the model."))
     g = p.add_argument_group("batch-size finder")
     g.add_argument("--max-batch-size", dest="find_max_batch_size", type=int, default=1024, metavar="INT",
                    help="largest batch size tried (default: 1024).")
@@ -285,9 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     if ns.print_config:
         sys.stdout.write(cfg.dump())
         return 0
+    from shards.errors import ContractMismatch
     setup_logging(D.DistInfo())
-    res = find_batch_size(cfg, max_batch_size=ns.find_max_batch_size, steps=ns.find_steps,
-                          margin=ns.find_margin, start=ns.find_start)
+    try:
+        res = find_batch_size(cfg, max_batch_size=ns.find_max_batch_size, steps=ns.find_steps,
+                              margin=ns.find_margin, start=ns.find_start)
+    except ContractMismatch as e:  # the cache does not fit the model: nothing was loaded
+        sys.stderr.write(f"shardcache find-batch-size: error: {e}\n")
+        return 2
     sys.stdout.write(format_table(res) + "\n")
     if ns.find_json:
         Path(ns.find_json).write_text(json.dumps(res, indent=1, default=str) + "\n")
