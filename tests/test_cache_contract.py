@@ -177,13 +177,16 @@ def test_theworld_refuses_another_feature_encoder_and_image_preset(tmp_path):
     m["text"]["special_token_ids"] = {"<image_soft_token>": contract.special_tokens["<image_soft_token>"],
                                       "<start_of_world>": 300, "<end_of_world>": 301}
     m["fields"]["image_features"].update(tokens_per_image=16, hidden_size=64)
+    m["encoders"]["text_tokenizer"]["vocab_sha256"] = contract.text_tokenizer   # Gemma's, world markers added
     Cache.open(cache_with_manifest(tmp_path / "ok", m, latents=True, image_features=True)).require(contract)
     other = copy.deepcopy(m)
     other["fields"]["image_features"].update(tokens_per_image=256)       # another vision tower's features
     other["encoders"]["preprocessing"]["image_pixel_range"] = "-1..1"     # LLaVA-style latents
+    other["encoders"]["text_tokenizer"]["vocab_sha256"] = "d" * 64        # another tokenizer
     with pytest.raises(ContractMismatch) as e:
         Cache.open(cache_with_manifest(tmp_path / "other", other, latents=True, image_features=True)).require(contract)
-    assert [x[0] for x in e.value.mismatches] == ["image.pixel_range", "feature_encoder.tokens_per_image"]
+    assert [x[0] for x in e.value.mismatches] == ["image.pixel_range", "feature_encoder.tokens_per_image",
+                                                   "text_tokenizer"]
 
 
 def test_every_recipe_judges_the_demo_cache(demo_cache):

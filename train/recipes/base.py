@@ -51,6 +51,27 @@ def cache_values(cache: Cache) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def tokenizer_fingerprint(checkpoint: Any, added: Iterable[str] = ()) -> str | None:
+    """The fingerprint (:func:`shards.tokens.vocab_sha256`, what stage one records) of the tokenizer
+    shipped with ``checkpoint`` (a directory or hub id), with ``added`` tokens added as stage one adds
+    missing ones (special, never split: TheWorld's world markers); None when it ships no tokenizer
+    (then only the special token ids are compared)."""
+    from shardcache.pretrained import resolve_pretrained
+    from train.models import FORBIDDEN_MODULES, blocked_imports
+
+    name = resolve_pretrained(checkpoint, what="model_kwargs.lm")
+    with blocked_imports(FORBIDDEN_MODULES):
+        from tokenizers import AddedToken
+        from transformers import AutoTokenizer
+        try:
+            tok = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError):
+            return None
+    if added:
+        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True)
+    return tokens.vocab_sha256(tok)
+
+
 def build_from(cls: type, cache: Cache, kwargs: Mapping[str, Any], names: Iterable[str]) -> Any:
     """``cls(**values, **kwargs)``: the :func:`cache_values` named in ``names`` (those the cache has),
     ``kwargs`` (``model.kwargs``) winning."""

@@ -35,7 +35,7 @@ from loaders.higgs import HiggsBatch
 from shards.cache import Cache, Codec, Contract
 from shards.tokens import AUDIO_OUT, AUDIO_OUT_BOS
 
-from .base import build_from
+from .base import build_from, tokenizer_fingerprint
 from .lm import LMRecipe, load_causal_lm, lora_options, resolve_lm, touch
 
 log = logging.getLogger("train")
@@ -72,22 +72,6 @@ def load_config(lm: Any):
                              "use --model tts")
         cfg = AutoConfig.from_pretrained(name)
     return cfg
-
-
-def tokenizer_fingerprint(lm: Any) -> str | None:
-    """The fingerprint (:func:`shards.tokens.vocab_sha256`) of the tokenizer shipped with checkpoint
-    ``lm``, None when it ships none (then the token ids alone are compared)."""
-    from train.models import FORBIDDEN_MODULES, blocked_imports
-
-    from shards.tokens import vocab_sha256
-    name = resolve_lm(lm)
-    with blocked_imports(FORBIDDEN_MODULES):
-        from transformers import AutoTokenizer
-        try:
-            tok = AutoTokenizer.from_pretrained(name)
-        except (OSError, ValueError):
-            return None
-    return vocab_sha256(tok)
 
 
 class HiggsModel(LMRecipe):

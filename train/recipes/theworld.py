@@ -45,7 +45,7 @@ import torch.nn as nn
 from shards.cache import Cache, Contract, FeatureEncoder, ImagePreset
 from shards.tokens import GEMMA_IMAGE_SOFT
 
-from .base import build_from
+from .base import build_from, tokenizer_fingerprint
 from .lm import LMRecipe, load_causal_lm, lora_options, merge_placeholders, next_token_loss, resolve_lm, touch
 
 log = logging.getLogger("train")
@@ -152,11 +152,13 @@ class TheWorldModel(LMRecipe):
 
     @classmethod
     def contract(cls, kwargs) -> Contract:
-        """The checkpoint's (config only): ``image_features`` of Gemma 3's own vision tower (its
-        tokens per image and hidden size), its ``<image_soft_token>`` id, TheWorld's world markers and
+        """The checkpoint's (config and tokenizer, no weights): ``image_features`` of Gemma 3's own
+        vision tower (its tokens per image and hidden size), its ``<image_soft_token>`` id, its
+        tokenizer with TheWorld's world markers added (the fingerprint), the markers themselves and
         latents in TheWorld's pixel range (``0..255``)."""
-        cfg = check_config(kwargs.get("lm", DEFAULT_GEMMA3))
-        return Contract("--model theworld", fields=cls.fields,
+        lm = kwargs.get("lm", DEFAULT_GEMMA3)
+        cfg = check_config(lm)
+        return Contract("--model theworld", fields=cls.fields, text_tokenizer=tokenizer_fingerprint(lm, WORLD_TOKENS),
                         special_tokens={GEMMA_IMAGE_SOFT: int(cfg.image_token_id), **dict.fromkeys(WORLD_TOKENS)},
                         image=ImagePreset(pixel_range=PIXEL_RANGE),
                         feature_encoder=FeatureEncoder(name=MODEL_TYPE, tokens_per_image=int(cfg.mm_tokens_per_image),
