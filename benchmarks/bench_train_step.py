@@ -21,7 +21,8 @@ import torch
 from loaders import ShardLoader, collate_fn
 from precompute.encode import Pipeline, Summary
 from precompute.manifests import read_requests
-from train.models import ReferenceModel, data_spec
+from shards import Cache
+from train.models import ReferenceModel
 
 FIELDS = ("codes", "input_ids", "latents")
 
@@ -51,9 +52,7 @@ def _uncached_batch(reqs, pipe) -> dict:
 def bench(manifest: Path, cache: Path, cfg, batch_size: int = 4, steps: int = 4, warmup: int = 1) -> dict:
     """Median step seconds, cached vs uncached, over the first ``steps`` batches of epoch 0."""
     torch.manual_seed(0)
-    spec = data_spec(cache)
-    model = ReferenceModel(n_codebooks=spec.n_codebooks, codebook_size=spec.codebook_size, vocab_size=spec.vocab_size,
-                           latent_channels=spec.latent_channels, d_model=128, n_layers=2)
+    model = ReferenceModel.from_cache(Cache.open(cache), {"d_model": 128, "n_layers": 2})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loader = ShardLoader(cache, batch_size, fields=FIELDS, shuffle=False)
     loader.set_epoch(0)

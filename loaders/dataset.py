@@ -27,8 +27,9 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards import CacheManifest, ShardCorrupt, ShardReader, read_cache_id, read_index, value_checks_from_manifest
+from shards import Cache, CacheManifest, ShardCorrupt, ShardReader, read_index, value_checks_from_manifest
 from shards import fields as registry
+from shards.index import read_cache_id
 from shards.kinds import BatchContext
 from shards.reader import refuse_unsafe
 from shards.scan import unindexed_members
@@ -65,7 +66,7 @@ class CacheSource:
     """One cache directory, filtered: per-row numpy arrays plus a :class:`shards.ShardReader`.
 
     Args:
-        cache_dir: directory with ``index.parquet`` and the shard tars.
+        cache_dir: directory with ``index.parquet`` and the shard tars, its URL, or a :class:`shards.Cache`.
         filters: see :func:`loaders.order.filter_rows`.
         fields: the fields that will be read (their members must exist; ``latents`` may be absent,
             ``latents_logvar`` must exist exactly where ``latents`` does).
@@ -99,6 +100,9 @@ class CacheSource:
 
     def __init__(self, cache_dir: str | os.PathLike, filters: Any = None, fields: Sequence[str] | None = None,
                  verify_reads: bool = False, remote: dict | None = None):
+        opened = cache_dir if isinstance(cache_dir, Cache) else None  # opened once by the caller (shards.Cache)
+        if opened is not None:
+            cache_dir = opened.source
         self.url = str(cache_dir)
         self.remote: RemoteCache | None = None
         if is_url(cache_dir):
@@ -106,10 +110,13 @@ class CacheSource:
             cache_dir = self.remote.local
         self.streamed = self.remote is not None
         self.cache_dir = local_path(cache_dir)  # a file:// URL is a local folder
-        self.cache_id = read_cache_id(self.cache_dir)  # index + manifest checked against integrity.json first
-        man = CacheManifest.read(self.cache_dir)  # UnsupportedFormat for a newer format_version
+        if opened is not None and not self.streamed:  # its manifest, index and id, not read again
+            man, table, self.cache_id = opened.manifest, opened.index, opened.id
+        else:
+            man = CacheManifest.read(self.cache_dir)  # UnsupportedFormat for a newer format_version
+            table = read_index(self.cache_dir)
+            self.cache_id = read_cache_id(self.cache_dir)  # index + manifest checked against integrity.json first
         manifest = man.to_dict()
-        table = read_index(self.cache_dir)
         refuse_unsafe(table, self.cache_dir)  # the whole index, filtered-out rows too
         hidden = unindexed_members(table)  # e.g. a tar holding a key twice, one of them indexed
         if hidden:

@@ -15,8 +15,11 @@ compared with the cached one:
 The encoders' fingerprint is compared with the cache's first: a different one is reported (the
 weights or the preprocessing changed since) and the comparison goes on, so the report names the
 fields that differ. Fields added later with ``add-field`` are not re-derived (listed as skipped).
-Exit status 0 when every compared array matches, 1 naming each key and field that does not (or a
-row that can no longer be decoded), 2 for bad arguments.
+The manifest is read with the options stage one recorded (``manifest_format``, ``columns``,
+``allow_outside_root``) and ``--root``. The report says how many samples were compared of how many
+cached. Exit status 0 when every compared array matches, 1 naming each key and field that does not (or a
+row that can no longer be decoded), or when nothing could be compared (no cached key is a readable
+row of the manifest), 2 for bad arguments.
 """
 from __future__ import annotations
 
@@ -78,8 +81,11 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
           seed: int = 0, overrides: list[str] | None = None, device: str = "cpu") -> dict[str, Any]:
     """Re-derive ``samples`` random samples of the cache and compare them (see the module docstring).
 
-    Returns ``{"fingerprint_matches", "checked", "skipped_fields", "problems": [{key, field, why}],
-    "missing_rows": [keys]}``. Raises ``FileNotFoundError`` (no index), ``ValueError`` (no recorded
+    Returns ``{"fingerprint_matches", "checked" (samples compared), "asked" (``samples``), "cached"
+    (samples in the cache), "matched_rows" (cached samples whose key the manifest has), "skipped_fields",
+    "problems": [{key, field, why}], "missing_rows": [keys]}``. The manifest is read with the options
+    the cache's recorded config gives (``manifest_format``, ``columns``, ``allow_outside_root``) and
+    ``root``, as stage one read it. Raises ``FileNotFoundError`` (no index), ``ValueError`` (no recorded
     config, bad overrides), :class:`shards.errors.ShardcacheError` (an unreadable cache).
     """
     import torch
@@ -94,7 +100,9 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     # checksums=False: each value is compared with the one derived again, so a changed array is reported as
     # MISMATCH naming its field (`shards verify` is the tool for damaged bytes)
     reader = ShardReader(cache_dir, checksums=False)
-    requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns)
+    # the options stage one read the manifest with (its recorded config): the same rows, keys and media
+    requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns,
+                             allow_outside_root=cfg.allow_outside_root)
     by_key: dict[str, Any] = {}
     for r in requests:
         if r.error is None:  # rows rejected while reading (a duplicate key...) are not in the cache
@@ -104,6 +112,7 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     picked = sorted(random.Random(seed).sample(rows, min(samples, len(rows))))
     pipe = Pipeline.build(cfg, device, requests)  # the same tokens added as the job did
     out: dict[str, Any] = {"fingerprint_matches": pipe.fingerprint == man.fingerprint, "checked": 0,
+                           "asked": samples, "cached": len(reader.keys), "matched_rows": len(rows),
                            "skipped_fields": sorted(man.sidecar_fields), "problems": [], "missing_rows": missing[:20]}
     if not out["fingerprint_matches"]:
         log.warning("the encoders and preprocessing give fingerprint %s..., the cache has %s...: the weights or "
@@ -150,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1
     fp = "matches" if r["fingerprint_matches"] else "DIFFERS (encoders or preprocessing changed)"
-    print(f"{args.cache}: re-derived {r['checked']} sample(s) from {args.manifest}; encoder fingerprint {fp}")
+    print(f"{args.cache}: re-derived {r['checked']} of {r['cached']} cached sample(s) from {args.manifest} "
+          f"({r['matched_rows']} of them in the manifest, {r['asked']} asked for); encoder fingerprint {fp}")
     if r["skipped_fields"]:
         print(f"not re-derived (added later with add-field): {', '.join(r['skipped_fields'])}")
     if r["missing_rows"]:
@@ -159,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MISMATCH {prob['key']}: {prob['field']}: {prob['why']}")
     if r["problems"]:
         print(f"{len(r['problems'])} mismatch(es) in {r['checked']} sample(s)")
+        return 1
+    if r["checked"] == 0:
+        print(f"FAILED: nothing was compared: none of the {r['cached']} cached key(s) is a readable row of "
+              f"{args.manifest} (the manifest the cache was made from? its media folder: --root)")
         return 1
     print(f"OK: every array of {r['checked']} sample(s) matches")
     return 0

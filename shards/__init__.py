@@ -10,6 +10,8 @@ from .reader import ShardReader, value_checks_from_manifest
 from .scan import scan_shard
 from .schema import FORMAT_VERSION, safe_key, shard_name
 from .writer import ShardWriter
+from .cache import Cache, Contract  # noqa: E402 (the cache opened once: stage two's one reader)
+from .errors import ContractMismatch
 
 __all__ = [
     "CorruptSample", "FingerprintMismatch", "ManifestError", "cache_id", "read_cache_id", "ShardCorrupt",
@@ -19,3 +21,4 @@ __all__ = [
     "merge_parts", "read_index", "read_manifest", "read_rejects", "ShardReader", "scan_shard",
     "FORMAT_VERSION", "safe_key", "shard_name", "ShardWriter",
 ]
+__all__ += ["Cache", "Contract", "ContractMismatch"]

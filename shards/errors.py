@@ -40,3 +40,16 @@ class CorruptSample(ShardcacheError):
         self.reason = reason
         self.detail = detail
         self.source = source
+
+
+class ContractMismatch(ShardcacheError):
+    """A cache does not meet a model's contract (:meth:`shards.cache.Cache.require`): the message is
+    one line naming each item, the cache's value and the model's value. ``item``, ``cache_value``
+    and ``model_value`` are the first mismatch's; ``mismatches`` holds every ``(item, cache, model)``."""
+
+    def __init__(self, model: str, cache: str, mismatches: list[tuple[str, object, object]]):
+        self.model, self.cache, self.mismatches = model, cache, list(mismatches)
+        self.item, self.cache_value, self.model_value = self.mismatches[0]
+        parts = "; ".join(f"{item}: the cache has {c!r}, the model needs {m!r}" for item, c, m in self.mismatches)
+        super().__init__(f"{model} cannot train on the cache {cache}: {parts} (precompute the cache with the "
+                         "model's codec / tokenizer / image preset, or pick the recipe that fits it)")

@@ -1,7 +1,7 @@
 """The text conventions of a cache: the one place that names the special tokens and ``IGNORE_INDEX``.
 
 Stage one renders conversations with these strings (:mod:`precompute.chat`), ``manifest.json`` records their ids (``text.special_token_ids``)
-and the trainer reads the ids back by these names (:func:`train.models.data_spec`).
+and the trainer reads the ids back by these names (:class:`shards.cache.Cache`).
 
 Layout (Higgs-Audio's ``boson_multimodal/dataset/chatml_dataset.py`` ``prepare_chatml_sample``,
 Llama-3 headers)::
@@ -57,3 +57,23 @@ __all__ = ["GEMMA_IMAGE_SOFT", "IGNORE_INDEX", "BEGIN_OF_TEXT", "START_HEADER", 
            "AUDIO_IN", "AUDIO_EOS", "AUDIO_OUT_BOS", "AUDIO_OUT", "IMAGE", "GEMMA_IMAGE", "WORLD_START",
            "WORLD_END", "SPECIAL_TOKENS", "PLACEHOLDERS", "AUDIO_IN_TOKENS", "AUDIO_OUT_TOKENS", "END_OF_TEXT",
            "AUDIO_DELAY", "HIGGS_TOKENS"]
+
+
+def vocab_sha256(tokenizer) -> str:
+    """The fingerprint of a ``transformers`` tokenizer (``manifest.json``
+    ``encoders.text_tokenizer.vocab_sha256``, and what a recipe's contract compares it with): sha256 of
+    its full ``tokenizers`` pipeline (normaliser, pre-tokeniser, model, post-processor), its vocabulary
+    (added tokens included) and its special-token map. Stage one and stage two compute it here."""
+    import hashlib
+    import json
+
+    def canonical(obj) -> str:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        h.update(backend.to_str().encode())
+    h.update(canonical(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(canonical({k: str(v) for k, v in tokenizer.special_tokens_map.items()}).encode())
+    return h.hexdigest()

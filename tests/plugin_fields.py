@@ -16,8 +16,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from shards.cache import Contract
 from shards.fields import Field, register
 from shards.kinds import FieldKind, ValueCheck
+from train.recipes.base import Recipe
 
 #: rate and hop of the features (Whisper's: 16 kHz, 10 ms)
 RATE, HOP = 16000, 160
@@ -91,10 +93,19 @@ def make_mel(field: str = "mel", device: str = "cpu", n_mels: int = 8):
     return MelProducer()
 
 
-class MelModel(nn.Module):
-    """Predicts mel frame t + 1 from frame t (masked MSE): trains on the plug-in field alone."""
+class MelModel(Recipe):
+    """Predicts mel frame t + 1 from frame t (masked MSE): trains on the plug-in field alone (a
+    plug-in recipe: ``--model plugin_fields:MelModel``)."""
 
     fields = ("mel",)
+
+    @classmethod
+    def contract(cls, kwargs):
+        return Contract("MelModel", fields=cls.fields)
+
+    @classmethod
+    def from_cache(cls, cache, kwargs, **_):
+        return cls(**kwargs)
 
     def __init__(self, n_mels: int = 8, **_):
         super().__init__()

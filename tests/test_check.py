@@ -74,3 +74,55 @@ def test_a_changed_array_is_named(demo_cache, tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     named = {x.split()[1].rstrip(":"): x.split(": ")[1] for x in r.stdout.splitlines() if x.startswith("MISMATCH")}
     assert named == changed, r.stdout + r.stderr
+
+
+def _outside_root_cache(tmp_path: Path, tiny_config) -> tuple[Path, Path]:
+    """4 demo rows (3 readable) in a manifest of another folder naming their media by absolute path (outside the
+    manifest's folder), precomputed with ``allow_outside_root: true`` (tiny_config has it)."""
+    import json
+
+    from precompute.job import run
+    rows = [json.loads(x) for x in DEMO.read_text().splitlines()[:4]]
+    for r in rows:
+        r["audio"] = str(DEMO.parent / r["audio"])
+    manifest = tmp_path / "elsewhere" / "rows.jsonl"
+    manifest.parent.mkdir()
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = tmp_path / "cache"
+    summary, _ = run(manifest, cache, tiny_config, progress=False)
+    assert summary.kept == 3  # (one demo file is unreadable on purpose)
+    return cache, manifest
+
+
+def test_check_reads_the_manifest_as_precompute_did_and_says_n_of_m(tmp_path, tiny_config):
+    """A cache made with allow_outside_root: check reads its rows with that option (not: every row
+    refused, 0 compared, OK), says how many it compared of how many, and still catches damaged codes;
+    with a manifest none of whose rows is in the cache it fails instead of printing OK."""
+    import shutil
+
+    import numpy as np
+
+    from shards import read_index
+    cache, manifest = _outside_root_cache(tmp_path, tiny_config)
+    cmd = [sys.executable, "-m", "shardcache", "check", str(cache), "--manifest", str(manifest), "--samples", "2"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "re-derived 2 of 3 cached sample(s)" in r.stdout and "OK: every array of 2 sample(s)" in r.stdout
+    # damaged codes in every sample are caught
+    bad = tmp_path / "bad"
+    shutil.copytree(cache, bad)
+    for row in read_index(bad).to_pylist():
+        m = next(x for x in row["members"] if x["name"] == "codes.npy")
+        (bad / row["shard"]).chmod(0o644)
+        with open(bad / row["shard"], "r+b") as f:
+            f.seek(m["offset"])
+            old = np.frombuffer(f.read(2), np.int16)
+            f.seek(m["offset"])
+            f.write((old ^ 1).tobytes())
+    r = subprocess.run([*cmd[:4], str(bad), *cmd[5:7], "--samples", "3"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stdout.count(": codes: ") == 3, r.stdout + r.stderr
+    # a manifest that holds none of the cache's keys: nothing compared is a failure, not OK
+    other = tmp_path / "other.jsonl"
+    other.write_text(DEMO.read_text().splitlines()[10] + "\n")
+    r = subprocess.run([*cmd[:6], str(other)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and "re-derived 0 of 3" in r.stdout and "OK" not in r.stdout, r.stdout + r.stderr

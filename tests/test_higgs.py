@@ -44,9 +44,9 @@ def processor(higgs_codec):
 
 
 def _recipe(higgs_codec, cache, **kw):
-    from train.models import build_model, data_spec
+    from train.models import build_model
     torch.manual_seed(0)
-    return build_model("higgs", {"lm": str(higgs_codec / "higgs-tiny"), **kw}, data_spec(cache)).eval()
+    return build_model("higgs", {"lm": str(higgs_codec / "higgs-tiny"), **kw}, cache).eval()
 
 
 def _wave(url: str) -> np.ndarray:
@@ -194,16 +194,23 @@ def test_targets_labels_train_only_the_trained_turns(higgs_caches, processor, hi
 
 
 def test_model_path_must_be_a_higgs_checkpoint(tiny_models, higgs_models, tmp_path):
-    from train.models import DataSpec, build_model
+    from shards import ContractMismatch
+    from test_train_support import cache_with_manifest
+    from train.models import build_model
+    man = {"n_codebooks": 4, "codebook_size": 1024, "frame_rate": 25.0, "codec_sample_rate": 24000,
+           "encoders": {"audio_tokenizer": {"name": "higgs"}},
+           "text": {"vocab_size": 300, "pad_id": 0, "special_token_ids": {"<|AUDIO_OUT|>": 268}}}
+    cache = cache_with_manifest(tmp_path / "cache", man, Q=4)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "higgs_audio"}))    # Boson's own format
     with pytest.raises(ValueError, match="convert_higgs_audio_v2_to_hf"):
-        build_model("higgs", {"lm": str(tmp_path)}, DataSpec())
+        build_model("higgs", {"lm": str(tmp_path)}, cache)
     with pytest.raises(ValueError, match="use --model tts"):
-        build_model("higgs", {"lm": str(tiny_models / "lm-tiny")}, DataSpec())
-    with pytest.raises(ValueError, match="another tokenizer"):   # a cache made with another tokenizer's ids
-        build_model("higgs", {"lm": str(higgs_models / "higgs-tiny")}, DataSpec(audio_out_token_id=268))
-    with pytest.raises(ValueError, match="codebooks"):
-        build_model("higgs", {"lm": str(higgs_models / "higgs-tiny")}, DataSpec(n_codebooks=4))
+        build_model("higgs", {"lm": str(tiny_models / "lm-tiny")}, cache)
+    # a cache made with another tokenizer's ids and another number of codebooks: refused by name
+    with pytest.raises(ContractMismatch) as e:
+        build_model("higgs", {"lm": str(higgs_models / "higgs-tiny")}, cache)
+    items = [m[0] for m in e.value.mismatches]
+    assert "special_tokens.<|AUDIO_OUT|>" in items and "codec.n_codebooks" in items
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.models import DataSpec, apply_lora, build_model, data_spec
+from shards import Cache, ContractMismatch
+from train.models import apply_lora, build_model
 from train.recipes.tts import TTSModel, build_delay_pattern, revert_delay_pattern
 from train.recipes.vlm import VLMModel
 
@@ -373,13 +374,14 @@ def test_optimizer_groups(lm_dir):
 # ---- registry, data spec, training -------------------------------------------------------------------
 
 def test_build_model_reads_the_manifest(lm_dir, tmp_path):
-    (tmp_path / "manifest.json").write_text(json.dumps({
-        "n_codebooks": Q, "codebook_size": CB, "latent_channels": C_LAT, "text_vocab_size": 1,
-        "text": {"vocab_size": VOCAB, "pad_id": PAD, "special_token_ids": {
-            "<|AUDIO|>": A_IN, "<|AUDIO_OUT|>": A_OUT, "<|audio_out_bos|>": AO_BOS, "<|audio_eos|>": A_EOS,
-            "<image>": IMG, "<|eot_id|>": EOT}}}))
-    spec = data_spec(tmp_path)
-    assert spec == DataSpec(Q, CB, VOCAB, C_LAT, PAD, A_IN, A_OUT, IMG, AO_BOS, A_EOS, eot_token_id=EOT)
+    from test_train_support import cache_with_manifest
+    man = {"n_codebooks": Q, "codebook_size": CB, "latent_channels": C_LAT, "text_vocab_size": 1,
+           "text": {"vocab_size": VOCAB, "pad_id": PAD, "special_token_ids": {
+               "<|AUDIO|>": A_IN, "<|AUDIO_OUT|>": A_OUT, "<|audio_out_bos|>": AO_BOS, "<|audio_eos|>": A_EOS,
+               "<image>": IMG, "<|eot_id|>": EOT}}}
+    spec = Cache.open(cache_with_manifest(tmp_path / "c", man, Q=Q, latents=True))
+    assert (spec.codec.n_codebooks, spec.codec.codebook_size, spec.vocab_size, spec.latent_channels, spec.pad_id) == \
+        (Q, CB, VOCAB, C_LAT, PAD)
     m = build_model("tts", {"lm": lm_dir}, spec)
     assert isinstance(m, TTSModel) and m.fields == ("input_ids", "labels", "codes", "audio_segments")
     assert (m.audio_out_token_id, m.audio_in_token_id, m.n_codebooks, m.stream_eos) == (A_OUT, A_IN, Q, CB + 1)
@@ -387,14 +389,16 @@ def test_build_model_reads_the_manifest(lm_dir, tmp_path):
     v = build_model("vlm", {"lm": lm_dir, "patch_size": 1, "projector": "linear"}, spec)
     assert v.fields == ("input_ids", "labels", "latents") and v.image_token_id == IMG
     assert v.projector[0].in_features == C_LAT
-    with pytest.raises(ValueError, match="AUDIO_OUT"):
-        build_model("tts", {"lm": lm_dir}, DataSpec())
+    no_ids = dict(man, text={"vocab_size": VOCAB, "pad_id": PAD})
+    with pytest.raises(ContractMismatch, match="special_tokens.<|AUDIO_OUT|>"):
+        build_model("tts", {"lm": lm_dir}, cache_with_manifest(tmp_path / "no-ids", no_ids, Q=Q))
     # a cache made with another image placeholder (Gemma 3's) names it in text.placeholders
-    gemma = json.loads((tmp_path / "manifest.json").read_text())
+    gemma = json.loads(json.dumps(man))
     gemma["text"]["special_token_ids"] = {"<start_of_image>": IMG + 1, "<image>": IMG}
     gemma["text"]["placeholders"] = {"image": "<start_of_image>"}
-    (tmp_path / "manifest.json").write_text(json.dumps(gemma))
-    assert data_spec(tmp_path).image_token_id == IMG + 1
+    g = build_model("vlm", {"lm": lm_dir, "patch_size": 1, "projector": "linear"},
+                    cache_with_manifest(tmp_path / "gemma", gemma, Q=Q, latents=True))
+    assert g.image_token_id == IMG + 1
     with pytest.raises(FileNotFoundError, match="tools.testing"):
         build_model("vlm", {"lm": str(tmp_path / "no" / "such-lm")}, spec)
 

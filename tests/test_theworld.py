@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from shards import Cache
 
 MANIFEST = "llava_multiturn.json"
 #: pixels of the VAE input in these tests (the preset's 512 gives 4096 world tokens per image:
@@ -132,9 +133,9 @@ def test_cached_batch_gives_the_on_the_fly_loss(world_cache, gemma3, real_mini):
     loss the recipe gives on the processor's outputs with pixel values through the real vision tower."""
     from loaders import ShardLoader
     from loaders.device import to_device
-    from train.models import build_model, data_spec
+    from train.models import build_model
     torch.manual_seed(0)
-    model = build_model("theworld", {"lm": str(gemma3), "vision_tower": True}, data_spec(world_cache)).eval()
+    model = build_model("theworld", {"lm": str(gemma3), "vision_tower": True}, world_cache).eval()
     ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=True, seed=0)
     batch = to_device(next(iter(ld)), "cpu")
     ld.close()
@@ -158,7 +159,7 @@ def test_cached_batch_gives_the_on_the_fly_loss(world_cache, gemma3, real_mini):
         zeroed = dict(batch, image_features=torch.zeros_like(batch["image_features"]))
         assert abs(float(model(zeroed)["loss"]) - float(cached)) > 1e-3
     assert model.lm.model.vision_tower is not None
-    plain = build_model("theworld", {"lm": str(gemma3)}, data_spec(world_cache))
+    plain = build_model("theworld", {"lm": str(gemma3)}, world_cache)
     assert plain.lm.model.vision_tower is None and plain.lm.model.multi_modal_projector is None
     with pytest.raises(ValueError, match="vision_tower: true"):
         plain(fly)
@@ -172,9 +173,10 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
     row-major), then ``<end_of_world>``'s own embedding."""
     from loaders import ShardLoader
     from loaders.device import to_device
-    from train.models import build_model, data_spec
-    spec = data_spec(world_cache)
-    model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
+    from train.models import build_model
+    from train.recipes.base import cache_values
+    spec = cache_values(Cache.open(world_cache))
+    model = build_model("theworld", {"lm": str(gemma3)}, world_cache).eval()
     ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=False, seed=0)
     batch = to_device(next(iter(ld)), "cpu")
     ld.close()
@@ -185,12 +187,12 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
         marked = merged.inputs_embeds[token_type.bool()]
         assert marked.shape == feats.shape
         torch.testing.assert_close(marked, feats.to(marked.dtype))
-        n_soft = (batch["input_ids"] == spec.image_soft_token_id).sum(1)
+        n_soft = (batch["input_ids"] == spec["image_soft_token_id"]).sum(1)
         assert torch.equal(token_type.sum(1), n_soft)
         for b in range(batch["input_ids"].shape[0]):
             ids = batch["input_ids"][b][batch["attention_mask"][b].bool()]
             row = merged.inputs_embeds[b]
-            sow = (ids == spec.world_start_token_id).nonzero().flatten().tolist()
+            sow = (ids == spec["world_start_token_id"]).nonzero().flatten().tolist()
             shift = 0   # world tokens inserted before the current marker
             for k, at in enumerate(sow):
                 lat = batch["latents"][b, :, k]                                       # (C, H, W)
@@ -198,7 +200,7 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
                 world = model.world_projector.projection(cells.to(row.dtype))
                 start = at + shift + 1
                 torch.testing.assert_close(row[start:start + len(cells)], world)
-                eow = embed(torch.tensor([spec.world_end_token_id]))[0]
+                eow = embed(torch.tensor([spec["world_end_token_id"]]))[0]
                 torch.testing.assert_close(row[start + len(cells)], eow.to(row.dtype))
                 shift += len(cells)
             assert len(sow) > 0
@@ -258,8 +260,8 @@ def test_projection_only_trains_only_the_projection(world_cache, gemma3, caplog,
     TheWorld projection state dict is loaded to continue from."""
     import logging
     from safetensors.torch import save_file
-    from train.models import build_model, data_spec
-    spec = data_spec(world_cache)
+    from train.models import build_model
+    spec = world_cache
     with caplog.at_level(logging.INFO, logger="train"):
         m = build_model("theworld", {"lm": str(gemma3)}, spec)
     trainable = {n for n, p in m.named_parameters() if p.requires_grad}

@@ -68,18 +68,21 @@ def test_stops_when_cache_too_small(cache, loader):
 
 
 def test_oom_stops_and_recommends_the_last_size_that_fit(cache, monkeypatch):
-    real_step = BS.train_step
+    """The OOM is raised inside the trainer's own micro-step (the step the finder times is
+    Trainer.train_step, the step `shardcache train` runs)."""
+    from train.trainer import Trainer
+    real_step = Trainer.forward_backward_step
     seen = []
 
-    def step(model, optimizer, params, batch, precision, grad_clip):
+    def step(self, batch, sync_grads):
         bs = batch["codes"].shape[0]
         seen.append(bs)
         if bs >= 8:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
         time.sleep(0.05)  # a fixed per-step cost, as on a GPU: samples/s grows with the batch
-        return real_step(model, optimizer, params, batch, precision, grad_clip)
+        return real_step(self, batch, sync_grads)
 
-    monkeypatch.setattr(BS, "train_step", step)
+    monkeypatch.setattr(Trainer, "forward_backward_step", step)
     res = BS.find_batch_size(cfg_for(cache), max_batch_size=1024, steps=2)
     rows = res["results"]
     assert [r["batch_size"] for r in rows] == [1, 2, 4, 8]
@@ -88,6 +91,24 @@ def test_oom_stops_and_recommends_the_last_size_that_fit(cache, monkeypatch):
     assert res["stopped"] == "oom" and res["recommended"] == 4
     assert seen == [1, 1, 2, 2, 4, 4, 8]  # nothing retried after the OOM
     assert "stopped at the first out-of-memory error" in BS.format_table(res)
+
+
+def test_the_finder_runs_the_trainers_step(cache, monkeypatch):
+    """Each timed step is Trainer.train_step with the run's options: grad_accum micro-steps per step
+    and the trainer's clipping and grad norms (its StepStats count the steps)."""
+    from train.trainer import Trainer
+    calls = []
+    real = Trainer.train_step
+
+    def spy(self):
+        micro, steps = self.stats.micro, self.stats.steps
+        real(self)
+        calls.append((self.stats.micro - micro, self.stats.steps - steps))
+
+    monkeypatch.setattr(Trainer, "train_step", spy)
+    res = BS.find_batch_size(cfg_for(cache, grad_accum=2, grad_clip=0.5), max_batch_size=2, steps=2)
+    assert [r["status"] for r in res["results"]] == ["ok", "ok"]
+    assert calls == [(2, 1)] * 4
 
 
 def test_recommend_on_cuda_uses_the_margin():

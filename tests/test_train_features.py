@@ -83,7 +83,7 @@ def test_activation_checkpointing_recomputes_the_blocks_in_backward(cache):
     trades compute for memory), and the gradients are the ones without it."""
     from test_train_support import collate
     from shards import ShardReader
-    from train.models import data_spec
+    from shards import Cache
     from train.trainer import prepare_model
 
     r = ShardReader(cache)
@@ -91,7 +91,7 @@ def test_activation_checkpointing_recomputes_the_blocks_in_backward(cache):
     grads, recomputed = [], []
     for ac in (False, True):
         cfg = cfg_for(cache, Path("unused"), activation_checkpointing=ac)
-        model = prepare_model(cfg, data_spec(cache), torch.device("cpu"))
+        model = prepare_model(cfg, Cache.open(cache), torch.device("cpu"))
         phase = {"now": "forward"}
         calls = {"forward": 0, "backward": 0}
         for blk in model.blocks:  # (a hook on the block itself does not fire on recompute; on its layers it does)

@@ -21,6 +21,8 @@ from train.config import build_parser, parse_args
 from train.data import HeldOut, held_out_mask, resolve_fields, total_steps
 from train.metrics import GradNormWarning
 from train.optim import lr_at, make_optimizer, make_scheduler
+from train.recipes.base import Recipe
+from shards.cache import Contract
 from train.trainer import Callbacks, run
 
 HIGGS = ("--model_path {lm} --audio_tokenizer_path {tok} --train_data_file {cache} --output_dir {out} "
@@ -163,7 +165,7 @@ def test_held_out_keys_through_the_loader_for_any_world_size(image_cache):
 
 # ---- optimizer groups and the schedule ---------------------------------------------------------------
 
-class TwoLR(nn.Module):
+class TwoLR(Recipe):  # declares its optimizer groups: a recipe
     fields = ("input_ids",)
 
     def __init__(self):
@@ -230,11 +232,19 @@ def test_grad_norm_warning():
 SEEN: dict[str, list[str]] = {"train": [], "eval": []}
 
 
-class TinyImageText(nn.Module):
-    """A plug-in (``--model test_train_recipes_cli:make_tiny``) that needs no codes: next-token loss
-    on input_ids/labels with the image latents mixed in; two optimizer groups with their own lrs."""
+class TinyImageText(Recipe):
+    """A plug-in recipe (``--model test_train_recipes_cli:TinyImageText``) that needs no codes: next-token
+    loss on input_ids/labels with the image latents mixed in; two optimizer groups with their own lrs."""
 
     fields = ("input_ids", "labels", "latents")
+
+    @classmethod
+    def contract(cls, kwargs):
+        return Contract("TinyImageText", fields=cls.fields)
+
+    @classmethod
+    def from_cache(cls, cache, kwargs, **_):
+        return cls(cache.vocab_size, cache.latent_channels, **kwargs)
 
     def __init__(self, vocab_size: int, latent_channels: int, d: int = 16):
         super().__init__()
@@ -259,7 +269,8 @@ class TinyImageText(nn.Module):
         return {"loss": loss, "text_loss": loss.detach()}
 
 
-def make_tiny(vocab_size: int, latent_channels: int):
+def make_tiny(vocab_size: int = VOCAB, latent_channels: int = LATENT_C):
+    """The same model from a plain factory (it declares nothing: the loader reads every field)."""
     return TinyImageText(vocab_size, latent_channels)
 
 
@@ -269,11 +280,12 @@ def test_loop_on_an_image_text_cache_without_codes(image_cache, tmp_path):
     SEEN["train"].clear()
     SEEN["eval"].clear()
     out = tmp_path / "run"
-    cfg = from_dict(dict(cache=str(image_cache), out=str(out), model="test_train_recipes_cli:make_tiny",
+    cfg = from_dict(dict(cache=str(image_cache), out=str(out), model="test_train_recipes_cli:TinyImageText",
                          batch_size=4, epochs=2, warmup_steps=2, lr=1e-2, min_lr_ratio=0.1, val_fraction=0.2,
                          ckpt_every=1000, progress=False, threads=1, log_every=1))
     assert resolve_fields(cfg, make_tiny(VOCAB, LATENT_C)) == ("input_ids", "labels", "latents")
-    assert resolve_fields(cfg) is None  # a factory function declares nothing: every field of the cache
+    assert resolve_fields(cfg) == ("input_ids", "labels", "latents")  # the recipe's declared fields
+    assert resolve_fields(from_dict(dict(cache=str(image_cache), model="test_train_recipes_cli:make_tiny"))) is None
     lrs: list[tuple[float, float]] = []
     norms: list[dict[str, float]] = []
     state = {}
@@ -322,7 +334,7 @@ def test_loop_on_an_image_text_cache_without_codes(image_cache, tmp_path):
 def test_disable_evaluation_holds_nothing_out(image_cache, tmp_path):
     SEEN["train"].clear()
     SEEN["eval"].clear()
-    cfg = from_dict(dict(cache=str(image_cache), out=str(tmp_path / "run"), model="test_train_recipes_cli:make_tiny",
+    cfg = from_dict(dict(cache=str(image_cache), out=str(tmp_path / "run"), model="test_train_recipes_cli:TinyImageText",
                          batch_size=4, steps=10, warmup_steps=0, lr=1e-2, val_fraction=0.2, validation=False,
                          ckpt_every=1000, progress=False, threads=1))
     assert run(cfg) == 0

@@ -71,6 +71,31 @@ def make_cache(out: Path, n: int = 24, n_shards: int = 2, seed: int = 0, image_e
     return out
 
 
+def cache_with_manifest(out: Path, manifest: dict, n: int = 2, Q: int = 2, vocab: int = 16,
+                        latents: bool = False, image_features: bool = False) -> Path:
+    """A small cache of ``n`` samples (codes int16 (Q, 3), input_ids/labels/audio_segments, latents and
+    image_features when asked) whose ``manifest.json`` holds ``manifest`` (the keys stage one writes):
+    for tests of what a cache declares (its codec, tokenizer, image preset, special token ids)."""
+    from shards import ShardWriter, merge_parts, shard_name
+
+    rng = np.random.default_rng(0)
+    w = ShardWriter(out, shard_name(0, 0))
+    for i in range(n):
+        ids = rng.integers(0, vocab, size=6).astype(np.int32)
+        fields = {"json": {"text": f"s{i}", "sample_rate": 24000, "duration_s": 0.12},
+                  "codes.npy": rng.integers(0, 4, size=(Q, 3)).astype(np.int16),
+                  "input_ids.npy": ids, "labels.npy": ids.copy(),
+                  "audio_segments.npy": np.array([[0, 0, 1, 0, 3, -1]], dtype=np.int32)}
+        if latents:
+            fields["latents.npy"] = rng.normal(size=(4, 1, 2, 2)).astype(np.float16)
+        if image_features:
+            fields["image_features.npy"] = rng.integers(-100, 100, size=(1, 2, 4)).astype(np.int16)
+        w.add(f"k{i:03d}", fields)
+    w.commit()
+    merge_parts(out, dict(manifest))
+    return out
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     """The 24-sample training cache of :func:`make_cache`, built once per test module that imports it."""
@@ -97,11 +122,17 @@ class FakeLoader:
     permutation of ``(seed, epoch)``; global step ``s`` takes samples ``[s*G, (s+1)*G)`` with
     ``G = world x batch``; rank ``r`` takes every ``world``-th of them; state ``(epoch, cursor)``."""
 
-    def __init__(self, cache_dir, batch_size, global_rank=0, world_size=1, seed=0, num_workers=0,
-                 fields=("codes", "input_ids", "labels", "latents"), delay: float = 0.0):
-        from shards import ShardReader
+    def __init__(self, cache, batch_size, global_rank=0, world_size=1, seed=0, num_workers=0,
+                 fields=("codes", "input_ids", "labels", "latents"), filters=None, drop_remainder=True,
+                 transform=None, compact=False, skip_corrupt=0, delay: float = 0.0):
+        import pyarrow as pa
 
-        self.reader = ShardReader(cache_dir)
+        from loaders.order import filter_rows
+        from shards import Cache, ShardReader
+
+        cache = Cache.open(cache)
+        index = cache.index if filters is None else cache.index.take(pa.array(filter_rows(cache.index, filters)))
+        self.reader = ShardReader(cache.dir, index=index)
         self.batch_size, self.rank, self.world, self.seed = batch_size, global_rank, world_size, seed
         self.fields, self.delay = tuple(fields), delay
         self.G = batch_size * world_size
@@ -130,6 +161,9 @@ class FakeLoader:
         assert sd["global_batch"] == self.G, "elastic resume needs the same global batch"
         self.epoch, self.cursor = int(sd["epoch"]), int(sd["cursor"])
 
+    def close(self) -> None:
+        self.reader.close()
+
 
 class SlowLoader:
     """Wrap ``loaders:ShardLoader`` and sleep ``delay`` s per batch."""
@@ -155,6 +189,9 @@ class SlowLoader:
 
     def load_state_dict(self, sd):
         self.inner.load_state_dict(sd)
+
+    def close(self):
+        self.inner.close()
 
 
 # ---- launching ranks -----------------------------------------------------------------------------
@@ -321,7 +358,8 @@ class MeanCodesModel(torch.nn.Module):
         return loss
 
 
-def make_mean_codes(n_codebooks: int, codebook_size: int, nan_at_calls: tuple = ()):
+def make_mean_codes(n_codebooks: int = N_CODEBOOKS, codebook_size: int = CODEBOOK_SIZE, nan_at_calls: tuple = ()):
+    """A plain ``module:factory`` plug-in: called with ``--model-kwargs`` only (the test cache's sizes by default)."""
     return MeanCodesModel(n_codebooks, codebook_size, tuple(nan_at_calls))
 
 

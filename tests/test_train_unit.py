@@ -26,7 +26,8 @@ from train.config import TrainConfig, build_parser, load_yaml, parse_args
 from train.metrics import Metrics
 from train.optim import lr_at
 from train.trainer import Callbacks, run
-from train.models import DataSpec, ReferenceModel, build_model, count_params, data_spec
+from shards import Cache
+from train.models import ReferenceModel, build_model, count_params
 
 
 def cfg_for(cache: Path, out: Path, **kw) -> TrainConfig:
@@ -198,8 +199,9 @@ def _batch(cache: Path, keys=range(6)):
     return collate([r.get(i) for i in keys], ("codes", "input_ids", "labels", "latents"))
 
 
-def test_data_spec_from_manifest(cache):
-    assert data_spec(cache) == DataSpec(8, 1024, 259, 16)
+def test_cache_sizes_from_manifest(cache):
+    c = Cache.open(cache)
+    assert (c.codec.n_codebooks, c.codec.codebook_size, c.vocab_size, c.latent_channels) == (8, 1024, 259, 16)
     from loaders import CODES_PAD_ID
     from train.models import IGNORE_INDEX
     assert CODES_PAD_ID == IGNORE_INDEX == -100
@@ -208,7 +210,7 @@ def test_data_spec_from_manifest(cache):
 @pytest.mark.parametrize("latent_loss", ["none", "cosine", "mse"])
 def test_reference_model_uses_every_modality(cache, latent_loss):
     torch.manual_seed(0)
-    m = build_model("reference", TINY_MODEL, data_spec(cache), latent_loss=latent_loss)
+    m = build_model("reference", TINY_MODEL, Cache.open(cache), latent_loss=latent_loss)
     batch = _batch(cache)
     assert batch["has_image"].any() and not batch["has_image"].all()
     out = m(batch)
@@ -245,11 +247,11 @@ def test_reference_model_padding_and_causality(cache):
 
 
 def test_plugin_factory_and_lora(cache):
-    m = build_model("test_train_support:make_mean_codes", {}, DataSpec(n_codebooks=8, codebook_size=1024))
+    m = build_model("test_train_support:make_mean_codes", {}, cache)
     assert m.logits.shape == (8, 1024)
     assert torch.isfinite(m(_batch(cache)))
     with pytest.raises(ValueError, match="module:factory"):
-        build_model("nocolon", {}, DataSpec())
+        build_model("nocolon", {}, cache)
     from train.models import apply_lora
     ref = ReferenceModel(**TINY_MODEL)
     total = count_params(ref)[1]

@@ -1,9 +1,11 @@
 """Batch-size finder: ``shardcache find-batch-size --cache DIR [train options]`` 
 
-Builds the configured model, optimizer and loader on one device (exactly as ``shardcache train``
-does: ``--config``, ``--set``, ``--model.name``, ``--model.kwargs``, ``--training.precision``,
-``--model.activation-checkpointing``, ``--lora``, ``--model.compile``, ``--data.loader-kwargs``...) and times full training steps (forward, backward,
-gradient clipping, AdamW step) at batch sizes 1, 2, 4, ... (powers of two, then
+Builds the trainer of ``shardcache train`` on one device (:class:`train.trainer.Trainer`: the same
+model, contract check, optimizer, schedule, precision and loader from ``--config``, ``--set``,
+``--model.name``, ``--model.kwargs``, ``--training.precision``, ``--model.activation-checkpointing``,
+``--lora``, ``--model.compile``, ``--data.loader-kwargs``..., without validation) and times its real
+training step (:meth:`~train.trainer.Trainer.train_step`: ``--training.grad-accum`` micro-steps, forward,
+backward, grad norms, clipping, AdamW step, schedule; the loader's wait left out) at batch sizes 1, 2, 4, ... (powers of two, then
 ``--max-batch-size`` itself). Each size runs ``--steps`` steps on real batches of the cache; the
 first is a warm-up (allocator, optimizer state, autotuning, compilation) and is left out of the
 timing when there are two or more. The search stops at the first out-of-memory error
@@ -25,6 +27,7 @@ training length); ``--json FILE`` also writes the result.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import logging
@@ -36,18 +39,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 
+from loaders.device import DevicePrefetcher
+from shardcache import config as S
 from shardcache.config import ConfigError
 
 from . import dist as D
-from .config import TrainConfig, build_parser, parse_args
-from .data import batch_stream, cache_metadata, make_loader, to_device
+from .config import TrainConfig, build_parser, config_from_namespace
+from .data import batch_stream, make_loader, to_device
 from .metrics import peak_memory_mb
-from .models import data_spec
-from .optim import make_optimizer
-from .precision import Precision
-from .trainer import prepare_model, setup_logging, split_output
+from .trainer import Trainer, setup_logging
 
 log = logging.getLogger("train")
 
@@ -70,22 +71,11 @@ def is_oom(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
-               batch: dict[str, Any], precision: Precision, grad_clip: float) -> torch.Tensor:
-    """One optimizer step as in :meth:`train.trainer.Trainer.train_step` with ``grad_accum`` 1 and
-    no DDP (autocast, scaled backward under fp16, clipping, AdamW); returns the loss."""
-    with precision.autocast():
-        loss, _ = split_output(model(batch))
-    precision.backward(loss)
-    precision.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    if precision.scaler is not None:
-        precision.scaler.step(optimizer)
-        precision.scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+def train_step(trainer: Trainer) -> None:
+    """One optimizer step of the real training loop: :meth:`train.trainer.Trainer.train_step`
+    (``grad_accum`` micro-steps, autocast, scaled backward, per-group grad norms, clipping, the
+    skipping AdamW step, the schedule)."""
+    trainer.train_step()
 
 
 def pick_device(cfg: TrainConfig) -> torch.device:
@@ -154,13 +144,11 @@ def find_batch_size(cfg: TrainConfig, max_batch_size: int = 1024, steps: int = 3
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         capacity_mb = free / 2**20
-    precision = Precision.of(cfg.training.precision, device)
-    raw = prepare_model(cfg, data_spec(cache_metadata(cfg, cfg.data.cache)), device)
-    optimizer = make_optimizer(raw, cfg, device)
-    model: nn.Module = torch.compile(raw) if cfg.model.compile else raw
-    model.train()
-    params = [p for p in raw.parameters() if p.requires_grad]
     sizes = candidate_sizes(max_batch_size, start)
+    run = copy.deepcopy(cfg)  # the trainer of `shardcache train`, without validation, at the first size
+    run.eval.enabled, run.data.batch_size = False, sizes[0]
+    trainer = Trainer(run, info)
+    trainer.loader.close()
     results: list[dict[str, Any]] = []
     stopped = "max_batch_size"
     for i, bs in enumerate(sizes):
@@ -169,43 +157,44 @@ def find_batch_size(cfg: TrainConfig, max_batch_size: int = 1024, steps: int = 3
                                "error": ""}
         results.append(row)
         try:
-            loader = make_loader(cfg, cfg.data.cache, bs, info)
+            loader = make_loader(run, trainer.cache, bs, info, model=trainer.raw)
         except ValueError as e:  # ShardLoader: "an epoch has no step"
             if i == 0:
                 raise
             row.update(status="too_few_samples", error=str(e))
             stopped = "too_few_samples"
             break
-        if len(loader) == 0:
+        if len(loader) < run.training.grad_accum:
             if i == 0:
-                raise ValueError(f"{cfg.data.cache}: the loader yields no batch of {bs} sample(s)")
+                raise ValueError(f"{cfg.data.cache}: the loader yields no optimizer step of batch {bs}")
             row.update(status="too_few_samples", error=f"the loader yields no batch of {bs} samples")
             stopped = "too_few_samples"
-            _close(loader)
+            loader.close()
             break
         loader.set_epoch(0)
+        trainer.loader, trainer.pos = loader, {"epoch": 0}
+        trainer.data = DevicePrefetcher(batch_stream(loader, trainer.pos), device, convert=to_device,
+                                        state=lambda: {}, ahead=False)
         _release(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         oom = None
         times: list[float] = []
         try:
-            data = batch_stream(loader, {"epoch": 0})
             for _ in range(steps):
-                cpu_batch = next(data)
                 _sync(device)
-                t0 = time.perf_counter()
-                train_step(model, optimizer, params, to_device(cpu_batch, device), precision, cfg.optim.grad_clip)
+                wait, t0 = trainer.stats.data_wait, time.perf_counter()
+                train_step(trainer)
                 _sync(device)
-                times.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0 - (trainer.stats.data_wait - wait))
         except Exception as e:  # noqa: BLE001 - only an OOM is a result; anything else propagates
             if not is_oom(e):
                 raise
             oom = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         finally:
-            data = cpu_batch = None  # noqa: F841 - drop references to the batch before measuring/freeing
-            optimizer.zero_grad(set_to_none=True)
-            _close(loader)
+            trainer.data = None  # drop references to the batches before measuring/freeing
+            trainer.optimizer.zero_grad(set_to_none=True)
+            loader.close()
         if oom is not None:  # (the exception, and the frames it holds, are gone here)
             row.update(status="oom", error=oom)
             stopped = "oom"
@@ -213,8 +202,8 @@ def find_batch_size(cfg: TrainConfig, max_batch_size: int = 1024, steps: int = 3
             _release(device)
             break
         timed = times[1:] if len(times) > 1 else times
-        dt = statistics.median(timed)
-        row.update(step_time_s=dt, samples_per_s=bs / dt if dt > 0 else math.inf,
+        dt = max(statistics.median(timed), 1e-9)
+        row.update(step_time_s=dt, samples_per_s=bs * run.training.grad_accum / dt,
                    peak_mem_mb=peak_memory_mb(device),
                    peak_reserved_mb=(torch.cuda.max_memory_reserved(device) / 2**20
                                      if device.type == "cuda" else None))
@@ -223,12 +212,6 @@ def find_batch_size(cfg: TrainConfig, max_batch_size: int = 1024, steps: int = 3
     best, reason = recommend(results, device.type, capacity_mb, margin)
     return {"device": str(device), "results": results, "recommended": best, "reason": reason,
             "stopped": stopped, "capacity_mb": capacity_mb, "margin": margin, "steps": steps}
-
-
-def _close(loader: Any) -> None:
-    close = getattr(loader, "close", None)
-    if close is not None:
-        close()
 
 
 def format_table(res: dict[str, Any]) -> str:
@@ -265,8 +248,9 @@ def build_finder_parser() -> argparse.ArgumentParser:
             "Find the largest / fastest per-rank batch size for the configured model on one device.\n\n"
             "  shardcache find-batch-size --cache cache/demo --config configs/train.yaml\n"
             "  shardcache find-batch-size --cache /data/cache --max-batch-size 256 --margin 0.85\n\n"
-            "Takes every option of `shardcache train` (defaults < config file < flags); --steps is the\n"
-            "number of steps per batch size. Exit status 0, 2 for bad options."))
+            "Takes every option of `shardcache train` (defaults < config file < --set < flags), except\n"
+            "that --steps is the number of steps per batch size. Exit status 0, 2 for bad options and for a\n"
+            "cache that does not fit the model."))
     g = p.add_argument_group("batch-size finder")
     g.add_argument("--max-batch-size", dest="find_max_batch_size", type=int, default=1024, metavar="INT",
                    help="largest batch size tried (default: 1024).")
@@ -300,9 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     if ns.print_config:
         sys.stdout.write(cfg.dump())
         return 0
+    from shards.errors import ContractMismatch
     setup_logging(D.DistInfo())
-    res = find_batch_size(cfg, max_batch_size=ns.find_max_batch_size, steps=ns.find_steps,
-                          margin=ns.find_margin, start=ns.find_start)
+    try:
+        res = find_batch_size(cfg, max_batch_size=ns.find_max_batch_size, steps=ns.find_steps,
+                              margin=ns.find_margin, start=ns.find_start)
+    except ContractMismatch as e:  # the cache does not fit the model: nothing was loaded
+        sys.stderr.write(f"shardcache find-batch-size: error: {e}\n")
+        return 2
     sys.stdout.write(format_table(res) + "\n")
     if ns.find_json:
         Path(ns.find_json).write_text(json.dumps(res, indent=1, default=str) + "\n")

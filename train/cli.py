@@ -4,7 +4,8 @@ Exit status: 0 when the run reached its steps; ``--job.requeue-exit-code`` (defa
 request (SIGUSR1/SIGTERM, the stop file or ``--job.stop-at-step``), with a checkpoint saved at the
 step every rank agreed on; 1 when any rank failed (the failing rank exits at once; see
 :func:`train.dist.abort_on_exception`), including a run stopped by ``training.nonfinite_limit``;
-2 for bad options (each named).
+2 for bad options (each named) and for a cache that does not fit the model (``cache.require``: one
+line naming the item, the cache's value and the model's value; nothing was loaded).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
     if ns.print_config:
         sys.stdout.write(cfg.dump())
         return 0
+    from shards.errors import ContractMismatch
+
     from . import dist as D  # torch is imported only now: --help and --print-config stay fast
     from .metrics import NonFiniteError
     from .trainer import run
@@ -44,6 +47,9 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
         sys.stderr.write(f"{PROG}: config file: {ns.config_file or 'none'} ({ns.config_source})\n")
     try:
         return run(cfg, callbacks)
+    except ContractMismatch as e:  # the cache does not fit the model: refused before any weight loaded
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        return 2
     except NonFiniteError as e:  # every rank sees the same counters and stops at the same step
         sys.stderr.write(f"[rank {D.env_ranks()[0]}] {PROG}: error: {e}\n")
         sys.stderr.flush()

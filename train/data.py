@@ -1,7 +1,13 @@
 """What the trainer reads: loaders over the cache, the held-out validation split, batches on the device.
 
-Fields: ``data.fields: auto`` reads the model's declared ``fields`` that the cache holds
-(:func:`resolve_fields`). Validation data: ``--data.val-cache``, else the keys of ``--data.cache``
+Fields: ``data.fields: auto`` reads the fields the recipe declares that the cache holds
+(:func:`resolve_fields`).
+
+A loader (``data.loader``, default ``loaders:ShardLoader``; a plug-in ``module:class``) takes
+``ShardLoader``'s keywords: the cache (a :class:`shards.Cache`), ``batch_size``, ``global_rank``,
+``world_size``, ``seed``, ``num_workers``, ``fields``, ``filters``, ``drop_remainder``,
+``transform``, ``compact``, ``skip_corrupt`` and the ``data.loader_kwargs``; it has ``set_epoch``,
+``state_dict``/``load_state_dict``, ``__len__`` and ``close``. Validation data: ``--data.val-cache``, else the keys of ``--data.cache``
 held out by ``--data.val-fraction`` (:class:`HeldOut`: ``sha256(key)`` mapped to [0, 1), kept out
 of the training loader and read by the validation loader through the loader's ``filters=``).
 
@@ -10,10 +16,7 @@ on the device by :func:`loaders.device.to_device` (each field by its kind), with
 """
 from __future__ import annotations
 
-import functools
 import hashlib
-import inspect
-import json
 import logging
 import math
 import warnings
@@ -26,10 +29,11 @@ import torch.nn as nn
 
 from loaders.device import to_device  # noqa: F401 (the trainer's batch move)
 from shards import fields as registry
+from shards.cache import Cache
 
 from . import dist as D
 from .config import TrainConfig
-from .models import ReferenceModel, load_factory
+from .models import is_recipe, load_factory, resolve_model
 
 log = logging.getLogger("train")
 
@@ -80,88 +84,30 @@ def batch_stream(loader: Any, pos: dict[str, int]) -> Iterator[dict]:
 
 # ---- fields --------------------------------------------------------------------------------------------
 
-def model_class(name: str) -> Any:
-    """The class (or factory) ``--model.name`` builds, without building it."""
-    from .recipes import RECIPES, recipe_class
-    return ReferenceModel if name == "reference" else recipe_class(name) if name in RECIPES else load_factory(name)
+def open_cache(cfg: TrainConfig, cache: "str | Cache") -> Cache:
+    """``cache`` opened once (:class:`shards.Cache`; a URL with the loader's ``storage_options``)."""
+    return Cache.open(cache, cfg.data.loader_kwargs.get("storage_options"))
 
 
-def metadata_dir(cache: str, storage_options: dict | None = None) -> str:
-    """A local folder holding ``cache``'s ``manifest.json`` and ``index.parquet``: ``cache`` itself,
-    or for a URL (``s3://...``, any fsspec URL) a copy of the two files fetched into
-    ``$SHARDCACHE_LOCAL_CACHE`` (default ``~/.cache/shardcache/remote``) ``/<url hash>/meta`` (once per
-    process; the loader fetches its own copies and the shards). ``storage_options``: fsspec options
-    (the trainer passes ``data.loader_kwargs.storage_options``). Raises ``FileNotFoundError`` when the
-    URL holds no index."""
-    from shards.storage import is_url, local_path
-    if not is_url(cache):
-        return str(local_path(cache))  # a file:// URL is a local folder
-    return _fetch_metadata(str(cache).rstrip("/"), json.dumps(storage_options or {}, sort_keys=True))
-
-
-@functools.lru_cache(maxsize=8)
-def _fetch_metadata(url: str, options: str) -> str:
-    from loaders.remote import default_local_dir
-    from shards.schema import INDEX_FILE, MANIFEST_FILE
-    from shards.storage import RemoteFolder
-    remote = RemoteFolder(url, json.loads(options))
-    local = default_local_dir(url, 0).with_name("meta")
-    local.mkdir(parents=True, exist_ok=True)
-    if not remote.exists(INDEX_FILE):
-        raise FileNotFoundError(f"{url}/{INDEX_FILE} not found: is {url} a shardcache cache?")
-    for name in (INDEX_FILE, MANIFEST_FILE):
-        if name == INDEX_FILE or remote.exists(name):
-            remote.get(name, local / name)  # atomic: ranks of one node may fetch at once
-    return str(local)
-
-
-def cache_metadata(cfg: TrainConfig, cache: str) -> str:
-    """:func:`metadata_dir` of ``cache`` with the loader's ``storage_options``."""
-    return metadata_dir(cache, cfg.data.loader_kwargs.get("storage_options"))
-
-
-def cache_fields(cache: str) -> tuple[str, ...] | None:
-    """The fields some sample of ``cache`` (a local folder: see :func:`metadata_dir`) holds (None
-    when its index cannot be read)."""
-    try:
-        from shards.index import INDEX_FILE
-        return _cache_fields(str(cache), (Path(cache) / INDEX_FILE).stat().st_mtime_ns)
-    except Exception:  # noqa: BLE001 - the loader reports a bad cache
-        return None
-
-
-@functools.lru_cache(maxsize=16)
-def _cache_fields(cache: str, mtime_ns: int) -> tuple[str, ...]:
-    """(read once per index version: the train and validation loaders and the log all ask)"""
-    from loaders.dataset import cache_fields as fields_of
-    from shards import read_index
-    return fields_of(read_index(Path(cache)), requested=True)  # what a model may declare
-
-
-def resolve_fields(cfg: TrainConfig, model: Any = None, cache: str | None = None) -> tuple[str, ...] | None:
+def resolve_fields(cfg: TrainConfig, model: Any = None, cache: "Cache | None" = None) -> tuple[str, ...] | None:
     """``data.fields`` -> the loader's ``fields``: a tuple, or None = every field the cache holds.
-    ``auto``: the ``fields`` attribute of ``model`` (default: of the class ``model.name`` builds), less
-    those no sample of ``cache`` holds (a model may declare fields that only some caches have, e.g.
-    ``input_ids`` and ``latents``; if it holds none of them, all are asked for, and the loader names
-    them); None when it declares none."""
+    ``auto``: the fields the recipe declares (its contract's ``fields`` and ``optional_fields``; of
+    ``model``, default the class ``model.name`` builds), less those no sample of ``cache`` holds (a
+    model may declare fields that only some caches have, e.g. ``input_ids`` and ``text_ids``; if it
+    holds none of them, all are asked for, and the loader names them); None for a plain factory."""
     fields = tuple(cfg.data.fields)
     if fields == ("all",):
         return None
     if fields != ("auto",):
         return fields
-    declared = getattr(model if model is not None else model_class(cfg.model.name), "fields", None)
+    cls = model if model is not None else resolve_model(cfg.model.name)
+    if not is_recipe(cls):
+        return None
+    declared = tuple(cls.fields) + tuple(f for f in cls.optional_fields if f not in cls.fields)
     if not declared:
         return None
-    held = cache_fields(cache_metadata(cfg, cache)) if cache else None
-    return tuple(f for f in declared if held is None or f in held) or tuple(declared)
-
-
-def _accepts(cls: Any, name: str) -> bool:
-    try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    held = cache.fields if cache is not None else None
+    return tuple(f for f in declared if held is None or f in held) or declared
 
 
 # ---- held-out validation split -------------------------------------------------------------------------
@@ -220,54 +166,54 @@ def num_workers(setting: int | str, device: torch.device) -> int | None:
     return None if device.type == "cuda" else 0
 
 
-def make_loader(cfg: TrainConfig, cache: str, batch_size: int, info: D.DistInfo, *, model: Any = None,
-                held_out: HeldOut | None = None, drop_remainder: bool | None = None) -> Any:
-    """The loader of ``data.loader`` over ``cache`` for global rank ``info.rank`` of
-    ``info.world_size`` with :func:`resolve_fields` (``model``: the built model, else the class of
-    ``model.name``); ``held_out`` and ``drop_remainder`` go to loaders that take ``filters=`` /
-    ``drop_remainder=``. ``fields`` is left to the loader's default when it resolves to every field."""
+def make_loader(cfg: TrainConfig, cache: "Cache | str", batch_size: int, info: D.DistInfo, *, model: Any = None,
+                held_out: HeldOut | None = None, drop_remainder: bool = True) -> Any:
+    """The loader of ``data.loader`` over ``cache`` (a :class:`shards.Cache`, or a path opened here)
+    for global rank ``info.rank`` of ``info.world_size`` with :func:`resolve_fields` (``model``: the
+    built model, else the class of ``model.name``) and the model's ``batch_transform``; ``held_out``
+    filters the rows (ANDed with ``loader_kwargs.filters``). ``fields`` is left to the loader's
+    default when it resolves to every field. Every loader takes these keywords (module docstring)."""
+    cache = open_cache(cfg, cache)
     cls = load_factory(cfg.data.loader)
     kwargs = dict(cfg.data.loader_kwargs)
-    if cfg.data.compact_batches and "compact" not in kwargs and "compact" in inspect.signature(cls).parameters:
-        kwargs["compact"] = True  # converted on the device by to_device
-    if cfg.data.skip_corrupt and "skip_corrupt" not in kwargs and _accepts(cls, "skip_corrupt"):
-        kwargs["skip_corrupt"] = cfg.data.skip_corrupt
+    kwargs.setdefault("compact", bool(cfg.data.compact_batches))  # converted on the device by to_device
+    kwargs.setdefault("skip_corrupt", cfg.data.skip_corrupt)
     fields = resolve_fields(cfg, model, cache)
     if fields is not None:
         kwargs["fields"] = fields
     if held_out is not None:
         held_out.base = kwargs.get("filters")
         kwargs["filters"] = held_out
-    if drop_remainder is not None and _accepts(cls, "drop_remainder"):
-        kwargs["drop_remainder"] = drop_remainder
-    transform = getattr(model, "batch_transform", None)
-    if transform is not None and "transform" not in kwargs and _accepts(cls, "transform"):
-        kwargs["transform"] = transform  # the model's own batch layout, built in the loader's workers
+    kwargs["drop_remainder"] = drop_remainder
+    transform = model.batch_transform if is_recipe(model) else None
+    if transform is not None:
+        kwargs.setdefault("transform", transform)  # the model's own batch layout, built in the loader's workers
     return cls(cache, batch_size=batch_size, global_rank=info.rank, world_size=info.world_size,
                seed=cfg.data.seed, num_workers=num_workers(cfg.data.num_workers, info.device), **kwargs)
 
 
-def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module) -> tuple[Any, Any | None]:
-    """The training loader and the validation loader (None: no validation), at epoch 0.
+def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module,
+                 cache: "Cache | None" = None) -> tuple[Any, Any | None]:
+    """The training loader over ``cache`` (default: ``data.cache`` opened) and the validation loader
+    (None: no validation), at epoch 0.
 
     Validation data: ``data.val_cache``; else the keys of ``data.cache`` that :func:`held_out_mask`
     holds out (excluded from training). Nothing is held out with ``eval.enabled: false`` or
-    ``data.val_fraction: 0``, for caches under :data:`MIN_SAMPLES_TO_HOLD_OUT` samples and with a
-    loader that takes no ``filters=``; in the last two cases validation runs on the training cache
-    only when ``eval.every`` asks for it, else not at all.
+    ``data.val_fraction: 0`` and for caches under :data:`MIN_SAMPLES_TO_HOLD_OUT` samples; then
+    validation runs on the training cache only when ``eval.every`` asks for it, else not at all.
     """
     d, ev = cfg.data, cfg.eval
+    cache = open_cache(cfg, cache if cache is not None else d.cache)
     eval_bs = ev.batch_size or d.batch_size
-    fields, declared = resolve_fields(cfg, model, d.cache), resolve_fields(cfg, model)
+    fields, declared = resolve_fields(cfg, model, cache), resolve_fields(cfg, model)
     if info.is_main:
         log.info("fields: %s", list(fields) if fields is not None else "every field the cache holds")
         if declared and fields != declared:
             log.warning("%s declares fields %s; %s holds no %s: not read", type(model).__name__,
                         list(declared), d.cache, [f for f in declared if f not in (fields or ())])
-    cls = load_factory(d.loader)
-    hold = ev.enabled and not d.val_cache and d.val_fraction > 0 and _accepts(cls, "filters")
+    hold = ev.enabled and not d.val_cache and d.val_fraction > 0
     train_split = HeldOut(d.val_fraction, "train") if hold else None
-    loader = make_loader(cfg, d.cache, d.batch_size, info, model=model, held_out=train_split)
+    loader = make_loader(cfg, cache, d.batch_size, info, model=model, held_out=train_split)
     val_loader = None
     if ev.enabled and d.val_cache:
         val_loader = make_loader(cfg, d.val_cache, eval_bs, info, model=model, drop_remainder=False)
@@ -275,16 +221,15 @@ def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module) -> tuple[
         if info.is_main:
             log.info("validation: %d of %d samples of %s held out of training (val_fraction %g, by sha256 "
                      "of the key)", train_split.n_held, train_split.n_total, d.cache, d.val_fraction)
-        val_loader = make_loader(cfg, d.cache, eval_bs, info, model=model, drop_remainder=False,
+        val_loader = make_loader(cfg, cache, eval_bs, info, model=model, drop_remainder=False,
                                  held_out=HeldOut(d.val_fraction, "val"))
     elif ev.enabled and d.val_fraction > 0:
-        why = (f"the cache has fewer than {MIN_SAMPLES_TO_HOLD_OUT} samples" if train_split is not None
-               else f"{d.loader} takes no filters=")
+        why = f"the cache has fewer than {MIN_SAMPLES_TO_HOLD_OUT} samples"
         if info.is_main:
             log.warning("validation: nothing held out (%s)%s", why, ": validating on the training cache"
                         if ev.every else " and no --data.val-cache: no validation")
         if ev.every:
-            val_loader = make_loader(cfg, d.cache, eval_bs, info, model=model)
+            val_loader = make_loader(cfg, cache, eval_bs, info, model=model)
     loader.set_epoch(0)
     if val_loader is not None:
         val_loader.set_epoch(0)
@@ -302,17 +247,13 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     return math.ceil(round(t.epochs * steps_per_epoch, 6))
 
 
-def check_audio_tokenizer(cfg: TrainConfig) -> None:
+def check_audio_tokenizer(cfg: TrainConfig, opened: Cache) -> None:
     """``model.audio_tokenizer``: log it and warn when the cache's codes were made by another one
     (the precompute config in ``manifest.json``); it is never loaded."""
     tok, cache = cfg.model.audio_tokenizer, cfg.data.cache
     if not tok:
         return
-    from shards import read_manifest
-    try:
-        manifest = read_manifest(cache_metadata(cfg, cache))
-    except Exception:  # noqa: BLE001 - the loader reports an unreadable cache
-        manifest = {}
+    manifest = opened.manifest.to_dict()
     made = (manifest.get("config") or {}).get("audio_tokenizer")
     pre = made.get("pretrained") if isinstance(made, dict) else None
     if manifest and "n_codebooks" not in manifest:

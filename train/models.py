@@ -4,13 +4,11 @@
 A training model is any ``nn.Module`` whose ``forward(batch)`` takes the collated batch dict of
 :class:`loaders.ShardLoader` and returns a scalar loss tensor or a dict with ``loss`` (other 0-dim
 tensors in the dict are logged). ``--model pkg.mod:make`` imports ``pkg.mod`` and calls
-``make(**kwargs)`` where kwargs are ``--model-kwargs`` plus those of :class:`DataSpec` fields
-(``n_codebooks``, ``codebook_size``, ``vocab_size``, ``latent_channels``, ``pad_id`` and the
-placeholder token ids) and ``latent_loss`` / ``latent_loss_weight`` that the factory names in its
-signature. Optional hooks a model may have: ``fields`` (the cached fields it needs),
-``enable_lora(r, alpha, dropout, targets)`` (used by :func:`apply_lora` instead of adapting every
-matching module), ``optimizer_groups(lr, weight_decay)`` (AdamW parameter groups, each with its own
-``lr``), ``set_activation_checkpointing(on)``.
+``make(**kwargs)`` with ``--model-kwargs`` (it reads every field of the cache, LoRA adapts the
+modules ``--lora-targets`` names, AdamW's default groups); a model that needs the cache's sizes,
+declares the fields it reads or has its own LoRA, optimizer groups or activation checkpointing is a
+:class:`train.recipes.base.Recipe` subclass (``--model pkg.mod:Class``), built with
+``Class.from_cache(cache, kwargs)`` after ``cache.require(Class.contract(kwargs))``.
 
 :class:`ReferenceModel` uses every cached modality::
 
@@ -36,13 +34,10 @@ with more tokens less), which is what lets 1 x B, 2 x B/2 and 2 x B/4 x accum 2 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 import logging
 import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
@@ -50,93 +45,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from shardcache.plugins import load_factory  # noqa: F401 (re-exported for train.data)
-from shards import tokens
+from shards.cache import Cache, Contract
 from shards.tokens import IGNORE_INDEX
+
+from .recipes.base import Recipe
 
 log = logging.getLogger("train")
 
-
-
-@dataclass
-class DataSpec:
-    """What the cache holds (from ``manifest.json``; defaults where it does not say).
-
-    The first four fields size the reference model; the token ids locate the media placeholders
-    of conversation caches (``manifest.json`` ``text.special_token_ids``; None when the cache does
-    not say, e.g. a cache without conversations or with a tokenizer lacking the token).
-    """
-
-    n_codebooks: int = 8
-    codebook_size: int = 1024
-    vocab_size: int = 259
-    latent_channels: int = 16
-    pad_id: int = 0                              #: pad of ``input_ids`` (== loaders' default)
-    audio_in_token_id: int | None = None         #: ``<|AUDIO|>``: audio in a user/system turn
-    audio_out_token_id: int | None = None        #: ``<|AUDIO_OUT|>``: audio in an assistant turn
-    image_token_id: int | None = None            #: the image placeholder (``text.placeholders.image``, ``<image>``)
-    audio_out_bos_token_id: int | None = None    #: ``<|audio_out_bos|>`` (right before ``<|AUDIO_OUT|>``)
-    audio_eos_token_id: int | None = None        #: ``<|audio_eos|>`` (right after a placeholder)
-    audio_bos_token_id: int | None = None        #: ``<|audio_bos|>`` (right before ``<|AUDIO|>``)
-    eot_token_id: int | None = None              #: ``<|eot_id|>`` (end of a turn)
-    eom_token_id: int | None = None              #: ``<|eom_id|>`` (end of an assistant turn followed by another)
-    image_soft_token_id: int | None = None       #: Gemma 3's ``<image_soft_token>`` (expanded image sequence)
-    world_start_token_id: int | None = None      #: TheWorld's world start marker (``text.world_tokens[0]``)
-    world_end_token_id: int | None = None        #: TheWorld's world end marker (``text.world_tokens[1]``)
-
-
-#: DataSpec field -> special token in ``manifest.json`` ``text.special_token_ids``
-_TOKEN_FIELDS = {
-    "audio_in_token_id": tokens.AUDIO_IN,
-    "audio_out_token_id": tokens.AUDIO_OUT,
-    "image_token_id": tokens.IMAGE,
-    "audio_out_bos_token_id": tokens.AUDIO_OUT_BOS,
-    "audio_eos_token_id": tokens.AUDIO_EOS,
-    "audio_bos_token_id": tokens.AUDIO_BOS,
-    "eot_token_id": tokens.EOT,
-    "eom_token_id": tokens.EOM,
-}
-
-
-def _int(v: Any) -> int | None:
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def data_spec(cache_dir: str | Path) -> DataSpec:
-    """Read the :class:`DataSpec` of a cache from its ``manifest.json``.
-
-    ``n_codebooks`` / ``codebook_size`` / ``latent_channels``: top-level keys (written only when the
-    job had an audio tokenizer / image encoder). ``vocab_size`` / ``pad_id`` / token ids: the ``text``
-    section (``vocab_size``, ``pad_id``, ``special_token_ids``), else the top-level
-    ``text_vocab_size`` / ``text_pad_id``. Anything absent keeps the default (8 / 1024 / 259 / 16,
-    pad 0, token ids None).
-
-    Raises :class:`shards.ManifestError` naming ``manifest.json`` and the field when the file is
-    missing or a field has the wrong type (a model sized from a guess failed later with an
-    ``IndexError`` deep in an embedding), :class:`shards.UnsupportedFormat` for a newer cache.
-    """
-    from shards.manifest import CacheManifest
-    spec = DataSpec()
-    manifest = CacheManifest.read_required(cache_dir)
-    values = {
-        "n_codebooks": manifest.n_codebooks,
-        "codebook_size": manifest.codebook_size,
-        "latent_channels": manifest.latent_channels,
-        "vocab_size": manifest.vocab_size(),
-        "pad_id": manifest.pad_id(),
-    }
-    specials = manifest.text.special_token_ids if manifest.text is not None else {}
-    # the image placeholder is configurable at stage one (text.placeholders.image; <image> before it was)
-    placeholders = (manifest.text.extra.get("placeholders") if manifest.text is not None else None) or {}
-    world = (manifest.text.extra.get("world_tokens") if manifest.text is not None else None) or ()
-    names = _TOKEN_FIELDS | {"image_token_id": placeholders.get("image") or tokens.IMAGE,
-                             "image_soft_token_id": tokens.GEMMA_IMAGE_SOFT}
-    if len(world) == 2:
-        names |= {"world_start_token_id": world[0], "world_end_token_id": world[1]}
-    values.update({f: specials.get(tok) for f, tok in names.items()})
-    for fname, v in values.items():
-        if _int(v) is not None:
-            setattr(spec, fname, _int(v))
-    return spec
 
 
 def sinusoid(n: int, d: int) -> torch.Tensor:
@@ -179,11 +94,27 @@ class Block(nn.Module):
         return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 
 
-class ReferenceModel(nn.Module):
+class ReferenceModel(Recipe):
     """Text + image-latent prefix, causal transformer over codec frames (see the module docstring)."""
 
-    #: what it reads from a cache (``latents`` only where samples have them)
-    fields = ("codes", "input_ids", "latents")
+    fields = ("codes",)
+    optional_fields = ("input_ids", "text_ids", "latents")  #: (``latents`` only where samples have them)
+
+    @classmethod
+    def contract(cls, kwargs: Mapping[str, Any]) -> Contract:
+        """Codes (any codec: the model is sized from the cache); text and latents where the cache has them."""
+        return Contract("--model reference", fields=cls.fields, optional_fields=cls.optional_fields)
+
+    @classmethod
+    def from_cache(cls, cache: Cache, kwargs: Mapping[str, Any], *, latent_loss: str = "none",
+                   latent_loss_weight: float = 1.0) -> "ReferenceModel":
+        """Sized from the cache (its codec's codebooks, text vocabulary, latent channels; 259 / 16 when
+        it has no text / latents); ``kwargs`` (``model.kwargs``) win."""
+        codec = cache.codec
+        sizes = {"n_codebooks": codec.n_codebooks, "codebook_size": codec.codebook_size,
+                 "vocab_size": cache.vocab_size or 259, "latent_channels": cache.latent_channels or 16,
+                 "latent_loss": latent_loss, "latent_loss_weight": latent_loss_weight}
+        return cls(**{**sizes, **kwargs})
 
     def __init__(self, n_codebooks: int = 8, codebook_size: int = 1024, vocab_size: int = 259,
                  latent_channels: int = 16, d_model: int = 256, n_layers: int = 4, n_heads: int = 4,
@@ -221,8 +152,9 @@ class ReferenceModel(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def set_activation_checkpointing(self, on: bool = True) -> None:
+    def set_activation_checkpointing(self, on: bool = True) -> bool:
         self.activation_checkpointing = on
+        return True
 
     def patchify(self, latents: torch.Tensor) -> torch.Tensor:
         """(B, C, T, h, w) -> (B, T * h/p * w/p, C * p * p); h, w zero-padded to multiples of p."""
@@ -358,31 +290,41 @@ class ReferenceModel(nn.Module):
         return per.sum() / B
 
 
-def build_model(model: str, model_kwargs: dict, spec: DataSpec, latent_loss: str = "none",
-                latent_loss_weight: float = 1.0) -> nn.Module:
-    """The reference model, a recipe (a name of :data:`train.recipes.RECIPES`) or
-    ``module:factory(**kwargs)`` (see the module docstring). :class:`DataSpec` values are passed
-    to every parameter of the same name that ``model_kwargs`` does not set."""
+def resolve_model(name: str) -> Any:
+    """The class (or factory) ``--model.name`` builds, without building it: a recipe of
+    :data:`train.recipes.RECIPES` (``reference`` included) or a ``module:attr`` plug-in. The one place
+    a model name resolves."""
     from .recipes import RECIPES, recipe_class
+    return recipe_class(name) if name in RECIPES else load_factory(name)
 
-    if model == "reference":
-        factory = ReferenceModel
-    elif model in RECIPES:
-        factory = recipe_class(model)
+
+def is_recipe(obj: Any) -> bool:
+    """Whether ``obj`` (a class, factory or model) is a :class:`~train.recipes.base.Recipe`."""
+    return isinstance(obj, Recipe) or (isinstance(obj, type) and issubclass(obj, Recipe))
+
+
+def model_contract(model: str, model_kwargs: Mapping[str, Any]) -> Contract | None:
+    """The contract of ``--model`` with ``model.kwargs`` (None for a plain ``module:factory``)."""
+    cls = resolve_model(model)
+    return cls.contract(dict(model_kwargs)) if is_recipe(cls) else None
+
+
+def build_model(model: str, model_kwargs: dict, cache: "Cache | str", latent_loss: str = "none",
+                latent_loss_weight: float = 1.0) -> nn.Module:
+    """The model ``model`` names (:func:`resolve_model`) for ``cache`` (a :class:`shards.Cache` or a
+    path): a recipe is checked against the cache (``cache.require(contract)``: raises
+    :class:`shards.ContractMismatch` before any weight loads) and built with ``from_cache``; a plain
+    ``module:factory`` is called with ``model_kwargs``."""
+    factory = resolve_model(model)
+    if is_recipe(factory):
+        cache = Cache.open(cache)
+        cache.require(factory.contract(dict(model_kwargs)))
+        m = factory.from_cache(cache, dict(model_kwargs), latent_loss=latent_loss,
+                               latent_loss_weight=latent_loss_weight)
     else:
-        factory = load_factory(model)
-    kwargs = dict(model_kwargs)
-    offered = dict(vars(spec), latent_loss=latent_loss, latent_loss_weight=latent_loss_weight)
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        params = {}
-    for k, v in offered.items():
-        if k in params and k not in kwargs:
-            kwargs[k] = v
-    if model in RECIPES and latent_loss != "none":
-        log.warning("--latent-loss %s is ignored by --model %s", latent_loss, model)
-    m = factory(**kwargs)
+        if latent_loss != "none":
+            raise ValueError(f"--model.latent-loss {latent_loss}: {model} is a plain factory (no latent loss)")
+        m = factory(**model_kwargs)
     if not isinstance(m, nn.Module):
         raise TypeError(f"{model} returned {type(m).__name__}, expected a torch.nn.Module")
     return m
@@ -413,16 +355,18 @@ def blocked_imports(names: tuple[str, ...]):
 #: ``--lora-targets`` default (the reference model's module names); a model with its own
 #: ``enable_lora`` gets ``targets=None`` (its own default) for it
 REFERENCE_LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+ReferenceModel.lora_targets = REFERENCE_LORA_TARGETS
 
 
 def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float, targets: tuple) -> nn.Module:
     """Inject peft LoRA adapters into ``targets`` (module-name suffixes) and freeze everything else.
 
-    A model with an ``enable_lora(r, alpha, dropout, targets)`` method (every recipe:
-    adapters on the LM only, their audio/image modules stay trainable) does it itself; the
-    reference model's default targets are then replaced by the model's own default (None).
+    A recipe does it itself (:meth:`train.recipes.base.Recipe.enable_lora`; the ``tts``/``vlm``
+    recipes: adapters on the LM only, their audio/image modules stay trainable); the default
+    ``--lora-targets`` (:data:`REFERENCE_LORA_TARGETS`) then means the recipe's own
+    :attr:`~train.recipes.base.Recipe.lora_targets`.
     """
-    if hasattr(model, "enable_lora"):
+    if isinstance(model, Recipe):
         own = None if tuple(targets) == REFERENCE_LORA_TARGETS else tuple(targets)
         model.enable_lora(r=r, alpha=alpha, dropout=dropout, targets=own)
         return model
@@ -443,15 +387,9 @@ def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float, targets: tu
 
 
 def set_activation_checkpointing(model: nn.Module) -> bool:
-    """Turn on activation checkpointing where the model supports it (``set_activation_checkpointing``
-    or HF-style ``gradient_checkpointing_enable``). Returns False if it does not."""
-    if hasattr(model, "set_activation_checkpointing"):
-        model.set_activation_checkpointing(True)
-        return True
-    if hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return True
-    return False
+    """Turn on activation checkpointing where the model declares it (a recipe's
+    :meth:`~train.recipes.base.Recipe.set_activation_checkpointing`). Returns False if it does not."""
+    return isinstance(model, Recipe) and bool(model.set_activation_checkpointing(True))
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:

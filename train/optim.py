@@ -117,13 +117,15 @@ def fused_adamw_supported(device: torch.device) -> bool:
 
 
 def param_groups(raw: nn.Module, cfg: TrainConfig) -> list[dict]:
-    """The model's ``optimizer_groups(lr, weight_decay)`` if it has one, else decay on dim >= 2 and
-    none on the rest; every group gets an ``lr``. Raises ValueError when the hook's groups repeat a
-    parameter or leave a trainable one out."""
+    """The recipe's declared ``optimizer_groups(lr, weight_decay)``
+    (:meth:`train.recipes.base.Recipe.optimizer_groups`) when it gives some, else decay on dim >= 2
+    and none on the rest; every group gets an ``lr``. Raises ValueError when the recipe's groups
+    repeat a parameter or leave a trainable one out."""
+    from .recipes.base import Recipe
     lr, wd = cfg.optim.lr, cfg.optim.weight_decay
-    hook = getattr(raw, "optimizer_groups", None)
-    if callable(hook):
-        groups = [dict(g, params=list(g["params"])) for g in hook(lr, wd)]
+    declared = raw.optimizer_groups(lr, wd) if isinstance(raw, Recipe) else None
+    if declared is not None:
+        groups = [dict(g, params=list(g["params"])) for g in declared]
         ids = [id(p) for g in groups for p in g["params"]]
         missing = [n for n, p in raw.named_parameters() if p.requires_grad and id(p) not in set(ids)]
         if len(ids) != len(set(ids)) or missing:
@@ -133,7 +135,7 @@ def param_groups(raw: nn.Module, cfg: TrainConfig) -> list[dict]:
         params = [p for p in raw.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if not callable(hook):
+    if declared is None:
         groups[0]["name"], groups[1]["name"] = "decay", "no_decay"
     for i, g in enumerate(groups):
         g["lr"] = float(g.get("lr", lr))

@@ -56,19 +56,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
 from loaders.device import DevicePrefetcher
-from shards.index import read_cache_id
+from shards.cache import Cache
 
 from . import checkpoint as C
 from . import dist as D
 from .config import TrainConfig
-from .data import (batch_stream, cache_metadata, check_audio_tokenizer, count_tokens, make_loaders, n_samples, to_device,
+from .data import (batch_stream, check_audio_tokenizer, count_tokens, make_loaders, n_samples, open_cache, to_device,
                    total_steps)
 from .metrics import GradNormWarning, Metrics, StepStats, check_nonfinite, peak_memory_mb
-from .models import apply_lora, build_model, count_params, data_spec, set_activation_checkpointing
+from .models import apply_lora, build_model, count_params, resolve_model, set_activation_checkpointing
 from .optim import (clip_grads_, grad_norms, is_fused, make_optimizer, make_scheduler, restore_scheduler,
                     skipping_step, step_scheduler, trainable_groups)
 from .precision import Precision
 from .profiling import StepProfiler
+from .recipes.base import Recipe
 
 log = logging.getLogger("train")
 
@@ -112,13 +113,15 @@ class TrainState:
 
 # ---- building the model ------------------------------------------------------------------------------
 
-def prepare_model(cfg: TrainConfig, spec: Any, device: torch.device) -> nn.Module:
-    """The model as configured, before compile/DDP, on ``device``: seeded init (``data.seed``: the
-    same on every rank), ``model.init_from`` (full weights before LoRA, an adapter after it), LoRA,
-    activation checkpointing. Used by the trainer and by :mod:`train.batch_size`."""
+def prepare_model(cfg: TrainConfig, cache: Cache, device: torch.device) -> nn.Module:
+    """The model as configured for ``cache`` (an opened :class:`shards.Cache`), before compile/DDP,
+    on ``device``: the recipe's contract checked against the cache first (raises
+    :class:`shards.ContractMismatch` before any weight loads), seeded init (``data.seed``: the same on
+    every rank), ``model.init_from`` (full weights before LoRA, an adapter after it), LoRA, activation
+    checkpointing. Used by the trainer and by :mod:`train.batch_size`."""
     m = cfg.model
     torch.manual_seed(cfg.data.seed)
-    raw = build_model(m.name, m.kwargs, spec, m.latent_loss, m.latent_loss_weight)
+    raw = build_model(m.name, m.kwargs, cache, m.latent_loss, m.latent_loss_weight)
     adapter_init = bool(m.init_from) and C.is_adapter(m.init_from)
     if m.init_from and not adapter_init:
         C.load_weights(raw, m.init_from)
@@ -132,7 +135,7 @@ def prepare_model(cfg: TrainConfig, spec: Any, device: torch.device) -> nn.Modul
                              f"its options ({meta.get('lora')})")
         C.load_adapter(raw, m.init_from)
     if m.activation_checkpointing and not set_activation_checkpointing(raw):
-        log.warning("--activation-checkpointing: %s has no set_activation_checkpointing(); ignored",
+        log.warning("--activation-checkpointing: %s declares no activation checkpointing; ignored",
                     type(raw).__name__)
     return raw.to(device)
 
@@ -141,14 +144,13 @@ def adapter_info(cfg: TrainConfig, raw: nn.Module) -> dict | None:
     """With LoRA: what an adapter checkpoint records about its base (id, weights fingerprint)."""
     if not cfg.lora.enabled:
         return None
-    from .recipes import RECIPES
-    from .recipes.lm import DEFAULT_LM
     m = cfg.model
-    base = str(m.kwargs.get("lm", DEFAULT_LM)) if m.name in RECIPES else \
+    checkpoint = resolve_model(m.name).default_checkpoint if isinstance(raw, Recipe) else None
+    base = str(m.kwargs.get("lm", checkpoint)) if checkpoint else \
         f"{m.name} {json.dumps(m.kwargs, sort_keys=True)} seed {cfg.data.seed}"
     if m.init_from and not C.is_adapter(m.init_from):
         base += f" + {m.init_from}"
-    lora = getattr(raw, "lora", None) or dataclasses.asdict(cfg.lora)
+    lora = (raw.lora if isinstance(raw, Recipe) else None) or dataclasses.asdict(cfg.lora)
     return {"format": 1, "model": m.name, "base": base, "base_fingerprint": C.base_fingerprint(raw),
             "lora": {k: list(v) if isinstance(v, tuple) else v for k, v in dict(lora).items()}}
 
@@ -234,11 +236,11 @@ class Trainer:
         if info.is_main:
             D.log_env_set()
             log.info("effective config:\n%s", cfg.dump())
-        self.spec = data_spec(cache_metadata(cfg, cfg.data.cache))
-        self.cache_id = read_cache_id(cache_metadata(cfg, cfg.data.cache))  # recorded in every checkpoint
+        self.cache = open_cache(cfg, cfg.data.cache)  # manifest + index read once, for everything below
+        self.cache_id = self.cache.id                  # recorded in every checkpoint
         self.precision = Precision.of(cfg.training.precision, info.device)
-        self.raw = prepare_model(cfg, self.spec, info.device)        # identical init on every rank
-        self.loader, self.val_loader = make_loaders(cfg, info, self.raw)
+        self.raw = prepare_model(cfg, self.cache, info.device)       # contract checked; identical init on every rank
+        self.loader, self.val_loader = make_loaders(cfg, info, self.raw, self.cache)
         steps_per_epoch = len(self.loader) // cfg.training.grad_accum
         self.steps = total_steps(cfg, steps_per_epoch)
         self.optimizer = make_optimizer(self.raw, cfg, info.device)
@@ -268,12 +270,12 @@ class Trainer:
                                      state=lambda: {"loader": self.loader.state_dict(), "epoch": self.pos["epoch"]},
                                      ahead=ahead)
         if info.is_main:
-            check_audio_tokenizer(cfg)
+            check_audio_tokenizer(cfg, self.cache)
             n_train, n_total = count_params(self.raw)
             log.info("system: %s", system_info(info, self.precision.name, is_fused(self.optimizer)))
             log.info("model %s: %s trainable / %s parameters (%.2f %% trainable); data %s; %d optimizer steps "
                      "per epoch (global batch %d); %d steps%s", cfg.model.name, f"{n_train:,}", f"{n_total:,}",
-                     100 * n_train / max(n_total, 1), self.spec, steps_per_epoch,
+                     100 * n_train / max(n_total, 1), self.cache, steps_per_epoch,
                      cfg.data.batch_size * info.world_size * cfg.training.grad_accum, self.steps,
                      f" = {cfg.training.epochs:g} epochs" if cfg.training.epochs > 0 else "")
 
@@ -306,8 +308,9 @@ class Trainer:
         self.check_health()
         self.state.epoch = self.data.state["epoch"]
         config = self.cfg.to_dict()
-        if callable(getattr(self.raw, "checkpoint_config", None)):  # e.g. the higgs recipe's transformers config
-            config["model_config"] = self.raw.checkpoint_config()
+        exported = self.raw.checkpoint_config() if isinstance(self.raw, Recipe) else None
+        if exported is not None:  # e.g. the higgs recipe's transformers config
+            config["model_config"] = exported
         self.checkpointer.save(self.state.step, model=self.raw, state=self.state_dict(),
                                loader_state=self.data.state["loader"], config=config)
 
@@ -514,7 +517,7 @@ class Trainer:
             self.metrics.close()
             self.stop.uninstall()
             for ld in (self.loader, self.val_loader):
-                if getattr(ld, "close", None) is not None:
+                if ld is not None:
                     ld.close()  # DataLoader workers
         D.barrier(self.info)  # (not after a failure: the peers may be gone; the CLI exits this rank at once)
 

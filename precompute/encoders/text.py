@@ -208,14 +208,8 @@ class HFTokenizer:
         return self.tokenizer.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
 
     def _vocab_sha256(self) -> str:
-        tok = self.tokenizer
-        h = hashlib.sha256()
-        backend = getattr(tok, "backend_tokenizer", None)
-        if backend is not None and hasattr(backend, "to_str"):
-            h.update(backend.to_str().encode())  # full pipeline: normaliser, pre-tokeniser, model, post-processor
-        h.update(canonical_json(sorted(tok.get_vocab().items())).encode())
-        h.update(canonical_json({k: str(v) for k, v in tok.special_tokens_map.items()}).encode())
-        return h.hexdigest()
+        from shards.tokens import vocab_sha256
+        return vocab_sha256(self.tokenizer)
 
     def describe(self) -> dict:
         """``class``, ``name``, ``config`` (tokenizer class, special tokens, options) and ``vocab_sha256``."""

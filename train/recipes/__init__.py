@@ -2,8 +2,11 @@
 of :data:`RECIPES` (each class's docstring says what it trains).
 
 Each loads ``model_kwargs.lm`` (a directory or hub id; its default is the module's ``DEFAULT_*``),
-declares the cached ``fields`` it needs, handles LoRA itself (``enable_lora``) and exposes
+declares its contract (:class:`train.recipes.base.Recipe`: the cached fields, special tokens, codec,
+tokenizer, image preset and feature encoder it needs, checked by ``cache.require`` before any weight
+loads), handles LoRA itself (``enable_lora``) and exposes
 ``optimizer_groups(lr, weight_decay)``.
+A new recipe: one module with a ``Recipe`` subclass, plus its entry in :data:`RECIPES`.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import importlib
 
 #: ``--model`` name -> "module:class" (imported on use: transformers loads only when a recipe is chosen)
 RECIPES = {
+    "reference": "train.models:ReferenceModel",
     "higgs": "train.recipes.higgs:HiggsModel",
     "tts": "train.recipes.tts:TTSModel",
     "vlm": "train.recipes.vlm:VLMModel",

@@ -32,14 +32,18 @@ import torch
 import torch.nn as nn
 
 from loaders.higgs import HiggsBatch
+from shards.cache import Cache, Codec, Contract
 from shards.tokens import AUDIO_OUT, AUDIO_OUT_BOS
 
+from .base import build_from, tokenizer_fingerprint
 from .lm import LMRecipe, load_causal_lm, lora_options, resolve_lm, touch
 
 log = logging.getLogger("train")
 
 DEFAULT_HIGGS = "bosonai/higgs-audio-v2-generation-3B-base"
 MODEL_TYPE = "higgs_audio_v2"
+#: Higgs-Audio v2's audio tokenizer (``HiggsAudioV2TokenizerModel``): 24 kHz audio, 960 samples a frame
+CODEC_NAME, CODEC_SAMPLE_RATE, CODEC_FRAME_RATE = "higgs", 24000, 25.0
 #: the batch keys ``HiggsAudioV2ForConditionalGeneration.forward`` takes
 INPUTS = ("input_ids", "attention_mask", "audio_input_ids", "audio_input_ids_mask", "labels", "audio_labels")
 
@@ -73,7 +77,7 @@ def load_config(lm: Any):
 class HiggsModel(LMRecipe):
     """``HiggsAudioV2ForConditionalGeneration`` fine-tuned on the cache (see the module docstring).
 
-    Args (``model.kwargs``; the cache's ids come from ``manifest.json`` through :class:`train.models.DataSpec`):
+    Args (``model.kwargs``; the cache's ids come from ``manifest.json`` through :class:`shards.Cache`, :func:`train.recipes.base.cache_values`):
         lm: checkpoint directory or hub id (default :data:`DEFAULT_HIGGS`).
         dtype: weight dtype (float32 | bfloat16 | float16), default float32.
         attn_implementation: passed to ``from_pretrained`` (default: transformers' choice).
@@ -92,6 +96,30 @@ class HiggsModel(LMRecipe):
 
     fields = HiggsBatch.fields
     media_name = "audio"
+    default_checkpoint = DEFAULT_HIGGS
+
+    @classmethod
+    def contract(cls, kwargs) -> Contract:
+        """The checkpoint's (its config only): codes of Higgs-Audio's own tokenizer (name, 24 kHz, 25
+        frames/s, the model's codebooks of ``audio_stream_bos_id`` codes, hence its bandwidth in kbps:
+        codebooks x log2(size) bits x 25 / 1000), its ``<|AUDIO_OUT|>``/``<|audio_out_bos|>`` ids and its
+        tokenizer's fingerprint (when the checkpoint ships a tokenizer)."""
+        import math
+        lm = kwargs.get("lm", DEFAULT_HIGGS)
+        cfg = load_config(lm)
+        size = int(cfg.audio_stream_bos_id)
+        codec = Codec(name=CODEC_NAME, sample_rate=CODEC_SAMPLE_RATE, frame_rate=CODEC_FRAME_RATE,
+                      n_codebooks=int(cfg.num_codebooks), codebook_size=size,
+                      bandwidth=cfg.num_codebooks * math.log2(size) * CODEC_FRAME_RATE / 1000)
+        return Contract("--model higgs", fields=cls.fields, codec=codec, text_tokenizer=tokenizer_fingerprint(lm),
+                        special_tokens={AUDIO_OUT: int(cfg.audio_token_id), AUDIO_OUT_BOS: int(cfg.audio_bos_token_id)})
+
+    @classmethod
+    def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
+        cls.no_latent_loss(latent_loss)
+        return build_from(cls, cache, kwargs, (
+            "n_codebooks", "codebook_size", "vocab_size", "pad_id", "audio_in_token_id", "audio_out_token_id",
+            "audio_out_bos_token_id", "audio_eos_token_id", "audio_bos_token_id", "eot_token_id", "eom_token_id"))
 
     def __init__(self, *, lm: str = DEFAULT_HIGGS, dtype: str = "float32", attn_implementation: str | None = None,
                  lora: Any = False, labels: str = "processor", input_audio: str = "drop", use_text_head: bool = True,

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from shardcache.pretrained import BUILD_HINT, resolve_pretrained
 from shards.tokens import IGNORE_INDEX
 
+from .base import Recipe
+
 log = logging.getLogger("train")
 
 DEFAULT_LM = "meta-llama/Llama-3.2-1B"
@@ -221,10 +223,13 @@ def next_token_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module)
 
 # -- the shared module ------------------------------------------------------------------------------
 
-class LMRecipe(nn.Module):
-    """Base of the recipes: ``self.lm`` (an HF causal LM) plus the recipe's own modules
-    (:meth:`media_modules`, always trainable). Handles freezing, LoRA (:meth:`enable_lora`), activation
-    checkpointing, trainable-fraction logging and :meth:`optimizer_groups`."""
+class LMRecipe(Recipe):
+    """Base of the recipes on a ``transformers`` LM: ``self.lm`` (an HF causal LM) plus the recipe's own
+    modules (:meth:`media_modules`, always trainable). Handles freezing, LoRA (:meth:`enable_lora`),
+    activation checkpointing, trainable-fraction logging and :meth:`optimizer_groups`."""
+
+    default_checkpoint = DEFAULT_LM
+    lora_targets = DEFAULT_LORA_TARGETS
 
     #: with a frozen LM, warn when more than this fraction of the parameters trains
     max_trainable_fraction: float | None = None
@@ -265,7 +270,7 @@ class LMRecipe(nn.Module):
                  self.lm_name, opts["r"], opts["alpha"], opts["dropout"], list(opts["targets"]), n)
         self.log_trainable()
 
-    def set_activation_checkpointing(self, on: bool = True) -> None:
+    def set_activation_checkpointing(self, on: bool = True) -> bool:
         """HF activation (gradient) checkpointing of the LM's layers, non-reentrant (works with a
         frozen LM); ``activation_checkpointing_*`` where transformers has it (>= 5.x), else the
         older ``gradient_checkpointing_*``."""
@@ -279,6 +284,7 @@ class LMRecipe(nn.Module):
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         else:
             self.lm.gradient_checkpointing_disable()
+        return True
 
     def trainable_fraction(self) -> float:
         total = sum(p.numel() for p in self.parameters())

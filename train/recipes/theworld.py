@@ -42,12 +42,20 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shards.cache import Cache, Contract, FeatureEncoder, ImagePreset
+from shards.tokens import GEMMA_IMAGE_SOFT
+
+from .base import build_from, tokenizer_fingerprint
 from .lm import LMRecipe, load_causal_lm, lora_options, merge_placeholders, next_token_loss, resolve_lm, touch
 
 log = logging.getLogger("train")
 
 DEFAULT_GEMMA3 = "google/gemma-3-4b-it"
 MODEL_TYPE = "gemma3"
+#: TheWorld's world markers (``TheWorld._inject_world_tokens``; configs/precompute-theworld.yaml)
+WORLD_TOKENS = ("<start_of_world>", "<end_of_world>")
+#: the image preset TheWorld's projection was trained on (``to_tensor(img) * 255`` of a PIL resize)
+PIXEL_RANGE = "0..255"
 
 
 class WorldProjector(nn.Module):
@@ -112,7 +120,7 @@ class TheWorldModel(LMRecipe):
     """Gemma 3 + TheWorld's world tokens on cached image features and latents (see the module docstring).
 
     Args (``model.kwargs``; ids and sizes of the cache come from ``manifest.json`` via
-    :class:`train.models.DataSpec`):
+    :func:`train.recipes.base.cache_values`):
         lm: Gemma 3 directory or hub id (default :data:`DEFAULT_GEMMA3`).
         dtype: weight dtype of the LM and the projection (float32 | bfloat16 | float16; default float32).
         attn_implementation: passed to ``from_pretrained`` (Gemma 3 refuses flash attention: its
@@ -140,6 +148,28 @@ class TheWorldModel(LMRecipe):
 
     fields = ("input_ids", "labels", "latents", "image_features")
     media_name = "projection"
+    default_checkpoint = DEFAULT_GEMMA3
+
+    @classmethod
+    def contract(cls, kwargs) -> Contract:
+        """The checkpoint's (config and tokenizer, no weights): ``image_features`` of Gemma 3's own
+        vision tower (its tokens per image and hidden size), its ``<image_soft_token>`` id, its
+        tokenizer with TheWorld's world markers added (the fingerprint), the markers themselves and
+        latents in TheWorld's pixel range (``0..255``)."""
+        lm = kwargs.get("lm", DEFAULT_GEMMA3)
+        cfg = check_config(lm)
+        return Contract("--model theworld", fields=cls.fields, text_tokenizer=tokenizer_fingerprint(lm, WORLD_TOKENS),
+                        special_tokens={GEMMA_IMAGE_SOFT: int(cfg.image_token_id), **dict.fromkeys(WORLD_TOKENS)},
+                        image=ImagePreset(pixel_range=PIXEL_RANGE),
+                        feature_encoder=FeatureEncoder(name=MODEL_TYPE, tokens_per_image=int(cfg.mm_tokens_per_image),
+                                                       hidden_size=int(cfg.text_config.hidden_size)))
+
+    @classmethod
+    def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
+        cls.no_latent_loss(latent_loss)
+        return build_from(cls, cache, kwargs, (
+            "latent_channels", "vocab_size", "pad_id", "image_token_id", "image_soft_token_id",
+            "world_start_token_id", "world_end_token_id"))
 
     def __init__(self, *, lm: str = DEFAULT_GEMMA3, dtype: str = "float32", attn_implementation: str | None = None,
                  freeze_lm: bool = True, lora: Any = False, projection_lr: float | None = None,

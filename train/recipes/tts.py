@@ -40,6 +40,10 @@ import torch.nn.functional as F
 
 from loaders.higgs import build_delay_pattern, delay_segments, revert_delay_pattern  # noqa: F401 (re-exported)
 
+from shards.cache import Cache, Contract
+from shards.tokens import AUDIO_OUT
+
+from .base import build_from
 from .lm import (DEFAULT_LM, IGNORE_INDEX, LMRecipe, Merged, lora_options, merge_placeholders,
                  next_token_loss, per_sample_mean, touch)
 
@@ -62,7 +66,7 @@ class TTSModel(LMRecipe):
         audio_lr: learning rate of the audio embeddings and heads in :meth:`optimizer_groups`
             (default: the run's lr).
         n_codebooks, codebook_size, vocab_size, pad_id, audio_in_token_id, audio_out_token_id,
-        audio_out_bos_token_id: from :class:`train.models.DataSpec`.
+        audio_out_bos_token_id: from the cache (:func:`train.recipes.base.cache_values`).
 
     Batch: ``input_ids`` int64 (B, L), ``labels`` int64 (B, L), ``attention_mask`` bool (B, L)
     (optional), ``codes`` int64 (B, Q, F) padded -100, ``audio_segments`` int64 (B, S, 6) padded -1,
@@ -71,6 +75,18 @@ class TTSModel(LMRecipe):
 
     fields = ("input_ids", "labels", "codes", "audio_segments")
     media_name = "audio"  #: optimizer_groups name of the recipe's own modules
+
+    @classmethod
+    def contract(cls, kwargs) -> Contract:
+        """Conversations with ``<|AUDIO_OUT|>`` items as codes; any codec and tokenizer (the audio
+        embeddings are new, sized from the cache; the LM's token embeddings are resized to its vocabulary)."""
+        return Contract("--model tts", fields=cls.fields, special_tokens={AUDIO_OUT: kwargs.get("audio_out_token_id")})
+
+    @classmethod
+    def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
+        cls.no_latent_loss(latent_loss)
+        return build_from(cls, cache, kwargs, ("n_codebooks", "codebook_size", "vocab_size", "pad_id",
+                                               "audio_in_token_id", "audio_out_token_id", "audio_out_bos_token_id"))
 
     def __init__(self, *, n_codebooks: int = 8, codebook_size: int = 1024, vocab_size: int | None = None,
                  pad_id: int = 0, audio_in_token_id: int | None = None, audio_out_token_id: int | None = None,

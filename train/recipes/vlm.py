@@ -27,6 +27,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shards.cache import Cache, Contract, ImagePreset
+
+from .base import build_from
 from .lm import DEFAULT_LM, LMRecipe, Merged, lora_options, merge_placeholders, next_token_loss, touch
 
 log = logging.getLogger("train")
@@ -66,7 +69,7 @@ class VLMModel(LMRecipe):
             the run's lr (with a frozen LM the projection is all that trains, so ``--lr`` is its lr;
             set it, e.g. 10x lr, when LoRA or the full LM trains at a lower rate).
         max_trainable_fraction: with a frozen LM warn above this fraction (default 0.10).
-        latent_channels, vocab_size, pad_id, image_token_id: from :class:`train.models.DataSpec`.
+        latent_channels, vocab_size, pad_id, image_token_id: from the cache (:func:`train.recipes.base.cache_values`).
 
     Batch: ``input_ids``/``labels`` int64 (B, L), ``attention_mask`` bool (B, L) (optional),
     ``latents`` float32 (B, C, T, H, W) (image k of sample b = ``latents[b, :, k]``), ``latents_mask``
@@ -75,6 +78,17 @@ class VLMModel(LMRecipe):
 
     fields = ("input_ids", "labels", "latents")
     media_name = "projection"  #: optimizer_groups name of the recipe's own modules
+
+    @classmethod
+    def contract(cls, kwargs) -> Contract:
+        """Conversations with image latents from any VAE and preset (the projection is new, sized from
+        the cache's latent channels) and any tokenizer (the LM's embeddings are resized)."""
+        return Contract("--model vlm", fields=cls.fields, image=ImagePreset())
+
+    @classmethod
+    def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
+        cls.no_latent_loss(latent_loss)
+        return build_from(cls, cache, kwargs, ("latent_channels", "vocab_size", "pad_id", "image_token_id"))
 
     def __init__(self, *, latent_channels: int = 16, vocab_size: int | None = None, pad_id: int = 0,
                  image_token_id: int | None = None, lm: str = DEFAULT_LM, dtype: str = "float32",

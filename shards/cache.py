@@ -1,0 +1,296 @@
+"""A cache opened once: :class:`Cache` (manifest, index, fields, id, encoders' identity) and
+:meth:`Cache.require`, which refuses a model whose declared :class:`Contract` the cache does not meet.
+
+Stage two reads ``manifest.json`` and ``index.parquet`` here and nowhere else before it builds a model:
+the trainer opens the cache once, checks the recipe's contract against it (before any weight loads),
+builds the model from it and hands it to the loaders. A URL (``s3://...``, any fsspec protocol) is
+opened from a local copy of its two metadata files (fetched once per process); the loaders fetch the
+shards themselves.
+
+The encoders' identity (what a model needs to agree with) comes from the manifest as typed values:
+
+=====================  ========================================================================================
+``codec``              :class:`Codec`: ``name`` (``dac``, ``higgs``, ``encodec``, ``mimi``...),
+                       ``sample_rate`` (Hz), ``frame_rate`` (frames/s), ``n_codebooks``, ``codebook_size``,
+                       ``bandwidth`` (kbps, where the codec has one)
+``text_tokenizer``     the tokenizer's fingerprint (``vocab_sha256`` of its vocabulary, pipeline and special
+                       tokens, after the tokens the job added)
+``image``              :class:`ImagePreset`: the image encoder (``wan``, ``cosmos``...), ``size``, ``resize``,
+                       ``rgb``, ``pixel_range``, ``latent_channels``
+``feature_encoder``    :class:`FeatureEncoder`: the image-feature encoder (``gemma3``), ``tokens_per_image``,
+                       ``hidden_size``
+=====================  ========================================================================================
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields as dc_fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import fields as registry
+from .errors import ContractMismatch
+from .manifest import CacheManifest
+from .schema import INDEX_FILE, MANIFEST_FILE
+from .storage import is_url
+
+
+@dataclass(frozen=True)
+class Codec:
+    """An audio codec's identity. In a :class:`Contract` a ``None`` attribute means "any"."""
+
+    name: str | None = None
+    sample_rate: int | None = None       #: Hz of the audio the codec encodes
+    frame_rate: float | None = None      #: code frames per second
+    n_codebooks: int | None = None
+    codebook_size: int | None = None
+    bandwidth: float | None = None       #: kbps (codecs with a bandwidth setting: higgs, encodec)
+
+
+@dataclass(frozen=True)
+class ImagePreset:
+    """How images became latents: the encoder and the preprocessing. ``None`` in a contract: any."""
+
+    encoder: str | None = None           #: the image encoder's name (``wan``, ``cosmos``...)
+    size: int | None = None              #: ``image_size`` (pixels of the side the encoder saw)
+    resize: str | None = None            #: ``image_resize`` (``center_crop``, ``stretch``...)
+    rgb: str | None = None               #: ``image_rgb`` (``composite``, ``convert``)
+    pixel_range: str | None = None       #: ``image_pixel_range`` (``-1..1``, ``0..255``)
+    latent_channels: int | None = None
+
+
+@dataclass(frozen=True)
+class FeatureEncoder:
+    """The encoder of the cached ``image_features`` (a VLM's own vision tower). ``None``: any."""
+
+    name: str | None = None              #: ``gemma3``
+    tokens_per_image: int | None = None
+    hidden_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a model needs from a cache (declared by its recipe: :mod:`train.recipes.base`).
+
+    Attributes:
+        model: the model's name, for messages (``--model higgs``).
+        fields: fields the cache must hold (some sample of it).
+        optional_fields: fields read when the cache holds them (never required).
+        special_tokens: token -> the id the model has for it, or ``None`` when any id will do but
+            the cache must have the token.
+        codec / image / feature_encoder: each set attribute must equal the cache's (``None``: any).
+        text_tokenizer: the fingerprint (``vocab_sha256``) the cache's tokenizer must have.
+    """
+
+    model: str
+    fields: tuple[str, ...] = ()
+    optional_fields: tuple[str, ...] = ()
+    special_tokens: Mapping[str, int | None] = field(default_factory=dict)
+    codec: Codec | None = None
+    text_tokenizer: str | None = None
+    image: ImagePreset | None = None
+    feature_encoder: FeatureEncoder | None = None
+
+    @property
+    def read_fields(self) -> tuple[str, ...]:
+        """Every field the model reads: ``fields`` then ``optional_fields``."""
+        return tuple(self.fields) + tuple(f for f in self.optional_fields if f not in self.fields)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-9)
+    return a == b
+
+
+def _local_meta_dir(url: str) -> Path:
+    """Where a URL cache's metadata is copied: ``$SHARDCACHE_LOCAL_CACHE`` (default
+    ``~/.cache/shardcache/remote``) ``/<sha1 of the url>[:16]/meta``, beside the loaders' rank folders."""
+    base = os.environ.get("SHARDCACHE_LOCAL_CACHE") or Path.home() / ".cache" / "shardcache" / "remote"
+    return Path(base) / hashlib.sha1(url.encode()).hexdigest()[:16] / "meta"
+
+
+@functools.lru_cache(maxsize=8)
+def _fetch_metadata(url: str, options: str) -> str:
+    from .storage import RemoteFolder
+    remote = RemoteFolder(url, json.loads(options))
+    local = _local_meta_dir(url)
+    local.mkdir(parents=True, exist_ok=True)
+    if not remote.exists(INDEX_FILE):
+        raise FileNotFoundError(f"{url}/{INDEX_FILE} not found: is {url} a shardcache cache?")
+    for name in (INDEX_FILE, MANIFEST_FILE):
+        if name == INDEX_FILE or remote.exists(name):
+            remote.get(name, local / name)  # atomic: ranks of one node may fetch at once
+    return str(local)
+
+
+def metadata_dir(cache: str | os.PathLike, storage_options: dict | None = None) -> Path:
+    """A local folder holding ``cache``'s ``manifest.json`` and ``index.parquet``: ``cache`` itself,
+    or for a URL a copy of the two files (fetched once per process; :func:`_local_meta_dir`).
+    Raises ``FileNotFoundError`` when the URL holds no index."""
+    if not is_url(cache):
+        return Path(cache)
+    return Path(_fetch_metadata(str(cache).rstrip("/"), json.dumps(storage_options or {}, sort_keys=True)))
+
+
+class Cache:
+    """A cache opened once (see the module docstring). Build it with :meth:`open`.
+
+    Attributes: ``source`` (the path or URL as given), ``dir`` (a local folder with the metadata:
+    the cache itself, or the fetched copy of a URL's), ``manifest`` (:class:`CacheManifest`,
+    checked: :meth:`CacheManifest.read_required`), ``index`` (the ``index.parquet`` table), ``id``
+    (:func:`shards.index.read_cache_id`), ``fields`` (the fields some sample holds),
+    ``storage_options``.
+    """
+
+    def __init__(self, source: str | os.PathLike, dir: Path, manifest: CacheManifest, index: pa.Table,
+                 id: str, storage_options: dict | None = None):
+        self.source, self.dir, self.manifest, self.index, self.id = source, dir, manifest, index, id
+        self.storage_options = storage_options
+        names = pc.unique(index.column("members").combine_chunks().flatten().field("name")).to_pylist() \
+            if index.num_rows else []
+        self.fields: tuple[str, ...] = tuple(sorted(n[:-4] for n in names if n.endswith(".npy")
+                                                    and registry.lookup(n[:-4]) is not None))
+
+    @classmethod
+    def open(cls, path_or_url: "str | os.PathLike | Cache", storage_options: dict | None = None) -> "Cache":
+        """Open a cache: read its manifest and index once, and its id.
+
+        Raises ``FileNotFoundError`` (no ``index.parquet``: not a cache), :class:`shards.ManifestError`
+        (``manifest.json`` missing or a field of the wrong type), :class:`shards.UnsupportedFormat`,
+        :class:`shards.ShardCorrupt` (what :func:`shards.index.read_cache_id` refuses).
+        """
+        if isinstance(path_or_url, Cache):
+            return path_or_url
+        from .index import read_cache_id, read_index
+        local = metadata_dir(path_or_url, storage_options)
+        if not (local / INDEX_FILE).is_file():
+            raise FileNotFoundError(f"{local / INDEX_FILE} not found: is {path_or_url} a shardcache cache "
+                                    "(a directory made by `shardcache precompute`)?")
+        manifest = CacheManifest.read_required(local)
+        return cls(path_or_url, local, manifest, read_index(local), read_cache_id(local), storage_options)
+
+    def __repr__(self) -> str:
+        return f"Cache({str(self.source)!r}, id={self.id}, {self.index.num_rows} samples)"
+
+    def __len__(self) -> int:
+        return self.index.num_rows
+
+    # -- sizes and ids of the text -------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int | None:
+        return self.manifest.vocab_size()
+
+    @property
+    def pad_id(self) -> int:
+        """Pad id of ``input_ids`` (0 when the manifest does not say: the loaders' default)."""
+        v = self.manifest.pad_id()
+        return 0 if v is None else int(v)
+
+    @property
+    def latent_channels(self) -> int | None:
+        return self.manifest.latent_channels
+
+    def token_id(self, token: str) -> int | None:
+        """The id of special token ``token`` in the cache's tokenizer (``text.special_token_ids``), or None."""
+        ids = self.manifest.text.special_token_ids if self.manifest.text is not None else {}
+        v = ids.get(token)
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The image placeholder token of the cache's conversations (``text.placeholders.image``)."""
+        ph = (self.manifest.text.extra.get("placeholders") if self.manifest.text is not None else None) or {}
+        return ph.get("image")
+
+    @property
+    def world_tokens(self) -> tuple[str, str] | None:
+        """TheWorld's world start / end markers (``text.world_tokens``), or None."""
+        w = (self.manifest.text.extra.get("world_tokens") if self.manifest.text is not None else None) or ()
+        return (str(w[0]), str(w[1])) if len(w) == 2 else None
+
+    # -- the encoders' identity ----------------------------------------------------------------------
+    def _encoder(self, name: str) -> dict:
+        enc = (self.manifest.encoders or {}).get(name)
+        return enc if isinstance(enc, dict) else {}
+
+    @property
+    def codec(self) -> Codec | None:
+        """The codec of the ``codes`` field, None when the cache has no codes."""
+        m = self.manifest
+        if m.n_codebooks is None:
+            return None
+        enc = self._encoder("audio_tokenizer")
+        bw = enc.get("bandwidth")
+        return Codec(name=enc.get("name"), sample_rate=m.codec_sample_rate, frame_rate=m.frame_rate,
+                     n_codebooks=m.n_codebooks, codebook_size=m.codebook_size,
+                     bandwidth=float(bw) if isinstance(bw, (int, float)) and not isinstance(bw, bool) else None)
+
+    @property
+    def text_tokenizer(self) -> str | None:
+        """The text tokenizer's fingerprint (``encoders.text_tokenizer.vocab_sha256``), or None."""
+        return self._encoder("text_tokenizer").get("vocab_sha256")
+
+    @property
+    def image(self) -> ImagePreset | None:
+        """The image encoder and preprocessing of the ``latents`` field, None without an image encoder."""
+        enc = self._encoder("image_encoder")
+        if not enc.get("name"):
+            return None
+        pre = self._encoder("preprocessing")
+        return ImagePreset(encoder=enc.get("name"), size=pre.get("image_size"), resize=pre.get("image_resize"),
+                           rgb=pre.get("image_rgb"), pixel_range=pre.get("image_pixel_range"),
+                           latent_channels=self.manifest.latent_channels)
+
+    @property
+    def feature_encoder(self) -> FeatureEncoder | None:
+        """The encoder of the ``image_features`` field, None when the cache has none."""
+        fi = self.manifest.fields.get("image_features")
+        if fi is None:
+            return None
+        enc = fi.encoder.get("encoder") if isinstance(fi.encoder.get("encoder"), dict) else fi.encoder
+        return FeatureEncoder(name=enc.get("name"), tokens_per_image=fi.extra.get("tokens_per_image"),
+                              hidden_size=fi.extra.get("hidden_size"))
+
+    # -- the contract ----------------------------------------------------------------------------------
+    def mismatches(self, contract: Contract) -> list[tuple[str, Any, Any]]:
+        """Every item of ``contract`` this cache does not meet, as ``(item, cache's value, model's
+        value)``; items are named ``fields``, ``special_tokens.<tok>``, ``codec.<attr>``,
+        ``text_tokenizer``, ``image.<attr>``, ``feature_encoder.<attr>``."""
+        out: list[tuple[str, Any, Any]] = []
+        missing = [f for f in contract.fields if f not in self.fields]
+        if missing:
+            out.append(("fields", list(self.fields), list(contract.fields)))
+        for tok, want in contract.special_tokens.items():
+            have = self.token_id(tok)
+            if have is None or (want is not None and have != want):
+                out.append((f"special_tokens.{tok}", have, "any id" if want is None else want))
+        for item, want, have in (("codec", contract.codec, self.codec), ("image", contract.image, self.image),
+                                 ("feature_encoder", contract.feature_encoder, self.feature_encoder)):
+            if want is None:
+                continue
+            for f in dc_fields(want):
+                w = getattr(want, f.name)
+                h = getattr(have, f.name) if have is not None else None
+                if w is not None and not _same(h, w):
+                    out.append((f"{item}.{f.name}", h, w))
+        if contract.text_tokenizer is not None and self.text_tokenizer != contract.text_tokenizer:
+            out.append(("text_tokenizer", self.text_tokenizer, contract.text_tokenizer))
+        return out
+
+    def require(self, contract: Contract) -> None:
+        """Refuse a model whose contract this cache does not meet, before anything is built.
+
+        Raises :class:`shards.errors.ContractMismatch` naming each item, the cache's value and the
+        model's value (one line); ``.item``, ``.cache_value``, ``.model_value`` are the first's.
+        """
+        bad = self.mismatches(contract)
+        if bad:
+            raise ContractMismatch(contract.model, str(self.source), bad)

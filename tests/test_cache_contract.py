@@ -1,0 +1,279 @@
+"""``shards.Cache`` (the cache opened once) and ``cache.require(contract)``: each contract item refused by
+name with the cache's and the model's value; the recipes' contracts (read from the tiny checkpoints'
+configs, no weights) refuse caches from another codec, frame rate, tokenizer, image preset or feature
+encoder before any weight loads, and accept their own caches."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shards import Cache, ContractMismatch, read_cache_id
+from shards.cache import Codec, Contract, FeatureEncoder, ImagePreset
+from test_train_support import cache_with_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+DEMO = ROOT / "data" / "demo" / "samples.jsonl"
+
+#: a manifest as stage one writes it (the keys the identity is read from)
+MANIFEST = {
+    "encoders": {
+        "audio_tokenizer": {"name": "higgs", "bandwidth": 2, "n_codebooks": 2, "codebook_size": 4},
+        "image_encoder": {"name": "wan"},
+        "text_tokenizer": {"name": "hf", "vocab_sha256": "a" * 64},
+        "preprocessing": {"image_size": 512, "image_resize": "stretch", "image_rgb": "convert",
+                          "image_pixel_range": "0..255"}},
+    "sample_rate": 24000, "codec_sample_rate": 24000, "n_codebooks": 2, "codebook_size": 4, "frame_rate": 25.0,
+    "latent_channels": 4,
+    "text": {"vocab_size": 16, "pad_id": 1, "special_token_ids": {"<|AUDIO_OUT|>": 10, "<|audio_out_bos|>": 9}},
+    "fields": {"image_features": {"fingerprint": "f", "sidecar": False, "tokens_per_image": 2, "hidden_size": 4,
+                                  "encoder": {"producer": "image_features", "encoder": {"name": "gemma3"}}}},
+}
+
+#: the contract MANIFEST meets, item by item
+MATCHING = Contract("--model test", fields=("codes", "input_ids", "latents", "image_features"),
+                    special_tokens={"<|AUDIO_OUT|>": 10, "<|audio_out_bos|>": None},
+                    codec=Codec("higgs", 24000, 25.0, 2, 4, 2.0), text_tokenizer="a" * 64,
+                    image=ImagePreset("wan", 512, "stretch", "convert", "0..255", 4),
+                    feature_encoder=FeatureEncoder("gemma3", 2, 4))
+
+#: item -> (a contract differing from MATCHING in that item only, the cache's value, the model's value)
+ITEMS = {
+    "fields": (dict(fields=("codes", "mel")), None, None),
+    "special_tokens.<|AUDIO_OUT|>": (dict(special_tokens={"<|AUDIO_OUT|>": 11}), 10, 11),
+    "special_tokens.<start_of_world>": (dict(special_tokens={"<start_of_world>": None}), None, "any id"),
+    "codec.name": (dict(codec=Codec(name="encodec")), "higgs", "encodec"),
+    "codec.sample_rate": (dict(codec=Codec(sample_rate=16000)), 24000, 16000),
+    "codec.frame_rate": (dict(codec=Codec(frame_rate=75.0)), 25.0, 75.0),
+    "codec.n_codebooks": (dict(codec=Codec(n_codebooks=8)), 2, 8),
+    "codec.codebook_size": (dict(codec=Codec(codebook_size=1024)), 4, 1024),
+    "codec.bandwidth": (dict(codec=Codec(bandwidth=6.0)), 2.0, 6.0),
+    "text_tokenizer": (dict(text_tokenizer="b" * 64), "a" * 64, "b" * 64),
+    "image.encoder": (dict(image=ImagePreset(encoder="cosmos")), "wan", "cosmos"),
+    "image.size": (dict(image=ImagePreset(size=256)), 512, 256),
+    "image.resize": (dict(image=ImagePreset(resize="center_crop")), "stretch", "center_crop"),
+    "image.rgb": (dict(image=ImagePreset(rgb="composite")), "convert", "composite"),
+    "image.pixel_range": (dict(image=ImagePreset(pixel_range="-1..1")), "0..255", "-1..1"),
+    "image.latent_channels": (dict(image=ImagePreset(latent_channels=16)), 4, 16),
+    "feature_encoder.name": (dict(feature_encoder=FeatureEncoder(name="siglip")), "gemma3", "siglip"),
+    "feature_encoder.tokens_per_image": (dict(feature_encoder=FeatureEncoder(tokens_per_image=256)), 2, 256),
+    "feature_encoder.hidden_size": (dict(feature_encoder=FeatureEncoder(hidden_size=2560)), 4, 2560),
+}
+
+
+@pytest.fixture(scope="module")
+def typed_cache(tmp_path_factory) -> Path:
+    return cache_with_manifest(tmp_path_factory.mktemp("typed") / "c", MANIFEST, latents=True, image_features=True)
+
+
+def test_open_reads_manifest_index_id_fields_and_encoders(typed_cache):
+    c = Cache.open(str(typed_cache))
+    assert c.dir == typed_cache and c.source == str(typed_cache) and len(c) == c.index.num_rows == 2
+    assert c.id == read_cache_id(typed_cache) and c.manifest.n_codebooks == 2
+    assert set(c.fields) == {"codes", "input_ids", "labels", "audio_segments", "latents", "image_features"}
+    assert c.codec == Codec("higgs", 24000, 25.0, 2, 4, 2.0)
+    assert c.text_tokenizer == "a" * 64
+    assert c.image == ImagePreset("wan", 512, "stretch", "convert", "0..255", 4)
+    assert c.feature_encoder == FeatureEncoder("gemma3", 2, 4)
+    assert (c.vocab_size, c.pad_id, c.token_id("<|AUDIO_OUT|>"), c.token_id("<nope>")) == (16, 1, 10, None)
+    assert Cache.open(c) is c
+    c.require(MATCHING)  # every item met: nothing raised
+    from loaders import ShardLoader
+    ld = ShardLoader(c, 2, fields=("codes", "input_ids"))   # a loader takes the opened cache
+    ld.set_epoch(0)
+    assert ld.cache_id == c.id and sorted(next(iter(ld))["keys"]) == ["k000", "k001"]
+    ld.close()
+
+
+@pytest.mark.parametrize("item", sorted(ITEMS))
+def test_require_refuses_each_item_by_name(typed_cache, item):
+    change, cache_value, model_value = ITEMS[item]
+    contract = Contract(**{**MATCHING.__dict__, **change})
+    with pytest.raises(ContractMismatch) as e:
+        Cache.open(typed_cache).require(contract)
+    assert e.value.item == item, str(e.value)
+    assert [m[0] for m in e.value.mismatches] == [item]             # that item and no other
+    msg = str(e.value)
+    assert "\n" not in msg and f"{item}: the cache has " in msg and "--model test" in msg
+    if item != "fields":
+        assert (e.value.cache_value, e.value.model_value) == (cache_value, model_value)
+        assert repr(model_value) in msg
+
+
+def test_a_cache_without_codes_or_images_is_refused_by_what_needs_them(tmp_path):
+    bare = copy.deepcopy(MANIFEST)
+    for k in ("n_codebooks", "codebook_size", "frame_rate", "codec_sample_rate", "latent_channels", "fields"):
+        bare.pop(k)
+    bare["encoders"]["audio_tokenizer"] = {"name": None}
+    bare["encoders"]["image_encoder"] = {"name": None}
+    c = Cache.open(cache_with_manifest(tmp_path / "c", bare))
+    assert c.codec is c.image is c.feature_encoder is None
+    with pytest.raises(ContractMismatch, match=r"codec\.name: the cache has None"):
+        c.require(Contract("m", codec=Codec(name="higgs")))
+    with pytest.raises(ContractMismatch, match=r"feature_encoder\.name: the cache has None"):
+        c.require(Contract("m", feature_encoder=FeatureEncoder(name="gemma3")))
+    c.require(Contract("m", codec=Codec(), image=None))             # "any codec" asks for nothing
+
+
+# ---- the recipes' contracts against caches of other encoders ------------------------------------------
+
+def _higgs_contract():
+    from train.recipes.higgs import HiggsModel
+    return HiggsModel.contract({"lm": str(MODELS / "higgs-tiny")})
+
+
+def _theworld_contract():
+    from train.recipes.theworld import TheWorldModel
+    return TheWorldModel.contract({"lm": str(MODELS / "gemma3-tiny")})
+
+
+def test_higgs_declares_its_codec_frame_rate_and_tokenizer():
+    from transformers import AutoTokenizer
+
+    from shards.tokens import vocab_sha256
+    c = _higgs_contract()
+    assert c.codec == Codec("higgs", 24000, 25.0, 8, 1024, 2.0)          # 8 x 10 bits x 25 frames/s = 2 kbps
+    assert c.text_tokenizer == vocab_sha256(AutoTokenizer.from_pretrained(str(MODELS / "higgs-tiny")))
+    assert c.special_tokens == {"<|AUDIO_OUT|>": 310, "<|audio_out_bos|>": 309}
+
+
+def _higgs_like(**codec) -> dict:
+    from train.recipes.higgs import HiggsModel  # noqa: F401 (transformers configs)
+    m = copy.deepcopy(MANIFEST)
+    c = _higgs_contract()
+    m["encoders"]["audio_tokenizer"] = {"name": codec.get("name", "higgs"), "bandwidth": codec.get("bandwidth", 2)}
+    m["encoders"]["text_tokenizer"]["vocab_sha256"] = codec.get("tokenizer", c.text_tokenizer)
+    m.update(n_codebooks=8, codebook_size=1024, frame_rate=codec.get("frame_rate", 25.0))
+    m["text"]["special_token_ids"] = {"<|AUDIO_OUT|>": 310, "<|audio_out_bos|>": 309}
+    return m
+
+
+def test_higgs_refuses_encodec_at_75_frames_and_another_tokenizer(tmp_path):
+    """EnCodec at 6 kbps writes 8 x 1024 codes (the codebook count and size Higgs has) at 75 frames/s:
+    refused by codec name, frame rate and bandwidth; codes of Higgs' codec tokenized with another
+    tokenizer are refused by its fingerprint."""
+    contract = _higgs_contract()
+    Cache.open(cache_with_manifest(tmp_path / "ok", _higgs_like(), Q=8)).require(contract)
+    enc = Cache.open(cache_with_manifest(tmp_path / "enc", _higgs_like(name="encodec", frame_rate=75.0, bandwidth=6),
+                                         Q=8))
+    with pytest.raises(ContractMismatch) as e:
+        enc.require(contract)
+    assert [m[0] for m in e.value.mismatches] == ["codec.name", "codec.frame_rate", "codec.bandwidth"]
+    assert "codec.frame_rate: the cache has 75.0, the model needs 25.0" in str(e.value)
+    tok = Cache.open(cache_with_manifest(tmp_path / "tok", _higgs_like(tokenizer="c" * 64), Q=8))
+    with pytest.raises(ContractMismatch, match="text_tokenizer: the cache has 'ccc"):
+        tok.require(contract)
+
+
+def test_theworld_refuses_another_feature_encoder_and_image_preset(tmp_path):
+    contract = _theworld_contract()
+    assert contract.feature_encoder == FeatureEncoder("gemma3", 16, 64)
+    m = copy.deepcopy(MANIFEST)
+    m["text"]["special_token_ids"] = {"<image_soft_token>": contract.special_tokens["<image_soft_token>"],
+                                      "<start_of_world>": 300, "<end_of_world>": 301}
+    m["fields"]["image_features"].update(tokens_per_image=16, hidden_size=64)
+    m["encoders"]["text_tokenizer"]["vocab_sha256"] = contract.text_tokenizer   # Gemma's, world markers added
+    Cache.open(cache_with_manifest(tmp_path / "ok", m, latents=True, image_features=True)).require(contract)
+    other = copy.deepcopy(m)
+    other["fields"]["image_features"].update(tokens_per_image=256)       # another vision tower's features
+    other["encoders"]["preprocessing"]["image_pixel_range"] = "-1..1"     # LLaVA-style latents
+    other["encoders"]["text_tokenizer"]["vocab_sha256"] = "d" * 64        # another tokenizer
+    with pytest.raises(ContractMismatch) as e:
+        Cache.open(cache_with_manifest(tmp_path / "other", other, latents=True, image_features=True)).require(contract)
+    assert [x[0] for x in e.value.mismatches] == ["image.pixel_range", "feature_encoder.tokens_per_image",
+                                                   "text_tokenizer"]
+
+
+def test_every_recipe_judges_the_demo_cache(demo_cache):
+    """The demo cache (DAC codes, the byte tokenizer, Wan latents, no image features, no world markers):
+    the reference model, tts and vlm can use it (they size themselves from it); higgs and theworld
+    cannot, and say why."""
+    from train.models import model_contract
+    c = Cache.open(demo_cache)
+    for name, kw in (("reference", {}), ("tts", {}), ("vlm", {})):
+        c.require(model_contract(name, kw))
+    with pytest.raises(ContractMismatch) as e:
+        c.require(_higgs_contract())
+    items = [m[0] for m in e.value.mismatches]
+    assert "codec.name" in items and "text_tokenizer" in items and "special_tokens.<|AUDIO_OUT|>" in items
+    with pytest.raises(ContractMismatch) as e:
+        c.require(_theworld_contract())
+    items = [m[0] for m in e.value.mismatches]
+    assert items[0] == "fields" and "feature_encoder.name" in items and "image.pixel_range" in items
+
+
+def test_train_cli_refuses_a_mismatch_with_exit_2_before_loading_weights(demo_cache, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "train", "--cache", str(demo_cache), "--model", "higgs",
+                        "--model-kwargs", json.dumps({"lm": str(MODELS / "higgs-tiny")}), "--out", str(tmp_path / "run"),
+                        "--steps", "1"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "codec.name: the cache has 'dac', the model needs 'higgs'" in last and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("step-*"))
+
+
+def test_the_trainer_reads_the_manifest_and_index_once(tmp_path, monkeypatch):
+    """Setting up a run (model sized from the cache, contract, training and held-out validation loaders,
+    the cache id) reads index.parquet once and manifest.json twice (its contents, and
+    shards.index.read_cache_id, the one owner of the id): the trainer opens the cache once and hands the
+    Cache to the model and both loaders (before: 6 manifest and 3 index reads)."""
+    import pyarrow.parquet as pq
+
+    from test_train_support import TINY_MODEL, make_cache
+    from train import dist as D
+    from train.config import from_dict
+    from train.trainer import Trainer
+    cache = make_cache(tmp_path / "c", n=24)
+    cfg = from_dict(dict(cache=str(cache), out=str(tmp_path / "run"), model_kwargs=TINY_MODEL, batch_size=4,
+                         steps=2, val_fraction=0.2, progress=False, threads=1))
+    reads = {"manifest": 0, "index": 0}
+    real_text, real_table = Path.read_text, pq.read_table
+
+    def text(p, *a, **k):
+        reads["manifest"] += p.name == "manifest.json"
+        return real_text(p, *a, **k)
+
+    def table(p, *a, **k):
+        reads["index"] += str(p).endswith("index.parquet")
+        return real_table(p, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", text)
+    monkeypatch.setattr(pq, "read_table", table)
+    t = Trainer(cfg, D.DistInfo())
+    try:
+        assert t.val_loader is not None and t.cache_id == t.cache.id
+        assert reads == {"manifest": 2, "index": 1}, reads
+    finally:
+        t.loader.close()
+        t.val_loader.close()
+
+
+@pytest.mark.slow
+def test_higgs_accepts_its_own_caches_and_refuses_a_real_encodec_cache(higgs_caches, tiny_config, tmp_path):
+    """Caches precomputed with the tiny models: configs/precompute-tts.yaml with Higgs' tiny tokenizers
+    meets every item of --model higgs's contract (the tokenizer fingerprint stage one records is the one
+    the recipe computes); demo rows encoded with EnCodec at 6 kbps (8 x 1024 codes at 75 frames/s) are
+    refused by codec name, frame rate and bandwidth, not by codebooks."""
+    import dataclasses
+
+    from precompute.job import run
+    contract = _higgs_contract()
+    for cache, _ in higgs_caches.values():
+        Cache.open(cache).require(contract)
+    cfg = dataclasses.replace(tiny_config, audio_tokenizer={"name": "encodec", "pretrained": str(MODELS / "encodec-tiny"),
+                                                             "bandwidth": 6.0}, image_encoder=None)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(x + "\n" for x in DEMO.read_text().splitlines()[:2]))
+    (tmp_path / "audio").symlink_to(DEMO.parent / "audio")
+    run(rows, tmp_path / "encodec", cfg, progress=False)
+    c = Cache.open(tmp_path / "encodec")
+    assert c.codec == Codec("encodec", 24000, 75.0, 8, 1024, 6.0)
+    with pytest.raises(ContractMismatch) as e:
+        c.require(contract)
+    codec = [m[0] for m in e.value.mismatches if m[0].startswith("codec.")]
+    assert codec == ["codec.name", "codec.frame_rate", "codec.bandwidth"]   # codebooks and their size agree

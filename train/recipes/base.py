@@ -1,0 +1,151 @@
+"""The recipe base class: what a model declares so that the trainer never probes it.
+
+A recipe is an ``nn.Module`` subclass of :class:`Recipe` that declares:
+
+* :meth:`Recipe.contract` (a classmethod, cheap: configs only, no weights): what it needs from a cache
+  (:class:`shards.cache.Contract`: fields, special tokens, the codec, the text tokenizer's fingerprint,
+  the image preset, the feature encoder). ``cache.require(contract)`` refuses a mismatch before any
+  weight loads, naming the item, the cache's value and the model's value.
+* :meth:`Recipe.from_cache`: the model built from an opened :class:`shards.Cache` and ``model.kwargs``
+  (the cache's sizes and token ids, ``model.kwargs`` winning).
+* :attr:`Recipe.default_checkpoint` (the checkpoint ``model.kwargs.lm`` defaults to; None for a model
+  trained from scratch), :attr:`Recipe.lora_targets` (module-name suffixes LoRA adapts by default),
+  :meth:`Recipe.enable_lora`, :meth:`Recipe.optimizer_groups` (None: the trainer's decay/no-decay
+  groups), :meth:`Recipe.set_activation_checkpointing`, :attr:`Recipe.batch_transform` (a loader
+  transform that builds the model's batch layout in the loader's workers, or None) and how to export
+  (:meth:`Recipe.checkpoint_config`: a ``transformers`` config stored with each checkpoint, or None).
+
+A new recipe is one module with a :class:`Recipe` subclass plus its entry in
+:data:`train.recipes.RECIPES` (or ``--model pkg.mod:Class`` for a plug-in recipe).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar, Iterable, Mapping
+
+import torch.nn as nn
+
+from shards import tokens
+from shards.cache import Cache, Contract
+
+
+def cache_values(cache: Cache) -> dict[str, Any]:
+    """The cache's sizes and token ids under the keyword names the recipes take (absent ones left out):
+    ``n_codebooks``, ``codebook_size``, ``vocab_size``, ``pad_id``, ``latent_channels`` and the ids of
+    the placeholders and markers (``audio_in_token_id`` ``<|AUDIO|>``, ``audio_out_token_id``
+    ``<|AUDIO_OUT|>``, ``audio_out_bos_token_id``, ``audio_eos_token_id``, ``audio_bos_token_id``,
+    ``eot_token_id``, ``eom_token_id``, ``image_token_id`` (``text.placeholders.image``, else
+    ``<image>``), ``image_soft_token_id`` (Gemma 3's), ``world_start_token_id`` / ``world_end_token_id``
+    (``text.world_tokens``))."""
+    codec = cache.codec
+    world = cache.world_tokens or (None, None)
+    ids = {"audio_in_token_id": tokens.AUDIO_IN, "audio_out_token_id": tokens.AUDIO_OUT,
+           "audio_out_bos_token_id": tokens.AUDIO_OUT_BOS, "audio_eos_token_id": tokens.AUDIO_EOS,
+           "audio_bos_token_id": tokens.AUDIO_BOS, "eot_token_id": tokens.EOT, "eom_token_id": tokens.EOM,
+           "image_token_id": cache.image_placeholder or tokens.IMAGE,
+           "image_soft_token_id": tokens.GEMMA_IMAGE_SOFT,
+           "world_start_token_id": world[0], "world_end_token_id": world[1]}
+    out = {"n_codebooks": codec.n_codebooks if codec else None, "codebook_size": codec.codebook_size if codec else None,
+           "vocab_size": cache.vocab_size, "pad_id": cache.pad_id, "latent_channels": cache.latent_channels}
+    out |= {k: cache.token_id(t) if t else None for k, t in ids.items()}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def tokenizer_fingerprint(checkpoint: Any, added: Iterable[str] = ()) -> str | None:
+    """The fingerprint (:func:`shards.tokens.vocab_sha256`, what stage one records) of the tokenizer
+    shipped with ``checkpoint`` (a directory or hub id), with ``added`` tokens added as stage one adds
+    missing ones (special, never split: TheWorld's world markers); None when it ships no tokenizer
+    (then only the special token ids are compared)."""
+    from shardcache.pretrained import resolve_pretrained
+    from train.models import FORBIDDEN_MODULES, blocked_imports
+
+    name = resolve_pretrained(checkpoint, what="model_kwargs.lm")
+    with blocked_imports(FORBIDDEN_MODULES):
+        from tokenizers import AddedToken
+        from transformers import AutoTokenizer
+        try:
+            tok = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError):
+            return None
+    if added:
+        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True)
+    return tokens.vocab_sha256(tok)
+
+
+def build_from(cls: type, cache: Cache, kwargs: Mapping[str, Any], names: Iterable[str]) -> Any:
+    """``cls(**values, **kwargs)``: the :func:`cache_values` named in ``names`` (those the cache has),
+    ``kwargs`` (``model.kwargs``) winning."""
+    values = cache_values(cache)
+    return cls(**{**{n: values[n] for n in names if n in values}, **kwargs})
+
+
+class Recipe(nn.Module):
+    """Base of every model ``--model`` names (see the module docstring)."""
+
+    #: the fields the model reads (the cache must hold each: its contract's ``fields``)
+    fields: ClassVar[tuple[str, ...]] = ()
+    #: fields it reads where the cache holds them
+    optional_fields: ClassVar[tuple[str, ...]] = ()
+    #: the checkpoint ``model.kwargs.lm`` defaults to (None: built from scratch)
+    default_checkpoint: ClassVar[str | None] = None
+    #: module-name suffixes the generic LoRA adapts (:meth:`enable_lora`)
+    lora_targets: ClassVar[tuple[str, ...]] = ()
+    #: the LoRA options applied by the recipe itself (:meth:`enable_lora` of LM recipes), recorded
+    #: with adapter checkpoints; None: the run's ``lora`` section
+    lora: dict | None = None
+    #: a loader ``transform`` (the model's own batch layout, built in the loader's workers), or None
+    batch_transform: Any = None
+
+    @classmethod
+    def contract(cls, kwargs: Mapping[str, Any]) -> Contract:
+        """What the model built with ``kwargs`` (``model.kwargs``) needs from a cache. Reads configs
+        only (never weights). Raises ``ValueError``/``OSError`` for a checkpoint it cannot use."""
+        raise NotImplementedError(f"{cls.__name__} declares no contract")
+
+    @classmethod
+    def from_cache(cls, cache: Cache, kwargs: Mapping[str, Any], *, latent_loss: str = "none",
+                   latent_loss_weight: float = 1.0) -> "Recipe":
+        """The model for ``cache`` (its sizes and token ids) with ``kwargs`` (``model.kwargs``, which
+        win). ``latent_loss``/``latent_loss_weight``: ``--model.latent-loss`` (recipes without a
+        latent loss refuse anything but ``none``)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a cache")
+
+    @classmethod
+    def no_latent_loss(cls, latent_loss: str) -> None:
+        """Warn that ``--model.latent-loss`` is ignored by a recipe that has none."""
+        if latent_loss != "none":
+            logging.getLogger("train").warning("--latent-loss %s is ignored by %s", latent_loss, cls.__name__)
+
+    # -- training hooks, declared (the trainer calls them on every recipe) ------------------------------
+    def enable_lora(self, r: int, alpha: int, dropout: float, targets: Iterable[str] | None = None) -> None:
+        """peft LoRA adapters on ``targets`` (default :attr:`lora_targets`); every other weight
+        freezes. Raises ``ValueError`` when nothing matched, ``ImportError`` without peft."""
+        from train.models import FORBIDDEN_MODULES, blocked_imports
+        targets = tuple(targets or self.lora_targets)
+        try:
+            with blocked_imports(FORBIDDEN_MODULES):
+                from peft import LoraConfig, inject_adapter_in_model
+        except ImportError as e:
+            raise ImportError(f"--lora needs peft: pip install 'shardcache[lora]' ({e})") from e
+        inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                           target_modules=list(targets)), self)
+        n = 0
+        for name, p in self.named_parameters():
+            p.requires_grad = "lora_" in name
+            n += p.requires_grad
+        if n == 0:
+            raise ValueError(f"--lora: no module matched {list(targets)}")
+
+    def set_activation_checkpointing(self, on: bool = True) -> bool:
+        """Turn activation checkpointing on/off; False when the model has none (the default)."""
+        return False
+
+    def optimizer_groups(self, lr: float, weight_decay: float) -> list[dict] | None:
+        """AdamW parameter groups (each with ``params``, ``lr``, ``name``...), or None: the trainer's
+        default groups (:func:`train.optim.param_groups`)."""
+        return None
+
+    def checkpoint_config(self) -> dict | None:
+        """How to export: a ``transformers`` config written with each checkpoint (``config.json``) so
+        that it loads with ``from_pretrained``; None for a model without one."""
+        return None
