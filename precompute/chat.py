@@ -11,8 +11,14 @@ Two ways, chosen by ``chat_template`` in the config:
   assistant turn as ``<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>``, an image as the configured
   image placeholder (``<image>``, LLaVA's, by default); an assistant turn followed by another
   assistant turn ends with ``<|eom_id|>``. Each piece is tokenized on its own, as Higgs-Audio does.
+  A ChatML message's ``recipient`` renders as Boson renders it: ``{recipient}<|recipient|>`` (one
+  piece) right after the assistant header, **always labelled** (Boson labels it even in a turn before
+  ``start_index``); a recipient on a user/system turn is refused (``ValueError``: Boson asserts
+  ``role == "assistant"`` and drops the sample). An empty recipient renders nothing (Boson's ``if
+  recipient:``).
 * ``tokenizer``: the HF tokenizer's own ``apply_chat_template`` over the turns (media rendered
-  to the same placeholder strings inside the content), tokenized once as a whole.
+  to the same placeholder strings inside the content), tokenized once as a whole. Templates do not
+  render a ``recipient``: a conversation with one is refused (``ValueError``; use ``llama3``).
 
 ``auto`` picks ``tokenizer`` when the (HF) tokenizer has a chat template, else ``llama3``.
 
@@ -66,6 +72,9 @@ from shards.errors import CorruptSample
 from shards.tokens import (AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_IN_TOKENS, AUDIO_OUT, AUDIO_OUT_BOS,  # noqa: F401
                            AUDIO_OUT_TOKENS, BEGIN_OF_TEXT, END_HEADER, EOM, EOT, IGNORE_INDEX, IMAGE,
                            PLACEHOLDERS, SPECIAL_TOKENS, START_HEADER)
+
+#: what follows a ChatML message's recipient (Boson's ``prepare_chatml_sample``: ``f"{recipient}<|recipient|>"``)
+RECIPIENT = "<|recipient|>"
 
 from .config import CHAT_TEMPLATES
 from .conversation import Conversation
@@ -145,6 +154,11 @@ def llama3_pieces(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS) -> li
     for i, turn in enumerate(conv.turns):
         trained = conv.trained(i)
         out.append(((BEGIN_OF_TEXT if i == 0 else "") + f"{START_HEADER}{turn.role}{END_HEADER}\n\n", False))
+        if turn.recipient:
+            if turn.role != "assistant":
+                raise ValueError(f"turn {i} ({turn.role}) has a recipient: Higgs-Audio renders a recipient only on "
+                                 "assistant turns (prepare_chatml_sample)")
+            out.append((f"{turn.recipient}{RECIPIENT}", True))   # labelled whatever start_index says, as Boson
         for p in turn.parts:
             text = p.text if p.type == "text" else media_text(turn.role, p.type, tokens)
             if p.type == "image" and tokens.image_sequence:
@@ -313,6 +327,9 @@ def _no_targets_detail(conv: Conversation) -> str:
 
 def _render_hf(conv: Conversation, tokenizer, never: set[int], tokens: ChatTokens) -> tuple[np.ndarray, np.ndarray]:
     tok = tokenizer.tokenizer
+    if any(t.recipient for t in conv.turns):
+        raise ValueError("a message has a recipient, which the tokenizer's chat template does not render: "
+                         "use chat_template: llama3 (renders it as Higgs-Audio's prepare_chatml_sample)")
     msgs = turn_messages(conv, tokens)
 
     def text_of(n: int, prompt: bool = False) -> str:

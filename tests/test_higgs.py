@@ -4,7 +4,8 @@ Each real-mini ChatML manifest (a few samples of each: conftest.higgs_caches) is
 (the tiny random Higgs audio tokenizer and text tokenizer). The same conversations go through
 ``transformers``' own processor, built as its conversion script builds it, with the same text tokenizer
 and the same audio tokenizer (``HiggsAudioV2TokenizerModel``, run here with the soxr fallback for torchaudio;
-it never resamples), fed the waveforms the precompute job decoded. The cache's batch
+it never resamples), fed the waveforms as Boson and transformers load them (``librosa.load`` at 24 kHz, not
+our own decoder: the real-mini clips are 8 and 22.05 kHz, so a change of our resampler fails). The cache's batch
 (``loaders.higgs.HiggsBatch``, the higgs recipe's ``batch_transform``) must be ``torch.equal`` on every
 key, and the model's loss equal on both paths.
 
@@ -49,9 +50,12 @@ def _recipe(higgs_codec, cache, **kw):
     return build_model("higgs", {"lm": str(higgs_codec / "higgs-tiny"), **kw}, data_spec(cache)).eval()
 
 
-def _wave(url: str) -> np.ndarray:
-    from precompute.audio import load_audio
-    return load_audio(url, (24000,))[0][24000]  # what the precompute job fed its codec
+def _wave(url: str, sr: int = 24000) -> np.ndarray:
+    """The clip as Boson (``HiggsAudioDataset``) and transformers' docs load it: ``librosa.load`` at the
+    codec's rate, mono float32; independent of ``precompute.audio.load_audio`` (a change of its resampler
+    changes the cache's codes and fails the equivalence tests)."""
+    import librosa
+    return librosa.load(url, sr=sr, mono=True)[0]
 
 
 def _conversation(rec: dict, user_audio: str = "drop") -> tuple[list[dict], list[np.ndarray]]:
@@ -255,7 +259,6 @@ def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches):
     from types import SimpleNamespace
 
     from loaders.higgs import HiggsChatMLDataset
-    from precompute.audio import load_audio
     cache, recs = higgs_caches["understanding"]
     ds = HiggsChatMLDataset(cache, sample_class=SimpleNamespace)
     assert ds.waveforms == "audio_16k" and ds.rate == 16000
@@ -264,7 +267,7 @@ def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches):
         s, rec = ds[i], recs[key]
         url = next(it["audio_url"] for m in rec["messages"] if isinstance(m["content"], list)
                    for it in m["content"] if isinstance(it, dict) and it.get("type") == "audio")
-        want = load_audio(url, (16000,))[0][16000]
+        want = _wave(url, 16000)
         assert s.audio_sample_rate.tolist() == [16000.0] and s.audio_waveforms_start.tolist() == [0]
         np.testing.assert_allclose(s.audio_waveforms_concat.numpy(), want, atol=2e-4)
         assert s.audio_speaker_indices.tolist() == [-1]   # input items have a speaker only when the item names one
