@@ -302,3 +302,107 @@ def test_verify_checks_bf16_bits_and_the_config_is_validated(world_cache, tmp_pa
     assert "image_features.name" in problems and "gemma3" in problems["image_features.name"]
     problems = dict(check_config(load_config(None, ["image_features={name: gemma3, dtype: fp8}"])))
     assert set(problems) >= {"image_features.pretrained", "image_features.dtype"}, problems
+
+
+#: two-image LLaVA records: two different images each, in both orders, the second image in a later turn,
+#: so image k taken from the wrong place (the other image of the sample) changes what lands at marker k
+MULTI = [
+    {"id": "two-a", "image": ["images/astronaut.png", "images/rocket.jpg"], "conversations": [
+        {"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "An astronaut."},
+        {"from": "human", "value": "<image>\nAnd this one?"}, {"from": "gpt", "value": "A rocket."}]},
+    {"id": "two-b", "image": ["images/rocket.jpg", "images/astronaut.png"], "conversations": [
+        {"from": "human", "value": "<image>\n<image>\nCompare them."}, {"from": "gpt", "value": "Rocket, then astronaut."}]},
+    {"id": "two-c", "image": ["images/coins.jpg", "images/chelsea.jpg"], "conversations": [
+        {"from": "human", "value": "<image>\nCount."}, {"from": "gpt", "value": "Many coins."},
+        {"from": "human", "value": "<image>\nAnd?"}, {"from": "gpt", "value": "A cat."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def multi_cache(real_mini, tiny_models, gemma3, tmp_path_factory) -> tuple[Path, dict]:
+    """:data:`MULTI` (paths absolute) through configs/precompute-theworld.yaml: ``(cache, {id: record})``."""
+    from precompute.config import load_config
+    from precompute.job import run
+    from precompute.validate import validate_config
+    out = tmp_path_factory.mktemp("theworld-multi")
+    recs = [dict(r, image=[str(real_mini / p) for p in r["image"]]) for r in MULTI]
+    (out / "m.json").write_text(json.dumps(recs))
+    cfg = validate_config(load_config(ROOT / "configs" / "precompute-theworld.yaml", [
+        f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma3}",
+        f"image_features.pretrained={gemma3}", f"image_size={IMAGE_SIZE}", "device=cpu", "num_workers=0",
+        "allow_outside_root=true"]))
+    summary, _ = run(out / "m.json", out / "cache", cfg, progress=False)
+    assert summary.kept == len(MULTI) and summary.rejected == 0, summary.reasons
+    return out / "cache", {r["id"]: r for r in recs}
+
+
+def test_multi_image_samples_end_to_end(multi_cache, gemma3, tiny_models):
+    """Samples with two images, end to end: computed here independently for image k of each sample
+    (Gemma 3's processor + ``get_image_features`` on the files, TheWorld's VAE preprocessing written
+    out), the recipe's LM inputs hold image k's features at the k-th run of ``<image_soft_token>`` and
+    the projection of image k's latent cells after the k-th ``<start_of_world>``; the cached ids are
+    the processor's for the same text. Taking any image's tensors from the sample's other image fails."""
+    from diffusers import AutoencoderKLWan
+    from PIL import Image
+    from transformers import Gemma3ForConditionalGeneration
+
+    from loaders import ShardLoader
+    from loaders.device import to_device
+    from train.models import build_model, data_spec
+
+    cache, records = multi_cache
+    proc = _processor(gemma3)
+    gemma = Gemma3ForConditionalGeneration.from_pretrained(str(gemma3), dtype=torch.bfloat16).eval()
+    vae = AutoencoderKLWan.from_pretrained(str(tiny_models / "wan-tiny"), torch_dtype=torch.bfloat16).eval()
+    roles = {"human": "user", "gpt": "assistant"}
+    want_ids, want_feats, want_cells = {}, {}, {}
+    for key, rec in records.items():
+        msgs = [{"role": roles[t["from"]], "content": t["value"].replace("<image>", "<start_of_image>")}
+                for t in rec["conversations"]]
+        text = proc.tokenizer.apply_chat_template(msgs, tokenize=False)
+        text = "<bos>" + "<start_of_world><end_of_world>" * 2 + text[len("<bos>"):]
+        images = [Image.open(p) for p in rec["image"]]
+        out = proc(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
+        want_ids[key] = out["input_ids"][0]
+        with torch.no_grad():
+            want_feats[key] = gemma.model.get_image_features(out["pixel_values"].to(torch.bfloat16)).pooler_output
+            cells = []
+            for im in images:   # TheWorld's cosmos_vae_encoder.py at this test's size
+                x = im.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
+                x = torch.from_numpy(np.array(x)).permute(2, 0, 1).float()[None].to(torch.bfloat16).unsqueeze(2)
+                z = vae.encode(x).latent_dist.mode()[0, :, 0].float()                # (C, H, W)
+                cells.append(z.flatten(1).T)                                         # (H*W, C) row-major
+            want_cells[key] = cells
+        assert want_feats[key].shape[0] == 2
+        assert not torch.allclose(want_feats[key][0].float(), want_feats[key][1].float(), atol=1e-2)
+
+    spec = data_spec(cache)
+    model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
+    ld = ShardLoader(cache, len(MULTI), fields=model.fields, num_workers=0, compact=False, seed=0)
+    batch = to_device(next(iter(ld)), "cpu")
+    ld.close()
+    assert sorted(batch["keys"]) == sorted(records)
+    with torch.no_grad():
+        merged, token_type = model.inputs(batch)
+        embed = model.lm.get_input_embeddings()
+        T = gemma.config.mm_tokens_per_image
+        for b, key in enumerate(batch["keys"]):
+            ids = batch["input_ids"][b][batch["attention_mask"][b].bool()]
+            assert ids.tolist() == want_ids[key].tolist(), key
+            row, types = merged.inputs_embeds[b], token_type[b].bool()
+            soft_rows = row[types]                                                    # in order of position
+            assert soft_rows.shape[0] == 2 * T
+            sow = (ids == spec.world_start_token_id).nonzero().flatten().tolist()
+            assert len(sow) == 2
+            shift = 0
+            for k in range(2):
+                torch.testing.assert_close(soft_rows[k * T:(k + 1) * T].float(), want_feats[key][k].float(),
+                                           rtol=2 ** -7, atol=1e-3, msg=f"{key}: image {k}'s features")
+                cells = want_cells[key][k]
+                world = model.world_projector.projection(cells.to(row.dtype))
+                start = sow[k] + shift + 1
+                torch.testing.assert_close(row[start:start + len(cells)], world, rtol=1e-2, atol=2e-3,
+                                           msg=f"{key}: image {k}'s world tokens")
+                torch.testing.assert_close(row[start + len(cells)],
+                                           embed(torch.tensor([spec.world_end_token_id]))[0].to(row.dtype))
+                shift += len(cells)
