@@ -406,3 +406,43 @@ def test_multi_image_samples_end_to_end(multi_cache, gemma3, tiny_models):
                 torch.testing.assert_close(row[start + len(cells)],
                                            embed(torch.tensor([spec.world_end_token_id]))[0].to(row.dtype))
                 shift += len(cells)
+
+
+def test_pan_and_scan_is_refused_not_paired_by_position(gemma3, tiny_models, real_mini, tmp_path):
+    """Gemma 3's pan-and-scan makes ``num_crops`` extra pixel rows per image (the processor's own counts):
+    a checkpoint with it on is refused before any image is encoded, naming the option; and an encoder
+    whose processor makes crops anyway refuses the call instead of returning more feature rows than
+    images (which the producer would pair with the sample's images by position)."""
+    import shutil
+    from PIL import Image
+    from precompute.config import load_config
+    from precompute.job import run
+    from precompute.producers.image_features import Gemma3VisionEncoder
+
+    wide = np.asarray(Image.open(real_mini / "images" / "rocket.jpg").convert("RGB").resize((600, 150)))
+    square = np.asarray(Image.open(real_mini / "images" / "astronaut.png").convert("RGB"))
+    want_crops = Gemma3VisionEncoder(str(gemma3)).processor.image_processor(
+        [Image.fromarray(wide), Image.fromarray(square)], do_pan_and_scan=True, pan_and_scan_min_crop_size=32,
+        pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2, return_tensors="pt")["num_crops"]
+    assert want_crops.tolist()[0] > 0 and want_crops.tolist()[1] == 0     # the wide image gets crops
+
+    enc = Gemma3VisionEncoder(str(gemma3))
+    assert len(enc.encode([wide, square])) == 2
+    enc.processor.image_processor.do_pan_and_scan = True
+    ip = enc.processor.image_processor
+    ip.pan_and_scan_min_crop_size, ip.pan_and_scan_max_num_crops, ip.pan_and_scan_min_ratio_to_activate = 32, 4, 1.2
+    with pytest.raises(ValueError, match=r"num_crops \[%d, 0\]" % want_crops.tolist()[0]):
+        enc.encode([wide, square])
+
+    pas = tmp_path / "gemma3-pan-and-scan"
+    shutil.copytree(gemma3, pas)
+    pc = json.loads((pas / "processor_config.json").read_text())
+    pc["image_processor"].update(do_pan_and_scan=True, pan_and_scan_min_crop_size=32, pan_and_scan_max_num_crops=4,
+                                 pan_and_scan_min_ratio_to_activate=1.2)
+    (pas / "processor_config.json").write_text(json.dumps(pc))
+    cfg = load_config(ROOT / "configs" / "precompute-theworld.yaml", [
+        f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma3}",
+        f"image_features.pretrained={pas}", f"image_size={IMAGE_SIZE}", "device=cpu", "num_workers=0"])
+    with pytest.raises(ValueError, match="do_pan_and_scan"):
+        run(real_mini / MANIFEST, tmp_path / "cache", cfg, progress=False)
+    assert not (tmp_path / "cache" / "index.parquet").exists()
