@@ -20,7 +20,18 @@ Two ways, chosen by ``chat_template`` in the config:
   to the same placeholder strings inside the content), tokenized once as a whole. Templates do not
   render a ``recipient``: a conversation with one is refused (``ValueError``; use ``llama3``).
 
+* ``theworld``: the tokenizer's own template, each turn given as content items, its images first
+  (``{"type": "image"}``) then its other parts as one text item, as TheWorld's collate
+  (``python/theworld/data.py``, ``theworld_collate_fn``) passes a LLaVA sample to
+  ``processor.apply_chat_template``: Gemma 3's template writes ``<start_of_image>`` and the trimmed
+  text, so no newline follows ``<end_of_image>`` beyond the image sequence's own.
+
 ``auto`` picks ``tokenizer`` when the (HF) tokenizer has a chat template, else ``llama3``.
+
+**Label policy** (``label_policy``): ``answers`` (default) as below; ``all_but_world`` labels every
+token of ``input_ids`` (world markers, image sequence and prompts included), as TheWorld's forward
+does (``_forward_with_world``: its labels are ``input_ids`` with -100 only on the inserted world
+embeddings, which the recipe inserts with -100 too).
 
 Labels (int32, same length as ``input_ids``, not shifted: the model shifts, HF convention) copy
 ``input_ids`` on trained tokens and are ``-100`` elsewhere. Trained: the assistant turns at or
@@ -170,8 +181,14 @@ def llama3_pieces(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS) -> li
     return out
 
 
-def turn_messages(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS) -> list[dict[str, str]]:
-    """``[{role, content}]`` with media as placeholder text, for ``apply_chat_template``."""
+def turn_messages(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS, items: bool = False) -> list[dict]:
+    """``[{role, content}]`` with media as placeholder text, for ``apply_chat_template``. ``items``
+    (``theworld``): content as a list, one ``{"type": "image"}`` per image first, then the other parts
+    as one ``{"type": "text"}`` item (audio as its placeholder text)."""
+    if items:
+        return [{"role": t.role, "content": [{"type": "image"} for p in t.parts if p.type == "image"] + [
+            {"type": "text", "text": "".join(p.text if p.type == "text" else media_text(t.role, p.type, tokens)
+                                             for p in t.parts if p.type != "image")}]} for t in conv.turns]
     return [{"role": t.role, "content": "".join(p.text if p.type == "text" else media_text(t.role, p.type, tokens)
                                                for p in t.parts)} for t in conv.turns]
 
@@ -260,8 +277,8 @@ def resolve_template(name: str, tokenizer) -> str:
     has = getattr(tokenizer, "chat_template", None) is not None
     if name == "auto":
         return "tokenizer" if has else "llama3"
-    if name == "tokenizer" and not has:
-        raise ValueError("chat_template: tokenizer, but the text tokenizer has no chat template")
+    if name in ("tokenizer", "theworld") and not has:
+        raise ValueError(f"chat_template: {name}, but the text tokenizer has no chat template")
     return name
 
 
@@ -275,11 +292,12 @@ def _finish(ids: list[int], trained: list[bool], never: set[int]) -> tuple[np.nd
     return input_ids, labels
 
 
-def render(conv: Conversation, tokenizer, template: str, tokens: ChatTokens = DEFAULT_TOKENS
-           ) -> tuple[np.ndarray, np.ndarray]:
+def render(conv: Conversation, tokenizer, template: str, tokens: ChatTokens = DEFAULT_TOKENS,
+           label_policy: str = "answers") -> tuple[np.ndarray, np.ndarray]:
     """``(input_ids, labels)``, both int32 ``(L,)``, of ``conv`` (see the module docstring).
 
-    ``template``: ``llama3`` or ``tokenizer`` (already resolved).
+    ``template``: ``llama3``, ``tokenizer`` or ``theworld`` (already resolved). ``label_policy``:
+    ``answers`` | ``all_but_world`` (labels = ``input_ids``).
 
     Raises:
         CorruptSample: ``no_targets``: no trained turn has content, or no token is trained.
@@ -300,10 +318,12 @@ def render(conv: Conversation, tokenizer, template: str, tokens: ChatTokens = DE
             trained += [tr] * len(piece)
         input_ids, labels = _finish(ids, trained, never)
     else:
-        input_ids, labels = _render_hf(conv, tokenizer, never, tokens)
+        input_ids, labels = _render_hf(conv, tokenizer, never, tokens, items=template == "theworld")
     _check_placeholders(conv, specials, input_ids, tokens)
     if tokens.world and conv.images:
         input_ids, labels = _insert_world(input_ids, labels, tokenizer, specials, tokens.world, len(conv.images))
+    if label_policy == "all_but_world":   # TheWorld: every input token (the world embeddings are the recipe's)
+        labels = input_ids.copy()
     if not (labels != IGNORE_INDEX).any():
         raise CorruptSample(schema.NO_TARGETS, "the rendered conversation has no trained token (labels all -100)",
                             conv.sources[0] if conv.sources else "")
@@ -325,12 +345,13 @@ def _no_targets_detail(conv: Conversation) -> str:
     return "every trained assistant turn is empty (no text but whitespace, no media)"
 
 
-def _render_hf(conv: Conversation, tokenizer, never: set[int], tokens: ChatTokens) -> tuple[np.ndarray, np.ndarray]:
+def _render_hf(conv: Conversation, tokenizer, never: set[int], tokens: ChatTokens, items: bool = False
+               ) -> tuple[np.ndarray, np.ndarray]:
     tok = tokenizer.tokenizer
     if any(t.recipient for t in conv.turns):
         raise ValueError("a message has a recipient, which the tokenizer's chat template does not render: "
                          "use chat_template: llama3 (renders it as Higgs-Audio's prepare_chatml_sample)")
-    msgs = turn_messages(conv, tokens)
+    msgs = turn_messages(conv, tokens, items)
 
     def text_of(n: int, prompt: bool = False) -> str:
         return tok.apply_chat_template(msgs[:n], tokenize=False, add_generation_prompt=prompt)

@@ -446,3 +446,82 @@ def test_pan_and_scan_is_refused_not_paired_by_position(gemma3, tiny_models, rea
     with pytest.raises(ValueError, match="do_pan_and_scan"):
         run(real_mini / MANIFEST, tmp_path / "cache", cfg, progress=False)
     assert not (tmp_path / "cache" / "index.parquet").exists()
+
+
+def _theworld_collate(proc, record: dict, image_path: Path) -> list[int]:
+    """TheWorld's own rules, written out (``python/theworld/data.py`` ``theworld_collate_fn``, multi-turn
+    branch, and ``modeling/theworld.py`` ``_inject_world_tokens``): the first user message's content is
+    ``[image item, its text with <image> removed and stripped]``, later turns one text item each, through
+    the processor's ``apply_chat_template(tokenize=True)``; then ``<start_of_world><end_of_world>`` after
+    BOS. TheWorld's forward labels every one of these ids (-100 only on the world embeddings)."""
+    from PIL import Image
+    roles = {"human": "user", "gpt": "assistant"}
+    msgs = [{"role": roles[t["from"]], "content": t["value"]} for t in record["conversations"]]
+    full = [{"role": "user", "content": [{"type": "image", "image": Image.open(image_path)},
+                                         {"type": "text", "text": msgs[0]["content"].replace("<image>", "").strip()}]}]
+    full += [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in msgs[1:]]
+    out = proc.apply_chat_template(full, tokenize=True, add_generation_prompt=False, return_dict=True,
+                                   return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    sow, eow = proc.tokenizer.convert_tokens_to_ids(["<start_of_world>", "<end_of_world>"])
+    return [ids[0], sow, eow] + ids[1:]
+
+
+@pytest.mark.parametrize("policy", ["all_but_world", "answers"])
+def test_theworld_preset_is_theworlds_collate_token_for_token(policy, real_mini, tiny_models, gemma3, tmp_path):
+    """``chat_template: theworld`` gives TheWorld's input_ids id for id (image as its own content item: no
+    extra newline after ``<end_of_image>``, whatever side of the text the LLaVA ``<image>`` was on);
+    ``label_policy: all_but_world`` labels all of them as TheWorld's forward does, ``answers`` only the
+    answers (each labelled run = the stripped answer + ``<end_of_turn>``)."""
+    from precompute.config import load_config
+    from precompute.job import run
+    from test_chat import labelled_runs
+    recs = json.loads((real_mini / MANIFEST).read_text())[:4]
+    recs.append({"id": "image-last", "image": recs[0]["image"], "conversations": [
+        {"from": "human", "value": "  Describe it.\n<image>"}, {"from": "gpt", "value": " An astronaut. "}]})
+    recs = [dict(r, image=str(real_mini / r["image"])) for r in recs]
+    (tmp_path / "m.json").write_text(json.dumps(recs))
+    cfg = load_config(ROOT / "configs" / "precompute-theworld.yaml", [
+        f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma3}",
+        f"image_features.pretrained={gemma3}", f"image_size={IMAGE_SIZE}", "device=cpu", "num_workers=0",
+        "allow_outside_root=true", "chat_template=theworld", f"label_policy={policy}"])
+    summary, man = run(tmp_path / "m.json", tmp_path / "cache", cfg, progress=False)
+    assert summary.kept == len(recs), summary.reasons
+    assert man["encoders"]["preprocessing"]["chat_template"] == "theworld"
+    proc = _processor(gemma3)
+    end = proc.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    got = _samples(tmp_path / "cache")
+    for rec in recs:
+        s = got[rec["id"]]
+        want = _theworld_collate(proc, rec, Path(rec["image"]))
+        assert s["input_ids"].tolist() == want, rec["id"]
+        if policy == "all_but_world":
+            assert s["labels"].tolist() == want
+        else:
+            answers = [t["value"].strip() for t in rec["conversations"] if t["from"] == "gpt"]
+            runs = labelled_runs(s["input_ids"], s["labels"])
+            assert [proc.tokenizer.decode(r[:-1]) for r in runs] == answers and all(r[-1] == end for r in runs)
+
+
+def test_vocabulary_theworlds_resize_and_ours_give_the_markers_the_same_rows(world_cache, gemma3):
+    """TheWorld adds its two markers to Gemma's tokenizer and calls ``resize_token_embeddings(len(tokenizer))``
+    (262,145 + 2 = 262,147 for gemma-3-4b-it, whose embedding has 262,208 rows): a shrink, so no row is
+    initialised and the markers get the checkpoint's own padding rows. The recipe never shrinks (the cache's
+    vocab_size is below the model's): the markers get the very same rows; what differs is only the width of the
+    output softmax (the unused rows stay classes). The tiny Gemma 3 mirrors the shape: 300 tokens, 320 rows."""
+    from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
+    from train.models import build_model, data_spec
+    spec = data_spec(world_cache)
+    ours = build_model("theworld", {"lm": str(gemma3)}, spec)
+    tok = AutoTokenizer.from_pretrained(str(gemma3))
+    theirs = Gemma3ForConditionalGeneration.from_pretrained(str(gemma3))
+    rows = theirs.get_input_embeddings().weight.shape[0]
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_world>", "<end_of_world>"]})
+    ids = tok.convert_tokens_to_ids(["<start_of_world>", "<end_of_world>"])
+    assert ids == [spec.world_start_token_id, spec.world_end_token_id] and len(tok) == spec.vocab_size < rows
+    before = theirs.get_input_embeddings().weight[ids].detach().clone()
+    theirs.resize_token_embeddings(len(tok))
+    assert theirs.get_input_embeddings().weight.shape[0] == len(tok)
+    assert ours.lm.get_input_embeddings().weight.shape[0] == rows
+    torch.testing.assert_close(theirs.get_input_embeddings().weight[ids], before, rtol=0, atol=0)
+    torch.testing.assert_close(ours.lm.get_input_embeddings().weight[ids], before, rtol=0, atol=0)
