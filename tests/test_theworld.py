@@ -272,7 +272,8 @@ def test_projection_only_trains_only_the_projection(world_cache, gemma3, caplog,
     theirs = {f"world_projector.projection.{k}": torch.full_like(v, 0.5)
               for k, v in m.world_projector.projection.state_dict().items()}
     save_file(theirs, str(tmp_path / "proj.safetensors"))
-    m2 = build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(tmp_path / "proj.safetensors")}, spec)
+    m2 = build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(tmp_path / "proj.safetensors"),
+                                  "projection_architecture": "mlp"}, spec)
     assert all(bool((p == 0.5).all()) for p in m2.world_projector.parameters())
 
 
@@ -525,3 +526,66 @@ def test_vocabulary_theworlds_resize_and_ours_give_the_markers_the_same_rows(wor
     assert ours.lm.get_input_embeddings().weight.shape[0] == rows
     torch.testing.assert_close(theirs.get_input_embeddings().weight[ids], before, rtol=0, atol=0)
     torch.testing.assert_close(ours.lm.get_input_embeddings().weight[ids], before, rtol=0, atol=0)
+
+
+def _theworld_projection(architecture: str, z_dim: int, dim: int) -> torch.nn.Module:
+    """TheWorld's ``WorldProjector._build_projection`` written out (``world_projector.py``)."""
+    nn = torch.nn
+    if architecture == "mlp":
+        return nn.Sequential(nn.Linear(z_dim, dim), nn.GELU(), nn.Linear(dim, dim), nn.GELU())
+    if architecture == "mlp_no_final_gelu":
+        return nn.Sequential(nn.Linear(z_dim, dim), nn.GELU(), nn.Linear(dim, dim))
+    return nn.Linear(z_dim, dim)
+
+
+def test_projection_checkpoints_of_every_theworld_variant(world_cache, gemma3, tmp_path, caplog):
+    """TheWorld's checkpoints (``save_pretrained``: config.json with ``projection_architecture`` + the
+    trainable weights under ``world_projector.projection.*``) of each architecture load into a projection
+    that computes what TheWorld's module computes; a two-layer MLP that nothing names, a layout or shapes
+    of no variant (channel mode), and an architecture contradicting the checkpoint are refused naming what
+    was found; LM weights in the checkpoint are reported, not loaded silently."""
+    import logging
+    from safetensors.torch import save_file
+    from train.models import build_model, data_spec
+    spec = data_spec(world_cache)
+    z, dim = 16, 64
+    torch.manual_seed(0)
+    cells = torch.randn(5, z)
+    for arch in ("mlp", "mlp_no_final_gelu", "linear"):
+        theirs = _theworld_projection(arch, z, dim)
+        d = tmp_path / arch
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "theworld", "projection_architecture": arch}))
+        state = {f"world_projector.projection.{k}": v.detach().clone() for k, v in theirs.state_dict().items()}
+        save_file(state | {"model.language_model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)},
+                  str(d / "model.safetensors"))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="train"):
+            m = build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(d / "model.safetensors")},
+                            spec)
+        with torch.no_grad():
+            torch.testing.assert_close(m.world_projector(cells), theirs(cells), msg=arch)
+        assert any("model.language_model.layers.0.mlp.up_proj.weight" in r.message and "NOT loaded" in r.message
+                   for r in caplog.records), arch
+    # no config.json: an MLP's architecture must be named; a linear one is recognised by its keys
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for arch in ("mlp_no_final_gelu", "linear"):
+        theirs = _theworld_projection(arch, z, dim)
+        save_file({f"world_projector.projection.{k}": v for k, v in theirs.state_dict().items()},
+                  str(bare / f"{arch}.safetensors"))
+    with pytest.raises(ValueError, match="mlp or mlp_no_final_gelu .* set model.kwargs.projection_architecture"):
+        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(bare / "mlp_no_final_gelu.safetensors")},
+                    spec)
+    with pytest.raises(ValueError, match="holds one Linear .* projection_architecture is mlp"):
+        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(bare / "linear.safetensors"),
+                                 "projection_architecture": "mlp"}, spec)
+    with pytest.raises(ValueError, match="projection_architecture is mlp, but .*config.json says projection_archi"):
+        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(tmp_path / "linear" / "model.safetensors"),
+                                 "projection_architecture": "mlp"}, spec)
+    channel = _theworld_projection("mlp", 64, dim)           # channel mode: one token per channel, input H*W = 64
+    save_file({f"world_projector.projection.{k}": v for k, v in channel.state_dict().items()},
+              str(bare / "channel.safetensors"))
+    with pytest.raises(ValueError, match="channel mode"):
+        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(bare / "channel.safetensors"),
+                                 "projection_architecture": "mlp"}, spec)
