@@ -279,3 +279,33 @@ def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches):
         for i, key in enumerate(ds.reader.keys):
             assert ds[i].audio_speaker_indices.tolist() == [ds.speakers.index(recs[key]["speaker"])] * 2
             assert ds[i].audio_waveforms_concat.numel() == 0
+
+
+def test_a_checkpoint_without_a_text_head_is_refused_unless_asked_to_create_one(higgs_models, tmp_path):
+    """``use_text_head`` (default) on a checkpoint without ``text_lm_head.weight`` (Boson's generation
+    checkpoint converted without one): refused before loading, naming the option; ``create_text_head:
+    true`` builds a new one (not the checkpoint's: it has none); ``use_text_head: false`` needs none."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from train.recipes.higgs import HiggsModel
+    src = higgs_models / "higgs-tiny"
+    cfg = AutoConfig.from_pretrained(str(src))
+    headless = tmp_path / "headless"
+    shutil.copytree(src, headless)
+    weights = load_file(str(src / "model.safetensors"))
+    assert "text_lm_head.weight" in weights
+    save_file({k: v for k, v in weights.items() if k != "text_lm_head.weight"}, str(headless / "model.safetensors"),
+              metadata={"format": "pt"})
+    kw = {"n_codebooks": cfg.num_codebooks, "codebook_size": cfg.audio_stream_bos_id}   # the codes below BOS/EOS
+    with pytest.raises(ValueError, match="has no text head .*create_text_head: true"):
+        HiggsModel(lm=str(headless), **kw)
+    torch.manual_seed(0)
+    made = HiggsModel(lm=str(headless), create_text_head=True, **kw)
+    assert made.lm.text_lm_head is not None
+    assert not torch.equal(made.lm.text_lm_head.weight, weights["text_lm_head.weight"])
+    assert HiggsModel(lm=str(headless), use_text_head=False, **kw).lm.text_lm_head is None
+    loaded = HiggsModel(lm=str(src), **kw)                          # the checkpoint's own head, as stored
+    assert torch.equal(loaded.lm.text_lm_head.weight, weights["text_lm_head.weight"])
