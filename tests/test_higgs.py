@@ -309,3 +309,21 @@ def test_a_checkpoint_without_a_text_head_is_refused_unless_asked_to_create_one(
     assert HiggsModel(lm=str(headless), use_text_head=False, **kw).lm.text_lm_head is None
     loaded = HiggsModel(lm=str(src), **kw)                          # the checkpoint's own head, as stored
     assert torch.equal(loaded.lm.text_lm_head.weight, weights["text_lm_head.weight"])
+
+
+def test_tts_preset_pins_the_released_bandwidth_and_codebooks(higgs_codec):
+    """configs/precompute-tts.yaml pins the Higgs tokenizer at 2 kbps = 8 codebooks: its codec loads with
+    8 codebooks of 1024 at 25 frames/s; a bandwidth giving another count (here 1 kbps -> 4, as a config
+    reaching 16 would) is refused when the codec loads, at stage one, naming both options."""
+    from precompute.config import load_config
+    from precompute.encoders.registry import load_audio_tokenizer
+    from precompute.validate import check_config
+    from conftest import ROOT
+    cfg = load_config(ROOT / "configs" / "precompute-tts.yaml",
+                      [f"audio_tokenizer.pretrained={higgs_codec / 'higgs-audio-tokenizer-tiny'}"])
+    assert check_config(cfg) == []
+    assert (cfg.audio_tokenizer["bandwidth"], cfg.audio_tokenizer["n_codebooks"]) == (2, 8)
+    codec = load_audio_tokenizer(cfg.audio_tokenizer)
+    assert (codec.n_codebooks, codec.codebook_size, codec.sample_rate // codec.hop_length) == (8, 1024, 25)
+    with pytest.raises(ValueError, match=r"bandwidth 1 kbps gives 4 codebooks, n_codebooks pins 8"):
+        load_audio_tokenizer(dict(cfg.audio_tokenizer, bandwidth=1))

@@ -458,14 +458,19 @@ class HiggsTokenizer(HFCodecTokenizer):
         model: a ``transformers.HiggsAudioV2TokenizerModel``.
         bandwidth: kbps, one of ``config.target_bandwidths``; default: the last one, what
             ``model.encode`` and ``HiggsAudioV2Processor`` use (2 kbps -> 8 codebooks for Higgs v2).
+        n_codebooks: the codebook count ``bandwidth`` must give (None: not checked). The TTS preset
+            pins 8 at 2 kbps, the released layout: a tokenizer config whose bandwidth gives another
+            count (transformers' default config reaches 16) is refused when the codec loads, at
+            stage one, instead of writing codes the model cannot train on.
         **kwargs: see :class:`HFCodecTokenizer`.
     """
 
     name = "higgs"
-    OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth",)
+    OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth", "n_codebooks")
     PADS_TO_HOP = False
 
-    def __init__(self, model, *, bandwidth: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, model, *, bandwidth: float | None = None, n_codebooks: int | None = None,
+                 **kwargs: Any) -> None:
         cfg = model.config
         bandwidth = cfg.target_bandwidths[-1] if bandwidth is None else bandwidth
         if bandwidth not in tuple(cfg.target_bandwidths):
@@ -476,6 +481,10 @@ class HiggsTokenizer(HFCodecTokenizer):
         self.hop_length = int(cfg.hop_length)
         self.codebook_size = int(cfg.codebook_size)
         self.n_codebooks = int(model.quantizer.get_num_quantizers_for_bandwidth(bandwidth))
+        if n_codebooks is not None and int(n_codebooks) != self.n_codebooks:
+            raise ValueError(f"audio_tokenizer: bandwidth {bandwidth} kbps gives {self.n_codebooks} codebooks, "
+                             f"n_codebooks pins {n_codebooks} (Higgs Audio v2 trains on 8 at 2 kbps): set "
+                             "audio_tokenizer.bandwidth to the model's")
         self._check_codebook_size()
 
     @classmethod
