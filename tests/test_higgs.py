@@ -327,3 +327,49 @@ def test_tts_preset_pins_the_released_bandwidth_and_codebooks(higgs_codec):
     assert (codec.n_codebooks, codec.codebook_size, codec.sample_rate // codec.hop_length) == (8, 1024, 25)
     with pytest.raises(ValueError, match=r"bandwidth 1 kbps gives 4 codebooks, n_codebooks pins 8"):
         load_audio_tokenizer(dict(cfg.audio_tokenizer, bandwidth=1))
+
+
+def test_lora_run_exports_as_a_from_pretrained_checkpoint(higgs_models, tmp_path):
+    """A LoRA run (adapters saved as the trainer saves them, loaded back onto a fresh recipe) exported
+    with ``train.checkpoint.export_pretrained``: ``HiggsAudioV2ForConditionalGeneration.from_pretrained``
+    of the directory gives the LoRA model's logits (text and audio), not the base model's; it holds no
+    LoRA weight, and the tokenizer files of the base come with it."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer, HiggsAudioV2ForConditionalGeneration
+
+    from train.checkpoint import base_fingerprint, export_pretrained, load_model, save
+    from train.dist import DistInfo
+    from train.recipes.higgs import HiggsModel
+    src = higgs_models / "higgs-tiny"
+    cfg = AutoConfig.from_pretrained(str(src))
+    kw = {"lm": str(src), "n_codebooks": cfg.num_codebooks, "codebook_size": cfg.audio_stream_bos_id, "lora": True}
+    torch.manual_seed(0)
+    trained = HiggsModel(**kw).eval()
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)               # as after training: B = 0 would make the merge a no-op
+    save(tmp_path / "run", 1, model=trained, state={"optimizer": {}}, loader_state={}, info=DistInfo(), config={},
+         keep=1, adapter={"format": 1, "model": "higgs", "base": str(src), "base_fingerprint": base_fingerprint(trained),
+                          "lora": trained.lora})
+    model = HiggsModel(**kw).eval()
+    load_model(model, tmp_path / "run" / "step-1")
+    T, Q = 12, cfg.num_codebooks
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, 250, (2, T), generator=g), "attention_mask": torch.ones(2, T, dtype=torch.long),
+             "audio_input_ids": torch.randint(0, 1024, (2, 5, Q), generator=g),
+             "audio_input_ids_mask": torch.ones(2, 5, dtype=torch.bool)}
+    batch["input_ids"][:, 3:8] = cfg.audio_token_id
+    with torch.no_grad():
+        want = model.lm(**batch, use_cache=False)
+        base = HiggsAudioV2ForConditionalGeneration.from_pretrained(str(src), use_text_head=True).eval()(**batch, use_cache=False)
+    assert (want.logits - base.logits).abs().max() > 1e-3                # the adapters change the output
+    out = export_pretrained(model, tmp_path / "export", base=src)
+    reloaded = HiggsAudioV2ForConditionalGeneration.from_pretrained(str(out), use_text_head=True).eval()
+    with torch.no_grad():
+        got = reloaded(**batch, use_cache=False)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert "text_lm_head.weight" in names and not any("lora" in n for n in names)
+    assert AutoTokenizer.from_pretrained(str(out)).vocab == AutoTokenizer.from_pretrained(str(src)).vocab
