@@ -373,3 +373,21 @@ def test_lora_run_exports_as_a_from_pretrained_checkpoint(higgs_models, tmp_path
         names = list(f.keys())
     assert "text_lm_head.weight" in names and not any("lora" in n for n in names)
     assert AutoTokenizer.from_pretrained(str(out)).vocab == AutoTokenizer.from_pretrained(str(src)).vocab
+
+
+def test_bosons_tokenizer_format_is_refused_with_what_to_use(higgs_codec, tmp_path):
+    """A directory as Boson ships its tokenizer (``bosonai/higgs-audio-v2-tokenizer``: ``model.pth`` and the
+    keyword arguments of boson_multimodal's ``HiggsAudioTokenizer`` as config.json) is refused naming the
+    format and the transformers-format tokenizer to use, not with transformers' generic error; the
+    transformers-format one loads."""
+    from precompute.encoders.registry import load_audio_tokenizer
+    boson = tmp_path / "higgs-audio-v2-tokenizer"
+    boson.mkdir()
+    (boson / "config.json").write_text(json.dumps({"n_filters": 32, "D": 128, "target_bandwidths": [1, 1.5, 2, 4, 6],
+                                                   "ratios": [8, 5, 4, 2, 3], "sample_rate": 24000, "bins": 1024,
+                                                   "n_q": 8, "semantic_techer": "hubert_base_general"}))
+    (boson / "model.pth").write_bytes(b"\0")
+    with pytest.raises(ValueError, match=r"Boson's own Higgs audio tokenizer format .* transformers cannot load.*"
+                                         r"eustlb/higgs-audio-v2-tokenizer"):
+        load_audio_tokenizer({"name": "higgs", "pretrained": str(boson)})
+    assert load_audio_tokenizer({"name": "higgs", "pretrained": str(higgs_codec / "higgs-audio-tokenizer-tiny")}).n_codebooks == 8

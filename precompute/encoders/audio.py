@@ -487,6 +487,32 @@ class HiggsTokenizer(HFCodecTokenizer):
                              "audio_tokenizer.bandwidth to the model's")
         self._check_codebook_size()
 
+    #: ``model_type`` of a tokenizer in ``transformers`` format
+    MODEL_TYPE = "higgs_audio_v2_tokenizer"
+
+    @classmethod
+    def from_pretrained(cls, pretrained: Any, **kwargs: Any):
+        """As :meth:`HFCodecTokenizer.from_pretrained`, after reading the checkpoint's ``config.json``:
+        Boson's own tokenizer format (``bosonai/higgs-audio-v2-tokenizer``: ``model.pth`` and a config
+        without ``model_type``, loaded by ``boson_multimodal``'s ``load_higgs_audio_tokenizer``), which
+        ``transformers`` cannot load, is refused with a ``ValueError`` saying so and naming the
+        ``transformers``-format tokenizer to use instead (docs/higgs-audio.md)."""
+        from transformers import PretrainedConfig
+        path = resolve_pretrained(pretrained, what=cls.__name__)
+        try:
+            raw, _ = PretrainedConfig.get_config_dict(path)
+        except (OSError, ValueError) as e:
+            raise load_error(cls.__name__, path, e) from e
+        if raw.get("model_type") != cls.MODEL_TYPE:
+            boson = "n_q" in raw or "semantic_techer" in raw or raw.get("model_type") is None
+            raise ValueError(
+                f"audio_tokenizer.pretrained {path}: "
+                + ("Boson's own Higgs audio tokenizer format (model.pth + its config, boson_multimodal), which "
+                   "transformers cannot load" if boson else f"model_type {raw.get('model_type')!r}, not {cls.MODEL_TYPE}")
+                + ": use the tokenizer in transformers format (eustlb/higgs-audio-v2-tokenizer, the conversion "
+                  "script's default; docs/higgs-audio.md)")
+        return super().from_pretrained(path, **kwargs)
+
     @classmethod
     def _model_class(cls):
         from .torchaudio_compat import ensure_torchaudio
