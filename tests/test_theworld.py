@@ -502,6 +502,23 @@ def test_theworld_preset_is_theworlds_collate_token_for_token(policy, real_mini,
             answers = [t["value"].strip() for t in rec["conversations"] if t["from"] == "gpt"]
             runs = labelled_runs(s["input_ids"], s["labels"])
             assert [proc.tokenizer.decode(r[:-1]) for r in runs] == answers and all(r[-1] == end for r in runs)
+    if policy == "all_but_world":   # the recipe's labels: TheWorld's _forward_with_world, written out
+        from loaders import ShardLoader
+        from loaders.device import to_device
+        from train.models import build_model, data_spec
+        spec = data_spec(tmp_path / "cache")
+        model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
+        ld = ShardLoader(tmp_path / "cache", len(recs), fields=model.fields, num_workers=0, compact=False, seed=0)
+        batch = to_device(next(iter(ld)), "cpu")
+        ld.close()
+        with torch.no_grad():
+            merged, _ = model.inputs(batch)
+        n_world = (IMAGE_SIZE // 8) ** 2
+        for b, key in enumerate(batch["keys"]):
+            ids = batch["input_ids"][b][batch["attention_mask"][b].bool()].tolist()
+            sow, eow = ids.index(spec.world_start_token_id), ids.index(spec.world_end_token_id)
+            want = ids[:sow + 1] + [-100] * n_world + ids[eow:]
+            assert merged.labels[b][merged.attention_mask[b]].tolist() == want, key
 
 
 def test_vocabulary_theworlds_resize_and_ours_give_the_markers_the_same_rows(world_cache, gemma3):

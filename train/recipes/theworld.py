@@ -341,6 +341,8 @@ class TheWorldModel(LMRecipe):
         counts = valid.long()
         counts[pb, pi] = lengths
         starts = counts.cumsum(1) - counts                              # new position of every input token
+        if pb.numel():   # the marker keeps its own label (TheWorld's labels_before ends with it; -100 unless
+            merged.labels[pb, starts[pb, pi]] = labels[pb, pi]          # label_policy: all_but_world)
         tb, ti = soft.nonzero(as_tuple=True)
         token_type = torch.zeros(merged.labels.shape, dtype=torch.long, device=ids.device)
         token_type[tb, starts[tb, ti]] = 1
