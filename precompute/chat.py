@@ -11,10 +11,27 @@ Two ways, chosen by ``chat_template`` in the config:
   assistant turn as ``<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>``, an image as the configured
   image placeholder (``<image>``, LLaVA's, by default); an assistant turn followed by another
   assistant turn ends with ``<|eom_id|>``. Each piece is tokenized on its own, as Higgs-Audio does.
+  A ChatML message's ``recipient`` renders as Boson renders it: ``{recipient}<|recipient|>`` (one
+  piece) right after the assistant header, **always labelled** (Boson labels it even in a turn before
+  ``start_index``); a recipient on a user/system turn is refused (``ValueError``: Boson asserts
+  ``role == "assistant"`` and drops the sample). An empty recipient renders nothing (Boson's ``if
+  recipient:``).
 * ``tokenizer``: the HF tokenizer's own ``apply_chat_template`` over the turns (media rendered
-  to the same placeholder strings inside the content), tokenized once as a whole.
+  to the same placeholder strings inside the content), tokenized once as a whole. Templates do not
+  render a ``recipient``: a conversation with one is refused (``ValueError``; use ``llama3``).
+
+* ``theworld``: the tokenizer's own template, each turn given as content items, its images first
+  (``{"type": "image"}``) then its other parts as one text item, as TheWorld's collate
+  (``python/theworld/data.py``, ``theworld_collate_fn``) passes a LLaVA sample to
+  ``processor.apply_chat_template``: Gemma 3's template writes ``<start_of_image>`` and the trimmed
+  text, so no newline follows ``<end_of_image>`` beyond the image sequence's own.
 
 ``auto`` picks ``tokenizer`` when the (HF) tokenizer has a chat template, else ``llama3``.
+
+**Label policy** (``label_policy``): ``answers`` (default) as below; ``all_but_world`` labels every
+token of ``input_ids`` (world markers, image sequence and prompts included), as TheWorld's forward
+does (``_forward_with_world``: its labels are ``input_ids`` with -100 only on the inserted world
+embeddings, which the recipe inserts with -100 too).
 
 Labels (int32, same length as ``input_ids``, not shifted: the model shifts, HF convention) copy
 ``input_ids`` on trained tokens and are ``-100`` elsewhere. Trained: the assistant turns at or
@@ -66,6 +83,9 @@ from shards.errors import CorruptSample
 from shards.tokens import (AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_IN_TOKENS, AUDIO_OUT, AUDIO_OUT_BOS,  # noqa: F401
                            AUDIO_OUT_TOKENS, BEGIN_OF_TEXT, END_HEADER, EOM, EOT, IGNORE_INDEX, IMAGE,
                            PLACEHOLDERS, SPECIAL_TOKENS, START_HEADER)
+
+#: what follows a ChatML message's recipient (Boson's ``prepare_chatml_sample``: ``f"{recipient}<|recipient|>"``)
+RECIPIENT = "<|recipient|>"
 
 from .config import CHAT_TEMPLATES
 from .conversation import Conversation
@@ -145,6 +165,11 @@ def llama3_pieces(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS) -> li
     for i, turn in enumerate(conv.turns):
         trained = conv.trained(i)
         out.append(((BEGIN_OF_TEXT if i == 0 else "") + f"{START_HEADER}{turn.role}{END_HEADER}\n\n", False))
+        if turn.recipient:
+            if turn.role != "assistant":
+                raise ValueError(f"turn {i} ({turn.role}) has a recipient: Higgs-Audio renders a recipient only on "
+                                 "assistant turns (prepare_chatml_sample)")
+            out.append((f"{turn.recipient}{RECIPIENT}", True))   # labelled whatever start_index says, as Boson
         for p in turn.parts:
             text = p.text if p.type == "text" else media_text(turn.role, p.type, tokens)
             if p.type == "image" and tokens.image_sequence:
@@ -156,8 +181,14 @@ def llama3_pieces(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS) -> li
     return out
 
 
-def turn_messages(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS) -> list[dict[str, str]]:
-    """``[{role, content}]`` with media as placeholder text, for ``apply_chat_template``."""
+def turn_messages(conv: Conversation, tokens: ChatTokens = DEFAULT_TOKENS, items: bool = False) -> list[dict]:
+    """``[{role, content}]`` with media as placeholder text, for ``apply_chat_template``. ``items``
+    (``theworld``): content as a list, one ``{"type": "image"}`` per image first, then the other parts
+    as one ``{"type": "text"}`` item (audio as its placeholder text)."""
+    if items:
+        return [{"role": t.role, "content": [{"type": "image"} for p in t.parts if p.type == "image"] + [
+            {"type": "text", "text": "".join(p.text if p.type == "text" else media_text(t.role, p.type, tokens)
+                                             for p in t.parts if p.type != "image")}]} for t in conv.turns]
     return [{"role": t.role, "content": "".join(p.text if p.type == "text" else media_text(t.role, p.type, tokens)
                                                for p in t.parts)} for t in conv.turns]
 
@@ -246,8 +277,8 @@ def resolve_template(name: str, tokenizer) -> str:
     has = getattr(tokenizer, "chat_template", None) is not None
     if name == "auto":
         return "tokenizer" if has else "llama3"
-    if name == "tokenizer" and not has:
-        raise ValueError("chat_template: tokenizer, but the text tokenizer has no chat template")
+    if name in ("tokenizer", "theworld") and not has:
+        raise ValueError(f"chat_template: {name}, but the text tokenizer has no chat template")
     return name
 
 
@@ -261,11 +292,12 @@ def _finish(ids: list[int], trained: list[bool], never: set[int]) -> tuple[np.nd
     return input_ids, labels
 
 
-def render(conv: Conversation, tokenizer, template: str, tokens: ChatTokens = DEFAULT_TOKENS
-           ) -> tuple[np.ndarray, np.ndarray]:
+def render(conv: Conversation, tokenizer, template: str, tokens: ChatTokens = DEFAULT_TOKENS,
+           label_policy: str = "answers") -> tuple[np.ndarray, np.ndarray]:
     """``(input_ids, labels)``, both int32 ``(L,)``, of ``conv`` (see the module docstring).
 
-    ``template``: ``llama3`` or ``tokenizer`` (already resolved).
+    ``template``: ``llama3``, ``tokenizer`` or ``theworld`` (already resolved). ``label_policy``:
+    ``answers`` | ``all_but_world`` (labels = ``input_ids``).
 
     Raises:
         CorruptSample: ``no_targets``: no trained turn has content, or no token is trained.
@@ -286,10 +318,12 @@ def render(conv: Conversation, tokenizer, template: str, tokens: ChatTokens = DE
             trained += [tr] * len(piece)
         input_ids, labels = _finish(ids, trained, never)
     else:
-        input_ids, labels = _render_hf(conv, tokenizer, never, tokens)
+        input_ids, labels = _render_hf(conv, tokenizer, never, tokens, items=template == "theworld")
     _check_placeholders(conv, specials, input_ids, tokens)
     if tokens.world and conv.images:
         input_ids, labels = _insert_world(input_ids, labels, tokenizer, specials, tokens.world, len(conv.images))
+    if label_policy == "all_but_world":   # TheWorld: every input token (the world embeddings are the recipe's)
+        labels = input_ids.copy()
     if not (labels != IGNORE_INDEX).any():
         raise CorruptSample(schema.NO_TARGETS, "the rendered conversation has no trained token (labels all -100)",
                             conv.sources[0] if conv.sources else "")
@@ -311,9 +345,13 @@ def _no_targets_detail(conv: Conversation) -> str:
     return "every trained assistant turn is empty (no text but whitespace, no media)"
 
 
-def _render_hf(conv: Conversation, tokenizer, never: set[int], tokens: ChatTokens) -> tuple[np.ndarray, np.ndarray]:
+def _render_hf(conv: Conversation, tokenizer, never: set[int], tokens: ChatTokens, items: bool = False
+               ) -> tuple[np.ndarray, np.ndarray]:
     tok = tokenizer.tokenizer
-    msgs = turn_messages(conv, tokens)
+    if any(t.recipient for t in conv.turns):
+        raise ValueError("a message has a recipient, which the tokenizer's chat template does not render: "
+                         "use chat_template: llama3 (renders it as Higgs-Audio's prepare_chatml_sample)")
+    msgs = turn_messages(conv, tokens, items)
 
     def text_of(n: int, prompt: bool = False) -> str:
         return tok.apply_chat_template(msgs[:n], tokenize=False, add_generation_prompt=prompt)

@@ -36,7 +36,9 @@ RGB_MODES = ("composite", "convert")
 #: ``image_pixel_range`` -> the (low, high) pixel values the VAE is fed (:mod:`precompute.encoders.image`)
 PIXEL_RANGES: dict[str, tuple[float, float]] = {"-1..1": (-1.0, 1.0), "0..255": (0.0, 255.0)}
 #: ``chat_template`` (:mod:`precompute.chat`)
-CHAT_TEMPLATES = ("auto", "llama3", "tokenizer")
+CHAT_TEMPLATES = ("auto", "llama3", "tokenizer", "theworld")
+#: ``label_policy`` (:mod:`precompute.chat`)
+LABEL_POLICIES = ("answers", "all_but_world")
 #: ``manifest_format`` (:mod:`precompute.manifests`)
 MANIFEST_FORMATS = ("jsonl", "chatml", "llava", "csv", "parquet")
 #: ``source_digest``: what a rerun compares of each media file (:mod:`precompute.rerun`)
@@ -130,7 +132,13 @@ class PrecomputeConfig:
     chat_template: str = option("auto", choices=CHAT_TEMPLATES)
     """How a conversation becomes input_ids/labels (precompute.chat): auto = the HF tokenizer's own
     apply_chat_template when it has a chat template, else llama3 (Higgs-Audio's Llama-3 headers with
-    audio/image placeholders); tokenizer forces the tokenizer's template (error if it has none)."""
+    audio/image placeholders); tokenizer forces the tokenizer's template (error if it has none); theworld = the
+    tokenizer's template given each turn as content items, its images first, then its text as one item (what
+    TheWorld's collate passes to Gemma 3's processor: no newline after <end_of_image>)."""
+    label_policy: str = option("answers", choices=LABEL_POLICIES)
+    """Which tokens get labels: answers = the assistant turns (at or after start_index), never a placeholder,
+    image or world-marker token; all_but_world = every token of input_ids (TheWorld's forward labels its whole
+    input but the world embeddings, which the recipe inserts with -100)."""
     extra_waveforms: dict[str, dict[str, Any]] = option(factory=dict)
     """More waveform fields besides audio (all items at sample_rate): name -> {sample_rate: Hz, direction:
     in | out | all}; e.g. {audio_16k: {sample_rate: 16000, direction: in}} stores the user-side audio at
@@ -180,6 +188,8 @@ class PrecomputeConfig:
         out["encoder_dtype"] = ENCODER_DTYPES.get(self.encoder_dtype, self.encoder_dtype)
         out["sample_layout"] = "conversation-2"  # precompute.conversation + precompute.chat
         out["chat_template"] = self.chat_template
+        if self.label_policy != "answers":  # only when set: caches made before it keep their fingerprint
+            out["label_policy"] = self.label_policy
         if self.extra_waveforms:
             out["extra_waveforms"] = self.extra_waveforms
         if self.image_features:  # only when set: caches without it keep their fingerprint

@@ -18,7 +18,8 @@ Audio items in a user/system turn are *input* (``direction = "in"``), in an assi
 *output* (``"out"``), as Higgs-Audio renders them (``<|AUDIO|>`` vs ``<|AUDIO_OUT|>``).
 
 A ChatML message's ``recipient`` (Higgs-Audio's ``Message.recipient``) is kept with its turn
-(:attr:`Turn.recipient`, in the sample's ``json`` conversation); the chat templates do not render it.
+(:attr:`Turn.recipient`, in the sample's ``json`` conversation) and rendered as Higgs-Audio renders
+it (:mod:`precompute.chat`, ``chat_template: llama3``).
 
 Malformed values raise :class:`RowError` naming the field (e.g. ``messages[2].content[1].audio_url``);
 the manifest reader turns it into a ``malformed_row`` reject, so no value can abort a job. What is

@@ -140,7 +140,8 @@ def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, .
     try:
         check_caps(conv, cfg)
         # rendered first: a row without targets (no_targets) or past max_text_tokens is rejected before decoding
-        out.input_ids, out.labels = chat.render(conv, text_tokenizer, template, tokens or chat.ChatTokens.of(cfg))
+        out.input_ids, out.labels = chat.render(conv, text_tokenizer, template, tokens or chat.ChatTokens.of(cfg),
+                                                cfg.label_policy)
         if len(out.input_ids) > cfg.max_text_tokens:
             raise _too_large("text tokens", len(out.input_ids), cfg.max_text_tokens, "max_text_tokens")
         stage = schema.UNREADABLE_AUDIO

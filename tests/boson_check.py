@@ -9,6 +9,10 @@ Boson's own code, transformers 4.46:
 * ``HiggsAudioSampleCollator`` (delay pattern, 8 codebooks) over the samples: the columns of
   ``label_audio_ids`` with a label are reported with the columns each audio item occupies;
 * ``HiggsAudioModel`` (tiny random config) runs forward on the collated batch.
+
+``python tests/boson_check.py render RECORDS TOKENIZER_DIR``: ``prepare_chatml_sample(record, tokenizer)``
+of each ChatML record of the JSON list RECORDS, one JSON line ``[[input_ids, label_ids] | null, ...]``
+(null where Boson refuses the record: its function catches the error, then fails printing the sample).
 """
 from __future__ import annotations
 
@@ -85,5 +89,24 @@ def main(cache: str, manifest: str, tokenizer_dir: str) -> dict:
     return out
 
 
+def render(records: str, tokenizer_dir: str) -> list:
+    """Boson's ``prepare_chatml_sample`` of each record: ``[input_ids, label_ids]`` or None."""
+    from boson_multimodal.dataset.chatml_dataset import prepare_chatml_sample
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=f"{tokenizer_dir}/tokenizer.json")
+    out = []
+    for rec in json.load(open(records)):
+        try:
+            ids, labels, _, _ = prepare_chatml_sample(dict(rec), tok)
+        except TypeError:   # its except branch json.dumps() the ChatMLSample it could not render
+            ids = labels = None
+        out.append(None if ids is None else [ids, labels])
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(*sys.argv[1:4])))
+    if sys.argv[1] == "render":
+        print(json.dumps(render(*sys.argv[2:4])))
+    else:
+        print(json.dumps(main(*sys.argv[1:4])))

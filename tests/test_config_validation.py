@@ -134,7 +134,7 @@ def test_every_declared_choice_is_implemented(tmp_path):
     assert {str(resolve_dtype(d)) for d in CHOICES["encoder_dtype"]} == {"torch.float32", "torch.float16",
                                                                        "torch.bfloat16"}
     for name in CHOICES["chat_template"]:
-        assert resolve_template(name, SimpleNamespace(chat_template="{{ x }}")) in ("llama3", "tokenizer")
+        assert resolve_template(name, SimpleNamespace(chat_template="{{ x }}")) in ("llama3", "tokenizer", "theworld")
     for fmt in CHOICES["manifest_format"]:
         with pytest.raises(Exception) as e:
             list(read_requests(tmp_path / "no-such-manifest", fmt=fmt))

@@ -4,7 +4,8 @@ Each real-mini ChatML manifest (a few samples of each: conftest.higgs_caches) is
 (the tiny random Higgs audio tokenizer and text tokenizer). The same conversations go through
 ``transformers``' own processor, built as its conversion script builds it, with the same text tokenizer
 and the same audio tokenizer (``HiggsAudioV2TokenizerModel``, run here with the soxr fallback for torchaudio;
-it never resamples), fed the waveforms the precompute job decoded. The cache's batch
+it never resamples), fed the waveforms as Boson and transformers load them (``librosa.load`` at 24 kHz, not
+our own decoder: the real-mini clips are 8 and 22.05 kHz, so a change of our resampler fails). The cache's batch
 (``loaders.higgs.HiggsBatch``, the higgs recipe's ``batch_transform``) must be ``torch.equal`` on every
 key, and the model's loss equal on both paths.
 
@@ -49,9 +50,12 @@ def _recipe(higgs_codec, cache, **kw):
     return build_model("higgs", {"lm": str(higgs_codec / "higgs-tiny"), **kw}, cache).eval()
 
 
-def _wave(url: str) -> np.ndarray:
-    from precompute.audio import load_audio
-    return load_audio(url, (24000,))[0][24000]  # what the precompute job fed its codec
+def _wave(url: str, sr: int = 24000) -> np.ndarray:
+    """The clip as Boson (``HiggsAudioDataset``) and transformers' docs load it: ``librosa.load`` at the
+    codec's rate, mono float32; independent of ``precompute.audio.load_audio`` (a change of its resampler
+    changes the cache's codes and fails the equivalence tests)."""
+    import librosa
+    return librosa.load(url, sr=sr, mono=True)[0]
 
 
 def _conversation(rec: dict, user_audio: str = "drop") -> tuple[list[dict], list[np.ndarray]]:
@@ -262,7 +266,6 @@ def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches):
     from types import SimpleNamespace
 
     from loaders.higgs import HiggsChatMLDataset
-    from precompute.audio import load_audio
     cache, recs = higgs_caches["understanding"]
     ds = HiggsChatMLDataset(cache, sample_class=SimpleNamespace)
     assert ds.waveforms == "audio_16k" and ds.rate == 16000
@@ -271,7 +274,7 @@ def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches):
         s, rec = ds[i], recs[key]
         url = next(it["audio_url"] for m in rec["messages"] if isinstance(m["content"], list)
                    for it in m["content"] if isinstance(it, dict) and it.get("type") == "audio")
-        want = load_audio(url, (16000,))[0][16000]
+        want = _wave(url, 16000)
         assert s.audio_sample_rate.tolist() == [16000.0] and s.audio_waveforms_start.tolist() == [0]
         np.testing.assert_allclose(s.audio_waveforms_concat.numpy(), want, atol=2e-4)
         assert s.audio_speaker_indices.tolist() == [-1]   # input items have a speaker only when the item names one
@@ -283,3 +286,115 @@ def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches):
         for i, key in enumerate(ds.reader.keys):
             assert ds[i].audio_speaker_indices.tolist() == [ds.speakers.index(recs[key]["speaker"])] * 2
             assert ds[i].audio_waveforms_concat.numel() == 0
+
+
+def test_a_checkpoint_without_a_text_head_is_refused_unless_asked_to_create_one(higgs_models, tmp_path):
+    """``use_text_head`` (default) on a checkpoint without ``text_lm_head.weight`` (Boson's generation
+    checkpoint converted without one): refused before loading, naming the option; ``create_text_head:
+    true`` builds a new one (not the checkpoint's: it has none); ``use_text_head: false`` needs none."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from train.recipes.higgs import HiggsModel
+    src = higgs_models / "higgs-tiny"
+    cfg = AutoConfig.from_pretrained(str(src))
+    headless = tmp_path / "headless"
+    shutil.copytree(src, headless)
+    weights = load_file(str(src / "model.safetensors"))
+    assert "text_lm_head.weight" in weights
+    save_file({k: v for k, v in weights.items() if k != "text_lm_head.weight"}, str(headless / "model.safetensors"),
+              metadata={"format": "pt"})
+    kw = {"n_codebooks": cfg.num_codebooks, "codebook_size": cfg.audio_stream_bos_id}   # the codes below BOS/EOS
+    with pytest.raises(ValueError, match="has no text head .*create_text_head: true"):
+        HiggsModel(lm=str(headless), **kw)
+    torch.manual_seed(0)
+    made = HiggsModel(lm=str(headless), create_text_head=True, **kw)
+    assert made.lm.text_lm_head is not None
+    assert not torch.equal(made.lm.text_lm_head.weight, weights["text_lm_head.weight"])
+    assert HiggsModel(lm=str(headless), use_text_head=False, **kw).lm.text_lm_head is None
+    loaded = HiggsModel(lm=str(src), **kw)                          # the checkpoint's own head, as stored
+    assert torch.equal(loaded.lm.text_lm_head.weight, weights["text_lm_head.weight"])
+
+
+def test_tts_preset_pins_the_released_bandwidth_and_codebooks(higgs_codec):
+    """configs/precompute-tts.yaml pins the Higgs tokenizer at 2 kbps = 8 codebooks: its codec loads with
+    8 codebooks of 1024 at 25 frames/s; a bandwidth giving another count (here 1 kbps -> 4, as a config
+    reaching 16 would) is refused when the codec loads, at stage one, naming both options."""
+    from precompute.config import load_config
+    from precompute.encoders.registry import load_audio_tokenizer
+    from precompute.validate import check_config
+    from conftest import ROOT
+    cfg = load_config(ROOT / "configs" / "precompute-tts.yaml",
+                      [f"audio_tokenizer.pretrained={higgs_codec / 'higgs-audio-tokenizer-tiny'}"])
+    assert check_config(cfg) == []
+    assert (cfg.audio_tokenizer["bandwidth"], cfg.audio_tokenizer["n_codebooks"]) == (2, 8)
+    codec = load_audio_tokenizer(cfg.audio_tokenizer)
+    assert (codec.n_codebooks, codec.codebook_size, codec.sample_rate // codec.hop_length) == (8, 1024, 25)
+    with pytest.raises(ValueError, match=r"bandwidth 1 kbps gives 4 codebooks, n_codebooks pins 8"):
+        load_audio_tokenizer(dict(cfg.audio_tokenizer, bandwidth=1))
+
+
+def test_lora_run_exports_as_a_from_pretrained_checkpoint(higgs_models, tmp_path):
+    """A LoRA run (adapters saved as the trainer saves them, loaded back onto a fresh recipe) exported
+    with ``train.checkpoint.export_pretrained``: ``HiggsAudioV2ForConditionalGeneration.from_pretrained``
+    of the directory gives the LoRA model's logits (text and audio), not the base model's; it holds no
+    LoRA weight, and the tokenizer files of the base come with it."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer, HiggsAudioV2ForConditionalGeneration
+
+    from train.checkpoint import base_fingerprint, export_pretrained, load_model, save
+    from train.dist import DistInfo
+    from train.recipes.higgs import HiggsModel
+    src = higgs_models / "higgs-tiny"
+    cfg = AutoConfig.from_pretrained(str(src))
+    kw = {"lm": str(src), "n_codebooks": cfg.num_codebooks, "codebook_size": cfg.audio_stream_bos_id, "lora": True}
+    torch.manual_seed(0)
+    trained = HiggsModel(**kw).eval()
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)               # as after training: B = 0 would make the merge a no-op
+    save(tmp_path / "run", 1, model=trained, state={"optimizer": {}}, loader_state={}, info=DistInfo(), config={},
+         keep=1, adapter={"format": 1, "model": "higgs", "base": str(src), "base_fingerprint": base_fingerprint(trained),
+                          "lora": trained.lora})
+    model = HiggsModel(**kw).eval()
+    load_model(model, tmp_path / "run" / "step-1")
+    T, Q = 12, cfg.num_codebooks
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, 250, (2, T), generator=g), "attention_mask": torch.ones(2, T, dtype=torch.long),
+             "audio_input_ids": torch.randint(0, 1024, (2, 5, Q), generator=g),
+             "audio_input_ids_mask": torch.ones(2, 5, dtype=torch.bool)}
+    batch["input_ids"][:, 3:8] = cfg.audio_token_id
+    with torch.no_grad():
+        want = model.lm(**batch, use_cache=False)
+        base = HiggsAudioV2ForConditionalGeneration.from_pretrained(str(src), use_text_head=True).eval()(**batch, use_cache=False)
+    assert (want.logits - base.logits).abs().max() > 1e-3                # the adapters change the output
+    out = export_pretrained(model, tmp_path / "export", base=src)
+    reloaded = HiggsAudioV2ForConditionalGeneration.from_pretrained(str(out), use_text_head=True).eval()
+    with torch.no_grad():
+        got = reloaded(**batch, use_cache=False)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert "text_lm_head.weight" in names and not any("lora" in n for n in names)
+    assert AutoTokenizer.from_pretrained(str(out)).vocab == AutoTokenizer.from_pretrained(str(src)).vocab
+
+
+def test_bosons_tokenizer_format_is_refused_with_what_to_use(higgs_codec, tmp_path):
+    """A directory as Boson ships its tokenizer (``bosonai/higgs-audio-v2-tokenizer``: ``model.pth`` and the
+    keyword arguments of boson_multimodal's ``HiggsAudioTokenizer`` as config.json) is refused naming the
+    format and the transformers-format tokenizer to use, not with transformers' generic error; the
+    transformers-format one loads."""
+    from precompute.encoders.registry import load_audio_tokenizer
+    boson = tmp_path / "higgs-audio-v2-tokenizer"
+    boson.mkdir()
+    (boson / "config.json").write_text(json.dumps({"n_filters": 32, "D": 128, "target_bandwidths": [1, 1.5, 2, 4, 6],
+                                                   "ratios": [8, 5, 4, 2, 3], "sample_rate": 24000, "bins": 1024,
+                                                   "n_q": 8, "semantic_techer": "hubert_base_general"}))
+    (boson / "model.pth").write_bytes(b"\0")
+    with pytest.raises(ValueError, match=r"Boson's own Higgs audio tokenizer format .* transformers cannot load.*"
+                                         r"eustlb/higgs-audio-v2-tokenizer"):
+        load_audio_tokenizer({"name": "higgs", "pretrained": str(boson)})
+    assert load_audio_tokenizer({"name": "higgs", "pretrained": str(higgs_codec / "higgs-audio-tokenizer-tiny")}).n_codebooks == 8

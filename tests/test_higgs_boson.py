@@ -65,3 +65,48 @@ def test_boson_collator_and_model_on_the_dataset(boson_python, higgs_caches, hig
     assert any(i["target"] for i in got["items"]) and any(not i["target"] for i in got["items"])
     assert got["trained_columns"] == want
     assert got["finite"] and got["audio_logits_shape"] == [at, Q, 1026]
+
+
+#: ChatML records with recipients: on an assistant text turn, on a trained and on a context (before
+#: start_index) audio turn, an empty one; the last has one on a user turn, which Boson refuses
+RECIPIENT_RECORDS = [
+    {"messages": [{"role": "system", "content": "Speak."}, {"role": "user", "content": "Hello there."},
+                  {"role": "assistant", "recipient": "narrator", "content": "Hi."}]},
+    {"messages": [{"role": "user", "content": "Read it."},
+                  {"role": "assistant", "recipient": "speaker_a",
+                   "content": [{"type": "text", "text": "Sure:"}, {"type": "audio", "audio_url": "a.wav"}]},
+                  {"role": "assistant", "recipient": "speaker_b", "content": {"type": "audio", "audio_url": "b.wav"}}],
+     "start_index": 2},
+    {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "recipient": "", "content": "y"}]},
+    {"messages": [{"role": "user", "recipient": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]},
+]
+
+
+@pytest.mark.slow
+def test_recipient_renders_as_boson_prepare_chatml_sample(boson_python, tmp_path):
+    """A ChatML ``recipient`` is rendered (``{recipient}<|recipient|>`` after the assistant header, labelled)
+    token for token and label for label as Boson's own ``prepare_chatml_sample``; where Boson refuses the
+    record (a recipient on a user turn) the row is refused too."""
+    from precompute.chat import render
+    from precompute.conversation import from_chatml
+    from precompute.encoders.registry import load_text_tokenizer
+
+    tok_dir = ROOT / "models" / "higgs-tiny"
+    if not (tok_dir / "tokenizer.json").exists():
+        pytest.skip("models/higgs-tiny not built (make models)")
+    (tmp_path / "recs.json").write_text(json.dumps(RECIPIENT_RECORDS))
+    r = subprocess.run([boson_python, str(ROOT / "tests" / "boson_check.py"), "render", str(tmp_path / "recs.json"),
+                        str(tok_dir)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    boson = json.loads(r.stdout.strip().splitlines()[-1])
+    tok = load_text_tokenizer({"name": "hf", "pretrained": str(tok_dir)})
+    for rec, want in zip(RECIPIENT_RECORDS, boson):
+        conv, _ = from_chatml(rec, tmp_path)
+        if want is None:
+            with pytest.raises(ValueError, match="recipient"):
+                render(conv, tok, "llama3")
+            continue
+        ids, labels = render(conv, tok, "llama3")
+        assert ids.tolist() == want[0] and labels.tolist() == want[1]
+    assert boson[3] is None and all(b is not None for b in boson[:3])

@@ -274,7 +274,8 @@ def test_projection_only_trains_only_the_projection(world_cache, gemma3, caplog,
     theirs = {f"world_projector.projection.{k}": torch.full_like(v, 0.5)
               for k, v in m.world_projector.projection.state_dict().items()}
     save_file(theirs, str(tmp_path / "proj.safetensors"))
-    m2 = build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(tmp_path / "proj.safetensors")}, spec)
+    m2 = build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(tmp_path / "proj.safetensors"),
+                                  "projection_architecture": "mlp"}, spec)
     assert all(bool((p == 0.5).all()) for p in m2.world_projector.parameters())
 
 
@@ -304,3 +305,306 @@ def test_verify_checks_bf16_bits_and_the_config_is_validated(world_cache, tmp_pa
     assert "image_features.name" in problems and "gemma3" in problems["image_features.name"]
     problems = dict(check_config(load_config(None, ["image_features={name: gemma3, dtype: fp8}"])))
     assert set(problems) >= {"image_features.pretrained", "image_features.dtype"}, problems
+
+
+#: two-image LLaVA records: two different images each, in both orders, the second image in a later turn,
+#: so image k taken from the wrong place (the other image of the sample) changes what lands at marker k
+MULTI = [
+    {"id": "two-a", "image": ["images/astronaut.png", "images/rocket.jpg"], "conversations": [
+        {"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "An astronaut."},
+        {"from": "human", "value": "<image>\nAnd this one?"}, {"from": "gpt", "value": "A rocket."}]},
+    {"id": "two-b", "image": ["images/rocket.jpg", "images/astronaut.png"], "conversations": [
+        {"from": "human", "value": "<image>\n<image>\nCompare them."}, {"from": "gpt", "value": "Rocket, then astronaut."}]},
+    {"id": "two-c", "image": ["images/coins.jpg", "images/chelsea.jpg"], "conversations": [
+        {"from": "human", "value": "<image>\nCount."}, {"from": "gpt", "value": "Many coins."},
+        {"from": "human", "value": "<image>\nAnd?"}, {"from": "gpt", "value": "A cat."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def multi_cache(real_mini, tiny_models, gemma3, tmp_path_factory) -> tuple[Path, dict]:
+    """:data:`MULTI` (paths absolute) through configs/precompute-theworld.yaml: ``(cache, {id: record})``."""
+    from precompute.config import load_config
+    from precompute.job import run
+    from precompute.validate import validate_config
+    out = tmp_path_factory.mktemp("theworld-multi")
+    recs = [dict(r, image=[str(real_mini / p) for p in r["image"]]) for r in MULTI]
+    (out / "m.json").write_text(json.dumps(recs))
+    cfg = validate_config(load_config(ROOT / "configs" / "precompute-theworld.yaml", [
+        f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma3}",
+        f"image_features.pretrained={gemma3}", f"image_size={IMAGE_SIZE}", "device=cpu", "num_workers=0",
+        "allow_outside_root=true"]))
+    summary, _ = run(out / "m.json", out / "cache", cfg, progress=False)
+    assert summary.kept == len(MULTI) and summary.rejected == 0, summary.reasons
+    return out / "cache", {r["id"]: r for r in recs}
+
+
+def test_multi_image_samples_end_to_end(multi_cache, gemma3, tiny_models):
+    """Samples with two images, end to end: computed here independently for image k of each sample
+    (Gemma 3's processor + ``get_image_features`` on the files, TheWorld's VAE preprocessing written
+    out), the recipe's LM inputs hold image k's features at the k-th run of ``<image_soft_token>`` and
+    the projection of image k's latent cells after the k-th ``<start_of_world>``; the cached ids are
+    the processor's for the same text. Taking any image's tensors from the sample's other image fails."""
+    from diffusers import AutoencoderKLWan
+    from PIL import Image
+    from transformers import Gemma3ForConditionalGeneration
+
+    from loaders import ShardLoader
+    from loaders.device import to_device
+    from train.models import build_model, data_spec
+
+    cache, records = multi_cache
+    proc = _processor(gemma3)
+    gemma = Gemma3ForConditionalGeneration.from_pretrained(str(gemma3), dtype=torch.bfloat16).eval()
+    vae = AutoencoderKLWan.from_pretrained(str(tiny_models / "wan-tiny"), torch_dtype=torch.bfloat16).eval()
+    roles = {"human": "user", "gpt": "assistant"}
+    want_ids, want_feats, want_cells = {}, {}, {}
+    for key, rec in records.items():
+        msgs = [{"role": roles[t["from"]], "content": t["value"].replace("<image>", "<start_of_image>")}
+                for t in rec["conversations"]]
+        text = proc.tokenizer.apply_chat_template(msgs, tokenize=False)
+        text = "<bos>" + "<start_of_world><end_of_world>" * 2 + text[len("<bos>"):]
+        images = [Image.open(p) for p in rec["image"]]
+        out = proc(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
+        want_ids[key] = out["input_ids"][0]
+        with torch.no_grad():
+            want_feats[key] = gemma.model.get_image_features(out["pixel_values"].to(torch.bfloat16)).pooler_output
+            cells = []
+            for im in images:   # TheWorld's cosmos_vae_encoder.py at this test's size
+                x = im.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
+                x = torch.from_numpy(np.array(x)).permute(2, 0, 1).float()[None].to(torch.bfloat16).unsqueeze(2)
+                z = vae.encode(x).latent_dist.mode()[0, :, 0].float()                # (C, H, W)
+                cells.append(z.flatten(1).T)                                         # (H*W, C) row-major
+            want_cells[key] = cells
+        assert want_feats[key].shape[0] == 2
+        assert not torch.allclose(want_feats[key][0].float(), want_feats[key][1].float(), atol=1e-2)
+
+    spec = data_spec(cache)
+    model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
+    ld = ShardLoader(cache, len(MULTI), fields=model.fields, num_workers=0, compact=False, seed=0)
+    batch = to_device(next(iter(ld)), "cpu")
+    ld.close()
+    assert sorted(batch["keys"]) == sorted(records)
+    with torch.no_grad():
+        merged, token_type = model.inputs(batch)
+        embed = model.lm.get_input_embeddings()
+        T = gemma.config.mm_tokens_per_image
+        for b, key in enumerate(batch["keys"]):
+            ids = batch["input_ids"][b][batch["attention_mask"][b].bool()]
+            assert ids.tolist() == want_ids[key].tolist(), key
+            row, types = merged.inputs_embeds[b], token_type[b].bool()
+            soft_rows = row[types]                                                    # in order of position
+            assert soft_rows.shape[0] == 2 * T
+            sow = (ids == spec.world_start_token_id).nonzero().flatten().tolist()
+            assert len(sow) == 2
+            shift = 0
+            for k in range(2):
+                torch.testing.assert_close(soft_rows[k * T:(k + 1) * T].float(), want_feats[key][k].float(),
+                                           rtol=2 ** -7, atol=1e-3, msg=f"{key}: image {k}'s features")
+                cells = want_cells[key][k]
+                world = model.world_projector.projection(cells.to(row.dtype))
+                start = sow[k] + shift + 1
+                torch.testing.assert_close(row[start:start + len(cells)], world, rtol=1e-2, atol=2e-3,
+                                           msg=f"{key}: image {k}'s world tokens")
+                torch.testing.assert_close(row[start + len(cells)],
+                                           embed(torch.tensor([spec.world_end_token_id]))[0].to(row.dtype))
+                shift += len(cells)
+
+
+def test_pan_and_scan_is_refused_not_paired_by_position(gemma3, tiny_models, real_mini, tmp_path):
+    """Gemma 3's pan-and-scan makes ``num_crops`` extra pixel rows per image (the processor's own counts):
+    a checkpoint with it on is refused before any image is encoded, naming the option; and an encoder
+    whose processor makes crops anyway refuses the call instead of returning more feature rows than
+    images (which the producer would pair with the sample's images by position)."""
+    import shutil
+    from PIL import Image
+    from precompute.config import load_config
+    from precompute.job import run
+    from precompute.producers.image_features import Gemma3VisionEncoder
+
+    wide = np.asarray(Image.open(real_mini / "images" / "rocket.jpg").convert("RGB").resize((600, 150)))
+    square = np.asarray(Image.open(real_mini / "images" / "astronaut.png").convert("RGB"))
+    want_crops = Gemma3VisionEncoder(str(gemma3)).processor.image_processor(
+        [Image.fromarray(wide), Image.fromarray(square)], do_pan_and_scan=True, pan_and_scan_min_crop_size=32,
+        pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2, return_tensors="pt")["num_crops"]
+    assert want_crops.tolist()[0] > 0 and want_crops.tolist()[1] == 0     # the wide image gets crops
+
+    enc = Gemma3VisionEncoder(str(gemma3))
+    assert len(enc.encode([wide, square])) == 2
+    enc.processor.image_processor.do_pan_and_scan = True
+    ip = enc.processor.image_processor
+    ip.pan_and_scan_min_crop_size, ip.pan_and_scan_max_num_crops, ip.pan_and_scan_min_ratio_to_activate = 32, 4, 1.2
+    with pytest.raises(ValueError, match=r"num_crops \[%d, 0\]" % want_crops.tolist()[0]):
+        enc.encode([wide, square])
+
+    pas = tmp_path / "gemma3-pan-and-scan"
+    shutil.copytree(gemma3, pas)
+    pc = json.loads((pas / "processor_config.json").read_text())
+    pc["image_processor"].update(do_pan_and_scan=True, pan_and_scan_min_crop_size=32, pan_and_scan_max_num_crops=4,
+                                 pan_and_scan_min_ratio_to_activate=1.2)
+    (pas / "processor_config.json").write_text(json.dumps(pc))
+    cfg = load_config(ROOT / "configs" / "precompute-theworld.yaml", [
+        f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma3}",
+        f"image_features.pretrained={pas}", f"image_size={IMAGE_SIZE}", "device=cpu", "num_workers=0"])
+    with pytest.raises(ValueError, match="do_pan_and_scan"):
+        run(real_mini / MANIFEST, tmp_path / "cache", cfg, progress=False)
+    assert not (tmp_path / "cache" / "index.parquet").exists()
+
+
+def _theworld_collate(proc, record: dict, image_path: Path) -> list[int]:
+    """TheWorld's own rules, written out (``python/theworld/data.py`` ``theworld_collate_fn``, multi-turn
+    branch, and ``modeling/theworld.py`` ``_inject_world_tokens``): the first user message's content is
+    ``[image item, its text with <image> removed and stripped]``, later turns one text item each, through
+    the processor's ``apply_chat_template(tokenize=True)``; then ``<start_of_world><end_of_world>`` after
+    BOS. TheWorld's forward labels every one of these ids (-100 only on the world embeddings)."""
+    from PIL import Image
+    roles = {"human": "user", "gpt": "assistant"}
+    msgs = [{"role": roles[t["from"]], "content": t["value"]} for t in record["conversations"]]
+    full = [{"role": "user", "content": [{"type": "image", "image": Image.open(image_path)},
+                                         {"type": "text", "text": msgs[0]["content"].replace("<image>", "").strip()}]}]
+    full += [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in msgs[1:]]
+    out = proc.apply_chat_template(full, tokenize=True, add_generation_prompt=False, return_dict=True,
+                                   return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    sow, eow = proc.tokenizer.convert_tokens_to_ids(["<start_of_world>", "<end_of_world>"])
+    return [ids[0], sow, eow] + ids[1:]
+
+
+@pytest.mark.parametrize("policy", ["all_but_world", "answers"])
+def test_theworld_preset_is_theworlds_collate_token_for_token(policy, real_mini, tiny_models, gemma3, tmp_path):
+    """``chat_template: theworld`` gives TheWorld's input_ids id for id (image as its own content item: no
+    extra newline after ``<end_of_image>``, whatever side of the text the LLaVA ``<image>`` was on);
+    ``label_policy: all_but_world`` labels all of them as TheWorld's forward does, ``answers`` only the
+    answers (each labelled run = the stripped answer + ``<end_of_turn>``)."""
+    from precompute.config import load_config
+    from precompute.job import run
+    from test_chat import labelled_runs
+    recs = json.loads((real_mini / MANIFEST).read_text())[:4]
+    recs.append({"id": "image-last", "image": recs[0]["image"], "conversations": [
+        {"from": "human", "value": "  Describe it.\n<image>"}, {"from": "gpt", "value": " An astronaut. "}]})
+    recs = [dict(r, image=str(real_mini / r["image"])) for r in recs]
+    (tmp_path / "m.json").write_text(json.dumps(recs))
+    cfg = load_config(ROOT / "configs" / "precompute-theworld.yaml", [
+        f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma3}",
+        f"image_features.pretrained={gemma3}", f"image_size={IMAGE_SIZE}", "device=cpu", "num_workers=0",
+        "allow_outside_root=true", "chat_template=theworld", f"label_policy={policy}"])
+    summary, man = run(tmp_path / "m.json", tmp_path / "cache", cfg, progress=False)
+    assert summary.kept == len(recs), summary.reasons
+    assert man["encoders"]["preprocessing"]["chat_template"] == "theworld"
+    proc = _processor(gemma3)
+    end = proc.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    got = _samples(tmp_path / "cache")
+    for rec in recs:
+        s = got[rec["id"]]
+        want = _theworld_collate(proc, rec, Path(rec["image"]))
+        assert s["input_ids"].tolist() == want, rec["id"]
+        if policy == "all_but_world":
+            assert s["labels"].tolist() == want
+        else:
+            answers = [t["value"].strip() for t in rec["conversations"] if t["from"] == "gpt"]
+            runs = labelled_runs(s["input_ids"], s["labels"])
+            assert [proc.tokenizer.decode(r[:-1]) for r in runs] == answers and all(r[-1] == end for r in runs)
+    if policy == "all_but_world":   # the recipe's labels: TheWorld's _forward_with_world, written out
+        from loaders import ShardLoader
+        from loaders.device import to_device
+        from train.models import build_model, data_spec
+        spec = data_spec(tmp_path / "cache")
+        model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
+        ld = ShardLoader(tmp_path / "cache", len(recs), fields=model.fields, num_workers=0, compact=False, seed=0)
+        batch = to_device(next(iter(ld)), "cpu")
+        ld.close()
+        with torch.no_grad():
+            merged, _ = model.inputs(batch)
+        n_world = (IMAGE_SIZE // 8) ** 2
+        for b, key in enumerate(batch["keys"]):
+            ids = batch["input_ids"][b][batch["attention_mask"][b].bool()].tolist()
+            sow, eow = ids.index(spec.world_start_token_id), ids.index(spec.world_end_token_id)
+            want = ids[:sow + 1] + [-100] * n_world + ids[eow:]
+            assert merged.labels[b][merged.attention_mask[b]].tolist() == want, key
+
+
+def test_vocabulary_theworlds_resize_and_ours_give_the_markers_the_same_rows(world_cache, gemma3):
+    """TheWorld adds its two markers to Gemma's tokenizer and calls ``resize_token_embeddings(len(tokenizer))``
+    (262,145 + 2 = 262,147 for gemma-3-4b-it, whose embedding has 262,208 rows): a shrink, so no row is
+    initialised and the markers get the checkpoint's own padding rows. The recipe never shrinks (the cache's
+    vocab_size is below the model's): the markers get the very same rows; what differs is only the width of the
+    output softmax (the unused rows stay classes). The tiny Gemma 3 mirrors the shape: 300 tokens, 320 rows."""
+    from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
+    from train.models import build_model, data_spec
+    spec = data_spec(world_cache)
+    ours = build_model("theworld", {"lm": str(gemma3)}, spec)
+    tok = AutoTokenizer.from_pretrained(str(gemma3))
+    theirs = Gemma3ForConditionalGeneration.from_pretrained(str(gemma3))
+    rows = theirs.get_input_embeddings().weight.shape[0]
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_world>", "<end_of_world>"]})
+    ids = tok.convert_tokens_to_ids(["<start_of_world>", "<end_of_world>"])
+    assert ids == [spec.world_start_token_id, spec.world_end_token_id] and len(tok) == spec.vocab_size < rows
+    before = theirs.get_input_embeddings().weight[ids].detach().clone()
+    theirs.resize_token_embeddings(len(tok))
+    assert theirs.get_input_embeddings().weight.shape[0] == len(tok)
+    assert ours.lm.get_input_embeddings().weight.shape[0] == rows
+    torch.testing.assert_close(theirs.get_input_embeddings().weight[ids], before, rtol=0, atol=0)
+    torch.testing.assert_close(ours.lm.get_input_embeddings().weight[ids], before, rtol=0, atol=0)
+
+
+def _theworld_projection(architecture: str, z_dim: int, dim: int) -> torch.nn.Module:
+    """TheWorld's ``WorldProjector._build_projection`` written out (``world_projector.py``)."""
+    nn = torch.nn
+    if architecture == "mlp":
+        return nn.Sequential(nn.Linear(z_dim, dim), nn.GELU(), nn.Linear(dim, dim), nn.GELU())
+    if architecture == "mlp_no_final_gelu":
+        return nn.Sequential(nn.Linear(z_dim, dim), nn.GELU(), nn.Linear(dim, dim))
+    return nn.Linear(z_dim, dim)
+
+
+def test_projection_checkpoints_of_every_theworld_variant(world_cache, gemma3, tmp_path, caplog):
+    """TheWorld's checkpoints (``save_pretrained``: config.json with ``projection_architecture`` + the
+    trainable weights under ``world_projector.projection.*``) of each architecture load into a projection
+    that computes what TheWorld's module computes; a two-layer MLP that nothing names, a layout or shapes
+    of no variant (channel mode), and an architecture contradicting the checkpoint are refused naming what
+    was found; LM weights in the checkpoint are reported, not loaded silently."""
+    import logging
+    from safetensors.torch import save_file
+    from train.models import build_model, data_spec
+    spec = data_spec(world_cache)
+    z, dim = 16, 64
+    torch.manual_seed(0)
+    cells = torch.randn(5, z)
+    for arch in ("mlp", "mlp_no_final_gelu", "linear"):
+        theirs = _theworld_projection(arch, z, dim)
+        d = tmp_path / arch
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "theworld", "projection_architecture": arch}))
+        state = {f"world_projector.projection.{k}": v.detach().clone() for k, v in theirs.state_dict().items()}
+        save_file(state | {"model.language_model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)},
+                  str(d / "model.safetensors"))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="train"):
+            m = build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(d / "model.safetensors")},
+                            spec)
+        with torch.no_grad():
+            torch.testing.assert_close(m.world_projector(cells), theirs(cells), msg=arch)
+        assert any("model.language_model.layers.0.mlp.up_proj.weight" in r.message and "NOT loaded" in r.message
+                   for r in caplog.records), arch
+    # no config.json: an MLP's architecture must be named; a linear one is recognised by its keys
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for arch in ("mlp_no_final_gelu", "linear"):
+        theirs = _theworld_projection(arch, z, dim)
+        save_file({f"world_projector.projection.{k}": v for k, v in theirs.state_dict().items()},
+                  str(bare / f"{arch}.safetensors"))
+    with pytest.raises(ValueError, match="mlp or mlp_no_final_gelu .* set model.kwargs.projection_architecture"):
+        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(bare / "mlp_no_final_gelu.safetensors")},
+                    spec)
+    with pytest.raises(ValueError, match="holds one Linear .* projection_architecture is mlp"):
+        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(bare / "linear.safetensors"),
+                                 "projection_architecture": "mlp"}, spec)
+    with pytest.raises(ValueError, match="projection_architecture is mlp, but .*config.json says projection_archi"):
+        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(tmp_path / "linear" / "model.safetensors"),
+                                 "projection_architecture": "mlp"}, spec)
+    channel = _theworld_projection("mlp", 64, dim)           # channel mode: one token per channel, input H*W = 64
+    save_file({f"world_projector.projection.{k}": v for k, v in channel.state_dict().items()},
+              str(bare / "channel.safetensors"))
+    with pytest.raises(ValueError, match="channel mode"):
+        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(bare / "channel.safetensors"),
+                                 "projection_architecture": "mlp"}, spec)

@@ -80,7 +80,7 @@ def test_nul_key_caps_and_recipient_through_the_cli(tiny_models, tmp_path, capsy
         '{"key": "bad\\u0000key", "text": "Hello there.", "audio": "' + AUDIO + '"}',      # a JSON NUL escape
         '{"key": "lone", "text": "Hello \\ud800 there.", "audio": "' + AUDIO + '"}',       # a lone surrogate
         {"key": "long-text", "text": "x" * 500, "audio": AUDIO},                           # > max_text_tokens
-        {"messages": [_turn("user", "Say it.", recipient="narrator"), _turn("assistant", audio_item)],
+        {"messages": [_turn("user", "Say it."), _turn("assistant", audio_item, recipient="narrator")],
          "misc": {"key": "recipient"}},
         {"messages": [_turn("user", "many"), _turn("assistant", [audio_item] * 10_000)],   # > max_audio_items
          "misc": {"key": "ten-thousand-items"}},
@@ -107,7 +107,7 @@ def test_nul_key_caps_and_recipient_through_the_cli(tiny_models, tmp_path, capsy
     reader = ShardReader(tmp_path / "cache")
     assert sorted(reader.keys) == ["good", "recipient"]
     turns = reader.get(reader.keys.index("recipient"))["json"]["conversation"]["turns"]
-    assert [t.get("recipient") for t in turns] == ["narrator", None]
+    assert [t.get("recipient") for t in turns] == [None, "narrator"]
     # the rerun: nothing left to encode, exit 0 again, the same cache
     rc, out, err = _precompute_here(capsys, manifest, tmp_path / "cache", tiny_models, *caps)
     assert rc == 0, err[-3000:]

@@ -393,6 +393,46 @@ def load_model(model: nn.Module, path: str | Path) -> None:
         load_weights(model, path, strict=True)
 
 
+#: files of a base checkpoint directory copied beside an export (tokenizer, chat template, processor)
+EXPORT_COPIES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "tokenizer.model", "chat_template.jinja", "chat_template.json", "processor_config.json",
+                 "preprocessor_config.json")
+
+
+def export_pretrained(model: nn.Module, out_dir: str | Path, base: str | Path | None = None) -> Path:
+    """Write a recipe whose every weight is its ``transformers`` model (``model.lm``; the higgs recipe) as
+    a ``from_pretrained`` directory: LoRA adapters, if any, merged into their base layers and removed
+    (peft's ``LoraLayer.merge`` then the base layer put back, what ``PeftModel.merge_and_unload`` does;
+    the recipe's LM is changed in place), then ``model.lm.save_pretrained(out_dir)`` (safetensors), and
+    the tokenizer / chat template / processor files of ``base`` (a local checkpoint directory) copied.
+
+    Load a run first (:func:`load_model` on ``step-N``). Returns ``out_dir``. Raises ``ValueError`` for a
+    recipe with weights outside its LM (its :meth:`media_modules`: they would be lost).
+    """
+    media = model.media_modules()
+    if media:
+        raise ValueError(f"{type(model).__name__} has weights outside its LM ({', '.join(type(m).__name__ for m in media)}): "
+                         "a from_pretrained export of the LM alone would lose them")
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    lm = model.lm
+    for name, module in [(n, m) for n, m in lm.named_modules() if isinstance(m, BaseTunerLayer)]:
+        module.merge()
+        parent, _, attr = name.rpartition(".")
+        setattr(lm.get_submodule(parent) if parent else lm, attr, module.get_base_layer())
+    if "peft_config" in vars(lm):
+        del lm.peft_config
+    model.lora = None
+    out = Path(out_dir)
+    lm.save_pretrained(str(out))
+    if base is not None and Path(base).is_dir():
+        for f in EXPORT_COPIES:
+            if (Path(base) / f).is_file():
+                shutil.copy2(Path(base) / f, out / f)
+    log.info("exported %s to %s (from_pretrained)", type(lm).__name__, out)
+    return out
+
+
 def read_state(path: str | Path, info: D.DistInfo) -> dict[str, Any]:
     """The optimizer and trainer state of checkpoint ``path`` for this rank, and its RNG restored.
 

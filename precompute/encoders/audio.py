@@ -450,14 +450,19 @@ class HiggsTokenizer(HFCodecTokenizer):
         model: a ``transformers.HiggsAudioV2TokenizerModel``.
         bandwidth: kbps, one of ``config.target_bandwidths``; default: the last one, what
             ``model.encode`` and ``HiggsAudioV2Processor`` use (2 kbps -> 8 codebooks for Higgs v2).
+        n_codebooks: the codebook count ``bandwidth`` must give (None: not checked). The TTS preset
+            pins 8 at 2 kbps, the released layout: a tokenizer config whose bandwidth gives another
+            count (transformers' default config reaches 16) is refused when the codec loads, at
+            stage one, instead of writing codes the model cannot train on.
         **kwargs: see :class:`HFCodecTokenizer`.
     """
 
     name = "higgs"
-    OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth",)
+    OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth", "n_codebooks")
     PADS_TO_HOP = False
 
-    def __init__(self, model, *, bandwidth: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, model, *, bandwidth: float | None = None, n_codebooks: int | None = None,
+                 **kwargs: Any) -> None:
         cfg = model.config
         bandwidth = cfg.target_bandwidths[-1] if bandwidth is None else bandwidth
         if bandwidth not in tuple(cfg.target_bandwidths):
@@ -468,7 +473,37 @@ class HiggsTokenizer(HFCodecTokenizer):
         self.hop_length = int(cfg.hop_length)
         self.codebook_size = int(cfg.codebook_size)
         self.n_codebooks = int(model.quantizer.get_num_quantizers_for_bandwidth(bandwidth))
+        if n_codebooks is not None and int(n_codebooks) != self.n_codebooks:
+            raise ValueError(f"audio_tokenizer: bandwidth {bandwidth} kbps gives {self.n_codebooks} codebooks, "
+                             f"n_codebooks pins {n_codebooks} (Higgs Audio v2 trains on 8 at 2 kbps): set "
+                             "audio_tokenizer.bandwidth to the model's")
         self._check_codebook_size()
+
+    #: ``model_type`` of a tokenizer in ``transformers`` format
+    MODEL_TYPE = "higgs_audio_v2_tokenizer"
+
+    @classmethod
+    def from_pretrained(cls, pretrained: Any, **kwargs: Any):
+        """As :meth:`HFCodecTokenizer.from_pretrained`, after reading the checkpoint's ``config.json``:
+        Boson's own tokenizer format (``bosonai/higgs-audio-v2-tokenizer``: ``model.pth`` and a config
+        without ``model_type``, loaded by ``boson_multimodal``'s ``load_higgs_audio_tokenizer``), which
+        ``transformers`` cannot load, is refused with a ``ValueError`` saying so and naming the
+        ``transformers``-format tokenizer to use instead (docs/higgs-audio.md)."""
+        from transformers import PretrainedConfig
+        path = resolve_pretrained(pretrained, what=cls.__name__)
+        try:
+            raw, _ = PretrainedConfig.get_config_dict(path)
+        except (OSError, ValueError) as e:
+            raise load_error(cls.__name__, path, e) from e
+        if raw.get("model_type") != cls.MODEL_TYPE:
+            boson = "n_q" in raw or "semantic_techer" in raw or raw.get("model_type") is None
+            raise ValueError(
+                f"audio_tokenizer.pretrained {path}: "
+                + ("Boson's own Higgs audio tokenizer format (model.pth + its config, boson_multimodal), which "
+                   "transformers cannot load" if boson else f"model_type {raw.get('model_type')!r}, not {cls.MODEL_TYPE}")
+                + ": use the tokenizer in transformers format (eustlb/higgs-audio-v2-tokenizer, the conversion "
+                  "script's default; docs/higgs-audio.md)")
+        return super().from_pretrained(path, **kwargs)
 
     @classmethod
     def _model_class(cls):

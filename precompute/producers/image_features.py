@@ -19,6 +19,15 @@ producer gives it as :attr:`ImageFeaturesProducer.image_sequence` and the stage-
 conversations with it (:class:`precompute.chat.ChatTokens`), so feature ``t`` of image ``k`` is the
 ``t``-th ``<image_soft_token>`` of image ``k``'s run in ``input_ids``.
 
+**Pan-and-scan is refused.** With ``do_pan_and_scan`` on, Gemma 3's image processor returns, per
+image, the image and ``num_crops`` crops (``pixel_values`` of ``n_images + sum(num_crops)`` rows) and
+its processor rewrites each image's text to hold ``1 + num_crops`` image sequences; features paired
+with images by position would give later images the crops of earlier ones. A checkpoint whose
+image processor has it on is refused when the encoder loads, before any image is encoded
+(``ValueError`` naming ``do_pan_and_scan``: set it false in the checkpoint's processor config), and
+:meth:`Gemma3VisionEncoder.pixel_values` refuses any call where the processor's own ``num_crops``
+are not all zero.
+
 Only the vision tower and projector stay in memory: the language model of the checkpoint is
 dropped right after loading (``from_pretrained`` still reads the whole checkpoint once).
 Configured by ``image_features: {name: gemma3, pretrained: DIR_OR_HUB_ID, dtype: bfloat16}`` in the
@@ -60,6 +69,11 @@ class Gemma3VisionEncoder:
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
         self.processor = AutoProcessor.from_pretrained(self.pretrained)
+        if self.processor.image_processor.do_pan_and_scan:
+            raise ValueError(f"image_features.pretrained: {self.pretrained}'s image processor has do_pan_and_scan: "
+                             "true (crops per image, text rewritten per crop), which stage one does not support: set "
+                             "do_pan_and_scan to false in its processor config (processor_config.json / "
+                             "preprocessor_config.json)")
         model = Gemma3ForConditionalGeneration.from_pretrained(self.pretrained, dtype=self.dtype)
         self.config = model.config
         self.vision_tower = model.model.vision_tower.to(self.device).eval()
@@ -75,10 +89,15 @@ class Gemma3VisionEncoder:
 
     def pixel_values(self, images: list[np.ndarray]):
         """uint8 ``(H, W, 3)`` images (any sizes) -> ``pixel_values`` float32 ``(N, 3, S, S)``,
-        exactly as ``Gemma3Processor(images=...)`` makes them."""
+        exactly as ``Gemma3Processor(images=...)`` makes them, one row per image. Raises ``ValueError``
+        when the processor made pan-and-scan crops (its ``num_crops`` not all zero)."""
         from PIL import Image
         out = self.processor.image_processor([Image.fromarray(np.asarray(a, dtype=np.uint8)) for a in images],
                                              return_tensors="pt")
+        crops = [int(c) for c in out["num_crops"]]
+        if any(crops) or out["pixel_values"].shape[0] != len(images):
+            raise ValueError(f"the image processor made pan-and-scan crops (num_crops {crops} for {len(images)} "
+                             f"images, {out['pixel_values'].shape[0]} pixel_values rows): set do_pan_and_scan to false")
         return out["pixel_values"]
 
     def features(self, pixel_values):

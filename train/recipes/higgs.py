@@ -26,6 +26,7 @@ checkpoints hold the adapters only. Without LoRA the whole model trains.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,6 +75,28 @@ def load_config(lm: Any):
     return cfg
 
 
+TEXT_HEAD = "text_lm_head.weight"   #: the text head's weight in a checkpoint (HiggsAudioV2ForConditionalGeneration)
+
+
+def checkpoint_keys(lm: Any) -> set[str]:
+    """The weight names of checkpoint ``lm`` (dir or hub id), from its ``model.safetensors.index.json``
+    or ``model.safetensors`` header (no tensor read). ``OSError`` when it has neither."""
+    import json
+
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    name = resolve_lm(lm)
+    index = cached_file(name, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+    if index:
+        return set(json.loads(Path(index).read_text())["weight_map"])
+    single = cached_file(name, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+    if not single:
+        raise OSError(f"{name} has no model.safetensors(.index.json): cannot tell whether it has a text head")
+    with safe_open(single, "pt") as f:
+        return set(f.keys())
+
+
 class HiggsModel(LMRecipe):
     """``HiggsAudioV2ForConditionalGeneration`` fine-tuned on the cache (see the module docstring).
 
@@ -85,13 +108,16 @@ class HiggsModel(LMRecipe):
         labels: ``processor`` (default: what ``HiggsAudioV2Processor(output_labels=True)`` labels) |
             ``targets`` (the trained turns of the ChatML samples only, Higgs-Audio's rule).
         input_audio: ``drop`` (default, as the chat template) | ``codes`` (user-turn audio as codes).
-        use_text_head: build (or load) the text head and add its loss (default True, as the
-            converted checkpoint); False: audio loss only.
+        use_text_head: load the checkpoint's text head and add its loss (default True, as the
+            converted checkpoint has it); False: audio loss only.
+        create_text_head: with ``use_text_head``, a checkpoint without a text head
+            (``text_lm_head.weight``) gets a new randomly initialised one (default False: refused).
         n_codebooks, codebook_size, pad_id, audio_*_token_id, eot_token_id, eom_token_id: the cache's.
 
     Raises ``ValueError`` when the cache does not fit the model: other placeholder ids (tokenized
     with another tokenizer), other number of codebooks, codes that reach the stream BOS/EOS ids,
-    text ids past the model's vocabulary.
+    text ids past the model's vocabulary; ``use_text_head`` on a checkpoint without a text head unless
+    ``create_text_head`` (checked before any weight loads).
     """
 
     fields = HiggsBatch.fields
@@ -123,6 +149,7 @@ class HiggsModel(LMRecipe):
 
     def __init__(self, *, lm: str = DEFAULT_HIGGS, dtype: str = "float32", attn_implementation: str | None = None,
                  lora: Any = False, labels: str = "processor", input_audio: str = "drop", use_text_head: bool = True,
+                 create_text_head: bool = False,
                  n_codebooks: int = 8, codebook_size: int = 1024, vocab_size: int | None = None, pad_id: int = 0,
                  audio_in_token_id: int | None = None, audio_out_token_id: int | None = None,
                  audio_out_bos_token_id: int | None = None, audio_eos_token_id: int | None = None,
@@ -146,6 +173,10 @@ class HiggsModel(LMRecipe):
         if vocab_size is not None and int(vocab_size) > cfg.vocab_size:
             raise ValueError(f"the cache's text vocabulary ({vocab_size}) exceeds the model's ({cfg.vocab_size})")
         self.use_text_head = bool(use_text_head)
+        if self.use_text_head and not create_text_head and TEXT_HEAD not in checkpoint_keys(lm):
+            raise ValueError(f"{resolve_lm(lm)} has no text head ({TEXT_HEAD}): set model.kwargs.create_text_head: "
+                             "true to train a new randomly initialised one (its loss is added), or "
+                             "use_text_head: false (audio loss only)")
         self.lm = load_causal_lm(lm, None, dtype, attn_implementation, model_class="HiggsAudioV2ForConditionalGeneration",
                                  use_text_head=self.use_text_head)
         self.lm_name = str(lm)

@@ -58,15 +58,29 @@ WORLD_TOKENS = ("<start_of_world>", "<end_of_world>")
 PIXEL_RANGE = "0..255"
 
 
-class WorldProjector(nn.Module):
-    """TheWorld's world projection (``world_projector.py``): latents ``(N, C, H, W)`` -> one token
-    per latent cell, row-major ``(N, H*W, C)`` -> ``Linear(C, D) -> GELU -> Linear(D, D) -> GELU``
-    -> ``(N, H*W, D)``. ``projection`` is TheWorld's ``nn.Sequential`` (state-dict keys
-    ``projection.0.*``, ``projection.2.*``)."""
+#: TheWorld's projection architectures (``world_projector.py`` ``_build_projection``)
+PROJECTIONS = ("mlp", "mlp_no_final_gelu", "linear")
 
-    def __init__(self, z_dim: int, hidden: int):
+
+class WorldProjector(nn.Module):
+    """TheWorld's world projection (``world_projector.py``, spatial mode): latents ``(N, C, H, W)`` -> one
+    token per latent cell, row-major ``(N, H*W, C)`` -> ``projection`` -> ``(N, H*W, D)``, where
+    ``projection`` is TheWorld's module for ``architecture`` (its ``projection_architecture``):
+    ``mlp`` ``Linear(C, D) -> GELU -> Linear(D, D) -> GELU`` (state-dict keys ``projection.0.*``,
+    ``projection.2.*``), ``mlp_no_final_gelu`` the same without the last GELU (same keys and shapes),
+    ``linear`` one ``Linear(C, D)`` (``projection.weight``, ``projection.bias``)."""
+
+    def __init__(self, z_dim: int, hidden: int, architecture: str = "mlp"):
         super().__init__()
-        self.projection = nn.Sequential(nn.Linear(z_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
+        if architecture not in PROJECTIONS:
+            raise ValueError(f"model.kwargs.projection_architecture: expected one of {', '.join(PROJECTIONS)}, "
+                             f"got {architecture!r}")
+        self.architecture = architecture
+        if architecture == "linear":
+            self.projection = nn.Linear(z_dim, hidden)
+        else:
+            layers = [nn.Linear(z_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden)]
+            self.projection = nn.Sequential(*layers, *([nn.GELU()] if architecture == "mlp" else []))
 
     @staticmethod
     def tokens(latents: torch.Tensor) -> torch.Tensor:
@@ -74,13 +88,30 @@ class WorldProjector(nn.Module):
         return latents.flatten(2).transpose(1, 2)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.projection(tokens.to(self.projection[0].weight.dtype))
+        return self.projection(tokens.to(next(self.projection.parameters()).dtype))
 
 
-def load_projection_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """A projection checkpoint (``.safetensors``, or a torch file of tensors only, read with
-    ``weights_only=True``) as ``{"projection.0.weight": ..., ...}``: the keys' last two components
-    (``0.weight`` ... ``2.bias``) are kept, whatever prefix TheWorld's module path gave them."""
+_PROJECTION_KEY = re.compile(r"(?:^|\.)projection\.(?:([0-9]+)\.)?(weight|bias)$")
+
+
+def load_projection_state(path: str | Path, z_dim: int, hidden: int, architecture: str | None = None
+                          ) -> tuple[str, dict[str, torch.Tensor], list[str]]:
+    """A TheWorld projection checkpoint recognised by its keys and shapes: ``(architecture, state dict
+    for WorldProjector.projection's parent, unexpected keys)``.
+
+    ``path``: ``.safetensors`` (TheWorld's ``model.safetensors``), or a torch file of tensors only (read
+    with ``weights_only=True``). Keys ending ``projection.0/2.weight|bias`` are a two-layer MLP
+    (``mlp`` or ``mlp_no_final_gelu``: same keys and shapes), ``projection.weight|bias`` a ``linear``
+    one. Which MLP: ``architecture`` (``model.kwargs.projection_architecture``), else the
+    ``projection_architecture`` of TheWorld's ``config.json`` beside the file; they must agree.
+    Shapes must be ``(hidden, z_dim)`` in (spatial mode) and ``(hidden, hidden)`` between. Other keys
+    (LM weights, LoRA adapters) are returned as unexpected, never loaded.
+
+    Raises ``ValueError`` naming what was found: no projection, a layout of no known architecture,
+    other shapes (TheWorld's channel mode: input ``H*W``), an architecture that disagrees with the
+    keys or with the config, or an MLP whose architecture nothing names.
+    """
+    import json
     path = Path(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
@@ -88,15 +119,45 @@ def load_projection_state(path: str | Path) -> dict[str, torch.Tensor]:
     else:
         raw = torch.load(str(path), map_location="cpu", weights_only=True)
         raw = raw.get("state_dict", raw) if isinstance(raw, dict) else raw
-    out = {}
+    found, unexpected = {}, []
     for k, v in raw.items():
-        m = re.search(r"(?:^|\.)([02])\.(weight|bias)$", k)
+        m = _PROJECTION_KEY.search(k)
         if m:
-            out[f"projection.{m.group(1)}.{m.group(2)}"] = v
-    if len(out) != 4:
-        raise ValueError(f"{path}: expected a TheWorld projection state dict (Linear 0 and 2, weight and bias), "
-                         f"found {sorted(raw)}")
-    return out
+            found[(m.group(1) + "." if m.group(1) else "") + m.group(2)] = v
+        else:
+            unexpected.append(k)
+    layout = {"0.weight", "0.bias", "2.weight", "2.bias"}
+    family = "mlp" if set(found) == layout else "linear" if set(found) == {"weight", "bias"} else None
+    if family is None:
+        raise ValueError(f"projection_checkpoint {path}: not a TheWorld projection ({', '.join(PROJECTIONS)}): "
+                         f"projection keys {sorted(found) or 'none'} (of {len(raw)} keys, e.g. {sorted(raw)[:4]})")
+    shapes = {k: tuple(v.shape) for k, v in found.items() if k.endswith("weight")}
+    want = {"0.weight": (hidden, z_dim), "2.weight": (hidden, hidden)} if family == "mlp" else {"weight": (hidden, z_dim)}
+    if shapes != want:
+        first = shapes.get("0.weight", shapes.get("weight"))
+        hint = (f" (input {first[1]} = latent cells: TheWorld's channel mode, world_projection_mode: channel, "
+                "is not supported)" if first and first[1] != z_dim else "")
+        raise ValueError(f"projection_checkpoint {path}: weight shapes {shapes}, the model needs {want} (latent "
+                         f"channels {z_dim}, LM hidden size {hidden}){hint}")
+    config = path.parent / "config.json"
+    named = json.loads(config.read_text()).get("projection_architecture") if config.is_file() else None
+    if architecture and named and architecture != named:
+        raise ValueError(f"model.kwargs.projection_architecture is {architecture}, but {config} says "
+                         f"projection_architecture: {named}")
+    arch = architecture or named
+    if family == "linear":
+        if arch not in (None, "linear"):
+            raise ValueError(f"projection_checkpoint {path} holds one Linear (projection.weight/bias: TheWorld's "
+                             f"linear projection), projection_architecture is {arch}")
+        arch = "linear"
+    elif arch == "linear":
+        raise ValueError(f"projection_checkpoint {path} holds a two-layer MLP (projection.0/2), "
+                         "projection_architecture is linear")
+    elif arch is None:
+        raise ValueError(f"projection_checkpoint {path} holds a two-layer MLP, which is TheWorld's mlp or "
+                         "mlp_no_final_gelu (same keys and shapes) and no config.json beside it says which: set "
+                         "model.kwargs.projection_architecture")
+    return arch, {("projection." + k): v for k, v in found.items()}, unexpected
 
 
 def check_config(lm: Any):
@@ -128,7 +189,10 @@ class TheWorldModel(LMRecipe):
         freeze_lm: default True: the LM trains only through LoRA adapters (if any).
         lora: false | true | {r, alpha, dropout, targets}: peft LoRA on the LM's q/k/v/o_proj.
         projection_lr: learning rate of the world projection (default: the run's lr).
-        projection_checkpoint: a TheWorld projection state dict to start from (:func:`load_projection_state`).
+        projection_checkpoint: a TheWorld projection state dict to start from (:func:`load_projection_state`:
+            recognised by keys and shapes; other keys, e.g. LM weights, are reported and not loaded).
+        projection_architecture: TheWorld's ``mlp`` | ``mlp_no_final_gelu`` | ``linear`` (default: the
+            checkpoint's, else ``mlp``, TheWorld's default).
         vision_tower: keep Gemma's vision tower and projector (default False: dropped, never on the
             device); needed only for batches holding ``pixel_values`` instead of ``image_features``.
         vision_dtype: dtype the kept vision tower runs in (default bfloat16, as stage one).
@@ -173,7 +237,8 @@ class TheWorldModel(LMRecipe):
 
     def __init__(self, *, lm: str = DEFAULT_GEMMA3, dtype: str = "float32", attn_implementation: str | None = None,
                  freeze_lm: bool = True, lora: Any = False, projection_lr: float | None = None,
-                 projection_checkpoint: str | None = None, vision_tower: bool = False,
+                 projection_checkpoint: str | None = None, projection_architecture: str | None = None,
+                 vision_tower: bool = False,
                  vision_dtype: str = "bfloat16", max_trainable_fraction: float = 0.10, latent_channels: int = 16,
                  vocab_size: int | None = None, pad_id: int = 0, image_token_id: int | None = None,
                  image_soft_token_id: int | None = None, world_start_token_id: int | None = None,
@@ -203,11 +268,19 @@ class TheWorldModel(LMRecipe):
             inner.vision_tower = None
             inner.multi_modal_projector = None
         self.hidden_size = self.lm.get_input_embeddings().weight.shape[1]
-        self.world_projector = WorldProjector(self.latent_channels, self.hidden_size).to(
-            self.lm.get_input_embeddings().weight.dtype)
+        arch, state, unexpected = projection_architecture or "mlp", None, []
         if projection_checkpoint:
-            self.world_projector.load_state_dict(load_projection_state(projection_checkpoint))
-            log.info("world projection loaded from %s", projection_checkpoint)
+            arch, state, unexpected = load_projection_state(projection_checkpoint, self.latent_channels,
+                                                            self.hidden_size, projection_architecture)
+        self.world_projector = WorldProjector(self.latent_channels, self.hidden_size, arch).to(
+            self.lm.get_input_embeddings().weight.dtype)
+        if state is not None:
+            self.world_projector.load_state_dict(state)
+            log.info("world projection (%s) loaded from %s", arch, projection_checkpoint)
+            if unexpected:
+                log.warning("projection_checkpoint %s: %d key(s) that are not the world projection were NOT loaded "
+                            "(e.g. %s): LM weights or adapters trained with it are not used", projection_checkpoint,
+                            len(unexpected), ", ".join(sorted(unexpected)[:3]))
         self._finish_init(freeze_lm, lora_options(lora))
 
     def media_modules(self) -> list[nn.Module]:
@@ -298,6 +371,8 @@ class TheWorldModel(LMRecipe):
         counts = valid.long()
         counts[pb, pi] = lengths
         starts = counts.cumsum(1) - counts                              # new position of every input token
+        if pb.numel():   # the marker keeps its own label (TheWorld's labels_before ends with it; -100 unless
+            merged.labels[pb, starts[pb, pi]] = labels[pb, pi]          # label_policy: all_but_world)
         tb, ti = soft.nonzero(as_tuple=True)
         token_type = torch.zeros(merged.labels.shape, dtype=torch.long, device=ids.device)
         token_type[tb, starts[tb, ti]] = 1
