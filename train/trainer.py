@@ -317,6 +317,7 @@ class Trainer:
         path = self.checkpointer.find()
         if path is not None:
             self.load_state_dict(self.checkpointer.load(path, self.raw, check=self.check_cache))
+            self.loader.set_epoch(self.state.epoch)  # the epoch batch_stream counts (nothing left if complete)
             if self.info.is_main:
                 log.info("resumed from %s at step %d (epoch %d)", path, self.state.step, self.state.epoch)
         else:
