@@ -438,6 +438,16 @@ class ShardLoader:
                 raise ShardCorrupt(f"{why} ({len(self.skipped)} damaged samples, more than skip_corrupt="
                                    f"{self.skip_corrupt})")
 
+    def as_dataloader(self, num_workers: int = 0, **kwargs: Any) -> "StepDataLoader":
+        """A ``torch.utils.data.DataLoader`` of this loader's batches addressed by ``(epoch, step)``
+        (:mod:`loaders.steps`): for trainers that rebuild or skip a ``DataLoader`` on resume (HF
+        ``Trainer.get_train_dataloader``: accelerate's ``skip_first_batches`` then skips steps without
+        reading them, and the resumed run gets the uninterrupted run's batches). ``set_epoch`` on it
+        selects the epoch; ``num_workers`` processes read whole batches; ``kwargs`` go to
+        ``DataLoader``. This loader's own cursor and ``state_dict`` are not used by the view."""
+        from .steps import step_dataloader
+        return step_dataloader(self, num_workers, **kwargs)
+
     def _dataloader(self) -> DataLoader:
         if self._dl is None:
             kw = dict(self._dl_kwargs)
