@@ -32,7 +32,7 @@ NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),2)
 PRECOMPUTE_NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),1)
 _PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(PRECOMPUTE_NPROC),$(PY))
 
-.PHONY: setup precompute train test test-long test-floors inspect bench bench-venv bench-gpu models demo-data boson-venv clean help
+.PHONY: setup precompute train test test-long test-floors inspect bench bench-venv bench-gpu models demo-data boson-venv core-venv clean help
 
 help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
@@ -51,15 +51,21 @@ help:
 # only when none is importable do we install the CPU wheel torch==2.13.0. `pip install -e .` also
 # compiles the loader's native reader (setup.py: shards/native/readv.c, with a C compiler; without
 # one it is skipped and the loaders read with the pure-Python executor), again when its source changes.
-$(VENV)/.installed: pyproject.toml setup.py shards/native/readv.c
+# Each target installs the extra it uses (pyproject.toml): the core alone for `inspect`, [precompute] for
+# precompute/models/demo-data, [train] for train, [dev] (all of them + the test tools) for the tests and
+# benchmarks; $(VENV)/.installed is the [dev] install.
+$(VENV)/.installed-%: pyproject.toml setup.py shards/native/readv.c
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".$(if $(filter core,$*),,[$*])"
 	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-dev
+	touch $(VENV)/.installed-core $(VENV)/.installed-precompute $(VENV)/.installed-train $@
 
 setup: $(VENV)/.installed
 
-$(MODELS)/.built: $(VENV)/.installed $(wildcard tools/testing/*.py)
+$(MODELS)/.built: $(VENV)/.installed-precompute $(wildcard tools/testing/*.py)
 	$(PY) -m tools.testing --out $(MODELS)
 	touch $@
 
@@ -79,10 +85,22 @@ $(BOSON_VENV)/.installed:
 
 boson-venv: $(BOSON_VENV)/.installed
 
-precompute: $(VENV)/.installed $(MODELS)/.built
+# What a training node installs: `pip install shardcache` (the core, no extra) in a venv of its own, without
+# the system site-packages; tests/test_install.py (marked long) reads a cache with it. `du -sh` says its size.
+CORE_VENV ?= build/core-venv
+$(CORE_VENV)/.installed: pyproject.toml setup.py $(wildcard shards/*.py shards/commands/*.py loaders/*.py shardcache/*.py)
+	test -x $(CORE_VENV)/bin/python || $(PYTHON) -m venv $(CORE_VENV)
+	$(CORE_VENV)/bin/pip install -q "torch==2.13.0" .
+	rm -rf build/lib build/bdist.* *.egg-info
+	touch $@
+
+core-venv: $(CORE_VENV)/.installed
+	@du -sh $(CORE_VENV)
+
+precompute: $(VENV)/.installed-precompute $(MODELS)/.built
 	$(_PRECOMPUTE_RUN) -m shardcache precompute --manifest $(DATA) --cache $(OUT) --config $(CONFIG)
 
-train: $(VENV)/.installed
+train: $(VENV)/.installed-train
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
 		-m shardcache train --cache $(OUT) --run-dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS))
 
@@ -115,7 +133,7 @@ test-floors:
 	$(FLOORS_VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 	rm -f $(MODELS)/.built
 
-inspect: $(VENV)/.installed
+inspect: $(VENV)/.installed-core
 	$(PY) -m shardcache shards info $(OUT)
 
 # The loader's peers (LitData, Mosaic Streaming) pin numpy and transformers versions this project does
@@ -140,7 +158,7 @@ bench: $(VENV)/.installed $(MODELS)/.built
 bench-gpu: $(VENV)/.installed $(MODELS)/.built
 	$(PY) -m benchmarks.gpu
 
-demo-data: $(VENV)/.installed
+demo-data: $(VENV)/.installed-precompute
 	$(PY) scripts/make_demo_data.py --out data/demo
 
 clean:

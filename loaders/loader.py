@@ -2,14 +2,21 @@
 
 Typical use::
 
-    loader = ShardLoader(cache_dir, batch_size=16, global_rank=rank, world_size=world, seed=0,
-                         num_workers=4)
+    loader = ShardLoader(cache_dir, batch_size=16, seed=0, num_workers=4)  # rank: process group/env
     loader.load_state_dict(ckpt["loader"])          # optional; any rank's state (they are equal)
     for epoch in range(loader.epoch, epochs):
-        loader.set_epoch(epoch)                      # keeps the cursor if epoch == loader.epoch
+        loader.set_epoch(epoch)                      # optional: keeps the cursor if epoch == loader.epoch
         for batch in loader:                         # len(loader) batches, equal on every rank
             ...
             ckpt["loader"] = loader.state_dict()     # position after the batch just received
+
+Epochs: ``iter(loader)`` yields the rest of the current epoch; once that epoch is complete, the next
+``iter()`` starts the next epoch (so a trainer that only re-iterates, like Lightning, sees every
+epoch) unless ``set_epoch`` chose that epoch since: ``set_epoch(e)`` selects epoch ``e`` (keeping
+the cursor when ``e`` is the current epoch, so a finished epoch chosen again yields nothing). The order is a pure function of ``(seed, epoch)``. Rank and world size:
+:func:`loaders.ranks.resolve_rank` (explicit arguments, else the process group, else
+``RANK``/``WORLD_SIZE``). Other trainers (HF ``Trainer``, accelerate, Lightning, torchtitan):
+docs/integrations.md.
 
 How batches reach the consumer. Every process computes the same epoch plan
 (:mod:`loaders.order`, :mod:`loaders.batching`) from ``(seed, epoch)`` and the index; rank ``r``
@@ -34,7 +41,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -52,6 +58,7 @@ from .host import KEEP
 from .read import CHECKS
 from .readahead import Failed, ReadAhead
 from .order import ShardOrder
+from .ranks import resolve_rank
 from .remote import DEFAULT_CACHE_LIMIT, Prefetcher, file_uses
 from .shm import SlotBatch, SlotReceiver, new_flags
 
@@ -93,7 +100,12 @@ class ShardLoader:
             (``s3://bucket/cache``, ``gs://...``, ``hf://...``, ``https://...``: streamed into a
             bounded local folder, see :mod:`loaders.remote`).
         batch_size: samples per batch and rank (``B``); with ``max_frames``: the most per batch.
-        global_rank, world_size: this rank and the number of ranks.
+        global_rank, world_size: this rank and the number of ranks; default None: from ``group``
+            or the initialised process group, else ``RANK``/``WORLD_SIZE`` (``LOCAL_RANK``), else 0
+            of 1 (:func:`loaders.ranks.resolve_rank`; an explicit value differing from the process
+            group's raises ``ValueError``).
+        group: the ``torch.distributed`` process group of data parallelism, when it is not the
+            default group (tensor/pipeline parallel setups); default None.
         seed: int >= 0; with the epoch it fixes the whole order.
         num_workers: DataLoader worker processes (0: read in this process; None: automatic).
         shuffle: False -> index order (shards in name order, samples in tar order).
@@ -154,8 +166,8 @@ class ShardLoader:
     :class:`loaders.dataset.CacheSource` raises for a bad cache (``UnsafeMember``, ``ShardCorrupt``).
     """
 
-    def __init__(self, cache_dir, batch_size: int, *, global_rank: int = 0, world_size: int = 1,
-                 seed: int = 0, num_workers: int | None = 0, shuffle: bool = True,
+    def __init__(self, cache_dir, batch_size: int, *, global_rank: int | None = None,
+                 world_size: int | None = None, group: Any = None, seed: int = 0, num_workers: int | None = 0, shuffle: bool = True,
                  drop_remainder: bool = True, fields: Sequence[str] | None = None, filters: Any = None,
                  max_frames: int | None = None, device_pin: bool | str | None = None,
                  prefetch_factor: int = 2, shuffle_window: int = 0, bucket_window: int | None = None,
@@ -165,6 +177,7 @@ class ShardLoader:
                  cache_limit: int | None = None, remote_retries: int = 10, transform: Callable | None = None,
                  checks: str = "checksums", skip_corrupt: int = 0, read_threads: int = 2):
         fields = None if fields is None else check_fields(fields)
+        global_rank, world_size = resolve_rank(global_rank, world_size, group)
         remote = dict(rank=int(global_rank), local_dir=local_dir, storage_options=storage_options,
                       retries=remote_retries)
         source = CacheSource(cache_dir, filters, fields, verify_reads=verify_reads, remote=remote)
@@ -239,6 +252,7 @@ class ShardLoader:
             timeout=float(timeout), worker_init_fn=_worker_init)
         self._dl: DataLoader | None = None
         self.epoch, self._cursor, self._generation = 0, 0, 0
+        self._chosen = False  # set_epoch called since the last iter(): a complete epoch stays chosen
         remotes = {i: s.remote for i, s in enumerate(sources.sources) if s.remote is not None}
         self.prefetcher: Prefetcher | None = None
         if remotes:
@@ -272,13 +286,21 @@ class ShardLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next ``iter()`` yields. A new epoch starts at cursor 0; setting the
-        current epoch again keeps the cursor (so it may follow :meth:`load_state_dict`)."""
+        current epoch again keeps the cursor (so it may follow :meth:`load_state_dict`), and a
+        complete epoch chosen so yields nothing. Not needed to go on to the next epoch: ``iter()``
+        after a complete epoch does that when ``set_epoch`` was not called since."""
         epoch = int(epoch)
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self._chosen = True
         if epoch != self.epoch:
             self.epoch, self._cursor = epoch, 0
             self._generation += 1  # an iterator of the previous epoch stops
+
+    def _complete(self) -> bool:
+        """Whether the consumer has received every step of the current epoch."""
+        plan = self._spec.plan(self.epoch)
+        return plan.step_at(self._cursor) >= plan.n_steps
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last batch the consumer received; the same on every rank.
@@ -311,6 +333,9 @@ class ShardLoader:
         and when ``sd`` was recorded on another cache (its ``cache_id`` differs; both ids named). A
         state without ``cache_id`` (made before ids, or one the caller removed on purpose to resume
         on other data) is not checked for it.
+
+        A state recorded after the last batch of epoch ``e``: the next ``iter()`` yields epoch
+        ``e + 1`` (``set_epoch(e)`` first: nothing, then ``set_epoch(e + 1)``, as before).
         """
         missing = [k for k in STATE_KEYS if k not in sd]
         if missing:
@@ -338,17 +363,20 @@ class ShardLoader:
                                  "batches would differ (cache, filters or loader settings changed)")
         epoch, cursor = int(sd["epoch"]), int(sd["cursor"])
         self._spec.plan(epoch).step_at(cursor)  # ValueError unless on a step boundary
-        self.epoch, self._cursor = epoch, cursor
+        self.epoch, self._cursor, self._chosen = epoch, cursor, False
         self._generation += 1
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """Yield the rest of the current epoch for this rank (all of it after ``set_epoch``)."""
+        """Yield the rest of the current epoch for this rank (all of it after ``set_epoch``); when the
+        current epoch is complete, all of the next one (``loader.epoch`` then tells which)."""
+        if self._complete() and not self._chosen:
+            self.epoch, self._cursor = self.epoch + 1, 0
+        self._chosen = False
         plan = self._spec.plan(self.epoch)
         start = plan.step_at(self._cursor)
         self._generation += 1
         if start >= plan.n_steps:
-            warnings.warn(f"epoch {self.epoch} is already complete (cursor {self._cursor}); call "
-                          f"set_epoch({self.epoch + 1}) to go on", stacklevel=2)
+            log.debug("epoch %d chosen by set_epoch is already complete: nothing to yield", self.epoch)
             return iter(())
         self._position[0], self._position[1], self._position[2] = self.epoch, start, self._generation
         if self.prefetcher is not None:
@@ -407,6 +435,16 @@ class ShardLoader:
             if len(self.skipped) > self.skip_corrupt:
                 raise ShardCorrupt(f"{why} ({len(self.skipped)} damaged samples, more than skip_corrupt="
                                    f"{self.skip_corrupt})")
+
+    def as_dataloader(self, num_workers: int = 0, **kwargs: Any) -> "StepDataLoader":
+        """A ``torch.utils.data.DataLoader`` of this loader's batches addressed by ``(epoch, step)``
+        (:mod:`loaders.steps`): for trainers that rebuild or skip a ``DataLoader`` on resume (HF
+        ``Trainer.get_train_dataloader``: accelerate's ``skip_first_batches`` then skips steps without
+        reading them, and the resumed run gets the uninterrupted run's batches). ``set_epoch`` on it
+        selects the epoch; ``num_workers`` processes read whole batches; ``kwargs`` go to
+        ``DataLoader``. This loader's own cursor and ``state_dict`` are not used by the view."""
+        from .steps import step_dataloader
+        return step_dataloader(self, num_workers, **kwargs)
 
     def _dataloader(self) -> DataLoader:
         if self._dl is None:

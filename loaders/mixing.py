@@ -21,6 +21,7 @@ from .collate import check_fields
 from .dataset import CacheSource, Sources
 from .loader import ShardLoader
 from .order import epoch_order, rng_for
+from .ranks import resolve_rank
 
 
 def apportion(weights: Sequence[float], total: int) -> list[int]:
@@ -112,7 +113,9 @@ class MixedLoader(ShardLoader):
         unknown = set(source_filters) - set(names)
         if unknown:
             raise ValueError(f"source_filters for unknown caches {sorted(unknown)}; caches: {names}")
-        remote = dict(rank=int(kwargs.get("global_rank", 0)), storage_options=storage_options)
+        kwargs["global_rank"], kwargs["world_size"] = resolve_rank(
+            kwargs.get("global_rank"), kwargs.get("world_size"), kwargs.pop("group", None))
+        remote = dict(rank=int(kwargs["global_rank"]), storage_options=storage_options)
         srcs = [CacheSource(caches[n], source_filters.get(n, filters), fields, remote=remote) for n in names]
         sources = Sources(srcs, names)
         if samples_per_epoch is None:

@@ -173,12 +173,12 @@ def check_readable(path: str | Path) -> None:
 
 
 def resolve_resume(resume: str, out_dir: str | Path, info: D.DistInfo | None = None) -> Path | None:
-    """``''`` -> None; ``'auto'`` -> the newest complete, readable checkpoint in ``out_dir`` (damaged
+    """``''`` or ``'fresh'`` -> None; ``'auto'`` -> the newest complete, readable checkpoint in ``out_dir`` (damaged
     newer ones are named in a warning and skipped), None when there is none; else that directory
     (which must be complete and readable). Raises :class:`CheckpointDamaged` when ``auto`` finds
     checkpoints but none readable, FileNotFoundError for a named directory that is not a checkpoint.
     With a process group, global rank 0 decides and every rank gets its answer."""
-    if not resume:
+    if not resume or resume == "fresh":
         return None
     if info is not None and info.distributed:
         mine = _resolve(resume, out_dir) if info.is_main else None  # (an error on rank 0 ends the job)

@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
     if ns.print_config:
         sys.stdout.write(cfg.dump())
         return 0
+    from . import preflight
+    try:
+        preflight.check(cfg)  # cache and run directory, before anything is loaded
+    except ConfigError as e:
+        return e.report(PROG)
     from shards.errors import ContractMismatch
 
     from . import dist as D  # torch is imported only now: --help and --print-config stay fast

@@ -196,8 +196,9 @@ class CheckpointConfig:
     keep: int = option(3, gt=0, le=1_000_000)
     """Complete checkpoints kept (older ones are deleted after a new one is complete)."""
     resume: str = ""
-    """'' = start fresh; 'auto' = the newest readable checkpoint in the run dir if any (a damaged newest one is
-    named in a warning and the one before it used); or a step-N dir."""
+    """'' = start fresh in a run dir that holds no run (refused, exit 2, when it holds checkpoints or
+    metrics.jsonl); 'fresh' = start fresh and replace the run there; 'auto' = the newest readable checkpoint in
+    the run dir if any (a damaged newest one is named in a warning and the one before it used); or a step-N dir."""
     allow_other_cache: bool = False
     """Resume even when the checkpoint was made on another cache (its cache id, from the cache's manifest.json,
     differs from --data.cache's): the data position then means other samples. Off: such a resume is refused,

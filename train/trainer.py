@@ -43,6 +43,7 @@ import logging
 import os
 import platform
 import random
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -320,6 +321,7 @@ class Trainer:
         path = self.checkpointer.find()
         if path is not None:
             self.load_state_dict(self.checkpointer.load(path, self.raw, check=self.check_cache))
+            self.loader.set_epoch(self.state.epoch)  # the epoch batch_stream counts (nothing left if complete)
             if self.info.is_main:
                 log.info("resumed from %s at step %d (epoch %d)", path, self.state.step, self.state.epoch)
         else:
@@ -329,9 +331,12 @@ class Trainer:
             random.seed(seed)
             if self.cfg.checkpoint.resume == "auto" and self.info.is_main:
                 log.info("--resume auto: no checkpoint in %s, starting fresh", self.out)
-            elif self.info.is_main and self.checkpointer.existing():
-                log.warning("%s already holds checkpoints and --resume is not set: starting fresh; they "
-                            "will be replaced or pruned (use --resume auto to continue)", self.out)
+            elif self.info.is_main and self.checkpointer.existing():  # --checkpoint.resume fresh (train.preflight)
+                old = self.checkpointer.existing()
+                log.info("--checkpoint.resume fresh: removing the run's checkpoints %s in %s",
+                         ", ".join(p.name for _, p in old), self.out)
+                for _, p in old:
+                    shutil.rmtree(p)
         self.run_start_step = self.state.step
         self.pos["epoch"] = self.state.epoch
 
@@ -530,11 +535,12 @@ def train(cfg: TrainConfig, info: D.DistInfo, callbacks: Callbacks | None = None
     loss stays non-finite)."""
     t = Trainer(cfg, info, callbacks)
     t.resume()
-    code = 0
+    code, last = 0, None
     with t.running():
         while t.state.step < t.steps:
             t.train_step()
             record = t.log_metrics() if t.due(cfg.metrics.every) else None
+            last = record or last
             if t.cb.on_step:
                 t.cb.on_step(t.state.step, record)
             stopping = t.stop_requested()
@@ -551,7 +557,20 @@ def train(cfg: TrainConfig, info: D.DistInfo, callbacks: Callbacks | None = None
                 break
             if t.profiler is not None:
                 t.profiler.step()
+    if info.is_main:
+        log.info("%s", run_summary(t, last, code))
     return code
+
+
+def run_summary(t: Trainer, last: dict[str, Any] | None, code: int) -> str:
+    """The end-of-run line: steps done (of the run's total, this run's share), the last logged loss,
+    the newest checkpoint and where the metrics went."""
+    ckpts = t.checkpointer.existing()
+    loss = f"{last['loss']:.4g}" if last and last.get("loss") is not None else "not logged"
+    where = f"checkpoints in {t.out} (newest {ckpts[-1][1].name})" if ckpts else f"no checkpoint in {t.out}"
+    head = "done" if code == 0 else f"stopped for requeue (exit {code})"
+    return (f"{head}: step {t.state.step} of {t.steps} ({t.state.step - t.run_start_step} this run), "
+            f"last loss {loss}; {where}; metrics in {t.metrics.path}")
 
 
 def run(cfg: TrainConfig, callbacks: Callbacks | None = None) -> int:

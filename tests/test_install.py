@@ -1,0 +1,83 @@
+"""The core install (`pip install shardcache`, no extra) is what a training node needs: `shards` and
+`loaders` import no media or model library and read a cache. Issue 32 item 4."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_train_support import REPO, base_env, make_cache
+
+# what the extras bring ([precompute], [train], [inspect], [dev]); the core must not need any of them
+NOT_CORE = ("librosa", "soundfile", "soxr", "PIL", "diffusers", "transformers", "safetensors", "joblib",
+            "duckdb", "matplotlib", "peft", "webdataset", "lhotse", "datasets", "accelerate", "lightning",
+            "skimage", "s3fs")
+CORE_VENV = Path(os.environ.get("SHARDCACHE_CORE_VENV", REPO / "build" / "core-venv"))
+
+READ = """
+import json, sys
+from loaders import ShardLoader, MixedLoader
+from shards import ShardReader
+ld = ShardLoader(sys.argv[1], batch_size=4, seed=0, global_rank=0, world_size=1, num_workers=0)
+keys = [k for batch in ld for k in batch["keys"]]
+shapes = {k: list(v.shape) for k, v in next(iter(ld)).items() if hasattr(v, "shape")}
+print(json.dumps({"keys": keys, "shapes": shapes, "mods": sorted(sys.modules)}))
+"""
+
+BLOCK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in %r:
+            raise ImportError(f"the core imported {name}")
+sys.meta_path.insert(0, Block())
+""" % (NOT_CORE,)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return make_cache(tmp_path_factory.mktemp("core") / "cache", n=12, n_shards=2)
+
+
+def index_keys(cache: Path) -> list[str]:
+    import pyarrow.parquet as pq
+    return pq.read_table(cache / "index.parquet", columns=["key"]).column("key").to_pylist()
+
+
+def read_with(python: str, cache: Path, prelude: str = "") -> dict:
+    env = base_env()
+    if python != sys.executable:
+        env["PYTHONPATH"] = ""  # the venv's own installed copy, nothing of this checkout
+    r = subprocess.run([python, "-c", prelude + READ, str(cache)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd="/")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def test_loaders_and_shards_read_a_cache_without_any_extra(cache):
+    """With every library of the extras made unimportable, the loader reads the whole cache."""
+    out = read_with(sys.executable, cache, BLOCK)
+    assert sorted(out["keys"]) == sorted(index_keys(cache))
+    assert not {m.split(".")[0] for m in out["mods"]} & set(NOT_CORE)
+
+
+@pytest.mark.long
+def test_a_venv_of_the_core_extra_only_reads_a_cache(cache):
+    """`make core-venv` (build/core-venv: `pip install torch==2.13.0 .`, no system site-packages)
+    holds none of the extras' libraries and reads the cache (built on first use, ~1 min)."""
+    if not (CORE_VENV / ".installed").exists():
+        r = subprocess.run(["make", "core-venv", f"CORE_VENV={CORE_VENV}", "PYTHON=python3"], cwd=REPO,
+                           capture_output=True, text=True, timeout=1200)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    python = str(CORE_VENV / "bin" / "python")
+    listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
+                            check=True).stdout
+    names = {p["name"].lower() for p in json.loads(listed)}
+    assert "shardcache" in names and not names & {n.lower() for n in NOT_CORE + ("pillow", "scikit-image")}
+    out = read_with(python, cache)
+    assert sorted(out["keys"]) == sorted(index_keys(cache))
+    assert out["shapes"]["input_ids"][0] == 4

@@ -1,0 +1,58 @@
+"""``shardcache train`` on a fresh clone: a missing or wrong cache is one line and exit 2 before
+anything loads; a run directory that holds a run needs an explicit choice (resume or replace); the run
+ends with a summary saying where checkpoints and metrics went. Issue 32 item 5."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_train_support import REAL_LOADER, make_cache, train_args
+from train.cli import main
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return make_cache(tmp_path_factory.mktemp("preflight") / "cache", n=16)
+
+
+def errors(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+
+
+@pytest.mark.parametrize("case", ["missing", "empty dir", "file"])
+def test_a_wrong_cache_path_is_one_line_and_exit_2(tmp_path, capsys, case):
+    path = tmp_path / "cache"
+    if case == "empty dir":
+        path.mkdir()
+    elif case == "file":
+        path.write_text("x")
+    assert main(train_args(path, tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and "data.cache" in lines[0] and str(path) in lines[0]
+    if case != "file":  # (a file is refused by the option's own check, with its own advice)
+        assert "shardcache precompute --cache DIR" in lines[0] and "Rerun" not in err
+    assert "effective config" not in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_holding_a_run_needs_resume_or_fresh(cache, tmp_path, capfd):
+    run = tmp_path / "run"
+    opts = dict(loader=REAL_LOADER, steps=3, ckpt_every=1, keep=5, log_every=1)
+    assert main(train_args(cache, run, **opts)) == 0
+    summary = [line.split(" INFO ", 1)[1] for line in capfd.readouterr().err.splitlines() if " INFO done:" in line]
+    losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert summary == [f"done: step 3 of 3 (3 this run), last loss {losses[-1]:.4g}; checkpoints in {run} "
+                       f"(newest step-3); metrics in {run / 'metrics.jsonl'}"]
+    assert main(train_args(cache, run, **opts)) == 2  # again, no choice made: refused, nothing touched
+    (line,) = errors(capfd)
+    assert "checkpoint.resume" in line and "already holds a run" in line and "step-3" in line
+    assert "--checkpoint.resume auto" in line and "--checkpoint.resume fresh" in line
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-1", "step-2", "step-3"]
+
+    assert main(train_args(cache, run, **dict(opts, steps=2, resume="fresh"))) == 0  # replace it
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-1", "step-2"]
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in x] == [1, 2]
+    assert main(train_args(cache, run, **dict(opts, steps=3, resume="auto"))) == 0  # or continue it
