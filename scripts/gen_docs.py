@@ -108,6 +108,28 @@ def loader_headline() -> str:
     return "\n".join(rows)
 
 
+def stage_one_headline() -> str:
+    """The README's stage-one line: the null-encoder ceiling per core of the last ``make bench``
+    (``benchmarks/results/ceiling.json``, :mod:`benchmarks.bench_ceiling`)."""
+    import json
+    p = ROOT / "benchmarks" / "results" / "ceiling.json"
+    if not p.exists():
+        return "(run `make bench`)"
+    r = json.loads(p.read_text())
+    k = {x["kind"]: x for x in r["kinds"]}
+    parts = []
+    for kind, label in (("speech", "speech clips"), ("voice_clone", "ChatML voice-cloning conversations"),
+                        ("llava", "LLaVA conversations")):
+        if kind in k:
+            x = k[kind]
+            unit = (f"{x['audio_s_per_core_s']:.0f} s of audio" if x.get("audio_s_per_core_s")
+                    else f"{x.get('images_per_core_s', 0):.0f} images")
+            parts.append(f"{x['samples_per_core_s']:.0f} {label}/s ({unit}/s)")
+    return (f"Stage one's own ceiling (null encoders, {r['n']} synthetic samples per kind, one `make bench` "
+            f"run on {r['cpus']} cores): per CPU core, " + ", ".join(parts) +
+            "; how many cores a GPU needs: [benchmarks.md](docs/benchmarks.md#throughput-model).")
+
+
 def gpu_summary() -> str:
     """``make bench-gpu``'s tables (``benchmarks/results/gpu.md``), or the line saying none ran."""
     md = ROOT / "benchmarks" / "results" / "gpu.md"
@@ -119,9 +141,9 @@ def gpu_summary() -> str:
 BLOCKS = {"docs/format.md": {"fields": fields_table, "kinds": kinds_table},
           "docs/configuration.md": {"names": names_table},
           "docs/benchmarks.md": {"bench": bench_summary, "gpu": gpu_summary},
-          "README.md": {"loader": loader_headline}}
+          "README.md": {"loader": loader_headline, "stage-one": stage_one_headline}}
 #: the blocks copied from ``make bench``'s results (``--skip-bench`` leaves them alone)
-BENCH_BLOCKS = {"bench", "loader", "gpu"}
+BENCH_BLOCKS = {"bench", "loader", "gpu", "stage-one"}
 
 
 def render(text: str, blocks: dict) -> str:
