@@ -145,3 +145,55 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_decode_workers_reject_nothing_silently():
     with pytest.raises(ValueError, match="batch_size <= window"):
         LengthBatcher(8, 4)
+
+
+def test_job_workers_measure_the_first_batch_on_an_accelerator(monkeypatch):
+    """``auto`` on a device: decode CPU time and encoder time of the first batch set the count (a
+    counted decode of ~20 ms CPU per row against 1 ms of encoder per row: ~25 with the headroom)."""
+    import time as _time
+
+    import shardcache.workers
+    from precompute.pipeline import job_workers
+
+    def burn(_row):
+        t = _time.thread_time()
+        while _time.thread_time() - t < 0.02:
+            pass
+        return _row
+
+    class Pipe:
+        prepare = staticmethod(burn)
+
+        @staticmethod
+        def encode(batch, summary):
+            summary.encoder_s += 0.001 * len(batch)
+            return batch
+
+    monkeypatch.setattr(shardcache.workers, "cpus_per_rank", lambda: 64)
+    assert job_workers(3, "cuda:0", Pipe, list(range(8)), 4) == 3
+    assert job_workers("auto", "cpu", Pipe, list(range(8)), 4) == 0
+    assert 20 <= job_workers("auto", "cuda:0", Pipe, list(range(8)), 4) <= 40
+    monkeypatch.setattr(shardcache.workers, "cpus_per_rank", lambda: 8)
+    assert job_workers("auto", "cuda:0", Pipe, list(range(8)), 4) == 7
+
+
+def test_to_device_copies_values_and_casts():
+    import torch
+
+    from precompute.transfer import to_device
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]  # not contiguous
+    x = to_device(a, "cpu", torch.bfloat16)
+    assert x.dtype == torch.bfloat16 and torch.equal(x.float(), torch.from_numpy(a.copy()))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_to_device_copies_from_pinned_memory_on_cuda(monkeypatch):
+    import torch
+
+    from precompute.transfer import to_device
+    pinned = []
+    real = torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: pinned.append(1) or real(self, *a))
+    x = to_device(np.ones((2, 3), np.float32), "cuda")
+    torch.cuda.synchronize()
+    assert pinned and x.is_cuda and float(x.sum()) == 6.0
