@@ -219,7 +219,8 @@ def summary_lines(r: dict) -> list[str]:
         out.append(f"| {LABELS[x['kind']]} | {j['samples']} | {x['samples_per_core_s']} | "
                    f"{x.get('audio_s_per_core_s', '-')} | {x.get('images_per_core_s', '-')} | "
                    f"{j['cpu_s_per_sample'] * 1e3:.1f} | {s['cpu_s_per_sample'] * 1e3:.1f} | {j['samples_per_s']} |")
-    out += ["", "Share of the stages' CPU time (first 200 rows, each stage timed alone in thread CPU time):", "",
+    out += ["", f"Share of the stages' CPU time (first {r['kinds'][0]['stages']['rows']} rows of each kind, each stage timed alone in thread "
+            "CPU time):", "",
             "| job kind | " + " | ".join(STAGES) + " | CPU / wall of the pass |",
             "| --- | " + " | ".join("---" for _ in STAGES) + " | --- |"]
     for x in r["kinds"]:
