@@ -7,7 +7,7 @@ random weights, where the encoders dominate) and each corpus (the demo, and real
    its ``encoder_s`` is the time spent inside encoder calls, ``wall_s`` the wall time from the
    first batch to the last shard commit (model loading and weight hashing are ``setup_s``).
 2. ``encoders_alone``: the same rows decoded up front, then only the encoder calls timed, batched
-   exactly as the job batches them. ``wall / encoders_alone`` is how well decoding and writing are
+   exactly as the job batches them (:class:`precompute.pipeline.EncodeStream`: by length). ``wall / encoders_alone`` is how well decoding and writing are
    hidden behind the encoders (target <= 1.15 with the real-size configs).
 3. audio file opens per distinct audio file of each conversation, counted by wrapping ``io.open``
    in a ``num_workers=0`` run (1.0: each file opened once per conversation, whatever number of its
@@ -25,8 +25,9 @@ import torch
 
 from precompute.config import load_config
 from precompute.encode import Pipeline, Summary
-from precompute.job import chunk_batches, plan_chunks, run
+from precompute.job import plan_chunks, run
 from precompute.manifests import read_requests
+from precompute.pipeline import EncodeStream
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,9 +51,10 @@ def encoders_alone(manifest: Path, cfg) -> tuple[float, int]:
     items = [(r, c) for c, (_, rows) in enumerate(plan) for r in rows]
     prepared = [pipe.prepare(r, c) for r, c in items]
     summary = Summary()
+    stream = EncodeStream(lambda rows: pipe.encode(rows, summary), cfg.encoder_batch_size)  # as the job batches
     with torch.inference_mode():
-        for batch in chunk_batches([c for _, c in items], cfg.encoder_batch_size):
-            pipe.encode([prepared[i] for i in batch], summary)
+        stream.feed(prepared)
+        stream.close()
     return summary.encoder_s, sum(p.error is None for p in prepared)
 
 

@@ -1,10 +1,13 @@
 """``make bench``: every figure as a ratio of two things measured in the same run.
 
-    python -m benchmarks.run [--quick] [--only precompute,loader,cache,train_step,data_wait,ddp]
+    python -m benchmarks.run [--quick] [--only ceiling,precompute,loader,cache,train_step,data_wait,ddp]
+                             [--ceiling-n 2000]
 
 Writes ``benchmarks/results/<name>.json`` per section and ``benchmarks/results/summary.md`` (the
 table the README shows). Uses the bundled demo data and, when present,
-``../shared/data/real-mini``. ``--quick`` skips the real-size (randomly initialised) encoders.
+``../shared/data/real-mini``; ``ceiling`` (stage one with null encoders, :mod:`benchmarks.bench_ceiling`)
+a synthetic corpus of ``--ceiling-n`` samples per job kind, written once outside the repository
+(:mod:`benchmarks.synth_corpus`). ``--quick`` skips the real-size (randomly initialised) encoders.
 Needs the test models: ``python -m tools.testing --out models`` (tiny) and
 ``--size full --only dac,wan`` (built here on demand).
 """
@@ -27,7 +30,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DEMO = ROOT / "data" / "demo" / "samples.jsonl"
 REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" / "data" / "real-mini"))
 MODELS = ROOT / "models"
-SECTIONS = ("precompute", "loader", "cache", "train_step", "data_wait", "ddp")
+SECTIONS = ("ceiling", "precompute", "loader", "cache", "train_step", "data_wait", "ddp")
 
 
 def machine() -> dict:
@@ -166,6 +169,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip the real-size encoder configs")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    ap.add_argument("--ceiling-n", type=int, default=2000, help="samples per job kind of the ceiling section")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     ensure_models("tiny")
@@ -179,11 +183,18 @@ def main(argv=None) -> int:
     from precompute.job import run as precompute
     caches = {}
     from benchmarks.bench_precompute import corpus_name
-    for manifest in corpora():
+    for manifest in corpora() if only - {"ceiling", "precompute", "ddp"} else []:  # the caches the readers read
         caches[manifest] = tmp / corpus_name(manifest)
         precompute(manifest, caches[manifest], tiny_config(samples_per_shard=64), progress=False)
 
     marks: dict[str, int] = {}
+    marks["ceiling"] = len(lines)
+    if "ceiling" in only:
+        from benchmarks import bench_ceiling
+        r = bench_ceiling.run_section(args.ceiling_n)
+        save("ceiling", r | {"machine": info})
+        lines += bench_ceiling.summary_lines(r)
+
     marks["precompute"] = len(lines)
     if "precompute" in only:
         from benchmarks import bench_precompute

@@ -98,9 +98,10 @@ class PrecomputeConfig:
     encoder_batch_size: int = option(8, gt=0, le=65536)
     """Clips or images per encoder call (not the training batch)."""
     num_workers: int | str = option("auto", choices=("auto",), ge=0, le=1024)
-    """Decode worker processes (0 = decode in the main process). auto: on CUDA, the rank's share of the CPU
-    cores minus one (at most 8); on CPU, 0, because the encoder's intra-op threads already use every core and
-    worker processes only add contention (measured: make bench)."""
+    """Decode worker processes (0 = decode in the main process). auto: on CUDA, sized from the first batch's
+    measured decode and encoder times, at most the rank's share of the CPU cores minus one
+    (precompute.pipeline.decode_workers); on CPU, 0, because the encoder's intra-op threads already use every
+    core and worker processes only add contention (measured: make bench)."""
     device: str = "auto"
     """auto = cuda:LOCAL_RANK when available, else cpu; or cpu, cuda, cuda:N (mps, xpu:N...)."""
     encoder_dtype: str = option("float32", choices=tuple(ENCODER_DTYPES))

@@ -49,6 +49,7 @@ from .encode import Pipeline, Summary, load_encoders, waveform_fields
 from .lock import CacheLock, die_with_parent
 from .manifests import Request, read_requests
 from .output import LocalOutput, open_output
+from .pipeline import EncodeStream, job_workers, preload_decoders
 from .precision import check_precision
 from .rerun import plan_rerun
 from .prepare import PrepareDataset, identity_collate
@@ -334,24 +335,31 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     t_loop = time.perf_counter()
     writer = _ChunkWriter(output, chunks, summary, bar, {id(r): m for r, m in zip(requests, zip(ids, digests))})
     writer.start()
-    workers = resolve_workers(cfg.num_workers, device) if items else 0
+    workers = job_workers(cfg.num_workers, device, pipe, [r for r, _ in items], cfg.encoder_batch_size)
+    preload_decoders()  # before the workers fork: they inherit the decode libraries
     loader = DataLoader(PrepareDataset(items, cfg, pipe.rates, enc.text, template, pipe.image_multiple,
                                        pipe.tokens, pipe.source_images),
                         batch_sampler=chunk_batches([c for _, c in items], cfg.encoder_batch_size), num_workers=workers,
                         collate_fn=identity_collate, prefetch_factor=4 if workers else None,
                         worker_init_fn=functools.partial(die_with_parent, os.getpid()) if workers else None)
+    stream = EncodeStream(lambda rows: pipe.encode(rows, summary), cfg.encoder_batch_size)  # length buckets
+
+    def put(done: list) -> None:
+        for key, fields, reject in done:
+            if reject:
+                summary.rejected += 1
+                summary.reasons[reject[2]] = summary.reasons.get(reject[2], 0) + 1
+            else:
+                summary.kept += 1
+                summary.audio_seconds += fields["json"]["duration_s"]
+            writer.put((key, fields, reject))
+
     try:
         with torch.inference_mode():
             for batch in loader:
-                for key, fields, reject in pipe.encode(batch, summary):
-                    if reject:
-                        summary.rejected += 1
-                        summary.reasons[reject[2]] = summary.reasons.get(reject[2], 0) + 1
-                    else:
-                        summary.kept += 1
-                        summary.audio_seconds += fields["json"]["duration_s"]
-                    writer.put((key, fields, reject))
+                put(stream.feed(batch))
                 bar.update(len(batch))
+            put(stream.close())
     finally:
         writer.queue.put(None)
         writer.join()

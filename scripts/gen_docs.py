@@ -106,6 +106,91 @@ def loader_headline() -> str:
     return "\n".join(rows)
 
 
+def stage_one_headline() -> str:
+    """The README's stage-one line: the null-encoder ceiling per core of the last ``make bench``
+    (``benchmarks/results/ceiling.json``, :mod:`benchmarks.bench_ceiling`)."""
+    import json
+    p = ROOT / "benchmarks" / "results" / "ceiling.json"
+    if not p.exists():
+        return "(run `make bench`)"
+    r = json.loads(p.read_text())
+    k = {x["kind"]: x for x in r["kinds"]}
+    parts = []
+    for kind, label in (("speech", "speech clips"), ("voice_clone", "ChatML voice-cloning conversations"),
+                        ("llava", "LLaVA conversations")):
+        if kind in k:
+            x = k[kind]
+            unit = (f"{x['audio_s_per_core_s']:.0f} s of audio" if x.get("audio_s_per_core_s")
+                    else f"{x.get('images_per_core_s', 0):.0f} images")
+            parts.append(f"{x['samples_per_core_s']:.0f} {label}/s ({unit}/s)")
+    return (f"Stage one's own ceiling (null encoders, {r['n']} synthetic samples per kind, one `make bench` "
+            f"run on {r['cpus']} cores): per CPU core, " + ", ".join(parts) +
+            "; how many cores a GPU needs: [benchmarks.md](docs/benchmarks.md#throughput-model).")
+
+
+#: what the stages' CPU time of the main process is (the rest runs in the decode processes)
+MAIN_STAGES = ("encode (null)", "tar write", "checksum", "index")
+
+
+def throughput_model() -> str:
+    """docs/benchmarks.md's throughput model: the null-encoder ceiling per core (``ceiling.json``,
+    CPU) against the encoders' speed on an H100 (``gpu.json``), per job; see the text around it."""
+    import json
+    import math
+    res = ROOT / "benchmarks" / "results"
+    if not (res / "ceiling.json").exists() or not (res / "gpu.json").exists():
+        return "(run `make bench` and `make bench-gpu`)"
+    c, g = json.loads((res / "ceiling.json").read_text()), json.loads((res / "gpu.json").read_text())
+    kinds = {x["kind"]: x for x in c["kinds"]}
+    higgs = next(x for x in g["codecs"] if x["encoder"] == "higgs")["audio_s_per_s"]
+    wan = next(x for x in g["vae"] if x["dtype"] == "bfloat16")["ms_per_image"] / 1e3
+    siglip = g["siglip"][0]["ms_per_image"] / 1e3
+    rows = ["| job | encoder s per sample (H100) | samples/s one GPU | decode samples/s per core | cores per GPU "
+            "(+1 main) | main process ceiling, samples/s (one rank) | 8 GPUs + 64 cores: samples/s, bound | "
+            "8 GPUs + 128 cores: samples/s, bound |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    node: dict[str, dict[int, float]] = {}
+    for kind, label in (("speech", "TTS, flat 10 s clips (Higgs tokenizer)"),
+                        ("voice_clone", "TTS, ChatML voice cloning, 2 x 10 s (Higgs tokenizer)"),
+                        ("llava", "TheWorld, LLaVA, 1 image (Wan VAE bf16 512 px + SigLIP 896 px)")):
+        x = kinds.get(kind)
+        if x is None:
+            continue
+        j, st = x["job"], x["stages"]
+        t_gpu = (j["audio_s"] / j["samples"]) / higgs if kind != "llava" else wan + siglip
+        gpu_rate, core = 1 / t_gpu, x["samples_per_core_s"]
+        main_cpu = sum(st["cpu_s"][k] for k in MAIN_STAGES) / st["rows"]
+        if kind == "llava" and c.get("gemma_processor"):  # the real SigLIP's processor runs in the main process
+            main_cpu += c["gemma_processor"]["cpu_ms_per_image"] / 1e3
+        main_rate = 1 / main_cpu
+        cells = []
+        for cores in (64, 128):
+            bounds = {"GPUs": 8 * gpu_rate, "decode cores": (cores - 8) * core, "main processes": 8 * main_rate}
+            what = min(bounds, key=bounds.get)
+            node.setdefault(kind, {})[cores] = bounds[what]
+            cells.append(f"{bounds[what]:,.0f}, {what}")
+        rows.append(f"| {label} | {t_gpu * 1e3:.1f} ms | {gpu_rate:.1f} | {core:.1f} | "
+                    f"{math.ceil(gpu_rate / core)} | {main_rate:.0f} | {cells[0]} | {cells[1]} |")
+    out = "\n".join(rows)
+    corp = []
+    if "llava" in node:
+        n = 1.2e6
+        t_gpu = wan + siglip
+        for cores in (64, 128):
+            wall = n / (2 * node["llava"][cores])
+            corp.append(f"1.2 M images (TheWorld job), 2 x 8 H100 with {cores} cores each: {wall / 3600:.2f} h wall, "
+                        f"{16 * wall / 3600:.1f} GPU-hours held ({n * t_gpu / 3600:.1f} GPU-hours of encoder work)")
+    if "speech" in node:
+        x = kinds["speech"]
+        clip = x["job"]["audio_s"] / x["job"]["samples"]
+        n = 10_000 * 3600 / clip
+        for cores in (64, 128):
+            wall = n / (2 * node["speech"][cores])
+            corp.append(f"10,000 h of audio in {clip:.0f} s clips (TTS job), 2 x 8 H100 with {cores} cores each: "
+                        f"{wall / 3600:.2f} h wall, {16 * wall / 3600:.1f} GPU-hours held "
+                        f"({10_000 * 3600 / higgs / 3600:.1f} GPU-hours of encoder work)")
+    return out + "\n\n" + "\n".join(f"- {x}" for x in corp)
+
+
 def gpu_summary() -> str:
     """``make bench-gpu``'s tables (``benchmarks/results/gpu.md``), or the line saying none ran."""
     md = ROOT / "benchmarks" / "results" / "gpu.md"
@@ -116,10 +201,10 @@ def gpu_summary() -> str:
 
 BLOCKS = {"docs/format.md": {"fields": fields_table, "kinds": kinds_table},
           "docs/configuration.md": {"names": names_table},
-          "docs/benchmarks.md": {"bench": bench_summary, "gpu": gpu_summary},
-          "README.md": {"loader": loader_headline}}
+          "docs/benchmarks.md": {"bench": bench_summary, "gpu": gpu_summary, "model": throughput_model},
+          "README.md": {"loader": loader_headline, "stage-one": stage_one_headline}}
 #: the blocks copied from ``make bench``'s results (``--skip-bench`` leaves them alone)
-BENCH_BLOCKS = {"bench", "loader", "gpu"}
+BENCH_BLOCKS = {"bench", "loader", "gpu", "stage-one", "model"}
 
 
 def render(text: str, blocks: dict) -> str:

@@ -38,6 +38,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from ..transfer import to_device
 from ._common import (
     clean_config,
     load_error,
@@ -232,7 +233,7 @@ class HFCodecTokenizer:
             for row, i in enumerate(idxs):
                 x[row, 0, : clips[i].size] = clips[i]
             with torch.inference_mode():
-                xt = torch.from_numpy(x).to(device=self.device, dtype=self.dtype)
+                xt = to_device(x, self.device, self.dtype)  # pinned + non-blocking on CUDA
                 codes = self._encode_batch(xt)
             expected = (len(idxs), self.n_codebooks, frames if self.PADS_TO_HOP else codes.shape[-1])
             if tuple(codes.shape) != expected:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..transfer import to_device
 from ._common import (
     clean_config,
     load_error,
@@ -199,7 +200,7 @@ class DiffusersVAEEncoder:
         for start in range(0, b, self.max_batch_size):
             chunk = np.ascontiguousarray(a[start : start + self.max_batch_size])
             with torch.inference_mode():
-                x = torch.from_numpy(chunk).to(self.device)
+                x = to_device(chunk, self.device)  # pinned + non-blocking on CUDA
                 x = self._to_range(x.permute(0, 3, 1, 2).to(torch.float32))
                 x = x.unsqueeze(2).to(self.dtype).contiguous()  # (b, 3, 1, H, W)
                 dist = self.vae.encode(x).latent_dist
