@@ -331,7 +331,7 @@ class ShardLoader:
         and a cursor on a step boundary of the new world size). Raises ``ValueError`` explaining
         what differs otherwise (seed, global batch, cache size after filters, shuffle settings...),
         and when ``sd`` was recorded on another cache (its ``cache_id`` differs; both ids named). A
-        state without ``cache_id`` (made before ids, or one the caller removed on purpose to resume
+        state without ``cache_id`` (one the caller removed on purpose to resume
         on other data) is not checked for it.
 
         A state recorded after the last batch of epoch ``e``: the next ``iter()`` yields epoch
