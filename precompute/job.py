@@ -16,7 +16,10 @@ staging folder and uploaded, index part last (:mod:`precompute.output`).
 
 Overlap. Decoding and resampling run in DataLoader worker processes; the main thread only runs
 encoders (batched, on the device); a writer thread commits shards from a bounded queue. The
-fraction of wall time spent inside encoder calls is reported as ``encoder_busy``.
+fraction of wall time spent inside encoder calls is reported as ``encoder_busy``. Encoder batches
+are formed by length from a window of decoded rows of one chunk and written back in manifest
+order; ``num_workers: auto`` sizes the decode processes from the first batch's measured rates
+(:mod:`precompute.pipeline`).
 """
 from __future__ import annotations
 

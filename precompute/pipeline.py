@@ -90,8 +90,10 @@ def job_workers(num_workers: int | str, device: str, pipe: Any, rows: list, batc
         return 0
 
     def encode(batch: list) -> float:
+        import torch
         s = Summary()
-        pipe.encode(batch, s)
+        with torch.inference_mode():
+            pipe.encode(batch, s)
         return s.encoder_s
 
     decode, enc = probe_rates(pipe.prepare, encode, rows[:batch_size])
