@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo" / "samples.jsonl"
 
@@ -94,6 +96,7 @@ def _outside_root_cache(tmp_path: Path, tiny_config) -> tuple[Path, Path]:
     return cache, manifest
 
 
+@pytest.mark.slow
 def test_check_reads_the_manifest_as_precompute_did_and_says_n_of_m(tmp_path, tiny_config):
     """A cache made with allow_outside_root: check reads its rows with that option (not: every row
     refused, 0 compared, OK), says how many it compared of how many, and still catches damaged codes;

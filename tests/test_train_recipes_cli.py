@@ -367,7 +367,10 @@ def _tts_cache(root: Path, n: int = 24, Q: int = 3, CB: int = 16) -> Path:
                 "<|audio_eos|>": A_EOS, "<|eot_id|>": EOT, "<image>": 269}
     merge_parts(root, {"text": {"vocab_size": 272, "pad_id": 0, "special_token_ids": specials},
                        "text_vocab_size": 272, "text_pad_id": 0, "n_codebooks": Q, "codebook_size": CB,
-                       "config": {"audio_tokenizer": {"name": "dac", "pretrained": "/ckpt/tokenizer-A"}}})
+                       # Higgs' codec (what --model higgs requires): 24 kHz, 25 frames/s, Q x log2(CB) bits a frame
+                       "codec_sample_rate": 24000, "frame_rate": 25.0,
+                       "encoders": {"audio_tokenizer": {"name": "higgs", "bandwidth": Q * math.log2(CB) * 25 / 1000}},
+                       "config": {"audio_tokenizer": {"name": "higgs", "pretrained": "/ckpt/tokenizer-A"}}})
     return root
 
 
