@@ -102,14 +102,14 @@ def metadata_dir(cache: str, storage_options: dict | None = None) -> str:
 @functools.lru_cache(maxsize=8)
 def _fetch_metadata(url: str, options: str) -> str:
     from loaders.remote import default_local_dir
-    from shards.schema import INDEX_FILE, MANIFEST_FILE
+    from shards.schema import INDEX_FILE, MANIFEST_FILE, ROOT_FILE
     from shards.storage import RemoteFolder
     remote = RemoteFolder(url, json.loads(options))
     local = default_local_dir(url, 0).with_name("meta")
     local.mkdir(parents=True, exist_ok=True)
     if not remote.exists(INDEX_FILE):
         raise FileNotFoundError(f"{url}/{INDEX_FILE} not found: is {url} a shardcache cache?")
-    for name in (INDEX_FILE, MANIFEST_FILE):
+    for name in (INDEX_FILE, MANIFEST_FILE, ROOT_FILE):  # the root: shards.read_cache_id checks the two
         if name == INDEX_FILE or remote.exists(name):
             remote.get(name, local / name)  # atomic: ranks of one node may fetch at once
     return str(local)
