@@ -35,7 +35,6 @@ from .config import SOURCE_DIGESTS
 from .manifests import Request
 
 
-
 def row_ids(requests: list[Request]) -> list[str]:
     """The id of each row: its key; ``key#N`` for the N-th row (N >= 2) with a key already seen."""
     seen: dict[str, int] = {}
