@@ -1,15 +1,14 @@
 """One writer per cache: the lock a precompute job holds on its cache folder.
 
 Global rank 0 of a job takes an exclusive POSIX record lock (``fcntl.lockf``, ``F_SETLK``) on
-``CACHE/parts/writer.lock`` before anything
-is written (before the fingerprint, before the first chunk) and holds it until the job has merged
-its index; the file records the holder (``host``, ``pid``, ``job``, ``since``). A second job on the
-same cache finds the lock held and stops at once with :class:`CacheLocked` naming the holder
-(``shardcache precompute`` exits 1; nothing was written). The other ranks of one job take no lock:
-they write nothing before passing a barrier with their rank 0, so all ranks of one job are one
-writer, and ranks of another job end with their rank 0 (torchrun, as the Makefile and
-``scripts/slurm`` launch it, stops the group when a rank fails; under another launcher they wait at
-the first barrier until it ends them).
+``CACHE/parts/writer.lock`` before anything is written (before the fingerprint, before the first
+chunk) and holds it until the job has merged its index; the file records the holder (``host``,
+``pid``, ``job``, ``since``). A second job on the same cache finds the lock held and stops at once
+with :class:`CacheLocked` naming the holder (``shardcache precompute`` exits 1; nothing was
+written). The other ranks of one job take no lock: they write nothing before passing a barrier with
+their rank 0, so all ranks of one job are one writer, and ranks of another job end with their rank 0
+(torchrun, as the Makefile and ``scripts/slurm`` launch it, stops the group when a rank fails; under
+another launcher they wait at the first barrier until it ends them).
 
 The lock belongs to the job's process alone. A record lock is per process: a forked decode worker
 does not inherit it (a ``flock`` belongs to the open file description, which ``fork()`` shares, so
@@ -18,10 +17,10 @@ dies (killed, node lost). The descriptor is close-on-exec. A record lock is also
 process closes ANY descriptor of the file, so the file is only ever read through the lock's own
 descriptor while it is held. A clean release empties the file, so only a job that died leaves its
 holder there: the next job takes the lock over and logs whose it was (no such line after a clean
-run): no stale lock to delete by hand. Decode workers end with the job (:func:`die_with_parent`).
-On a file system without locks (``lockf`` fails with ``ENOLCK``, ``EOPNOTSUPP``...) the job warns
-and goes on unlocked. For a cache in object storage the lock covers
-the local staging folder (jobs sharing a machine), not the bucket.
+run): no stale lock to delete by hand. Decode workers end with the job (:func:`die_with_parent`). On
+a file system without locks (``lockf`` fails with ``ENOLCK``, ``EOPNOTSUPP``...) the job warns and
+goes on unlocked. For a cache in object storage the lock covers the local staging folder (jobs
+sharing a machine), not the bucket.
 """
 from __future__ import annotations
 

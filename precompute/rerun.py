@@ -27,16 +27,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .config import SOURCE_DIGESTS
 from .manifests import Request
-
-log = logging.getLogger("precompute")
 
 
 def row_ids(requests: list[Request]) -> list[str]:

@@ -38,8 +38,8 @@ import pyarrow.compute as pc
 from . import fields as registry
 from .errors import ContractMismatch
 from .manifest import CacheManifest
-from .schema import INDEX_FILE, MANIFEST_FILE
-from .storage import is_url
+from .schema import INDEX_FILE, MANIFEST_FILE, ROOT_FILE
+from .storage import is_url, local_path
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def _fetch_metadata(url: str, options: str) -> str:
     local.mkdir(parents=True, exist_ok=True)
     if not remote.exists(INDEX_FILE):
         raise FileNotFoundError(f"{url}/{INDEX_FILE} not found: is {url} a shardcache cache?")
-    for name in (INDEX_FILE, MANIFEST_FILE):
+    for name in (INDEX_FILE, MANIFEST_FILE, ROOT_FILE):  # the root: read_cache_id checks the two
         if name == INDEX_FILE or remote.exists(name):
             remote.get(name, local / name)  # atomic: ranks of one node may fetch at once
     return str(local)
@@ -136,7 +136,7 @@ def metadata_dir(cache: str | os.PathLike, storage_options: dict | None = None) 
     or for a URL a copy of the two files (fetched once per process; :func:`_local_meta_dir`).
     Raises ``FileNotFoundError`` when the URL holds no index."""
     if not is_url(cache):
-        return Path(cache)
+        return local_path(cache)  # a file:// URL is a local folder
     return Path(_fetch_metadata(str(cache).rstrip("/"), json.dumps(storage_options or {}, sort_keys=True)))
 
 

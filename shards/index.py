@@ -358,7 +358,9 @@ def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards:
     keys = index.column("key").to_pylist()
     if len(keys) != len(set(keys)):
         dup = sorted(k for k, n in Counter(keys).items() if n > 1)[:5]
-        raise ShardCorrupt(f"{out_dir}: duplicate keys across shards: {dup}")
+        raise ShardCorrupt(f"{out_dir}: duplicate keys across shards: {dup}; nothing was written: the shard tars "
+                           "hold these keys twice (a reader would see two samples under one key). Precompute "
+                           "the manifest into a new --cache")
     reasons: dict[str, int] = {}
     for r in rejects.column("reason").to_pylist():
         reasons[r] = reasons.get(r, 0) + 1

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -312,3 +314,36 @@ def test_training_from_the_bucket_equals_training_from_local_files(s3, demo_cach
     local, remote = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert len(local) == 3 and [r["loss"] for r in remote] == [r["loss"] for r in local]
     assert list((tmp_path / "local").glob("*/rank0/shard-*.tar"))  # streamed into the local folder
+
+
+def test_a_rerun_on_an_edited_manifest_follows_it_in_the_bucket(s3, tiny_config, tmp_path):
+    """Issue 30: a corrected transcript and a deleted row, rerun against the bucket from a fresh staging
+    folder: the stale chunks are deleted in the bucket too (tar, parts), the bucket's cache holds the
+    manifest's rows, and its own files pass quick verify (integrity.json uploaded last)."""
+    import dataclasses
+    from precompute.job import run
+    from shards import ShardReader, read_cache_id
+    audio = str(ROOT / "data" / "demo" / "audio" / "spk-us-0001.flac")
+    rows = [{"key": f"k{i}", "text": f"Text {i}.", "audio": audio} for i in range(6)]
+    cfg = dataclasses.replace(tiny_config, samples_per_shard=2, image_encoder=None)
+    url = "s3://rerun/c"
+    s3.fs.mkdir("rerun")
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run(manifest, url, cfg, progress=False, storage_options=s3.options, staging=tmp_path / "s1")
+    rows[3]["text"] = "Text 3, corrected."
+    del rows[4:]                                                     # a whole chunk deleted: its name is not reused
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary, _ = run(manifest, url, cfg, progress=False, storage_options=s3.options, staging=tmp_path / "s2")
+    assert summary.rerun["reencoded"] == 1 and summary.rerun["removed"] == 2 and summary.rerun["kept"] == 2
+    got = tmp_path / "got"
+    s3.fs.get("rerun/c/", str(got), recursive=True)
+    read_cache_id(got)
+    r = ShardReader(got)
+    texts = {k: json.dumps(r.get(i)["json"]) for i, k in enumerate(r.keys)}
+    assert sorted(texts) == ["k0", "k1", "k2", "k3"] and "Text 3, corrected." in texts["k3"]
+    v = subprocess.run([sys.executable, "-m", "shards", "verify", str(got), "--no-progress"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert v.returncode == 0, v.stdout + v.stderr
+    parts = {p.name.split(".")[0] for p in (got / "parts").glob("*.index.parquet")}
+    assert parts == {s["path"][:-4] for s in json.loads((got / "manifest.json").read_text())["shards"]}
