@@ -112,10 +112,12 @@ def test_file_urls_work_wherever_a_path_does(two_caches, tmp_path, tiny_config):
         assert read_cache_id(url) == read_cache_id(cache)
         loader = ShardLoader(url, batch_size=1, num_workers=0, shuffle=False, drop_remainder=False)
         assert sorted(k for b in loader for k in b["keys"]) == sorted(ShardReader(cache).keys)
-        for cmd in (["info", url], ["verify", url], ["ls", url]):
-            r = subprocess.run([sys.executable, "-m", "shards", *cmd], cwd=ROOT, capture_output=True, text=True,
-                               timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-            assert r.returncode == 0, (cmd, r.stdout[-500:], r.stderr[-1500:])
+    url = _file_url(spaced)  # the command line: one process, each command's path handling in-process
+    code = ("import sys; from shards.cli import main; "
+            "sys.exit(max(main([c, sys.argv[1]]) or 0 for c in ('info', 'verify', 'ls', 'stats')))")
+    r = subprocess.run([sys.executable, "-c", code, url], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, (r.stdout[-500:], r.stderr[-1500:])
     cfg = dataclasses.replace(tiny_config, image_encoder=None)
     out = tmp_path / "new cache"
     summary, _ = run(_manifest(tmp_path / "m", range(0, 2)), _file_url(out), cfg, progress=False)

@@ -64,7 +64,8 @@ def test_csv_quoted_field_spanning_lines_that_read_as_rows_is_a_reject(tmp_path)
 
 def test_csv_quotes_separators_and_newlines_inside_fields_are_kept(tmp_path):
     import csv
-    texts = ['He said "hi", then left.', "two\nlines, with a comma", '"quoted"', "tab\there", "cr\r\nlf"]
+    texts = ['He said "hi", then left.', "two\nlines, with a comma", '"quoted"', "tab\there", "cr\r\nlf",
+             "three\nlines, a \"quote\"\nand more"]
     for dialect, name in (("excel", "m.csv"), ("excel-tab", "m.tsv")):
         path = tmp_path / name
         with open(path, "w", newline="", encoding="utf-8") as f:

@@ -199,6 +199,21 @@ def check(m: dict, result: dict, setup: dict) -> None:
         seen_keys.add(identity)
 
 
+#: the issue's three reproductions, run every time: a literal key equal to another row's collision
+#: suffix (two samples under one key in one tar), two 200-byte keys that collide (the job died with a
+#: traceback), keyless segments of one recording (all but one were duplicate_key rejects)
+ISSUE_CASES = [
+    {"fmt": "jsonl", "rows": [{"key": SUFFIXED[0], "text": "one", "window": 0}, {"key": "a_b", "text": "two", "window": 1},
+                              {"key": "a.b", "text": "three", "window": 2}]},
+    {"fmt": "csv", "rows": [{"key": "a_b", "text": "one", "window": 0}, {"key": "a.b", "text": "two", "window": 1},
+                            {"key": SUFFIXED[0], "text": "three", "window": 2}]},
+    {"fmt": "jsonl", "rows": [{"key": LONG[0], "text": "one", "window": 0}, {"key": LONG[1], "text": "two", "window": 1},
+                              {"key": LONG[2], "text": "three", "window": 2}]},
+    {"fmt": "tsv", "rows": [{"key": None, "text": "first", "window": 3}, {"key": None, "text": "second", "window": 4},
+                            {"key": None, "text": "third", "window": 5}]},
+]
+
+
 @settings(**EXAMPLES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
           deadline=None)
 @given(m=manifests())
@@ -207,5 +222,17 @@ def test_every_row_is_kept_under_its_own_key_with_its_own_media_or_rejected(setu
     try:
         result = run_job(write_manifest(folder, m), folder / "cache", setup["cfg"], setup["enc"], setup["root"])
         check(m, result, setup)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("m", ISSUE_CASES, ids=["suffix-literal-first", "suffix-literal-last", "long-keys",
+                                                "keyless-segments"])
+def test_the_issues_key_failures_through_the_job(setup, m):
+    folder = Path(tempfile.mkdtemp(dir=setup["root"], prefix="case-"))
+    try:
+        result = run_job(write_manifest(folder, m), folder / "cache", setup["cfg"], setup["enc"], setup["root"])
+        check(m, result, setup)
+        assert len(result["kept"]) == len(m["rows"])  # none of these rows is a reject
     finally:
         shutil.rmtree(folder, ignore_errors=True)
