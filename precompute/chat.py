@@ -1,6 +1,6 @@
 """Render a :class:`~precompute.conversation.Conversation` once into ``input_ids`` and ``labels``.
 
-Two ways, chosen by ``chat_template`` in the config:
+Three ways, chosen by ``chat_template`` in the config:
 
 * ``llama3`` (the offline default, works with any tokenizer): Higgs-Audio's layout
   (``boson_multimodal/dataset/chatml_dataset.py``, ``prepare_chatml_sample``)::

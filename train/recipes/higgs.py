@@ -84,7 +84,10 @@ def checkpoint_keys(lm: Any) -> set[str]:
     import json
 
     from safetensors import safe_open
-    from transformers.utils import cached_file
+
+    from train.models import FORBIDDEN_MODULES, blocked_imports
+    with blocked_imports(FORBIDDEN_MODULES):
+        from transformers.utils import cached_file
 
     name = resolve_lm(lm)
     index = cached_file(name, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
