@@ -252,7 +252,8 @@ def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> 
             if dotted in opts and opts[dotted][1].metadata.get("merge"):
                 value = load_yaml(val if eq else (rest.pop(0) if rest else ""), dotted)
                 if isinstance(value, dict) and value:
-                    out += [f"{name}.{k}={json.dumps(v, default=str)}" for k, v in value.items()]
+                    out += [f"{name}.{k}={v if isinstance(v, str) else json.dumps(v, default=str)}"
+                            for k, v in value.items()]
                     continue
                 val, eq = json.dumps(value, default=str), "="
         out.append(name + (eq + val if eq else ""))
