@@ -68,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _mapping(text: str) -> dict:
-    """A ``--storage-options`` value: a JSON object."""
+def _mapping(text: str | dict) -> dict:
+    """A ``--storage-options`` value: a JSON object (the parser may have read it already)."""
+    if isinstance(text, dict):
+        return text
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:

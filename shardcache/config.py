@@ -1,27 +1,21 @@
 """One configuration mechanism for both stages, on jsonargparse.
 
-A config is a dataclass whose fields are options or sections (nested dataclasses, ``TrainConfig.optim``),
-each documented by the string literal below it. jsonargparse reads those classes and docstrings and
-gives the config file (``--config FILE``, YAML, nested sections), one flag per option
-(``--optim.lr 3e-4``; dashes or underscores; ``--model.kwargs.lm DIR`` sets one key of a mapping),
-type checks of file and flag values, and ``--help``. This module adds what the library has no
-word for: the rules declared with :func:`option` (bounds, choices, ``merge``), ``--set KEY=VALUE``
-(= ``--KEY VALUE``), a few short flags per stage (``--cache``, ``--run-dir``), the config file named
-by an environment variable, a YAML reader with limits, and every problem as ``option: message``
-(:class:`ConfigError`, exit status 2).
+A config is a dataclass of options and sections (nested dataclasses), each documented by the string
+below it. jsonargparse reads them and gives the YAML config file, a flag per option (``--optim.lr``,
+``--model.kwargs.lm DIR``: one key of a mapping), type checks and ``--help``. Added here: the rules
+of :func:`option` (bounds, choices, ``merge``), ``--set KEY=VALUE``, short flags, the config file of
+an environment variable, a YAML reader with limits, every problem as ``option: message`` (exit 2).
 
-Why jsonargparse rather than tyro (both read these dataclasses and their attribute docstrings):
-the YAML config files are the main interface, and jsonargparse reads them itself, checking every
-file value against the annotations and naming the option; tyro parses the command line only (a
-file would be merged and checked by hand, the code this replaces). jsonargparse also sets one key
-of a mapping option from a flag (``--audio_tokenizer.pretrained DIR``), and its parser is an
-``argparse`` parser, so job flags (``--manifest``) and errors work as before. Booleans are spelled
-``--metrics.progress false``.
+Why jsonargparse, not tyro (both read these dataclasses and docstrings): the YAML files are the main
+interface and jsonargparse reads and type-checks them itself, naming the option; tyro parses the
+command line only, so file values would be merged and checked by hand (the code this replaced). Its
+parser is an ``argparse`` parser: job flags (``--manifest``) and error handling stay as they were.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -43,13 +37,11 @@ class ConfigError(ValueError):
         super().__init__("; ".join(self.lines()))
 
     def lines(self) -> list[str]:
-        """One ``option: message`` line per problem."""
         return [f"{k}: {m}" for k, m in self.problems]
 
     def report(self, prog: str | None = None) -> int:
         """Write ``[PROG: ]error: option: message`` per problem to stderr; return 2."""
-        for line in self.lines():
-            sys.stderr.write(f"{prog + ': ' if prog else ''}error: {line}\n")
+        sys.stderr.writelines(f"{prog + ': ' if prog else ''}error: {line}\n" for line in self.lines())
         return 2
 
 
@@ -86,9 +78,7 @@ def options(cls: type, prefix: str = "") -> dict[str, tuple[Any, dataclasses.Fie
 
 
 def get(cfg: Any, path: str) -> Any:
-    for part in path.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+    return functools.reduce(getattr, path.split("."), cfg)
 
 
 # ---- YAML, within limits -------------------------------------------------------------------------------
@@ -146,12 +136,12 @@ def load_yaml(text: str, where: str = "yaml") -> Any:
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML file as a mapping (read by :func:`load_yaml`); every error names the file."""
     try:
-        data = load_yaml(Path(path).read_text(), f"--config {path}")
+        data = load_yaml(Path(path).read_text(), f"--config {path}") or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError([(f"--config {path}", " ".join(str(e).split()[:20]))]) from None
-    if not isinstance(data or {}, dict):
-        raise ConfigError([(f"--config {path}", "expected a mapping of option: value")])
-    return data or {}
+    if isinstance(data, dict):
+        return data
+    raise ConfigError([(f"--config {path}", "expected a mapping of option: value")])
 
 
 set_loader("shardcache", load_yaml, (yaml.YAMLError, ConfigError))
@@ -262,7 +252,8 @@ def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> 
             if dotted in opts and opts[dotted][1].metadata.get("merge"):
                 value = load_yaml(val if eq else (rest.pop(0) if rest else ""), dotted)
                 if isinstance(value, dict) and value:
-                    out += [f"{name}.{k}={json.dumps(v, default=str)}" for k, v in value.items()]
+                    out += [f"{name}.{k}={v if isinstance(v, str) else json.dumps(v, default=str)}"
+                            for k, v in value.items()]
                     continue
                 val, eq = json.dumps(value, default=str), "="
         out.append(name + (eq + val if eq else ""))
@@ -288,13 +279,7 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
 
 def from_dict(cls: type, data: dict[str, Any]) -> Any:
     """A nested mapping (as a config file holds) -> ``cls``; type errors raise :class:`ConfigError`."""
-    if not isinstance(data, dict):
-        raise ConfigError([("config", "expected a mapping of option: value")])
-    try:
-        init = (p := parser(cls, cls.__name__)).instantiate(p.parse_object(data))
-    except argparse.ArgumentError as e:
-        raise error(cls, str(e)) from None
-    return cls(**{f.name: getattr(init, f.name) for f in dataclasses.fields(cls)})
+    return parse(parser(cls, cls.__name__), cls, ["--config", json.dumps(data, default=str)], "")[0]
 
 
 def error(cls: type, text: str) -> ConfigError:
@@ -319,9 +304,7 @@ def error(cls: type, text: str) -> ConfigError:
 
 def config_path(explicit: str | None, env_var: str) -> tuple[str | None, str]:
     """The config file read and why: ``--config FILE`` (``none``: none), else ``$env_var``, else none."""
-    if explicit is not None:
-        return (None, "--config none") if str(explicit).lower() == "none" else (str(explicit), "--config")
-    env = os.environ.get(env_var, "")
-    if env:
-        return (None, f"${env_var}=none") if env.lower() == "none" else (env, f"${env_var}")
-    return None, f"no --config and no ${env_var}: the built-in defaults"
+    given, why = (explicit, "--config") if explicit is not None else (os.environ.get(env_var, ""), f"${env_var}")
+    if not given:
+        return None, f"no --config and no ${env_var}: the built-in defaults"
+    return (None, f"{why} none") if given.lower() == "none" else (given, why)

@@ -130,7 +130,7 @@ def test_incremental_rerun_encodes_only_new_rows(tiny_config, demo_cache, tmp_pa
 
 # The cache is a pure function of (manifest, config, weights): chunks of 6 rows with encoder batches
 # of 4 split batches at chunk boundaries; the demo manifest has images (VAE batches) and bad rows.
-DETERMINISM = ("--set", "samples_per_shard=6", "--set", "batch_size=4")
+DETERMINISM = ("--set", "samples_per_shard=6", "--set", "encoder_batch_size=4")
 
 
 def _layout(cache: Path) -> tuple[dict[str, str], dict[str, str]]:

@@ -101,7 +101,7 @@ def test_help_and_usage_errors(capsys, tmp_path):
     for cmd in ("ls", "info", "head", "show", "query", "stats", "verify", "export-audio",
                 "rejects", "reindex"):
         code, out, _ = run(capsys, cmd, "--help")
-        assert code == 0 and "usage: shards " + cmd in out
+        assert code == 0 and "usage: shardcache shards " + cmd in out
     assert run(capsys)[0] == 2  # no command
     code, _, err = run(capsys, "info")  # missing DIR: argparse usage error
     assert code == 2 and "DIR" in err

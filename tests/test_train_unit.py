@@ -72,6 +72,8 @@ def test_config_precedence_yaml_then_cli(tmp_path):
     assert cfg.optim.lr == 1e-3
     assert cfg.model.kwargs == {"d_model": 32, "n_layers": 1}  # a merge option: the flag updates the file's dict
     assert cfg.data.fields == ("codes", "input_ids")
+    cfg, _ = parse_args(["--config", str(y), "--model.kwargs", '{"lm": "/ckpt/x", "freeze_lm": true, "r": [1, 2]}'])
+    assert cfg.model.kwargs == {"d_model": 64, "n_layers": 1, "lm": "/ckpt/x", "freeze_lm": True, "r": [1, 2]}
     # --set, dashes or underscores, one key of a mapping; flags in their order
     cfg, _ = parse_args(["--config", str(y), "--set", "optim.lr=2e-3", "--set", "training.steps=11",
                          "--training.steps", "12", "--set", "model.kwargs.n_layers=2", "--optim.weight-decay", "0",
