@@ -45,7 +45,7 @@ from shardcache import config as S
 from shardcache.config import ConfigError
 
 from . import dist as D
-from .config import TrainConfig, build_parser, config_from_namespace
+from .config import TrainConfig, build_parser, parse_args
 from .data import batch_stream, make_loader, to_device
 from .metrics import peak_memory_mb
 from .trainer import Trainer, setup_logging
