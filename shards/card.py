@@ -180,13 +180,12 @@ def write_dataset_card(out_dir: str | Path, manifest: dict[str, Any], index) -> 
 
     ``manifest``: the cache's manifest dict (its ``shards`` list names the tars; when absent the
     index's ``shard`` column, then the folder's ``shard-*.tar`` are used). ``index``: the index
-    ``pyarrow.Table``. The config is named after the cache id (:func:`shards.index.read_cache_id`,
-    :func:`config_name`): call it once the cache's own files (``index.parquet``,
-    ``manifest.json``, whatever the id is read from) are written.
+    ``pyarrow.Table``. The config is named after the cache id, ``manifest["cache_id"]`` (the id its
+    writer, :func:`shards.index.write_cache_files`, records there and in ``integrity.json``;
+    :func:`config_name`). Raises ``KeyError`` for a manifest without one.
     """
-    from .index import read_cache_id
     out_dir = Path(out_dir)
-    text = dataset_card(manifest, index, _shard_names(out_dir, manifest, index), read_cache_id(out_dir))
+    text = dataset_card(manifest, index, _shard_names(out_dir, manifest, index), manifest["cache_id"])
     path = out_dir / CARD_FILE
     fd, tmp = tempfile.mkstemp(prefix=f".{CARD_FILE}.", suffix=".tmp", dir=out_dir)
     try:
