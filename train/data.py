@@ -261,9 +261,12 @@ def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module) -> tuple[
     fields, declared = resolve_fields(cfg, model, d.cache), resolve_fields(cfg, model)
     if info.is_main:
         log.info("fields: %s", list(fields) if fields is not None else "every field the cache holds")
-        if declared and fields != declared:
+        # text_ids: the legacy name of input_ids, declared beside it (not missed when input_ids is read)
+        missed = [] if fields is None else [f for f in declared or () if f not in fields
+                                            and not (f == "text_ids" and "input_ids" in fields)]
+        if missed:
             log.warning("%s declares fields %s; %s holds no %s: not read", type(model).__name__,
-                        list(declared), d.cache, [f for f in declared if f not in (fields or ())])
+                        list(declared), d.cache, missed)
     cls = load_factory(d.loader)
     hold = ev.enabled and not d.val_cache and d.val_fraction > 0 and _accepts(cls, "filters")
     train_split = HeldOut(d.val_fraction, "train") if hold else None

@@ -26,6 +26,7 @@ from shardcache.pretrained import BUILD_HINT, resolve_pretrained
 from shards.tokens import IGNORE_INDEX
 
 log = logging.getLogger("train")
+ONCE = {"once": True}  # the same on every rank: said by global rank 0 only (train.trainer.setup_logging)
 
 DEFAULT_LM = "models/lm-tiny"
 #: LoRA targets of the recipes: the attention projections of Llama/Qwen/Mistral-style LMs
@@ -297,7 +298,7 @@ class LMRecipe(nn.Module):
         if limit is not None and (self.freeze_lm or self.lora) and frac > limit:
             log.warning("%s: %.1f %% of the parameters train with a frozen LM (expected < %.0f %%; "
                         "TheWorld trains ~2 %%): is the projection too large?", type(self).__name__,
-                        100 * frac, 100 * limit)
+                        100 * frac, 100 * limit, extra=ONCE)
         return frac
 
     # -- optimizer ----------------------------------------------------------------------------------
