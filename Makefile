@@ -2,6 +2,7 @@
 # Every target sets up .venv on first use. Point the targets at real data with
 #   make precompute DATA=/data/train.jsonl OUT=/data/cache CONFIG=configs/my.yaml
 #   make train OUT=/data/cache RUN=runs/exp1 STEPS=10000 CONFIG=configs/train.yaml
+# A RUN that already holds a run needs RESUME=auto (continue it) or RESUME=fresh (replace it).
 # (OUT is the cache directory: `--cache` of both stages; RUN the training run directory.)
 # The recipes run `python -m shardcache COMMAND` (the `shardcache` console script once installed).
 PYTHON ?= python3
@@ -12,6 +13,7 @@ OUT ?= cache/demo
 CONFIG ?= configs/precompute.yaml
 TRAIN_CONFIG ?= configs/train-demo.yaml
 RUN ?= runs/demo
+RESUME ?=
 STEPS ?=
 MODELS ?= models
 PYTEST_ARGS ?=
@@ -36,7 +38,7 @@ _PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distri
 
 help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
-	@echo "make train        DDP training on OUT with torchrun ($(NPROC) processes)"
+	@echo "make train        DDP training on OUT with torchrun ($(NPROC) processes); RESUME=auto|fresh for a RUN that holds a run"
 	@echo "make test         the test suite"
 	@echo "make test-long    the property tests with many examples (HYPOTHESIS_PROFILE=long)"
 	@echo "make inspect      shardcache shards info OUT"
@@ -45,6 +47,7 @@ help:
 	@echo "make bench-gpu    stage one with real-size encoders and the recipes' data wait on a CUDA GPU"
 	@echo "make models       build the tiny random test models into $(MODELS)/"
 	@echo "make demo-data    regenerate data/demo (needs espeak-ng)"
+	@echo "make core-venv    $(CORE_VENV): the core install alone (what a training node needs), its size"
 	@echo "make boson-venv   $(BOSON_VENV): boson-multimodal 0.1.1 + transformers 4.46 (tests/test_higgs_boson.py)"
 
 # The venv sees system site-packages, so a torch the user already has (e.g. a CUDA build) is kept;
@@ -91,7 +94,7 @@ CORE_VENV ?= build/core-venv
 $(CORE_VENV)/.installed: pyproject.toml setup.py $(wildcard shards/*.py shards/commands/*.py loaders/*.py shardcache/*.py)
 	test -x $(CORE_VENV)/bin/python || $(PYTHON) -m venv $(CORE_VENV)
 	$(CORE_VENV)/bin/pip install -q "torch==2.13.0" .
-	rm -rf build/lib build/bdist.* *.egg-info
+	rm -rf build/lib* build/bdist.* build/temp.* *.egg-info
 	touch $@
 
 core-venv: $(CORE_VENV)/.installed
@@ -108,7 +111,8 @@ precompute: $(VENV)/.installed-precompute $(MODELS)/.built
 
 train: $(VENV)/.installed-train
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
-		-m shardcache train --cache $(OUT) --run-dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS))
+		-m shardcache train --cache $(OUT) --run-dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS)) \
+		$(if $(RESUME),--checkpoint.resume $(RESUME))
 
 # The suite in parallel processes (pytest-xdist): one per core, at most 4 (every test keeps to its own
 # tmp_path and free ports; 13.5 min serially vs 9.3 min with 2 processes on the 2-core CI machine).

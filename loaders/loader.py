@@ -13,10 +13,10 @@ Typical use::
 Epochs: ``iter(loader)`` yields the rest of the current epoch; once that epoch is complete, the next
 ``iter()`` starts the next epoch (so a trainer that only re-iterates, like Lightning, sees every
 epoch) unless ``set_epoch`` chose that epoch since: ``set_epoch(e)`` selects epoch ``e`` (keeping
-the cursor when ``e`` is the current epoch, so a finished epoch chosen again yields nothing). The order is a pure function of ``(seed, epoch)``. Rank and world size:
-:func:`loaders.ranks.resolve_rank` (explicit arguments, else the process group, else
-``RANK``/``WORLD_SIZE``). Other trainers (HF ``Trainer``, accelerate, Lightning, torchtitan):
-docs/integrations.md.
+the cursor when ``e`` is the current epoch, so a finished epoch chosen again yields nothing). The
+order is a pure function of ``(seed, epoch)``. Rank and world size: :func:`loaders.ranks.resolve_rank`
+(explicit arguments, else the process group, else ``RANK``/``WORLD_SIZE``). Other trainers (HF
+``Trainer``, accelerate, Lightning, torchtitan): docs/integrations.md.
 
 How batches reach the consumer. Every process computes the same epoch plan
 (:mod:`loaders.order`, :mod:`loaders.batching`) from ``(seed, epoch)`` and the index; rank ``r``
@@ -167,7 +167,8 @@ class ShardLoader:
     """
 
     def __init__(self, cache_dir, batch_size: int, *, global_rank: int | None = None,
-                 world_size: int | None = None, group: Any = None, seed: int = 0, num_workers: int | None = 0, shuffle: bool = True,
+                 world_size: int | None = None, group: Any = None, seed: int = 0,
+                 num_workers: int | None = 0, shuffle: bool = True,
                  drop_remainder: bool = True, fields: Sequence[str] | None = None, filters: Any = None,
                  max_frames: int | None = None, device_pin: bool | str | None = None,
                  prefetch_factor: int = 2, shuffle_window: int = 0, bucket_window: int | None = None,

@@ -41,7 +41,10 @@ def test_a_run_dir_holding_a_run_needs_resume_or_fresh(cache, tmp_path, capfd):
     run = tmp_path / "run"
     opts = dict(loader=REAL_LOADER, steps=3, ckpt_every=1, keep=5, log_every=1)
     assert main(train_args(cache, run, **opts)) == 0
-    summary = [line.split(" INFO ", 1)[1] for line in capfd.readouterr().err.splitlines() if " INFO done:" in line]
+    err = capfd.readouterr().err
+    summary = [line.split(" INFO ", 1)[1] for line in err.splitlines() if " INFO done:" in line]
+    # the happy path of an input_ids cache is quiet: no "declares fields ... text_ids" (the legacy name)
+    assert "declares fields" not in err and "text_ids" not in err
     losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert summary == [f"done: step 3 of 3 (3 this run), last loss {losses[-1]:.4g}; checkpoints in {run} "
                        f"(newest step-3); metrics in {run / 'metrics.jsonl'}"]
@@ -56,3 +59,22 @@ def test_a_run_dir_holding_a_run_needs_resume_or_fresh(cache, tmp_path, capfd):
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in x] == [1, 2]
     assert main(train_args(cache, run, **dict(opts, steps=3, resume="auto"))) == 0  # or continue it
+
+
+def test_a_finding_equal_on_every_rank_is_said_by_rank_0_only(capfd):
+    """``extra={"once": True}`` (the recipes' "N % trainable" warning): rank 0 says it, rank 1 does
+    not; rank 1's other warnings still show."""
+    import logging
+    from train.dist import DistInfo
+    from train.recipes.lm import ONCE
+    from train.trainer import log, setup_logging
+    saved = log.handlers[:], log.level, log.propagate
+    for rank in (0, 1):
+        log.handlers.clear()
+        setup_logging(DistInfo(rank=rank, world_size=2))
+        log.warning("%.1f %% of the parameters train", 11.6, extra=ONCE)
+        log.warning("rank-specific %d", rank)
+    log.handlers[:], log.level, log.propagate = saved
+    err = capfd.readouterr().err
+    assert err.count("11.6 % of the parameters train") == 1 and "[rank 0]" in err.split("11.6")[0].splitlines()[-1]
+    assert "rank-specific 0" in err and "rank-specific 1" in err

@@ -208,9 +208,10 @@ def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module,
     fields, declared = resolve_fields(cfg, model, cache), resolve_fields(cfg, model)
     if info.is_main:
         log.info("fields: %s", list(fields) if fields is not None else "every field the cache holds")
-        if declared and fields != declared:
+        missed = [] if fields is None else [f for f in declared or () if f not in fields]
+        if missed:
             log.warning("%s declares fields %s; %s holds no %s: not read", type(model).__name__,
-                        list(declared), d.cache, [f for f in declared if f not in (fields or ())])
+                        list(declared), d.cache, missed)
     hold = ev.enabled and not d.val_cache and d.val_fraction > 0
     train_split = HeldOut(d.val_fraction, "train") if hold else None
     loader = make_loader(cfg, cache, d.batch_size, info, model=model, held_out=train_split)

@@ -199,11 +199,14 @@ def split_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 def setup_logging(info: D.DistInfo) -> None:
-    """The ``train`` logger: timestamps and the global rank; INFO on rank 0, WARNING elsewhere."""
+    """The ``train`` logger: timestamps and the global rank; INFO on rank 0, WARNING elsewhere, where
+    records logged with ``extra={"once": True}`` (a finding equal on every rank) are dropped."""
     if log.handlers:
         return
     h = logging.StreamHandler()
     h.setFormatter(logging.Formatter(f"%(asctime)s [rank {info.rank}] %(levelname)s %(message)s", "%H:%M:%S"))
+    if not info.is_main:
+        h.addFilter(lambda record: not record.__dict__.get("once", False))
     log.addHandler(h)
     log.setLevel(logging.INFO if info.is_main else logging.WARNING)
     log.propagate = False

@@ -28,6 +28,7 @@ from shards.tokens import IGNORE_INDEX
 from .base import Recipe
 
 log = logging.getLogger("train")
+ONCE = {"once": True}  # the same on every rank: said by global rank 0 only (train.trainer.setup_logging)
 
 DEFAULT_LM = "meta-llama/Llama-3.2-1B"
 #: LoRA targets of the recipes: the attention projections of Llama/Qwen/Mistral-style LMs
@@ -303,7 +304,7 @@ class LMRecipe(Recipe):
         if limit is not None and (self.freeze_lm or self.lora) and frac > limit:
             log.warning("%s: %.1f %% of the parameters train with a frozen LM (expected < %.0f %%; "
                         "TheWorld trains ~2 %%): is the projection too large?", type(self).__name__,
-                        100 * frac, 100 * limit)
+                        100 * frac, 100 * limit, extra=ONCE)
         return frac
 
     # -- optimizer ----------------------------------------------------------------------------------
