@@ -95,7 +95,7 @@ def check_caps(conv, cfg: PrecomputeConfig) -> None:
     """The caps per sample, before any decoding: ``max_audio_items``, ``max_images`` and
     ``max_total_duration_s`` over what is known of each audio item's length: the duration the row
     gives, else the file's length from its header (:func:`precompute.audio.header_seconds`, read
-    once per file) less the item's offset. Raises :class:`CorruptSample` (``too_large``) naming
+    once per file, for rows of two or more such items) less the item's offset. Raises :class:`CorruptSample` (``too_large``) naming
     the cap; items whose length no header gives are counted as they are decoded
     (:func:`_decode_audio`)."""
     if len(conv.audio) > cfg.max_audio_items:
@@ -105,11 +105,12 @@ def check_caps(conv, cfg: PrecomputeConfig) -> None:
     given = sum(a.duration_s for a in conv.audio if a.duration_s is not None)
     if given > cfg.max_total_duration_s:
         raise _too_large("seconds of audio", given, cfg.max_total_duration_s, "max_total_duration_s")
+    unknown = [a for a in conv.audio if a.duration_s is None and a.data is None]
+    if len(unknown) < 2:  # one file: the decoder checks max_duration from its own header read, and the
+        return            # total after it (no second open of every file of a plain dataset)
     lengths: dict[str, float | None] = {}
     total = given
-    for a in conv.audio:
-        if a.duration_s is not None or a.data is not None:
-            continue
+    for a in unknown:
         if a.source not in lengths:
             lengths[a.source] = header_seconds(a.source)
         if lengths[a.source] is not None:

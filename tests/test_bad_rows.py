@@ -109,7 +109,10 @@ def test_one_manifest_with_every_bad_value(tiny_models, tmp_path):
     man2.write_text(json.dumps(dict(key="png8", text="white", audio=GOOD_AUDIO, image=str(white8))) + "\n")
     assert _cli(man2, tmp_path / "c8", tiny_models).returncode == 0
     z8 = ShardReader(tmp_path / "c8").get(0)["latents"]
-    np.testing.assert_array_equal(samples["png16"]["latents"], z8)
+    # equal up to float16 storage rounding: the two ran through the VAE in batches of other sizes
+    # (stage one forms encoder batches by image shape), which moves float32 results in their last bits
+    np.testing.assert_allclose(samples["png16"]["latents"].astype(np.float32), z8.astype(np.float32),
+                               rtol=2e-3, atol=1e-4)
 
 
 def _suffix(raw_key: str) -> str:

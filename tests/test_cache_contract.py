@@ -208,9 +208,9 @@ def test_every_recipe_judges_the_demo_cache(demo_cache):
 
 
 def test_train_cli_refuses_a_mismatch_with_exit_2_before_loading_weights(demo_cache, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "train", "--cache", str(demo_cache), "--model", "higgs",
-                        "--model-kwargs", json.dumps({"lm": str(MODELS / "higgs-tiny")}), "--out", str(tmp_path / "run"),
-                        "--steps", "1"], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--cache", str(demo_cache), "--model.name", "higgs",
+                        "--model.kwargs", json.dumps({"lm": str(MODELS / "higgs-tiny")}), "--run-dir", str(tmp_path / "run"),
+                        "--training.steps", "1"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert "codec.name: the cache has 'dac', the model needs 'higgs'" in last and "Traceback" not in r.stderr
@@ -226,7 +226,7 @@ def test_the_trainer_reads_the_manifest_and_index_once(tmp_path, monkeypatch):
 
     from test_train_support import TINY_MODEL, make_cache
     from train import dist as D
-    from train.config import from_dict
+    from test_train_support import from_dict
     from train.trainer import Trainer
     cache = make_cache(tmp_path / "c", n=24)
     cfg = from_dict(dict(cache=str(cache), out=str(tmp_path / "run"), model_kwargs=TINY_MODEL, batch_size=4,

@@ -22,7 +22,7 @@ def no_precompute(monkeypatch):
     ("codes", "'codes' is a field of its own (reserved)"),
     ("audio", "'audio' is a field of its own (reserved)"),
     ("latents", "'latents' is a field of its own (reserved)"),
-    ("mel", "'mel' is not a field shards.fields knows"),
+    ("spectrogram", "'spectrogram' is not a field shards.fields knows"),
     ("codes_16k", "'codes_16k' is a codes field"),
 ])
 def test_extra_waveforms_names_are_checked_against_the_registry(no_precompute, capsys, tmp_path, name, message):

@@ -351,7 +351,7 @@ def test_multi_image_samples_end_to_end(multi_cache, gemma3, tiny_models):
 
     from loaders import ShardLoader
     from loaders.device import to_device
-    from train.models import build_model, data_spec
+    from train.models import build_model
 
     cache, records = multi_cache
     proc = _processor(gemma3)
@@ -379,7 +379,8 @@ def test_multi_image_samples_end_to_end(multi_cache, gemma3, tiny_models):
         assert want_feats[key].shape[0] == 2
         assert not torch.allclose(want_feats[key][0].float(), want_feats[key][1].float(), atol=1e-2)
 
-    spec = data_spec(cache)
+    spec = Cache.open(cache)
+    world_start, world_end = (spec.token_id(t) for t in spec.world_tokens)
     model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
     ld = ShardLoader(cache, len(MULTI), fields=model.fields, num_workers=0, compact=False, seed=0)
     batch = to_device(next(iter(ld)), "cpu")
@@ -395,7 +396,7 @@ def test_multi_image_samples_end_to_end(multi_cache, gemma3, tiny_models):
             row, types = merged.inputs_embeds[b], token_type[b].bool()
             soft_rows = row[types]                                                    # in order of position
             assert soft_rows.shape[0] == 2 * T
-            sow = (ids == spec.world_start_token_id).nonzero().flatten().tolist()
+            sow = (ids == world_start).nonzero().flatten().tolist()
             assert len(sow) == 2
             shift = 0
             for k in range(2):
@@ -407,7 +408,7 @@ def test_multi_image_samples_end_to_end(multi_cache, gemma3, tiny_models):
                 torch.testing.assert_close(row[start:start + len(cells)], world, rtol=1e-2, atol=2e-3,
                                            msg=f"{key}: image {k}'s world tokens")
                 torch.testing.assert_close(row[start + len(cells)],
-                                           embed(torch.tensor([spec.world_end_token_id]))[0].to(row.dtype))
+                                           embed(torch.tensor([world_end]))[0].to(row.dtype))
                 shift += len(cells)
 
 
@@ -507,8 +508,9 @@ def test_theworld_preset_is_theworlds_collate_token_for_token(policy, real_mini,
     if policy == "all_but_world":   # the recipe's labels: TheWorld's _forward_with_world, written out
         from loaders import ShardLoader
         from loaders.device import to_device
-        from train.models import build_model, data_spec
-        spec = data_spec(tmp_path / "cache")
+        from train.models import build_model
+        spec = Cache.open(tmp_path / "cache")
+        world_start, world_end = (spec.token_id(t) for t in spec.world_tokens)
         model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
         ld = ShardLoader(tmp_path / "cache", len(recs), fields=model.fields, num_workers=0, compact=False, seed=0)
         batch = to_device(next(iter(ld)), "cpu")
@@ -518,7 +520,7 @@ def test_theworld_preset_is_theworlds_collate_token_for_token(policy, real_mini,
         n_world = (IMAGE_SIZE // 8) ** 2
         for b, key in enumerate(batch["keys"]):
             ids = batch["input_ids"][b][batch["attention_mask"][b].bool()].tolist()
-            sow, eow = ids.index(spec.world_start_token_id), ids.index(spec.world_end_token_id)
+            sow, eow = ids.index(world_start), ids.index(world_end)
             want = ids[:sow + 1] + [-100] * n_world + ids[eow:]
             assert merged.labels[b][merged.attention_mask[b]].tolist() == want, key
 
@@ -530,15 +532,16 @@ def test_vocabulary_theworlds_resize_and_ours_give_the_markers_the_same_rows(wor
     vocab_size is below the model's): the markers get the very same rows; what differs is only the width of the
     output softmax (the unused rows stay classes). The tiny Gemma 3 mirrors the shape: 300 tokens, 320 rows."""
     from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
-    from train.models import build_model, data_spec
-    spec = data_spec(world_cache)
+    from train.models import build_model
+    spec = Cache.open(world_cache)
+    world_start, world_end = (spec.token_id(t) for t in spec.world_tokens)
     ours = build_model("theworld", {"lm": str(gemma3)}, spec)
     tok = AutoTokenizer.from_pretrained(str(gemma3))
     theirs = Gemma3ForConditionalGeneration.from_pretrained(str(gemma3))
     rows = theirs.get_input_embeddings().weight.shape[0]
     tok.add_special_tokens({"additional_special_tokens": ["<start_of_world>", "<end_of_world>"]})
     ids = tok.convert_tokens_to_ids(["<start_of_world>", "<end_of_world>"])
-    assert ids == [spec.world_start_token_id, spec.world_end_token_id] and len(tok) == spec.vocab_size < rows
+    assert ids == [world_start, world_end] and len(tok) == spec.vocab_size < rows
     before = theirs.get_input_embeddings().weight[ids].detach().clone()
     theirs.resize_token_embeddings(len(tok))
     assert theirs.get_input_embeddings().weight.shape[0] == len(tok)
@@ -565,8 +568,9 @@ def test_projection_checkpoints_of_every_theworld_variant(world_cache, gemma3, t
     was found; LM weights in the checkpoint are reported, not loaded silently."""
     import logging
     from safetensors.torch import save_file
-    from train.models import build_model, data_spec
-    spec = data_spec(world_cache)
+    from train.models import build_model
+    spec = Cache.open(world_cache)
+    world_start, world_end = (spec.token_id(t) for t in spec.world_tokens)
     z, dim = 16, 64
     torch.manual_seed(0)
     cells = torch.randn(5, z)

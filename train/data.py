@@ -93,7 +93,7 @@ def resolve_fields(cfg: TrainConfig, model: Any = None, cache: "Cache | None" = 
     """``data.fields`` -> the loader's ``fields``: a tuple, or None = every field the cache holds.
     ``auto``: the fields the recipe declares (its contract's ``fields`` and ``optional_fields``; of
     ``model``, default the class ``model.name`` builds), less those no sample of ``cache`` holds (a
-    model may declare fields that only some caches have, e.g. ``input_ids`` and ``text_ids``; if it
+    model may declare fields that only some caches have, e.g. ``input_ids`` and ``latents``; if it
     holds none of them, all are asked for, and the loader names them); None for a plain factory."""
     fields = tuple(cfg.data.fields)
     if fields == ("all",):

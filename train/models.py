@@ -98,7 +98,7 @@ class ReferenceModel(Recipe):
     """Text + image-latent prefix, causal transformer over codec frames (see the module docstring)."""
 
     fields = ("codes",)
-    optional_fields = ("input_ids", "text_ids", "latents")  #: (``latents`` only where samples have them)
+    optional_fields = ("input_ids", "latents")  #: (``latents`` only where samples have them)
 
     @classmethod
     def contract(cls, kwargs: Mapping[str, Any]) -> Contract:
