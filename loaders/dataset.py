@@ -120,7 +120,7 @@ class CacheSource:
         refuse_unsafe(table, self.cache_dir)  # the whole index, filtered-out rows too
         hidden = unindexed_members(table)  # e.g. a tar holding a key twice, one of them indexed
         if hidden:
-            raise ShardCorrupt(f"{self.cache_dir}: {hidden[0]}; check it with `shards verify --deep`")
+            raise ShardCorrupt(f"{self.cache_dir}: {hidden[0]}; check it with `shardcache shards verify --deep`")
         self.pad_id = int(man.pad_id() if man.pad_id() is not None else TEXT_PAD_ID)
         all_shards = sorted(pc.unique(table.column("shard")).to_pylist())  # numbering kept across filters
         rows = filter_rows(table, filters)

@@ -227,7 +227,7 @@ def _value_problems(groups, plans, targets, checks: str, known: set) -> list[tup
                     path = src.reader.io.paths[int(src.reader.shard_of[r] if fa.file is None else fa.file[r])]
                     out.append((p, f"{path}: sample {src.reader.key_array[r].as_py()!r}: {f.name} {why}; the "
                                    "shard is damaged or was not written for this cache's settings; run "
-                                   "`shards verify --deep`"))
+                                   "`shardcache shards verify --deep`"))
     return out
 
 

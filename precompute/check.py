@@ -98,7 +98,7 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     man = CacheManifest.read(cache_dir)
     cfg = validate_config(cache_config(man, overrides))
     # checksums=False: each value is compared with the one derived again, so a changed array is reported as
-    # MISMATCH naming its field (`shards verify` is the tool for damaged bytes)
+    # MISMATCH naming its field (`shardcache shards verify` is the tool for damaged bytes)
     reader = ShardReader(cache_dir, checksums=False)
     # the options stage one read the manifest with (its recorded config): the same rows, keys and media
     requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns,

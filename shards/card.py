@@ -153,7 +153,7 @@ def dataset_card(manifest: dict[str, Any], index, shard_names: Iterable[str], ca
     body = f"""# shardcache cache
 
 Precomputed training tensors (WebDataset tars, one sample = the tar members sharing a key) written
-by shardcache's `python -m precompute`. {n} samples in {len(shard_names)} shard tars.
+by `shardcache precompute`. {n} samples in {len(shard_names)} shard tars.
 
 Facts: `{json.dumps(facts, sort_keys=True)}`
 

@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShardcacheError as e:
         _error(args.command, str(e))
         return 1
-    except BrokenPipeError:  # `shards query ... | head` closed the pipe: not an error message
+    except BrokenPipeError:  # `shardcache shards query ... | head` closed the pipe: not an error message
         _silence_stdout()
         return 141
     except OSError as e:

@@ -73,7 +73,7 @@ class ShardFiles:
         what = (f"it is another file now (inode {now[1]}, was {was[1]})" if now[:2] != was[:2]
                 else f"its size changed from {was[2]} to {now[2]} bytes")
         return ShardCorrupt(f"{self.paths[i]}: {where}: the shard changed since this loader read the index: {what}; "
-                            "was the cache rewritten while training? restart on the new cache, or run `shards verify`")
+                            "was the cache rewritten while training? restart on the new cache, or run `shardcache shards verify`")
 
     def fd(self, i: int, where) -> int:
         """The descriptor of file ``i`` (opened and checked against its pinned identity if needed).
@@ -93,7 +93,7 @@ class ShardFiles:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise ShardCorrupt(f"{path}: {_text(where)}: the shard is listed in the index but missing; run "
-                               "`shards verify`") from None
+                               "`shardcache shards verify`") from None
         now = identity(os.fstat(fd))
         if self.pinned[i] is not None and now != self.pinned[i]:
             os.close(fd)

@@ -117,7 +117,7 @@ def safe_shard_path(cache_dir: str | Path, name: Any, what: str = "shard") -> Pa
     root = Path(cache_dir)
     why = unsafe_name_reason(name)
     fix = ("an index or manifest.json may only name files directly inside the cache directory "
-           "(rebuild them from trusted shard files with `shards reindex`)")
+           "(rebuild them from trusted shard files with `shardcache shards reindex`)")
     path = root / name if why is None else None
     if path is not None and path.is_symlink():
         target = os.path.realpath(path)
@@ -308,7 +308,7 @@ def verify_root(cache_dir: str | Path) -> dict[str, Any]:
     d = Path(cache_dir)
     if not (d / INDEX_FILE).exists():
         raise FileNotFoundError(f"{d / INDEX_FILE} not found: is {cache_dir} a shardcache cache?")
-    fix = (f"rebuild the index and root from the shard tars with `shards reindex {d}` (or rerun "
+    fix = (f"rebuild the index and root from the shard tars with `shardcache shards reindex {d}` (or rerun "
            "`shardcache precompute` on the same cache)")
     try:
         root = json.loads((d / ROOT_FILE).read_text())
@@ -476,7 +476,7 @@ def read_index(out_dir: Path) -> pa.Table:
     p = Path(out_dir) / INDEX_FILE
     if not p.exists():
         raise FileNotFoundError(f"{p} not found: is {out_dir} a shardcache cache? "
-                                "(run `python -m precompute`, or `shards reindex` to rebuild it)")
+                                "(run `shardcache precompute`, or `shardcache shards reindex` to rebuild it)")
     return pq.read_table(p, schema=INDEX_SCHEMA)
 
 

@@ -69,7 +69,7 @@ def refuse_unsafe(table: pa.Table, where: str | Path) -> None:
         raise UnsafeMember(
             f"{Path(where) / shard}: sample {key!r} has member {key}.{names[j].as_py()} that would need "
             f"unpickling ({int(bad.sum())} such member(s) in the index); shardcache never unpickles "
-            "shard data. Remove the member from the shard and rebuild the index (`shards reindex`).")
+            "shard data. Remove the member from the shard and rebuild the index (`shardcache shards reindex`).")
 
 
 def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, Any]:
@@ -295,10 +295,10 @@ class ShardReader:
             try:
                 size = path.stat().st_size
             except FileNotFoundError:
-                raise ShardCorrupt(f"{path}: listed in the index but missing; run `shards verify`") from None
+                raise ShardCorrupt(f"{path}: listed in the index but missing; run `shardcache shards verify`") from None
             if size < need[i]:
                 raise ShardCorrupt(f"{path}: {size} bytes but the index needs {need[i]} (truncated shard?); "
-                                   "run `shards verify` and re-run precompute for it")
+                                   "run `shardcache shards verify` and re-run precompute for it")
 
     def field(self, field: str, ndim: int | None = None) -> FieldArrays:
         """Per-row arrays of member ``field + ".npy"`` (built once). Raises :class:`ShardCorrupt` if
@@ -340,7 +340,7 @@ class ShardReader:
         if wrong.any():
             bad = int(np.flatnonzero(wrong)[0])
             raise ShardCorrupt(f"{self.cache_dir / self._where(bad)} member {member}: size {size[bad]} "
-                               f"bytes does not match shape {shape[bad].tolist()}; run `shards verify`")
+                               f"bytes does not match shape {shape[bad].tolist()}; run `shardcache shards verify`")
         file = None
         fn = self._file_numbers(flat)[sel]
         if (fn >= 0).any():  # a sidecar field: its rows read from their sidecar tar
@@ -350,7 +350,7 @@ class ShardReader:
         if sums.null_count:
             bad = int(rows[np.flatnonzero(sums.is_null().to_numpy(zero_copy_only=False))[0]])
             raise ShardCorrupt(f"{self.cache_dir / self._where(bad)} member {member} has no checksum in the "
-                               "index; run `shards verify --deep`, then `shards reindex`")
+                               "index; run `shardcache shards verify --deep`, then `shardcache shards reindex`")
         xxh3 = np.zeros(self.n, dtype=np.uint64)
         xxh3[rows] = sums.to_numpy(zero_copy_only=False).astype(np.uint64)
         fa = self._fields[field] = FieldArrays(off, shape, count, present, code, dtypes, file, xxh3)
@@ -369,10 +369,10 @@ class ShardReader:
                 with open(path, "rb") as f:
                     st = os.fstat(f.fileno())
                     if st.st_size == 0:
-                        raise ShardCorrupt(f"{path}: empty file (truncated shard?); run `shards verify`")
+                        raise ShardCorrupt(f"{path}: empty file (truncated shard?); run `shardcache shards verify`")
                     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except FileNotFoundError:
-                raise ShardCorrupt(f"{path}: listed in the index but missing; run `shards verify`") from None
+                raise ShardCorrupt(f"{path}: listed in the index but missing; run `shardcache shards verify`") from None
             self._maps[shard] = mm
             self._ids[shard] = (st.st_dev, st.st_ino)
         return mm
@@ -390,7 +390,7 @@ class ShardReader:
         if (st.st_dev, st.st_ino) == self._ids[shard] and st.st_size < len(mm):
             raise ShardCorrupt(f"{self._paths[shard]}: sample {self.key_array[row].as_py()!r}: shard "
                                f"changed size during reading (was {len(mm)}, now {st.st_size} bytes); "
-                               "was it rewritten while training? run `shards verify`")
+                               "was it rewritten while training? run `shardcache shards verify`")
         return mm  # same size or grown, or replaced by a new file (the old one stays mapped): fine
 
     def views(self, field: str, rows: np.ndarray) -> list[np.ndarray | None]:
@@ -421,7 +421,7 @@ class ShardReader:
             mm = maps[s]
             if o + c * items[d] > len(mm):
                 raise ShardCorrupt(f"{self._where(r, s)} member {field}.npy lies past the end of the file "
-                                   f"({len(mm)} bytes when mapped; truncated shard?); run `shards verify`")
+                                   f"({len(mm)} bytes when mapped; truncated shard?); run `shardcache shards verify`")
             out.append(np.frombuffer(mm, dtype=dtypes[d], count=c, offset=o).reshape(shp))
         if self.checksums:
             for r, a, want, s in zip(row_list, out, fa.xxh3[rows].tolist(), shards):
@@ -440,7 +440,7 @@ class ShardReader:
         if got != want:
             raise ShardCorrupt(f"{self._paths[file]}: sample {self.key_array[row].as_py()!r} member {member}: checksum "
                                f"mismatch ({ALGORITHM} of the bytes read {got:016x}, recorded in the index when the "
-                               f"cache was written {want:016x}): the bytes changed since; run `shards verify --deep`")
+                               f"cache was written {want:016x}): the bytes changed since; run `shardcache shards verify --deep`")
 
     def read_into(self, rows: np.ndarray, plans, checksums: bool | None = None) -> list[tuple[int, str]]:
         """Copy the members of index ``rows`` straight from the shard files into batch buffers with
@@ -461,7 +461,7 @@ class ShardReader:
             why = spec.problem(a)
             if why is not None:
                 raise ShardCorrupt(f"{self._where(r)}: {field} {why}; the shard is damaged or was not written "
-                                   "for this cache's settings; run `shards verify --deep`")
+                                   "for this cache's settings; run `shardcache shards verify --deep`")
 
     def get(self, i: int) -> dict[str, Any]:
         """Sample at index row ``i`` as numpy views (see the class docstring)."""
@@ -482,7 +482,7 @@ class ShardReader:
                 want = m.get(CHECKSUM)
                 if want is None:
                     raise ShardCorrupt(f"{self._where(i)} member {name} has no checksum in the index; run "
-                                       "`shards verify --deep`, then `shards reindex`")
+                                       "`shardcache shards verify --deep`, then `shardcache shards reindex`")
                 f = self.files.index(m["file"]) if m.get("file") else int(self.shard_of[i])
                 with memoryview(mm) as v, v[off:off + size] as part:
                     self._check_sum(checksum(part), want, i, f, name)
@@ -512,7 +512,7 @@ class ShardReader:
         """Per-row member layout (sorted by name, as in the sha256) and expected digests."""
         members = self._members().combine_chunks()
         flat, parent = members.flatten(), pc.list_parent_indices(members).to_numpy()
-        # the row's sha256 covers its own shard's whole tar members (sidecars: `shards verify`;
+        # the row's sha256 covers its own shard's whole tar members (sidecars: `shardcache shards verify`;
         # arrays packed in tensors.npz are covered by that member's entry)
         own = (pc.is_null(flat.field("file")).to_numpy(zero_copy_only=False)
                & pc.is_null(flat.field("member")).to_numpy(zero_copy_only=False))
@@ -579,7 +579,7 @@ class ShardReader:
                     if a < 0 or b > len(mm):
                         raise ShardCorrupt(f"{self._where(r)}: member {names[code[j]][:-1].decode()} "
                                            "cannot be located in the shard (truncated or rewritten?); "
-                                           "run `shards verify --deep`")
+                                           "run `shardcache shards verify --deep`")
                     h.update(names[code[j]])
                     h.update(view[a:b])
             finally:
@@ -588,7 +588,7 @@ class ShardReader:
                 raise ShardCorrupt(f"{self._where(r)}: sha256 mismatch: the index says "
                                    f"{digests[r].tobytes().hex()[:16]}..., the shard holds "
                                    f"{h.hexdigest()[:16]}... (the sample's bytes changed); run "
-                                   "`shards verify --deep`")
+                                   "`shardcache shards verify --deep`")
 
     def close_stale(self) -> int:
         """Close the memory maps of files that were deleted or replaced since they were mapped (a

@@ -262,12 +262,12 @@ class _Where:
 
     def short(self, p: int, q: int, size: int, start: int) -> str:
         return (f"{self._at(p, q)}: the member starts at byte {start} but the file is {size} bytes now "
-                "(truncated while being read?); run `shards verify`")
+                "(truncated while being read?); run `shardcache shards verify`")
 
     def mismatch(self, p: int, q: int, got: int, want: int) -> str:
         return (f"{self._at(p, q)}: checksum mismatch ({ALGORITHM} of the bytes read {got:016x}, recorded "
                 f"in the index when the cache was written {want:016x}): the bytes changed since (disk or "
-                "memory fault, or the file was modified); run `shards verify --deep` and re-run precompute "
+                "memory fault, or the file was modified); run `shardcache shards verify --deep` and re-run precompute "
                 "for this shard")
 
 

@@ -143,7 +143,7 @@ def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[di
                 where[ext] = (info.offset_data, info.size)
     except (tarfile.TarError, EOFError) as e:
         raise ShardCorrupt(f"{path}: not a readable tar ({e}); delete it and rerun precompute "
-                           "or `shards reindex`") from e
+                           "or `shardcache shards reindex`") from e
     if current is not None:
         rows.append(_row(current, shard, members, where))
     return rows, hashlib.sha256(raw).hexdigest(), len(raw)  # mmap closes when garbage collected

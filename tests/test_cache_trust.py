@@ -1,7 +1,7 @@
 """Issue 30 (slice b): the writer lock, the integrity root, one key per tar, reruns that follow the manifest.
 
 Each test goes through the real entry points (the precompute command line, ``CacheLock``, the
-loader, ``shards verify``) on files the test damages or rewrites itself.
+loader, ``shardcache shards verify``) on files the test damages or rewrites itself.
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def _rewrite_index(cache: Path, edit) -> None:
 
 
 def _verify_quick(cache: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shards", "verify", str(cache), "--no-progress"], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--no-progress"], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -184,7 +184,7 @@ def test_one_edited_index_value_is_refused_by_open_quick_verify_and_the_loader(c
     read_cache_id(copy)                                              # intact: opens
     assert _verify_quick(copy).returncode == 0
     _rewrite_index(copy, edit)
-    with pytest.raises(ShardCorrupt, match=r"index.parquet does not match integrity.json.*`shards reindex"):
+    with pytest.raises(ShardCorrupt, match=r"index.parquet does not match integrity.json.*`shardcache shards reindex"):
         read_cache_id(copy)
     r = _verify_quick(copy)
     assert r.returncode == 1 and "index.parquet does not match integrity.json" in r.stdout, r.stdout + r.stderr
@@ -220,9 +220,9 @@ def test_a_manifest_cache_id_edited_to_match_a_checkpoint_is_refused(copy, tmp_p
     with pytest.raises(ShardCorrupt, match="manifest.json does not match integrity.json"):
         read_cache_id(copy)
     (copy / "integrity.json").unlink()
-    with pytest.raises(ShardCorrupt, match=r"integrity.json is missing.*`shards reindex"):
+    with pytest.raises(ShardCorrupt, match=r"integrity.json is missing.*`shardcache shards reindex"):
         read_cache_id(copy)
-    r = subprocess.run([sys.executable, "-m", "shards", "reindex", str(copy), "--no-progress"], cwd=ROOT, env=ENV,
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(copy), "--no-progress"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert read_cache_id(copy) == json.loads((copy / "manifest.json").read_text())["cache_id"] != "0123456789abcdef"
@@ -286,10 +286,10 @@ def test_a_tar_holding_a_key_twice_is_refused_by_scan_verify_and_reindex(copy, c
         assert keys.count("s0000") == 2
     with pytest.raises(ShardCorrupt, match="holds sample key 's0000' twice"):
         scan_shard(p)
-    r = subprocess.run([sys.executable, "-m", "shards", "verify", str(copy), "--deep", "--no-progress"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(copy), "--deep", "--no-progress"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "holds sample key 's0000' twice" in r.stdout, r.stdout + r.stderr
-    r = subprocess.run([sys.executable, "-m", "shards", "reindex", str(copy), "--no-progress"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(copy), "--no-progress"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "twice" in r.stdout + r.stderr, r.stdout + r.stderr
 

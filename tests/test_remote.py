@@ -342,7 +342,7 @@ def test_a_rerun_on_an_edited_manifest_follows_it_in_the_bucket(s3, tiny_config,
     r = ShardReader(got)
     texts = {k: json.dumps(r.get(i)["json"]) for i, k in enumerate(r.keys)}
     assert sorted(texts) == ["k0", "k1", "k2", "k3"] and "Text 3, corrected." in texts["k3"]
-    v = subprocess.run([sys.executable, "-m", "shards", "verify", str(got), "--no-progress"], cwd=ROOT,
+    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(got), "--no-progress"], cwd=ROOT,
                        capture_output=True, text=True)
     assert v.returncode == 0, v.stdout + v.stderr
     parts = {p.name.split(".")[0] for p in (got / "parts").glob("*.index.parquet")}

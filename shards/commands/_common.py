@@ -250,7 +250,7 @@ def cache_dir(arg: str | Path) -> Path:
                          f"and {MANIFEST_FILE})")
     if not (p / INDEX_FILE).exists() and not (p / MANIFEST_FILE).exists():
         raise UsageError(f"{p}: not a shardcache cache (no {INDEX_FILE} or {MANIFEST_FILE}); "
-                         f"if it holds shard tars, `shards reindex {p}` rebuilds them")
+                         f"if it holds shard tars, `shardcache shards reindex {p}` rebuilds them")
     check_version(p)
     return p
 
@@ -276,7 +276,7 @@ def shard_path(d: Path, name) -> Path:
 def index_path(d: Path) -> Path:
     p = Path(d) / INDEX_FILE
     if not p.exists():
-        raise UsageError(f"{p} not found; `shards reindex {d}` rebuilds it from the shard tars")
+        raise UsageError(f"{p} not found; `shardcache shards reindex {d}` rebuilds it from the shard tars")
     return p
 
 
@@ -287,7 +287,7 @@ def read_index_columns(d: Path, columns: Sequence[str] | None = None, filter=Non
         return pq.read_table(p, columns=list(columns) if columns is not None else None,
                              filters=filter, schema=INDEX_SCHEMA)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
-        raise ShardCorrupt(f"{p}: cannot read the index ({e}); `shards reindex {d}` rebuilds it") from e
+        raise ShardCorrupt(f"{p}: cannot read the index ({e}); `shardcache shards reindex {d}` rebuilds it") from e
 
 
 def read_index_head(d: Path, n: int) -> pa.Table:
@@ -303,7 +303,7 @@ def read_index_head(d: Path, n: int) -> pa.Table:
             if got >= n:
                 break
     except (pa.ArrowInvalid, OSError) as e:
-        raise ShardCorrupt(f"{p}: cannot read the index ({e}); `shards reindex {d}` rebuilds it") from e
+        raise ShardCorrupt(f"{p}: cannot read the index ({e}); `shardcache shards reindex {d}` rebuilds it") from e
     table = pa.Table.from_batches(batches, schema=pf.schema_arrow) if batches else INDEX_SCHEMA.empty_table()
     return table.slice(0, n).cast(INDEX_SCHEMA)
 

@@ -181,15 +181,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         counts = manifest.get("counts") or {}
         if "samples" in counts and counts["samples"] != n:
             warnings.append(f"manifest.json counts {counts['samples']} samples but {INDEX_FILE} "
-                            f"has {n} rows; run `shards verify {d}`")
+                            f"has {n} rows; run `shardcache shards verify {d}`")
         missing = index_shards - {s["path"] for s in shards}
         if missing:
             warnings.append(f"{INDEX_FILE} names {len(missing)} shard(s) not in manifest.json, "
-                            f"e.g. {sorted(missing)[0]}; run `shards verify {d}`")
+                            f"e.g. {sorted(missing)[0]}; run `shardcache shards verify {d}`")
     else:
         counts = manifest.get("counts") or {}
         warnings.append(f"{d / INDEX_FILE} is missing (figures from manifest.json); "
-                        f"`shards reindex {d}` rebuilds it")
+                        f"`shardcache shards reindex {d}` rebuilds it")
         info.update(samples=counts.get("samples"), audio_hours=counts.get("audio_hours"),
                     mean_duration_s=None, images=counts.get("images"), sample_rates=None,
                     speakers=None, text_tokens=None, code_frames=None)

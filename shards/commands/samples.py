@@ -55,7 +55,7 @@ def rows_for_keys(d: Path, keys: Sequence[str]) -> pa.Table:
     if missing:
         shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise NotFound(f"no sample {shown} in {d / 'index.parquet'} "
-                       f"(`shards query {d} \"key == '...'\"` or `shards head {d}` list keys)")
+                       f"(`shardcache shards query {d} \"key == '...'\"` or `shards head {d}` list keys)")
     return table.take(pa.array([pos[k] for k in keys], pa.int64()))
 
 

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--seed", type=int, default=0,
                    help="seed for choosing which image samples to read (default: %(default)s)")
     p.add_argument("--where", metavar="SQL",
-                   help="only rows matching this SQL condition (see `shards query --help`)")
+                   help="only rows matching this SQL condition (see `shardcache shards query --help`)")
     p.set_defaults(func=cmd_stats)
 
 

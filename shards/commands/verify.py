@@ -163,7 +163,7 @@ def compare_rows(shard: str, scanned: list[dict], indexed: list[dict]) -> list[P
     for k in tar:
         if k not in idx:
             probs.append(Problem(shard, k, "in the tar but not in index.parquet "
-                                           "(`shards reindex` rebuilds the index)"))
+                                           "(`shardcache shards reindex` rebuilds the index)"))
     for k, a in idx.items():
         b = tar.get(k)
         if b is None:
@@ -364,7 +364,7 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
         except ShardcacheError as e:
             problems.append(Problem(None, None, str(e)))
     if not (d / MANIFEST_FILE).exists():
-        problems.append(Problem(None, None, f"{d / MANIFEST_FILE} is missing; `shards reindex {d}` "
+        problems.append(Problem(None, None, f"{d / MANIFEST_FILE} is missing; `shardcache shards reindex {d}` "
                                             "rebuilds it from the tars"))
     else:
         try:
@@ -428,7 +428,7 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
             if name not in entries:
                 problems.append(Problem(name, None, "extra shard: on disk but not listed in "
                                                     "manifest.json (from another run? delete it, or "
-                                                    "`shards reindex` to adopt it)"))
+                                                    "`shardcache shards reindex` to adopt it)"))
     else:
         entries = {}
         targets = [(d / name, None) for name in on_disk]
@@ -437,7 +437,7 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
                         "when no precompute job is running)")
     index = IndexRows(d)
     if not index.present:
-        problems.append(Problem(None, None, f"{d / INDEX_FILE} is missing; `shards reindex {d}` "
+        problems.append(Problem(None, None, f"{d / INDEX_FILE} is missing; `shardcache shards reindex {d}` "
                                             "rebuilds it"))
         return targets, problems, warnings, index
     try:
