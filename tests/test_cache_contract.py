@@ -17,7 +17,6 @@ from shards.cache import Codec, Contract, FeatureEncoder, ImagePreset
 from test_train_support import cache_with_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ROOT / "models"
 DEMO = ROOT / "data" / "demo" / "samples.jsonl"
 
 #: a manifest as stage one writes it (the keys the identity is read from)
@@ -122,30 +121,41 @@ def test_a_cache_without_codes_or_images_is_refused_by_what_needs_them(tmp_path)
 
 # ---- the recipes' contracts against caches of other encoders ------------------------------------------
 
-def _higgs_contract():
+@pytest.fixture(scope="module")
+def MODELS(higgs_models, tmp_path_factory) -> Path:
+    """A folder of the tiny models these tests name: higgs-tiny (the session's), gemma3-tiny, encodec-tiny."""
+    from tools.testing import build
+    out = tmp_path_factory.mktemp("contract-models")
+    (out / "higgs-tiny").symlink_to(higgs_models / "higgs-tiny")
+    for name in ("gemma3", "encodec"):
+        build(name, out)
+    return out
+
+
+def _higgs_contract(MODELS):
     from train.recipes.higgs import HiggsModel
     return HiggsModel.contract({"lm": str(MODELS / "higgs-tiny")})
 
 
-def _theworld_contract():
+def _theworld_contract(MODELS):
     from train.recipes.theworld import TheWorldModel
     return TheWorldModel.contract({"lm": str(MODELS / "gemma3-tiny")})
 
 
-def test_higgs_declares_its_codec_frame_rate_and_tokenizer():
+def test_higgs_declares_its_codec_frame_rate_and_tokenizer(MODELS):
     from transformers import AutoTokenizer
 
     from shards.tokens import vocab_sha256
-    c = _higgs_contract()
+    c = _higgs_contract(MODELS)
     assert c.codec == Codec("higgs", 24000, 25.0, 8, 1024, 2.0)          # 8 x 10 bits x 25 frames/s = 2 kbps
     assert c.text_tokenizer == vocab_sha256(AutoTokenizer.from_pretrained(str(MODELS / "higgs-tiny")))
     assert c.special_tokens == {"<|AUDIO_OUT|>": 310, "<|audio_out_bos|>": 309}
 
 
-def _higgs_like(**codec) -> dict:
+def _higgs_like(MODELS, **codec) -> dict:
     from train.recipes.higgs import HiggsModel  # noqa: F401 (transformers configs)
     m = copy.deepcopy(MANIFEST)
-    c = _higgs_contract()
+    c = _higgs_contract(MODELS)
     m["encoders"]["audio_tokenizer"] = {"name": codec.get("name", "higgs"), "bandwidth": codec.get("bandwidth", 2)}
     m["encoders"]["text_tokenizer"]["vocab_sha256"] = codec.get("tokenizer", c.text_tokenizer)
     m.update(n_codebooks=8, codebook_size=1024, frame_rate=codec.get("frame_rate", 25.0))
@@ -153,25 +163,25 @@ def _higgs_like(**codec) -> dict:
     return m
 
 
-def test_higgs_refuses_encodec_at_75_frames_and_another_tokenizer(tmp_path):
+def test_higgs_refuses_encodec_at_75_frames_and_another_tokenizer(tmp_path, MODELS):
     """EnCodec at 6 kbps writes 8 x 1024 codes (the codebook count and size Higgs has) at 75 frames/s:
     refused by codec name, frame rate and bandwidth; codes of Higgs' codec tokenized with another
     tokenizer are refused by its fingerprint."""
-    contract = _higgs_contract()
-    Cache.open(cache_with_manifest(tmp_path / "ok", _higgs_like(), Q=8)).require(contract)
-    enc = Cache.open(cache_with_manifest(tmp_path / "enc", _higgs_like(name="encodec", frame_rate=75.0, bandwidth=6),
+    contract = _higgs_contract(MODELS)
+    Cache.open(cache_with_manifest(tmp_path / "ok", _higgs_like(MODELS), Q=8)).require(contract)
+    enc = Cache.open(cache_with_manifest(tmp_path / "enc", _higgs_like(MODELS, name="encodec", frame_rate=75.0, bandwidth=6),
                                          Q=8))
     with pytest.raises(ContractMismatch) as e:
         enc.require(contract)
     assert [m[0] for m in e.value.mismatches] == ["codec.name", "codec.frame_rate", "codec.bandwidth"]
     assert "codec.frame_rate: the cache has 75.0, the model needs 25.0" in str(e.value)
-    tok = Cache.open(cache_with_manifest(tmp_path / "tok", _higgs_like(tokenizer="c" * 64), Q=8))
+    tok = Cache.open(cache_with_manifest(tmp_path / "tok", _higgs_like(MODELS, tokenizer="c" * 64), Q=8))
     with pytest.raises(ContractMismatch, match="text_tokenizer: the cache has 'ccc"):
         tok.require(contract)
 
 
-def test_theworld_refuses_another_feature_encoder_and_image_preset(tmp_path):
-    contract = _theworld_contract()
+def test_theworld_refuses_another_feature_encoder_and_image_preset(tmp_path, MODELS):
+    contract = _theworld_contract(MODELS)
     assert contract.feature_encoder == FeatureEncoder("gemma3", 16, 64)
     m = copy.deepcopy(MANIFEST)
     m["text"]["special_token_ids"] = {"<image_soft_token>": contract.special_tokens["<image_soft_token>"],
@@ -189,7 +199,7 @@ def test_theworld_refuses_another_feature_encoder_and_image_preset(tmp_path):
                                                    "text_tokenizer"]
 
 
-def test_every_recipe_judges_the_demo_cache(demo_cache):
+def test_every_recipe_judges_the_demo_cache(demo_cache, MODELS):
     """The demo cache (DAC codes, the byte tokenizer, Wan latents, no image features, no world markers):
     the reference model, tts and vlm can use it (they size themselves from it); higgs and theworld
     cannot, and say why."""
@@ -198,16 +208,16 @@ def test_every_recipe_judges_the_demo_cache(demo_cache):
     for name, kw in (("reference", {}), ("tts", {}), ("vlm", {})):
         c.require(model_contract(name, kw))
     with pytest.raises(ContractMismatch) as e:
-        c.require(_higgs_contract())
+        c.require(_higgs_contract(MODELS))
     items = [m[0] for m in e.value.mismatches]
     assert "codec.name" in items and "text_tokenizer" in items and "special_tokens.<|AUDIO_OUT|>" in items
     with pytest.raises(ContractMismatch) as e:
-        c.require(_theworld_contract())
+        c.require(_theworld_contract(MODELS))
     items = [m[0] for m in e.value.mismatches]
     assert items[0] == "fields" and "feature_encoder.name" in items and "image.pixel_range" in items
 
 
-def test_train_cli_refuses_a_mismatch_with_exit_2_before_loading_weights(demo_cache, tmp_path):
+def test_train_cli_refuses_a_mismatch_with_exit_2_before_loading_weights(demo_cache, tmp_path, MODELS):
     r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--cache", str(demo_cache), "--model.name", "higgs",
                         "--model.kwargs", json.dumps({"lm": str(MODELS / "higgs-tiny")}), "--run-dir", str(tmp_path / "run"),
                         "--training.steps", "1"], cwd=ROOT, capture_output=True, text=True)
@@ -254,7 +264,7 @@ def test_the_trainer_reads_the_manifest_and_index_once(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_higgs_accepts_its_own_caches_and_refuses_a_real_encodec_cache(higgs_caches, tiny_config, tmp_path):
+def test_higgs_accepts_its_own_caches_and_refuses_a_real_encodec_cache(higgs_caches, tiny_config, tmp_path, MODELS):
     """Caches precomputed with the tiny models: configs/precompute-tts.yaml with Higgs' tiny tokenizers
     meets every item of --model higgs's contract (the tokenizer fingerprint stage one records is the one
     the recipe computes); demo rows encoded with EnCodec at 6 kbps (8 x 1024 codes at 75 frames/s) are
@@ -262,7 +272,7 @@ def test_higgs_accepts_its_own_caches_and_refuses_a_real_encodec_cache(higgs_cac
     import dataclasses
 
     from precompute.job import run
-    contract = _higgs_contract()
+    contract = _higgs_contract(MODELS)
     for cache, _ in higgs_caches.values():
         Cache.open(cache).require(contract)
     cfg = dataclasses.replace(tiny_config, audio_tokenizer={"name": "encodec", "pretrained": str(MODELS / "encodec-tiny"),
