@@ -370,6 +370,12 @@ def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float, targets: tu
         own = None if tuple(targets) == REFERENCE_LORA_TARGETS else tuple(targets)
         model.enable_lora(r=r, alpha=alpha, dropout=dropout, targets=own)
         return model
+    return inject_lora(model, r, alpha, dropout, tuple(targets))
+
+
+def inject_lora(model: nn.Module, r: int, alpha: int, dropout: float, targets: tuple) -> nn.Module:
+    """peft's ``inject_adapter_in_model`` on ``targets``; every weight but the adapters freezes.
+    Raises ``ValueError`` when no module matched, ``ImportError`` without peft."""
     try:
         with blocked_imports(FORBIDDEN_MODULES):
             from peft import LoraConfig, inject_adapter_in_model

@@ -120,21 +120,8 @@ class Recipe(nn.Module):
     def enable_lora(self, r: int, alpha: int, dropout: float, targets: Iterable[str] | None = None) -> None:
         """peft LoRA adapters on ``targets`` (default :attr:`lora_targets`); every other weight
         freezes. Raises ``ValueError`` when nothing matched, ``ImportError`` without peft."""
-        from train.models import FORBIDDEN_MODULES, blocked_imports
-        targets = tuple(targets or self.lora_targets)
-        try:
-            with blocked_imports(FORBIDDEN_MODULES):
-                from peft import LoraConfig, inject_adapter_in_model
-        except ImportError as e:
-            raise ImportError(f"--lora needs peft: pip install 'shardcache[lora]' ({e})") from e
-        inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                                           target_modules=list(targets)), self)
-        n = 0
-        for name, p in self.named_parameters():
-            p.requires_grad = "lora_" in name
-            n += p.requires_grad
-        if n == 0:
-            raise ValueError(f"--lora: no module matched {list(targets)}")
+        from train.models import inject_lora
+        inject_lora(self, r, alpha, dropout, tuple(targets or self.lora_targets))
 
     def set_activation_checkpointing(self, on: bool = True) -> bool:
         """Turn activation checkpointing on/off; False when the model has none (the default)."""
