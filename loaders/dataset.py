@@ -141,6 +141,11 @@ class CacheSource:
         self.has_image = t.column("has_image").to_numpy(zero_copy_only=False).astype(bool)
         self.default_shapes: dict[str, tuple[int, ...]] = {}
         for field in self.fields:
+            lacking = man.fields[field].extra.get("incomplete") if field in man.fields else None
+            if lacking:  # a rerun re-encoded or added shards after `add-field`: their sidecars are not made yet
+                raise ValueError(f"{self.cache_dir}: field {field!r} (added by add-field) has no sidecar for "
+                                 f"{len(lacking)} shard(s) ({', '.join(lacking[:3])}...); run the same "
+                                 f"`shardcache add-field` again to add them, or read the cache without {field!r}")
             self._check_field(field)
         # the files each row reads: its shard, and the sidecar tar of every sidecar field read
         cols = [self.shard_of]

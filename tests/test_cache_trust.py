@@ -429,7 +429,12 @@ def test_a_rerun_after_add_field_keeps_the_field(rerun_cfg, tmp_path, caplog):
     r = ShardReader(cache)
     assert r.get(r.keys.index("k0"))["mel"] is not None              # the kept chunks keep their sidecars
     assert _verify_quick(cache).returncode == 1                      # verify names the missing sidecars
+    from loaders import ShardLoader
+    with pytest.raises(ValueError, match=r"field 'mel' \(added by add-field\) has no sidecar for 3 shard"):
+        ShardLoader(cache, 2, fields=("codes", "mel"))               # the loader refuses to read it
+    ShardLoader(cache, 2, fields=("codes",)).close()                 # the rest of the cache reads
     add_field(cache, "mel", spec, progress=False)                    # the same add-field completes it
+    ShardLoader(cache, 2, fields=("codes", "mel")).close()
     man = json.loads((cache / "manifest.json").read_text())
     assert "incomplete" not in man["fields"]["mel"]
     r = ShardReader(cache)
