@@ -95,9 +95,10 @@ def check_caps(conv, cfg: PrecomputeConfig) -> None:
     """The caps per sample, before any decoding: ``max_audio_items``, ``max_images`` and
     ``max_total_duration_s`` over what is known of each audio item's length: the duration the row
     gives, else the file's length from its header (:func:`precompute.audio.header_seconds`, read
-    once per file, for rows of two or more such items) less the item's offset. Raises :class:`CorruptSample` (``too_large``) naming
-    the cap; items whose length no header gives are counted as they are decoded
-    (:func:`_decode_audio`)."""
+    once per file, for rows of two or more such items) less the item's offset. Raises
+    :class:`CorruptSample` (``too_large``) naming the cap; items whose length no header gives, and
+    a row's single item (its decode is bounded by ``max_duration`` from its own header read), are
+    counted as they are decoded (:func:`_decode_audio`)."""
     if len(conv.audio) > cfg.max_audio_items:
         raise _too_large("audio items", len(conv.audio), cfg.max_audio_items, "max_audio_items")
     if len(conv.images) > cfg.max_images:
