@@ -71,13 +71,14 @@ class ModelConfig:
     """What is trained."""
 
     name: str = "reference"
-    """'reference', a recipe (higgs | tts | vlm: train.recipes) or module:factory returning an nn.Module whose
-    forward(batch) returns a loss tensor or a dict with 'loss'."""
+    """A recipe of train.recipes.RECIPES (e.g. reference, higgs, theworld: checked against the cache by its
+    contract before any weight loads), module:Class of a train.recipes.base.Recipe subclass (the same), or
+    module:factory called with model.kwargs, returning an nn.Module whose forward(batch) returns a loss."""
     kwargs: dict[str, Any] = option({}, merge=True)
     """Keyword arguments of the model factory (a mapping, JSON on the command line; a flag updates the
     file's). Reference model: d_model, n_layers, n_heads, mlp_ratio, dropout, patch_size, max_positions;
     recipes: lm (checkpoint dir or hub id), dtype, lora...; higgs: labels (processor | targets), input_audio
-    (drop | codes), use_text_head; tts/vlm: freeze_lm..."""
+    (drop | codes), use_text_head, create_text_head; tts/vlm: freeze_lm..."""
     audio_tokenizer: str = ""
     """The audio tokenizer (path or hub id) the cache's codes should come from: compared with manifest.json
     (config.audio_tokenizer.pretrained), a mismatch warns. Never loaded: the codes are cached."""
