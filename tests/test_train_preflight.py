@@ -38,6 +38,10 @@ def test_a_wrong_cache_path_is_one_line_and_exit_2(tmp_path, capsys, case):
 
 
 def test_a_run_dir_holding_a_run_needs_resume_or_fresh(cache, tmp_path, capfd):
+    import logging
+    # a handler an earlier fixture left on the `train` logger writes to that test's stderr: start clean
+    # (the autouse _restore_train_logger puts the handlers back afterwards)
+    logging.getLogger("train").handlers.clear()
     run = tmp_path / "run"
     opts = dict(loader=REAL_LOADER, steps=3, ckpt_every=1, keep=5, log_every=1)
     assert main(train_args(cache, run, **opts)) == 0
