@@ -113,13 +113,13 @@ class PrecomputeConfig:
         factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95})
     """The accepted difference: latents relative L2 error, fraction of equal codes."""
     audio_tokenizer: dict[str, Any] | None = option(
-        factory=lambda: {"name": "dac", "pretrained": "models/dac-tiny"})
+        factory=lambda: {"name": "dac", "pretrained": "descript/dac_24khz"})
     """Codec spec {name: a codec of the registry (listed by --help; higgs is the Higgs Audio v2 tokenizer and
     needs torchaudio), pretrained: DIR or hub id, options...} or {factory:
     module:callable, kwargs}; null = no codes (an image-text job never loads a codec). Flags:
     --audio_tokenizer.name NAME, --audio_tokenizer.pretrained DIR."""
     image_encoder: dict[str, Any] | None = option(
-        factory=lambda: {"name": "wan", "pretrained": "models/wan-tiny"})
+        factory=lambda: {"name": "wan", "pretrained": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"})
     """VAE spec {name: a VAE of the registry (listed by --help), pretrained: DIR or hub id, ...} or a factory; null = no latents (an audio
     job never loads a VAE). Flags: --image_encoder.name NAME, --image_encoder.pretrained DIR."""
     image_features: dict[str, Any] | None = option(None)
