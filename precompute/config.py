@@ -112,23 +112,23 @@ class PrecomputeConfig:
     precision_tolerance: dict[str, float] = option(
         factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95})
     """The accepted difference: latents relative L2 error, fraction of equal codes."""
-    audio_tokenizer: dict[str, Any] | None = option(
+    audio_tokenizer: dict | None = option(
         factory=lambda: {"name": "dac", "pretrained": "descript/dac_24khz"})
     """Codec spec {name: a codec of the registry (listed by --help; higgs is the Higgs Audio v2 tokenizer and
     needs torchaudio), pretrained: DIR or hub id, options...} or {factory:
     module:callable, kwargs}; null = no codes (an image-text job never loads a codec). Flags:
     --audio_tokenizer.name NAME, --audio_tokenizer.pretrained DIR."""
-    image_encoder: dict[str, Any] | None = option(
+    image_encoder: dict | None = option(
         factory=lambda: {"name": "wan", "pretrained": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"})
     """VAE spec {name: a VAE of the registry (listed by --help), pretrained: DIR or hub id, ...} or a factory; null = no latents (an audio
     job never loads a VAE). Flags: --image_encoder.name NAME, --image_encoder.pretrained DIR."""
-    image_features: dict[str, Any] | None = option(None)
+    image_features: dict | None = option(None)
     """A VLM's frozen image encoder run once here: {name: gemma3, pretrained: DIR or hub id, dtype: bfloat16}
     runs Gemma 3's processor + SigLIP vision tower + multimodal projector on each decoded image and stores
     image_features (n_images, mm_tokens_per_image, hidden) bfloat16 (as int16 bits); input_ids then hold
     Gemma's expanded image sequence exactly as Gemma3Processor builds it (image_token must be its
     <start_of_image>). null = not computed (a job that does not need them never loads the model)."""
-    text_tokenizer: dict[str, Any] = option(factory=lambda: {"name": "bytes"})
+    text_tokenizer: dict = option(factory=lambda: {"name": "bytes"})
     """Text tokenizer spec: {name: bytes} or {name: hf, pretrained: DIR or hub id} (the LM's own tokenizer)."""
     chat_template: str = option("auto", choices=CHAT_TEMPLATES)
     """How a conversation becomes input_ids/labels (precompute.chat): auto = the HF tokenizer's own
@@ -140,11 +140,11 @@ class PrecomputeConfig:
     """Which tokens get labels: answers = the assistant turns (at or after start_index), never a placeholder,
     image or world-marker token; all_but_world = every token of input_ids (TheWorld's forward labels its whole
     input but the world embeddings, which the recipe inserts with -100)."""
-    extra_waveforms: dict[str, dict[str, Any]] = option(factory=dict)
+    extra_waveforms: dict[str, dict] = option(factory=dict)
     """More waveform fields besides audio (all items at sample_rate): name -> {sample_rate: Hz, direction:
     in | out | all}; e.g. {audio_16k: {sample_rate: 16000, direction: in}} stores the user-side audio at
     16 kHz for a Whisper-style audio encoder."""
-    extra_fields: dict[str, dict[str, Any]] = option(factory=dict)
+    extra_fields: dict[str, dict] = option(factory=dict)
     """More fields, each computed by a producer (precompute.producers): name -> {producer: NAME, **options}
     (built-in: codes, waveform, latents) or {factory: package.module:callable, kwargs: {...}} (a plug-in;
     its fields must be declared, shards.fields.register). The same spec adds the field to an existing

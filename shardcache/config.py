@@ -1,27 +1,22 @@
-"""One configuration mechanism for both stages, on jsonargparse.
+"""One configuration mechanism for both stages, on jsonargparse (why not tyro: docs/configuration.md).
 
 A config is a dataclass of options and sections (nested dataclasses), each documented by the string
-below it. jsonargparse reads them and gives the YAML config file, a flag per option (``--optim.lr``,
-``--model.kwargs.lm DIR``: one key of a mapping), type checks and ``--help``. Added here: the rules
-of :func:`option` (bounds, choices, ``merge``), ``--set KEY=VALUE``, short flags, the config file of
-an environment variable, a YAML reader with limits, every problem as ``option: message`` (exit 2).
-
-Why jsonargparse, not tyro (both read these dataclasses and docstrings): the YAML files are the main
-interface and jsonargparse reads and type-checks them itself, naming the option; tyro parses the
-command line only, so file values would be merged and checked by hand (the code this replaced). Its
-parser is an ``argparse`` parser: job flags (``--manifest``) and error handling stay as they were.
+below it. jsonargparse reads them and gives the YAML config file, a flag per option (``--optim.lr``),
+type checks and ``--help``. Added here: the rules of :func:`option` (bounds, choices, ``merge``),
+``--set KEY=VALUE``, short flags, the config file of an environment variable, a YAML reader with
+limits, every problem as ``option: message`` (exit 2).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import re
 import sys
 import textwrap
 import typing
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -47,11 +42,11 @@ class ConfigError(ValueError):
 
 def option(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None = None,
            choices: Iterable[Any] | None = None, gt: float | None = None, ge: float | None = None,
-           le: float | None = None, merge: bool = False, flag: bool = True) -> Any:
+           le: float | None = None, merge: bool = False) -> Any:
     """A dataclass field with rules: ``choices`` (None is accepted too for an ``X | None`` option),
-    bounds ``gt``/``ge``/``le`` of a number, ``merge``: a mapping given on the command line updates
-    the file's instead of replacing it. Mutable defaults are copied per instance. ``flag`` is
-    ignored (every option has its flag; kept for declarations that still pass it)."""
+    bounds ``gt``/``ge``/``le`` of a number, ``merge``: a mapping option whose flags (the whole
+    mapping or ``--OPTION.KEY VALUE``) update the file's mapping, values read as YAML, ``{}`` clears
+    it. Mutable defaults are copied per instance."""
     meta = {"choices": tuple(choices) if choices is not None else None, "gt": gt, "ge": ge, "le": le, "merge": merge}
     if factory is None and isinstance(default, (dict, list)):
         factory = lambda d=default: type(d)(d)  # noqa: E731
@@ -75,10 +70,6 @@ def options(cls: type, prefix: str = "") -> dict[str, tuple[Any, dataclasses.Fie
         else:
             out[prefix + f.name] = (hints[f.name], f)
     return out
-
-
-def get(cfg: Any, path: str) -> Any:
-    return functools.reduce(getattr, path.split("."), cfg)
 
 
 # ---- YAML, within limits -------------------------------------------------------------------------------
@@ -150,9 +141,7 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     """Nested plain dict of ``cfg`` (tuples as lists): YAML / JSON ready."""
-    plain = lambda v: [plain(x) for x in v] if isinstance(v, (tuple, list)) else \
-        {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v  # noqa: E731
-    return plain(dataclasses.asdict(cfg))
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def dump(cfg: Any) -> str:
@@ -183,7 +172,7 @@ def check(cfg: Any, custom: Mapping[str, Callable[[Any], list[tuple[str, str]]]]
     ``custom[path](value)`` (``(suffix, message)`` pairs) where those passed."""
     out = []
     for path, (tp, f) in options(type(cfg)).items():
-        v, m = get(cfg, path), f.metadata
+        v, m = attrgetter(path)(cfg), f.metadata
         if v is not None and not (m.get("choices") and v in m["choices"]):
             number = isinstance(v, (int, float)) and not isinstance(v, bool)
             if (not number and m.get("choices")) or (number and (
@@ -225,12 +214,12 @@ def short_help(p: ArgumentParser, paths: Iterable[str], footer: str) -> str:
     return "\n".join(lines + ["", footer]) + "\n"
 
 
-def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> tuple[list[str], str | None, str]:
+def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> tuple[list[str], list, str | None, str]:
     """Short flags and ``--set`` as the library's flags; dashes in option names as underscores; a
-    boolean without a value (``--lora.enabled``, ``--no-metrics.progress``); a mapping given to a
-    ``merge`` option as one flag per key; the config file (``--config``, else ``$env_var``) first.
-    Returns (argv, the file, why it was read)."""
-    opts, out, rest, explicit = options(cls), [], list(argv), None
+    boolean without a value (``--lora.enabled``, ``--no-metrics.progress``); the config file
+    (``--config``, else ``$env_var``) first. The flags of a ``merge`` option are taken out, as
+    ``(option, key or None, value read as YAML)`` in their order. Returns (argv, merges, the file, why)."""
+    opts, out, merges, rest, explicit = options(cls), [], [], list(argv), None
     while rest:
         name, eq, val = rest.pop(0).partition("=")
         if name == "--set":
@@ -247,18 +236,15 @@ def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> 
             dotted, eq, val = dotted[3:], "=", "false"
         elif opts.get(dotted, (None,))[0] is bool and not eq and (not rest or rest[0].startswith("--")):
             eq, val = "=", "true"
-        if name.startswith("--") and (dotted in opts or dotted.rsplit(".", 1)[0] in opts):
+        whole, key = (dotted, None) if dotted in opts else (dotted.rpartition(".")[0], dotted.rpartition(".")[2])
+        if name.startswith("--") and whole in opts:
+            if opts[whole][1].metadata.get("merge"):
+                merges.append((whole, key, load_yaml(val if eq else (rest.pop(0) if rest else ""), dotted)))
+                continue
             name = "--" + dotted
-            if dotted in opts and opts[dotted][1].metadata.get("merge"):
-                value = load_yaml(val if eq else (rest.pop(0) if rest else ""), dotted)
-                if isinstance(value, dict) and value:
-                    out += [f"{name}.{k}={v if isinstance(v, str) else json.dumps(v, default=str)}"
-                            for k, v in value.items()]
-                    continue
-                val, eq = json.dumps(value, default=str), "="
         out.append(name + (eq + val if eq else ""))
     path, why = config_path(explicit, env_var)
-    return (["--config", path] if path else []) + out, path, why
+    return (["--config", path] if path else []) + out, merges, path, why
 
 
 def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
@@ -266,7 +252,7 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
     """``argv`` -> (``cls`` instance, the namespace of the other flags plus ``config_file`` and
     ``config_source``): defaults < the config file < flags in their order. Raises
     :class:`ConfigError` naming the option."""
-    args, path, why = _argv(cls, list(argv), env_var, aliases or {})
+    args, merges, path, why = _argv(cls, list(argv), env_var, aliases or {})
     try:
         init = p.instantiate(p.parse_args(args))
     except argparse.ArgumentError as e:
@@ -274,7 +260,16 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
         raise ConfigError([(f"--config {path}" if k == "--config" else k, m) for k, m in err.problems]) from None
     names = [f.name for f in dataclasses.fields(cls)]
     rest = {k: getattr(init, k) for k in vars(init) if "." not in k and k not in names + ["config", "set"]}
-    return cls(**{n: getattr(init, n) for n in names}), argparse.Namespace(config_file=path, config_source=why, **rest)
+    cfg = cls(**{n: getattr(init, n) for n in names})
+    for opt, key, value in merges:
+        mapping = attrgetter(opt)(cfg)
+        if key is not None:
+            mapping[key] = value
+        elif not isinstance(value, dict):
+            raise ConfigError([(opt, f"expected a mapping, got {value!r}")])
+        else:
+            mapping.update(value) if value else mapping.clear()
+    return cfg, argparse.Namespace(config_file=path, config_source=why, **rest)
 
 
 def from_dict(cls: type, data: dict[str, Any]) -> Any:

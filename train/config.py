@@ -49,7 +49,7 @@ class DataConfig:
     training threads; the README's data-wait table measures both)."""
     loader: str = "loaders:ShardLoader"
     """module:class of the loader (the ShardLoader API)."""
-    loader_kwargs: dict[str, Any] = option({}, merge=True)
+    loader_kwargs: dict = option({}, merge=True)
     """Extra keyword arguments for the loader (a mapping; a flag or --set updates the file's)."""
     compact_batches: bool = True
     """Ask the loader for int16 audio and float16 latents as stored and widen them to float32 on the training
@@ -74,7 +74,7 @@ class ModelConfig:
     """A recipe of train.recipes.RECIPES (e.g. reference, higgs, theworld: checked against the cache by its
     contract before any weight loads), module:Class of a train.recipes.base.Recipe subclass (the same), or
     module:factory called with model.kwargs, returning an nn.Module whose forward(batch) returns a loss."""
-    kwargs: dict[str, Any] = option({}, merge=True)
+    kwargs: dict = option({}, merge=True)
     """Keyword arguments of the model factory (a mapping, JSON on the command line; a flag updates the
     file's). Reference model: d_model, n_layers, n_heads, mlp_ratio, dropout, patch_size, max_positions;
     recipes: lm (checkpoint dir or hub id), dtype, lora...; higgs: labels (processor | targets), input_audio
