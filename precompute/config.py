@@ -22,6 +22,8 @@ from shardcache import config as S
 from shardcache.config import option
 from shards.tokens import IMAGE
 
+from .manifests import FORMATS
+
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_PRECOMPUTE_CONFIG"
 #: the highest sample rate (Hz) an option accepts: 384 kHz, the highest of studio converters
@@ -39,13 +41,16 @@ PIXEL_RANGES: dict[str, tuple[float, float]] = {"-1..1": (-1.0, 1.0), "0..255": 
 CHAT_TEMPLATES = ("auto", "llama3", "tokenizer", "theworld")
 #: ``label_policy`` (:mod:`precompute.chat`)
 LABEL_POLICIES = ("answers", "all_but_world")
-#: ``manifest_format`` (:mod:`precompute.manifests`)
-MANIFEST_FORMATS = ("jsonl", "chatml", "llava", "csv", "parquet")
 #: ``source_digest``: what a rerun compares of each media file (:mod:`precompute.rerun`)
 SOURCE_DIGESTS = ("stat", "content")
 #: ``encoder_dtype`` spellings -> the dtype they mean (:func:`precompute.encoders._common.resolve_dtype`)
 ENCODER_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16",
                   "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+#: the options that change cached bytes, so the cache's fingerprint (:meth:`PrecomputeConfig.preprocessing`)
+FINGERPRINT = ("sample_rate", "image_size", "image_resize", "image_rgb", "image_pixel_range", "image_token",
+               "world_tokens", "store_posterior", "chat_template", "label_policy", "extra_waveforms", "image_features")
 
 
 @dataclass
@@ -149,7 +154,7 @@ class PrecomputeConfig:
     (built-in: codes, waveform, latents) or {factory: package.module:callable, kwargs: {...}} (a plug-in;
     its fields must be declared, shards.fields.register). The same spec adds the field to an existing
     cache: shardcache add-field CACHE --field NAME --producer ..."""
-    manifest_format: str | None = option(None, choices=MANIFEST_FORMATS)
+    manifest_format: str | None = option(None, choices=tuple(FORMATS))
     """Manifest format; null = detected from the file."""
     columns: dict[str, str] = option(factory=dict)
     """Column mapping for JSONL/CSV/Parquet rows, e.g. {audio: path} (--set columns.audio=path)."""
@@ -174,28 +179,13 @@ class PrecomputeConfig:
     """Per sample: the most images of a conversation; more are rejected as too_large before any decoding."""
 
     def preprocessing(self) -> dict[str, Any]:
-        """Every parameter that changes cached bytes (part of the fingerprint).
-
-        ``store_posterior`` is listed only when true (caches made before it existed have none).
-        ``sample_layout`` names the conversation rendering (:mod:`precompute.chat`): ``conversation-2``
-        = label spans from the template's structure and Higgs' ``<|AUDIO_OUT|>`` label (caches made
-        with ``conversation-1`` are read everywhere, but not appended to).
-        """
-        keys = ("sample_rate", "image_size", "image_resize", "image_rgb", "image_pixel_range", "image_token")
-        out = {k: getattr(self, k) for k in keys} | {"audio_format": "pcm_s16le", "latents_dtype": "float16"}
-        if self.store_posterior:
-            out["store_posterior"] = True
-        out["world_tokens"] = list(self.world_tokens) if self.world_tokens else None
-        out["encoder_dtype"] = ENCODER_DTYPES.get(self.encoder_dtype, self.encoder_dtype)
-        out["sample_layout"] = "conversation-2"  # precompute.conversation + precompute.chat
-        out["chat_template"] = self.chat_template
-        if self.label_policy != "answers":  # only when set: caches made before it keep their fingerprint
-            out["label_policy"] = self.label_policy
-        if self.extra_waveforms:
-            out["extra_waveforms"] = self.extra_waveforms
-        if self.image_features:  # only when set: caches without it keep their fingerprint
-            out["image_features"] = dict(self.image_features)
-        return out
+        """Every parameter that changes cached bytes (the cache's fingerprint): the options of
+        :data:`FINGERPRINT`, the stored dtypes, the encoders' compute dtype and ``sample_layout`` (the
+        conversation rendering of :mod:`precompute.chat`: label spans from the template's structure)."""
+        options = self.to_dict()
+        return {k: options[k] for k in FINGERPRINT} | {
+            "audio_format": "pcm_s16le", "latents_dtype": "float16", "sample_layout": "conversation-2",
+            "encoder_dtype": ENCODER_DTYPES[self.encoder_dtype]}
 
     def to_dict(self) -> dict[str, Any]:
         return S.to_dict(self)

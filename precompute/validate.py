@@ -9,25 +9,22 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Mapping
 from typing import Any
 
 from shardcache import config as S
 from shardcache.config import ConfigError
 
-from .config import ENCODER_DTYPES, PrecomputeConfig
+from .config import ENCODER_DTYPES, MAX_SAMPLE_RATE, PrecomputeConfig
 
-__all__ = ["ConfigError", "check_config", "validate_config", "CHOICES"]
+__all__ = ["ConfigError", "check_config", "validate_config"]
 
-#: enumerated options: the choices declared with each option (their lists live in precompute.config)
-CHOICES: dict[str, tuple] = {p: f.metadata["choices"] for p, (_, f) in S.options(PrecomputeConfig).items()
-                             if f.metadata.get("choices") and p != "num_workers"}
 #: the VAE's spatial factor: ``image_size`` must be a multiple of it
 IMAGE_MULTIPLE = 8
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
-TOLERANCE_KEYS = {"latents_rel_err": (0.0, None), "codes_agreement": (0.0, 1.0)}
+#: ``precision_tolerance`` keys -> (lowest, highest) value
+TOLERANCE_KEYS = {"latents_rel_err": (0.0, float("inf")), "codes_agreement": (0.0, 1.0)}
 WAVEFORM_DIRECTIONS = ("in", "out", "all")
-#: options whose value is an encoder spec -> (module, table of built-in names, the default name)
+#: options whose value is an encoder spec -> (module, its table of built-in names, the default name)
 ENCODER_SPECS = {"audio_tokenizer": ("precompute.encoders.registry", "AUDIO_TOKENIZERS", "dac"),
                  "image_encoder": ("precompute.encoders.registry", "IMAGE_ENCODERS", "wan"),
                  "text_tokenizer": ("precompute.encoders.registry", "TEXT_TOKENIZERS", "bytes"),
@@ -35,80 +32,17 @@ ENCODER_SPECS = {"audio_tokenizer": ("precompute.encoders.registry", "AUDIO_TOKE
 
 
 def _spec(field: str):
-    """``{name, pretrained, **options}`` (a built-in) or ``{factory: "module:callable", kwargs}``."""
+    """The registry's own rules (:func:`precompute.encoders.registry.spec_problems`) for the encoder
+    spec of option ``field``; null: none (no codes, no latents)."""
     def run(spec: Any) -> list[tuple[str, str]]:
-        if not isinstance(spec, Mapping):
-            return []  # null: no codes / no latents
-        if "factory" in spec:
-            f, extra = spec["factory"], sorted(set(spec) - {"factory", "kwargs", "name"})
-            return [(k, m) for k, m, bad in (
-                (".factory", f"expected 'package.module:callable', got {f!r}", not isinstance(f, str) or ":" not in f),
-                ("", f"unknown key(s) {extra} for a plug-in (factory, kwargs)", extra),
-                (".kwargs", f"expected a mapping, got {spec.get('kwargs')!r}",
-                 "kwargs" in spec and not isinstance(spec["kwargs"], Mapping))) if bad]
         module, attr, default = ENCODER_SPECS[field]
         try:
+            from .encoders.registry import spec_problems
             table = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError):  # encoders not importable here: names are checked when loading
+        except ImportError:  # encoders not importable here: checked when they load
             return []
-        name = spec.get("name", default)
-        if name not in table:
-            return [(".name", f"expected one of {', '.join(sorted(table))} (or a factory), got {name!r}")]
-        accepted = set(getattr(table[name], "OPTIONS", ()) or ())
-        unknown = sorted(set(spec) - {"name", "pretrained"} - accepted)
-        if unknown and hasattr(table[name], "OPTIONS"):
-            return [("", f"unknown option(s) {unknown} for {name!r}; accepted: {sorted(accepted)}")]
-        return []
+        return [] if spec is None else spec_problems(spec, table, default)
     return run
-
-
-def _tolerance(v: Mapping) -> list[tuple[str, str]]:
-    out = []
-    for k, x in v.items():
-        lo, hi = TOLERANCE_KEYS.get(k, (None, None))
-        if lo is None:
-            out.append((f".{k}", f"unknown key; known: {', '.join(TOLERANCE_KEYS)}"))
-        elif x < lo or (hi is not None and x > hi):
-            rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-            out.append((f".{k}", f"expected a number {rng}, got {x!r}"))
-    return out
-
-
-def _waveforms(v: Mapping) -> list[tuple[str, str]]:
-    """Each name must be a waveform field of the registry that no fixed field owns (``audio_16k``:
-    shards.fields' ``audio_<name>`` rule; ``audio``, ``codes``, ``latents``... refused), with a
-    ``sample_rate`` in the bounds of the option ``sample_rate`` and a ``direction``."""
-    from shards import fields
-    from shards.kinds import WAVEFORM
-
-    out, top = [], S.options(PrecomputeConfig)["sample_rate"][1].metadata["le"]
-    for k, spec in v.items():
-        where, f = f".{k}", fields.lookup(k)
-        if k in fields.BY_NAME and k not in fields.REGISTERED:
-            out.append((where, f"{k!r} is a field of its own (reserved); name it audio_<name>, e.g. audio_16k"))
-        elif f is None or f.kind is not WAVEFORM:
-            what = f"a {f.kind.name} field" if f is not None else "not a field shards.fields knows"
-            out.append((where, f"{k!r} is {what}; a waveform field is named audio_<name>, e.g. audio_16k"))
-        if extra := sorted(set(spec) - {"sample_rate", "direction"}):
-            out.append((where, f"unknown key(s) {extra}; known: sample_rate, direction"))
-        sr, d = spec.get("sample_rate"), spec.get("direction", "all")
-        if not isinstance(sr, int) or isinstance(sr, bool) or not 0 < sr <= top:
-            out.append((f"{where}.sample_rate", f"expected an integer > 0 and <= {top}, got {sr!r}"))
-        if d not in WAVEFORM_DIRECTIONS:
-            out.append((f"{where}.direction", f"expected one of {', '.join(WAVEFORM_DIRECTIONS)}, got {d!r}"))
-    return out
-
-
-def _token(v: Any) -> list[tuple[str, str]]:
-    bad = not v.strip() or v != v.strip()
-    return [("", f"expected a token string without surrounding whitespace, got {v!r}")] if bad else []
-
-
-def _world(v: Any) -> list[tuple[str, str]]:
-    if v is None or (len(v) == 2 and len(set(v)) == 2 and not any(_token(t) for t in v)):
-        return []
-    return [("", f"expected two different tokens [start, end] (e.g. [<start_of_world>, <end_of_world>]), "
-                 f"got {list(v)!r}")]
 
 
 def _image_features(v: Any) -> list[tuple[str, str]]:
@@ -121,9 +55,58 @@ def _image_features(v: Any) -> list[tuple[str, str]]:
     out, p = _spec("image_features")(v), v.get("pretrained")
     if not isinstance(p, str) or not p.strip():
         out.append((".pretrained", f"expected a local directory or hub id (e.g. google/gemma-3-4b-it), got {p!r}"))
-    if "dtype" in v and v["dtype"] not in ENCODER_DTYPES:
+    if v.get("dtype", "bfloat16") not in ENCODER_DTYPES:
         out.append((".dtype", f"expected one of {', '.join(ENCODER_DTYPES)}, got {v['dtype']!r}"))
     return out
+
+
+def _tolerance(v: dict) -> list[tuple[str, str]]:
+    out = []
+    for k, x in v.items():
+        lo, hi = TOLERANCE_KEYS.get(k, (None, None))
+        if lo is None:
+            out.append((f".{k}", f"unknown key; known: {', '.join(TOLERANCE_KEYS)}"))
+        elif not lo <= x <= hi:
+            out.append((f".{k}", f"expected a number >= {lo:g}" + (f" and <= {hi:g}" if hi < float("inf") else "")
+                        + f", got {x!r}"))
+    return out
+
+
+def _waveforms(v: dict) -> list[tuple[str, str]]:
+    """Each name must be a waveform field of the registry that no fixed field owns (``audio_16k``:
+    shards.fields' ``audio_<name>`` rule; ``audio``, ``codes``, ``latents``... refused), with a
+    ``sample_rate`` in the bounds of the option ``sample_rate`` and a ``direction``."""
+    from shards import fields
+    from shards.kinds import WAVEFORM
+
+    out = []
+    for k, spec in v.items():
+        where, f = f".{k}", fields.lookup(k)
+        if k in fields.BY_NAME and k not in fields.REGISTERED:
+            out.append((where, f"{k!r} is a field of its own (reserved); name it audio_<name>, e.g. audio_16k"))
+        elif f is None or f.kind is not WAVEFORM:
+            what = f"a {f.kind.name} field" if f is not None else "not a field shards.fields knows"
+            out.append((where, f"{k!r} is {what}; a waveform field is named audio_<name>, e.g. audio_16k"))
+        if extra := sorted(set(spec) - {"sample_rate", "direction"}):
+            out.append((where, f"unknown key(s) {extra}; known: sample_rate, direction"))
+        sr, d = spec.get("sample_rate"), spec.get("direction", "all")
+        if not isinstance(sr, int) or isinstance(sr, bool) or not 0 < sr <= MAX_SAMPLE_RATE:
+            out.append((f"{where}.sample_rate", f"expected an integer > 0 and <= {MAX_SAMPLE_RATE}, got {sr!r}"))
+        if d not in WAVEFORM_DIRECTIONS:
+            out.append((f"{where}.direction", f"expected one of {', '.join(WAVEFORM_DIRECTIONS)}, got {d!r}"))
+    return out
+
+
+def _token(v: str) -> list[tuple[str, str]]:
+    bad = not v.strip() or v != v.strip()
+    return [("", f"expected a token string without surrounding whitespace, got {v!r}")] if bad else []
+
+
+def _world(v: Any) -> list[tuple[str, str]]:
+    if v is None or (len(v) == 2 and len(set(v)) == 2 and not any(_token(t) for t in v)):
+        return []
+    return [("", f"expected two different tokens [start, end] (e.g. [<start_of_world>, <end_of_world>]), "
+                 f"got {list(v)!r}")]
 
 
 #: per-option checks beyond type, choices and bounds (run where those passed)

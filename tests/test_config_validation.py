@@ -9,9 +9,14 @@ import pytest
 
 from precompute import cli
 from precompute.config import PrecomputeConfig, load_config
-from precompute.validate import CHOICES, ConfigError, check_config, validate_config
+from precompute.validate import ConfigError, check_config, validate_config
+from shardcache.config import options
 
 from conftest import DEMO, ROOT
+
+#: the enumerated options of stage one and their declared choices (num_workers' one word aside)
+CHOICES = {p: f.metadata["choices"] for p, (_, f) in options(PrecomputeConfig).items()
+           if f.metadata.get("choices") and p != "num_workers"}
 
 
 @pytest.fixture
@@ -55,7 +60,7 @@ def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
     (["--set", "device=gpu"], "error: device: expected auto, cpu, cuda"),
     (["--set", "encoder_dtype=int8"], "error: encoder_dtype: expected one of"),
     (["--set", "precision_tolerance.codes_agreement=1.5"],
-     "error: precision_tolerance.codes_agreement: expected a number between 0.0 and 1.0, got 1.5"),
+     "error: precision_tolerance.codes_agreement: expected a number >= 0 and <= 1, got 1.5"),
     (["--set", "audio_tokenizer.name=snac"], "error: audio_tokenizer.name: expected one of"),
     (["--audio_tokenizer.name", "snac"], "error: audio_tokenizer.name: expected one of"),
     (["--set", "image_encoder.nomalize=true"], "error: image_encoder: unknown option(s) ['nomalize']"),
@@ -158,16 +163,15 @@ def test_cli_stops_before_loading_any_model(tmp_path):
 
 def test_config_files_keep_their_fingerprint(tmp_path):
     """The preprocessing() of configs/precompute-tts.yaml, written out (renaming an option never
-    changes it), and a file read under --set. Since sample_layout conversation-2 (the
-    <|AUDIO_OUT|> label of Higgs-Audio, label spans from the template) it also lists the image and
-    token options; caches made with conversation-1 are read, not appended to. The TTS file renders
-    Higgs-Audio's own layout (chat_template llama3)."""
+    changes it), and a file read under --set. The TTS file renders Higgs-Audio's own layout
+    (chat_template llama3)."""
     cfg = load_config(ROOT / "configs" / "precompute-tts.yaml")
     assert cfg.preprocessing() == {
         "audio_format": "pcm_s16le", "chat_template": "llama3", "image_resize": "center_crop", "image_size": 256,
         "image_rgb": "composite", "image_pixel_range": "-1..1", "image_token": "<image>", "world_tokens": None,
         "encoder_dtype": "float32", "latents_dtype": "float16", "sample_layout": "conversation-2",
-        "sample_rate": 24000, "extra_waveforms": {"audio_16k": {"direction": "in", "sample_rate": 16000}}}
+        "sample_rate": 24000, "extra_waveforms": {"audio_16k": {"direction": "in", "sample_rate": 16000}},
+        "store_posterior": False, "label_policy": "answers", "image_features": None}
     theworld = load_config(ROOT / "configs" / "precompute-theworld.yaml").preprocessing()
     assert {k: theworld[k] for k in ("image_resize", "image_size", "image_rgb", "image_pixel_range", "image_token",
                                      "world_tokens", "encoder_dtype")} == {

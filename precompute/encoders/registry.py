@@ -39,15 +39,33 @@ def _accepts(fn, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def spec_problems(spec: Mapping, table: Mapping[str, type], default: str) -> list[tuple[str, str]]:
+    """What keeps an encoder spec from loading, as ``(key suffix, message)`` (empty: none): a plug-in's
+    keys, else the name against ``table`` and the options against the class's declared ``OPTIONS``.
+    The one owner of these rules: the loaders below raise the first, the config check lists them all."""
+    if "factory" in spec:
+        f, extra, kw = spec["factory"], sorted(set(spec) - _FACTORY_KEYS), spec.get("kwargs")
+        return [(k, m) for k, m, bad in (
+            (".factory", f"expected 'package.module:callable', got {f!r}", not isinstance(f, str) or ":" not in f),
+            ("", f"unknown key(s) {extra} for a plug-in; use 'factory' and 'kwargs'", extra),
+            (".kwargs", f"expected a mapping, got {kw!r}", kw is not None and not isinstance(kw, Mapping))) if bad]
+    name = spec.get("name", default)
+    if name not in table:
+        return [(".name", f"expected one of {', '.join(sorted(table))} (or a plug-in: {{factory: "
+                          f"'package.module:callable', kwargs: {{...}}}}), got {name!r}")]
+    if unknown := sorted(set(spec) - {"name", "pretrained"} - set(table[name].OPTIONS)):
+        return [("", f"unknown option(s) {unknown} for {name!r}; accepted: {sorted(table[name].OPTIONS)}")]
+    return []
+
+
+def _raise_problems(spec: Mapping, table: Mapping[str, type], default: str, what: str) -> None:
+    if problems := spec_problems(spec, table, default):
+        raise ValueError(f"{what}{problems[0][0]}: {problems[0][1]}")
+
+
 def _from_factory(cfg: Mapping, protocol: type, what: str, device: Any | None):
-    extra = set(cfg) - _FACTORY_KEYS
-    if extra:
-        raise ValueError(f"{what} plug-in config: unknown keys {sorted(extra)}; use 'factory' and 'kwargs'")
-    kwargs = cfg.get("kwargs") or {}
-    if not isinstance(kwargs, Mapping):
-        raise TypeError(f"{what} plug-in config: 'kwargs' must be a mapping, got {type(kwargs).__name__}")
-    fn = load_factory(cfg["factory"])
-    kwargs = dict(kwargs)
+    _raise_problems(cfg, {}, "", what)
+    fn, kwargs = load_factory(cfg["factory"]), dict(cfg.get("kwargs") or {})
     if device is not None and "device" not in kwargs and _accepts(fn, "device"):
         kwargs["device"] = device
     obj = fn(**kwargs)
@@ -55,18 +73,8 @@ def _from_factory(cfg: Mapping, protocol: type, what: str, device: Any | None):
 
 
 def _builtin(cfg: Mapping, table: dict[str, type], default: str, what: str):
-    name = cfg.get("name", default)
-    if name not in table:
-        raise ValueError(
-            f"unknown {what} {name!r}; known: {', '.join(sorted(table))} "
-            "(or give {'factory': 'package.module:callable', 'kwargs': {...}} for a plug-in)"
-        )
-    cls = table[name]
-    options = {k: v for k, v in cfg.items() if k not in ("name", "pretrained")}
-    unknown = sorted(set(options) - set(cls.OPTIONS))
-    if unknown:
-        raise ValueError(f"{what} {name!r}: unknown option(s) {unknown}; accepted: {sorted(cls.OPTIONS)}")
-    return cls, options
+    _raise_problems(cfg, table, default, what)
+    return table[cfg.get("name", default)], {k: v for k, v in cfg.items() if k not in ("name", "pretrained")}
 
 
 def _check_cfg(cfg: Any, what: str) -> Mapping:
@@ -125,4 +133,4 @@ def load_text_tokenizer(cfg: Mapping | None = None) -> TextTokenizer:
     return cls(**options)
 
 
-__all__ = ["load_audio_tokenizer", "load_image_encoder", "load_text_tokenizer", "load_factory", "BUILD_HINT"]
+__all__ = ["spec_problems", "load_audio_tokenizer", "load_image_encoder", "load_text_tokenizer", "load_factory", "BUILD_HINT"]
