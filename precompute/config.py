@@ -1,14 +1,8 @@
 """Stage-one configuration: :class:`PrecomputeConfig`, one section of documented, checked options.
 
-Read through :mod:`shardcache.config` (jsonargparse; the mechanism ``train`` uses too): dataclass
-defaults < config file (YAML; ``--config FILE``, else ``$SHARDCACHE_PRECOMPUTE_CONFIG``, else none)
-< flags in their order (``--sample_rate 16000``, ``--audio_tokenizer.pretrained /ckpt/dac``,
-``--set encoder_batch_size=32``). Every problem is reported as
-``option: message`` and ``shardcache precompute`` exits with status 2 before any model is loaded
-(:mod:`precompute.validate` adds the rules across options and the encoder specs).
-
-Everything that changes the bytes of a cached tensor is part of :meth:`PrecomputeConfig.preprocessing`
-and therefore of the cache's fingerprint; renaming an option never changes it.
+Read through :mod:`shardcache.config`: defaults < config file (``--config FILE``, else
+``$SHARDCACHE_PRECOMPUTE_CONFIG``) < flags in their order; :mod:`precompute.validate` adds the rules
+across options. What changes a cached byte is in :data:`FINGERPRINT` (the cache's fingerprint).
 """
 from __future__ import annotations
 
@@ -58,8 +52,7 @@ class PrecomputeConfig:
     """Every option of shardcache precompute (defaults: configs/precompute.yaml)."""
 
     sample_rate: int = option(24000, gt=0, le=MAX_SAMPLE_RATE)
-    """Hz of the stored waveform (audio.npy). The codec gets its own rate (tokenizer.sample_rate); both are
-    resampled from the one decoded array."""
+    """Hz of the stored waveform (audio.npy); the codec gets its own rate, resampled from the same decoded array."""
     min_duration: float = option(0.05, ge=0.0, le=86400.0)
     """Seconds; shorter clips are rejected (too_short)."""
     max_duration: float = option(30.0, gt=0.0, le=86400.0)
@@ -69,31 +62,24 @@ class PrecomputeConfig:
     image_size: int = option(256, gt=0, le=16384)
     """Pixels of the square VAE input (a multiple of the VAE's spatial factor, 8)."""
     image_resize: str = option("center_crop", choices=RESIZE_MODES)
-    """center_crop | pad | bucket (aspect kept: latent H, W vary; loaders pad them and return latents_mask) |
-    stretch (the whole image, aspect not kept, Pillow bilinear to image_size x image_size: TheWorld's
-    CosmosVAEEncoder). center_crop, pad and bucket resample bicubic."""
+    """center_crop | pad | bucket (aspect kept; loaders pad latents and return latents_mask), all bicubic |
+    stretch (aspect not kept, Pillow bilinear: TheWorld's CosmosVAEEncoder)."""
     image_rgb: str = option("composite", choices=RGB_MODES)
-    """How a decoded image becomes 8-bit RGB: composite = EXIF orientation applied, transparency composited
-    over white, 16-bit scaled by 1/257 (precompute.images); convert = Pillow's Image.convert("RGB") of the file
-    as decoded, nothing else (TheWorld's loaders: no EXIF rotation, alpha dropped)."""
+    """composite = EXIF orientation applied, alpha over white, 16-bit scaled by 1/257; convert = Pillow's
+    Image.convert("RGB") alone (TheWorld's loaders: no EXIF rotation, alpha dropped)."""
     image_pixel_range: str = option("-1..1", choices=tuple(PIXEL_RANGES))
-    """Pixel values the VAE is fed: -1..1 (x / 127.5 - 1, the range the Wan / Cosmos VAEs document) or 0..255
-    (uint8 values as floats, what TheWorld's CosmosVAEEncoder feeds: to_tensor(img) * 255; use it to
-    continue from a TheWorld checkpoint)."""
+    """Pixel values the VAE is fed: -1..1 (what the Wan / Cosmos VAEs document) or 0..255 (what TheWorld's
+    CosmosVAEEncoder feeds: use it to continue from a TheWorld checkpoint)."""
     image_token: str = option(IMAGE)
-    """Placeholder token of an image in input_ids (one per image; the k-th is image k): <image> (LLaVA), Gemma
-    3's <start_of_image>. Must be one token of the text tokenizer (see add_missing_tokens)."""
+    """Placeholder token of an image in input_ids, the k-th for image k: <image> (LLaVA), <start_of_image> (Gemma 3)."""
     world_tokens: tuple[str, ...] | None = None
-    """TheWorld's world-token markers, e.g. [<start_of_world>, <end_of_world>]: one pair per image is put right
-    after BOS in input_ids (label -100; the model puts the image's world embeddings between them); null = none."""
+    """TheWorld's markers [<start_of_world>, <end_of_world>]: one pair per image right after BOS (label -100)."""
     add_missing_tokens: bool = False
-    """Add the placeholder / marker tokens the job needs that the text tokenizer lacks, as special tokens
-    (manifest.json text.added_tokens; the LM's embeddings are resized to text.vocab_size); false = a tokenizer
-    that lacks one is refused before any work."""
+    """Add the placeholder / marker tokens the text tokenizer lacks as special tokens (the LM's embeddings are
+    resized); false = such a tokenizer is refused before any work."""
     store_posterior: bool = False
-    """Also store the VAE posterior: latents.npy = its mean (as without it: Wan's mode is the mean) plus
-    latents_logvar.npy float16 (C, T, H, W), so training can sample mean + exp(0.5 * logvar) * eps. Needs an
-    encoder with encode_posterior (wan; not cosmos)."""
+    """Also store latents_logvar (float16, C x T x H x W) beside the mean, to sample mean + exp(0.5 * logvar) *
+    eps in training. wan only."""
     max_image_pixels: int = option(64_000_000, gt=0, le=1 << 30)
     """Decompression-bomb guard: images with more pixels are rejected (image_too_large)."""
     min_image_side: int = option(16, gt=0, le=16384)
@@ -103,15 +89,12 @@ class PrecomputeConfig:
     encoder_batch_size: int = option(8, gt=0, le=65536)
     """Clips or images per encoder call (not the training batch)."""
     num_workers: int | str = option("auto", choices=("auto",), ge=0, le=1024)
-    """Decode worker processes (0 = decode in the main process). auto: on CUDA, sized from the first batch's
-    measured decode and encoder times, at most the rank's share of the CPU cores minus one
-    (precompute.pipeline.decode_workers); on CPU, 0, because the encoder's intra-op threads already use every
-    core and worker processes only add contention (measured: make bench)."""
+    """Decode worker processes (0 = in the main process). auto: on CUDA sized from the first batch's decode and
+    encode times (at most this rank's share of the cores - 1); on CPU 0."""
     device: str = "auto"
     """auto = cuda:LOCAL_RANK when available, else cpu; or cpu, cuda, cuda:N (mps, xpu:N...)."""
     encoder_dtype: str = option("float32", choices=tuple(ENCODER_DTYPES))
-    """Compute dtype of the codec and the VAE: float32 | bfloat16 | float16 (CUDA). Anything but float32 is
-    measured against float32 on the job's first rows before use (precompute.precision)."""
+    """Compute dtype of the codec and the VAE; anything but float32 is first measured against float32."""
     precision_samples: int = option(8, ge=0, le=100_000)
     """Rows used for that measurement."""
     precision_tolerance: dict[str, float] = option(
@@ -119,57 +102,40 @@ class PrecomputeConfig:
     """The accepted difference: latents relative L2 error, fraction of equal codes."""
     audio_tokenizer: dict | None = option(
         factory=lambda: {"name": "dac", "pretrained": "descript/dac_24khz"})
-    """Codec spec {name: a codec of the registry (listed by --help; higgs is the Higgs Audio v2 tokenizer and
-    needs torchaudio), pretrained: DIR or hub id, options...} or {factory:
-    module:callable, kwargs}; null = no codes (an image-text job never loads a codec). Flags:
-    --audio_tokenizer.name NAME, --audio_tokenizer.pretrained DIR."""
+    """Codec {name (listed by --help), pretrained: DIR or hub id, options...} or {factory: module:callable,
+    kwargs}; null = no codes. Flags: --audio_tokenizer.name NAME, --audio_tokenizer.pretrained DIR."""
     image_encoder: dict | None = option(
         factory=lambda: {"name": "wan", "pretrained": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"})
-    """VAE spec {name: a VAE of the registry (listed by --help), pretrained: DIR or hub id, ...} or a factory; null = no latents (an audio
-    job never loads a VAE). Flags: --image_encoder.name NAME, --image_encoder.pretrained DIR."""
+    """VAE {name (listed by --help), pretrained: DIR or hub id, ...} or a factory; null = no latents."""
     image_features: dict | None = option(None)
-    """A VLM's frozen image encoder run once here: {name: gemma3, pretrained: DIR or hub id, dtype: bfloat16}
-    runs Gemma 3's processor + SigLIP vision tower + multimodal projector on each decoded image and stores
-    image_features (n_images, mm_tokens_per_image, hidden) bfloat16 (as int16 bits); input_ids then hold
-    Gemma's expanded image sequence exactly as Gemma3Processor builds it (image_token must be its
-    <start_of_image>). null = not computed (a job that does not need them never loads the model)."""
+    """{name: gemma3, pretrained, dtype}: Gemma 3's processor, vision tower and projector run once per image
+    (image_features, n_images x tokens x hidden, bf16; input_ids as Gemma3Processor expands them); null = none."""
     text_tokenizer: dict = option(factory=lambda: {"name": "bytes"})
     """Text tokenizer spec: {name: bytes} or {name: hf, pretrained: DIR or hub id} (the LM's own tokenizer)."""
     chat_template: str = option("auto", choices=CHAT_TEMPLATES)
-    """How a conversation becomes input_ids/labels (precompute.chat): auto = the HF tokenizer's own
-    apply_chat_template when it has a chat template, else llama3 (Higgs-Audio's Llama-3 headers with
-    audio/image placeholders); tokenizer forces the tokenizer's template (error if it has none); theworld = the
-    tokenizer's template given each turn as content items, its images first, then its text as one item (what
-    TheWorld's collate passes to Gemma 3's processor: no newline after <end_of_image>)."""
+    """auto = the tokenizer's chat template if it has one, else llama3 (Higgs-Audio's layout); tokenizer = its
+    template or an error; theworld = its template with images as their own content items (TheWorld's collate)."""
     label_policy: str = option("answers", choices=LABEL_POLICIES)
-    """Which tokens get labels: answers = the assistant turns (at or after start_index), never a placeholder,
-    image or world-marker token; all_but_world = every token of input_ids (TheWorld's forward labels its whole
-    input but the world embeddings, which the recipe inserts with -100)."""
+    """Which tokens get labels: answers = the assistant turns, no placeholder or marker; all_but_world = every
+    token of input_ids (TheWorld's rule: only the world embeddings get -100)."""
     extra_waveforms: dict[str, dict] = option(factory=dict)
-    """More waveform fields besides audio (all items at sample_rate): name -> {sample_rate: Hz, direction:
-    in | out | all}; e.g. {audio_16k: {sample_rate: 16000, direction: in}} stores the user-side audio at
-    16 kHz for a Whisper-style audio encoder."""
+    """More waveform fields: name -> {sample_rate: Hz, direction: in | out | all}, e.g. {audio_16k:
+    {sample_rate: 16000, direction: in}} (the user side at 16 kHz for a Whisper-style encoder)."""
     extra_fields: dict[str, dict] = option(factory=dict)
-    """More fields, each computed by a producer (precompute.producers): name -> {producer: NAME, **options}
-    (built-in: codes, waveform, latents) or {factory: package.module:callable, kwargs: {...}} (a plug-in;
-    its fields must be declared, shards.fields.register). The same spec adds the field to an existing
-    cache: shardcache add-field CACHE --field NAME --producer ..."""
+    """More fields: name -> {producer: NAME, **options} or a plug-in {factory: module:callable, kwargs} (its
+    fields declared with shards.fields.register); shardcache add-field adds one to an existing cache."""
     manifest_format: str | None = option(None, choices=tuple(FORMATS))
     """Manifest format; null = detected from the file."""
     columns: dict[str, str] = option(factory=dict)
     """Column mapping for JSONL/CSV/Parquet rows, e.g. {audio: path} (--set columns.audio=path)."""
     allow_outside_root: bool = False
-    """Read media files outside --root (default root: the manifest's folder). Off: a path that leaves it (../,
-    an absolute path elsewhere, a symlink pointing out) rejects its row as malformed_row naming the field."""
+    """Read media outside --root (default: the manifest's folder); off: such a row is rejected (malformed_row)."""
     source_digest: str = option("stat", choices=SOURCE_DIGESTS)
-    """What a rerun compares of each media file to tell a changed row: stat = its path, size and modification
-    time; content = its path and the sha256 of its bytes (reads every media file on every rerun)."""
+    """What a rerun compares of each media file: stat = path, size, mtime; content = path and sha256 (reads all)."""
     keep_removed_rows: bool = False
-    """Rerun: keep cached rows that are no longer in the manifest (the job says how many) instead of removing
-    them (their chunk is still redone when another of its rows changed)."""
+    """Rerun: keep cached rows no longer in the manifest instead of removing them (the job says how many)."""
     max_text_tokens: int = option(65536, gt=0, le=100_000_000)
-    """Per sample: the most input_ids tokens (the rendered conversation); a longer one is rejected as too_large
-    (a 50 MB JSON line would otherwise become one 52 M-token sample that no batch can hold)."""
+    """Per sample: the most input_ids tokens; a longer one is rejected as too_large."""
     max_audio_items: int = option(256, gt=0, le=1_000_000)
     """Per sample: the most audio items of a conversation; more are rejected as too_large before any decoding."""
     max_total_duration_s: float = option(3600.0, gt=0.0, le=1e7)

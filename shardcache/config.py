@@ -87,14 +87,15 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 
-def _count(node: yaml.Node, limit: int, seen: dict[int, int], path: set[int]) -> int:
+def _count(node: yaml.Node, limit: int, seen: dict[int, int], path: set[int], where: str) -> int:
+    """How many values ``node`` stands for, each alias counted at every use (at most ``limit + 1``)."""
     if id(node) in path:
-        raise ConfigError([("yaml", "refused: a recursive alias (an anchor used inside itself)")])
+        raise ConfigError([(where, "refused: a recursive alias (an anchor used inside itself)")])
     if id(node) not in seen:
         kids = [] if isinstance(node, yaml.ScalarNode) else \
             [x for kv in node.value for x in kv] if isinstance(node, yaml.MappingNode) else node.value
         path.add(id(node))
-        seen[id(node)] = min(limit + 1, 1 + sum(_count(k, limit, seen, path) for k in kids))
+        seen[id(node)] = min(limit + 1, 1 + sum(_count(k, limit, seen, path, where) for k in kids))
         path.discard(id(node))
     return seen[id(node)]
 
@@ -109,15 +110,10 @@ def load_yaml(text: str, where: str = "yaml") -> Any:
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
-        if node is None:
-            return None
-        try:
-            if _count(node, YAML_MAX_VALUES, {}, set()) > YAML_MAX_VALUES:
-                raise ConfigError([(where, f"refused: its aliases expand to more than {YAML_MAX_VALUES} values "
-                                           "(a YAML alias bomb?); write the values out")])
-        except ConfigError as e:
-            raise ConfigError([(where, m) for _, m in e.problems]) from None
-        return loader.construct_document(node)
+        if node is not None and _count(node, YAML_MAX_VALUES, {}, set(), where) > YAML_MAX_VALUES:
+            raise ConfigError([(where, f"refused: its aliases expand to more than {YAML_MAX_VALUES} values "
+                                       "(a YAML alias bomb?); write the values out")])
+        return None if node is None else loader.construct_document(node)
     except RecursionError:
         raise ConfigError([(where, "refused: YAML nested too deeply")]) from None
     finally:
@@ -130,9 +126,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         data = load_yaml(Path(path).read_text(), f"--config {path}") or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError([(f"--config {path}", " ".join(str(e).split()[:20]))]) from None
-    if isinstance(data, dict):
-        return data
-    raise ConfigError([(f"--config {path}", "expected a mapping of option: value")])
+    if not isinstance(data, dict):
+        raise ConfigError([(f"--config {path}", "expected a mapping of option: value")])
+    return data
 
 
 set_loader("shardcache", load_yaml, (yaml.YAMLError, ConfigError))

@@ -241,7 +241,7 @@ def test_lora_checkpoints_hold_the_adapters_only(higgs_caches, higgs_models, tmp
     from safetensors import safe_open
 
     from test_train_support import Captured
-    from train.config import from_dict
+    from test_train_support import config_from_dict as from_dict
     from train.trainer import run
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)

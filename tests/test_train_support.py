@@ -252,9 +252,15 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_dict(flat: dict[str, Any]):
-    """:func:`train.config.from_dict` of the tests' short names (see :func:`nest`)."""
-    from train.config import from_dict as nested
-    return nested(nest(flat))
+    """A validated config from the tests' short names (see :func:`nest`)."""
+    return config_from_dict(nest(flat))
+
+
+def config_from_dict(data: dict[str, Any]):
+    """A nested mapping (as a config file holds) -> a validated ``TrainConfig``."""
+    from shardcache import config as S
+    from train.config import TrainConfig, validate
+    return validate(S.from_dict(TrainConfig, data))
 
 
 def flags(argv: list[str]) -> list[str]:

@@ -22,12 +22,17 @@ from test_train_support import (PY, REAL_LOADER, REPO, TINY_MODEL, base_env, col
 from train import checkpoint as C
 from train import dist as D
 from test_train_support import from_dict
-from train.config import TrainConfig, build_parser, load_yaml, parse_args
+from train.config import TrainConfig, build_parser, parse_args
 from train.metrics import Metrics
 from train.optim import lr_at
 from train.trainer import Callbacks, run
 from shards import Cache
 from train.models import ReferenceModel, build_model, count_params
+
+
+def load_yaml(path):
+    """A YAML config file -> a validated config."""
+    return parse_args(["--config", str(path)])[0]
 
 
 def cfg_for(cache: Path, out: Path, **kw) -> TrainConfig:

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return e.report("shardcache find-batch-size")
     if ns.print_config:
-        sys.stdout.write(cfg.dump())
+        sys.stdout.write(S.dump(cfg))
         return 0
     from shards.errors import ContractMismatch
     setup_logging(D.DistInfo())

@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run; ``callbacks`` (a
     :class:`train.trainer.Callbacks`) are for tests and extensions that launch through this entry
     point (e.g. fault injection under torchrun)."""
+    from shardcache import config as S
     from shardcache.config import ConfigError
 
     from .config import help_text, parse_args
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
     except ConfigError as e:
         return e.report(PROG)
     if ns.print_config:
-        sys.stdout.write(cfg.dump())
+        sys.stdout.write(S.dump(cfg))
         return 0
     from . import preflight
     try:

@@ -35,35 +35,27 @@ class DataConfig:
     val_cache: str = ""
     """Validation cache directory; empty = validate on the keys of --data.cache held out by --data.val-fraction."""
     val_fraction: float = option(0.02, ge=0.0, le=0.5)
-    """Without --data.val-cache: the fraction of the cache's keys held out of training for validation, chosen by
-    sha256(key) (the same keys for every run, seed and world size); at least 1 key when the cache has >= 20
-    samples, none below; 0 = nothing held out. At most 0.5."""
+    """Without --data.val-cache: the fraction of keys held out for validation, chosen by sha256(key) (the same
+    for every run; none below 20 samples); 0 = nothing held out."""
     fields: tuple[str, ...] = ("auto",)
-    """Cached fields the loader collates: auto = the model's `fields` attribute (recipes declare theirs), else
-    every field the cache holds; all = every field the cache holds; or a list: input_ids,labels,codes."""
+    """Fields the loader collates: auto (the recipe's declared fields, else all) | all | a list: input_ids,labels."""
     batch_size: int = option(8, gt=0, le=1_000_000)
     """Samples per rank per micro-step. Global batch = batch_size x world size x training.grad_accum."""
     num_workers: int | str = option("auto", choices=("auto",), ge=0, le=1024)
-    """DataLoader worker processes per rank. auto: on CUDA the loader's default (this rank's share of the CPU
-    cores - 1, 1 to 8: loaders.loader.default_num_workers); on CPU 0 (worker processes would take cores from the
-    training threads; the README's data-wait table measures both)."""
+    """DataLoader workers per rank. auto: on CUDA this rank's share of the cores - 1 (1 to 8); on CPU 0."""
     loader: str = "loaders:ShardLoader"
     """module:class of the loader (the ShardLoader API)."""
     loader_kwargs: dict = option({}, merge=True)
     """Extra keyword arguments for the loader (a mapping; a flag or --set updates the file's)."""
     compact_batches: bool = True
-    """Ask the loader for int16 audio and float16 latents as stored and widen them to float32 on the training
-    device: half the host copies and host-to-device bytes (loaders that accept compact=)."""
+    """Load int16 audio and float16 latents as stored and widen them to float32 on the device (half the bytes)."""
     prefetch_to_device: str = option("auto", choices=("auto", "on", "off"))
-    """Copy batch k+1 to the training device while step k runs (loaders.DevicePrefetcher: a side CUDA stream,
-    non-blocking copies from pinned memory; checkpoints keep the loader position of the batch last trained on).
-    auto = on CUDA; on = also on CPU (takes the next batch early, no overlap: for tests); off = copy in the step."""
+    """Copy batch k+1 to the device while step k runs: auto = on CUDA; on = also on CPU (no overlap); off."""
     seed: int = option(0, ge=0, le=2**63 - 1)
     """Seed of the data order and of the model init; rank r seeds its own RNGs with seed + r."""
     skip_corrupt: int = option(0, ge=0, le=1_000_000)
-    """Damaged samples (a member whose bytes fail the checksum recorded when the cache was written, a truncated
-    shard) a rank may leave out of their batches, each logged with its shard, key and member, before training
-    stops with ShardCorrupt; 0 = stop at the first (loaders that accept skip_corrupt=)."""
+    """Damaged samples (checksum mismatch, truncated shard) a rank may skip, each logged with its shard and
+    key, before stopping with ShardCorrupt; 0 = stop at the first."""
 
 
 @dataclass
@@ -71,24 +63,19 @@ class ModelConfig:
     """What is trained."""
 
     name: str = "reference"
-    """A recipe of train.recipes.RECIPES (e.g. reference, higgs, theworld: checked against the cache by its
-    contract before any weight loads), module:Class of a train.recipes.base.Recipe subclass (the same), or
-    module:factory called with model.kwargs, returning an nn.Module whose forward(batch) returns a loss."""
+    """A recipe of train.recipes.RECIPES (checked against the cache before any weight loads), module:Class of a
+    Recipe subclass, or module:factory(**model.kwargs) returning an nn.Module whose forward(batch) is a loss."""
     kwargs: dict = option({}, merge=True)
-    """Keyword arguments of the model factory (a mapping, JSON on the command line; a flag updates the
-    file's). Reference model: d_model, n_layers, n_heads, mlp_ratio, dropout, patch_size, max_positions;
-    recipes: lm (checkpoint dir or hub id), dtype, lora...; higgs: labels (processor | targets), input_audio
-    (drop | codes), use_text_head, create_text_head; tts/vlm: freeze_lm..."""
+    """Keyword arguments of the model (a flag updates the file's mapping). reference: d_model, n_layers, n_heads,
+    mlp_ratio, dropout, patch_size, max_positions; recipes: lm (dir or hub id), dtype... (the recipe's docstring)."""
     audio_tokenizer: str = ""
-    """The audio tokenizer (path or hub id) the cache's codes should come from: compared with manifest.json
-    (config.audio_tokenizer.pretrained), a mismatch warns. Never loaded: the codes are cached."""
+    """Audio tokenizer (path or hub id) the cache's codes should come from; a mismatch warns. Never loaded."""
     latent_loss: str = option("none", choices=("none", "cosine", "mse"))
     """Reference model: latent-regression head (next image patch)."""
     latent_loss_weight: float = option(1.0, ge=0.0, le=1e6)
     """Weight of the latent-regression loss."""
     init_from: str = ""
-    """Initialise weights from a checkpoint (a step-N dir with model.safetensors or a LoRA adapter, or a
-    .safetensors file); not a resume (optimizer, schedule and data start fresh)."""
+    """Initialise weights from a step-N dir or a .safetensors file; not a resume (optimizer and data start fresh)."""
     activation_checkpointing: bool = False
     """Recompute transformer blocks in backward (torch.utils.checkpoint, use_reentrant=False)."""
     compile: bool = False
@@ -108,8 +95,7 @@ class LoraConfig:
     dropout: float = option(0.0, ge=0.0, le=1.0)
     """LoRA dropout."""
     targets: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
-    """Module-name suffixes that get adapters (this default: the reference model's; recipes use their own
-    q/k/v/o_proj unless others are given)."""
+    """Module-name suffixes that get adapters (the reference model's; recipes default to their own)."""
 
 
 @dataclass
@@ -127,13 +113,11 @@ class OptimConfig:
     eps: float = option(1e-8, gt=0.0, le=1.0)
     """AdamW epsilon."""
     fused: str = option("auto", choices=("auto", "on", "off"))
-    """Fused AdamW: auto (if this torch/device supports it) | on | off. Fused also skips a non-finite step on
-    the device (no host sync)."""
+    """Fused AdamW: auto (where this torch and device support it) | on | off."""
     grad_clip: float = option(1.0, ge=0.0, le=1e12)
     """Max global grad norm; 0 = no clipping (the norm is still logged). A non-finite norm skips the step."""
     grad_norm_warn: float = option(1000.0, ge=0.0, le=1e30)
-    """Warn (global rank 0, on log steps) when the pre-clip grad norm exceeded this since the last log;
-    expected O(1-100); 0 = never."""
+    """Warn when the pre-clip grad norm exceeded this since the last log (usually 1-100); 0 = never."""
 
 
 @dataclass
@@ -141,8 +125,7 @@ class ScheduleConfig:
     """The learning-rate schedule: a torch LambdaLR (its state is in every checkpoint)."""
 
     name: str = option("cosine", choices=SCHEDULES)
-    """After warmup, from lr down to min_lr_ratio x lr at the last step: constant | linear | cosine |
-    polynomial (1 - progress) ** power."""
+    """After warmup, lr down to min_lr_ratio x lr at the last step; polynomial: (1 - progress) ** power."""
     warmup_steps: int = option(100, ge=0, le=MAX_STEPS)
     """Linear warmup steps (lr x (step + 1) / warmup_steps)."""
     min_lr_ratio: float = option(0.1, ge=0.0, le=1.0)
@@ -158,16 +141,13 @@ class TrainingConfig:
     steps: int = option(1000, ge=0, le=MAX_STEPS)
     """Optimizer steps in total (the schedule spans them); ignored when --training.epochs > 0."""
     epochs: float = option(0.0, ge=0.0, le=1e6)
-    """Train this many epochs (may be fractional): steps = ceil(epochs x steps_per_epoch), steps_per_epoch =
-    loader batches per epoch // grad_accum; 0 = use --training.steps."""
+    """Epochs to train, may be fractional (steps = ceil(epochs x batches per epoch / grad_accum)); 0 = steps."""
     grad_accum: int = option(1, gt=0, le=1_000_000)
     """Micro-steps per optimizer step; gradients are all-reduced on the last only (no_sync)."""
     precision: str = option("auto", choices=PRECISIONS)
-    """auto: on CUDA bf16 where the GPU supports it, else fp16 with a GradScaler; fp32 on CPU. bf16 | fp16
-    (autocast; fp16 with torch.amp.GradScaler, also on CPU where this torch supports it) | fp32."""
+    """auto: on CUDA bf16 where supported, else fp16 (with a GradScaler); fp32 on CPU. Or bf16 | fp16 | fp32."""
     nonfinite_limit: int = option(20, ge=0, le=MAX_STEPS)
-    """Stop the run (exit 1, no checkpoint for it) after this many consecutive non-finite steps (skipped
-    optimizer steps); checked on log and checkpoint steps; 0 = never."""
+    """Stop (exit 1, no checkpoint) after this many consecutive non-finite (skipped) steps; 0 = never."""
 
 
 @dataclass
@@ -197,13 +177,10 @@ class CheckpointConfig:
     keep: int = option(3, gt=0, le=1_000_000)
     """Complete checkpoints kept (older ones are deleted after a new one is complete)."""
     resume: str = ""
-    """'' = start fresh in a run dir that holds no run (refused, exit 2, when it holds checkpoints or
-    metrics.jsonl); 'fresh' = start fresh and replace the run there; 'auto' = the newest readable checkpoint in
-    the run dir if any (a damaged newest one is named in a warning and the one before it used); or a step-N dir."""
+    """'' = start fresh (refused when the run dir holds a run); fresh = replace that run; auto = the newest
+    readable checkpoint there, if any; or a step-N dir."""
     allow_other_cache: bool = False
-    """Resume even when the checkpoint was made on another cache (its cache id, from the cache's manifest.json,
-    differs from --data.cache's): the data position then means other samples. Off: such a resume is refused,
-    naming both ids."""
+    """Resume a checkpoint made on another cache (another cache id: the data position means other samples)."""
 
 
 @dataclass
@@ -225,16 +202,11 @@ class EvalConfig:
     """Held-out validation, on every rank."""
 
     enabled: bool = True
-    """Validate during training (on --data.val-cache, else on the keys held out by --data.val-fraction);
-    false (--no-validation, --disable_evaluation): never, and nothing is held out."""
+    """Validate during training (--data.val-cache, else the held-out keys); false: never, nothing held out."""
     every: int = option(0, ge=0, le=MAX_STEPS)
-    """Validate every N steps and at the end; 0 = every checkpoint.every steps. With stagger (default) a
-    validation that falls on a checkpoint step runs after the next step instead, so the two never share a
-    step (TheWorld staggered them to avoid its eval OOM): eval.every 500 with checkpoint.every 1000 validates
-    at 500, 1001, 1500, 2001...; at the last step, a stop request or with checkpoint.every 1 both happen in
-    one step and the checkpoint is written first."""
+    """Validate every N steps and at the end; 0 = every checkpoint.every steps (see stagger)."""
     stagger: bool = True
-    """Keep validation off checkpoint steps (see every); false: validate in the checkpoint's step, before it."""
+    """A validation due on a checkpoint step runs one step later (500, 1001, 1500...); false: in that step."""
     batches: int = option(0, ge=0, le=MAX_STEPS)
     """Batches per rank per validation; 0 = the whole validation epoch."""
     batch_size: int = option(0, ge=0, le=1_000_000)
@@ -246,8 +218,7 @@ class MetricsConfig:
     """metrics.jsonl (and TensorBoard) on global rank 0."""
 
     every: int = option(10, gt=0, le=MAX_STEPS)
-    """Write a metrics record every N steps. Only these steps read values back from the device (one host
-    sync); the steps between run without waiting for the GPU."""
+    """Write a metrics record every N steps (the only steps that wait for the device)."""
     tensorboard: bool = False
     """Also log to RUN_DIR/tb (needs the tensorboard package)."""
     progress: bool = True
@@ -255,9 +226,7 @@ class MetricsConfig:
     throughput_warn: float = option(0.5, ge=0.0, le=1.0)
     """Warn when samples/s falls below this fraction of its running average."""
     debug: bool = False
-    """Debug-level metrics: every record also holds latents_mean / latents_std / latents_min / latents_max of
-    the window's batches (real cells; a few reductions per micro-step on the device, read with the record) and
-    is logged at DEBUG level."""
+    """Records also hold latents_mean/std/min/max of the window's batches, logged at DEBUG level."""
 
 
 @dataclass
@@ -265,8 +234,7 @@ class ProfileConfig:
     """torch.profiler over the first steps: a trace and RUN_DIR/profile/report.md."""
 
     enabled: bool = False
-    """Profile the steps of the schedule below (global rank 0): Chrome trace, top ops and the time in data
-    wait / forward / backward / optimizer / communication in RUN_DIR/profile/report.md."""
+    """Profile the steps below (rank 0): a Chrome trace and RUN_DIR/profile/report.md (time per phase)."""
     wait: int = option(1, ge=0, le=1_000_000)
     """Profiler schedule: steps skipped."""
     warmup: int = option(1, ge=0, le=1_000_000)
@@ -292,40 +260,15 @@ class TrainConfig:
     metrics: MetricsConfig = section(MetricsConfig)
     profile: ProfileConfig = section(ProfileConfig)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Nested plain dict (tuples as lists)."""
-        return S.to_dict(self)
-
-    def dump(self) -> str:
-        """The effective config as nested YAML (what is logged at start)."""
-        return S.dump(self)
-
 
 # ---- checks ------------------------------------------------------------------------------------------
-
-#: ``fields`` values that are not a list of fields
-FIELD_MODES = (("auto",), ("all",))
-PRECOMPUTE_HINT = "shardcache precompute --manifest {file} --cache DIR --config configs/precompute-tts.yaml"
-
-
-def check_cache_path(cache: str) -> list[tuple[str, str]]:
-    """A manifest file given where a cache directory belongs: the precompute command to run first."""
-    if cache and Path(cache).is_file():
-        return [("data.cache", (
-            f"{cache} is a file (a manifest?), not a cache directory (--train_data_file/--cache): training "
-            "reads the tensors that stage one caches (no audio decoding or codec here). Run\n"
-            f"  {PRECOMPUTE_HINT.format(file=cache)}\n"
-            "first, then pass --train_data_file DIR (or --cache DIR)."))]
-    return []
-
 
 def _rules(cfg: TrainConfig) -> list[tuple[str, str]]:
     """Rules across options (after each option's own type and range passed)."""
     from .recipes import RECIPES  # a dict of names: imports nothing heavy
 
-    fields = tuple(cfg.data.fields)
-    explicit = fields not in FIELD_MODES
-    m = cfg.model
+    fields, m = tuple(cfg.data.fields), cfg.model
+    explicit = fields not in (("auto",), ("all",))
     rules = [
         ("data.fields", not explicit or not {"auto", "all"} & set(fields), "auto or all alone, or a list of fields"),
         ("model.name", m.name == "reference" or m.name in RECIPES or ":" in m.name,
@@ -336,15 +279,17 @@ def _rules(cfg: TrainConfig) -> list[tuple[str, str]]:
         ("data.fields", not explicit or "codes" in fields or m.name != "reference",
          "the reference model needs 'codes' in data.fields"),
     ]
-    return [(k, msg) for k, ok, msg in rules if not ok] + check_cache_path(cfg.data.cache)
+    if cfg.data.cache and Path(cfg.data.cache).is_file():  # a manifest where the cache belongs
+        rules.append(("data.cache", False, (
+            f"{cfg.data.cache} is a file (a manifest?), not a cache directory: training reads the tensors stage one "
+            f"caches. Run\n  shardcache precompute --manifest {cfg.data.cache} --cache DIR --config "
+            "configs/precompute-tts.yaml\nfirst, then pass --cache DIR (or --train_data_file DIR).")))
+    return [(k, msg) for k, ok, msg in rules if not ok]
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Return ``cfg``, or raise :class:`ConfigError` listing every invalid option."""
-    problems = S.check(cfg)
-    if not problems:
-        problems = _rules(cfg)
-    if problems:
+    if problems := S.check(cfg) or _rules(cfg):
         raise ConfigError(problems)
     return cfg
 
@@ -355,16 +300,6 @@ SHORT_FLAGS = {"--cache": "--data.cache", "--run-dir": "--job.dir"}
 COMMON = ("data.cache", "job.dir", "model.name", "model.kwargs", "data.batch_size", "data.fields", "optim.lr",
           "training.steps", "training.epochs", "training.precision", "lora.enabled", "checkpoint.every",
           "checkpoint.resume", "eval.every", "metrics.every")
-
-
-def from_dict(data: dict[str, Any] | None) -> TrainConfig:
-    """A nested mapping (as a config file holds) -> a validated :class:`TrainConfig` (raises :class:`ConfigError`)."""
-    return validate(S.from_dict(TrainConfig, data or {}))
-
-
-def load_yaml(path: str | Path) -> TrainConfig:
-    """A YAML config file (nested sections) -> a validated config."""
-    return parse_args(["--config", str(path)])[0]
 
 
 def build_parser(prog: str = "shardcache train", description: str | None = None) -> argparse.ArgumentParser:
@@ -397,4 +332,4 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     return validate(cfg), ns
 
 
-__all__ = ["TrainConfig", "ConfigError", "from_dict", "load_yaml", "parse_args", "build_parser", "validate"]
+__all__ = ["TrainConfig", "ConfigError", "parse_args", "build_parser", "validate"]

@@ -57,6 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
 from loaders.device import DevicePrefetcher
+from shardcache import config as S
 from shards.cache import Cache
 
 from . import checkpoint as C
@@ -239,7 +240,7 @@ class Trainer:
         self.out = Path(cfg.job.dir)
         if info.is_main:
             D.log_env_set()
-            log.info("effective config:\n%s", cfg.dump())
+            log.info("effective config:\n%s", S.dump(cfg))
         self.cache = open_cache(cfg, cfg.data.cache)  # manifest + index read once, for everything below
         self.cache_id = self.cache.id                  # recorded in every checkpoint
         self.precision = Precision.of(cfg.training.precision, info.device)
@@ -311,7 +312,7 @@ class Trainer:
         """Checkpoint ``step-N`` (collective); first stops the run if the non-finite limit was reached."""
         self.check_health()
         self.state.epoch = self.data.state["epoch"]
-        config = self.cfg.to_dict()
+        config = S.to_dict(self.cfg)
         exported = self.raw.checkpoint_config() if isinstance(self.raw, Recipe) else None
         if exported is not None:  # e.g. the higgs recipe's transformers config
             config["model_config"] = exported
