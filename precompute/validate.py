@@ -97,6 +97,32 @@ def _waveforms(v: dict) -> list[tuple[str, str]]:
     return out
 
 
+def _extra_fields(v: dict) -> list[tuple[str, str]]:
+    """Each field made by a producer of the registry under a name shards.fields gives a kind (not one a
+    job's own producers write), or by a plug-in (whose fields are declared when it loads): checked here,
+    before any encoder loads."""
+    from shards import fields
+
+    from .encoders.registry import spec_problems
+    from .producers import PRODUCERS
+    out = []
+    for k, spec in v.items():
+        if not isinstance(spec, dict):
+            out.append((f".{k}", f"expected {{producer: NAME, ...}} or {{factory: module:callable, kwargs}}, got {spec!r}"))
+        elif "factory" in spec:
+            out += [(f".{k}{s}", m) for s, m in spec_problems(spec, {}, "")]
+        elif spec.get("producer") not in PRODUCERS:
+            out.append((f".{k}.producer", f"expected one of {', '.join(PRODUCERS)} (or a plug-in: factory), "
+                                          f"got {spec.get('producer')!r}"))
+        elif k in fields.BY_NAME and k not in fields.REGISTERED:
+            out.append((f".{k}", f"{k!r} is written by the job itself (reserved); name a new field by its kind's "
+                                 "rule (audio_<name>, codes_<name>...); image_features has its own option"))
+        elif fields.lookup(k) is None:
+            out.append((f".{k}", f"{k!r} is not a field shards.fields knows (codes_<name>, audio_<name>... or "
+                                 "a plug-in's declared field)"))
+    return out
+
+
 def _token(v: str) -> list[tuple[str, str]]:
     bad = not v.strip() or v != v.strip()
     return [("", f"expected a token string without surrounding whitespace, got {v!r}")] if bad else []
@@ -113,7 +139,7 @@ def _world(v: Any) -> list[tuple[str, str]]:
 CUSTOM = {"device": lambda v: [] if DEVICE_RE.match(v) else [
               ("", f"expected auto, cpu, cuda, cuda:N (or mps, xpu:N...), got {v!r}")],
           "precision_tolerance": _tolerance, "extra_waveforms": _waveforms, "image_token": _token,
-          "world_tokens": _world, **{f: _spec(f) for f in ENCODER_SPECS}, "image_features": _image_features}
+          "world_tokens": _world, "extra_fields": _extra_fields, **{f: _spec(f) for f in ENCODER_SPECS}, "image_features": _image_features}
 
 
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:

@@ -41,6 +41,32 @@ def test_a_waveform_name_of_the_registry_passes():
     assert check_config(load_config(None, ["extra_waveforms={audio_16k: {sample_rate: 16000, direction: in}}"])) == []
 
 
+@pytest.mark.parametrize("spec,message", [
+    ("{codes_x: {producer: nope}}", "extra_fields.codes_x.producer: expected one of codes, waveform, latents, "
+                                    "image_features (or a plug-in: factory), got 'nope'"),
+    ("{audio: {producer: waveform, sample_rate: 16000}}", "extra_fields.audio: 'audio' is written by the job itself"),
+    ("{codes: {producer: codes}}", "extra_fields.codes: 'codes' is written by the job itself"),
+    ("{spectrogram: {producer: waveform, sample_rate: 16000}}",
+     "extra_fields.spectrogram: 'spectrogram' is not a field shards.fields knows"),
+    ("{mel: {factory: plugin_fields}}", "extra_fields.mel.factory: expected 'package.module:callable'"),
+])
+def test_extra_fields_are_checked_before_any_encoder_loads(no_precompute, capsys, tmp_path, spec, message):
+    """An extra field's producer and name are refused at the option (exit 2), not after the codec and the VAE
+    have loaded (where building the producers found them before)."""
+    rc = no_precompute.main(["--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "c"),
+                             "--config", str(ROOT / "configs" / "precompute.yaml"), "--set", f"extra_fields={spec}"])
+    assert rc == 2 and f"error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
+def test_extra_fields_the_registry_knows_pass():
+    from precompute.config import load_config
+    from precompute.validate import check_config
+    ok = ("extra_fields={codes_mimi: {producer: codes, audio_tokenizer: {name: mimi, pretrained: x}}, "
+          "audio_8k: {producer: waveform, sample_rate: 8000}, mel: {factory: 'plugin_fields:make_mel'}}")
+    assert check_config(load_config(None, [ok])) == []
+
+
 @pytest.fixture
 def train_main(monkeypatch):
     import train.trainer
