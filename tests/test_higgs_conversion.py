@@ -303,8 +303,10 @@ def test_documented_conversion_to_a_reloadable_checkpoint(conversion_script, bos
     cfg = from_dict({"data": {"cache": str(cache), "batch_size": 2},
                      "model": {"name": "higgs", "kwargs": {"lm": str(out)}}, "training": {"steps": 1},
                      "job": {"dir": str(tmp_path / "run")}, "metrics": {"progress": False}, "dist": {"threads": 1}})
-    with Captured():
+    with Captured() as log:
         assert run(cfg) == 0
+    done = re.search(r"done: step 1 of 1 .*last loss ([^;]+);", log.text)
+    assert done and float(done[1]) < float("inf"), log.text[-2000:]                       # a finite loss
 
 
 # -- the real 3B config ------------------------------------------------------------------------------------
