@@ -13,6 +13,14 @@ Boson's own code, transformers 4.46:
 ``python tests/boson_check.py render RECORDS TOKENIZER_DIR``: ``prepare_chatml_sample(record, tokenizer)``
 of each ChatML record of the JSON list RECORDS, one JSON line ``[[input_ids, label_ids] | null, ...]``
 (null where Boson refuses the record: its function catches the error, then fails printing the sample).
+
+``python tests/boson_check.py checkpoint OUT CONFIG_JSON``: a stand-in of Boson's released checkpoint
+written by Boson's own code (tests/test_higgs_conversion.py): ``HiggsAudioModel(HiggsAudioConfig(**CONFIG
+["config"]))`` with its partially frozen text embedding and text head switched on (``freeze_llm`` /
+``freeze_text_head`` at ``CONFIG["freeze_until"]``) and its audio head wrapped in Boson's
+``PartiallyFrozenLinear`` at ``CONFIG["freeze_audio_head_until"]`` (0.1.1 has no method that splits it; the
+conversion script merges it when present), every weight random, saved with ``save_pretrained`` as
+safetensors shards of ``CONFIG["max_shard_size"]``. Prints one JSON line: the state_dict's key names.
 """
 from __future__ import annotations
 
@@ -105,8 +113,29 @@ def render(records: str, tokenizer_dir: str) -> list:
     return out
 
 
+def checkpoint(out_dir: str, config_json: str) -> list:
+    """Boson's ``HiggsAudioModel`` of the given config, its embedding/heads split as in training, saved."""
+    from boson_multimodal.model.higgs_audio import HiggsAudioConfig, HiggsAudioModel
+    from boson_multimodal.model.higgs_audio.custom_modules import PartiallyFrozenLinear
+
+    spec = json.load(open(config_json))
+    torch.manual_seed(spec.get("seed", 0))
+    model = HiggsAudioModel(HiggsAudioConfig(**spec["config"]))
+    model.freeze_llm(freeze_embed=True, freeze_embed_until_idx=spec["freeze_until"])
+    model.freeze_text_head(freeze_text_head_until_idx=spec["freeze_until"])
+    proj = model.audio_decoder_proj
+    proj.audio_lm_head = PartiallyFrozenLinear(proj.audio_lm_head, freeze_until_idx=spec["freeze_audio_head_until"])
+    with torch.no_grad():          # no weight keeps its initial value (norms start at 1, as a fresh model's)
+        for p in model.parameters():
+            p.normal_()
+    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=spec["max_shard_size"])
+    return sorted(model.state_dict())
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "render":
+    if sys.argv[1] == "checkpoint":
+        print(json.dumps(checkpoint(*sys.argv[2:4])))
+    elif sys.argv[1] == "render":
         print(json.dumps(render(*sys.argv[2:4])))
     else:
         print(json.dumps(main(*sys.argv[1:4])))

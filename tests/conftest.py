@@ -73,6 +73,29 @@ def higgs_codec(higgs_models) -> Path:
     return higgs_models
 
 
+BOSON_VENV = Path(os.environ.get("SHARDCACHE_BOSON_VENV", ROOT / "build" / "boson-venv"))
+
+
+@pytest.fixture(scope="session")
+def boson_python() -> str:
+    """The python of the boson-multimodal 0.1.1 venv (Boson's own code, transformers 4.46: it cannot be
+    imported beside transformers 5): ``$SHARDCACHE_BOSON_VENV`` or ``build/boson-venv``, built on first
+    use only with ``SHARDCACHE_BUILD_BOSON`` (``make test-long``); the test skips, saying why, otherwise."""
+    py = BOSON_VENV / "bin" / "python"
+    if not (BOSON_VENV / ".installed").exists():
+        if not os.environ.get("SHARDCACHE_BUILD_BOSON"):  # minutes of installs: `make test-long` does it
+            pytest.skip(f"{BOSON_VENV} not built: `make test-long` (or `make boson-venv`) builds it and runs "
+                        "this test")
+        try:
+            r = subprocess.run(["make", "-s", "boson-venv", f"PYTHON={sys.executable}", f"BOSON_VENV={BOSON_VENV}"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=1500)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"could not build {BOSON_VENV} (make boson-venv): {e}")
+        if r.returncode != 0:
+            pytest.skip(f"could not build {BOSON_VENV} (make boson-venv): {(r.stdout + r.stderr)[-800:]}")
+    return str(py)
+
+
 #: Higgs-Audio ChatML manifests -> samples used (the first N)
 HIGGS_MANIFESTS = {"voice_clone": ("chatml_voice_clone.json", 6), "understanding": ("chatml_audio_understanding.json", 5),
              "train": ("train_chatml_samples.json", 8)}

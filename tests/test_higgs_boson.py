@@ -14,30 +14,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
-
-VENV = Path(os.environ.get("SHARDCACHE_BOSON_VENV", ROOT / "build" / "boson-venv"))
-
-
-@pytest.fixture(scope="session")
-def boson_python() -> str:
-    py = VENV / "bin" / "python"
-    if not (VENV / ".installed").exists():
-        if not os.environ.get("SHARDCACHE_BUILD_BOSON"):  # minutes of installs: `make test-long` does it
-            pytest.skip(f"{VENV} not built: `make test-long` (or `make boson-venv`) builds it and runs this test")
-        try:
-            r = subprocess.run(["make", "-s", "boson-venv", f"PYTHON={sys.executable}", f"BOSON_VENV={VENV}"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=1500)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"could not build {VENV} (make boson-venv): {e}")
-        if r.returncode != 0:
-            pytest.skip(f"could not build {VENV} (make boson-venv): {(r.stdout + r.stderr)[-800:]}")
-    return str(py)
 
 
 @pytest.mark.slow
