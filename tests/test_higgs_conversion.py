@@ -290,7 +290,7 @@ def test_documented_conversion_to_a_reloadable_checkpoint(conversion_script, bos
     # shardcache's --model higgs: the converted directory is its checkpoint (contract against a cache of the
     # tiny models, its own load path: Boson's weights); Boson's own directory is refused with the advice
     from test_train_support import Captured
-    from train.config import from_dict
+    from test_train_support import config_from_dict as from_dict
     from train.models import build_model
     from train.trainer import run
     cache, _ = higgs_caches["voice_clone"]
