@@ -116,7 +116,7 @@ def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) 
                           if ours.get(k) != old.get("describe", {}).get(k))
             raise FingerprintMismatch(
                 f"{out_dir} was written with fingerprint {old.get('fingerprint')}, this job has {fp} "
-                f"(differs in: {', '.join(diff) or 'encoder weights'}). Write to a new --out directory, "
+                f"(differs in: {', '.join(diff) or 'encoder weights'}). Write to a new --cache directory, "
                 "or delete the old cache; mixing latents/codes from different encoders is refused.")
     elif global_rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
