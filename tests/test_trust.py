@@ -482,3 +482,8 @@ def test_resume_on_another_cache_is_refused_and_allowed_with_the_flag(two_caches
     assert st["step"] == 8 and st["cache_id"] == idb
     assert run(_cfg(a, tmp_path / "run2", steps=4)) == 0                     # the same cache resumes as before
     assert run(_cfg(a, tmp_path / "run2", steps=6, resume="auto")) == 0
+    st = torch.load(tmp_path / "run2" / "step-6" / "trainer.pt", weights_only=True)
+    del st["cache_id"]                                                      # a checkpoint that records no cache id
+    torch.save(st, tmp_path / "run2" / "step-6" / "trainer.pt")
+    with pytest.raises(ValueError, match=r"\(cache id None\); --data.cache .* has cache id"):
+        run(_cfg(a, tmp_path / "run2", steps=8, resume=str(tmp_path / "run2" / "step-6")))

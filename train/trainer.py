@@ -293,13 +293,13 @@ class Trainer:
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.state_dict(), "train_state": self.state.state_dict(),
                 "cache_id": self.cache_id,
-                # read by checkpoints made before train_state (format 1) and by people
+                # the loop counters at the top level too: train.checkpoint's RNG seeding and people read them
                 "step": self.state.step, "epoch": self.state.epoch, "skipped_steps": self.state.skipped_steps}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """The inverse of :meth:`state_dict` plus this rank's ``loader`` position."""
         self.optimizer.load_state_dict(sd["optimizer"])
-        self.state.load_state_dict(sd.get("train_state", sd))
+        self.state.load_state_dict(sd["train_state"])
         restore_scheduler(self.scheduler, sd.get("lr_scheduler"), self.state.step)
         self.precision.load_state_dict(sd.get("scaler"))
         self.loader.load_state_dict(sd["loader"])
@@ -347,9 +347,10 @@ class Trainer:
     def check_cache(self, st: dict[str, Any], path: Path) -> None:
         """Refuse a checkpoint made on another cache (its ``cache_id`` differs from ours), naming both
         ids and caches, unless ``checkpoint.allow_other_cache``: then warn and let the loader continue
-        by position (``cache_id`` removed from its state). Checkpoints made before ids pass."""
+        by position (``cache_id`` removed from its state). A checkpoint that records no cache id is
+        refused the same way."""
         theirs = st.get("cache_id")
-        if theirs is None or theirs == self.cache_id:
+        if theirs == self.cache_id:
             return
         was = ((st.get("config") or {}).get("data") or {}).get("cache", "?")
         what = (f"checkpoint {path} was trained on the cache {was} (cache id {theirs}); --data.cache "
