@@ -49,7 +49,7 @@ def cache_config(man: CacheManifest, overrides: list[str] | None = None) -> Prec
     ``key=value`` overrides (e.g. ``device=cuda``, or a checkpoint moved elsewhere:
     ``audio_tokenizer.pretrained=/new/path``). Raises ``ValueError`` when the manifest has no config."""
     if not isinstance(man.config, dict) or not man.config:
-        raise ValueError("manifest.json records no config (a cache made before configs were recorded?); "
+        raise ValueError("manifest.json records no config (not written by shardcache precompute?); "
                          "nothing to re-derive the samples with")
     return load_config(man.config, overrides)
 
