@@ -232,25 +232,32 @@ def merge_parts(out_dir: Path, manifest: "CacheManifest | dict[str, Any]") -> di
         if entry:
             shards.append(entry)
     index = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
-    kept = {}  # fields added by `precompute add-field` survive a stage-one re-merge (and any rerun)
-    old = read_manifest(out_dir)
-    main_shards = sorted(set(index.column("shard").unique().to_pylist()))
-    for name, info in (old.get("fields") or {}).items():
-        if not isinstance(info, dict) or not info.get("sidecar", True):
-            continue  # a stage-one field: the job's manifest declares it
-        side, entries = read_sidecar_parts(out_dir, name)
-        index = attach_sidecar(index, side)
-        info = dict(info, shards=sorted(entries, key=lambda e: e["path"]))
-        info.pop("incomplete", None)
-        missing = [s for s in main_shards if not sidecar_part_path(out_dir, s, name).exists()]
-        if missing:  # new or re-encoded chunks: `add-field` with the same producer adds just these
-            info["incomplete"] = missing
-        kept[name] = info
+    # fields added by `precompute add-field` survive a stage-one re-merge (and any rerun)
+    index, kept = keep_added_fields(out_dir, index, read_manifest(out_dir).get("fields"))
     if kept:  # with the job's own extra fields (stage one's, not sidecars)
         manifest = dict(manifest, fields={**(manifest.get("fields") or {}), **kept})
     rejects_tables = [pq.read_table(p, schema=REJECTS_SCHEMA) for p in sorted(parts.glob("*.rejects.parquet"))]
     rejects = pa.concat_tables(rejects_tables) if rejects_tables else REJECTS_SCHEMA.empty_table()
     return write_cache_files(out_dir, index, rejects, shards, manifest)
+
+
+def keep_added_fields(out_dir: Path, index: pa.Table, fields: dict[str, Any] | None) -> tuple[pa.Table, dict]:
+    """The fields added by ``add-field`` among ``fields`` (``manifest.json``'s; the stage-one ones are
+    skipped) re-attached to ``index`` from their committed sidecar parts: ``(index, their entries)``. An
+    entry whose field lacks the sidecar of some shard of ``index`` (a chunk a rerun encoded again, a new
+    one) lists those shards in ``incomplete``: the same ``add-field`` adds just those. The one rule for a
+    stage-one re-merge and for ``shards reindex``."""
+    kept, shards = {}, sorted(set(index.column("shard").unique().to_pylist()))
+    for name, info in (fields or {}).items():
+        if not isinstance(info, dict) or not info.get("sidecar", True):
+            continue  # a stage-one field: the job's manifest declares it
+        side, entries = read_sidecar_parts(out_dir, name)
+        index = attach_sidecar(index, side)
+        info = {k: v for k, v in info.items() if k != "incomplete"} | {"shards": sorted(entries, key=lambda e: e["path"])}
+        if missing := [s for s in shards if not sidecar_part_path(out_dir, s, name).exists()]:
+            info["incomplete"] = missing
+        kept[name] = info
+    return index, kept
 
 
 def cache_id(index: pa.Table, added_fields: dict[str, Any] | None = None) -> str:
@@ -404,12 +411,6 @@ def write_sidecar_part(out_dir: Path, shard: str, field_name: str, rows: list[di
 
 def sidecar_parts(out_dir: Path, field_name: str) -> list[Path]:
     return sorted((Path(out_dir) / PARTS_DIR).glob(f"*.{field_name}.sidecar.parquet"))
-
-
-def sidecar_parts_complete(out_dir: Path, field_name: str, index: pa.Table) -> bool:
-    """True when every shard of ``index`` has a committed sidecar part for ``field_name``."""
-    shards = set(index.column("shard").unique().to_pylist())
-    return all(sidecar_part_path(out_dir, s, field_name).exists() for s in shards)
 
 
 def read_sidecar_parts(out_dir: Path, field_name: str) -> tuple[pa.Table, list[dict]]:

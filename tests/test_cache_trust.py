@@ -433,6 +433,12 @@ def test_a_rerun_after_add_field_keeps_the_field(rerun_cfg, tmp_path, caplog):
     with pytest.raises(ValueError, match=r"field 'mel' \(added by add-field\) has no sidecar for 3 shard"):
         ShardLoader(cache, 2, fields=("codes", "mel"))               # the loader refuses to read it
     ShardLoader(cache, 2, fields=("codes",)).close()                 # the rest of the cache reads
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(cache), "--no-progress"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "field 'mel' (added by add-field) has no sidecar for 3 shard(s)" in r.stderr, r.stderr
+    man = json.loads((cache / "manifest.json").read_text())
+    assert man["fields"]["mel"]["incomplete"] == redone              # reindex keeps it as it was (it dropped it)
+    assert ShardReader(cache).get(ShardReader(cache).keys.index("k0"))["mel"] is not None
     add_field(cache, "mel", spec, progress=False)                    # the same add-field completes it
     ShardLoader(cache, 2, fields=("codes", "mel")).close()
     man = json.loads((cache / "manifest.json").read_text())

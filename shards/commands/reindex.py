@@ -13,7 +13,7 @@ from ..errors import ShardcacheError, ShardCorrupt
 from ..index import (REJECTS_SCHEMA, part_paths, read_part_shard_entry, rows_to_table,
                      write_cache_files, write_parts)
 from ..fields import parse_sidecar_name
-from ..index import attach_sidecar, read_sidecar_parts, sidecar_parts_complete
+from ..index import keep_added_fields
 from ..scan import scan_shard
 from ..storage import local_path
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, SHARD_GLOB,
@@ -169,16 +169,13 @@ def cmd_reindex(args: argparse.Namespace) -> int:
         for part in stale:
             part.unlink()
         base = {k: v for k, v in manifest.items() if k not in RECOMPUTED}
-        added = dict(base.get("fields") or {})
-        for fname in sorted(added):  # sidecar fields: re-attach their members from their parts
-            if sidecar_parts_complete(d, fname, index):
-                index = attach_sidecar(index, read_sidecar_parts(d, fname))
-            else:
-                warn(f"field {fname!r}: not every shard has a committed sidecar; dropped from the "
-                     "manifest (rerun `shardcache add-field`)")
-                del added[fname]
+        index, added = keep_added_fields(d, index, base.get("fields"))
+        for fname, info in sorted(added.items()):
+            if info.get("incomplete"):
+                warn(f"field {fname!r} (added by add-field) has no sidecar for {len(info['incomplete'])} shard(s): "
+                     "kept as incomplete; the same `shardcache add-field` adds them")
         if "fields" in base:
-            base["fields"] = added
+            base["fields"] = {**base["fields"], **added}
         write_cache_files(d, index, rejects, entries, base)
 
     if out.json:
