@@ -109,10 +109,13 @@ precompute: $(VENV)/.installed-precompute $(MODELS)/.built
 	$(if $(_TORCHAUDIO_SHIM),@echo "make precompute: torchaudio does not load here; the higgs codec resamples with the repository's soxr stand-in (tools/shims): codes differ slightly from torchaudio's (recorded in the fingerprint)")
 	$(if $(_TORCHAUDIO_SHIM),PYTHONPATH=$(_TORCHAUDIO_SHIM)$${PYTHONPATH:+:$$PYTHONPATH}) $(_PRECOMPUTE_RUN) -m shardcache precompute --manifest $(DATA) --cache $(OUT) --config $(CONFIG)
 
+# --dry-run first, in one process: a bad option, cache or run directory is one line (exit 2), not a line per
+# rank and torchrun's traceback
+_TRAIN_ARGS = --cache $(OUT) --run-dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS)) \
+	$(if $(RESUME),--checkpoint.resume $(RESUME))
 train: $(VENV)/.installed-train
-	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
-		-m shardcache train --cache $(OUT) --run-dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS)) \
-		$(if $(RESUME),--checkpoint.resume $(RESUME))
+	@$(PY) -m shardcache train $(_TRAIN_ARGS) --dry-run
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m shardcache train $(_TRAIN_ARGS)
 
 # The suite in parallel processes (pytest-xdist): one per core, at most 4 (every test keeps to its own
 # tmp_path and free ports; 13.5 min serially vs 9.3 min with 2 processes on the 2-core CI machine).

@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from shards.cache import Contract
 from test_train_support import REAL_LOADER, make_cache, train_args
 from train.cli import main
+from train.recipes.base import Recipe
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +84,33 @@ def test_a_finding_equal_on_every_rank_is_said_by_rank_0_only(capfd):
     err = capfd.readouterr().err
     assert err.count("11.6 % of the parameters train") == 1 and "[rank 0]" in err.split("11.6")[0].splitlines()[-1]
     assert "rank-specific 0" in err and "rank-specific 1" in err
+
+
+class NeedsFeaturesRecipe(Recipe):
+    """A plug-in recipe whose contract needs ``image_features`` (the test cache has none); building it fails
+    the test: ``--dry-run`` stops at the contract."""
+
+    @classmethod
+    def contract(cls, kwargs):
+        return Contract(model="needs-features", fields=("input_ids", "image_features"))
+
+    @classmethod
+    def from_cache(cls, cache, kwargs, **_):
+        raise AssertionError("--dry-run built the model")
+
+
+def test_dry_run_checks_the_cache_and_the_contract_and_loads_nothing(cache, tmp_path, capsys):
+    """``--dry-run`` (``make train`` runs it before torchrun): the options, the cache, the run directory and the
+    model's contract against the cache, in this process, then exit; no run directory is made, no model is built."""
+    run = tmp_path / "run"
+    assert main(train_args(cache, run, dry_run=True)) == 0
+    out = capsys.readouterr().out
+    from shards import read_cache_id
+    assert f"id {read_cache_id(cache)}, 16 samples" in out and "nothing was loaded" in out
+    assert not run.exists()
+    args = train_args(cache, run, dry_run=True) + ["--model.name", f"{__name__}:NeedsFeaturesRecipe",
+                                                   "--model.kwargs", "{}"]
+    assert main(args) == 2
+    (line,) = errors(capsys)
+    assert "needs-features" in line and "image_features" in line and str(cache) in line
+    assert not run.exists()

@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
         return e.report(PROG)
     from shards.errors import ContractMismatch
 
+    if ns.dry_run:
+        return dry_run(cfg)
     from . import dist as D  # torch is imported only now: --help and --print-config stay fast
     from .metrics import NonFiniteError
     from .trainer import run
@@ -67,6 +69,25 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
             raise
         D.abort_on_exception(None, e)
         raise  # unreachable: abort_on_exception exits
+
+
+def dry_run(cfg) -> int:
+    """``--dry-run``: open the cache and check the model's contract against it (what a run checks
+    before any weight loads), in this process only; 0 when it fits, else 2 with the one-line reason."""
+    from shards.cache import Cache
+    from shards.errors import ContractMismatch, ShardcacheError
+
+    from .models import model_contract
+    try:
+        cache = Cache.open(cfg.data.cache)
+        if (contract := model_contract(cfg.model.name, cfg.model.kwargs)) is not None:
+            cache.require(contract)
+    except (ContractMismatch, ShardcacheError, ImportError, OSError, ValueError) as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        return 2
+    sys.stdout.write(f"{PROG}: dry run: the options, the run directory {cfg.job.dir} and the cache {cfg.data.cache} "
+                     f"(id {cache.id}, {len(cache)} samples) fit --model.name {cfg.model.name}; nothing was loaded\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -313,6 +313,8 @@ def build_parser(prog: str = "shardcache train", description: str | None = None)
         "0 done; --job.requeue_exit_code (default 3) after a stop request; 1 on an error on any rank; 2 for\n"
         "bad options (each named)."))
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit.")
+    p.add_argument("--dry-run", action="store_true", help="check the options, the cache, the run directory and the "
+                   "model's contract against the cache, then exit: no weight loads, no process group (e.g. before sbatch).")
     p.add_argument("--help-all", action="store_true", help="every option (--help shows the common ones).")
     return p
 
