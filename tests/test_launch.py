@@ -41,7 +41,8 @@ def _make_dry_run(*args: str, **env: str) -> str:
 
 
 def _line(out: str, module: str) -> str:
-    lines = [ln for ln in out.splitlines() if f"-m shardcache {module} " in ln]
+    """The line that runs ``shardcache MODULE`` (train's ``--dry-run`` check before it aside)."""
+    lines = [ln for ln in out.splitlines() if f"-m shardcache {module} " in ln and "--dry-run" not in ln]
     assert len(lines) == 1, out
     return lines[0]
 
@@ -81,6 +82,12 @@ def test_make_precompute_train_demo_commands_on_this_machine():
     assert ("--nproc_per_node=%d -m shardcache precompute" % n in pre) if n > 1 else \
         pre.startswith(".venv/bin/python -m shardcache precompute --manifest data/demo/samples.jsonl --cache cache/demo")
     assert f"--nproc_per_node={n or 2} " in train and "--config configs/train-demo.yaml" in train
+    # first the one-process check of the same options (a bad one is one line, not one per rank + torchrun's)
+    lines = out.splitlines()
+    dry = [i for i, ln in enumerate(lines) if "-m shardcache train " in ln and ln.rstrip().endswith("--dry-run")]
+    assert len(dry) == 1 and lines.index(train) == dry[0] + 1, out
+    args = train.split("-m shardcache train", 1)[1].split()
+    assert lines[dry[0]].split() == [".venv/bin/python", "-m", "shardcache", "train", *args, "--dry-run"]
 
 
 # ---- SLURM scripts ----------------------------------------------------------------------------
