@@ -183,15 +183,19 @@ def check(cfg: Any, custom: Mapping[str, Callable[[Any], list[tuple[str, str]]]]
 
 # ---- the command line ------------------------------------------------------------------------------------
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help, the description's line breaks kept (its example commands)."""
+
+
 def parser(cls: type, prog: str, description: str | None = None, epilog: str | None = None) -> ArgumentParser:
     """``--config FILE``, ``--set KEY=VALUE`` and one flag per option of ``cls``; callers add their
     own job flags. Bad values raise ``argparse.ArgumentError`` (see :func:`parse`)."""
     p = ArgumentParser(prog=prog, description=description, epilog=epilog, exit_on_error=False,
-                       parser_mode="shardcache", formatter_class=DefaultHelpFormatter,
+                       parser_mode="shardcache", formatter_class=_HelpFormatter,
                        usage="%(prog)s [--config FILE] [--set KEY=VALUE ...] [--OPTION VALUE ...]")
     p.add_argument("--config", action=ActionConfigFile, help="YAML config file (nested sections); 'none': no file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="= --KEY VALUE (value read as YAML), e.g. --set optim.lr=1e-4")
+    p.add_argument("--set", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE",
+                   help="the same as --KEY VALUE (the value read as YAML)")
     p.add_class_arguments(cls, None)
     return p
 
