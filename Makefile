@@ -100,14 +100,8 @@ $(CORE_VENV)/.installed: pyproject.toml setup.py $(wildcard shards/*.py shards/c
 core-venv: $(CORE_VENV)/.installed
 	@du -sh $(CORE_VENV)
 
-# The higgs codec (transformers' HiggsAudioV2TokenizerModel) needs torchaudio, which does not load beside the
-# CPU torch 2.13 of the development machines. For a config naming it, where torchaudio does not load, the demo
-# puts the repository's soxr stand-in (tools/shims, never part of the package) on PYTHONPATH and says so; the
-# cache's fingerprint records that resampler. Real jobs: install the torchaudio of your torch.
-_TORCHAUDIO_SHIM = $(if $(shell grep -qE 'name: *higgs' $(CONFIG) 2>/dev/null && ! $(PY) -c "import torchaudio" >/dev/null 2>&1 && echo y),$(CURDIR)/tools/shims)
 precompute: $(VENV)/.installed-precompute $(MODELS)/.built
-	$(if $(_TORCHAUDIO_SHIM),@echo "make precompute: torchaudio does not load here; the higgs codec resamples with the repository's soxr stand-in (tools/shims): codes differ slightly from torchaudio's (recorded in the fingerprint)")
-	$(if $(_TORCHAUDIO_SHIM),PYTHONPATH=$(_TORCHAUDIO_SHIM)$${PYTHONPATH:+:$$PYTHONPATH}) $(_PRECOMPUTE_RUN) -m shardcache precompute --manifest $(DATA) --cache $(OUT) --config $(CONFIG)
+	$(_PRECOMPUTE_RUN) -m shardcache precompute --manifest $(DATA) --cache $(OUT) --config $(CONFIG)
 
 # --dry-run first, in one process: a bad option, cache or run directory is one line (exit 2), not a line per
 # rank and torchrun's traceback

@@ -447,31 +447,34 @@ def test_random_models_cli(tmp_path, capsys):
         random_models.main(["--out", str(tmp_path), "--only", "nope"])
 
 
-def test_higgs_codec_refuses_to_load_without_torchaudio(higgs_models, monkeypatch):
-    """Where torchaudio cannot be imported the product fakes nothing: the higgs codec refuses to load,
-    naming torchaudio and the reason (precompute stops with this one-line error, before any row)."""
+def test_higgs_codec_with_resampler_torchaudio_refuses_to_load_without_it(higgs_models, monkeypatch):
+    """``resampler: torchaudio`` (the codec's default) where torchaudio cannot be imported: the codec refuses
+    to load, naming torchaudio and the way out (precompute stops with this one line, before any row)."""
     import sys
     monkeypatch.setitem(sys.modules, "torchaudio", None)   # what a failed import looks like
-    with pytest.raises(ImportError, match=r"higgs audio tokenizer needs torchaudio .* cannot be imported here"):
+    with pytest.raises(ImportError, match=r"resamples its semantic input with torchaudio, which cannot be imported "
+                                          r"here; .* or set audio_tokenizer.resampler: soxr \(or auto\)"):
         load_audio_tokenizer({"name": "higgs", "pretrained": str(higgs_models / "higgs-audio-tokenizer-tiny")})
+    with pytest.raises(ValueError, match="audio_tokenizer.resampler: expected one of torchaudio, soxr, auto"):
+        load_audio_tokenizer({"name": "higgs", "pretrained": str(higgs_models / "higgs-audio-tokenizer-tiny"),
+                              "resampler": "sinc"})
 
 
-def test_the_tests_torchaudio_stand_in_resamples_like_soxr():
-    """tools/shims/torchaudio (tests only): torchaudio's resample contract (shape
-    ``(..., ceil(n * new / old))``, dtype kept) with soxr's HQ values, and a version naming it."""
-    import importlib.util
+def test_the_soxr_resampler_keeps_torchaudios_contract():
+    """``precompute.encoders.higgs_resampler.resample`` (``resampler: soxr``, and the tests' torchaudio stand-in
+    under torchaudio's name): torchaudio's shape contract ``(..., ceil(n * new / old))``, dtype kept, soxr's
+    HQ values."""
     import soxr
-    from tools.torchaudio_shim import SHIMS
-    spec = importlib.util.spec_from_file_location("shim_functional", SHIMS / "torchaudio" / "functional.py")
-    functional = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(functional)
+
+    from precompute.encoders.higgs_resampler import resample
+    from tools.shims.torchaudio import functional
     x = torch.randn(2, 1, 2401)
-    y = functional.resample(x, 24000, 16000)
+    y = resample(x, 24000, 16000)
     assert y.shape == (2, 1, 1601) and y.dtype == x.dtype
     want = soxr.resample(x[1, 0].numpy(), 24000, 16000, "HQ")[:1601]
     assert np.allclose(y[1, 0, :len(want)].numpy(), want)
-    assert functional.resample(x, 16000, 16000) is x
-    assert "shim" in (SHIMS / "torchaudio" / "__init__.py").read_text().split("__version__ = ")[1]
+    assert resample(x, 16000, 16000) is x
+    assert functional.resample is resample      # one resampler: the stand-in is the product's function
 
 
 def test_higgs_tokenizer_encodes_each_clip_unpadded_as_the_model_does(higgs_codec):

@@ -33,9 +33,9 @@ def processor(higgs_codec):
     """``HiggsAudioV2Processor`` as ``convert_higgs_audio_v2_to_hf.py`` builds it."""
     from transformers import AutoTokenizer, DacFeatureExtractor, HiggsAudioV2Processor
 
-    from precompute.encoders.audio import HiggsTokenizer
+    from transformers import HiggsAudioV2TokenizerModel
     tok = AutoTokenizer.from_pretrained(str(higgs_codec / "higgs-tiny"))
-    codec = HiggsTokenizer._model_class().from_pretrained(str(higgs_codec / "higgs-audio-tokenizer-tiny")).eval()
+    codec = HiggsAudioV2TokenizerModel.from_pretrained(str(higgs_codec / "higgs-audio-tokenizer-tiny")).eval()
     fe = DacFeatureExtractor(feature_size=1, hop_length=1, padding_side="right", padding_value=0.0,
                              sampling_rate=24000, return_attention_mask=True)
     return HiggsAudioV2Processor(feature_extractor=fe, tokenizer=tok, audio_tokenizer=codec,

@@ -3,7 +3,8 @@ loads beside the CPU torch 2.13 of the development machines), for the tiny Higgs
 
 :func:`install` puts ``tools/shims`` (a ``torchaudio`` package whose ``functional.resample`` is
 soxr's) first on ``sys.path`` and on ``PYTHONPATH`` (so subprocesses and loader workers see it too).
-The product never does this: without a loadable torchaudio its ``higgs`` codec refuses to load.
+The product never does this: its ``higgs`` codec takes ``resampler: soxr | auto`` instead
+(:mod:`precompute.encoders.higgs_resampler`, which makes no torchaudio module).
 """
 from __future__ import annotations
 

@@ -180,8 +180,10 @@ class HFCodecTokenizer:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, pretrained: Any, *, device: Any = "cpu", dtype: Any = None, **kwargs: Any):
-        """Load the model with ``from_pretrained`` (local directory or hub id) and wrap it.
+    def from_pretrained(cls, pretrained: Any, *, device: Any = "cpu", dtype: Any = None, model_class: type | None = None,
+                        **kwargs: Any):
+        """Load the model with ``from_pretrained`` (local directory or hub id; ``model_class``: the class to
+        load, default :meth:`_model_class`) and wrap it.
 
         Raises:
             FileNotFoundError: ``pretrained`` looks like a local path that does not exist (the
@@ -191,7 +193,7 @@ class HFCodecTokenizer:
         what = f"{cls.__name__}"
         path = resolve_pretrained(pretrained, what=what)
         try:
-            model = cls._model_class().from_pretrained(path, dtype=resolve_dtype(dtype))
+            model = (model_class or cls._model_class()).from_pretrained(path, dtype=resolve_dtype(dtype))
         except (OSError, ValueError) as e:
             raise load_error(what, path, e) from e
         obj = cls(model, device=device, dtype=dtype, **kwargs)
@@ -442,10 +444,10 @@ class HiggsTokenizer(HFCodecTokenizer):
     own (about ``n / 960``: e.g. 961 samples -> 1 frame, 2,400 -> 3); with ``max_batch_size > 1`` only
     clips of exactly equal length are batched (no padding at all).
 
-    Its transformers port imports torchaudio (used only for ``torchaudio.functional.resample`` of the
-    semantic branch's input to 16 kHz): where torchaudio cannot be imported the codec refuses to load
-    (``ImportError`` naming torchaudio and the reason), and ``describe()`` records the torchaudio
-    version that resampled (``resampler``), so codes resampled differently never share a fingerprint.
+    Its transformers port resamples the semantic branch's input to 16 kHz with torchaudio: option
+    ``resampler`` (torchaudio | soxr | auto, :mod:`precompute.encoders.higgs_resampler`) says what runs
+    where torchaudio cannot be imported, and ``describe()`` records the resampler that ran, so codes
+    resampled differently never share a fingerprint.
 
     Args:
         model: a ``transformers.HiggsAudioV2TokenizerModel``.
@@ -455,21 +457,23 @@ class HiggsTokenizer(HFCodecTokenizer):
             pins 8 at 2 kbps, the released layout: a tokenizer config whose bandwidth gives another
             count (transformers' default config reaches 16) is refused when the codec loads, at
             stage one, instead of writing codes the model cannot train on.
+        resampler: the resampler that ran in the model's semantic branch, as
+            :func:`precompute.encoders.higgs_resampler.model_class` names it (``torchaudio 2.9.1``).
         **kwargs: see :class:`HFCodecTokenizer`.
     """
 
     name = "higgs"
-    OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth", "n_codebooks")
+    OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth", "n_codebooks", "resampler")
     PADS_TO_HOP = False
 
     def __init__(self, model, *, bandwidth: float | None = None, n_codebooks: int | None = None,
-                 **kwargs: Any) -> None:
+                 resampler: str = "torchaudio", **kwargs: Any) -> None:
         cfg = model.config
         bandwidth = cfg.target_bandwidths[-1] if bandwidth is None else bandwidth
         if bandwidth not in tuple(cfg.target_bandwidths):
             raise ValueError(f"bandwidth must be one of {list(cfg.target_bandwidths)}, got {bandwidth}")
         super().__init__(model, **kwargs)
-        self.bandwidth = bandwidth
+        self.bandwidth, self.resampler = bandwidth, resampler
         self.sample_rate = int(cfg.sample_rate)
         self.hop_length = int(cfg.hop_length)
         self.codebook_size = int(cfg.codebook_size)
@@ -504,26 +508,9 @@ class HiggsTokenizer(HFCodecTokenizer):
                    "transformers cannot load" if boson else f"model_type {raw.get('model_type')!r}, not {cls.MODEL_TYPE}")
                 + ": use the tokenizer in transformers format (eustlb/higgs-audio-v2-tokenizer, the conversion "
                   "script's default; docs/higgs-audio.md)")
-        return super().from_pretrained(path, **kwargs)
-
-    @classmethod
-    def _model_class(cls):
-        try:
-            import torchaudio
-        except (ImportError, OSError) as e:  # OSError: an extension built for another torch
-            import torch
-            raise ImportError(f"the higgs audio tokenizer needs torchaudio (transformers' HiggsAudioV2TokenizerModel "
-                              f"resamples with torchaudio.functional.resample), which cannot be imported here "
-                              f"({type(e).__name__}: {e}); install the torchaudio build for torch {torch.__version__}"
-                              ) from e
-        cls.resampler = f"torchaudio {torchaudio.__version__}"
-        try:
-            from transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer import (
-                HiggsAudioV2TokenizerModel)
-        except (ImportError, OSError) as e:
-            raise ImportError(f"the Higgs Audio v2 tokenizer needs transformers' HiggsAudioV2TokenizerModel "
-                              f"(transformers >= 5) ({e})") from e
-        return HiggsAudioV2TokenizerModel
+        from .higgs_resampler import model_class
+        model_cls, resampler = model_class(kwargs.pop("resampler", "torchaudio"))
+        return super().from_pretrained(path, model_class=model_cls, resampler=resampler, **kwargs)
 
     def _encode_batch(self, x):
         return self.model.encode(x, bandwidth=self.bandwidth).audio_codes

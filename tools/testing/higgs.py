@@ -79,10 +79,9 @@ def make_audio_tokenizer(size: str = "tiny", seed: int = 0):
     install()
     import torch
 
-    from precompute.encoders.audio import HiggsTokenizer
+    from transformers import HiggsAudioV2TokenizerModel
 
     torch.manual_seed(seed)
-    HiggsAudioV2TokenizerModel = HiggsTokenizer._model_class()
     model = HiggsAudioV2TokenizerModel(audio_tokenizer_config(size)).eval()
     g = torch.Generator().manual_seed(seed + 1)
     captured = []
