@@ -34,9 +34,10 @@ print(json.dumps({"codes": codes.tolist(), "semantic": semantic.tolist(), "resam
 
 
 @pytest.fixture(scope="module")
-def resampling_tokenizer(higgs_codec, tmp_path_factory):
+def resampling_tokenizer(tmp_path_factory):
     """A tiny random Higgs audio tokenizer whose semantic branch runs at 16 kHz (the released one's rate), so
-    its input really is resampled (the tiny tokenizer of ``make models`` runs it at 24 kHz)."""
+    its input really is resampled (the tiny tokenizer of ``make models`` runs it at 24 kHz). Built in this
+    process, where conftest's stand-in lets transformers import its module."""
     import torch
     from transformers import HiggsAudioV2TokenizerModel
 

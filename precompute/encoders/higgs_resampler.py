@@ -87,9 +87,6 @@ def model_class(resampler: str = "torchaudio") -> tuple[type, str]:
     """``(the HiggsAudioV2TokenizerModel class to load, the resampler it runs)`` for ``resampler`` (one of
     :data:`RESAMPLERS`). Raises ``ValueError`` for another value, ``ImportError`` for ``torchaudio`` where
     torchaudio cannot be imported (naming it and the way out)."""
-    import soxr
-    import torch
-
     if resampler not in RESAMPLERS:
         raise ValueError(f"audio_tokenizer.resampler: expected one of {', '.join(RESAMPLERS)}, got {resampler!r}")
     version = _torchaudio_version() if resampler != "soxr" else None
@@ -98,6 +95,7 @@ def model_class(resampler: str = "torchaudio") -> tuple[type, str]:
             HiggsAudioV2TokenizerModel)
         return HiggsAudioV2TokenizerModel, f"torchaudio {version}"
     if resampler == "torchaudio":
+        import torch
         raise ImportError(f"the higgs audio tokenizer resamples its semantic input with torchaudio, which cannot be "
                           f"imported here; install the torchaudio build for torch {torch.__version__}, or set "
                           "audio_tokenizer.resampler: soxr (or auto) to resample with soxr (codes differ slightly; "
@@ -106,4 +104,5 @@ def model_class(resampler: str = "torchaudio") -> tuple[type, str]:
         log.warning("audio_tokenizer.resampler auto: torchaudio cannot be imported here; the higgs tokenizer's "
                     "semantic input is resampled with soxr (codes differ slightly from torchaudio's; recorded in "
                     "the cache's fingerprint)")
+    import soxr
     return _soxr_model_class(), f"soxr {soxr.__version__} HQ"
