@@ -164,9 +164,11 @@ bench: $(VENV)/.installed $(MODELS)/.built
 	$(PY) scripts/gen_docs.py  # docs/benchmarks.md's table from benchmarks/results/summary.md
 
 # On a CUDA machine: stage one with real-size random encoders and the recipes' data wait with 0/2/8
-# workers (benchmarks/results/gpu.*); elsewhere it says it needs a GPU and exits 0.
+# workers (benchmarks/results/gpu.*), then stage one's TTS and TheWorld jobs at steady state
+# (benchmarks/results/gpu_steady.*); elsewhere each says it needs a GPU and exits 0.
 bench-gpu: $(VENV)/.installed $(MODELS)/.built
 	$(PY) -m benchmarks.gpu
+	$(PY) -m benchmarks.gpu_steady
 
 demo-data: $(VENV)/.installed-precompute
 	$(PY) scripts/make_demo_data.py --out data/demo

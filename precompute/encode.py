@@ -57,6 +57,7 @@ class Summary:
     setup_s: float = 0.0   # manifest, encoder loading, fingerprint, resume scan
     wall_s: float = 0.0    # decode + encode + write, from the first batch to the last commit
     encoder_s: float = 0.0
+    decode_workers: int = 0  # decode processes the job ran (num_workers, or what auto chose)
     skipped_rows: int = 0
     shards_written: int = 0
     rerun: dict[str, int] = field(default_factory=dict)  # precompute.rerun.RerunPlan.counts()

@@ -338,7 +338,8 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     t_loop = time.perf_counter()
     writer = _ChunkWriter(output, chunks, summary, bar, {id(r): m for r, m in zip(requests, zip(ids, digests))})
     writer.start()
-    workers = job_workers(cfg.num_workers, device, pipe, [r for r, _ in items], cfg.encoder_batch_size)
+    workers = summary.decode_workers = job_workers(cfg.num_workers, device, pipe, [r for r, _ in items],
+                                                   cfg.encoder_batch_size)
     preload_decoders()  # before the workers fork: they inherit the decode libraries
     loader = DataLoader(PrepareDataset(items, cfg, pipe.rates, enc.text, template, pipe.image_multiple,
                                        pipe.tokens, pipe.source_images),

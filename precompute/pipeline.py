@@ -18,11 +18,14 @@ formed by length, rows written back in manifest order, decode libraries imported
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any, Callable, Iterable
 
 import numpy as np
+
+log = logging.getLogger("precompute")
 
 _PRELOADED = False
 
@@ -46,21 +49,29 @@ def preload_decoders() -> None:
     _PRELOADED = True
 
 
-def decode_workers(cpus: int, decode_s_per_row: float, encode_s_per_row: float, headroom: float = 1.25) -> int:
-    """Decode processes that keep one encoder fed: ``ceil(headroom * decode / encode)``, at least 1
-    and at most ``cpus - 1`` (a core stays with the main process: encoder launches, the writer thread).
+def decode_workers(cpus: int, decode_s_per_row: float, encode_s_per_row: float, headroom: float = 1.25,
+                   at_least: int = 8) -> int:
+    """Decode processes that keep one encoder fed: ``ceil(headroom * decode / encode)`` but never fewer
+    than ``at_least``, and at most ``cpus - 1`` (a core stays with the main process: encoder launches,
+    the writer thread).
+
+    The floor: on an H200 with 16 cores the rates asked for one process in both recipes' jobs, and
+    one fed the encoders worse than eight (wall / encoders alone: TheWorld 1.54 vs 1.26, TTS 2.36 vs
+    2.23; ``benchmarks/results/gpu_steady*.json``). A single process has no slack for a slow row, for
+    the transfer of decoded rows to the main process, or for refilling the length window; an idle one
+    costs little.
 
     Args:
         cpus: CPU cores of this rank (:func:`shardcache.workers.cpus_per_rank`).
         decode_s_per_row: CPU seconds one row takes to decode (one process).
         encode_s_per_row: seconds the encoders take per row (wall, device-synchronised).
         headroom: over-provisioning for rows slower than the measured ones.
+        at_least: the fewest processes (where the cores allow).
     """
     if cpus <= 1:
         return 0
-    if encode_s_per_row <= 0:
-        return cpus - 1
-    return max(1, min(cpus - 1, math.ceil(headroom * decode_s_per_row / encode_s_per_row)))
+    need = cpus - 1 if encode_s_per_row <= 0 else math.ceil(headroom * decode_s_per_row / encode_s_per_row)
+    return max(1, min(cpus - 1, max(at_least, need)))
 
 
 def probe_rates(prepare: Callable[[Any], Any], encode: Callable[[list], Any], rows: list) -> tuple[float, float]:
@@ -97,7 +108,11 @@ def job_workers(num_workers: int | str, device: str, pipe: Any, rows: list, batc
         return s.encoder_s
 
     decode, enc = probe_rates(pipe.prepare, encode, rows[:batch_size])
-    return decode_workers(cpus_per_rank(), decode, enc)
+    n = decode_workers(cpus_per_rank(), decode, enc)
+    log.info(
+        "num_workers auto: %d decode processes (first batch: decode %.1f CPU-ms per row, encoders %.1f ms per "
+        "row; %d cores)", n, decode * 1e3, enc * 1e3, cpus_per_rank())
+    return n
 
 
 def length_key(p: Any) -> tuple:
@@ -131,17 +146,25 @@ class LengthBatcher:
             self.held.append((self.seen, p))
             self.seen += 1
             if len(self.held) >= self.window:
-                out += self._take(full_only=True)
+                out.append(self._closest())
         return out
 
     def flush(self) -> list[list[tuple[int, Any]]]:
-        return self._take(full_only=False)
-
-    def _take(self, full_only: bool) -> list[list[tuple[int, Any]]]:
         self.held.sort(key=lambda x: (length_key(x[1]), x[0]))
-        n = len(self.held) - len(self.held) % self.batch_size if full_only else len(self.held)
-        out = [self.held[i:min(i + self.batch_size, n)] for i in range(0, n, self.batch_size)]
-        self.held = self.held[n:]
+        out = [self.held[i:i + self.batch_size] for i in range(0, len(self.held), self.batch_size)]
+        self.held = []
+        return out
+
+    def _closest(self) -> list[tuple[int, Any]]:
+        """One full batch out of the full window: the ``batch_size`` held rows of the closest lengths
+        (one image shape first, then the least range of audio lengths). The rest stay held, so the
+        window slides: releasing it whole left the encoder idle while it refilled (on a CPU with an
+        encoder of 30 ms per row and one decode process: wall 1.33-1.45 x the encoder time)."""
+        self.held.sort(key=lambda x: (length_key(x[1]), x[0]))
+        keys, b = [length_key(p) for _, p in self.held], self.batch_size
+        i = min(range(len(keys) - b + 1), key=lambda i: (keys[i][0] != keys[i + b - 1][0],
+                                                         keys[i + b - 1][1] - keys[i][1]))
+        out, self.held = self.held[i:i + b], self.held[:i] + self.held[i + b:]
         return out
 
 

@@ -45,3 +45,19 @@ def test_recipes_data_wait_smoke(real_mini):
     for recipe, size in DATA_WAIT_RUNS:
         if size == "tiny":
             assert f"| {recipe} (" in out, out
+
+
+@pytest.mark.slow
+def test_steady_state_smoke():
+    """``benchmarks/gpu_steady.py``'s code on the CPU (tiny models, 24 rows per job): both recipes'
+    configs take the benchmark's model directories, every row is kept, the encoders-alone pass ran
+    and the table has a row per job (the GPU run must not be this code's first)."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_steady", "--smoke"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [j["job"] for j in jobs] == ["tts", "theworld"]
+    for j in jobs:
+        assert j["kept"] == j["rows"] == 24 and j["encoders_alone"]["kept"] == 8 and j["wall_over_encoders_alone"] > 0
+        assert f"| {j['job']} | 24 (12) |" in r.stdout
+

@@ -22,12 +22,15 @@ DEMO = ROOT / "data" / "demo" / "samples.jsonl"
 
 def test_decode_workers_follow_the_measured_rates_and_the_cores():
     # 50 ms of CPU to decode a row, 10 ms of GPU per row: 5 decode processes keep up, 7 with 25 % headroom
-    assert decode_workers(64, 0.050, 0.010) == 7
+    assert decode_workers(64, 0.050, 0.010, at_least=1) == 7
     assert decode_workers(64, 0.050, 0.001) == 63  # a faster encoder needs every core but the main one
     assert decode_workers(8, 0.050, 0.001) == 7
-    assert decode_workers(64, 0.001, 0.010) == 1  # decoding 10x faster than encoding: one process
+    assert decode_workers(64, 0.001, 0.010, at_least=1) == 1  # decoding 10x faster than encoding: one process
     assert decode_workers(1, 0.050, 0.010) == 0  # one core: decode inline
-    assert decode_workers(16, 0.020, 0.010, headroom=1.0) == 2
+    assert decode_workers(16, 0.020, 0.010, headroom=1.0, at_least=1) == 2
+    # the floor (8 by default: one process fed the encoders worse than eight on an H200), within the cores
+    assert decode_workers(64, 0.001, 0.010) == 8 and decode_workers(16, 0.050, 0.010) == 8
+    assert decode_workers(4, 0.001, 0.010) == 3 and decode_workers(2, 0.001, 0.010) == 1
 
 
 def _row(chunk: int, n: int, shape=None) -> SimpleNamespace:
@@ -58,6 +61,24 @@ def test_length_batches_are_full_of_equal_lengths_within_a_chunk():
     # the codec's own sub-batches (equal frame counts): far fewer, i.e. fuller, with buckets
     print(sub(bucketed), sub(plain))
     assert sub(bucketed) <= 32 < 50 < sub(plain)
+
+
+def test_a_full_length_window_releases_one_batch_and_slides():
+    """A full window gives the encoder one batch, of the closest lengths, and keeps the rest held:
+    released whole, it left the encoder idle while it refilled (CPU, an encoder sleeping 30 ms per
+    row, one decode process: wall 1.34-1.35 -> 1.25-1.26 x the encoder time)."""
+    lengths = (5, 9, 5, 2, 9, 6, 2, 9, 2, 5, 9, 2, 3, 1, 7, 4)  # 2 four times, 9 four times: zero range
+    rows = [_row(0, n * 960) for n in lengths]
+    b = LengthBatcher(4, 16)
+    assert b.add(rows[:15]) == []
+    got = b.add(rows[15:])
+    assert len(got) == 1 and len(b.held) == 12
+    assert sorted(p.audio[0][24000].size // 960 for _, p in got[0]) == [2, 2, 2, 2]
+    assert b.add([_row(0, 8 * 960)] * 3) == []  # not full again yet
+    got = b.add([_row(0, 8 * 960)])
+    assert len(got) == 1 and sorted(p.audio[0][24000].size // 960 for _, p in got[0]) == [8, 8, 8, 8]
+    rest = b.flush()
+    assert [len(x) for x in rest] == [4, 4, 4] and not b.held
 
 
 def test_length_batcher_keeps_image_shapes_together_and_flushes_partial_batches():
