@@ -44,7 +44,7 @@ ENCODER_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "
 
 #: the options that change cached bytes, so the cache's fingerprint (:meth:`PrecomputeConfig.preprocessing`)
 FINGERPRINT = ("sample_rate", "image_size", "image_resize", "image_rgb", "image_pixel_range", "image_token",
-               "world_tokens", "store_posterior", "chat_template", "label_policy", "extra_waveforms", "image_features")
+               "world_tokens", "store_posterior", "chat_template", "label_policy", "image_features")
 
 
 @dataclass
@@ -118,9 +118,6 @@ class PrecomputeConfig:
     label_policy: str = option("answers", choices=LABEL_POLICIES)
     """Which tokens get labels: answers = the assistant turns, no placeholder or marker; all_but_world = every
     token of input_ids (TheWorld's rule: only the world embeddings get -100)."""
-    extra_waveforms: dict[str, dict] = option(factory=dict)
-    """More waveform fields: name -> {sample_rate: Hz, direction: in | out | all}, e.g. {audio_16k:
-    {sample_rate: 16000, direction: in}} (the user side at 16 kHz for a Whisper-style encoder)."""
     extra_fields: dict[str, dict] = option(factory=dict)
     """More fields: name -> {producer: NAME, **options} or a plug-in {factory: module:callable, kwargs} (its
     fields declared with shards.fields.register); shardcache add-field adds one to an existing cache."""

@@ -2,7 +2,7 @@
 
 Types are checked when the config is read, each option's declared rules by
 :func:`shardcache.config.check`; this module adds what one option cannot say alone (the device
-spelling, encoder specs against the registries, ``precision_tolerance`` keys, ``extra_waveforms``
+spelling, encoder specs against the registries, ``precision_tolerance`` keys, ``extra_fields``
 names against the field registry, rules across options), each as ``option: message``.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from shardcache import config as S
 from shardcache.config import ConfigError
 
-from .config import ENCODER_DTYPES, MAX_SAMPLE_RATE, PrecomputeConfig
+from .config import ENCODER_DTYPES, PrecomputeConfig
 
 __all__ = ["ConfigError", "check_config", "validate_config"]
 
@@ -23,7 +23,6 @@ IMAGE_MULTIPLE = 8
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
 #: ``precision_tolerance`` keys -> (lowest, highest) value
 TOLERANCE_KEYS = {"latents_rel_err": (0.0, float("inf")), "codes_agreement": (0.0, 1.0)}
-WAVEFORM_DIRECTIONS = ("in", "out", "all")
 #: options whose value is an encoder spec -> (module, its table of built-in names, the default name)
 ENCODER_SPECS = {"audio_tokenizer": ("precompute.encoders.registry", "AUDIO_TOKENIZERS", "dac"),
                  "image_encoder": ("precompute.encoders.registry", "IMAGE_ENCODERS", "wan"),
@@ -72,39 +71,14 @@ def _tolerance(v: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _waveforms(v: dict) -> list[tuple[str, str]]:
-    """Each name must be a waveform field of the registry that no fixed field owns (``audio_16k``:
-    shards.fields' ``audio_<name>`` rule; ``audio``, ``codes``, ``latents``... refused), with a
-    ``sample_rate`` in the bounds of the option ``sample_rate`` and a ``direction``."""
-    from shards import fields
-    from shards.kinds import WAVEFORM
-
-    out = []
-    for k, spec in v.items():
-        where, f = f".{k}", fields.lookup(k)
-        if k in fields.BY_NAME and k not in fields.REGISTERED:
-            out.append((where, f"{k!r} is a field of its own (reserved); name it audio_<name>, e.g. audio_16k"))
-        elif f is None or f.kind is not WAVEFORM:
-            what = f"a {f.kind.name} field" if f is not None else "not a field shards.fields knows"
-            out.append((where, f"{k!r} is {what}; a waveform field is named audio_<name>, e.g. audio_16k"))
-        if extra := sorted(set(spec) - {"sample_rate", "direction"}):
-            out.append((where, f"unknown key(s) {extra}; known: sample_rate, direction"))
-        sr, d = spec.get("sample_rate"), spec.get("direction", "all")
-        if not isinstance(sr, int) or isinstance(sr, bool) or not 0 < sr <= MAX_SAMPLE_RATE:
-            out.append((f"{where}.sample_rate", f"expected an integer > 0 and <= {MAX_SAMPLE_RATE}, got {sr!r}"))
-        if d not in WAVEFORM_DIRECTIONS:
-            out.append((f"{where}.direction", f"expected one of {', '.join(WAVEFORM_DIRECTIONS)}, got {d!r}"))
-    return out
-
-
 def _extra_fields(v: dict) -> list[tuple[str, str]]:
     """Each field made by a producer of the registry under a name shards.fields gives a kind (not one a
-    job's own producers write), or by a plug-in (whose fields are declared when it loads): checked here,
-    before any encoder loads."""
+    job's own producers write; a waveform's options by its producer's rules), or by a plug-in (whose
+    fields are declared when it loads): checked here, before any encoder loads."""
     from shards import fields
 
     from .encoders.registry import spec_problems
-    from .producers import PRODUCERS
+    from .producers import PRODUCERS, waveform_problems
     out = []
     for k, spec in v.items():
         if not isinstance(spec, dict):
@@ -120,6 +94,8 @@ def _extra_fields(v: dict) -> list[tuple[str, str]]:
         elif fields.lookup(k) is None:
             out.append((f".{k}", f"{k!r} is not a field shards.fields knows (codes_<name>, audio_<name>... or "
                                  "a plug-in's declared field)"))
+        elif spec["producer"] == "waveform":
+            out += [(f".{k}{s}", m) for s, m in waveform_problems(k, **spec)]
     return out
 
 
@@ -138,7 +114,7 @@ def _world(v: Any) -> list[tuple[str, str]]:
 #: per-option checks beyond type, choices and bounds (run where those passed)
 CUSTOM = {"device": lambda v: [] if DEVICE_RE.match(v) else [
               ("", f"expected auto, cpu, cuda, cuda:N (or mps, xpu:N...), got {v!r}")],
-          "precision_tolerance": _tolerance, "extra_waveforms": _waveforms, "image_token": _token,
+          "precision_tolerance": _tolerance, "image_token": _token,
           "world_tokens": _world, "extra_fields": _extra_fields, **{f: _spec(f) for f in ENCODER_SPECS}, "image_features": _image_features}
 
 

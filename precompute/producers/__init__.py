@@ -1,10 +1,11 @@
 """Stage-one producers: the code that computes each group of fields (see :mod:`.base`).
 
 A job (:func:`job_producers`) runs, in order: :class:`~.text.TextProducer` (``input_ids``,
-``labels``), a :class:`~.waveforms.WaveformProducer` for ``audio`` and for each ``extra_waveforms``
-field, :class:`~.codes.CodesProducer` (``codes`` + ``audio_segments``; without a codec
+``labels``), a :class:`~.waveforms.WaveformProducer` for ``audio``,
+:class:`~.codes.CodesProducer` (``codes`` + ``audio_segments``; without a codec
 :class:`~.codes.SegmentsProducer`), :class:`~.latents.LatentsProducer` (``latents``, with
-``store_posterior`` ``latents_logvar``), then one producer per ``extra_fields`` entry.
+``store_posterior`` ``latents_logvar``), then one producer per ``extra_fields`` entry (e.g. a
+``waveform`` ``audio_16k``).
 
 Producers are registered by name in :data:`PRODUCERS`, shared by ``precompute`` (``extra_fields``)
 and ``add-field`` (``--producer``): a spec is ``{"producer": NAME, **options}`` or a plug-in
@@ -26,7 +27,7 @@ from .base import Producer, Timer, encode_each
 from .codes import CodesProducer, SegmentsProducer, segments_table
 from .latents import LatentsProducer, latents_info
 from .text import TextProducer
-from .waveforms import WaveformProducer
+from .waveforms import WaveformProducer, waveform_problems
 
 
 def _codes(field: str, device: str, audio_tokenizer: Mapping | None = None, **_: Any) -> Producer:
@@ -36,12 +37,12 @@ def _codes(field: str, device: str, audio_tokenizer: Mapping | None = None, **_:
     return CodesProducer(load_audio_tokenizer(audio_tokenizer, device), field, segments=False)
 
 
-def _waveform(field: str, device: str, sample_rate: int | None = None, direction: str = "all", **_: Any) -> Producer:
-    if not isinstance(sample_rate, int) or isinstance(sample_rate, bool) or not 0 < sample_rate <= 768_000:
-        raise ValueError(f"producer waveform for {field!r} needs sample_rate: an integer number of Hz, got {sample_rate!r}")
-    if direction not in ("in", "out", "all"):
-        raise ValueError(f"producer waveform for {field!r}: direction must be in, out or all, got {direction!r}")
-    return WaveformProducer(field, sample_rate, None if direction == "all" else {direction}, always=False)
+def _waveform(field: str, device: str, **options: Any) -> Producer:
+    if problems := waveform_problems(field, **options):
+        raise ValueError(f"producer waveform for {field!r}: " + "; ".join(f"{k[1:] + ': ' if k else ''}{m}"
+                                                                        for k, m in problems))
+    direction = options.get("direction", "all")
+    return WaveformProducer(field, options["sample_rate"], None if direction == "all" else {direction}, always=False)
 
 
 def _latents(field: str, device: str, image_encoder: Mapping | None = None, store_posterior: bool = False,
@@ -90,4 +91,5 @@ def load_producer(spec: Mapping[str, Any], field: str, device: str = "cpu") -> P
 
 
 __all__ = ["Producer", "Timer", "encode_each", "PRODUCERS", "load_producer", "TextProducer", "WaveformProducer",
-           "CodesProducer", "SegmentsProducer", "LatentsProducer", "segments_table", "latents_info"]
+           "CodesProducer", "SegmentsProducer", "LatentsProducer", "segments_table", "latents_info",
+           "waveform_problems"]
