@@ -145,13 +145,10 @@ class PrecomputeConfig:
         """Every parameter that changes cached bytes (the cache's fingerprint): the options of
         :data:`FINGERPRINT`, the stored dtypes, the encoders' compute dtype and ``sample_layout`` (the
         conversation rendering of :mod:`precompute.chat`: label spans from the template's structure)."""
-        options = self.to_dict()
+        options = S.to_dict(self)
         return {k: options[k] for k in FINGERPRINT} | {
             "audio_format": "pcm_s16le", "latents_dtype": "float16", "sample_layout": "conversation-2",
             "encoder_dtype": ENCODER_DTYPES[self.encoder_dtype]}
-
-    def to_dict(self) -> dict[str, Any]:
-        return S.to_dict(self)
 
 
 def load_config(path: str | Path | dict | None = None, overrides: list[str] | None = None) -> PrecomputeConfig:

@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from shardcache.config import to_dict
 from shardcache.workers import auto_workers
 
 from shards import schema
@@ -379,7 +380,7 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
         man.waveforms = {p.field: p.manifest_info() for p in pipe.producers if isinstance(p, WaveformProducer)}
         man.text = TextInfo.from_dict(chat.describe(template, enc.text, pipe.tokens, pipe.added))
         man.text_vocab_size, man.text_pad_id = enc.text.vocab_size, enc.text.pad_id
-        man.config, man.source_manifest, man.world_size = cfg.to_dict(), str(manifest), world_size
+        man.config, man.source_manifest, man.world_size = to_dict(cfg), str(manifest), world_size
         if precision:
             man.extra["precision_check"] = precision
         result = merge_parts(out_dir, man)

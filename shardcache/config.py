@@ -55,11 +55,6 @@ def option(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | N
     return dataclasses.field(default=default, metadata=meta)
 
 
-def section(cls: type) -> Any:
-    """A nested section (its own dataclass of options)."""
-    return dataclasses.field(default_factory=cls)
-
-
 def options(cls: type, prefix: str = "") -> dict[str, tuple[Any, dataclasses.Field]]:
     """Every option of ``cls`` by dotted path -> (annotation, field), sections expanded."""
     out: dict[str, tuple[Any, dataclasses.Field]] = {}
@@ -270,11 +265,6 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
         else:
             mapping.update(value) if value else mapping.clear()
     return cfg, argparse.Namespace(config_file=path, config_source=why, **rest)
-
-
-def from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """A nested mapping (as a config file holds) -> ``cls``; type errors raise :class:`ConfigError`."""
-    return parse(parser(cls, cls.__name__), cls, ["--config", json.dumps(data, default=str)], "")[0]
 
 
 def error(cls: type, text: str) -> ConfigError:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardcache import config as S
-from shardcache.config import ConfigError, option, section
+from shardcache.config import ConfigError, option
 
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_TRAIN_CONFIG"
@@ -247,18 +247,18 @@ class ProfileConfig:
 class TrainConfig:
     """Every option of shardcache train (see configs/train.yaml)."""
 
-    data: DataConfig = section(DataConfig)
-    model: ModelConfig = section(ModelConfig)
-    lora: LoraConfig = section(LoraConfig)
-    optim: OptimConfig = section(OptimConfig)
-    schedule: ScheduleConfig = section(ScheduleConfig)
-    training: TrainingConfig = section(TrainingConfig)
-    dist: DistConfig = section(DistConfig)
-    checkpoint: CheckpointConfig = section(CheckpointConfig)
-    job: JobConfig = section(JobConfig)
-    eval: EvalConfig = section(EvalConfig)
-    metrics: MetricsConfig = section(MetricsConfig)
-    profile: ProfileConfig = section(ProfileConfig)
+    data: DataConfig = option(factory=DataConfig)
+    model: ModelConfig = option(factory=ModelConfig)
+    lora: LoraConfig = option(factory=LoraConfig)
+    optim: OptimConfig = option(factory=OptimConfig)
+    schedule: ScheduleConfig = option(factory=ScheduleConfig)
+    training: TrainingConfig = option(factory=TrainingConfig)
+    dist: DistConfig = option(factory=DistConfig)
+    checkpoint: CheckpointConfig = option(factory=CheckpointConfig)
+    job: JobConfig = option(factory=JobConfig)
+    eval: EvalConfig = option(factory=EvalConfig)
+    metrics: MetricsConfig = option(factory=MetricsConfig)
+    profile: ProfileConfig = option(factory=ProfileConfig)
 
 
 # ---- checks ------------------------------------------------------------------------------------------
