@@ -42,6 +42,16 @@ ENCODER_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "
                   "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
+@dataclass
+class PrecisionTolerance:
+    """How far an encoder_dtype other than float32 may differ from float32 (:mod:`precompute.precision`)."""
+
+    latents_rel_err: float = option(0.02, ge=0.0, le=1e6)
+    """The most relative L2 error of the latents."""
+    codes_agreement: float = option(0.95, ge=0.0, le=1.0)
+    """The least fraction of codes equal to float32's."""
+
+
 #: the options that change cached bytes, so the cache's fingerprint (:meth:`PrecomputeConfig.preprocessing`)
 FINGERPRINT = ("sample_rate", "image_size", "image_resize", "image_rgb", "image_pixel_range", "image_token",
                "world_tokens", "store_posterior", "chat_template", "label_policy", "image_features")
@@ -97,8 +107,7 @@ class PrecomputeConfig:
     """Compute dtype of the codec and the VAE; anything but float32 is first measured against float32."""
     precision_samples: int = option(8, ge=0, le=100_000)
     """Rows used for that measurement."""
-    precision_tolerance: dict[str, float] = option(
-        factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95})
+    precision_tolerance: PrecisionTolerance = option(factory=PrecisionTolerance)
     """The accepted difference: latents relative L2 error, fraction of equal codes."""
     audio_tokenizer: dict | None = option(
         factory=lambda: {"name": "dac", "pretrained": "descript/dac_24khz"})

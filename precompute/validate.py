@@ -2,7 +2,7 @@
 
 Types are checked when the config is read, each option's declared rules by
 :func:`shardcache.config.check`; this module adds what one option cannot say alone (the device
-spelling, encoder specs against the registries, ``precision_tolerance`` keys, ``extra_fields``
+spelling, encoder specs against the registries, ``extra_fields``
 names against the field registry, rules across options), each as ``option: message``.
 """
 from __future__ import annotations
@@ -21,8 +21,6 @@ __all__ = ["ConfigError", "check_config", "validate_config"]
 #: the VAE's spatial factor: ``image_size`` must be a multiple of it
 IMAGE_MULTIPLE = 8
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
-#: ``precision_tolerance`` keys -> (lowest, highest) value
-TOLERANCE_KEYS = {"latents_rel_err": (0.0, float("inf")), "codes_agreement": (0.0, 1.0)}
 #: options whose value is an encoder spec -> (module, its table of built-in names, the default name)
 ENCODER_SPECS = {"audio_tokenizer": ("precompute.encoders.registry", "AUDIO_TOKENIZERS", "dac"),
                  "image_encoder": ("precompute.encoders.registry", "IMAGE_ENCODERS", "wan"),
@@ -56,18 +54,6 @@ def _image_features(v: Any) -> list[tuple[str, str]]:
         out.append((".pretrained", f"expected a local directory or hub id (e.g. google/gemma-3-4b-it), got {p!r}"))
     if v.get("dtype", "bfloat16") not in ENCODER_DTYPES:
         out.append((".dtype", f"expected one of {', '.join(ENCODER_DTYPES)}, got {v['dtype']!r}"))
-    return out
-
-
-def _tolerance(v: dict) -> list[tuple[str, str]]:
-    out = []
-    for k, x in v.items():
-        lo, hi = TOLERANCE_KEYS.get(k, (None, None))
-        if lo is None:
-            out.append((f".{k}", f"unknown key; known: {', '.join(TOLERANCE_KEYS)}"))
-        elif not lo <= x <= hi:
-            out.append((f".{k}", f"expected a number >= {lo:g}" + (f" and <= {hi:g}" if hi < float("inf") else "")
-                        + f", got {x!r}"))
     return out
 
 
@@ -114,7 +100,7 @@ def _world(v: Any) -> list[tuple[str, str]]:
 #: per-option checks beyond type, choices and bounds (run where those passed)
 CUSTOM = {"device": lambda v: [] if DEVICE_RE.match(v) else [
               ("", f"expected auto, cpu, cuda, cuda:N (or mps, xpu:N...), got {v!r}")],
-          "precision_tolerance": _tolerance, "image_token": _token,
+          "image_token": _token,
           "world_tokens": _world, "extra_fields": _extra_fields, **{f: _spec(f) for f in ENCODER_SPECS}, "image_features": _image_features}
 
 

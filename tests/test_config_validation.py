@@ -61,6 +61,7 @@ def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
     (["--set", "encoder_dtype=int8"], "error: encoder_dtype: expected one of"),
     (["--set", "precision_tolerance.codes_agreement=1.5"],
      "error: precision_tolerance.codes_agreement: expected a number >= 0 and <= 1, got 1.5"),
+    (["--set", "precision_tolerance.latents_rel_eror=0.1"], "error: precision_tolerance.latents_rel_eror: unknown option"),
     (["--set", "audio_tokenizer.name=snac"], "error: audio_tokenizer.name: expected one of"),
     (["--audio_tokenizer.name", "snac"], "error: audio_tokenizer.name: expected one of"),
     (["--set", "image_encoder.nomalize=true"], "error: image_encoder: unknown option(s) ['nomalize']"),
