@@ -7,39 +7,29 @@ names against the field registry, rules across options), each as ``option: messa
 """
 from __future__ import annotations
 
-import importlib
 import re
 from typing import Any
 
 from shardcache import config as S
 from shardcache.config import ConfigError
+from shards import fields
 
 from .config import ENCODER_DTYPES, PrecomputeConfig
+from .encoders.registry import SPECS, spec_problems
+from .producers import PRODUCERS, waveform_problems
+from .producers.image_features import VISION_ENCODERS
 
 __all__ = ["ConfigError", "check_config", "validate_config"]
 
 #: the VAE's spatial factor: ``image_size`` must be a multiple of it
 IMAGE_MULTIPLE = 8
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
-#: options whose value is an encoder spec -> (module, its table of built-in names, the default name)
-ENCODER_SPECS = {"audio_tokenizer": ("precompute.encoders.registry", "AUDIO_TOKENIZERS", "dac"),
-                 "image_encoder": ("precompute.encoders.registry", "IMAGE_ENCODERS", "wan"),
-                 "text_tokenizer": ("precompute.encoders.registry", "TEXT_TOKENIZERS", "bytes"),
-                 "image_features": ("precompute.producers.image_features", "VISION_ENCODERS", "gemma3")}
 
 
-def _spec(field: str):
-    """The registry's own rules (:func:`precompute.encoders.registry.spec_problems`) for the encoder
-    spec of option ``field``; null: none (no codes, no latents)."""
-    def run(spec: Any) -> list[tuple[str, str]]:
-        module, attr, default = ENCODER_SPECS[field]
-        try:
-            from .encoders.registry import spec_problems
-            table = getattr(importlib.import_module(module), attr)
-        except ImportError:  # encoders not importable here: checked when they load
-            return []
-        return [] if spec is None else spec_problems(spec, table, default)
-    return run
+def _spec(option: str):
+    """The registry's own rules (:func:`~.encoders.registry.spec_problems`) for the encoder spec of
+    ``option``; null: none (no codes, no latents)."""
+    return lambda spec: [] if spec is None else spec_problems(spec, *SPECS[option])
 
 
 def _image_features(v: Any) -> list[tuple[str, str]]:
@@ -49,7 +39,7 @@ def _image_features(v: Any) -> list[tuple[str, str]]:
         return []
     if "factory" in v:
         return [("", "a plug-in image encoder is a producer: extra_fields: {NAME: {factory: ...}}")]
-    out, p = _spec("image_features")(v), v.get("pretrained")
+    out, p = spec_problems(v, VISION_ENCODERS, "gemma3"), v.get("pretrained")
     if not isinstance(p, str) or not p.strip():
         out.append((".pretrained", f"expected a local directory or hub id (e.g. google/gemma-3-4b-it), got {p!r}"))
     if v.get("dtype", "bfloat16") not in ENCODER_DTYPES:
@@ -61,10 +51,6 @@ def _extra_fields(v: dict) -> list[tuple[str, str]]:
     """Each field made by a producer of the registry under a name shards.fields gives a kind (not one a
     job's own producers write; a waveform's options by its producer's rules), or by a plug-in (whose
     fields are declared when it loads): checked here, before any encoder loads."""
-    from shards import fields
-
-    from .encoders.registry import spec_problems
-    from .producers import PRODUCERS, waveform_problems
     out = []
     for k, spec in v.items():
         if not isinstance(spec, dict):
@@ -100,8 +86,8 @@ def _world(v: Any) -> list[tuple[str, str]]:
 #: per-option checks beyond type, choices and bounds (run where those passed)
 CUSTOM = {"device": lambda v: [] if DEVICE_RE.match(v) else [
               ("", f"expected auto, cpu, cuda, cuda:N (or mps, xpu:N...), got {v!r}")],
-          "image_token": _token,
-          "world_tokens": _world, "extra_fields": _extra_fields, **{f: _spec(f) for f in ENCODER_SPECS}, "image_features": _image_features}
+          "image_token": _token, "world_tokens": _world, "extra_fields": _extra_fields,
+          "image_features": _image_features, **{option: _spec(option) for option in SPECS}}
 
 
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:
