@@ -14,7 +14,6 @@ import json
 import os
 import re
 import sys
-import textwrap
 import typing
 from operator import attrgetter
 from pathlib import Path
@@ -196,17 +195,11 @@ def parser(cls: type, prog: str, description: str | None = None, epilog: str | N
 
 
 def short_help(p: ArgumentParser, paths: Iterable[str], footer: str) -> str:
-    """The usage and description of ``p``'s help, the options ``paths`` (in that order) with their
-    docstrings and defaults, then ``footer`` (e.g. where the rest is)."""
-    by_dest = {a.dest: a for a in p._actions}  # noqa: SLF001 - argparse lists its actions nowhere else
-    lines = [f"usage: {p.usage % {'prog': p.prog}}", "", p.description or "", "", "common options:"]
-    for path in ["config", "set", *paths]:
-        a = by_dest[path]
-        default = "" if a.default in (None, [], argparse.SUPPRESS) else f" (default: {a.default})"
-        lines += [f"  {a.option_strings[0]} {a.metavar or path.rsplit('.', 1)[-1].upper()}",
-                  textwrap.fill(re.sub(r"\s*\(type: .*?\)$", "", " ".join(str(a.help).split())) + default, 100,
-                                initial_indent="      ", subsequent_indent="      ")]
-    return "\n".join(lines + ["", footer]) + "\n"
+    """``p``'s help showing only ``--help``, ``--config``, ``--set`` and the options ``paths``, then ``footer``."""
+    for a in p._actions:  # noqa: SLF001 - argparse lists its actions nowhere else
+        a.help = a.help if a.dest in {"help", "config", "set", *paths} else argparse.SUPPRESS
+    p.epilog = footer
+    return p.format_help()
 
 
 def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> tuple[list[str], list, str | None, str]:

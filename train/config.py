@@ -319,10 +319,10 @@ def build_parser(prog: str = "shardcache train", description: str | None = None)
     return p
 
 
-def help_text(everything: bool = False, parser: argparse.ArgumentParser | None = None) -> str:
+def help_text(everything: bool = False) -> str:
     """``--help`` (the common options) or ``--help-all`` (every option)."""
-    p = parser or build_parser()
-    return p.format_help() if everything else S.short_help(p, COMMON, "Check without training: --dry-run. Print the config: --print-config. Every option: --help-all.")
+    return build_parser().format_help() if everything else S.short_help(build_parser(), COMMON, (
+        "Check without training: --dry-run. Print the config: --print-config. Every option: --help-all."))
 
 
 def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> tuple[TrainConfig, argparse.Namespace]:
