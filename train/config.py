@@ -1,11 +1,8 @@
 """Stage-two configuration: :class:`TrainConfig`, nested sections with a docstring per option.
 
-Read through :mod:`shardcache.config` (jsonargparse; the mechanism precompute uses too): dataclass
-defaults < config file (YAML, nested sections; ``--config FILE``, else ``$SHARDCACHE_TRAIN_CONFIG``,
-else none) < flags in their order (``--optim.lr 3e-4``, ``--set optim.lr=3e-4``; ``--cache`` and
-``--run-dir`` are ``--data.cache`` and ``--job.dir``). The Higgs-Audio launch line is translated by
-:mod:`train.recipes.higgs_argv`. The effective config is logged at start (global rank 0) and stored
-in every checkpoint (``config.json`` and ``trainer.pt``).
+Read by :mod:`shardcache.config` as precompute's is: defaults < config file (``--config FILE``, else
+``$SHARDCACHE_TRAIN_CONFIG``) < flags in their order. :mod:`train.recipes.higgs_argv` translates the
+Higgs-Audio launch line. The effective config is logged at start and stored in every checkpoint.
 """
 from __future__ import annotations
 
@@ -35,8 +32,7 @@ class DataConfig:
     val_cache: str = ""
     """Validation cache directory; empty = validate on the keys of --data.cache held out by --data.val-fraction."""
     val_fraction: float = option(0.02, ge=0.0, le=0.5)
-    """Without --data.val-cache: the fraction of keys held out for validation, chosen by sha256(key) (the same
-    for every run; none below 20 samples); 0 = nothing held out."""
+    """Without --data.val-cache: the fraction of keys held out for validation (by sha256(key)); 0 = none."""
     fields: tuple[str, ...] = ("auto",)
     """Fields the loader collates: auto (the recipe's declared fields, else all) | all | a list: input_ids,labels."""
     batch_size: int = option(8, gt=0, le=1_000_000)
@@ -54,8 +50,7 @@ class DataConfig:
     seed: int = option(0, ge=0, le=2**63 - 1)
     """Seed of the data order and of the model init; rank r seeds its own RNGs with seed + r."""
     skip_corrupt: int = option(0, ge=0, le=1_000_000)
-    """Damaged samples (checksum mismatch, truncated shard) a rank may skip, each logged with its shard and
-    key, before stopping with ShardCorrupt; 0 = stop at the first."""
+    """Damaged samples (checksum mismatch, truncated shard) a rank may skip before ShardCorrupt; 0 = none."""
 
 
 @dataclass
@@ -63,11 +58,9 @@ class ModelConfig:
     """What is trained."""
 
     name: str = "reference"
-    """A recipe of train.recipes.RECIPES (checked against the cache before any weight loads), module:Class of a
-    Recipe subclass, or module:factory(**model.kwargs) returning an nn.Module whose forward(batch) is a loss."""
+    """A recipe of train.recipes.RECIPES, module:Class of a Recipe, or module:factory(**model.kwargs) (an nn.Module)."""
     kwargs: dict = option({}, merge=True)
-    """Keyword arguments of the model (a flag updates the file's mapping). reference: d_model, n_layers, n_heads,
-    mlp_ratio, dropout, patch_size, max_positions; recipes: lm (dir or hub id), dtype... (the recipe's docstring)."""
+    """Keyword arguments of the model (reference: d_model, n_layers...; recipes: lm, dtype...); flags update them."""
     audio_tokenizer: str = ""
     """Audio tokenizer (path or hub id) the cache's codes should come from; a mismatch warns. Never loaded."""
     latent_loss: str = option("none", choices=("none", "cosine", "mse"))
@@ -177,8 +170,7 @@ class CheckpointConfig:
     keep: int = option(3, gt=0, le=1_000_000)
     """Complete checkpoints kept (older ones are deleted after a new one is complete)."""
     resume: str = ""
-    """'' = start fresh (refused when the run dir holds a run); fresh = replace that run; auto = the newest
-    readable checkpoint there, if any; or a step-N dir."""
+    """'' = start fresh (refused over a run); fresh = replace that run; auto = the newest checkpoint, if any; step-N."""
     allow_other_cache: bool = False
     """Resume a checkpoint made on another cache (another cache id: the data position means other samples)."""
 
