@@ -16,7 +16,7 @@ from shards import fields
 
 from .config import ENCODER_DTYPES, PrecomputeConfig
 from .encoders.registry import SPECS, spec_problems
-from .producers import PRODUCERS, waveform_problems
+from .producers import producer_problems
 from .producers.image_features import VISION_ENCODERS
 
 __all__ = ["ConfigError", "check_config", "validate_config"]
@@ -48,26 +48,19 @@ def _image_features(v: Any) -> list[tuple[str, str]]:
 
 
 def _extra_fields(v: dict) -> list[tuple[str, str]]:
-    """Each field made by a producer of the registry under a name shards.fields gives a kind (not one a
-    job's own producers write; a waveform's options by its producer's rules), or by a plug-in (whose
-    fields are declared when it loads): checked here, before any encoder loads."""
+    """Each a producer spec (:func:`~.producers.producer_problems`) under a name shards.fields gives a kind
+    and the job does not write itself (a plug-in's fields are declared when it loads)."""
     out = []
     for k, spec in v.items():
-        if not isinstance(spec, dict):
-            out.append((f".{k}", f"expected {{producer: NAME, ...}} or {{factory: module:callable, kwargs}}, got {spec!r}"))
-        elif "factory" in spec:
-            out += [(f".{k}{s}", m) for s, m in spec_problems(spec, {}, "")]
-        elif spec.get("producer") not in PRODUCERS:
-            out.append((f".{k}.producer", f"expected one of {', '.join(PRODUCERS)} (or a plug-in: factory), "
-                                          f"got {spec.get('producer')!r}"))
-        elif k in fields.BY_NAME and k not in fields.REGISTERED:
+        plugin = isinstance(spec, dict) and "factory" in spec
+        if not plugin and k in fields.BY_NAME and k not in fields.REGISTERED:
             out.append((f".{k}", f"{k!r} is written by the job itself (reserved); name a new field by its kind's "
                                  "rule (audio_<name>, codes_<name>...); image_features has its own option"))
-        elif fields.lookup(k) is None:
+        elif not plugin and fields.lookup(k) is None:
             out.append((f".{k}", f"{k!r} is not a field shards.fields knows (codes_<name>, audio_<name>... or "
                                  "a plug-in's declared field)"))
-        elif spec["producer"] == "waveform":
-            out += [(f".{k}{s}", m) for s, m in waveform_problems(k, **spec)]
+        else:
+            out += [(f".{k}{s}", m) for s, m in producer_problems(spec, k)]
     return out
 
 
