@@ -262,21 +262,17 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
 
 def error(cls: type, text: str) -> ConfigError:
     """The library's message as ``option: message``."""
-    m = re.search(r'(?:Parser key|Key|Option) "?\'?([\w.]+)"?\'?:?\s*(.*)', text, re.S) or \
-        re.search(r"argument --([\w.]+)(?:/\S+)?: (.*)", text, re.S)
-    if (u := re.search(r"nrecognized arguments: --?([\w.-]+)|Option '([\w.]+)' is not accepted|"
-                       r"Group '([\w.]+)' does not accept option '(\w+)'", text)):
-        key = u.group(1) or u.group(2) or f"{u.group(3)}.{u.group(4)}"
-        return ConfigError([(key, "unknown option; see --help")])
+    text = " ".join(text.split())
+    if u := re.search(r"nrecognized arguments: --?([\w.-]+)|Option '([\w.]+)' is not accepted|"
+                      r"Group '([\w.]+)' does not accept option '(\w+)'", text):
+        return ConfigError([(u[1] or u[2] or f"{u[3]}.{u[4]}", "unknown option; see --help")])
     if "Problems parsing config" in text:
-        return ConfigError([("--config", " ".join(re.sub(r".*Problems parsing config:\s*(yaml:\s*)?", "", text, flags=re.S).split()))])
-    if not m:
-        return ConfigError([("command line", " ".join(text.split()) or "invalid")])
-    key, msg = m.group(1), " ".join(m.group(2).split())
-    got = re.search(r"(?:Got|Given) value: (.*?)(?:$| - )", msg)
-    if key in options(cls) and got:
-        tp, f = options(cls)[key]
-        msg = f"expected {expected(tp, f.metadata)}, got {got.group(1)!r}"
+        return ConfigError([("--config", re.sub(r".*Problems parsing config: (yaml: )?", "", text))])
+    if not (m := re.search(r'Parser key "([\w.]+)":? ?(.*)|argument --([\w.]+)(?:/\S+)?: (.*)', text)):
+        return ConfigError([("command line", text or "invalid")])
+    key, msg, opts = m[1] or m[3], m[2] or m[4], options(cls)
+    if key in opts and (got := re.search(r"(?:Got|Given) value: (.*?)(?:$| - )", msg)):
+        msg = f"expected {expected(opts[key][0], opts[key][1].metadata)}, got {got[1]!r}"
     return ConfigError([(key, msg or "invalid")])
 
 
