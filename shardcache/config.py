@@ -1,16 +1,13 @@
-"""One configuration mechanism for both stages, on jsonargparse (why not tyro: docs/configuration.md).
-
-A config is a dataclass of options and sections (nested dataclasses), each documented by the string
-below it. jsonargparse reads them and gives the YAML config file, a flag per option (``--optim.lr``),
-type checks and ``--help``. Added here: the rules of :func:`option` (bounds, choices, ``merge``),
-``--set KEY=VALUE``, short flags, the config file of an environment variable, a YAML reader with
-limits, every problem as ``option: message`` (exit 2).
-"""
+"""One configuration mechanism for both stages: dataclasses of documented options and sections, read by
+jsonargparse (config file, a flag per option, types, ``--help``; why not tyro: docs/configuration.md). Added
+here: :func:`option`'s rules, ``--set KEY=VALUE``, short flags, ``$ENV`` config files, a YAML reader with limits,
+every problem as ``option: message`` (exit 2)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import operator
 import os
 import re
 import sys
@@ -143,6 +140,8 @@ def dump(cfg: Any) -> str:
 
 _WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "dict": "a mapping",
           "tuple": "a list", "list": "a list", "NoneType": "null", "None": "null"}
+#: the bounds of :func:`option`: name -> (symbol, test a value passes)
+_BOUNDS = {"gt": (">", operator.gt), "ge": (">=", operator.ge), "le": ("<=", operator.le)}
 
 
 def expected(tp: Any, meta: Mapping[str, Any]) -> str:
@@ -150,7 +149,7 @@ def expected(tp: Any, meta: Mapping[str, Any]) -> str:
     names = [re.match(r"\W*(?:typing\.)?(?:class ')?(\w+)", p).group(1) for p in str(tp).split("|")]
     words = [_WORDS.get(n, n) for n in names if not (meta.get("choices") and n in ("str", "NoneType", "None"))]
     num = lambda x: str(int(x)) if float(x).is_integer() else f"{x:g}"  # noqa: E731
-    bounds = [f"{op} {num(meta[k])}" for k, op in (("gt", ">"), ("ge", ">="), ("le", "<=")) if meta.get(k) is not None]
+    bounds = [f"{sym} {num(meta[k])}" for k, (sym, _) in _BOUNDS.items() if meta.get(k) is not None]
     text = " or ".join(words) + (" " + " and ".join(bounds) if bounds else "")
     if meta.get("choices"):
         text = (text + " or " if words else "") + "one of " + ", ".join(map(str, meta["choices"]))
@@ -163,14 +162,11 @@ def check(cfg: Any, custom: Mapping[str, Callable[[Any], list[tuple[str, str]]]]
     out = []
     for path, (tp, f) in options(type(cfg)).items():
         v, m = attrgetter(path)(cfg), f.metadata
-        if v is not None and not (m.get("choices") and v in m["choices"]):
-            number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            if (not number and m.get("choices")) or (number and (
-                    (m.get("gt") is not None and not v > m["gt"]) or (m.get("ge") is not None and v < m["ge"])
-                    or (m.get("le") is not None and v > m["le"]))):
-                out.append((path, f"expected {expected(tp, m)}, got {v!r}"))
-                continue
-        if custom and path in custom:
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        bounded = not number or all(m.get(k) is None or test(v, m[k]) for k, (_, test) in _BOUNDS.items())
+        if v is not None and v not in (m.get("choices") or ()) and (not bounded or not number and m.get("choices")):
+            out.append((path, f"expected {expected(tp, m)}, got {v!r}"))
+        elif custom and path in custom:
             out.extend((path + suffix, msg) for suffix, msg in custom[path](v))
     return out
 
