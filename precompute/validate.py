@@ -1,10 +1,6 @@
-"""Check a :class:`~precompute.config.PrecomputeConfig` before any work (no model is loaded).
-
-Types are checked when the config is read, each option's declared rules by
-:func:`shardcache.config.check`; this module adds what one option cannot say alone (the device
-spelling, encoder specs against the registries, ``extra_fields``
-names against the field registry, rules across options), each as ``option: message``.
-"""
+"""Check a :class:`~precompute.config.PrecomputeConfig` before any model loads: beyond the types (checked as
+it is read) and :func:`shardcache.config.check`'s declared rules, the device spelling, encoder and producer
+specs against their registries, field names, rules across options; each problem as ``option: message``."""
 from __future__ import annotations
 
 import re
