@@ -10,7 +10,6 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from shardcache import config as S
 from shardcache.config import ConfigError, option
