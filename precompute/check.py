@@ -117,7 +117,7 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     if not out["fingerprint_matches"]:
         log.warning("the encoders and preprocessing give fingerprint %s..., the cache has %s...: the weights or "
                     "settings changed since the cache was made", pipe.fingerprint[:16], str(man.fingerprint)[:16])
-    rel_tol = float((cfg.precision_tolerance or {}).get("latents_rel_err", 0.02))
+    rel_tol = cfg.precision_tolerance.latents_rel_err
     prepared = [pipe.prepare(by_key[reader.keys[i]]) for i in picked]
     with torch.inference_mode():
         encoded = pipe.encode(prepared, Summary())

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     barrier, close = make_barrier(world_size, global_rank)  # the ranks only synchronise, never communicate
     if global_rank == 0:
         log.info("config file: %s (%s)", args.config_file or "none", args.config_source)
-        log.info("config: %s", cfg.to_dict())
+        log.info("config: %s", S.to_dict(cfg))
     try:
         summary, manifest = run(args.manifest, args.cache, cfg, root=args.root, global_rank=global_rank,
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,

@@ -1,9 +1,5 @@
-"""Stage-one configuration: :class:`PrecomputeConfig`, one section of documented, checked options.
-
-Read through :mod:`shardcache.config`: defaults < config file (``--config FILE``, else
-``$SHARDCACHE_PRECOMPUTE_CONFIG``) < flags in their order; :mod:`precompute.validate` adds the rules
-across options. What changes a cached byte is in :data:`FINGERPRINT` (the cache's fingerprint).
-"""
+"""Stage-one configuration: :class:`PrecomputeConfig`, read by :mod:`shardcache.config` (defaults < config
+file < flags), checked by :mod:`precompute.validate`; :data:`FINGERPRINT` lists what changes a cached byte."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,9 +38,19 @@ ENCODER_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "
                   "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
+@dataclass
+class PrecisionTolerance:
+    """How far an encoder_dtype other than float32 may differ from float32 (:mod:`precompute.precision`)."""
+
+    latents_rel_err: float = option(0.02, ge=0.0, le=1e6)
+    """The most relative L2 error of the latents."""
+    codes_agreement: float = option(0.95, ge=0.0, le=1.0)
+    """The least fraction of codes equal to float32's."""
+
+
 #: the options that change cached bytes, so the cache's fingerprint (:meth:`PrecomputeConfig.preprocessing`)
 FINGERPRINT = ("sample_rate", "image_size", "image_resize", "image_rgb", "image_pixel_range", "image_token",
-               "world_tokens", "store_posterior", "chat_template", "label_policy", "extra_waveforms", "image_features")
+               "world_tokens", "store_posterior", "chat_template", "label_policy", "image_features")
 
 
 @dataclass
@@ -62,24 +68,19 @@ class PrecomputeConfig:
     image_size: int = option(256, gt=0, le=16384)
     """Pixels of the square VAE input (a multiple of the VAE's spatial factor, 8)."""
     image_resize: str = option("center_crop", choices=RESIZE_MODES)
-    """center_crop | pad | bucket (aspect kept; loaders pad latents and return latents_mask), all bicubic |
-    stretch (aspect not kept, Pillow bilinear: TheWorld's CosmosVAEEncoder)."""
+    """center_crop | pad | bucket (aspect kept, bicubic) | stretch (aspect not kept: TheWorld's CosmosVAEEncoder)."""
     image_rgb: str = option("composite", choices=RGB_MODES)
-    """composite = EXIF orientation applied, alpha over white, 16-bit scaled by 1/257; convert = Pillow's
-    Image.convert("RGB") alone (TheWorld's loaders: no EXIF rotation, alpha dropped)."""
+    """composite: EXIF rotation applied, alpha over white; convert: Pillow's convert("RGB") alone (TheWorld's)."""
     image_pixel_range: str = option("-1..1", choices=tuple(PIXEL_RANGES))
-    """Pixel values the VAE is fed: -1..1 (what the Wan / Cosmos VAEs document) or 0..255 (what TheWorld's
-    CosmosVAEEncoder feeds: use it to continue from a TheWorld checkpoint)."""
+    """Pixel values the VAE is fed: -1..1 (as the Wan / Cosmos VAEs document) or 0..255 (TheWorld's)."""
     image_token: str = option(IMAGE)
     """Placeholder token of an image in input_ids, the k-th for image k: <image> (LLaVA), <start_of_image> (Gemma 3)."""
     world_tokens: tuple[str, ...] | None = None
     """TheWorld's markers [<start_of_world>, <end_of_world>]: one pair per image right after BOS (label -100)."""
     add_missing_tokens: bool = False
-    """Add the placeholder / marker tokens the text tokenizer lacks as special tokens (the LM's embeddings are
-    resized); false = such a tokenizer is refused before any work."""
+    """Add the placeholder / marker tokens the text tokenizer lacks; false: such a tokenizer is refused."""
     store_posterior: bool = False
-    """Also store latents_logvar (float16, C x T x H x W) beside the mean, to sample mean + exp(0.5 * logvar) *
-    eps in training. wan only."""
+    """Also store latents_logvar beside the mean (to sample mean + exp(0.5 * logvar) * eps); wan only."""
     max_image_pixels: int = option(64_000_000, gt=0, le=1 << 30)
     """Decompression-bomb guard: images with more pixels are rejected (image_too_large)."""
     min_image_side: int = option(16, gt=0, le=16384)
@@ -89,41 +90,31 @@ class PrecomputeConfig:
     encoder_batch_size: int = option(8, gt=0, le=65536)
     """Clips or images per encoder call (not the training batch)."""
     num_workers: int | str = option("auto", choices=("auto",), ge=0, le=1024)
-    """Decode worker processes (0 = in the main process). auto: on CUDA sized from the first batch's decode and
-    encode times (at most this rank's share of the cores - 1); on CPU 0."""
+    """Decode worker processes (0: in the main process); auto: on CUDA sized from the first batch, on CPU 0."""
     device: str = "auto"
     """auto = cuda:LOCAL_RANK when available, else cpu; or cpu, cuda, cuda:N (mps, xpu:N...)."""
     encoder_dtype: str = option("float32", choices=tuple(ENCODER_DTYPES))
     """Compute dtype of the codec and the VAE; anything but float32 is first measured against float32."""
     precision_samples: int = option(8, ge=0, le=100_000)
     """Rows used for that measurement."""
-    precision_tolerance: dict[str, float] = option(
-        factory=lambda: {"latents_rel_err": 0.02, "codes_agreement": 0.95})
+    precision_tolerance: PrecisionTolerance = option(factory=PrecisionTolerance)
     """The accepted difference: latents relative L2 error, fraction of equal codes."""
     audio_tokenizer: dict | None = option(
         factory=lambda: {"name": "dac", "pretrained": "descript/dac_24khz"})
-    """Codec {name (listed by --help), pretrained: DIR or hub id, options...} or {factory: module:callable,
-    kwargs}; null = no codes. Flags: --audio_tokenizer.name NAME, --audio_tokenizer.pretrained DIR."""
+    """Codec {name (listed by --help), pretrained: DIR or hub id, options...} or a factory; null = no codes."""
     image_encoder: dict | None = option(
         factory=lambda: {"name": "wan", "pretrained": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"})
     """VAE {name (listed by --help), pretrained: DIR or hub id, ...} or a factory; null = no latents."""
     image_features: dict | None = option(None)
-    """{name: gemma3, pretrained, dtype}: Gemma 3's processor, vision tower and projector run once per image
-    (image_features, n_images x tokens x hidden, bf16; input_ids as Gemma3Processor expands them); null = none."""
+    """{name: gemma3, pretrained, dtype}: Gemma 3's vision tower and projector once per image; null = none."""
     text_tokenizer: dict = option(factory=lambda: {"name": "bytes"})
     """Text tokenizer spec: {name: bytes} or {name: hf, pretrained: DIR or hub id} (the LM's own tokenizer)."""
     chat_template: str = option("auto", choices=CHAT_TEMPLATES)
-    """auto = the tokenizer's chat template if it has one, else llama3 (Higgs-Audio's layout); tokenizer = its
-    template or an error; theworld = its template with images as their own content items (TheWorld's collate)."""
+    """auto (the tokenizer's template, else llama3) | llama3 (Higgs-Audio's) | tokenizer (or an error) | theworld."""
     label_policy: str = option("answers", choices=LABEL_POLICIES)
-    """Which tokens get labels: answers = the assistant turns, no placeholder or marker; all_but_world = every
-    token of input_ids (TheWorld's rule: only the world embeddings get -100)."""
-    extra_waveforms: dict[str, dict] = option(factory=dict)
-    """More waveform fields: name -> {sample_rate: Hz, direction: in | out | all}, e.g. {audio_16k:
-    {sample_rate: 16000, direction: in}} (the user side at 16 kHz for a Whisper-style encoder)."""
+    """Which tokens get labels: answers (the assistant turns') | all_but_world (every token: TheWorld's rule)."""
     extra_fields: dict[str, dict] = option(factory=dict)
-    """More fields: name -> {producer: NAME, **options} or a plug-in {factory: module:callable, kwargs} (its
-    fields declared with shards.fields.register); shardcache add-field adds one to an existing cache."""
+    """More fields: NAME -> {producer: waveform | codes | ..., **options} or a plug-in {factory, kwargs}."""
     manifest_format: str | None = option(None, choices=tuple(FORMATS))
     """Manifest format; null = detected from the file."""
     columns: dict[str, str] = option(factory=dict)
@@ -139,8 +130,7 @@ class PrecomputeConfig:
     max_audio_items: int = option(256, gt=0, le=1_000_000)
     """Per sample: the most audio items of a conversation; more are rejected as too_large before any decoding."""
     max_total_duration_s: float = option(3600.0, gt=0.0, le=1e7)
-    """Per sample: the most seconds of audio, every item together; more is rejected as too_large (from the
-    windows' durations before decoding where the row gives them, else after)."""
+    """Per sample: the most seconds of audio, every item together; more is rejected as too_large."""
     max_images: int = option(64, gt=0, le=1_000_000)
     """Per sample: the most images of a conversation; more are rejected as too_large before any decoding."""
 
@@ -148,20 +138,15 @@ class PrecomputeConfig:
         """Every parameter that changes cached bytes (the cache's fingerprint): the options of
         :data:`FINGERPRINT`, the stored dtypes, the encoders' compute dtype and ``sample_layout`` (the
         conversation rendering of :mod:`precompute.chat`: label spans from the template's structure)."""
-        options = self.to_dict()
+        options = S.to_dict(self)
         return {k: options[k] for k in FINGERPRINT} | {
             "audio_format": "pcm_s16le", "latents_dtype": "float16", "sample_layout": "conversation-2",
             "encoder_dtype": ENCODER_DTYPES[self.encoder_dtype]}
 
-    def to_dict(self) -> dict[str, Any]:
-        return S.to_dict(self)
-
 
 def load_config(path: str | Path | dict | None = None, overrides: list[str] | None = None) -> PrecomputeConfig:
-    """Defaults < the YAML file ``path`` (or a mapping, e.g. a cache's recorded config) < ``key=value``
-    overrides (values read as YAML). Unknown options and values of the wrong type raise
-    :class:`shardcache.config.ConfigError` naming them; the declared rules are checked by
-    :func:`precompute.validate.validate_config`."""
+    """Defaults < the YAML file ``path`` (or a mapping: a cache's recorded config) < ``key=value`` overrides.
+    Raises :class:`~shardcache.config.ConfigError` on unknown options and wrong types (rules: :mod:`.validate`)."""
     text = yaml.safe_dump(path) if isinstance(path, dict) else str(path) if path else "none"
     argv = ["--config", text] + [a for o in overrides or () for a in ("--set", o)]
     return S.parse(S.parser(PrecomputeConfig, "load_config"), PrecomputeConfig, argv, "")[0]

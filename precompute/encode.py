@@ -2,9 +2,9 @@
 
 The fields of a sample come from the job's producers (:mod:`precompute.producers`), run in order
 over one encoder batch (so each encoder is called batched; a failing input costs only its own row,
-``encode_failed``): ``input_ids``/``labels``, ``audio`` + ``audio_starts`` and each extra waveform,
-``codes`` + ``audio_segments``, ``latents`` (+ ``latents_logvar``), then plug-in fields
-(``extra_fields``). Every value is checked here, once, with its field's kind
+``encode_failed``): ``input_ids``/``labels``, ``audio`` + ``audio_starts``, ``codes`` +
+``audio_segments``, ``latents`` (+ ``latents_logvar``), then the ``extra_fields`` (e.g. a waveform
+at another rate). Every value is checked here, once, with its field's kind
 (:meth:`shards.kinds.FieldKind.value_check`: codes in ``[0, codebook_size)``, ids in
 ``[0, vocab_size)``, latents finite and inside float16's range) and cast to the field's storage
 dtype; a sample that breaks a check is rejected ``encode_failed`` naming the field. The ``json``
@@ -90,22 +90,11 @@ def load_encoders(cfg: PrecomputeConfig, device: str, dtype: str | None = None) 
         text=load_text_tokenizer(cfg.text_tokenizer))
 
 
-def waveform_fields(cfg: PrecomputeConfig) -> dict[str, tuple[int, set[str]]]:
-    """Waveform fields of the job: name -> (sample_rate, directions stored)."""
-    out = {"audio": (int(cfg.sample_rate), {"in", "out"})}
-    for name, spec in (cfg.extra_waveforms or {}).items():
-        d = spec.get("direction", "all")
-        out[name] = (int(spec["sample_rate"]), {"in", "out"} if d == "all" else {d})
-    return out
-
-
 def job_producers(cfg: PrecomputeConfig, enc: Encoders, template: str, device: str = "cpu"
                   ) -> tuple[list[P.Producer], dict[str, P.Producer]]:
     """The producers of a job, in the order they run (see :mod:`precompute.producers`), and those
     of its ``extra_fields`` by field name (also at the end of the list)."""
-    out: list[P.Producer] = [P.TextProducer(enc.text, template)]
-    for name, (rate, directions) in waveform_fields(cfg).items():
-        out.append(P.WaveformProducer(name, rate, directions, always=name == "audio"))
+    out: list[P.Producer] = [P.TextProducer(enc.text, template), P.WaveformProducer("audio", cfg.sample_rate)]
     out.append(P.CodesProducer(enc.audio) if enc.audio is not None else P.SegmentsProducer())
     if enc.image is not None:
         out.append(P.LatentsProducer(enc.image, cfg.store_posterior, info=P.latents_info(cfg, enc.image)))

@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from shardcache.config import to_dict
 from shardcache.workers import auto_workers
 
 from shards import schema
@@ -48,7 +49,7 @@ from shards.writer import ShardWriter
 from . import chat, shared_batch
 from .config import PrecomputeConfig
 from .conversation import OUTSIDE_ROOT
-from .encode import Pipeline, Summary, load_encoders, waveform_fields
+from .encode import Pipeline, Summary, load_encoders
 from .lock import CacheLock, die_with_parent
 from .manifests import Request, read_requests
 from .output import LocalOutput, open_output
@@ -56,6 +57,7 @@ from .pipeline import EncodeStream, job_workers, preload_decoders
 from .precision import check_precision
 from .rerun import plan_rerun
 from .prepare import PrepareDataset, identity_collate
+from .producers import WaveformProducer
 
 log = logging.getLogger("precompute")
 JOB_FILE = "job.json"
@@ -378,10 +380,10 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
         output.wait_for_chunks([name for name, _ in plan])
         man = pipe.info  # the producers' facts (codec sizes, latent channels, extra fields), typed
         man.fingerprint, man.encoders, man.sample_rate = fp, describe, cfg.sample_rate
-        man.waveforms = {k: {"sample_rate": r, "directions": sorted(d)} for k, (r, d) in waveform_fields(cfg).items()}
+        man.waveforms = {p.field: p.manifest_info() for p in pipe.producers if isinstance(p, WaveformProducer)}
         man.text = TextInfo.from_dict(chat.describe(template, enc.text, pipe.tokens, pipe.added))
         man.text_vocab_size, man.text_pad_id = enc.text.vocab_size, enc.text.pad_id
-        man.config, man.source_manifest, man.world_size = cfg.to_dict(), str(manifest), world_size
+        man.config, man.source_manifest, man.world_size = to_dict(cfg), str(manifest), world_size
         if precision:
             man.extra["precision_check"] = precision
         result = merge_parts(out_dir, man)

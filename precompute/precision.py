@@ -14,13 +14,15 @@ measured numbers are stored in ``manifest.json`` under ``precision_check`` eithe
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
 from shards.errors import ShardcacheError
 
-DEFAULT_TOLERANCE = {"latents_rel_err": 0.02, "codes_agreement": 0.95}
+from .config import PrecisionTolerance
+
 
 
 class PrecisionMismatch(ShardcacheError):
@@ -51,14 +53,14 @@ def measure(half: Any, ref: Any, prepared: list) -> dict[str, Any]:
             "codes_agreement": round(agree / total, 6) if total else None}
 
 
-def check_precision(half: Any, ref: Any, prepared: list, tolerance: dict[str, float] | None = None,
+def check_precision(half: Any, ref: Any, prepared: list, tolerance: PrecisionTolerance | None = None,
                     dtype: str = "") -> dict[str, Any]:
     """:func:`measure`, then raise :class:`PrecisionMismatch` if outside ``tolerance``.
 
-    ``tolerance``: ``{"latents_rel_err": max allowed, "codes_agreement": min allowed}``
-    (defaults: :data:`DEFAULT_TOLERANCE`). Returns the measurement with the tolerance added.
+    ``tolerance``: the config's ``precision_tolerance`` (default: its defaults). Returns the
+    measurement with the tolerance added.
     """
-    tol = DEFAULT_TOLERANCE | dict(tolerance or {})
+    tol = dataclasses.asdict(tolerance or PrecisionTolerance())
     result = measure(half, ref, prepared) | {"dtype": dtype, "tolerance": tol}
     bad = []
     if result["latents_rel_err"] is not None and result["latents_rel_err"] > tol["latents_rel_err"]:

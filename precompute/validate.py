@@ -1,48 +1,31 @@
-"""Check a :class:`~precompute.config.PrecomputeConfig` before any work (no model is loaded).
-
-Types are checked when the config is read, each option's declared rules by
-:func:`shardcache.config.check`; this module adds what one option cannot say alone (the device
-spelling, encoder specs against the registries, ``precision_tolerance`` keys, ``extra_waveforms``
-names against the field registry, rules across options), each as ``option: message``.
-"""
+"""Check a :class:`~precompute.config.PrecomputeConfig` before any model loads: beyond the types (checked as
+it is read) and :func:`shardcache.config.check`'s declared rules, the device spelling, encoder and producer
+specs against their registries, field names, rules across options; each problem as ``option: message``."""
 from __future__ import annotations
 
-import importlib
 import re
 from typing import Any
 
 from shardcache import config as S
 from shardcache.config import ConfigError
+from shards import fields
 
-from .config import ENCODER_DTYPES, MAX_SAMPLE_RATE, PrecomputeConfig
+from .config import ENCODER_DTYPES, PrecomputeConfig
+from .encoders.registry import SPECS, spec_problems
+from .producers import producer_problems
+from .producers.image_features import VISION_ENCODERS
 
 __all__ = ["ConfigError", "check_config", "validate_config"]
 
 #: the VAE's spatial factor: ``image_size`` must be a multiple of it
 IMAGE_MULTIPLE = 8
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
-#: ``precision_tolerance`` keys -> (lowest, highest) value
-TOLERANCE_KEYS = {"latents_rel_err": (0.0, float("inf")), "codes_agreement": (0.0, 1.0)}
-WAVEFORM_DIRECTIONS = ("in", "out", "all")
-#: options whose value is an encoder spec -> (module, its table of built-in names, the default name)
-ENCODER_SPECS = {"audio_tokenizer": ("precompute.encoders.registry", "AUDIO_TOKENIZERS", "dac"),
-                 "image_encoder": ("precompute.encoders.registry", "IMAGE_ENCODERS", "wan"),
-                 "text_tokenizer": ("precompute.encoders.registry", "TEXT_TOKENIZERS", "bytes"),
-                 "image_features": ("precompute.producers.image_features", "VISION_ENCODERS", "gemma3")}
 
 
-def _spec(field: str):
-    """The registry's own rules (:func:`precompute.encoders.registry.spec_problems`) for the encoder
-    spec of option ``field``; null: none (no codes, no latents)."""
-    def run(spec: Any) -> list[tuple[str, str]]:
-        module, attr, default = ENCODER_SPECS[field]
-        try:
-            from .encoders.registry import spec_problems
-            table = getattr(importlib.import_module(module), attr)
-        except ImportError:  # encoders not importable here: checked when they load
-            return []
-        return [] if spec is None else spec_problems(spec, table, default)
-    return run
+def _spec(option: str):
+    """The registry's own rules (:func:`~.encoders.registry.spec_problems`) for the encoder spec of
+    ``option``; null: none (no codes, no latents)."""
+    return lambda spec: [] if spec is None else spec_problems(spec, *SPECS[option])
 
 
 def _image_features(v: Any) -> list[tuple[str, str]]:
@@ -52,7 +35,7 @@ def _image_features(v: Any) -> list[tuple[str, str]]:
         return []
     if "factory" in v:
         return [("", "a plug-in image encoder is a producer: extra_fields: {NAME: {factory: ...}}")]
-    out, p = _spec("image_features")(v), v.get("pretrained")
+    out, p = spec_problems(v, VISION_ENCODERS, "gemma3"), v.get("pretrained")
     if not isinstance(p, str) or not p.strip():
         out.append((".pretrained", f"expected a local directory or hub id (e.g. google/gemma-3-4b-it), got {p!r}"))
     if v.get("dtype", "bfloat16") not in ENCODER_DTYPES:
@@ -60,66 +43,20 @@ def _image_features(v: Any) -> list[tuple[str, str]]:
     return out
 
 
-def _tolerance(v: dict) -> list[tuple[str, str]]:
-    out = []
-    for k, x in v.items():
-        lo, hi = TOLERANCE_KEYS.get(k, (None, None))
-        if lo is None:
-            out.append((f".{k}", f"unknown key; known: {', '.join(TOLERANCE_KEYS)}"))
-        elif not lo <= x <= hi:
-            out.append((f".{k}", f"expected a number >= {lo:g}" + (f" and <= {hi:g}" if hi < float("inf") else "")
-                        + f", got {x!r}"))
-    return out
-
-
-def _waveforms(v: dict) -> list[tuple[str, str]]:
-    """Each name must be a waveform field of the registry that no fixed field owns (``audio_16k``:
-    shards.fields' ``audio_<name>`` rule; ``audio``, ``codes``, ``latents``... refused), with a
-    ``sample_rate`` in the bounds of the option ``sample_rate`` and a ``direction``."""
-    from shards import fields
-    from shards.kinds import WAVEFORM
-
-    out = []
-    for k, spec in v.items():
-        where, f = f".{k}", fields.lookup(k)
-        if k in fields.BY_NAME and k not in fields.REGISTERED:
-            out.append((where, f"{k!r} is a field of its own (reserved); name it audio_<name>, e.g. audio_16k"))
-        elif f is None or f.kind is not WAVEFORM:
-            what = f"a {f.kind.name} field" if f is not None else "not a field shards.fields knows"
-            out.append((where, f"{k!r} is {what}; a waveform field is named audio_<name>, e.g. audio_16k"))
-        if extra := sorted(set(spec) - {"sample_rate", "direction"}):
-            out.append((where, f"unknown key(s) {extra}; known: sample_rate, direction"))
-        sr, d = spec.get("sample_rate"), spec.get("direction", "all")
-        if not isinstance(sr, int) or isinstance(sr, bool) or not 0 < sr <= MAX_SAMPLE_RATE:
-            out.append((f"{where}.sample_rate", f"expected an integer > 0 and <= {MAX_SAMPLE_RATE}, got {sr!r}"))
-        if d not in WAVEFORM_DIRECTIONS:
-            out.append((f"{where}.direction", f"expected one of {', '.join(WAVEFORM_DIRECTIONS)}, got {d!r}"))
-    return out
-
-
 def _extra_fields(v: dict) -> list[tuple[str, str]]:
-    """Each field made by a producer of the registry under a name shards.fields gives a kind (not one a
-    job's own producers write), or by a plug-in (whose fields are declared when it loads): checked here,
-    before any encoder loads."""
-    from shards import fields
-
-    from .encoders.registry import spec_problems
-    from .producers import PRODUCERS
+    """Each a producer spec (:func:`~.producers.producer_problems`) under a name shards.fields gives a kind
+    and the job does not write itself (a plug-in's fields are declared when it loads)."""
     out = []
     for k, spec in v.items():
-        if not isinstance(spec, dict):
-            out.append((f".{k}", f"expected {{producer: NAME, ...}} or {{factory: module:callable, kwargs}}, got {spec!r}"))
-        elif "factory" in spec:
-            out += [(f".{k}{s}", m) for s, m in spec_problems(spec, {}, "")]
-        elif spec.get("producer") not in PRODUCERS:
-            out.append((f".{k}.producer", f"expected one of {', '.join(PRODUCERS)} (or a plug-in: factory), "
-                                          f"got {spec.get('producer')!r}"))
-        elif k in fields.BY_NAME and k not in fields.REGISTERED:
+        plugin = isinstance(spec, dict) and "factory" in spec
+        if not plugin and k in fields.BY_NAME and k not in fields.REGISTERED:
             out.append((f".{k}", f"{k!r} is written by the job itself (reserved); name a new field by its kind's "
                                  "rule (audio_<name>, codes_<name>...); image_features has its own option"))
-        elif fields.lookup(k) is None:
+        elif not plugin and fields.lookup(k) is None:
             out.append((f".{k}", f"{k!r} is not a field shards.fields knows (codes_<name>, audio_<name>... or "
                                  "a plug-in's declared field)"))
+        else:
+            out += [(f".{k}{s}", m) for s, m in producer_problems(spec, k)]
     return out
 
 
@@ -138,8 +75,8 @@ def _world(v: Any) -> list[tuple[str, str]]:
 #: per-option checks beyond type, choices and bounds (run where those passed)
 CUSTOM = {"device": lambda v: [] if DEVICE_RE.match(v) else [
               ("", f"expected auto, cpu, cuda, cuda:N (or mps, xpu:N...), got {v!r}")],
-          "precision_tolerance": _tolerance, "extra_waveforms": _waveforms, "image_token": _token,
-          "world_tokens": _world, "extra_fields": _extra_fields, **{f: _spec(f) for f in ENCODER_SPECS}, "image_features": _image_features}
+          "image_token": _token, "world_tokens": _world, "extra_fields": _extra_fields,
+          "image_features": _image_features, **{option: _spec(option) for option in SPECS}}
 
 
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:

@@ -34,7 +34,7 @@ def fields_table() -> str:
         rows.append(f"| `{f.name}` | {f.kind.name} | {f.dtype}, {f.ndim}-D | "
                     f"{', '.join(f'`{k}`' for k in f.batch_keys)} | {_cell(pad)} | {where} | {_cell(f.doc)} |")
     rows.append("| `audio_<name>`, `audio_<name>_starts` | waveform, offsets | int16 1-D, int32 1-D | as `audio` | "
-                "0, last offset | tensors.npz | `extra_waveforms` (e.g. `audio_16k`) |")
+                "0, last offset | tensors.npz | `extra_fields` producer `waveform` (e.g. `audio_16k`) |")
     rows.append("| `codes_<codec>` | codes | int16, 2-D | `codes_<codec>`, `_lengths`, `_mask` | -100 | sidecar tar | "
                 "added later with `shardcache add-field` |")
     return "\n".join(rows)

@@ -1,20 +1,16 @@
-"""One configuration mechanism for both stages, on jsonargparse (why not tyro: docs/configuration.md).
-
-A config is a dataclass of options and sections (nested dataclasses), each documented by the string
-below it. jsonargparse reads them and gives the YAML config file, a flag per option (``--optim.lr``),
-type checks and ``--help``. Added here: the rules of :func:`option` (bounds, choices, ``merge``),
-``--set KEY=VALUE``, short flags, the config file of an environment variable, a YAML reader with
-limits, every problem as ``option: message`` (exit 2).
-"""
+"""One configuration mechanism for both stages: dataclasses of documented options and sections, read by
+jsonargparse (config file, a flag per option, types, ``--help``; why not tyro: docs/configuration.md). Added
+here: :func:`option`'s rules, ``--set KEY=VALUE``, short flags, ``$ENV`` config files, a YAML reader with limits,
+every problem as ``option: message`` (exit 2)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import operator
 import os
 import re
 import sys
-import textwrap
 import typing
 from operator import attrgetter
 from pathlib import Path
@@ -53,11 +49,6 @@ def option(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | N
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
-
-
-def section(cls: type) -> Any:
-    """A nested section (its own dataclass of options)."""
-    return dataclasses.field(default_factory=cls)
 
 
 def options(cls: type, prefix: str = "") -> dict[str, tuple[Any, dataclasses.Field]]:
@@ -149,6 +140,8 @@ def dump(cfg: Any) -> str:
 
 _WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "dict": "a mapping",
           "tuple": "a list", "list": "a list", "NoneType": "null", "None": "null"}
+#: the bounds of :func:`option`: name -> (symbol, test a value passes)
+_BOUNDS = {"gt": (">", operator.gt), "ge": (">=", operator.ge), "le": ("<=", operator.le)}
 
 
 def expected(tp: Any, meta: Mapping[str, Any]) -> str:
@@ -156,7 +149,7 @@ def expected(tp: Any, meta: Mapping[str, Any]) -> str:
     names = [re.match(r"\W*(?:typing\.)?(?:class ')?(\w+)", p).group(1) for p in str(tp).split("|")]
     words = [_WORDS.get(n, n) for n in names if not (meta.get("choices") and n in ("str", "NoneType", "None"))]
     num = lambda x: str(int(x)) if float(x).is_integer() else f"{x:g}"  # noqa: E731
-    bounds = [f"{op} {num(meta[k])}" for k, op in (("gt", ">"), ("ge", ">="), ("le", "<=")) if meta.get(k) is not None]
+    bounds = [f"{sym} {num(meta[k])}" for k, (sym, _) in _BOUNDS.items() if meta.get(k) is not None]
     text = " or ".join(words) + (" " + " and ".join(bounds) if bounds else "")
     if meta.get("choices"):
         text = (text + " or " if words else "") + "one of " + ", ".join(map(str, meta["choices"]))
@@ -169,14 +162,11 @@ def check(cfg: Any, custom: Mapping[str, Callable[[Any], list[tuple[str, str]]]]
     out = []
     for path, (tp, f) in options(type(cfg)).items():
         v, m = attrgetter(path)(cfg), f.metadata
-        if v is not None and not (m.get("choices") and v in m["choices"]):
-            number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            if (not number and m.get("choices")) or (number and (
-                    (m.get("gt") is not None and not v > m["gt"]) or (m.get("ge") is not None and v < m["ge"])
-                    or (m.get("le") is not None and v > m["le"]))):
-                out.append((path, f"expected {expected(tp, m)}, got {v!r}"))
-                continue
-        if custom and path in custom:
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        bounded = not number or all(m.get(k) is None or test(v, m[k]) for k, (_, test) in _BOUNDS.items())
+        if v is not None and v not in (m.get("choices") or ()) and (not bounded or not number and m.get("choices")):
+            out.append((path, f"expected {expected(tp, m)}, got {v!r}"))
+        elif custom and path in custom:
             out.extend((path + suffix, msg) for suffix, msg in custom[path](v))
     return out
 
@@ -201,17 +191,11 @@ def parser(cls: type, prog: str, description: str | None = None, epilog: str | N
 
 
 def short_help(p: ArgumentParser, paths: Iterable[str], footer: str) -> str:
-    """The usage and description of ``p``'s help, the options ``paths`` (in that order) with their
-    docstrings and defaults, then ``footer`` (e.g. where the rest is)."""
-    by_dest = {a.dest: a for a in p._actions}  # noqa: SLF001 - argparse lists its actions nowhere else
-    lines = [f"usage: {p.usage % {'prog': p.prog}}", "", p.description or "", "", "common options:"]
-    for path in ["config", "set", *paths]:
-        a = by_dest[path]
-        default = "" if a.default in (None, [], argparse.SUPPRESS) else f" (default: {a.default})"
-        lines += [f"  {a.option_strings[0]} {a.metavar or path.rsplit('.', 1)[-1].upper()}",
-                  textwrap.fill(re.sub(r"\s*\(type: .*?\)$", "", " ".join(str(a.help).split())) + default, 100,
-                                initial_indent="      ", subsequent_indent="      ")]
-    return "\n".join(lines + ["", footer]) + "\n"
+    """``p``'s help showing only ``--help``, ``--config``, ``--set`` and the options ``paths``, then ``footer``."""
+    for a in p._actions:  # noqa: SLF001 - argparse lists its actions nowhere else
+        a.help = a.help if a.dest in {"help", "config", "set", *paths} else argparse.SUPPRESS
+    p.epilog = footer
+    return p.format_help()
 
 
 def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> tuple[list[str], list, str | None, str]:
@@ -272,28 +256,19 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
     return cfg, argparse.Namespace(config_file=path, config_source=why, **rest)
 
 
-def from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """A nested mapping (as a config file holds) -> ``cls``; type errors raise :class:`ConfigError`."""
-    return parse(parser(cls, cls.__name__), cls, ["--config", json.dumps(data, default=str)], "")[0]
-
-
 def error(cls: type, text: str) -> ConfigError:
     """The library's message as ``option: message``."""
-    m = re.search(r'(?:Parser key|Key|Option) "?\'?([\w.]+)"?\'?:?\s*(.*)', text, re.S) or \
-        re.search(r"argument --([\w.]+)(?:/\S+)?: (.*)", text, re.S)
-    if (u := re.search(r"nrecognized arguments: --?([\w.-]+)|Option '([\w.]+)' is not accepted|"
-                       r"Group '([\w.]+)' does not accept option '(\w+)'", text)):
-        key = u.group(1) or u.group(2) or f"{u.group(3)}.{u.group(4)}"
-        return ConfigError([(key, "unknown option; see --help")])
+    text = " ".join(text.split())
+    if u := re.search(r"nrecognized arguments: --?([\w.-]+)|Option '([\w.]+)' is not accepted|"
+                      r"Group '([\w.]+)' does not accept option '(\w+)'", text):
+        return ConfigError([(u[1] or u[2] or f"{u[3]}.{u[4]}", "unknown option; see --help")])
     if "Problems parsing config" in text:
-        return ConfigError([("--config", " ".join(re.sub(r".*Problems parsing config:\s*(yaml:\s*)?", "", text, flags=re.S).split()))])
-    if not m:
-        return ConfigError([("command line", " ".join(text.split()) or "invalid")])
-    key, msg = m.group(1), " ".join(m.group(2).split())
-    got = re.search(r"(?:Got|Given) value: (.*?)(?:$| - )", msg)
-    if key in options(cls) and got:
-        tp, f = options(cls)[key]
-        msg = f"expected {expected(tp, f.metadata)}, got {got.group(1)!r}"
+        return ConfigError([("--config", re.sub(r".*Problems parsing config: (yaml: )?", "", text))])
+    if not (m := re.search(r'Parser key "([\w.]+)":? ?(.*)|argument --([\w.]+)(?:/\S+)?: (.*)', text)):
+        return ConfigError([("command line", text or "invalid")])
+    key, msg, opts = m[1] or m[3], m[2] or m[4], options(cls)
+    if key in opts and (got := re.search(r"(?:Got|Given) value: (.*?)(?:$| - )", msg)):
+        msg = f"expected {expected(opts[key][0], opts[key][1].metadata)}, got {got[1]!r}"
     return ConfigError([(key, msg or "invalid")])
 
 

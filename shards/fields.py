@@ -16,7 +16,7 @@ dtypes) and its move to the device; everything else is derived from the entries 
   member, or a sidecar tar).
 
 Name rules (no entry needed): ``audio_<name>`` / ``audio_<name>_starts`` are extra waveform fields
-(``extra_waveforms`` in the stage-one config); ``codes_<name>`` (e.g. ``codes_mimi``, made by
+(``extra_fields`` of producer ``waveform``); ``codes_<name>`` (e.g. ``codes_mimi``, made by
 ``shardcache add-field``) is a field of kind ``codes`` stored in sidecar tars. Fields of plug-in
 modules: :func:`register` them at import; modules named in ``$SHARDCACHE_PLUGINS`` (comma-separated)
 are imported at the first lookup of an unknown name, so DataLoader workers and ``torchrun`` ranks

@@ -38,8 +38,8 @@ their sidecar tar; the index locates every array either way):
   codes are ``codes[:, code_start:code_start + code_frames]`` and it stands at the ``k``-th
   ``<|AUDIO|>``/``<|AUDIO_OUT|>`` token of ``input_ids``.
 * ``audio_starts.npy`` int32 ``(n_audio_items + 1,)``: item ``k``'s waveform is
-  ``audio[starts[k]:starts[k + 1]]``. Extra waveform fields (``extra_waveforms`` in the stage-one
-  config, e.g. ``audio_16k.npy`` + ``audio_16k_starts.npy``) follow the same rule.
+  ``audio[starts[k]:starts[k + 1]]``. Extra waveform fields (``extra_fields`` of producer
+  ``waveform`` in the stage-one config, e.g. ``audio_16k.npy`` + ``audio_16k_starts.npy``) follow the same rule.
 * ``json``         UTF-8 JSON metadata: conversation, audio_items, text, speaker, sources, ...
 
 In a conversation, ``codes`` holds every audio item concatenated along frames, ``audio`` every
@@ -69,7 +69,7 @@ class MemberDtypes(dict):
     """Tensor member name -> numpy dtype it is stored with (derived from :mod:`shards.fields`).
 
     Besides the fixed entries, every name a rule of :func:`shards.fields.lookup` accepts is valid:
-    waveform fields named in a job's ``extra_waveforms`` (``audio_<name>.npy`` int16 and
+    waveform fields of a job's ``extra_fields`` (``audio_<name>.npy`` int16 and
     ``audio_<name>_starts.npy`` int32) and sidecar fields made by ``precompute add-field``
     (``codes_<name>.npy`` int16), so ``name in TENSOR_DTYPES`` and ``TENSOR_DTYPES[name]`` answer
     for them.

@@ -1,5 +1,5 @@
 """Options that reach a constructor are bounded before any model loads: exit 2 naming the option
-(issue 30 item 6): extra_waveforms names against the field registry, data.loader_kwargs against
+(issue 30 item 6): extra_fields names against the field registry, data.loader_kwargs against
 the loader's parameters, the reference model's model.kwargs, a batch larger than the cache."""
 from __future__ import annotations
 
@@ -19,26 +19,27 @@ def no_precompute(monkeypatch):
 
 
 @pytest.mark.parametrize("name,message", [
-    ("codes", "'codes' is a field of its own (reserved)"),
-    ("audio", "'audio' is a field of its own (reserved)"),
-    ("latents", "'latents' is a field of its own (reserved)"),
+    ("codes", "'codes' is written by the job itself (reserved)"),
+    ("audio", "'audio' is written by the job itself (reserved)"),
+    ("latents", "'latents' is written by the job itself (reserved)"),
     ("spectrogram", "'spectrogram' is not a field shards.fields knows"),
     ("codes_16k", "'codes_16k' is a codes field"),
 ])
-def test_extra_waveforms_names_are_checked_against_the_registry(no_precompute, capsys, tmp_path, name, message):
+def test_waveform_field_names_are_checked_against_the_registry(no_precompute, capsys, tmp_path, name, message):
     from shards import fields
     assert (name in fields.BY_NAME) == message.endswith("(reserved)")  # the registry's own answer
     rc = no_precompute.main(["--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "c"),
                              "--config", str(ROOT / "configs" / "precompute.yaml"),
-                             "--set", f"extra_waveforms={{{name}: {{sample_rate: 16000, direction: in}}}}"])
-    assert rc == 2 and f"error: extra_waveforms.{name}: {message}" in capsys.readouterr().err
+                             "--set", f"extra_fields={{{name}: {{producer: waveform, sample_rate: 16000}}}}"])
+    assert rc == 2 and f"error: extra_fields.{name}: {message}" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
 
 
 def test_a_waveform_name_of_the_registry_passes():
     from precompute.config import load_config
     from precompute.validate import check_config
-    assert check_config(load_config(None, ["extra_waveforms={audio_16k: {sample_rate: 16000, direction: in}}"])) == []
+    assert check_config(load_config(None, ["extra_fields={audio_16k: {producer: waveform, sample_rate: 16000, "
+                                           "direction: in}}"])) == []
 
 
 @pytest.mark.parametrize("spec,message", [

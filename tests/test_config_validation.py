@@ -61,11 +61,14 @@ def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
     (["--set", "encoder_dtype=int8"], "error: encoder_dtype: expected one of"),
     (["--set", "precision_tolerance.codes_agreement=1.5"],
      "error: precision_tolerance.codes_agreement: expected a number >= 0 and <= 1, got 1.5"),
+    (["--set", "precision_tolerance.latents_rel_eror=0.1"], "error: precision_tolerance.latents_rel_eror: unknown option"),
     (["--set", "audio_tokenizer.name=snac"], "error: audio_tokenizer.name: expected one of"),
     (["--audio_tokenizer.name", "snac"], "error: audio_tokenizer.name: expected one of"),
     (["--set", "image_encoder.nomalize=true"], "error: image_encoder: unknown option(s) ['nomalize']"),
-    (["--set", "extra_waveforms={audio_16k: {sample_rate: 0, direction: in}}"],
-     "error: extra_waveforms.audio_16k.sample_rate: expected an integer > 0 and <= 384000, got 0"),
+    (["--set", "extra_fields={audio_16k: {producer: waveform, sample_rate: 0, direction: in}}"],
+     "error: extra_fields.audio_16k.sample_rate: expected an integer > 0 and <= 384000, got 0"),
+    (["--set", "extra_fields={audio_16k: {producer: waveform, sample_rate: 16000, direction: up}}"],
+     "error: extra_fields.audio_16k.direction: expected one of in, out, all, got 'up'"),
     (["--set", "no_such_option=1"], "error: no_such_option: unknown option"),
     (["--set", "sample_rate"], "key=value"),
 ])
@@ -100,7 +103,7 @@ def test_valid_values_pass(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(cli, "run", fake_run)
     rc, _ = _main(capsys, tmp_path, "--set", "audio_tokenizer=null", "--set", "silence_rms=1e-4",
-                  "--set", "extra_waveforms={audio_16k: {sample_rate: 16000, direction: in}}",
+                  "--set", "extra_fields={audio_16k: {producer: waveform, sample_rate: 16000, direction: in}}",
                   "--set", "num_workers=auto", "--num-workers", "2", "--device", "cuda:1")
     assert rc == 1 and seen["cfg"].num_workers == 2 and seen["cfg"].audio_tokenizer is None
     assert seen["cfg"].silence_rms == 1e-4  # YAML 1.1 reads 1e-4 as text; a number option takes it as the number
@@ -170,7 +173,7 @@ def test_config_files_keep_their_fingerprint(tmp_path):
         "audio_format": "pcm_s16le", "chat_template": "llama3", "image_resize": "center_crop", "image_size": 256,
         "image_rgb": "composite", "image_pixel_range": "-1..1", "image_token": "<image>", "world_tokens": None,
         "encoder_dtype": "float32", "latents_dtype": "float16", "sample_layout": "conversation-2",
-        "sample_rate": 24000, "extra_waveforms": {"audio_16k": {"direction": "in", "sample_rate": 16000}},
+        "sample_rate": 24000,
         "store_posterior": False, "label_policy": "answers", "image_features": None}
     theworld = load_config(ROOT / "configs" / "precompute-theworld.yaml").preprocessing()
     assert {k: theworld[k] for k in ("image_resize", "image_size", "image_rgb", "image_pixel_range", "image_token",

@@ -157,9 +157,11 @@ def test_audio_job_never_builds_an_image_encoder_and_rejects_image_rows(real_min
 
 
 def test_extra_waveform_for_input_audio_at_16k(real_mini, tiny_config, tmp_path):
-    cfg = dataclasses.replace(tiny_config, image_encoder=None,
-                              extra_waveforms={"audio_16k": {"sample_rate": 16000, "direction": "in"}})
-    run(real_mini / "chatml_audio_understanding.json", tmp_path / "c", cfg, progress=False)
+    cfg = dataclasses.replace(tiny_config, image_encoder=None, extra_fields={
+        "audio_16k": {"producer": "waveform", "sample_rate": 16000, "direction": "in"}})
+    _, manifest = run(real_mini / "chatml_audio_understanding.json", tmp_path / "c", cfg, progress=False)
+    assert manifest["waveforms"]["audio_16k"] == {"sample_rate": 16000, "directions": ["in"]}
+    assert manifest["encoders"]["preprocessing"]["extra_fields"]["audio_16k"]["sample_rate"] == 16000  # fingerprinted
     rec = json.loads((real_mini / "chatml_audio_understanding.json").read_text())[0]
     s = _by_key(tmp_path / "c")[rec["misc"]["key"]]
     y, sr = sf.read(real_mini / rec["messages"][1]["content"][1]["audio_url"], dtype="float32")
@@ -170,8 +172,8 @@ def test_extra_waveform_for_input_audio_at_16k(real_mini, tiny_config, tmp_path)
 
 def test_extra_waveform_absent_where_no_item_has_its_direction(real_mini, tiny_config, tmp_path):
     """A TTS conversation has only output audio: no empty audio_16k member (a tar header each)."""
-    cfg = dataclasses.replace(tiny_config, image_encoder=None,
-                              extra_waveforms={"audio_16k": {"sample_rate": 16000, "direction": "in"}})
+    cfg = dataclasses.replace(tiny_config, image_encoder=None, extra_fields={
+        "audio_16k": {"producer": "waveform", "sample_rate": 16000, "direction": "in"}})
     run(real_mini / "chatml_voice_clone.json", tmp_path / "c", cfg, progress=False)
     s = next(iter(_by_key(tmp_path / "c").values()))
     assert "audio_16k" not in s and "audio_16k_starts" not in s and s["audio_starts"].shape == (3,)

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from precompute.config import PrecisionTolerance
 from precompute.precision import PrecisionMismatch
 from shards import read_manifest
 
@@ -14,7 +15,7 @@ from conftest import DEMO
 def test_bf16_is_measured_and_recorded(tiny_config, tmp_path):
     from precompute.job import run
     cfg = dataclasses.replace(tiny_config, encoder_dtype="bfloat16", precision_samples=8,
-                              precision_tolerance={"latents_rel_err": 1.0, "codes_agreement": 0.0})
+                              precision_tolerance=PrecisionTolerance(latents_rel_err=1.0, codes_agreement=0.0))
     summary, manifest = run(DEMO / "samples.jsonl", tmp_path / "c", cfg, progress=False)
     check = manifest["precision_check"]
     assert check["dtype"] == "bfloat16" and check["samples"] == 8
@@ -27,7 +28,7 @@ def test_bf16_is_measured_and_recorded(tiny_config, tmp_path):
 def test_bf16_outside_tolerance_stops_the_job_before_writing(tiny_config, tmp_path):
     from precompute.job import run
     cfg = dataclasses.replace(tiny_config, encoder_dtype="bfloat16",
-                              precision_tolerance={"latents_rel_err": 0.0, "codes_agreement": 1.0})
+                              precision_tolerance=PrecisionTolerance(latents_rel_err=0.0, codes_agreement=1.0))
     with pytest.raises(PrecisionMismatch, match="float32"):
         run(DEMO / "samples.jsonl", tmp_path / "c", cfg, progress=False)
     assert not list((tmp_path / "c").glob("shard-*.tar"))

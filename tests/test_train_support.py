@@ -260,7 +260,8 @@ def config_from_dict(data: dict[str, Any]):
     """A nested mapping (as a config file holds) -> a validated ``TrainConfig``."""
     from shardcache import config as S
     from train.config import TrainConfig, validate
-    return validate(S.from_dict(TrainConfig, data))
+    text = json.dumps(data, default=str)  # JSON is YAML: read as a config file is
+    return validate(S.parse(S.parser(TrainConfig, "test"), TrainConfig, ["--config", text], "")[0])
 
 
 def flags(argv: list[str]) -> list[str]:

@@ -181,12 +181,12 @@ def test_a_number_out_of_bounds_exits_2_before_any_work(tmp_path):
     out = tmp_path / "cache"
     cmd = [sys.executable, "-m", "shardcache", "precompute", "--manifest", str(DEMO / "samples.jsonl"),
            "--cache", str(out), "--sample-rate", "100000000000", "--set", "max_audio_items=0",
-           "--set", "extra_waveforms={a16k: {sample_rate: 1000000}}"]
+           "--set", "extra_fields={audio_a16k: {producer: waveform, sample_rate: 1000000}}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 2, r.stderr
     assert "error: sample_rate: expected an integer > 0 and <= 384000, got 100000000000" in r.stderr
     assert "error: max_audio_items: expected an integer > 0 and <= 1000000, got 0" in r.stderr
-    assert "error: extra_waveforms.a16k.sample_rate: expected an integer > 0 and <= 384000" in r.stderr
+    assert "error: extra_fields.audio_a16k.sample_rate: expected an integer > 0 and <= 384000" in r.stderr
     assert not out.exists()
     r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--cache", str(out), "--data.batch_size", "1000000000",
                         "--print-config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)

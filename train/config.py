@@ -1,11 +1,8 @@
 """Stage-two configuration: :class:`TrainConfig`, nested sections with a docstring per option.
 
-Read through :mod:`shardcache.config` (jsonargparse; the mechanism precompute uses too): dataclass
-defaults < config file (YAML, nested sections; ``--config FILE``, else ``$SHARDCACHE_TRAIN_CONFIG``,
-else none) < flags in their order (``--optim.lr 3e-4``, ``--set optim.lr=3e-4``; ``--cache`` and
-``--run-dir`` are ``--data.cache`` and ``--job.dir``). The Higgs-Audio launch line is translated by
-:mod:`train.recipes.higgs_argv`. The effective config is logged at start (global rank 0) and stored
-in every checkpoint (``config.json`` and ``trainer.pt``).
+Read by :mod:`shardcache.config` as precompute's is: defaults < config file (``--config FILE``, else
+``$SHARDCACHE_TRAIN_CONFIG``) < flags in their order. :mod:`train.recipes.higgs_argv` translates the
+Higgs-Audio launch line. The effective config is logged at start and stored in every checkpoint.
 """
 from __future__ import annotations
 
@@ -13,10 +10,9 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from shardcache import config as S
-from shardcache.config import ConfigError, option, section
+from shardcache.config import ConfigError, option
 
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_TRAIN_CONFIG"
@@ -35,8 +31,7 @@ class DataConfig:
     val_cache: str = ""
     """Validation cache directory; empty = validate on the keys of --data.cache held out by --data.val-fraction."""
     val_fraction: float = option(0.02, ge=0.0, le=0.5)
-    """Without --data.val-cache: the fraction of keys held out for validation, chosen by sha256(key) (the same
-    for every run; none below 20 samples); 0 = nothing held out."""
+    """Without --data.val-cache: the fraction of keys held out for validation (by sha256(key)); 0 = none."""
     fields: tuple[str, ...] = ("auto",)
     """Fields the loader collates: auto (the recipe's declared fields, else all) | all | a list: input_ids,labels."""
     batch_size: int = option(8, gt=0, le=1_000_000)
@@ -54,8 +49,7 @@ class DataConfig:
     seed: int = option(0, ge=0, le=2**63 - 1)
     """Seed of the data order and of the model init; rank r seeds its own RNGs with seed + r."""
     skip_corrupt: int = option(0, ge=0, le=1_000_000)
-    """Damaged samples (checksum mismatch, truncated shard) a rank may skip, each logged with its shard and
-    key, before stopping with ShardCorrupt; 0 = stop at the first."""
+    """Damaged samples (checksum mismatch, truncated shard) a rank may skip before ShardCorrupt; 0 = none."""
 
 
 @dataclass
@@ -63,11 +57,9 @@ class ModelConfig:
     """What is trained."""
 
     name: str = "reference"
-    """A recipe of train.recipes.RECIPES (checked against the cache before any weight loads), module:Class of a
-    Recipe subclass, or module:factory(**model.kwargs) returning an nn.Module whose forward(batch) is a loss."""
+    """A recipe of train.recipes.RECIPES, module:Class of a Recipe, or module:factory(**model.kwargs) (an nn.Module)."""
     kwargs: dict = option({}, merge=True)
-    """Keyword arguments of the model (a flag updates the file's mapping). reference: d_model, n_layers, n_heads,
-    mlp_ratio, dropout, patch_size, max_positions; recipes: lm (dir or hub id), dtype... (the recipe's docstring)."""
+    """Keyword arguments of the model (reference: d_model, n_layers...; recipes: lm, dtype...); flags update them."""
     audio_tokenizer: str = ""
     """Audio tokenizer (path or hub id) the cache's codes should come from; a mismatch warns. Never loaded."""
     latent_loss: str = option("none", choices=("none", "cosine", "mse"))
@@ -177,8 +169,7 @@ class CheckpointConfig:
     keep: int = option(3, gt=0, le=1_000_000)
     """Complete checkpoints kept (older ones are deleted after a new one is complete)."""
     resume: str = ""
-    """'' = start fresh (refused when the run dir holds a run); fresh = replace that run; auto = the newest
-    readable checkpoint there, if any; or a step-N dir."""
+    """'' = start fresh (refused over a run); fresh = replace that run; auto = the newest checkpoint, if any; step-N."""
     allow_other_cache: bool = False
     """Resume a checkpoint made on another cache (another cache id: the data position means other samples)."""
 
@@ -247,18 +238,18 @@ class ProfileConfig:
 class TrainConfig:
     """Every option of shardcache train (see configs/train.yaml)."""
 
-    data: DataConfig = section(DataConfig)
-    model: ModelConfig = section(ModelConfig)
-    lora: LoraConfig = section(LoraConfig)
-    optim: OptimConfig = section(OptimConfig)
-    schedule: ScheduleConfig = section(ScheduleConfig)
-    training: TrainingConfig = section(TrainingConfig)
-    dist: DistConfig = section(DistConfig)
-    checkpoint: CheckpointConfig = section(CheckpointConfig)
-    job: JobConfig = section(JobConfig)
-    eval: EvalConfig = section(EvalConfig)
-    metrics: MetricsConfig = section(MetricsConfig)
-    profile: ProfileConfig = section(ProfileConfig)
+    data: DataConfig = option(factory=DataConfig)
+    model: ModelConfig = option(factory=ModelConfig)
+    lora: LoraConfig = option(factory=LoraConfig)
+    optim: OptimConfig = option(factory=OptimConfig)
+    schedule: ScheduleConfig = option(factory=ScheduleConfig)
+    training: TrainingConfig = option(factory=TrainingConfig)
+    dist: DistConfig = option(factory=DistConfig)
+    checkpoint: CheckpointConfig = option(factory=CheckpointConfig)
+    job: JobConfig = option(factory=JobConfig)
+    eval: EvalConfig = option(factory=EvalConfig)
+    metrics: MetricsConfig = option(factory=MetricsConfig)
+    profile: ProfileConfig = option(factory=ProfileConfig)
 
 
 # ---- checks ------------------------------------------------------------------------------------------
@@ -319,10 +310,10 @@ def build_parser(prog: str = "shardcache train", description: str | None = None)
     return p
 
 
-def help_text(everything: bool = False, parser: argparse.ArgumentParser | None = None) -> str:
+def help_text(everything: bool = False) -> str:
     """``--help`` (the common options) or ``--help-all`` (every option)."""
-    p = parser or build_parser()
-    return p.format_help() if everything else S.short_help(p, COMMON, "Check without training: --dry-run. Print the config: --print-config. Every option: --help-all.")
+    return build_parser().format_help() if everything else S.short_help(build_parser(), COMMON, (
+        "Check without training: --dry-run. Print the config: --print-config. Every option: --help-all."))
 
 
 def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> tuple[TrainConfig, argparse.Namespace]:

@@ -29,6 +29,9 @@ from .image import IMAGE_ENCODERS
 from .text import TEXT_TOKENIZERS
 
 _FACTORY_KEYS = {"factory", "kwargs", "name"}
+#: the precompute option of each encoder spec -> (the table of its built-in names, the default name)
+SPECS = {"audio_tokenizer": (AUDIO_TOKENIZERS, "dac"), "image_encoder": (IMAGE_ENCODERS, "wan"),
+         "text_tokenizer": (TEXT_TOKENIZERS, "bytes")}
 
 
 def _accepts(fn, name: str) -> bool:
@@ -104,7 +107,7 @@ def load_audio_tokenizer(cfg: Mapping, device: Any = "cpu") -> AudioTokenizer:
         FileNotFoundError: missing local model directory (the message says how to build test models).
         TypeError: a plug-in's result does not satisfy the protocol.
     """
-    return _load_media_encoder(cfg, AUDIO_TOKENIZERS, "dac", AudioTokenizer, "audio tokenizer", device)
+    return _load_media_encoder(cfg, *SPECS["audio_tokenizer"], AudioTokenizer, "audio tokenizer", device)
 
 
 def load_image_encoder(cfg: Mapping, device: Any = "cpu") -> ImageEncoder:
@@ -113,7 +116,7 @@ def load_image_encoder(cfg: Mapping, device: Any = "cpu") -> ImageEncoder:
     Example: ``load_image_encoder({"name": "wan", "pretrained": "/ckpt/wan2.1-vae", "normalize": True})``.
     Raises as :func:`load_audio_tokenizer`.
     """
-    return _load_media_encoder(cfg, IMAGE_ENCODERS, "wan", ImageEncoder, "image encoder", device)
+    return _load_media_encoder(cfg, *SPECS["image_encoder"], ImageEncoder, "image encoder", device)
 
 
 def load_text_tokenizer(cfg: Mapping | None = None) -> TextTokenizer:
@@ -125,7 +128,7 @@ def load_text_tokenizer(cfg: Mapping | None = None) -> TextTokenizer:
     cfg = _check_cfg({} if cfg is None else cfg, "text tokenizer")
     if "factory" in cfg:
         return _from_factory(cfg, TextTokenizer, "text tokenizer", None)
-    cls, options = _builtin(cfg, TEXT_TOKENIZERS, "bytes", "text tokenizer")
+    cls, options = _builtin(cfg, *SPECS["text_tokenizer"], "text tokenizer")
     if hasattr(cls, "from_pretrained"):
         return cls.from_pretrained(cfg.get("pretrained"), **options)
     if cfg.get("pretrained") is not None:
@@ -133,4 +136,4 @@ def load_text_tokenizer(cfg: Mapping | None = None) -> TextTokenizer:
     return cls(**options)
 
 
-__all__ = ["spec_problems", "load_audio_tokenizer", "load_image_encoder", "load_text_tokenizer", "load_factory", "BUILD_HINT"]
+__all__ = ["SPECS", "spec_problems", "load_audio_tokenizer", "load_image_encoder", "load_text_tokenizer", "load_factory", "BUILD_HINT"]

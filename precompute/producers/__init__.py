@@ -1,10 +1,11 @@
 """Stage-one producers: the code that computes each group of fields (see :mod:`.base`).
 
 A job (:func:`job_producers`) runs, in order: :class:`~.text.TextProducer` (``input_ids``,
-``labels``), a :class:`~.waveforms.WaveformProducer` for ``audio`` and for each ``extra_waveforms``
-field, :class:`~.codes.CodesProducer` (``codes`` + ``audio_segments``; without a codec
+``labels``), a :class:`~.waveforms.WaveformProducer` for ``audio``,
+:class:`~.codes.CodesProducer` (``codes`` + ``audio_segments``; without a codec
 :class:`~.codes.SegmentsProducer`), :class:`~.latents.LatentsProducer` (``latents``, with
-``store_posterior`` ``latents_logvar``), then one producer per ``extra_fields`` entry.
+``store_posterior`` ``latents_logvar``), then one producer per ``extra_fields`` entry (e.g. a
+``waveform`` ``audio_16k``).
 
 Producers are registered by name in :data:`PRODUCERS`, shared by ``precompute`` (``extra_fields``)
 and ``add-field`` (``--producer``): a spec is ``{"producer": NAME, **options}`` or a plug-in
@@ -26,7 +27,7 @@ from .base import Producer, Timer, encode_each
 from .codes import CodesProducer, SegmentsProducer, segments_table
 from .latents import LatentsProducer, latents_info
 from .text import TextProducer
-from .waveforms import WaveformProducer
+from .waveforms import WaveformProducer, waveform_problems
 
 
 def _codes(field: str, device: str, audio_tokenizer: Mapping | None = None, **_: Any) -> Producer:
@@ -36,11 +37,7 @@ def _codes(field: str, device: str, audio_tokenizer: Mapping | None = None, **_:
     return CodesProducer(load_audio_tokenizer(audio_tokenizer, device), field, segments=False)
 
 
-def _waveform(field: str, device: str, sample_rate: int | None = None, direction: str = "all", **_: Any) -> Producer:
-    if not isinstance(sample_rate, int) or isinstance(sample_rate, bool) or not 0 < sample_rate <= 768_000:
-        raise ValueError(f"producer waveform for {field!r} needs sample_rate: an integer number of Hz, got {sample_rate!r}")
-    if direction not in ("in", "out", "all"):
-        raise ValueError(f"producer waveform for {field!r}: direction must be in, out or all, got {direction!r}")
+def _waveform(field: str, device: str, sample_rate: int, direction: str = "all") -> Producer:
     return WaveformProducer(field, sample_rate, None if direction == "all" else {direction}, always=False)
 
 
@@ -62,24 +59,34 @@ PRODUCERS: dict[str, Callable[..., Producer]] = {"codes": _codes, "waveform": _w
                                                  "image_features": _image_features}
 
 
+def producer_problems(spec: Any, field: str) -> list[tuple[str, str]]:
+    """What keeps ``spec`` from making ``field`` (a plug-in's keys, a producer's name and options), as ``(key
+    suffix, message)``: :func:`load_producer` raises the first, the precompute config check lists them all."""
+    from ..encoders.registry import spec_problems
+    if not isinstance(spec, Mapping):
+        return [("", f"expected {{producer: NAME, ...}} or {{factory: module:callable, kwargs}}, got {spec!r}")]
+    if "factory" in spec:
+        return spec_problems(spec, {}, "")
+    if spec.get("producer") not in PRODUCERS:
+        return [(".producer", f"expected one of {', '.join(PRODUCERS)} (or a plug-in: factory), "
+                              f"got {spec.get('producer')!r}")]
+    return waveform_problems(field, **spec) if spec["producer"] == "waveform" else []
+
+
 def load_producer(spec: Mapping[str, Any], field: str, device: str = "cpu") -> Producer:
     """Build the producer of ``spec`` (see the module docstring) for field ``field`` on ``device``.
 
-    Raises ``ValueError`` (unknown name, bad options, a producer whose outputs do not include
+    Raises ``ValueError`` (:func:`producer_problems`, a producer whose outputs do not include
     ``field`` or are not declared fields), ``ImportError``/``AttributeError`` (plug-in not found).
     """
     from shards import fields as registry
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"producer spec for {field!r} must be a mapping, got {type(spec).__name__}")
+    if problems := producer_problems(spec, field):
+        raise ValueError(f"producer spec of {field}{problems[0][0]}: {problems[0][1]}")
     if "factory" in spec:
-        kwargs = dict(spec.get("kwargs") or {})
-        producer = load_factory(spec["factory"])(field=field, device=device, **kwargs)
+        producer = load_factory(spec["factory"])(field=field, device=device, **(spec.get("kwargs") or {}))
     else:
-        name = spec.get("producer")
-        if name not in PRODUCERS:
-            raise ValueError(f"unknown producer {name!r} for {field!r}; known: {', '.join(PRODUCERS)} "
-                             "(or {factory: 'package.module:callable', kwargs: {...}})")
-        producer = PRODUCERS[name](field=field, device=device, **{k: v for k, v in spec.items() if k != "producer"})
+        producer = PRODUCERS[spec["producer"]](field=field, device=device,
+                                               **{k: v for k, v in spec.items() if k != "producer"})
     if not isinstance(producer, Producer):
         raise ValueError(f"producer for {field!r} is a {type(producer).__name__}, not a precompute.producers.Producer")
     undeclared = [o for o in producer.outputs if registry.lookup(o) is None]
@@ -90,4 +97,5 @@ def load_producer(spec: Mapping[str, Any], field: str, device: str = "cpu") -> P
 
 
 __all__ = ["Producer", "Timer", "encode_each", "PRODUCERS", "load_producer", "TextProducer", "WaveformProducer",
-           "CodesProducer", "SegmentsProducer", "LatentsProducer", "segments_table", "latents_info"]
+           "CodesProducer", "SegmentsProducer", "LatentsProducer", "segments_table", "latents_info",
+           "producer_problems"]

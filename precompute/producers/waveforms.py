@@ -1,7 +1,7 @@
 """Waveform fields: every audio item of a sample at one rate, int16 PCM, plus item offsets.
 
-``audio`` (all items at the job's ``sample_rate``) and each ``extra_waveforms`` field (e.g.
-``audio_16k``: the input-side items at 16 kHz for a Whisper-style encoder) are one producer each,
+``audio`` (all items at the job's ``sample_rate``) and each ``extra_fields`` entry of producer
+``waveform`` (e.g. ``audio_16k``: the input-side items at 16 kHz for a Whisper-style encoder) are one producer each,
 following Higgs-Audio's ``audio_waveforms_concat`` / ``audio_waveforms_start`` layout.
 """
 from __future__ import annotations
@@ -15,6 +15,26 @@ from shards.kinds import WAVEFORM
 from .base import Producer, Timer
 
 DIRECTIONS = ("in", "out")
+
+
+def waveform_problems(field: str, sample_rate: Any = None, direction: Any = "all", producer: str = "waveform",
+                      **unknown: Any) -> list[tuple[str, str]]:
+    """What keeps producer ``waveform``'s options from working, as ``(key suffix, message)``: ``field``
+    a waveform field (``audio_<name>``), ``sample_rate`` Hz, ``direction`` in | out | all. The one owner
+    of these rules: the config check lists them before any encoder loads, the producer raises the first."""
+    from shards import fields
+
+    from ..config import MAX_SAMPLE_RATE
+    out, f = [], fields.lookup(field)
+    if f is not None and f.kind is not WAVEFORM:
+        out.append(("", f"{field!r} is a {f.kind.name} field; a waveform field is named audio_<name>, e.g. audio_16k"))
+    if not isinstance(sample_rate, int) or isinstance(sample_rate, bool) or not 0 < sample_rate <= MAX_SAMPLE_RATE:
+        out.append((".sample_rate", f"expected an integer > 0 and <= {MAX_SAMPLE_RATE}, got {sample_rate!r}"))
+    if direction not in (*DIRECTIONS, "all"):
+        out.append((".direction", f"expected one of in, out, all, got {direction!r}"))
+    if unknown:
+        out.append(("", f"unknown key(s) {sorted(unknown)}; known: sample_rate, direction"))
+    return out
 
 
 class WaveformProducer(Producer):
