@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import yaml
-from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter, set_loader, set_parsing_settings
+from jsonargparse import (ActionConfigFile, ArgumentParser, DefaultHelpFormatter, Namespace, set_loader,
+                          set_parsing_settings)
 
 
 class ConfigError(ValueError):
@@ -238,7 +239,12 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
     :class:`ConfigError` naming the option."""
     args, merges, path, why = _argv(cls, list(argv), env_var, aliases or {})
     try:
-        init = p.instantiate(p.parse_args(args))
+        ns = p.parse_args(args)
+        hints = typing.get_type_hints(cls)  # a section given a scalar or a list (``data: 3``) fails to instantiate
+        if bad := [f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])
+                   and not isinstance(ns.get(f.name), Namespace)]:
+            raise ConfigError([(k, f"expected a mapping of its options, got {ns.get(k)!r}") for k in bad])
+        init = p.instantiate(ns)
     except argparse.ArgumentError as e:
         err = error(cls, str(e))
         raise ConfigError([(f"--config {path}" if k == "--config" else k, m) for k, m in err.problems]) from None

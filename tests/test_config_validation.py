@@ -188,3 +188,19 @@ def test_config_files_keep_their_fingerprint(tmp_path):
     old.write_text("batch_size: 32\n")  # the name before encoder_batch_size: gone
     with pytest.raises(ConfigError, match="batch_size: unknown option"):
         load_config(old)
+
+
+@pytest.mark.parametrize("text,section", [("data: 3\n", "data"), ("optim: [1, 2]\n", "optim"),
+                                          ("checkpoint: 3.5\n", "checkpoint")])
+def test_a_section_given_a_value_is_refused_naming_it(tmp_path, text, section):
+    """A section written as a scalar or a list exits 2 naming it (it was a TypeError traceback from
+    jsonargparse's instantiate), for both stages."""
+    from shardcache.config import ConfigError
+    from train.config import parse_args
+    (tmp_path / "t.yaml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(tmp_path / "t.yaml")])
+    assert e.value.problems[0][0] == section and "expected a mapping of its options" in e.value.problems[0][1]
+    from precompute.config import load_config
+    with pytest.raises(ConfigError, match="precision_tolerance: expected a mapping of its options, got 5"):
+        load_config({"precision_tolerance": 5})
