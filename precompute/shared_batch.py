@@ -7,12 +7,10 @@ also drives the encoders. :func:`pack` (the workers' ``collate_fn``) copies ever
 batch of :class:`~precompute.prepare.Prepared` rows into one uint8 tensor in shared memory; the
 DataLoader's queue then passes only its handle (torch's tensor sharing), and :func:`unpack` in the
 main process gives the rows back with their arrays as views of that buffer (no copy). The buffer is
-freed when the last view of it goes. Where shared memory runs out (``/dev/shm``: 64 MB in a Docker
-container by default) a batch goes through the pipe as before, and the worker says so once.
+freed when the last view of it goes.
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -24,8 +22,6 @@ from .prepare import Prepared
 
 #: byte alignment of each array in the buffer
 ALIGN = 64
-log = logging.getLogger("precompute")
-_warned = False
 
 
 def _map(p: Prepared, fn: Callable) -> Prepared:
@@ -40,10 +36,9 @@ def _map(p: Prepared, fn: Callable) -> Prepared:
 @dataclass
 class SharedBatch:
     """``buffer``: uint8 ``(bytes,)`` tensor in shared memory; ``rows``: the batch's rows with each
-    array replaced by its ``(offset, dtype, shape)`` in ``buffer`` (``buffer`` None: the rows as they
-    are, shared memory having run out)."""
+    array replaced by its ``(offset, dtype, shape)`` in ``buffer``."""
 
-    buffer: torch.Tensor | None
+    buffer: torch.Tensor
     rows: list[Prepared]
 
 
@@ -61,15 +56,7 @@ def pack(batch: list[Prepared]) -> SharedBatch:
         return spec
 
     rows = [_map(p, place) for p in batch]
-    try:
-        buffer = torch.empty(max(size, 1), dtype=torch.uint8).share_memory_()
-    except RuntimeError as e:  # torch: "unable to allocate shared memory(shm) ... No space left on device"
-        global _warned
-        if not _warned:
-            _warned = True
-            log.warning("decoded rows go through a pipe, not shared memory (%s); give the job more /dev/shm "
-                        "(docker run --shm-size=8g) to spare the main process the copy", " ".join(str(e).split()))
-        return SharedBatch(None, list(batch))
+    buffer = torch.empty(max(size, 1), dtype=torch.uint8).share_memory_()
     view = buffer.numpy()
     for offset, a in placed:
         view[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
@@ -78,8 +65,6 @@ def pack(batch: list[Prepared]) -> SharedBatch:
 
 def unpack(batch: SharedBatch) -> list[Prepared]:
     """The rows of :func:`pack`, each array a view of the shared buffer."""
-    if batch.buffer is None:
-        return batch.rows
     view = batch.buffer.numpy()
 
     def take(spec: tuple[int, str, tuple[int, ...]]) -> np.ndarray:

@@ -66,17 +66,3 @@ def test_an_empty_batch_and_a_rejected_row_pack():
     out = unpack(pack([rejected]))
     assert out[0].error == ("decode_failed", "x") and out[0].audio == [] and out[0].input_ids is None
     assert unpack(pack([])) == []
-
-
-def test_without_shared_memory_the_rows_go_as_they_are(monkeypatch, caplog):
-    """/dev/shm full (a container's 64 MB): the batch is passed whole, once said, never lost."""
-    def full(self):
-        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2>: No space left on device (28)")
-    monkeypatch.setattr(torch.Tensor, "share_memory_", full)
-    monkeypatch.setattr("precompute.shared_batch._warned", False)
-    rows = [_row(i) for i in range(3)]
-    with caplog.at_level("WARNING", logger="precompute"):
-        batch = pack(rows)
-    assert batch.buffer is None and "--shm-size" in caplog.text
-    for p, q in zip(unpack(batch), rows):
-        _same(p, q)
