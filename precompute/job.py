@@ -46,7 +46,7 @@ from shards.index import PARTS_DIR, merge_parts, read_part_meta, write_json_atom
 from shards.manifest import TextInfo
 from shards.writer import ShardWriter
 
-from . import chat, shared_batch
+from . import chat
 from .config import PrecomputeConfig
 from .conversation import OUTSIDE_ROOT
 from .encode import Pipeline, Summary, load_encoders
@@ -346,8 +346,7 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     loader = DataLoader(PrepareDataset(items, cfg, pipe.rates, enc.text, template, pipe.image_multiple,
                                        pipe.tokens, pipe.source_images),
                         batch_sampler=chunk_batches([c for _, c in items], cfg.encoder_batch_size), num_workers=workers,
-                        collate_fn=shared_batch.pack if workers else identity_collate,  # arrays in shared memory
-                        prefetch_factor=4 if workers else None,
+                        collate_fn=identity_collate, prefetch_factor=4 if workers else None,
                         worker_init_fn=functools.partial(die_with_parent, os.getpid()) if workers else None)
     stream = EncodeStream(lambda rows: pipe.encode(rows, summary), cfg.encoder_batch_size)  # length buckets
 
@@ -364,9 +363,8 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     try:
         with torch.inference_mode():
             for batch in loader:
-                rows = shared_batch.unpack(batch) if workers else batch
-                put(stream.feed(rows))
-                bar.update(len(rows))
+                put(stream.feed(batch))
+                bar.update(len(batch))
             put(stream.close())
     finally:
         writer.queue.put(None)
