@@ -156,14 +156,16 @@ class LengthBatcher:
         return out
 
     def _closest(self) -> list[tuple[int, Any]]:
-        """One full batch out of the full window: the ``batch_size`` held rows of the closest lengths
-        (one image shape first, then the least range of audio lengths). The rest stay held, so the
-        window slides: releasing it whole left the encoder idle while it refilled (on a CPU with an
-        encoder of 30 ms per row and one decode process: wall 1.33-1.45 x the encoder time)."""
+        """One full batch out of the full window: the oldest held row and the ``batch_size - 1`` rows
+        of lengths closest to it (one image shape first, then the least range of audio lengths). The
+        rest stay held, so the window slides: released whole, it left the encoder idle while it
+        refilled. The oldest row goes first so that no row waits in the window for the chunk's end
+        (holding every later row's result in :class:`InOrder` until then)."""
         self.held.sort(key=lambda x: (length_key(x[1]), x[0]))
         keys, b = [length_key(p) for _, p in self.held], self.batch_size
-        i = min(range(len(keys) - b + 1), key=lambda i: (keys[i][0] != keys[i + b - 1][0],
-                                                         keys[i + b - 1][1] - keys[i][1]))
+        j = min(range(len(self.held)), key=lambda k: self.held[k][0])  # the oldest row
+        i = min(range(max(0, j - b + 1), min(j, len(keys) - b) + 1),
+                key=lambda i: (keys[i][0] != keys[i + b - 1][0], keys[i + b - 1][1] - keys[i][1]))
         out, self.held = self.held[i:i + b], self.held[:i] + self.held[i + b:]
         return out
 

@@ -64,19 +64,22 @@ def test_length_batches_are_full_of_equal_lengths_within_a_chunk():
 
 
 def test_a_full_length_window_releases_one_batch_and_slides():
-    """A full window gives the encoder one batch, of the closest lengths, and keeps the rest held:
-    released whole, it left the encoder idle while it refilled (CPU, an encoder sleeping 30 ms per
-    row, one decode process: wall 1.34-1.35 -> 1.25-1.26 x the encoder time)."""
-    lengths = (5, 9, 5, 2, 9, 6, 2, 9, 2, 5, 9, 2, 3, 1, 7, 4)  # 2 four times, 9 four times: zero range
+    """A full window gives the encoder one batch and keeps the rest held: released whole, it left the
+    encoder idle while it refilled (CPU, an encoder sleeping 30 ms per row, one decode process: wall
+    1.34-1.35 -> 1.25-1.26 x the encoder time). The batch is the oldest held row and the rows of the
+    lengths closest to it, so no row waits in the window for the chunk's end."""
+    lengths = (5, 9, 5, 2, 9, 6, 2, 9, 2, 5, 9, 2, 3, 1, 7, 4)
     rows = [_row(0, n * 960) for n in lengths]
     b = LengthBatcher(4, 16)
     assert b.add(rows[:15]) == []
     got = b.add(rows[15:])
     assert len(got) == 1 and len(b.held) == 12
-    assert sorted(p.audio[0][24000].size // 960 for _, p in got[0]) == [2, 2, 2, 2]
+    assert 0 in [pos for pos, _ in got[0]]  # the oldest row
+    assert sorted(p.audio[0][24000].size // 960 for _, p in got[0]) == [4, 5, 5, 5]  # and its closest lengths
     assert b.add([_row(0, 8 * 960)] * 3) == []  # not full again yet
     got = b.add([_row(0, 8 * 960)])
-    assert len(got) == 1 and sorted(p.audio[0][24000].size // 960 for _, p in got[0]) == [8, 8, 8, 8]
+    assert 1 in [pos for pos, _ in got[0]]  # the oldest now (a 9)
+    assert sorted(p.audio[0][24000].size // 960 for _, p in got[0]) == [9, 9, 9, 9]
     rest = b.flush()
     assert [len(x) for x in rest] == [4, 4, 4] and not b.held
 
