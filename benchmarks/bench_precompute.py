@@ -44,15 +44,19 @@ def _config(models: Path, size: str, device: str = "cpu", **kw):
     return dataclasses.replace(cfg, **kw)
 
 
-def encoders_alone(manifest: Path, cfg) -> tuple[float, int]:
-    """Seconds spent in encoder calls when every row is decoded beforehand (same batching as the job)."""
-    pipe = Pipeline.build(cfg, cfg.device)
-    plan = plan_chunks(read_requests(manifest), cfg.samples_per_shard, {})
-    items = [(r, c) for c, (_, rows) in enumerate(plan) for r in rows]
+def encoders_alone(manifest: Path, cfg, limit: int | None = None) -> tuple[float, int]:
+    """Seconds spent in encoder calls when every row (the first ``limit``) is decoded beforehand, batched
+    as the job batches them, after one warm-up call (kernel selection, lazy initialisation; the job's
+    own first batch is its probe); and the rows encoded."""
+    requests = read_requests(manifest, fmt=cfg.manifest_format)
+    pipe = Pipeline.build(cfg, cfg.device, requests)  # the tokens the rows need, as the job checks them
+    plan = plan_chunks(requests, cfg.samples_per_shard, {})
+    items = [(r, c) for c, (_, rows) in enumerate(plan) for r in rows][:limit]
     prepared = [pipe.prepare(r, c) for r, c in items]
     summary = Summary()
     stream = EncodeStream(lambda rows: pipe.encode(rows, summary), cfg.encoder_batch_size)  # as the job batches
     with torch.inference_mode():
+        pipe.encode(prepared[:cfg.encoder_batch_size], Summary())
         stream.feed(prepared)
         stream.close()
     return summary.encoder_s, sum(p.error is None for p in prepared)

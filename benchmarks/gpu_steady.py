@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -46,11 +47,10 @@ from tools.torchaudio_shim import install as install_torchaudio_shim  # noqa: E4
 install_torchaudio_shim()  # only where the real torchaudio cannot load (the CPU smoke run)
 from benchmarks.run import MODELS, RESULTS, ROOT, machine  # noqa: E402
 
-#: job -> (synth_corpus manifest kind, precompute config, {config option: model directory name})
-JOBS = {"tts": ("voice_clone", "precompute-tts.yaml",
-                {"audio_tokenizer": "higgs-audio-tokenizer-{size}", "text_tokenizer": "higgs-tiny"}),
+#: job -> (synth_corpus manifest kind, precompute config, {config option: model of :func:`models`})
+JOBS = {"tts": ("voice_clone", "precompute-tts.yaml", {"audio_tokenizer": "codec", "text_tokenizer": "higgs"}),
         "theworld": ("llava", "precompute-theworld.yaml",
-                     {"image_encoder": "wan-{size}", "image_features": "{gemma}", "text_tokenizer": "{gemma}"})}
+                     {"image_encoder": "vae", "image_features": "gemma3", "text_tokenizer": "gemma3"})}
 
 
 def gemma3_vision(out: Path) -> Path:
@@ -83,23 +83,22 @@ def gemma3_vision(out: Path) -> Path:
 
 
 def models(size: str) -> dict[str, Path]:
-    """The model directories of :data:`JOBS` (built when absent); ``{gemma}`` is :func:`gemma3_vision`
-    on ``full``, ``gemma3-tiny`` on ``tiny``."""
+    """The model directories :data:`JOBS` names (built when absent): the Higgs tokenizer (``codec``) and
+    the Wan VAE (``vae``) of ``size``, the tiny Higgs text tokenizer, and Gemma 3 (:func:`gemma3_vision`
+    on ``full``, ``gemma3-tiny`` on ``tiny``)."""
     from tools.testing import build
-    out = {n: build(n.rsplit("-", 1)[0], MODELS, n.rsplit("-", 1)[1])[0]
-           for n in (f"higgs-audio-tokenizer-{size}", "higgs-tiny", f"wan-{size}")}
-    out["{gemma}"] = gemma3_vision(MODELS) if size == "full" else build("gemma3", MODELS, "tiny")[0]
-    return out
+    return {"codec": build("higgs-audio-tokenizer", MODELS, size)[0], "higgs": build("higgs", MODELS, "tiny")[0],
+            "vae": build("wan", MODELS, size)[0],
+            "gemma3": gemma3_vision(MODELS) if size == "full" else build("gemma3", MODELS, "tiny")[0]}
 
 
-def config(job: str, dirs: dict[str, Path], size: str, device: str):
+def config(job: str, dirs: dict[str, Path], device: str):
     """The job's recipe config with the benchmark's model directories."""
     from precompute.config import load_config
     _, file, options = JOBS[job]
     cfg = load_config(ROOT / "configs" / file, [f"device={device}"])
-    for opt, name in options.items():
-        path = dirs[name.format(size=size, gemma="{gemma}")]
-        cfg = dataclasses.replace(cfg, **{opt: dict(getattr(cfg, opt), pretrained=str(path))})
+    for opt, model in options.items():
+        cfg = dataclasses.replace(cfg, **{opt: dict(getattr(cfg, opt), pretrained=str(dirs[model]))})
     return cfg
 
 
@@ -158,7 +157,6 @@ class Monitor:
 
     def window(self, start: float, end: float) -> dict:
         """GPU utilisation (mean, median of the samples) and cores busy between ``start`` and ``end`` s."""
-        import os
         inside = [s for s in self.samples if start <= s[0] <= end]
         util = [s[1] for s in inside if s[1] is not None]
         cores = None
@@ -169,41 +167,21 @@ class Monitor:
                 "cores_busy": round(cores, 2) if cores is not None else None}
 
 
-def encoders_alone(path: Path, cfg, rows: int) -> dict:
-    """Encoder seconds per row over the first ``rows`` rows, decoded beforehand, batched as the job batches."""
-    import torch
-
-    from precompute.encode import Pipeline, Summary
-    from precompute.manifests import read_requests
-    from precompute.pipeline import EncodeStream
-    reqs = read_requests(path, fmt=cfg.manifest_format)[:rows]
-    pipe = Pipeline.build(cfg, cfg.device, reqs)
-    prepared = [pipe.prepare(r) for r in reqs]
-    warm = Summary()
-    with torch.inference_mode():
-        pipe.encode(prepared[:cfg.encoder_batch_size], warm)  # kernel selection, lazy initialisation
-        summary = Summary()
-        stream = EncodeStream(lambda b: pipe.encode(b, summary), cfg.encoder_batch_size)
-        stream.feed(prepared)
-        stream.close()
-    kept = sum(p.error is None for p in prepared)
-    return {"rows": len(prepared), "kept": kept, "encoder_s": round(summary.encoder_s, 3),
-            "s_per_row": summary.encoder_s / max(1, kept)}
-
-
-def bench(job: str, dirs: dict[str, Path], size: str, device: str, n: int, distinct: int, alone: int,
+def bench(job: str, dirs: dict[str, Path], device: str, n: int, distinct: int, alone: int,
           num_workers: str = "auto") -> dict:
     """One job: the job over ``n`` rows under :class:`Monitor`, then its encoders alone."""
+    from benchmarks.bench_precompute import encoders_alone
     from precompute.job import run
     kind = JOBS[job][0]
-    cfg = dataclasses.replace(config(job, dirs, size, device), num_workers=num_workers if num_workers == "auto"
+    cfg = dataclasses.replace(config(job, dirs, device), num_workers=num_workers if num_workers == "auto"
                               else int(num_workers))
     path = manifest(kind, distinct, n)
     with tempfile.TemporaryDirectory() as d, Monitor() as mon:
         t0 = time.perf_counter()
         summary, _ = run(path, Path(d) / "cache", cfg, progress=False)
         total = time.perf_counter() - t0
-    a = encoders_alone(path, cfg, alone)
+    alone_enc, alone_rows = encoders_alone(path, cfg, alone)
+    a = {"rows": alone_rows, "encoder_s": round(alone_enc, 3), "s_per_row": alone_enc / max(1, alone_rows)}
     alone_s = a["s_per_row"] * summary.kept
     return {"job": job, "rows": n, "distinct_files": distinct, "kept": summary.kept, "rejected": summary.rejected,
             "reasons": summary.reasons, "audio_s": round(summary.audio_seconds, 1),
@@ -254,7 +232,7 @@ def main(argv=None) -> int:
     result = {"machine": machine(), "models_s": round(time.perf_counter() - t, 1), "jobs": []}
     print(f"models ready in {result['models_s']} s", flush=True)
     for job in args.jobs:
-        result["jobs"].append(bench(job, dirs, size, device, n, distinct, alone, args.num_workers))
+        result["jobs"].append(bench(job, dirs, device, n, distinct, alone, args.num_workers))
         print(json.dumps(result["jobs"][-1]), flush=True)
         if not args.smoke:
             args.out.mkdir(parents=True, exist_ok=True)

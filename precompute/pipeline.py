@@ -161,8 +161,8 @@ class LengthBatcher:
         rest stay held, so the window slides: released whole, it left the encoder idle while it
         refilled. The oldest row goes first so that no row waits in the window for the chunk's end
         (holding every later row's result in :class:`InOrder` until then)."""
-        self.held.sort(key=lambda x: (length_key(x[1]), x[0]))
-        keys, b = [length_key(p) for _, p in self.held], self.batch_size
+        keyed = sorted(((length_key(p), pos), (pos, p)) for pos, p in self.held)
+        keys, self.held, b = [k for (k, _), _ in keyed], [row for _, row in keyed], self.batch_size
         j = min(range(len(self.held)), key=lambda k: self.held[k][0])  # the oldest row
         i = min(range(max(0, j - b + 1), min(j, len(keys) - b) + 1),
                 key=lambda i: (keys[i][0] != keys[i + b - 1][0], keys[i + b - 1][1] - keys[i][1]))

@@ -192,7 +192,8 @@ def parser(cls: type, prog: str, description: str | None = None, epilog: str | N
 
 
 def short_help(p: ArgumentParser, paths: Iterable[str], footer: str) -> str:
-    """``p``'s help showing only ``--help``, ``--config``, ``--set`` and the options ``paths``, then ``footer``."""
+    """``p``'s help showing only ``--help``, ``--config``, ``--set`` and the options ``paths``, then ``footer``
+    (``p``'s other actions lose their help: give it a parser built for this)."""
     for a in p._actions:  # noqa: SLF001 - argparse lists its actions nowhere else
         a.help = a.help if a.dest in {"help", "config", "set", *paths} else argparse.SUPPRESS
     p.epilog = footer

@@ -58,6 +58,6 @@ def test_steady_state_smoke():
     jobs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [j["job"] for j in jobs] == ["tts", "theworld"]
     for j in jobs:
-        assert j["kept"] == j["rows"] == 24 and j["encoders_alone"]["kept"] == 8 and j["wall_over_encoders_alone"] > 0
+        assert j["kept"] == j["rows"] == 24 and j["encoders_alone"]["rows"] == 8 and j["wall_over_encoders_alone"] > 0
         assert f"| {j['job']} | 24 (12) |" in r.stdout
 

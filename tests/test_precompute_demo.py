@@ -210,6 +210,8 @@ def test_decode_worker_processes_give_the_same_cache(tiny_config, demo_cache, tm
     import dataclasses
     from precompute.job import resolve_workers, run
     assert resolve_workers("auto", "cpu") == 0 and resolve_workers(3, "cpu") == 3
-    run(DEMO / "samples.jsonl", tmp_path / "c", dataclasses.replace(tiny_config, num_workers=2), progress=False)
+    summary, _ = run(DEMO / "samples.jsonl", tmp_path / "c", dataclasses.replace(tiny_config, num_workers=2),
+                     progress=False)
+    assert summary.decode_workers == 2  # what the job ran, recorded
     pick = lambda c: dict(zip(*read_index(c).select(["key", "sha256"]).to_pydict().values()))  # noqa: E731
     assert pick(tmp_path / "c") == pick(demo_cache)

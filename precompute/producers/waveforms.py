@@ -59,7 +59,7 @@ class WaveformProducer(Producer):
         return {self.rate}
 
     def describe(self) -> dict[str, Any]:
-        return super().describe() | {"sample_rate": self.rate, "directions": sorted(self.directions)}
+        return super().describe() | self.manifest_info()
 
     def manifest_info(self) -> dict[str, Any]:
         return {"sample_rate": self.rate, "directions": sorted(self.directions)}
