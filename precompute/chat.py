@@ -87,10 +87,10 @@ from shards.tokens import (AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_IN_TOKENS, AUDI
 #: what follows a ChatML message's recipient (Boson's ``prepare_chatml_sample``: ``f"{recipient}<|recipient|>"``)
 RECIPIENT = "<|recipient|>"
 
-from .config import CHAT_TEMPLATES
 from .conversation import Conversation
 
-TEMPLATES = CHAT_TEMPLATES  # the option values (owner: precompute.config)
+#: the values of the options ``chat_template`` (:func:`resolve_template`) and ``label_policy`` (module docstring)
+CHAT_TEMPLATES, LABEL_POLICIES = ("auto", "llama3", "tokenizer", "theworld"), ("answers", "all_but_world")
 #: media kinds a job can need tokens for (:func:`needed_kinds`)
 KINDS = ("audio_in", "audio_out", "image")
 
@@ -272,8 +272,8 @@ def ensure_tokens(tokenizer, kinds: Iterable[str] | None, tokens: ChatTokens, ad
 
 def resolve_template(name: str, tokenizer) -> str:
     """``auto`` -> ``tokenizer`` when it has a chat template, else ``llama3``. Raises ``ValueError``."""
-    if name not in TEMPLATES:
-        raise ValueError(f"chat_template: expected one of {TEMPLATES}, got {name!r}")
+    if name not in CHAT_TEMPLATES:
+        raise ValueError(f"chat_template: expected one of {CHAT_TEMPLATES}, got {name!r}")
     has = getattr(tokenizer, "chat_template", None) is not None
     if name == "auto":
         return "tokenizer" if has else "llama3"

@@ -40,13 +40,13 @@ DESCRIPTION = """Encode a manifest once into a shard cache (stage one).
 With torchrun each global rank encodes its own rows on cuda:LOCAL_RANK and writes its own shards;
 rank 0 merges the index and manifest at the end. Options: the defaults below, then the config file
 (--config FILE; else $SHARDCACHE_PRECOMPUTE_CONFIG; else none), then flags in their order
-(--sample_rate 16000, --audio_tokenizer.name mimi, --set encoder_batch_size=16). Bad options exit
+(--sample_rate 16000, --audio_tokenizer.name mimi, --encoder_batch_size=16). Bad options exit
 with status 2 before any model is loaded, each named; a failed job exits 1. Add or drop a field of
 an existing cache later: shardcache add-field / drop-field."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The job's inputs (``--manifest``, ``--cache``, ``--root``...), ``--config``/``--set`` and
+    """The job's inputs (``--manifest``, ``--cache``, ``--root``...), ``--config`` and
     one flag per option of :class:`~precompute.config.PrecomputeConfig`."""
     p = S.parser(PrecomputeConfig, PROG, DESCRIPTION, registries())
     g = p.add_argument_group("the job")

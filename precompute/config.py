@@ -12,30 +12,17 @@ from shardcache import config as S
 from shardcache.config import option
 from shards.tokens import IMAGE
 
+from .chat import CHAT_TEMPLATES, LABEL_POLICIES  # each option's values: the module that implements them
+from .encoders._common import ENCODER_DTYPES
+from .encoders.image import PIXEL_RANGES
+from .images import RESIZE_MODES, RGB_MODES
 from .manifests import FORMATS
+from .rerun import SOURCE_DIGESTS
 
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_PRECOMPUTE_CONFIG"
 #: the highest sample rate (Hz) an option accepts: 384 kHz, the highest of studio converters
 MAX_SAMPLE_RATE = 384_000
-
-# The values of the enumerated options. Each list has its one owner here: the option below declares
-# it as its choices, and the module that implements it (named beside it) imports it from here.
-#: ``image_resize`` (:func:`precompute.images.resize_image`)
-RESIZE_MODES = ("center_crop", "pad", "bucket", "stretch")
-#: ``image_rgb`` (:mod:`precompute.images`)
-RGB_MODES = ("composite", "convert")
-#: ``image_pixel_range`` -> the (low, high) pixel values the VAE is fed (:mod:`precompute.encoders.image`)
-PIXEL_RANGES: dict[str, tuple[float, float]] = {"-1..1": (-1.0, 1.0), "0..255": (0.0, 255.0)}
-#: ``chat_template`` (:mod:`precompute.chat`)
-CHAT_TEMPLATES = ("auto", "llama3", "tokenizer", "theworld")
-#: ``label_policy`` (:mod:`precompute.chat`)
-LABEL_POLICIES = ("answers", "all_but_world")
-#: ``source_digest``: what a rerun compares of each media file (:mod:`precompute.rerun`)
-SOURCE_DIGESTS = ("stat", "content")
-#: ``encoder_dtype`` spellings -> the dtype they mean (:func:`precompute.encoders._common.resolve_dtype`)
-ENCODER_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16",
-                  "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 @dataclass
@@ -99,15 +86,15 @@ class PrecomputeConfig:
     """Rows used for that measurement."""
     precision_tolerance: PrecisionTolerance = option(factory=PrecisionTolerance)
     """The accepted difference: latents relative L2 error, fraction of equal codes."""
-    audio_tokenizer: dict | None = option(
+    audio_tokenizer: dict[str, Any] | None = option(
         factory=lambda: {"name": "dac", "pretrained": "descript/dac_24khz"})
     """Codec {name (listed by --help), pretrained: DIR or hub id, options...} or a factory; null = no codes."""
-    image_encoder: dict | None = option(
+    image_encoder: dict[str, Any] | None = option(
         factory=lambda: {"name": "wan", "pretrained": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"})
     """VAE {name (listed by --help), pretrained: DIR or hub id, ...} or a factory; null = no latents."""
-    image_features: dict | None = option(None)
+    image_features: dict[str, Any] | None = option(None)
     """{name: gemma3, pretrained, dtype}: Gemma 3's vision tower and projector once per image; null = none."""
-    text_tokenizer: dict = option(factory=lambda: {"name": "bytes"})
+    text_tokenizer: dict[str, Any] = option(factory=lambda: {"name": "bytes"})
     """Text tokenizer spec: {name: bytes} or {name: hf, pretrained: DIR or hub id} (the LM's own tokenizer)."""
     chat_template: str = option("auto", choices=CHAT_TEMPLATES)
     """auto (the tokenizer's template, else llama3) | llama3 (Higgs-Audio's) | tokenizer (or an error) | theworld."""
@@ -118,7 +105,7 @@ class PrecomputeConfig:
     manifest_format: str | None = option(None, choices=tuple(FORMATS))
     """Manifest format; null = detected from the file."""
     columns: dict[str, str] = option(factory=dict)
-    """Column mapping for JSONL/CSV/Parquet rows, e.g. {audio: path} (--set columns.audio=path)."""
+    """Column mapping for JSONL/CSV/Parquet rows, e.g. {audio: path} (--columns.audio path)."""
     allow_outside_root: bool = False
     """Read media outside --root (default: the manifest's folder); off: such a row is rejected (malformed_row)."""
     source_digest: str = option("stat", choices=SOURCE_DIGESTS)
@@ -148,5 +135,5 @@ def load_config(path: str | Path | dict | None = None, overrides: list[str] | No
     """Defaults < the YAML file ``path`` (or a mapping: a cache's recorded config) < ``key=value`` overrides.
     Raises :class:`~shardcache.config.ConfigError` on unknown options and wrong types (rules: :mod:`.validate`)."""
     text = yaml.safe_dump(path) if isinstance(path, dict) else str(path) if path else "none"
-    argv = ["--config", text] + [a for o in overrides or () for a in ("--set", o)]
+    argv = ["--config", text] + [f"--{o}" for o in overrides or ()]
     return S.parse(S.parser(PrecomputeConfig, "load_config"), PrecomputeConfig, argv, "")[0]

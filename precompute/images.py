@@ -33,10 +33,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from shards import schema
 from shards.errors import CorruptSample
 
-from .config import RESIZE_MODES, RGB_MODES  # noqa: F401 (the option values: one owner)
 from .sources import MISSING, file_problem
 
-#: the resize modes and RGB conversions (:data:`precompute.config.RESIZE_MODES`, ``RGB_MODES``)
+#: the values of the options ``image_resize`` (:func:`resize_image`) and ``image_rgb`` (:func:`decode_image`)
+RESIZE_MODES, RGB_MODES = ("center_crop", "pad", "bucket", "stretch"), ("composite", "convert")
 
 #: the Pillow resampling filter of each resize mode
 RESAMPLE = {"center_crop": Image.Resampling.BICUBIC, "pad": Image.Resampling.BICUBIC,

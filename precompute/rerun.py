@@ -31,8 +31,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import SOURCE_DIGESTS
 from .manifests import Request
+
+#: the values of the option ``source_digest``: what a rerun compares of each media file
+SOURCE_DIGESTS = ("stat", "content")
 
 
 def row_ids(requests: list[Request]) -> list[str]:

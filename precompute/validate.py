@@ -10,37 +10,21 @@ from shardcache import config as S
 from shardcache.config import ConfigError
 from shards import fields
 
-from .config import ENCODER_DTYPES, PrecomputeConfig
+from .config import PrecomputeConfig
 from .encoders.registry import SPECS, spec_problems
 from .producers import producer_problems
-from .producers.image_features import VISION_ENCODERS
+from .producers.image_features import image_features_problems
 
 __all__ = ["ConfigError", "check_config", "validate_config"]
 
 #: the VAE's spatial factor: ``image_size`` must be a multiple of it
 IMAGE_MULTIPLE = 8
-DEVICE_RE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)$")
 
 
 def _spec(option: str):
     """The registry's own rules (:func:`~.encoders.registry.spec_problems`) for the encoder spec of
     ``option``; null: none (no codes, no latents)."""
     return lambda spec: [] if spec is None else spec_problems(spec, *SPECS[option])
-
-
-def _image_features(v: Any) -> list[tuple[str, str]]:
-    """``{name: gemma3, pretrained: DIR_OR_HUB_ID, dtype}`` (null: none); a plug-in image encoder is a
-    producer under ``extra_fields``."""
-    if v is None:
-        return []
-    if "factory" in v:
-        return [("", "a plug-in image encoder is a producer: extra_fields: {NAME: {factory: ...}}")]
-    out, p = spec_problems(v, VISION_ENCODERS, "gemma3"), v.get("pretrained")
-    if not isinstance(p, str) or not p.strip():
-        out.append((".pretrained", f"expected a local directory or hub id (e.g. google/gemma-3-4b-it), got {p!r}"))
-    if v.get("dtype", "bfloat16") not in ENCODER_DTYPES:
-        out.append((".dtype", f"expected one of {', '.join(ENCODER_DTYPES)}, got {v['dtype']!r}"))
-    return out
 
 
 def _extra_fields(v: dict) -> list[tuple[str, str]]:
@@ -73,10 +57,10 @@ def _world(v: Any) -> list[tuple[str, str]]:
 
 
 #: per-option checks beyond type, choices and bounds (run where those passed)
-CUSTOM = {"device": lambda v: [] if DEVICE_RE.match(v) else [
+CUSTOM = {"device": lambda v: [] if re.fullmatch(r"auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?", v) else [
               ("", f"expected auto, cpu, cuda, cuda:N (or mps, xpu:N...), got {v!r}")],
           "image_token": _token, "world_tokens": _world, "extra_fields": _extra_fields,
-          "image_features": _image_features, **{option: _spec(option) for option in SPECS}}
+          "image_features": lambda v: [] if v is None else image_features_problems(**v), **{option: _spec(option) for option in SPECS}}
 
 
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:

@@ -1,6 +1,6 @@
 """One configuration mechanism for both stages: dataclasses of documented options and sections, read by
 jsonargparse (config file, a flag per option, types, ``--help``; why not tyro: docs/configuration.md). Added
-here: :func:`option`'s rules, ``--set KEY=VALUE``, short flags, ``$ENV`` config files, a YAML reader with limits,
+here: :func:`option`'s rules, short flags, ``$ENV`` config files, a YAML reader with limits,
 every problem as ``option: message`` (exit 2)."""
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import os
 import re
 import sys
 import typing
-from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -43,13 +42,9 @@ def option(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | N
     """A dataclass field with rules: ``choices`` (None is accepted too for an ``X | None`` option),
     bounds ``gt``/``ge``/``le`` of a number, ``merge``: a mapping option whose flags (the whole
     mapping or ``--OPTION.KEY VALUE``) update the file's mapping, values read as YAML, ``{}`` clears
-    it. Mutable defaults are copied per instance."""
+    it. A mutable default is a ``factory``."""
     meta = {"choices": tuple(choices) if choices is not None else None, "gt": gt, "ge": ge, "le": le, "merge": merge}
-    if factory is None and isinstance(default, (dict, list)):
-        factory = lambda d=default: type(d)(d)  # noqa: E731
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default, default_factory=factory or dataclasses.MISSING, metadata=meta)
 
 
 def options(cls: type, prefix: str = "") -> dict[str, tuple[Any, dataclasses.Field]]:
@@ -79,37 +74,31 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 
-def _count(node: yaml.Node, limit: int, seen: dict[int, int], path: set[int], where: str) -> int:
-    """How many values ``node`` stands for, each alias counted at every use (at most ``limit + 1``)."""
-    if id(node) in path:
-        raise ConfigError([(where, "refused: a recursive alias (an anchor used inside itself)")])
-    if id(node) not in seen:
-        kids = [] if isinstance(node, yaml.ScalarNode) else \
-            [x for kv in node.value for x in kv] if isinstance(node, yaml.MappingNode) else node.value
-        path.add(id(node))
-        seen[id(node)] = min(limit + 1, 1 + sum(_count(k, limit, seen, path, where) for k in kids))
-        path.discard(id(node))
-    return seen[id(node)]
+def _values(doc: Any, limit: int) -> int:
+    """How many values ``doc`` stands for, a value reached through several aliases counted at every use (at
+    most ``limit + 1``: a recursive alias stands for infinitely many). The loader builds each node once."""
+    n, todo = 0, [doc]
+    while todo and n <= limit:
+        x, n = todo.pop(), n + 1
+        todo.extend(x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())
+    return n
 
 
 def load_yaml(text: str, where: str = "yaml") -> Any:
     """``text`` as YAML within :data:`YAML_MAX_BYTES` bytes and :data:`YAML_MAX_VALUES` values once
-    aliases are expanded, no recursive alias, no nesting deeper than the recursion limit: the one YAML
-    reader of this project (config files, flag values, ``add-field --config``). Raises
-    :class:`ConfigError` ``(where, reason)`` past a limit and ``yaml.YAMLError`` for text that is not YAML."""
+    aliases are expanded, no nesting deeper than the recursion limit: the one YAML reader of this
+    project (config files, flag values, ``add-field --config``). Raises :class:`ConfigError`
+    ``(where, reason)`` past a limit and ``yaml.YAMLError`` for text that is not YAML."""
     if (n := len(text.encode("utf-8", "surrogatepass"))) > YAML_MAX_BYTES:
         raise ConfigError([(where, f"{n} bytes of YAML, more than the {YAML_MAX_BYTES} a config may have")])
-    loader = _Loader(text)
     try:
-        node = loader.get_single_node()
-        if node is not None and _count(node, YAML_MAX_VALUES, {}, set(), where) > YAML_MAX_VALUES:
-            raise ConfigError([(where, f"refused: its aliases expand to more than {YAML_MAX_VALUES} values "
-                                       "(a YAML alias bomb?); write the values out")])
-        return None if node is None else loader.construct_document(node)
+        doc = yaml.load(text, _Loader)  # noqa: S506 - a SafeLoader
     except RecursionError:
         raise ConfigError([(where, "refused: YAML nested too deeply")]) from None
-    finally:
-        loader.dispose()
+    if _values(doc, YAML_MAX_VALUES) > YAML_MAX_VALUES:
+        raise ConfigError([(where, f"refused: its aliases expand to more than {YAML_MAX_VALUES} values "
+                                   "(a YAML alias bomb or a recursive alias?); write the values out")])
+    return doc
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -162,7 +151,7 @@ def check(cfg: Any, custom: Mapping[str, Callable[[Any], list[tuple[str, str]]]]
     ``custom[path](value)`` (``(suffix, message)`` pairs) where those passed."""
     out = []
     for path, (tp, f) in options(type(cfg)).items():
-        v, m = attrgetter(path)(cfg), f.metadata
+        v, m = operator.attrgetter(path)(cfg), f.metadata
         number = isinstance(v, (int, float)) and not isinstance(v, bool)
         bounded = not number or all(m.get(k) is None or test(v, m[k]) for k, (_, test) in _BOUNDS.items())
         if v is not None and v not in (m.get("choices") or ()) and (not bounded or not number and m.get("choices")):
@@ -179,40 +168,32 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter)
 
 
 def parser(cls: type, prog: str, description: str | None = None, epilog: str | None = None) -> ArgumentParser:
-    """``--config FILE``, ``--set KEY=VALUE`` and one flag per option of ``cls``; callers add their
-    own job flags. Bad values raise ``argparse.ArgumentError`` (see :func:`parse`)."""
+    """``--config FILE`` and one flag per option of ``cls``; callers add their own job flags. Bad values raise ``argparse.ArgumentError`` (see :func:`parse`)."""
     p = ArgumentParser(prog=prog, description=description, epilog=epilog, exit_on_error=False,
                        parser_mode="shardcache", formatter_class=_HelpFormatter,
-                       usage="%(prog)s [--config FILE] [--set KEY=VALUE ...] [--OPTION VALUE ...]")
+                       usage="%(prog)s [--config FILE] [--OPTION VALUE ...]")
     p.add_argument("--config", action=ActionConfigFile, help="YAML config file (nested sections); 'none': no file")
-    p.add_argument("--set", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE",
-                   help="the same as --KEY VALUE (the value read as YAML)")
     p.add_class_arguments(cls, None)
     return p
 
 
 def short_help(p: ArgumentParser, paths: Iterable[str], footer: str) -> str:
-    """``p``'s help showing only ``--help``, ``--config``, ``--set`` and the options ``paths``, then ``footer``
+    """``p``'s help showing only ``--help``, ``--config`` and the options ``paths``, then ``footer``
     (``p``'s other actions lose their help: give it a parser built for this)."""
     for a in p._actions:  # noqa: SLF001 - argparse lists its actions nowhere else
-        a.help = a.help if a.dest in {"help", "config", "set", *paths} else argparse.SUPPRESS
+        a.help = a.help if a.dest in {"help", "config", *paths} else argparse.SUPPRESS
     p.epilog = footer
     return p.format_help()
 
 
 def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> tuple[list[str], list, str | None, str]:
-    """Short flags and ``--set`` as the library's flags; dashes in option names as underscores; a
+    """Short flags as the library's flags; dashes in option names as underscores; a
     boolean without a value (``--lora.enabled``, ``--no-metrics.progress``); the config file
     (``--config``, else ``$env_var``) first. The flags of a ``merge`` option are taken out, as
     ``(option, key or None, value read as YAML)`` in their order. Returns (argv, merges, the file, why)."""
     opts, out, merges, rest, explicit = options(cls), [], [], list(argv), None
     while rest:
         name, eq, val = rest.pop(0).partition("=")
-        if name == "--set":
-            val = val if eq else (rest.pop(0) if rest else "")
-            if "=" not in val:
-                raise ConfigError([("--set", f"expects key=value, got {val!r}")])
-            name, eq, val = ("--" + val).partition("=")
         name = aliases.get(name, name)
         dotted = name[2:].replace("-", "_")
         if name == "--config":
@@ -250,10 +231,10 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
         err = error(cls, str(e))
         raise ConfigError([(f"--config {path}" if k == "--config" else k, m) for k, m in err.problems]) from None
     names = [f.name for f in dataclasses.fields(cls)]
-    rest = {k: getattr(init, k) for k in vars(init) if "." not in k and k not in names + ["config", "set"]}
+    rest = {k: getattr(init, k) for k in vars(init) if "." not in k and k not in names + ["config"]}
     cfg = cls(**{n: getattr(init, n) for n in names})
     for opt, key, value in merges:
-        mapping = attrgetter(opt)(cfg)
+        mapping = operator.attrgetter(opt)(cfg)
         if key is not None:
             mapping[key] = value
         elif not isinstance(value, dict):

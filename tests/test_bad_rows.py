@@ -31,10 +31,10 @@ def _long_wav(path, minutes: int = 40, rate: int = 48000, channels: int = 2) -> 
 def _cli(manifest, out, tiny_models, *extra):
     cmd = [sys.executable, "-m", "shardcache", "precompute", "--manifest", str(manifest), "--cache", str(out),
            "--config", str(ROOT / "configs" / "precompute.yaml"),
-           "--set", f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
-           "--set", f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-           "--set", "image_size=64", "--set", "device=cpu", "--set", "num_workers=0",
-           "--set", "allow_outside_root=true", *extra]
+           f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
+           f"--image_encoder.pretrained={tiny_models / 'wan-tiny'}",
+           "--image_size=64", "--device=cpu", "--num_workers=0",
+           "--allow_outside_root=true", *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

@@ -24,9 +24,9 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 def _argv(manifest, cache, tiny_models, *extra) -> list[str]:
     """``shardcache precompute`` arguments with the tiny models."""
     return ["--manifest", str(manifest), "--cache", str(cache), "--config", str(ROOT / "configs" / "precompute.yaml"),
-            "--set", f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
-            "--set", f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-            "--set", "image_size=64", "--set", "device=cpu", "--no-progress", "--root", str(DEMO), *extra]
+            f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
+            f"--image_encoder.pretrained={tiny_models / 'wan-tiny'}",
+            "--image_size=64", "--device=cpu", "--no-progress", "--root", str(DEMO), *extra]
 
 
 def _precompute_here(capsys, manifest, cache, tiny_models, *extra) -> tuple[int, str, str]:
@@ -67,7 +67,7 @@ def test_kill_9_of_a_job_with_two_decode_workers_then_an_immediate_rerun(tiny_mo
     cache = tmp_path / "cache"
     manifest = _write_jsonl(tmp_path / "m.jsonl", [{"key": f"k{i}", "text": "Hello.", "audio": AUDIO} for i in range(400)])
     job = subprocess.Popen([sys.executable, "-m", "shardcache", "precompute",
-                            *_argv(manifest, cache, tiny_models, "--set", "num_workers=2")],
+                            *_argv(manifest, cache, tiny_models, "--num_workers=2")],
                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     workers: list[int] = []
@@ -84,7 +84,7 @@ def test_kill_9_of_a_job_with_two_decode_workers_then_an_immediate_rerun(tiny_mo
     assert not any(_alive(w) for w in workers), "decode workers outlived their job"
     caplog.set_level("INFO", logger="precompute")
     small = _write_jsonl(tmp_path / "small.jsonl", [{"key": "k0", "text": "Hello.", "audio": AUDIO}])
-    rc, out, err = _precompute_here(capsys, small, cache, tiny_models, "--set", "num_workers=0")
+    rc, out, err = _precompute_here(capsys, small, cache, tiny_models, "--num_workers=0")
     assert rc == 0, err[-2000:]
     assert "is being written by another precompute job" not in err
     assert f"pid {job.pid} " in caplog.text and "lock taken over" in caplog.text   # the dead job is named

@@ -30,7 +30,7 @@ def test_waveform_field_names_are_checked_against_the_registry(no_precompute, ca
     assert (name in fields.BY_NAME) == message.endswith("(reserved)")  # the registry's own answer
     rc = no_precompute.main(["--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "c"),
                              "--config", str(ROOT / "configs" / "precompute.yaml"),
-                             "--set", f"extra_fields={{{name}: {{producer: waveform, sample_rate: 16000}}}}"])
+                             f"--extra_fields={{{name}: {{producer: waveform, sample_rate: 16000}}}}"])
     assert rc == 2 and f"error: extra_fields.{name}: {message}" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
 
@@ -55,7 +55,7 @@ def test_extra_fields_are_checked_before_any_encoder_loads(no_precompute, capsys
     """An extra field's producer and name are refused at the option (exit 2), not after the codec and the VAE
     have loaded (where building the producers found them before)."""
     rc = no_precompute.main(["--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "c"),
-                             "--config", str(ROOT / "configs" / "precompute.yaml"), "--set", f"extra_fields={spec}"])
+                             "--config", str(ROOT / "configs" / "precompute.yaml"), f"--extra_fields={spec}"])
     assert rc == 2 and f"error: {message}" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
 
@@ -66,6 +66,23 @@ def test_extra_fields_the_registry_knows_pass():
     ok = ("extra_fields={codes_mimi: {producer: codes, audio_tokenizer: {name: mimi, pretrained: x}}, "
           "audio_8k: {producer: waveform, sample_rate: 8000}, mel: {factory: 'plugin_fields:make_mel'}}")
     assert check_config(load_config(None, [ok])) == []
+
+
+def test_image_features_specs_have_one_set_of_rules_before_gemma3_loads(monkeypatch):
+    """The ``image_features`` option and a producer ``image_features`` spec (``add-field``) are checked by
+    the same rules before the model loads; the producer path used to load Gemma 3 and then fail every
+    image on a bad ``image_rgb``."""
+    from precompute.config import load_config
+    from precompute.producers import image_features, load_producer
+    from precompute.validate import check_config
+    monkeypatch.setattr(image_features.Gemma3VisionEncoder, "__init__", lambda *a, **k: pytest.fail("it loaded"))
+    assert check_config(load_config(None, ["image_features={pretrained: '', dtype: fp8}"])) == [
+        ("image_features.pretrained", "expected a local directory or hub id (e.g. google/gemma-3-4b-it), got ''"),
+        ("image_features.dtype", "expected one of float32, fp32, float, float16, fp16, half, bfloat16, bf16, "
+                                 "got 'fp8'")]
+    with pytest.raises(ValueError, match="image_features.image_rgb: expected one of composite, convert, got 'rgb'"):
+        load_producer({"producer": "image_features", "pretrained": "google/gemma-3-4b-it", "image_rgb": "rgb"},
+                      "image_features")
 
 
 @pytest.fixture

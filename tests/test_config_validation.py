@@ -38,39 +38,39 @@ def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--set", "sample_rate=abc"], "error: sample_rate: expected an integer > 0 and <= 384000, got 'abc'"),
-    (["--set", "sample_rate=0"], "error: sample_rate: expected an integer > 0 and <= 384000, got 0"),
+    (["--sample_rate=abc"], "error: sample_rate: expected an integer > 0 and <= 384000, got 'abc'"),
+    (["--sample_rate=0"], "error: sample_rate: expected an integer > 0 and <= 384000, got 0"),
     (["--encoder-batch-size", "0"], "error: encoder_batch_size: expected an integer > 0 and <= 65536, got 0"),
     (["--encoder_batch_size=-1"], "error: encoder_batch_size: expected an integer > 0 and <= 65536, got -1"),
-    (["--set", "image_resize=foo"], "error: image_resize: expected one of center_crop, pad, bucket, stretch, got 'foo'"),
-    (["--set", "image_pixel_range=0..1"], "error: image_pixel_range: expected one of -1..1, 0..255, got '0..1'"),
-    (["--set", "image_rgb=bgr"], "error: image_rgb: expected one of composite, convert"),
-    (["--set", "world_tokens=[<sow>]"], "error: world_tokens: expected two different tokens"),
-    (["--set", "image_token= <image>"], "error: image_token: expected a token string without surrounding"),
-    (["--set", "world_tokens=[<image>, <eow>]"], "error: world_tokens: '<image>' is the image placeholder"),
-    (["--set", "num_workers=lots"], "error: num_workers: expected an integer >= 0 and <= 1024 or one of auto, got 'lots'"),
+    (["--image_resize=foo"], "error: image_resize: expected one of center_crop, pad, bucket, stretch, got 'foo'"),
+    (["--image_pixel_range=0..1"], "error: image_pixel_range: expected one of -1..1, 0..255, got '0..1'"),
+    (["--image_rgb=bgr"], "error: image_rgb: expected one of composite, convert"),
+    (["--world_tokens=[<sow>]"], "error: world_tokens: expected two different tokens"),
+    (["--image_token= <image>"], "error: image_token: expected a token string without surrounding"),
+    (["--world_tokens=[<image>, <eow>]"], "error: world_tokens: '<image>' is the image placeholder"),
+    (["--num_workers=lots"], "error: num_workers: expected an integer >= 0 and <= 1024 or one of auto, got 'lots'"),
     (["--num-workers", "lots"], "error: num_workers: expected an integer >= 0 and <= 1024 or one of auto, got 'lots'"),
-    (["--set", "min_duration=40"], "error: min_duration: 40.0 s is greater than max_duration 30.0 s"),
-    (["--set", "image_size=100"], "error: image_size: expected a multiple of 8 (the VAE's spatial factor), got 100"),
-    (["--set", "max_duration=-1"], "error: max_duration: expected a number > 0 and <= 86400, got -1"),
-    (["--set", "silence_rms=loud"], "error: silence_rms: expected a number or null >= 0 and <= 1, got 'loud'"),
+    (["--min_duration=40"], "error: min_duration: 40.0 s is greater than max_duration 30.0 s"),
+    (["--image_size=100"], "error: image_size: expected a multiple of 8 (the VAE's spatial factor), got 100"),
+    (["--max_duration=-1"], "error: max_duration: expected a number > 0 and <= 86400, got -1"),
+    (["--silence_rms=loud"], "error: silence_rms: expected a number or null >= 0 and <= 1, got 'loud'"),
     (["--sample-rate", "fast"], "error: sample_rate: expected an integer > 0 and <= 384000, got 'fast'"),
-    (["--set", "optim.lr=1"], "error: optim.lr: unknown option"),
-    (["--set", "store_posterior=maybe"], "error: store_posterior: expected true or false, got 'maybe'"),
-    (["--set", "device=gpu"], "error: device: expected auto, cpu, cuda"),
-    (["--set", "encoder_dtype=int8"], "error: encoder_dtype: expected one of"),
-    (["--set", "precision_tolerance.codes_agreement=1.5"],
+    (["--optim.lr=1"], "error: optim.lr: unknown option"),
+    (["--store_posterior=maybe"], "error: store_posterior: expected true or false, got 'maybe'"),
+    (["--device=gpu"], "error: device: expected auto, cpu, cuda"),
+    (["--encoder_dtype=int8"], "error: encoder_dtype: expected one of"),
+    (["--precision_tolerance.codes_agreement=1.5"],
      "error: precision_tolerance.codes_agreement: expected a number >= 0 and <= 1, got 1.5"),
-    (["--set", "precision_tolerance.latents_rel_eror=0.1"], "error: precision_tolerance.latents_rel_eror: unknown option"),
-    (["--set", "audio_tokenizer.name=snac"], "error: audio_tokenizer.name: expected one of"),
+    (["--precision_tolerance.latents_rel_eror=0.1"], "error: precision_tolerance.latents_rel_eror: unknown option"),
+    (["--audio_tokenizer.name=snac"], "error: audio_tokenizer.name: expected one of"),
     (["--audio_tokenizer.name", "snac"], "error: audio_tokenizer.name: expected one of"),
-    (["--set", "image_encoder.nomalize=true"], "error: image_encoder: unknown option(s) ['nomalize']"),
-    (["--set", "extra_fields={audio_16k: {producer: waveform, sample_rate: 0, direction: in}}"],
+    (["--image_encoder.nomalize=true"], "error: image_encoder: unknown option(s) ['nomalize']"),
+    (["--extra_fields={audio_16k: {producer: waveform, sample_rate: 0, direction: in}}"],
      "error: extra_fields.audio_16k.sample_rate: expected an integer > 0 and <= 384000, got 0"),
-    (["--set", "extra_fields={audio_16k: {producer: waveform, sample_rate: 16000, direction: up}}"],
+    (["--extra_fields={audio_16k: {producer: waveform, sample_rate: 16000, direction: up}}"],
      "error: extra_fields.audio_16k.direction: expected one of in, out, all, got 'up'"),
-    (["--set", "no_such_option=1"], "error: no_such_option: unknown option"),
-    (["--set", "sample_rate"], "key=value"),
+    (["--no_such_option=1"], "error: no_such_option: unknown option"),
+    (["--sample_rate"], "error: sample_rate: expected one argument"),
 ])
 def test_invalid_option_exits_2_naming_it(capsys, tmp_path, no_work, args, message):
     rc, err = _main(capsys, tmp_path, *args)
@@ -78,7 +78,7 @@ def test_invalid_option_exits_2_naming_it(capsys, tmp_path, no_work, args, messa
 
 
 def test_every_problem_is_listed(capsys, tmp_path, no_work):
-    rc, err = _main(capsys, tmp_path, "--set", "sample_rate=0", "--set", "encoder_batch_size=0", "--set", "image_resize=x")
+    rc, err = _main(capsys, tmp_path, "--sample_rate=0", "--encoder_batch_size=0", "--image_resize=x")
     assert rc == 2
     named = {ln.split(":")[1].strip() for ln in err.strip().splitlines()}
     assert named == {"sample_rate", "encoder_batch_size", "image_resize"}
@@ -102,9 +102,9 @@ def test_valid_values_pass(monkeypatch, capsys, tmp_path):
         raise ValueError("stop here")
 
     monkeypatch.setattr(cli, "run", fake_run)
-    rc, _ = _main(capsys, tmp_path, "--set", "audio_tokenizer=null", "--set", "silence_rms=1e-4",
-                  "--set", "extra_fields={audio_16k: {producer: waveform, sample_rate: 16000, direction: in}}",
-                  "--set", "num_workers=auto", "--num-workers", "2", "--device", "cuda:1")
+    rc, _ = _main(capsys, tmp_path, "--audio_tokenizer=null", "--silence_rms=1e-4",
+                  "--extra_fields={audio_16k: {producer: waveform, sample_rate: 16000, direction: in}}",
+                  "--num_workers=auto", "--num-workers", "2", "--device", "cuda:1")
     assert rc == 1 and seen["cfg"].num_workers == 2 and seen["cfg"].audio_tokenizer is None
     assert seen["cfg"].silence_rms == 1e-4  # YAML 1.1 reads 1e-4 as text; a number option takes it as the number
     assert check_config(PrecomputeConfig()) == []
@@ -156,7 +156,7 @@ def test_cli_stops_before_loading_any_model(tmp_path):
     cfg.write_text(f"audio_tokenizer: {{name: dac, pretrained: {tmp_path / 'no-models' / 'dac'}}}\n"
                    f"image_encoder: {{name: wan, pretrained: {tmp_path / 'no-models' / 'wan'}}}\n")
     r = subprocess.run([sys.executable, "-m", "shardcache", "precompute", "--manifest", str(DEMO / "samples.jsonl"),
-                        "--cache", str(tmp_path / "out"), "--config", str(cfg), "--set", "sample_rate=abc"],
+                        "--cache", str(tmp_path / "out"), "--config", str(cfg), "--sample_rate=abc"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
     assert r.returncode == 2, r.stderr
@@ -166,7 +166,7 @@ def test_cli_stops_before_loading_any_model(tmp_path):
 
 def test_config_files_keep_their_fingerprint(tmp_path):
     """The preprocessing() of configs/precompute-tts.yaml, written out (renaming an option never
-    changes it), and a file read under --set. The TTS file renders Higgs-Audio's own layout
+    changes it), and a file read with an override. The TTS file renders Higgs-Audio's own layout
     (chat_template llama3)."""
     cfg = load_config(ROOT / "configs" / "precompute-tts.yaml")
     assert cfg.preprocessing() == {
@@ -204,3 +204,21 @@ def test_a_section_given_a_value_is_refused_naming_it(tmp_path, text, section):
     from precompute.config import load_config
     with pytest.raises(ConfigError, match="precision_tolerance: expected a mapping of its options, got 5"):
         load_config({"precision_tolerance": 5})
+
+
+def test_a_key_of_an_encoder_spec_from_a_flag_keeps_its_type():
+    """``--image_encoder.normalize false`` and ``--audio_tokenizer.max_batch_size 8`` reach the encoder as
+    false and 8: an untyped ``dict`` option kept them as the strings 'false' (truthy) and '8'."""
+    cfg = load_config(ROOT / "configs" / "precompute.yaml", ["image_encoder.normalize=false",
+                                                            "audio_tokenizer.max_batch_size=8",
+                                                            "text_tokenizer.pretrained=/ckpt/tok"])
+    assert cfg.image_encoder["normalize"] is False and cfg.audio_tokenizer["max_batch_size"] == 8
+    assert type(cfg.audio_tokenizer["max_batch_size"]) is int and cfg.text_tokenizer["pretrained"] == "/ckpt/tok"
+
+
+def test_a_training_device_it_cannot_use_is_refused():
+    """``--dist.device gpu`` trained on the CPU without a word; now it exits 2 naming the option."""
+    from shardcache.config import ConfigError
+    from train.config import parse_args
+    with pytest.raises(ConfigError, match="dist.device: expected one of auto, cpu, cuda, got 'gpu'"):
+        parse_args(["--config", "none", "--dist.device", "gpu"])

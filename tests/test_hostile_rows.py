@@ -427,10 +427,10 @@ def test_cli_on_a_hostile_manifest(setup, m):
         cfg = setup["cfg"]
         cmd = [sys.executable, "-m", "shardcache", "precompute", "--manifest", str(manifest),
                "--cache", str(folder / "cache"), "--root", str(setup["root"]), "--config", "none", "--no-progress",
-               "--set", f"audio_tokenizer={json.dumps(cfg.audio_tokenizer)}",
-               "--set", f"image_encoder={json.dumps(cfg.image_encoder)}",
-               "--set", "image_size=64", "--set", "samples_per_shard=8", "--set", "num_workers=0",
-               "--set", "device=cpu", *(x for k, v in CAPS.items() for x in ("--set", f"{k}={v}"))]
+               f"--audio_tokenizer={json.dumps(cfg.audio_tokenizer)}",
+               f"--image_encoder={json.dumps(cfg.image_encoder)}",
+               "--image_size=64", "--samples_per_shard=8", "--num_workers=0",
+               "--device=cpu", *(f"--{k}={v}" for k, v in CAPS.items())]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
         assert r.returncode == 0, r.stderr[-3000:]

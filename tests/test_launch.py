@@ -192,12 +192,12 @@ def _check_nodes(fs, module: str, script_args: list[str]) -> None:
 def test_precompute_sbatch_under_fake_slurm(fake_slurm):
     fs = fake_slurm
     r = subprocess.run([BASH, str(SLURM / "precompute.sbatch"), "/data/train.json", "/data/cache",
-                        "configs/my.yaml", "--set", "encoder_batch_size=32"],
+                        "configs/my.yaml", "--encoder_batch_size=32"],
                        env=fs["env"], cwd=fs["submit"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     # 64 CPUs / 8 GPUs = 8 per rank, minus one for the rank's main process
     _check_nodes(fs, "precompute", ["--manifest", "/data/train.json", "--cache", "/data/cache", "--config",
-                                    "configs/my.yaml", "--num-workers", "7", "--set", "encoder_batch_size=32"])
+                                    "configs/my.yaml", "--num-workers", "7", "--encoder_batch_size=32"])
     # the summary at the end, on the batch node
     assert _argv(fs["rec"] / "python.batch.argv") == ["-m", "shardcache", "shards", "info", "/data/cache"]
     for k, v in RECOMMENDED_ENV.items():

@@ -27,9 +27,9 @@ REASON_OF = {  # expected_rejects.json wording -> our reason codes
 
 def _cli_args(tiny_models: Path, *extra: str) -> list[str]:
     return ["--config", str(ROOT / "configs" / "precompute.yaml"),
-            "--set", f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
-            "--set", f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-            "--set", "image_size=64", "--set", "device=cpu", "--no-progress", *extra]
+            f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
+            f"--image_encoder.pretrained={tiny_models / 'wan-tiny'}",
+            "--image_size=64", "--device=cpu", "--no-progress", *extra]
 
 
 def _samples(cache: Path) -> dict[str, str]:
@@ -129,7 +129,7 @@ def test_incremental_rerun_encodes_only_new_rows(tiny_config, demo_cache, tmp_pa
 
 # The cache is a pure function of (manifest, config, weights): chunks of 6 rows with encoder batches
 # of 4 split batches at chunk boundaries; the demo manifest has images (VAE batches) and bad rows.
-DETERMINISM = ("--set", "samples_per_shard=6", "--set", "encoder_batch_size=4")
+DETERMINISM = ("--samples_per_shard=6", "--encoder_batch_size=4")
 
 
 def _layout(cache: Path) -> tuple[dict[str, str], dict[str, str]]:
@@ -142,7 +142,7 @@ def _precompute_cmd(tiny_models, out, *extra, nproc: int = 0, restarts: int = 0)
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             f"--max-restarts={restarts}"] if nproc else [sys.executable]
     return head + ["-m", "shardcache", "precompute", "--manifest", str(DEMO / "samples.jsonl"), "--cache", str(out),
-                   *_cli_args(tiny_models, *DETERMINISM, "--set", "num_workers=0", *extra)]
+                   *_cli_args(tiny_models, *DETERMINISM, "--num_workers=0", *extra)]
 
 
 def _wait_for_parts(out: Path, n: int, proc, timeout: float = 120) -> None:
@@ -182,7 +182,7 @@ def test_killed_three_times_and_resumed_writes_the_same_bytes(tiny_models, refer
 
 @pytest.mark.slow
 def test_decode_workers_do_not_change_the_bytes(tiny_models, reference, tmp_path):
-    subprocess.run(_precompute_cmd(tiny_models, tmp_path / "w", "--set", "num_workers=2"), cwd=ROOT,
+    subprocess.run(_precompute_cmd(tiny_models, tmp_path / "w", "--num_workers=2"), cwd=ROOT,
                    env=dict(os.environ, OMP_NUM_THREADS="1"), check=True, capture_output=True, timeout=300)
     assert _layout(tmp_path / "w") == reference
 

@@ -274,7 +274,7 @@ def test_stage_one_uploads_and_resumes_against_the_bucket(s3, demo_cache, tiny_c
                  for k in ("audio_tokenizer.pretrained", "image_encoder.pretrained", "image_size",
                            "samples_per_shard", "num_workers", "device")]
     rc = cli.main(["--manifest", str(ROOT / "data" / "demo" / "samples.jsonl"), "--cache", url, "--config",
-                   str(ROOT / "configs" / "precompute.yaml"), *[a for o in overrides for a in ("--set", o)],
+                   str(ROOT / "configs" / "precompute.yaml"), *[f"--{o}" for o in overrides],
                    "--storage-options", json.dumps(s3.options), "--staging", str(tmp_path / "staging2"),
                    "--no-progress"])
     rows_in_chunk_1 = len([k for k in read_index(demo_cache).column("shard").to_pylist() if k == "shard-000001.tar"])

@@ -59,7 +59,7 @@ def test_bad_option_exits_2_before_any_model_is_loaded(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"audio_tokenizer: {{name: dac, pretrained: {tmp_path / 'missing'}}}\n")
     r = _run("precompute", "--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "out"),
-             "--config", str(cfg), "--set", "sample_rate=abc", cwd=tmp_path)
+             "--config", str(cfg), "--sample_rate=abc", cwd=tmp_path)
     assert r.returncode == 2 and "sample_rate: expected an integer > 0 and <= 384000, got 'abc'" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
     from shardcache.cli import main

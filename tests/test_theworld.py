@@ -229,7 +229,7 @@ def test_theworld_trains_and_the_loss_falls(nproc, world_cache, gemma3, tmp_path
     logged; only the world projection and the LoRA adapters are saved. The profile of steps 3-5
     holds no convolution or pooling (no VAE, no SigLIP patch embedding or pooling: nothing of the
     image path runs in a step)."""
-    profile = ["--set", "profile.enabled=true", "--profile.wait", "1", "--profile.warmup", "1",
+    profile = ["--profile.enabled=true", "--profile.wait", "1", "--profile.warmup", "1",
                "--profile.active", "3"] if nproc == 1 else []
     r = _train(world_cache, tmp_path / "run", gemma3, nproc, *profile)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -79,9 +79,9 @@ def test_config_precedence_yaml_then_cli(tmp_path):
     assert cfg.data.fields == ("codes", "input_ids")
     cfg, _ = parse_args(["--config", str(y), "--model.kwargs", '{"lm": "/ckpt/x", "freeze_lm": true, "r": [1, 2]}'])
     assert cfg.model.kwargs == {"d_model": 64, "n_layers": 1, "lm": "/ckpt/x", "freeze_lm": True, "r": [1, 2]}
-    # --set, dashes or underscores, one key of a mapping; flags in their order
-    cfg, _ = parse_args(["--config", str(y), "--set", "optim.lr=2e-3", "--set", "training.steps=11",
-                         "--training.steps", "12", "--set", "model.kwargs.n_layers=2", "--optim.weight-decay", "0",
+    # --KEY=VALUE, dashes or underscores, one key of a mapping; flags in their order
+    cfg, _ = parse_args(["--config", str(y), "--optim.lr=2e-3", "--training.steps=11",
+                         "--training.steps", "12", "--model.kwargs.n_layers=2", "--optim.weight-decay", "0",
                          "--cache", "/c", "--run-dir", "/r"])
     assert (cfg.training.steps, cfg.data.batch_size, cfg.optim.lr, cfg.optim.weight_decay) == (12, 3, 2e-3, 0.0)
     assert cfg.model.kwargs == {"d_model": 64, "n_layers": 2} and (cfg.data.cache, cfg.job.dir) == ("/c", "/r")
@@ -104,14 +104,14 @@ def test_config_precedence_yaml_then_cli(tmp_path):
 def test_config_errors_name_every_bad_option_and_exit_2(tmp_path):
     from shardcache.config import ConfigError
     with pytest.raises(ConfigError) as e:
-        parse_args(["--config", "none", "--data.batch_size", "0", "--set", "schedule.name=step",
+        parse_args(["--config", "none", "--data.batch_size", "0", "--schedule.name=step",
                     "--training.precision", "fp8"])
     assert [k for k, _ in e.value.problems] == ["data.batch_size", "schedule.name", "training.precision"]
     with pytest.raises(ConfigError) as e:  # a value of the wrong type: named as the command line is read
         parse_args(["--config", "none", "--optim.lr", "fast"])
     assert e.value.lines() == ["optim.lr: expected a number >= 0 and <= 100, got 'fast'"]
     with pytest.raises(ConfigError, match="optim.lrr: unknown option"):
-        parse_args(["--config", "none", "--set", "optim.lrr=1"])
+        parse_args(["--config", "none", "--optim.lrr=1"])
     # no file is read unless named: not configs/train.yaml of the working directory
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "train.yaml").write_text("training: {steps: 5}\n")

@@ -33,9 +33,9 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 def _argv(manifest, cache, tiny_models, *extra, root=DEMO) -> list[str]:
     """``shardcache precompute`` arguments with the tiny models."""
     return ["--manifest", str(manifest), "--cache", str(cache), "--config", str(ROOT / "configs" / "precompute.yaml"),
-            "--set", f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
-            "--set", f"image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-            "--set", "image_size=64", "--set", "device=cpu", "--set", "num_workers=0", "--no-progress",
+            f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
+            f"--image_encoder.pretrained={tiny_models / 'wan-tiny'}",
+            "--image_size=64", "--device=cpu", "--num_workers=0", "--no-progress",
             *(["--root", str(root)] if root else []), *extra]
 
 
@@ -180,8 +180,8 @@ def test_a_number_out_of_bounds_exits_2_before_any_work(tmp_path):
     """--sample-rate 100000000000 gave an empty cache with exit 0 (every row MemoryError)."""
     out = tmp_path / "cache"
     cmd = [sys.executable, "-m", "shardcache", "precompute", "--manifest", str(DEMO / "samples.jsonl"),
-           "--cache", str(out), "--sample-rate", "100000000000", "--set", "max_audio_items=0",
-           "--set", "extra_fields={audio_a16k: {producer: waveform, sample_rate: 1000000}}"]
+           "--cache", str(out), "--sample-rate", "100000000000", "--max_audio_items=0",
+           "--extra_fields={audio_a16k: {producer: waveform, sample_rate: 1000000}}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 2, r.stderr
     assert "error: sample_rate: expected an integer > 0 and <= 384000, got 100000000000" in r.stderr

@@ -248,7 +248,7 @@ def build_finder_parser() -> argparse.ArgumentParser:
             "Find the largest / fastest per-rank batch size for the configured model on one device.\n\n"
             "  shardcache find-batch-size --cache cache/demo --config configs/train.yaml\n"
             "  shardcache find-batch-size --cache /data/cache --max-batch-size 256 --margin 0.85\n\n"
-            "Takes every option of `shardcache train` (defaults < config file < --set < flags), except\n"
+            "Takes every option of `shardcache train` (defaults < config file < flags), except\n"
             "that --steps is the number of steps per batch size. Exit status 0, 2 for bad options and for a\n"
             "cache that does not fit the model."))
     g = p.add_argument_group("batch-size finder")

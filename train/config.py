@@ -1,25 +1,19 @@
-"""Stage-two configuration: :class:`TrainConfig`, nested sections with a docstring per option.
-
-Read by :mod:`shardcache.config` as precompute's is: defaults < config file (``--config FILE``, else
-``$SHARDCACHE_TRAIN_CONFIG``) < flags in their order. :mod:`train.recipes.higgs_argv` translates the
-Higgs-Audio launch line. The effective config is logged at start and stored in every checkpoint.
-"""
+"""Stage-two configuration: :class:`TrainConfig`, nested sections with a docstring per option, read by
+:mod:`shardcache.config` (the order: :func:`build_parser`'s description); :mod:`train.recipes.higgs_argv`
+translates the Higgs-Audio launch line. The effective config is logged at start and kept in every checkpoint."""
 from __future__ import annotations
 
 import argparse
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from shardcache import config as S
 from shardcache.config import ConfigError, option
 
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_TRAIN_CONFIG"
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 #: the most steps any step-count option accepts (a trillion)
 MAX_STEPS = 10**12
-SCHEDULES = ("constant", "linear", "cosine", "polynomial")
 
 
 @dataclass
@@ -40,8 +34,8 @@ class DataConfig:
     """DataLoader workers per rank. auto: on CUDA this rank's share of the cores - 1 (1 to 8); on CPU 0."""
     loader: str = "loaders:ShardLoader"
     """module:class of the loader (the ShardLoader API)."""
-    loader_kwargs: dict = option({}, merge=True)
-    """Extra keyword arguments for the loader (a mapping; a flag or --set updates the file's)."""
+    loader_kwargs: dict = option(factory=dict, merge=True)
+    """Extra keyword arguments for the loader (a mapping; a flag updates the file's)."""
     compact_batches: bool = True
     """Load int16 audio and float16 latents as stored and widen them to float32 on the device (half the bytes)."""
     prefetch_to_device: str = option("auto", choices=("auto", "on", "off"))
@@ -58,7 +52,7 @@ class ModelConfig:
 
     name: str = "reference"
     """A recipe of train.recipes.RECIPES, module:Class of a Recipe, or module:factory(**model.kwargs) (an nn.Module)."""
-    kwargs: dict = option({}, merge=True)
+    kwargs: dict = option(factory=dict, merge=True)
     """Keyword arguments of the model (reference: d_model, n_layers...; recipes: lm, dtype...); flags update them."""
     audio_tokenizer: str = ""
     """Audio tokenizer (path or hub id) the cache's codes should come from; a mismatch warns. Never loaded."""
@@ -116,7 +110,7 @@ class OptimConfig:
 class ScheduleConfig:
     """The learning-rate schedule: a torch LambdaLR (its state is in every checkpoint)."""
 
-    name: str = option("cosine", choices=SCHEDULES)
+    name: str = option("cosine", choices=("constant", "linear", "cosine", "polynomial"))
     """After warmup, lr down to min_lr_ratio x lr at the last step; polynomial: (1 - progress) ** power."""
     warmup_steps: int = option(100, ge=0, le=MAX_STEPS)
     """Linear warmup steps (lr x (step + 1) / warmup_steps)."""
@@ -136,7 +130,7 @@ class TrainingConfig:
     """Epochs to train, may be fractional (steps = ceil(epochs x batches per epoch / grad_accum)); 0 = steps."""
     grad_accum: int = option(1, gt=0, le=1_000_000)
     """Micro-steps per optimizer step; gradients are all-reduced on the last only (no_sync)."""
-    precision: str = option("auto", choices=PRECISIONS)
+    precision: str = option("auto", choices=("auto", "bf16", "fp16", "fp32"))
     """auto: on CUDA bf16 where supported, else fp16 (with a GradScaler); fp32 on CPU. Or bf16 | fp16 | fp32."""
     nonfinite_limit: int = option(20, ge=0, le=MAX_STEPS)
     """Stop (exit 1, no checkpoint) after this many consecutive non-finite (skipped) steps; 0 = never."""
@@ -146,8 +140,8 @@ class TrainingConfig:
 class DistConfig:
     """Devices, process group, DDP."""
 
-    device: str = "auto"
-    """auto (cuda:LOCAL_RANK if available, else cpu) | cpu | cuda."""
+    device: str = option("auto", choices=("auto", "cpu", "cuda"))
+    """auto (cuda:LOCAL_RANK if available, else cpu) | cpu | cuda (each rank on its cuda:LOCAL_RANK)."""
     backend: str = option("auto", choices=("auto", "nccl", "gloo"))
     """Process-group backend: auto (nccl on CUDA, gloo on CPU)."""
     pg_timeout_min: float = option(30.0, gt=0.0, le=525_600.0)
@@ -255,27 +249,19 @@ class TrainConfig:
 # ---- checks ------------------------------------------------------------------------------------------
 
 def _rules(cfg: TrainConfig) -> list[tuple[str, str]]:
-    """Rules across options (after each option's own type and range passed)."""
+    """Rules across options (after each option's own type and range passed); the cache's and the loader's
+    are :mod:`train.preflight`'s and :mod:`train.bounds`'."""
     from .recipes import RECIPES  # a dict of names: imports nothing heavy
-
     fields, m = tuple(cfg.data.fields), cfg.model
     explicit = fields not in (("auto",), ("all",))
-    rules = [
+    return [(k, msg) for k, ok, msg in (
         ("data.fields", not explicit or not {"auto", "all"} & set(fields), "auto or all alone, or a list of fields"),
         ("model.name", m.name == "reference" or m.name in RECIPES or ":" in m.name,
          f"expected 'reference', one of {', '.join(sorted(RECIPES))} or module:factory, got {m.name!r}"),
-        ("data.loader", ":" in cfg.data.loader, f"expected module:class, got {cfg.data.loader!r}"),
         ("model.latent_loss", m.latent_loss == "none" or not explicit or "latents" in fields,
          "needs 'latents' in data.fields"),
         ("data.fields", not explicit or "codes" in fields or m.name != "reference",
-         "the reference model needs 'codes' in data.fields"),
-    ]
-    if cfg.data.cache and Path(cfg.data.cache).is_file():  # a manifest where the cache belongs
-        rules.append(("data.cache", False, (
-            f"{cfg.data.cache} is a file (a manifest?), not a cache directory: training reads the tensors stage one "
-            f"caches. Run\n  shardcache precompute --manifest {cfg.data.cache} --cache DIR --config "
-            "configs/precompute-tts.yaml\nfirst, then pass --cache DIR (or --train_data_file DIR).")))
-    return [(k, msg) for k, ok, msg in rules if not ok]
+         "the reference model needs 'codes' in data.fields")) if not ok]
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -294,7 +280,7 @@ COMMON = ("data.cache", "job.dir", "model.name", "model.kwargs", "data.batch_siz
 
 
 def build_parser(prog: str = "shardcache train", description: str | None = None) -> argparse.ArgumentParser:
-    """``--config``, ``--set``, ``--print-config`` and one flag per option (callers may add their own)."""
+    """``--config``, ``--print-config`` and one flag per option (callers may add their own)."""
     p = S.parser(TrainConfig, prog, description if description is not None else (
         "Train from a shardcache cache (stage two).\n\n"
         "  shardcache train --cache cache/demo --run-dir runs/demo --training.steps 50\n"

@@ -20,8 +20,10 @@ def cache_problem(path: str) -> str | None:
     p = Path(path)
     if not p.exists():
         return f"{path} does not exist: give the directory `shardcache precompute --cache DIR` wrote"
-    if not p.is_dir():
-        return f"{path} is a file, not a cache directory: give the directory `shardcache precompute --cache DIR` wrote"
+    if not p.is_dir():  # a manifest where the cache belongs?
+        return (f"{path} is a file (a manifest?), not a cache directory: training reads the tensors stage one caches. "
+                f"Run\n  shardcache precompute --manifest {path} --cache DIR --config configs/precompute-tts.yaml\n"
+                "first, then pass --cache DIR (or --train_data_file DIR).")
     if not (p / "index.parquet").is_file():
         if any(p.glob("*.tar")) or (p / "parts").is_dir():
             return (f"{path} has shards but no index.parquet: its stage one did not finish; rerun the same "

@@ -12,8 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ENCODER_DTYPES
-
 from shardcache.pretrained import BUILD_HINT, load_error, resolve_pretrained  # noqa: F401 (one owner)
 
 #: config keys that name where a checkpoint came from or which library wrote it; they do not change
@@ -130,7 +128,9 @@ def resolve_device(device: Any) -> "torch.device":
     return dev
 
 
-_DTYPES = ENCODER_DTYPES  # the encoder_dtype spellings (owner: precompute.config)
+#: the values of the option ``encoder_dtype`` (and of encoders' ``dtype``) -> the dtype they mean
+ENCODER_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16",
+                  "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 def resolve_dtype(dtype: Any) -> "torch.dtype":
@@ -143,9 +143,9 @@ def resolve_dtype(dtype: Any) -> "torch.dtype":
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"unsupported dtype {dtype}; use float32, float16 or bfloat16")
         return dtype
-    name = _DTYPES.get(str(dtype).lower().replace("torch.", ""))
+    name = ENCODER_DTYPES.get(str(dtype).lower().replace("torch.", ""))
     if name is None:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(ENCODER_DTYPES)}")
     return getattr(torch, name)
 
 

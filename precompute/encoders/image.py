@@ -41,8 +41,8 @@ from ._common import (
 
 #: bump when the pipeline above changes, so fingerprints of old caches stop matching
 ENCODE_VERSION = 1
-#: the stage-one option ``image_pixel_range`` -> ``input_range`` (owner: :mod:`precompute.config`)
-from ..config import PIXEL_RANGES  # noqa: E402,F401
+#: the values of the option ``image_pixel_range`` -> the (low, high) pixel values the VAE is fed (``input_range``)
+PIXEL_RANGES: dict[str, tuple[float, float]] = {"-1..1": (-1.0, 1.0), "0..255": (0.0, 255.0)}
 
 
 class DiffusersVAEEncoder:

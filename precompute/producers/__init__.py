@@ -70,6 +70,9 @@ def producer_problems(spec: Any, field: str) -> list[tuple[str, str]]:
     if spec.get("producer") not in PRODUCERS:
         return [(".producer", f"expected one of {', '.join(PRODUCERS)} (or a plug-in: factory), "
                               f"got {spec.get('producer')!r}")]
+    if spec["producer"] == "image_features":
+        from .image_features import image_features_problems
+        return image_features_problems(field, **spec)
     return waveform_problems(field, **spec) if spec["producer"] == "waveform" else []
 
 

@@ -130,12 +130,34 @@ class Gemma3VisionEncoder:
 VISION_ENCODERS = {"gemma3": Gemma3VisionEncoder}
 
 
+def image_features_problems(field: str = "image_features", image_rgb: Any = "composite", producer: str = "",
+                            **spec: Any) -> list[tuple[str, str]]:
+    """What keeps an ``image_features`` spec ``{name: gemma3, pretrained: DIR_OR_HUB_ID, dtype, image_rgb}``
+    from working, as ``(key suffix, message)``. The one owner of these rules: the config check lists them
+    (the ``image_features`` option, ``extra_fields``' producer ``image_features``) before any model loads,
+    :func:`load_vision_encoder` raises the first. A plug-in image encoder is a producer of its own."""
+    from ..encoders._common import ENCODER_DTYPES
+    from ..encoders.registry import spec_problems
+    from ..images import RGB_MODES
+    if "factory" in spec:
+        return [("", "a plug-in image encoder is a producer: extra_fields: {NAME: {factory: ...}}")]
+    out, p, dtype = spec_problems(spec, VISION_ENCODERS, "gemma3"), spec.get("pretrained"), spec.get("dtype", "bfloat16")
+    if not isinstance(p, str) or not p.strip():
+        out.append((".pretrained", f"expected a local directory or hub id (e.g. google/gemma-3-4b-it), got {p!r}"))
+    if dtype not in ENCODER_DTYPES:
+        out.append((".dtype", f"expected one of {', '.join(ENCODER_DTYPES)}, got {dtype!r}"))
+    if image_rgb not in RGB_MODES:
+        out.append((".image_rgb", f"expected one of {', '.join(RGB_MODES)}, got {image_rgb!r}"))
+    return out
+
+
 def load_vision_encoder(spec: dict, device: str = "cpu") -> Gemma3VisionEncoder:
-    """The encoder of an ``image_features`` spec ``{name, pretrained, **options}`` (names and options
-    checked as every encoder spec's: :func:`precompute.encoders.registry._builtin`). Raises ``ValueError``."""
-    from ..encoders.registry import _builtin
-    cls, options = _builtin(spec, VISION_ENCODERS, "gemma3", "image_features encoder")
-    return cls(spec.get("pretrained"), device=device, **options)
+    """The encoder of an ``image_features`` spec ``{name, pretrained, **options}``. Raises ``ValueError``
+    (:func:`image_features_problems`)."""
+    if problems := image_features_problems(**spec):
+        raise ValueError(f"image_features{problems[0][0]}: {problems[0][1]}")
+    return VISION_ENCODERS[spec.get("name", "gemma3")](spec["pretrained"], device=device, **{
+        k: v for k, v in spec.items() if k not in ("name", "pretrained")})
 
 
 class ImageFeaturesProducer(Producer):
@@ -200,5 +222,5 @@ def make_image_features(field: str = "image_features", device: str = "cpu", imag
     return ImageFeaturesProducer(load_vision_encoder(spec, device), field, image_rgb)
 
 
-__all__ = ["Gemma3VisionEncoder", "ImageFeaturesProducer", "VISION_ENCODERS", "load_vision_encoder",
+__all__ = ["Gemma3VisionEncoder", "ImageFeaturesProducer", "VISION_ENCODERS", "image_features_problems", "load_vision_encoder",
            "make_image_features"]
