@@ -61,3 +61,16 @@ def test_steady_state_smoke():
         assert j["kept"] == j["rows"] == 24 and j["encoders_alone"]["rows"] == 8 and j["wall_over_encoders_alone"] > 0
         assert f"| {j['job']} | 24 (12) |" in r.stdout
 
+
+
+def test_steady_state_set_reaches_the_codec():
+    """``gpu_steady --set KEY=VALUE`` overrides the job's config as ``--set`` does and reaches the encoder
+    the job loads, while the benchmark's model directory stays the codec's ``pretrained``."""
+    from benchmarks.gpu_steady import config, models
+    from precompute.encode import load_encoders
+    dirs = models("tiny")
+    cfg = config("tts", dirs, "cpu", ["audio_tokenizer.max_batch_size=8"])
+    assert cfg.audio_tokenizer["pretrained"] == str(dirs["codec"])
+    assert load_encoders(cfg, "cpu").audio.max_batch_size == 8
+    assert load_encoders(config("tts", dirs, "cpu"), "cpu").audio.max_batch_size == 1  # CPU default
+
