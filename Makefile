@@ -165,10 +165,12 @@ bench: $(VENV)/.installed $(MODELS)/.built
 
 # On a CUDA machine: stage one with real-size random encoders and the recipes' data wait with 0/2/8
 # workers (benchmarks/results/gpu.*), then stage one's TTS and TheWorld jobs at steady state
-# (benchmarks/results/gpu_steady.*); elsewhere each says it needs a GPU and exits 0.
+# (benchmarks/results/gpu_steady.*), and whether the codecs' codes change when batched
+# (benchmarks/results/gpu_codec_batch.*); elsewhere each says it needs a GPU and exits 0.
 bench-gpu: $(VENV)/.installed $(MODELS)/.built
 	$(PY) -m benchmarks.gpu
 	$(PY) -m benchmarks.gpu_steady
+	$(PY) -m benchmarks.gpu_codec_batch
 
 demo-data: $(VENV)/.installed-precompute
 	$(PY) scripts/make_demo_data.py --out data/demo

@@ -2,6 +2,7 @@
 random encoders over thousands of synthetic samples, against their encoders alone.
 
     python -m benchmarks.gpu_steady [--n 3000] [--distinct 1500] [--jobs tts theworld] [--out DIR]
+                                    [--set KEY=VALUE ...] [--suffix=-NAME]
     python -m benchmarks.gpu_steady --smoke        # the same code on the CPU, tiny models, no results
 
 For each job (``tts``: ``configs/precompute-tts.yaml`` on ChatML voice-cloning conversations of two
@@ -25,7 +26,10 @@ and a Gemma 3 directory with ``google/gemma-3-4b-it``'s vision tower, projector 
 (896 px, 256 tokens of 2560) over a one-layer language model with the tiny tokenizer's vocabulary
 (:func:`gemma3_vision`): stage one only runs the image path, and the 4 B language model would
 take minutes to build. **Random weights: real checkpoints run at the same speed (same shapes), not
-to the same values.** Writes ``gpu_steady.json`` and ``gpu_steady.md`` to ``--out`` after each job.
+to the same values.** ``--set KEY=VALUE`` (repeatable) overrides an option of every job's config as
+``shardcache precompute --set`` does (``--set audio_tokenizer.max_batch_size=8``); the benchmark's model
+directories still replace each encoder's ``pretrained``. Writes ``gpu_steady<SUFFIX>.json`` and ``.md``
+(the overrides recorded in both) to ``--out`` after each job.
 """
 from __future__ import annotations
 
@@ -92,11 +96,12 @@ def models(size: str) -> dict[str, Path]:
             "gemma3": gemma3_vision(MODELS) if size == "full" else build("gemma3", MODELS, "tiny")[0]}
 
 
-def config(job: str, dirs: dict[str, Path], device: str):
-    """The job's recipe config with the benchmark's model directories."""
+def config(job: str, dirs: dict[str, Path], device: str, overrides: list[str] = ()):
+    """The job's recipe config with ``overrides`` (``KEY=VALUE``, as ``--set`` takes them) and the
+    benchmark's model directories as the encoders' ``pretrained``."""
     from precompute.config import load_config
     _, file, options = JOBS[job]
-    cfg = load_config(ROOT / "configs" / file, [f"device={device}"])
+    cfg = load_config(ROOT / "configs" / file, [f"device={device}", *overrides])
     for opt, model in options.items():
         cfg = dataclasses.replace(cfg, **{opt: dict(getattr(cfg, opt), pretrained=str(dirs[model]))})
     return cfg
@@ -168,12 +173,13 @@ class Monitor:
 
 
 def bench(job: str, dirs: dict[str, Path], device: str, n: int, distinct: int, alone: int,
-          num_workers: str = "auto") -> dict:
-    """One job: the job over ``n`` rows under :class:`Monitor`, then its encoders alone."""
+          num_workers: str = "auto", overrides: list[str] = ()) -> dict:
+    """One job (its config with ``overrides``): the job over ``n`` rows under :class:`Monitor`, then its
+    encoders alone."""
     from benchmarks.bench_precompute import encoders_alone
     from precompute.job import run
     kind = JOBS[job][0]
-    cfg = dataclasses.replace(config(job, dirs, device), num_workers=num_workers if num_workers == "auto"
+    cfg = dataclasses.replace(config(job, dirs, device, overrides), num_workers=num_workers if num_workers == "auto"
                               else int(num_workers))
     path = manifest(kind, distinct, n)
     with tempfile.TemporaryDirectory() as d, Monitor() as mon:
@@ -183,7 +189,7 @@ def bench(job: str, dirs: dict[str, Path], device: str, n: int, distinct: int, a
     alone_enc, alone_rows = encoders_alone(path, cfg, alone)
     a = {"rows": alone_rows, "encoder_s": round(alone_enc, 3), "s_per_row": alone_enc / max(1, alone_rows)}
     alone_s = a["s_per_row"] * summary.kept
-    return {"job": job, "rows": n, "distinct_files": distinct, "kept": summary.kept, "rejected": summary.rejected,
+    return {"job": job, "overrides": list(overrides), "rows": n, "distinct_files": distinct, "kept": summary.kept, "rejected": summary.rejected,
             "reasons": summary.reasons, "audio_s": round(summary.audio_seconds, 1),
             "decode_workers": summary.decode_workers, "setup_s": round(summary.setup_s, 2), "wall_s": round(summary.wall_s, 2), "total_s": round(total, 2),
             "encoder_s_in_job": round(summary.encoder_s, 2), "encoder_busy": round(summary.encoder_busy, 3),
@@ -196,7 +202,8 @@ def bench(job: str, dirs: dict[str, Path], device: str, n: int, distinct: int, a
 def markdown(r: dict) -> str:
     m = r["machine"]
     lines = [f"**Stage one at steady state on a GPU** ({m['gpu']}, {m['cores']} cores; torch {m['torch']}; {m['date']}; "
-             "random weights of the real sizes; `python -m benchmarks.gpu_steady`):", "",
+             "random weights of the real sizes; `python -m benchmarks.gpu_steady"
+             + "".join(f" --set {o}" for o in r["overrides"]) + "`):", "",
              "| job | rows (distinct files) | samples/s | wall / encoders alone | encoder busy in job | GPU util "
              "(mean, median) | cores busy | decode workers | setup s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -216,7 +223,11 @@ def main(argv=None) -> int:
     ap.add_argument("--num-workers", default="auto", help="the jobs' num_workers (default %(default)s)")
     ap.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS))
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for gpu_steady.json/.md (default %(default)s)")
-    ap.add_argument("--suffix", default="", help="of the result files' names (gpu_steady<SUFFIX>.json)")
+    ap.add_argument("--suffix", default="", help="of the result files' names (gpu_steady<SUFFIX>.json; "
+                    "one starting with '-' as --suffix=-NAME)")
+    ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                    help="override an option of every job's config, as `shardcache precompute --set` "
+                    "(e.g. audio_tokenizer.max_batch_size=8); repeatable")
     ap.add_argument("--smoke", action="store_true", help="the CPU, tiny models, 24 rows: checks the code, writes nothing")
     args = ap.parse_args(argv)
     import logging
@@ -229,10 +240,11 @@ def main(argv=None) -> int:
     n, distinct, alone = (24, 12, 8) if args.smoke else (args.n, args.distinct, args.alone)
     t = time.perf_counter()
     dirs = models(size)
-    result = {"machine": machine(), "models_s": round(time.perf_counter() - t, 1), "jobs": []}
+    result = {"machine": machine(), "overrides": args.overrides, "models_s": round(time.perf_counter() - t, 1),
+              "jobs": []}
     print(f"models ready in {result['models_s']} s", flush=True)
     for job in args.jobs:
-        result["jobs"].append(bench(job, dirs, device, n, distinct, alone, args.num_workers))
+        result["jobs"].append(bench(job, dirs, device, n, distinct, alone, args.num_workers, args.overrides))
         print(json.dumps(result["jobs"][-1]), flush=True)
         if not args.smoke:
             args.out.mkdir(parents=True, exist_ok=True)

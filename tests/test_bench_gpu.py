@@ -61,3 +61,50 @@ def test_steady_state_smoke():
         assert j["kept"] == j["rows"] == 24 and j["encoders_alone"]["rows"] == 8 and j["wall_over_encoders_alone"] > 0
         assert f"| {j['job']} | 24 (12) |" in r.stdout
 
+
+
+def test_steady_state_set_reaches_the_codec():
+    """``gpu_steady --set KEY=VALUE`` overrides the job's config as ``--set`` does and reaches the encoder
+    the job loads, while the benchmark's model directory stays the codec's ``pretrained``."""
+    from benchmarks.gpu_steady import config, models
+    from precompute.encode import load_encoders
+    dirs = models("tiny")
+    cfg = config("tts", dirs, "cpu", ["audio_tokenizer.max_batch_size=8"])
+    assert cfg.audio_tokenizer["pretrained"] == str(dirs["codec"])
+    assert load_encoders(cfg, "cpu").audio.max_batch_size == 8
+    assert load_encoders(config("tts", dirs, "cpu"), "cpu").audio.max_batch_size == 1  # CPU default
+
+
+def test_codec_batch_compare():
+    """``gpu_codec_batch.compare`` counts a flipped code and a clip of another shape."""
+    import numpy as np
+
+    from benchmarks.gpu_codec_batch import compare
+    ref = [np.zeros((8, 10), np.int16), np.ones((8, 5), np.int16)]
+    assert compare(ref, [a.copy() for a in ref]) == {"identical": 2, "total": 2, "equal_codes": 1.0,
+                                                      "max_frames_differing": 0}
+    got = [a.copy() for a in ref]
+    got[0][2, 3] = got[0][5, 3] = got[0][0, 7] = 7  # two frames of clip 0
+    assert compare(ref, got) == {"identical": 1, "total": 2, "equal_codes": 117 / 120, "max_frames_differing": 2}
+    got[1] = np.ones((8, 4), np.int16)
+    assert compare(ref, got) == {"identical": 0, "total": 2, "equal_codes": 77 / 120, "max_frames_differing": 5}
+
+
+@pytest.mark.slow
+def test_codec_batch_smoke(tmp_path):
+    """``benchmarks/gpu_codec_batch.py`` on the CPU (tiny models, 6 clips, max_batch_size 1 and 2): each
+    codec loads through the registry with its recipe's options, clip by clip is identical to itself across
+    calls (on the CPU encoding is deterministic: a comparison that reads the wrong codes fails here), and
+    the results file and table have a row per codec and batch size."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_codec_batch", "--smoke", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_codec_batch.json").read_text())
+    assert [c["codec"] for c in result["codecs"]] == ["higgs", "dac"]
+    for c in result["codecs"]:
+        assert c["clips"] == 6 and [x["max_batch_size"] for x in c["runs"]] == [1, 2]
+        one = c["runs"][0]
+        assert one["vs_batch_1"]["identical"] == one["repeat"]["identical"] == one["repeat"]["total"] == 6
+        for x in c["runs"]:
+            assert x["vs_batch_1"]["total"] == 6 and 0 <= x["vs_batch_1"]["equal_codes"] <= 1 and x["audio_s_per_s"] > 0
+            assert f"| {c['codec']} | {x['max_batch_size']} |" in (tmp_path / "gpu_codec_batch.md").read_text()

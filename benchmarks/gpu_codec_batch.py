@@ -1,0 +1,156 @@
+"""Whether Higgs-Audio v2's codec gives the same codes batched on CUDA as clip by clip (DAC: the control).
+
+The Higgs tokenizer has ``CUDA_BATCH = 0`` (clip by clip unless ``max_batch_size`` says otherwise); DAC
+is documented bit-identical when batched by equal frame count (``CUDA_BATCH = 16``).
+
+    python -m benchmarks.gpu_codec_batch [--batch-sizes 1 8 16] [--repeats 16] [--out DIR]
+    python -m benchmarks.gpu_codec_batch --smoke [--out DIR]   # the CPU, tiny models, 6 short clips
+
+Each codec is loaded through the precompute registry as its recipe configures it (``higgs``: the
+``audio_tokenizer`` of ``configs/precompute-tts.yaml``, ``dac``: of ``configs/precompute.yaml``) on
+its random model of the real size (``python -m tools.testing --size full``, built on demand), once per
+``max_batch_size``. The clips: ``--repeats`` speech-like clips (:func:`benchmarks.synth_corpus.speech_like`)
+of each of ``--seconds`` at the codec's sample rate, interleaved (10 s, 5 s, 7.3 s, 10 s...): groups of
+equal length, which is what ``max_batch_size > 1`` batches. Per batch size, one ``encode`` of the whole
+list (the warm-up), then ``--calls`` timed ones (CUDA synchronised), and:
+
+* ``vs_batch_1``: the warm-up call's codes against ``max_batch_size 1``'s: clips ``identical`` of
+  ``total``, ``equal_codes`` (fraction of code positions equal), ``max_frames_differing`` (the most
+  frames of one clip where any codebook differs);
+* ``repeat``: the last timed call against the warm-up call (run-to-run determinism), the same counts;
+* ``audio_s_per_s``: seconds of audio encoded per second (median call).
+
+**Random weights**: trained codebooks have fewer near ties than random ones, so a flip here is an
+upper bound of what a real checkpoint shows. Writes ``gpu_codec_batch.json`` and ``gpu_codec_batch.md``
+to ``--out`` after each codec (``--smoke``: only when ``--out`` is given).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu import CODECS, _models, _time_calls  # noqa: E402  (installs the torchaudio shim)
+from benchmarks.run import RESULTS, ROOT, machine  # noqa: E402
+
+#: codec -> the recipe config whose ``audio_tokenizer`` options it is loaded with
+RECIPE_CONFIGS = {"higgs": "precompute-tts.yaml", "dac": "precompute.yaml"}
+
+
+def spec(codec: str, path: Path, batch: int) -> dict:
+    """The ``audio_tokenizer`` spec of the codec's recipe config with ``pretrained=path``, ``max_batch_size=batch``."""
+    from precompute.config import load_config
+    return dict(load_config(ROOT / "configs" / RECIPE_CONFIGS[codec]).audio_tokenizer,
+                pretrained=str(path), max_batch_size=batch)
+
+
+def clip_set(sample_rate: int, seconds: list[float], repeats: int) -> list:
+    """float32 speech-like clips, ``repeats`` of each length in ``seconds`` (at ``sample_rate`` Hz), interleaved;
+    clip ``i`` is seeded by ``i`` (the same list for the same arguments)."""
+    from benchmarks.synth_corpus import speech_like
+    return [speech_like(r * len(seconds) + k, sample_rate, s) for r in range(repeats) for k, s in enumerate(seconds)]
+
+
+def compare(ref: list, got: list) -> dict:
+    """Codes ``got`` against ``ref`` clip by clip (int arrays ``(n_codebooks, frames)``): clips ``identical``
+    of ``total``, ``equal_codes`` (fraction of ``ref``'s code positions equal in ``got``; none of a clip of
+    another shape) and ``max_frames_differing`` (the most frames of one clip in which any codebook differs;
+    a clip of another shape counts all its frames)."""
+    if len(ref) != len(got):
+        raise ValueError(f"{len(got)} clips of codes compared with {len(ref)}")
+    identical = equal = positions = worst = 0
+    for a, b in zip(ref, got):
+        positions += a.size
+        if a.shape != b.shape:
+            worst = max(worst, a.shape[-1])
+            continue
+        frames = int((a != b).any(axis=0).sum())
+        equal += int((a == b).sum())
+        identical += frames == 0
+        worst = max(worst, frames)
+    return {"identical": identical, "total": len(ref), "equal_codes": equal / positions if positions else 1.0,
+            "max_frames_differing": worst}
+
+
+def bench_codec(codec: str, path: Path, device: str, seconds: list[float], repeats: int,
+                batch_sizes: list[int], calls: int) -> dict:
+    """One codec at each of ``batch_sizes`` (the first is the reference: give 1 first)."""
+    from precompute.encoders import load_audio_tokenizer
+    rows, ref, info = [], None, {}
+    for batch in batch_sizes:
+        enc = load_audio_tokenizer(spec(codec, path, batch), device=device)
+        if ref is None:
+            clips = clip_set(enc.sample_rate, seconds, repeats)
+            d = enc.describe()
+            info = {"sample_rate": enc.sample_rate, "n_codebooks": enc.n_codebooks, "resampler": d.get("resampler"),
+                    "clips": len(clips), "audio_s": round(sum(c.size for c in clips) / enc.sample_rate, 2)}
+        runs: list = []
+        s = statistics.median(_time_calls(lambda e=enc: runs.append(e.encode(clips)), calls, device))
+        ref = runs[0] if ref is None else ref
+        rows.append({"max_batch_size": batch, "s_per_call": round(s, 4), "audio_s_per_s": round(info["audio_s"] / s, 1),
+                     "vs_batch_1": compare(ref, runs[0]), "repeat": compare(runs[0], runs[-1])})
+        print(json.dumps({"codec": codec, **rows[-1]}), flush=True)
+        del enc  # free its GPU memory before the next batch size
+    return {"codec": codec, "model": path.name, **info, "runs": rows}
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"**Codec codes batched vs clip by clip** ({m['gpu'] or 'CPU'}; torch {m['torch']}; {m['date']}; "
+             f"random weights of the {r['size']} size; {r['repeats']} clips each of {r['seconds']} s; "
+             "`python -m benchmarks.gpu_codec_batch`):", "",
+             "| codec | max_batch_size | s of audio/s | clips identical to batch 1 | equal codes | max frames differing "
+             "| repeat identical |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c in r["codecs"]:
+        for x in c["runs"]:
+            v, rep = x["vs_batch_1"], x["repeat"]
+            lines.append(f"| {c['codec']} | {x['max_batch_size']} | {x['audio_s_per_s']} | {v['identical']}/{v['total']} | "
+                         f"{v['equal_codes']:.6f} | {v['max_frames_differing']} | {rep['identical']}/{rep['total']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _save(result: dict, out: Path | None) -> None:
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_codec_batch.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "gpu_codec_batch.md").write_text(markdown(result))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--codecs", nargs="+", choices=list(RECIPE_CONFIGS), default=list(RECIPE_CONFIGS))
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16],
+                    help="max_batch_size values; the first is the reference (default %(default)s)")
+    ap.add_argument("--seconds", type=float, nargs="+", default=[10.0, 5.0, 7.3], help="clip lengths, s (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=16, help="clips of each length (default %(default)s)")
+    ap.add_argument("--calls", type=int, default=3, help="timed encode calls per batch size (default %(default)s)")
+    ap.add_argument("--out", type=Path, default=None, help=f"folder for gpu_codec_batch.json/.md (default {RESULTS}; "
+                    "--smoke: none)")
+    ap.add_argument("--smoke", action="store_true", help="the CPU, tiny models, 2 clips each of 1, 0.5 and 0.73 s, "
+                    "batch sizes 1 and 2: checks the code")
+    args = ap.parse_args(argv)
+    import torch
+    if not args.smoke and not torch.cuda.is_available():
+        print("benchmarks.gpu_codec_batch needs a CUDA GPU: nothing measured, no figures written.")
+        return 0
+    device, size = ("cpu", "tiny") if args.smoke else ("cuda", "full")
+    seconds, repeats, batch_sizes = ([1.0, 0.5, 0.73], 2, [1, 2]) if args.smoke else \
+        (args.seconds, args.repeats, args.batch_sizes)
+    out = args.out if args.smoke else args.out or RESULTS
+    dirs = _models(size, [CODECS[c] for c in args.codecs])
+    result = {"machine": machine(), "device": device, "size": size, "seconds": seconds, "repeats": repeats,
+              "calls": args.calls, "codecs": []}
+    for codec in args.codecs:
+        result["codecs"].append(bench_codec(codec, dirs[CODECS[codec]], device, seconds, repeats, batch_sizes, args.calls))
+        _save(result, out)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
