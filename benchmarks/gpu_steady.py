@@ -27,7 +27,7 @@ and a Gemma 3 directory with ``google/gemma-3-4b-it``'s vision tower, projector 
 (:func:`gemma3_vision`): stage one only runs the image path, and the 4 B language model would
 take minutes to build. **Random weights: real checkpoints run at the same speed (same shapes), not
 to the same values.** ``--set KEY=VALUE`` (repeatable) overrides an option of every job's config as
-``shardcache precompute --set`` does (``--set audio_tokenizer.max_batch_size=8``); the benchmark's model
+``shardcache precompute --KEY=VALUE`` does (``--set audio_tokenizer.max_batch_size=8``); the benchmark's model
 directories still replace each encoder's ``pretrained``. Writes ``gpu_steady<SUFFIX>.json`` and ``.md``
 (the overrides recorded in both) to ``--out`` after each job.
 """
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--suffix", default="", help="of the result files' names (gpu_steady<SUFFIX>.json; "
                     "one starting with '-' as --suffix=-NAME)")
     ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
-                    help="override an option of every job's config, as `shardcache precompute --set` "
+                    help="override an option of every job's config, as `shardcache precompute --KEY=VALUE` "
                     "(e.g. audio_tokenizer.max_batch_size=8); repeatable")
     ap.add_argument("--smoke", action="store_true", help="the CPU, tiny models, 24 rows: checks the code, writes nothing")
     args = ap.parse_args(argv)
