@@ -1,7 +1,7 @@
-"""Whether Higgs-Audio v2's codec gives the same codes batched on CUDA as clip by clip (DAC: the control).
+"""Whether an audio codec gives the same codes batched on CUDA as clip by clip: Higgs-Audio v2's and DAC.
 
-The Higgs tokenizer has ``CUDA_BATCH = 0`` (clip by clip unless ``max_batch_size`` says otherwise); DAC
-is documented bit-identical when batched by equal frame count (``CUDA_BATCH = 16``).
+Codecs encode clip by clip unless ``max_batch_size`` says otherwise (:mod:`precompute.encoders.audio`);
+DAC's batching was once measured bit-identical on the CPU only. Results: docs/benchmarks.md.
 
     python -m benchmarks.gpu_codec_batch [--batch-sizes 1 8 16] [--repeats 16] [--out DIR]
     python -m benchmarks.gpu_codec_batch --smoke [--out DIR]   # the CPU, tiny models, 6 short clips
@@ -18,7 +18,9 @@ list (the warm-up), then ``--calls`` timed ones (CUDA synchronised), and:
   ``total``, ``equal_codes`` (fraction of code positions equal), ``max_frames_differing`` (the most
   frames of one clip where any codebook differs);
 * ``repeat``: the last timed call against the warm-up call (run-to-run determinism), the same counts;
-* ``audio_s_per_s``: seconds of audio encoded per second (median call).
+* ``audio_s_per_s``: seconds of audio encoded per second (median call);
+* ``composition`` (also alone with ``--composition-only``): :func:`composition`, whether a clip's codes
+  in a batch depend on the other clips or on its place in the batch.
 
 **Random weights**: trained codebooks have fewer near ties than random ones, so a flip here is an
 upper bound of what a real checkpoint shows. Writes ``gpu_codec_batch.json`` and ``gpu_codec_batch.md``
@@ -98,6 +100,26 @@ def bench_codec(codec: str, path: Path, device: str, seconds: list[float], repea
     return {"codec": codec, "model": path.name, **info, "runs": rows}
 
 
+def composition(codec: str, path: Path, device: str, seconds: float, batch: int) -> dict:
+    """Does a clip's code in a batch of ``batch`` equal-length clips depend on the other clips? Clip 0
+    (``seconds`` long) encoded in four calls of ``batch`` clips: with clips 1..batch-1, with other clips,
+    with silent (zero) clips, and moved to the last place; each compared with the first (``compare``), and
+    clip 0 alone (``max_batch_size`` 1) with the first. A function of the clip alone at a fixed batch shape
+    would make batched codes reproducible by padding every call to ``batch`` clips."""
+    import numpy as np
+    from precompute.encoders import load_audio_tokenizer
+    enc = load_audio_tokenizer(spec(codec, path, batch), device=device)
+    clips = clip_set(enc.sample_rate, [seconds], 2 * batch)
+    first = enc.encode(clips[:batch])[0]
+    calls = {"other_clips": [clips[0], *clips[batch:2 * batch - 1]], "silent_clips": [clips[0]] + [
+             np.zeros_like(clips[0])] * (batch - 1), "moved_last": [*clips[1:batch], clips[0]]}
+    out = {k: compare([first], [enc.encode(v)[0 if k != "moved_last" else -1]]) for k, v in calls.items()}
+    alone = load_audio_tokenizer(spec(codec, path, 1), device=device).encode([clips[0]])[0]
+    out = {"codec": codec, "batch": batch, "seconds": seconds, **out, "alone": compare([first], [alone])}
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def markdown(r: dict) -> str:
     m = r["machine"]
     lines = [f"**Codec codes batched vs clip by clip** ({m['gpu'] or 'CPU'}; torch {m['torch']}; {m['date']}; "
@@ -110,6 +132,13 @@ def markdown(r: dict) -> str:
             v, rep = x["vs_batch_1"], x["repeat"]
             lines.append(f"| {c['codec']} | {x['max_batch_size']} | {x['audio_s_per_s']} | {v['identical']}/{v['total']} | "
                          f"{v['equal_codes']:.6f} | {v['max_frames_differing']} | {rep['identical']}/{rep['total']} |")
+    if r.get("composition"):
+        lines += ["", "Clip 0's codes in a batch of equal-length clips, against its codes in the first batch "
+                  "(:func:`composition`): identical?", "",
+                  "| codec | batch | other clips | silent clips | moved last | alone |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {c['codec']} | {c['batch']} | " + " | ".join(
+            "yes" if c[k]["identical"] else f"no ({c[k]['equal_codes']:.4f})"
+            for k in ("other_clips", "silent_clips", "moved_last", "alone")) + " |" for c in r["composition"]]
     return "\n".join(lines) + "\n"
 
 
@@ -131,6 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=3, help="timed encode calls per batch size (default %(default)s)")
     ap.add_argument("--out", type=Path, default=None, help=f"folder for gpu_codec_batch.json/.md (default {RESULTS}; "
                     "--smoke: none)")
+    ap.add_argument("--composition-only", action="store_true", help="only the composition probe (:func:`composition`)")
     ap.add_argument("--smoke", action="store_true", help="the CPU, tiny models, 2 clips each of 1, 0.5 and 0.73 s, "
                     "batch sizes 1 and 2: checks the code")
     args = ap.parse_args(argv)
@@ -146,7 +176,11 @@ def main(argv=None) -> int:
     result = {"machine": machine(), "device": device, "size": size, "seconds": seconds, "repeats": repeats,
               "calls": args.calls, "codecs": []}
     for codec in args.codecs:
-        result["codecs"].append(bench_codec(codec, dirs[CODECS[codec]], device, seconds, repeats, batch_sizes, args.calls))
+        if not args.composition_only:
+            result["codecs"].append(bench_codec(codec, dirs[CODECS[codec]], device, seconds, repeats, batch_sizes,
+                                                args.calls))
+        result.setdefault("composition", []).append(composition(codec, dirs[CODECS[codec]], device, seconds[0],
+                                                                batch_sizes[-1]))
         _save(result, out)
     print(markdown(result))
     return 0

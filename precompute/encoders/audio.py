@@ -19,8 +19,12 @@ Batched vs one-by-one (the measurements: docs/benchmarks.md):
   change earlier frames, but see the next point.
 - Even batches of clips of *equal* padded length are not bit-identical to one-by-one: conv, LSTM
   and attention kernels round differently for different batch sizes. Codes are arg-min/arg-max
-  over codebook distances, so a near tie can flip (seen for EnCodec; trained codebooks have fewer
-  near ties than random ones, but nothing rules them out).
+  over codebook distances, so a near tie can flip (seen for EnCodec on CPU; trained codebooks have
+  fewer near ties than random ones, but nothing rules them out). On CUDA (an H200, random weights of
+  the real sizes, ``benchmarks/gpu_codec_batch.py``) batches of 8 equal-length clips left 3 of 48 DAC
+  clips and 4 of 48 Higgs-Audio clips identical to one-by-one (99.7 % of codes equal); a clip's codes
+  did not depend on the other clips of a batch of fixed shape, but changed with its place in the batch.
+  Batched codes are a function of the batch's shape and the clip's place in it, not of the clip alone.
 - On CPU, batching does not pay.
 
 Therefore :meth:`encode` encodes clip by clip by default (``max_batch_size=1``): the codes of a clip
@@ -28,8 +32,8 @@ are a function of the clip and the weights only, never of the other clips in the
 job was split into calls. ``max_batch_size > 1`` (for GPUs, where batching pays) batches only clips
 of equal frame count, each padded to its own ``frames * hop_length``, so there is never cross-clip
 padding and the receptive-field effect above cannot occur; results then equal one-by-one up to the
-rare float near-tie flips described above. Feed clips of similar length
-together (sort a shard's clips by length) to get full batches.
+float near-tie flips described above (a rerun or ``shardcache check`` then sees a few codes differ).
+Feed clips of similar length together (sort a shard's clips by length) to get full batches.
 """
 from __future__ import annotations
 
@@ -116,11 +120,9 @@ class HFCodecTokenizer:
         model: the loaded transformers model (moved to ``device``/``dtype``, put in eval mode, frozen).
         device: torch device for the model and inputs (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
         dtype: model dtype; float32 by default. float16 needs CUDA; bfloat16 is accepted on CPU.
-        max_batch_size: at most this many clips per forward pass; 1 = one-by-one, exact by
-            construction. Larger values batch clips of equal frame count (see module doc). None
-            (default): :attr:`CUDA_BATCH` on CUDA for codecs measured bit-identical when batched
-            that way (DAC: 0 of 3,200 codes differed, tiny and full size; Mimi: 0 of 6,400), 1 on
-            CPU (batching does not pay there) and for EnCodec (2-3 of 2,400 codes flipped).
+        max_batch_size: at most this many clips per forward pass; 1 (default) = one-by-one, exact by
+            construction on every device. Larger values batch clips of equal frame count (see the
+            module doc: faster on a GPU, codes then differ from one-by-one in near ties).
         max_batch_samples: at most this many (padded) samples per forward pass; bounds memory for long
             clips (a clip longer than this is still encoded, alone).
     """
@@ -128,8 +130,6 @@ class HFCodecTokenizer:
     name = "codec"
     #: option names accepted by the registry besides ``name``/``pretrained``
     OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples")
-    #: ``max_batch_size`` on CUDA when not given (0: keep one-by-one for this codec)
-    CUDA_BATCH = 0
     #: clips are zero-padded to a multiple of ``hop_length`` (the canonical encoding above); False:
     #: encoded as they are, and the model says how many frames (:class:`HiggsTokenizer`)
     PADS_TO_HOP = True
@@ -145,14 +145,12 @@ class HFCodecTokenizer:
         *,
         device: Any = "cpu",
         dtype: Any = None,
-        max_batch_size: int | None = None,
+        max_batch_size: int = 1,
         max_batch_samples: int = 24_000 * 240,
     ) -> None:
         import torch
 
         self.device = resolve_device(device)
-        if max_batch_size is None:
-            max_batch_size = self.CUDA_BATCH if self.device.type == "cuda" and self.CUDA_BATCH else 1
         self.dtype = resolve_dtype(dtype)
         if self.device.type == "cpu" and self.dtype == torch.float16:
             # fp16 convolutions are missing or emulated on CPU; bf16 runs (slowly), so the
@@ -299,7 +297,6 @@ class DacTokenizer(HFCodecTokenizer):
     """
 
     name = "dac"
-    CUDA_BATCH = 16  # bit-identical when batched by equal frame count (see the module docstring)
     OPTIONS = HFCodecTokenizer.OPTIONS + ("n_quantizers",)
 
     def __init__(self, model, *, n_quantizers: int | None = None, **kwargs: Any) -> None:
@@ -398,7 +395,6 @@ class MimiTokenizer(HFCodecTokenizer):
     """
 
     name = "mimi"
-    CUDA_BATCH = 16  # bit-identical when batched by equal frame count (see the module docstring)
     OPTIONS = HFCodecTokenizer.OPTIONS + ("num_quantizers",)
 
     def __init__(self, model, *, num_quantizers: int | None = None, **kwargs: Any) -> None:
