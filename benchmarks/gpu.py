@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.torchaudio_shim import install as install_torchaudio_shim  # noqa: E402
 
 install_torchaudio_shim()  # the higgs codec where the real torchaudio cannot load (random models only)
-from benchmarks.run import MODELS, REAL_MINI, RESULTS, ROOT, corpora, machine  # noqa: E402
+from benchmarks.run import MODELS, REAL_MINI, RESULTS, ROOT, corpora, machine, write_result  # noqa: E402
 
 #: audio tokenizer name (precompute/encoders/registry.py) -> the random model that stands for its checkpoint
 CODECS = {"dac": "dac", "mimi": "mimi", "higgs": "higgs-audio-tokenizer"}
@@ -207,15 +207,6 @@ def markdown(r: dict) -> str:
 SECTIONS = ("vae", "siglip", "codecs", "precompute", "data_wait")
 
 
-def _save(result: dict, out: Path | None) -> None:
-    """Write what is measured so far (``gpu.json`` + ``gpu.md``): a run cut short keeps its finished parts."""
-    if out is None:
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "gpu.md").write_text(markdown(result))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="training steps per data-wait run")
@@ -243,23 +234,23 @@ def main(argv=None) -> int:
         wan = _models(size, ["wan"])["wan"]
         result["vae"] = bench_vae(wan, device, ["float32"] if args.smoke else ["float32", "bfloat16"],
                                   64 if args.smoke else 512, 2 if args.smoke else 8, calls)
-        _save(result, out)
+        write_result(out, "gpu", result, markdown(result))
     if "siglip" in args.sections:
         result["siglip"] = [bench_siglip(device, size, 2 if args.smoke else 8, calls)]
-        _save(result, out)
+        write_result(out, "gpu", result, markdown(result))
     if "codecs" in args.sections:
         dirs = _models(size, list(CODECS.values()))
         for name, model in CODECS.items():
             result["codecs"].append(bench_codec(name, dirs[model], device, 1.0 if args.smoke else 10.0,
                                                 2 if args.smoke else 8, calls))
-            _save(result, out)
+            write_result(out, "gpu", result, markdown(result))
     if "precompute" in args.sections:
         from benchmarks import bench_precompute
         _models(size, ["dac", "wan"])
         _models("tiny", ["tokenizer"])
         for m in corpora()[:1 if args.smoke else 2]:
             result["precompute"].append(bench_precompute.bench(m, MODELS, size, device=device))
-            _save(result, out)
+            write_result(out, "gpu", result, markdown(result))
     if "data_wait" in args.sections:
         work = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
         caches: dict = {}
@@ -279,7 +270,7 @@ def main(argv=None) -> int:
             except RuntimeError as e:  # one recipe's failure is reported; the others still run
                 print(f"{name} with lm-{lm_size}: {e}", file=sys.stderr)
                 result.setdefault("errors", []).append({"recipe": name, "lm_size": lm_size, "error": str(e)[-2000:]})
-            _save(result, out)
+            write_result(out, "gpu", result, markdown(result))
     print(markdown(result))
     if out is not None:
         print(f"wrote {out}/gpu.json and gpu.md")

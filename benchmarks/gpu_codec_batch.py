@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu import CODECS, _models, _time_calls  # noqa: E402  (installs the torchaudio shim)
-from benchmarks.run import RESULTS, ROOT, machine  # noqa: E402
+from benchmarks.run import RESULTS, ROOT, machine, write_result  # noqa: E402
 
 #: codec -> the recipe config whose ``audio_tokenizer`` options it is loaded with
 RECIPE_CONFIGS = {"higgs": "precompute-tts.yaml", "dac": "precompute.yaml"}
@@ -142,14 +142,6 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _save(result: dict, out: Path | None) -> None:
-    if out is None:
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_codec_batch.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "gpu_codec_batch.md").write_text(markdown(result))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--codecs", nargs="+", choices=list(RECIPE_CONFIGS), default=list(RECIPE_CONFIGS))
@@ -181,7 +173,7 @@ def main(argv=None) -> int:
                                                 args.calls))
         result.setdefault("composition", []).append(composition(codec, dirs[CODECS[codec]], device, seconds[0],
                                                                 batch_sizes[-1]))
-        _save(result, out)
+        write_result(out, "gpu_codec_batch", result, markdown(result))
     print(markdown(result))
     return 0
 

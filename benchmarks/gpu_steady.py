@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.torchaudio_shim import install as install_torchaudio_shim  # noqa: E402
 
 install_torchaudio_shim()  # only where the real torchaudio cannot load (the CPU smoke run)
-from benchmarks.run import MODELS, RESULTS, ROOT, machine  # noqa: E402
+from benchmarks.run import MODELS, RESULTS, ROOT, machine, write_result  # noqa: E402
 
 #: job -> (synth_corpus manifest kind, precompute config, {config option: model of :func:`models`})
 JOBS = {"tts": ("voice_clone", "precompute-tts.yaml", {"audio_tokenizer": "codec", "text_tokenizer": "higgs"}),
@@ -246,10 +246,7 @@ def main(argv=None) -> int:
     for job in args.jobs:
         result["jobs"].append(bench(job, dirs, device, n, distinct, alone, args.num_workers, args.overrides))
         print(json.dumps(result["jobs"][-1]), flush=True)
-        if not args.smoke:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"gpu_steady{args.suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
-            (args.out / f"gpu_steady{args.suffix}.md").write_text(markdown(result))
+        write_result(None if args.smoke else args.out, f"gpu_steady{args.suffix}", result, markdown(result))
     print(markdown(result))
     return 0
 

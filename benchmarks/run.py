@@ -63,6 +63,16 @@ def corpora() -> list[Path]:
     return [DEMO] + [m for m in real if m.exists()]
 
 
+def write_result(out: Path | None, name: str, result: dict, markdown: str) -> None:
+    """``OUT/NAME.json`` (``result``) and ``OUT/NAME.md`` (``markdown``), rewritten after each measurement so
+    that a run cut short keeps what it finished; nothing when ``out`` is None (a smoke run)."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown)
+
+
 def save(name: str, data) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")

@@ -60,7 +60,8 @@ def _world(v: Any) -> list[tuple[str, str]]:
 CUSTOM = {"device": lambda v: [] if re.fullmatch(r"auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?", v) else [
               ("", f"expected auto, cpu, cuda, cuda:N (or mps, xpu:N...), got {v!r}")],
           "image_token": _token, "world_tokens": _world, "extra_fields": _extra_fields,
-          "image_features": lambda v: [] if v is None else image_features_problems(**v), **{option: _spec(option) for option in SPECS}}
+          "image_features": lambda v: [] if v is None else image_features_problems(**v),
+          **{option: _spec(option) for option in SPECS}}
 
 
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:

@@ -168,7 +168,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter)
 
 
 def parser(cls: type, prog: str, description: str | None = None, epilog: str | None = None) -> ArgumentParser:
-    """``--config FILE`` and one flag per option of ``cls``; callers add their own job flags. Bad values raise ``argparse.ArgumentError`` (see :func:`parse`)."""
+    """``--config FILE`` and one flag per option of ``cls``; callers add their own job flags. Bad values
+    raise ``argparse.ArgumentError`` (see :func:`parse`)."""
     p = ArgumentParser(prog=prog, description=description, epilog=epilog, exit_on_error=False,
                        parser_mode="shardcache", formatter_class=_HelpFormatter,
                        usage="%(prog)s [--config FILE] [--OPTION VALUE ...]")
@@ -190,7 +191,7 @@ def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> 
     """Short flags as the library's flags; dashes in option names as underscores; a
     boolean without a value (``--lora.enabled``, ``--no-metrics.progress``); the config file
     (``--config``, else ``$env_var``) first. The flags of a ``merge`` option are taken out, as
-    ``(option, key or None, value read as YAML)`` in their order. Returns (argv, merges, the file, why)."""
+    ``(option, mapping read as YAML)`` in their order. Returns (argv, merges, the file, why)."""
     opts, out, merges, rest, explicit = options(cls), [], [], list(argv), None
     while rest:
         name, eq, val = rest.pop(0).partition("=")
@@ -206,7 +207,8 @@ def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> 
         whole, key = (dotted, None) if dotted in opts else (dotted.rpartition(".")[0], dotted.rpartition(".")[2])
         if name.startswith("--") and whole in opts:
             if opts[whole][1].metadata.get("merge"):
-                merges.append((whole, key, load_yaml(val if eq else (rest.pop(0) if rest else ""), dotted)))
+                value = load_yaml(val if eq else (rest.pop(0) if rest else ""), dotted)
+                merges.append((whole, value if key is None else {key: value}))
                 continue
             name = "--" + dotted
         out.append(name + (eq + val if eq else ""))
@@ -233,14 +235,11 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
     names = [f.name for f in dataclasses.fields(cls)]
     rest = {k: getattr(init, k) for k in vars(init) if "." not in k and k not in names + ["config"]}
     cfg = cls(**{n: getattr(init, n) for n in names})
-    for opt, key, value in merges:
-        mapping = operator.attrgetter(opt)(cfg)
-        if key is not None:
-            mapping[key] = value
-        elif not isinstance(value, dict):
+    for opt, value in merges:
+        if not isinstance(value, dict):
             raise ConfigError([(opt, f"expected a mapping, got {value!r}")])
-        else:
-            mapping.update(value) if value else mapping.clear()
+        mapping = operator.attrgetter(opt)(cfg)
+        mapping.update(value) if value else mapping.clear()
     return cfg, argparse.Namespace(config_file=path, config_source=why, **rest)
 
 

@@ -222,3 +222,15 @@ def test_a_training_device_it_cannot_use_is_refused():
     from train.config import parse_args
     with pytest.raises(ConfigError, match="dist.device: expected one of auto, cpu, cuda, got 'gpu'"):
         parse_args(["--config", "none", "--dist.device", "gpu"])
+
+
+def test_a_merge_option_takes_mappings_and_keys_in_their_order():
+    """``model.kwargs`` flags update the file's mapping in their order: a key, a whole mapping, ``{}`` clears;
+    anything but a mapping exits 2 naming the option."""
+    from shardcache.config import ConfigError
+    from train.config import parse_args
+    cfg, _ = parse_args(["--config", str(ROOT / "configs" / "train-tts.yaml"), "--model.kwargs", "{}",
+                         "--model.kwargs.b", "3", "--model.kwargs", "{a: {}, b: 4}", "--model.kwargs.c", "[1]"])
+    assert cfg.model.kwargs == {"a": {}, "b": 4, "c": [1]}
+    with pytest.raises(ConfigError, match=r"model.kwargs: expected a mapping, got \[1, 2\]"):
+        parse_args(["--config", "none", "--model.kwargs", "[1, 2]"])
