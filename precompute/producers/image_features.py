@@ -141,7 +141,8 @@ def image_features_problems(field: str = "image_features", image_rgb: Any = "com
     from ..images import RGB_MODES
     if "factory" in spec:
         return [("", "a plug-in image encoder is a producer: extra_fields: {NAME: {factory: ...}}")]
-    out, p, dtype = spec_problems(spec, VISION_ENCODERS, "gemma3"), spec.get("pretrained"), spec.get("dtype", "bfloat16")
+    out, p, dtype = spec_problems(spec, VISION_ENCODERS, "gemma3"), spec.get("pretrained"), \
+        spec.get("dtype", "bfloat16")
     if not isinstance(p, str) or not p.strip():
         out.append((".pretrained", f"expected a local directory or hub id (e.g. google/gemma-3-4b-it), got {p!r}"))
     if dtype not in ENCODER_DTYPES:
@@ -222,5 +223,5 @@ def make_image_features(field: str = "image_features", device: str = "cpu", imag
     return ImageFeaturesProducer(load_vision_encoder(spec, device), field, image_rgb)
 
 
-__all__ = ["Gemma3VisionEncoder", "ImageFeaturesProducer", "VISION_ENCODERS", "image_features_problems", "load_vision_encoder",
-           "make_image_features"]
+__all__ = ["Gemma3VisionEncoder", "ImageFeaturesProducer", "VISION_ENCODERS", "image_features_problems",
+           "load_vision_encoder", "make_image_features"]
