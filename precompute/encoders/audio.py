@@ -20,11 +20,10 @@ Batched vs one-by-one (the measurements: docs/benchmarks.md):
 - Even batches of clips of *equal* padded length are not bit-identical to one-by-one: conv, LSTM
   and attention kernels round differently for different batch sizes. Codes are arg-min/arg-max
   over codebook distances, so a near tie can flip (seen for EnCodec on CPU; trained codebooks have
-  fewer near ties than random ones, but nothing rules them out). On CUDA (an H200, random weights of
-  the real sizes, ``benchmarks/gpu_codec_batch.py``) batches of 8 equal-length clips left 3 of 48 DAC
-  clips and 4 of 48 Higgs-Audio clips identical to one-by-one (99.7 % of codes equal); a clip's codes
-  did not depend on the other clips of a batch of fixed shape, but changed with its place in the batch.
-  Batched codes are a function of the batch's shape and the clip's place in it, not of the clip alone.
+  fewer near ties than random ones, but nothing rules them out). On CUDA most clips of a batch had
+  some codes flip (DAC and Higgs-Audio, ``benchmarks/gpu_codec_batch.py``); a clip's codes did not
+  depend on the other clips of a batch of fixed shape, but changed with its place in the batch. Batched
+  codes are a function of the batch's shape and the clip's place in it, not of the clip alone.
 - On CPU, batching does not pay.
 
 Therefore :meth:`encode` encodes clip by clip by default (``max_batch_size=1``): the codes of a clip
