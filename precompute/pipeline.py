@@ -55,11 +55,10 @@ def decode_workers(cpus: int, decode_s_per_row: float, encode_s_per_row: float, 
     than ``at_least``, and at most ``cpus - 1`` (a core stays with the main process: encoder launches,
     the writer thread).
 
-    The floor: on an H200 with 16 cores the rates asked for one process in both recipes' jobs, and
-    one fed the encoders worse than eight (wall / encoders alone: TheWorld 1.54 vs 1.26, TTS 2.36 vs
-    2.23; ``benchmarks/results/gpu_steady*.json``). A single process has no slack for a slow row, for
-    the transfer of decoded rows to the main process, or for refilling the length window; an idle one
-    costs little.
+    The floor: on a GPU host the rates asked for one process in both recipes' jobs, and one fed the
+    encoders worse than eight (docs/benchmarks.md, stage one at steady state). A single process has
+    no slack for a slow row, for the transfer of decoded rows to the main process, or for refilling
+    the length window; an idle one costs little.
 
     Args:
         cpus: CPU cores of this rank (:func:`shardcache.workers.cpus_per_rank`).

@@ -24,7 +24,6 @@ from shards.errors import ShardcacheError
 from .config import PrecisionTolerance
 
 
-
 class PrecisionMismatch(ShardcacheError):
     """Half-precision encoders differ from float32 by more than the configured tolerance."""
 

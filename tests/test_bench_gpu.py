@@ -108,3 +108,8 @@ def test_codec_batch_smoke(tmp_path):
         for x in c["runs"]:
             assert x["vs_batch_1"]["total"] == 6 and 0 <= x["vs_batch_1"]["equal_codes"] <= 1 and x["audio_s_per_s"] > 0
             assert f"| {c['codec']} | {x['max_batch_size']} |" in (tmp_path / "gpu_codec_batch.md").read_text()
+    # the composition probe: clip 0 with other clips at the same place gives its codes again (CPU)
+    assert [c["codec"] for c in result["composition"]] == ["higgs", "dac"]
+    for c in result["composition"]:
+        assert c["batch"] == 2 and all(c[k]["total"] == 1 for k in ("other_clips", "silent_clips", "moved_last", "alone"))
+        assert c["other_clips"]["identical"] == 1 and f"| {c['codec']} | 2 | yes |" in (tmp_path / "gpu_codec_batch.md").read_text()

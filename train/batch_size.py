@@ -1,7 +1,7 @@
 """Batch-size finder: ``shardcache find-batch-size --cache DIR [train options]`` 
 
 Builds the trainer of ``shardcache train`` on one device (:class:`train.trainer.Trainer`: the same
-model, contract check, optimizer, schedule, precision and loader from ``--config``, ``--set``,
+model, contract check, optimizer, schedule, precision and loader from ``--config``,
 ``--model.name``, ``--model.kwargs``, ``--training.precision``, ``--model.activation-checkpointing``,
 ``--lora``, ``--model.compile``, ``--data.loader-kwargs``..., without validation) and times its real
 training step (:meth:`~train.trainer.Trainer.train_step`: ``--training.grad-accum`` micro-steps, forward,
