@@ -332,7 +332,11 @@ def test_vlm_image_embeddings_land_at_image_positions(lm_dir):
         assert merged.labels[b, pos - 3:pos].tolist() == batch["labels"][b][batch["labels"][b] != -100][-3:].tolist()
 
 
-def test_vlm_frozen_lm_trains_projection_only_and_logs_it(lm_dir, caplog):
+def test_vlm_frozen_lm_trains_projection_only_and_logs_it(lm_dir, caplog, monkeypatch):
+    # transformers' records reach caplog only through propagation, and its warning_once fires once per
+    # process: both set here, so the result does not depend on which test ran before on this worker
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)
+    logging.Logger.warning_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="train"):
         m = vlm(lm_dir)
     trainable = [n for n, p in m.named_parameters() if p.requires_grad]

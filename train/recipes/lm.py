@@ -80,8 +80,14 @@ def load_causal_lm(lm: Any, vocab_size: int | None = None, dtype: str | torch.dt
                 hf_logging.enable_progress_bar()
     n = model.get_input_embeddings().weight.shape[0]
     if vocab_size is not None and vocab_size > n:
-        log.info("resizing %s token embeddings %d -> %d (the cache's text vocab)", name, n, vocab_size)
-        model.resize_token_embeddings(vocab_size)
+        log.info("resizing %s token embeddings %d -> %d (the cache's text vocab; new rows drawn from the old rows' "
+                 "mean and covariance, transformers' mean_resizing)", name, n, vocab_size)
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its own warning of mean_resizing, once per rank, repeats the line above
+        try:
+            model.resize_token_embeddings(vocab_size, mean_resizing=True)
+        finally:
+            hf_logging.set_verbosity(level)
     return model
 
 
