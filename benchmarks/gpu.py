@@ -14,7 +14,8 @@ full``; built here on demand):
    * ``siglip``: TheWorld's Gemma 3 image path (SigLIP tower + projector of ``gemma-3-4b-it``'s
      shapes, 896 px, bfloat16, batch 8), built on the device without the 4 B LM;
    * ``codecs``: the audio tokenizers of :data:`CODECS` (DAC, Mimi, Higgs-Audio v2's), 8 clips of 10 s
-     at their sample rate per call, float32: seconds of audio encoded per second;
+     at their sample rate per call with ``max_batch_size`` 8 (an opt-in; the default, clip by clip, and
+     the codes batching changes: :mod:`benchmarks.gpu_codec_batch`), float32: seconds of audio per second;
 
 2. ``precompute``: stage one end to end (:mod:`benchmarks.bench_precompute`, ``device=cuda``), the
    job's wall time over the encoder calls alone on the same batches;
@@ -192,7 +193,8 @@ def markdown(r: dict) -> str:
         lines.append(f"| Gemma 3 SigLIP + projector | {v['dtype']} | {v['image_px']} px, batch {v['batch']} | "
                      f"{v['images_per_s']:.1f} images/s | {v['ms_per_image']:.1f} ms/image |")
     for c in r["codecs"]:
-        lines.append(f"| {c['encoder']} | float32 | {c['batch']} x {c['clip_s']:.0f} s at {c['sample_rate']} Hz | "
+        lines.append(f"| {c['encoder']} | float32 | {c['batch']} x {c['clip_s']:.0f} s at {c['sample_rate']} Hz, "
+                     f"one call (max_batch_size {c['batch']}) | "
                      f"{c['audio_s_per_s']:.1f} s of audio/s | |")
     lines += ["", "| stage one (corpus) | samples/s | wall / encoders alone |", "| --- | --- | --- |"]
     lines += [f"| {p['corpus']} | {p['samples_per_s']} | {p['wall_over_encoders_alone']} |" for p in r["precompute"]]

@@ -6,7 +6,7 @@ Two consumers, two layouts, nothing re-tokenized and no codec run (torch and num
 * :class:`HiggsBatch` (``transformers``' ``HiggsAudioV2ForConditionalGeneration``): a loader
   ``transform`` turning a collated batch (``input_ids``, ``labels``, ``codes``, ``audio_segments``)
   into the batch ``HiggsAudioV2Processor(..., output_labels=True)`` builds on the fly. The
-  ``--model higgs`` recipe hands it to the loader as its ``batch_transform``.
+  ``--model.name higgs`` recipe hands it to the loader as its ``batch_transform``.
 * :class:`HiggsChatMLDataset` (``boson_multimodal``'s trainer): a map-style dataset of
   ``ChatMLDatasetSample`` for ``HiggsAudioSampleCollator``, in place of a dataset that tokenizes
   and runs the audio tokenizer per step.

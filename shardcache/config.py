@@ -190,7 +190,7 @@ def short_help(p: ArgumentParser, paths: Iterable[str], footer: str) -> str:
 def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> tuple[list[str], list, str | None, str]:
     """Short flags as the library's flags; dashes in option names as underscores; a
     boolean without a value (``--lora.enabled``, ``--no-metrics.progress``); the config file
-    (``--config``, else ``$env_var``) first. The flags of a ``merge`` option are taken out, as
+    (``--config``, else ``$env_var``; ``none``: none) first. The flags of a ``merge`` option are taken out, as
     ``(option, mapping read as YAML)`` in their order. Returns (argv, merges, the file, why)."""
     opts, out, merges, rest, explicit = options(cls), [], [], list(argv), None
     while rest:
@@ -212,7 +212,9 @@ def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> 
                 continue
             name = "--" + dotted
         out.append(name + (eq + val if eq else ""))
-    path, why = config_path(explicit, env_var)
+    given, why = (explicit, "--config") if explicit is not None else (os.environ.get(env_var, ""), f"${env_var}")
+    path = given if given and given.lower() != "none" else None  # "none": no file
+    why = why if path else f"{why} none" if given else f"no --config and no ${env_var}: the built-in defaults"
     return (["--config", path] if path else []) + out, merges, path, why
 
 
@@ -256,12 +258,6 @@ def error(cls: type, text: str) -> ConfigError:
     key, msg, opts = m[1] or m[3], m[2] or m[4], options(cls)
     if key in opts and (got := re.search(r"(?:Got|Given) value: (.*?)(?:$| - )", msg)):
         msg = f"expected {expected(opts[key][0], opts[key][1].metadata)}, got {got[1]!r}"
+    elif got := re.match(r"Unable to load config '(.*?)' -", msg):  # --model tts: a section's flag reads a file
+        msg = f"expected a YAML file of its options or a mapping (one option: --{key}.OPTION VALUE), got {got[1]!r}"
     return ConfigError([(key, msg or "invalid")])
-
-
-def config_path(explicit: str | None, env_var: str) -> tuple[str | None, str]:
-    """The config file read and why: ``--config FILE`` (``none``: none), else ``$env_var``, else none."""
-    given, why = (explicit, "--config") if explicit is not None else (os.environ.get(env_var, ""), f"${env_var}")
-    if not given:
-        return None, f"no --config and no ${env_var}: the built-in defaults"
-    return (None, f"{why} none") if given.lower() == "none" else (given, why)

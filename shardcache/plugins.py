@@ -1,5 +1,5 @@
 """``package.module:callable`` specs: the one way both stages name user code (an encoder factory
-``--audio-tokenizer mypkg.codec:make``, a model ``--model mypkg.model:build``, a loader class)."""
+``--audio_tokenizer.factory mypkg.codec:make``, a model ``--model.name mypkg.model:build``, a loader class)."""
 from __future__ import annotations
 
 import importlib

@@ -80,7 +80,7 @@ class Contract:
     """What a model needs from a cache (declared by its recipe: :mod:`train.recipes.base`).
 
     Attributes:
-        model: the model's name, for messages (``--model higgs``).
+        model: the model's name, for messages (``--model.name higgs``).
         fields: fields the cache must hold (some sample of it).
         optional_fields: fields read when the cache holds them (never required).
         special_tokens: token -> the id the model has for it, or ``None`` when any id will do but

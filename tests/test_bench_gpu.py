@@ -39,7 +39,7 @@ def test_encoders_smoke():
 @pytest.mark.long
 def test_recipes_data_wait_smoke(real_mini):
     """Each recipe's data-wait run trains on a cache made with its own precompute config (the TTS
-    recipe once got a DAC cache and a Llama LM for ``--model higgs``)."""
+    recipe once got a DAC cache and a Llama LM for ``--model.name higgs``)."""
     from benchmarks.gpu import DATA_WAIT_RUNS
     out = _smoke("--sections", "data_wait", "--recipes", *[f"{r}:{s}" for r, s in DATA_WAIT_RUNS if s == "tiny"])
     for recipe, size in DATA_WAIT_RUNS:
@@ -62,10 +62,10 @@ def test_steady_state_smoke():
         assert f"| {j['job']} | 24 (12) |" in r.stdout
 
 
-
 def test_steady_state_set_reaches_the_codec():
-    """``gpu_steady --set KEY=VALUE`` overrides the job's config as ``--set`` does and reaches the encoder
-    the job loads, while the benchmark's model directory stays the codec's ``pretrained``."""
+    """``gpu_steady --set KEY=VALUE`` overrides the job's config as ``shardcache precompute --KEY=VALUE`` does
+    and reaches the encoder the job loads, while the benchmark's model directory stays the codec's
+    ``pretrained``."""
     from benchmarks.gpu_steady import config, models
     from precompute.encode import load_encoders
     dirs = models("tiny")

@@ -266,7 +266,7 @@ def test_the_trainer_reads_the_manifest_and_index_once(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_higgs_accepts_its_own_caches_and_refuses_a_real_encodec_cache(higgs_caches, tiny_config, tmp_path, MODELS):
     """Caches precomputed with the tiny models: configs/precompute-tts.yaml with Higgs' tiny tokenizers
-    meets every item of --model higgs's contract (the tokenizer fingerprint stage one records is the one
+    meets every item of --model.name higgs's contract (the tokenizer fingerprint stage one records is the one
     the recipe computes); demo rows encoded with EnCodec at 6 kbps (8 x 1024 codes at 75 frames/s) are
     refused by codec name, frame rate and bandwidth, not by codebooks."""
     import dataclasses

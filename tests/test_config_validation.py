@@ -206,6 +206,22 @@ def test_a_section_given_a_value_is_refused_naming_it(tmp_path, text, section):
         load_config({"precision_tolerance": 5})
 
 
+def test_a_section_flag_given_a_value_says_how_to_set_one_option():
+    """``--model tts`` (the spelling the docs and the recipes' messages had before ``--model.name``) is read by
+    jsonargparse as the section's config file; it exits 2 naming the section and the ``--model.OPTION VALUE``
+    form, not "Unable to load config", in both stages. The spelling the messages now give parses."""
+    from shardcache.config import ConfigError
+    from train.config import parse_args
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--model", "tts"])
+    assert e.value.problems == [("model", "expected a YAML file of its options or a mapping (one option: "
+                                          "--model.OPTION VALUE), got 'tts'")]
+    assert parse_args(["--model.name", "tts"])[0].model.name == "tts"
+    with pytest.raises(ConfigError, match=r"^precision_tolerance: expected a YAML file .*--precision_tolerance"
+                                          r"\.OPTION VALUE\), got '5'$"):
+        load_config(None, ["precision_tolerance=5"])
+
+
 def test_a_key_of_an_encoder_spec_from_a_flag_keeps_its_type():
     """``--image_encoder.normalize false`` and ``--audio_tokenizer.max_batch_size 8`` reach the encoder as
     false and 8: an untyped ``dict`` option kept them as the strings 'false' (truthy) and '8'."""

@@ -208,7 +208,7 @@ def test_model_path_must_be_a_higgs_checkpoint(tiny_models, higgs_models, tmp_pa
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "higgs_audio"}))    # Boson's own format
     with pytest.raises(ValueError, match="convert_higgs_audio_v2_to_hf"):
         build_model("higgs", {"lm": str(tmp_path)}, cache)
-    with pytest.raises(ValueError, match="use --model tts"):
+    with pytest.raises(ValueError, match="use --model.name tts"):
         build_model("higgs", {"lm": str(tiny_models / "lm-tiny")}, cache)
     # a cache made with another tokenizer's ids and another number of codebooks: refused by name
     with pytest.raises(ContractMismatch) as e:

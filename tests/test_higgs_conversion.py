@@ -29,7 +29,7 @@ text tokenizer files) and ``eustlb/higgs-audio-v2-tokenizer`` (``refs/main``: th
   ``model.embed_audio_tokens.embed_audio_tokens``, ``model.`` before the LM's own weights, the heads at
   the top), with those values; ``HiggsAudioV2ForConditionalGeneration.from_pretrained`` reloads them,
   every parameter accounted for (none left at its random initialisation), and
-  ``HiggsAudioV2Processor.from_pretrained`` loads the processor; shardcache's ``--model higgs`` builds
+  ``HiggsAudioV2Processor.from_pretrained`` loads the processor; shardcache's ``--model.name higgs`` builds
   from the converted directory (its contract against a cache of the tiny models, then its own load
   path, which gives those weights) and trains one step, while the unconverted stand-in is refused with
   the conversion advice.
@@ -287,7 +287,7 @@ def test_documented_conversion_to_a_reloadable_checkpoint(conversion_script, bos
     n_tokens = len(AutoTokenizer.from_pretrained(higgs_models / "higgs-tiny"))
     assert r.stdout.split()[-4:] == ["HiggsAudioV2TokenizerModel", "<|AUDIO_OUT|>", str(n_tokens), "True"], r.stdout
 
-    # shardcache's --model higgs: the converted directory is its checkpoint (contract against a cache of the
+    # shardcache's --model.name higgs: the converted directory is its checkpoint (contract against a cache of the
     # tiny models, its own load path: Boson's weights); Boson's own directory is refused with the advice
     from test_train_support import Captured
     from test_train_support import config_from_dict as from_dict

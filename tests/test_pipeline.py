@@ -65,9 +65,8 @@ def test_length_batches_are_full_of_equal_lengths_within_a_chunk():
 
 def test_a_full_length_window_releases_one_batch_and_slides():
     """A full window gives the encoder one batch and keeps the rest held: released whole, it left the
-    encoder idle while it refilled (CPU, an encoder sleeping 30 ms per row, one decode process: wall
-    1.34-1.35 -> 1.25-1.26 x the encoder time). The batch is the oldest held row and the rows of the
-    lengths closest to it, so no row waits in the window for the chunk's end."""
+    encoder idle while it refilled (measured: docs/benchmarks.md). The batch is the oldest held row and
+    the rows of the lengths closest to it, so no row waits in the window for the chunk's end."""
     lengths = (5, 9, 5, 2, 9, 6, 2, 9, 2, 5, 9, 2, 3, 1, 7, 4)
     rows = [_row(0, n * 960) for n in lengths]
     b = LengthBatcher(4, 16)

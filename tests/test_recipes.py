@@ -1,4 +1,4 @@
-"""The ``--model tts`` / ``--model vlm`` recipes (train/recipes) on a tiny real ``LlamaForCausalLM``.
+"""The ``--model.name tts`` / ``--model.name vlm`` recipes (train/recipes) on a tiny real ``LlamaForCausalLM``.
 
 Batches are built here by hand following the conversation contract (input_ids with placeholder
 tokens, labels, codes, audio_segments, latents); expected values (delay pattern, sequence

@@ -1,5 +1,5 @@
 """TheWorld from a cache (issue 21, items 4 and 5): Gemma 3's vision tower runs once at stage one
-(``image_features``), and ``--model theworld`` trains Gemma 3 + TheWorld's world projection on the
+(``image_features``), and ``--model.name theworld`` trains Gemma 3 + TheWorld's world projection on the
 cached tensors alone.
 
 Gemma 3's processor and vision tower are run here independently of the code under test
@@ -224,7 +224,7 @@ def _losses(run_dir: Path) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_theworld_trains_and_the_loss_falls(nproc, world_cache, gemma3, tmp_path):
-    """Done-when: `shardcache train --model theworld` (configs/train-theworld.yaml) on the real-mini
+    """Done-when: `shardcache train --model.name theworld` (configs/train-theworld.yaml) on the real-mini
     LLaVA multi-turn cache, 60 steps: the loss falls below 0.8 x its start; the trainable fraction is
     logged; only the world projection and the LoRA adapters are saved. The profile of steps 3-5
     holds no convolution or pooling (no VAE, no SigLIP patch embedding or pooling: nothing of the

@@ -342,7 +342,7 @@ def test_disable_evaluation_holds_nothing_out(image_cache, tmp_path):
     assert len(set(SEEN["train"])) == 40                               # 10 steps x 4 = every sample once
 
 
-# ---- the Higgs-Audio command, end to end on a tiny conversation cache (--model higgs) -----------------
+# ---- the Higgs-Audio command, end to end on a tiny conversation cache (--model.name higgs) -----------------
 
 def _tts_cache(root: Path, n: int = 24, Q: int = 3, CB: int = 16) -> Path:
     """Conversation samples by the contract: system/user text, one assistant <|AUDIO_OUT|> item each
@@ -367,7 +367,7 @@ def _tts_cache(root: Path, n: int = 24, Q: int = 3, CB: int = 16) -> Path:
                 "<|audio_eos|>": A_EOS, "<|eot_id|>": EOT, "<image>": 269}
     merge_parts(root, {"text": {"vocab_size": 272, "pad_id": 0, "special_token_ids": specials},
                        "text_vocab_size": 272, "text_pad_id": 0, "n_codebooks": Q, "codebook_size": CB,
-                       # Higgs' codec (what --model higgs requires): 24 kHz, 25 frames/s, Q x log2(CB) bits a frame
+                       # Higgs' codec (what --model.name higgs requires): 24 kHz, 25 frames/s, Q x log2(CB) bits a frame
                        "codec_sample_rate": 24000, "frame_rate": 25.0,
                        "encoders": {"audio_tokenizer": {"name": "higgs", "bandwidth": Q * math.log2(CB) * 25 / 1000}},
                        "config": {"audio_tokenizer": {"name": "higgs", "pretrained": "/ckpt/tokenizer-A"}}})

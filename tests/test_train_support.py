@@ -366,7 +366,7 @@ class MeanCodesModel(torch.nn.Module):
 
 
 def make_mean_codes(n_codebooks: int = N_CODEBOOKS, codebook_size: int = CODEBOOK_SIZE, nan_at_calls: tuple = ()):
-    """A plain ``module:factory`` plug-in: called with ``--model-kwargs`` only (the test cache's sizes by default)."""
+    """A plain ``module:factory`` plug-in: called with ``--model.kwargs`` only (the test cache's sizes by default)."""
     return MeanCodesModel(n_codebooks, codebook_size, tuple(nan_at_calls))
 
 

@@ -1,13 +1,13 @@
-"""The reference model, the recipe registry (``--model NAME``, :data:`train.recipes.RECIPES`) and the
+"""The reference model, the recipe registry (``--model.name NAME``, :data:`train.recipes.RECIPES`) and the
 ``module:factory`` plug-in loader.
 
 A training model is any ``nn.Module`` whose ``forward(batch)`` takes the collated batch dict of
 :class:`loaders.ShardLoader` and returns a scalar loss tensor or a dict with ``loss`` (other 0-dim
-tensors in the dict are logged). ``--model pkg.mod:make`` imports ``pkg.mod`` and calls
-``make(**kwargs)`` with ``--model-kwargs`` (it reads every field of the cache, LoRA adapts the
+tensors in the dict are logged). ``--model.name pkg.mod:make`` imports ``pkg.mod`` and calls
+``make(**kwargs)`` with ``--model.kwargs`` (it reads every field of the cache, LoRA adapts the
 modules ``--lora-targets`` names, AdamW's default groups); a model that needs the cache's sizes,
 declares the fields it reads or has its own LoRA, optimizer groups or activation checkpointing is a
-:class:`train.recipes.base.Recipe` subclass (``--model pkg.mod:Class``), built with
+:class:`train.recipes.base.Recipe` subclass (``--model.name pkg.mod:Class``), built with
 ``Class.from_cache(cache, kwargs)`` after ``cache.require(Class.contract(kwargs))``.
 
 :class:`ReferenceModel` uses every cached modality::
@@ -103,7 +103,7 @@ class ReferenceModel(Recipe):
     @classmethod
     def contract(cls, kwargs: Mapping[str, Any]) -> Contract:
         """Codes (any codec: the model is sized from the cache); text and latents where the cache has them."""
-        return Contract("--model reference", fields=cls.fields, optional_fields=cls.optional_fields)
+        return Contract("--model.name reference", fields=cls.fields, optional_fields=cls.optional_fields)
 
     @classmethod
     def from_cache(cls, cache: Cache, kwargs: Mapping[str, Any], *, latent_loss: str = "none",

@@ -25,7 +25,7 @@ checkpoint directory looks like, so tests load them through the same ``from_pret
 ``gemma3-tokenizer``  a byte-level BPE with Gemma 3's special tokens (``<bos>``, ``<start_of_turn>``,
                       ``<start_of_image>``...) and its real chat template (:mod:`.chat_templates`; also Llama 3's and
                       Qwen2-VL's, built by the tests).
-``lm``                transformers ``LlamaForCausalLM`` for the training recipes (``--model tts|vlm``). tiny:
+``lm``                transformers ``LlamaForCausalLM`` for the training recipes (``--model.name tts|vlm``). tiny:
                       hidden 64, 2 layers, 4 heads (2 kv), intermediate 128, vocab 512 (covers the byte
                       tokenizer's 270 ids and ``tokenizer``'s 311); full: the Llama-3.2-1B shape (~1.2 B params).
 ``higgs``             transformers ``HiggsAudioV2ForConditionalGeneration`` (``model_type: higgs_audio_v2``, text
@@ -37,7 +37,7 @@ checkpoint directory looks like, so tests load them through the same ``from_pret
                       1024. tiny: narrow DAC + one-layer HuBERT reading 24 kHz (built and run with the test
                       stand-in for torchaudio where the real one cannot load: :mod:`tools.torchaudio_shim`).
 ``gemma3``            transformers ``Gemma3ForConditionalGeneration`` + its ``Gemma3Processor`` in one directory,
-                      like ``google/gemma-3-4b-it`` (``--model theworld``, stage one's ``image_features``). tiny:
+                      like ``google/gemma-3-4b-it`` (``--model.name theworld``, stage one's ``image_features``). tiny:
                       SigLIP 64 px / patch 8, 16 image tokens, Gemma 3 text hidden 64, 2 layers (:mod:`.gemma3`).
 ====================  ===================================================================================
 

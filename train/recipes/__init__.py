@@ -1,4 +1,4 @@
-"""Training recipes on real ``transformers`` architectures, selected by ``--model NAME``: the names
+"""Training recipes on real ``transformers`` architectures, selected by ``--model.name NAME``: the names
 of :data:`RECIPES` (each class's docstring says what it trains).
 
 Each loads ``model_kwargs.lm`` (a directory or hub id; its default is the module's ``DEFAULT_*``),

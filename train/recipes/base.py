@@ -16,7 +16,7 @@ A recipe is an ``nn.Module`` subclass of :class:`Recipe` that declares:
   (:meth:`Recipe.checkpoint_config`: a ``transformers`` config stored with each checkpoint, or None).
 
 A new recipe is one module with a :class:`Recipe` subclass plus its entry in
-:data:`train.recipes.RECIPES` (or ``--model pkg.mod:Class`` for a plug-in recipe).
+:data:`train.recipes.RECIPES` (or ``--model.name pkg.mod:Class`` for a plug-in recipe).
 """
 from __future__ import annotations
 

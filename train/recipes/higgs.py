@@ -1,9 +1,9 @@
-"""``--model higgs``: Higgs-Audio v2 itself, ``transformers``' ``HiggsAudioV2ForConditionalGeneration``.
+"""``--model.name higgs``: Higgs-Audio v2 itself, ``transformers``' ``HiggsAudioV2ForConditionalGeneration``.
 
 Loaded with ``from_pretrained`` from a local directory or a hub id (``model.kwargs.lm``, or the
 Higgs-Audio command line's ``--model_path``): the released ``bosonai/higgs-audio-v2-generation-3B-base``
 in its ``transformers`` form (the default), or a local directory. Its config must say
-``model_type: higgs_audio_v2``; a plain causal LM is refused (``--model tts`` trains one).
+``model_type: higgs_audio_v2``; a plain causal LM is refused (``--model.name tts`` trains one).
 
 Batches: the loader turns the cached ``input_ids``/``labels``/``codes``/``audio_segments`` into exactly
 what ``HiggsAudioV2Processor(..., output_labels=True)`` builds on the fly
@@ -64,13 +64,13 @@ def load_config(lm: Any):
         model_type = raw.get("model_type")
         if model_type == "higgs_audio":
             raise ValueError(f"{name} is Higgs-Audio in Boson's own format (model_type 'higgs_audio', boson_multimodal): "
-                             "--model higgs loads transformers' form (higgs_audio_v2): convert it with transformers' "
-                             "convert_higgs_audio_v2_to_hf.py (docs/higgs-audio.md), or train it with Boson's trainer "
-                             "on loaders.higgs.HiggsChatMLDataset")
+                             "--model.name higgs loads transformers' form (higgs_audio_v2): convert it with "
+                             "transformers' convert_higgs_audio_v2_to_hf.py (docs/higgs-audio.md), or train it with "
+                             "Boson's trainer on loaders.higgs.HiggsChatMLDataset")
         if model_type != MODEL_TYPE:
-            raise ValueError(f"--model higgs needs a {MODEL_TYPE} checkpoint (transformers' "
+            raise ValueError(f"--model.name higgs needs a {MODEL_TYPE} checkpoint (transformers' "
                              f"HiggsAudioV2ForConditionalGeneration); {name} is {model_type!r}: for a plain causal LM "
-                             "use --model tts")
+                             "use --model.name tts")
         cfg = AutoConfig.from_pretrained(name)
     return cfg
 
@@ -140,7 +140,7 @@ class HiggsModel(LMRecipe):
         codec = Codec(name=CODEC_NAME, sample_rate=CODEC_SAMPLE_RATE, frame_rate=CODEC_FRAME_RATE,
                       n_codebooks=int(cfg.num_codebooks), codebook_size=size,
                       bandwidth=cfg.num_codebooks * math.log2(size) * CODEC_FRAME_RATE / 1000)
-        return Contract("--model higgs", fields=cls.fields, codec=codec, text_tokenizer=tokenizer_fingerprint(lm),
+        return Contract("--model.name higgs", fields=cls.fields, codec=codec, text_tokenizer=tokenizer_fingerprint(lm),
                         special_tokens={AUDIO_OUT: int(cfg.audio_token_id), AUDIO_OUT_BOS: int(cfg.audio_bos_token_id)})
 
     @classmethod

@@ -1,4 +1,4 @@
-"""``--model theworld``: TheWorld (github.com/kasohrab/theworld, ``python/theworld/modeling/``) from a
+"""``--model.name theworld``: TheWorld (github.com/kasohrab/theworld, ``python/theworld/modeling/``) from a
 cache: Gemma 3 (``transformers``' ``Gemma3ForConditionalGeneration``, ``google/gemma-3-4b-it``) with
 its image features taken from the cache and Cosmos "world tokens" projected from cached latents.
 
@@ -172,7 +172,7 @@ def check_config(lm: Any):
             raise OSError(f"could not load the config of {name!r} ({e}); pass model.kwargs.lm = a Gemma 3 "
                           "directory or hub id") from e
     if cfg.model_type != MODEL_TYPE:
-        raise ValueError(f"--model theworld needs a Gemma 3 checkpoint (Gemma3ForConditionalGeneration, e.g. "
+        raise ValueError(f"--model.name theworld needs a Gemma 3 checkpoint (Gemma3ForConditionalGeneration, e.g. "
                          f"google/gemma-3-4b-it); {name} is {cfg.model_type!r}")
     return cfg
 
@@ -222,7 +222,8 @@ class TheWorldModel(LMRecipe):
         latents in TheWorld's pixel range (``0..255``)."""
         lm = kwargs.get("lm", DEFAULT_GEMMA3)
         cfg = check_config(lm)
-        return Contract("--model theworld", fields=cls.fields, text_tokenizer=tokenizer_fingerprint(lm, WORLD_TOKENS),
+        return Contract("--model.name theworld", fields=cls.fields,
+                        text_tokenizer=tokenizer_fingerprint(lm, WORLD_TOKENS),
                         special_tokens={GEMMA_IMAGE_SOFT: int(cfg.image_token_id), **dict.fromkeys(WORLD_TOKENS)},
                         image=ImagePreset(pixel_range=PIXEL_RANGE),
                         feature_encoder=FeatureEncoder(name=MODEL_TYPE, tokens_per_image=int(cfg.mm_tokens_per_image),
@@ -249,8 +250,8 @@ class TheWorldModel(LMRecipe):
             raise ValueError(f"the cache's <image_soft_token> is {image_soft_token_id}, the model's image_token_id "
                              f"{cfg.image_token_id}: precompute with text_tokenizer.pretrained = {lm}")
         if world_start_token_id is None or world_end_token_id is None:
-            raise ValueError("--model theworld needs the world markers in the cache (precompute with world_tokens: "
-                             "[<start_of_world>, <end_of_world>], configs/precompute-theworld.yaml)")
+            raise ValueError("--model.name theworld needs the world markers in the cache (precompute with "
+                             "world_tokens: [<start_of_world>, <end_of_world>], configs/precompute-theworld.yaml)")
         self.soft_id, self.pad_id = int(cfg.image_token_id), int(pad_id)
         self.sow_id, self.eow_id = int(world_start_token_id), int(world_end_token_id)
         self.latent_channels = int(latent_channels)

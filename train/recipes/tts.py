@@ -1,4 +1,4 @@
-"""``--model tts``: a Higgs-Audio-shaped speech LM on a ``transformers`` causal LM.
+"""``--model.name tts``: a Higgs-Audio-shaped speech LM on a ``transformers`` causal LM.
 
 Layout (Higgs-Audio v2, ``boson_multimodal``: ``model/higgs_audio/modeling_higgs_audio.py``,
 ``model/higgs_audio/utils.py`` (delay pattern, ``merge_input_ids_with_audio_features``),
@@ -56,7 +56,7 @@ SEG_DIRECTION, SEG_START, SEG_FRAMES = 2, 3, 4
 class TTSModel(LMRecipe):
     """Higgs-Audio-shaped speech LM (see the module docstring).
 
-    Args (``--model-kwargs``; the spec ids come from ``manifest.json`` through ``build_model``):
+    Args (``--model.kwargs``; the spec ids come from ``manifest.json`` through ``build_model``):
         lm: LM directory or hub id for ``AutoModelForCausalLM.from_pretrained`` (default :data:`train.recipes.lm.DEFAULT_LM`).
         dtype: LM weight dtype (float32 | bfloat16 | float16), default float32.
         attn_implementation: passed to ``from_pretrained`` (default: transformers' choice, sdpa).
@@ -80,7 +80,8 @@ class TTSModel(LMRecipe):
     def contract(cls, kwargs) -> Contract:
         """Conversations with ``<|AUDIO_OUT|>`` items as codes; any codec and tokenizer (the audio
         embeddings are new, sized from the cache; the LM's token embeddings are resized to its vocabulary)."""
-        return Contract("--model tts", fields=cls.fields, special_tokens={AUDIO_OUT: kwargs.get("audio_out_token_id")})
+        return Contract("--model.name tts", fields=cls.fields,
+                        special_tokens={AUDIO_OUT: kwargs.get("audio_out_token_id")})
 
     @classmethod
     def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
@@ -96,7 +97,7 @@ class TTSModel(LMRecipe):
                  audio_lr: float | None = None) -> None:
         super().__init__()
         if audio_out_token_id is None:
-            raise ValueError("--model tts needs the id of <|AUDIO_OUT|>: the cache's manifest.json has no "
+            raise ValueError("--model.name tts needs the id of <|AUDIO_OUT|>: the cache's manifest.json has no "
                              "text.special_token_ids (made without conversations?); pass "
                              "model_kwargs.audio_out_token_id (and audio_in_token_id)")
         self.n_codebooks, self.codebook_size = int(n_codebooks), int(codebook_size)

@@ -1,4 +1,4 @@
-"""``--model vlm``: a LLaVA / TheWorld-shaped vision-language model on cached Cosmos latents.
+"""``--model.name vlm``: a LLaVA / TheWorld-shaped vision-language model on cached Cosmos latents.
 
 A ``transformers`` causal LM (frozen by default) reads ``<image>`` tokens replaced by projected
 latent patches::
@@ -57,7 +57,7 @@ def patchify_mask(mask: torch.Tensor, p: int) -> torch.Tensor:
 class VLMModel(LMRecipe):
     """Latent-patch projection into a (frozen) causal LM (see the module docstring).
 
-    Args (``--model-kwargs``; the spec values come from ``manifest.json`` through ``build_model``):
+    Args (``--model.kwargs``; the spec values come from ``manifest.json`` through ``build_model``):
         lm: LM directory or hub id (default :data:`train.recipes.lm.DEFAULT_LM`).
         dtype, attn_implementation: as for ``from_pretrained`` (default float32, transformers' choice).
         freeze_lm: default True: only the projection (and LoRA adapters, if any) trains.
@@ -83,7 +83,7 @@ class VLMModel(LMRecipe):
     def contract(cls, kwargs) -> Contract:
         """Conversations with image latents from any VAE and preset (the projection is new, sized from
         the cache's latent channels) and any tokenizer (the LM's embeddings are resized)."""
-        return Contract("--model vlm", fields=cls.fields, image=ImagePreset())
+        return Contract("--model.name vlm", fields=cls.fields, image=ImagePreset())
 
     @classmethod
     def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
@@ -97,7 +97,7 @@ class VLMModel(LMRecipe):
                  projection_lr: float | None = None, max_trainable_fraction: float = 0.10) -> None:
         super().__init__()
         if image_token_id is None:
-            raise ValueError("--model vlm needs the id of <image>: the cache's manifest.json has no "
+            raise ValueError("--model.name vlm needs the id of <image>: the cache's manifest.json has no "
                              "text.special_token_ids['<image>']; pass model_kwargs.image_token_id")
         if projector not in ("mlp2", "linear"):
             raise ValueError(f"projector must be mlp2 or linear, got {projector!r}")
