@@ -54,7 +54,8 @@ def resample(waveform, orig_freq: int, new_freq: int, **_ignored):
 SOXR = types.SimpleNamespace(functional=types.SimpleNamespace(resample=resample))
 
 
-def _torchaudio_version() -> str | None:
+def torchaudio_version() -> str | None:
+    """The version of the ``torchaudio`` this process can import, or None where it cannot."""
     try:
         import torchaudio
     except (ImportError, OSError):  # OSError: an extension built for another torch
@@ -89,7 +90,7 @@ def model_class(resampler: str = "torchaudio") -> tuple[type, str]:
     torchaudio cannot be imported (naming it and the way out)."""
     if resampler not in RESAMPLERS:
         raise ValueError(f"audio_tokenizer.resampler: expected one of {', '.join(RESAMPLERS)}, got {resampler!r}")
-    version = _torchaudio_version() if resampler != "soxr" else None
+    version = torchaudio_version() if resampler != "soxr" else None
     if version is not None:
         from transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer import (
             HiggsAudioV2TokenizerModel)

@@ -73,14 +73,16 @@ def audio_tokenizer_config(size: str = "tiny"):
 
 
 def make_audio_tokenizer(size: str = "tiny", seed: int = 0):
-    """Random ``HiggsAudioV2TokenizerModel`` (eval mode) with calibrated codebooks (where torchaudio
-    cannot load, with the test stand-in: :mod:`tools.torchaudio_shim`)."""
-    from tools.torchaudio_shim import install
-    install()
+    """Random ``HiggsAudioV2TokenizerModel`` (eval mode) with calibrated codebooks. Where torchaudio
+    cannot load, the class is the one stage one loads with ``resampler: soxr``
+    (:func:`precompute.encoders.higgs_resampler.model_class`): the same weights and config, built
+    whatever this process imported before (``transformers`` decides once per process whether
+    torchaudio exists, so a stand-in put on the path late is not seen)."""
     import torch
 
-    from transformers import HiggsAudioV2TokenizerModel
+    from precompute.encoders.higgs_resampler import model_class, torchaudio_version
 
+    HiggsAudioV2TokenizerModel, _ = model_class("torchaudio" if torchaudio_version() else "soxr")
     torch.manual_seed(seed)
     model = HiggsAudioV2TokenizerModel(audio_tokenizer_config(size)).eval()
     g = torch.Generator().manual_seed(seed + 1)
