@@ -84,7 +84,8 @@ def stages(manifest: Path, cfg, limit: int) -> dict:
 
     from precompute import chat
     from precompute.audio import load_audio_windows, resample
-    from precompute.encode import Pipeline, Summary
+    from precompute.encode import Summary
+    from precompute.job import Job
     from precompute.images import decode_image, load_image
     from precompute.job import chunk_batches
     from precompute.manifests import read_requests
@@ -94,7 +95,7 @@ def stages(manifest: Path, cfg, limit: int) -> dict:
     from precompute.pipeline import preload_decoders
     preload_decoders()
     reqs = [r for r in read_requests(manifest, fmt=cfg.manifest_format) if r.error is None][:limit]
-    pipe = Pipeline.build(cfg, "cpu", reqs)
+    pipe = Job.build(cfg, "cpu", reqs)
     cpu: dict[str, float] = defaultdict(float)
 
     def timed(stage, fn, *a, **k):
@@ -111,15 +112,16 @@ def stages(manifest: Path, cfg, limit: int) -> dict:
         for a in conv.audio:
             sr = sf.info(a.source).samplerate
             got = timed("decode", load_audio_windows, a.source, [(a.offset_s, a.duration_s)], (sr,))
-            for rate in pipe.rates:
-                timed("resample", resample, got[0][0][sr], sr, rate)
+            for rate, directions in pipe.rates:
+                if a.direction in directions:  # the rates the job reads this item at
+                    timed("resample", resample, got[0][0][sr], sr, rate)
         for im in conv.images:
             images += 1
             d = timed("decode", decode_image, im.source, rgb=cfg.image_rgb)
             timed("resample", load_image, im.source, cfg.image_size, mode=cfg.image_resize,
                   multiple=pipe.image_multiple, rgb=cfg.image_rgb, decoded=d)
-            if pipe.source_images:
-                timed("decode", np.array, d, dtype=np.uint8)
+            if pipe.preparer.image_input is not None:  # Gemma 3's resize (the model's input), in the decode workers
+                timed("resample", pipe.preparer.image_input, np.asarray(d, dtype=np.uint8))
     decode_cpu = sum(cpu.values())
     t = time.thread_time()
     prepared = [pipe.prepare(r) for r in reqs]  # the real call, to check the pieces add up

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from precompute.config import load_config
-from precompute.encode import Pipeline, Summary
+from precompute.encode import Summary
+from precompute.job import Job
 from precompute.job import plan_chunks, run
 from precompute.manifests import read_requests
 from precompute.pipeline import EncodeStream
@@ -49,12 +50,12 @@ def encoders_alone(manifest: Path, cfg, limit: int | None = None) -> tuple[float
     as the job batches them, after one warm-up call (kernel selection, lazy initialisation; the job's
     own first batch is its probe); and the rows encoded."""
     requests = read_requests(manifest, fmt=cfg.manifest_format)
-    pipe = Pipeline.build(cfg, cfg.device, requests)  # the tokens the rows need, as the job checks them
+    pipe = Job.build(cfg, cfg.device, requests)  # the tokens the rows need, as the job checks them
     plan = plan_chunks(requests, cfg.samples_per_shard, {})
     items = [(r, c) for c, (_, rows) in enumerate(plan) for r in rows][:limit]
     prepared = [pipe.prepare(r, c) for r, c in items]
     summary = Summary()
-    stream = EncodeStream(lambda rows: pipe.encode(rows, summary), cfg.encoder_batch_size)  # as the job batches
+    stream = EncodeStream(lambda rows: pipe.encode(rows, summary), pipe.batch_size, pipe.window)  # as the job batches
     with torch.inference_mode():
         pipe.encode(prepared[:cfg.encoder_batch_size], Summary())
         stream.feed(prepared)

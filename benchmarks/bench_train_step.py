@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from loaders import ShardLoader, collate_fn
-from precompute.encode import Pipeline, Summary
+from precompute.encode import Summary
+from precompute.job import Job
 from precompute.manifests import read_requests
 from shards import Cache
 from train.models import ReferenceModel
@@ -66,7 +67,7 @@ def bench(manifest: Path, cache: Path, cfg, batch_size: int = 4, steps: int = 4,
             cached_times.append(time.perf_counter() - t)
         keys_in_order.append(batch["keys"])
     loader.close()
-    pipe = Pipeline.build(cfg, "cpu")
+    pipe = Job.build(cfg, "cpu")
     by_key = {r.key: r for r in read_requests(manifest) if r.error is None}
     uncached_times = []
     for i, keys in enumerate(keys_in_order):

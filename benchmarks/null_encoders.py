@@ -15,6 +15,7 @@ frames/s, 8 codebooks of 1024), the Wan 2.1 VAE (8 px per latent cell, 16 channe
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,25 @@ class NullCodec:
                            "n_codebooks": self.n_codebooks, "codebook_size": self.codebook_size}}
 
 
+class SleepingCodec(NullCodec):
+    """A stand-in for a GPU codec: :class:`NullCodec`'s codes after waiting ``seconds_per_clip`` per clip
+    in ``time.sleep``, which releases the GIL as a CUDA call and its synchronisation do. A plug-in with
+    only a synchronous ``encode()`` (it declares nothing), so it also shows that such an encoder
+    overlaps the rest of the job (``make bench``'s overlap section, :mod:`benchmarks.bench_overlap`)."""
+
+    def __init__(self, seconds_per_clip: float = 0.05, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.seconds_per_clip = float(seconds_per_clip)
+
+    def encode(self, waveforms: list[np.ndarray]) -> list[np.ndarray]:
+        for _ in waveforms:
+            time.sleep(self.seconds_per_clip)
+        return super().encode(waveforms)
+
+    def describe(self) -> dict:
+        return super().describe() | {"class": f"{__name__}.SleepingCodec", "name": "sleeping-codec"}
+
+
 class NullVAE:
     """:class:`precompute.encoders.ImageEncoder` whose latents are zeros: float32
     ``(B, latent_channels, 1, H / spatial_factor, W / spatial_factor)`` for uint8 ``(B, H, W, 3)``."""
@@ -59,21 +79,43 @@ class NullVAE:
                 "config": {"spatial_factor": self.spatial_factor, "latent_channels": self.latent_channels}}
 
 
+class SquareResize:
+    """uint8 ``(H, W, 3)`` -> uint8 ``(3, size, size)``: torchvision's antialiased bilinear resize, the
+    step Gemma 3's image processor runs first (in the decode workers at stage one). Picklable."""
+
+    def __init__(self, size: int = 896):
+        self.size = int(size)
+
+    def __call__(self, image: np.ndarray) -> np.ndarray:
+        import torch
+        from torchvision.transforms.v2 import functional as tvF
+        x = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+        return tvF.resize(x, [self.size, self.size], interpolation=tvF.InterpolationMode.BILINEAR,
+                          antialias=True).contiguous().numpy()
+
+
 class NullVision:
     """The encoder of an ``image_features`` producer (see
     :class:`precompute.producers.image_features.Gemma3VisionEncoder`'s attributes) whose features
     are zeros: int16 ``(tokens_per_image, hidden_size)`` (bfloat16 bits) per image. Its image
     sequence is Gemma 3's: ``\\n\\n<start_of_image>`` + ``tokens_per_image`` soft tokens +
-    ``<end_of_image>\\n\\n``. Gemma's image processor (resize to 896 px, normalise) is not run."""
+    ``<end_of_image>\\n\\n``. Its ``image_input`` is Gemma 3's resize to ``image_size`` px
+    (:class:`SquareResize`, run in the decode workers as the real encoder's is); the normalisation,
+    on the device for the real encoder, is not run."""
 
     def __init__(self, tokens_per_image: int = 256, hidden_size: int = 2560, boi_token: str = "<start_of_image>",
-                 image_token: str = "<image_soft_token>", eoi_token: str = "<end_of_image>"):
+                 image_token: str = "<image_soft_token>", eoi_token: str = "<end_of_image>", image_size: int = 896):
         self.tokens_per_image, self.hidden_size = int(tokens_per_image), int(hidden_size)
         self.boi_token, self.image_token, self.eoi_token = boi_token, image_token, eoi_token
         self.image_sequence = f"\n\n{boi_token}{image_token * self.tokens_per_image}{eoi_token}\n\n"
+        self.image_input = SquareResize(image_size)
 
     def encode(self, images: list[np.ndarray]) -> list[np.ndarray]:
-        return [np.zeros((self.tokens_per_image, self.hidden_size), np.int16) for _ in images]
+        return self.submit([self.image_input(a) for a in images]).result()
+
+    def submit(self, resized: list[np.ndarray]):
+        from precompute.encoders.capabilities import Pending
+        return Pending.done([np.zeros((self.tokens_per_image, self.hidden_size), np.int16) for _ in resized])
 
     def describe(self) -> dict:
         return {"class": f"{__name__}.NullVision", "name": "null-vision", "weights_sha256": "none",
@@ -84,6 +126,11 @@ class NullVision:
 def codec(device: str = "cpu", **kwargs: Any) -> NullCodec:
     """Factory of ``audio_tokenizer: {factory: benchmarks.null_encoders:codec, kwargs: {...}}``."""
     return NullCodec(**kwargs)
+
+
+def sleeping_codec(device: str = "cpu", **kwargs: Any) -> SleepingCodec:
+    """Factory of ``audio_tokenizer: {factory: benchmarks.null_encoders:sleeping_codec, kwargs: {seconds_per_clip: 0.05}}``."""
+    return SleepingCodec(**kwargs)
 
 
 def vae(device: str = "cpu", **kwargs: Any) -> NullVAE:

@@ -88,6 +88,7 @@ from shards.tokens import (AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_IN_TOKENS, AUDI
 RECIPIENT = "<|recipient|>"
 
 from .conversation import Conversation
+from .encoders.capabilities import text_capabilities_of
 
 #: the values of the options ``chat_template`` (:func:`resolve_template`) and ``label_policy`` (module docstring)
 CHAT_TEMPLATES, LABEL_POLICIES = ("auto", "llama3", "tokenizer", "theworld"), ("answers", "all_but_world")
@@ -263,7 +264,7 @@ def ensure_tokens(tokenizer, kinds: Iterable[str] | None, tokens: ChatTokens, ad
     have = special_ids(tokenizer, tokens)
     missing = [t for t in needed_tokens(kinds, tokens) if t not in have]
     if missing and add:
-        if not callable(getattr(tokenizer, "add_tokens", None)):
+        if not text_capabilities_of(tokenizer).adds_tokens:
             raise ValueError(f"add_missing_tokens: {type(tokenizer).__name__} has no add_tokens() to add {missing}")
         tokenizer.add_tokens(missing)
     check_tokenizer(tokenizer, kinds, tokens)
@@ -274,7 +275,7 @@ def resolve_template(name: str, tokenizer) -> str:
     """``auto`` -> ``tokenizer`` when it has a chat template, else ``llama3``. Raises ``ValueError``."""
     if name not in CHAT_TEMPLATES:
         raise ValueError(f"chat_template: expected one of {CHAT_TEMPLATES}, got {name!r}")
-    has = getattr(tokenizer, "chat_template", None) is not None
+    has = text_capabilities_of(tokenizer).chat_template is not None
     if name == "auto":
         return "tokenizer" if has else "llama3"
     if name in ("tokenizer", "theworld") and not has:
@@ -390,8 +391,7 @@ def _insert_world(input_ids: np.ndarray, labels: np.ndarray, tokenizer, specials
                   world: tuple[str, str], n_images: int) -> tuple[np.ndarray, np.ndarray]:
     """``world`` marker pairs (one per image) after the leading BOS (position 0 without one), label -100."""
     bos = {specials.get(BEGIN_OF_TEXT)}
-    inner = getattr(tokenizer, "tokenizer", None)
-    bos.add(getattr(inner, "bos_token_id", None) if inner is not None else getattr(tokenizer, "bos_id", None))
+    bos.add(text_capabilities_of(tokenizer).bos_id)
     at = 1 if len(input_ids) and int(input_ids[0]) in bos - {None} else 0
     pair = np.asarray([specials[world[0]], specials[world[1]]] * n_images, dtype=np.int32)
     ignore = np.full(len(pair), IGNORE_INDEX, dtype=np.int32)

@@ -4,7 +4,7 @@ A user trusts a cache before spending GPU-weeks on it: for ``N`` samples picked 
 (``--seed``) from the cache's index, the manifest row with the same key is decoded again from its
 source files and encoded again with the encoders and preprocessing the cache's ``manifest.json``
 records (its ``config``: codec, VAE, tokenizer and chat template, image policy, extra fields),
-through the very code stage one runs (:class:`precompute.encode.Pipeline`), and every array is
+through the very code stage one runs (:class:`precompute.job.Job`), and every array is
 compared with the cached one:
 
 * token ids, labels, codes, segments, offsets, any integer field: exactly;
@@ -90,7 +90,8 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     """
     import torch
 
-    from .encode import Pipeline, Summary
+    from .encode import Summary
+    from .job import Job
     from .manifests import read_requests
     from .validate import validate_config
 
@@ -110,7 +111,7 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     rows = [i for i, k in enumerate(reader.keys) if k in by_key]
     missing = [k for k in reader.keys if k not in by_key]
     picked = sorted(random.Random(seed).sample(rows, min(samples, len(rows))))
-    pipe = Pipeline.build(cfg, device, requests)  # the same tokens added as the job did
+    pipe = Job.build(cfg, device, requests)  # the same tokens added as the job did
     out: dict[str, Any] = {"fingerprint_matches": pipe.fingerprint == man.fingerprint, "checked": 0,
                            "asked": samples, "cached": len(reader.keys), "matched_rows": len(rows),
                            "skipped_fields": sorted(man.sidecar_fields), "problems": [], "missing_rows": missing[:20]}

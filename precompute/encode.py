@@ -1,20 +1,32 @@
 """Encode decoded conversations into the tensors of one cached sample (see :mod:`shards.schema`).
 
-The fields of a sample come from the job's producers (:mod:`precompute.producers`), run in order
-over one encoder batch (so each encoder is called batched; a failing input costs only its own row,
+The fields of a sample come from the job's producers (:mod:`precompute.producers`), run over one
+encoder batch (so each encoder is called batched; a failing input costs only its own row,
 ``encode_failed``): ``input_ids``/``labels``, ``audio`` + ``audio_starts``, ``codes`` +
 ``audio_segments``, ``latents`` (+ ``latents_logvar``), then the ``extra_fields`` (e.g. a waveform
-at another rate). Every value is checked here, once, with its field's kind
-(:meth:`shards.kinds.FieldKind.value_check`: codes in ``[0, codebook_size)``, ids in
-``[0, vocab_size)``, latents finite and inside float16's range) and cast to the field's storage
-dtype; a sample that breaks a check is rejected ``encode_failed`` naming the field. The ``json``
-member (the conversation, its audio items and images, sample rate, durations) is built here too.
+at another rate). A batch is encoded in three steps, so that the encoders run off the main thread
+(:mod:`precompute.executor`) while the main thread does everything else:
+
+1. :func:`start`: the producers that run an encoder are queued on the encoder thread
+   (:func:`device_work`); the host-only producers (text, waveforms, segments) run at once;
+2. the encoder thread queues each encoder's calls (:meth:`precompute.producers.Producer.submit`)
+   and waits once for them all (one device-to-host copy per call, one wait per batch on a GPU);
+3. :func:`finish`: every value is checked here, once, with its field's kind
+   (:meth:`shards.kinds.FieldKind.value_check`: codes in ``[0, codebook_size)``, ids in
+   ``[0, vocab_size)``, latents finite and inside float16's range) and cast to the field's storage
+   dtype; a sample that breaks a check is rejected ``encode_failed`` naming the field. The ``json``
+   member (the conversation, its audio items and images, sample rate, durations, and what
+   producers add to it: the codec calls of a batched codec) is built here too.
+
+:func:`encode_batch` runs the three steps in the calling thread (``shardcache check``, benchmarks).
 """
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -25,6 +37,7 @@ from shards.manifest import CacheManifest, FieldInfo, TextInfo
 from . import producers as P
 from .config import PrecomputeConfig
 from .encoders import fingerprint, load_audio_tokenizer, load_image_encoder, load_text_tokenizer
+from .encoders.capabilities import Capabilities, capabilities_of
 from .prepare import Prepared
 
 log = logging.getLogger("precompute")
@@ -32,11 +45,13 @@ log = logging.getLogger("precompute")
 
 @dataclass
 class Encoders:
-    """The frozen models of one job (see precompute.encoders); ``audio``/``image`` may be None."""
+    """The frozen models of one job (see precompute.encoders); ``audio``/``image`` may be None.
+    ``device``: the job's device (where a plug-in that declares nothing runs)."""
 
     audio: Any
     image: Any
     text: Any
+    device: str = "cpu"
 
     def describe(self) -> dict[str, Any]:
         """``describe()`` of each encoder (``{"name": None}`` for an encoder the job does not use)."""
@@ -45,10 +60,23 @@ class Encoders:
                 "image_encoder": self.image.describe() if self.image is not None else none,
                 "text_tokenizer": self.text.describe()}
 
+    @property
+    def capabilities(self) -> dict[str, Capabilities]:
+        """What each media encoder declares (:func:`precompute.encoders.capabilities.capabilities_of`)."""
+        return {name: capabilities_of(enc, self.device) for name, enc in
+                (("audio_tokenizer", self.audio), ("image_encoder", self.image)) if enc is not None}
+
 
 @dataclass
 class Summary:
-    """What one rank did: counts, timings, reasons."""
+    """What one rank did: counts, timings, reasons.
+
+    Where the processing time went (seconds over the loop, ``wall_s``): the encoder thread's
+    ``encoder_s`` (busy: queueing its calls and waiting for them), of which ``encoder_host_s``
+    queueing (Python, kernel launches) and, on CUDA, ``encoder_device_s`` between events around each
+    batch; the main thread's ``receive_s`` (waiting for decoded rows), ``host_s`` (host-only
+    producers, checks, the json member), ``collect_wait_s`` (waiting for the encoder thread) and
+    ``writer_wait_s`` (waiting for room in the shard writer's queue)."""
 
     kept: int = 0
     rejected: int = 0
@@ -57,6 +85,12 @@ class Summary:
     setup_s: float = 0.0   # manifest, encoder loading, fingerprint, resume scan
     wall_s: float = 0.0    # decode + encode + write, from the first batch to the last commit
     encoder_s: float = 0.0
+    encoder_host_s: float = 0.0
+    encoder_device_s: float = 0.0
+    receive_s: float = 0.0
+    host_s: float = 0.0
+    collect_wait_s: float = 0.0
+    writer_wait_s: float = 0.0
     decode_workers: int = 0  # decode processes the job ran (num_workers, or what auto chose)
     skipped_rows: int = 0
     shards_written: int = 0
@@ -66,6 +100,12 @@ class Summary:
     def encoder_busy(self) -> float:
         """Fraction of the processing wall time (``wall_s``) spent inside encoder calls."""
         return self.encoder_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def split(self) -> dict[str, float]:
+        """The timings above, rounded (seconds)."""
+        keys = ("wall_s", "encoder_s", "encoder_host_s", "encoder_device_s", "receive_s", "host_s",
+                "collect_wait_s", "writer_wait_s")
+        return {k: round(getattr(self, k), 4) for k in keys}
 
 
 def load_encoders(cfg: PrecomputeConfig, device: str, dtype: str | None = None) -> Encoders:
@@ -87,7 +127,7 @@ def load_encoders(cfg: PrecomputeConfig, device: str, dtype: str | None = None) 
     return Encoders(
         audio=load_audio_tokenizer(spec(cfg.audio_tokenizer), device=device) if cfg.audio_tokenizer else None,
         image=load_image_encoder(image_spec, device=device) if image_spec else None,
-        text=load_text_tokenizer(cfg.text_tokenizer))
+        text=load_text_tokenizer(cfg.text_tokenizer), device=str(device))
 
 
 def job_producers(cfg: PrecomputeConfig, enc: Encoders, template: str, device: str = "cpu"
@@ -95,9 +135,9 @@ def job_producers(cfg: PrecomputeConfig, enc: Encoders, template: str, device: s
     """The producers of a job, in the order they run (see :mod:`precompute.producers`), and those
     of its ``extra_fields`` by field name (also at the end of the list)."""
     out: list[P.Producer] = [P.TextProducer(enc.text, template), P.WaveformProducer("audio", cfg.sample_rate)]
-    out.append(P.CodesProducer(enc.audio) if enc.audio is not None else P.SegmentsProducer())
+    out.append(P.CodesProducer(enc.audio, device=device) if enc.audio is not None else P.SegmentsProducer())
     if enc.image is not None:
-        out.append(P.LatentsProducer(enc.image, cfg.store_posterior, info=P.latents_info(cfg, enc.image)))
+        out.append(P.LatentsProducer(enc.image, cfg.store_posterior, info=P.latents_info(cfg, enc.image), device=device))
     extra = {}
     if cfg.image_features:  # the VLM's own image encoder (Gemma 3), only when the config asks for it
         extra["image_features"] = P.load_producer({"producer": "image_features", "image_rgb": cfg.image_rgb,
@@ -106,26 +146,34 @@ def job_producers(cfg: PrecomputeConfig, enc: Encoders, template: str, device: s
     return out + list(extra.values()), extra
 
 
-def job_tokens(cfg: PrecomputeConfig, extra: dict[str, P.Producer]):
-    """The job's :class:`precompute.chat.ChatTokens`: the config's, plus the image sequence of an
-    ``image_features`` producer (Gemma 3: its processor's ``full_image_sequence``, whose placeholder
-    must be the config's ``image_token``). Raises ``ValueError`` when they disagree."""
+def job_tokens(cfg: PrecomputeConfig, producers: list[P.Producer]):
+    """The job's :class:`precompute.chat.ChatTokens`: the config's, plus the image sequence a producer
+    declares (:attr:`precompute.producers.Producer.image_tokens`; Gemma 3: its processor's
+    ``full_image_sequence``, whose placeholder must be the config's ``image_token``). Raises
+    ``ValueError`` when they disagree or two producers declare one."""
     from . import chat
     tokens = chat.ChatTokens.of(cfg)
-    p = extra.get("image_features")
-    enc = getattr(p, "encoder", None)
-    if enc is None or not getattr(enc, "image_sequence", None):
+    declared = [(p, p.image_tokens) for p in producers if p.image_tokens is not None]
+    if not declared:
         return tokens
-    if enc.boi_token != tokens.image:
-        raise ValueError(f"image_features: {cfg.image_features.get('pretrained')}'s processor expands "
-                         f"{enc.boi_token!r}, but image_token is {tokens.image!r}; set image_token: {enc.boi_token}")
-    inner = tuple(t for t in (enc.image_token, enc.eoi_token) if t)
-    return chat.ChatTokens(tokens.image, tokens.world, enc.image_sequence, inner)
+    if len(declared) > 1:
+        raise ValueError(f"{len(declared)} producers ({', '.join(p.name for p, _ in declared)}) each expand the "
+                         "image placeholder; one image sequence per job")
+    p, seq = declared[0]
+    if seq.placeholder != tokens.image:
+        raise ValueError(f"{p.name}: its processor expands {seq.placeholder!r}, but image_token is {tokens.image!r}; "
+                         f"set image_token: {seq.placeholder}")
+    return chat.ChatTokens(tokens.image, tokens.world, seq.sequence, seq.inner)
 
 
-def job_rates(producers: list[P.Producer]) -> tuple[int, ...]:
-    """Every rate (Hz) the job's producers read audio at (each is resampled once from the decoded window)."""
-    return tuple(dict.fromkeys(r for p in producers for r in sorted(p.rates())))
+def job_rates(producers: list[P.Producer]) -> tuple[tuple[int, frozenset[str]], ...]:
+    """Every rate (Hz) the job's producers read audio at, with the item directions read at it (each
+    item is resampled once from the decoded window to each of its rates, and only to those)."""
+    out: dict[int, frozenset[str]] = {}
+    for p in producers:
+        for r in sorted(p.rates()):
+            out[r] = out.get(r, frozenset()) | frozenset(p.directions)
+    return tuple(out.items())
 
 
 def job_info(producers: list[P.Producer], extra: dict[str, P.Producer], text: Any) -> CacheManifest:
@@ -158,73 +206,7 @@ def value_checks(producers: list[P.Producer], info: CacheManifest) -> dict[str, 
     return out
 
 
-@dataclass
-class Pipeline:
-    """Everything encoding a manifest row needs, built once per job (:meth:`build`): the encoders,
-    the resolved chat template, the producers (and those of ``extra_fields``), the audio rates they
-    read, the value checks, and the job's fingerprint. ``shardcache precompute`` runs it over the
-    manifest; ``shardcache check`` over a few rows to compare with a cache."""
-
-    cfg: PrecomputeConfig
-    device: str
-    enc: Encoders
-    template: str
-    tokens: Any
-    added: dict[str, int]
-    producers: list
-    extra: dict
-    rates: tuple[int, ...]
-    info: CacheManifest
-    checks: dict[str, tuple]
-    fingerprint: str
-    describe: dict[str, Any]
-    source_images: bool = False  #: a producer gives decoded images to a model's own processor
-
-    @classmethod
-    def build(cls, cfg: PrecomputeConfig, device: str, requests: list | None = None) -> "Pipeline":
-        """Load the encoders on ``device`` and derive the rest (hashes every weight once). With the
-        job's ``requests``, the special tokens their conversations need are checked first (added to
-        the text tokenizer when ``add_missing_tokens``; :func:`precompute.chat.ensure_tokens`), so
-        the fingerprint describes the tokenizer the job renders with."""
-        from . import chat
-        enc = load_encoders(cfg, device)
-        template = chat.resolve_template(cfg.chat_template, enc.text)
-        producers, extra = job_producers(cfg, enc, template, device)
-        tokens = job_tokens(cfg, extra)
-        added: dict[str, int] = {}  # tokens the job needs and the tokenizer lacked
-        convs = [r.conversation for r in requests or [] if r.conversation is not None]
-        if convs:
-            added = chat.ensure_tokens(enc.text, chat.needed_kinds(convs), tokens, cfg.add_missing_tokens)
-            if added:
-                log.info("added %s to the text tokenizer (vocab_size %d): resize the LM's embeddings", added,
-                         enc.text.vocab_size)
-        info = job_info(producers, extra, enc.text)
-        encoders = enc.describe()
-        preprocessing = cfg.preprocessing()
-        if extra:  # only when present: caches without extra fields keep their fingerprint
-            preprocessing["extra_fields"] = {name: p.describe() for name, p in extra.items()}
-        return cls(cfg, device, enc, template, tokens, added, producers, extra, job_rates(producers), info,
-                   value_checks(producers, info), fingerprint(*encoders.values(), preprocessing=preprocessing),
-                   encoders | {"preprocessing": preprocessing},
-                   any(hasattr(p, "image_sequence") for p in producers))
-
-    @property
-    def image_multiple(self) -> int:
-        """Pixels per latent cell of the image encoder (8 without one: images are then rejected anyway)."""
-        return int(self.enc.image.spatial_factor) if self.enc.image is not None else 8
-
-    def prepare(self, req: Any, chunk: int = 0) -> Prepared:
-        """Decode one manifest row (see :func:`precompute.prepare.prepare`)."""
-        from .prepare import prepare
-        return prepare(req, chunk, self.cfg, self.rates, self.enc.text, self.template, self.image_multiple,
-                       self.tokens, self.source_images)
-
-    def encode(self, batch: list[Prepared], summary: "Summary") -> list[tuple[str, dict | None, tuple | None]]:
-        """:func:`encode_batch` with this pipeline's producers and checks."""
-        return encode_batch(batch, self.producers, self.checks, self.cfg, summary, self.device)
-
-
-def _meta(p: Prepared, cfg: PrecomputeConfig, frame_rate: float | None) -> dict[str, Any]:
+def _meta(p: Prepared, sample_rate: int, frame_rate: float | None) -> dict[str, Any]:
     req, conv = p.req, p.req.conversation
     speakers = list(dict.fromkeys(a.speaker for a in conv.audio if a.speaker))
     meta = {"text": conv.text, "speaker": req.speaker, "conversation": conv.to_json(),
@@ -234,7 +216,7 @@ def _meta(p: Prepared, cfg: PrecomputeConfig, frame_rate: float | None) -> dict[
                             for a, d, sr in zip(conv.audio, p.durations, p.orig_sample_rates)],
             "images": [{"source": im.source, "turn": im.turn} for im in conv.images],
             "speakers": speakers, "sources": conv.sources,
-            "sample_rate": cfg.sample_rate if conv.audio else 0, "duration_s": round(p.duration_s, 6),
+            "sample_rate": sample_rate if conv.audio else 0, "duration_s": round(p.duration_s, 6),
             "row": req.row} | req.meta
     if conv.audio and frame_rate is not None:
         meta["frame_rate"] = float(frame_rate)
@@ -243,9 +225,12 @@ def _meta(p: Prepared, cfg: PrecomputeConfig, frame_rate: float | None) -> dict[
 
 def to_members(arrays: dict[str, Any], checks: dict[str, tuple]) -> tuple[dict[str, np.ndarray] | None, str | None]:
     """``{field: array}`` -> ``{"FIELD.npy": array in the storage dtype}``, or ``(None, why)`` for the
-    first array whose values break its field's check (see :func:`value_checks`)."""
+    first array whose values break its field's check (see :func:`value_checks`). A producer's
+    :data:`precompute.producers.base.JSON` entry is not an array and is left out."""
     members = {}
     for name, value in arrays.items():
+        if name == P.JSON:
+            continue
         f = registry.get(name)
         a = np.asarray(value)
         why = f.kind.value_problem(a, checks.get(name))
@@ -255,28 +240,68 @@ def to_members(arrays: dict[str, Any], checks: dict[str, tuple]) -> tuple[dict[s
     return members, None
 
 
-def encode_batch(batch: list[Prepared], producers: list[P.Producer], checks: dict[str, tuple],
-                 cfg: PrecomputeConfig, summary: Summary, device: str) -> list[tuple[str, dict | None, tuple | None]]:
-    """Run the producers over the good rows of a batch; return ``(key, members, reject)`` per row,
-    in input order (``members`` maps member names to values as :class:`shards.ShardWriter` takes
-    them). Rows are rejected ``encode_failed`` when a producer fails on one of their items, a value
-    breaks its field's check (e.g. latents non-finite or beyond float16), or a row has an image but
-    the job has no image encoder (``image_encoder: null``)."""
-    timer = P.Timer(device)
-    ok = [p for p in batch if p.error is None and not (p.req.conversation.images and not _has_images(producers))]
-    results: dict[int, dict[str, Any] | Exception] = {id(p): {} for p in ok}
+@dataclass
+class Work:
+    """One encoder batch between :func:`start` and :func:`finish`: the rows, those to encode
+    (``ok``), the host-only producers' results (in producer order) and the encoder thread's future."""
+
+    batch: list[Prepared]
+    ok: list[Prepared]
+    host: list[tuple[P.Producer, list]]
+    future: Future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+def device_work(producers: list[P.Producer], rows: list, timer: P.Timer) -> Callable[[], list]:
+    """Queue the encoder producers' work on ``rows`` (:meth:`precompute.producers.Producer.submit`, in
+    producer order); return the callable that waits for it all and gives ``[(producer, results)]``.
+    Runs on the encoder thread (:class:`precompute.executor.EncoderThread` calls both)."""
+    pending = [(p, p.submit(rows, timer)) for p in producers if not p.host_only]
+    return lambda: [(p, pend.result()) for p, pend in pending]
+
+
+def _encodable(p: Prepared, producers: list[P.Producer]) -> bool:
+    return p.error is None and not (p.req.conversation.images and not any(x.needs_images for x in producers))
+
+
+def start(batch: list[Prepared], producers: list[P.Producer], submit: Callable[..., Future],
+          timer: P.Timer | None = None) -> Work:
+    """Step 1 (module docstring): ``submit(device_work, producers, rows, timer)`` (the encoder thread's
+    ``submit``) for the rows to encode, then the host-only producers here."""
+    ok = [p for p in batch if _encodable(p, producers)]
+    timer = timer or P.Timer()
+    future = submit(device_work, producers, ok, timer)
+    host = [(prod, prod.produce(ok, timer)) for prod in producers if prod.host_only]
+    return Work(batch, ok, host, future)
+
+
+def finish(work: Work, producers: list[P.Producer], checks: dict[str, tuple], sample_rate: int
+           ) -> list[tuple[str, dict | None, tuple | None]]:
+    """Step 3 (module docstring): merge the producers' results (in producer order: a row's first
+    failure is its reason), check and cast each value, build the json member; ``(key, members,
+    reject)`` per row, in the batch's order (``members`` maps member names to values as
+    :class:`shards.ShardWriter` takes them). Rows are rejected ``encode_failed`` when a producer failed
+    on one of their items, a value breaks its field's check (e.g. latents non-finite or beyond
+    float16), or a row has an image but the job has no image encoder (``image_encoder: null``)."""
+    got = dict(work.host + work.future.result())
+    results: dict[int, dict[str, Any] | Exception] = {id(p): {} for p in work.ok}
     for prod in producers:
-        live = [p for p in ok if not isinstance(results[id(p)], Exception)]
-        for p, r in zip(live, prod.produce(live, timer)):
+        for p, r in zip(work.ok, got[prod]):
+            if isinstance(results[id(p)], Exception):
+                continue
             if isinstance(r, Exception):
                 results[id(p)] = r
             else:
+                extra = r.pop(P.JSON, None) if P.JSON in r else None
                 results[id(p)].update(r)
-    summary.encoder_s += timer.seconds
+                if extra:
+                    results[id(p)].setdefault(P.JSON, {}).update(extra)
     frame_rate = next((p.manifest_info().get("frame_rate") for p in producers
                        if isinstance(p, P.CodesProducer) and "audio_segments" in p.outputs), None)
     out = []
-    for p in batch:
+    for p in work.batch:
         key = p.req.key
         if p.error is not None:
             out.append((key, None, (key, p.req.source, p.error[0], p.error[1])))
@@ -294,9 +319,37 @@ def encode_batch(batch: list[Prepared], producers: list[P.Producer], checks: dic
         if why is not None:
             out.append((key, None, (key, p.req.source, schema.ENCODE_FAILED, why)))
             continue
-        out.append((key, {"json": _meta(p, cfg, frame_rate), **members}, None))
+        out.append((key, {"json": _meta(p, sample_rate, frame_rate) | r.get(P.JSON, {}), **members}, None))
     return out
 
 
-def _has_images(producers: list[P.Producer]) -> bool:
-    return any(p.needs_images for p in producers)
+def inline(fn: Callable[..., Callable[[], Any]], *args: Any) -> Future:
+    """Run ``fn(*args)`` and what it returns in this thread: a finished :class:`Future` (the synchronous
+    counterpart of :meth:`precompute.executor.EncoderThread.submit`)."""
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args)())
+    except BaseException as e:  # noqa: BLE001 - re-raised by result()
+        f.set_exception(e)
+    return f
+
+
+def encode_batch(batch: list[Prepared], producers: list[P.Producer], checks: dict[str, tuple], sample_rate: int,
+                 summary: Summary) -> list[tuple[str, dict | None, tuple | None]]:
+    """The three steps of the module docstring in this thread; the encoder work's wall time is added to
+    ``summary.encoder_s``."""
+    timer = P.Timer()
+
+    def timed(fn, *args):
+        t = time.perf_counter()
+        done = fn(*args)
+
+        def wait():
+            try:
+                return done()
+            finally:
+                summary.encoder_s += time.perf_counter() - t
+        return wait
+
+    return finish(start(batch, producers, lambda fn, *a: inline(timed, fn, *a), timer), producers, checks,
+                  sample_rate)

@@ -14,12 +14,21 @@ at a collective (a slow rank delays the job, never crashes it); ``shardcache sha
 shards at any time. ``out_dir`` may be a URL in object storage: chunks are committed in a local
 staging folder and uploaded, index part last (:mod:`precompute.output`).
 
-Overlap. Decoding and resampling run in DataLoader worker processes; the main thread only runs
-encoders (batched, on the device); a writer thread commits shards from a bounded queue. The
-fraction of wall time spent inside encoder calls is reported as ``encoder_busy``. Encoder batches
-are formed by length from a window of decoded rows of one chunk and written back in manifest
-order; ``num_workers: auto`` sizes the decode processes from the first batch's measured rates
-(:mod:`precompute.pipeline`).
+The spine. :meth:`Job.build` is where the config stops: it loads the encoders and reads what
+they declare (:mod:`precompute.encoders.capabilities`: device, batching, asynchronous calls), builds
+the producers, the chat tokens, the audio rates each item is read at, the one picklable
+:class:`precompute.prepare.Preparer` the decode workers run, the value checks and the fingerprint.
+Everything after it (the decode workers, the encoder thread, ``shardcache check``) reads the
+:class:`Job`.
+
+Overlap. Decoding and resampling run in DataLoader worker processes; the encoders run on their own
+thread (:mod:`precompute.executor`; on CUDA its own stream, one wait per batch); the main thread
+receives decoded rows, runs the host-only producers, checks values and builds the json member; a
+writer thread commits shards from a bounded queue. The fraction of wall time spent inside encoder
+calls is reported as ``encoder_busy``, and where the rest went in :meth:`Summary.split`. Encoder
+batches are formed by length from a window of decoded rows of one chunk (when an encoder batches)
+and written back in manifest order; ``num_workers: auto`` sizes the decode processes from the first
+batch's measured rates (:mod:`precompute.pipeline`).
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,20 +57,142 @@ from shards.manifest import TextInfo
 from shards.writer import ShardWriter
 
 from . import chat
+from . import encode as E
 from .config import PrecomputeConfig
 from .conversation import OUTSIDE_ROOT
-from .encode import Pipeline, Summary, load_encoders
+from .encode import Encoders, Summary, load_encoders
+from .encoders import fingerprint
+from .encoders.capabilities import Capabilities
+from .executor import EncoderThread
 from .lock import CacheLock, die_with_parent
 from .manifests import Request, read_requests
 from .output import LocalOutput, open_output
 from .pipeline import EncodeStream, job_workers, preload_decoders
 from .precision import check_precision
 from .rerun import plan_rerun
-from .prepare import PrepareDataset, identity_collate
-from .producers import WaveformProducer
+from .prepare import DecodeOptions, Prepared, PrepareDataset, Preparer, identity_collate
+from .producers import Producer, WaveformProducer
 
 log = logging.getLogger("precompute")
 JOB_FILE = "job.json"
+
+
+#: encoder batches held for length batching, per encoder batch (when an encoder batches)
+WINDOW_BATCHES = 8
+#: encoder batches in flight on the encoder thread while the main thread finishes the last
+DEPTH = 2
+
+
+@dataclass
+class Job:
+    """Everything a stage-one job needs, built once from the config (:meth:`build`): the encoders
+    and what they declare, the resolved chat template and tokens, the producers (and those of
+    ``extra_fields``), the rates each audio item is read at, the one :class:`Preparer` the decode
+    workers run, the value checks and the job's fingerprint. ``shardcache precompute`` runs it over
+    the manifest (:func:`run`); ``shardcache check`` over a few rows to compare with a cache.
+
+    Attributes beyond the names: ``capabilities`` (``{"audio_tokenizer"|"image_encoder":
+    Capabilities}``, declared), ``added`` (tokens the job added to the text tokenizer),
+    ``info`` (what ``manifest.json`` records about the fields), ``describe`` (the encoders'
+    ``describe()`` and the preprocessing: what the fingerprint hashes), ``batch_size`` (rows per
+    encoder batch), ``window`` (rows held to batch by length: ``WINDOW_BATCHES`` batches when an
+    encoder batches, else one batch: rows go on as they come)."""
+
+    cfg: PrecomputeConfig
+    device: str
+    enc: Encoders
+    capabilities: dict[str, Capabilities]
+    template: str
+    tokens: Any
+    added: dict[str, int]
+    producers: list[Producer]
+    extra: dict[str, Producer]
+    rates: tuple[tuple[int, frozenset[str]], ...]
+    preparer: Preparer
+    info: Any
+    checks: dict[str, tuple]
+    fingerprint: str
+    describe: dict[str, Any]
+    sample_rate: int
+    batch_size: int
+    window: int
+
+    @classmethod
+    def build(cls, cfg: PrecomputeConfig, device: str, requests: list | None = None) -> "Job":
+        """Load the encoders on ``device`` and derive the rest (hashes every weight once). With the
+        job's ``requests``, the special tokens their conversations need are checked first (added to
+        the text tokenizer when ``add_missing_tokens``; :func:`precompute.chat.ensure_tokens`), so
+        the fingerprint describes the tokenizer the job renders with."""
+        enc = load_encoders(cfg, device)
+        caps = enc.capabilities
+        template = chat.resolve_template(cfg.chat_template, enc.text)
+        producers, extra = E.job_producers(cfg, enc, template, device)
+        tokens = E.job_tokens(cfg, producers)
+        added: dict[str, int] = {}  # tokens the job needs and the tokenizer lacked
+        convs = [r.conversation for r in requests or [] if r.conversation is not None]
+        if convs:
+            added = chat.ensure_tokens(enc.text, chat.needed_kinds(convs), tokens, cfg.add_missing_tokens)
+            if added:
+                log.info("added %s to the text tokenizer (vocab_size %d): resize the LM's embeddings", added,
+                         enc.text.vocab_size)
+        info = E.job_info(producers, extra, enc.text)
+        encoders = enc.describe()
+        preprocessing = cfg.preprocessing()
+        if extra:  # only when present: caches without extra fields keep their fingerprint
+            preprocessing["extra_fields"] = {name: p.describe() for name, p in extra.items()}
+        rates = E.job_rates(producers)
+        inputs = [p.image_input for p in producers if p.image_input is not None]
+        if len(inputs) > 1:
+            raise ValueError(f"{len(inputs)} producers declare an image_input; the decode workers make one per image")
+        image_multiple = int(enc.image.spatial_factor) if enc.image is not None else 8  # no VAE: images are rejected
+        preparer = Preparer(DecodeOptions.of(cfg), rates, enc.text, template, tokens, image_multiple,
+                            inputs[0] if inputs else None)
+        batched = any(c.batching.batched for c in caps.values())
+        return cls(cfg, device, enc, caps, template, tokens, added, producers, extra, rates, preparer, info,
+                   E.value_checks(producers, info), fingerprint(*encoders.values(), preprocessing=preprocessing),
+                   encoders | {"preprocessing": preprocessing}, int(cfg.sample_rate), int(cfg.encoder_batch_size),
+                   int(cfg.encoder_batch_size) * (WINDOW_BATCHES if batched else 1))
+
+    @property
+    def image_multiple(self) -> int:
+        """Pixels per latent cell of the image encoder (8 without one: images are then rejected anyway)."""
+        return self.preparer.image_multiple
+
+    def prepare(self, req: Any, chunk: int = 0) -> Prepared:
+        """Decode one manifest row (:class:`precompute.prepare.Preparer`)."""
+        return self.preparer(req, chunk)
+
+    def encode(self, batch: list[Prepared], summary: Summary) -> list[tuple[str, dict | None, tuple | None]]:
+        """Encode one batch in this thread (:func:`precompute.encode.encode_batch`)."""
+        return E.encode_batch(batch, self.producers, self.checks, self.sample_rate, summary)
+
+    def start(self, batch: list[Prepared], thread: EncoderThread, summary: Summary) -> "Encoding":
+        """Queue the batch's encoder work on ``thread`` and run its host-only producers here; the
+        :class:`Encoding` finishes it when collected."""
+        t = time.perf_counter()
+        work = E.start(batch, self.producers, thread.submit)
+        summary.host_s += time.perf_counter() - t
+        return Encoding(self, work, summary)
+
+
+class Encoding:
+    """A batch in flight (:meth:`Job.start`): ``done()`` when the encoder thread has finished it,
+    ``result()`` its rows (:func:`precompute.encode.finish`, on the calling thread)."""
+
+    def __init__(self, job: Job, work: E.Work, summary: Summary):
+        self.job, self.work, self.summary = job, work, summary
+
+    def done(self) -> bool:
+        return self.work.done()
+
+    def result(self) -> list[tuple[str, dict | None, tuple | None]]:
+        t = time.perf_counter()
+        self.work.future.result()  # waiting for the encoder thread is collect_wait_s, not host work
+        t1 = time.perf_counter()
+        out = E.finish(self.work, self.job.producers, self.job.checks, self.job.sample_rate)
+        self.summary.collect_wait_s += t1 - t
+        self.summary.host_s += time.perf_counter() - t1
+        return out
 
 
 def row_id(req: Request) -> str:
@@ -69,19 +201,19 @@ def row_id(req: Request) -> str:
     return req.key
 
 
-def precision_check(pipe: Pipeline, requests: list[Request]) -> dict | None:
+def precision_check(job: Job, requests: list[Request]) -> dict | None:
     """Measure half-precision encoders against float32 on the job's first rows (None for float32 and
     for ``precision_samples`` 0).
 
     Raises :class:`precompute.precision.PrecisionMismatch` outside ``cfg.precision_tolerance``.
     """
-    cfg, enc = pipe.cfg, pipe.enc
+    cfg, enc = job.cfg, job.enc
     if cfg.encoder_dtype in ("float32", "fp32"):
         return None
     if cfg.precision_samples == 0:  # e.g. the theworld preset: bfloat16 is the reference there
         log.info("encoder_dtype=%s not measured against float32 (precision_samples 0)", cfg.encoder_dtype)
         return None
-    ref = load_encoders(cfg, pipe.device, dtype="float32")
+    ref = load_encoders(cfg, job.device, dtype="float32")
     # half of the rows with an image where the manifest has them, so both encoders are measured
     n_img = cfg.precision_samples // 2 if any(r.has_image and not r.error for r in requests) else 0
     picked: dict[bool, list] = {True: [], False: []}
@@ -92,7 +224,7 @@ def precision_check(pipe: Pipeline, requests: list[Request]) -> dict | None:
             if all(len(picked[k]) >= quota[k] for k in picked):
                 break
             continue
-        p = pipe.prepare(req)
+        p = job.prepare(req)
         if p.error is None:
             picked[kind].append(p)
     prepared = picked[True] + picked[False]
@@ -143,10 +275,10 @@ def check_root(requests: list[Request], manifest: str | Path, root: str | Path |
 
 
 def check_posterior(image_encoder: Any) -> None:
-    """Raise ``ValueError`` (before anything is written) when ``store_posterior`` cannot be honoured."""
-    why = getattr(image_encoder, "posterior_unsupported", None)
-    if not callable(getattr(image_encoder, "encode_posterior", None)):
-        why = f"{type(image_encoder).__name__} has no encode_posterior() method"
+    """Raise ``ValueError`` (before anything is written) when ``store_posterior`` cannot be honoured:
+    the image encoder does not declare a posterior (:attr:`Capabilities.posterior`)."""
+    from .encoders.capabilities import capabilities_of
+    why = capabilities_of(image_encoder).posterior
     if why:
         raise ValueError(f"store_posterior: true, but the image encoder has no posterior to store: {why}. "
                          "Set store_posterior: false or use the wan image encoder.")
@@ -313,11 +445,11 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns,
                              allow_outside_root=cfg.allow_outside_root)
     check_root(requests, manifest, root)
-    pipe = Pipeline.build(cfg, device, requests)  # tokens the rows need are checked / added first
-    enc, template, fp, describe = pipe.enc, pipe.template, pipe.fingerprint, pipe.describe
+    job = Job.build(cfg, device, requests)  # the config stops here; tokens the rows need are checked / added first
+    enc, template, fp, describe = job.enc, job.template, job.fingerprint, job.describe
     if cfg.store_posterior and enc.image is not None:
         check_posterior(enc.image)
-    precision = precision_check(pipe, requests)
+    precision = precision_check(job, requests)
     if check_fingerprint(out_dir, fp, describe, global_rank):
         output.push_part(JOB_FILE)
     done = committed(out_dir)  # read by every rank before rank 0 deletes stale chunks
@@ -340,15 +472,12 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     t_loop = time.perf_counter()
     writer = _ChunkWriter(output, chunks, summary, bar, {id(r): m for r, m in zip(requests, zip(ids, digests))})
     writer.start()
-    workers = summary.decode_workers = job_workers(cfg.num_workers, device, pipe, [r for r, _ in items],
-                                                   cfg.encoder_batch_size)
+    workers = summary.decode_workers = job_workers(cfg.num_workers, device, job, [r for r, _ in items], job.batch_size)
     preload_decoders()  # before the workers fork: they inherit the decode libraries
-    loader = DataLoader(PrepareDataset(items, cfg, pipe.rates, enc.text, template, pipe.image_multiple,
-                                       pipe.tokens, pipe.source_images),
-                        batch_sampler=chunk_batches([c for _, c in items], cfg.encoder_batch_size), num_workers=workers,
+    loader = DataLoader(PrepareDataset(items, job.preparer),
+                        batch_sampler=chunk_batches([c for _, c in items], job.batch_size), num_workers=workers,
                         collate_fn=identity_collate, prefetch_factor=4 if workers else None,
                         worker_init_fn=functools.partial(die_with_parent, os.getpid()) if workers else None)
-    stream = EncodeStream(lambda rows: pipe.encode(rows, summary), cfg.encoder_batch_size)  # length buckets
 
     def put(done: list) -> None:
         for key, fields, reject in done:
@@ -358,28 +487,42 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
             else:
                 summary.kept += 1
                 summary.audio_seconds += fields["json"]["duration_s"]
+            t = time.perf_counter()
             writer.put((key, fields, reject))
+            summary.writer_wait_s += time.perf_counter() - t
 
+    thread = EncoderThread(device)  # the encoders run here, off the main thread
+    stream = EncodeStream(lambda rows: job.start(rows, thread, summary), job.batch_size, job.window, depth=DEPTH)
     try:
-        with torch.inference_mode():
-            for batch in loader:
-                put(stream.feed(batch))
-                bar.update(len(batch))
-            put(stream.close())
+        batches = iter(loader)
+        while True:
+            t = time.perf_counter()
+            batch = next(batches, None)
+            summary.receive_s += time.perf_counter() - t
+            if batch is None:
+                break
+            put(stream.feed(batch))
+            bar.update(len(batch))
+        put(stream.close())
     finally:
+        thread.close()
         writer.queue.put(None)
         writer.join()
         bar.close()
+        timings = thread.timings
+        summary.encoder_s += timings.busy_s
+        summary.encoder_host_s += timings.host_s
+        summary.encoder_device_s += timings.device_s
     if writer.error is not None:
         raise RuntimeError(f"shard writer failed: {writer.error}") from writer.error
     summary.wall_s = time.perf_counter() - t_loop
     result = None
     if global_rank == 0:  # the other ranks are done; rank 0 merges once every chunk is committed
         output.wait_for_chunks([name for name, _ in plan])
-        man = pipe.info  # the producers' facts (codec sizes, latent channels, extra fields), typed
-        man.fingerprint, man.encoders, man.sample_rate = fp, describe, cfg.sample_rate
-        man.waveforms = {p.field: p.manifest_info() for p in pipe.producers if isinstance(p, WaveformProducer)}
-        man.text = TextInfo.from_dict(chat.describe(template, enc.text, pipe.tokens, pipe.added))
+        man = job.info  # the producers' facts (codec sizes, latent channels, extra fields), typed
+        man.fingerprint, man.encoders, man.sample_rate = fp, describe, job.sample_rate
+        man.waveforms = {p.field: p.manifest_info() for p in job.producers if isinstance(p, WaveformProducer)}
+        man.text = TextInfo.from_dict(chat.describe(template, enc.text, job.tokens, job.added))
         man.text_vocab_size, man.text_pad_id = enc.text.vocab_size, enc.text.pad_id
         man.config, man.source_manifest, man.world_size = to_dict(cfg), str(manifest), world_size
         if precision:

@@ -12,6 +12,9 @@ formed by length, rows written back in manifest order, decode libraries imported
   encoder contract), so the cache is the same as without buckets.
 * :class:`InOrder`: the encoded rows go back into manifest order before the shard writer (the tar
   is a function of the manifest, not of the batching).
+* :class:`EncodeStream`: the two above around an ``encode`` that may return a handle still being
+  worked on (the encoder thread, :mod:`precompute.executor`): up to ``depth`` batches are in
+  flight, so the encoder always has the next batch queued while the main thread finishes the last.
 * :func:`preload_decoders`: imports the decode libraries (librosa/soxr, soundfile, Pillow) and runs
   a first resample in the parent, so the forked decode workers inherit them instead of importing
   them again (1.5 CPU-s per worker for librosa alone, measured in ``make bench``).
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -90,7 +94,7 @@ def job_workers(num_workers: int | str, device: str, pipe: Any, rows: list, batc
     """Decode processes of a job: ``num_workers`` when it is a count; ``auto``: 0 on the CPU (the
     encoders' threads already use every core), else :func:`decode_workers` from this rank's cores
     and the rates :func:`probe_rates` measures on the first ``batch_size`` of ``rows`` (requests)
-    with ``pipe`` (:class:`precompute.encode.Pipeline`)."""
+    with ``pipe`` (:class:`precompute.job.Job`: its ``prepare`` and ``encode``)."""
     from shardcache.workers import cpus_per_rank
 
     from .encode import Summary
@@ -187,19 +191,36 @@ class InOrder:
 class EncodeStream:
     """Decoded rows in, encoded rows out in manifest order: :class:`LengthBatcher` + ``encode`` +
     :class:`InOrder`. ``encode(rows)`` returns one result per row, in order
-    (:meth:`precompute.encode.Pipeline.encode`); ``batches`` records the size of every encoder batch."""
+    (:func:`precompute.encode.encode_batch`), or a handle with ``done()`` and ``result()`` (the list,
+    when ready: :class:`precompute.encode.Work` through the job's ``finish``); at most ``depth`` such
+    batches stay in flight (0: each is collected at once). ``batches`` records the size of every
+    encoder batch; ``waited_s`` the seconds spent blocked on a handle's result."""
 
-    def __init__(self, encode: Callable[[list], list], batch_size: int, window: int | None = None):
+    def __init__(self, encode: Callable[[list], Any], batch_size: int, window: int | None = None,
+                 depth: int = 0):
         self.encode = encode
         self.batcher = LengthBatcher(batch_size, window or 8 * batch_size)
         self.order = InOrder()
         self.batches: list[int] = []
+        self.depth = depth
+        self.in_flight: deque = deque()
+        self.waited_s = 0.0
 
     def _run(self, batches: list[list[tuple[int, Any]]]) -> list[Any]:
-        out = []
         for b in batches:
             self.batches.append(len(b))
-            for (pos, _), r in zip(b, self.encode([p for _, p in b])):
+            self.in_flight.append((b, self.encode([p for _, p in b])))
+        return self._collect(self.depth)
+
+    def _collect(self, keep: int) -> list[Any]:
+        out = []
+        while self.in_flight and (len(self.in_flight) > keep or _ready(self.in_flight[0][1])):
+            b, got = self.in_flight.popleft()
+            if not isinstance(got, list):
+                t = time.perf_counter()
+                got = got.result()
+                self.waited_s += time.perf_counter() - t
+            for (pos, _), r in zip(b, got):
                 out += self.order.push(pos, r)
         return out
 
@@ -209,10 +230,14 @@ class EncodeStream:
 
     def close(self) -> list[Any]:
         """Encode every held row; return the remaining results in order."""
-        out = self._run(self.batcher.flush())
+        out = self._run(self.batcher.flush()) + self._collect(0)
         if self.order.pending:
             raise RuntimeError(f"EncodeStream: {len(self.order.pending)} rows out of order at the end")
         return out
+
+
+def _ready(got: Any) -> bool:
+    return isinstance(got, list) or got.done()
 
 
 __all__ = ["preload_decoders", "decode_workers", "probe_rates", "job_workers", "length_key", "LengthBatcher", "InOrder",

@@ -1,14 +1,22 @@
 """Decode one manifest row (a conversation) into model inputs (runs in DataLoader worker processes).
 
-A :class:`Prepared` holds every audio item's waveform at every needed rate, every image on the
-VAE grid and the rendered ``input_ids``/``labels``, or the reason the row was rejected. Each
-distinct audio file is opened once, whatever number of items (windows) of the conversation use
-it. Decoding never raises for a bad sample: the error travels with the row to the shard's
-rejects part.
+A :class:`Prepared` holds every audio item's waveform at the rates the job reads for it (an item
+gets the rates of the producers that read its direction: the 16 kHz copy a Whisper-style field
+keeps of input items is not made for output items), every image on the VAE grid (and as the
+image features' encoder takes it, :attr:`Prepared.model_images`) and the rendered
+``input_ids``/``labels``, or the reason the row was rejected. Each distinct audio file is opened
+once, whatever number of items (windows) of the conversation use it. Decoding never raises for a
+bad sample: the error travels with the row to the shard's rejects part.
+
+One object decodes: :class:`Preparer`, built once by the job (:meth:`precompute.job.Job.build`)
+from the config's decode options and what the job's producers declare, picklable, called in the
+decode workers (:class:`PrepareDataset`) and wherever else a row is decoded (``shardcache check``,
+the precision check, the worker-count probe).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -29,10 +37,10 @@ class Prepared:
 
     ``audio``: one ``{rate Hz: float32 (n,)}`` per audio item of the conversation (in order);
     ``durations``: seconds per item; ``images``: uint8 ``(H, W, 3)`` per image item on the VAE grid;
-    ``source_images``: uint8 ``(H0, W0, 3)`` per image item at its own size (RGB as ``image_rgb``
-    says, nothing else), only when a producer gives images to a model's own processor
-    (``image_features``);
+    ``model_images``: per image item, what the job's ``image_input`` (a producer's declared image
+    preprocessing: Gemma 3's resize) made of the decoded image, only when a producer declares one;
     ``input_ids``/``labels``: int32 ``(L,)`` (:func:`precompute.chat.render`);
+    ``calls``: codec calls recorded for this row (``shardcache check`` sets them; empty at stage one);
     ``error``: ``(reason, detail)`` when the row is rejected.
     """
 
@@ -42,10 +50,11 @@ class Prepared:
     durations: list[float] = field(default_factory=list)
     orig_sample_rates: list[int] = field(default_factory=list)
     images: list[np.ndarray] = field(default_factory=list)
-    source_images: list[np.ndarray] = field(default_factory=list)
+    model_images: list[np.ndarray] = field(default_factory=list)
     input_ids: np.ndarray | None = None
     labels: np.ndarray | None = None
     error: tuple[str, str] | None = None
+    calls: dict[str, list] = field(default_factory=dict)
 
     @property
     def duration_s(self) -> float:
@@ -61,23 +70,27 @@ class Prepared:
         return self.req.conversation
 
 
-def _decode_audio(req: Request, rates: tuple[int, ...], cfg: PrecomputeConfig, out: Prepared) -> None:
+def _decode_audio(req: Request, rates: tuple[tuple[int, frozenset[str]], ...], cfg: "DecodeOptions",
+                  out: Prepared) -> None:
     items = req.conversation.audio
+    need = [tuple(r for r, dirs in rates if it.direction in dirs) for it in items]  # each item's rates
     by_source: dict[object, list[int]] = {}
     for k, it in enumerate(items):  # one open per distinct file (raw bytes: per item)
         by_source.setdefault(it.source if it.data is None else ("raw", k), []).append(k)
     results: list = [None] * len(items)
     for src, ks in by_source.items():
         first = items[ks[0]]
+        union = tuple(r for r, _ in rates if any(r in need[k] for k in ks))  # one file in both directions: both
         got = load_audio_windows(first.data if first.data is not None else first.source,
-                                 [(items[k].offset_s, items[k].duration_s) for k in ks], rates,
+                                 [(items[k].offset_s, items[k].duration_s) for k in ks], union,
                                  min_duration=cfg.min_duration, max_duration=cfg.max_duration,
                                  silence_rms=cfg.silence_rms)
         for k, r in zip(ks, got):
             if isinstance(r, CorruptSample):
                 raise CorruptSample(r.reason, f"audio item {k}: {r.detail}" if len(items) > 1 else r.detail,
                                     r.source)
-            results[k] = r
+            waves, duration, sr = r
+            results[k] = ({rate: waves[rate] for rate in need[k]}, duration, sr)  # only what is read
         decoded = sum(r[1] for r in results if r is not None)
         if decoded > cfg.max_total_duration_s:  # lengths no header gave: stop at the first file past the cap
             raise _too_large("seconds of audio", round(decoded, 3), cfg.max_total_duration_s, "max_total_duration_s")
@@ -91,7 +104,7 @@ def _too_large(what: str, n: float, cap: float, option: str) -> CorruptSample:
     return CorruptSample(schema.TOO_LARGE, f"{what} {n:g}, more than {option} {cap:g} per sample")
 
 
-def check_caps(conv, cfg: PrecomputeConfig) -> None:
+def check_caps(conv, cfg: "DecodeOptions | PrecomputeConfig") -> None:
     """The caps per sample, before any decoding: ``max_audio_items``, ``max_images`` and
     ``max_total_duration_s`` over what is known of each audio item's length: the duration the row
     gives, else the file's length from its header (:func:`precompute.audio.header_seconds`, read
@@ -121,75 +134,117 @@ def check_caps(conv, cfg: PrecomputeConfig) -> None:
                                  cfg.max_total_duration_s, "max_total_duration_s")
 
 
-def prepare(req: Request, chunk: int, cfg: PrecomputeConfig, rates: tuple[int, ...], text_tokenizer,
-            template: str = "llama3", image_multiple: int = 8, tokens: "chat.ChatTokens | None" = None,
-            source_images: bool = False) -> Prepared:
-    """Decode ``req``; a :class:`CorruptSample` (or any decoder crash) becomes ``Prepared.error``.
+@dataclass(frozen=True)
+class DecodeOptions:
+    """The config's options that decoding reads (see :class:`precompute.config.PrecomputeConfig` for
+    each): duration bounds and silence, the image policy and guards, the per-sample caps, the label policy."""
 
-    The caps per sample (``max_audio_items``, ``max_images``, ``max_total_duration_s``,
-    ``max_text_tokens``) reject a row as ``too_large``: counts and seconds before any decoding
-    (:func:`check_caps`: seconds from the row and the files' headers; seconds no header gives as
-    each file is decoded), tokens after rendering the conversation. ``tokens``: the job's
-    :class:`precompute.chat.ChatTokens` (default: from ``cfg``; the job's carry Gemma 3's image
-    sequence when ``image_features`` is set); ``source_images``: keep each decoded image at its own
-    size too (``Prepared.source_images``)."""
-    out = Prepared(req=req, chunk=chunk)
-    if req.error:
-        out.error = req.error
+    min_duration: float
+    max_duration: float
+    silence_rms: float | None
+    image_size: int
+    image_resize: str
+    image_rgb: str
+    max_image_pixels: int
+    min_image_side: int
+    max_text_tokens: int
+    max_audio_items: int
+    max_total_duration_s: float
+    max_images: int
+    label_policy: str
+
+    @classmethod
+    def of(cls, cfg: PrecomputeConfig) -> "DecodeOptions":
+        """The decode options of ``cfg`` (a field here for each option of the same name there)."""
+        values = vars(cfg)
+        return cls(**{f.name: values[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class Preparer:
+    """Decodes manifest rows for one job: ``preparer(req, chunk) -> Prepared`` (see :meth:`__call__`).
+
+    Built once per job (:meth:`precompute.job.Job.build`) and picklable (decode workers).
+
+    Attributes:
+        options: :class:`DecodeOptions`.
+        rates: ``((rate Hz, directions), ...)``: each rate the job's producers read and the audio items
+            (by direction) they read it of, in the order the producers run.
+        text: the text tokenizer; ``template``: the resolved chat template; ``tokens``: the
+            :class:`precompute.chat.ChatTokens` (the job's: Gemma 3's image sequence when
+            ``image_features`` is set).
+        image_multiple: pixels per latent cell of the VAE (images are sized to a multiple of it).
+        image_input: a producer's declared image preprocessing (``uint8 (H, W, 3) -> array``, Gemma 3's
+            resize) run on each decoded image into :attr:`Prepared.model_images`, or None.
+    """
+
+    options: DecodeOptions
+    rates: tuple[tuple[int, frozenset[str]], ...]
+    text: Any
+    template: str = "llama3"
+    tokens: "chat.ChatTokens | None" = None
+    image_multiple: int = 8
+    image_input: Callable[[np.ndarray], Any] | None = None
+
+    def __call__(self, req: Request, chunk: int = 0) -> Prepared:
+        """Decode ``req``; a :class:`CorruptSample` (or any decoder crash) becomes ``Prepared.error``.
+
+        The caps per sample (``max_audio_items``, ``max_images``, ``max_total_duration_s``,
+        ``max_text_tokens``) reject a row as ``too_large``: counts and seconds before any decoding
+        (:func:`check_caps`: seconds from the row and the files' headers; seconds no header gives as
+        each file is decoded), tokens after rendering the conversation."""
+        cfg = self.options
+        out = Prepared(req=req, chunk=chunk)
+        if req.error:
+            out.error = req.error
+            return out
+        conv = req.conversation
+        stage = schema.ENCODE_FAILED  # reason for an unexpected crash, by the step that crashed
+        try:
+            check_caps(conv, cfg)
+            # rendered first: a row without targets (no_targets) or past max_text_tokens is rejected before decoding
+            out.input_ids, out.labels = chat.render(conv, self.text, self.template, self.tokens or chat.ChatTokens(),
+                                                    cfg.label_policy)
+            if len(out.input_ids) > cfg.max_text_tokens:
+                raise _too_large("text tokens", len(out.input_ids), cfg.max_text_tokens, "max_text_tokens")
+            stage = schema.UNREADABLE_AUDIO
+            if conv.audio:
+                _decode_audio(req, self.rates, cfg, out)
+                if out.duration_s > cfg.max_total_duration_s:
+                    raise _too_large("seconds of audio", round(out.duration_s, 3), cfg.max_total_duration_s,
+                                     "max_total_duration_s")
+            stage = schema.IMAGE_UNREADABLE
+            for im in conv.images:
+                decoded = decode_image(im.source, max_pixels=cfg.max_image_pixels, min_side=cfg.min_image_side,
+                                       rgb=cfg.image_rgb)  # once, for the VAE grid and the model's processor
+                out.images.append(load_image(im.source, cfg.image_size, mode=cfg.image_resize,
+                                             multiple=self.image_multiple, max_pixels=cfg.max_image_pixels,
+                                             min_side=cfg.min_image_side, rgb=cfg.image_rgb, decoded=decoded))
+                if self.image_input is not None:
+                    out.model_images.append(self.image_input(np.asarray(decoded, dtype=np.uint8)))
+            if len({a.shape for a in out.images}) > 1:
+                raise CorruptSample(schema.MALFORMED_ROW, f"{len(out.images)} images of different sizes in one "
+                                    "conversation (image_resize: bucket); use center_crop or pad", conv.images[0].source)
+        except CorruptSample as e:
+            out.error = (e.reason, e.detail)
+            out.audio, out.images, out.model_images, out.input_ids, out.labels = [], [], [], None, None
+        except Exception as e:  # a decoder bug must cost one sample, not the job
+            out.error = (stage, f"{type(e).__name__}: {e}")
+            out.audio, out.images, out.model_images, out.input_ids, out.labels = [], [], [], None, None
         return out
-    conv = req.conversation
-    stage = schema.ENCODE_FAILED  # reason for an unexpected crash, by the step that crashed
-    try:
-        check_caps(conv, cfg)
-        # rendered first: a row without targets (no_targets) or past max_text_tokens is rejected before decoding
-        out.input_ids, out.labels = chat.render(conv, text_tokenizer, template, tokens or chat.ChatTokens.of(cfg),
-                                                cfg.label_policy)
-        if len(out.input_ids) > cfg.max_text_tokens:
-            raise _too_large("text tokens", len(out.input_ids), cfg.max_text_tokens, "max_text_tokens")
-        stage = schema.UNREADABLE_AUDIO
-        if conv.audio:
-            _decode_audio(req, rates, cfg, out)
-            if out.duration_s > cfg.max_total_duration_s:
-                raise _too_large("seconds of audio", round(out.duration_s, 3), cfg.max_total_duration_s,
-                                 "max_total_duration_s")
-        stage = schema.IMAGE_UNREADABLE
-        for im in conv.images:
-            decoded = decode_image(im.source, max_pixels=cfg.max_image_pixels, min_side=cfg.min_image_side,
-                                   rgb=cfg.image_rgb)  # once, for the VAE grid and the model's processor
-            out.images.append(load_image(im.source, cfg.image_size, mode=cfg.image_resize, multiple=image_multiple,
-                                         max_pixels=cfg.max_image_pixels, min_side=cfg.min_image_side,
-                                         rgb=cfg.image_rgb, decoded=decoded))
-            if source_images:
-                out.source_images.append(np.array(decoded, dtype=np.uint8))
-        if len({a.shape for a in out.images}) > 1:
-            raise CorruptSample(schema.MALFORMED_ROW, f"{len(out.images)} images of different sizes in one "
-                                "conversation (image_resize: bucket); use center_crop or pad", conv.images[0].source)
-    except CorruptSample as e:
-        out.error = (e.reason, e.detail)
-        out.audio, out.images, out.source_images, out.input_ids, out.labels = [], [], [], None, None
-    except Exception as e:  # a decoder bug must cost one sample, not the job
-        out.error = (stage, f"{type(e).__name__}: {e}")
-        out.audio, out.images, out.source_images, out.input_ids, out.labels = [], [], [], None, None
-    return out
 
 
 class PrepareDataset(Dataset):
     """Map-style dataset over ``[(request, chunk)]`` returning :class:`Prepared` (use ``collate_fn=list``)."""
 
-    def __init__(self, items: list[tuple[Request, int]], cfg: PrecomputeConfig, rates: tuple[int, ...],
-                 text_tokenizer, template: str = "llama3", image_multiple: int = 8, tokens=None,
-                 source_images: bool = False):
-        self.items, self.cfg, self.rates = items, cfg, rates
-        self.text_tokenizer, self.template, self.image_multiple = text_tokenizer, template, image_multiple
-        self.tokens, self.source_images = tokens, source_images
+    def __init__(self, items: list[tuple[Request, int]], preparer: Preparer):
+        self.items, self.preparer = items, preparer
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> Prepared:
-        req, chunk = self.items[i]
-        return prepare(req, chunk, self.cfg, self.rates, self.text_tokenizer, self.template, self.image_multiple,
-                       self.tokens, self.source_images)
+        return self.preparer(*self.items[i])
 
 
 def identity_collate(batch: list[Prepared]) -> list[Prepared]:

@@ -3,7 +3,8 @@
 A copy from pageable memory makes the CUDA driver stage it through its own pinned buffer first and
 blocks the host thread until it is done; from pinned memory it is one DMA that returns at once
 (``non_blocking``), ordered before the encoder's kernels on the same stream, so the host goes on
-preparing the next batch while the copy runs.
+preparing the next batch while the copy runs. Outputs come back the same way (:func:`to_host`): one
+non-blocking copy into pinned memory per call, and one wait per encoder batch.
 """
 from __future__ import annotations
 
@@ -27,4 +28,16 @@ def to_device(array: np.ndarray, device: Any, dtype: Any = None):
     return x if dtype is None else x.to(dtype)
 
 
-__all__ = ["to_device"]
+def to_host(tensor):
+    """``tensor`` on the host: on CUDA a non-blocking copy into pinned memory (valid once the stream has
+    reached it: wait on an event recorded after it, :class:`precompute.encoders.capabilities.Pending`),
+    elsewhere the tensor itself (detached)."""
+    import torch
+    if tensor.device.type != "cuda":
+        return tensor.detach()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+__all__ = ["to_device", "to_host"]

@@ -116,13 +116,22 @@ def _shards(cache: Path) -> dict[str, bytes]:
 
 
 def test_bucketed_job_writes_the_same_cache_as_unbucketed(tiny_config, tmp_path, monkeypatch):
-    """The real job with the tiny DAC codec over the demo's clips of different lengths: encoder
-    batches of 2 formed from windows of 16 rows vs in manifest order, byte-identical shards."""
+    """The real job with the tiny DAC codec and Wan VAE (the VAE batches, so the job holds a window of
+    rows) over the demo's clips of different lengths: encoder batches of 2 formed from windows of 16
+    rows vs in manifest order (a window of one batch). Every sample, key and byte of codes, ids and
+    waveforms is the same; the latents of a VAE call differ with its companions only by float
+    rounding (measured on this CPU: up to 2 float16 steps), well within ``shardcache check``'s
+    tolerance."""
     import precompute.job as job
+    from shards import ShardReader
     cfg = dataclasses.replace(tiny_config, encoder_batch_size=2, samples_per_shard=24)
-    batch_sizes = []
+    batch_sizes, windows = [], []
 
     class Recording(EncodeStream):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            windows.append(self.batcher.window)
+
         def close(self):
             out = super().close()
             batch_sizes.extend(self.batches)
@@ -130,11 +139,23 @@ def test_bucketed_job_writes_the_same_cache_as_unbucketed(tiny_config, tmp_path,
 
     monkeypatch.setattr(job, "EncodeStream", Recording)
     job.run(DEMO, tmp_path / "bucketed", cfg, progress=False)
-    monkeypatch.setattr(job, "EncodeStream", functools.partial(EncodeStream, window=2))
+    monkeypatch.setattr(job, "WINDOW_BATCHES", 1)
     job.run(DEMO, tmp_path / "plain", cfg, progress=False)
-    a, b = _shards(tmp_path / "bucketed"), _shards(tmp_path / "plain")
-    assert a and a == b
+    assert windows == [16, 2]
     assert batch_sizes and all(n == 2 for n in batch_sizes[:-1])
+    a, b = ShardReader(tmp_path / "bucketed"), ShardReader(tmp_path / "plain")
+    assert a.keys == b.keys and len(a.keys) > 10
+    for i, key in enumerate(a.keys):
+        x, y = a.get(i), b.get(i)
+        assert x.keys() == y.keys()
+        for name in x:
+            if name == "latents":
+                err = np.linalg.norm(x[name] - y[name]) / np.linalg.norm(y[name])
+                assert err < 1e-3, (key, err)
+            elif isinstance(x[name], np.ndarray):
+                np.testing.assert_array_equal(x[name], y[name], err_msg=f"{key} {name}")
+            else:
+                assert x[name] == y[name], (key, name)
 
 
 def test_preloaded_decoders_leave_nothing_to_import_in_a_forked_worker():

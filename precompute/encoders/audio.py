@@ -28,11 +28,14 @@ Batched vs one-by-one (the measurements: docs/benchmarks.md):
 
 Therefore :meth:`encode` encodes clip by clip by default (``max_batch_size=1``): the codes of a clip
 are a function of the clip and the weights only, never of the other clips in the call or of how a
-job was split into calls. ``max_batch_size > 1`` (for GPUs, where batching pays) batches only clips
-of equal frame count, each padded to its own ``frames * hop_length``, so there is never cross-clip
-padding and the receptive-field effect above cannot occur; results then equal one-by-one up to the
-float near-tie flips described above (a rerun or ``shardcache check`` then sees a few codes differ).
-Feed clips of similar length together (sort a shard's clips by length) to get full batches.
+job was split into calls. ``max_batch_size > 1`` (for GPUs, where batching pays) makes fixed-shape
+calls (:mod:`precompute.encoders.batching`): ``max_batch_size`` clips x a length bucket
+(``bucket_s``; 0 = clips of equal frame count only, each padded to its own ``frames * hop_length``),
+zero slots where no clip is. A clip's codes are then a function of the clip, its place in the call
+and the call's shape: stage one records place and shape per clip and ``shardcache check`` rebuilds
+that call (:meth:`HFCodecTokenizer.encode_placed`). With ``bucket_s > 0`` a clip is zero-padded to
+its bucket, so DAC's last frames see that padding (the receptive-field effect above): the trade
+the option's help names. The policy is part of the codec's identity (``describe()["batching"]``).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from ..transfer import to_device
+from ..transfer import to_device, to_host
 from ._common import (
     clean_config,
     load_error,
@@ -50,6 +53,8 @@ from ._common import (
     resolve_pretrained,
     state_dict_sha256,
 )
+from .batching import BatchPolicy, Call, plan_calls
+from .capabilities import Capabilities, Declares, Pending
 
 #: bump when the canonical encoding above changes, so fingerprints of old caches stop matching
 ENCODE_VERSION = 1
@@ -76,6 +81,12 @@ def _check_waveform(i: int, w: Any) -> np.ndarray:
         if peak > PEAK_LIMIT:
             raise ValueError(f"waveform {i}: peak amplitude {peak:.4g} > {PEAK_LIMIT}; expected samples in [-1, 1]")
     return a
+
+
+def _length(w: Any) -> int:
+    """Samples of a clip that failed its checks (its place in a call is kept: a zero slot)."""
+    shape = np.shape(w)
+    return int(shape[0]) if len(shape) else 0
 
 
 def plan_batches(
@@ -109,8 +120,8 @@ def plan_batches(
     return plan
 
 
-class HFCodecTokenizer:
-    """Shared machinery of the transformers codec wrappers (input checks, grouping, describe).
+class HFCodecTokenizer(Declares):
+    """Shared machinery of the transformers codec wrappers (input checks, calls, describe).
 
     Subclasses set ``name``, ``_model_class()`` and ``_encode_batch`` and fill ``sample_rate``,
     ``hop_length``, ``n_codebooks`` and ``codebook_size`` in ``__init__``.
@@ -119,16 +130,19 @@ class HFCodecTokenizer:
         model: the loaded transformers model (moved to ``device``/``dtype``, put in eval mode, frozen).
         device: torch device for the model and inputs (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
         dtype: model dtype; float32 by default. float16 needs CUDA; bfloat16 is accepted on CPU.
-        max_batch_size: at most this many clips per forward pass; 1 (default) = one-by-one, exact by
-            construction on every device. Larger values batch clips of equal frame count (see the
-            module doc: faster on a GPU, codes then differ from one-by-one in near ties).
-        max_batch_samples: at most this many (padded) samples per forward pass; bounds memory for long
+        max_batch_size: clips per call; 1 (default) = clip by clip, codes a function of the clip
+            alone on every device. Larger values make fixed-shape calls of ``max_batch_size`` clips x
+            a length bucket (:mod:`precompute.encoders.batching`): faster on a GPU; a clip's codes
+            are then a function of its place in the call and the call's shape (recorded in the
+            cache), and differ from clip by clip in near ties.
+        max_batch_samples: at most this many (padded) samples per call; bounds memory for long
             clips (a clip longer than this is still encoded, alone).
+        bucket_s: seconds per length bucket of batched calls (0: clips of equal length only).
     """
 
     name = "codec"
     #: option names accepted by the registry besides ``name``/``pretrained``
-    OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples")
+    OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples", "bucket_s")
     #: clips are zero-padded to a multiple of ``hop_length`` (the canonical encoding above); False:
     #: encoded as they are, and the model says how many frames (:class:`HiggsTokenizer`)
     PADS_TO_HOP = True
@@ -146,6 +160,7 @@ class HFCodecTokenizer:
         dtype: Any = None,
         max_batch_size: int = 1,
         max_batch_samples: int = 24_000 * 240,
+        bucket_s: float = 0.0,
     ) -> None:
         import torch
 
@@ -157,6 +172,7 @@ class HFCodecTokenizer:
             raise ValueError(f"{type(self).__name__}: float16 needs CUDA; use float32 or bfloat16 on CPU")
         if int(max_batch_size) < 1 or int(max_batch_samples) < 1:
             raise ValueError("max_batch_size and max_batch_samples must be >= 1")
+        self.batch_policy = BatchPolicy(int(max_batch_size), float(bucket_s))
         self.max_batch_size = int(max_batch_size)
         self.max_batch_samples = int(max_batch_samples)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -169,7 +185,7 @@ class HFCodecTokenizer:
         raise NotImplementedError
 
     def _encode_batch(self, x):  # pragma: no cover - abstract
-        """``x``: float ``(B, 1, frames * hop_length)`` on the model's device/dtype -> long ``(B, n_q, frames)``."""
+        """``x``: float ``(B, 1, T)`` on the model's device/dtype -> long ``(B, n_q, frames(T))``."""
         raise NotImplementedError
 
     def _extra_describe(self) -> dict:
@@ -203,50 +219,130 @@ class HFCodecTokenizer:
         """Frames per second, ``sample_rate / hop_length``."""
         return self.sample_rate / self.hop_length
 
-    def encode(self, waveforms: Iterable[np.ndarray]) -> list[np.ndarray]:
-        """Encode mono float32 clips at ``sample_rate`` Hz into int16 ``(n_codebooks, ceil(n / hop_length))`` codes
-        (:class:`HiggsTokenizer`: the frames its model gives for the unpadded clip).
+    @property
+    def capabilities(self) -> Capabilities:
+        """On its device, asynchronous (:meth:`submit`), batching by :attr:`batch_policy`."""
+        return Capabilities(device=str(self.device), batching=self.batch_policy, asynchronous=True,
+                            posterior="a codec has no posterior")
 
-        With ``max_batch_size=1`` (default) every clip is encoded alone; otherwise clips of equal frame
-        count are batched, never padded to each other's length (see module doc). Output order is input order.
+    def frames(self, n: int) -> int:
+        """Code frames of a clip of ``n`` samples: ``ceil(n / hop_length)`` (:class:`HiggsTokenizer`: its model's count)."""
+        return -(-int(n) // self.hop_length)
+
+    def canonical_length(self, n: int) -> int:
+        """The samples a clip of ``n`` is encoded at alone: ``frames(n) * hop_length`` (:class:`HiggsTokenizer`: ``n``)."""
+        return self.frames(n) * self.hop_length if self.PADS_TO_HOP else int(n)
+
+    def plan(self, lengths: list[int]) -> list[Call]:
+        """The calls that encode clips of ``lengths`` samples (:func:`precompute.encoders.batching.plan_calls`
+        with this codec's policy, hop-rounded bucket and ``max_batch_samples``)."""
+        hops = round(self.batch_policy.bucket_s * self.sample_rate / self.hop_length)
+        step = max(1, hops) * self.hop_length if self.batch_policy.bucket_s > 0 else 0
+        return plan_calls(lengths, self.canonical_length, self.batch_policy, step, self.max_batch_samples)
+
+    def encode(self, waveforms: Iterable[np.ndarray]) -> list[np.ndarray]:
+        """Encode mono float32 clips at ``sample_rate`` Hz into int16 ``(n_codebooks, frames(n))`` codes:
+        ``ceil(n / hop_length)`` frames (:class:`HiggsTokenizer`: the frames its model gives for the clip).
+
+        Clip by clip by default; with ``max_batch_size > 1`` in the fixed-shape calls of :meth:`plan`.
+        Output order is input order.
 
         Raises:
             TypeError: ``waveforms`` is a single array instead of a list of arrays.
             ValueError: a clip is not 1-D, not floating point, not finite, or has peak > ``PEAK_LIMIT``.
             RuntimeError: the model returned an unexpected code shape (config/hop mismatch).
         """
+        got = self.submit(waveforms).result()
+        bad = next((g for g in got if isinstance(g, Exception)), None)
+        if bad is not None:
+            raise bad
+        return got
+
+    def encode_placed(self, waveform: np.ndarray, size: int, length: int, place: int) -> np.ndarray:
+        """The codes of one clip encoded at ``place`` of a call of ``size`` clips x ``length`` samples, the other
+        places zero slots: how ``shardcache check`` rebuilds a batched clip's recorded call. Raises as :meth:`encode`."""
+        got = self.submit([waveform], [Call.alone(int(size), int(length), int(place))]).result()[0]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def submit(self, waveforms: Iterable[np.ndarray], calls: list[Call] | None = None) -> Pending:
+        """Queue the calls that encode ``waveforms`` (default :meth:`plan`); ``result()`` is one int16 codes
+        array or one exception per clip, in input order: an invalid clip (see :meth:`encode`) is a zero
+        slot of its call and gets its ``ValueError``; a call the model fails is run again one clip at a
+        time at the same places (zero slots elsewhere), so a failure costs only its own clip.
+
+        On CUDA the calls' inputs go from pinned memory, their codes come back with one non-blocking
+        copy each into pinned memory, and ``result()`` waits once (one event) for all of them.
+        """
         import torch
 
         if isinstance(waveforms, np.ndarray) or isinstance(waveforms, torch.Tensor):
             raise TypeError("encode() takes a list of 1-D arrays, not a single array; wrap it: encode([x])")
-        clips = [_check_waveform(i, w) for i, w in enumerate(waveforms)]
-        # unpadded codecs (PADS_TO_HOP False) batch clips of exactly equal length: group by samples
-        hop = self.hop_length if self.PADS_TO_HOP else 1
-        out: list[np.ndarray | None] = [None] * len(clips)
+        clips: list[np.ndarray | Exception] = []
+        for i, w in enumerate(waveforms):
+            try:
+                clips.append(_check_waveform(i, w))
+            except ValueError as e:
+                clips.append(e)
+        lengths = [c.size if isinstance(c, np.ndarray) else max(1, _length(w)) for c, w in zip(clips, waveforms)]
+        out: list[Any] = [c if isinstance(c, Exception) else None for c in clips]
         for i, c in enumerate(clips):
-            if c.size == 0:
+            if isinstance(c, np.ndarray) and c.size == 0:
                 out[i] = np.zeros((self.n_codebooks, 0), dtype=np.int16)
-        plan = plan_batches([c.size for c in clips], hop, self.max_batch_size, self.max_batch_samples)
-        for frames, idxs in plan:
-            x = np.zeros((len(idxs), 1, frames * hop), dtype=np.float32)
-            for row, i in enumerate(idxs):
-                x[row, 0, : clips[i].size] = clips[i]
-            with torch.inference_mode():
-                xt = to_device(x, self.device, self.dtype)  # pinned + non-blocking on CUDA
-                codes = self._encode_batch(xt)
-            expected = (len(idxs), self.n_codebooks, frames if self.PADS_TO_HOP else codes.shape[-1])
-            if tuple(codes.shape) != expected:
-                raise RuntimeError(
-                    f"{type(self).__name__}: model returned codes of shape {tuple(codes.shape)} for input "
-                    f"{tuple(x.shape)}, expected {expected} (hop_length={hop}); the checkpoint's config "
-                    "does not match this wrapper"
-                )
-            codes = codes.to("cpu").numpy()
-            if codes.size and (codes.min() < 0 or codes.max() >= self.codebook_size):
-                raise RuntimeError(f"{type(self).__name__}: codes outside [0, {self.codebook_size})")
-            for row, i in enumerate(idxs):
-                out[i] = codes[row].astype(np.int16)
-        return out  # type: ignore[return-value]
+        launched = []
+        for call in (calls if calls is not None else self.plan(lengths)):
+            live = [p for p, i in enumerate(call.places) if i >= 0 and isinstance(clips[i], np.ndarray)]
+            try:
+                launched.append((call, live, self._launch(call, [(p, clips[call.places[p]]) for p in live])))
+            except Exception:  # noqa: BLE001 - the call again, one clip at a time at its place
+                for p in live:
+                    try:
+                        launched.append((call, [p], self._launch(call, [(p, clips[call.places[p]])])))
+                    except Exception as e:  # noqa: BLE001 - travels with its clip
+                        out[call.places[p]] = e
+        wait = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            wait = event.synchronize
+
+        def finish() -> list:
+            for call, live, host in launched:
+                codes = host.numpy()
+                if codes.size and (codes.min() < 0 or codes.max() >= self.codebook_size):
+                    err = RuntimeError(f"{type(self).__name__}: codes outside [0, {self.codebook_size})")
+                    for p in live:
+                        out[call.places[p]] = err
+                    continue
+                for p in live:
+                    i = call.places[p]
+                    n = clips[i].size
+                    keep = codes.shape[-1] if call.length == self.canonical_length(n) else self.frames(n)
+                    out[i] = codes[p, :, :keep].astype(np.int16)
+            return out
+
+        return Pending(finish, wait)
+
+    def _launch(self, call: Call, clips: list[tuple[int, np.ndarray]]):
+        """Queue one call (zero padding, zero slots) on the device; its codes ``(size, n_q, frames)`` in host
+        memory once the device is done (pinned and copied without blocking on CUDA)."""
+        import torch
+
+        x = np.zeros((call.size, 1, call.length), dtype=np.float32)
+        for p, c in clips:
+            x[p, 0, : c.size] = c
+        with torch.inference_mode():
+            xt = to_device(x, self.device, self.dtype)  # pinned + non-blocking on CUDA
+            codes = self._encode_batch(xt)
+        expected = (call.size, self.n_codebooks, self.frames(call.length))
+        if tuple(codes.shape) != expected:
+            raise RuntimeError(
+                f"{type(self).__name__}: model returned codes of shape {tuple(codes.shape)} for input "
+                f"{tuple(x.shape)}, expected {expected} (hop_length={self.hop_length}); the checkpoint's config "
+                "does not match this wrapper"
+            )
+        return to_host(codes)
 
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256`` plus the code contract and ``encode_version``.
@@ -268,6 +364,8 @@ class HFCodecTokenizer:
             "encode_version": ENCODE_VERSION,
         }
         d.update(self._extra_describe())
+        if self.batch_policy.batched:  # a batched clip's codes depend on its place and the call's shape
+            d["batching"] = self.batch_policy.describe()
         return d
 
     def __repr__(self) -> str:
@@ -509,6 +607,20 @@ class HiggsTokenizer(HFCodecTokenizer):
 
     def _encode_batch(self, x):
         return self.model.encode(x, bandwidth=self.bandwidth).audio_codes
+
+    def frames(self, n: int) -> int:
+        """The frames the model gives for a clip of ``n`` samples, by its own length arithmetic: its semantic
+        branch's (the input resampled to ``semantic_sample_rate``, ``ceil(n * semantic / rate)`` samples as
+        torchaudio's ``resample`` and the soxr stand-in give, padded by 160 on each side, through the
+        HuBERT feature extractor's convolutions, every ``semantic_downsample_factor``-th frame kept); the
+        acoustic branch is padded to match it."""
+        import torch
+
+        cfg = self.model.config
+        m = int(n) if cfg.sample_rate == cfg.semantic_sample_rate else \
+            -(-int(n) * int(cfg.semantic_sample_rate) // int(cfg.sample_rate))
+        length = int(self.model.semantic_model._get_feat_extract_output_lengths(torch.tensor(m + 320)))
+        return -(-length // int(cfg.semantic_downsample_factor))
 
     def _extra_describe(self) -> dict:
         out = {"bandwidth": self.bandwidth, "padding": "none: each clip as it is (HiggsAudioV2Processor's encoding)"}

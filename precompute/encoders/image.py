@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..transfer import to_device
+from ..transfer import to_device, to_host
 from ._common import (
     clean_config,
     load_error,
@@ -38,6 +38,8 @@ from ._common import (
     resolve_pretrained,
     state_dict_sha256,
 )
+from .batching import BatchPolicy
+from .capabilities import Capabilities, Declares, Pending
 
 #: bump when the pipeline above changes, so fingerprints of old caches stop matching
 ENCODE_VERSION = 1
@@ -45,7 +47,7 @@ ENCODE_VERSION = 1
 PIXEL_RANGES: dict[str, tuple[float, float]] = {"-1..1": (-1.0, 1.0), "0..255": (0.0, 255.0)}
 
 
-class DiffusersVAEEncoder:
+class DiffusersVAEEncoder(Declares):
     """Shared machinery of the diffusers VAE wrappers.
 
     Args:
@@ -158,6 +160,17 @@ class DiffusersVAEEncoder:
         return obj
 
     # -- the protocol -------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        """On its device, asynchronous (:meth:`submit`); calls of up to ``max_batch_size`` images of one
+        shape (latents then differ from one image per call by float rounding only, within ``shardcache
+        check``'s tolerance); the posterior where ``latent_dist`` has one; the latents' facts
+        (:func:`precompute.producers.latents_info`)."""
+        return Capabilities(device=str(self.device), batching=BatchPolicy(self.max_batch_size), asynchronous=True,
+                            posterior=self.posterior_unsupported,
+                            latents={"input_range": list(self.input_range), "dtype": str(self.dtype).replace("torch.", ""),
+                                     **self.latent_stats()})
+
     def encode(self, images: np.ndarray) -> np.ndarray:
         """Encode uint8 RGB ``(B, H, W, 3)`` into float32 ``(B, latent_channels, 1, H/f, W/f)``, f = spatial_factor.
 
@@ -183,7 +196,15 @@ class DiffusersVAEEncoder:
 
     def _encode(self, images: np.ndarray, posterior: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """``(mode or mean, logvar or None)`` as float32 ``(B, C, 1, H/f, W/f)`` arrays."""
+        return self.submit(images, posterior).result()
+
+    def submit(self, images: np.ndarray, posterior: bool = False) -> Pending:
+        """Queue the calls that encode ``images`` (as :meth:`encode`; ``posterior``: as :meth:`encode_posterior`);
+        ``result()`` gives ``(latents, logvar or None)``. On CUDA the inputs go from pinned memory, each
+        call's latents come back with one non-blocking copy into pinned memory, and ``result()`` waits
+        once. Raises as :meth:`encode` (input checks at once; the latents' shape when queued)."""
         import torch
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         a = np.asarray(images)
         if a.dtype != np.uint8:
@@ -195,8 +216,7 @@ class DiffusersVAEEncoder:
         if h == 0 or w == 0 or h % f or w % f:
             raise ValueError(f"image size {h}x{w} must be a positive multiple of {f} (crop or resize first)")
         out_shape = (self.latent_channels, 1, h // f, w // f)
-        out = np.empty((b, *out_shape), dtype=np.float32)
-        out_lv = np.empty((b, *out_shape), dtype=np.float32) if posterior else None
+        parts = []
         for start in range(0, b, self.max_batch_size):
             chunk = np.ascontiguousarray(a[start : start + self.max_batch_size])
             with torch.inference_mode():
@@ -204,7 +224,7 @@ class DiffusersVAEEncoder:
                 x = self._to_range(x.permute(0, 3, 1, 2).to(torch.float32))
                 x = x.unsqueeze(2).to(self.dtype).contiguous()  # (b, 3, 1, H, W)
                 dist = self.vae.encode(x).latent_dist
-                if posterior and not (hasattr(dist, "mean") and hasattr(dist, "logvar")):
+                if posterior and not isinstance(dist, DiagonalGaussianDistribution):
                     name = type(dist).__name__
                     raise ValueError(f"{type(self).__name__}: latent_dist {name} has no mean/logvar")
                 z = dist.mean if posterior else dist.mode()
@@ -216,13 +236,30 @@ class DiffusersVAEEncoder:
                 z = z.to(torch.float32)
                 if self.normalize:
                     z = (z - self._mean) / self._std
-                out[start : start + len(chunk)] = z.to("cpu").numpy()
+                lv = None
                 if posterior:
                     lv = dist.logvar.to(torch.float32)
                     if self.normalize:
                         lv = lv - self._logvar_shift
-                    out_lv[start : start + len(chunk)] = lv.to("cpu").numpy()
-        return out, out_lv
+                    lv = to_host(lv)
+                parts.append((to_host(z), lv))
+        wait = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            wait = event.synchronize
+
+        def finish() -> tuple[np.ndarray, np.ndarray | None]:
+            out = np.empty((b, *out_shape), dtype=np.float32)
+            out_lv = np.empty((b, *out_shape), dtype=np.float32) if posterior else None
+            for k, (z, lv) in enumerate(parts):
+                start = k * self.max_batch_size
+                out[start : start + len(z)] = z.numpy()
+                if posterior:
+                    out_lv[start : start + len(lv)] = lv.numpy()
+            return out, out_lv
+
+        return Pending(finish, wait)
 
     def _to_range(self, x):
         """float32 pixel values 0..255 -> ``input_range`` (in place)."""

@@ -129,7 +129,7 @@ def load_text_tokenizer(cfg: Mapping | None = None) -> TextTokenizer:
     if "factory" in cfg:
         return _from_factory(cfg, TextTokenizer, "text tokenizer", None)
     cls, options = _builtin(cfg, *SPECS["text_tokenizer"], "text tokenizer")
-    if hasattr(cls, "from_pretrained"):
+    if cls.PRETRAINED:
         return cls.from_pretrained(cfg.get("pretrained"), **options)
     if cfg.get("pretrained") is not None:
         raise ValueError(f"text tokenizer {cfg.get('name', 'bytes')!r} takes no 'pretrained'")

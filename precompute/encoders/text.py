@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ._common import canonical_json, load_error, resolve_pretrained
+from .capabilities import Declares, TextCapabilities
 
 
 def _default_specials() -> tuple[str, ...]:
@@ -15,7 +16,7 @@ def _default_specials() -> tuple[str, ...]:
     return SPECIAL_TOKENS
 
 
-class ByteTokenizer:
+class ByteTokenizer(Declares):
     """UTF-8 bytes as tokens: id = byte + 3; 0 = pad, 1 = bos, 2 = eos; then one id per special token.
 
     ``encode("hé")`` -> ``[1, 107, 198, 172, 2]`` (int32). Needs no files, so it is always available.
@@ -31,6 +32,8 @@ class ByteTokenizer:
 
     name = "bytes"
     OPTIONS: tuple[str, ...] = ("add_bos", "add_eos", "special_tokens")
+    #: built from files (``from_pretrained``) or from its options alone
+    PRETRAINED = False
     pad_id = 0
     bos_id = 1
     eos_id = 2
@@ -49,6 +52,11 @@ class ByteTokenizer:
         self.vocab_size = 256 + self.offset + len(specials)
         longest_first = sorted(specials, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if specials else None
+
+    @property
+    def capabilities(self) -> TextCapabilities:
+        """Adds special tokens; no chat template of its own; BOS ``bos_id``."""
+        return TextCapabilities(adds_tokens=True, chat_template=None, bos_id=self.bos_id)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a special token (None when it is not one)."""
@@ -124,7 +132,7 @@ class ByteTokenizer:
         return f"ByteTokenizer(add_bos={self.add_bos}, add_eos={self.add_eos})"
 
 
-class HFTokenizer:
+class HFTokenizer(Declares):
     """A ``transformers`` tokenizer (``AutoTokenizer.from_pretrained``) behind :class:`TextTokenizer`.
 
     Args:
@@ -137,6 +145,7 @@ class HFTokenizer:
 
     name = "hf"
     OPTIONS: tuple[str, ...] = ("add_special_tokens", "pad_id", "trust_remote_code")
+    PRETRAINED = True
 
     def __init__(self, tokenizer, *, add_special_tokens: bool = True, pad_id: int | None = None) -> None:
         self.tokenizer = tokenizer
@@ -174,8 +183,13 @@ class HFTokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The tokenizer's own chat template (Jinja), or None."""
-        return getattr(self.tokenizer, "chat_template", None)
+        """The tokenizer's own chat template (Jinja), or None (``PreTrainedTokenizerBase.chat_template``)."""
+        return self.tokenizer.chat_template
+
+    @property
+    def capabilities(self) -> TextCapabilities:
+        """Adds special tokens; its own chat template (or None); its BOS (``bos_token_id``, or None)."""
+        return TextCapabilities(adds_tokens=True, chat_template=self.chat_template, bos_id=self.tokenizer.bos_token_id)
 
     def add_tokens(self, tokens: list[str]) -> int:
         """Add ``tokens`` as special tokens (never split, not normalised), as TheWorld adds

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from shardcache.plugins import load_factory
 
-from .base import Producer, Timer, encode_each
+from .base import JSON, ImageTokens, Producer, Timer, encode_each, submit_each
 from .codes import CodesProducer, SegmentsProducer, segments_table
 from .latents import LatentsProducer, latents_info
 from .text import TextProducer
@@ -99,6 +99,6 @@ def load_producer(spec: Mapping[str, Any], field: str, device: str = "cpu") -> P
     return producer
 
 
-__all__ = ["Producer", "Timer", "encode_each", "PRODUCERS", "load_producer", "TextProducer", "WaveformProducer",
+__all__ = ["Producer", "Timer", "encode_each", "submit_each", "ImageTokens", "JSON", "PRODUCERS", "load_producer", "TextProducer", "WaveformProducer",
            "CodesProducer", "SegmentsProducer", "LatentsProducer", "segments_table", "latents_info",
            "producer_problems"]

@@ -13,18 +13,46 @@ A sample, as a producer sees it (both classes above provide these attributes):
 * ``audio``: one ``{rate Hz: float32 (n,) in [-1, 1]}`` per audio item, holding every rate of
   :meth:`Producer.rates` (and the job's other rates);
 * ``images``: one uint8 ``(H, W, 3)`` array per image item (preprocessed by the job's policy);
+* ``model_images``: one array per image item as the job's :attr:`Producer.image_input` made it in the
+  decode workers (empty when no producer declares one, and in ``add-field``: the producer makes them);
+* ``calls``: ``{field: [[size, length, place] or None per audio item]}``, the codec calls recorded in
+  a cached sample's json (``shardcache check`` rebuilds them; empty at stage one);
 * ``input_ids`` / ``labels``: int32 ``(L,)``.
 
 ``produce`` returns, per sample, a dict ``{field: array}`` with exactly the fields of
 :attr:`Producer.outputs` that the sample has (a sample without audio has no codes), or the
 exception that made this sample fail (it is rejected ``encode_failed``; the others go on). Values
 may be in any dtype the field's storage dtype holds exactly; the writer checks them with the
-field's kind (:meth:`shards.kinds.FieldKind.value_check`) and casts them.
+field's kind (:meth:`shards.kinds.FieldKind.value_check`) and casts them. A result may also hold
+:data:`JSON`: entries merged into the sample's ``json`` member (e.g. the codec calls of a batched
+codec, ``codes_calls``).
+
+How it runs is declared, not guessed: :attr:`Producer.host_only` producers (no encoder: text,
+waveforms, segments) run on the main thread while the others run on the encoder thread
+(:mod:`precompute.executor`); those may implement :meth:`Producer.submit` (queue the encoder work,
+collect it later: one wait per batch on a GPU), else :meth:`Producer.produce` runs there.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+from ..encoders.capabilities import Pending
+
+#: the key of a producer's result whose entries go into the sample's json member
+JSON = "json"
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """The text an image placeholder becomes when a producer's features stand at the image's tokens
+    (Gemma 3: ``Gemma3Processor.full_image_sequence``): ``placeholder`` (``<start_of_image>``, must be the
+    config's ``image_token``), ``sequence`` (the expanded text), ``inner`` (its other tokens, never trained)."""
+
+    placeholder: str
+    sequence: str
+    inner: tuple[str, ...] = ()
 
 
 class Timer:
@@ -62,6 +90,36 @@ def encode_each(fn: Callable[[list], Sequence], inputs: list, timer: Timer) -> l
         return outs
 
 
+def submit_each(submit: Callable[[list], Pending], inputs: list) -> Pending:
+    """:func:`encode_each` for an asynchronous encoder: ``submit`` (``list -> Pending`` of one output per
+    input) on the whole batch; if queueing or collecting it fails, each input alone, so a bad input
+    costs only itself. ``result()``: one output or one exception per input, in order."""
+    if not inputs:
+        return Pending.done([])
+
+    def alone() -> list:
+        outs: list = []
+        for x in inputs:
+            try:
+                outs.append(submit([x]).result()[0])
+            except Exception as e:  # noqa: BLE001 - travels with its sample to the rejects
+                outs.append(e)
+        return outs
+
+    try:
+        whole = submit(inputs)
+    except Exception:  # noqa: BLE001
+        return Pending(alone)
+
+    def finish() -> list:
+        try:
+            return list(whole.result())
+        except Exception:  # noqa: BLE001
+            return alone()
+
+    return Pending(finish)
+
+
 class Producer:
     """Base class (see the module docstring). Subclasses set :attr:`outputs` and implement :meth:`produce`.
 
@@ -69,14 +127,24 @@ class Producer:
         name: the producer's registry name (``codes``, ``waveform``, ``latents``, ``text`` or a plug-in's).
         outputs: the field names it writes (declared in :mod:`shards.fields`).
         needs_images: whether it reads ``sample.images``.
+        host_only: it runs no encoder (runs on the main thread); False: on the encoder thread.
+        directions: the audio items (by direction, ``in``/``out``) whose audio it reads at :meth:`rates`:
+            the decode workers resample and ship only those.
+        image_tokens: the text its features need at each image placeholder (:class:`ImageTokens`), or None.
+        image_input: a picklable callable ``uint8 (H, W, 3) -> array`` the decode workers run on each
+            decoded image for it (``sample.model_images``: Gemma 3's resize), or None.
     """
 
     name = "producer"
     outputs: tuple[str, ...] = ()
     needs_images = False
+    host_only = False
+    directions: frozenset[str] | set[str] = frozenset({"in", "out"})
+    image_tokens: ImageTokens | None = None
+    image_input: Callable[[Any], Any] | None = None
 
     def rates(self) -> set[int]:
-        """Audio rates (Hz) it reads from ``sample.audio``."""
+        """Audio rates (Hz) it reads from ``sample.audio`` (of the items of :attr:`directions`)."""
         return set()
 
     def describe(self) -> dict[str, Any]:
@@ -92,5 +160,11 @@ class Producer:
     def produce(self, samples: list, timer: Timer) -> list[dict[str, Any] | Exception]:
         raise NotImplementedError
 
+    def submit(self, samples: list, timer: Timer) -> Pending:
+        """Queue the work of :meth:`produce` and return it as a :class:`Pending` (``result()``: what
+        :meth:`produce` returns). This default runs :meth:`produce` at once; producers of asynchronous
+        encoders queue the device work and wait in ``result()``."""
+        return Pending.done(self.produce(samples, timer))
 
-__all__ = ["Producer", "Timer", "encode_each"]
+
+__all__ = ["Producer", "Timer", "encode_each", "submit_each", "ImageTokens", "JSON"]

@@ -58,6 +58,8 @@ class CachedSample:
             self.audio = [_Rates(wave[a:b], sample_rate) for a, b in zip(bounds[:-1], bounds[1:])]
         self._image_loader = image_loader
         self._images: list[np.ndarray] | None = None
+        self.model_images: list[np.ndarray] = []  # a producer with an image_input makes them itself
+        self.calls: dict[str, list] = {}  # add-field encodes as a job would: its codec's own calls
 
     @property
     def images(self) -> list[np.ndarray]:

@@ -13,7 +13,9 @@ import numpy as np
 
 from shards.schema import SEGMENT_COLUMNS
 
-from .base import Producer, Timer, encode_each
+from ..encoders.batching import Call
+from ..encoders.capabilities import Pending, capabilities_of
+from .base import JSON, Producer, Timer, encode_each
 
 #: ``audio_segments`` direction column: 0 input (user/system turn), 1 output (assistant turn)
 DIRECTION_CODE = {"in": 0, "out": 1}
@@ -35,13 +37,21 @@ def segments_table(sample: Any, frames: list[int]) -> np.ndarray:
 class CodesProducer(Producer):
     """``field`` int16 ``(n_codebooks, frames)`` from ``codec`` (an
     :class:`precompute.encoders.AudioTokenizer`) over every audio item at the codec's rate; with
-    ``segments=True`` also ``audio_segments`` (the job's own codec). Items are encoded in one batch
-    per encoder batch (:meth:`AudioTokenizer.encode`), a failing item rejects only its sample."""
+    ``segments=True`` also ``audio_segments`` (the job's own codec). The items of one encoder batch
+    go to the codec together (its calls: :meth:`precompute.encoders.audio.HFCodecTokenizer.plan`), a
+    failing item rejects only its sample.
+
+    A codec that batches (its declared :class:`~precompute.encoders.batching.BatchPolicy`) gives codes
+    that depend on each clip's place in its call and the call's shape: they are recorded per item in
+    the sample's json as ``FIELD_calls`` (``[[size, length, place] or null per audio item]``), and a
+    sample that carries them (``sample.calls``, from a cached json: ``shardcache check``) is encoded
+    in exactly those calls, zero slots elsewhere."""
 
     name = "codes"
 
-    def __init__(self, codec: Any, field: str = "codes", segments: bool = True):
+    def __init__(self, codec: Any, field: str = "codes", segments: bool = True, device: str = "cpu"):
         self.codec, self.field = codec, field
+        self.caps = capabilities_of(codec, device)  # declared: async submit, batch policy
         self.outputs = (field, "audio_segments") if segments else (field,)
 
     def rates(self) -> set[int]:
@@ -55,29 +65,65 @@ class CodesProducer(Producer):
         return {"codec_sample_rate": int(c.sample_rate), "n_codebooks": int(c.n_codebooks),
                 "codebook_size": int(c.codebook_size), "frame_rate": float(c.frame_rate)}
 
+    @property
+    def calls_key(self) -> str:
+        """The json key of the recorded calls (``codes_calls``)."""
+        return f"{self.field}_calls"
+
     def produce(self, samples: list, timer: Timer) -> list[dict[str, Any] | Exception]:
+        return self.submit(samples, timer).result()
+
+    def _calls(self, clips: list, recorded: list) -> list[Call]:
+        """The recorded calls (one per clip that has one), then the codec's plan for the others."""
+        calls = [Call(r[0], r[1], tuple(i if p == r[2] else -1 for p in range(r[0])))
+                 for i, r in enumerate(recorded) if r]
+        rest = [i for i, r in enumerate(recorded) if not r]
+        plan = self.codec.plan([clips[i].size for i in rest])
+        return calls + [Call(c.size, c.length, tuple(rest[x] if x >= 0 else -1 for x in c.places)) for c in plan]
+
+    def submit(self, samples: list, timer: Timer) -> Pending:
         rate, q = int(self.codec.sample_rate), int(self.codec.n_codebooks)
         items = [(j, k) for j, s in enumerate(samples) for k in range(len(s.audio)) if s.audio[k][rate].size]
-        codes = encode_each(self.codec.encode, [samples[j].audio[k][rate] for j, k in items], timer)
-        per: list[list] = [[np.zeros((q, 0), np.int16)] * len(s.audio) for s in samples]
-        failed: dict[int, Exception] = {}
-        for (j, k), c in zip(items, codes):
-            if isinstance(c, Exception):
-                failed.setdefault(j, c)
-            else:
-                per[j][k] = np.asarray(c)
-        out: list[dict[str, Any] | Exception] = []
-        for j, s in enumerate(samples):
-            if j in failed:
-                out.append(failed[j])
-            elif not s.audio:
-                out.append({})
-            else:
-                d = {self.field: np.concatenate(per[j], axis=1)}
-                if "audio_segments" in self.outputs:
-                    d["audio_segments"] = segments_table(s, [c.shape[1] for c in per[j]])
-                out.append(d)
-        return out
+        clips = [samples[j].audio[k][rate] for j, k in items]
+        places: list = [None] * len(items)
+        if self.caps.asynchronous:
+            recorded = [(samples[j].calls.get(self.field) or [None] * (k + 1))[k] for j, k in items]
+            calls = self._calls(clips, recorded)
+            if self.caps.batching.batched:
+                for c in calls:
+                    for p, i in enumerate(c.places):
+                        if i >= 0:
+                            places[i] = [c.size, c.length, p]
+            pending = self.codec.submit(clips, calls)
+        else:  # a plug-in's synchronous encode(): clip lists, no places
+            pending = Pending.done(encode_each(self.codec.encode, clips, timer))
+
+        def finish() -> list[dict[str, Any] | Exception]:
+            codes = pending.result()
+            per: list[list] = [[np.zeros((q, 0), np.int16)] * len(s.audio) for s in samples]
+            placed: list[list] = [[None] * len(s.audio) for s in samples]
+            failed: dict[int, Exception] = {}
+            for (j, k), c, at in zip(items, codes, places):
+                if isinstance(c, Exception):
+                    failed.setdefault(j, c)
+                else:
+                    per[j][k], placed[j][k] = np.asarray(c), at
+            out: list[dict[str, Any] | Exception] = []
+            for j, s in enumerate(samples):
+                if j in failed:
+                    out.append(failed[j])
+                elif not s.audio:
+                    out.append({})
+                else:
+                    d: dict[str, Any] = {self.field: np.concatenate(per[j], axis=1)}
+                    if "audio_segments" in self.outputs:
+                        d["audio_segments"] = segments_table(s, [c.shape[1] for c in per[j]])
+                    if self.caps.batching.batched:
+                        d[JSON] = {self.calls_key: placed[j]}
+                    out.append(d)
+            return out
+
+        return Pending(finish)
 
 
 class SegmentsProducer(Producer):
@@ -85,6 +131,8 @@ class SegmentsProducer(Producer):
 
     name = "segments"
     outputs = ("audio_segments",)
+    host_only = True
+    directions = frozenset()
 
     def produce(self, samples: list, timer: Timer) -> list[dict[str, Any] | Exception]:
         return [{"audio_segments": segments_table(s, [0] * len(s.conversation.audio))} if s.conversation.audio

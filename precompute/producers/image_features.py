@@ -5,8 +5,10 @@ For each image of a sample, as Gemma 3 computes it on the fly (``transformers``
 ``Gemma3Model.get_image_features``, which TheWorld calls in ``python/theworld/modeling/gemma_vision.py``)::
 
     decoded RGB image (its own size, ``image_rgb``)
-      -> Gemma3Processor's image processor (resize to the tower's image_size, bilinear; x / 255;
-         (x - mean) / std)                                   pixel_values (3, S, S) float32
+      -> Gemma3Processor's image processor, its own two steps run where they cost least:
+         its resize to the tower's image_size (bilinear, antialiased; uint8) in the decode workers
+         (:class:`ProcessorResize`, the producer's ``image_input``), then on the encoder's device its
+         fused rescale + normalise ((x - 255 mean) / (255 std))  pixel_values (3, S, S) float32
       -> vision_tower (SigLIP) -> multi_modal_projector (avg-pool to mm_tokens_per_image, RMSNorm,
          matmul)                                              (mm_tokens_per_image, hidden)
       -> bfloat16 (the model's compute dtype; ``dtype`` option)  stored as its int16 bit patterns
@@ -41,10 +43,30 @@ from typing import Any
 
 import numpy as np
 
-from .base import Producer, Timer, encode_each
+from ..encoders.batching import BatchPolicy
+from ..encoders.capabilities import Capabilities, Declares, Pending
+from ..transfer import to_device, to_host
+from .base import ImageTokens, Producer, Timer, submit_each
 
 
-class Gemma3VisionEncoder:
+class ProcessorResize:
+    """The resize step of a transformers image processor (the torchvision backend's ``resize``, what
+    ``processor(images=...)`` runs first): uint8 ``(H, W, 3)`` -> uint8 ``(3, S, S)``. Picklable; run in
+    the decode workers (``Prepared.model_images``), so the main process never resizes an image."""
+
+    def __init__(self, image_processor: Any):
+        from transformers.image_utils import SizeDict
+        self.image_processor = image_processor
+        self.size = SizeDict(**image_processor.size)
+
+    def __call__(self, image: np.ndarray) -> np.ndarray:
+        import torch
+        x = torch.from_numpy(np.ascontiguousarray(np.asarray(image, dtype=np.uint8))).permute(2, 0, 1)
+        ip = self.image_processor
+        return ip.resize(image=x[None], size=self.size, resample=ip.resample)[0].contiguous().numpy()
+
+
+class Gemma3VisionEncoder(Declares):
     """Gemma 3's image path up to the LM's inputs: ``Gemma3Processor``'s image processor, the
     SigLIP ``vision_tower`` and ``multi_modal_projector`` of a ``Gemma3ForConditionalGeneration``
     checkpoint (e.g. ``google/gemma-3-4b-it``).
@@ -87,10 +109,22 @@ class Gemma3VisionEncoder:
         for p in list(self.vision_tower.parameters()) + list(self.projector.parameters()):
             p.requires_grad_(False)
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """On its device, asynchronous (:meth:`submit`), every image of a batch in one call."""
+        return Capabilities(device=str(self.device), batching=BatchPolicy(1 << 16), asynchronous=True,
+                            posterior="image features have no posterior")
+
+    @property
+    def image_input(self) -> ProcessorResize:
+        """Its processor's resize (:class:`ProcessorResize`), run in the decode workers."""
+        return ProcessorResize(self.processor.image_processor)
+
     def pixel_values(self, images: list[np.ndarray]):
         """uint8 ``(H, W, 3)`` images (any sizes) -> ``pixel_values`` float32 ``(N, 3, S, S)``,
         exactly as ``Gemma3Processor(images=...)`` makes them, one row per image. Raises ``ValueError``
-        when the processor made pan-and-scan crops (its ``num_crops`` not all zero)."""
+        when the processor made pan-and-scan crops (its ``num_crops`` not all zero). (The job splits
+        these steps: :meth:`submit`.)"""
         from PIL import Image
         out = self.processor.image_processor([Image.fromarray(np.asarray(a, dtype=np.uint8)) for a in images],
                                              return_tensors="pt")
@@ -111,10 +145,27 @@ class Gemma3VisionEncoder:
             return self.projector(h)
 
     def encode(self, images: list[np.ndarray]) -> list[np.ndarray]:
-        """One int16 ``(tokens_per_image, hidden)`` array of bfloat16 bits per image."""
-        from shards.kinds import BFloat16Bits
-        f = self.features(self.pixel_values(images))
-        return list(BFloat16Bits.to_storage(f))
+        """One int16 ``(tokens_per_image, hidden)`` array of bfloat16 bits per uint8 ``(H, W, 3)`` image."""
+        return self.submit([self.image_input(a) for a in images]).result()
+
+    def submit(self, resized: list[np.ndarray]) -> Pending:
+        """Queue the features of images already resized by :attr:`image_input` (uint8 ``(3, S, S)``): the
+        processor's rescale + normalise on the device, the tower, the projector, the bfloat16 bits as
+        int16 copied into pinned memory without blocking; ``result()``: one int16 ``(tokens_per_image,
+        hidden)`` array per image."""
+        import torch
+        ip = self.processor.image_processor
+        with torch.inference_mode():
+            x = to_device(np.stack([np.asarray(a, dtype=np.uint8) for a in resized]), self.device)
+            pixel_values = ip.rescale_and_normalize(x, ip.do_rescale, ip.rescale_factor, ip.do_normalize,
+                                                    ip.image_mean, ip.image_std)
+            bits = to_host(self.features(pixel_values).to(torch.bfloat16).contiguous().view(torch.int16))
+        wait = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            wait = event.synchronize
+        return Pending(lambda: list(bits.numpy()), wait)
 
     def describe(self) -> dict[str, Any]:
         from ..encoders._common import clean_config, state_dict_sha256
@@ -122,7 +173,7 @@ class Gemma3VisionEncoder:
         return {"class": f"{type(self).__module__}.{type(self).__qualname__}", "name": "gemma3",
                 "config": clean_config(self.config), "dtype": str(self.dtype).replace("torch.", ""),
                 "weights_sha256": state_dict_sha256(self.vision_tower) + ":" + state_dict_sha256(self.projector),
-                "image_processor": ip.to_dict() if hasattr(ip, "to_dict") else type(ip).__name__,
+                "image_processor": ip.to_dict(),
                 "image_sequence": self.image_sequence}
 
 
@@ -164,8 +215,13 @@ def load_vision_encoder(spec: dict, device: str = "cpu") -> Gemma3VisionEncoder:
 class ImageFeaturesProducer(Producer):
     """``image_features`` int16 ``(n_images, tokens, hidden)`` (bfloat16 bits) of each sample with
     images (see the module docstring); samples without images get nothing. Reads
-    ``sample.source_images`` (decoded at their own size by the job) when the sample has them, else
-    decodes the sources the conversation names (``add-field``) with ``image_rgb``."""
+    ``sample.model_images`` (resized by the decode workers with the encoder's :attr:`image_input`)
+    when the sample has them, else decodes the sources the conversation names (``add-field``) with
+    ``image_rgb`` and resizes them itself.
+
+    ``encoder``: a :class:`Gemma3VisionEncoder` or one with its attributes (``image_input``,
+    ``submit(resized) -> Pending``, ``image_sequence``, ``boi_token``, ``image_token``, ``eoi_token``,
+    ``tokens_per_image``, ``hidden_size``, ``describe()``)."""
 
     name = "image_features"
     needs_images = True
@@ -173,6 +229,10 @@ class ImageFeaturesProducer(Producer):
     def __init__(self, encoder: Any, field: str = "image_features", image_rgb: str = "composite"):
         self.encoder, self.field, self.image_rgb = encoder, field, image_rgb
         self.outputs = (field,)
+        self.image_input = encoder.image_input
+        inner = tuple(t for t in (encoder.image_token, encoder.eoi_token) if t)
+        self.image_tokens = ImageTokens(encoder.boi_token, encoder.image_sequence, inner) \
+            if encoder.image_sequence else None
 
     @property
     def image_sequence(self) -> str:
@@ -188,14 +248,17 @@ class ImageFeaturesProducer(Producer):
                 "image_sequence": self.encoder.image_sequence}
 
     def _images(self, s) -> list[np.ndarray]:
-        got = getattr(s, "source_images", None)
-        if got or not s.conversation.images:
-            return list(got or [])
+        if s.model_images or not s.conversation.images:
+            return list(s.model_images)
         from ..images import decode_image
-        return [np.array(decode_image(im.source, rgb=self.image_rgb), dtype=np.uint8) for im in s.conversation.images]
+        return [self.image_input(np.array(decode_image(im.source, rgb=self.image_rgb), dtype=np.uint8))
+                for im in s.conversation.images]
 
     def produce(self, samples: list, timer: Timer) -> list[dict[str, Any] | Exception]:
-        where, images, out = [], [], []
+        return self.submit(samples, timer).result()
+
+    def submit(self, samples: list, timer: Timer) -> Pending:
+        where, images = [], []
         for j, s in enumerate(samples):
             try:
                 for k, img in enumerate(self._images(s)):
@@ -205,15 +268,21 @@ class ImageFeaturesProducer(Producer):
                 where.append((j, -1))
                 images.append(e)
         ok = [i for i, im in enumerate(images) if not isinstance(im, Exception)]
-        feats = dict(zip(ok, encode_each(self.encoder.encode, [images[i] for i in ok], timer)))
-        per: dict[int, list] = {}
-        for i, (j, _) in enumerate(where):
-            per.setdefault(j, []).append(images[i] if isinstance(images[i], Exception) else feats[i])
-        for j in range(len(samples)):
-            got = per.get(j, [])
-            bad = next((f for f in got if isinstance(f, Exception)), None)
-            out.append(bad if bad is not None else ({self.field: np.stack(got)} if got else {}))
-        return out
+        pend = submit_each(self.encoder.submit, [images[i] for i in ok])
+
+        def finish() -> list[dict[str, Any] | Exception]:
+            feats = dict(zip(ok, pend.result()))
+            per: dict[int, list] = {}
+            for i, (j, _) in enumerate(where):
+                per.setdefault(j, []).append(images[i] if isinstance(images[i], Exception) else feats[i])
+            out: list[dict[str, Any] | Exception] = []
+            for j in range(len(samples)):
+                got = per.get(j, [])
+                bad = next((f for f in got if isinstance(f, Exception)), None)
+                out.append(bad if bad is not None else ({self.field: np.stack(got)} if got else {}))
+            return out
+
+        return Pending(finish)
 
 
 def make_image_features(field: str = "image_features", device: str = "cpu", image_rgb: str = "composite",

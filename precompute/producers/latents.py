@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import Producer, Timer, encode_each
+from ..encoders.capabilities import Pending, capabilities_of
+from .base import Producer, Timer, encode_each, submit_each
 
 
 class LatentsProducer(Producer):
@@ -17,8 +18,10 @@ class LatentsProducer(Producer):
     name = "latents"
     needs_images = True
 
-    def __init__(self, vae: Any, posterior: bool = False, field: str = "latents", info: dict | None = None):
+    def __init__(self, vae: Any, posterior: bool = False, field: str = "latents", info: dict | None = None,
+                 device: str = "cpu"):
         self.vae, self.posterior, self.field = vae, bool(posterior), field
+        self.caps = capabilities_of(vae, device)  # declared: async submit
         self.outputs = (field, f"{field}_logvar") if posterior else (field,)
         self.info = info  # manifest.json ``latents``: how they were made (see latents_info)
 
@@ -32,32 +35,49 @@ class LatentsProducer(Producer):
         return out
 
     def produce(self, samples: list, timer: Timer) -> list[dict[str, Any] | Exception]:
+        return self.submit(samples, timer).result()
+
+    def submit(self, samples: list, timer: Timer) -> Pending:
         by_shape: dict[tuple, list[tuple[int, int]]] = {}
         for j, s in enumerate(samples):
             for k, img in enumerate(s.images):
                 by_shape.setdefault(img.shape, []).append((j, k))
-        if self.posterior:
-            fn = lambda imgs: list(zip(*self.vae.encode_posterior(np.stack(imgs))))  # noqa: E731
-        else:
-            fn = lambda imgs: list(self.vae.encode(np.stack(imgs)))  # noqa: E731
-        got: dict[tuple[int, int], Any] = {}
+        groups = []
         for group in by_shape.values():
-            for jk, z in zip(group, encode_each(fn, [samples[j].images[k] for j, k in group], timer)):
-                got[jk] = z
-        out: list[dict[str, Any] | Exception] = []
-        for j, s in enumerate(samples):
-            zs = [got[(j, k)] for k in range(len(s.images))]
-            bad = next((z for z in zs if isinstance(z, Exception)), None)
-            if bad is not None:
-                out.append(bad)
-            elif not zs:
-                out.append({})
-            elif self.posterior:
-                out.append({self.field: np.concatenate([np.asarray(m, np.float32) for m, _ in zs], axis=1),
-                            f"{self.field}_logvar": np.concatenate([np.asarray(v, np.float32) for _, v in zs], axis=1)})
+            imgs = [samples[j].images[k] for j, k in group]
+            if self.caps.asynchronous:  # one call per group of equal shapes; one wait for the batch
+                def each(batch, posterior=self.posterior):
+                    pend = self.vae.submit(np.stack(batch), posterior)
+                    return Pending(lambda: list(zip(*pend.result())) if posterior else list(pend.result()[0]))
+                groups.append((group, submit_each(each, imgs)))
             else:
-                out.append({self.field: np.concatenate([np.asarray(z, np.float32) for z in zs], axis=1)})
-        return out
+                if self.posterior:
+                    fn = lambda imgs: list(zip(*self.vae.encode_posterior(np.stack(imgs))))  # noqa: E731
+                else:
+                    fn = lambda imgs: list(self.vae.encode(np.stack(imgs)))  # noqa: E731
+                groups.append((group, Pending.done(encode_each(fn, imgs, timer))))
+
+        def finish() -> list[dict[str, Any] | Exception]:
+            got: dict[tuple[int, int], Any] = {}
+            for group, pend in groups:
+                for jk, z in zip(group, pend.result()):
+                    got[jk] = z
+            out: list[dict[str, Any] | Exception] = []
+            for j, s in enumerate(samples):
+                zs = [got[(j, k)] for k in range(len(s.images))]
+                bad = next((z for z in zs if isinstance(z, Exception)), None)
+                if bad is not None:
+                    out.append(bad)
+                elif not zs:
+                    out.append({})
+                elif self.posterior:
+                    out.append({self.field: np.concatenate([np.asarray(m, np.float32) for m, _ in zs], axis=1),
+                                f"{self.field}_logvar": np.concatenate([np.asarray(v, np.float32) for _, v in zs], axis=1)})
+                else:
+                    out.append({self.field: np.concatenate([np.asarray(z, np.float32) for z in zs], axis=1)})
+            return out
+
+        return Pending(finish)
 
 
 def latents_info(cfg: Any, image_encoder: Any) -> dict[str, Any]:
@@ -70,11 +90,9 @@ def latents_info(cfg: Any, image_encoder: Any) -> dict[str, Any]:
     """
     from ..encoders.image import PIXEL_RANGES
     from ..images import RESAMPLE
-    rng = getattr(image_encoder, "input_range", None) or PIXEL_RANGES[cfg.image_pixel_range]  # plug-ins: the config's
-    dtype = getattr(image_encoder, "dtype", None)
+    facts = dict(capabilities_of(image_encoder).latents or {})  # declared; a plug-in: the config's range only
+    rng = facts.pop("input_range", None) or PIXEL_RANGES[cfg.image_pixel_range]
     out = {"resize": cfg.image_resize, "size": cfg.image_size, "interpolation": RESAMPLE[cfg.image_resize].name.lower(),
-           "rgb": cfg.image_rgb, "input_range": [float(v) for v in rng],
-           "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+           "rgb": cfg.image_rgb, "input_range": [float(v) for v in rng], "dtype": facts.pop("dtype", None),
            "store_posterior": cfg.store_posterior}
-    stats = getattr(image_encoder, "latent_stats", None)
-    return out | (stats() if callable(stats) else {"normalized": getattr(image_encoder, "normalize", None)})
+    return out | (facts or {"normalized": None})

@@ -16,6 +16,8 @@ class TextProducer(Producer):
 
     name = "text"
     outputs = ("input_ids", "labels")
+    host_only = True
+    directions = frozenset()
 
     def __init__(self, tokenizer: Any, template: str):
         self.tokenizer, self.template = tokenizer, template

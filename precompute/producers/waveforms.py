@@ -48,10 +48,11 @@ class WaveformProducer(Producer):
     """
 
     name = "waveform"
+    host_only = True
 
     def __init__(self, field: str, rate: int, directions: set[str] | None = None, always: bool = True):
         self.field, self.rate = field, int(rate)
-        self.directions = set(directions or DIRECTIONS)
+        self.directions = frozenset(directions or DIRECTIONS)
         self.always = bool(always)
         self.outputs = (field, f"{field}_starts")
 
