@@ -61,12 +61,35 @@ def _clips(manifest: Path) -> int:
     return sum(len(r.conversation.audio) for r in read_requests(manifest) if r.error is None)
 
 
-def run_section(n: int = 200, ms: float = 50.0, workers: int = 1, kinds=KINDS) -> dict:
-    """``make bench``'s overlap section: each kind once (the corpus written or reused)."""
+def repeated(manifest: Path, n: int) -> Path:
+    """``n`` rows of ``manifest`` (a JSONL of flat rows or a JSON list of conversations), its rows repeated
+    under new keys (every row is decoded and encoded again: nothing is cached between rows), beside it."""
+    if manifest.suffix == ".jsonl":
+        rows = [json.loads(x) for x in manifest.read_text().splitlines() if x.strip()]
+    else:
+        rows = json.loads(manifest.read_text())
+    out = []
+    for i in range(n):
+        row = json.loads(json.dumps(rows[i % len(rows)]))
+        if "misc" in row:
+            row["misc"]["key"] += f"-{i}"
+        elif "id" in row:
+            row["id"] += f"-{i}"
+        else:
+            row["key"] += f"-{i}"
+        out.append(row)
+    path = manifest.parent / f"overlap-{manifest.stem}-{n}{manifest.suffix}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in out) if manifest.suffix == ".jsonl" else json.dumps(out))
+    return path
+
+
+def run_section(n: int = 600, ms: float = 50.0, workers: int = 1, kinds=KINDS, distinct: int = 200) -> dict:
+    """``make bench``'s overlap section: each kind once, ``n`` rows over ``distinct`` conversations of the
+    synthetic corpus (written or reused)."""
     from benchmarks import synth_corpus
     load0 = os.getloadavg()
-    manifests = synth_corpus.write(synth_corpus.default_dir(), n)
-    rows = [job(manifests[k], k, ms, workers) for k in kinds]
+    manifests = synth_corpus.write(synth_corpus.default_dir(), distinct)
+    rows = [job(repeated(manifests[k], n), k, ms, workers) for k in kinds]
     return {"n": n, "ms_per_clip": ms, "workers": workers, "target": TARGET, "jobs": rows,
             "loadavg_start": load0, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count()}
 
@@ -92,7 +115,7 @@ def summary_lines(r: dict) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=200, help="rows per job kind")
+    ap.add_argument("--n", type=int, default=600, help="rows per job kind")
     ap.add_argument("--ms", type=float, default=50.0, help="the stand-in codec's wait per clip (ms)")
     ap.add_argument("--workers", type=int, default=1, help="decode processes")
     ap.add_argument("--kinds", default=",".join(KINDS))

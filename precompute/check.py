@@ -12,6 +12,10 @@ compared with the cached one:
 * float fields (latents, features): relative L2 error within the recorded tolerance
   (``precision_tolerance.latents_rel_err`` of the cache's config, 0.02 by default).
 
+A batched codec's codes depend on each clip's place in its call and on the call's shape
+(:mod:`precompute.encoders.batching`); the cache records both per audio item (the json's
+``codes_calls``) and the codes are re-derived in that very call, zero slots beside the clip.
+
 The encoders' fingerprint is compared with the cache's first: a different one is reported (the
 weights or the preprocessing changed since) and the comparison goes on, so the report names the
 fields that differ. Fields added later with ``add-field`` are not re-derived (listed as skipped).
@@ -77,6 +81,13 @@ def compare(name: str, cached: np.ndarray | None, fresh: np.ndarray | None, rel_
             f"{int(b.reshape(-1)[j])} re-derived)")
 
 
+def _recorded_calls(cached_json: dict) -> dict[str, list]:
+    """The codec calls a cached sample's json records, by field (``{"codes": [[size, length, place] or None
+    per audio item]}``; see :class:`precompute.producers.CodesProducer`): empty for a clip-by-clip codec."""
+    return {key[:-len("_calls")]: list(v) for key, v in (cached_json or {}).items()
+            if key.endswith("_calls") and isinstance(v, list)}
+
+
 def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root: str | Path | None = None,
           seed: int = 0, overrides: list[str] | None = None, device: str = "cpu") -> dict[str, Any]:
     """Re-derive ``samples`` random samples of the cache and compare them (see the module docstring).
@@ -120,6 +131,8 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
                     "settings changed since the cache was made", pipe.fingerprint[:16], str(man.fingerprint)[:16])
     rel_tol = cfg.precision_tolerance.latents_rel_err
     prepared = [pipe.prepare(by_key[reader.keys[i]]) for i in picked]
+    for i, p in zip(picked, prepared):  # a batched codec's clips: rebuilt in the very calls the cache records
+        p.calls = _recorded_calls(reader.get(i).get("json"))
     with torch.inference_mode():
         encoded = pipe.encode(prepared, Summary())
     for i, (key, members, reject) in zip(picked, encoded):

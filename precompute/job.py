@@ -24,7 +24,7 @@ Everything after it (the decode workers, the encoder thread, ``shardcache check`
 Overlap. Decoding and resampling run in DataLoader worker processes; the encoders run on their own
 thread (:mod:`precompute.executor`; on CUDA its own stream, one wait per batch); the main thread
 receives decoded rows, runs the host-only producers, checks values and builds the json member; a
-writer thread commits shards from a bounded queue. The fraction of wall time spent inside encoder
+writer process commits shards (:mod:`precompute.writer`: tar, npz and hashes off this process's GIL). The fraction of wall time spent inside encoder
 calls is reported as ``encoder_busy``, and where the rest went in :meth:`Summary.split`. Encoder
 batches are formed by length from a window of decoded rows of one chunk (when an encoder batches)
 and written back in manifest order; ``num_workers: auto`` sizes the decode processes from the first
@@ -36,8 +36,6 @@ import functools
 import json
 import logging
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +52,6 @@ from shards import schema
 from shards.errors import FingerprintMismatch
 from shards.index import PARTS_DIR, merge_parts, read_part_meta, write_json_atomic
 from shards.manifest import TextInfo
-from shards.writer import ShardWriter
 
 from . import chat
 from . import encode as E
@@ -66,10 +63,12 @@ from .encoders.capabilities import Capabilities
 from .executor import EncoderThread
 from .lock import CacheLock, die_with_parent
 from .manifests import Request, read_requests
-from .output import LocalOutput, open_output
+from .output import open_output
 from .pipeline import EncodeStream, job_workers, preload_decoders
 from .precision import check_precision
 from .rerun import plan_rerun
+from .slots import receiver as slot_receiver, unpack as unpack_rows
+from .writer import ChunkWriter
 from .prepare import DecodeOptions, Prepared, PrepareDataset, Preparer, identity_collate
 from .producers import Producer, WaveformProducer
 
@@ -81,6 +80,8 @@ JOB_FILE = "job.json"
 WINDOW_BATCHES = 8
 #: encoder batches in flight on the encoder thread while the main thread finishes the last
 DEPTH = 2
+#: decode batches each decode process works ahead
+PREFETCH = 4
 
 
 @dataclass
@@ -322,61 +323,6 @@ def plan_chunks(requests: list[Request], per_shard: int, done: dict[str, set[str
     return todo
 
 
-class _ChunkWriter(threading.Thread):
-    """Background thread: receives encoded rows in order, commits each chunk when complete."""
-
-    def __init__(self, output: LocalOutput, chunks: list[tuple[str, list[Request]]], summary: Summary,
-                 progress, row_meta: dict[int, tuple[str, str]]):
-        super().__init__(daemon=True, name="shard-writer")
-        self.output, self.out_dir = output, output.local
-        self.row_meta = row_meta  # id(request) -> (row id, row digest)
-        self.chunks, self.summary, self.progress = chunks, summary, progress
-        self.queue: queue.Queue = queue.Queue(maxsize=64)
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        writer = None
-        try:
-            for name, rows in self.chunks:
-                writer = ShardWriter(self.out_dir, name)
-                for _ in rows:
-                    item = self.queue.get()
-                    if item is None:
-                        writer.abort()
-                        return
-                    key, fields, reject = item
-                    if reject:
-                        writer.reject(*reject)
-                    else:
-                        writer.add(key, fields)
-                self._commit(writer, rows)
-                writer = None
-        except BaseException as e:  # surfaced by the main thread
-            self.error = e
-            if writer is not None:
-                writer.abort()
-            while True:  # unblock the producer
-                try:
-                    if self.queue.get(timeout=1) is None:
-                        break
-                except queue.Empty:
-                    continue
-
-    def _commit(self, writer: ShardWriter, rows: list[Request]) -> None:
-        # the manifest rows this chunk covered and what they said: resume / rerun bookkeeping
-        meta = [self.row_meta[id(r)] for r in rows]
-        entry = writer.commit({"rows": [m[0] for m in meta], "digests": [m[1] for m in meta]})
-        self.output.chunk_committed(writer.name, entry is not None)  # a remote cache: upload it
-        self.summary.shards_written += entry is not None
-        if self.progress is not None:
-            self.progress.set_postfix(shards=self.summary.shards_written, rejected=self.summary.rejected)
-
-    def put(self, item) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"shard writer failed: {self.error}") from self.error
-        self.queue.put(item)
-
-
 def chunk_batches(chunk_of_item: list[int], batch_size: int) -> list[list[int]]:
     """Encoder batches: consecutive items of ONE chunk, ``batch_size`` at a time from the chunk's
     start, so a batch never spans two chunks and its rows do not depend on what ran before."""
@@ -468,16 +414,22 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     summary = Summary(skipped_rows=len(requests) - sum(len(rows) for _, rows in plan), rerun=rerun.counts())
     bar = tqdm(total=len(items), desc=f"precompute r{global_rank}", unit="sample",
                disable=not progress or global_rank != 0, dynamic_ncols=True)
+    preload_decoders()  # imports (librosa's take seconds) are setup; and the workers fork with them loaded
     summary.setup_s = time.perf_counter() - t0
     t_loop = time.perf_counter()
-    writer = _ChunkWriter(output, chunks, summary, bar, {id(r): m for r, m in zip(requests, zip(ids, digests))})
-    writer.start()
     workers = summary.decode_workers = job_workers(cfg.num_workers, device, job, [r for r, _ in items], job.batch_size)
-    preload_decoders()  # before the workers fork: they inherit the decode libraries
+    # decoded rows come through reusable shared-memory slots (precompute.slots): per worker, its batches
+    # in flight, those held in the length window and on the encoder thread
+    slots, collate = slot_receiver(workers, PREFETCH + job.window // job.batch_size + DEPTH + 2) if workers \
+        else (None, identity_collate)
     loader = DataLoader(PrepareDataset(items, job.preparer),
                         batch_sampler=chunk_batches([c for _, c in items], job.batch_size), num_workers=workers,
-                        collate_fn=identity_collate, prefetch_factor=4 if workers else None,
+                        collate_fn=collate, prefetch_factor=PREFETCH if workers else None,
                         worker_init_fn=functools.partial(die_with_parent, os.getpid()) if workers else None)
+
+    meta = {id(r): m for r, m in zip(requests, zip(ids, digests))}  # the chunks' rows and what they said
+    writer = ChunkWriter(output, [(name, len(rows), [meta[id(r)][0] for r in rows], [meta[id(r)][1] for r in rows])
+                                  for name, rows in chunks], summary, bar)  # its own process
 
     def put(done: list) -> None:
         for key, fields, reject in done:
@@ -488,33 +440,37 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
                 summary.kept += 1
                 summary.audio_seconds += fields["json"]["duration_s"]
             t = time.perf_counter()
-            writer.put((key, fields, reject))
+            writer.put(key, fields, reject)
             summary.writer_wait_s += time.perf_counter() - t
 
     thread = EncoderThread(device)  # the encoders run here, off the main thread
     stream = EncodeStream(lambda rows: job.start(rows, thread, summary), job.batch_size, job.window, depth=DEPTH)
+    finished = False
     try:
         batches = iter(loader)
         while True:
             t = time.perf_counter()
             batch = next(batches, None)
-            summary.receive_s += time.perf_counter() - t
             if batch is None:
                 break
+            batch = unpack_rows(batch)
+            summary.receive_s += time.perf_counter() - t
             put(stream.feed(batch))
             bar.update(len(batch))
         put(stream.close())
+        finished = True
     finally:
         thread.close()
-        writer.queue.put(None)
-        writer.join()
-        bar.close()
         timings = thread.timings
         summary.encoder_s += timings.busy_s
         summary.encoder_host_s += timings.host_s
         summary.encoder_device_s += timings.device_s
-    if writer.error is not None:
-        raise RuntimeError(f"shard writer failed: {writer.error}") from writer.error
+        t = time.perf_counter()
+        try:
+            writer.close(abort=not finished)  # the last chunk's commit; raises when the writer failed
+        finally:
+            summary.writer_wait_s += time.perf_counter() - t
+            bar.close()
     summary.wall_s = time.perf_counter() - t_loop
     result = None
     if global_rank == 0:  # the other ranks are done; rank 0 merges once every chunk is committed

@@ -1,0 +1,190 @@
+"""The shard writer of a stage-one job, in a process of its own: the tar, npz and hashing work of
+committing chunks never takes the main process's GIL (which the encoder thread needs the moment a
+device call returns, and the main thread for everything else).
+
+The main thread hands each encoded row (in manifest order) to :meth:`ChunkWriter.put`; a sender
+thread writes it to a pipe as one JSON header (key, reject, json member, each array's member name,
+dtype and shape) followed by each array's raw bytes (``Connection.send_bytes`` of the array's
+buffer: no pickle, and the system calls release the GIL). The writer process rebuilds the row and
+gives it to :class:`shards.writer.ShardWriter`, committing each chunk when its last row arrived (its
+index part records the chunk's row ids and digests: :mod:`precompute.rerun`); it tells the parent
+each commit, and a listener thread there uploads the chunk (a remote cache's
+:meth:`precompute.output.RemoteOutput.chunk_committed`), counts it and updates the progress bar.
+
+``process=False`` runs the same loop in a thread of this process (the former writer; the pipe
+between them then only carries the rows to it): for tests and where a process cannot be forked.
+A writer that fails reports the error; the next :meth:`ChunkWriter.put` raises it.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: rows queued for the sender thread at most (back-pressure on the main thread beyond)
+QUEUE_ROWS = 64
+
+
+def _encode_row(key: str, fields: dict | None, reject: tuple | None) -> tuple[bytes, list[np.ndarray]]:
+    arrays, meta = [], []
+    head: dict[str, Any] = {"op": "row", "key": key, "reject": list(reject) if reject else None}
+    if fields is not None:
+        head["json"] = fields.get("json")
+        for name, value in fields.items():
+            if name == "json":
+                continue
+            a = np.ascontiguousarray(value)
+            meta.append([name, a.dtype.str, list(a.shape)])
+            arrays.append(a)
+        head["arrays"] = meta
+    return json.dumps(head).encode(), arrays
+
+
+def _decode_row(conn, head: dict) -> tuple[str, dict | None, tuple | None]:
+    if head["reject"] is not None:
+        return head["key"], None, tuple(head["reject"])
+    fields: dict[str, Any] = {"json": head["json"]}
+    for name, dtype, shape in head["arrays"]:
+        buf = conn.recv_bytes()
+        fields[name] = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+    return head["key"], fields, None
+
+
+def _serve(conn, out_dir: str, chunks: list[tuple[str, int, list[str], list[str]]], parent: int | None) -> None:
+    """The writer's loop (in the writer process, or a thread): rows from ``conn``, commits to ``conn``."""
+    from shards.writer import ShardWriter
+    if parent is not None:
+        from .lock import die_with_parent
+        die_with_parent(parent)
+    writer = None
+    try:
+        for name, n, ids, digests in chunks:
+            writer = ShardWriter(Path(out_dir), name)
+            for _ in range(n):
+                head = json.loads(conn.recv_bytes())
+                if head["op"] == "abort":
+                    writer.abort()
+                    conn.send_bytes(json.dumps({"op": "aborted"}).encode())
+                    return
+                key, fields, reject = _decode_row(conn, head)
+                if reject:
+                    writer.reject(*reject)
+                else:
+                    writer.add(key, fields)
+            entry = writer.commit({"rows": ids, "digests": digests})
+            writer = None
+            conn.send_bytes(json.dumps({"op": "committed", "name": name, "tar": entry is not None}).encode())
+        head = json.loads(conn.recv_bytes())  # the end (or an abort after the last chunk)
+        conn.send_bytes(json.dumps({"op": "done"}).encode())
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        if writer is not None:
+            writer.abort()
+        try:
+            conn.send_bytes(json.dumps({"op": "error", "message": f"{type(e).__name__}: {e}",
+                                        "traceback": traceback.format_exc()}).encode())
+        except OSError:
+            pass
+    finally:
+        conn.close()  # the sender's writes fail instead of blocking on a pipe nobody reads
+
+
+class ChunkWriter:
+    """Commits a job's chunks from encoded rows (see the module docstring).
+
+    Args:
+        output: the job's :class:`precompute.output.LocalOutput` (its ``local`` folder is written;
+            :meth:`~precompute.output.LocalOutput.chunk_committed` is called here, in this process).
+        chunks: ``[(shard name, rows, row ids, row digests)]`` in the order the rows will come.
+        summary: counts ``shards_written``; ``progress``: a tqdm bar (or None).
+        process: write in a forked process (default) or a thread of this process.
+    """
+
+    def __init__(self, output: Any, chunks: list[tuple[str, int, list[str], list[str]]], summary: Any,
+                 progress: Any = None, process: bool = True):
+        self.output, self.summary, self.progress = output, summary, progress
+        self.error: str | None = None
+        self._rows: queue.Queue = queue.Queue(maxsize=QUEUE_ROWS)
+        ctx = mp.get_context("fork")
+        self._conn, child = ctx.Pipe(duplex=True)
+        args = (child, str(output.local), chunks, os.getpid() if process else None)
+        self._worker = ctx.Process(target=_serve, args=args, daemon=True, name="shard-writer") if process else \
+            threading.Thread(target=_serve, args=args, daemon=True, name="shard-writer")
+        self._worker.start()
+        if process:
+            child.close()
+        self._child = child
+        self._sender = threading.Thread(target=self._send, daemon=True, name="shard-writer-send")
+        self._listener = threading.Thread(target=self._listen, daemon=True, name="shard-writer-listen")
+        self._done = threading.Event()
+        self._sender.start()
+        self._listener.start()
+
+    def _send(self) -> None:
+        while True:
+            item = self._rows.get()
+            try:
+                if item is None:
+                    self._conn.send_bytes(json.dumps({"op": "end"}).encode())
+                    return
+                if item == "abort":
+                    self._conn.send_bytes(json.dumps({"op": "abort"}).encode())
+                    return
+                head, arrays = _encode_row(*item)
+                self._conn.send_bytes(head)
+                for a in arrays:
+                    self._conn.send_bytes(memoryview(a).cast("B") if a.size else b"")
+            except OSError as e:  # the writer is gone (it reported why, or died)
+                self.error = self.error or f"shard writer gone: {e}"
+                while self._rows.get() not in (None, "abort"):  # unblock the main thread
+                    pass
+                return
+
+    def _listen(self) -> None:
+        try:
+            while True:
+                msg = json.loads(self._conn.recv_bytes())
+                if msg["op"] == "committed":
+                    self.output.chunk_committed(msg["name"], msg["tar"])  # a remote cache: upload it
+                    self.summary.shards_written += msg["tar"]
+                    if self.progress is not None:
+                        self.progress.set_postfix(shards=self.summary.shards_written, rejected=self.summary.rejected)
+                elif msg["op"] == "error":
+                    self.error = msg["message"] + "\n" + msg["traceback"]
+                    return
+                else:  # done, aborted
+                    return
+        except (EOFError, OSError) as e:
+            self.error = self.error or f"the shard writer process died ({type(e).__name__}: {e})"
+        except BaseException as e:  # noqa: BLE001 - an upload failed: surfaced by put/close
+            self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        finally:
+            self._done.set()
+
+    def put(self, key: str, fields: dict | None, reject: tuple | None) -> None:
+        """Hand one row (in manifest order) to the writer; blocks while ``QUEUE_ROWS`` rows wait. Raises
+        ``RuntimeError`` when the writer failed."""
+        if self.error is not None:
+            raise RuntimeError(f"shard writer failed: {self.error}")
+        self._rows.put((key, fields, reject))
+
+    def close(self, abort: bool = False) -> None:
+        """Wait until every chunk is committed (or, ``abort``, drop the unfinished one and stop). Raises
+        ``RuntimeError`` when the writer failed."""
+        self._rows.put("abort" if abort else None)
+        self._sender.join()
+        self._done.wait()
+        self._listener.join()
+        self._worker.join(timeout=60)
+        self._conn.close()
+        if self.error is not None and not abort:
+            raise RuntimeError(f"shard writer failed: {self.error}")
+
+
+__all__ = ["ChunkWriter", "QUEUE_ROWS"]
