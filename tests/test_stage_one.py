@@ -312,3 +312,20 @@ def test_a_writer_that_fails_stops_the_job_naming_why(tiny_config, tmp_path, mon
     with pytest.raises(RuntimeError, match="shard writer failed.*no_such_member"):
         run(_voice_rows(tmp_path), tmp_path / "c", cfg, progress=False)
     assert not list((tmp_path / "c").glob("*.tar"))
+
+
+@pytest.mark.slow
+def test_two_codec_processes_give_the_codes_of_one(dac_models):
+    """``processes: 2``: calls go to two processes holding the codec (4 clips x 0.5 s buckets); the codes
+    are those of one process, bit for bit, and a failing clip stays its own."""
+    clips = [chirp(n, seed=i) for i, n in enumerate((20160, 9600, 30000, 961, 19000, 9601, 48000, 960))]
+    for options in ({"max_batch_size": 2, "bucket_s": 0.5},):
+        one = _dac(dac_models, **options).encode(clips)
+        two = _dac(dac_models, processes=2, **options)
+        got = two.submit(clips + [np.full(960, np.inf, np.float32)]).result()
+        assert two._pool is not None and len(two._pool.workers) == 2
+        assert len({w.process.pid for w in two._pool.workers}) == 2
+        for a, b in zip(one, got):
+            np.testing.assert_array_equal(a, b)
+        assert isinstance(got[-1], ValueError)
+        two._pool.close()

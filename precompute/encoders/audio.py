@@ -89,6 +89,27 @@ def _length(w: Any) -> int:
     return int(shape[0]) if len(shape) else 0
 
 
+def _check_shape(codec: "HFCodecTokenizer", call: Call, shape: tuple) -> None:
+    expected = (call.size, codec.n_codebooks, codec.frames(call.length))
+    if shape != expected:
+        raise RuntimeError(
+            f"{type(codec).__name__}: model returned codes of shape {shape} for input "
+            f"{(call.size, 1, call.length)}, expected {expected} (hop_length={codec.hop_length}); the checkpoint's "
+            "config does not match this wrapper")
+
+
+class _Checked:
+    """A call's codes from a codec process, shape-checked when they come."""
+
+    def __init__(self, remote: Any, codec: "HFCodecTokenizer", call: Call):
+        self.remote, self.codec, self.call = remote, codec, call
+
+    def numpy(self) -> np.ndarray:
+        codes = self.remote.numpy()
+        _check_shape(self.codec, self.call, tuple(codes.shape))
+        return codes
+
+
 def plan_batches(
     lengths: Sequence[int], hop_length: int, max_batch_size: int, max_batch_samples: int
 ) -> list[tuple[int, list[int]]]:
@@ -138,11 +159,14 @@ class HFCodecTokenizer(Declares):
         max_batch_samples: at most this many (padded) samples per call; bounds memory for long
             clips (a clip longer than this is still encoded, alone).
         bucket_s: seconds per length bucket of batched calls (0: clips of equal length only).
+        processes: copies of the model on ``device``, each in a process of its own
+            (:mod:`precompute.encoders.processes`; for codecs bound by kernel launches); a call's codes
+            are the same whichever copy runs it. Needs the codec loaded by :meth:`from_pretrained`.
     """
 
     name = "codec"
     #: option names accepted by the registry besides ``name``/``pretrained``
-    OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples", "bucket_s")
+    OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples", "bucket_s", "processes")
     #: clips are zero-padded to a multiple of ``hop_length`` (the canonical encoding above); False:
     #: encoded as they are, and the model says how many frames (:class:`HiggsTokenizer`)
     PADS_TO_HOP = True
@@ -161,6 +185,7 @@ class HFCodecTokenizer(Declares):
         max_batch_size: int = 1,
         max_batch_samples: int = 24_000 * 240,
         bucket_s: float = 0.0,
+        processes: int = 1,
     ) -> None:
         import torch
 
@@ -173,6 +198,11 @@ class HFCodecTokenizer(Declares):
         if int(max_batch_size) < 1 or int(max_batch_samples) < 1:
             raise ValueError("max_batch_size and max_batch_samples must be >= 1")
         self.batch_policy = BatchPolicy(int(max_batch_size), float(bucket_s))
+        if not isinstance(processes, int) or isinstance(processes, bool) or not 1 <= processes <= 64:
+            raise ValueError(f"processes must be an integer in [1, 64], got {processes!r}")
+        self.processes = processes
+        self._recipe: tuple | None = None  # (class, pretrained, options): how a codec process loads it
+        self._pool = None
         self.max_batch_size = int(max_batch_size)
         self.max_batch_samples = int(max_batch_samples)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -211,6 +241,8 @@ class HFCodecTokenizer(Declares):
             raise load_error(what, path, e) from e
         obj = cls(model, device=device, dtype=dtype, **kwargs)
         obj.pretrained = path
+        if model_class is None:  # (HiggsTokenizer records its own call)
+            obj._recipe = (cls, path, dict(kwargs, device=str(device), dtype=dtype))
         return obj
 
     # -- the protocol -------------------------------------------------------------------------
@@ -302,14 +334,19 @@ class HFCodecTokenizer(Declares):
                     except Exception as e:  # noqa: BLE001 - travels with its clip
                         out[call.places[p]] = e
         wait = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.processes == 1:
             event = torch.cuda.Event()
             event.record()
             wait = event.synchronize
 
         def finish() -> list:
             for call, live, host in launched:
-                codes = host.numpy()
+                try:
+                    codes = host.numpy()
+                except Exception as e:  # noqa: BLE001 - a codec process's call failed: its clips
+                    for p in live:
+                        out[call.places[p]] = e
+                    continue
                 if codes.size and (codes.min() < 0 or codes.max() >= self.codebook_size):
                     err = RuntimeError(f"{type(self).__name__}: codes outside [0, {self.codebook_size})")
                     for p in live:
@@ -325,23 +362,25 @@ class HFCodecTokenizer(Declares):
         return Pending(finish, wait)
 
     def _launch(self, call: Call, clips: list[tuple[int, np.ndarray]]):
-        """Queue one call (zero padding, zero slots) on the device; its codes ``(size, n_q, frames)`` in host
-        memory once the device is done (pinned and copied without blocking on CUDA)."""
+        """Queue one call (zero padding, zero slots) on the device, or send it to a codec process; its codes
+        ``(size, n_q, frames)`` come from the returned object's ``numpy()`` once done (pinned and copied
+        without blocking on CUDA)."""
         import torch
 
         x = np.zeros((call.size, 1, call.length), dtype=np.float32)
         for p, c in clips:
             x[p, 0, : c.size] = c
+        if self.processes > 1:
+            if self._pool is None:
+                if self._recipe is None:
+                    raise ValueError(f"{type(self).__name__}: processes > 1 needs a codec loaded with from_pretrained")
+                from .processes import CodecPool
+                self._pool = CodecPool(self._recipe, self.processes)
+            return _Checked(self._pool.submit(x), self, call)
         with torch.inference_mode():
             xt = to_device(x, self.device, self.dtype)  # pinned + non-blocking on CUDA
             codes = self._encode_batch(xt)
-        expected = (call.size, self.n_codebooks, self.frames(call.length))
-        if tuple(codes.shape) != expected:
-            raise RuntimeError(
-                f"{type(self).__name__}: model returned codes of shape {tuple(codes.shape)} for input "
-                f"{tuple(x.shape)}, expected {expected} (hop_length={self.hop_length}); the checkpoint's config "
-                "does not match this wrapper"
-            )
+        _check_shape(self, call, tuple(codes.shape))
         return to_host(codes)
 
     def describe(self) -> dict:
@@ -602,8 +641,11 @@ class HiggsTokenizer(HFCodecTokenizer):
                 + ": use the tokenizer in transformers format (eustlb/higgs-audio-v2-tokenizer, the conversion "
                   "script's default; docs/higgs-audio.md)")
         from .higgs_resampler import model_class
-        model_cls, resampler = model_class(kwargs.pop("resampler", "torchaudio"))
-        return super().from_pretrained(path, model_class=model_cls, resampler=resampler, **kwargs)
+        asked = kwargs.pop("resampler", "torchaudio")
+        model_cls, resampler = model_class(asked)
+        obj = super().from_pretrained(path, model_class=model_cls, resampler=resampler, **kwargs)
+        obj._recipe = (cls, path, dict(kwargs, resampler=asked))
+        return obj
 
     def _encode_batch(self, x):
         return self.model.encode(x, bandwidth=self.bandwidth).audio_codes
