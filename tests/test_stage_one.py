@@ -329,3 +329,22 @@ def test_two_codec_processes_give_the_codes_of_one(dac_models):
             np.testing.assert_array_equal(a, b)
         assert isinstance(got[-1], ValueError)
         two._pool.close()
+
+
+def test_higgs_bucketed_calls_keep_each_clips_own_frame_count(higgs_codec):
+    """The Higgs tokenizer encodes a clip unpadded; in a bucketed call its codes are cut to the frames the
+    model gives the clip alone (:meth:`HiggsTokenizer.frames`, the model's own length arithmetic)."""
+    import torch
+
+    from precompute.encoders import load_audio_tokenizer
+    spec = {"name": "higgs", "pretrained": str(higgs_codec / "higgs-audio-tokenizer-tiny")}
+    tok = load_audio_tokenizer(spec)
+    lengths = (961, 2400, 2401, 7777, 25449)
+    with torch.inference_mode():
+        for n in lengths:
+            want = tok.model.encode(torch.zeros(1, 1, n), bandwidth=tok.bandwidth).audio_codes.shape[-1]
+            assert tok.frames(n) == want, n
+    batched = load_audio_tokenizer(dict(spec, max_batch_size=2, bucket_s=0.5))
+    clips = [chirp(n, seed=n) for n in lengths]
+    assert [c.shape for c in batched.encode(clips)] == [c.shape for c in tok.encode(clips)]
+    assert all(c.length % (12 * 960) == 0 for c in batched.plan([len(c) for c in clips]))  # 0.5 s to the hop
