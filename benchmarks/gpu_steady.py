@@ -19,7 +19,11 @@ conversations of one JPEG, Wan 2.1 VAE at 512 px in bfloat16 + Gemma 3's SigLIP 
    batched as the job batches them (:class:`precompute.pipeline.EncodeStream`); seconds per row.
    ``wall / encoders alone`` = the job's processing wall (first batch to last commit: model loading
    and weight hashing are ``setup_s``) over ``n x`` those seconds per row. The encoder calls
-   include what the encoders do on the host (Gemma 3's image processor; the codec's resample).
+   include what the encoders do on the host (Gemma 3's rescale + normalise; the codec's resample).
+4. where the job's time went (:meth:`precompute.encode.Summary.split`): the encoder thread's busy
+   time, of it the host's share (queueing: Python, kernel launches) and the device's (CUDA events
+   around each batch); the main thread's waits for decoded rows, its host work (host-only producers,
+   value checks, the json member), its waits for the encoder thread and for the shard writer.
 
 Models: ``higgs-audio-tokenizer-full`` and ``wan-full`` (``python -m tools.testing --size full``)
 and a Gemma 3 directory with ``google/gemma-3-4b-it``'s vision tower, projector and processor
@@ -196,6 +200,7 @@ def bench(job: str, dirs: dict[str, Path], device: str, n: int, distinct: int, a
             "samples_per_s": round(summary.kept / summary.wall_s, 2) if summary.wall_s else None,
             "encoders_alone": a, "encoders_alone_s": round(alone_s, 2),
             "wall_over_encoders_alone": round(summary.wall_s / alone_s, 3) if alone_s else None,
+            "split": summary.split(),
             **mon.window(summary.setup_s, summary.setup_s + summary.wall_s)}  # the processing loop
 
 
@@ -212,6 +217,16 @@ def markdown(r: dict) -> str:
         lines.append(f"| {j['job']} | {j['kept']} ({j['distinct_files']}) | {j['samples_per_s']} | "
                      f"{j['wall_over_encoders_alone']} | {j['encoder_busy']:.0%} | {util} | {j['cores_busy']} | "
                      f"{j['decode_workers']} | {j['setup_s']} |")
+    lines += ["", "Where the time went (s over the processing wall): encoder thread busy (of it: queueing on the host, "
+              "device time between CUDA events); main thread waiting for decoded rows, host work, waiting for the "
+              "encoder thread, waiting for the shard writer:", "",
+              "| job | wall | encoder busy | encoder host | encoder device | receive | host | wait encoder | wait writer |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for j in r["jobs"]:
+        x = j["split"]
+        lines.append(f"| {j['job']} | {x['wall_s']:.2f} | {x['encoder_s']:.2f} | {x['encoder_host_s']:.2f} | "
+                     f"{x['encoder_device_s']:.2f} | {x['receive_s']:.2f} | {x['host_s']:.2f} | "
+                     f"{x['collect_wait_s']:.2f} | {x['writer_wait_s']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

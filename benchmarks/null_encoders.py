@@ -80,18 +80,16 @@ class NullVAE:
 
 
 class SquareResize:
-    """uint8 ``(H, W, 3)`` -> uint8 ``(3, size, size)``: torchvision's antialiased bilinear resize, the
-    step Gemma 3's image processor runs first (in the decode workers at stage one). Picklable."""
+    """uint8 ``(H, W, 3)`` -> uint8 ``(3, size, size)``: Pillow's bilinear resize, the step Gemma 3's image
+    processor runs first (its PIL backend's; in the decode workers at stage one). Picklable."""
 
     def __init__(self, size: int = 896):
         self.size = int(size)
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
-        import torch
-        from torchvision.transforms.v2 import functional as tvF
-        x = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
-        return tvF.resize(x, [self.size, self.size], interpolation=tvF.InterpolationMode.BILINEAR,
-                          antialias=True).contiguous().numpy()
+        from PIL import Image
+        out = Image.fromarray(np.asarray(image, dtype=np.uint8)).resize((self.size, self.size), Image.BILINEAR)
+        return np.ascontiguousarray(np.asarray(out).transpose(2, 0, 1))
 
 
 class NullVision:

@@ -144,8 +144,10 @@ def text_tokenizer(tiny_models):
 
 
 def _prepare(req, cfg, tok):
+    from precompute import chat
     from precompute import prepare as P
-    return P.prepare(req, 0, cfg, (16000,), tok)
+    return P.Preparer(P.DecodeOptions.of(cfg), ((16000, frozenset({"in", "out"})),), tok, "llama3",
+                      chat.ChatTokens.of(cfg))(req, 0)
 
 
 def test_total_duration_cap_is_applied_from_headers_before_decoding(tmp_path, monkeypatch, text_tokenizer):

@@ -348,3 +348,29 @@ def test_higgs_bucketed_calls_keep_each_clips_own_frame_count(higgs_codec):
     clips = [chirp(n, seed=n) for n in lengths]
     assert [c.shape for c in batched.encode(clips)] == [c.shape for c in tok.encode(clips)]
     assert all(c.length % (12 * 960) == 0 for c in batched.plan([len(c) for c in clips]))  # 0.5 s to the hop
+
+
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
+def test_gemma_processor_split_gives_its_own_pixel_values(tiny_models, tmp_path, backend):
+    """Gemma 3's image processor split in two (its resize in the decode workers, its rescale + normalise on
+    the encoder's device) gives exactly the pixel_values of the processor in one call, with either of
+    transformers' backends."""
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from precompute.producers.image_features import ProcessorResize, normalize
+    from tools.testing import build
+    ip = AutoProcessor.from_pretrained(build("gemma3", tiny_models, "tiny")[0]).image_processor
+    if backend == "torchvision":
+        pytest.importorskip("torchvision")  # (not in the dev install: transformers then uses the PIL backend)
+        from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor
+        ip = Gemma3ImageProcessor(**{k: v for k, v in ip.to_dict().items() if k in (
+            "size", "resample", "image_mean", "image_std", "do_rescale", "rescale_factor", "do_normalize",
+            "do_resize", "do_convert_rgb")})
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((37, 91), (120, 64), (64, 64))]
+    want = ip([Image.fromarray(a) for a in images], return_tensors="pt")["pixel_values"]
+    resize = ProcessorResize(ip)
+    got = normalize(ip, torch.from_numpy(np.stack([resize(a) for a in images])))
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)

@@ -38,7 +38,8 @@ def _serve(conn, recipe: tuple[type, str, dict], parent: int) -> None:
             return
         if head.get("op") == "stop":
             return
-        x = np.frombuffer(conn.recv_bytes(), dtype=np.float32).reshape(head["shape"])
+        x = np.empty(head["shape"], dtype=np.float32)  # writable: torch takes it as it is
+        conn.recv_bytes_into(memoryview(x).cast("B"))
         try:
             with torch.inference_mode():
                 codes = codec._encode_batch(to_device(x, codec.device, codec.dtype)).to("cpu").numpy()

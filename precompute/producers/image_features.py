@@ -50,20 +50,44 @@ from .base import ImageTokens, Producer, Timer, submit_each
 
 
 class ProcessorResize:
-    """The resize step of a transformers image processor (the torchvision backend's ``resize``, what
-    ``processor(images=...)`` runs first): uint8 ``(H, W, 3)`` -> uint8 ``(3, S, S)``. Picklable; run in
-    the decode workers (``Prepared.model_images``), so the main process never resizes an image."""
+    """The resize step of a transformers image processor, what ``processor(images=...)`` runs first, by
+    its own ``resize`` (its torchvision backend's, or its PIL backend's): uint8 ``(H, W, 3)`` -> uint8
+    ``(3, S, S)``. Picklable; run in the decode workers (``Prepared.model_images``), so the main
+    process never resizes an image. :func:`normalize` is the processor's next step, on the device."""
 
     def __init__(self, image_processor: Any):
+        from transformers.image_processing_backends import TorchvisionBackend
         from transformers.image_utils import SizeDict
         self.image_processor = image_processor
-        self.size = SizeDict(**image_processor.size)
+        self.torchvision = isinstance(image_processor, TorchvisionBackend)
+        size = image_processor.size  # a SizeDict (transformers 5) or its dict
+        self.size = size if isinstance(size, SizeDict) else SizeDict(**size)
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
-        import torch
-        x = torch.from_numpy(np.ascontiguousarray(np.asarray(image, dtype=np.uint8))).permute(2, 0, 1)
         ip = self.image_processor
-        return ip.resize(image=x[None], size=self.size, resample=ip.resample)[0].contiguous().numpy()
+        chw = np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
+        if self.torchvision:
+            import torch
+            return ip.resize(image=torch.from_numpy(chw)[None], size=self.size, resample=ip.resample)[0].numpy()
+        return np.asarray(ip.resize(image=chw, size=self.size, resample=ip.resample), dtype=np.uint8)
+
+
+def normalize(image_processor: Any, x):
+    """The image processor's rescale and normalise of resized uint8 images ``x`` ``(N, 3, S, S)`` (a torch
+    tensor, on the encoder's device) -> float32 ``pixel_values``, in the processor's own arithmetic: its
+    torchvision backend's fused ``(x - 255 mean) / (255 std)`` (its own ``rescale_and_normalize``), or its
+    PIL backend's ``x`` in float64 times ``rescale_factor``, cast to float32, then ``(x - mean) / std``."""
+    import torch
+    from transformers.image_processing_backends import TorchvisionBackend
+    ip = image_processor
+    if isinstance(ip, TorchvisionBackend):
+        return ip.rescale_and_normalize(x, ip.do_rescale, ip.rescale_factor, ip.do_normalize, ip.image_mean, ip.image_std)
+    x = (x.to(torch.float64) * ip.rescale_factor).to(torch.float32) if ip.do_rescale else x.to(torch.float32)
+    if ip.do_normalize:
+        mean = torch.tensor(ip.image_mean, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
+        std = torch.tensor(ip.image_std, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
+        x = (x - mean) / std
+    return x
 
 
 class Gemma3VisionEncoder(Declares):
@@ -154,11 +178,9 @@ class Gemma3VisionEncoder(Declares):
         int16 copied into pinned memory without blocking; ``result()``: one int16 ``(tokens_per_image,
         hidden)`` array per image."""
         import torch
-        ip = self.processor.image_processor
         with torch.inference_mode():
             x = to_device(np.stack([np.asarray(a, dtype=np.uint8) for a in resized]), self.device)
-            pixel_values = ip.rescale_and_normalize(x, ip.do_rescale, ip.rescale_factor, ip.do_normalize,
-                                                    ip.image_mean, ip.image_std)
+            pixel_values = normalize(self.processor.image_processor, x)
             bits = to_host(self.features(pixel_values).to(torch.bfloat16).contiguous().view(torch.int16))
         wait = None
         if self.device.type == "cuda":
@@ -292,5 +314,5 @@ def make_image_features(field: str = "image_features", device: str = "cpu", imag
     return ImageFeaturesProducer(load_vision_encoder(spec, device), field, image_rgb)
 
 
-__all__ = ["Gemma3VisionEncoder", "ImageFeaturesProducer", "VISION_ENCODERS", "image_features_problems",
+__all__ = ["ProcessorResize", "normalize", "Gemma3VisionEncoder", "ImageFeaturesProducer", "VISION_ENCODERS", "image_features_problems",
            "load_vision_encoder", "make_image_features"]
