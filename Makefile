@@ -34,7 +34,7 @@ NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),2)
 PRECOMPUTE_NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),1)
 _PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(PRECOMPUTE_NPROC),$(PY))
 
-.PHONY: setup precompute train test test-long test-floors inspect bench bench-venv bench-gpu models demo-data boson-venv core-venv clean help
+.PHONY: setup precompute train test test-long test-floors inspect bench bench-venv bench-gpu bench-gpu-stage-one models demo-data boson-venv core-venv clean help
 
 help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
@@ -45,6 +45,7 @@ help:
 	@echo "make bench        benchmarks (writes benchmarks/results/*.json), the loader beside LitData/Mosaic"
 	@echo "make bench-venv   the peers' benchmark venv ($(BENCH_VENV): litdata, mosaicml-streaming)"
 	@echo "make bench-gpu    stage one with real-size encoders and the recipes' data wait on a CUDA GPU"
+	@echo "make bench-gpu-stage-one  stage one's GPU checks in one call (~5 min): batched codes, codec s/s, steady state"
 	@echo "make models       build the tiny random test models into $(MODELS)/"
 	@echo "make demo-data    regenerate data/demo (needs espeak-ng)"
 	@echo "make core-venv    $(CORE_VENV): the core install alone (what a training node needs), its size"
@@ -171,6 +172,13 @@ bench-gpu: $(VENV)/.installed $(MODELS)/.built
 	$(PY) -m benchmarks.gpu
 	$(PY) -m benchmarks.gpu_steady
 	$(PY) -m benchmarks.gpu_codec_batch
+
+# Stage one's GPU checks in one call of about 5 minutes (benchmarks/results/gpu_stage_one.*): whether a
+# batched clip's codes with zero slots beside it equal its codes with real clips at every place, the
+# Higgs tokenizer's audio s/s by batching and by 2 processes (codes run to run, 2 processes vs 1), and
+# the TTS and TheWorld jobs at default settings against their encoders alone with where the time went.
+bench-gpu-stage-one: $(VENV)/.installed $(MODELS)/.built
+	$(PY) -m benchmarks.gpu_stage_one
 
 demo-data: $(VENV)/.installed-precompute
 	$(PY) scripts/make_demo_data.py --out data/demo

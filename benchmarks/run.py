@@ -1,13 +1,14 @@
 """``make bench``: every figure as a ratio of two things measured in the same run.
 
-    python -m benchmarks.run [--quick] [--only ceiling,precompute,loader,cache,train_step,data_wait,ddp]
-                             [--ceiling-n 2000]
+    python -m benchmarks.run [--quick] [--only ceiling,overlap,precompute,loader,cache,train_step,data_wait,ddp]
+                             [--ceiling-n 2000] [--overlap-n 600]
 
 Writes ``benchmarks/results/<name>.json`` per section and ``benchmarks/results/summary.md`` (the
 table the README shows). Uses the bundled demo data and, when present,
 ``../shared/data/real-mini``; ``ceiling`` (stage one with null encoders, :mod:`benchmarks.bench_ceiling`)
 a synthetic corpus of ``--ceiling-n`` samples per job kind, written once outside the repository
-(:mod:`benchmarks.synth_corpus`). ``--quick`` skips the real-size (randomly initialised) encoders.
+(:mod:`benchmarks.synth_corpus`); ``overlap`` (:mod:`benchmarks.bench_overlap`) the real job with a
+stand-in codec that waits 50 ms per clip without the GIL, one decode process: wall / encoder time. ``--quick`` skips the real-size (randomly initialised) encoders.
 Needs the test models: ``python -m tools.testing --out models`` (tiny) and
 ``--size full --only dac,wan`` (built here on demand).
 """
@@ -30,7 +31,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DEMO = ROOT / "data" / "demo" / "samples.jsonl"
 REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" / "data" / "real-mini"))
 MODELS = ROOT / "models"
-SECTIONS = ("ceiling", "precompute", "loader", "cache", "train_step", "data_wait", "ddp")
+SECTIONS = ("ceiling", "overlap", "precompute", "loader", "cache", "train_step", "data_wait", "ddp")
 
 
 def machine() -> dict:
@@ -180,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="skip the real-size encoder configs")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--ceiling-n", type=int, default=2000, help="samples per job kind of the ceiling section")
+    ap.add_argument("--overlap-n", type=int, default=600, help="rows per job kind of the overlap section")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     ensure_models("tiny")
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
     from precompute.job import run as precompute
     caches = {}
     from benchmarks.bench_precompute import corpus_name
-    for manifest in corpora() if only - {"ceiling", "precompute", "ddp"} else []:  # the caches the readers read
+    for manifest in corpora() if only - {"ceiling", "overlap", "precompute", "ddp"} else []:  # the caches the readers read
         caches[manifest] = tmp / corpus_name(manifest)
         precompute(manifest, caches[manifest], tiny_config(samples_per_shard=64), progress=False)
 
@@ -204,6 +206,13 @@ def main(argv=None) -> int:
         r = bench_ceiling.run_section(args.ceiling_n)
         save("ceiling", r | {"machine": info})
         lines += bench_ceiling.summary_lines(r)
+
+    marks["overlap"] = len(lines)
+    if "overlap" in only:
+        from benchmarks import bench_overlap
+        r = bench_overlap.run_section(args.overlap_n)
+        save("overlap", r | {"machine": info})
+        lines += bench_overlap.summary_lines(r)
 
     marks["precompute"] = len(lines)
     if "precompute" in only:

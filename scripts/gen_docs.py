@@ -129,65 +129,74 @@ def stage_one_headline() -> str:
 
 
 #: what the stages' CPU time of the main process is (the rest runs in the decode processes)
-MAIN_STAGES = ("encode (null)", "tar write", "checksum", "index")
+#: the stages of the ceiling's stage pass that run in each process of a rank (see the throughput model)
+DECODE_STAGES = ("decode", "resample", "tokenize")
+MAIN_STAGES = ("encode (null)",)
+WRITER_STAGES = ("tar write", "checksum", "index")
 
 
 def throughput_model() -> str:
-    """docs/benchmarks.md's throughput model: the null-encoder ceiling per core (``ceiling.json``,
-    CPU) against the encoders' speed on an H100 (``gpu.json``), per job; see the text around it."""
+    """docs/benchmarks.md's throughput model, on the pipeline's structure: per rank, decode processes,
+    a main process (its main thread and the encoder thread) and a writer process, all overlapped. The
+    CPU figures are the ceiling's stage pass (``ceiling.json``, this VM); the GPU figure is each
+    recipe's encoders alone at its default settings on one H200 (``gpu_steady-new.json``,
+    ``gpu_steady-tw.json``); see the text around it for what is measured and what assumed."""
     import json
     import math
     res = ROOT / "benchmarks" / "results"
-    if not (res / "ceiling.json").exists() or not (res / "gpu.json").exists():
+    need = ("ceiling.json", "gpu_steady-new.json", "gpu_steady-tw.json")
+    if not all((res / f).exists() for f in need):
         return "(run `make bench` and `make bench-gpu`)"
-    c, g = json.loads((res / "ceiling.json").read_text()), json.loads((res / "gpu.json").read_text())
+    c = json.loads((res / "ceiling.json").read_text())
     kinds = {x["kind"]: x for x in c["kinds"]}
-    higgs = next(x for x in g["codecs"] if x["encoder"] == "higgs")["audio_s_per_s"]
-    wan = next(x for x in g["vae"] if x["dtype"] == "bfloat16")["ms_per_image"] / 1e3
-    siglip = g["siglip"][0]["ms_per_image"] / 1e3
-    rows = ["| job | encoder s per sample (H100) | samples/s one GPU | decode samples/s per core | cores per GPU "
-            "(+1 main) | main process ceiling, samples/s (one rank) | 8 GPUs + 64 cores: samples/s, bound | "
-            "8 GPUs + 128 cores: samples/s, bound |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    card, gpu_s = None, {}
+    for f, kind in (("gpu_steady-new.json", "voice_clone"), ("gpu_steady-tw.json", "llava")):
+        g = json.loads((res / f).read_text())
+        card = card or g["machine"]["gpu"]
+        gpu_s[kind] = g["jobs"][0]["encoders_alone"]["s_per_row"]
+    gpu_s["speech"] = gpu_s["voice_clone"] / 2  # one 10 s clip per row against two: derived, not measured
+    rows = [f"| job | GPU s per sample ({card}, defaults) | samples/s one GPU | decode CPU ms per sample | main thread CPU "
+            "ms per sample | writer CPU ms per sample | decode cores per GPU | 8 GPUs + 64 cores: samples/s, bound | "
+            "8 GPUs + 128 cores: samples/s, bound |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     node: dict[str, dict[int, float]] = {}
-    for kind, label in (("speech", "TTS, flat 10 s clips (Higgs tokenizer)"),
-                        ("voice_clone", "TTS, ChatML voice cloning, 2 x 10 s (Higgs tokenizer)"),
+    for kind, label in (("speech", "TTS, flat 10 s clips (Higgs tokenizer, clip by clip)"),
+                        ("voice_clone", "TTS, ChatML voice cloning, 2 x 10 s (Higgs tokenizer, clip by clip)"),
                         ("llava", "TheWorld, LLaVA, 1 image (Wan VAE bf16 512 px + SigLIP 896 px)")):
         x = kinds.get(kind)
         if x is None:
             continue
-        j, st = x["job"], x["stages"]
-        t_gpu = (j["audio_s"] / j["samples"]) / higgs if kind != "llava" else wan + siglip
-        gpu_rate, core = 1 / t_gpu, x["samples_per_core_s"]
-        main_cpu = sum(st["cpu_s"][k] for k in MAIN_STAGES) / st["rows"]
-        if kind == "llava" and c.get("gemma_processor"):  # the real SigLIP's processor runs in the main process
-            main_cpu += c["gemma_processor"]["cpu_ms_per_image"] / 1e3
-        main_rate = 1 / main_cpu
+        st = x["stages"]
+        per = {name: sum(st["cpu_s"][k] for k in stages) / st["rows"]
+               for name, stages in (("decode", DECODE_STAGES), ("main", MAIN_STAGES), ("writer", WRITER_STAGES))}
+        gpu_rate = 1 / gpu_s[kind]
         cells = []
         for cores in (64, 128):
-            bounds = {"GPUs": 8 * gpu_rate, "decode cores": (cores - 8) * core, "main processes": 8 * main_rate}
+            bounds = {"GPUs": 8 * gpu_rate, "decode cores": (cores - 16) / per["decode"],
+                      "main threads": 8 / per["main"], "writers": 8 / per["writer"]}
             what = min(bounds, key=bounds.get)
             node.setdefault(kind, {})[cores] = bounds[what]
             cells.append(f"{bounds[what]:,.0f}, {what}")
-        rows.append(f"| {label} | {t_gpu * 1e3:.1f} ms | {gpu_rate:.1f} | {core:.1f} | "
-                    f"{math.ceil(gpu_rate / core)} | {main_rate:.0f} | {cells[0]} | {cells[1]} |")
+        rows.append(f"| {label} | {gpu_s[kind] * 1e3:.1f} ms | {gpu_rate:.1f} | {per['decode'] * 1e3:.1f} | "
+                    f"{per['main'] * 1e3:.1f} | {per['writer'] * 1e3:.1f} | {math.ceil(gpu_rate * per['decode'])} | "
+                    f"{cells[0]} | {cells[1]} |")
     out = "\n".join(rows)
     corp = []
     if "llava" in node:
         n = 1.2e6
-        t_gpu = wan + siglip
         for cores in (64, 128):
             wall = n / (2 * node["llava"][cores])
-            corp.append(f"1.2 M images (TheWorld job), 2 x 8 H100 with {cores} cores each: {wall / 3600:.2f} h wall, "
-                        f"{16 * wall / 3600:.1f} GPU-hours held ({n * t_gpu / 3600:.1f} GPU-hours of encoder work)")
+            corp.append(f"1.2 M images (TheWorld job), 2 nodes of 8 {card} with {cores} cores each: {wall / 3600:.2f} h "
+                        f"wall, {16 * wall / 3600:.1f} GPU-hours held ({n * gpu_s['llava'] / 3600:.1f} GPU-hours of "
+                        "encoder work)")
     if "speech" in node:
         x = kinds["speech"]
         clip = x["job"]["audio_s"] / x["job"]["samples"]
         n = 10_000 * 3600 / clip
         for cores in (64, 128):
             wall = n / (2 * node["speech"][cores])
-            corp.append(f"10,000 h of audio in {clip:.0f} s clips (TTS job), 2 x 8 H100 with {cores} cores each: "
+            corp.append(f"10,000 h of audio in {clip:.0f} s clips (TTS job), 2 nodes of 8 {card} with {cores} cores each: "
                         f"{wall / 3600:.2f} h wall, {16 * wall / 3600:.1f} GPU-hours held "
-                        f"({10_000 * 3600 / higgs / 3600:.1f} GPU-hours of encoder work)")
+                        f"({n * gpu_s['speech'] / 3600:.1f} GPU-hours of encoder work)")
     return out + "\n\n" + "\n".join(f"- {x}" for x in corp)
 
 

@@ -65,6 +65,8 @@ class ProcessorResize:
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
         ip = self.image_processor
+        if ip.do_pan_and_scan:  # (refused when the encoder loads; also if set on since)
+            raise ValueError("the image processor has do_pan_and_scan on (crops per image): set it false")
         chw = np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
         if self.torchvision:
             import torch
@@ -169,8 +171,11 @@ class Gemma3VisionEncoder(Declares):
             return self.projector(h)
 
     def encode(self, images: list[np.ndarray]) -> list[np.ndarray]:
-        """One int16 ``(tokens_per_image, hidden)`` array of bfloat16 bits per uint8 ``(H, W, 3)`` image."""
-        return self.submit([self.image_input(a) for a in images]).result()
+        """One int16 ``(tokens_per_image, hidden)`` array of bfloat16 bits per uint8 ``(H, W, 3)`` image: the
+        processor in one call (:meth:`pixel_values`, which refuses pan-and-scan crops), the tower, the projector.
+        (The job splits the processor: :attr:`image_input` in the decode workers, then :meth:`submit`.)"""
+        from shards.kinds import BFloat16Bits
+        return list(BFloat16Bits.to_storage(self.features(self.pixel_values(images))))
 
     def submit(self, resized: list[np.ndarray]) -> Pending:
         """Queue the features of images already resized by :attr:`image_input` (uint8 ``(3, S, S)``): the
