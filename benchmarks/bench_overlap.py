@@ -31,24 +31,25 @@ TARGET = 1.05
 KINDS = ("speech", "voice_clone")
 
 
-def config(kind: str, ms: float, **kw):
-    """The kind's recipe config (TTS) with the sleeping stand-in codec."""
+def config(kind: str, ms: float, gil_ms: float = 0.0, **kw):
+    """The kind's recipe config (TTS) with the sleeping stand-in codec (``gil_ms`` per clip holding the GIL first)."""
     cfg = ceiling_config(kind)
-    return dataclasses.replace(cfg, audio_tokenizer={"factory": "benchmarks.null_encoders:sleeping_codec",
-                                                     "kwargs": {"seconds_per_clip": ms / 1e3}}, **kw)
+    return dataclasses.replace(cfg, audio_tokenizer={"factory": "benchmarks.null_encoders:sleeping_codec", "kwargs": {
+        "seconds_per_clip": ms / 1e3, "gil_seconds_per_clip": gil_ms / 1e3}}, **kw)
 
 
-def job(manifest: Path, kind: str, ms: float, workers: int) -> dict:
+def job(manifest: Path, kind: str, ms: float, workers: int, gil_ms: float = 0.0) -> dict:
     """One job over ``manifest``: wall, encoder and sleep seconds, their ratios, the main thread's split."""
     from precompute.job import run
-    cfg = config(kind, ms, num_workers=workers)
+    cfg = config(kind, ms, gil_ms, num_workers=workers)
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         summary, _ = run(manifest, Path(d) / "c", cfg, progress=False)
         total = time.perf_counter() - t0
     clips = _clips(manifest)
-    sleep = clips * ms / 1e3
+    sleep = clips * (ms + gil_ms) / 1e3
     return {"kind": kind, "rows": summary.kept, "rejected": summary.rejected, "clips": clips, "ms_per_clip": ms,
+            "gil_ms_per_clip": gil_ms,
             "workers": workers, "setup_s": round(summary.setup_s, 2), "total_s": round(total, 2),
             "sleep_s": round(sleep, 2), **summary.split(),
             "wall_over_encoder": round(summary.wall_s / summary.encoder_s, 3) if summary.encoder_s else None,

@@ -49,12 +49,19 @@ class SleepingCodec(NullCodec):
     only a synchronous ``encode()`` (it declares nothing), so it also shows that such an encoder
     overlaps the rest of the job (``make bench``'s overlap section, :mod:`benchmarks.bench_overlap`)."""
 
-    def __init__(self, seconds_per_clip: float = 0.05, **kwargs: Any):
+    def __init__(self, seconds_per_clip: float = 0.05, gil_seconds_per_clip: float = 0.0, **kwargs: Any):
         super().__init__(**kwargs)
         self.seconds_per_clip = float(seconds_per_clip)
+        self.gil_seconds_per_clip = float(gil_seconds_per_clip)
 
     def encode(self, waveforms: list[np.ndarray]) -> list[np.ndarray]:
+        """Per clip: ``gil_seconds_per_clip`` of Python holding the GIL (as kernel launches do), then
+        ``seconds_per_clip`` in ``time.sleep`` (the device's work)."""
         for _ in waveforms:
+            if self.gil_seconds_per_clip:
+                end = time.perf_counter() + self.gil_seconds_per_clip
+                while time.perf_counter() < end:
+                    pass
             time.sleep(self.seconds_per_clip)
         return super().encode(waveforms)
 

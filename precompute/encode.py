@@ -22,6 +22,7 @@ at another rate). A batch is encoded in three steps, so that the encoders run of
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -103,9 +104,9 @@ class Summary:
 
     def split(self) -> dict[str, float]:
         """The timings above, rounded (seconds)."""
-        keys = ("wall_s", "encoder_s", "encoder_host_s", "encoder_device_s", "receive_s", "host_s",
-                "collect_wait_s", "writer_wait_s")
-        return {k: round(getattr(self, k), 4) for k in keys}
+        return {k: round(v, 4) for k, v in dataclasses.asdict(self).items() if k in (
+            "wall_s", "encoder_s", "encoder_host_s", "encoder_device_s", "receive_s", "host_s", "collect_wait_s",
+            "writer_wait_s")}
 
 
 def load_encoders(cfg: PrecomputeConfig, device: str, dtype: str | None = None) -> Encoders:

@@ -24,7 +24,8 @@ Everything after it (the decode workers, the encoder thread, ``shardcache check`
 Overlap. Decoding and resampling run in DataLoader worker processes; the encoders run on their own
 thread (:mod:`precompute.executor`; on CUDA its own stream, one wait per batch); the main thread
 receives decoded rows, runs the host-only producers, checks values and builds the json member; a
-writer process commits shards (:mod:`precompute.writer`: tar, npz and hashes off this process's GIL). The fraction of wall time spent inside encoder
+writer commits shards (:mod:`precompute.writer`: on an accelerator in its own process, so tar, npz and
+hashes stay off this process's GIL). The fraction of wall time spent inside encoder
 calls is reported as ``encoder_busy``, and where the rest went in :meth:`Summary.split`. Encoder
 batches are formed by length from a window of decoded rows of one chunk (when an encoder batches)
 and written back in manifest order; ``num_workers: auto`` sizes the decode processes from the first
@@ -342,6 +343,14 @@ def resolve_device(device: str, local_rank: int) -> str:
     return device
 
 
+def writer_process(device: str) -> bool:
+    """Whether the shard writer gets a process of its own (:mod:`precompute.writer`): on an accelerator,
+    where the encoder thread's kernel launches need the main process's GIL; on the CPU a thread (the
+    cores are the encoders' and the decoders'; measured on 2 shared cores with a stand-in codec, the
+    process gave no gain: docs/benchmarks.md)."""
+    return not str(device).startswith("cpu")
+
+
 def resolve_workers(num_workers: int | str, device: str) -> int:
     """Decode worker processes for ``num_workers`` ("auto" or a count) on ``device``: auto is
     :func:`shardcache.workers.auto_workers` (on CPU 0: with 2 workers on a 2-core machine the
@@ -429,7 +438,7 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
 
     meta = {id(r): m for r, m in zip(requests, zip(ids, digests))}  # the chunks' rows and what they said
     writer = ChunkWriter(output, [(name, len(rows), [meta[id(r)][0] for r in rows], [meta[id(r)][1] for r in rows])
-                                  for name, rows in chunks], summary, bar)  # its own process
+                                  for name, rows in chunks], summary, bar, process=writer_process(device))
 
     def put(done: list) -> None:
         for key, fields, reject in done:

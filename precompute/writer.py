@@ -11,8 +11,8 @@ index part records the chunk's row ids and digests: :mod:`precompute.rerun`); it
 each commit, and a listener thread there uploads the chunk (a remote cache's
 :meth:`precompute.output.RemoteOutput.chunk_committed`), counts it and updates the progress bar.
 
-``process=False`` runs the same loop in a thread of this process (the former writer; the pipe
-between them then only carries the rows to it): for tests and where a process cannot be forked.
+``process=False`` runs the same loop in a thread of this process (the pipe between them then only
+carries the rows to it): what a job on the CPU does (:func:`precompute.job.writer_process`).
 A writer that fails reports the error; the next :meth:`ChunkWriter.put` raises it.
 """
 from __future__ import annotations

@@ -296,7 +296,22 @@ def test_slots_round_trip_and_release(monkeypatch):
     assert int(rec.table.tokens[0].max()) == 0  # and free once they are gone
 
 
-def test_a_writer_that_fails_stops_the_job_naming_why(tiny_config, tmp_path, monkeypatch):
+def test_the_writer_process_writes_the_shards_its_thread_writes(tiny_config, tmp_path, monkeypatch):
+    """The shard writer in a process of its own (a job on an accelerator) and in a thread (on the CPU):
+    the same shards, index parts and rejects, byte for byte."""
+    import precompute.job as job
+    cfg = dataclasses.replace(tiny_config, samples_per_shard=10)
+    job.run(DEMO, tmp_path / "thread", cfg, progress=False)
+    monkeypatch.setattr(job, "writer_process", lambda device: True)
+    job.run(DEMO, tmp_path / "process", cfg, progress=False)
+    files = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))  # noqa: E731
+                       if p.is_file() and p.suffix in (".tar", ".parquet") and p.name != "index.parquet"}
+    a = files(tmp_path / "thread")
+    assert any(k.endswith(".tar") for k in a) and a == files(tmp_path / "process")
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_a_writer_that_fails_stops_the_job_naming_why(tiny_config, tmp_path, monkeypatch, process):
     """The shard writer runs in its own process; when it fails (here: an unsafe member name sent to it)
     the job raises naming the writer's error instead of hanging or writing a partial cache."""
     from precompute import writer as W
@@ -308,6 +323,8 @@ def test_a_writer_that_fails_stops_the_job_naming_why(tiny_config, tmp_path, mon
         return head.replace(b'"codes.npy"', b'"no_such_member.npy"'), arrays
 
     monkeypatch.setattr(W, "_encode_row", bad)
+    import precompute.job as job
+    monkeypatch.setattr(job, "writer_process", lambda device: process)
     cfg = dataclasses.replace(tiny_config, image_encoder=None)
     with pytest.raises(RuntimeError, match="shard writer failed.*no_such_member"):
         run(_voice_rows(tmp_path), tmp_path / "c", cfg, progress=False)
