@@ -46,6 +46,8 @@ class EncoderThread:
         self.device = str(device)
         self.cuda = self.device.startswith("cuda")
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        if self.cuda:  # what the main thread queued so far (weights moved, the probe's calls) comes first
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.timings = Timings()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoders")
