@@ -192,16 +192,20 @@ def test_job_build_reads_declarations(tiny_config, tmp_path):
     from precompute.manifests import read_requests
     cfg = dataclasses.replace(tiny_config, extra_fields={"audio_16k": {"producer": "waveform", "sample_rate": 16000,
                                                                        "direction": "in"}})
-    requests = read_requests(DEMO)
+    audio = lambda name: {"type": "audio", "audio_url": str(DEMO.parent / "audio" / name)}  # noqa: E731
+    clone = tmp_path / "clone.json"  # a voice-cloning conversation: a reference clip in, the answer out
+    clone.write_text(json.dumps([{"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Say it like this:"}, audio("spk-us-0001.flac")]},
+        {"role": "assistant", "content": audio("spk-us-0002.wav")}], "misc": {"key": "clone-0"}}]))
+    requests = read_requests(clone, allow_outside_root=True)
     job = Job.build(cfg, "cpu", requests)
     assert job.capabilities["audio_tokenizer"] == Capabilities(device="cpu", batching=BatchPolicy(1),
                                                                asynchronous=True, posterior="a codec has no posterior")
     assert job.capabilities["image_encoder"].batching.batched and job.window == 8 * cfg.encoder_batch_size
     assert job.rates == ((24000, frozenset({"in", "out"})), (16000, frozenset({"in"})))
-    row = next(r for r in requests if r.conversation is not None and r.conversation.audio)
-    p = job.prepare(row)
-    assert p.error is None and [set(w) for w in p.audio] == [{24000} if a.direction == "out" else {24000, 16000}
-                                                             for a in row.conversation.audio]
+    p = job.prepare(requests[0])
+    assert p.error is None and [a.direction for a in requests[0].conversation.audio] == ["in", "out"]
+    assert [set(w) for w in p.audio] == [{24000, 16000}, {24000}]  # no 16 kHz copy of the answer
     import pickle
     assert pickle.loads(pickle.dumps(job.preparer)).rates == job.rates  # it goes to the decode workers
 
