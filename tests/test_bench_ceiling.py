@@ -50,3 +50,18 @@ def test_a_voice_clone_job_runs_on_null_encoders(tmp_path):
     m = synth_corpus.write(tmp_path / "corpus", 3, jobs=1)
     r = bench_ceiling.job(m["voice_clone"], bench_ceiling.config("voice_clone"), workers=0)
     assert r["samples"] == 3 and r["rejected"] == 0 and r["audio_s"] == 60.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / "models" / "higgs-tiny").is_dir(), reason="needs the test models (make models)")
+def test_the_overlap_section_runs_the_job_with_the_sleeping_stand_in(tmp_path):
+    """make bench's overlap section on 6 voice-cloning rows (12 clips), the stand-in codec waiting 5 ms per
+    clip: every row kept, the encoder thread's time covers the waits, the split is reported."""
+    from benchmarks import bench_overlap
+    m = synth_corpus.write(tmp_path / "corpus", 3, jobs=1)
+    r = bench_overlap.job(bench_overlap.repeated(m["voice_clone"], 6), "voice_clone", 5.0, 0)
+    assert r["rows"] == 6 and r["rejected"] == 0 and r["clips"] == 12 and r["sleep_s"] == 0.06
+    assert r["encoder_s"] >= 0.06 and r["wall_over_encoder"] > 0 and {"receive_s", "host_s", "collect_wait_s"} <= set(r)
+    assert "| voice_clone | 6 | 12 |" in "\n".join(bench_overlap.summary_lines(
+        {"ms_per_clip": 5.0, "workers": 0, "target": 1.05, "jobs": [r], "loadavg_start": (0,), "loadavg_end": (0,),
+         "cpus": 2}))

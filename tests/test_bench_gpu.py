@@ -113,3 +113,16 @@ def test_codec_batch_smoke(tmp_path):
     for c in result["composition"]:
         assert c["batch"] == 2 and all(c[k]["total"] == 1 for k in ("other_clips", "silent_clips", "moved_last", "alone"))
         assert c["other_clips"]["identical"] == 1 and f"| {c['codec']} | 2 | yes |" in (tmp_path / "gpu_codec_batch.md").read_text()
+
+
+@pytest.mark.long
+def test_stage_one_gpu_checks_smoke():
+    """``benchmarks/gpu_stage_one.py`` (make bench-gpu-stage-one) on the CPU with the tiny models: the place
+    probe of both codecs, the Higgs variants (batched, 2 processes) with their comparisons, both recipes'
+    jobs with the time split (the GPU run must not be this code's first)."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_stage_one", "--smoke"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("| place | zero = real companions |") == 2
+    assert "processes 2: 6/6" in r.stdout and "| tts | 16 (8) |" in r.stdout and "| theworld | 16 (8) |" in r.stdout
+    assert "| tts |" in r.stdout.split("Where the time went")[1]
