@@ -98,7 +98,8 @@ class Job:
     ``info`` (what ``manifest.json`` records about the fields), ``describe`` (the encoders'
     ``describe()`` and the preprocessing: what the fingerprint hashes), ``batch_size`` (rows per
     encoder batch), ``window`` (rows held to batch by length: ``WINDOW_BATCHES`` batches when an
-    encoder batches, else one batch: rows go on as they come)."""
+    encoder batches inputs of several lengths (a batched codec; the VAE with ``image_resize:
+    bucket``), else one batch: rows go on as they come)."""
 
     cfg: PrecomputeConfig
     device: str
@@ -149,7 +150,10 @@ class Job:
         image_multiple = int(enc.image.spatial_factor) if enc.image is not None else 8  # no VAE: images are rejected
         preparer = Preparer(DecodeOptions.of(cfg), rates, enc.text, template, tokens, image_multiple,
                             inputs[0] if inputs else None)
-        batched = any(c.batching.batched for c in caps.values())
+        # a length window pays where a batching encoder gets inputs of several lengths: clips, or images
+        # bucketed by aspect (the other image policies give every image the configured size)
+        varies = {"audio_tokenizer": True, "image_encoder": cfg.image_resize == "bucket"}
+        batched = any(c.batching.batched and varies[name] for name, c in caps.items())
         return cls(cfg, device, enc, caps, template, tokens, added, producers, extra, rates, preparer, info,
                    E.value_checks(producers, info), fingerprint(*encoders.values(), preprocessing=preprocessing),
                    encoders | {"preprocessing": preprocessing}, int(cfg.sample_rate), int(cfg.encoder_batch_size),

@@ -116,15 +116,15 @@ def _shards(cache: Path) -> dict[str, bytes]:
 
 
 def test_bucketed_job_writes_the_same_cache_as_unbucketed(tiny_config, tmp_path, monkeypatch):
-    """The real job with the tiny DAC codec and Wan VAE (the VAE batches, so the job holds a window of
-    rows) over the demo's clips of different lengths: encoder batches of 2 formed from windows of 16
-    rows vs in manifest order (a window of one batch). Every sample, key and byte of codes, ids and
+    """The real job with the tiny DAC codec and Wan VAE (the VAE batches images bucketed by aspect, so the
+    job holds a window of rows) over the demo's clips of different lengths: encoder batches of 2 formed
+    from windows of 16 rows vs in manifest order (a window of one batch). Every sample, key and byte of codes, ids and
     waveforms is the same; the latents of a VAE call differ with its companions only by float
     rounding (measured on this CPU: up to 2 float16 steps), well within ``shardcache check``'s
     tolerance."""
     import precompute.job as job
     from shards import ShardReader
-    cfg = dataclasses.replace(tiny_config, encoder_batch_size=2, samples_per_shard=24)
+    cfg = dataclasses.replace(tiny_config, encoder_batch_size=2, samples_per_shard=24, image_resize="bucket")
     batch_sizes, windows = [], []
 
     class Recording(EncodeStream):

@@ -187,7 +187,8 @@ def test_check_uses_the_recorded_call(tiny_config, tmp_path):
 
 def test_job_build_reads_declarations(tiny_config, tmp_path):
     """Job.build: the encoders' declared capabilities, per-direction audio rates (the 16 kHz field of
-    input items is not made for output items), one preparer; clip by clip, rows go on as they come."""
+    input items is not made for output items), one preparer; with a clip-by-clip codec and images of one
+    size, rows go on as they come (a window only where a batching encoder gets several lengths)."""
     from precompute.job import Job
     from precompute.manifests import read_requests
     cfg = dataclasses.replace(tiny_config, extra_fields={"audio_16k": {"producer": "waveform", "sample_rate": 16000,
@@ -201,7 +202,8 @@ def test_job_build_reads_declarations(tiny_config, tmp_path):
     job = Job.build(cfg, "cpu", requests)
     assert job.capabilities["audio_tokenizer"] == Capabilities(device="cpu", batching=BatchPolicy(1),
                                                                asynchronous=True, posterior="a codec has no posterior")
-    assert job.capabilities["image_encoder"].batching.batched and job.window == 8 * cfg.encoder_batch_size
+    assert job.capabilities["image_encoder"].batching.batched and job.window == cfg.encoder_batch_size  # one size
+    assert Job.build(dataclasses.replace(cfg, image_resize="bucket"), "cpu").window == 8 * cfg.encoder_batch_size
     assert job.rates == ((24000, frozenset({"in", "out"})), (16000, frozenset({"in"})))
     p = job.prepare(requests[0])
     assert p.error is None and [a.direction for a in requests[0].conversation.audio] == ["in", "out"]
