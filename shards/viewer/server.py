@@ -33,6 +33,9 @@ def _handler(app: App) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self, method: str) -> None:
             r = app.respond(method, self.path, dict(self.headers.items()))
+            if method not in ("GET", "HEAD"):  # its body is never read: this connection ends here
+                self.close_connection = True
+                r.headers.setdefault("Connection", "close")
             self.send_response(r.status)
             self.send_header("Content-Type", r.content_type)
             self.send_header("Content-Length", str(len(r.body)))
