@@ -79,16 +79,18 @@ def token_norms(features: np.ndarray) -> np.ndarray:
     return np.linalg.norm(f, axis=2)
 
 
-def polyline(values: np.ndarray, width: float, height: float, pad: float = 2.0) -> str:
-    """The ``points`` of an SVG polyline drawing ``values`` across ``width x height`` (the largest
-    value at the top, 0 at the bottom): numbers only, e.g. ``"2.0,38.0 10.5,12.3"``."""
+def polyline(values: np.ndarray, width: float, height: float, pad: float = 4.0) -> str:
+    """The ``points`` of an SVG polyline drawing ``values`` across ``width x height``, the smallest
+    value at the bottom and the largest at the top (a flat series in the middle): numbers only, e.g.
+    ``"4.0,60.0 10.5,12.3"``."""
     v = np.nan_to_num(np.asarray(values, dtype=np.float64).reshape(-1))
     if v.size == 0:
         return ""
-    top = float(v.max()) if v.size and float(v.max()) > 0 else 1.0
+    lo, hi = float(v.min()), float(v.max())
+    y = (v - lo) / (hi - lo) if hi > lo else np.full(v.size, 0.5)
     xs = np.linspace(pad, width - pad, v.size) if v.size > 1 else np.array([width / 2])
-    ys = height - pad - (np.clip(v, 0, None) / top) * (height - 2 * pad)
-    return " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
+    ys = height - pad - y * (height - 2 * pad)
+    return " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(xs, ys))
 
 
 __all__ = ["wav", "codes_png", "channel_png", "rgb_png", "token_norms", "polyline", "CODES_CMAP", "LATENTS_CMAP"]

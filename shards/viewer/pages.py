@@ -29,9 +29,9 @@ from .tokens import TokenText
 
 #: what a cached audio item's ``direction`` is called on the page (Higgs-Audio's in/out tokens)
 DIRECTIONS = {"in": "input", "out": "output"}
-#: on-screen height of one codebook's row of the codes image, and width of one frame (pixels; the
-#: width is capped by the page)
-CODEBOOK_PX, FRAME_PX = 12, 6
+#: on-screen height of one codebook's row of the codes image (pixels), and the width the frames of
+#: an item share (each frame 2 to 24 pixels wide; the page caps the width at the item's)
+CODEBOOK_PX, CODES_WIDTH_PX = 12, 480
 #: size of the image features' norm plot (pixels)
 SPARK_W, SPARK_H = 640, 64
 
@@ -223,7 +223,7 @@ def audio(vc: ViewedCache, s: Sample) -> tuple[list[dict], str | None, list[dict
             if frames > 0:
                 entry.update(codes_src=href("sample", s.key, "codes", "codes", f"{k}.png"),
                              codes_shape=f"{codes.shape[0]} x {frames}", codes_height=codes.shape[0] * CODEBOOK_PX,
-                             codes_width=frames * FRAME_PX,
+                             codes_width=frames * max(2, min(24, CODES_WIDTH_PX // frames)),
                              codes_caption=f"codes: {codes.shape[0]} codebooks x {frames} frames "
                                            f"(frames {start}..{start + frames} of the sample)")
         items.append(entry)
@@ -285,6 +285,7 @@ def images(vc: ViewedCache, s: Sample, source_ok) -> list[dict]:
             norms = token_norms(BF16_BITS.from_storage(a[k:k + 1]))[0]
             entry["features"] = dict(
                 field=f, width=SPARK_W, height=SPARK_H, points=polyline(norms, SPARK_W, SPARK_H),
+                top=f"{float(norms.max()):.3g}", bottom=f"{float(norms.min()):.3g}",
                 caption=f"[{k}]: {a.shape[1]} tokens x {a.shape[2]} hidden (bfloat16); L2 norm per token "
                         f"min {float(norms.min()):.3g}, mean {float(norms.mean()):.3g}, max {float(norms.max()):.3g}")
         out.append(entry)
