@@ -115,10 +115,11 @@ train: $(VENV)/.installed-train
 
 # The suite in parallel processes (pytest-xdist): one per core, at most 4 (every test keeps to its own
 # tmp_path and free ports; 13.5 min serially vs 9.3 min with 2 processes on the 2-core CI machine).
-# TEST_JOBS=0 runs it in this process.
+# TEST_JOBS=0 runs it in this process. --dist loadgroup: tests marked xdist_group("name") run on one worker
+# (the browser tests: one set of caches, one Chromium), every other test as before.
 TEST_JOBS ?= auto
 test: $(VENV)/.installed browser
-	$(PY) -m pytest -q -m "not long" -n $(TEST_JOBS) --maxprocesses 4 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" -n $(TEST_JOBS) --maxprocesses 4 --dist loadgroup $(PYTEST_ARGS)
 
 # The tests marked `long` (a cheaper test of each feature runs in `make test`), Boson's own trainer
 # against loaders.higgs (builds $(BOSON_VENV) on first use), then hypothesis-built hostile manifests

@@ -34,6 +34,8 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--autoplay-policy=no-user-gesture-required"]
 HOW = "`make browser` (apt-get install chromium) and `pip install -e .[dev]` (playwright)"
+#: one worker of `make test` (pytest-xdist --dist loadgroup) makes the caches and runs the browser
+pytestmark = pytest.mark.xdist_group("viewer-browser")
 
 if not Path(CHROMIUM).is_file():
     pytest.skip(f"no Chromium at {CHROMIUM}: {HOW}, or set SHARDCACHE_CHROMIUM", allow_module_level=True)

@@ -2,7 +2,7 @@
 models of the real architectures, the way a user makes them (the repo's configs, stage one's job).
 
 * :func:`voice_clone`: Higgs-Audio ChatML voice cloning (configs/precompute-tts.yaml: the tiny Higgs
-  audio tokenizer and Higgs text tokenizer, waveforms kept, ``audio_16k`` extra field), two audio
+  audio tokenizer and Higgs-Audio v2's text tokenizer, waveforms kept, ``audio_16k`` extra field), two audio
   items a conversation (a reference, an input, and the target, an output); one row names a corrupt
   clip (a reject), one user turn holds :data:`HOSTILE`.
 * :func:`llava`: LLaVA multi-turn (configs/precompute-theworld.yaml: the tiny Wan VAE's latents, the
@@ -21,9 +21,20 @@ HOSTILE = '<script>document.title="pwned"</script><img src=x onerror="document.t
 
 
 def models(out: Path, names: tuple[str, ...]) -> dict[str, Path]:
-    """The tiny random models ``names`` (``python -m tools.testing``'s builders), saved under ``out``."""
+    """The tiny random models ``names`` (``python -m tools.testing``'s builders), saved under ``out``;
+    ``higgs-text-tokenizer`` is the text tokenizer of ``higgs`` alone (what a Higgs cache records,
+    without building the model around it)."""
     from tools.testing import build
-    return {n: build(n, out)[0] for n in names}
+    from tools.testing.higgs import make_text_tokenizer
+    got = {}
+    for n in names:
+        if n == "higgs-text-tokenizer":
+            got[n] = out / "higgs-text-tokenizer-tiny"
+            if not got[n].exists():
+                make_text_tokenizer("tiny").save_pretrained(str(got[n]))
+        else:
+            got[n] = build(n, out)[0]
+    return got
 
 
 def _abs(path: str, base: Path) -> str:
@@ -36,7 +47,7 @@ def voice_clone(real_mini: Path, model_dir: Path, out: Path, n: int = 3) -> Path
     from precompute.config import load_config
     from precompute.job import run
 
-    m = models(model_dir, ("higgs", "higgs-audio-tokenizer"))
+    m = models(model_dir, ("higgs-text-tokenizer", "higgs-audio-tokenizer"))
     recs = json.loads((real_mini / "chatml_voice_clone.json").read_text())[:n + 1]
     for r in recs:
         for msg in r["messages"]:
@@ -49,7 +60,7 @@ def voice_clone(real_mini: Path, model_dir: Path, out: Path, n: int = 3) -> Path
     manifest = out.parent / f"{out.name}.json"
     manifest.write_text(json.dumps(recs))
     cfg = load_config(ROOT / "configs" / "precompute-tts.yaml", [
-        f"audio_tokenizer.pretrained={m['higgs-audio-tokenizer']}", f"text_tokenizer.pretrained={m['higgs']}",
+        f"audio_tokenizer.pretrained={m['higgs-audio-tokenizer']}", f"text_tokenizer.pretrained={m['higgs-text-tokenizer']}",
         "device=cpu", "num_workers=0", "allow_outside_root=true", "precision_samples=0"])
     summary, _ = run(manifest, out, cfg, progress=False)
     assert summary.kept == n and summary.rejected == 1, summary.reasons
