@@ -106,10 +106,13 @@ def test_a_cache_of_100000_samples_is_served_a_page_at_a_time(big_cache):
 
 # ------------------------------------------------------------------------------------- remote
 
-def test_a_remote_cache_is_viewed_through_the_loaders_download(tmp_path):
+def test_a_remote_cache_is_viewed_through_the_loaders_download(tmp_path, monkeypatch):
+    """The index from the metadata alone; a sample page downloads its shard (only it), and serves the
+    bytes the local cache serves."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
     from test_remote import CREDS, S3
+    monkeypatch.setenv("SHARDCACHE_LOCAL_CACHE", str(tmp_path / "local-cache"))
     local = small_cache(tmp_path / "local")
     old = {k: os.environ.get(k) for k in CREDS}
     os.environ.update(CREDS)
@@ -340,3 +343,24 @@ def test_the_viewer_writes_nothing(tmp_path):
     time.sleep(0.01)
     assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in cache.rglob("*")} == before
     assert json.loads((cache / "manifest.json").read_text())["cache_id"] == app.vc.cache.id
+
+
+def test_a_damaged_sample_is_a_page_naming_shard_key_and_member(tmp_path):
+    """The viewer reads as the loaders do, checksums checked: a flipped byte in a sample's codes is an
+    error page naming the shard, the key and the member, never a player or an image of wrong values."""
+    cache = small_cache(tmp_path / "c")
+    row = pq.read_table(cache / "index.parquet").to_pylist()[2]
+    codes = next(m for m in row["members"] if m["name"] == "codes.npy")
+    with open(cache / row["shard"], "r+b") as f:
+        f.seek(codes["offset"])
+        b = f.read(1)
+        f.seek(codes["offset"])
+        f.write(bytes([b[0] ^ 0x01]))
+    app = App(ViewedCache(cache))
+    for path in (f"/sample/{row['key']}", f"/sample/{row['key']}/codes/codes/0.png"):
+        r = app.respond("GET", path, {})
+        assert r.status == 500, path
+        text = r.body.decode()
+        assert row["shard"] in text and row["key"] in text and "codes.npy" in text and "checksum mismatch" in text
+    other = pq.read_table(cache / "index.parquet").to_pylist()[0]["key"]
+    assert app.respond("GET", f"/sample/{other}", {}).status == 200
