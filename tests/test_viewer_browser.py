@@ -164,12 +164,30 @@ def test_the_filter_takes_the_sql_of_shards_query(page, caches, servers):
     assert page.locator("a.key").count() == 0
 
 
+def own_tokenizer(cache: Path):
+    """The cache's text tokenizer loaded here with transformers from the path its manifest records, with
+    the tokens stage one added (``text.added_tokens``, TheWorld's world markers) added the same way."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+    man = json.loads((cache / "manifest.json").read_text())
+    tok = AutoTokenizer.from_pretrained(man["config"]["text_tokenizer"]["pretrained"])
+    added = man["text"].get("added_tokens") or {}
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in sorted(added, key=added.get)],
+                   special_tokens=True)
+    assert all(tok.convert_tokens_to_ids(t) == i for t, i in added.items())
+    return tok
+
+
 @pytest.mark.parametrize("name", ["tts", "vlm"])
 def test_one_element_per_token_carrying_its_label(page, caches, servers, name):
+    tok = own_tokenizer(caches[name])
     for key in index_keys(caches[name]):
         arrays, _ = stored(caches[name], key)
         ids, labels = arrays["input_ids"], arrays["labels"]
         open_sample(page, servers[name], key)
+        # the conversation as the tokenizer's own text: the tokens' texts joined are its decoding of the ids
+        assert page.locator(".tokens").text_content() == tok.decode(
+            ids.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         tokens = page.locator(".tokens [data-label]")
         assert tokens.count() == len(ids) == page.locator("[data-label]").count()
         assert [int(x) for x in tokens.evaluate_all("els => els.map(e => e.dataset.label)")] == labels.tolist()
