@@ -150,16 +150,22 @@ class App:
         error, status = None, 200
         try:
             page = self.vc.page((page_no - 1) * PAGE_SIZE, PAGE_SIZE, where)
+            if not page.rows and page_no > page.pages:  # past the end: the last page
+                page_no = page.pages
+                page = self.vc.page((page_no - 1) * PAGE_SIZE, PAGE_SIZE, where)
         except UsageError as e:
             error, status = str(e), 400
             page = Page([], 0, 0, PAGE_SIZE)
         rejects = self.vc.rejects_page((rejects_no - 1) * PAGE_SIZE, PAGE_SIZE)
+        if not rejects.rows and rejects_no > rejects.pages:
+            rejects_no = rejects.pages
+            rejects = self.vc.rejects_page((rejects_no - 1) * PAGE_SIZE, PAGE_SIZE)
         ctx = pages.index(self.vc, page, where, error, rejects, page_no, rejects_no)
         return self.render("index.html", status, **ctx)
 
     def sample(self, s: Sample, query: dict[str, str]) -> Response:
-        ctx = pages.sample(self.vc, s, self.token_text.get(), back=pages.href(where=query.get("where")) or "/",
-                           source_ok=self.source_problem)
+        back = pages.href(where=query.get("where"), page=_page_no(query.get("page")) if query.get("page") else None)
+        ctx = pages.sample(self.vc, s, self.token_text.get(), back=back, source_ok=self.source_problem)
         return self.render("sample.html", **ctx)
 
     def _error(self, status: int, reason: str, message: str, headers: dict[str, str] | None = None) -> Response:

@@ -132,7 +132,8 @@ def index(vc: ViewedCache, page: Page, where: str, error: str | None, rejects: P
     """The context of ``index.html``: the manifest's cards, one page of samples, one of rejects."""
     rows = []
     for i, r in enumerate(page.rows):
-        rows.append(dict(position=page.start + i + 1, key=r["key"], href=href("sample", r["key"]),
+        rows.append(dict(position=page.start + i + 1, key=r["key"], href=href("sample", r["key"], where=where,
+                                                                                 page=page_no if page_no > 1 else None),
                          duration=_seconds(r["duration_s"]) if r["duration_s"] else "-", shard=r["shard"],
                          speaker=r["speaker"] or "", fields=[(n, _shape(s)) for n, s in r["fields"]]))
     page_view = dict(rows=rows, start=page.start, total=page.total, number=page.number, pages=page.pages)
