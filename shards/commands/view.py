@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                     "its conversation one element per input_ids token with its label (trained tokens\n"
                     "marked), a player per cached audio item, the codes, the images as stage one saw them,\n"
                     "the latents channel by channel, the image features' norms and the sample's JSON.\n"
-                    "Reads only (every sample through the loaders' checksummed reader); Ctrl-C stops it.",
+                    "Reads only (every sample through shards.ShardReader, checksums checked); Ctrl-C stops it.",
         epilog="examples:\n"
                "  shardcache shards view cache/demo\n"
                "  shardcache shards view cache/demo --port 0          (any free port)\n"
