@@ -23,6 +23,7 @@ examples:
   shardcache shards show cache/ spk-us-0001
   shardcache shards query cache/ --where "duration_s > 5 and has_image" --count
   shardcache shards stats cache/ --plot stats.png
+  shardcache shards view cache/                  (a web viewer on http://127.0.0.1:8000/)
   shardcache shards verify cache/ --deep
   shardcache shards export-audio cache/ spk-us-0001 out.wav
   shardcache shards export-lhotse cache/ shar/   (Lhotse Shar: audio, text, speaker, codes)
