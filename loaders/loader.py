@@ -61,6 +61,7 @@ from .order import ShardOrder
 from .ranks import resolve_rank
 from .remote import DEFAULT_CACHE_LIMIT, Prefetcher, file_uses
 from .shm import SlotBatch, SlotReceiver, new_flags
+from .steps import DataLoaderForm
 
 STATE_KEYS = ("epoch", "cursor", "seed", "world_size", "global_batch_size")
 log = logging.getLogger("loaders")
@@ -92,7 +93,7 @@ def _pin(x):
     return x
 
 
-class ShardLoader:
+class ShardLoader(DataLoaderForm):
     """Batches of one rank over a shardcache cache. See the module docstring for the order.
 
     Args:
@@ -236,8 +237,8 @@ class ShardLoader:
         self._receiver = None
         if self.num_workers > 0:  # reusable shared-memory slots per worker (loaders.shm)
             self._receiver = SlotReceiver(new_flags(self.num_workers, int(prefetch_factor) + 2))
-        self.dataset = PlanDataset(sources, self._spec, self.global_rank, self._position,
-                                   None if self._receiver is None else (self._receiver.flags, self._receiver.id))
+        self._plan_dataset = PlanDataset(sources, self._spec, self.global_rank, self._position,
+                                         None if self._receiver is None else (self._receiver.flags, self._receiver.id))
         if device_pin is None:
             device_pin = torch.cuda.is_available()
         self.pin_memory = bool(device_pin)
@@ -252,6 +253,7 @@ class ShardLoader:
             multiprocessing_context=worker_context(multiprocessing_context),
             timeout=float(timeout), worker_init_fn=_worker_init)
         self._dl: DataLoader | None = None
+        self._step_sampler = None  # the DataLoader form's batch sampler (loaders.steps.DataLoaderForm)
         self.epoch, self._cursor, self._generation = 0, 0, 0
         self._chosen = False  # set_epoch called since the last iter(): a complete epoch stays chosen
         remotes = {i: s.remote for i, s in enumerate(sources.sources) if s.remote is not None}
@@ -387,7 +389,7 @@ class ShardLoader:
             src = ReadAhead(lambda s: sources.read_batch(plan.rank_batch(s, rank)), range(start, plan.n_steps),
                             self.read_threads, self._prefetch_factor)
         elif self.num_workers == 0:
-            src = iter(self.dataset)
+            src = iter(self._plan_dataset)
         else:
             self._receiver.reclaim(self._generation)  # slots of batches an earlier iter() dropped unread
             src = iter(self._dataloader())
@@ -450,7 +452,7 @@ class ShardLoader:
     def _dataloader(self) -> DataLoader:
         if self._dl is None:
             kw = dict(self._dl_kwargs)
-            self._dl = DataLoader(self.dataset, batch_size=None, shuffle=False,
+            self._dl = DataLoader(self._plan_dataset, batch_size=None, shuffle=False,
                                   num_workers=self.num_workers, collate_fn=_identity,
                                   pin_memory=self.pin_memory, **kw)
         return self._dl
