@@ -98,9 +98,9 @@ def run_code(name: str, code: str, cache: Path, tmp_path: Path) -> None:
         if steps == STOP:
             assert [len(rank) for rank in recorded(run)] == [STOP] * WORLD
     seen = recorded(run)
+    assert_every_epoch_covers_the_cache_once(cache, seen)
     for rank in range(WORLD):
         assert seen[rank] == reference(cache, rank), f"rank {rank}"
-    assert_every_epoch_covers_the_cache_once(cache, seen)
 
 
 def run_example(name: str, cache: Path, tmp_path: Path) -> None:
