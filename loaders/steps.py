@@ -81,12 +81,11 @@ class StepBatches(Dataset):
 
 
 class StepSampler(Sampler):
-    """Batch sampler yielding ``[(epoch, step)]`` for every step of its epoch, in order.
+    """Batch sampler yielding ``[(epoch, step)]`` for the steps ``start, start + 1, ...`` of its epoch.
 
-    ``set_epoch(e)`` selects the epoch (default: the loader's current one); without it, an iteration
-    after a complete one yields the next epoch (as :class:`loaders.ShardLoader` does), so a loop that
-    only re-iterates sees every epoch. ``batch_size`` (1: each index list holds one ``(epoch, step)``)
-    and ``drop_last`` (False) are ``BatchSampler``'s attributes.
+    ``set_epoch(e)`` selects epoch ``e`` from its first step (default: the loader's current epoch);
+    :class:`StepDataLoader` sets ``start`` when it resumes. ``batch_size`` (1: each index list holds
+    one ``(epoch, step)``) and ``drop_last`` (False) are ``BatchSampler``'s attributes.
 
     Built from a ShardLoader only. Anything else is refused with a ``TypeError`` naming the fix: that is
     Lightning re-instantiating the batch sampler with its ``DistributedSampler`` to re-shard the
@@ -102,27 +101,22 @@ class StepSampler(Sampler):
             given = ", ".join([type(loader).__name__] + [type(a).__name__ for a in args] + list(kwargs))
             raise TypeError(f"StepSampler (ShardLoader.as_dataloader()) was built again from ({given}): a "
                             f"trainer is re-sharding it with its own sampler. {RESHARD}")
-        self.spec, self.epoch = loader._spec, loader.epoch
-        self._done = self._chosen = False
+        self.spec, self.epoch, self.start = loader._spec, loader.epoch, 0
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next iteration yields (``ValueError`` when negative)."""
+        """The epoch the next iteration yields, from its first step (``ValueError`` when negative)."""
         if int(epoch) < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self.epoch, self._chosen, self._done = int(epoch), True, False
+        self.epoch, self.start = int(epoch), 0
 
     def __len__(self) -> int:
         return self.spec.plan(self.epoch).n_steps
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        if self._done and not self._chosen:
-            self.epoch += 1
-        self._done = self._chosen = False
-        epoch = self.epoch
-        for step in range(self.spec.plan(epoch).n_steps):
+        epoch, start = self.epoch, self.start
+        self.start = 0  # a resume position serves one iteration
+        for step in range(start, self.spec.plan(epoch).n_steps):
             yield [(epoch, step)]
-        if epoch == self.epoch:
-            self._done = True
 
 
 class DataLoaderForm:
@@ -184,24 +178,69 @@ class DataLoaderForm:
 
 class StepDataLoader(DataLoader):
     """The ``DataLoader`` of :meth:`loaders.ShardLoader.as_dataloader`: ``len`` = steps of the epoch,
-    ``set_epoch`` forwarded to its :class:`StepSampler`, batches as the ShardLoader's.
+    batches as the ShardLoader's, epochs and resume as the ShardLoader's.
 
-    ``_is_accelerate_prepared = True``: accelerate's ``Accelerator.prepare`` returns it unchanged (its
-    guard against wrapping a loader twice) instead of re-sharding a plan that is already this rank's;
-    batches stay where the loader puts them (the host: move them with
-    :func:`loaders.device.to_device`)."""
+    * ``set_epoch(e)`` selects epoch ``e`` from its first step (``DistributedSampler`` style). Without
+      it, iterating again after a complete epoch yields the next epoch (a loop that only re-iterates,
+      as Lightning's over a DataLoader whose sampler has no ``set_epoch``, sees every epoch), and after
+      an incomplete one the rest of it.
+    * ``state_dict()`` / ``load_state_dict()``: the position after the last batch this loader handed
+      out (``epoch``, ``step``) and what the order depends on (the ShardLoader's seed, global batch,
+      cache id...; another one is refused with ``ValueError``). Lightning and accelerate's
+      ``register_for_checkpointing`` save and restore it; the next iteration continues there.
+    * ``_is_accelerate_prepared = True``: accelerate's ``Accelerator.prepare`` returns it unchanged
+      (its guard against wrapping a loader twice) instead of re-sharding a plan that is already this
+      rank's; batches stay where the loader puts them (the host: move them with
+      :func:`loaders.device.to_device`).
+    """
 
     _is_accelerate_prepared = True
 
+    def __init__(self, *args: Any, signature: dict[str, Any] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._signature = dict(signature or {})
+        self._epoch, self._step, self._chosen = self.batch_sampler.epoch, 0, False
+
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch of the next iteration (``DistributedSampler`` style)."""
+        """Select the epoch of the next iteration, from its first step."""
         self.batch_sampler.set_epoch(epoch)
-        self.dataset.epoch = int(epoch)
+        self.dataset.epoch = self._epoch = int(epoch)
+        self._step, self._chosen = 0, True
+
+    def __iter__(self):
+        sampler = self.batch_sampler
+        if not self._chosen and self._step >= sampler.spec.plan(self._epoch).n_steps:
+            self._epoch, self._step = self._epoch + 1, 0  # the epoch is complete: the next one
+        self._chosen = False
+        sampler.epoch, sampler.start = self._epoch, self._step
+        self.dataset.epoch = self._epoch
+        return self._count(super().__iter__(), self._epoch)
+
+    def _count(self, batches, epoch: int):
+        for batch in batches:
+            if epoch == self._epoch:
+                self._step += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "step"}`` after the last batch handed out, plus the loader's signature (plain
+        ints, bools and strings; the same on every rank)."""
+        return {**self._signature, "epoch": int(self._epoch), "step": int(self._step)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Continue right after the batch recorded in ``sd``; ``ValueError`` when ``sd`` was recorded
+        with another seed, global batch, cache or order settings (named)."""
+        differ = {k: (sd.get(k), v) for k, v in self._signature.items() if k in sd and sd[k] != v}
+        if differ:
+            raise ValueError("the state was recorded by another loader: " + ", ".join(
+                f"{k}={a!r} there, {b!r} here" for k, (a, b) in differ.items()))
+        self._epoch, self._step, self._chosen = int(sd["epoch"]), int(sd["step"]), False
 
 
 def step_dataloader(loader: Any, num_workers: int = 0, **kwargs: Any) -> StepDataLoader:
     """:class:`StepDataLoader` over ``loader``'s cache, rank and plan; ``num_workers`` worker
     processes read whole batches (0: in this process); ``kwargs`` go to ``DataLoader``
     (``pin_memory``, ``prefetch_factor``, ``persistent_workers``...)."""
+    signature = {k: v for k, v in loader.state_dict().items() if k not in ("epoch", "cursor")}
     return StepDataLoader(StepBatches(loader), batch_sampler=StepSampler(loader), collate_fn=_first,
-                          num_workers=int(num_workers), **kwargs)
+                          num_workers=int(num_workers), signature=signature, **kwargs)

@@ -184,6 +184,17 @@ def test_lightning_given_a_dataloader_form_refuses_before_a_step(cache, tmp_path
     assert_refused_before_a_step(code, cache, tmp_path, "return the ShardLoader itself from train_dataloader")
 
 
+@needs_lightning
+@pytest.mark.long
+def test_lightning_without_its_sampler_injection_resumes_as_dataloader_exactly(cache, tmp_path):
+    """With `use_distributed_sampler=False` Lightning leaves `as_dataloader()` as it is: each rank its
+    plan, and the form's state_dict (Lightning checkpoints stateful loaders) resumes mid-epoch exactly."""
+    code = variant("lightning_fit.py", f"return {SHARD_LOADER}", f"return {SHARD_LOADER}.as_dataloader()")
+    code = code.replace('strategy="ddp",', 'strategy="ddp", use_distributed_sampler=False,')
+    assert "use_distributed_sampler=False" in code
+    run_code("lightning_as_dataloader.py", code, cache, tmp_path)
+
+
 def test_torchtitan_slot_through_distributed_checkpoint(cache, tmp_path):
     run_example("dcp_slot.py", cache, tmp_path)
 
@@ -242,3 +253,27 @@ def test_lightnings_distributed_sampler_injection_is_refused_naming_the_fix(cach
     with pytest.raises(TypeError, match="ShardLoader.*return the ShardLoader itself from train_dataloader"):
         _update_dataloader(dl, DistributedSampler(dl.dataset, num_replicas=WORLD, rank=0))
     assert not isinstance(ld, torch.utils.data.DataLoader)
+
+
+def test_as_dataloader_state_dict_resumes_mid_epoch_and_refuses_another_loaders_state(cache):
+    """The DataLoader form is stateful as the ShardLoader is (Lightning and accelerate's
+    register_for_checkpointing save it): stopped after 2 batches of epoch 0 and resumed in a new
+    loader, it yields the rest of epoch 0, then epoch 1."""
+    def make(seed=0, workers=0):
+        return ShardLoader(cache, BATCH, seed=seed, global_rank=1, world_size=WORLD,
+                           fields=("input_ids", "labels")).as_dataloader(num_workers=workers)
+
+    ref = ShardLoader(cache, BATCH, seed=0, global_rank=1, world_size=WORLD, fields=("input_ids", "labels"))
+    want = [[b["keys"] for b in ref] for _ in range(2)]
+    dl = make()
+    it = iter(dl)
+    assert [next(it)["keys"] for _ in range(2)] == want[0][:2]
+    sd = dl.state_dict()
+    assert (sd["epoch"], sd["step"]) == (0, 2) and json.loads(json.dumps(sd)) == sd
+    for workers in (0, 2):
+        again = make(workers=workers)
+        again.load_state_dict(sd)
+        assert [b["keys"] for b in again] == want[0][2:]
+        assert [b["keys"] for b in again] == want[1]
+    with pytest.raises(ValueError, match="seed=0 there, 1 here"):
+        make(seed=1).load_state_dict(sd)
