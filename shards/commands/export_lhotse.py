@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ._common import NotFound, Out, UsageError, cache_dir, load_manifest
+from .needs import Needs
 
 AUDIO_FORMATS = ("flac", "wav")
 
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="cuts per Shar shard (default: 1000)")
     p.add_argument("--audio-format", choices=AUDIO_FORMATS, default="flac",
                    help="how recordings are stored (lossless 16-bit; default: flac)")
-    p.set_defaults(func=cmd_export_lhotse)
+    p.set_defaults(func=cmd_export_lhotse, needs=Needs(("lhotse", "soundfile")))
 
 
 # ----------------------------------------------------------------------------------- library
@@ -218,10 +219,6 @@ def export_lhotse(cache: str | Path, out_dir: str | Path, *, shard_size: int = 1
 
 
 def cmd_export_lhotse(args: argparse.Namespace) -> int:
-    try:
-        import lhotse  # noqa: F401
-    except ImportError as e:
-        raise UsageError(f"export-lhotse needs lhotse: pip install lhotse ({e})") from e
     out = Out(args)
     d = cache_dir(args.dir)
     result = export_lhotse(d, args.output, shard_size=args.shard_size, audio_format=args.audio_format)

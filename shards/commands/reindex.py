@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from joblib import Parallel, delayed
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -19,6 +17,7 @@ from ..storage import local_path
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, SHARD_GLOB,
                       parse_shard_name)
 from ._common import Out, UsageError, add_jobs_option, load_manifest, progress, shard_path, warn
+from .needs import Needs
 
 #: manifest fields that write_cache_files recomputes; every other field is kept as it is
 RECOMPUTED = ("format_version", "created", "counts", "shards")
@@ -36,7 +35,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--dry-run", action="store_true", help="scan and report, write nothing")
     add_jobs_option(p, "tars scanned")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(func=cmd_reindex)
+    p.set_defaults(func=cmd_reindex, needs=Needs(("joblib",), "inspect"))
 
 
 def _existing_rejects(d: Path) -> pa.Table:
@@ -102,6 +101,7 @@ def cmd_reindex(args: argparse.Namespace) -> int:
     errors: list[str] = []
     with progress(len(tars), "reindex", enabled=not args.no_progress and not out.json) as advance:
         # tar parsing holds the GIL: scan shards in worker processes (joblib/loky), results as they finish
+        from joblib import Parallel, delayed  # [inspect] (declared: needs)
         jobs = Parallel(n_jobs=args.jobs, return_as="generator_unordered")(delayed(_scan)(p) for p in tars)
         for name, result, error in jobs:
             if error is None:

@@ -13,6 +13,7 @@ from ..reader import ShardReader
 from ..schema import WHOLE_MEMBER_DTYPES
 from ._common import (SCALAR_COLUMNS, NotFound, Out, UsageError, cache_dir, fmt_bytes, fmt_value,
                       read_index_columns, read_index_head)
+from .needs import Needs
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -41,7 +42,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("dir", metavar="DIR", help="cache directory")
     p.add_argument("key", metavar="KEY", help="sample key")
     p.add_argument("output", metavar="OUT", type=Path, help="output file, e.g. out.wav")
-    p.set_defaults(func=cmd_export_audio)
+    p.set_defaults(func=cmd_export_audio, needs=Needs(("soundfile",), "inspect"))
 
 
 # ----------------------------------------------------------------------------------- reading

@@ -11,6 +11,7 @@ import pyarrow.compute as pc
 
 from ..reader import ShardReader
 from ._common import Out, UsageError, cache_dir, read_index_columns, warn
+from .needs import DUCKDB, PLOT, require
 
 #: index column -> (label in tables, axis label in the plot)
 DISTRIBUTIONS = {
@@ -36,7 +37,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="seed for choosing which image samples to read (default: %(default)s)")
     p.add_argument("--where", metavar="SQL",
                    help="only rows matching this SQL condition (see `shardcache shards query --help`)")
-    p.set_defaults(func=cmd_stats)
+    p.set_defaults(func=cmd_stats, needs=DUCKDB)
 
 
 def distribution(values: np.ndarray) -> dict[str, Any]:
@@ -119,6 +120,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.max_samples < 0:
         raise UsageError("--max-samples must be >= 0")
     if args.plot is not None:
+        require(PLOT, "--plot")
         _check_plot_path(args.plot)
     from .query import select
     table = select(d, args.where, ["key"] + list(DISTRIBUTIONS) + ["has_image"])

@@ -16,6 +16,7 @@ import sys
 import time
 
 from ._common import Out, UsageError, cache_dir, warn
+from .needs import VIEWER
 
 DEFAULT_PORT = 8000
 
@@ -48,7 +49,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="with a URL: fsspec options as a JSON object, e.g. "
                         "'{\"client_kwargs\": {\"endpoint_url\": \"http://minio:9000\"}}'")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
-    p.set_defaults(func=cmd_view)
+    p.set_defaults(func=cmd_view, needs=VIEWER)
 
 
 def _mapping(text: str) -> dict:
@@ -62,11 +63,6 @@ def _mapping(text: str) -> dict:
 
 
 def cmd_view(args: argparse.Namespace) -> int:
-    from ..viewer import INSTALL_HINT, REQUIRES, missing_requirements
-    missing = missing_requirements()
-    if missing:
-        raise UsageError(f"the viewer needs the [inspect] extra: {INSTALL_HINT} (not installed here: "
-                         + ", ".join(f"{m} for {REQUIRES[m]}" for m in missing) + ")")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: a TCP port is 0..65535 (0: any free port)")
     from ..storage import is_url

@@ -29,29 +29,3 @@ Nothing here writes: every route is a GET, the only files served are the stylesh
 index.
 """
 from __future__ import annotations
-
-import importlib.util
-
-#: the libraries the viewer needs beyond the core install (the ``[inspect]`` extra brings them):
-#: import name -> what it does here
-REQUIRES = {"jinja2": "HTML templates with autoescape", "duckdb": "the filter's SQL condition",
-            "matplotlib": "codes and latents as images"}
-
-#: the line that says how to get them (also ``shards query`` / ``stats``' wording)
-INSTALL_HINT = 'pip install "shardcache[inspect]"'
-
-
-def missing_requirements() -> list[str]:
-    """The import names of :data:`REQUIRES` that cannot be imported here (found without importing them)."""
-    out = []
-    for name in REQUIRES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # a finder that refuses it counts as missing
-            found = False
-        if not found:
-            out.append(name)
-    return out
-
-
-__all__ = ["REQUIRES", "INSTALL_HINT", "missing_requirements"]
