@@ -77,14 +77,18 @@ def dry_run(cfg) -> int:
     from shards.cache import Cache
     from shards.errors import ContractMismatch, ShardcacheError
 
-    from .models import model_contract
+    from .models import run_contract
+    m = cfg.model
     try:
         cache = Cache.open(cfg.data.cache)
-        if (contract := model_contract(cfg.model.name, cfg.model.kwargs)) is not None:
-            cache.require(contract)
+        waived = cache.require(run_contract(m.name, m.kwargs, m.audio_tokenizer, m.contract),
+                               allow_other_weights=m.allow_other_encoder_weights)
     except (ContractMismatch, ShardcacheError, ImportError, OSError, ValueError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
+    for item, have, want in waived:
+        sys.stdout.write(f"{PROG}: dry run: --model.allow-other-encoder-weights: {item}: the cache has {have!r}, the "
+                         f"model {want!r}\n")
     sys.stdout.write(f"{PROG}: dry run: the options, the run directory {cfg.job.dir} and the cache {cfg.data.cache} "
                      f"(id {cache.id}, {len(cache)} samples) fit --model.name {cfg.model.name}; nothing was loaded\n")
     return 0
