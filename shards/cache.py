@@ -81,8 +81,8 @@ class ImagePreset:
     resize: str | None = None            #: ``image_resize`` (``center_crop``, ``stretch``...)
     rgb: str | None = None               #: ``image_rgb`` (``composite``, ``convert``)
     pixel_range: str | None = None       #: ``image_pixel_range`` (``-1..1``, ``0..255``)
-    normalized: bool | None = None       #: latents normalised with the VAE's ``latents_mean`` / ``latents_std``
     latent_channels: int | None = None
+    normalized: bool | None = None       #: latents normalised with the VAE's ``latents_mean`` / ``latents_std``
     dtype: str | None = None             #: the dtype the VAE computed in (``encoder_dtype``)
     latents_dtype: str | None = None     #: the dtype the latents are stored in (``float16``)
     weights: str | None = None           #: sha256 of the VAE checkpoint's tensors as stored
