@@ -7,19 +7,27 @@ builds the model from it and hands it to the loaders. A URL (``s3://...``, any f
 opened from a local copy of its two metadata files (fetched once per process); the loaders fetch the
 shards themselves.
 
-The encoders' identity (what a model needs to agree with) comes from the manifest as typed values:
+The encoders' identity (what a model needs to agree with) comes from the manifest as typed values
+(stage one records it: each encoder's ``describe()``, the preprocessing, the text section):
 
 =====================  ========================================================================================
 ``codec``              :class:`Codec`: ``name`` (``dac``, ``higgs``, ``encodec``, ``mimi``...),
                        ``sample_rate`` (Hz), ``frame_rate`` (frames/s), ``n_codebooks``, ``codebook_size``,
-                       ``bandwidth`` (kbps, where the codec has one)
+                       ``bandwidth`` (kbps, where the codec has one), ``weights`` (its checkpoint's
+                       tensors: ``checkpoint_sha256``), ``dtype``, ``tf32``
 ``text_tokenizer``     the tokenizer's fingerprint (``vocab_sha256`` of its vocabulary, pipeline and special
-                       tokens, after the tokens the job added)
+                       tokens, after the tokens the job added); ``pad_id``, the special token ids
+``chat_template``      how conversations were rendered (``text.template``); ``label_policy`` which tokens
+                       carry labels
 ``image``              :class:`ImagePreset`: the image encoder (``wan``, ``cosmos``...), ``size``, ``resize``,
-                       ``rgb``, ``pixel_range``, ``latent_channels``
+                       ``rgb``, ``pixel_range``, ``latent_channels``, ``normalized``, ``dtype`` (the VAE's),
+                       ``latents_dtype`` (stored), ``weights``, ``tf32``
 ``feature_encoder``    :class:`FeatureEncoder`: the image-feature encoder (``gemma3``), ``tokens_per_image``,
-                       ``hidden_size``
+                       ``hidden_size``, ``dtype``, ``weights`` (the tower's and projector's tensors), ``tf32``
 =====================  ========================================================================================
+
+A :class:`Contract` names the values a model needs (``None``: any, :class:`Unknown`: needed but not
+known, so never met); :meth:`Cache.require` refuses every unmet item in one ``ContractMismatch:`` line.
 """
 from __future__ import annotations
 
