@@ -349,7 +349,9 @@ def test_higgs_accepts_its_own_caches_and_refuses_a_real_encodec_cache(higgs_cac
     (tmp_path / "audio").symlink_to(DEMO.parent / "audio")
     run(rows, tmp_path / "encodec", cfg, progress=False)
     c = Cache.open(tmp_path / "encodec")
-    assert c.codec == Codec("encodec", 24000, 75.0, 8, 1024, 6.0)
+    from shardcache.weights import checkpoint_sha256
+    assert c.codec == Codec("encodec", 24000, 75.0, 8, 1024, 6.0, checkpoint_sha256(MODELS / "encodec-tiny"), "float32",
+                            c.codec.tf32)
     with pytest.raises(ContractMismatch) as e:
         c.require(contract)
     codec = [m[0] for m in e.value.mismatches if m[0].startswith("codec.")]
