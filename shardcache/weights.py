@@ -100,16 +100,16 @@ def under(*parts: str) -> Callable[[str], str | None]:
 
 
 @functools.lru_cache(maxsize=32)
-def _sha256(files: tuple[str, ...], select: Callable[[str], str | None] | None) -> str:
+def _sha256(files: tuple[tuple[str, int, int], ...], select: Callable[[str], str | None] | None) -> str:
     import torch
     entries = {}
-    for f in files:
+    for f, _, _ in files:
         for key, load in _tensors(Path(f)):
             name = select(key) if select is not None else key
             if name is not None:
                 entries[name] = load
     if not entries:
-        raise OSError(f"no tensor of {', '.join(files)} is selected: cannot tell its identity")
+        raise OSError(f"no tensor of {', '.join(f for f, _, _ in files)} is selected: cannot tell its identity")
     h = hashlib.sha256()
     for name in sorted(entries):
         t = entries[name]().detach().to("cpu").contiguous()
@@ -126,9 +126,11 @@ def checkpoint_sha256(pretrained: str | Path, subfolder: str | None = None,
     None to leave it out (:func:`under`); default every tensor under its own name.
 
     The same weights saved again in the same dtype hash alike (whatever the sharding, the directory, the
-    file's metadata); other values, shapes or dtypes do not. Cached per process (file list, selector).
+    file's metadata); other values, shapes or dtypes do not. Cached per process (files with their size and
+    modification time, selector).
     Raises ``OSError`` when the checkpoint has no weight file or no tensor is selected."""
-    files = tuple(str(p.resolve()) for p in weight_files(pretrained, subfolder))
+    files = tuple((str(p.resolve()), (st := p.stat()).st_size, st.st_mtime_ns)
+                  for p in weight_files(pretrained, subfolder))   # a file rewritten in place is hashed again
     return _sha256(files, select)
 
 
