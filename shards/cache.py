@@ -217,25 +217,31 @@ class Contract:
         return cls(model, **kw)
 
     def merged(self, other: "Contract") -> "Contract":
-        """This contract with ``other``'s items added where this one says "any" (fields and tokens
-        united). Raises ``ValueError`` naming an item both set to different values."""
-        clash = [(k, v, other.items()[k]) for k, v in self.items().items()
-                 if k != "fields" and k in other.items() and other.items()[k] != v]
+        """This contract with ``other``'s items added where this one says "any" or cannot tell
+        (:class:`Unknown`: ``other`` names it); fields and tokens united. Raises ``ValueError`` naming an
+        item both set to different values."""
+        theirs_all = other.items()
+        clash = [(k, v, theirs_all[k]) for k, v in self.items().items()
+                 if k != "fields" and k in theirs_all and not isinstance(v, Unknown) and theirs_all[k] != v]
         if clash:
             raise ValueError(f"{self.model}: the contract already sets " + "; ".join(
                 f"{k} to {a!r}, not {b!r}" for k, a, b in clash))
+        def pick(mine: Any, theirs: Any) -> Any:
+            return theirs if mine is None or (isinstance(mine, Unknown) and theirs is not None) else mine
+
         kw: dict[str, Any] = {"fields": tuple(dict.fromkeys(self.fields + tuple(other.fields))),
                               "optional_fields": tuple(dict.fromkeys(self.optional_fields + tuple(other.optional_fields))),
-                              "special_tokens": {**other.special_tokens, **self.special_tokens}}
+                              "special_tokens": {t: pick(self.special_tokens.get(t), other.special_tokens.get(t))
+                                                 for t in {**other.special_tokens, **self.special_tokens}}}
         for f in dc_fields(self):
             if f.name in kw or f.name == "model":
                 continue
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if f.name in PARTS and mine is not None and theirs is not None:
-                kw[f.name] = PARTS[f.name](**{a.name: getattr(mine, a.name) if getattr(mine, a.name) is not None
-                                              else getattr(theirs, a.name) for a in dc_fields(mine)})
+                kw[f.name] = PARTS[f.name](**{a.name: pick(getattr(mine, a.name), getattr(theirs, a.name))
+                                              for a in dc_fields(mine)})
             else:
-                kw[f.name] = mine if mine is not None else theirs
+                kw[f.name] = pick(mine, theirs)
         return Contract(self.model, **kw)
 
 

@@ -97,6 +97,27 @@ def test_every_contract_item_is_in_the_table():
     assert every == {i for i in ITEMS if not i.startswith("special_tokens.")}
 
 
+def test_a_contract_from_a_mapping_is_its_items_and_fills_what_another_cannot_tell():
+    """``--model.contract``'s mapping (Contract.from_dict) round-trips through items(); merged onto a
+    spec's contract it fills "any" and Unknown items, unites fields and tokens, and refuses an item the
+    spec sets otherwise or a name no contract has."""
+    from shards.cache import Unknown
+    d = {"fields": ["codes"], "special_tokens": {"<|AUDIO_OUT|>": 10}, "label_policy": "answers",
+         "codec": {"name": "higgs", "weights": "c" * 64}, "image": {"size": 512}}
+    c = Contract.from_dict("m", d)
+    assert c.items() == {"fields": ("codes",), "special_tokens.<|AUDIO_OUT|>": 10, "codec.name": "higgs",
+                         "codec.weights": "c" * 64, "label_policy": "answers", "image.size": 512}
+    assert Contract.from_items("m", c.items()) == c
+    spec = Contract("m", fields=("input_ids",), codec=Codec(name="higgs", weights=Unknown("name it")))
+    got = spec.merged(c)
+    assert got.codec == Codec(name="higgs", weights="c" * 64) and got.fields == ("input_ids", "codes")
+    assert got.image == ImagePreset(size=512) and got.label_policy == "answers"
+    with pytest.raises(ValueError, match="already sets codec.name to 'higgs', not 'dac'"):
+        spec.merged(Contract.from_dict("m", {"codec": {"name": "dac"}}))
+    with pytest.raises(ValueError, match=r"unknown item\(s\) \['tokenizer', 'codec.rate'\]"):
+        Contract.from_dict("m", {"tokenizer": "x", "codec": {"rate": 1}})
+
+
 @pytest.fixture(scope="module")
 def typed_cache(tmp_path_factory) -> Path:
     return cache_with_manifest(tmp_path_factory.mktemp("typed") / "c", MANIFEST, latents=True, image_features=True)
