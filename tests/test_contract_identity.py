@@ -280,6 +280,8 @@ def test_lora_adapters_of_another_rank_or_alpha_are_refused(demo_cache, train, t
     assert items == ["lora.r"] and "lora.r: the adapter has 4, the run has 8" in line
     items, line = _refused(*train(demo_cache, tmp_path / "a", *ref, *init, "--lora.r", "4", "--lora.alpha", "16"))
     assert items == ["lora.alpha"] and "lora.alpha: the adapter has 8, the run has 16" in line
+    assert _refused(*train(demo_cache, tmp_path / "d", *ref, *init, "--lora.r", "8", "--lora.alpha", "8",
+                           "--dry-run"))[0] == ["lora.r"]
     items, _ = _refused(*train(demo_cache, tmp_path / "src", *ref, "--checkpoint.resume", "auto", "--lora.r", "2",
                                "--lora.alpha", "8", "--training.steps", "2"))
     assert items == ["lora.r"]

@@ -72,17 +72,17 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
 
 
 def dry_run(cfg) -> int:
-    """``--dry-run``: open the cache and check the model's contract against it (what a run checks
-    before any weight loads), in this process only; 0 when it fits, else 2 with the one-line reason."""
+    """``--dry-run``: open the cache and check the model's contract against it and a ``model.init_from``
+    adapter against the run's LoRA options (what a run checks before any weight loads:
+    :func:`train.trainer.check_model`), in this process only; 0 when it fits, else 2 with the one-line
+    reason."""
     from shards.cache import Cache
     from shards.errors import ContractMismatch, ShardcacheError
 
-    from .models import run_contract
-    m = cfg.model
+    from .trainer import check_model
     try:
         cache = Cache.open(cfg.data.cache)
-        waived = cache.require(run_contract(m.name, m.kwargs, m.audio_tokenizer, m.contract),
-                               allow_other_weights=m.allow_other_encoder_weights)
+        waived = check_model(cfg, cache)
     except (ContractMismatch, ShardcacheError, ImportError, OSError, ValueError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
