@@ -185,15 +185,17 @@ def test_debug_metrics_hold_the_batches_latent_statistics(cache, tmp_path):
 
 def test_fused_adamw_selection(monkeypatch):
     from train import optim
+    from train.spec import factory_spec
     model = torch.nn.Linear(3, 3)
+    spec = factory_spec("torch.nn:Linear", torch.nn.Linear)   # a plain module: the trainer's groups
     cpu = torch.device("cpu")
     if not optim.fused_adamw_supported(cpu):
         pytest.skip("this torch has no fused AdamW on CPU")
-    assert optim.make_optimizer(model, from_dict({"fused": "auto"}), cpu).defaults["fused"] is True
-    assert optim.make_optimizer(model, from_dict({"fused": "on"}), cpu).defaults["fused"] is True
-    assert not optim.make_optimizer(model, from_dict({"fused": "off"}), cpu).defaults["fused"]
+    assert optim.make_optimizer(model, from_dict({"fused": "auto"}), cpu, spec).defaults["fused"] is True
+    assert optim.make_optimizer(model, from_dict({"fused": "on"}), cpu, spec).defaults["fused"] is True
+    assert not optim.make_optimizer(model, from_dict({"fused": "off"}), cpu, spec).defaults["fused"]
     monkeypatch.setattr(optim, "fused_adamw_supported", lambda device: False)
-    assert not optim.make_optimizer(model, from_dict({"fused": "auto"}), cpu).defaults["fused"]
+    assert not optim.make_optimizer(model, from_dict({"fused": "auto"}), cpu, spec).defaults["fused"]
 
 
 # ---- torch.compile -----------------------------------------------------------------------------------------

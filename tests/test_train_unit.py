@@ -53,8 +53,9 @@ def test_train_never_imports_decoders_or_diffusers(tmp_path):
         "import train.config, train.dist, train.models, train.checkpoint, train.metrics\n"
         "import train.batch_size, shardcache.cli\n"
         "import loaders\n"
-        + "from train.models import ReferenceModel, apply_lora\n"
-        "m = apply_lora(ReferenceModel(d_model=16, n_layers=1, n_heads=2), 2, 4, 0.0, ('qkv',))\n"
+        + "from train.models import ReferenceModel, apply_lora, model_spec\n"
+        "m = apply_lora(ReferenceModel(d_model=16, n_layers=1, n_heads=2), 2, 4, 0.0, ('qkv',), "
+        "spec=model_spec('reference'))\n"
         "bad = [n for n in ('librosa', 'soundfile', 'PIL', 'diffusers') if sys.modules.get(n) is not None]\n"
         "print('BAD', bad)\n"
     )
@@ -259,10 +260,10 @@ def test_plugin_factory_and_lora(cache):
     assert torch.isfinite(m(_batch(cache)))
     with pytest.raises(ValueError, match="module:factory"):
         build_model("nocolon", {}, cache)
-    from train.models import apply_lora
+    from train.models import apply_lora, model_spec
     ref = ReferenceModel(**TINY_MODEL)
     total = count_params(ref)[1]
-    lora = apply_lora(ref, 4, 8, 0.0, ("qkv", "fc1"))
+    lora = apply_lora(ref, 4, 8, 0.0, ("qkv", "fc1"), spec=model_spec("reference"))
     trainable, total2 = count_params(lora)
     assert 0 < trainable < total2 and total2 > total
     assert all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)

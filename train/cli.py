@@ -72,19 +72,23 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
 
 
 def dry_run(cfg) -> int:
-    """``--dry-run``: open the cache and check the model's contract against it (what a run checks
-    before any weight loads), in this process only; 0 when it fits, else 2 with the one-line reason."""
+    """``--dry-run``: open the cache and check the model's contract against it and a ``model.init_from``
+    adapter against the run's LoRA options (what a run checks before any weight loads:
+    :func:`train.trainer.check_model`), in this process only; 0 when it fits, else 2 with the one-line
+    reason."""
     from shards.cache import Cache
     from shards.errors import ContractMismatch, ShardcacheError
 
-    from .models import model_contract
+    from .trainer import check_model
     try:
         cache = Cache.open(cfg.data.cache)
-        if (contract := model_contract(cfg.model.name, cfg.model.kwargs)) is not None:
-            cache.require(contract)
+        waived = check_model(cfg, cache)
     except (ContractMismatch, ShardcacheError, ImportError, OSError, ValueError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
+    for item, have, want in waived:
+        sys.stdout.write(f"{PROG}: dry run: --model.allow-other-encoder-weights: {item}: the cache has {have!r}, the "
+                         f"model {want!r}\n")
     sys.stdout.write(f"{PROG}: dry run: the options, the run directory {cfg.job.dir} and the cache {cfg.data.cache} "
                      f"(id {cache.id}, {len(cache)} samples) fit --model.name {cfg.model.name}; nothing was loaded\n")
     return 0

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from shardcache import config as S
 from shardcache.config import ConfigError, option
 
+from .recipes import RECIPES  # a dict of names: imports no model library
+from .recipes.higgs_argv import translate
+
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_TRAIN_CONFIG"
 #: the most steps any step-count option accepts (a trillion)
@@ -55,7 +58,11 @@ class ModelConfig:
     kwargs: dict = option(factory=dict, merge=True)
     """Keyword arguments of the model (reference: d_model, n_layers...; recipes: lm, dtype...); flags update them."""
     audio_tokenizer: str = ""
-    """Audio tokenizer (path or hub id) the cache's codes should come from; a mismatch warns. Never loaded."""
+    """Audio tokenizer (dir or hub id) the model was trained with: the cache's codes must come from its weights."""
+    contract: dict = option(factory=dict, merge=True)
+    """More contract items (fields, special_tokens, codec: {name, weights...}...); a plain factory's whole contract."""
+    allow_other_encoder_weights: bool = False
+    """Train on codes / latents / features of other encoder weights than the model's (recorded in the run)."""
     latent_loss: str = option("none", choices=("none", "cosine", "mse"))
     """Reference model: latent-regression head (next image patch)."""
     latent_loss_weight: float = option(1.0, ge=0.0, le=1e6)
@@ -251,7 +258,6 @@ class TrainConfig:
 def _rules(cfg: TrainConfig) -> list[tuple[str, str]]:
     """Rules across options (after each option's own type and range passed); the cache's and the loader's
     are :mod:`train.preflight`'s and :mod:`train.bounds`'."""
-    from .recipes import RECIPES  # a dict of names: imports nothing heavy
     fields, m = tuple(cfg.data.fields), cfg.model
     explicit = fields not in (("auto",), ("all",))
     return [(k, msg) for k, ok, msg in (
@@ -305,7 +311,6 @@ def help_text(everything: bool = False) -> str:
 def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> tuple[TrainConfig, argparse.Namespace]:
     """Command line (the Higgs-Audio spellings translated first) -> (validated config, namespace
     with the parser's other flags, ``config_file`` and ``config_source``). Raises :class:`ConfigError`."""
-    from .recipes.higgs_argv import translate
     argv = translate(sys.argv[1:] if argv is None else list(argv))
     cfg, ns = S.parse(parser or build_parser(), TrainConfig, argv, CONFIG_ENV, SHORT_FLAGS)
     return validate(cfg), ns

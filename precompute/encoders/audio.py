@@ -41,6 +41,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from shardcache.weights import identity
+
 from ..transfer import to_device
 from ._common import (
     clean_config,
@@ -251,7 +253,10 @@ class HFCodecTokenizer:
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256`` plus the code contract and ``encode_version``.
 
-        ``weights_sha256`` is recomputed on every call (about 1 s per 500 MB of weights).
+        ``weights_sha256`` is recomputed on every call (about 1 s per 500 MB of weights). The identity a
+        recipe's contract compares (:func:`shardcache.weights.identity`): ``checkpoint_sha256`` (the
+        checkpoint's tensors as stored; None for a model not loaded with :meth:`from_pretrained`),
+        ``revision`` (the hub commit) and ``numerics`` (dtype and the TF32 switches).
         Device and the local path are deliberately not included.
         """
         d = {
@@ -268,6 +273,7 @@ class HFCodecTokenizer:
             "encode_version": ENCODE_VERSION,
         }
         d.update(self._extra_describe())
+        d.update(identity(self.pretrained, dtype=self.dtype))   # what a recipe's contract compares
         return d
 
     def __repr__(self) -> str:

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.weights import identity
+
 from ..transfer import to_device
 from ._common import (
     clean_config,
@@ -96,6 +98,7 @@ class DiffusersVAEEncoder:
         self.vae = vae.eval()
         self.vae.requires_grad_(False)
         self.pretrained: str | None = None
+        self.subfolder: str | None = None   #: of a diffusers pipeline layout (``vae``)
         self._init_geometry()
         self.normalize = bool(normalize)
         self._mean = self._std = None
@@ -154,7 +157,7 @@ class DiffusersVAEEncoder:
         except (OSError, ValueError) as e:
             raise load_error(what, path, e) from e
         obj = cls(vae, device=device, dtype=dtype, **kwargs)
-        obj.pretrained = path
+        obj.pretrained, obj.subfolder = path, load_kwargs.get("subfolder")
         return obj
 
     # -- the protocol -------------------------------------------------------------------------
@@ -242,7 +245,9 @@ class DiffusersVAEEncoder:
 
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256``, geometry, ``normalize``, ``dtype``,
-        ``encode_version``, plus ``latents_mean``/``latents_std`` when the config has them.
+        ``encode_version``, plus ``latents_mean``/``latents_std`` when the config has them, and the
+        identity a recipe's contract compares (:func:`shardcache.weights.identity`: ``checkpoint_sha256``,
+        ``revision``, ``numerics``).
         """
         cfg = clean_config(self.vae.config)
         d = {
@@ -260,6 +265,7 @@ class DiffusersVAEEncoder:
         for key in ("latents_mean", "latents_std"):
             if cfg.get(key) is not None:
                 d[key] = cfg[key]
+        d.update(identity(self.pretrained, dtype=self.dtype, subfolder=self.subfolder))   # what a contract compares
         return d
 
     def __repr__(self) -> str:

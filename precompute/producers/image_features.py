@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.weights import GEMMA3_VISION, identity, under
+
 from .base import Producer, Timer, encode_each
 
 
@@ -123,7 +125,9 @@ class Gemma3VisionEncoder:
                 "config": clean_config(self.config), "dtype": str(self.dtype).replace("torch.", ""),
                 "weights_sha256": state_dict_sha256(self.vision_tower) + ":" + state_dict_sha256(self.projector),
                 "image_processor": ip.to_dict() if hasattr(ip, "to_dict") else type(ip).__name__,
-                "image_sequence": self.image_sequence}
+                "image_sequence": self.image_sequence,
+                # the tower and projector as stored in the checkpoint: what the theworld recipe compares
+                **identity(self.pretrained, dtype=self.dtype, select=under(*GEMMA3_VISION))}
 
 
 #: ``image_features.name`` -> the encoder class
