@@ -219,7 +219,7 @@ def test_every_recipe_judges_the_demo_cache(demo_cache, MODELS):
 
 def test_train_cli_refuses_a_mismatch_with_exit_2_before_loading_weights(demo_cache, tmp_path, MODELS):
     r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--cache", str(demo_cache), "--model.name", "higgs",
-                        "--model.kwargs", json.dumps({"lm": str(MODELS / "higgs-tiny")}), "--run-dir", str(tmp_path / "run"),
+                        "--model.kwargs", json.dumps({"lm": str(MODELS / "higgs-tiny")}), "--run_dir", str(tmp_path / "run"),
                         "--training.steps", "1"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]

@@ -125,7 +125,7 @@ def test_cli_refuses_a_utf16_manifest_without_bom_with_exit_2(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_bytes("".join(json.dumps(r) + "\n" for r in ROWS).encode("utf-16-le"))
     r = subprocess.run([sys.executable, "-m", "shardcache", "precompute", "--manifest", str(path), "--cache", str(tmp_path / "c"),
-                        "--config", "none", "--no-progress", "--device=cpu"],
+                        "--config", "none", "--no_progress", "--device=cpu"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])

@@ -393,7 +393,7 @@ def test_higgs_command_trains_the_higgs_recipe(tmp_path):
     argv[argv.index("--num_train_epochs") + 1] = "2"
     from train.cli import main
     with Captured() as cap:
-        assert main(["--config", "none", "--no-metrics.progress", "--dist.threads", "1", *argv]) == 0
+        assert main(["--config", "none", "--metrics.progress=false", "--dist.threads", "1", *argv]) == 0
     recs = read_metrics(out)
     # 2 epochs x 24 samples / batch 2 (--disable_evaluation: none held out); logging_steps 50: the last
     assert [r["step"] for r in recs] == [24] and read_metrics(out, "val") == []

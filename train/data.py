@@ -7,8 +7,8 @@ A loader (``data.loader``, default ``loaders:ShardLoader``; a plug-in ``module:c
 ``ShardLoader``'s keywords: the cache (a :class:`shards.Cache`), ``batch_size``, ``global_rank``,
 ``world_size``, ``seed``, ``num_workers``, ``fields``, ``filters``, ``drop_remainder``,
 ``transform``, ``compact``, ``skip_corrupt`` and the ``data.loader_kwargs``; it has ``set_epoch``,
-``state_dict``/``load_state_dict``, ``__len__`` and ``close``. Validation data: ``--data.val-cache``, else the keys of ``--data.cache``
-held out by ``--data.val-fraction`` (:class:`HeldOut`: ``sha256(key)`` mapped to [0, 1), kept out
+``state_dict``/``load_state_dict``, ``__len__`` and ``close``. Validation data: ``--data.val_cache``, else the keys of ``--data.cache``
+held out by ``--data.val_fraction`` (:class:`HeldOut`: ``sha256(key)`` mapped to [0, 1), kept out
 of the training loader and read by the validation loader through the loader's ``filters=``).
 
 Batches stay compact on the host (the cache's dtypes: ``data.compact_batches``) and are widened
@@ -37,7 +37,7 @@ from .models import is_recipe, load_factory, resolve_model
 
 log = logging.getLogger("train")
 
-#: caches smaller than this hold nothing out (there is nothing to spare; use --data.val-cache)
+#: caches smaller than this hold nothing out (there is nothing to spare; use --data.val_cache)
 MIN_SAMPLES_TO_HOLD_OUT = 20
 
 
@@ -228,7 +228,7 @@ def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module,
         why = f"the cache has fewer than {MIN_SAMPLES_TO_HOLD_OUT} samples"
         if info.is_main:
             log.warning("validation: nothing held out (%s)%s", why, ": validating on the training cache"
-                        if ev.every else " and no --data.val-cache: no validation")
+                        if ev.every else " and no --data.val_cache: no validation")
         if ev.every:
             val_loader = make_loader(cfg, cache, eval_bs, info, model=model)
     loader.set_epoch(0)
@@ -244,7 +244,7 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
         return t.steps
     if steps_per_epoch < 1:
         raise ValueError(f"--training.epochs {t.epochs}: an epoch has no optimizer step (fewer loader batches "
-                         f"than --training.grad-accum {t.grad_accum})")
+                         f"than --training.grad_accum {t.grad_accum})")
     return math.ceil(round(t.epochs * steps_per_epoch, 6))
 
 
@@ -258,13 +258,13 @@ def check_audio_tokenizer(cfg: TrainConfig, opened: Cache) -> None:
     made = (manifest.get("config") or {}).get("audio_tokenizer")
     pre = made.get("pretrained") if isinstance(made, dict) else None
     if manifest and "n_codebooks" not in manifest:
-        log.warning("--audio-tokenizer %s: the cache %s holds no codes (made without an audio tokenizer)", tok, cache)
+        log.warning("--audio_tokenizer %s: the cache %s holds no codes (made without an audio tokenizer)", tok, cache)
     elif pre is None:
-        log.info("--audio-tokenizer %s: the cache's manifest.json does not name its audio tokenizer; the "
+        log.info("--audio_tokenizer %s: the cache's manifest.json does not name its audio tokenizer; the "
                  "cached codes are used as they are", tok)
     elif str(pre).rstrip("/") == str(tok).rstrip("/") or Path(pre).resolve() == Path(tok).resolve():
-        log.info("--audio-tokenizer %s: the cache's codes were made with it", tok)
+        log.info("--audio_tokenizer %s: the cache's codes were made with it", tok)
     else:
-        log.warning("--audio-tokenizer %s differs from the audio tokenizer the cache's codes were made with "
+        log.warning("--audio_tokenizer %s differs from the audio tokenizer the cache's codes were made with "
                     "(%s, manifest.json config.audio_tokenizer.pretrained); training uses the cached codes",
                     tok, pre)

@@ -323,7 +323,7 @@ def build_model(model: str, model_kwargs: dict, cache: "Cache | str", latent_los
                                latent_loss_weight=latent_loss_weight)
     else:
         if latent_loss != "none":
-            raise ValueError(f"--model.latent-loss {latent_loss}: {model} is a plain factory (no latent loss)")
+            raise ValueError(f"--model.latent_loss {latent_loss}: {model} is a plain factory (no latent loss)")
         m = factory(**model_kwargs)
     if not isinstance(m, nn.Module):
         raise TypeError(f"{model} returned {type(m).__name__}, expected a torch.nn.Module")

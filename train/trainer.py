@@ -133,7 +133,7 @@ def prepare_model(cfg: TrainConfig, cache: Cache, device: torch.device) -> nn.Mo
     if adapter_init:
         if not cfg.lora.enabled:
             meta = json.loads((Path(m.init_from) / C.ADAPTER_META).read_text())
-            raise ValueError(f"--model.init-from {m.init_from} is a LoRA adapter checkpoint: enable --lora with "
+            raise ValueError(f"--model.init_from {m.init_from} is a LoRA adapter checkpoint: enable --lora with "
                              f"its options ({meta.get('lora')})")
         C.load_adapter(raw, m.init_from)
     if m.activation_checkpointing and not set_activation_checkpointing(raw):
@@ -358,9 +358,9 @@ class Trainer:
         if not self.cfg.checkpoint.allow_other_cache:
             raise ValueError(f"{what}: resuming would continue at a data position that means other samples. "
                              "Resume on the same cache, start a new run dir, or pass "
-                             "--checkpoint.allow-other-cache to resume anyway")
+                             "--checkpoint.allow_other_cache to resume anyway")
         if self.info.is_main:
-            log.warning("%s: resuming anyway (--checkpoint.allow-other-cache)", what)
+            log.warning("%s: resuming anyway (--checkpoint.allow_other_cache)", what)
         st["loader"] = {k: v for k, v in st["loader"].items() if k != "cache_id"}
 
     # ---- one optimizer step -----------------------------------------------------------------------------

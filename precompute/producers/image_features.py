@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import BYTES
+
 from .base import Producer, Timer, encode_each
 
 
@@ -56,6 +58,8 @@ class Gemma3VisionEncoder:
 
     #: spec options besides name and pretrained
     OPTIONS = ("dtype",)
+    #: what each option does to a cache (:class:`shardcache.config.Effect`)
+    OPTION_EFFECTS = {"dtype": BYTES}
 
     def __init__(self, pretrained: str, device: str = "cpu", dtype: str = "bfloat16"):
         import torch
