@@ -54,7 +54,7 @@ from .output import LocalOutput, open_output
 from .pipeline import EncodeStream, job_workers, preload_decoders
 from .precision import check_precision
 from .identity import JOB_FILE, batch_policy, check_job_record, filter_values
-from .rerun import chunk_meta, plan_rerun, row_ids
+from .rerun import carried_name, carry_removed, chunk_meta, plan_rerun, row_ids, write_carried
 from .prepare import PrepareDataset, identity_collate
 from .producers import WaveformProducer
 
@@ -309,10 +309,13 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     if done and global_rank == 0:
         log.info("%s", rerun.describe())
     sync()
+    carried = carry_removed(out_dir, rerun) if global_rank == 0 else []  # removed rows kept from stale chunks
     if rerun.stale and global_rank == 0:
         output.drop_chunks(rerun.stale)  # changed or deleted rows: their chunks are encoded again
     kept = {stem: set(meta.get("rows") or []) for stem, meta in done.items() if stem not in rerun.stale}
     plan = plan_chunks(requests, cfg.samples_per_shard, kept, ids)
+    if carried:
+        write_carried(output, carried_name([n for n, _ in plan], kept, len(requests), cfg.samples_per_shard), carried)
     sync()  # every rank has read the same state before anyone commits a chunk
     chunks = plan[global_rank::world_size]  # chunk k of the plan -> rank k % world_size
     items = [(req, ci) for ci, (_, rows) in enumerate(chunks) for req in rows]

@@ -28,8 +28,10 @@ On a rerun :func:`plan_rerun` compares the committed chunks with the manifest:
   (tar, parts, sidecars of added fields) and its rows still in the manifest are encoded again. A chunk is
   the unit of work, so the unchanged rows of a stale chunk are re-encoded with it (counted apart);
 * with ``keep_removed_rows: true`` a row no longer in the manifest does not make its chunk stale: it stays
-  in the cache, and the job says how many such rows it kept; unless its chunk is stale for another reason,
-  or a row of the manifest now takes its sample key (the manifest wins: the cache never holds a key twice);
+  in the cache with the same bytes, and the job says how many such rows it kept. When its chunk is stale for
+  another reason, its sample is carried (read before the chunk is deleted) into a chunk of its own
+  (:func:`carry_removed`, :func:`write_carried`); only a row of the manifest that now takes its sample key
+  removes it (the manifest wins: the cache never holds a key twice);
 * rows in no committed chunk are **added** (new chunks, numbered after every chunk there is).
 
 A chunk committed by an older version (no ``rows_version`` 2) is stale: it is redone once.
@@ -38,13 +40,23 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
+import logging
 import os
+import tarfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
+
+import numpy as np
+
+from shards import npz, schema
 
 from .keys import identity_key
 from .manifests import Request
+
+log = logging.getLogger("precompute")
 
 #: the values of the option ``source_digest``: what a rerun compares of each media file
 SOURCE_DIGESTS = ("stat", "content")
@@ -179,6 +191,8 @@ class RerunPlan:
     added: int = 0
     old_chunks: int = 0  #: stale chunks committed by an older version (no per-row records)
     key_taken: int = 0   #: removed rows not kept because a row of the manifest now has their key
+    #: stale chunk stem -> the records ``(id, digest, key, sources)`` of its removed rows kept (carried over)
+    carry: dict[str, list[tuple]] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         """The counts as a dict (what the job reports)."""
@@ -264,7 +278,11 @@ def plan_rerun(requests: list[Request], done: dict[str, dict | None], *, source_
             n_changed = sum(changed(r) for r in present)
             plan.reencoded += n_changed
             plan.reencoded_with_chunk += len(present) - n_changed
-            plan.removed += gone
+            carry = [r for r in recs if keep_removed and r[0] not in now and r[2] is not None and r[0] not in taken]
+            if carry:
+                plan.carry[stem] = carry
+            plan.kept_removed += len(carry)
+            plan.removed += gone - len(carry)
         else:
             plan.covered.update(r[0] for r in recs)
             plan.kept += len(present)
@@ -274,5 +292,61 @@ def plan_rerun(requests: list[Request], done: dict[str, dict | None], *, source_
     return plan, records
 
 
+def _fields(members: dict[str, bytes]) -> dict[str, Any]:
+    """A sample's tar members (``json``, ``tensors.npz``, ``NAME.npy``) as :meth:`shards.ShardWriter.add` takes
+    them (its bytes written again are the same: sorted JSON, packed arrays in sorted order)."""
+    out: dict[str, Any] = {}
+    for name, data in members.items():
+        if name == "json":
+            out["json"] = json.loads(data)
+        elif name == npz.MEMBER:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                out |= {f"{k}.npy": z[k] for k in z.files}
+        elif name.endswith(".npy"):
+            out[name] = np.load(io.BytesIO(data), allow_pickle=False)
+    return out
+
+
+def carry_removed(local: Path, plan: RerunPlan) -> list[tuple[RowRecord, dict[str, Any]]]:
+    """The samples of the removed rows ``keep_removed_rows`` keeps from stale chunks (``plan.carry``), read
+    from their tars before the chunks are deleted: ``[(record, fields)]``. A tar that is not in ``local``
+    (a cache in object storage keeps none in staging) loses its removed rows, with a warning."""
+    out = []
+    for stem, recs in sorted(plan.carry.items()):
+        path = Path(local) / f"{stem}.tar"
+        if not path.exists():
+            log.warning("%s is not in the local staging folder: its %d removed row(s) are not kept", path.name, len(recs))
+            continue
+        wanted = {r[2]: r for r in recs}
+        members: dict[str, dict[str, bytes]] = {}
+        with tarfile.open(path) as tf:
+            for m in tf:
+                key, _, member = m.name.partition(".")
+                if key in wanted and m.isfile():
+                    members.setdefault(key, {})[member] = tf.extractfile(m).read()
+        out += [(RowRecord(r[0], r[1], key, tuple(tuple(s) for s in r[3])), _fields(members[key]))
+                for key, r in wanted.items() if key in members]
+    return out
+
+
+def carried_name(plan_names: Iterable[str], kept_stems: Iterable[str], n_rows: int, per_shard: int) -> str:
+    """The shard name of the chunk the carried rows go into: after every chunk the job plans or keeps, and
+    after every position of the manifest."""
+    numbers = [schema.parse_shard_name(n)[1] for n in plan_names] + \
+        [schema.parse_shard_name(s + ".tar")[1] for s in kept_stems] + [-(-n_rows // per_shard) - 1]
+    return schema.chunk_shard_name(max(numbers) + 1)
+
+
+def write_carried(output: Any, name: str, carried: list[tuple[RowRecord, dict[str, Any]]]) -> None:
+    """Commit the carried samples (:func:`carry_removed`) as chunk ``name`` of ``output`` (a
+    :class:`precompute.output.LocalOutput`), recording their rows as they were."""
+    from shards.writer import ShardWriter
+    writer = ShardWriter(output.local, name)
+    for rec, fields in carried:
+        writer.add(rec.key, fields)
+    entry = writer.commit(chunk_meta([rec for rec, _ in carried], writer.keys))
+    output.chunk_committed(name, entry is not None)
+
+
 __all__ = ["SOURCE_DIGESTS", "ROWS_VERSION", "RowRecord", "RerunPlan", "plan_rerun", "row_digest", "row_ids",
-           "sources", "sources_unchanged", "chunk_meta"]
+           "sources", "sources_unchanged", "chunk_meta", "carry_removed", "carried_name", "write_carried"]
