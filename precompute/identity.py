@@ -74,7 +74,8 @@ def spec_effects(option: str, spec: Mapping) -> dict[str, Effect]:
         return dict(SPEC_KEYS)
     declared = dict(getattr(cls, "OPTION_EFFECTS", None) or {})  # a class without the table declares nothing
     if missing := [k for k in cls.OPTIONS if k not in declared]:
-        raise UndeclaredOption(f"{cls.__module__}.{cls.__qualname__}.OPTION_EFFECTS lacks {missing}")
+        raise UndeclaredOption(f"{option}: {cls.__module__}.{cls.__qualname__}.OPTION_EFFECTS declares no effect "
+                               f"for {missing}")
     return SPEC_KEYS | declared
 
 
@@ -85,7 +86,7 @@ def producer_effects(spec: Mapping) -> dict[str, Effect]:
         return dict(PLUGIN_KEYS)
     name = spec.get("producer")
     if name not in PRODUCER_EFFECTS:
-        raise UndeclaredOption(f"producer {name!r} has no entry in precompute.producers.PRODUCER_EFFECTS")
+        raise UndeclaredOption(f"extra_fields: producer {name!r} has no entry in precompute.producers.PRODUCER_EFFECTS")
     own = dict(PRODUCER_EFFECTS[name])
     if own.pop("*", None) is not None:  # the spec itself is an encoder spec too (image_features)
         inner = {k: v for k, v in spec.items() if k not in own}
