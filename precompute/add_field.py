@@ -387,13 +387,18 @@ def main_add(argv: list[str]) -> int:
     return 0
 
 
-def main_drop(argv: list[str]) -> int:
+def build_drop_parser() -> argparse.ArgumentParser:
+    """``shardcache drop-field CACHE NAME``."""
     p = argparse.ArgumentParser(prog="shardcache drop-field",
                                 description="Remove a field added with add-field (its sidecars, index members, "
                                             "manifest entry); no other byte changes.")
     p.add_argument("cache", metavar="CACHE")
     p.add_argument("field", metavar="NAME")
-    args = p.parse_args(argv)
+    return p
+
+
+def main_drop(argv: list[str]) -> int:
+    args = build_drop_parser().parse_args(argv)
     try:
         drop_field(args.cache, args.field)
     except (ShardcacheError, FileNotFoundError, ValueError) as e:

@@ -165,11 +165,30 @@ def _media(root: Path) -> Path:
 
 
 MEDIA: list[Path] = []
+from precompute.encode import load_encoders as _LOAD  # noqa: E402  (the real one, wrapped by _load_encoders)
+
+
+#: loaded codecs and VAEs by spec: the walk runs the job some 200 times (the text tokenizer, which a job may
+#: grow with added tokens, is loaded each time)
+_ENCODERS: dict[str, object] = {}
+
+
+def _load_encoders(cfg, device, dtype=None):
+    from precompute import encode
+    from precompute.encoders import load_text_tokenizer
+    key = json.dumps([cfg.audio_tokenizer, cfg.image_encoder, cfg.image_pixel_range, dtype or cfg.encoder_dtype, device],
+                     sort_keys=True, default=str)
+    if key not in _ENCODERS:
+        _ENCODERS[key] = _LOAD(cfg, device, dtype)
+    enc = _ENCODERS[key]
+    return encode.Encoders(enc.audio, enc.image, load_text_tokenizer(cfg.text_tokenizer))
 
 
 def _run(manifest: Path, cache: Path, cfg):
+    from precompute import encode
     from precompute.job import run
-    return run(manifest, cache, cfg, root=MEDIA[0], progress=False)[0]
+    with mock.patch.object(encode, "load_encoders", _load_encoders):
+        return run(manifest, cache, cfg, root=MEDIA[0], progress=False)[0]
 
 
 def _read(cache: Path) -> tuple[dict, set]:
