@@ -14,7 +14,7 @@ from .config import CONFIG_ENV, PrecomputeConfig
 from .job import run
 from .manifests import ManifestUnreadable
 from .ranks import make_barrier
-from .validate import ConfigError, validate_config
+from .validate import ConfigError, check_config
 
 log = logging.getLogger("precompute")
 PROG = "shardcache precompute"
@@ -69,8 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: list[str]) -> tuple[PrecomputeConfig, argparse.Namespace]:
     """defaults < config file < flags; checked (raises :class:`ConfigError`)."""
-    cfg, args = S.parse(build_parser(), PrecomputeConfig, argv, CONFIG_ENV)
-    return validate_config(cfg), args
+    return S.parse(build_parser(), PrecomputeConfig, argv, CONFIG_ENV, check=check_config)
 
 
 def main(argv: list[str] | None = None) -> int:

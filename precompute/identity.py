@@ -115,7 +115,7 @@ def _spec_walk(path: str, option: str, spec: Any, effects: dict[str, Effect], cl
     defaults = _defaults(cls) if cls is not None else {}
     for key, value in spec.items():
         if key not in effects:
-            raise UndeclaredOption(f"{path}.{key}: no declared effect (known keys: {sorted(effects)})")
+            raise UndeclaredOption(f"{path}.{key}: unknown key (no declared effect); known: {', '.join(sorted(effects))}")
         effect = effects[key]
         if effect.kind == "spec":  # a producer's encoder spec (codes: audio_tokenizer, latents: image_encoder)
             yield from _encoder_walk(f"{path}.{key}", key, value)

@@ -13,6 +13,7 @@ from shards import fields
 
 from .config import PrecomputeConfig
 from .encoders.registry import SPECS, spec_problems
+from .identity import undeclared
 from .producers import producer_problems
 from .producers.image_features import image_features_problems
 
@@ -77,6 +78,8 @@ def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:
     if "image_size" not in bad and cfg.image_size % IMAGE_MULTIPLE:
         out.append(("image_size", f"expected a multiple of {IMAGE_MULTIPLE} (the VAE's spatial factor), "
                                   f"got {cfg.image_size}"))
+    if not bad & {"audio_tokenizer", "image_encoder", "text_tokenizer", "image_features", "extra_fields"}:
+        out += undeclared(cfg)  # a spec key no encoder or producer declares an effect for
     return out
 
 

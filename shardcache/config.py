@@ -323,12 +323,23 @@ def _flag_value(argv: list[str], p: ArgumentParser, key: str) -> tuple[int | Non
     return None, None
 
 
-def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str) -> tuple[Any, argparse.Namespace]:
+def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
+          check: Callable[[Any], list[tuple[str, str]]] | None = None) -> tuple[Any, argparse.Namespace]:
     """``argv`` -> (``cls`` instance, the namespace of the other flags plus ``config_file`` and
     ``config_source``): defaults < the config file < flags in their order. Raises :class:`ConfigError`
-    naming every bad flag (jsonargparse stops at the first: each is taken out and the rest parsed again)."""
+    naming every bad flag (jsonargparse stops at the first: each is taken out and the rest parsed again) and
+    every problem ``check(config)`` finds in what the rest gives (the rules the annotations cannot say)."""
     args, path, why = _config_first(list(argv), env_var)
-    ns = parse_flags(p, cls, args, path)
+    ns, problems = parse_flags(p, cls, args, path, raise_problems=False)
+    cfg, rest = _instantiate(p, cls, ns, path, why)
+    problems += check(cfg) if check is not None else []
+    if problems:
+        raise ConfigError(problems)
+    return cfg, rest
+
+
+def _instantiate(p: ArgumentParser, cls: type, ns: Namespace, path: str | None, why: str) -> tuple[Any, argparse.Namespace]:
+    """The ``cls`` instance of a parsed namespace and the namespace of the other flags."""
     hints = typing.get_type_hints(cls)  # a section given a scalar or a list (``data: 3``) fails to instantiate
     if bad := [f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])
                and not isinstance(ns.get(f.name), Namespace)]:
@@ -336,8 +347,8 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str) -> tuple[
     init = p.instantiate(ns)
     names = [f.name for f in dataclasses.fields(cls)]
     rest = {k: getattr(init, k) for k in vars(init) if "." not in k and k not in names + ["config"]}
-    cfg = plain_numbers(cls(**{n: getattr(init, n) for n in names}))
-    return cfg, argparse.Namespace(config_file=path, config_source=why, **rest)
+    return plain_numbers(cls(**{n: getattr(init, n) for n in names})), \
+        argparse.Namespace(config_file=path, config_source=why, **rest)
 
 
 def plain_numbers(cfg: Any) -> Any:
@@ -353,24 +364,43 @@ def plain_numbers(cfg: Any) -> Any:
     return cfg
 
 
-def parse_flags(p: ArgumentParser, cls: type, args: list[str], path: str | None = None) -> Namespace:
+def parse_flags(p: ArgumentParser, cls: type, args: list[str], path: str | None = None,
+                raise_problems: bool = True) -> Any:
     """``p.parse_args(args)``, every bad flag named: jsonargparse stops at the first, so each is taken out
-    and the rest parsed again. Raises :class:`ConfigError` (``path``: the config file, named in its errors)."""
+    and the rest parsed again. Raises :class:`ConfigError` (``path``: the config file, named in its errors);
+    with ``raise_problems=False`` returns ``(namespace of the rest, problems)`` (raises only when nothing parses)."""
     args, problems = list(args), []
     while True:
         try:
             ns = p.parse_args(args)
         except argparse.ArgumentError as e:
             key, msg = error(p, cls, str(e), args, path)
-            problems.append((f"--config {path}" if key == "--config" else key, msg))
-            i, val = _flag_value(args, p, key)
-            if i is None:
-                raise ConfigError(problems) from None
-            del args[i:i + (2 if "=" not in args[i] and val is not None else 1)]
-            continue
-        if problems:
-            raise ConfigError(problems)
-        return ns
+        except ConfigError as e:  # a flag's value over the YAML limits (load_yaml, jsonargparse's loader)
+            key, msg = _failing_value(args), e.problems[0][1]
+        else:
+            if problems and raise_problems:
+                raise ConfigError(problems)
+            return ns if raise_problems else (ns, problems)
+        problems.append((f"--config {path}" if key == "--config" else key, msg))
+        args = [a for a in args if a.partition("=")[0] != "--print_config"]  # no config printed after an error
+        i, val = _flag_value(args, p, key)
+        if i is None:
+            raise ConfigError(problems) from None
+        del args[i:i + (2 if "=" not in args[i] and val is not None else 1)]
+
+
+def _failing_value(args: list[str]) -> str:
+    """The option whose value :func:`load_yaml` refuses (the loader does not know whose value it reads)."""
+    for i, a in enumerate(args):
+        name, eq, val = a.partition("=")
+        if name.startswith("--") and (eq or i + 1 < len(args)):
+            try:
+                load_yaml(val if eq else args[i + 1])
+            except ConfigError:
+                return name[2:]
+            except yaml.YAMLError:
+                continue
+    return "command line"
 
 
 def error(p: ArgumentParser, cls: type, text: str, argv: list[str], path: str | None) -> tuple[str, str]:
@@ -378,8 +408,9 @@ def error(p: ArgumentParser, cls: type, text: str, argv: list[str], path: str | 
     with text only (no option attribute), so the option is read from the text; for an option of ``cls``
     the message says what the annotation accepts and the value given (from the flag, else the file)."""
     text = " ".join(text.split())
-    if u := re.search(r"nrecognized arguments: --?([\w.-]+)|Group '([\w.]+)' does not accept option '(\w+)'", text):
-        key = u[1] or f"{u[2]}.{u[3]}"
+    if u := re.search(r"nrecognized arguments: --?([\w.-]+)|Group '([\w.]+)' does not accept option '(\w+)'|"
+                      r"Option '([\w.]+)' is not accepted", text):
+        key = u[1] or u[4] or f"{u[2]}.{u[3]}"
         hint = key.replace("-", "_")
         known = hint in options(cls) or "--" + hint in p._option_string_actions  # noqa: SLF001
         return key, "unknown option" + (f"; options are spelled with '_': --{hint}" if known and hint != key
@@ -394,7 +425,12 @@ def error(p: ArgumentParser, cls: type, text: str, argv: list[str], path: str | 
     if key in opts and msg != "expected one argument":
         _, raw = _flag_value(argv, p, key)
         if raw is not None:
-            value = load_yaml(raw) if raw.strip() else raw
+            try:
+                value = load_yaml(raw) if raw.strip() else raw
+            except ConfigError as e:  # over the YAML limits: what jsonargparse's loader refused
+                return key, e.problems[0][1]
+            except yaml.YAMLError:
+                value = raw
         elif path is not None:
             try:
                 value = operator.attrgetter(key)(_Attrs(read_yaml(path)))

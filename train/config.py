@@ -308,8 +308,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     ``--print_config`` prints the config and exits (``SystemExit(0)``, jsonargparse's)."""
     from .recipes.higgs_argv import translate
     argv = translate(sys.argv[1:] if argv is None else list(argv))
-    cfg, ns = S.parse(parser or build_parser(), TrainConfig, argv, CONFIG_ENV)
-    return validate(cfg), ns
+    return S.parse(parser or build_parser(), TrainConfig, argv, CONFIG_ENV, check=_rules)
 
 
 __all__ = ["TrainConfig", "ConfigError", "parse_args", "build_parser", "validate"]
