@@ -150,13 +150,13 @@ def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str
     index = read_index(cache_dir)
     _check_field(field_name, man, index)
     sr = int(man.sample_rate or 0)
-    from .identity import spec_batch_policy, spec_fingerprint
+    from .identity import options_batch_policy, spec_batch_policy, spec_fingerprint
     producer = load_producer(spec, field_name, device)
     describe = producer.describe()
     fp = fingerprint(describe, preprocessing={"field": field_name, "from": "cache", "sample_rate": sr,
                                               **spec_fingerprint(spec)})
-    batch = {"encoder_batch_size": int(batch_size), "device": str(device).partition(":")[0],
-             **spec_batch_policy(spec)}
+    batch = options_batch_policy(AddFieldOptions, {"encoder_batch_size": int(batch_size), "device": device}) | \
+        spec_batch_policy(spec)
     old = man.fields.get(field_name)
     if old is not None and old.fingerprint != fp:
         if not replace:

@@ -214,6 +214,14 @@ def _defaults_into(out: dict, path: str, spec: Mapping, effects: Mapping[str, Ef
             _set(out, f"{path}.{key}", defaults[key])
 
 
+def options_batch_policy(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``batch`` options of the dataclass ``cls`` (add-field's :class:`~precompute.add_field.AddFieldOptions`)
+    as run: ``values[option]`` canonical, for each option declared ``batch`` (a KeyError names one the caller
+    does not give: a new batch option must reach the record)."""
+    return {path: _canonical(effect_of(f), values[path]) for path, (_, f) in options(cls).items()
+            if effect_of(f) is not None and effect_of(f).kind == "batch"}
+
+
 def spec_fingerprint(spec: Mapping) -> dict[str, Any]:
     """The ``bytes`` keys of an add-field producer spec, as :func:`fingerprint_options` reduces a spec."""
     out: dict[str, Any] = {}

@@ -422,7 +422,9 @@ def error(p: ArgumentParser, cls: type, text: str, argv: list[str], path: str | 
     key, msg, opts = m[1] or m[3], m[2] or m[4], options(cls)
     if got := re.match(r"Unable to load config '(.*?)' -", msg):  # --model tts: a section's flag reads a file
         return key, f"expected a YAML file of its options or a mapping (one option: --{key}.OPTION VALUE), got {got[1]!r}"
-    if key in opts and msg != "expected one argument":
+    action = p._option_string_actions.get("--" + key)  # noqa: SLF001 - a job flag's type: jsonargparse keeps it there
+    tp = opts[key][0] if key in opts else getattr(action, "_typehint", None)
+    if tp is not None and msg != "expected one argument":
         _, raw = _flag_value(argv, p, key)
         if raw is not None:
             try:
@@ -438,7 +440,7 @@ def error(p: ArgumentParser, cls: type, text: str, argv: list[str], path: str | 
                 value = "?"
         else:
             value = "?"
-        return key, f"expected {expected(opts[key][0])}, got {value!r}"
+        return key, f"expected {expected(tp)}, got {value!r}"
     return key, msg or "invalid"
 
 

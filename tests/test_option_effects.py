@@ -489,3 +489,41 @@ def test_every_add_field_option_changes_exactly_what_it_declares(field_setup, pa
         assert (a is None and b is None) or np.array_equal(np.asarray(a), np.asarray(b)), (path, want.keys[i])
     if effect.kind in ("operational", "batch") or effect.via == "identity":
         assert _files(cache) == before, f"{path} ({effect.kind}): a byte changed"
+
+
+@pytest.mark.parametrize("path", ["encoder_batch_size", "device"])
+def test_add_field_completes_a_field_only_with_its_batch_policy(walk_setup, path, tmp_path):
+    """A field whose sidecar of one shard is missing (an interrupted add-field), completed with another batch
+    policy, with a codec whose codes depend on the batch: refused (the field would mix two policies), or the
+    same policy (``cpu:0`` is a cpu) and the field equals a fresh add-field's."""
+    from precompute.add_field import FieldError, add_field
+    from shards.index import sidecar_part_path
+    from shards import fields as registry
+    s = walk_setup
+    cfg = _with(s["cfg"], {"samples_per_shard": 2, "extra_fields": {}})
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in ROWS if "image" not in r) +
+                        json.dumps(dict(ROWS[0], key="short2", offset=0.6)) + "\n")
+    plain = tmp_path / "plain"
+    _run(manifest, plain, cfg)
+    spec = {"producer": "codes", "audio_tokenizer": {"factory": "test_option_effects:make_batch_codec"}}
+    cache = tmp_path / "cache"
+    shutil.copytree(plain, cache)
+    add_field(cache, "codes_batch", spec, progress=False, batch_size=2)
+    shard = sorted(p.name for p in cache.glob("shard-*.tar") if p.name.count(".") == 1)[-1]
+    sidecar_part_path(cache, shard, "codes_batch").unlink()  # as if the run was killed before this shard
+    (cache / registry.sidecar_name(shard, "codes_batch")).unlink()
+    before = _files(cache)
+    other = {"encoder_batch_size": dict(batch_size=1), "device": dict(batch_size=2, device="cpu:0")}[path]
+    try:
+        add_field(cache, "codes_batch", spec, progress=False, **other)
+    except FieldError as e:
+        assert "batch policy" in str(e) and _files(cache) == before
+        assert path == "encoder_batch_size"
+        return
+    fresh = tmp_path / "fresh"
+    shutil.copytree(plain, fresh)
+    add_field(fresh, "codes_batch", spec, progress=False, **other)
+    got, want = ShardReader(cache), ShardReader(fresh)
+    for i in range(len(want.keys)):
+        np.testing.assert_array_equal(got.get(i)["codes_batch"], want.get(i)["codes_batch"], err_msg=path)

@@ -194,16 +194,22 @@ def test_a_number_out_of_bounds_exits_2_before_any_work(tmp_path):
 
 
 def test_every_number_of_both_configs_is_bounded():
-    """No numeric option is left without an upper bound (a typo like 1e11 must exit 2)."""
+    """No numeric option is left without a lower and an upper bound in its type (a typo like 1e11 must exit 2):
+    every int or float of an annotation is a bounded() type, jsonargparse's restricted number type."""
+    import operator
+    import typing
+    from precompute.add_field import AddFieldOptions
     from precompute.config import PrecomputeConfig
     from shardcache import config as S
     from train.config import TrainConfig
-    import typing
-    for cls in (PrecomputeConfig, TrainConfig):
+    for cls in (PrecomputeConfig, TrainConfig, AddFieldOptions):
         for path, (tp, f) in S.options(cls).items():
-            if {int, float} & ({tp} | set(typing.get_args(tp) if "|" in str(tp) else ())):
-                assert f.metadata.get("le") is not None, f"{cls.__name__}.{path} has no upper bound"
-                assert f.metadata.get("gt") is not None or f.metadata.get("ge") is not None, f"{cls.__name__}.{path}"
+            for part in typing.get_args(tp) or (tp,):
+                if part in (int, float):
+                    raise AssertionError(f"{cls.__name__}.{path} is an unbounded {part.__name__}")
+                if hasattr(part, "_restrictions"):
+                    ops = {op for op, _ in part._restrictions}
+                    assert ops & {operator.le, operator.lt} and ops & {operator.gt, operator.ge}, (cls, path)
 
 
 # ---- YAML with limits -------------------------------------------------------------------------------
