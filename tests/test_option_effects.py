@@ -497,8 +497,6 @@ def test_add_field_completes_a_field_only_with_its_batch_policy(walk_setup, path
     policy, with a codec whose codes depend on the batch: refused (the field would mix two policies), or the
     same policy (``cpu:0`` is a cpu) and the field equals a fresh add-field's."""
     from precompute.add_field import FieldError, add_field
-    from shards.index import sidecar_part_path
-    from shards import fields as registry
     s = walk_setup
     cfg = _with(s["cfg"], {"samples_per_shard": 2, "extra_fields": {}})
     manifest = tmp_path / "m.jsonl"
@@ -509,10 +507,18 @@ def test_add_field_completes_a_field_only_with_its_batch_policy(walk_setup, path
     spec = {"producer": "codes", "audio_tokenizer": {"factory": "test_option_effects:make_batch_codec"}}
     cache = tmp_path / "cache"
     shutil.copytree(plain, cache)
-    add_field(cache, "codes_batch", spec, progress=False, batch_size=2)
-    shard = sorted(p.name for p in cache.glob("shard-*.tar") if p.name.count(".") == 1)[-1]
-    sidecar_part_path(cache, shard, "codes_batch").unlink()  # as if the run was killed before this shard
-    (cache / registry.sidecar_name(shard, "codes_batch")).unlink()
+    from precompute import add_field as module
+    real, calls = module.write_sidecar, []
+
+    def killed_after_one(*a, **k):  # the run is killed after its first sidecar
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(real(*a, **k))
+        return calls[-1]
+
+    with mock.patch.object(module, "write_sidecar", killed_after_one), pytest.raises(KeyboardInterrupt):
+        add_field(cache, "codes_batch", spec, progress=False, batch_size=2)
+    assert len(list((cache / "parts").glob("*.codes_batch.sidecar.parquet"))) == 1
     before = _files(cache)
     other = {"encoder_batch_size": dict(batch_size=1), "device": dict(batch_size=2, device="cpu:0")}[path]
     try:
