@@ -105,12 +105,12 @@ core-venv: $(CORE_VENV)/.installed
 precompute: $(VENV)/.installed-precompute $(MODELS)/.built
 	$(_PRECOMPUTE_RUN) -m shardcache precompute --manifest $(DATA) --cache $(OUT) --config $(CONFIG)
 
-# --dry-run first, in one process: a bad option, cache or run directory is one line (exit 2), not a line per
+# --dry_run first, in one process: a bad option, cache or run directory is one line (exit 2), not a line per
 # rank and torchrun's traceback
-_TRAIN_ARGS = --cache $(OUT) --run-dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS)) \
+_TRAIN_ARGS = --cache $(OUT) --run_dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS)) \
 	$(if $(RESUME),--checkpoint.resume $(RESUME))
 train: $(VENV)/.installed-train
-	@$(PY) -m shardcache train $(_TRAIN_ARGS) --dry-run
+	@$(PY) -m shardcache train $(_TRAIN_ARGS) --dry_run
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m shardcache train $(_TRAIN_ARGS)
 
 # The suite in parallel processes (pytest-xdist): one per core, at most 4 (every test keeps to its own

@@ -137,7 +137,8 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``shardcache check``'s command line."""
     p = argparse.ArgumentParser(prog=PROG, description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cache", metavar="CACHE", help="the cache directory")
     p.add_argument("--manifest", required=True, help="the manifest the cache was made from")
@@ -147,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="device of the encoders (default cpu)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recorded option, e.g. --set audio_tokenizer.pretrained=/moved/dac")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.samples < 1:
         p.error("--samples must be >= 1")

@@ -109,7 +109,7 @@ class MediaRoot:
             where = f"{real} (through a symlink)" if linked else norm
             raise RowError(name, f"{value!r} is {OUTSIDE_ROOT} {self.root}: it resolves to {where}; "
                                  "pass --root DIR (a folder holding every media file) or set "
-                                 "allow_outside_root: true (--allow-outside-root) to read it")
+                                 "allow_outside_root: true (--allow_outside_root) to read it")
         return path
 
 

@@ -201,8 +201,8 @@ class Pipeline:
         info = job_info(producers, extra, enc.text)
         encoders = enc.describe()
         preprocessing = cfg.preprocessing()
-        if extra:  # only when present: caches without extra fields keep their fingerprint
-            preprocessing["extra_fields"] = {name: p.describe() for name, p in extra.items()}
+        if extra:  # the producers' own identity, beside the extra_fields options (precompute.identity)
+            preprocessing["extra_field_producers"] = {name: p.describe() for name, p in extra.items()}
         return cls(cfg, device, enc, template, tokens, added, producers, extra, job_rates(producers), info,
                    value_checks(producers, info), fingerprint(*encoders.values(), preprocessing=preprocessing),
                    encoders | {"preprocessing": preprocessing},

@@ -24,7 +24,6 @@ order; ``num_workers: auto`` sizes the decode processes from the first batch's m
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import queue
@@ -41,8 +40,7 @@ from shardcache.config import to_dict
 from shardcache.workers import auto_workers
 
 from shards import schema
-from shards.errors import FingerprintMismatch
-from shards.index import PARTS_DIR, merge_parts, read_part_meta, write_json_atomic
+from shards.index import PARTS_DIR, merge_parts, read_part_meta
 from shards.manifest import TextInfo
 from shards.writer import ShardWriter
 
@@ -55,18 +53,18 @@ from .manifests import Request, read_requests
 from .output import LocalOutput, open_output
 from .pipeline import EncodeStream, job_workers, preload_decoders
 from .precision import check_precision
-from .rerun import plan_rerun
+from .identity import JOB_FILE, batch_policy, check_job_record, filter_values
+from .rerun import carried_name, carry_removed, chunk_meta, plan_rerun, row_ids, write_carried
 from .prepare import PrepareDataset, identity_collate
 from .producers import WaveformProducer
 
 log = logging.getLogger("precompute")
-JOB_FILE = "job.json"
 
 
 def row_id(req: Request) -> str:
-    """Identity of a manifest row for resume bookkeeping: its key (:func:`precompute.rerun.row_ids`
-    numbers the later rows of a manifest that repeats a key; what the row says is in its digest)."""
-    return req.key
+    """Identity of one manifest row for resume bookkeeping, from the manifest alone (:func:`precompute.rerun.row_ids`,
+    which also numbers rows claiming one id)."""
+    return row_ids([req])[0]
 
 
 def precision_check(pipe: Pipeline, requests: list[Request]) -> dict | None:
@@ -103,28 +101,13 @@ def precision_check(pipe: Pipeline, requests: list[Request]) -> dict | None:
     return result
 
 
-def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) -> bool:
-    """Refuse to add to a cache made with other encoders/preprocessing; record ours on first use
-    (returns True when this call wrote ``parts/job.json``).
+def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int, batch: dict | None = None) -> bool:
+    """Refuse to add to a cache made with other encoders/preprocessing or another batch policy; record ours on
+    first use (returns True when this call wrote ``parts/job.json``): :func:`precompute.identity.check_job_record`.
 
-    Raises :class:`FingerprintMismatch` naming both fingerprints and what differs.
+    Raises :class:`FingerprintMismatch` (:class:`precompute.identity.BatchPolicyMismatch`) naming what differs.
     """
-    path = out_dir / PARTS_DIR / JOB_FILE
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old.get("fingerprint") != fp:
-            ours = json.loads(json.dumps(describe))
-            diff = sorted(k for k in set(ours) | set(old.get("describe", {}))
-                          if ours.get(k) != old.get("describe", {}).get(k))
-            raise FingerprintMismatch(
-                f"{out_dir} was written with fingerprint {old.get('fingerprint')}, this job has {fp} "
-                f"(differs in: {', '.join(diff) or 'encoder weights'}). Write to a new --cache directory, "
-                "or delete the old cache; mixing latents/codes from different encoders is refused.")
-    elif global_rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic({"fingerprint": fp, "describe": describe}, path)
-        return True
-    return False
+    return check_job_record(out_dir, fp, describe, batch or {}, global_rank)
 
 
 def check_root(requests: list[Request], manifest: str | Path, root: str | Path | None) -> None:
@@ -154,7 +137,7 @@ def check_posterior(image_encoder: Any) -> None:
 
 def committed(out_dir: Path) -> dict[str, dict]:
     """Committed chunks: part stem (``shard-000003``) -> the job metadata of its index part
-    (``{"rows": [row id...], "digests": [row digest...]}``, :mod:`precompute.rerun`)."""
+    (:func:`precompute.rerun.chunk_meta`)."""
     return {p.name.split(".")[0]: read_part_meta(p) or {}
             for p in sorted((out_dir / PARTS_DIR).glob("*.index.parquet"))}
 
@@ -194,10 +177,10 @@ class _ChunkWriter(threading.Thread):
     """Background thread: receives encoded rows in order, commits each chunk when complete."""
 
     def __init__(self, output: LocalOutput, chunks: list[tuple[str, list[Request]]], summary: Summary,
-                 progress, row_meta: dict[int, tuple[str, str]]):
+                 progress, row_meta: dict[int, Any]):
         super().__init__(daemon=True, name="shard-writer")
         self.output, self.out_dir = output, output.local
-        self.row_meta = row_meta  # id(request) -> (row id, row digest)
+        self.row_meta = row_meta  # id(request) -> its precompute.rerun.RowRecord
         self.chunks, self.summary, self.progress = chunks, summary, progress
         self.queue: queue.Queue = queue.Queue(maxsize=64)
         self.error: BaseException | None = None
@@ -232,8 +215,7 @@ class _ChunkWriter(threading.Thread):
 
     def _commit(self, writer: ShardWriter, rows: list[Request]) -> None:
         # the manifest rows this chunk covered and what they said: resume / rerun bookkeeping
-        meta = [self.row_meta[id(r)] for r in rows]
-        entry = writer.commit({"rows": [m[0] for m in meta], "digests": [m[1] for m in meta]})
+        entry = writer.commit(chunk_meta([self.row_meta[id(r)] for r in rows], writer.keys))
         self.output.chunk_committed(writer.name, entry is not None)  # a remote cache: upload it
         self.summary.shards_written += entry is not None
         if self.progress is not None:
@@ -318,18 +300,22 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     if cfg.store_posterior and enc.image is not None:
         check_posterior(enc.image)
     precision = precision_check(pipe, requests)
-    if check_fingerprint(out_dir, fp, describe, global_rank):
+    if check_fingerprint(out_dir, fp, describe, global_rank, batch_policy(cfg, device)):
         output.push_part(JOB_FILE)
     done = committed(out_dir)  # read by every rank before rank 0 deletes stale chunks
-    rerun, ids, digests = plan_rerun(requests, done, source_digest=cfg.source_digest,
-                                     keep_removed=cfg.keep_removed_rows)
+    rerun, records = plan_rerun(requests, done, source_digest=cfg.source_digest, keep_removed=cfg.keep_removed_rows,
+                                filters=filter_values(cfg))
+    ids = [r.id for r in records]
     if done and global_rank == 0:
         log.info("%s", rerun.describe())
     sync()
+    carried = carry_removed(out_dir, rerun) if global_rank == 0 else []  # removed rows kept from stale chunks
     if rerun.stale and global_rank == 0:
         output.drop_chunks(rerun.stale)  # changed or deleted rows: their chunks are encoded again
     kept = {stem: set(meta.get("rows") or []) for stem, meta in done.items() if stem not in rerun.stale}
     plan = plan_chunks(requests, cfg.samples_per_shard, kept, ids)
+    if carried:
+        write_carried(output, carried_name([n for n, _ in plan], kept, len(requests), cfg.samples_per_shard), carried)
     sync()  # every rank has read the same state before anyone commits a chunk
     chunks = plan[global_rank::world_size]  # chunk k of the plan -> rank k % world_size
     items = [(req, ci) for ci, (_, rows) in enumerate(chunks) for req in rows]
@@ -338,7 +324,7 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
                disable=not progress or global_rank != 0, dynamic_ncols=True)
     summary.setup_s = time.perf_counter() - t0
     t_loop = time.perf_counter()
-    writer = _ChunkWriter(output, chunks, summary, bar, {id(r): m for r, m in zip(requests, zip(ids, digests))})
+    writer = _ChunkWriter(output, chunks, summary, bar, {id(r): rec for r, rec in zip(requests, records)})
     writer.start()
     workers = summary.decode_workers = job_workers(cfg.num_workers, device, pipe, [r for r, _ in items],
                                                    cfg.encoder_batch_size)

@@ -111,7 +111,7 @@ class FeatureEncoder:
 
 #: the encoder parts of a contract -> their class
 PARTS = {"codec": Codec, "image": ImagePreset, "feature_encoder": FeatureEncoder}
-#: the items whose mismatch ``--model.allow-other-encoder-weights`` waives (recorded in the run instead)
+#: the items whose mismatch ``--model.allow_other_encoder_weights`` waives (recorded in the run instead)
 WEIGHT_ITEMS = tuple(f"{part}.weights" for part in PARTS)
 
 
@@ -459,7 +459,7 @@ class Cache:
     def require(self, contract: Contract, allow_other_weights: bool = False) -> list[tuple[str, Any, Any]]:
         """Refuse a model whose contract this cache does not meet, before anything is built.
 
-        ``allow_other_weights`` (``--model.allow-other-encoder-weights``): a mismatch of an encoder's
+        ``allow_other_weights`` (``--model.allow_other_encoder_weights``): a mismatch of an encoder's
         weights (:data:`WEIGHT_ITEMS`) alone is not refused but returned, for the run to record.
         Returns the waived mismatches (empty when every item is met).
 
@@ -475,5 +475,5 @@ class Cache:
             raise ContractMismatch(contract.model, str(self.source), refused, hint=(
                 "precompute the cache with the model's encoders, template and preset, or pick the recipe that "
                 "fits it" + ("; to train on encoder outputs of other weights on purpose: "
-                             "--model.allow-other-encoder-weights" if weights else "")))
+                             "--model.allow_other_encoder_weights" if weights else "")))
         return waived

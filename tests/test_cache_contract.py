@@ -203,7 +203,7 @@ def _theworld_contract(MODELS, **kw):
 def test_higgs_declares_its_codec_frame_rate_and_tokenizer(MODELS):
     """The codec, the tokenizer and every id the model reads come from the checkpoint (config, tokenizer
     files); the codec's weights from its paired audio tokenizer: named by the processor config (the tiny
-    checkpoint has none: Unknown, refused whatever the cache) or by --model.audio-tokenizer."""
+    checkpoint has none: Unknown, refused whatever the cache) or by --model.audio_tokenizer."""
     from transformers import AutoTokenizer
 
     from shardcache.weights import checkpoint_sha256
@@ -220,7 +220,7 @@ def test_higgs_declares_its_codec_frame_rate_and_tokenizer(MODELS):
     assert c.special_tokens["<|AUDIO_OUT|>"] == 310 and c.pad_id == tok.pad_token_id
     assert (c.chat_template, c.label_policy) == ("llama3", "answers")
     unnamed = HiggsModel.contract({"lm": str(MODELS / "higgs-tiny")}).codec.weights
-    assert isinstance(unnamed, Unknown) and "--model.audio-tokenizer" in repr(unnamed)
+    assert isinstance(unnamed, Unknown) and "--model.audio_tokenizer" in repr(unnamed)
     # a processor config naming its audio tokenizer (what the conversion script writes) is read
     named = MODELS / "higgs-with-processor"
     named.mkdir(exist_ok=True)
@@ -257,7 +257,7 @@ def test_higgs_refuses_encodec_at_75_frames_and_another_tokenizer(tmp_path, MODE
         enc.require(contract)
     assert [m[0] for m in e.value.mismatches] == ["codec.name", "codec.frame_rate", "codec.bandwidth", "codec.weights"]
     assert "codec.frame_rate: the cache has 75.0, the model needs 25.0" in str(e.value)
-    assert "--model.allow-other-encoder-weights" in str(e.value)
+    assert "--model.allow_other_encoder_weights" in str(e.value)
     tok = Cache.open(cache_with_manifest(tmp_path / "tok", _higgs_like(MODELS, tokenizer="c" * 64), Q=8))
     with pytest.raises(ContractMismatch, match="text_tokenizer: the cache has 'ccc"):
         tok.require(contract)
@@ -306,7 +306,7 @@ def test_every_recipe_judges_the_demo_cache(demo_cache, MODELS):
 
 def test_train_cli_refuses_a_mismatch_with_exit_2_before_loading_weights(demo_cache, tmp_path, MODELS):
     r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--cache", str(demo_cache), "--model.name", "higgs",
-                        "--model.kwargs", json.dumps({"lm": str(MODELS / "higgs-tiny")}), "--run-dir", str(tmp_path / "run"),
+                        "--model.kwargs", json.dumps({"lm": str(MODELS / "higgs-tiny")}), "--run_dir", str(tmp_path / "run"),
                         "--training.steps", "1"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]

@@ -8,7 +8,7 @@ function that fails the test): codes of a codec of other weights (same config, a
 of a vision tower of other weights, latents at ``image_size`` 256 for a 512 preset, Cosmos latents for a
 Wan preset, another label policy, another chat template, a checkpoint without tokenizer files, LoRA
 adapters of another rank or alpha. The caches of other weights train with
-``--model.allow-other-encoder-weights``, and the run records what it accepted.
+``--model.allow_other_encoder_weights``, and the run records what it accepted.
 """
 from __future__ import annotations
 
@@ -101,9 +101,9 @@ def train(monkeypatch, capsys):
     def go(cache: Path, run_dir: Path, *flags: str, build: bool = False) -> tuple[int, str]:
         monkeypatch.setattr(train.trainer, "prepare_model", real if build else never)
         capsys.readouterr()
-        rc = main(["--config", "none", "--cache", str(cache), "--run-dir", str(run_dir), "--training.steps", "1",
+        rc = main(["--config", "none", "--cache", str(cache), "--run_dir", str(run_dir), "--training.steps", "1",
                    "--checkpoint.every", "1", "--data.batch_size", "1", "--eval.enabled", "false",
-                   "--no-metrics.progress", "--dist.threads", "1", *flags])
+                   "--metrics.progress=false", "--dist.threads", "1", *flags])
         return rc, capsys.readouterr().err
     return go
 
@@ -157,7 +157,7 @@ def test_stage_one_records_each_encoders_identity(tiny_models, tmp_path, monkeyp
 def test_codes_of_a_codec_of_other_weights_are_refused_and_train_when_asked(stage_one, M, train, tmp_path):
     """A cache encoded by a Higgs audio tokenizer of the same config and other weights: refused naming
     ``codec.weights`` (and nothing else: name, rate, codebooks, bandwidth, dtype all agree) with both
-    hashes; its own codec's cache fits; with --model.allow-other-encoder-weights it trains, and each
+    hashes; its own codec's cache fits; with --model.allow_other_encoder_weights it trains, and each
     checkpoint records the option and the item it accepted."""
     from shardcache.weights import checkpoint_sha256
     own, other = _higgs_cache(stage_one, M, "h-own"), _higgs_cache(stage_one, M, "h-other", "codec_other")
@@ -166,8 +166,8 @@ def test_codes_of_a_codec_of_other_weights_are_refused_and_train_when_asked(stag
     items, line = _refused(*train(other, tmp_path / "a", *_higgs(M)))
     assert items == ["codec.weights"], line
     assert f"codec.weights: the cache has '{theirs}', the model needs '{mine}'" in line
-    assert "--model.allow-other-encoder-weights" in line
-    assert train(own, tmp_path / "own", *_higgs(M), "--dry-run")[0] == 0
+    assert "--model.allow_other_encoder_weights" in line
+    assert train(own, tmp_path / "own", *_higgs(M), "--dry_run")[0] == 0
     rc, err = train(other, tmp_path / "b", *_higgs(M), "--model.allow_other_encoder_weights", "true", build=True)
     assert rc == 0, err[-3000:]
     cfg = json.loads((tmp_path / "b" / "step-1" / "config.json").read_text())
@@ -239,7 +239,7 @@ def test_a_theworld_cache_of_another_template_is_refused(stage_one, M, train, tm
     items, line = _refused(*train(cache, tmp_path / "a", *_world(M, image_size=IMAGE_SIZE)))
     assert items == ["chat_template"], line
     assert "chat_template: the cache has 'tokenizer', the model needs 'theworld'" in line
-    rc, err = train(cache, tmp_path / "b", *_world(M, image_size=IMAGE_SIZE, chat_template="tokenizer"), "--dry-run")
+    rc, err = train(cache, tmp_path / "b", *_world(M, image_size=IMAGE_SIZE, chat_template="tokenizer"), "--dry_run")
     assert rc == 0, err
 
 
@@ -259,14 +259,14 @@ def test_a_checkpoint_without_tokenizer_files_needs_its_tokenizer_named(stage_on
     assert items == ["text_tokenizer"], line
     assert "ships no tokenizer files" in line and "model.kwargs.tokenizer" in line
     rc, err = train(cache, tmp_path / "b", *flags, json.dumps({"lm": str(bare), "tokenizer": str(M["higgs"])}),
-                    "--dry-run")
+                    "--dry_run")
     assert rc == 0, err
 
 
 # ---- adapters ------------------------------------------------------------------------------------------------------
 
 def test_lora_adapters_of_another_rank_or_alpha_are_refused(demo_cache, train, tmp_path):
-    """adapter.json records the LoRA options; --model.init-from and resuming compare them with the run's
+    """adapter.json records the LoRA options; --model.init_from and resuming compare them with the run's
     before any weight loads: another r (whose tensors would not fit) and another alpha at the same r (which
     would load and scale the adapters otherwise) are refused by name; the same options train."""
     ref = ["--model.kwargs", json.dumps({"d_model": 32, "n_layers": 1, "n_heads": 2}), "--lora.enabled", "true"]
@@ -281,7 +281,7 @@ def test_lora_adapters_of_another_rank_or_alpha_are_refused(demo_cache, train, t
     items, line = _refused(*train(demo_cache, tmp_path / "a", *ref, *init, "--lora.r", "4", "--lora.alpha", "16"))
     assert items == ["lora.alpha"] and "lora.alpha: the adapter has 8, the run has 16" in line
     assert _refused(*train(demo_cache, tmp_path / "d", *ref, *init, "--lora.r", "8", "--lora.alpha", "8",
-                           "--dry-run"))[0] == ["lora.r"]
+                           "--dry_run"))[0] == ["lora.r"]
     items, _ = _refused(*train(demo_cache, tmp_path / "src", *ref, "--checkpoint.resume", "auto", "--lora.r", "2",
                                "--lora.alpha", "8", "--training.steps", "2"))
     assert items == ["lora.r"]
@@ -300,7 +300,7 @@ def test_a_plain_factory_gets_a_spec_with_a_contract_the_user_fills(demo_cache, 
     assert (spec.fields, spec.optional_fields, spec.default_checkpoint) == ((), (), None)
     assert spec.contract({}).items() == {}
     flags = ["--model.name", "test_train_support:make_mean_codes"]
-    assert train(demo_cache, tmp_path / "a", *flags, "--dry-run")[0] == 0
+    assert train(demo_cache, tmp_path / "a", *flags, "--dry_run")[0] == 0
     items, line = _refused(*train(demo_cache, tmp_path / "b", *flags, "--model.contract",
                                   json.dumps({"fields": ["codes"], "codec": {"name": "higgs", "n_codebooks": 8}})))
     assert items == ["codec.name"] and "the cache has 'dac', the model needs 'higgs'" in line

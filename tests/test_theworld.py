@@ -214,9 +214,9 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
 def _train(cache: Path, run_dir: Path, gemma3: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
     head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                 f"--nproc_per_node={nproc}"]
-    cmd = head + ["-m", "shardcache", "train", "--cache", str(cache), "--run-dir", str(run_dir), "--config",
+    cmd = head + ["-m", "shardcache", "train", "--cache", str(cache), "--run_dir", str(run_dir), "--config",
                   str(ROOT / "configs" / "train-theworld.yaml"), "--model.kwargs", json.dumps({**KW, "lm": str(gemma3)}),
-                  "--no-metrics.progress", *extra]
+                  "--metrics.progress=false", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=600)
 
@@ -301,7 +301,7 @@ def test_verify_checks_bf16_bits_and_the_config_is_validated(world_cache, tmp_pa
     with open(shard, "r+b") as f:
         f.seek(m["offset"] + 2 * 5)
         f.write(np.array([0x7FC0], np.uint16).tobytes())          # bfloat16 NaN
-    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--deep", "--no-progress"],
+    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--deep", "--no_progress"],
                        cwd=ROOT, capture_output=True, text=True)
     assert v.returncode == 1 and row["key"] in v.stdout, v.stdout + v.stderr
     assert "image_features has 1 non-finite bfloat16 value" in v.stdout, v.stdout

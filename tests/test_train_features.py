@@ -232,11 +232,11 @@ def test_all_nan_run_exits_1_without_a_checkpoint(cache, tmp_path, capsys, steps
     run shorter than the limit; no checkpoint written; metrics.jsonl is strict JSON (null)."""
     from train.cli import main
     out = tmp_path / "run"
-    rc = main(["--config", "none", "--cache", str(cache), "--run-dir", str(out), "--model.name",
+    rc = main(["--config", "none", "--cache", str(cache), "--run_dir", str(out), "--model.name",
                "test_train_support:make_mean_codes", "--model.kwargs", json.dumps({"nan_at_calls": list(range(1, 99))}),
                "--training.steps", str(steps), "--metrics.every", "2", "--checkpoint.every", "100",
-               "--no-metrics.progress", "--dist.threads", "1", "--training.nonfinite-limit", str(limit),
-               "--no-eval.enabled"])
+               "--metrics.progress=false", "--dist.threads", "1", "--training.nonfinite_limit", str(limit),
+               "--eval.enabled=false"])
     err = capsys.readouterr().err
     assert rc == 1, err
     stop = min(limit, steps)

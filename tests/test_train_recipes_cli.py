@@ -393,9 +393,9 @@ def test_higgs_command_trains_the_higgs_recipe(higgs_caches, higgs_models, tmp_p
     from train.cli import main
     wrong = [a if a != str(higgs_models / "higgs-audio-tokenizer-tiny") else str(higgs_models / "higgs-tiny")
              for a in argv]
-    assert main(["--config", "none", "--no-metrics.progress", "--dist.threads", "1", *wrong]) == 2
+    assert main(["--config", "none", "--metrics.progress=false", "--dist.threads", "1", *wrong]) == 2
     with Captured() as cap:
-        assert main(["--config", "none", "--no-metrics.progress", "--dist.threads", "1", *argv]) == 0
+        assert main(["--config", "none", "--metrics.progress=false", "--dist.threads", "1", *argv]) == 0
     recs = read_metrics(out)
     # 2 epochs x n samples / batch 2 (--disable_evaluation: none held out); logging_steps 50: the last
     steps = 2 * (n // 2)

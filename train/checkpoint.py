@@ -14,7 +14,7 @@ Layout of ``RUN_DIR/step-N/`` (N = optimizer steps completed)::
                         what it returns under ``model_config`` (the higgs recipe: its transformers
                         config, ``model_type: higgs_audio_v2``); ``contract``: the items of the
                         model's contract the cache did not meet and the run accepted
-                        (``--model.allow-other-encoder-weights``)
+                        (``--model.allow_other_encoder_weights``)
 
 The safetensors header (``__metadata__``) of the weights holds ``step``, ``format`` and what the model's
 spec records about its own heads (``checkpoint_metadata``: the theworld recipe's
@@ -370,7 +370,7 @@ def is_adapter(path: str | Path) -> bool:
     return p.is_dir() and (p / ADAPTER).exists() and not (p / WEIGHTS).exists()
 
 
-def check_adapter(path: str | Path, lora: dict | None, what: str = "--model.init-from") -> dict:
+def check_adapter(path: str | Path, lora: dict | None, what: str = "--model.init_from") -> dict:
     """Refuse adapter checkpoint ``path`` unless it was made with the LoRA options ``lora`` (the run's, as
     the model will carry them: :meth:`train.spec.ModelSpec.lora_options`), before any weight loads: the
     options decide the adapters' shapes (``r``, ``targets``) and the function they compute (``alpha / r``

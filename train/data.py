@@ -7,8 +7,8 @@ A loader (``data.loader``, default ``loaders:ShardLoader``; a plug-in ``module:c
 ``ShardLoader``'s keywords: the cache (a :class:`shards.Cache`), ``batch_size``, ``global_rank``,
 ``world_size``, ``seed``, ``num_workers``, ``fields``, ``filters``, ``drop_remainder``,
 ``transform``, ``compact``, ``skip_corrupt`` and the ``data.loader_kwargs``; it has ``set_epoch``,
-``state_dict``/``load_state_dict``, ``__len__`` and ``close``. Validation data: ``--data.val-cache``, else the keys of ``--data.cache``
-held out by ``--data.val-fraction`` (:class:`HeldOut`: ``sha256(key)`` mapped to [0, 1), kept out
+``state_dict``/``load_state_dict``, ``__len__`` and ``close``. Validation data: ``--data.val_cache``, else the keys of ``--data.cache``
+held out by ``--data.val_fraction`` (:class:`HeldOut`: ``sha256(key)`` mapped to [0, 1), kept out
 of the training loader and read by the validation loader through the loader's ``filters=``).
 
 Batches stay compact on the host (the cache's dtypes: ``data.compact_batches``) and are widened
@@ -37,7 +37,7 @@ from .spec import ModelSpec, model_spec
 
 log = logging.getLogger("train")
 
-#: caches smaller than this hold nothing out (there is nothing to spare; use --data.val-cache)
+#: caches smaller than this hold nothing out (there is nothing to spare; use --data.val_cache)
 MIN_SAMPLES_TO_HOLD_OUT = 20
 
 
@@ -233,7 +233,7 @@ def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module, cache: "C
         why = f"the cache has fewer than {MIN_SAMPLES_TO_HOLD_OUT} samples"
         if info.is_main:
             log.warning("validation: nothing held out (%s)%s", why, ": validating on the training cache"
-                        if ev.every else " and no --data.val-cache: no validation")
+                        if ev.every else " and no --data.val_cache: no validation")
         if ev.every:
             val_loader = make_loader(cfg, cache, eval_bs, info, model=model, spec=spec)
     loader.set_epoch(0)
@@ -249,5 +249,5 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
         return t.steps
     if steps_per_epoch < 1:
         raise ValueError(f"--training.epochs {t.epochs}: an epoch has no optimizer step (fewer loader batches "
-                         f"than --training.grad-accum {t.grad_accum})")
+                         f"than --training.grad_accum {t.grad_accum})")
     return math.ceil(round(t.epochs * steps_per_epoch, 6))

@@ -9,9 +9,9 @@ tensors in the dict are logged). ``--model.name`` names a recipe (:data:`train.r
 has a :class:`train.spec.ModelSpec`.
 
 The contract a run checks (:func:`run_contract`) is the spec's, with what the run's options add: the
-audio tokenizer the model was trained with (``--model.audio-tokenizer``: its weights are the codec's)
+audio tokenizer the model was trained with (``--model.audio_tokenizer``: its weights are the codec's)
 and the items of ``--model.contract`` (a plain factory's whole contract). ``cache.require`` runs on it
-before any weight loads; ``--model.allow-other-encoder-weights`` lets encoder outputs of other weights
+before any weight loads; ``--model.allow_other_encoder_weights`` lets encoder outputs of other weights
 train, the run recording every such item.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .spec import ModelSpec, model_spec
 def run_contract(name: str, kwargs: Mapping[str, Any], audio_tokenizer: str = "",
                  contract: Mapping[str, Any] | None = None, spec: ModelSpec | None = None) -> Contract:
     """The contract a run of ``--model.name name`` checks: the spec's contract for ``kwargs``, its codec's
-    weights replaced by those of ``audio_tokenizer`` (``--model.audio-tokenizer``: a directory or hub id,
+    weights replaced by those of ``audio_tokenizer`` (``--model.audio_tokenizer``: a directory or hub id,
     the checkpoint the model's codes came from; it wins over what a recipe reads from its checkpoint's
     processor config), then ``contract`` (``--model.contract``) added where the spec says "any".
     Reads configs and checkpoint files, never the model's weights. Raises ``ValueError`` for a
@@ -43,7 +43,7 @@ def run_contract(name: str, kwargs: Mapping[str, Any], audio_tokenizer: str = ""
     spec = spec or model_spec(name)
     c = spec.contract(dict(kwargs))
     if audio_tokenizer:
-        weights = checkpoint_sha256(resolve_pretrained(audio_tokenizer, what="--model.audio-tokenizer"))
+        weights = checkpoint_sha256(resolve_pretrained(audio_tokenizer, what="--model.audio_tokenizer"))
         c = dataclasses.replace(c, codec=dataclasses.replace(c.codec or Codec(), weights=weights))
     if contract:
         c = c.merged(Contract.from_dict(c.model, contract))

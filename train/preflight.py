@@ -49,7 +49,7 @@ def run_problem(run_dir: str, resume: str) -> str | None:
     if not held:
         return None
     return (f"{run_dir} already holds a run ({', '.join(held)}): --checkpoint.resume auto continues it, "
-            "--checkpoint.resume fresh starts again and replaces it, or give another --run-dir "
+            "--checkpoint.resume fresh starts again and replaces it, or give another --run_dir "
             "(with make train: RESUME=auto, RESUME=fresh or another RUN=)")
 
 

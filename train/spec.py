@@ -96,7 +96,7 @@ def factory_spec(name: str, factory: Callable[..., nn.Module]) -> ModelSpec:
     def build(cache: Cache, kwargs: Mapping[str, Any], latent_loss: str = "none",
               latent_loss_weight: float = 1.0) -> nn.Module:
         if latent_loss != "none":
-            raise ValueError(f"--model.latent-loss {latent_loss}: {name} is a plain factory (no latent loss)")
+            raise ValueError(f"--model.latent_loss {latent_loss}: {name} is a plain factory (no latent loss)")
         m = factory(**kwargs)
         if not isinstance(m, nn.Module):
             raise TypeError(f"{name} returned {type(m).__name__}, expected a torch.nn.Module")

@@ -126,14 +126,14 @@ def check_model(cfg: TrainConfig, cache: Cache, spec: ModelSpec | None = None,
     """What a run checks before any weight loads: the model's contract (:func:`train.models.run_contract`)
     against ``cache`` and the adapters it will load (``model.init_from``, ``resume_from``) against the LoRA
     options the model will carry (:func:`train.checkpoint.check_adapter`). Returns the contract items the
-    run accepts unmet (``--model.allow-other-encoder-weights``: encoder outputs of other weights).
+    run accepts unmet (``--model.allow_other_encoder_weights``: encoder outputs of other weights).
     Raises :class:`shards.ContractMismatch` (exit 2 at the command line)."""
     m = cfg.model
     spec = spec or model_spec(m.name)
     contract = run_contract(m.name, m.kwargs, m.audio_tokenizer, m.contract, spec)
     waived = cache.require(contract, allow_other_weights=m.allow_other_encoder_weights)
     lora = spec.lora_options(dict(m.kwargs), run_lora(cfg))
-    for path, what in ((m.init_from, "--model.init-from"), (resume_from, "--checkpoint.resume")):
+    for path, what in ((m.init_from, "--model.init_from"), (resume_from, "--checkpoint.resume")):
         if path and C.is_adapter(path):
             C.check_adapter(path, lora, what)
     return waived
@@ -162,7 +162,7 @@ def prepare_model(cfg: TrainConfig, cache: Cache, device: torch.device, spec: Mo
     if adapter_init:
         C.load_adapter(raw, m.init_from, lora)
     if m.activation_checkpointing and not spec.activation_checkpointing(raw, True):
-        log.warning("--activation-checkpointing: %s declares no activation checkpointing; ignored", spec.name)
+        log.warning("--model.activation_checkpointing: %s declares no activation checkpointing; ignored", spec.name)
     return raw.to(device)
 
 
@@ -275,7 +275,7 @@ class Trainer:
         #: contract items the cache does not meet that the run accepts (recorded in every checkpoint)
         self.waived = check_model(cfg, self.cache, self.spec, self.resume_from)
         if self.waived and info.is_main:
-            log.warning("--model.allow-other-encoder-weights: training on encoder outputs of other weights than "
+            log.warning("--model.allow_other_encoder_weights: training on encoder outputs of other weights than "
                         "the model's: %s", "; ".join(f"{i}: the cache has {c!r}, the model {w!r}" for i, c, w in self.waived))
         self.raw = prepare_model(cfg, self.cache, info.device, self.spec, checked=True)   # identical init on every rank
         self.loader, self.val_loader = make_loaders(cfg, info, self.raw, self.cache, self.spec)
@@ -349,7 +349,7 @@ class Trainer:
         exported = self.spec.checkpoint_config(self.raw)
         if exported is not None:  # e.g. the higgs recipe's transformers config
             config["model_config"] = exported
-        if self.waived:   # what the cache does not meet and the run accepted (--model.allow-other-encoder-weights)
+        if self.waived:   # what the cache does not meet and the run accepted (--model.allow_other_encoder_weights)
             config["contract"] = {"waived": [{"item": i, "cache": c, "model": w} for i, c, w in self.waived]}
         self.checkpointer.save(self.state.step, model=self.raw, state=self.state_dict(),
                                loader_state=self.data.state["loader"], config=config)
@@ -393,9 +393,9 @@ class Trainer:
         if not self.cfg.checkpoint.allow_other_cache:
             raise ValueError(f"{what}: resuming would continue at a data position that means other samples. "
                              "Resume on the same cache, start a new run dir, or pass "
-                             "--checkpoint.allow-other-cache to resume anyway")
+                             "--checkpoint.allow_other_cache to resume anyway")
         if self.info.is_main:
-            log.warning("%s: resuming anyway (--checkpoint.allow-other-cache)", what)
+            log.warning("%s: resuming anyway (--checkpoint.allow_other_cache)", what)
         st["loader"] = {k: v for k, v in st["loader"].items() if k != "cache_id"}
 
     # ---- one optimizer step -----------------------------------------------------------------------------

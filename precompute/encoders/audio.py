@@ -42,6 +42,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from shardcache.weights import identity
+from shardcache.config import BATCH, BYTES, OPERATIONAL, Effect
 
 from ..transfer import to_device
 from ._common import (
@@ -131,6 +132,10 @@ class HFCodecTokenizer:
     name = "codec"
     #: option names accepted by the registry besides ``name``/``pretrained``
     OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples")
+    #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
+    #: :data:`precompute.identity.SPEC_KEYS`), one entry per option of :attr:`OPTIONS`
+    OPTION_EFFECTS: dict[str, Effect] = {"device": BATCH, "dtype": BYTES, "max_batch_size": BATCH,
+                                         "max_batch_samples": BATCH}
     #: clips are zero-padded to a multiple of ``hop_length`` (the canonical encoding above); False:
     #: encoded as they are, and the model says how many frames (:class:`HiggsTokenizer`)
     PADS_TO_HOP = True
@@ -303,6 +308,7 @@ class DacTokenizer(HFCodecTokenizer):
 
     name = "dac"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("n_quantizers",)
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"n_quantizers": BYTES}
 
     def __init__(self, model, *, n_quantizers: int | None = None, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
@@ -348,6 +354,7 @@ class EncodecTokenizer(HFCodecTokenizer):
 
     name = "encodec"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth",)
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"bandwidth": BYTES}
 
     def __init__(self, model, *, bandwidth: float | None = None, **kwargs: Any) -> None:
         cfg = model.config
@@ -401,6 +408,7 @@ class MimiTokenizer(HFCodecTokenizer):
 
     name = "mimi"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("num_quantizers",)
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"num_quantizers": BYTES}
 
     def __init__(self, model, *, num_quantizers: int | None = None, **kwargs: Any) -> None:
         cfg = model.config
@@ -465,6 +473,9 @@ class HiggsTokenizer(HFCodecTokenizer):
 
     name = "higgs"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth", "n_codebooks", "resampler")
+    #: n_codebooks only checks what bandwidth gives (a refusal or the same codes)
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"bandwidth": BYTES, "n_codebooks": OPERATIONAL,
+                                                        "resampler": BYTES}
     PADS_TO_HOP = False
 
     def __init__(self, model, *, bandwidth: float | None = None, n_codebooks: int | None = None,

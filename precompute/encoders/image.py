@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.weights import identity
+from shardcache.config import BATCH, BYTES, IDENTITY, Effect
 
 from ..transfer import to_device
 from ._common import (
@@ -66,6 +67,10 @@ class DiffusersVAEEncoder:
 
     name = "vae"
     OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size", "subfolder", "input_range")
+    #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
+    #: :data:`precompute.identity.SPEC_KEYS`); ``subfolder`` picks the weights (their sha256 is the identity)
+    OPTION_EFFECTS: dict[str, Effect] = {"device": BATCH, "dtype": BYTES, "normalize": BYTES, "max_batch_size": BATCH,
+                                         "subfolder": IDENTITY, "input_range": BYTES}
 
     spatial_factor: int
     latent_channels: int

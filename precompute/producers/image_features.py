@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.weights import GEMMA3_VISION, identity, under
+from shardcache.config import BYTES
 
 from .base import Producer, Timer, encode_each
 
@@ -58,6 +59,8 @@ class Gemma3VisionEncoder:
 
     #: spec options besides name and pretrained
     OPTIONS = ("dtype",)
+    #: what each option does to a cache (:class:`shardcache.config.Effect`)
+    OPTION_EFFECTS = {"dtype": BYTES}
 
     def __init__(self, pretrained: str, device: str = "cpu", dtype: str = "bfloat16"):
         import torch

@@ -32,9 +32,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                     "rejects are kept. Nothing is written if any tar is unreadable. Do not run it "
                     "while a precompute job is writing to DIR.")
     p.add_argument("dir", metavar="DIR", help="cache directory")
-    p.add_argument("--dry-run", action="store_true", help="scan and report, write nothing")
+    p.add_argument("--dry_run", action="store_true", help="scan and report, write nothing")
     add_jobs_option(p, "tars scanned")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_reindex, needs=Needs(("joblib",), "inspect"))
 
 

@@ -77,7 +77,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--strict", action="store_true",
                    help="also fail (exit 1) on warnings such as leftover .tmp files")
     add_jobs_option(p, "shards checked")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_verify)
 
 

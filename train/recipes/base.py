@@ -173,15 +173,15 @@ class Recipe(nn.Module):
     def from_cache(cls, cache: Cache, kwargs: Mapping[str, Any], *, latent_loss: str = "none",
                    latent_loss_weight: float = 1.0) -> "Recipe":
         """The model for ``cache`` (its sizes and token ids) with ``kwargs`` (``model.kwargs``, which
-        win). ``latent_loss``/``latent_loss_weight``: ``--model.latent-loss`` (recipes without a
+        win). ``latent_loss``/``latent_loss_weight``: ``--model.latent_loss`` (recipes without a
         latent loss refuse anything but ``none``)."""
         raise NotImplementedError(f"{cls.__name__} cannot be built from a cache")
 
     @classmethod
     def no_latent_loss(cls, latent_loss: str) -> None:
-        """Warn that ``--model.latent-loss`` is ignored by a recipe that has none."""
+        """Warn that ``--model.latent_loss`` is ignored by a recipe that has none."""
         if latent_loss != "none":
-            logging.getLogger("train").warning("--latent-loss %s is ignored by %s", latent_loss, cls.__name__)
+            logging.getLogger("train").warning("--model.latent_loss %s is ignored by %s", latent_loss, cls.__name__)
 
     # -- training hooks, declared (the trainer calls them on every recipe) ------------------------------
     def enable_lora(self, r: int, alpha: int, dropout: float, targets: Iterable[str] | None = None) -> None:

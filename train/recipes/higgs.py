@@ -122,17 +122,17 @@ def paired_audio_tokenizer(lm: Any) -> str | None:
 def codec_weights(lm: Any) -> Any:
     """The weights (:func:`shardcache.weights.checkpoint_sha256`) of the audio tokenizer Higgs-Audio v2
     checkpoint ``lm`` names in its processor config; Unknown (met by no cache, saying what to give) when it
-    names none or its weights cannot be read here. ``--model.audio-tokenizer`` replaces it
+    names none or its weights cannot be read here. ``--model.audio_tokenizer`` replaces it
     (:func:`train.models.run_contract`)."""
     tok = paired_audio_tokenizer(lm)
     if not tok:
         return Unknown(f"{resolve_lm(lm)} names no audio tokenizer (no processor_config.json): name the one its codes "
-                       "come from with --model.audio-tokenizer (--audio_tokenizer_path)")
+                       "come from with --model.audio_tokenizer (--audio_tokenizer_path)")
     try:
         return checkpoint_sha256(resolve_pretrained(tok, what="the paired audio tokenizer"))
     except (OSError, ValueError) as e:
         return Unknown(f"the paired audio tokenizer {tok} cannot be read here ({e}): name a local copy with "
-                       "--model.audio-tokenizer")
+                       "--model.audio_tokenizer")
 
 
 class HiggsModel(LMRecipe):
@@ -176,7 +176,7 @@ class HiggsModel(LMRecipe):
         "codec.frame_rate": "25 frames/s", "codec.n_codebooks": "config `num_codebooks`",
         "codec.codebook_size": "config `audio_stream_bos_id`",
         "codec.bandwidth": "codebooks x log2(size) x 25 / 1000 kbps",
-        "codec.weights": "the paired audio tokenizer: `--model.audio-tokenizer`, else the checkpoint's processor "
+        "codec.weights": "the paired audio tokenizer: `--model.audio_tokenizer`, else the checkpoint's processor "
                          "config (neither: refused)",
         "codec.dtype": "`float32` (the processor encodes in float32)",
         "text_tokenizer": "the checkpoint's tokenizer, else `model.kwargs.tokenizer` (neither: refused)",
