@@ -39,7 +39,11 @@ FOREIGN = {"--nproc_per_node": "torchrun", "--nnodes": "torchrun", "--node_rank"
            "--audio_tokenizer_path_or_repo": "transformers' convert_higgs_audio_v2_to_hf.py",
            "--audio_tokenizer_revision": "transformers' convert_higgs_audio_v2_to_hf.py",
            "--non-interactive": "energon prepare", "--split-parts": "energon prepare",
-           "--sample-type": "energon prepare"}
+           "--sample-type": "energon prepare",
+           **{f: "chromium (the viewer's browser tests)" for f in (
+               "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--autoplay-policy", "--user-data-dir")}}
 
 
 def _parsers() -> dict[str, tuple]:

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         epilog="examples:\n"
                "  shardcache shards view cache/demo\n"
                "  shardcache shards view cache/demo --port 0          (any free port)\n"
-               "  shardcache shards view s3://bucket/caches/tts --storage-options "
+               "  shardcache shards view s3://bucket/caches/tts --storage_options "
                "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'\n"
                "  shardcache shards view cache/demo --host 0.0.0.0    (reachable from other machines: warns)")
     p.add_argument("dir", metavar="CACHE", help="cache directory, or a remote cache's URL (s3://..., any URL "
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--host", default="127.0.0.1", metavar="H",
                    help="address to listen on (default: %(default)s, this machine only; another address "
                         "lets anyone who reaches it read the cache, and is warned about)")
-    p.add_argument("--storage-options", type=_mapping, default=None, metavar="JSON",
+    p.add_argument("--storage_options", type=_mapping, default=None, metavar="JSON",
                    help="with a URL: fsspec options as a JSON object, e.g. "
                         "'{\"client_kwargs\": {\"endpoint_url\": \"http://minio:9000\"}}'")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
@@ -72,7 +72,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 
     source = args.dir if is_url(args.dir) else str(cache_dir(args.dir))
     if args.storage_options is not None and not is_url(args.dir):
-        raise UsageError("--storage-options is for a remote cache (a URL such as s3://bucket/cache)")
+        raise UsageError("--storage_options is for a remote cache (a URL such as s3://bucket/cache)")
     t0 = time.perf_counter()
     vc = ViewedCache(source, storage_options=args.storage_options)
     try:
