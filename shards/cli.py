@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Sequence
 
-from .errors import ShardcacheError
+from .errors import ShardcacheError, WriteRefused
 
 EPILOG = """\
 examples:
@@ -96,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except FileNotFoundError as e:
         _error(args.command, str(e) if e.filename is None else f"{e.filename}: {e.strerror}")
+        return 2
+    except WriteRefused as e:  # another command writes the cache (named), or the folder is no cache
+        _error(args.command, str(e))
         return 2
     except ShardcacheError as e:
         _error(args.command, str(e))
