@@ -42,14 +42,16 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def _existing_rejects(d: Path) -> pa.Table:
-    """rejects.parquet, or (when it is gone) the concatenated rejects parts."""
+    """The concatenated rejects parts (what each committed chunk rejected: rejects.parquet is made of
+    them, so a rejects.parquet edited since is not carried over), or rejects.parquet where there are
+    no parts."""
     p = d / REJECTS_FILE
     try:
-        if p.exists():
-            return pq.read_table(p, schema=REJECTS_SCHEMA)
         parts = sorted((d / PARTS_DIR).glob("*.rejects.parquet"))
         if parts:
             return pa.concat_tables([pq.read_table(x, schema=REJECTS_SCHEMA) for x in parts])
+        if p.exists():
+            return pq.read_table(p, schema=REJECTS_SCHEMA)
     except (pa.ArrowException, OSError) as e:
         raise ShardCorrupt(f"{p}: cannot read the existing rejects ({e})") from e
     return REJECTS_SCHEMA.empty_table()
