@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.cli import plain
-from shardcache.config import read_yaml
+from shardcache.config import ConfigError, read_yaml
 from shards import fields as registry
 from shards.errors import ShardcacheError, WriteRefused
 from shards.index import (attach_sidecar, detach_field, read_index, read_rejects,
@@ -342,7 +342,10 @@ def main_add(argv: list[str]) -> int:
     device = args.device
     if device == "cuda" and world_size > 1:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    spec = producer_spec(args)
+    try:
+        spec = producer_spec(args)
+    except ConfigError as e:  # --config / --options that cannot be read (a FIFO, bad YAML...): exit 2
+        return e.report("shardcache add-field")
     barrier, close = make_barrier(world_size, global_rank)
     try:
         m = add_field(args.cache, args.field, spec, device=device, global_rank=global_rank,

@@ -19,6 +19,8 @@ import yaml
 from jsonargparse import (ActionConfigFile, ArgumentParser, DefaultHelpFormatter, Namespace, set_loader,
                           set_parsing_settings)
 
+from shardcache.inputs import NotAFile, check_input, read_input
+
 
 class ConfigError(ValueError):
     """One or more invalid options; ``problems`` is ``[(option, message)]``."""
@@ -103,8 +105,10 @@ def load_yaml(text: str, where: str = "yaml") -> Any:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML file as a mapping (read by :func:`load_yaml`); every error names the file."""
-    try:
-        data = load_yaml(Path(path).read_text(), f"--config {path}") or {}
+    try:  # (a FIFO or device is refused, never waited on: shardcache.inputs)
+        data = load_yaml(read_input(path, "--config").decode("utf-8"), f"--config {path}") or {}
+    except NotAFile as e:
+        raise ConfigError([(f"--config {path}", f"is {e.kind}, not a file: give a regular file")]) from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError([(f"--config {path}", " ".join(str(e).split()[:20]))]) from None
     if not isinstance(data, dict):
@@ -224,6 +228,13 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
     ``config_source``): defaults < the config file < flags in their order. Raises
     :class:`ConfigError` naming the option."""
     args, merges, path, why = _argv(cls, list(argv), env_var, aliases or {})
+    if path:  # a FIFO or device would hang the parser's read: refused first (shardcache.inputs)
+        try:
+            check_input(path, "--config")
+        except NotAFile as e:
+            raise ConfigError([(f"--config {path}", f"is {e.kind}, not a file: give a regular file")]) from None
+        except FileNotFoundError:
+            pass  # (the parser names a missing file)
     try:
         ns = p.parse_args(args)
         hints = typing.get_type_hints(cls)  # a section given a scalar or a list (``data: 3``) fails to instantiate
