@@ -90,9 +90,15 @@ class ShardWriter:
         self.rejects: list[dict] = []
 
     def _open(self) -> None:
-        self._session = contextlib.ExitStack()  # the cache's writing session, until commit() or abort()
-        self._writer = self._session.enter_context(session(self.tmp))
-        self._file = os.fdopen(self._writer.create(self.tmp), "wb")
+        stack = contextlib.ExitStack()  # the cache's writing session, until commit() or abort()
+        writer = stack.enter_context(session(self.tmp))
+        try:
+            fd = writer.create(self.tmp)
+        except BaseException:
+            stack.close()
+            raise
+        self._session, self._writer = stack, writer
+        self._file = os.fdopen(fd, "wb")
         self._tar = tarfile.open(fileobj=self._file, mode="w|", format=tarfile.PAX_FORMAT)
 
     def add(self, key: str, fields: dict[str, Any]) -> None:

@@ -303,7 +303,7 @@ def writes_cache(command: str, *, cache: str = "cache_dir", rank: str | None = N
     """Declare that function ``fn`` writes a cache: it runs inside a :class:`CacheWriter` on its
     argument named ``cache`` (global rank from the argument named ``rank``), so it holds the writer
     lock from its first line to its last. The function is listed in :data:`WRITERS` under ``command``
-    and carries ``fn.writes_cache == command``."""
+    and carries ``fn.writes_cache == command`` and ``fn.cache_arg == cache``."""
     def deco(fn: Callable) -> Callable:
         sig = inspect.signature(fn)
 
@@ -316,6 +316,7 @@ def writes_cache(command: str, *, cache: str = "cache_dir", rank: str | None = N
                 return fn(*args, **kwargs)
 
         wrapper.writes_cache = command  # type: ignore[attr-defined]
+        wrapper.cache_arg = cache  # type: ignore[attr-defined]
         WRITERS[command] = wrapper
         return wrapper
     return deco

@@ -332,22 +332,25 @@ def check_sidecar(path: Path, entry: dict, deep: bool,
         probs.append(Problem(name, a or b, f"misaligned with {main}: sample {j} is {a!r} in the sidecar, "
                                            f"{b!r} in the shard ({len(side_keys)} vs {len(keys)} samples); "
                                            f"`shardcache drop-field` and add the field again"))
-    member = f"{field_name}.npy"
+    # what its producer writes (manifest.json fields.NAME.members: e.g. audio_16k and audio_16k_starts)
+    expected = {f"{m}.npy" for m in entry.get("__members__") or [field_name]}
     idx = {k: [m for m in ms or [] if m.get("file") == name]
            for k, ms in zip(keys, indexed.column("members").to_pylist())}
     for r in rows:
         got = {m["name"]: m for m in r["members"]}
-        if set(got) != {member}:
+        if set(got) != expected:
             probs.append(Problem(name, r["key"], f"members {sorted(got)}, a sidecar of {field_name!r} holds "
-                                                 f"only {member}"))
+                                                 f"{', '.join(sorted(expected))}"))
             continue
-        want = {m["name"]: m for m in idx.get(r["key"]) or []}.get(member)
-        if want is None:
-            if r["key"] in idx:
-                probs.append(Problem(name, r["key"], f"{member} in the sidecar but not in index.parquet"))
-            continue
-        probs.extend(Problem(name, r["key"], f"member {member}: {d} in sidecar")
-                     for d in member_differences(want, got[member]))
+        indexed_members = {m["name"]: m for m in idx.get(r["key"]) or []}
+        for member in sorted(expected):
+            want = indexed_members.get(member)
+            if want is None:
+                if r["key"] in idx:
+                    probs.append(Problem(name, r["key"], f"{member} in the sidecar but not in index.parquet"))
+                continue
+            probs.extend(Problem(name, r["key"], f"member {member}: {d} in sidecar")
+                         for d in member_differences(want, got[member]))
     return _dedupe(probs), len(rows)
 
 
@@ -425,7 +428,7 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
                     problems.append(Problem(None, None, str(err)))
                     continue
                 listed.add(e["path"])
-                targets.append((d / e["path"], dict(e, __field__=fname)))
+                targets.append((d / e["path"], dict(e, __field__=fname, __members__=info.get("members"))))
             for main in sorted(set(entries) - {e.get("shard") for e in info.get("shards") or []}):
                 problems.append(Problem(main, None, f"no sidecar of field {fname!r} listed in manifest.json"))
         for name in side_on_disk:
