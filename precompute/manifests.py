@@ -421,9 +421,8 @@ def _check_columns(path: Path, names: list[str], where: str) -> None:
 
 def _parquet_records(path: Path) -> Records:
     import pyarrow.parquet as pq
-    table = pq.read_table(path)
-    _check_columns(path, table.schema.names, "the schema")
-    for rec in table.to_pylist():
+    _check_columns(path, pq.read_schema(path).names, "the schema")
+    for rec in pq.read_table(path).to_pylist():
         yield rec, None, None
 
 
