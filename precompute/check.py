@@ -89,10 +89,10 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
 
     Returns ``{"fingerprint_matches", "checked" (samples compared), "asked" (``samples``), "cached"
     (samples in the cache), "matched_rows" (cached samples whose key the manifest has), "skipped_fields",
-    "problems": [{key, field, why}], "missing_rows": [keys], "cache_problems": [what verify finds]}``;
-    with ``cache_problems`` nothing was re-derived. The manifest is read with the options
-    the cache's recorded config gives (``manifest_format``, ``columns``, ``allow_outside_root``) and
-    ``root``, as stage one read it. Raises ``FileNotFoundError`` (no index), ``ValueError`` (no recorded
+    "problems": [{key, field, why}], "missing_rows": [keys], "cache_problems": [what verify finds],
+    "refused": [{key, why}] (picked samples the loader's read checks refuse)}``. The manifest is read with
+    the options the cache's recorded config gives (``manifest_format``, ``columns``, ``allow_outside_root``)
+    and ``root``, as stage one read it. Raises ``FileNotFoundError`` (no index), ``ValueError`` (no recorded
     config, bad overrides), :class:`shards.errors.ShardcacheError` (an unreadable cache).
     """
     import torch
@@ -102,12 +102,9 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     from .validate import validate_config
 
     cache_dir = Path(cache_dir)
-    damage = cache_problems(cache_dir)  # what the loader (and verify) refuse
-    if damage:  # no sample of a cache whose own files are damaged is worth re-deriving: fix those first
-        return {"fingerprint_matches": None, "checked": 0, "asked": samples, "cached": None, "matched_rows": 0,
-                "skipped_fields": [], "problems": [], "missing_rows": [], "cache_problems": damage}
     man = CacheManifest.read(cache_dir)
     cfg = validate_config(cache_config(man, overrides))
+    damage = cache_problems(cache_dir)  # what verify (and the loader) refuse of the cache's own files
     # checksums=False: each value is compared with the one derived again, so a changed array is reported as
     # MISMATCH naming its field (`shardcache shards verify` is the tool for damaged bytes)
     reader = ShardReader(cache_dir, checksums=False)
@@ -125,7 +122,7 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     out: dict[str, Any] = {"fingerprint_matches": pipe.fingerprint == man.fingerprint, "checked": 0,
                            "asked": samples, "cached": len(reader.keys), "matched_rows": len(rows),
                            "skipped_fields": sorted(man.sidecar_fields), "problems": [], "missing_rows": missing[:20],
-                           "cache_problems": damage}
+                           "cache_problems": damage, "refused": []}
     loader_view = ShardReader(cache_dir, checksums=True, value_checks=value_checks_from_manifest(man.to_dict()))
     if not out["fingerprint_matches"]:
         log.warning("the encoders and preprocessing give fingerprint %s..., the cache has %s...: the weights or "
@@ -142,7 +139,7 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
         try:  # as the loader reads it: every member's checksum and each field's value checks
             loader_view.get(i)
         except (ShardcacheError, ValueError) as e:
-            out["problems"].append({"key": key, "field": "-", "why": f"the loader refuses it: {e}"})
+            out["refused"].append({"key": key, "why": str(e)})
         cached = reader.get(i)
         fresh = {k[:-4]: v for k, v in members.items() if k.endswith(".npy")}
         names = sorted((set(fresh) | {k for k in cached if registry.lookup(k) is not None}) - set(out["skipped_fields"]))
@@ -185,12 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ShardcacheError, FileNotFoundError, ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (ValueError, WriteRefused)) else 1
-    if r["cache_problems"]:
-        for why in r["cache_problems"]:
-            print(f"DAMAGED {args.cache}: {why}")
-        print(f"FAILED: {len(r['cache_problems'])} problem(s) of the cache's own files (`shardcache shards verify "
-              f"{args.cache}` reports the same); no sample re-derived")
-        return 1
     fp = "matches" if r["fingerprint_matches"] else "DIFFERS (encoders or preprocessing changed)"
     print(f"{args.cache}: re-derived {r['checked']} of {r['cached']} cached sample(s) from {args.manifest} "
           f"({r['matched_rows']} of them in the manifest, {r['asked']} asked for); encoder fingerprint {fp}")
@@ -198,10 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not re-derived (added later with add-field): {', '.join(r['skipped_fields'])}")
     if r["missing_rows"]:
         print(f"{len(r['missing_rows'])}+ cached key(s) not in the manifest (not checked), e.g. {r['missing_rows'][:3]}")
+    for why in r["cache_problems"]:
+        print(f"DAMAGED {args.cache}: {why}")
+    for prob in r["refused"]:
+        print(f"REFUSED {prob['key']}: the loader refuses to read it: {prob['why']}")
     for prob in r["problems"]:
         print(f"MISMATCH {prob['key']}: {prob['field']}: {prob['why']}")
-    if r["problems"]:
-        print(f"{len(r['problems'])} mismatch(es) in {r['checked']} sample(s)")
+    if r["problems"] or r["cache_problems"] or r["refused"]:
+        print(f"FAILED: {len(r['cache_problems'])} problem(s) of the cache's own files (`shardcache shards verify "
+              f"{args.cache}` reports the same), {len(r['refused'])} sample(s) the loader refuses, "
+              f"{len(r['problems'])} mismatch(es) in {r['checked']} sample(s)")
         return 1
     if r["checked"] == 0:
         print(f"FAILED: nothing was compared: none of the {r['cached']} cached key(s) is a readable row of "

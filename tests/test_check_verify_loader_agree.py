@@ -141,7 +141,7 @@ def test_what_the_loader_refuses_check_and_verify_refuse(cache, capsys, tamper):
     samples = "24" if tamper is codes_out_of_range_reindexed else "1"   # check reads the samples it picks
     rc, out = run_here(capsys, ["check", str(cache), "--manifest", str(DEMO / "samples.jsonl"), "--samples", samples])
     assert rc == 1, f"check passed {tamper.__name__} the loader refuses ({why}): {out[-2000:]}"
-    assert "DAMAGED" in out or "the loader refuses it" in out, out[-2000:]
+    assert "DAMAGED" in out or "the loader refuses to read it" in out, out[-2000:]
 
 
 def test_a_forged_rejects_parquet_fails_verify(cache, capsys):
