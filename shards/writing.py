@@ -322,6 +322,18 @@ def writes_cache(command: str, *, cache: str = "cache_dir", rank: str | None = N
     return deco
 
 
+def cache_holding(path: str | os.PathLike) -> Path | None:
+    """The cache folder that file ``path`` would be written into (its folder, or the folder above a
+    ``parts/``), or None: for commands that write a file the user names (exports), which must never
+    change a cache file outside a writing session."""
+    from .schema import INDEX_FILE, MANIFEST_FILE
+    folder = Path(os.path.realpath(path)).parent
+    for d in (folder, folder.parent) if folder.name == PARTS_DIR else (folder,):
+        if (d / MARKER).exists() or ((d / INDEX_FILE).exists() and (d / MANIFEST_FILE).exists()):
+            return d
+    return None
+
+
 def writer_of(cache_dir: str | os.PathLike) -> str | None:
     """``describe()`` of whoever writes ``cache_dir`` now (this process or another), or None: what a
     reader says instead of recommending a command that writes while one runs."""
@@ -330,4 +342,4 @@ def writer_of(cache_dir: str | os.PathLike) -> str | None:
     return describe(h) if h else None
 
 
-__all__ = ["CacheWriter", "MARKER", "NotACache", "WRITERS", "session", "writer_of", "writes_cache"]
+__all__ = ["CacheWriter", "MARKER", "NotACache", "WRITERS", "cache_holding", "session", "writer_of", "writes_cache"]

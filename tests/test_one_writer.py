@@ -377,3 +377,13 @@ def test_a_tmp_shard_symlink_never_overwrites_another_file(cache, tiny_models, t
     assert ".tar.tmp is a symlink" in err and str(outside) in err, err[-2000:]
     assert outside.read_bytes() == b"\x01" * 4096
     assert not any((cache / f"shard-{n:06d}.tar").is_symlink() for n in range(2, 12))
+
+
+def test_an_export_is_never_written_into_a_cache(cache, capsys):
+    """`shards export-audio` writes a file the user names: named inside the cache folder (here its own
+    index) it overwrote a cache file outside any writing session. Now it is refused (exit 2)."""
+    before = snapshot(cache)
+    for target in (cache / "index.parquet.wav", cache / "parts" / "x.wav"):
+        rc, out, err = run_here(capsys, ["shards", "export-audio", str(cache), "k0", str(target)])
+        assert rc == 2 and "inside the cache folder" in err, err
+    assert snapshot(cache) == before

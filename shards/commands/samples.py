@@ -11,6 +11,7 @@ import pyarrow.compute as pc
 
 from ..reader import ShardReader
 from ..schema import WHOLE_MEMBER_DTYPES
+from ..writing import cache_holding
 from ._common import (SCALAR_COLUMNS, NotFound, Out, UsageError, cache_dir, fmt_bytes, fmt_value,
                       read_index_columns, read_index_head)
 
@@ -181,6 +182,8 @@ def cmd_export_audio(args: argparse.Namespace) -> int:
         raise UsageError(f"{path}: format {ext} cannot hold 16-bit PCM; use .wav or .flac")
     if not path.parent.is_dir():
         raise UsageError(f"{path.parent}: no such directory")
+    if (inside := cache_holding(path)) is not None:  # only a writing session changes a cache's files
+        raise UsageError(f"{path}: inside the cache folder {inside}; write the export outside any cache")
     table = rows_for_keys(d, [args.key])
     row = table.to_pylist()[0]
     reader = ShardReader(d, index=table)
