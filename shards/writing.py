@@ -207,8 +207,9 @@ class CacheWriter:
         :class:`UnsafePath` for any other place."""
         path = Path(path)
         if path.parent.name == PARTS_DIR and os.path.realpath(path.parent.parent) == self.real:
-            if self._parts_fd is None:
-                self._parts_fd = _open_dir(PARTS_DIR, dir_fd=self._root_fd, create=True)
+            with _REGISTRY:  # (the job's writer thread and its main thread share the session)
+                if self._parts_fd is None:
+                    self._parts_fd = _open_dir(PARTS_DIR, dir_fd=self._root_fd, create=True)
             return self._parts_fd, path.name
         if os.path.realpath(path.parent) == self.real:
             return self._root_fd, path.name
