@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import UnsafePath, WriteRefused
-from .lock import CacheLock, CacheLocked, _open_dir, describe
+from .lock import LOCK_FILE, CacheLock, CacheLocked, _open_dir, describe
 from .schema import PARTS_DIR
 
 #: the file that makes a folder a shardcache cache; written before any other file
@@ -65,13 +65,13 @@ class NotACache(WriteRefused):
 
 def _legacy(root_fd: int) -> bool:
     """Whether the folder is a cache written before markers existed: its ``parts/`` (a real folder)
-    holds stage one's ``job.json`` or an index part."""
+    holds stage one's ``job.json``, an index part or the writer lock."""
     try:
         parts = os.open(PARTS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
     except OSError:
         return False
     try:
-        return any(n == "job.json" or n.endswith(".index.parquet") for n in os.listdir(parts))
+        return any(n in ("job.json", LOCK_FILE) or n.endswith(".index.parquet") for n in os.listdir(parts))
     finally:
         os.close(parts)
 
