@@ -222,19 +222,31 @@ def _argv(cls: type, argv: list[str], env_var: str, aliases: dict[str, str]) -> 
     return (["--config", path] if path else []) + out, merges, path, why
 
 
+def _refuse_special_files(cls: type, args: list[str]) -> None:
+    """Raise :class:`ConfigError` when ``--config`` or a section's flag (``--model FILE``: the parser
+    reads a section's value as a YAML file) names a FIFO, a device or a socket: reading it would hang
+    the command or read without end (:mod:`shardcache.inputs`)."""
+    sections = {".".join(k.split(".")[:n]) for k in options(cls) for n in range(1, k.count(".") + 1)}
+    for i, tok in enumerate(args):
+        name, eq, value = tok[2:].partition("=") if tok.startswith("--") else ("", "", "")
+        if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value = args[i + 1]
+        if (name == "config" or name in sections) and value:
+            try:
+                check_input(value, f"--{name}")
+            except NotAFile as e:
+                raise ConfigError([(f"--{name} {value}", f"is {e.kind}, not a file: give a regular file")]) from None
+            except (FileNotFoundError, OSError, ValueError):
+                pass  # (not a file name: the parser says what it is)
+
+
 def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
           aliases: dict[str, str] | None = None) -> tuple[Any, argparse.Namespace]:
     """``argv`` -> (``cls`` instance, the namespace of the other flags plus ``config_file`` and
     ``config_source``): defaults < the config file < flags in their order. Raises
     :class:`ConfigError` naming the option."""
     args, merges, path, why = _argv(cls, list(argv), env_var, aliases or {})
-    if path:  # a FIFO or device would hang the parser's read: refused first (shardcache.inputs)
-        try:
-            check_input(path, "--config")
-        except NotAFile as e:
-            raise ConfigError([(f"--config {path}", f"is {e.kind}, not a file: give a regular file")]) from None
-        except FileNotFoundError:
-            pass  # (the parser names a missing file)
+    _refuse_special_files(cls, args)
     try:
         ns = p.parse_args(args)
         hints = typing.get_type_hints(cls)  # a section given a scalar or a list (``data: 3``) fails to instantiate

@@ -190,6 +190,7 @@ def test_a_fifo_or_device_as_a_config_or_manifest_exits_2(tmp_path, demo_cache):
                                           "--config", "/dev/zero"],
         "precompute --manifest": ["precompute", "--manifest", str(fifo), "--cache", cache, "--config", "none"],
         "train --config": ["train", "--config", str(fifo), "--cache", str(demo_cache)],
+        "train --model FILE": ["train", "--config", "none", "--cache", str(demo_cache), "--model", str(fifo)],
         "find-batch-size --config": ["find-batch-size", "--config", str(fifo), "--cache", str(demo_cache)],
         "add-field --config": ["add-field", str(demo_cache), "--field", "codes_mimi", "--config", str(fifo)],
         "check --manifest": ["check", str(demo_cache), "--manifest", str(fifo)],
@@ -203,7 +204,8 @@ def test_a_fifo_or_device_as_a_config_or_manifest_exits_2(tmp_path, demo_cache):
             r = _run(args)                                       # (a hang is a TimeoutExpired: the test fails)
         what = "character device" if "/dev/zero" in name else "FIFO"
         assert r.returncode == 2, f"{name}: exit {r.returncode}: {r.stderr[-1500:]}"
-        assert what in r.stderr and ("--config" in r.stderr or "manifest" in r.stderr), f"{name}: {r.stderr[-1500:]}"
+        option = name.split()[1] if name.split()[1].startswith("--") else "--config"
+        assert what in r.stderr and (option in r.stderr or "manifest" in r.stderr), f"{name}: {r.stderr[-1500:]}"
     assert wrote_nothing(Path(cache))
 
 
