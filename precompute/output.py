@@ -104,9 +104,10 @@ class RemoteOutput(LocalOutput):
         parts = self.local / PARTS_DIR
         parts.mkdir(parents=True, exist_ok=True)
         there = set(self.remote.list(PARTS_DIR))
-        for p in parts.iterdir():
-            if p.is_file() and p.name not in there and p.name != LOCK_FILE:  # the lock stays local
-                p.unlink()  # committed locally but never uploaded: redo it
+        with session(parts / LOCK_FILE) as s:  # (the job's writing session)
+            for p in parts.iterdir():
+                if p.is_file() and p.name not in there and p.name != LOCK_FILE:  # the lock stays local
+                    s.unlink(p)  # committed locally but never uploaded: redo it
         for name in sorted(there):
             if not (parts / name).exists():
                 self.remote.get(f"{PARTS_DIR}/{name}", parts / name)
