@@ -182,8 +182,6 @@ def cmd_export_audio(args: argparse.Namespace) -> int:
         raise UsageError(f"{path}: format {ext} cannot hold 16-bit PCM; use .wav or .flac")
     if not path.parent.is_dir():
         raise UsageError(f"{path.parent}: no such directory")
-    if (inside := cache_holding(path)) is not None:  # only a writing session changes a cache's files
-        raise UsageError(f"{path}: inside the cache folder {inside}; write the export outside any cache")
     table = rows_for_keys(d, [args.key])
     row = table.to_pylist()[0]
     reader = ShardReader(d, index=table)
@@ -201,6 +199,8 @@ def cmd_export_audio(args: argparse.Namespace) -> int:
                        "or metadata")
     if audio.ndim != 1:
         raise NotFound(f"sample {args.key!r}: audio.npy has shape {audio.shape}, expected (num_samples,)")
+    if (inside := cache_holding(path)) is not None:  # only a writing session changes a cache's files
+        raise UsageError(f"{path}: inside the cache folder {inside}; write the export outside any cache")
     try:
         sf.write(str(path), audio, sr, format=ext, subtype="PCM_16")
     except (RuntimeError, OSError, TypeError, ValueError) as e:
