@@ -12,10 +12,10 @@ compared with the cached one:
 * float fields (latents, features): relative L2 error within the recorded tolerance
   (``precision_tolerance.latents_rel_err`` of the cache's config, 0.02 by default).
 
-Before any sample is re-derived, the cache is checked as ``shards verify`` checks it (every file
-the integrity root covers, every shard's sha256, and the loader's own open:
-:func:`shards.commands.verify.verify_cache`), and every picked sample is read with the loader's
-checks (member checksums, each field's value checks): whatever the loader refuses, check reports
+The cache itself is checked too, as ``shards verify`` checks it (every file the integrity root
+covers, every shard's sha256, and the loader's own open: :func:`shards.commands.verify.verify_cache`;
+reported as ``DAMAGED``), and every picked sample is read with the loader's checks (member
+checksums, each field's value checks; ``REFUSED``): whatever the loader refuses, check reports
 (exit 1), and a cache another command is writing right now is refused (exit 2, naming it).
 
 The encoders' fingerprint is compared with the cache's first: a different one is reported (the

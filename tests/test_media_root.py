@@ -29,6 +29,7 @@ def media(tmp_path) -> tuple[Path, Path]:
     return root, outside
 
 
+@pytest.mark.slow
 def test_a_symlink_swapped_during_the_job_does_not_escape_the_root(media, tiny_models, tmp_path, monkeypatch):
     """The root check ran when the manifest was read and the file was opened later: a symlink
     changed in between made the job encode a file outside --root. Now the opened file is checked:

@@ -251,6 +251,7 @@ def test_a_library_write_outside_any_command_is_refused_too(cache):
 
 # ---- concurrency: two commands at once -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_add_fields_at_once(cache, capsys):
     """Two add-fields on one cache both exited 0 and one field was missing from the manifest. Now the
     second is refused (exit 2, naming the first) and the first's field is complete; the same command
@@ -278,6 +279,7 @@ def test_two_add_fields_at_once(cache, capsys):
     ld.close()
 
 
+@pytest.mark.slow
 def test_reindex_during_a_rerun(cache, base, tiny_models, tmp_path, capsys):
     """The loader's error during a rerun advised `shards reindex`, which took no lock: run during the
     rerun it indexed the shards there at that moment, and the loader then read 4 of 8 samples, exit 0.
@@ -305,6 +307,7 @@ def test_reindex_during_a_rerun(cache, base, tiny_models, tmp_path, capsys):
     assert sorted(samples_read(cache)) == sorted(f"k{i}" for i in range(8))
 
 
+@pytest.mark.slow
 def test_precompute_and_drop_field(cache, base, tiny_models, tmp_path, capsys):
     """drop-field while a rerun writes the cache is refused (exit 2, naming it); the rerun ends with
     a cache whose every field and sample is there (verify --deep passes); drop-field afterwards works."""
