@@ -102,7 +102,8 @@ def decode_image(path: str | Path, *, max_pixels: int = 64_000_000, min_side: in
         with os.fdopen(open_media(source), "rb") as f:
             data = f.read()
     except MediaRefused as e:
-        raise CorruptSample(schema.MALFORMED_ROW if e.outside else schema.IMAGE_UNREADABLE, e.detail, str(path)) from None
+        reason = schema.MALFORMED_ROW if e.outside else schema.IMAGE_UNREADABLE
+        raise CorruptSample(reason, e.detail, str(path)) from None
     except FileNotFoundError:
         raise CorruptSample(schema.MISSING_FILE, MISSING, str(path)) from None
     except OSError as e:

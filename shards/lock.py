@@ -91,7 +91,8 @@ def describe(holder: dict) -> str:
     since = holder.get("since")
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if isinstance(since, (int, float)) else "?"
     what = f"{holder['command']} on " if holder.get("command") else ""
-    return f"{what}host {holder.get('host', '?')}, pid {holder.get('pid', '?')} (job {holder.get('job', '?')}), since {when}"
+    return (f"{what}host {holder.get('host', '?')}, pid {holder.get('pid', '?')} (job {holder.get('job', '?')}), "
+            f"since {when}")
 
 
 def _open_dir(path: str | os.PathLike, *, dir_fd: int | None = None, create: bool = False) -> int:

@@ -60,7 +60,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def rows(n: int, start: int = 0) -> list[dict]:
     audio = sorted(p.name for p in (DEMO / "audio").glob("*.flac"))
-    return [{"key": f"k{i}", "text": f"Row {i}.", "audio": f"audio/{audio[i % len(audio)]}"} for i in range(start, start + n)]
+    return [{"key": f"k{i}", "text": f"Row {i}.", "audio": f"audio/{audio[i % len(audio)]}"}
+            for i in range(start, start + n)]
 
 
 class Holder:
