@@ -51,15 +51,16 @@ import numpy as np
 from shardcache.cli import plain
 from shardcache.config import BATCH, BYTES, IDENTITY, OPERATIONAL, SPEC, ConfigError, Effect, bounded, option, read_yaml
 from shards import fields as registry
-from shards.errors import ShardcacheError
-from shards.index import (attach_sidecar, detach_field, fsync_dir, read_index, read_rejects,
+from shards.errors import ShardcacheError, WriteRefused
+from shards.index import (attach_sidecar, detach_field, read_index, read_rejects,
                           read_sidecar_parts, safe_shard_path, sidecar_part_path, sidecar_parts,
                           write_cache_files, write_json_atomic, write_sidecar_part)
 from shards.manifest import CacheManifest, FieldInfo
 from shards.reader import ShardReader
-from shards.schema import PARTS_DIR
+from shards.schema import PARTS_DIR, ROOT_FILE
 from shards.scan import scan_shard
 from shards.writer import npy_bytes, tar_member
+from shards.writing import session, writes_cache
 
 log = logging.getLogger("precompute.add_field")
 
@@ -88,22 +89,22 @@ def write_sidecar(cache_dir: Path, shard: str, field_name: str, keys: list[str],
     name = registry.sidecar_name(shard, field_name)
     path = safe_shard_path(cache_dir, name)
     tmp = path.with_name(name + ".tmp")
-    with open(tmp, "wb") as fh:
-        with tarfile.open(fileobj=fh, mode="w|", format=tarfile.PAX_FORMAT) as tf:
-            for key, arrays in zip(keys, members):
-                for field in sorted(arrays):
-                    data = npy_bytes(np.ascontiguousarray(arrays[field]))
-                    tf.addfile(tar_member(f"{key}.{field}.npy", len(data)), io.BytesIO(data))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, 0o444)
-    rows, sha, size = scan_shard(tmp, name)  # the same offsets a reader will use
-    written = [r["key"] for r in rows]
-    if [k for k, m in zip(keys, members) if m] != written:
-        tmp.unlink()
-        raise FieldError(f"{name}: written keys differ from {shard}'s (bug)")
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    with session(path) as s:  # the command's writing session: O_EXCL | O_NOFOLLOW, no symlink written through
+        with os.fdopen(s.create(tmp, 0o444), "wb") as fh:
+            with tarfile.open(fileobj=fh, mode="w|", format=tarfile.PAX_FORMAT) as tf:
+                for key, arrays in zip(keys, members):
+                    for field in sorted(arrays):
+                        data = npy_bytes(np.ascontiguousarray(arrays[field]))
+                        tf.addfile(tar_member(f"{key}.{field}.npy", len(data)), io.BytesIO(data))
+            fh.flush()
+            os.fsync(fh.fileno())
+        rows, sha, size = scan_shard(tmp, name)  # the same offsets a reader will use
+        written = [r["key"] for r in rows]
+        if [k for k, m in zip(keys, members) if m] != written:
+            s.unlink(tmp)
+            raise FieldError(f"{name}: written keys differ from {shard}'s (bug)")
+        s.replace(tmp, path)
+        s.fsync_dir(path)
     entry = dict(path=name, shard=shard, samples=len(rows), bytes=size, sha256=sha)
     part_rows = [dict(key=r["key"], members=[dict(m, file=name) for m in r["members"]]) for r in rows]
     write_sidecar_part(cache_dir, shard, field_name, part_rows, entry)
@@ -126,6 +127,7 @@ def _pending_path(cache_dir: Path, field_name: str) -> Path:
     return Path(cache_dir) / PARTS_DIR / f"{field_name}.field.json"
 
 
+@writes_cache("add-field", cache="cache_dir", rank="global_rank")
 def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str = "cpu",
               global_rank: int = 0, world_size: int = 1, barrier=None, replace: bool = False,
               progress: bool = True, batch_size: int = 8) -> dict | None:
@@ -134,7 +136,9 @@ def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str
 
     Returns the new manifest dict on rank 0 (None elsewhere). Raises :class:`FieldError` when the
     field is not declared, was written by stage one, or exists with another fingerprint (pass
-    ``replace=True`` to drop and re-add it); ``ValueError`` for a bad producer spec.
+    ``replace=True`` to drop and re-add it); ``ValueError`` for a bad producer spec;
+    :class:`shards.lock.CacheLocked` when another command writes the cache (rank 0 holds the
+    writer lock from the first line to the merge: :func:`shards.writing.writes_cache`).
     """
     import pyarrow.compute as pc
     import torch
@@ -187,7 +191,6 @@ def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str
             if prev.get("batch") != batch:
                 _refuse_batch(cache_dir, field_name, prev.get("batch"), batch)
         else:
-            pending.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic({"fingerprint": fp, "encoder": describe, "batch": batch}, pending)
     sync()
     shards = sorted(s["path"] for s in man.shards or [])
@@ -226,7 +229,8 @@ def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str
     if missing:
         info.extra["missing"] = missing
     manifest = _merge(cache_dir, man, field_name, info)
-    pending.unlink(missing_ok=True)
+    with session(pending) as s:
+        s.unlink(pending)
     return manifest
 
 
@@ -265,24 +269,29 @@ def _merge(cache_dir: Path, man: CacheManifest, field_name: str, info: FieldInfo
     return write_cache_files(cache_dir, index, read_rejects(cache_dir), shards, d)
 
 
+@writes_cache("drop-field", cache="cache_dir")
 def drop_field(cache_dir: str | Path, field_name: str) -> dict:
-    """Remove field ``field_name``: its sidecars, their parts, its index members and manifest entry."""
+    """Remove field ``field_name``: its sidecars, their parts, its index members and manifest entry.
+
+    The integrity root goes first (until the new one is written, readers are refused rather than
+    shown an index naming sidecars that are gone), then the sidecars and their parts, then the index
+    and manifest are written without the field, the root last. Raises :class:`FieldError` for a
+    stage-one field, :class:`shards.lock.CacheLocked` when another command writes the cache."""
     cache_dir = Path(cache_dir)
     man = CacheManifest.read(cache_dir)
     info = man.fields.get(field_name)
     if field_name in {f.name for f in registry.FIELDS} or (info is not None and not info.sidecar):
         raise FieldError(f"{field_name!r} is a stage-one field; only fields added with add-field can be dropped")
-    manifest = _merge(cache_dir, man, field_name, None)  # the index stops naming the sidecars first
-    for p in sidecar_parts(cache_dir, field_name):
-        p.unlink()
-    for s in man.shards or []:
-        for name in (registry.sidecar_name(s["path"], field_name),
-                     registry.sidecar_name(s["path"], field_name) + ".tmp"):
-            p = safe_shard_path(cache_dir, name)
-            if p.exists():
-                p.unlink()
-    _pending_path(cache_dir, field_name).unlink(missing_ok=True)
-    return manifest
+    with session(cache_dir / ROOT_FILE) as s:
+        s.unlink(cache_dir / ROOT_FILE)
+        for p in sidecar_parts(cache_dir, field_name):
+            s.unlink(p)
+        for e in man.shards or []:
+            for name in (registry.sidecar_name(e["path"], field_name),
+                         registry.sidecar_name(e["path"], field_name) + ".tmp"):
+                s.unlink(safe_shard_path(cache_dir, name))
+        s.unlink(_pending_path(cache_dir, field_name))
+    return _merge(cache_dir, man, field_name, None)
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -375,6 +384,9 @@ def main_add(argv: list[str]) -> int:
         m = add_field(ns.cache, args.field, spec, device=device, global_rank=global_rank,
                       world_size=world_size, barrier=barrier, replace=args.replace, progress=not args.no_progress,
                       batch_size=args.encoder_batch_size)
+    except WriteRefused as e:  # another command writes the cache, or it is no cache: nothing was written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ShardcacheError, FileNotFoundError, ValueError, ImportError, AttributeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -401,6 +413,9 @@ def main_drop(argv: list[str]) -> int:
     args = build_drop_parser().parse_args(argv)
     try:
         drop_field(args.cache, args.field)
+    except WriteRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ShardcacheError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

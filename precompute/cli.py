@@ -8,7 +8,7 @@ import sys
 from typing import Any, Optional
 
 from shardcache import config as S
-from shards.errors import ShardcacheError
+from shards.errors import ShardcacheError, WriteRefused
 
 from .config import CONFIG_ENV, PrecomputeConfig
 from .job import run
@@ -95,10 +95,15 @@ def main(argv: list[str] | None = None) -> int:
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,
                                 progress=not args.no_progress, storage_options=args.storage_options,
                                 staging=args.staging)
-    except ManifestUnreadable as e:  # the manifest as a whole (its encoding...): read before any model loads
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ManifestUnreadable, WriteRefused) as e:  # the manifest as a whole (its encoding...), read before any
+        print(f"error: {e}", file=sys.stderr)       # model loads; another command writes the cache, or the
+        return 2                                    # folder holds other files: nothing was written
     except (ShardcacheError, FileNotFoundError, ValueError, ImportError) as e:  # ImportError: a codec's dependency
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # the shard writer's thread failed: its own error (e.g. a symlink refused by name)
+        if not isinstance(e.__cause__, ShardcacheError):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -112,7 +117,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['images']} with images, {c['audio_hours']:.4f} h audio; rejected {c['rejected']}")
         for reason, n in sorted(c["rejects_by_reason"].items()):
             print(f"  rejected {n:5d}  {reason}")
+        empty = empty_cache_error(args.cache, manifest)
+        if empty is not None:
+            print(f"error: {empty}", file=sys.stderr)
+            return 1
     return 0
+
+
+def empty_cache_error(cache: str, manifest: dict) -> str | None:
+    """Why a job whose cache ends with no sample failed (naming the reject reasons and counts), or
+    None when the cache holds samples: an empty cache is never a success (exit 1)."""
+    c = manifest["counts"]
+    if c["samples"]:
+        return None
+    if not c["rejected"]:
+        return f"the cache {cache} holds 0 samples: the manifest has no row to encode"
+    reasons = ", ".join(f"{reason} ({n})" for reason, n in sorted(c["rejects_by_reason"].items(), key=lambda x: -x[1]))
+    return (f"the cache {cache} holds 0 samples: every one of the manifest's {c['rejected']} row(s) was rejected"
+            f"{': ' + reasons if reasons else ''} (rejects.parquet names each row and why; `shardcache shards rejects "
+            f"{cache}` lists them)")
 
 
 if __name__ == "__main__":

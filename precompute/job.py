@@ -43,12 +43,13 @@ from shards import schema
 from shards.index import PARTS_DIR, merge_parts, read_part_meta
 from shards.manifest import TextInfo
 from shards.writer import ShardWriter
+from shards.writing import CacheWriter
 
 from . import chat
 from .config import PrecomputeConfig
 from .conversation import OUTSIDE_ROOT
 from .encode import Pipeline, Summary, load_encoders
-from .lock import CacheLock, die_with_parent
+from .lock import die_with_parent
 from .manifests import Request, read_requests
 from .output import LocalOutput, open_output
 from .pipeline import EncodeStream, job_workers, preload_decoders
@@ -271,18 +272,16 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
 
     Returns ``(summary, manifest_dict)``; ``manifest_dict`` is None on ranks other than 0.
     Raises :class:`FingerprintMismatch` when ``out_dir`` holds a cache from other encoders,
-    :class:`precompute.lock.CacheLocked` (rank 0, before anything is written) when another job
-    is writing to it.
+    :class:`shards.lock.CacheLocked` (rank 0, before anything is written) when another command
+    is writing to it, :class:`shards.writing.NotACache` when ``out_dir`` holds files of another tool.
     """
     t0 = time.perf_counter()
     output = open_output(out_dir, storage_options=storage_options, staging=staging, global_rank=global_rank)
-    lock = CacheLock(output.local).acquire() if global_rank == 0 else None  # one writer per cache
-    try:
-        return _run(output, manifest, cfg, root=root, global_rank=global_rank, world_size=world_size,
-                    local_rank=local_rank, barrier=barrier, progress=progress, t0=t0)
-    finally:
-        if lock is not None:
-            lock.release()
+    # one writer per cache, in a folder it owns (rank 0 takes the lock; the other ranks write under it)
+    with CacheWriter(output.local, "precompute", rank=global_rank, create=True):
+        summary, result = _run(output, manifest, cfg, root=root, global_rank=global_rank, world_size=world_size,
+                               local_rank=local_rank, barrier=barrier, progress=progress, t0=t0)
+    return summary, result
 
 
 def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_rank: int, world_size: int,

@@ -26,6 +26,8 @@ from jsonargparse import (ActionConfigFile, ArgumentParser, DefaultHelpFormatter
                           set_parsing_settings)
 from jsonargparse.typing import registered_types, restricted_number_type
 
+from shardcache.inputs import NotAFile, check_input, read_input
+
 
 class ConfigError(ValueError):
     """One or more invalid options; ``problems`` is ``[(option, message)]``."""
@@ -204,8 +206,10 @@ def load_yaml(text: str, where: str = "yaml") -> Any:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML file as a mapping (read by :func:`load_yaml`); every error names the file."""
-    try:
-        data = load_yaml(Path(path).read_text(), f"--config {path}") or {}
+    try:  # (a FIFO or device is refused, never waited on: shardcache.inputs)
+        data = load_yaml(read_input(path, "--config").decode("utf-8"), f"--config {path}") or {}
+    except NotAFile as e:
+        raise ConfigError([(f"--config {path}", f"is {e.kind}, not a file: give a regular file")]) from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError([(f"--config {path}", " ".join(str(e).split()[:20]))]) from None
     if not isinstance(data, dict):
@@ -323,6 +327,24 @@ def _flag_value(argv: list[str], p: ArgumentParser, key: str) -> tuple[int | Non
     return None, None
 
 
+def _refuse_special_files(cls: type, args: list[str]) -> None:
+    """Raise :class:`ConfigError` when ``--config`` or a section's flag (``--model FILE``: the parser
+    reads a section's value as a YAML file) names a FIFO, a device or a socket: reading it would hang
+    the command or read without end (:mod:`shardcache.inputs`)."""
+    sections = {".".join(k.split(".")[:n]) for k in options(cls) for n in range(1, k.count(".") + 1)}
+    for i, tok in enumerate(args):
+        name, eq, value = tok[2:].partition("=") if tok.startswith("--") else ("", "", "")
+        if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value = args[i + 1]
+        if (name == "config" or name in sections) and value:
+            try:
+                check_input(value, f"--{name}")
+            except NotAFile as e:
+                raise ConfigError([(f"--{name} {value}", f"is {e.kind}, not a file: give a regular file")]) from None
+            except (FileNotFoundError, OSError, ValueError):
+                pass  # (not a file name: the parser says what it is)
+
+
 def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
           check: Callable[[Any], list[tuple[str, str]]] | None = None) -> tuple[Any, argparse.Namespace]:
     """``argv`` -> (``cls`` instance, the namespace of the other flags plus ``config_file`` and
@@ -330,6 +352,7 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
     naming every bad flag (jsonargparse stops at the first: each is taken out and the rest parsed again) and
     every problem ``check(config)`` finds in what the rest gives (the rules the annotations cannot say)."""
     args, path, why = _config_first(list(argv), env_var)
+    _refuse_special_files(cls, args)
     ns, problems = parse_flags(p, cls, args, path, raise_problems=False)
     cfg, rest = _instantiate(p, cls, ns, path, why)
     problems += check(cfg) if check is not None else []

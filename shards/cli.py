@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 from .commands.needs import Needs
-from .errors import ShardcacheError
+from .errors import ShardcacheError, WriteRefused
 
 EPILOG = """\
 examples:
@@ -106,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except FileNotFoundError as e:
         _error(args.command, str(e) if e.filename is None else f"{e.filename}: {e.strerror}")
+        return 2
+    except WriteRefused as e:  # another command writes the cache (named), or the folder is no cache
+        _error(args.command, str(e))
         return 2
     except ShardcacheError as e:
         _error(args.command, str(e))

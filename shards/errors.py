@@ -6,6 +6,14 @@ class ShardcacheError(Exception):
     """Base class of every error this project raises on purpose."""
 
 
+class WriteRefused(ShardcacheError):
+    """A command that writes a cache refused before writing anything: another command writes it
+    (:class:`shards.lock.CacheLocked`, naming the holder) or the folder is not one it may write
+    (:class:`shards.writing.NotACache`). Every command line exits 2 for it."""
+
+    exit_code = 2
+
+
 class ShardCorrupt(ShardcacheError):
     """A shard, its index rows or its manifest entry disagree (truncated tar, bad checksum...)."""
 

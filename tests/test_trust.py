@@ -335,8 +335,9 @@ def test_two_precompute_processes_on_one_cache(tiny_models, tmp_path, capsys):
     assert holder.get("pid") == first.pid, "the first job never took the lock"
     rc, out, err = _precompute_here(capsys, manifest, cache, tiny_models)
     stdout, stderr = first.communicate(timeout=600)
-    assert rc == 1, err[-2000:]
-    assert f"is being written by another precompute job (host {holder['host']}, pid {first.pid} " in err, err
+    assert rc == 2, err[-2000:]                       # refused before writing anything (issue 41: exit 2)
+    assert f"is being written by another shardcache command (precompute on host {holder['host']}, pid {first.pid} " \
+        in err, err
     assert "lock file" in err and str(lock) in err
     assert first.returncode == 0, stderr[-2000:]
     assert "kept 2," in stdout
