@@ -124,7 +124,7 @@ def test_a_csv_header_naming_a_column_twice_exits_2(tmp_path, header):
     with pytest.raises(ManifestUnreadable, match="names the column .* twice"):
         read(path)
     r = subprocess.run([sys.executable, "-m", "shardcache", "precompute", "--manifest", str(path), "--cache",
-                        str(tmp_path / "c"), "--no-progress"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                        str(tmp_path / "c"), "--no_progress"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2 and "twice" in r.stderr, r.stderr[-1500:]
     assert wrote_nothing(tmp_path / "c")
@@ -223,7 +223,7 @@ def test_a_job_whose_cache_ends_with_0_samples_exits_1_naming_the_reasons(tiny_m
     rc = main(["--manifest", str(manifest), "--cache", str(tmp_path / "c"), "--config",
                str(ROOT / "configs" / "precompute.yaml"), f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
                f"--image_encoder.pretrained={tiny_models / 'wan-tiny'}", "--device=cpu", "--num_workers=0",
-               "--no-progress", "--root", str(DEMO)])
+               "--no_progress", "--root", str(DEMO)])
     out, err = capsys.readouterr()
     assert rc == 1, out + err[-1500:]
     assert "holds 0 samples" in err and "missing_file (3)" in err and "too_short (1)" in err, err[-1500:]

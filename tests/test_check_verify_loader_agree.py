@@ -109,7 +109,7 @@ def codes_out_of_range_reindexed(cache: Path) -> None:
     with open(shard, "r+b") as f:
         f.seek(m["offset"])
         f.write(np.array([32000], np.int16).tobytes())
-    assert main(["reindex", str(cache), "--no-progress"]) == 0
+    assert main(["reindex", str(cache), "--no_progress"]) == 0
 
 
 TAMPERINGS = [edit_index, forge_index_and_root, delete_root, edit_cache_id, flip_a_byte, truncate_a_shard,
@@ -126,7 +126,7 @@ def cache(demo_cache, tmp_path) -> Path:
 def test_an_intact_cache_passes_all_three(cache, capsys):
     """(So a refusal below is the tampering's.)"""
     assert loader_refuses(cache) is None
-    assert run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no-progress"])[0] == 0
+    assert run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no_progress"])[0] == 0
     rc, out = run_here(capsys, ["check", str(cache), "--manifest", str(DEMO / "samples.jsonl"), "--samples", "2"])
     assert rc == 0, out[-2000:]
 
@@ -136,7 +136,7 @@ def test_what_the_loader_refuses_check_and_verify_refuse(cache, capsys, tamper):
     tamper(cache)
     why = loader_refuses(cache)
     assert why is not None, f"{tamper.__name__}: the loader reads it (not a tampering of this test)"
-    rc, out = run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no-progress"])
+    rc, out = run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no_progress"])
     assert rc == 1 and "FAILED" in out, f"verify --deep passed {tamper.__name__} the loader refuses ({why}): {out}"
     samples = "24" if tamper is codes_out_of_range_reindexed else "1"   # check reads the samples it picks
     rc, out = run_here(capsys, ["check", str(cache), "--manifest", str(DEMO / "samples.jsonl"), "--samples", samples])
@@ -151,7 +151,7 @@ def test_a_forged_rejects_parquet_fails_verify(cache, capsys):
     pq.write_table(pa.table({"key": ["x"], "source": ["s"], "reason": ["silent"], "detail": ["forged"]}),
                    cache / "rejects.parquet")
     for mode in ([], ["--deep"]):
-        rc, out = run_here(capsys, ["shards", "verify", str(cache), "--no-progress", *mode])
+        rc, out = run_here(capsys, ["shards", "verify", str(cache), "--no_progress", *mode])
         assert rc == 1 and "rejects.parquet does not match integrity.json" in out, out
     rc, out = run_here(capsys, ["check", str(cache), "--manifest", str(DEMO / "samples.jsonl"), "--samples", "1"])
     assert rc == 1 and "rejects.parquet" in out, out[-2000:]
@@ -162,9 +162,9 @@ def test_a_forged_sidecar_part_fails_verify(cache, capsys):
     import pyarrow.parquet as pq
     from precompute.add_field import add_field
     add_field(cache, "audio_16k", {"producer": "waveform", "sample_rate": 16000}, progress=False)
-    assert run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no-progress"])[0] == 0
+    assert run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no_progress"])[0] == 0
     part = sorted((cache / "parts").glob("*.audio_16k.sidecar.parquet"))[0]
     t = pq.read_table(part)
     pq.write_table(t.slice(0, t.num_rows - 1).replace_schema_metadata(t.schema.metadata), part)
-    rc, out = run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no-progress"])
+    rc, out = run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no_progress"])
     assert rc == 1 and f"{part.name} does not match integrity.json" in out, out

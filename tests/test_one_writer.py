@@ -41,7 +41,7 @@ def precompute_argv(manifest: Path, cache: Path, tiny_models: Path, *extra: str)
             "--config", str(ROOT / "configs" / "precompute.yaml"),
             f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
             f"--image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-            "--image_size=64", "--device=cpu", "--num_workers=0", "--no-progress", "--root", str(DEMO), *extra]
+            "--image_size=64", "--device=cpu", "--num_workers=0", "--no_progress", "--root", str(DEMO), *extra]
 
 
 def run_here(capsys, argv: list[str]) -> tuple[int, str, str]:
@@ -139,16 +139,17 @@ def _examples(cache: Path, manifest: Path, tiny_models: Path, tmp: Path) -> dict
     return {
         "precompute": precompute_argv(manifest, cache, tiny_models, "--samples_per_shard=4")[1:],
         "add-field": [c, "--field", "audio_8k", "--producer", "waveform", "--options", '{"sample_rate": 8000}',
-                      "--no-progress"],
+                      "--no_progress"],
         "drop-field": [c, "audio_16k"],
         "check": [c, "--manifest", str(manifest), "--root", str(DEMO), "--samples", "1"],
-        "train": train + ["--run-dir", str(tmp / "run")],
-        "find-batch-size": train + ["--max-batch-size", "2", "--steps", "1"],
+        "train": train + ["--run_dir", str(tmp / "run")],
+        "find-batch-size": train + ["--max_batch_size", "2", "--steps", "1"],
         "shards ls": [c], "shards info": [c], "shards rejects": [c], "shards head": [c, "-n", "1"],
         "shards show": [c, "k0"], "shards export-audio": [c, "k0", str(tmp / "k0.wav")],
         "shards query": [c, "--where", "duration_s > 0", "--count"], "shards stats": [c],
         "shards verify": [c, "--deep"], "shards reindex": [c],
         "shards export-lhotse": [c, str(tmp / "shar")],
+        "shards view": [c, "--port", "0"],
     }
 
 
@@ -166,7 +167,8 @@ def test_every_command_refuses_or_leaves_the_cache_alone_while_another_writes_it
     """Walks every command of the command line (a new command without an example here fails): while
     another process holds the cache's writer lock, each either exits 2 naming that process before
     writing anything, or leaves every byte of the cache as it was. The commands that write a cache
-    (precompute, add-field, drop-field, shards reindex) must refuse. Before, add-field, drop-field
+    (precompute, add-field, drop-field, shards reindex) must refuse, and so must the commands that read a cache
+    whole (check, verify, view: what they would show is half-written). Before, add-field, drop-field
     and reindex took no lock and wrote beside a running job."""
     examples = _examples(cache, base[1], tiny_models, tmp_path)
     assert set(examples) == _all_commands(), "give every command an example invocation"
@@ -180,7 +182,7 @@ def test_every_command_refuses_or_leaves_the_cache_alone_while_another_writes_it
             refused = rc == 2 and f"pid {holder.pid} " in err
             assert after == before, f"{name} changed the cache while another command wrote it (exit {rc}): " \
                                     f"{sorted(k for k in set(after) | set(before) if after.get(k) != before.get(k))}"
-            if name in writers or name in ("shards verify", "check"):
+            if name in writers or name in ("shards verify", "check", "shards view"):
                 assert refused, f"{name}: exit {rc}, expected 2 naming the holder: {err[-800:]}"
             else:
                 assert rc in (0, 2), f"{name}: exit {rc}: {err[-800:]}"
@@ -258,11 +260,11 @@ def test_two_add_fields_at_once(cache, capsys):
     second is refused (exit 2, naming the first) and the first's field is complete; the same command
     run again afterwards adds its field too."""
     first = subprocess.Popen([sys.executable, "-m", "shardcache", "add-field", str(cache), "--field", "audio_8k",
-                              "--producer", "waveform", "--options", '{"sample_rate": 8000}', "--no-progress"],
+                              "--producer", "waveform", "--options", '{"sample_rate": 8000}', "--no_progress"],
                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_holder(cache, first)
     second = ["add-field", str(cache), "--field", "audio_12k", "--producer", "waveform", "--options",
-              '{"sample_rate": 12000}', "--no-progress"]
+              '{"sample_rate": 12000}', "--no_progress"]
     rc, out, err = run_here(capsys, second)
     out1, err1 = first.communicate(timeout=600)
     assert first.returncode == 0, err1[-2000:]
@@ -272,7 +274,7 @@ def test_two_add_fields_at_once(cache, capsys):
     assert run_here(capsys, second)[0] == 0
     fields = json.loads((cache / "manifest.json").read_text())["fields"]
     assert {"audio_16k", "audio_8k", "audio_12k"} <= set(fields)
-    rc, out, err = run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no-progress"])
+    rc, out, err = run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no_progress"])
     assert rc == 0, out + err
     from loaders import ShardLoader
     ld = ShardLoader(cache, batch_size=1, shuffle=False, drop_remainder=False, fields=["audio_8k", "audio_12k"])
@@ -294,7 +296,7 @@ def test_reindex_during_a_rerun(cache, base, tiny_models, tmp_path, capsys):
                                                                                  "--samples_per_shard=4")],
                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_holder(cache, job)
-    rc, out, err = run_here(capsys, ["shards", "reindex", str(cache), "--no-progress"])
+    rc, out, err = run_here(capsys, ["shards", "reindex", str(cache), "--no_progress"])
     assert rc == 2 and f"pid {job.pid} " in err and "precompute on host" in err, (rc, out, err)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and (cache / "integrity.json").exists() and job.poll() is None:
@@ -325,7 +327,7 @@ def test_precompute_and_drop_field(cache, base, tiny_models, tmp_path, capsys):
     assert man["counts"]["samples"] == 12 and "audio_16k" in man["fields"]
     assert man["fields"]["audio_16k"].get("incomplete")                       # the new chunk has no sidecar yet
     assert run_here(capsys, ["drop-field", str(cache), "audio_16k"])[0] == 0
-    rc, out, err = run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no-progress"])
+    rc, out, err = run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no_progress"])
     assert rc == 0, out + err
     assert sorted(samples_read(cache)) == sorted(f"k{i}" for i in range(12))
 

@@ -71,6 +71,11 @@ def cmd_view(args: argparse.Namespace) -> int:
     from ..viewer.server import ViewerServer, is_loopback
 
     source = args.dir if is_url(args.dir) else str(cache_dir(args.dir))
+    if not is_url(args.dir):
+        from ..lock import CacheLocked, describe, holder
+        if h := holder(source):  # its index and shards are half-written: what a page shows would be neither
+            raise CacheLocked(f"{source} is being written right now by {describe(h)}: not served; view it once "
+                              "that command has ended", h)
     if args.storage_options is not None and not is_url(args.dir):
         raise UsageError("--storage_options is for a remote cache (a URL such as s3://bucket/cache)")
     t0 = time.perf_counter()
