@@ -34,7 +34,7 @@ NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),2)
 PRECOMPUTE_NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),1)
 _PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(PRECOMPUTE_NPROC),$(PY))
 
-.PHONY: setup precompute train test test-long test-floors inspect bench bench-venv bench-gpu bench-gpu-stage-one models demo-data boson-venv core-venv clean help
+.PHONY: setup precompute train test test-long test-floors inspect view browser bench bench-venv bench-gpu bench-gpu-stage-one models demo-data boson-venv core-venv clean help
 
 help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
@@ -42,6 +42,8 @@ help:
 	@echo "make test         the test suite"
 	@echo "make test-long    the property tests with many examples (HYPOTHESIS_PROFILE=long)"
 	@echo "make inspect      shardcache shards info OUT"
+	@echo "make view         shardcache shards view OUT: the cache in a web browser (http://127.0.0.1:8000/)"
+	@echo "make browser      install Debian's Chromium for the viewer's browser tests (part of make test)"
 	@echo "make bench        benchmarks (writes benchmarks/results/*.json), the loader beside LitData/Mosaic"
 	@echo "make bench-venv   the peers' benchmark venv ($(BENCH_VENV): litdata, mosaicml-streaming)"
 	@echo "make bench-gpu    stage one with real-size encoders and the recipes' data wait on a CUDA GPU"
@@ -65,7 +67,7 @@ $(VENV)/.installed-%: pyproject.toml setup.py shards/native/readv.c
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.installed-dev
-	touch $(VENV)/.installed-core $(VENV)/.installed-precompute $(VENV)/.installed-train $@
+	touch $(VENV)/.installed-core $(VENV)/.installed-precompute $(VENV)/.installed-train $(VENV)/.installed-inspect $@
 
 setup: $(VENV)/.installed
 
@@ -104,20 +106,21 @@ core-venv: $(CORE_VENV)/.installed
 precompute: $(VENV)/.installed-precompute $(MODELS)/.built
 	$(_PRECOMPUTE_RUN) -m shardcache precompute --manifest $(DATA) --cache $(OUT) --config $(CONFIG)
 
-# --dry-run first, in one process: a bad option, cache or run directory is one line (exit 2), not a line per
+# --dry_run first, in one process: a bad option, cache or run directory is one line (exit 2), not a line per
 # rank and torchrun's traceback
-_TRAIN_ARGS = --cache $(OUT) --run-dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS)) \
+_TRAIN_ARGS = --cache $(OUT) --run_dir $(RUN) --config $(TRAIN_CONFIG) $(if $(STEPS),--training.steps $(STEPS)) \
 	$(if $(RESUME),--checkpoint.resume $(RESUME))
 train: $(VENV)/.installed-train
-	@$(PY) -m shardcache train $(_TRAIN_ARGS) --dry-run
+	@$(PY) -m shardcache train $(_TRAIN_ARGS) --dry_run
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m shardcache train $(_TRAIN_ARGS)
 
 # The suite in parallel processes (pytest-xdist): one per core, at most 4 (every test keeps to its own
 # tmp_path and free ports; 13.5 min serially vs 9.3 min with 2 processes on the 2-core CI machine).
-# TEST_JOBS=0 runs it in this process.
+# TEST_JOBS=0 runs it in this process. --dist loadgroup: tests marked xdist_group("name") run on one worker
+# (the browser tests: one set of caches, one Chromium), every other test as before.
 TEST_JOBS ?= auto
-test: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not long" -n $(TEST_JOBS) --maxprocesses 4 $(PYTEST_ARGS)
+test: $(VENV)/.installed browser
+	$(PY) -m pytest -q -m "not long" -n $(TEST_JOBS) --maxprocesses 4 --dist loadgroup $(PYTEST_ARGS)
 
 # The tests marked `long` (a cheaper test of each feature runs in `make test`), Boson's own trainer
 # against loaders.higgs (builds $(BOSON_VENV) on first use), then hypothesis-built hostile manifests
@@ -141,8 +144,29 @@ test-floors:
 	$(FLOORS_VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 	rm -f $(MODELS)/.built
 
-inspect: $(VENV)/.installed-core
+# Every extra includes the core: a venv that holds any install (`make precompute`, `make train`, `make test`)
+# serves `inspect` as it is; only a venv with none installs the core (no reinstall: 31 s before a 1 s summary).
+_ANY_INSTALL = $(firstword $(sort $(wildcard $(VENV)/.installed-*)) $(VENV)/.installed-core)
+inspect: $(_ANY_INSTALL)
 	$(PY) -m shardcache shards info $(OUT)
+
+# `shards view` needs the [inspect] extra (Jinja2, DuckDB, matplotlib); PORT=0 takes any free port.
+PORT ?= 8000
+view: $(VENV)/.installed-inspect
+	$(PY) -m shardcache shards view $(OUT) --port $(PORT)
+
+# The viewer's browser tests (tests/test_viewer_browser.py) drive the system's Chromium through Playwright
+# (the [dev] extra; no browser download). Debian's package is installed here where it is missing and this
+# is root with apt-get (CI, a fresh machine); anywhere else this says how, and the tests skip saying so.
+CHROMIUM ?= /usr/bin/chromium
+browser:
+	@if [ -x "$(CHROMIUM)" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "browser: installing Debian's chromium for the viewer's browser tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else \
+		echo "browser: no $(CHROMIUM): the viewer's browser tests will skip; install it with sudo apt-get install chromium"; \
+	fi
 
 # The loader's peers (LitData, Mosaic Streaming) pin numpy and transformers versions this project does
 # not use, so they get a venv of their own, with the torch version of $(VENV) (the same wheel where it is

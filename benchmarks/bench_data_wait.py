@@ -31,9 +31,9 @@ def run_once(cache: Path, workers: int, steps: int, batch_size: int, out: Path,
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "shardcache", "train", "--config", str(config),
-           "--cache", str(cache), "--run-dir", str(out), "--training.steps", str(steps),
-           "--data.batch-size", str(batch_size), "--data.num-workers", str(workers), "--metrics.every", "1",
-           "--no-eval.enabled", "--checkpoint.every", str(10 * steps), "--no-metrics.progress", *extra]
+           "--cache", str(cache), "--run_dir", str(out), "--training.steps", str(steps),
+           "--data.batch_size", str(batch_size), "--data.num_workers", str(workers), "--metrics.every", "1",
+           "--eval.enabled=false", "--checkpoint.every", str(10 * steps), "--metrics.progress=false", *extra]
     done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         raise RuntimeError(f"shardcache train exited {done.returncode} ({' '.join(cmd)}):\n{done.stderr[-3000:]}")

@@ -15,8 +15,12 @@ Epochs: ``iter(loader)`` yields the rest of the current epoch; once that epoch i
 epoch) unless ``set_epoch`` chose that epoch since: ``set_epoch(e)`` selects epoch ``e`` (keeping
 the cursor when ``e`` is the current epoch, so a finished epoch chosen again yields nothing). The
 order is a pure function of ``(seed, epoch)``. Rank and world size: :func:`loaders.ranks.resolve_rank`
-(explicit arguments, else the process group, else ``RANK``/``WORLD_SIZE``). Other trainers (HF
-``Trainer``, accelerate, Lightning, torchtitan): docs/integrations.md.
+(explicit arguments, else the process group, else ``RANK``/``WORLD_SIZE``; a partial launcher
+environment is refused). Other trainers (HF ``Trainer``, accelerate, Lightning, torchtitan):
+docs/integrations.md. A ShardLoader also declares a ``DataLoader`` form (``dataset``,
+``batch_sampler``, ``collate_fn``...: :class:`loaders.steps.DataLoaderForm`), which accelerate's
+``skip_first_batches`` (HF ``Trainer``'s mid-epoch resume) rebuilds a loader from; ``DataLoader(loader)``
+is refused at its first item, naming the fix.
 
 How batches reach the consumer. Every process computes the same epoch plan
 (:mod:`loaders.order`, :mod:`loaders.batching`) from ``(seed, epoch)`` and the index; rank ``r``
@@ -61,6 +65,7 @@ from .order import ShardOrder
 from .ranks import resolve_rank
 from .remote import DEFAULT_CACHE_LIMIT, Prefetcher, file_uses
 from .shm import SlotBatch, SlotReceiver, new_flags
+from .steps import DataLoaderForm
 
 STATE_KEYS = ("epoch", "cursor", "seed", "world_size", "global_batch_size")
 log = logging.getLogger("loaders")
@@ -92,7 +97,7 @@ def _pin(x):
     return x
 
 
-class ShardLoader:
+class ShardLoader(DataLoaderForm):
     """Batches of one rank over a shardcache cache. See the module docstring for the order.
 
     Args:
@@ -101,9 +106,10 @@ class ShardLoader:
             bounded local folder, see :mod:`loaders.remote`).
         batch_size: samples per batch and rank (``B``); with ``max_frames``: the most per batch.
         global_rank, world_size: this rank and the number of ranks; default None: from ``group``
-            or the initialised process group, else ``RANK``/``WORLD_SIZE`` (``LOCAL_RANK``), else 0
-            of 1 (:func:`loaders.ranks.resolve_rank`; an explicit value differing from the process
-            group's raises ``ValueError``).
+            or the initialised process group, else ``RANK``/``WORLD_SIZE``, else 0 of 1
+            (:func:`loaders.ranks.resolve_rank`; an explicit value differing from the process group's
+            raises ``ValueError``, and so does a partial launcher environment such as ``LOCAL_RANK``
+            without ``RANK``, naming the variables).
         group: the ``torch.distributed`` process group of data parallelism, when it is not the
             default group (tensor/pipeline parallel setups); default None.
         seed: int >= 0; with the epoch it fixes the whole order.
@@ -155,6 +161,12 @@ class ShardLoader:
             while the consumer works (:mod:`loaders.readahead`; ``prefetch_factor`` batches each);
             1 reads each batch when it is asked for. Default 2. Ignored with worker processes and
             for remote caches (their download thread already runs ahead of the reads).
+
+    ``DataLoader`` form (:class:`loaders.steps.DataLoaderForm`): ``dataset``, ``batch_sampler``,
+    ``sampler`` (None), ``collate_fn``, ``drop_last``, ``prefetch_factor``, ``timeout``,
+    ``multiprocessing_context``: what accelerate's ``skip_first_batches`` rebuilds a loader from, so HF
+    ``Trainer`` given this loader resumes exactly; ``loader[i]`` raises ``TypeError`` (a loader of
+    batches, not a dataset of samples: ``DataLoader(loader)`` is refused at its first item).
 
     Attribute ``prefetcher``: the :class:`loaders.remote.Prefetcher` of a remote cache (its
     ``stats``: downloads, bytes, evictions, peak_bytes), else None. ``cache_id``: the cache's
@@ -236,8 +248,8 @@ class ShardLoader:
         self._receiver = None
         if self.num_workers > 0:  # reusable shared-memory slots per worker (loaders.shm)
             self._receiver = SlotReceiver(new_flags(self.num_workers, int(prefetch_factor) + 2))
-        self.dataset = PlanDataset(sources, self._spec, self.global_rank, self._position,
-                                   None if self._receiver is None else (self._receiver.flags, self._receiver.id))
+        self._plan_dataset = PlanDataset(sources, self._spec, self.global_rank, self._position,
+                                         None if self._receiver is None else (self._receiver.flags, self._receiver.id))
         if device_pin is None:
             device_pin = torch.cuda.is_available()
         self.pin_memory = bool(device_pin)
@@ -252,6 +264,7 @@ class ShardLoader:
             multiprocessing_context=worker_context(multiprocessing_context),
             timeout=float(timeout), worker_init_fn=_worker_init)
         self._dl: DataLoader | None = None
+        self._step_sampler = None  # the DataLoader form's batch sampler (loaders.steps.DataLoaderForm)
         self.epoch, self._cursor, self._generation = 0, 0, 0
         self._chosen = False  # set_epoch called since the last iter(): a complete epoch stays chosen
         remotes = {i: s.remote for i, s in enumerate(sources.sources) if s.remote is not None}
@@ -387,7 +400,7 @@ class ShardLoader:
             src = ReadAhead(lambda s: sources.read_batch(plan.rank_batch(s, rank)), range(start, plan.n_steps),
                             self.read_threads, self._prefetch_factor)
         elif self.num_workers == 0:
-            src = iter(self.dataset)
+            src = iter(self._plan_dataset)
         else:
             self._receiver.reclaim(self._generation)  # slots of batches an earlier iter() dropped unread
             src = iter(self._dataloader())
@@ -439,18 +452,21 @@ class ShardLoader:
 
     def as_dataloader(self, num_workers: int = 0, **kwargs: Any) -> "StepDataLoader":
         """A ``torch.utils.data.DataLoader`` of this loader's batches addressed by ``(epoch, step)``
-        (:mod:`loaders.steps`): for trainers that rebuild or skip a ``DataLoader`` on resume (HF
-        ``Trainer.get_train_dataloader``: accelerate's ``skip_first_batches`` then skips steps without
-        reading them, and the resumed run gets the uninterrupted run's batches). ``set_epoch`` on it
-        selects the epoch; ``num_workers`` processes read whole batches; ``kwargs`` go to
-        ``DataLoader``. This loader's own cursor and ``state_dict`` are not used by the view."""
+        (:mod:`loaders.steps`), for code that needs a real ``DataLoader``: HF ``Trainer`` and
+        accelerate's ``skip_first_batches`` skip steps without reading them, so a resumed run gets the
+        uninterrupted run's batches; ``accelerator.prepare`` returns it unchanged (it carries
+        accelerate's prepared mark: each rank keeps exactly its plan); Lightning's sampler injection
+        under DDP is refused, naming the fix (return the ShardLoader itself). ``set_epoch`` on it
+        selects the epoch (without it, iterating again after a complete epoch yields the next one);
+        ``num_workers`` processes read whole batches; ``kwargs`` go to ``DataLoader``. This loader's
+        own cursor and ``state_dict`` are not used by the view."""
         from .steps import step_dataloader
         return step_dataloader(self, num_workers, **kwargs)
 
     def _dataloader(self) -> DataLoader:
         if self._dl is None:
             kw = dict(self._dl_kwargs)
-            self._dl = DataLoader(self.dataset, batch_size=None, shuffle=False,
+            self._dl = DataLoader(self._plan_dataset, batch_size=None, shuffle=False,
                                   num_workers=self.num_workers, collate_fn=_identity,
                                   pin_memory=self.pin_memory, **kw)
         return self._dl

@@ -9,9 +9,9 @@ itself (:class:`precompute.producers.cached.CachedSample`): audio from the store
 resampled as needed, images decoded again from the sources the sample's json names; no source
 audio is read again. Any declared field can be added (:mod:`shards.fields`), e.g.
 
-* ``--field codes_mimi --audio-tokenizer mimi --pretrained DIR`` (producer ``codes``; the
+* ``--field codes_mimi --audio_tokenizer mimi --pretrained DIR`` (producer ``codes``; the
   ``codes_<codec>`` name rule makes the field: kind ``codes``, int16 ``(Q, F)``);
-* ``--field audio_16k --producer waveform --options '{"sample_rate": 16000, "direction": "in"}'``;
+* ``--field audio_16k --producer waveform --options '{sample_rate: 16000, direction: in}'``;
 * a plug-in field: ``--producer mypkg.fields:make_mel`` (its module registers the field).
 
 Values are checked with the field's kind as stage one checks them; a sample the producer fails on
@@ -25,11 +25,15 @@ rank 0 waits for every part, then joins the sidecar members into ``index.parquet
 with ``file`` = its sidecar) and records the field in ``manifest.json`` ``fields`` with its own
 producer fingerprint. The shards, their parts and their sha256 stay as they were.
 
+Identity: the field's fingerprint holds the producer's ``describe()`` and every ``bytes`` key of its spec;
+its batch policy (``--encoder_batch_size``, the device type, the spec's batch keys) is recorded with the
+field and compared when a run resumes or completes it (:mod:`precompute.identity`, the declarations of
+:class:`AddFieldOptions`).
+
 ``shardcache drop-field CACHE NAME`` removes the sidecars, their parts and the field from the
 index and manifest, again without touching any other byte.
 """
-from __future__ import annotations
-
+# no `from __future__ import annotations`: AddFieldOptions' annotations are the types jsonargparse checks
 import argparse
 import io
 import json
@@ -38,23 +42,25 @@ import os
 import sys
 import tarfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from shardcache.cli import plain
-from shardcache.config import read_yaml
+from shardcache.config import BATCH, BYTES, IDENTITY, OPERATIONAL, SPEC, ConfigError, Effect, bounded, option, read_yaml
 from shards import fields as registry
-from shards.errors import ShardcacheError
-from shards.index import (attach_sidecar, detach_field, fsync_dir, read_index, read_rejects,
+from shards.errors import ShardcacheError, WriteRefused
+from shards.index import (attach_sidecar, detach_field, read_index, read_rejects,
                           read_sidecar_parts, safe_shard_path, sidecar_part_path, sidecar_parts,
                           write_cache_files, write_json_atomic, write_sidecar_part)
 from shards.manifest import CacheManifest, FieldInfo
 from shards.reader import ShardReader
-from shards.schema import PARTS_DIR
+from shards.schema import PARTS_DIR, ROOT_FILE
 from shards.scan import scan_shard
 from shards.writer import npy_bytes, tar_member
+from shards.writing import session, writes_cache
 
 log = logging.getLogger("precompute.add_field")
 
@@ -83,22 +89,22 @@ def write_sidecar(cache_dir: Path, shard: str, field_name: str, keys: list[str],
     name = registry.sidecar_name(shard, field_name)
     path = safe_shard_path(cache_dir, name)
     tmp = path.with_name(name + ".tmp")
-    with open(tmp, "wb") as fh:
-        with tarfile.open(fileobj=fh, mode="w|", format=tarfile.PAX_FORMAT) as tf:
-            for key, arrays in zip(keys, members):
-                for field in sorted(arrays):
-                    data = npy_bytes(np.ascontiguousarray(arrays[field]))
-                    tf.addfile(tar_member(f"{key}.{field}.npy", len(data)), io.BytesIO(data))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, 0o444)
-    rows, sha, size = scan_shard(tmp, name)  # the same offsets a reader will use
-    written = [r["key"] for r in rows]
-    if [k for k, m in zip(keys, members) if m] != written:
-        tmp.unlink()
-        raise FieldError(f"{name}: written keys differ from {shard}'s (bug)")
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    with session(path) as s:  # the command's writing session: O_EXCL | O_NOFOLLOW, no symlink written through
+        with os.fdopen(s.create(tmp, 0o444), "wb") as fh:
+            with tarfile.open(fileobj=fh, mode="w|", format=tarfile.PAX_FORMAT) as tf:
+                for key, arrays in zip(keys, members):
+                    for field in sorted(arrays):
+                        data = npy_bytes(np.ascontiguousarray(arrays[field]))
+                        tf.addfile(tar_member(f"{key}.{field}.npy", len(data)), io.BytesIO(data))
+            fh.flush()
+            os.fsync(fh.fileno())
+        rows, sha, size = scan_shard(tmp, name)  # the same offsets a reader will use
+        written = [r["key"] for r in rows]
+        if [k for k, m in zip(keys, members) if m] != written:
+            s.unlink(tmp)
+            raise FieldError(f"{name}: written keys differ from {shard}'s (bug)")
+        s.replace(tmp, path)
+        s.fsync_dir(path)
     entry = dict(path=name, shard=shard, samples=len(rows), bytes=size, sha256=sha)
     part_rows = [dict(key=r["key"], members=[dict(m, file=name) for m in r["members"]]) for r in rows]
     write_sidecar_part(cache_dir, shard, field_name, part_rows, entry)
@@ -121,6 +127,7 @@ def _pending_path(cache_dir: Path, field_name: str) -> Path:
     return Path(cache_dir) / PARTS_DIR / f"{field_name}.field.json"
 
 
+@writes_cache("add-field", cache="cache_dir", rank="global_rank")
 def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str = "cpu",
               global_rank: int = 0, world_size: int = 1, barrier=None, replace: bool = False,
               progress: bool = True, batch_size: int = 8) -> dict | None:
@@ -129,7 +136,9 @@ def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str
 
     Returns the new manifest dict on rank 0 (None elsewhere). Raises :class:`FieldError` when the
     field is not declared, was written by stage one, or exists with another fingerprint (pass
-    ``replace=True`` to drop and re-add it); ``ValueError`` for a bad producer spec.
+    ``replace=True`` to drop and re-add it); ``ValueError`` for a bad producer spec;
+    :class:`shards.lock.CacheLocked` when another command writes the cache (rank 0 holds the
+    writer lock from the first line to the merge: :func:`shards.writing.writes_cache`).
     """
     import pyarrow.compute as pc
     import torch
@@ -145,9 +154,13 @@ def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str
     index = read_index(cache_dir)
     _check_field(field_name, man, index)
     sr = int(man.sample_rate or 0)
+    from .identity import options_batch_policy, spec_batch_policy, spec_fingerprint
     producer = load_producer(spec, field_name, device)
     describe = producer.describe()
-    fp = fingerprint(describe, preprocessing={"field": field_name, "from": "cache", "sample_rate": sr})
+    fp = fingerprint(describe, preprocessing={"field": field_name, "from": "cache", "sample_rate": sr,
+                                              **spec_fingerprint(spec)})
+    batch = options_batch_policy(AddFieldOptions, {"encoder_batch_size": int(batch_size), "device": device}) | \
+        spec_batch_policy(spec)
     old = man.fields.get(field_name)
     if old is not None and old.fingerprint != fp:
         if not replace:
@@ -159,9 +172,12 @@ def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str
         sync()
         man = CacheManifest.read(cache_dir)
         index = read_index(cache_dir)
+        old = None
+    if old is not None and old.extra.get("batch") != batch:  # completing a field (its incomplete sidecars)
+        _refuse_batch(cache_dir, field_name, old.extra.get("batch"), batch)
     info = FieldInfo.from_dict({"fingerprint": fp, "encoder": describe, "sidecar": True,
                                 "kind": registry.get(field_name).kind.name, "members": list(producer.outputs),
-                                **producer.manifest_info()})
+                                **producer.manifest_info(), "batch": batch})
     man.fields[field_name] = info
     checks = value_checks([producer], man)
     pending = _pending_path(cache_dir, field_name)
@@ -172,9 +188,10 @@ def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str
                 raise FieldError(f"{cache_dir}: an interrupted add-field of {field_name!r} used fingerprint "
                                  f"{str(prev.get('fingerprint'))[:16]}..., this run {fp[:16]}...; "
                                  f"`shardcache drop-field {cache_dir} {field_name}` first")
+            if prev.get("batch") != batch:
+                _refuse_batch(cache_dir, field_name, prev.get("batch"), batch)
         else:
-            pending.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic({"fingerprint": fp, "encoder": describe}, pending)
+            write_json_atomic({"fingerprint": fp, "encoder": describe, "batch": batch}, pending)
     sync()
     shards = sorted(s["path"] for s in man.shards or [])
     mine = shards[global_rank::world_size]
@@ -212,8 +229,16 @@ def add_field(cache_dir: str | Path, field_name: str, spec: dict, *, device: str
     if missing:
         info.extra["missing"] = missing
     manifest = _merge(cache_dir, man, field_name, info)
-    pending.unlink(missing_ok=True)
+    with session(pending) as s:
+        s.unlink(pending)
     return manifest
+
+
+def _refuse_batch(cache_dir: Path, field_name: str, recorded: dict | None, batch: dict) -> None:
+    """Raise :class:`FieldError`: the field was started with another batch policy (its sidecars would mix two)."""
+    raise FieldError(f"{cache_dir}: field {field_name!r} was started with batch policy {recorded}, this run has "
+                     f"{batch}: on a GPU a sample's values depend on its batch; rerun with the recorded "
+                     f"--encoder_batch_size / device / spec, or `shardcache drop-field {cache_dir} {field_name}` first")
 
 
 def _wait(cache_dir: Path, shards: list[str], field_name: str, poll_s: float = 2.0) -> None:
@@ -244,38 +269,66 @@ def _merge(cache_dir: Path, man: CacheManifest, field_name: str, info: FieldInfo
     return write_cache_files(cache_dir, index, read_rejects(cache_dir), shards, d)
 
 
+@writes_cache("drop-field", cache="cache_dir")
 def drop_field(cache_dir: str | Path, field_name: str) -> dict:
-    """Remove field ``field_name``: its sidecars, their parts, its index members and manifest entry."""
+    """Remove field ``field_name``: its sidecars, their parts, its index members and manifest entry.
+
+    The integrity root goes first (until the new one is written, readers are refused rather than
+    shown an index naming sidecars that are gone), then the sidecars and their parts, then the index
+    and manifest are written without the field, the root last. Raises :class:`FieldError` for a
+    stage-one field, :class:`shards.lock.CacheLocked` when another command writes the cache."""
     cache_dir = Path(cache_dir)
     man = CacheManifest.read(cache_dir)
     info = man.fields.get(field_name)
     if field_name in {f.name for f in registry.FIELDS} or (info is not None and not info.sidecar):
         raise FieldError(f"{field_name!r} is a stage-one field; only fields added with add-field can be dropped")
-    manifest = _merge(cache_dir, man, field_name, None)  # the index stops naming the sidecars first
-    for p in sidecar_parts(cache_dir, field_name):
-        p.unlink()
-    for s in man.shards or []:
-        for name in (registry.sidecar_name(s["path"], field_name),
-                     registry.sidecar_name(s["path"], field_name) + ".tmp"):
-            p = safe_shard_path(cache_dir, name)
-            if p.exists():
-                p.unlink()
-    _pending_path(cache_dir, field_name).unlink(missing_ok=True)
-    return manifest
+    with session(cache_dir / ROOT_FILE) as s:
+        s.unlink(cache_dir / ROOT_FILE)
+        for p in sidecar_parts(cache_dir, field_name):
+            s.unlink(p)
+        for e in man.shards or []:
+            for name in (registry.sidecar_name(e["path"], field_name),
+                         registry.sidecar_name(e["path"], field_name) + ".tmp"):
+                s.unlink(safe_shard_path(cache_dir, name))
+        s.unlink(_pending_path(cache_dir, field_name))
+    return _merge(cache_dir, man, field_name, None)
 
 
 # ------------------------------------------------------------------------------------------ CLI
 
-def producer_spec(args: argparse.Namespace) -> dict[str, Any]:
-    """The producer spec of the command line: ``--producer`` (+ ``--options``), else the codec flags
-    (``--audio-tokenizer``/``--pretrained``/``--config``: producer ``codes``). Without either, a
-    ``codes_<codec>`` field needs the codec flags; other fields need ``--producer``."""
-    options: dict[str, Any] = {}
-    if args.options:
-        loaded = _yaml_text(args.options)
-        if not isinstance(loaded, dict):
-            raise SystemExit(f"error: --options must be a JSON/YAML mapping, got {args.options!r}")
-        options = dict(loaded)
+@dataclass
+class AddFieldOptions:
+    """The options of shardcache add-field (each declares its effect on the field's identity; the keys of the
+    producer spec they make are declared by the producer and its encoder: precompute.identity)."""
+
+    field: str = option("", effect=BYTES)
+    """Field name, e.g. codes_mimi, audio_16k or a plug-in's field. Required."""
+    producer: Optional[str] = option(None, effect=SPEC)
+    """What computes it: a producer name (codes, waveform, latents, image_features) or a plug-in module:factory."""
+    options: Optional[dict[str, Any]] = option(None, effect=SPEC)
+    """The producer's options as a YAML/JSON mapping, e.g. '{sample_rate: 16000, direction: in}'."""
+    audio_tokenizer: Optional[str] = option(None, effect=SPEC)
+    """Codes fields: the codec (a registry name or a plug-in module:factory)."""
+    pretrained: Optional[str] = option(None, effect=IDENTITY)
+    """Codes fields: the codec's checkpoint directory or hub id."""
+    config: Optional[str] = option(None, effect=SPEC)
+    """Codes fields: a YAML file with an audio_tokenizer mapping (a precompute config), or the mapping itself."""
+    device: str = option("cpu", effect=Effect("batch", canonical=lambda d: str(d).partition(":")[0]))
+    """Device of the producer's encoder (cpu, cuda; under torchrun cuda is cuda:LOCAL_RANK)."""
+    encoder_batch_size: bounded(int, gt=0, le=65536) = option(8, effect=BATCH)
+    """Samples per producer call."""
+    replace: bool = option(False, effect=OPERATIONAL)
+    """Drop the field first if it exists with another producer."""
+    no_progress: bool = option(False, effect=OPERATIONAL)
+    """No per-shard progress lines."""
+
+
+def producer_spec(args: Any) -> dict[str, Any]:
+    """The producer spec of the command line (an :class:`AddFieldOptions`): ``--producer`` (+ ``--options``),
+    else the codec flags (``--audio_tokenizer``/``--pretrained``/``--config``: producer ``codes``). Without
+    either, a ``codes_<codec>`` field needs the codec flags; other fields need ``--producer``. Raises
+    :class:`~shardcache.config.ConfigError` naming the option."""
+    options: dict[str, Any] = dict(args.options or {})
     if args.producer:
         if ":" in args.producer:
             return {"factory": args.producer, "kwargs": options}
@@ -290,42 +343,35 @@ def producer_spec(args: argparse.Namespace) -> dict[str, Any]:
     if args.pretrained:
         codec["pretrained"] = args.pretrained
     if not codec:
-        raise SystemExit("error: give --producer NAME|module:factory (with --options), or for a codes field "
-                         "--audio-tokenizer NAME|module:factory and --pretrained DIR|hub-id")
+        raise ConfigError([("producer", "give --producer NAME|module:factory (with --options), or for a codes "
+                                        "field --audio_tokenizer NAME|module:factory and --pretrained DIR|hub-id")])
     return {"producer": "codes", "audio_tokenizer": codec, **options}
 
 
-def _yaml_text(text: str) -> Any:
-    """A YAML/JSON value given on the command line (through the one size-limited YAML reader)."""
-    import tempfile
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
-        fh.write(text)
-    try:
-        return read_yaml(fh.name)
-    finally:
-        os.unlink(fh.name)
+def build_add_parser():
+    """``shardcache add-field CACHE`` and a flag per option of :class:`AddFieldOptions` (jsonargparse: types,
+    mappings, ``--help``)."""
+    from jsonargparse import ArgumentParser
+
+    from shardcache import config as S
+    p = ArgumentParser(prog="shardcache add-field", description=plain(__doc__), exit_on_error=False,
+                       formatter_class=S.HelpFormatter, parser_mode="shardcache")
+    p.add_argument("cache", metavar="CACHE", help="the cache directory")
+    S.add_options(p, AddFieldOptions)
+    return p
 
 
 def main_add(argv: list[str]) -> int:
-    from .encoders.registry import AUDIO_TOKENIZERS
-    from .producers import PRODUCERS
-    p = argparse.ArgumentParser(prog="shardcache add-field", description=plain(__doc__),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cache", metavar="CACHE")
-    p.add_argument("--field", required=True, help="field name, e.g. codes_mimi, audio_16k or a plug-in's field")
-    p.add_argument("--producer", default=None, metavar="NAME|module:factory",
-                   help=f"what computes it: {' | '.join(PRODUCERS)}, or a plug-in factory")
-    p.add_argument("--options", default=None, metavar="JSON",
-                   help="the producer's options, e.g. '{\"sample_rate\": 16000, \"direction\": \"in\"}'")
-    p.add_argument("--audio-tokenizer", default=None, metavar="NAME|module:factory",
-                   help=f"codes fields: the codec ({' | '.join(sorted(AUDIO_TOKENIZERS))}, or a plug-in factory)")
-    p.add_argument("--pretrained", default=None, help="codes fields: the codec's checkpoint directory or hub id")
-    p.add_argument("--config", default=None, help="codes fields: YAML with an audio_tokenizer mapping (or the mapping)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--encoder-batch-size", type=int, default=8, help="samples per producer call (default 8)")
-    p.add_argument("--replace", action="store_true", help="drop the field first if it exists with another producer")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
+    from shardcache import config as S
+    p = build_add_parser()
+    try:
+        ns = S.parse_flags(p, AddFieldOptions, list(argv))
+        args = AddFieldOptions(**{f: ns.get(f) for f in AddFieldOptions.__dataclass_fields__})
+        if not args.field:
+            raise ConfigError([("field", "required: the name of the field to add")])
+        spec = producer_spec(args)
+    except ConfigError as e:
+        return e.report("shardcache add-field")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from .ranks import make_barrier
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -333,12 +379,14 @@ def main_add(argv: list[str]) -> int:
     device = args.device
     if device == "cuda" and world_size > 1:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    spec = producer_spec(args)
     barrier, close = make_barrier(world_size, global_rank)
     try:
-        m = add_field(args.cache, args.field, spec, device=device, global_rank=global_rank,
+        m = add_field(ns.cache, args.field, spec, device=device, global_rank=global_rank,
                       world_size=world_size, barrier=barrier, replace=args.replace, progress=not args.no_progress,
-                      batch_size=max(1, args.encoder_batch_size))
+                      batch_size=args.encoder_batch_size)
+    except WriteRefused as e:  # another command writes the cache, or it is no cache: nothing was written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ShardcacheError, FileNotFoundError, ValueError, ImportError, AttributeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -346,20 +394,28 @@ def main_add(argv: list[str]) -> int:
         close()
     if m is not None:
         fi = m["fields"][args.field]
-        print(f"cache {args.cache}: field {args.field} added ({len(fi['shards'])} sidecars, "
+        print(f"cache {ns.cache}: field {args.field} added ({len(fi['shards'])} sidecars, "
               f"{sum(s['bytes'] for s in fi['shards']) / 1e6:.1f} MB), fingerprint {fi['fingerprint'][:16]}")
     return 0
 
 
-def main_drop(argv: list[str]) -> int:
+def build_drop_parser() -> argparse.ArgumentParser:
+    """``shardcache drop-field CACHE NAME``."""
     p = argparse.ArgumentParser(prog="shardcache drop-field",
                                 description="Remove a field added with add-field (its sidecars, index members, "
                                             "manifest entry); no other byte changes.")
     p.add_argument("cache", metavar="CACHE")
     p.add_argument("field", metavar="NAME")
-    args = p.parse_args(argv)
+    return p
+
+
+def main_drop(argv: list[str]) -> int:
+    args = build_drop_parser().parse_args(argv)
     try:
         drop_field(args.cache, args.field)
+    except WriteRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ShardcacheError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """Audio decoding: one open per file, duration from the header, only the requested window decoded.
 
-A file is opened once (``open(path, "rb")``) and that file object is given to libsndfile
+A file is opened once (:func:`precompute.sources.open_media`: a regular file inside its media root,
+checked on the opened descriptor) and that file object is given to libsndfile
 (soundfile), which reads the header (frames, rate, channels) from it: WAV, FLAC, Ogg Vorbis/Opus,
 MP3 (libsndfile >= 1.1), AIFF... A window (``offset_s``/``duration_s``, or the whole file) that is
 longer than ``max_duration`` is rejected ``too_long`` and one that starts past the end
@@ -33,7 +34,7 @@ from shards import schema
 from shards.kinds import WAVEFORM
 from shards.errors import CorruptSample
 
-from .sources import MISSING, file_problem
+from .sources import MISSING, MediaRefused, fd_path, file_problem, open_media
 
 #: containers libsndfile cannot read; decoded with audioread (ffmpeg) from the path
 FALLBACK_SUFFIXES = (".m4a", ".aac", ".mp4", ".wma", ".webm", ".amr")
@@ -303,26 +304,32 @@ def load_audio_windows(source: str | Path | bytes, windows: Sequence[Window], sa
             problem = file_problem(path)
             if problem is not None:  # a directory, FIFO or socket is named as such
                 raise _fail(schema.MISSING_FILE if problem == MISSING else schema.UNREADABLE_AUDIO, label, problem)
-            if path.suffix.lower() in FALLBACK_SUFFIXES:
-                if path.stat().st_size == 0:
+            with _open(source, label) as f:  # the one open of this file, checked on its descriptor
+                if os.fstat(f.fileno()).st_size == 0:
                     raise _fail(schema.UNREADABLE_AUDIO, label, "zero-byte file")
-                _audioread_windows(str(path), label, spans, results, sample_rates, **kw)
-            else:
-                try:
-                    f = open(path, "rb")  # the one open of this file: libsndfile reads through it
-                except FileNotFoundError:
-                    raise _fail(schema.MISSING_FILE, label, "file does not exist") from None
-                except OSError as e:
-                    raise _fail(schema.UNREADABLE_AUDIO, label, f"cannot open: {e.strerror or _clean(e)}") from None
-                with f:
-                    if os.fstat(f.fileno()).st_size == 0:
-                        raise _fail(schema.UNREADABLE_AUDIO, label, "zero-byte file")
+                if path.suffix.lower() in FALLBACK_SUFFIXES:  # ffmpeg reads the very file opened
+                    _audioread_windows(fd_path(f.fileno(), path), label, spans, results, sample_rates, **kw)
+                else:  # libsndfile reads through it
                     _sf_windows(f, label, spans, results, sample_rates, **kw)
     except CorruptSample as e:
         for i, r in enumerate(results):
             if r is None:
                 results[i] = e
     return results  # type: ignore[return-value]
+
+
+def _open(source: str | os.PathLike, label: str):
+    """``source`` opened for reading (:func:`precompute.sources.open_media`: a regular file, inside its
+    media root, checked on the descriptor), as a binary file object; :class:`CorruptSample` otherwise
+    (``malformed_row`` for a file outside the root, ``missing_file``, ``unreadable_audio``)."""
+    try:
+        return os.fdopen(open_media(source), "rb")
+    except MediaRefused as e:
+        raise _fail(schema.MALFORMED_ROW if e.outside else schema.UNREADABLE_AUDIO, label, e.detail) from None
+    except FileNotFoundError:
+        raise _fail(schema.MISSING_FILE, label, MISSING) from None
+    except OSError as e:
+        raise _fail(schema.UNREADABLE_AUDIO, label, f"cannot open: {e.strerror or _clean(e)}") from None
 
 
 def _sf_windows(f, label: str, spans, results: list, sample_rates, *, min_duration, max_duration,
@@ -346,12 +353,12 @@ def header_seconds(path: str | Path) -> float | None:
     decoded), or None where the header does not say: a container read through audioread
     (:data:`FALLBACK_SUFFIXES`), a stream of unknown length, a path that is not a readable
     regular file (decoding reports those)."""
-    path = Path(path)
-    if path.suffix.lower() in FALLBACK_SUFFIXES or file_problem(path) is not None:
+    if Path(path).suffix.lower() in FALLBACK_SUFFIXES or file_problem(path) is not None:
         return None
     try:
-        info = sf.info(str(path))
-    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError):
+        with os.fdopen(open_media(path), "rb") as f:  # checked on its descriptor, as decoding opens it
+            info = sf.info(f)
+    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError, MediaRefused):
         return None
     if not 0 <= info.frames < _UNKNOWN_FRAMES or info.samplerate <= 0:
         return None

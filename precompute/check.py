@@ -16,6 +16,12 @@ A batched codec's codes depend on each clip's place in its call and on the call'
 (:mod:`precompute.encoders.batching`); the cache records both per audio item (the json's
 ``codes_calls``) and the codes are re-derived in that very call, zero slots beside the clip.
 
+The cache itself is checked too, as ``shards verify`` checks it (every file the integrity root
+covers, every shard's sha256, and the loader's own open: :func:`shards.commands.verify.verify_cache`;
+reported as ``DAMAGED``), and every picked sample is read with the loader's checks (member
+checksums, each field's value checks; ``REFUSED``): whatever the loader refuses, check reports
+(exit 1), and a cache another command is writing right now is refused (exit 2, naming it).
+
 The encoders' fingerprint is compared with the cache's first: a different one is reported (the
 weights or the preprocessing changed since) and the comparison goes on, so the report names the
 fields that differ. Fields added later with ``add-field`` are not re-derived (listed as skipped).
@@ -38,9 +44,9 @@ import numpy as np
 
 from shardcache.cli import plain
 from shards import fields as registry
-from shards.errors import ShardcacheError
+from shards.errors import ShardcacheError, WriteRefused
 from shards.manifest import CacheManifest
-from shards.reader import ShardReader
+from shards.reader import ShardReader, value_checks_from_manifest
 
 from .config import PrecomputeConfig, load_config
 
@@ -94,9 +100,10 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
 
     Returns ``{"fingerprint_matches", "checked" (samples compared), "asked" (``samples``), "cached"
     (samples in the cache), "matched_rows" (cached samples whose key the manifest has), "skipped_fields",
-    "problems": [{key, field, why}], "missing_rows": [keys]}``. The manifest is read with the options
-    the cache's recorded config gives (``manifest_format``, ``columns``, ``allow_outside_root``) and
-    ``root``, as stage one read it. Raises ``FileNotFoundError`` (no index), ``ValueError`` (no recorded
+    "problems": [{key, field, why}], "missing_rows": [keys], "cache_problems": [what verify finds],
+    "refused": [{key, why}] (picked samples the loader's read checks refuse)}``. The manifest is read with
+    the options the cache's recorded config gives (``manifest_format``, ``columns``, ``allow_outside_root``)
+    and ``root``, as stage one read it. Raises ``FileNotFoundError`` (no index), ``ValueError`` (no recorded
     config, bad overrides), :class:`shards.errors.ShardcacheError` (an unreadable cache).
     """
     import torch
@@ -109,6 +116,7 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     cache_dir = Path(cache_dir)
     man = CacheManifest.read(cache_dir)
     cfg = validate_config(cache_config(man, overrides))
+    damage = cache_problems(cache_dir)  # what verify (and the loader) refuse of the cache's own files
     # checksums=False: each value is compared with the one derived again, so a changed array is reported as
     # MISMATCH naming its field (`shardcache shards verify` is the tool for damaged bytes)
     reader = ShardReader(cache_dir, checksums=False)
@@ -125,7 +133,9 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     pipe = Job.build(cfg, device, requests)  # the same tokens added as the job did
     out: dict[str, Any] = {"fingerprint_matches": pipe.fingerprint == man.fingerprint, "checked": 0,
                            "asked": samples, "cached": len(reader.keys), "matched_rows": len(rows),
-                           "skipped_fields": sorted(man.sidecar_fields), "problems": [], "missing_rows": missing[:20]}
+                           "skipped_fields": sorted(man.sidecar_fields), "problems": [], "missing_rows": missing[:20],
+                           "cache_problems": damage, "refused": []}
+    loader_view = ShardReader(cache_dir, checksums=True, value_checks=value_checks_from_manifest(man.to_dict()))
     if not out["fingerprint_matches"]:
         log.warning("the encoders and preprocessing give fingerprint %s..., the cache has %s...: the weights or "
                     "settings changed since the cache was made", pipe.fingerprint[:16], str(man.fingerprint)[:16])
@@ -140,6 +150,10 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
         if reject is not None:
             out["problems"].append({"key": key, "field": "-", "why": f"rejected now: {reject[2]}: {reject[3]}"})
             continue
+        try:  # as the loader reads it: every member's checksum and each field's value checks
+            loader_view.get(i)
+        except (ShardcacheError, ValueError) as e:
+            out["refused"].append({"key": key, "why": str(e)})
         cached = reader.get(i)
         fresh = {k[:-4]: v for k, v in members.items() if k.endswith(".npy")}
         names = sorted((set(fresh) | {k for k in cached if registry.lookup(k) is not None}) - set(out["skipped_fields"]))
@@ -148,10 +162,21 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
             if why is not None:
                 out["problems"].append({"key": key, "field": name, "why": why})
     reader.close()
+    loader_view.close()
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def cache_problems(cache_dir: Path) -> list[str]:
+    """What ``shards verify`` finds wrong with ``cache_dir`` (quick mode: every file the root covers,
+    every shard's sha256, the loader's own open), one line each. Raises
+    :class:`shards.lock.CacheLocked` while another command writes the cache."""
+    from shards.commands.verify import verify_cache
+    problems, _, _, _ = verify_cache(cache_dir)
+    return [str(p) for p in problems]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``shardcache check``'s command line."""
     p = argparse.ArgumentParser(prog=PROG, description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cache", metavar="CACHE", help="the cache directory")
     p.add_argument("--manifest", required=True, help="the manifest the cache was made from")
@@ -161,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="device of the encoders (default cpu)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recorded option, e.g. --set audio_tokenizer.pretrained=/moved/dac")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.samples < 1:
         p.error("--samples must be >= 1")
@@ -171,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                   device=args.device)
     except (ShardcacheError, FileNotFoundError, ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ValueError) else 1
+        return 2 if isinstance(e, (ValueError, WriteRefused)) else 1
     fp = "matches" if r["fingerprint_matches"] else "DIFFERS (encoders or preprocessing changed)"
     print(f"{args.cache}: re-derived {r['checked']} of {r['cached']} cached sample(s) from {args.manifest} "
           f"({r['matched_rows']} of them in the manifest, {r['asked']} asked for); encoder fingerprint {fp}")
@@ -179,10 +209,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not re-derived (added later with add-field): {', '.join(r['skipped_fields'])}")
     if r["missing_rows"]:
         print(f"{len(r['missing_rows'])}+ cached key(s) not in the manifest (not checked), e.g. {r['missing_rows'][:3]}")
+    for why in r["cache_problems"]:
+        print(f"DAMAGED {args.cache}: {why}")
+    for prob in r["refused"]:
+        print(f"REFUSED {prob['key']}: the loader refuses to read it: {prob['why']}")
     for prob in r["problems"]:
         print(f"MISMATCH {prob['key']}: {prob['field']}: {prob['why']}")
-    if r["problems"]:
-        print(f"{len(r['problems'])} mismatch(es) in {r['checked']} sample(s)")
+    if r["problems"] or r["cache_problems"] or r["refused"]:
+        print(f"FAILED: {len(r['cache_problems'])} problem(s) of the cache's own files (`shardcache shards verify "
+              f"{args.cache}` reports the same), {len(r['refused'])} sample(s) the loader refuses, "
+              f"{len(r['problems'])} mismatch(es) in {r['checked']} sample(s)")
         return 1
     if r["checked"] == 0:
         print(f"FAILED: nothing was compared: none of the {r['cached']} cached key(s) is a readable row of "

@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
+from typing import Any, Optional
 
 from shardcache import config as S
-from shards.errors import ShardcacheError
+from shards.errors import ShardcacheError, WriteRefused
 
 from .config import CONFIG_ENV, PrecomputeConfig
 from .job import run
 from .manifests import ManifestUnreadable
 from .ranks import make_barrier
-from .validate import ConfigError, validate_config
+from .validate import ConfigError, check_config
 
 log = logging.getLogger("precompute")
 PROG = "shardcache precompute"
@@ -40,9 +40,9 @@ DESCRIPTION = """Encode a manifest once into a shard cache (stage one).
 With torchrun each global rank encodes its own rows on cuda:LOCAL_RANK and writes its own shards;
 rank 0 merges the index and manifest at the end. Options: the defaults below, then the config file
 (--config FILE; else $SHARDCACHE_PRECOMPUTE_CONFIG; else none), then flags in their order
-(--sample_rate 16000, --audio_tokenizer.name mimi, --encoder_batch_size=16). Bad options exit
-with status 2 before any model is loaded, each named; a failed job exits 1. Add or drop a field of
-an existing cache later: shardcache add-field / drop-field."""
+(--sample_rate 16000, --audio_tokenizer.name mimi, --encoder_batch_size=16); --print_config prints
+the result. Bad options exit with status 2 before any model is loaded, each named; a failed job exits 1.
+Add or drop a field of an existing cache later: shardcache add-field / drop-field."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,36 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "LLaVA JSON, CSV/TSV or Parquet (format detected, or --manifest_format)")
     g.add_argument("--cache", required=True, help="cache directory to write shards, index.parquet, manifest.json into")
     g.add_argument("--root", default=None, help="folder media paths are relative to (default: the manifest's folder)")
-    g.add_argument("--storage-options", type=_mapping, default=None, metavar="JSON",
+    g.add_argument("--storage_options", type=Optional[dict[str, Any]], default=None, metavar="MAPPING",
                    help="with --cache s3://... (gs://, any fsspec URL): fsspec options as a JSON object, e.g. "
-                        "'{\"client_kwargs\": {\"endpoint_url\": \"http://minio:9000\"}}'. Not written into the "
+                        "'{client_kwargs: {endpoint_url: http://minio:9000}}' (YAML; JSON is YAML). Not written into the "
                         "cache (may hold secrets); credentials otherwise the store's usual way (AWS_* variables, "
                         "~/.aws, instance roles)")
     g.add_argument("--staging", default=None, metavar="DIR",
                    help="with a URL --cache: local folder chunks are written to before upload (default "
                         "$SHARDCACHE_STAGING, else ~/.cache/shardcache/staging)")
-    g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no_progress", action="store_true", help="no progress bar")
     return p
-
-
-def _mapping(text: str | dict) -> dict:
-    """A ``--storage-options`` value: a JSON object (the parser may have read it already)."""
-    if isinstance(text, dict):
-        return text
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def config_from_args(argv: list[str]) -> tuple[PrecomputeConfig, argparse.Namespace]:
     """defaults < config file < flags; checked (raises :class:`ConfigError`)."""
-    cfg, args = S.parse(build_parser(), PrecomputeConfig, argv, CONFIG_ENV)
-    return validate_config(cfg), args
+    return S.parse(build_parser(), PrecomputeConfig, argv, CONFIG_ENV, check=check_config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,9 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg, args = config_from_args(argv)
     except ConfigError as e:
         return e.report()
-    if args.print_config:
-        sys.stdout.write(S.dump(cfg))
-        return 0
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     global_rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -113,10 +95,15 @@ def main(argv: list[str] | None = None) -> int:
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,
                                 progress=not args.no_progress, storage_options=args.storage_options,
                                 staging=args.staging)
-    except ManifestUnreadable as e:  # the manifest as a whole (its encoding...): read before any model loads
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ManifestUnreadable, WriteRefused) as e:  # the manifest as a whole (its encoding...), read before any
+        print(f"error: {e}", file=sys.stderr)       # model loads; another command writes the cache, or the
+        return 2                                    # folder holds other files: nothing was written
     except (ShardcacheError, FileNotFoundError, ValueError, ImportError) as e:  # ImportError: a codec's dependency
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # the shard writer's thread failed: its own error (e.g. a symlink refused by name)
+        if not isinstance(e.__cause__, ShardcacheError):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -130,7 +117,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['images']} with images, {c['audio_hours']:.4f} h audio; rejected {c['rejected']}")
         for reason, n in sorted(c["rejects_by_reason"].items()):
             print(f"  rejected {n:5d}  {reason}")
+        empty = empty_cache_error(args.cache, manifest)
+        if empty is not None:
+            print(f"error: {empty}", file=sys.stderr)
+            return 1
     return 0
+
+
+def empty_cache_error(cache: str, manifest: dict) -> str | None:
+    """Why a job whose cache ends with no sample failed (naming the reject reasons and counts), or
+    None when the cache holds samples: an empty cache is never a success (exit 1)."""
+    c = manifest["counts"]
+    if c["samples"]:
+        return None
+    if not c["rejected"]:
+        return f"the cache {cache} holds 0 samples: the manifest has no row to encode"
+    reasons = ", ".join(f"{reason} ({n})" for reason, n in sorted(c["rejects_by_reason"].items(), key=lambda x: -x[1]))
+    return (f"the cache {cache} holds 0 samples: every one of the manifest's {c['rejected']} row(s) was rejected"
+            f"{': ' + reasons if reasons else ''} (rejects.parquet names each row and why; `shardcache shards rejects "
+            f"{cache}` lists them)")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ from typing import Any
 
 from shards.tokens import IMAGE
 
+from .sources import OUTSIDE_ROOT, MediaPath
+
 ROLES = ("system", "user", "assistant")
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                "system": "system"}
@@ -52,8 +54,6 @@ MAX_PATH_BYTES = 4096
 #: metadata stored verbatim in a sample's json (ChatML ``misc``): the deepest nesting and the most bytes
 MAX_JSON_DEPTH = 32
 MAX_JSON_BYTES = 1 << 20
-#: the words of every "path outside the root" reject (precompute.job counts them)
-OUTSIDE_ROOT = "outside the media root"
 
 
 class RowError(ValueError):
@@ -71,7 +71,10 @@ class MediaRoot:
     :meth:`resolve` makes a path absolute against the root; a path that leaves it (``../``, an
     absolute path elsewhere, or a symlink, of the file or of a folder on its way, pointing out)
     raises :class:`RowError` naming the field and saying how to allow it. The recorded source is
-    ``root / value`` as written (symlinks are resolved only for the check).
+    ``root / value`` as written (symlinks are resolved only for the check), as a
+    :class:`precompute.sources.MediaPath` carrying the real root: the file is checked again on the
+    descriptor it is opened with (:func:`precompute.sources.open_media`), so a symlink changed after
+    this check cannot lead out either.
     """
 
     def __init__(self, root: str | os.PathLike, allow_outside: bool = False):
@@ -98,10 +101,11 @@ class MediaRoot:
         return os.path.realpath(full) if os.path.islink(full) else full
 
     def resolve(self, value: str, name: str) -> str:
-        """``value`` (a checked, non-empty path text) as an absolute path string."""
+        """``value`` (a checked, non-empty path text) as an absolute path string (a
+        :class:`~precompute.sources.MediaPath` knowing the root it must stay inside)."""
         path = str(self.root / value)
         if self.allow_outside:
-            return path
+            return MediaPath(path, None)
         norm = os.path.normpath(path)
         real = self._real(norm)  # resolves ../ and every symlink: a root that is itself a link is fine
         if not self._under(real, self._real_root):
@@ -109,8 +113,8 @@ class MediaRoot:
             where = f"{real} (through a symlink)" if linked else norm
             raise RowError(name, f"{value!r} is {OUTSIDE_ROOT} {self.root}: it resolves to {where}; "
                                  "pass --root DIR (a folder holding every media file) or set "
-                                 "allow_outside_root: true (--allow-outside-root) to read it")
-        return path
+                                 "allow_outside_root: true (--allow_outside_root) to read it")
+        return MediaPath(path, self._real_root)
 
 
 @dataclass
@@ -279,8 +283,10 @@ def check_json(value: Any, name: str) -> Any:
 
 
 def as_seconds(value: Any, name: str, *, allow_none: bool) -> float | None:
-    """A non-negative finite number of seconds (numeric strings accepted)."""
-    if value is None or (isinstance(value, str) and not value.strip()) or (isinstance(value, float) and math.isnan(value)):
+    """A non-negative finite number of seconds (numeric strings accepted); absent (None, an empty
+    cell) is None where ``allow_none``, else 0. NaN and infinities raise :class:`RowError`: a NaN
+    ``offset``/``duration`` used to be read as absent, the whole clip kept instead of the window."""
+    if value is None or (isinstance(value, str) and not value.strip()):
         if allow_none:
             return None
         return 0.0
@@ -353,7 +359,7 @@ def from_chatml(rec: dict, base: MediaRoot | Path) -> tuple[Conversation, str]:
     speaker = as_text(rec.get("speaker"), "speaker") or as_text((misc or {}).get("speaker"), "misc.speaker")
     conv = Conversation()
     si = rec.get("start_index")
-    if si is not None and not (isinstance(si, float) and math.isnan(si)):
+    if si is not None:  # (NaN included: refused, not read as absent)
         if isinstance(si, bool) or not isinstance(si, (int, float)) or not math.isfinite(si) or si != int(si) \
                 or not 0 <= si <= len(messages):
             raise RowError("start_index", f"expected an integer in [0, {len(messages)}], got {si!r:.40}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from shards import schema
 from shards.errors import CorruptSample
 
-from .sources import MISSING, file_problem
+from .sources import MISSING, MediaRefused, file_problem, open_media
 
 #: the values of the options ``image_resize`` (:func:`resize_image`) and ``image_rgb`` (:func:`decode_image`)
 RESIZE_MODES, RGB_MODES = ("center_crop", "pad", "bucket", "stretch"), ("composite", "convert")
@@ -93,11 +94,20 @@ def decode_image(path: str | Path, *, max_pixels: int = 64_000_000, min_side: in
     (Gemma 3's, for ``image_features``) is given. Raises as :func:`load_image`."""
     if rgb not in RGB_MODES:
         raise ValueError(f"unknown rgb mode {rgb!r}; known: {', '.join(RGB_MODES)}")
-    path = Path(path)
+    source, path = path, Path(path)
     problem = file_problem(path)
     if problem is not None:  # a directory, FIFO or socket is named as such
         raise CorruptSample(schema.MISSING_FILE if problem == MISSING else schema.IMAGE_UNREADABLE, problem, str(path))
-    data = path.read_bytes()
+    try:  # read through the descriptor checked for its media root (precompute.sources.open_media)
+        with os.fdopen(open_media(source), "rb") as f:
+            data = f.read()
+    except MediaRefused as e:
+        reason = schema.MALFORMED_ROW if e.outside else schema.IMAGE_UNREADABLE
+        raise CorruptSample(reason, e.detail, str(path)) from None
+    except FileNotFoundError:
+        raise CorruptSample(schema.MISSING_FILE, MISSING, str(path)) from None
+    except OSError as e:
+        raise CorruptSample(schema.IMAGE_UNREADABLE, f"cannot open: {e.strerror or e}", str(path)) from None
     if not data:
         raise CorruptSample(schema.IMAGE_UNREADABLE, "zero-byte file", str(path))
     try:

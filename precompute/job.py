@@ -34,7 +34,6 @@ batch's measured rates (:mod:`precompute.pipeline`).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import time
@@ -50,9 +49,9 @@ from shardcache.config import to_dict
 from shardcache.workers import auto_workers
 
 from shards import schema
-from shards.errors import FingerprintMismatch
-from shards.index import PARTS_DIR, merge_parts, read_part_meta, write_json_atomic
+from shards.index import PARTS_DIR, merge_parts, read_part_meta
 from shards.manifest import TextInfo
+from shards.writing import CacheWriter
 
 from . import chat
 from . import encode as E
@@ -62,19 +61,19 @@ from .encode import Encoders, Summary, load_encoders
 from .encoders import fingerprint
 from .encoders.capabilities import Capabilities
 from .executor import EncoderThread
-from .lock import CacheLock, die_with_parent
+from .lock import die_with_parent
 from .manifests import Request, read_requests
 from .output import open_output
 from .pipeline import EncodeStream, job_workers, preload_decoders
 from .precision import check_precision
-from .rerun import plan_rerun
+from .identity import JOB_FILE, batch_policy, check_job_record, filter_values
+from .rerun import carried_name, carry_removed, plan_rerun, row_ids, write_carried
 from .slots import receiver as slot_receiver, unpack as unpack_rows
 from .writer import ChunkWriter
 from .prepare import DecodeOptions, Prepared, PrepareDataset, Preparer, identity_collate
 from .producers import Producer, WaveformProducer
 
 log = logging.getLogger("precompute")
-JOB_FILE = "job.json"
 
 
 #: encoder batches held for length batching, per encoder batch (when an encoder batches)
@@ -141,8 +140,8 @@ class Job:
         info = E.job_info(producers, extra, enc.text)
         encoders = enc.describe()
         preprocessing = cfg.preprocessing()
-        if extra:  # only when present: caches without extra fields keep their fingerprint
-            preprocessing["extra_fields"] = {name: p.describe() for name, p in extra.items()}
+        if extra:  # the producers' own identity, beside the extra_fields options (precompute.identity)
+            preprocessing["extra_field_producers"] = {name: p.describe() for name, p in extra.items()}
         rates = E.job_rates(producers)
         inputs = [p.image_input for p in producers if p.image_input is not None]
         if len(inputs) > 1:
@@ -202,9 +201,9 @@ class Encoding:
 
 
 def row_id(req: Request) -> str:
-    """Identity of a manifest row for resume bookkeeping: its key (:func:`precompute.rerun.row_ids`
-    numbers the later rows of a manifest that repeats a key; what the row says is in its digest)."""
-    return req.key
+    """Identity of one manifest row for resume bookkeeping, from the manifest alone (:func:`precompute.rerun.row_ids`,
+    which also numbers rows claiming one id)."""
+    return row_ids([req])[0]
 
 
 def precision_check(job: Job, requests: list[Request]) -> dict | None:
@@ -241,28 +240,13 @@ def precision_check(job: Job, requests: list[Request]) -> dict | None:
     return result
 
 
-def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int) -> bool:
-    """Refuse to add to a cache made with other encoders/preprocessing; record ours on first use
-    (returns True when this call wrote ``parts/job.json``).
+def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int, batch: dict | None = None) -> bool:
+    """Refuse to add to a cache made with other encoders/preprocessing or another batch policy; record ours on
+    first use (returns True when this call wrote ``parts/job.json``): :func:`precompute.identity.check_job_record`.
 
-    Raises :class:`FingerprintMismatch` naming both fingerprints and what differs.
+    Raises :class:`FingerprintMismatch` (:class:`precompute.identity.BatchPolicyMismatch`) naming what differs.
     """
-    path = out_dir / PARTS_DIR / JOB_FILE
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old.get("fingerprint") != fp:
-            ours = json.loads(json.dumps(describe))
-            diff = sorted(k for k in set(ours) | set(old.get("describe", {}))
-                          if ours.get(k) != old.get("describe", {}).get(k))
-            raise FingerprintMismatch(
-                f"{out_dir} was written with fingerprint {old.get('fingerprint')}, this job has {fp} "
-                f"(differs in: {', '.join(diff) or 'encoder weights'}). Write to a new --cache directory, "
-                "or delete the old cache; mixing latents/codes from different encoders is refused.")
-    elif global_rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic({"fingerprint": fp, "describe": describe}, path)
-        return True
-    return False
+    return check_job_record(out_dir, fp, describe, batch or {}, global_rank)
 
 
 def check_root(requests: list[Request], manifest: str | Path, root: str | Path | None) -> None:
@@ -292,7 +276,7 @@ def check_posterior(image_encoder: Any) -> None:
 
 def committed(out_dir: Path) -> dict[str, dict]:
     """Committed chunks: part stem (``shard-000003``) -> the job metadata of its index part
-    (``{"rows": [row id...], "digests": [row digest...]}``, :mod:`precompute.rerun`)."""
+    (:func:`precompute.rerun.chunk_meta`)."""
     return {p.name.split(".")[0]: read_part_meta(p) or {}
             for p in sorted((out_dir / PARTS_DIR).glob("*.index.parquet"))}
 
@@ -380,18 +364,16 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
 
     Returns ``(summary, manifest_dict)``; ``manifest_dict`` is None on ranks other than 0.
     Raises :class:`FingerprintMismatch` when ``out_dir`` holds a cache from other encoders,
-    :class:`precompute.lock.CacheLocked` (rank 0, before anything is written) when another job
-    is writing to it.
+    :class:`shards.lock.CacheLocked` (rank 0, before anything is written) when another command
+    is writing to it, :class:`shards.writing.NotACache` when ``out_dir`` holds files of another tool.
     """
     t0 = time.perf_counter()
     output = open_output(out_dir, storage_options=storage_options, staging=staging, global_rank=global_rank)
-    lock = CacheLock(output.local).acquire() if global_rank == 0 else None  # one writer per cache
-    try:
-        return _run(output, manifest, cfg, root=root, global_rank=global_rank, world_size=world_size,
-                    local_rank=local_rank, barrier=barrier, progress=progress, t0=t0)
-    finally:
-        if lock is not None:
-            lock.release()
+    # one writer per cache, in a folder it owns (rank 0 takes the lock; the other ranks write under it)
+    with CacheWriter(output.local, "precompute", rank=global_rank, create=True):
+        summary, result = _run(output, manifest, cfg, root=root, global_rank=global_rank, world_size=world_size,
+                               local_rank=local_rank, barrier=barrier, progress=progress, t0=t0)
+    return summary, result
 
 
 def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_rank: int, world_size: int,
@@ -409,18 +391,22 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     if cfg.store_posterior and enc.image is not None:
         check_posterior(enc.image)
     precision = precision_check(job, requests)
-    if check_fingerprint(out_dir, fp, describe, global_rank):
+    if check_fingerprint(out_dir, fp, describe, global_rank, batch_policy(cfg, device)):
         output.push_part(JOB_FILE)
     done = committed(out_dir)  # read by every rank before rank 0 deletes stale chunks
-    rerun, ids, digests = plan_rerun(requests, done, source_digest=cfg.source_digest,
-                                     keep_removed=cfg.keep_removed_rows)
+    rerun, records = plan_rerun(requests, done, source_digest=cfg.source_digest, keep_removed=cfg.keep_removed_rows,
+                                filters=filter_values(cfg))
+    ids = [r.id for r in records]
     if done and global_rank == 0:
         log.info("%s", rerun.describe())
     sync()
+    carried = carry_removed(out_dir, rerun) if global_rank == 0 else []  # removed rows kept from stale chunks
     if rerun.stale and global_rank == 0:
         output.drop_chunks(rerun.stale)  # changed or deleted rows: their chunks are encoded again
     kept = {stem: set(meta.get("rows") or []) for stem, meta in done.items() if stem not in rerun.stale}
     plan = plan_chunks(requests, cfg.samples_per_shard, kept, ids)
+    if carried:
+        write_carried(output, carried_name([n for n, _ in plan], kept, len(requests), cfg.samples_per_shard), carried)
     sync()  # every rank has read the same state before anyone commits a chunk
     chunks = plan[global_rank::world_size]  # chunk k of the plan -> rank k % world_size
     items = [(req, ci) for ci, (_, rows) in enumerate(chunks) for req in rows]
@@ -440,9 +426,9 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
                         collate_fn=collate, prefetch_factor=PREFETCH if workers else None,
                         worker_init_fn=functools.partial(die_with_parent, os.getpid()) if workers else None)
 
-    meta = {id(r): m for r, m in zip(requests, zip(ids, digests))}  # the chunks' rows and what they said
-    writer = ChunkWriter(output, [(name, len(rows), [meta[id(r)][0] for r in rows], [meta[id(r)][1] for r in rows])
-                                  for name, rows in chunks], summary, bar, process=writer_process(device))
+    record = {id(r): rec for r, rec in zip(requests, records)}  # the chunks' rows and what they said
+    writer = ChunkWriter(output, [(name, [record[id(r)] for r in rows]) for name, rows in chunks], summary, bar,
+                         process=writer_process(device))
 
     def put(done: list) -> None:
         for key, fields, reject in done:

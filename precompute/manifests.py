@@ -26,10 +26,12 @@ import json
 import logging
 import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from shardcache.inputs import NotAFile, check_input, read_input
 from shards import schema
 
 from . import conversation as C
@@ -129,7 +131,7 @@ def read_text(path: Path) -> str:
     (one bad byte must not change the text of every other row). Raises
     :class:`ManifestUnreadable` naming the encoding for UTF-16/32 without a BOM (its NUL bytes
     would make every row unreadable) or UTF-16/32 that does not decode."""
-    data = path.read_bytes()
+    data = read_input(path, "manifest")
     for bom, codec in BOMS:
         if data.startswith(bom):
             data = data[len(bom):]
@@ -181,6 +183,38 @@ def _first_record(path: Path) -> Any:
     except ValueError:
         return None
     return None
+
+
+#: U+FEFF, the byte-order mark: at the start of a file it says the encoding (dropped); anywhere else it is
+#: an invisible character (files joined with their BOMs) that would become part of a key or a column name
+BOM = "\ufeff"
+
+
+def _nfc(text: str) -> str:
+    return text if text.isascii() else unicodedata.normalize("NFC", text)
+
+
+def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose member names are all different, also after Unicode NFC normalisation
+    (``"caf\\u00e9"`` and ``"cafe\\u0301"`` look the same): ``json`` keeps the last of repeated names
+    silently, so a row ``{"audio": "a.wav", "audio": "b.wav"}`` would be read as b.wav. Raises
+    ``ValueError`` naming the name (the row becomes a ``malformed_row`` reject)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"repeated key {dup!r}: a JSON object may name a key once (which value was meant?)")
+    if not all(k.isascii() for k in obj):
+        norm: dict[str, str] = {}
+        for k in obj:
+            other = norm.setdefault(_nfc(k), k)
+            if other != k:
+                raise ValueError(f"keys {other!r} and {k!r} are the same after Unicode NFC normalisation: a JSON "
+                                 "object may name a key once")
+    return obj
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_strict_object)
 
 
 #: a JSON string (escapes included) or one structural character: what the record scanner steps on
@@ -252,7 +286,7 @@ def _json_list(path: Path, text: str) -> Iterator[tuple[Any, str | None, dict | 
     an integer past Python's limit, bad syntax) is that record's ``record N (line L)`` error, named
     by its key where one can be read; the others are read as usual. Raises
     :class:`ManifestUnreadable` when the text is not a list or the list is not closed."""
-    decoder = json.JSONDecoder()
+    decoder = _DECODER
     pos = _JSON_WS.match(text, text.index("[") + 1).end()
     if text.startswith("]", pos):
         pos = _JSON_WS.match(text, pos + 1).end()
@@ -296,8 +330,11 @@ def _json_records(path: Path) -> Iterator[tuple[Any, str | None, dict | None]]:
     for n, line in enumerate(_lines(text), 1):  # line by line: one bad line costs only itself
         if not line.strip():
             continue
+        if line.startswith(BOM):
+            yield None, f"line {n}: starts with a byte-order mark (U+FEFF; files joined with their BOMs?)", None
+            continue
         try:  # a line that is not JSON is named by its line (what it holds is not trusted for a key)
-            yield json.loads(line), None, None
+            yield _DECODER.decode(line), None, None
         except ValueError as e:
             yield None, f"line {n}: {e}", None
         except RecursionError:
@@ -314,6 +351,9 @@ def _raw_key(value: Any, name: str) -> str | None:
     value = str(value)
     if not value.strip():
         raise RowError(name, "key is empty or only whitespace")
+    if BOM in value:
+        raise RowError(name, f"key {value!r:.60} holds a byte-order mark (U+FEFF, invisible: it would look like "
+                             "another key)")
     why = schema.key_problem(schema.safe_key(value))
     if why is not None:
         raise RowError(name, why)
@@ -360,8 +400,28 @@ def _parse_flat(rec: dict, base: MediaRoot, columns: dict[str, str]) -> Parsed:
 Records = Iterator[tuple[Any, "str | None", "dict | None"]]
 
 
+def _check_columns(path: Path, names: list[str], where: str) -> None:
+    """Raise :class:`ManifestUnreadable` when two column names of ``names`` are equal (also after Unicode
+    NFC normalisation) or one holds a byte-order mark: which column was meant could only be guessed."""
+    seen: dict[str, str] = {}
+    for name in names:
+        if name == "":
+            continue  # unnamed columns (a trailing separator) are never read
+        if BOM in name:
+            raise ManifestUnreadable(f"manifest {path}: {where} column {name!r} holds a byte-order mark (U+FEFF; "
+                                     "files joined with their BOMs?): remove it")
+        other = seen.get(_nfc(name))
+        seen.setdefault(_nfc(name), name)
+        if other is not None:
+            same = "twice" if other == name else f"twice ({other!r} and {name!r} are the same after Unicode NFC " \
+                                                 "normalisation)"
+            raise ManifestUnreadable(f"manifest {path}: {where} names the column {name!r} {same}: which one holds "
+                                     "the values? Rename or remove one")
+
+
 def _parquet_records(path: Path) -> Records:
     import pyarrow.parquet as pq
+    _check_columns(path, pq.read_schema(path).names, "the schema")
     for rec in pq.read_table(path).to_pylist():
         yield rec, None, None
 
@@ -427,7 +487,12 @@ def _csv_records(path: Path) -> Records:
                 if not cells:
                     continue
                 if header is None:
+                    _check_columns(path, cells, f"header line {first}")
                     header = cells
+                    continue
+                if cells[0].startswith(BOM):
+                    yield _csv_error(first, last, "starts with a byte-order mark (U+FEFF; files joined with their "
+                                     "BOMs?)", lines[first - 1], dialect, header)
                     continue
                 joined = _whole_rows_inside(lines[first:last - 1], dialect, len(header)) if last - first > 1 else None
                 if len(cells) > len(header) or joined is not None:
@@ -539,6 +604,10 @@ def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | N
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"manifest {path} does not exist")
+    try:  # a FIFO or device is refused, never waited on
+        check_input(path, "manifest")
+    except NotAFile as e:
+        raise ManifestUnreadable(str(e)) from None
     fmt = fmt or detect_format(path)
     if fmt not in FORMATS:
         raise ValueError(f"unknown manifest format {fmt!r}; known: {', '.join(FORMATS)}")
@@ -546,7 +615,7 @@ def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | N
     columns = columns or {}
     fmt_ = FORMATS[fmt]
     out: list[Request] = []
-    raw_seen: set[str] = set()
+    raw_seen: dict[str, str] = {}  # NFC of each key read -> the key as written
     for row, (rec, err, hint) in enumerate(fmt_.read(path)):
         if err is not None or not isinstance(rec, dict):
             detail = err or f"row {row}: expected an object, got {type(rec).__name__}"
@@ -571,11 +640,15 @@ def read_requests(path: str | Path, root: str | Path | None = None, fmt: str | N
         if key != raw_key:
             meta["original_key"] = raw_key
         req = Request(row=row, key=key, conversation=conv, speaker=speaker, meta=meta)
-        if raw_key in raw_seen:
+        earlier = raw_seen.get(_nfc(raw_key))
+        if earlier == raw_key:
             req.error = (schema.DUPLICATE_KEY, f"row {row}: key {raw_key!r} already used by an earlier row")
+        elif earlier is not None:  # two keys that look the same: which row is which could only be guessed
+            req.error = (schema.DUPLICATE_KEY, f"row {row}: key {raw_key!r} is an earlier row's key {earlier!r} "
+                                               "after Unicode NFC normalisation (they look the same)")
         elif require_text and not conv.text:
             req.error = (schema.EMPTY_TEXT, f"row {row}: text is empty")
-        raw_seen.add(raw_key)
+        raw_seen.setdefault(_nfc(raw_key), raw_key)
         out.append(req)
     wanted = [(r.key, r.meta.get("original_key", r.key)) if r.error is None else None for r in out]
     for req, key in zip(out, assign_keys(wanted)):

@@ -23,8 +23,9 @@ from shards.index import PARTS_DIR, part_paths
 from shards.schema import INDEX_FILE, MANIFEST_FILE, REJECTS_FILE, ROOT_FILE
 from shards import fields as registry
 from shards.storage import RemoteFolder, is_url, local_path
+from shards.writing import session
 
-from .lock import LOCK_FILE
+from shards.lock import LOCK_FILE
 
 log = logging.getLogger("precompute")
 
@@ -58,11 +59,12 @@ class LocalOutput:
         """Delete committed chunks ``stems`` (a rerun found them stale, :mod:`precompute.rerun`): the
         integrity root first (until the merge, readers are told to rerun), then per chunk its index
         part (the commit marker), its rejects part, its tar and the sidecars of added fields."""
-        (self.local / ROOT_FILE).unlink(missing_ok=True)
-        for stem in stems:
-            for p in _chunk_files(stem, [p.name for p in self.local.iterdir() if p.is_file()],
-                                  [p.name for p in (self.local / PARTS_DIR).iterdir() if p.is_file()]):
-                (self.local / p).unlink(missing_ok=True)
+        with session(self.local / ROOT_FILE) as s:  # the job's writing session: no symlink followed
+            s.unlink(self.local / ROOT_FILE)
+            for stem in stems:
+                for p in _chunk_files(stem, [p.name for p in self.local.iterdir() if p.is_file()],
+                                      [p.name for p in (self.local / PARTS_DIR).iterdir() if p.is_file()]):
+                    s.unlink(self.local / p)
 
     def wait_for_chunks(self, names: list[str], poll_s: float = 2.0) -> None:
         """Block until every chunk in ``names`` is committed (its index part exists). No collective
@@ -102,9 +104,10 @@ class RemoteOutput(LocalOutput):
         parts = self.local / PARTS_DIR
         parts.mkdir(parents=True, exist_ok=True)
         there = set(self.remote.list(PARTS_DIR))
-        for p in parts.iterdir():
-            if p.is_file() and p.name not in there and p.name != LOCK_FILE:  # the lock stays local
-                p.unlink()  # committed locally but never uploaded: redo it
+        with session(parts / LOCK_FILE) as s:  # (the job's writing session)
+            for p in parts.iterdir():
+                if p.is_file() and p.name not in there and p.name != LOCK_FILE:  # the lock stays local
+                    s.unlink(p)  # committed locally but never uploaded: redo it
         for name in sorted(there):
             if not (parts / name).exists():
                 self.remote.get(f"{PARTS_DIR}/{name}", parts / name)

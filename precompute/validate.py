@@ -1,6 +1,7 @@
-"""Check a :class:`~precompute.config.PrecomputeConfig` before any model loads: beyond the types (checked as
-it is read) and :func:`shardcache.config.check`'s declared rules, the device spelling, encoder and producer
-specs against their registries, field names, rules across options; each problem as ``option: message``."""
+"""Check a :class:`~precompute.config.PrecomputeConfig` before any model loads, beyond what its annotations
+say (types, choices and bounds: checked by jsonargparse as it is read): the device spelling, encoder and
+producer specs against their registries, field names, rules across options; each problem as
+``option: message``."""
 from __future__ import annotations
 
 import re
@@ -12,6 +13,7 @@ from shards import fields
 
 from .config import PrecomputeConfig
 from .encoders.registry import SPECS, spec_problems
+from .identity import undeclared
 from .producers import producer_problems
 from .producers.image_features import image_features_problems
 
@@ -65,8 +67,9 @@ CUSTOM = {"device": lambda v: [] if re.fullmatch(r"auto|cpu|mps|meta|(cuda|xpu|n
 
 
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:
-    """Every problem of ``cfg`` as ``(option, message)``, in the order of the options; empty when valid."""
-    out = S.check(cfg, CUSTOM)
+    """Every problem of ``cfg`` as ``(option, message)``, in the order of the options; empty when valid.
+    Types, choices and bounds are not checked here: a config read from a file or flags was (jsonargparse)."""
+    out = S.custom_problems(cfg, CUSTOM)
     bad = {k.split(".")[0] for k, _ in out}  # rules across options, where each side is valid
     if not bad & {"min_duration", "max_duration"} and cfg.min_duration > cfg.max_duration:
         out.append(("min_duration", f"{cfg.min_duration} s is greater than max_duration {cfg.max_duration} s"))
@@ -75,6 +78,8 @@ def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:
     if "image_size" not in bad and cfg.image_size % IMAGE_MULTIPLE:
         out.append(("image_size", f"expected a multiple of {IMAGE_MULTIPLE} (the VAE's spatial factor), "
                                   f"got {cfg.image_size}"))
+    if not bad & {"audio_tokenizer", "image_encoder", "text_tokenizer", "image_features", "extra_fields"}:
+        out += undeclared(cfg)  # a spec key no encoder or producer declares an effect for
     return out
 
 

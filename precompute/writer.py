@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from .rerun import RowRecord, chunk_meta
+
 #: rows queued for the sender thread at most (back-pressure on the main thread beyond)
 QUEUE_ROWS = 64
 
@@ -57,7 +59,7 @@ def _decode_row(conn, head: dict) -> tuple[str, dict | None, tuple | None]:
     return head["key"], fields, None
 
 
-def _serve(conn, out_dir: str, chunks: list[tuple[str, int, list[str], list[str]]], parent: int | None) -> None:
+def _serve(conn, out_dir: str, chunks: list[tuple[str, list[RowRecord]]], parent: int | None) -> None:
     """The writer's loop (in the writer process, or a thread): rows from ``conn``, commits to ``conn``."""
     from shards.writer import ShardWriter
     if parent is not None:
@@ -65,9 +67,9 @@ def _serve(conn, out_dir: str, chunks: list[tuple[str, int, list[str], list[str]
         die_with_parent(parent)
     writer = None
     try:
-        for name, n, ids, digests in chunks:
+        for name, records in chunks:
             writer = ShardWriter(Path(out_dir), name)
-            for _ in range(n):
+            for _ in records:
                 head = json.loads(conn.recv_bytes())
                 if head["op"] == "abort":
                     writer.abort()
@@ -78,7 +80,7 @@ def _serve(conn, out_dir: str, chunks: list[tuple[str, int, list[str], list[str]
                     writer.reject(*reject)
                 else:
                     writer.add(key, fields)
-            entry = writer.commit({"rows": ids, "digests": digests})
+            entry = writer.commit(chunk_meta(records, writer.keys))  # the rows it covered: reruns
             writer = None
             conn.send_bytes(json.dumps({"op": "committed", "name": name, "tar": entry is not None}).encode())
         head = json.loads(conn.recv_bytes())  # the end (or an abort after the last chunk)
@@ -101,12 +103,13 @@ class ChunkWriter:
     Args:
         output: the job's :class:`precompute.output.LocalOutput` (its ``local`` folder is written;
             :meth:`~precompute.output.LocalOutput.chunk_committed` is called here, in this process).
-        chunks: ``[(shard name, rows, row ids, row digests)]`` in the order the rows will come.
+        chunks: ``[(shard name, its rows' records)]`` (:class:`precompute.rerun.RowRecord`) in the order
+            the rows will come; each commit records them (:func:`precompute.rerun.chunk_meta`).
         summary: counts ``shards_written``; ``progress``: a tqdm bar (or None).
         process: write in a forked process (default) or a thread of this process.
     """
 
-    def __init__(self, output: Any, chunks: list[tuple[str, int, list[str], list[str]]], summary: Any,
+    def __init__(self, output: Any, chunks: list[tuple[str, list[RowRecord]]], summary: Any,
                  progress: Any = None, process: bool = True):
         self.output, self.summary, self.progress = output, summary, progress
         self.error: str | None = None

@@ -1,5 +1,6 @@
 """Regenerate the tables of docs/ that are derived from the code's registries (the fields and their
-kinds, the encoder / manifest / producer names) and from ``make bench`` (docs/benchmarks.md).
+kinds, the encoder / manifest / producer names, what each option does to a cache) and from ``make bench``
+(docs/benchmarks.md).
 
     python scripts/gen_docs.py            # rewrite the generated blocks in place
     python scripts/gen_docs.py --check    # exit 1 when a block is out of date (tests/test_docs.py)
@@ -62,6 +63,13 @@ def names_table() -> str:
             f"| manifest formats | {', '.join(f'`{n}`' for n in FORMATS)} | `manifest_format` (else detected) |",
             f"| producers | {', '.join(f'`{n}`' for n in PRODUCERS)} | `extra_fields`, `add-field --producer` |"]
     return "\n".join(rows)
+
+
+def effects_table() -> str:
+    """docs/trust.md's table: each option and what it does to a cache, from the options' declarations
+    (:func:`precompute.identity.effects_table`)."""
+    from precompute.identity import effects_table as table
+    return table()
 
 
 def bench_summary() -> str:
@@ -208,8 +216,31 @@ def gpu_summary() -> str:
     return md.read_text().rstrip("\n")
 
 
+def contract_table() -> str:
+    """docs/training.md's contract table: which recipe checks which item (a recipe's ``contract_items``:
+    :class:`train.recipes.base.Recipe`), every item a contract can set (:class:`shards.cache.Contract`)."""
+    from dataclasses import fields
+
+    from shards.cache import PARTS, Contract
+    from train.recipes import RECIPES, recipe_class
+    recipes = {name: recipe_class(name).contract_items for name in RECIPES}
+    tokens = [k for items in recipes.values() for k in items if k.startswith("special_tokens.")]
+    order = ["fields", *dict.fromkeys(tokens)]
+    for f in fields(Contract):
+        if f.name in PARTS:
+            order += [f"{f.name}.{a.name}" for a in fields(PARTS[f.name])]
+        elif f.name not in ("model", "fields", "optional_fields", "special_tokens"):
+            order.append(f.name)
+    rows = ["| item | " + " | ".join(f"`{n}`" for n in recipes) + " |", "| --- |" + " --- |" * len(recipes)]
+    for item in order:
+        rows.append(f"| `{_cell(item)}` | " + " | ".join(_cell(items.get(item, "any")) for items in recipes.values()) + " |")
+    return "\n".join(rows)
+
+
 BLOCKS = {"docs/format.md": {"fields": fields_table, "kinds": kinds_table},
+          "docs/training.md": {"contract": contract_table},
           "docs/configuration.md": {"names": names_table},
+          "docs/trust.md": {"effects": effects_table},
           "docs/benchmarks.md": {"bench": bench_summary, "gpu": gpu_summary, "model": throughput_model},
           "README.md": {"loader": loader_headline, "stage-one": stage_one_headline}}
 #: the blocks copied from ``make bench``'s results (``--skip-bench`` leaves them alone)

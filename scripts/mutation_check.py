@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 M = [
  ("autocast -> null context", "train/precision.py", "        if self.dtype is None:\n            return contextlib.nullcontext()",
   "        if True:\n            return contextlib.nullcontext()", ["tests/test_train_features.py::test_autocast_runs_the_forward_matmuls_in_the_configured_dtype"]),
- ("activation checkpointing no-op", "train/models.py", "if self.activation_checkpointing and self.training:", "if False:",
+ ("activation checkpointing no-op", "train/recipes/reference.py", "if self.activation_checkpointing and self.training:", "if False:",
   ["tests/test_train_features.py::test_activation_checkpointing_recomputes_the_blocks_in_backward"]),
  ("sampler split by local rank", "train/data.py", "global_rank=info.rank,", "global_rank=info.local_rank,",
   ["tests/test_train_multinode.py"]),
@@ -38,13 +38,22 @@ M = [
   ["tests/test_train_features.py::test_all_nan_run_exits_1_without_a_checkpoint"]),
  ("damaged checkpoint not skipped", "train/checkpoint.py", "            check_readable(p)\n        except CheckpointDamaged as e:", "            pass\n        except CheckpointDamaged as e:",
   ["tests/test_train_features.py::test_damaged_newest_checkpoint_is_named_and_the_previous_one_used"]),
- ("LoRA checkpoint saves full weights", "train/trainer.py", "adapter=adapter_info(cfg, self.raw))", "adapter=None)",
+ ("LoRA checkpoint saves full weights", "train/trainer.py", "adapter=adapter_info(cfg, self.raw, self.spec),", "adapter=None,",
   ["tests/test_train_lora.py::test_lora_checkpoint_holds_the_adapter_only_and_resumes_bitwise"]),
  ("checkpoint keeps the live loader state (prefetcher ahead)", "train/trainer.py",
   'loader_state=self.data.state["loader"]', "loader_state=self.loader.state_dict()",
   ["tests/test_train_unit.py::test_resume_bitwise_with_real_loader"]),
  ("schedule polynomial = linear", "train/optim.py", "            decay = (1.0 - frac) ** self.power", "            decay = 1.0 - frac",
   ["tests/test_train_unit.py::test_lr_schedule"]),
+ ("contract ignores the codec's weights", "shards/cache.py", 'weights=enc.get("checkpoint_sha256"), dtype=enc.get("dtype"), '
+  'tf32=self._tf32(enc))\n\n    @property\n    def text_tokenizer', 'weights=None, dtype=enc.get("dtype"), tf32=self._tf32(enc))'
+  '\n\n    @property\n    def text_tokenizer',
+  ["tests/test_contract_identity.py::test_codes_of_a_codec_of_other_weights_are_refused_and_train_when_asked"]),
+ ("LoRA options not compared", "train/trainer.py", "            C.check_adapter(path, lora, what)", "            pass",
+  ["tests/test_contract_identity.py::test_lora_adapters_of_another_rank_or_alpha_are_refused"]),
+ ("a checkpoint without tokenizer means any", "train/recipes/base.py", "        return None, Unknown(",
+  "        return None, None and Unknown(",
+  ["tests/test_contract_identity.py::test_a_checkpoint_without_tokenizer_files_needs_its_tokenizer_named"]),
 ]
 only = sys.argv[1:] 
 res = []

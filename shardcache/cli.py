@@ -3,10 +3,10 @@
 ::
 
     shardcache precompute --manifest train.json --cache /data/cache --config configs/precompute-tts.yaml
-    shardcache add-field CACHE --field codes_mimi --audio-tokenizer mimi
+    shardcache add-field CACHE --field codes_mimi --audio_tokenizer mimi
     shardcache drop-field CACHE codes_mimi
     shardcache check /data/cache --manifest train.json --samples 16
-    torchrun --nproc_per_node=8 -m shardcache train --cache /data/cache --run-dir runs/exp1
+    torchrun --nproc_per_node=8 -m shardcache train --cache /data/cache --run_dir runs/exp1
     shardcache find-batch-size --cache /data/cache --config configs/train.yaml
     shardcache shards info /data/cache
 
@@ -44,7 +44,7 @@ def usage() -> str:
              "commands:"]
     lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
     lines += ["", "Exit status: 0 done, 1 the work failed, 2 bad options (named on stderr); train also",
-              "exits with its --job.requeue-exit-code (default 3) after a stop request."]
+              "exits with its --job.requeue_exit_code (default 3) after a stop request."]
     return "\n".join(lines) + "\n"
 
 

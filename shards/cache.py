@@ -7,19 +7,27 @@ builds the model from it and hands it to the loaders. A URL (``s3://...``, any f
 opened from a local copy of its two metadata files (fetched once per process); the loaders fetch the
 shards themselves.
 
-The encoders' identity (what a model needs to agree with) comes from the manifest as typed values:
+The encoders' identity (what a model needs to agree with) comes from the manifest as typed values
+(stage one records it: each encoder's ``describe()``, the preprocessing, the text section):
 
 =====================  ========================================================================================
 ``codec``              :class:`Codec`: ``name`` (``dac``, ``higgs``, ``encodec``, ``mimi``...),
                        ``sample_rate`` (Hz), ``frame_rate`` (frames/s), ``n_codebooks``, ``codebook_size``,
-                       ``bandwidth`` (kbps, where the codec has one)
+                       ``bandwidth`` (kbps, where the codec has one), ``weights`` (its checkpoint's
+                       tensors: ``checkpoint_sha256``), ``dtype``, ``tf32``
 ``text_tokenizer``     the tokenizer's fingerprint (``vocab_sha256`` of its vocabulary, pipeline and special
-                       tokens, after the tokens the job added)
+                       tokens, after the tokens the job added); ``pad_id``, the special token ids
+``chat_template``      how conversations were rendered (``text.template``); ``label_policy`` which tokens
+                       carry labels
 ``image``              :class:`ImagePreset`: the image encoder (``wan``, ``cosmos``...), ``size``, ``resize``,
-                       ``rgb``, ``pixel_range``, ``latent_channels``
+                       ``rgb``, ``pixel_range``, ``latent_channels``, ``normalized``, ``dtype`` (the VAE's),
+                       ``latents_dtype`` (stored), ``weights``, ``tf32``
 ``feature_encoder``    :class:`FeatureEncoder`: the image-feature encoder (``gemma3``), ``tokens_per_image``,
-                       ``hidden_size``
+                       ``hidden_size``, ``dtype``, ``weights`` (the tower's and projector's tensors), ``tf32``
 =====================  ========================================================================================
+
+A :class:`Contract` names the values a model needs (``None``: any, :class:`Unknown`: needed but not
+known, so never met); :meth:`Cache.require` refuses every unmet item in one ``ContractMismatch:`` line.
 """
 from __future__ import annotations
 
@@ -43,6 +51,21 @@ from .storage import is_url, local_path
 
 
 @dataclass(frozen=True)
+class Unknown:
+    """A contract value the model needs but cannot tell (a checkpoint that ships no tokenizer, names no
+    audio tokenizer): never met by any cache, so the item is refused with ``why`` (what to name)."""
+
+    why: str
+
+    def __repr__(self) -> str:
+        return f"<unknown: {self.why}>"
+
+
+#: a contract value: the value the cache must hold, ``None`` (any) or :class:`Unknown` (refused, with why)
+Want = Any
+
+
+@dataclass(frozen=True)
 class Codec:
     """An audio codec's identity. In a :class:`Contract` a ``None`` attribute means "any"."""
 
@@ -52,6 +75,9 @@ class Codec:
     n_codebooks: int | None = None
     codebook_size: int | None = None
     bandwidth: float | None = None       #: kbps (codecs with a bandwidth setting: higgs, encodec)
+    weights: str | None = None           #: sha256 of its checkpoint's tensors as stored (shardcache.weights)
+    dtype: str | None = None             #: the dtype it computed in (``float32``, ``bfloat16``)
+    tf32: bool | None = None             #: TF32 allowed when it ran (either switch on, or matmul precision < highest)
 
 
 @dataclass(frozen=True)
@@ -64,6 +90,11 @@ class ImagePreset:
     rgb: str | None = None               #: ``image_rgb`` (``composite``, ``convert``)
     pixel_range: str | None = None       #: ``image_pixel_range`` (``-1..1``, ``0..255``)
     latent_channels: int | None = None
+    normalized: bool | None = None       #: latents normalised with the VAE's ``latents_mean`` / ``latents_std``
+    dtype: str | None = None             #: the dtype the VAE computed in (``encoder_dtype``)
+    latents_dtype: str | None = None     #: the dtype the latents are stored in (``float16``)
+    weights: str | None = None           #: sha256 of the VAE checkpoint's tensors as stored
+    tf32: bool | None = None             #: as :attr:`Codec.tf32`
 
 
 @dataclass(frozen=True)
@@ -73,11 +104,23 @@ class FeatureEncoder:
     name: str | None = None              #: ``gemma3``
     tokens_per_image: int | None = None
     hidden_size: int | None = None
+    dtype: str | None = None             #: the dtype it computed in (and the features' values: ``bfloat16``)
+    weights: str | None = None           #: sha256 of the tower's and projector's tensors in its checkpoint
+    tf32: bool | None = None             #: as :attr:`Codec.tf32`
+
+
+#: the encoder parts of a contract -> their class
+PARTS = {"codec": Codec, "image": ImagePreset, "feature_encoder": FeatureEncoder}
+#: the items whose mismatch ``--model.allow_other_encoder_weights`` waives (recorded in the run instead)
+WEIGHT_ITEMS = tuple(f"{part}.weights" for part in PARTS)
 
 
 @dataclass(frozen=True)
 class Contract:
-    """What a model needs from a cache (declared by its recipe: :mod:`train.recipes.base`).
+    """What a model needs from a cache (declared by its spec: :mod:`train.spec`).
+
+    Every attribute but ``model``, ``fields`` and ``optional_fields`` is an item compared with the cache's
+    value; ``None`` means any value, :class:`Unknown` a value the model cannot tell (always refused).
 
     Attributes:
         model: the model's name, for messages (``--model.name higgs``).
@@ -85,16 +128,23 @@ class Contract:
         optional_fields: fields read when the cache holds them (never required).
         special_tokens: token -> the id the model has for it, or ``None`` when any id will do but
             the cache must have the token.
-        codec / image / feature_encoder: each set attribute must equal the cache's (``None``: any).
+        pad_id: the id ``input_ids`` are padded with.
+        codec / image / feature_encoder: each set attribute must equal the cache's.
         text_tokenizer: the fingerprint (``vocab_sha256``) the cache's tokenizer must have.
+        chat_template: how conversations were rendered (``text.template``: ``llama3``, ``tokenizer``,
+            ``theworld``).
+        label_policy: which tokens carry labels (``answers``, ``all_but_world``).
     """
 
     model: str
     fields: tuple[str, ...] = ()
     optional_fields: tuple[str, ...] = ()
-    special_tokens: Mapping[str, int | None] = field(default_factory=dict)
+    special_tokens: Mapping[str, Want] = field(default_factory=dict)
+    pad_id: Want = None
     codec: Codec | None = None
-    text_tokenizer: str | None = None
+    text_tokenizer: Want = None
+    chat_template: Want = None
+    label_policy: Want = None
     image: ImagePreset | None = None
     feature_encoder: FeatureEncoder | None = None
 
@@ -103,8 +153,101 @@ class Contract:
         """Every field the model reads: ``fields`` then ``optional_fields``."""
         return tuple(self.fields) + tuple(f for f in self.optional_fields if f not in self.fields)
 
+    def items(self) -> dict[str, Want]:
+        """Every item this contract sets (not "any"), by its name in a refusal: ``fields``,
+        ``special_tokens.<tok>``, ``pad_id``, ``codec.<attr>``, ``text_tokenizer``, ``chat_template``,
+        ``label_policy``, ``image.<attr>``, ``feature_encoder.<attr>``."""
+        out: dict[str, Want] = {"fields": tuple(self.fields)} if self.fields else {}
+        out |= {f"special_tokens.{t}": v for t, v in self.special_tokens.items()}
+        for f in dc_fields(self):
+            v = getattr(self, f.name)
+            if f.name in PARTS and v is not None:
+                out |= {f"{f.name}.{a.name}": getattr(v, a.name) for a in dc_fields(v)
+                        if getattr(v, a.name) is not None}
+            elif f.name not in ("model", "fields", "optional_fields", "special_tokens") and v is not None:
+                out[f.name] = v
+        return out
+
+    @classmethod
+    def from_items(cls, model: str, items: Mapping[str, Want], fields: tuple[str, ...] = (),
+                   optional_fields: tuple[str, ...] = ()) -> "Contract":
+        """The contract of ``items`` (``{name: value}``, named as :meth:`items` names them; a ``None``
+        value: any). The inverse of :meth:`items`. Raises ``ValueError`` naming an unknown item."""
+        d: dict[str, Any] = {"fields": tuple(fields), "optional_fields": tuple(optional_fields)}
+        for k, v in items.items():
+            part, dot, attr = k.partition(".")
+            if k == "fields":
+                d["fields"] = tuple(dict.fromkeys(d["fields"] + tuple(v)))
+            elif dot and part == "special_tokens":
+                d.setdefault("special_tokens", {})[attr] = v
+            elif dot:
+                d.setdefault(part, {})[attr] = v
+            else:
+                d[k] = v
+        return cls.from_dict(model, d)
+
+    @classmethod
+    def from_dict(cls, model: str, d: Mapping[str, Any]) -> "Contract":
+        """A contract from a mapping (``--model.contract``: what a user declares for a plug-in model):
+        ``fields``, ``optional_fields``, ``special_tokens`` ``{token: id or null}``, ``pad_id``,
+        ``text_tokenizer``, ``chat_template``, ``label_policy`` and ``codec`` / ``image`` /
+        ``feature_encoder`` mappings of their attributes. Raises ``ValueError`` naming unknown keys."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a contract is a mapping of items, got {d!r}")
+        known = {f.name for f in dc_fields(cls)} - {"model"}
+        bad = sorted(set(d) - known)
+        kw: dict[str, Any] = {}
+        for k, v in d.items():
+            if k in PARTS:
+                if not isinstance(v, Mapping):
+                    bad.append(f"{k} (expected a mapping)")
+                    continue
+                attrs = {a.name for a in dc_fields(PARTS[k])}
+                bad += [f"{k}.{a}" for a in sorted(set(v) - attrs)]
+                kw[k] = PARTS[k](**{a: x for a, x in v.items() if a in attrs})
+            elif k in ("fields", "optional_fields"):
+                kw[k] = tuple(v)
+            elif k == "special_tokens":
+                kw[k] = dict(v)
+            elif k in known:
+                kw[k] = v
+        if bad:
+            raise ValueError(f"contract: unknown item(s) {bad}; known: {sorted(known)} "
+                             f"({', '.join(f'{k}: {[a.name for a in dc_fields(c)]}' for k, c in PARTS.items())})")
+        return cls(model, **kw)
+
+    def merged(self, other: "Contract") -> "Contract":
+        """This contract with ``other``'s items added where this one says "any" or cannot tell
+        (:class:`Unknown`: ``other`` names it); fields and tokens united. Raises ``ValueError`` naming an
+        item both set to different values."""
+        theirs_all = other.items()
+        clash = [(k, v, theirs_all[k]) for k, v in self.items().items()
+                 if k != "fields" and k in theirs_all and not isinstance(v, Unknown) and theirs_all[k] != v]
+        if clash:
+            raise ValueError(f"{self.model}: the contract already sets " + "; ".join(
+                f"{k} to {a!r}, not {b!r}" for k, a, b in clash))
+        def pick(mine: Any, theirs: Any) -> Any:
+            return theirs if mine is None or (isinstance(mine, Unknown) and theirs is not None) else mine
+
+        kw: dict[str, Any] = {"fields": tuple(dict.fromkeys(self.fields + tuple(other.fields))),
+                              "optional_fields": tuple(dict.fromkeys(self.optional_fields + tuple(other.optional_fields))),
+                              "special_tokens": {t: pick(self.special_tokens.get(t), other.special_tokens.get(t))
+                                                 for t in {**other.special_tokens, **self.special_tokens}}}
+        for f in dc_fields(self):
+            if f.name in kw or f.name == "model":
+                continue
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name in PARTS and mine is not None and theirs is not None:
+                kw[f.name] = PARTS[f.name](**{a.name: pick(getattr(mine, a.name), getattr(theirs, a.name))
+                                              for a in dc_fields(mine)})
+            else:
+                kw[f.name] = pick(mine, theirs)
+        return Contract(self.model, **kw)
+
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(b, Unknown):
+        return False
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-9)
     return a == b
@@ -221,6 +364,15 @@ class Cache:
         enc = (self.manifest.encoders or {}).get(name)
         return enc if isinstance(enc, dict) else {}
 
+    @staticmethod
+    def _tf32(enc: Mapping) -> bool | None:
+        """Whether TF32 was allowed when an encoder ran (its ``numerics``), None when it did not say."""
+        n = enc.get("numerics")
+        if not isinstance(n, dict):
+            return None
+        return bool(n.get("tf32_matmul") or n.get("tf32_cudnn")
+                    or n.get("float32_matmul_precision", "highest") != "highest")
+
     @property
     def codec(self) -> Codec | None:
         """The codec of the ``codes`` field, None when the cache has no codes."""
@@ -231,12 +383,23 @@ class Cache:
         bw = enc.get("bandwidth")
         return Codec(name=enc.get("name"), sample_rate=m.codec_sample_rate, frame_rate=m.frame_rate,
                      n_codebooks=m.n_codebooks, codebook_size=m.codebook_size,
-                     bandwidth=float(bw) if isinstance(bw, (int, float)) and not isinstance(bw, bool) else None)
+                     bandwidth=float(bw) if isinstance(bw, (int, float)) and not isinstance(bw, bool) else None,
+                     weights=enc.get("checkpoint_sha256"), dtype=enc.get("dtype"), tf32=self._tf32(enc))
 
     @property
     def text_tokenizer(self) -> str | None:
         """The text tokenizer's fingerprint (``encoders.text_tokenizer.vocab_sha256``), or None."""
         return self._encoder("text_tokenizer").get("vocab_sha256")
+
+    @property
+    def chat_template(self) -> str | None:
+        """How the conversations were rendered (``text.template``: ``llama3``, ``tokenizer``, ``theworld``)."""
+        return self.manifest.text.template if self.manifest.text is not None else None
+
+    @property
+    def label_policy(self) -> str | None:
+        """Which tokens carry labels (``encoders.preprocessing.label_policy``), None when not recorded."""
+        return self._encoder("preprocessing").get("label_policy")
 
     @property
     def image(self) -> ImagePreset | None:
@@ -247,7 +410,9 @@ class Cache:
         pre = self._encoder("preprocessing")
         return ImagePreset(encoder=enc.get("name"), size=pre.get("image_size"), resize=pre.get("image_resize"),
                            rgb=pre.get("image_rgb"), pixel_range=pre.get("image_pixel_range"),
-                           latent_channels=self.manifest.latent_channels)
+                           normalized=enc.get("normalize"), latent_channels=self.manifest.latent_channels,
+                           dtype=enc.get("dtype"), latents_dtype=pre.get("latents_dtype"),
+                           weights=enc.get("checkpoint_sha256"), tf32=self._tf32(enc))
 
     @property
     def feature_encoder(self) -> FeatureEncoder | None:
@@ -257,40 +422,58 @@ class Cache:
             return None
         enc = fi.encoder.get("encoder") if isinstance(fi.encoder.get("encoder"), dict) else fi.encoder
         return FeatureEncoder(name=enc.get("name"), tokens_per_image=fi.extra.get("tokens_per_image"),
-                              hidden_size=fi.extra.get("hidden_size"))
+                              hidden_size=fi.extra.get("hidden_size"), dtype=enc.get("dtype"),
+                              weights=enc.get("checkpoint_sha256"), tf32=self._tf32(enc))
+
+    def value(self, item: str) -> Any:
+        """The cache's value of contract item ``item`` (a name of :meth:`Contract.items`)."""
+        if item == "fields":
+            return list(self.fields)
+        if item.startswith("special_tokens."):
+            return self.token_id(item.partition(".")[2])
+        part, _, attr = item.partition(".")
+        if part in PARTS:
+            have = getattr(self, part)
+            return getattr(have, attr) if have is not None else None
+        return {"pad_id": self.manifest.pad_id, "text_tokenizer": lambda: self.text_tokenizer,
+                "chat_template": lambda: self.chat_template, "label_policy": lambda: self.label_policy}[item]()
 
     # -- the contract ----------------------------------------------------------------------------------
     def mismatches(self, contract: Contract) -> list[tuple[str, Any, Any]]:
         """Every item of ``contract`` this cache does not meet, as ``(item, cache's value, model's
-        value)``; items are named ``fields``, ``special_tokens.<tok>``, ``codec.<attr>``,
-        ``text_tokenizer``, ``image.<attr>``, ``feature_encoder.<attr>``."""
+        value)``, in the contract's order; items are named as :meth:`Contract.items` names them. A
+        special token is met when the cache has it (with the model's id, where the model gives one)."""
         out: list[tuple[str, Any, Any]] = []
-        missing = [f for f in contract.fields if f not in self.fields]
-        if missing:
-            out.append(("fields", list(self.fields), list(contract.fields)))
-        for tok, want in contract.special_tokens.items():
-            have = self.token_id(tok)
-            if have is None or (want is not None and have != want):
-                out.append((f"special_tokens.{tok}", have, "any id" if want is None else want))
-        for item, want, have in (("codec", contract.codec, self.codec), ("image", contract.image, self.image),
-                                 ("feature_encoder", contract.feature_encoder, self.feature_encoder)):
-            if want is None:
-                continue
-            for f in dc_fields(want):
-                w = getattr(want, f.name)
-                h = getattr(have, f.name) if have is not None else None
-                if w is not None and not _same(h, w):
-                    out.append((f"{item}.{f.name}", h, w))
-        if contract.text_tokenizer is not None and self.text_tokenizer != contract.text_tokenizer:
-            out.append(("text_tokenizer", self.text_tokenizer, contract.text_tokenizer))
+        for item, want in contract.items().items():
+            have = self.value(item)
+            if item == "fields":
+                if any(f not in self.fields for f in want):
+                    out.append((item, have, list(want)))
+            elif item.startswith("special_tokens."):
+                if have is None or (want is not None and not _same(have, want)):
+                    out.append((item, have, "any id" if want is None else want))
+            elif not _same(have, want):
+                out.append((item, have, want))
         return out
 
-    def require(self, contract: Contract) -> None:
+    def require(self, contract: Contract, allow_other_weights: bool = False) -> list[tuple[str, Any, Any]]:
         """Refuse a model whose contract this cache does not meet, before anything is built.
 
+        ``allow_other_weights`` (``--model.allow_other_encoder_weights``): a mismatch of an encoder's
+        weights (:data:`WEIGHT_ITEMS`) alone is not refused but returned, for the run to record.
+        Returns the waived mismatches (empty when every item is met).
+
         Raises :class:`shards.errors.ContractMismatch` naming each item, the cache's value and the
-        model's value (one line); ``.item``, ``.cache_value``, ``.model_value`` are the first's.
+        model's value (one line starting ``ContractMismatch:``); ``.item``, ``.cache_value``,
+        ``.model_value`` are the first's.
         """
         bad = self.mismatches(contract)
-        if bad:
-            raise ContractMismatch(contract.model, str(self.source), bad)
+        waived = [m for m in bad if allow_other_weights and m[0] in WEIGHT_ITEMS]
+        refused = [m for m in bad if m not in waived]
+        if refused:
+            weights = any(m[0] in WEIGHT_ITEMS for m in refused)
+            raise ContractMismatch(contract.model, str(self.source), refused, hint=(
+                "precompute the cache with the model's encoders, template and preset, or pick the recipe that "
+                "fits it" + ("; to train on encoder outputs of other weights on purpose: "
+                             "--model.allow_other_encoder_weights" if weights else "")))
+        return waived

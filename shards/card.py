@@ -26,9 +26,7 @@ key, e.g. ``"tensors.npz"``, ``"latents.npy"``, ``"json"``, plus ``__key__`` and
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -187,18 +185,6 @@ def write_dataset_card(out_dir: str | Path, manifest: dict[str, Any], index) -> 
     out_dir = Path(out_dir)
     text = dataset_card(manifest, index, _shard_names(out_dir, manifest, index), manifest["cache_id"])
     path = out_dir / CARD_FILE
-    fd, tmp = tempfile.mkstemp(prefix=f".{CARD_FILE}.", suffix=".tmp", dir=out_dir)
-    try:
-        os.fchmod(fd, 0o644)  # a card others read (mkstemp makes 0600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    from .index import write_atomic  # (index imports this module) the cache's writing session, no symlink followed
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
     return path

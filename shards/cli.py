@@ -12,24 +12,28 @@ import os
 import sys
 from typing import Sequence
 
-from .errors import ShardcacheError
+from .commands.needs import Needs
+from .errors import ShardcacheError, WriteRefused
 
 EPILOG = """\
 examples:
   shardcache shards info cache/
   shardcache shards ls cache/
-  shardcache shards ls 'cache/shard-r0000-*.tar'
+  shardcache shards ls 'cache/shard-00000*.tar'
   shardcache shards head cache/ -n 3
   shardcache shards show cache/ spk-us-0001
   shardcache shards query cache/ --where "duration_s > 5 and has_image" --count
   shardcache shards stats cache/ --plot stats.png
+  shardcache shards view cache/                  (a web viewer on http://127.0.0.1:8000/)
   shardcache shards verify cache/ --deep
   shardcache shards export-audio cache/ spk-us-0001 out.wav
   shardcache shards export-lhotse cache/ shar/   (Lhotse Shar: audio, text, speaker, codes)
   shardcache shards rejects cache/ --reason unreadable_audio
   shardcache shards reindex cache/
 
-exit codes: 0 ok, 1 check failed / not found / corrupt cache, 2 usage error.
+exit codes: 0 ok, 1 check failed / not found / corrupt cache, 2 usage error or a library the
+command needs is not installed (query, stats, export-audio, reindex: pip install "shardcache[inspect]";
+the core install runs info, ls, head, show, verify and rejects).
 """
 
 
@@ -53,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardcache shards",
         description="Inspect, query, verify and repair a shardcache cache directory "
-                    "(manifest.json, index.parquet, rejects.parquet, shard-r*-*.tar).",
+                    "(manifest.json, index.parquet, rejects.parquet, shard-*.tar).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=version())
     parser.add_argument("--json", action="store_true",
@@ -62,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     # SUPPRESS: a subcommand without --json must not reset `shards --json COMMAND`
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print the result as JSON (for scripts) instead of a table")
+    parser.set_defaults(needs=Needs())  # what a command needs beyond the core (commands.needs)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for module in MODULES:
         module.register(sub, common)
@@ -84,18 +89,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     from .commands._common import NotFound, UsageError
+    from .commands.needs import MissingModule, from_import_error, require
     try:
+        require(args.needs)
         code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code
-    except UsageError as e:
+    except (UsageError, MissingModule) as e:
         _error(args.command, str(e))
+        return 2
+    except ModuleNotFoundError as e:  # a library missing on a path the declaration did not name
+        _error(args.command, str(from_import_error(e, args.needs)))
         return 2
     except NotFound as e:
         _error(args.command, str(e))
         return 1
     except FileNotFoundError as e:
         _error(args.command, str(e) if e.filename is None else f"{e.filename}: {e.strerror}")
+        return 2
+    except WriteRefused as e:  # another command writes the cache (named), or the folder is no cache
+        _error(args.command, str(e))
         return 2
     except ShardcacheError as e:
         _error(args.command, str(e))

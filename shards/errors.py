@@ -6,6 +6,14 @@ class ShardcacheError(Exception):
     """Base class of every error this project raises on purpose."""
 
 
+class WriteRefused(ShardcacheError):
+    """A command that writes a cache refused before writing anything: another command writes it
+    (:class:`shards.lock.CacheLocked`, naming the holder) or the folder is not one it may write
+    (:class:`shards.writing.NotACache`). Every command line exits 2 for it."""
+
+    exit_code = 2
+
+
 class ShardCorrupt(ShardcacheError):
     """A shard, its index rows or its manifest entry disagree (truncated tar, bad checksum...)."""
 
@@ -43,13 +51,22 @@ class CorruptSample(ShardcacheError):
 
 
 class ContractMismatch(ShardcacheError):
-    """A cache does not meet a model's contract (:meth:`shards.cache.Cache.require`): the message is
-    one line naming each item, the cache's value and the model's value. ``item``, ``cache_value``
-    and ``model_value`` are the first mismatch's; ``mismatches`` holds every ``(item, cache, model)``."""
+    """What a model needs and what it is given disagree (a cache and a model's contract,
+    :meth:`shards.cache.Cache.require`; a LoRA adapter and the run's options,
+    :func:`train.checkpoint.check_adapter`). The message is one line starting ``ContractMismatch:``
+    that names every item, the one side's value and the other's. ``item``, ``cache_value`` and
+    ``model_value`` are the first mismatch's; ``mismatches`` holds every ``(item, have, need)``.
 
-    def __init__(self, model: str, cache: str, mismatches: list[tuple[str, object, object]]):
+    Args:
+        model: who needs (``--model.name higgs``); cache: what does not fit (a cache's path);
+        have / need: how the two values are introduced (``the cache has`` / ``the model needs``);
+        hint: what to do, appended in parentheses."""
+
+    def __init__(self, model: str, cache: str, mismatches: list[tuple[str, object, object]], *,
+                 have: str = "the cache has", need: str = "the model needs", what: str = "cannot train on the cache",
+                 hint: str = "precompute the cache with the model's encoders, template and preset, or pick the "
+                             "recipe that fits it"):
         self.model, self.cache, self.mismatches = model, cache, list(mismatches)
         self.item, self.cache_value, self.model_value = self.mismatches[0]
-        parts = "; ".join(f"{item}: the cache has {c!r}, the model needs {m!r}" for item, c, m in self.mismatches)
-        super().__init__(f"{model} cannot train on the cache {cache}: {parts} (precompute the cache with the "
-                         "model's codec / tokenizer / image preset, or pick the recipe that fits it)")
+        parts = "; ".join(f"{item}: {have} {c!r}, {need} {m!r}" for item, c, m in self.mismatches)
+        super().__init__(f"ContractMismatch: {model} {what} {cache}: {parts}" + (f" ({hint})" if hint else ""))

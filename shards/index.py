@@ -145,24 +145,38 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_atomic(path: Path, write) -> None:
-    """Call ``write(tmp_path)``, fsync the file, then ``os.replace`` it onto ``path``."""
+    """Call ``write(f)`` on a new binary file ``PATH.tmp``, fsync it, then rename it onto ``path``.
+
+    The one way a cache file other than a shard tar is written: inside the cache's writing session
+    (:func:`shards.writing.session`: the writer lock held, the folder owned), the temporary file
+    created with ``O_EXCL | O_NOFOLLOW`` and a symlink at either name refused
+    (:class:`~shards.errors.UnsafePath`), so nothing outside the cache is ever written through it.
+    """
+    from .writing import session
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    with session(path) as s:
+        fd = s.create(tmp)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            s.replace(tmp, path)
+        except BaseException:
+            s.unlink(tmp)
+            raise
+        s.fsync_dir(path)
 
 
 def write_parquet_atomic(table: pa.Table, path: Path) -> None:
-    """Write ``table`` to ``path`` via a temporary file and rename."""
-    write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+    """Write ``table`` to ``path`` via a temporary file and rename (:func:`write_atomic`)."""
+    write_atomic(path, lambda f: pq.write_table(table, f))
 
 
 def write_json_atomic(obj: Any, path: Path) -> None:
-    """Write ``obj`` as indented JSON to ``path`` via a temporary file and rename."""
-    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n"))
+    """Write ``obj`` as indented JSON to ``path`` via a temporary file and rename (:func:`write_atomic`)."""
+    write_atomic(path, lambda f: f.write((json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()))
 
 
 def rows_to_table(rows: Iterable[dict]) -> pa.Table:
@@ -190,7 +204,6 @@ def write_parts(out_dir: Path, stem: str, rows: list[dict], rejects: list[dict],
     (e.g. which manifest rows the chunk covered); read it back with :func:`read_part_meta`.
     """
     index_part, rejects_part = part_paths(out_dir, stem)
-    index_part.parent.mkdir(parents=True, exist_ok=True)
     write_parquet_atomic(rejects_to_table(rejects), rejects_part)
     table = rows_to_table(rows).replace_schema_metadata(
         {_SHARD_META: json.dumps(shard_entry).encode(), _JOB_META: json.dumps(job_meta).encode()})
@@ -290,57 +303,131 @@ def file_sha256(path: str | Path, chunk: int = 4 << 20) -> str:
     return h.hexdigest()
 
 
+#: what a reader of the cache reads and checks against the root on every open (:func:`read_cache_id`)
 _ROOT_COVERS = (INDEX_FILE, MANIFEST_FILE)
+#: what the root covers besides: checked by ``shards verify`` and ``shardcache check`` (``full=True``)
+_ROOT_ALSO = (REJECTS_FILE,)
+#: the files of ``parts/`` the root covers: what a re-merge or ``shards reindex`` builds the cache files from
+_PART_SUFFIXES = (".index.parquet", ".rejects.parquet", ".sidecar.parquet")
+_JOB_PART = "job.json"
+
+
+def covered_parts(cache_dir: str | Path) -> list[str]:
+    """The names of the files in ``parts/`` that the integrity root covers: every index, rejects and
+    sidecar part and stage one's ``job.json`` (not the lock, not add-field's pending file, not ``.tmp``)."""
+    parts = Path(cache_dir) / PARTS_DIR
+    if not parts.is_dir():
+        return []
+    return sorted(p.name for p in parts.iterdir()
+                  if (p.name.endswith(_PART_SUFFIXES) or p.name == _JOB_PART) and p.is_file())
+
+
+def _entry(p: Path) -> dict[str, Any]:
+    return {"sha256": file_sha256(p), "bytes": p.stat().st_size}
 
 
 def write_root(cache_dir: str | Path, cid: str) -> dict[str, Any]:
-    """Write ``integrity.json``: ``{"cache_id": cid, "files": {name: {"sha256", "bytes"}}}`` for
-    ``index.parquet`` and ``manifest.json`` as they are now (atomically; call it after writing
+    """Write ``integrity.json``: ``{"cache_id": cid, "files": {name: {"sha256", "bytes"}}, "parts":
+    {name: {"sha256", "bytes"}}}`` for ``index.parquet``, ``manifest.json`` and ``rejects.parquet``
+    and every part :func:`covered_parts` names, as they are now (atomically; call it after writing
     them). Returns what it wrote."""
     d = Path(cache_dir)
-    root = {"cache_id": cid,
-            "files": {n: {"sha256": file_sha256(d / n), "bytes": (d / n).stat().st_size} for n in _ROOT_COVERS}}
+    files = {n: _entry(d / n) for n in _ROOT_COVERS + _ROOT_ALSO if n in _ROOT_COVERS or (d / n).exists()}
+    root = {"cache_id": cid, "files": files,
+            "parts": {n: _entry(d / PARTS_DIR / n) for n in covered_parts(d)}}
     write_json_atomic(root, d / ROOT_FILE)
     return root
 
 
-def verify_root(cache_dir: str | Path) -> dict[str, Any]:
-    """Check ``index.parquet`` and ``manifest.json`` against ``integrity.json``; return the root.
+def _fix(d: Path) -> str:
+    """What to do about a cache its root does not vouch for: wait for the command writing it now,
+    else rebuild (never a command that writes while another one runs)."""
+    from .writing import writer_of
+    now = writer_of(d)
+    if now is not None:
+        return (f"it is being written right now by {now}: read it once that command has ended (nothing else to "
+                "do; do not run another command that writes it meanwhile)")
+    return (f"rebuild the index and root from the shard tars with `shardcache shards reindex {d}` (or rerun "
+            "`shardcache precompute` on the same cache)")
 
-    Raises :class:`~shards.errors.ShardCorrupt` naming the file and the fix when the root is
-    missing or unreadable, when a file's size or sha256 differs from the one recorded (edited,
-    damaged, or written by something other than shardcache), or when ``manifest.json``'s
-    ``cache_id`` differs from the root's; ``FileNotFoundError`` when ``cache_dir`` has no index.
-    """
+
+def _differs(p: Path, want: Any) -> str | None:
+    """Why file ``p`` is not what root entry ``want`` records (None when it is)."""
+    if not p.exists():
+        return f"{p} is missing"
+    if not isinstance(want, dict) or not isinstance(want.get("sha256"), str):
+        return f"{p}: its entry in {ROOT_FILE} is unreadable"
+    size = p.stat().st_size
+    got = file_sha256(p) if size == want.get("bytes") else None
+    if got == want["sha256"]:
+        return None
+    what = f"sha256 {got[:16]}..." if got else f"{size} bytes"
+    rec = f"sha256 {want['sha256'][:16]}..." if got else f"{want.get('bytes')} bytes"
+    return (f"{p} does not match {ROOT_FILE} ({what}, recorded {rec}): it was changed or damaged after the cache "
+            "was written, and reading it could give other data")
+
+
+def root_problems(cache_dir: str | Path, full: bool = False) -> tuple[dict[str, Any] | None, list[str]]:
+    """``(root, problems)``: each way ``cache_dir``'s files differ from its integrity root, as a
+    message naming the file and the fix. Always ``index.parquet`` and ``manifest.json`` (and the
+    manifest's ``cache_id``); with ``full`` also ``rejects.parquet`` and every covered part of
+    ``parts/`` (:func:`covered_parts`): changed, missing, or present and not covered (a part written
+    after the last merge: an unfinished job). Raises ``FileNotFoundError`` when there is no index."""
     d = Path(cache_dir)
     if not (d / INDEX_FILE).exists():
         raise FileNotFoundError(f"{d / INDEX_FILE} not found: is {cache_dir} a shardcache cache?")
-    fix = (f"rebuild the index and root from the shard tars with `shardcache shards reindex {d}` (or rerun "
-           "`shardcache precompute` on the same cache)")
     try:
         root = json.loads((d / ROOT_FILE).read_text())
         files, cid = root["files"], root["cache_id"]
         if not isinstance(cid, str) or not all(isinstance(files[n]["sha256"], str) for n in _ROOT_COVERS):
             raise TypeError("wrong types")
     except FileNotFoundError:
-        raise ShardCorrupt(f"{d / ROOT_FILE} is missing: nothing vouches for {INDEX_FILE} and {MANIFEST_FILE} "
-                           f"(a cache written before integrity roots, or a partial copy); {fix}") from None
+        return None, [f"{d / ROOT_FILE} is missing: nothing vouches for {INDEX_FILE} and {MANIFEST_FILE} "
+                      f"(a cache written before integrity roots, a partial copy, or a rerun under way); {_fix(d)}"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ShardCorrupt(f"{d / ROOT_FILE} is unreadable ({type(e).__name__}: {e}); {fix}") from None
-    for name in _ROOT_COVERS:
-        p, want = d / name, files[name]
-        if not p.exists():
-            raise ShardCorrupt(f"{p} is missing; {fix}")
-        size = p.stat().st_size
-        got = file_sha256(p) if size == want.get("bytes") else None
-        if got != want["sha256"]:
-            what = f"sha256 {got[:16]}..." if got else f"{size} bytes"
-            rec = f"sha256 {want['sha256'][:16]}..." if got else f"{want.get('bytes')} bytes"
-            raise ShardCorrupt(f"{p} does not match {ROOT_FILE} ({what}, recorded {rec}): it was changed or "
-                               f"damaged after the cache was written, and reading it could give other data; {fix}")
-    mid = read_manifest(d).get("cache_id")
-    if mid != cid:
-        raise ShardCorrupt(f"{d / MANIFEST_FILE} records cache id {mid}, {ROOT_FILE} {cid}; {fix}")
+        return None, [f"{d / ROOT_FILE} is unreadable ({type(e).__name__}: {e}); {_fix(d)}"]
+    probs = [why for n in _ROOT_COVERS if (why := _differs(d / n, files[n])) is not None]
+    if not probs:
+        mid = read_manifest(d).get("cache_id")
+        if mid != cid:
+            probs.append(f"{d / MANIFEST_FILE} records cache id {mid}, {ROOT_FILE} {cid}")
+    if full:
+        for n in _ROOT_ALSO:
+            if n not in files:
+                if (d / n).exists():
+                    probs.append(f"{d / n} is not covered by {ROOT_FILE} (a root written before it covered "
+                                 f"{n}): nothing vouches for it")
+            elif (why := _differs(d / n, files[n])) is not None:
+                probs.append(why)
+        listed = root.get("parts")
+        if not isinstance(listed, dict):
+            if covered_parts(d):
+                probs.append(f"{d / PARTS_DIR}: {ROOT_FILE} covers none of its parts (a root written before it "
+                             "covered them): nothing vouches for what a re-merge would build the index from")
+        else:
+            on_disk = set(covered_parts(d))
+            for n in sorted(on_disk | set(listed)):
+                p = d / PARTS_DIR / n
+                if n not in listed:
+                    probs.append(f"{p} is not covered by {ROOT_FILE}: written after the cache's last merge (an "
+                                 "unfinished precompute or add-field: run it again to finish), or planted")
+                elif (why := _differs(p, listed[n])) is not None:
+                    probs.append(why)
+    return root, [f"{p}; {_fix(d)}" for p in probs]
+
+
+def verify_root(cache_dir: str | Path, full: bool = False) -> dict[str, Any]:
+    """Check ``index.parquet`` and ``manifest.json`` (``full``: also ``rejects.parquet`` and the parts)
+    against ``integrity.json``; return the root.
+
+    Raises :class:`~shards.errors.ShardCorrupt` with the first of :func:`root_problems` (naming the
+    file and the fix: the root missing or unreadable, a file's size or sha256 other than recorded,
+    ``manifest.json``'s ``cache_id`` other than the root's); ``FileNotFoundError`` when
+    ``cache_dir`` has no index.
+    """
+    root, probs = root_problems(cache_dir, full)
+    if probs:
+        raise ShardCorrupt(probs[0])
     return root
 
 
@@ -403,7 +490,6 @@ def write_sidecar_part(out_dir: Path, shard: str, field_name: str, rows: list[di
     """Write a sidecar's part (``key``, ``members`` with ``file`` set; ``entry`` = the sidecar's
     manifest entry ``{path, shard, samples, bytes, sha256}`` in the metadata), atomically."""
     p = sidecar_part_path(out_dir, shard, field_name)
-    p.parent.mkdir(parents=True, exist_ok=True)
     t = pa.Table.from_pylist(rows, schema=SIDECAR_PART_SCHEMA).replace_schema_metadata(
         {_SHARD_META: json.dumps(entry).encode()})
     write_parquet_atomic(t, p)

@@ -4,7 +4,10 @@ A shard is written to ``NAME.tar.tmp`` with :mod:`tarfile` in the WebDataset lay
 ``KEY.EXT`` in sorted EXT order, as webdataset's ``TarWriter`` writes them; mode 0444, owner
 ``bigdata``, integer mtime 0, so a rerun of the same chunk gives byte-identical tars), fsynced,
 scanned for its index rows, renamed to ``NAME.tar``; then the chunk's rejects part and index part
-are written (index part last: it marks the chunk done). A process killed at any moment leaves
+are written (index part last: it marks the chunk done). Every file is created inside the cache's
+writing session (:mod:`shards.writing`: the writer lock held, the folder owned; the ``.tmp`` made
+with ``O_EXCL | O_NOFOLLOW``, so a symlink planted at ``NAME.tar.tmp`` or ``NAME.tar`` is refused
+by name instead of written through). A process killed at any moment leaves
 either no trace of the chunk, a ``.tmp`` file that readers never open, or a finished tar without an
 index part that the next run rewrites.
 
@@ -17,6 +20,7 @@ or non-ASCII).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -27,10 +31,11 @@ from typing import Any
 import numpy as np
 
 from . import fields as registry, npz
-from .index import fsync_dir, unsafe_name_reason, write_parts
+from .index import unsafe_name_reason, write_parts
 from .npz import npy_bytes  # noqa: F401 - re-exported (callers import it from here)
 from .scan import scan_shard
 from .schema import JSON_MEMBER, TENSOR_DTYPES, key_problem, safe_key
+from .writing import CacheWriter, session
 
 
 #: ustar fields of every member (the values webdataset's TarWriter uses)
@@ -73,18 +78,27 @@ class ShardWriter:
         if why is not None:
             raise ValueError(f"shard name {name!r}: it {why}; use shards.schema.shard_name")
         self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.stem = name[:-4] if name.endswith(".tar") else name
         self.path = self.out_dir / name
         self.tmp = self.out_dir / (name + ".tmp")
         self._file = None
         self._tar = None
+        self._session: contextlib.ExitStack | None = None
+        self._writer: CacheWriter | None = None
         self.keys: list[str] = []
         self.rejects: list[dict] = []
 
     def _open(self) -> None:
-        self._file = open(self.tmp, "wb")
+        stack = contextlib.ExitStack()  # the cache's writing session, until commit() or abort()
+        writer = stack.enter_context(session(self.tmp))
+        try:
+            fd = writer.create(self.tmp)
+        except BaseException:
+            stack.close()
+            raise
+        self._session, self._writer = stack, writer
+        self._file = os.fdopen(fd, "wb")
         self._tar = tarfile.open(fileobj=self._file, mode="w|", format=tarfile.PAX_FORMAT)
 
     def add(self, key: str, fields: dict[str, Any]) -> None:
@@ -136,12 +150,24 @@ class ShardWriter:
             os.fsync(self._file.fileno())
             self._file.close()
             self._tar = self._file = None
-            rows, sha, size = scan_shard(self.tmp, shard_name=self.name)
-            os.replace(self.tmp, self.path)
-            fsync_dir(self.out_dir)
-            entry = dict(path=self.name, samples=len(rows), bytes=size, sha256=sha)
+            try:
+                rows, sha, size = scan_shard(self.tmp, shard_name=self.name)
+                self._writer.replace(self.tmp, self.path)
+                self._writer.fsync_dir(self.path)
+                entry = dict(path=self.name, samples=len(rows), bytes=size, sha256=sha)
+                write_parts(self.out_dir, self.stem, rows, self.rejects, entry, job_meta)
+            except BaseException:
+                self.abort()
+                raise
+            self._end()
+            return entry
         write_parts(self.out_dir, self.stem, rows, self.rejects, entry, job_meta)
         return entry
+
+    def _end(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = self._writer = None
 
     def abort(self) -> None:
         """Drop the unfinished shard (removes ``NAME.tar.tmp``)."""
@@ -152,7 +178,11 @@ class ShardWriter:
             except Exception:
                 pass
             self._tar = self._file = None
-        self.tmp.unlink(missing_ok=True)
+        if self._writer is not None:
+            try:
+                self._writer.unlink(self.tmp)
+            finally:
+                self._end()
 
     def __enter__(self) -> "ShardWriter":
         return self

@@ -1,4 +1,4 @@
-"""A user's own audio tokenizer, loaded with --audio-tokenizer plugin_codec:make (tests only).
+"""A user's own audio tokenizer, loaded with --audio_tokenizer plugin_codec:make (tests only).
 
 Codes are a deterministic function of the waveform (frame energy quantised into 4 codebooks);
 clips longer than ``poison_s`` seconds make ``encode`` raise, to test that a bad sample inside a

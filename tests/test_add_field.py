@@ -54,12 +54,12 @@ def added_cache(tmp_path_factory, base_cache, mimi_models) -> tuple[Path, dict[s
 
 def _add(cache: Path, models: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardcache", "add-field", str(cache), "--field", "codes_mimi",
-                           "--audio-tokenizer", "mimi", "--pretrained", str(models / "mimi-tiny"),
-                           "--no-progress", *extra], cwd=ROOT, capture_output=True, text=True)
+                           "--audio_tokenizer", "mimi", "--pretrained", str(models / "mimi-tiny"),
+                           "--no_progress", *extra], cwd=ROOT, capture_output=True, text=True)
 
 
 def _verify(cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--no-progress", *extra],
+    return subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--no_progress", *extra],
                           cwd=ROOT, capture_output=True, text=True)
 
 
@@ -181,7 +181,7 @@ def test_drop_field_restores_cache(added, base_cache):
 
 def test_reindex_keeps_sidecar_field(added):
     cache, _ = added
-    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(cache), "--no-progress", "-j", "1"],
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(cache), "--no_progress", "-j", "1"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     from shards import ShardReader
@@ -191,7 +191,7 @@ def test_reindex_keeps_sidecar_field(added):
 
 def test_unknown_field_refused(cache, mimi_models):
     r = subprocess.run([sys.executable, "-m", "shardcache", "add-field", str(cache), "--field", "codes",
-                        "--audio-tokenizer", "mimi", "--pretrained", str(mimi_models / "mimi-tiny")],
+                        "--audio_tokenizer", "mimi", "--pretrained", str(mimi_models / "mimi-tiny")],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 1 and "cannot be added" in r.stderr
 

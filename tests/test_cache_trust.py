@@ -26,7 +26,7 @@ def _argv(manifest, cache, tiny_models, *extra) -> list[str]:
     return ["--manifest", str(manifest), "--cache", str(cache), "--config", str(ROOT / "configs" / "precompute.yaml"),
             f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
             f"--image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-            "--image_size=64", "--device=cpu", "--no-progress", "--root", str(DEMO), *extra]
+            "--image_size=64", "--device=cpu", "--no_progress", "--root", str(DEMO), *extra]
 
 
 def _precompute_here(capsys, manifest, cache, tiny_models, *extra) -> tuple[int, str, str]:
@@ -159,7 +159,7 @@ def _rewrite_index(cache: Path, edit) -> None:
 
 
 def _verify_quick(cache: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--no-progress"], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--no_progress"], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -222,7 +222,7 @@ def test_a_manifest_cache_id_edited_to_match_a_checkpoint_is_refused(copy, tmp_p
     (copy / "integrity.json").unlink()
     with pytest.raises(ShardCorrupt, match=r"integrity.json is missing.*`shardcache shards reindex"):
         read_cache_id(copy)
-    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(copy), "--no-progress"], cwd=ROOT, env=ENV,
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(copy), "--no_progress"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert read_cache_id(copy) == json.loads((copy / "manifest.json").read_text())["cache_id"] != "0123456789abcdef"
@@ -286,10 +286,10 @@ def test_a_tar_holding_a_key_twice_is_refused_by_scan_verify_and_reindex(copy, c
         assert keys.count("s0000") == 2
     with pytest.raises(ShardCorrupt, match="holds sample key 's0000' twice"):
         scan_shard(p)
-    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(copy), "--deep", "--no-progress"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(copy), "--deep", "--no_progress"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "holds sample key 's0000' twice" in r.stdout, r.stdout + r.stderr
-    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(copy), "--no-progress"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(copy), "--no_progress"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "twice" in r.stdout + r.stderr, r.stdout + r.stderr
 
@@ -433,7 +433,7 @@ def test_a_rerun_after_add_field_keeps_the_field(rerun_cfg, tmp_path, caplog):
     with pytest.raises(ValueError, match=r"field 'mel' \(added by add-field\) has no sidecar for 3 shard"):
         ShardLoader(cache, 2, fields=("codes", "mel"))               # the loader refuses to read it
     ShardLoader(cache, 2, fields=("codes",)).close()                 # the rest of the cache reads
-    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(cache), "--no-progress"],
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(cache), "--no_progress"],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "field 'mel' (added by add-field) has no sidecar for 3 shard(s)" in r.stderr, r.stderr
     man = json.loads((cache / "manifest.json").read_text())

@@ -14,9 +14,16 @@ from shardcache.config import options
 
 from conftest import DEMO, ROOT
 
+
+def _choices(tp) -> tuple:
+    """The values of an option's ``Literal[...]`` (inside ``X | None`` too)."""
+    import typing
+    parts = typing.get_args(tp) if typing.get_origin(tp) is not typing.Literal else (tp,)
+    return tuple(v for p in parts if typing.get_origin(p) is typing.Literal for v in typing.get_args(p))
+
+
 #: the enumerated options of stage one and their declared choices (num_workers' one word aside)
-CHOICES = {p: f.metadata["choices"] for p, (_, f) in options(PrecomputeConfig).items()
-           if f.metadata.get("choices") and p != "num_workers"}
+CHOICES = {p: _choices(tp) for p, (tp, _) in options(PrecomputeConfig).items() if _choices(tp) and p != "num_workers"}
 
 
 @pytest.fixture
@@ -32,7 +39,7 @@ def no_work(monkeypatch):
 
 def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
     rc = cli.main(["--manifest", str(DEMO / "samples.jsonl"), "--cache", str(tmp_path / "out"),
-                   "--config", str(ROOT / "configs" / "precompute.yaml"), "--no-progress", *extra])
+                   "--config", str(ROOT / "configs" / "precompute.yaml"), "--no_progress", *extra])
     assert not (tmp_path / "out").exists()
     return rc, capsys.readouterr().err
 
@@ -40,7 +47,9 @@ def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
 @pytest.mark.parametrize("args,message", [
     (["--sample_rate=abc"], "error: sample_rate: expected an integer > 0 and <= 384000, got 'abc'"),
     (["--sample_rate=0"], "error: sample_rate: expected an integer > 0 and <= 384000, got 0"),
-    (["--encoder-batch-size", "0"], "error: encoder_batch_size: expected an integer > 0 and <= 65536, got 0"),
+    (["--encoder_batch_size", "0"], "error: encoder_batch_size: expected an integer > 0 and <= 65536, got 0"),
+    (["--encoder-batch-size", "0"], "error: encoder-batch-size: unknown option; options are spelled with '_': "
+                                    "--encoder_batch_size"),
     (["--encoder_batch_size=-1"], "error: encoder_batch_size: expected an integer > 0 and <= 65536, got -1"),
     (["--image_resize=foo"], "error: image_resize: expected one of center_crop, pad, bucket, stretch, got 'foo'"),
     (["--image_pixel_range=0..1"], "error: image_pixel_range: expected one of -1..1, 0..255, got '0..1'"),
@@ -49,12 +58,14 @@ def _main(capsys, tmp_path, *extra: str) -> tuple[int, str]:
     (["--image_token= <image>"], "error: image_token: expected a token string without surrounding"),
     (["--world_tokens=[<image>, <eow>]"], "error: world_tokens: '<image>' is the image placeholder"),
     (["--num_workers=lots"], "error: num_workers: expected an integer >= 0 and <= 1024 or one of auto, got 'lots'"),
-    (["--num-workers", "lots"], "error: num_workers: expected an integer >= 0 and <= 1024 or one of auto, got 'lots'"),
+    (["--num_workers", "lots"], "error: num_workers: expected an integer >= 0 and <= 1024 or one of auto, got 'lots'"),
     (["--min_duration=40"], "error: min_duration: 40.0 s is greater than max_duration 30.0 s"),
     (["--image_size=100"], "error: image_size: expected a multiple of 8 (the VAE's spatial factor), got 100"),
     (["--max_duration=-1"], "error: max_duration: expected a number > 0 and <= 86400, got -1"),
-    (["--silence_rms=loud"], "error: silence_rms: expected a number or null >= 0 and <= 1, got 'loud'"),
-    (["--sample-rate", "fast"], "error: sample_rate: expected an integer > 0 and <= 384000, got 'fast'"),
+    (["--silence_rms=loud"], "error: silence_rms: expected a number >= 0 and <= 1 or null, got 'loud'"),
+    (["--sample_rate", "fast"], "error: sample_rate: expected an integer > 0 and <= 384000, got 'fast'"),
+    (["--manifest_format", "xml"], "error: manifest_format: expected one of jsonl, chatml, llava, csv, parquet or "
+                                   "null, got 'xml'"),
     (["--optim.lr=1"], "error: optim.lr: unknown option"),
     (["--store_posterior=maybe"], "error: store_posterior: expected true or false, got 'maybe'"),
     (["--device=gpu"], "error: device: expected auto, cpu, cuda"),
@@ -78,10 +89,12 @@ def test_invalid_option_exits_2_naming_it(capsys, tmp_path, no_work, args, messa
 
 
 def test_every_problem_is_listed(capsys, tmp_path, no_work):
-    rc, err = _main(capsys, tmp_path, "--sample_rate=0", "--encoder_batch_size=0", "--image_resize=x")
+    """jsonargparse stops at the first bad flag; every one is still named, one line each."""
+    rc, err = _main(capsys, tmp_path, "--sample_rate=0", "--encoder_batch_size", "0", "--image_resize=x",
+                    "--no-progress", "--max_images=0")
     assert rc == 2
-    named = {ln.split(":")[1].strip() for ln in err.strip().splitlines()}
-    assert named == {"sample_rate", "encoder_batch_size", "image_resize"}
+    named = [ln.split(":")[1].strip() for ln in err.strip().splitlines()]
+    assert sorted(named) == ["encoder_batch_size", "image_resize", "max_images", "no-progress", "sample_rate"], err
 
 
 def test_yaml_errors_exit_2(capsys, tmp_path, no_work):
@@ -104,7 +117,7 @@ def test_valid_values_pass(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli, "run", fake_run)
     rc, _ = _main(capsys, tmp_path, "--audio_tokenizer=null", "--silence_rms=1e-4",
                   "--extra_fields={audio_16k: {producer: waveform, sample_rate: 16000, direction: in}}",
-                  "--num_workers=auto", "--num-workers", "2", "--device", "cuda:1")
+                  "--num_workers=auto", "--num_workers", "2", "--device", "cuda:1")
     assert rc == 1 and seen["cfg"].num_workers == 2 and seen["cfg"].audio_tokenizer is None
     assert seen["cfg"].silence_rms == 1e-4  # YAML 1.1 reads 1e-4 as text; a number option takes it as the number
     assert check_config(PrecomputeConfig()) == []
@@ -112,9 +125,9 @@ def test_valid_values_pass(monkeypatch, capsys, tmp_path):
     for plugin in ({"factory": "mypkg.codec:make", "kwargs": {"n": 3}}, {"name": "encodec", "pretrained": "x"}):
         assert check_config(load_config(None, [f"audio_tokenizer={plugin}"])) == []
     with pytest.raises(ConfigError) as e:
-        validate_config(load_config(None, ["image_size=0", "max_duration=-2.5"]))
-    assert e.value.lines() == ["max_duration: expected a number > 0 and <= 86400, got -2.5",  # in the order of the fields
-                               "image_size: expected an integer > 0 and <= 16384, got 0"]
+        load_config(None, ["image_size=0", "max_duration=-2.5"])
+    assert e.value.lines() == ["image_size: expected an integer > 0 and <= 16384, got 0",  # in the order given
+                               "max_duration: expected a number > 0 and <= 86400, got -2.5"]
     with pytest.raises(ConfigError) as e:  # a value of the wrong type: named when the config is read
         load_config(None, ["max_duration=abc"])
     assert e.value.lines() == ["max_duration: expected a number > 0 and <= 86400, got 'abc'"]
@@ -165,16 +178,22 @@ def test_cli_stops_before_loading_any_model(tmp_path):
 
 
 def test_config_files_keep_their_fingerprint(tmp_path):
-    """The preprocessing() of configs/precompute-tts.yaml, written out (renaming an option never
-    changes it), and a file read with an override. The TTS file renders Higgs-Audio's own layout
-    (chat_template llama3)."""
+    """The preprocessing() of configs/precompute-tts.yaml, written out: every bytes option (declared
+    effect=BYTES) and the bytes keys of its specs that differ from the class's default (the codec's
+    bandwidth and resampler; not pretrained paths, not batch sizes, not n_codebooks, a check), and a file
+    read with an override. The TTS file renders Higgs-Audio's own layout (chat_template llama3)."""
     cfg = load_config(ROOT / "configs" / "precompute-tts.yaml")
     assert cfg.preprocessing() == {
         "audio_format": "pcm_s16le", "chat_template": "llama3", "image_resize": "center_crop", "image_size": 256,
         "image_rgb": "composite", "image_pixel_range": "-1..1", "image_token": "<image>", "world_tokens": None,
         "encoder_dtype": "float32", "latents_dtype": "float16", "sample_layout": "conversation-2",
-        "sample_rate": 24000,
-        "store_posterior": False, "label_policy": "answers", "image_features": None}
+        "sample_rate": 24000, "store_posterior": False, "label_policy": "answers", "image_features": None,
+        "audio_tokenizer": {"name": "higgs", "bandwidth": 2, "resampler": "auto"}, "image_encoder": None,
+        "text_tokenizer": {"name": "hf"},
+        "extra_fields": {"audio_16k": {"producer": "waveform", "sample_rate": 16000, "direction": "in"}}}
+    assert load_config(ROOT / "configs" / "precompute-tts.yaml", [
+        "encoder_batch_size=2", "audio_tokenizer.pretrained=/elsewhere", "max_duration=3", "num_workers=0",
+        "audio_tokenizer.max_batch_size=4", "encoder_dtype=fp32"]).preprocessing() == cfg.preprocessing()
     theworld = load_config(ROOT / "configs" / "precompute-theworld.yaml").preprocessing()
     assert {k: theworld[k] for k in ("image_resize", "image_size", "image_rgb", "image_pixel_range", "image_token",
                                      "world_tokens", "encoder_dtype")} == {
@@ -240,11 +259,14 @@ def test_a_training_device_it_cannot_use_is_refused():
         parse_args(["--config", "none", "--dist.device", "gpu"])
 
 
-def test_a_merge_option_takes_mappings_and_keys_in_their_order():
-    """``model.kwargs`` flags update the file's mapping in their order: a key, a whole mapping, ``{}`` clears;
-    anything but a mapping exits 2 naming the option."""
+def test_a_mapping_option_takes_mappings_and_keys_in_their_order():
+    """``model.kwargs`` flags in their order (jsonargparse's ``dict[str, Any]``): a whole mapping replaces the
+    file's, ``{}`` clears it, ``--model.kwargs.KEY VALUE`` sets one key (the value typed as YAML); anything but a
+    mapping exits 2 naming the option."""
     from shardcache.config import ConfigError
     from train.config import parse_args
+    cfg, _ = parse_args(["--config", str(ROOT / "configs" / "train-tts.yaml"), "--model.kwargs.z", "1"])
+    assert cfg.model.kwargs["z"] == 1 and "lm" in cfg.model.kwargs  # one key: merged into the file's mapping
     cfg, _ = parse_args(["--config", str(ROOT / "configs" / "train-tts.yaml"), "--model.kwargs", "{}",
                          "--model.kwargs.b", "3", "--model.kwargs", "{a: {}, b: 4}", "--model.kwargs.c", "[1]"])
     assert cfg.model.kwargs == {"a": {}, "b": 4, "c": [1]}

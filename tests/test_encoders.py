@@ -127,7 +127,15 @@ def test_reload_gives_identical_codes_and_hash(models, dac):
     for a, b in zip(fresh.encode(clips), dac.encode(clips)):
         np.testing.assert_array_equal(a, b)
     again = load_audio_tokenizer({"name": "dac", "pretrained": str(models["dac"])})
-    assert fresh.describe() == dac.describe() == again.describe()
+    assert _built(fresh.describe()) == _built(dac.describe()) == _built(again.describe())
+    assert dac.describe()["checkpoint_sha256"] == again.describe()["checkpoint_sha256"] is not None
+
+
+def _built(d: dict) -> dict:
+    """A description less the checkpoint's identity (``checkpoint_sha256``, ``revision``), which only a
+    model loaded with ``from_pretrained`` has (an encoder built in memory has no checkpoint: None)."""
+    assert d["checkpoint_sha256"] is None or len(d["checkpoint_sha256"]) == 64
+    return {k: v for k, v in d.items() if k not in ("checkpoint_sha256", "revision")}
 
 
 @pytest.mark.parametrize("name", ["encodec", "mimi", "wan", "cosmos"])
@@ -136,9 +144,11 @@ def test_reload_matches_in_memory_model(models, name):
     from precompute.encoders import AUDIO_TOKENIZERS, IMAGE_ENCODERS
 
     cls = {**AUDIO_TOKENIZERS, **IMAGE_ENCODERS}[name]
+    from shardcache.weights import checkpoint_sha256
     fresh = cls(random_models.MAKERS[name]("tiny"))
     loaded = cls.from_pretrained(str(models[name]))
-    assert fresh.describe() == loaded.describe()
+    assert _built(fresh.describe()) == _built(loaded.describe())
+    assert loaded.describe()["checkpoint_sha256"] == checkpoint_sha256(models[name])
     if name in AUDIO_TOKENIZERS:
         x = [chirp(24000, seed=31)]
         np.testing.assert_array_equal(fresh.encode(x)[0], loaded.encode(x)[0])

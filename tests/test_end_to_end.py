@@ -17,8 +17,8 @@ from conftest import ROOT
 def test_torchrun_two_ranks_trains_on_the_demo_cache(demo_cache, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardcache", "train",
-           "--config", str(ROOT / "configs" / "train-demo.yaml"), "--cache", str(demo_cache), "--run-dir", str(out),
-           "--training.steps", "6", "--checkpoint.every", "3", "--metrics.every", "1", "--no-metrics.progress"]
+           "--config", str(ROOT / "configs" / "train-demo.yaml"), "--cache", str(demo_cache), "--run_dir", str(out),
+           "--training.steps", "6", "--checkpoint.every", "3", "--metrics.every", "1", "--metrics.progress=false"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -45,9 +45,12 @@ def processor(higgs_codec):
 
 
 def _recipe(higgs_codec, cache, **kw):
-    from train.models import build_model
+    """--model.name higgs on ``cache``, its contract naming the tiny audio tokenizer as the paired one."""
+    from train.models import build_model, run_contract
     torch.manual_seed(0)
-    return build_model("higgs", {"lm": str(higgs_codec / "higgs-tiny"), **kw}, cache).eval()
+    kwargs = {"lm": str(higgs_codec / "higgs-tiny"), **kw}
+    contract = run_contract("higgs", kwargs, str(higgs_codec / "higgs-audio-tokenizer-tiny"))
+    return build_model("higgs", kwargs, cache, contract=contract).eval()
 
 
 def _wave(url: str, sr: int = 24000) -> np.ndarray:
@@ -247,7 +250,8 @@ def test_lora_checkpoints_hold_the_adapters_only(higgs_caches, higgs_models, tmp
         monkeypatch.delenv(k, raising=False)
     cache, _ = higgs_caches["voice_clone"]
     cfg = from_dict({"data": {"cache": str(cache), "batch_size": 2},
-                     "model": {"name": "higgs", "kwargs": {"lm": str(higgs_models / "higgs-tiny")}},
+                     "model": {"name": "higgs", "kwargs": {"lm": str(higgs_models / "higgs-tiny")},
+                               "audio_tokenizer": str(higgs_models / "higgs-audio-tokenizer-tiny")},
                      "lora": {"enabled": True}, "training": {"steps": 3}, "checkpoint": {"every": 3},
                      "job": {"dir": str(tmp_path / "run")}, "metrics": {"progress": False}, "dist": {"threads": 1}})
     with Captured():          # (a handler of our own: the trainer leaves the logger's propagation alone)

@@ -85,7 +85,7 @@ def test_the_tts_config_precomputes_voice_cloning_where_no_torchaudio_loads(real
     cache = tmp_path / "tts"
     r = subprocess.run([sys.executable, "-m", "shardcache", "precompute", "--manifest",
                         str(real_mini / "chatml_voice_clone.json"), "--cache", str(cache), "--config",
-                        "configs/precompute-tts.yaml", "--no-progress",
+                        "configs/precompute-tts.yaml", "--no_progress",
                         "--audio_tokenizer.pretrained", str(higgs_models / "higgs-audio-tokenizer-tiny"),
                         "--text_tokenizer.pretrained", str(higgs_models / "higgs-tiny")],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)

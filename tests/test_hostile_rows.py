@@ -426,7 +426,7 @@ def test_cli_on_a_hostile_manifest(setup, m):
         manifest = write_manifest(folder, m)
         cfg = setup["cfg"]
         cmd = [sys.executable, "-m", "shardcache", "precompute", "--manifest", str(manifest),
-               "--cache", str(folder / "cache"), "--root", str(setup["root"]), "--config", "none", "--no-progress",
+               "--cache", str(folder / "cache"), "--root", str(setup["root"]), "--config", "none", "--no_progress",
                f"--audio_tokenizer={json.dumps(cfg.audio_tokenizer)}",
                f"--image_encoder={json.dumps(cfg.image_encoder)}",
                "--image_size=64", "--samples_per_shard=8", "--num_workers=0",

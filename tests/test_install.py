@@ -1,5 +1,6 @@
 """The core install (`pip install shardcache`, no extra) is what a training node needs: `shards` and
-`loaders` import no media or model library and read a cache. Issue 32 item 4."""
+`loaders` import no media or model library and read a cache; every `shards` command that needs no
+extra runs there, and one that needs [inspect] exits 2 naming it. Issue 32 item 4, issue 40 item 4."""
 from __future__ import annotations
 
 import json
@@ -65,15 +66,20 @@ def test_loaders_and_shards_read_a_cache_without_any_extra(cache):
     assert not {m.split(".")[0] for m in out["mods"]} & set(NOT_CORE)
 
 
+def core_venv_python() -> Path:
+    """build/core-venv's python, the venv made first when it is missing or older than the sources
+    (`make core-venv`: ~1 min)."""
+    r = subprocess.run(["make", "core-venv", f"CORE_VENV={CORE_VENV}", "PYTHON=python3"], cwd=REPO,
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return CORE_VENV / "bin" / "python"
+
+
 @pytest.mark.long
 def test_a_venv_of_the_core_extra_only_reads_a_cache(cache):
     """`make core-venv` (build/core-venv: `pip install torch==2.13.0 .`, no system site-packages)
     holds none of the extras' libraries and reads the cache (built on first use, ~1 min)."""
-    if not (CORE_VENV / ".installed").exists():
-        r = subprocess.run(["make", "core-venv", f"CORE_VENV={CORE_VENV}", "PYTHON=python3"], cwd=REPO,
-                           capture_output=True, text=True, timeout=1200)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    python = str(CORE_VENV / "bin" / "python")
+    python = str(core_venv_python())
     listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
                             check=True).stdout
     names = {p["name"].lower() for p in json.loads(listed)}
@@ -81,3 +87,60 @@ def test_a_venv_of_the_core_extra_only_reads_a_cache(cache):
     out = read_with(python, cache)
     assert sorted(out["keys"]) == sorted(index_keys(cache))
     assert out["shapes"]["input_ids"][0] == 4
+
+
+#: the shards commands the core install runs (a key of the cache is appended for `show`)
+CORE_COMMANDS = (["info"], ["ls"], ["head", "-n", "2"], ["show"], ["verify"], ["rejects"])
+#: the commands that need the [inspect] extra (DuckDB)
+INSPECT_COMMANDS = (["query", "--count"], ["stats"])
+SHARDS = "import sys\nfrom shardcache.cli import main\nsys.exit(main(['shards'] + sys.argv[1:]))\n"
+
+
+def shards(python: str, cache: Path, args: list[str], prelude: str = "") -> subprocess.CompletedProcess:
+    """``shardcache shards ARGS`` (the cache inserted after the command name) with ``python``."""
+    env = base_env()
+    if python != sys.executable:
+        env["PYTHONPATH"] = ""
+    argv = [args[0], str(cache)] + args[1:]
+    if args[0] == "show":
+        argv.append(index_keys(cache)[0])
+    return subprocess.run([python, "-c", prelude + SHARDS] + argv, env=env, capture_output=True, text=True,
+                          timeout=300, cwd="/")
+
+
+def assert_core_commands_run_and_inspect_ones_name_the_extra(python: str, cache: Path, prelude: str = "") -> None:
+    for args in CORE_COMMANDS:
+        r = shards(python, cache, args, prelude)
+        assert r.returncode == 0, f"shards {args[0]}: {r.stderr[-2000:]}"
+        assert "Traceback" not in r.stderr
+    r = shards(python, cache, ["show", "--json"], prelude)
+    assert json.loads(r.stdout)[0]["key"] == index_keys(cache)[0]
+    for args in INSPECT_COMMANDS:
+        r = shards(python, cache, args, prelude)
+        assert r.returncode == 2, f"shards {args[0]}: exit {r.returncode}: {r.stdout[-500:]} {r.stderr[-2000:]}"
+        assert 'pip install "shardcache[inspect]"' in r.stderr and "duckdb" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_shards_commands_without_any_extra_run_and_inspect_ones_exit_2_naming_it(cache):
+    """With every library of the extras made unimportable (what the core install lacks): info, ls,
+    head, show, verify and rejects run (they died on `ModuleNotFoundError: joblib`); query and stats
+    exit 2 naming `pip install "shardcache[inspect]"` (they printed a traceback)."""
+    assert_core_commands_run_and_inspect_ones_name_the_extra(sys.executable, cache, BLOCK)
+
+
+def test_a_full_install_without_duckdb_names_the_extra_too(cache):
+    block = BLOCK.replace(repr(NOT_CORE), repr(("duckdb",)))
+    for args in INSPECT_COMMANDS:
+        r = shards(sys.executable, cache, args, block)
+        assert r.returncode == 2 and 'pip install "shardcache[inspect]"' in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    plot = shards(sys.executable, cache, ["stats", "--plot", "/tmp/x.png"], BLOCK.replace(repr(NOT_CORE), repr(("matplotlib",))))
+    assert plot.returncode == 2 and "--plot needs matplotlib" in plot.stderr and "shardcache[inspect]" in plot.stderr
+
+
+@pytest.mark.long
+def test_a_venv_of_the_core_extra_only_runs_the_shards_commands(demo_cache):
+    """`make core-venv` runs info, ls, head, show, verify and rejects on a cache stage one wrote (with
+    rejects); query and stats exit 2 naming the [inspect] extra."""
+    assert_core_commands_run_and_inspect_ones_name_the_extra(str(core_venv_python()), demo_cache)

@@ -232,7 +232,7 @@ def test_an_index_entry_without_a_checksum_is_refused_naming_it(cache):
 
 def test_training_stops_on_a_damaged_sample_naming_it(cache, tmp_path):
     """Before: `shardcache train` exited 0 having trained on the changed values. Now it stops naming
-    shard, key and member; with --data.skip-corrupt 1 it leaves the sample out, logs it, and goes on."""
+    shard, key and member; with --data.skip_corrupt 1 it leaves the sample out, logs it, and goes on."""
     shard = flip_low_bit(cache, "s0010", "codes.npy", index=3)
     run = lambda out, **kw: subprocess.run(  # noqa: E731 - one epoch: every sample is read
         [sys.executable, "-m", "shardcache", "train",

@@ -41,8 +41,8 @@ def _make_dry_run(*args: str, **env: str) -> str:
 
 
 def _line(out: str, module: str) -> str:
-    """The line that runs ``shardcache MODULE`` (train's ``--dry-run`` check before it aside)."""
-    lines = [ln for ln in out.splitlines() if f"-m shardcache {module} " in ln and "--dry-run" not in ln]
+    """The line that runs ``shardcache MODULE`` (train's ``--dry_run`` check before it aside)."""
+    lines = [ln for ln in out.splitlines() if f"-m shardcache {module} " in ln and "--dry_run" not in ln]
     assert len(lines) == 1, out
     return lines[0]
 
@@ -84,10 +84,10 @@ def test_make_precompute_train_demo_commands_on_this_machine():
     assert f"--nproc_per_node={n or 2} " in train and "--config configs/train-demo.yaml" in train
     # first the one-process check of the same options (a bad one is one line, not one per rank + torchrun's)
     lines = out.splitlines()
-    dry = [i for i, ln in enumerate(lines) if "-m shardcache train " in ln and ln.rstrip().endswith("--dry-run")]
+    dry = [i for i, ln in enumerate(lines) if "-m shardcache train " in ln and ln.rstrip().endswith("--dry_run")]
     assert len(dry) == 1 and lines.index(train) == dry[0] + 1, out
     args = train.split("-m shardcache train", 1)[1].split()
-    assert lines[dry[0]].split() == [".venv/bin/python", "-m", "shardcache", "train", *args, "--dry-run"]
+    assert lines[dry[0]].split() == [".venv/bin/python", "-m", "shardcache", "train", *args, "--dry_run"]
 
 
 # ---- SLURM scripts ----------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def test_precompute_sbatch_under_fake_slurm(fake_slurm):
     assert r.returncode == 0, r.stdout + r.stderr
     # 64 CPUs / 8 GPUs = 8 per rank, minus one for the rank's main process
     _check_nodes(fs, "precompute", ["--manifest", "/data/train.json", "--cache", "/data/cache", "--config",
-                                    "configs/my.yaml", "--num-workers", "7", "--encoder_batch_size=32"])
+                                    "configs/my.yaml", "--num_workers", "7", "--encoder_batch_size=32"])
     # the summary at the end, on the batch node
     assert _argv(fs["rec"] / "python.batch.argv") == ["-m", "shardcache", "shards", "info", "/data/cache"]
     for k, v in RECOMMENDED_ENV.items():
@@ -208,13 +208,13 @@ def test_precompute_sbatch_under_fake_slurm(fake_slurm):
 @needs_bash
 def test_precompute_sbatch_default_config_and_failure(fake_slurm):
     fs = fake_slurm
-    r = subprocess.run([BASH, str(SLURM / "precompute.sbatch"), "m.jsonl", "out", "--encoder-batch-size", "4"],
+    r = subprocess.run([BASH, str(SLURM / "precompute.sbatch"), "m.jsonl", "out", "--encoder_batch_size", "4"],
                        env=fs["env"] | {"STUB_RC": "1"}, cwd=fs["submit"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0
     a = _torchrun_args(_argv(fs["rec"] / "python.0.argv"))
     assert a.training_script_args == ["precompute", "--manifest", "m.jsonl", "--cache", "out", "--config",
-                                      "configs/precompute.yaml", "--num-workers", "7", "--encoder-batch-size", "4"]
+                                      "configs/precompute.yaml", "--num_workers", "7", "--encoder_batch_size", "4"]
     assert not (fs["rec"] / "python.batch.argv").exists()  # no summary after a failed srun
 
 
@@ -227,8 +227,8 @@ def test_train_sbatch_under_fake_slurm(fake_slurm):
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     _check_nodes(fs, "train", ["--config", "configs/train.yaml", "--job.dir", str(out), "--checkpoint.resume", "auto",
-                               "--job.stop-file", str(out / "STOP"), "--job.requeue-exit-code", "3",
-                               "--no-metrics.progress", "--cache", "/data/cache", "--training.steps", "100"])
+                               "--job.stop_file", str(out / "STOP"), "--job.requeue_exit_code", "3",
+                               "--metrics.progress=false", "--cache", "/data/cache", "--training.steps", "100"])
     for k, v in RECOMMENDED_ENV.items():
         assert f"  {k}={v}\n" in r.stdout
     assert not (fs["rec"] / "scontrol.argv").read_text().count("requeue")

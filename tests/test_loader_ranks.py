@@ -58,20 +58,71 @@ def test_explicit_world_size_differing_from_the_process_group_is_refused(cache, 
 
 
 def test_rank_from_environment_explicit_wins(monkeypatch):
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert resolve_rank() == (1, 4)
     assert resolve_rank(0, 1) == (0, 1)  # explicit arguments win over the environment
-    monkeypatch.delenv("RANK")
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    assert resolve_rank() == (3, 4)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert resolve_rank() == (1, 4)  # RANK is the global rank, LOCAL_RANK the rank within the node
     monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
     assert resolve_rank() == (0, 1)
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="rank 2 of 2"):
         resolve_rank()
+
+
+@pytest.mark.parametrize("env, missing", [
+    ({"LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, ["RANK"]),  # 2 nodes x 2, no RANK
+    ({"LOCAL_RANK": "1"}, ["RANK", "WORLD_SIZE"]),
+    ({"RANK": "3"}, ["WORLD_SIZE"]),
+    ({"WORLD_SIZE": "4"}, ["RANK"]),
+    ({"LOCAL_WORLD_SIZE": "2"}, ["RANK", "WORLD_SIZE"]),
+])
+def test_a_partial_launcher_environment_is_refused_naming_the_variables(monkeypatch, cache, env, missing):
+    """Issue 41 item 5: a launcher that sets LOCAL_RANK/WORLD_SIZE but not RANK (2 nodes x 2) made
+    the loader take LOCAL_RANK as the global rank: on the two nodes ranks 1 and 3 both read rank 1's
+    share (half the samples twice, half never), exit 0. Now each partial environment is refused,
+    naming what is set and what is missing."""
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(v, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError) as e:
+        ShardLoader(cache, 2)
+    msg = str(e.value)
+    for k, v in env.items():
+        assert f"{k}={v}" in msg, msg
+    assert f"{' and '.join(missing)} unset" in msg, msg
+    assert "global_rank=" in msg and "process group" in msg
+    if "LOCAL_RANK" in env:
+        assert "not the global rank" in msg
+
+
+def test_explicit_arguments_or_a_process_group_settle_a_partial_environment(monkeypatch, cache, tmp_path):
+    """What the environment leaves open may be given: explicit global_rank/world_size, or an
+    initialised process group (whose rank is the global one whatever LOCAL_RANK says)."""
+    import torch.distributed as dist
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_rank(3) == (3, 4)  # WORLD_SIZE from the environment, the rank given
+    assert resolve_rank(3, 4) == (3, 4)
+    ld = ShardLoader(cache, 2, global_rank=3, world_size=4)
+    assert (ld.global_rank, ld.world_size) == (3, 4)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert resolve_rank(world_size=4) == (2, 4)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert resolve_rank() == (0, 1)  # the group's, not RANK=2 or LOCAL_RANK=1
+    finally:
+        dist.destroy_process_group()
 
 
 def epoch(loader) -> list[str]:

@@ -376,6 +376,8 @@ def _npy(a):
 
 
 def _index_tar(root: Path, name: str, rows: list[dict]) -> None:
+    from shards.writing import MARKER
+    (root / MARKER).write_text("")  # a cache assembled by hand: its folder is declared one (else never written)
     size = (root / name).stat().st_size
     write_cache_files(root, rows_to_table(rows), REJECTS_SCHEMA.empty_table(),
                       [dict(path=name, samples=len(rows), bytes=size, sha256="0" * 64)], {})

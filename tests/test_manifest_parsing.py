@@ -125,7 +125,7 @@ def test_cli_refuses_a_utf16_manifest_without_bom_with_exit_2(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_bytes("".join(json.dumps(r) + "\n" for r in ROWS).encode("utf-16-le"))
     r = subprocess.run([sys.executable, "-m", "shardcache", "precompute", "--manifest", str(path), "--cache", str(tmp_path / "c"),
-                        "--config", "none", "--no-progress", "--device=cpu"],
+                        "--config", "none", "--no_progress", "--device=cpu"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
@@ -203,7 +203,9 @@ def test_non_regular_media_paths_are_named(tmp_path):
 # ---- formats in one table -------------------------------------------------------------------------
 
 def test_manifest_formats_are_one_table(tmp_path):
-    assert PrecomputeConfig.__dataclass_fields__["manifest_format"].metadata["choices"] == tuple(FORMATS)
+    import typing
+    choices = typing.get_args(typing.get_type_hints(PrecomputeConfig)["manifest_format"])[0]  # Literal[...] | None
+    assert typing.get_args(choices) == tuple(FORMATS)
     for name, fmt in FORMATS.items():
         assert fmt.name == name and fmt.doc
     (tmp_path / "m.tsv").write_text("key\ttext\taudio\nk\tt\ta.wav\n")

@@ -94,7 +94,7 @@ def test_add_field_adds_it_to_an_existing_cache(demo_cache, mel_cache, tmp_path)
     shutil.copytree(demo_cache, cache)
     r = subprocess.run([sys.executable, "-m", "shardcache", "add-field", str(cache), "--field", "mel",
                         "--producer", "plugin_fields:make_mel", "--options", json.dumps({"n_mels": N_MELS}),
-                        "--no-progress"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+                        "--no_progress"], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in cache.glob("shard-*.mel.tar"))
     man = json.loads((cache / "manifest.json").read_text())
@@ -115,7 +115,7 @@ def test_add_field_adds_it_to_an_existing_cache(demo_cache, mel_cache, tmp_path)
         assert np.median(np.abs(a[big].astype(np.float32) - b[big].astype(np.float32))) < 0.05
         n += 1
     assert n > 8
-    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--deep", "--no-progress"],
+    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--deep", "--no_progress"],
                        cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert v.returncode == 0, v.stdout + v.stderr
 
@@ -133,7 +133,7 @@ def test_verify_checks_its_values_with_its_kind(mel_cache, tmp_path):
     with open(shard, "r+b") as f:
         f.seek(m["offset"])
         f.write(np.array([np.nan], np.float16).tobytes())
-    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--deep", "--no-progress"],
+    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--deep", "--no_progress"],
                        cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert v.returncode == 1
     assert row["key"] in v.stdout and "mel" in v.stdout and "non-finite" in v.stdout, v.stdout + v.stderr

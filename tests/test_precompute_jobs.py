@@ -29,7 +29,7 @@ def _cli_args(tiny_models: Path, *extra: str) -> list[str]:
     return ["--config", str(ROOT / "configs" / "precompute.yaml"),
             f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
             f"--image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-            "--image_size=64", "--device=cpu", "--no-progress", *extra]
+            "--image_size=64", "--device=cpu", "--no_progress", *extra]
 
 
 def _samples(cache: Path) -> dict[str, str]:

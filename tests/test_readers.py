@@ -169,7 +169,7 @@ def _check_shar(cache: Path, shar: Path, manifest: dict) -> int:
 def test_export_lhotse_roundtrip_single_audio(mixed_cache, tmp_path):
     pytest.importorskip("lhotse")
     from shards.cli import main
-    assert main(["export-lhotse", str(mixed_cache), str(tmp_path / "shar"), "--shard-size", "8"]) == 0
+    assert main(["export-lhotse", str(mixed_cache), str(tmp_path / "shar"), "--shard_size", "8"]) == 0
     manifest = read_manifest(mixed_cache)
     assert _check_shar(mixed_cache, tmp_path / "shar", manifest) == 20
     assert sorted(p.name for p in (tmp_path / "shar").glob("codes.*.tar")) == [

@@ -50,11 +50,13 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _train(job: str, cache: Path, run_dir: Path, lm: Path, nproc: int) -> subprocess.CompletedProcess:
+    # the tts job's codes come from the tiny Higgs audio tokenizer beside lm: the model's paired one
+    paired = ["--model.audio_tokenizer", str(lm.parent / "higgs-audio-tokenizer-tiny")] if job == "tts" else []
     head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                 f"--nproc_per_node={nproc}"]
-    cmd = head + ["-m", "shardcache", "train", "--cache", str(cache), "--run-dir", str(run_dir), "--config",
+    cmd = head + ["-m", "shardcache", "train", "--cache", str(cache), "--run_dir", str(run_dir), "--config",
                   str(ROOT / "configs" / f"train-{job}.yaml"), "--model.kwargs", json.dumps({"lm": str(lm)}),
-                  "--no-metrics.progress"]
+                  "--metrics.progress=false", *paired]
     return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=600)
 

@@ -274,11 +274,12 @@ def test_tts_lora_trains_adapters_and_audio_modules_only(lm_dir):
     lora_mods = {n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in trainable if "lora_" in n}
     assert lora_mods == {"q_proj", "k_proj", "v_proj", "o_proj"}
     # --lora (train.models.apply_lora) with the reference defaults: same options -> nothing more
+    from train.spec import model_spec
     before = sum(p.numel() for p in m.parameters())
-    assert apply_lora(m, 2, 4, 0.0, ("qkv", "proj", "fc1", "fc2")) is m
+    assert apply_lora(m, 2, 4, 0.0, ("qkv", "proj", "fc1", "fc2"), spec=model_spec("tts")) is m
     assert sum(p.numel() for p in m.parameters()) == before
     with pytest.raises(ValueError, match="already applied"):
-        apply_lora(m, 8, 16, 0.0, ("qkv", "proj", "fc1", "fc2"))
+        apply_lora(m, 8, 16, 0.0, ("qkv", "proj", "fc1", "fc2"), spec=model_spec("tts"))
     m(collate([render(TTS_SAMPLE)]))["loss"].backward()
     assert all(p.grad is not None for p in m.parameters() if p.requires_grad)
 

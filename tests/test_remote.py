@@ -266,7 +266,7 @@ def test_stage_one_uploads_and_resumes_against_the_bucket(s3, demo_cache, tiny_c
     assert _digests(got.glob("shard-*.tar")) == _digests(demo_cache.glob("shard-*.tar"))
     # a job killed after uploading shard-000001.tar but before its commit marker: a rerun from a
     # fresh machine (no staging) redoes that chunk only
-    # (this rerun goes through the command line: --storage-options JSON, --staging)
+    # (this rerun goes through the command line: --storage_options JSON, --staging)
     s3.fs.rm("stage-one/demo/parts/shard-000001.index.parquet")
     shutil.rmtree(tmp_path / "staging")
     from precompute import cli
@@ -275,8 +275,8 @@ def test_stage_one_uploads_and_resumes_against_the_bucket(s3, demo_cache, tiny_c
                            "samples_per_shard", "num_workers", "device")]
     rc = cli.main(["--manifest", str(ROOT / "data" / "demo" / "samples.jsonl"), "--cache", url, "--config",
                    str(ROOT / "configs" / "precompute.yaml"), *[f"--{o}" for o in overrides],
-                   "--storage-options", json.dumps(s3.options), "--staging", str(tmp_path / "staging2"),
-                   "--no-progress"])
+                   "--storage_options", json.dumps(s3.options), "--staging", str(tmp_path / "staging2"),
+                   "--no_progress"])
     rows_in_chunk_1 = len([k for k in read_index(demo_cache).column("shard").to_pylist() if k == "shard-000001.tar"])
     out = capsys.readouterr().out
     assert rc == 0 and f"kept {rows_in_chunk_1}, " in out and "skipped (already cached) 24" in out
@@ -342,7 +342,7 @@ def test_a_rerun_on_an_edited_manifest_follows_it_in_the_bucket(s3, tiny_config,
     r = ShardReader(got)
     texts = {k: json.dumps(r.get(i)["json"]) for i, k in enumerate(r.keys)}
     assert sorted(texts) == ["k0", "k1", "k2", "k3"] and "Text 3, corrected." in texts["k3"]
-    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(got), "--no-progress"], cwd=ROOT,
+    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(got), "--no_progress"], cwd=ROOT,
                        capture_output=True, text=True)
     assert v.returncode == 0, v.stdout + v.stderr
     parts = {p.name.split(".")[0] for p in (got / "parts").glob("*.index.parquet")}

@@ -22,7 +22,7 @@ def test_help_lists_the_subcommands_and_each_has_its_own(capsys):
     assert main(["nope"]) == 2 and main([]) == 2
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "--optim.lr" in out and "--cache" in out and "--help-all" in out
+    assert "--optim.lr" in out and "--cache" in out and "--help_all" in out
     assert main(["shards", "--help"]) == 0 and "verify" in capsys.readouterr().out
 
 
@@ -40,17 +40,17 @@ def _help(capsys, *args: str) -> str:
 
 def test_help_is_plain_text_with_shardcache_usage_lines(capsys):
     """Every subcommand's --help: a usage line that says ``shardcache COMMAND`` and no Sphinx/RST
-    markup (double backquotes, :class:`...` roles); ``train --help`` is short, ``--help-all`` has every option."""
+    markup (double backquotes, :class:`...` roles); ``train --help`` is short, ``--help_all`` has every option."""
     import re
     for cmd in COMMANDS:
         text = _help(capsys, cmd)
         assert text.startswith(f"usage: shardcache {cmd} "), (cmd, text[:80])
         assert "``" not in text and not re.search(r":(class|func|mod|data|meth|attr):`", text), cmd
-    short, every = _help(capsys, "train"), _help(capsys, "train", "--help-all")
+    short, every = _help(capsys, "train"), _help(capsys, "train", "--help_all")
     from shardcache.config import options
     from train.config import TrainConfig
     assert len(short.splitlines()) < 100 < len(every.splitlines())
-    assert all(f"--{path} " in every for path in options(TrainConfig)) and "--help-all" in short
+    assert all(f"--{path} " in every for path in options(TrainConfig)) and "--help_all" in short
 
 
 def test_bad_option_exits_2_before_any_model_is_loaded(tmp_path):

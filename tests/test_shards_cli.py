@@ -315,7 +315,7 @@ def test_stats_and_plot(capsys, clean_cache, tmp_path):
         im.load()
         assert im.format == "PNG" and im.size[0] >= 800 and im.size[1] >= 500
 
-    code, out, _ = run(capsys, "stats", clean_cache, "--max-samples", "1")
+    code, out, _ = run(capsys, "stats", clean_cache, "--max_samples", "1")
     assert code == 0 and "duration (s)" in out and "1 of 3 image samples" in out
     sub = run_json(capsys, "stats", clean_cache, "--where", "not has_image")
     assert sub["samples"] == 2 and sub["latents"]["image_samples"] == 0
@@ -438,7 +438,7 @@ def test_reindex_reproduces_index(capsys, cache):
 def test_reindex_after_removing_a_shard(capsys, cache):
     (cache / "shard-r0000-000000.tar").unlink()
     assert run(capsys, "verify", cache)[0] == 1
-    dry = run_json(capsys, "reindex", cache, "--dry-run")
+    dry = run_json(capsys, "reindex", cache, "--dry_run")
     assert dry["index_change"] == dict(before=5, after=2, added=0, removed=3, changed=0)
     assert (cache / "parts" / "shard-r0000-000000.index.parquet").exists()
     report = run_json(capsys, "reindex", cache)

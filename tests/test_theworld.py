@@ -26,6 +26,11 @@ MANIFEST = "llava_multiturn.json"
 #: pixels of the VAE input in these tests (the preset's 512 gives 4096 world tokens per image:
 #: 6 s per step on 2 CPU processes; 64 gives 64, and the same code paths)
 IMAGE_SIZE = 64
+#: the preset's options these tests' caches change (besides IMAGE_SIZE): Gemma 3's own chat template and
+#: answers-only labels, what the on-the-fly comparisons below render; the recipe is told so (its contract
+#: defaults to TheWorld's preset: 512 px, chat_template theworld, label_policy all_but_world)
+PRESET = ["chat_template=auto", "label_policy=answers"]
+KW = {"image_size": IMAGE_SIZE, "chat_template": "tokenizer", "label_policy": "answers"}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,7 @@ def world_cache(real_mini, tiny_models, gemma3, tmp_path_factory) -> Path:
     from precompute.validate import validate_config
     cfg = validate_config(load_config(ROOT / "configs" / "precompute-theworld.yaml", [
         f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma3}",
-        f"image_features.pretrained={gemma3}", f"image_size={IMAGE_SIZE}", "device=cpu", "num_workers=0"]))
+        f"image_features.pretrained={gemma3}", f"image_size={IMAGE_SIZE}", "device=cpu", "num_workers=0", *PRESET]))
     out = tmp_path_factory.mktemp("theworld") / "cache"
     summary, _ = run(real_mini / MANIFEST, out, cfg, progress=False)
     assert summary.kept == 8 and summary.rejected == 0, summary.reasons
@@ -135,7 +140,7 @@ def test_cached_batch_gives_the_on_the_fly_loss(world_cache, gemma3, real_mini):
     from loaders.device import to_device
     from train.models import build_model
     torch.manual_seed(0)
-    model = build_model("theworld", {"lm": str(gemma3), "vision_tower": True}, world_cache).eval()
+    model = build_model("theworld", {**KW, "lm": str(gemma3), "vision_tower": True}, world_cache).eval()
     ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=True, seed=0)
     batch = to_device(next(iter(ld)), "cpu")
     ld.close()
@@ -159,7 +164,7 @@ def test_cached_batch_gives_the_on_the_fly_loss(world_cache, gemma3, real_mini):
         zeroed = dict(batch, image_features=torch.zeros_like(batch["image_features"]))
         assert abs(float(model(zeroed)["loss"]) - float(cached)) > 1e-3
     assert model.lm.model.vision_tower is not None
-    plain = build_model("theworld", {"lm": str(gemma3)}, world_cache)
+    plain = build_model("theworld", {**KW, "lm": str(gemma3)}, world_cache)
     assert plain.lm.model.vision_tower is None and plain.lm.model.multi_modal_projector is None
     with pytest.raises(ValueError, match="vision_tower: true"):
         plain(fly)
@@ -176,7 +181,7 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
     from train.models import build_model
     from train.recipes.base import cache_values
     spec = cache_values(Cache.open(world_cache))
-    model = build_model("theworld", {"lm": str(gemma3)}, world_cache).eval()
+    model = build_model("theworld", {**KW, "lm": str(gemma3)}, world_cache).eval()
     ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=False, seed=0)
     batch = to_device(next(iter(ld)), "cpu")
     ld.close()
@@ -209,9 +214,9 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
 def _train(cache: Path, run_dir: Path, gemma3: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
     head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                 f"--nproc_per_node={nproc}"]
-    cmd = head + ["-m", "shardcache", "train", "--cache", str(cache), "--run-dir", str(run_dir), "--config",
-                  str(ROOT / "configs" / "train-theworld.yaml"), "--model.kwargs", json.dumps({"lm": str(gemma3)}),
-                  "--no-metrics.progress", *extra]
+    cmd = head + ["-m", "shardcache", "train", "--cache", str(cache), "--run_dir", str(run_dir), "--config",
+                  str(ROOT / "configs" / "train-theworld.yaml"), "--model.kwargs", json.dumps({**KW, "lm": str(gemma3)}),
+                  "--metrics.progress=false", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=600)
 
@@ -263,7 +268,7 @@ def test_projection_only_trains_only_the_projection(world_cache, gemma3, caplog,
     from train.models import build_model
     spec = world_cache
     with caplog.at_level(logging.INFO, logger="train"):
-        m = build_model("theworld", {"lm": str(gemma3)}, spec)
+        m = build_model("theworld", {**KW, "lm": str(gemma3)}, spec)
     trainable = {n for n, p in m.named_parameters() if p.requires_grad}
     assert trainable == {f"world_projector.projection.{i}.{w}" for i in (0, 2) for w in ("weight", "bias")}
     share = (16 * 64 + 64 + 64 * 64 + 64) / sum(p.numel() for p in m.parameters())
@@ -274,7 +279,7 @@ def test_projection_only_trains_only_the_projection(world_cache, gemma3, caplog,
     theirs = {f"world_projector.projection.{k}": torch.full_like(v, 0.5)
               for k, v in m.world_projector.projection.state_dict().items()}
     save_file(theirs, str(tmp_path / "proj.safetensors"))
-    m2 = build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(tmp_path / "proj.safetensors"),
+    m2 = build_model("theworld", {**KW, "lm": str(gemma3), "projection_checkpoint": str(tmp_path / "proj.safetensors"),
                                   "projection_architecture": "mlp"}, spec)
     assert all(bool((p == 0.5).all()) for p in m2.world_projector.parameters())
 
@@ -296,7 +301,7 @@ def test_verify_checks_bf16_bits_and_the_config_is_validated(world_cache, tmp_pa
     with open(shard, "r+b") as f:
         f.seek(m["offset"] + 2 * 5)
         f.write(np.array([0x7FC0], np.uint16).tobytes())          # bfloat16 NaN
-    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--deep", "--no-progress"],
+    v = subprocess.run([sys.executable, "-m", "shardcache", "shards", "verify", str(cache), "--deep", "--no_progress"],
                        cwd=ROOT, capture_output=True, text=True)
     assert v.returncode == 1 and row["key"] in v.stdout, v.stdout + v.stderr
     assert "image_features has 1 non-finite bfloat16 value" in v.stdout, v.stdout
@@ -333,7 +338,7 @@ def multi_cache(real_mini, tiny_models, gemma3, tmp_path_factory) -> tuple[Path,
     cfg = validate_config(load_config(ROOT / "configs" / "precompute-theworld.yaml", [
         f"image_encoder.pretrained={tiny_models / 'wan-tiny'}", f"text_tokenizer.pretrained={gemma3}",
         f"image_features.pretrained={gemma3}", f"image_size={IMAGE_SIZE}", "device=cpu", "num_workers=0",
-        "allow_outside_root=true"]))
+        "allow_outside_root=true", *PRESET]))
     summary, _ = run(out / "m.json", out / "cache", cfg, progress=False)
     assert summary.kept == len(MULTI) and summary.rejected == 0, summary.reasons
     return out / "cache", {r["id"]: r for r in recs}
@@ -381,7 +386,7 @@ def test_multi_image_samples_end_to_end(multi_cache, gemma3, tiny_models):
 
     spec = Cache.open(cache)
     world_start, world_end = (spec.token_id(t) for t in spec.world_tokens)
-    model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
+    model = build_model("theworld", {**KW, "lm": str(gemma3)}, spec).eval()
     ld = ShardLoader(cache, len(MULTI), fields=model.fields, num_workers=0, compact=False, seed=0)
     batch = to_device(next(iter(ld)), "cpu")
     ld.close()
@@ -511,7 +516,7 @@ def test_theworld_preset_is_theworlds_collate_token_for_token(policy, real_mini,
         from train.models import build_model
         spec = Cache.open(tmp_path / "cache")
         world_start, world_end = (spec.token_id(t) for t in spec.world_tokens)
-        model = build_model("theworld", {"lm": str(gemma3)}, spec).eval()
+        model = build_model("theworld", {"lm": str(gemma3), "image_size": IMAGE_SIZE}, spec).eval()   # TheWorld's text
         ld = ShardLoader(tmp_path / "cache", len(recs), fields=model.fields, num_workers=0, compact=False, seed=0)
         batch = to_device(next(iter(ld)), "cpu")
         ld.close()
@@ -535,7 +540,7 @@ def test_vocabulary_theworlds_resize_and_ours_give_the_markers_the_same_rows(wor
     from train.models import build_model
     spec = Cache.open(world_cache)
     world_start, world_end = (spec.token_id(t) for t in spec.world_tokens)
-    ours = build_model("theworld", {"lm": str(gemma3)}, spec)
+    ours = build_model("theworld", {**KW, "lm": str(gemma3)}, spec)
     tok = AutoTokenizer.from_pretrained(str(gemma3))
     theirs = Gemma3ForConditionalGeneration.from_pretrained(str(gemma3))
     rows = theirs.get_input_embeddings().weight.shape[0]
@@ -584,7 +589,7 @@ def test_projection_checkpoints_of_every_theworld_variant(world_cache, gemma3, t
                   str(d / "model.safetensors"))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="train"):
-            m = build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(d / "model.safetensors")},
+            m = build_model("theworld", {**KW, "lm": str(gemma3), "projection_checkpoint": str(d / "model.safetensors")},
                             spec)
         with torch.no_grad():
             torch.testing.assert_close(m.world_projector(cells), theirs(cells), msg=arch)
@@ -598,17 +603,17 @@ def test_projection_checkpoints_of_every_theworld_variant(world_cache, gemma3, t
         save_file({f"world_projector.projection.{k}": v for k, v in theirs.state_dict().items()},
                   str(bare / f"{arch}.safetensors"))
     with pytest.raises(ValueError, match="mlp or mlp_no_final_gelu .* set model.kwargs.projection_architecture"):
-        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(bare / "mlp_no_final_gelu.safetensors")},
+        build_model("theworld", {**KW, "lm": str(gemma3), "projection_checkpoint": str(bare / "mlp_no_final_gelu.safetensors")},
                     spec)
     with pytest.raises(ValueError, match="holds one Linear .* projection_architecture is mlp"):
-        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(bare / "linear.safetensors"),
+        build_model("theworld", {**KW, "lm": str(gemma3), "projection_checkpoint": str(bare / "linear.safetensors"),
                                  "projection_architecture": "mlp"}, spec)
     with pytest.raises(ValueError, match="projection_architecture is mlp, but .*config.json says projection_archi"):
-        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(tmp_path / "linear" / "model.safetensors"),
+        build_model("theworld", {**KW, "lm": str(gemma3), "projection_checkpoint": str(tmp_path / "linear" / "model.safetensors"),
                                  "projection_architecture": "mlp"}, spec)
     channel = _theworld_projection("mlp", 64, dim)           # channel mode: one token per channel, input H*W = 64
     save_file({f"world_projector.projection.{k}": v for k, v in channel.state_dict().items()},
               str(bare / "channel.safetensors"))
     with pytest.raises(ValueError, match="channel mode"):
-        build_model("theworld", {"lm": str(gemma3), "projection_checkpoint": str(bare / "channel.safetensors"),
+        build_model("theworld", {**KW, "lm": str(gemma3), "projection_checkpoint": str(bare / "channel.safetensors"),
                                  "projection_architecture": "mlp"}, spec)

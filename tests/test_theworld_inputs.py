@@ -123,4 +123,4 @@ def test_theworld_preset_latents_are_theworlds_own(real_mini, tiny_models, gemma
     assert (text["vocab_size"], text["base_vocab_size"]) == (n + 2, n)
     assert text["world_tokens"] == ["<start_of_world>", "<end_of_world>"]
     assert s["input_ids"][:4].tolist() == [tok.bos_token_id, n, n + 1, tok.convert_tokens_to_ids("<start_of_turn>")]
-    assert (s["labels"][:3] == -100).all()
+    assert (s["labels"] == s["input_ids"]).all()      # TheWorld's objective (label_policy: all_but_world)

@@ -55,7 +55,7 @@ def test_increasing_sizes_up_to_max(cache, extra):
     best = max(rows, key=lambda r: r["samples_per_s"])["batch_size"]
     assert res["recommended"] == best  # CPU: the best samples/s
     table = BS.format_table(res)
-    assert f"recommended --batch-size {best}" in table and "stopped at --max-batch-size" in table
+    assert f"recommended --data.batch_size {best}" in table and "stopped at --max_batch_size" in table
 
 
 @pytest.mark.parametrize("loader", LOADERS)
@@ -124,16 +124,16 @@ def test_recommend_on_cuda_uses_the_margin():
 def test_cli(cache, tmp_path, capsys):
     out = tmp_path / "res.json"
     args = ["--cache", str(cache), "--config", "none", "--data.loader", FAKE, "--model.kwargs", json.dumps(TINY_MODEL),
-            "--dist.threads", "1", "--dist.device", "cpu", "--max-batch-size", "4", "--steps", "2", "--json", str(out)]
+            "--dist.threads", "1", "--dist.device", "cpu", "--max_batch_size", "4", "--steps", "2", "--json", str(out)]
     r = subprocess.run([PY, "-m", "shardcache", "find-batch-size", *args], cwd=REPO, env=base_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "samples/s" in r.stdout and "recommended --batch-size" in r.stdout
+    assert "samples/s" in r.stdout and "recommended --data.batch_size" in r.stdout
     res = json.loads(out.read_text())
     assert [row["batch_size"] for row in res["results"]] == [1, 2, 4] and res["recommended"] in (1, 2, 4)
-    assert BS.main([*args, "--margin", "1.5"]) == 2 and "--margin" in capsys.readouterr().err
+    assert BS.main([*args, "--margin", "1.5"]) == 2 and "margin: expected a number > 0 and <= 1, got 1.5" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         BS.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    assert "--max-batch-size" in text and "--model.activation_checkpointing" in text
+    assert "--max_batch_size" in text and "--model.activation_checkpointing" in text

@@ -185,15 +185,17 @@ def test_debug_metrics_hold_the_batches_latent_statistics(cache, tmp_path):
 
 def test_fused_adamw_selection(monkeypatch):
     from train import optim
+    from train.spec import factory_spec
     model = torch.nn.Linear(3, 3)
+    spec = factory_spec("torch.nn:Linear", torch.nn.Linear)   # a plain module: the trainer's groups
     cpu = torch.device("cpu")
     if not optim.fused_adamw_supported(cpu):
         pytest.skip("this torch has no fused AdamW on CPU")
-    assert optim.make_optimizer(model, from_dict({"fused": "auto"}), cpu).defaults["fused"] is True
-    assert optim.make_optimizer(model, from_dict({"fused": "on"}), cpu).defaults["fused"] is True
-    assert not optim.make_optimizer(model, from_dict({"fused": "off"}), cpu).defaults["fused"]
+    assert optim.make_optimizer(model, from_dict({"fused": "auto"}), cpu, spec).defaults["fused"] is True
+    assert optim.make_optimizer(model, from_dict({"fused": "on"}), cpu, spec).defaults["fused"] is True
+    assert not optim.make_optimizer(model, from_dict({"fused": "off"}), cpu, spec).defaults["fused"]
     monkeypatch.setattr(optim, "fused_adamw_supported", lambda device: False)
-    assert not optim.make_optimizer(model, from_dict({"fused": "auto"}), cpu).defaults["fused"]
+    assert not optim.make_optimizer(model, from_dict({"fused": "auto"}), cpu, spec).defaults["fused"]
 
 
 # ---- torch.compile -----------------------------------------------------------------------------------------
@@ -230,11 +232,11 @@ def test_all_nan_run_exits_1_without_a_checkpoint(cache, tmp_path, capsys, steps
     run shorter than the limit; no checkpoint written; metrics.jsonl is strict JSON (null)."""
     from train.cli import main
     out = tmp_path / "run"
-    rc = main(["--config", "none", "--cache", str(cache), "--run-dir", str(out), "--model.name",
+    rc = main(["--config", "none", "--cache", str(cache), "--run_dir", str(out), "--model.name",
                "test_train_support:make_mean_codes", "--model.kwargs", json.dumps({"nan_at_calls": list(range(1, 99))}),
                "--training.steps", str(steps), "--metrics.every", "2", "--checkpoint.every", "100",
-               "--no-metrics.progress", "--dist.threads", "1", "--training.nonfinite-limit", str(limit),
-               "--no-eval.enabled"])
+               "--metrics.progress=false", "--dist.threads", "1", "--training.nonfinite_limit", str(limit),
+               "--eval.enabled=false"])
     err = capsys.readouterr().err
     assert rc == 1, err
     stop = min(limit, steps)

@@ -88,7 +88,7 @@ def test_a_finding_equal_on_every_rank_is_said_by_rank_0_only(capfd):
 
 class NeedsFeaturesRecipe(Recipe):
     """A plug-in recipe whose contract needs ``image_features`` (the test cache has none); building it fails
-    the test: ``--dry-run`` stops at the contract."""
+    the test: ``--dry_run`` stops at the contract."""
 
     @classmethod
     def contract(cls, kwargs):
@@ -96,11 +96,11 @@ class NeedsFeaturesRecipe(Recipe):
 
     @classmethod
     def from_cache(cls, cache, kwargs, **_):
-        raise AssertionError("--dry-run built the model")
+        raise AssertionError("--dry_run built the model")
 
 
 def test_dry_run_checks_the_cache_and_the_contract_and_loads_nothing(cache, tmp_path, capsys):
-    """``--dry-run`` (``make train`` runs it before torchrun): the options, the cache, the run directory and the
+    """``--dry_run`` (``make train`` runs it before torchrun): the options, the cache, the run directory and the
     model's contract against the cache, in this process, then exit; no run directory is made, no model is built."""
     run = tmp_path / "run"
     assert main(train_args(cache, run, dry_run=True)) == 0

@@ -265,27 +265,30 @@ def config_from_dict(data: dict[str, Any]):
 
 
 def flags(argv: list[str]) -> list[str]:
-    """Command-line flags with the tests' short names (``--batch-size 4``, ``--no-progress``) as options."""
+    """Command-line flags with the tests' short names (``--batch_size 4``, ``--no_progress``) as options
+    (``--no_X``: ``--OPTION=false``)."""
     out = []
     for a in argv:
         name, eq, val = a.partition("=")
-        key = name[2:].replace("-", "_") if name.startswith("--") else ""
+        key = name[2:] if name.startswith("--") else ""
         neg = key.startswith("no_") and key[3:] in SHORT
-        if key in SHORT or neg:
-            a = ("--no-" if neg else "--") + SHORT[key[3:] if neg else key] + eq + val
+        if neg:
+            a = "--" + SHORT[key[3:]] + "=false"
+        elif key in SHORT:
+            a = "--" + SHORT[key] + eq + val
         out.append(a)
     return out
 
 
 def train_args(cache: Path, out: Path, **opts) -> list[str]:
-    """CLI flags for a tiny CPU run; ``opts`` override (``foo_bar=1`` -> ``--foo-bar 1``, short names of :data:`SHORT`)."""
+    """CLI flags for a tiny CPU run; ``opts`` override (``foo_bar=1`` -> ``--foo_bar 1``, short names of :data:`SHORT`)."""
     base = dict(cache=str(cache), out=str(out), config="none", model_kwargs=json.dumps(TINY_MODEL),
                 batch_size=4, steps=4, warmup_steps=2, lr=1e-3, ckpt_every=1000, keep=3,
                 no_progress=True, threads=1)
     base.update(opts)
     args = []
     for k, v in base.items():
-        flag = "--" + k.replace("_", "-")
+        flag = "--" + k
         if v is True:
             args.append(flag)
         elif v is not False and v is not None:

@@ -53,8 +53,9 @@ def test_train_never_imports_decoders_or_diffusers(tmp_path):
         "import train.config, train.dist, train.models, train.checkpoint, train.metrics\n"
         "import train.batch_size, shardcache.cli\n"
         "import loaders\n"
-        + "from train.models import ReferenceModel, apply_lora\n"
-        "m = apply_lora(ReferenceModel(d_model=16, n_layers=1, n_heads=2), 2, 4, 0.0, ('qkv',))\n"
+        + "from train.models import ReferenceModel, apply_lora, model_spec\n"
+        "m = apply_lora(ReferenceModel(d_model=16, n_layers=1, n_heads=2), 2, 4, 0.0, ('qkv',), "
+        "spec=model_spec('reference'))\n"
         "bad = [n for n in ('librosa', 'soundfile', 'PIL', 'diffusers') if sys.modules.get(n) is not None]\n"
         "print('BAD', bad)\n"
     )
@@ -72,17 +73,18 @@ def test_config_precedence_yaml_then_cli(tmp_path):
     cfg = load_yaml(y)
     assert (cfg.training.steps, cfg.data.batch_size, cfg.lora.enabled, cfg.optim.lr) == (7, 3, True, 3e-4)
     cfg, _ = parse_args(["--config", str(y), "--training.steps", "9", "--model.kwargs", '{"d_model": 32}',
-                         "--no-lora.enabled", "--data.fields", "[codes, input_ids]", "--optim.lr", "1e-3"])
+                         "--lora.enabled=false", "--data.fields", "[codes, input_ids]", "--optim.lr", "1e-3"])
     assert cfg.training.steps == 9 and cfg.data.batch_size == 3 and cfg.lora.enabled is False
     assert cfg.optim.lr == 1e-3
-    assert cfg.model.kwargs == {"d_model": 32, "n_layers": 1}  # a merge option: the flag updates the file's dict
+    assert cfg.model.kwargs == {"d_model": 32}  # the whole mapping replaces the file's (jsonargparse)
     assert cfg.data.fields == ("codes", "input_ids")
-    cfg, _ = parse_args(["--config", str(y), "--model.kwargs", '{"lm": "/ckpt/x", "freeze_lm": true, "r": [1, 2]}'])
+    cfg, _ = parse_args(["--config", str(y), "--model.kwargs.lm", "/ckpt/x", "--model.kwargs.freeze_lm", "true",
+                         "--model.kwargs.r", "[1, 2]"])  # one key each: merged into the file's
     assert cfg.model.kwargs == {"d_model": 64, "n_layers": 1, "lm": "/ckpt/x", "freeze_lm": True, "r": [1, 2]}
-    # --KEY=VALUE, dashes or underscores, one key of a mapping; flags in their order
+    # --KEY=VALUE, one key of a mapping, the short flags; flags in their order
     cfg, _ = parse_args(["--config", str(y), "--optim.lr=2e-3", "--training.steps=11",
-                         "--training.steps", "12", "--model.kwargs.n_layers=2", "--optim.weight-decay", "0",
-                         "--cache", "/c", "--run-dir", "/r"])
+                         "--training.steps", "12", "--model.kwargs.n_layers=2", "--optim.weight_decay", "0",
+                         "--cache", "/c", "--run_dir", "/r"])
     assert (cfg.training.steps, cfg.data.batch_size, cfg.optim.lr, cfg.optim.weight_decay) == (12, 3, 2e-3, 0.0)
     assert cfg.model.kwargs == {"d_model": 64, "n_layers": 2} and (cfg.data.cache, cfg.job.dir) == ("/c", "/r")
     with pytest.raises(ValueError, match="stepz: unknown option"):
@@ -93,7 +95,7 @@ def test_config_precedence_yaml_then_cli(tmp_path):
     y.write_text("steps: 7\n")
     with pytest.raises(ValueError, match="steps: unknown option"):
         load_yaml(y)
-    # every option is a documented flag (--help-all), under its section
+    # every option is a documented flag (--help_all), under its section
     helptext = build_parser().format_help()
     from shardcache.config import options
     for path, (_, f) in options(TrainConfig).items():
@@ -259,10 +261,10 @@ def test_plugin_factory_and_lora(cache):
     assert torch.isfinite(m(_batch(cache)))
     with pytest.raises(ValueError, match="module:factory"):
         build_model("nocolon", {}, cache)
-    from train.models import apply_lora
+    from train.models import apply_lora, model_spec
     ref = ReferenceModel(**TINY_MODEL)
     total = count_params(ref)[1]
-    lora = apply_lora(ref, 4, 8, 0.0, ("qkv", "fc1"))
+    lora = apply_lora(ref, 4, 8, 0.0, ("qkv", "fc1"), spec=model_spec("reference"))
     trainable, total2 = count_params(lora)
     assert 0 < trainable < total2 and total2 > total
     assert all("lora_" in n for n, p in lora.named_parameters() if p.requires_grad)

@@ -1,7 +1,7 @@
 """Issue 22: a cache is never silently wrong, a row never stops a job, a resume never lands on other data.
 
 Each test reproduces one failure of the issue through the real entry points: a NUL in a key (the
-whole job exited 1), caps per sample (too_large), ``--sample-rate 1e11`` (an empty cache with exit
+whole job exited 1), caps per sample (too_large), ``--sample_rate 1e11`` (an empty cache with exit
 0), a YAML alias bomb in ``model.kwargs`` (the training CLI hung), media paths outside ``--root``, a
 missing or badly typed ``manifest.json`` at training time (IndexError), two precompute processes on
 one cache, a resume on another cache with the same number of samples, and the ChatML ``recipient``
@@ -35,7 +35,7 @@ def _argv(manifest, cache, tiny_models, *extra, root=DEMO) -> list[str]:
     return ["--manifest", str(manifest), "--cache", str(cache), "--config", str(ROOT / "configs" / "precompute.yaml"),
             f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
             f"--image_encoder.pretrained={tiny_models / 'wan-tiny'}",
-            "--image_size=64", "--device=cpu", "--num_workers=0", "--no-progress",
+            "--image_size=64", "--device=cpu", "--num_workers=0", "--no_progress",
             *(["--root", str(root)] if root else []), *extra]
 
 
@@ -92,7 +92,7 @@ def test_nul_key_caps_and_recipient_through_the_cli(tiny_models, tmp_path, capsy
          "conversations": [{"from": "human", "value": "<image><image>Same?"}, {"from": "gpt", "value": "Yes."}]},
     ]
     manifest = _write_jsonl(tmp_path / "m.jsonl", rows)
-    caps = ["--max-text-tokens", "300", "--max-total-duration-s", "5", "--max-images", "1"]
+    caps = ["--max_text_tokens", "300", "--max_total_duration_s", "5", "--max_images", "1"]
     rc, out, err = _precompute_here(capsys, manifest, tmp_path / "cache", tiny_models, *caps)
     assert rc == 0, err[-3000:]
     rejects = _rejects(tmp_path / "cache")
@@ -177,10 +177,10 @@ def test_a_bad_first_line_of_jsonl_is_one_bad_row(tmp_path, first):
 
 
 def test_a_number_out_of_bounds_exits_2_before_any_work(tmp_path):
-    """--sample-rate 100000000000 gave an empty cache with exit 0 (every row MemoryError)."""
+    """--sample_rate 100000000000 gave an empty cache with exit 0 (every row MemoryError)."""
     out = tmp_path / "cache"
     cmd = [sys.executable, "-m", "shardcache", "precompute", "--manifest", str(DEMO / "samples.jsonl"),
-           "--cache", str(out), "--sample-rate", "100000000000", "--max_audio_items=0",
+           "--cache", str(out), "--sample_rate", "100000000000", "--max_audio_items=0",
            "--extra_fields={audio_a16k: {producer: waveform, sample_rate: 1000000}}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 2, r.stderr
@@ -189,21 +189,27 @@ def test_a_number_out_of_bounds_exits_2_before_any_work(tmp_path):
     assert "error: extra_fields.audio_a16k.sample_rate: expected an integer > 0 and <= 384000" in r.stderr
     assert not out.exists()
     r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--cache", str(out), "--data.batch_size", "1000000000",
-                        "--print-config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+                        "--print_config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 2 and "data.batch_size: expected an integer > 0 and <= 1000000" in r.stderr, r.stderr
 
 
 def test_every_number_of_both_configs_is_bounded():
-    """No numeric option is left without an upper bound (a typo like 1e11 must exit 2)."""
+    """No numeric option is left without a lower and an upper bound in its type (a typo like 1e11 must exit 2):
+    every int or float of an annotation is a bounded() type, jsonargparse's restricted number type."""
+    import operator
+    import typing
+    from precompute.add_field import AddFieldOptions
     from precompute.config import PrecomputeConfig
     from shardcache import config as S
     from train.config import TrainConfig
-    import typing
-    for cls in (PrecomputeConfig, TrainConfig):
+    for cls in (PrecomputeConfig, TrainConfig, AddFieldOptions):
         for path, (tp, f) in S.options(cls).items():
-            if {int, float} & ({tp} | set(typing.get_args(tp) if "|" in str(tp) else ())):
-                assert f.metadata.get("le") is not None, f"{cls.__name__}.{path} has no upper bound"
-                assert f.metadata.get("gt") is not None or f.metadata.get("ge") is not None, f"{cls.__name__}.{path}"
+            for part in typing.get_args(tp) or (tp,):
+                if part in (int, float):
+                    raise AssertionError(f"{cls.__name__}.{path} is an unbounded {part.__name__}")
+                if hasattr(part, "_restrictions"):
+                    ops = {op for op, _ in part._restrictions}
+                    assert ops & {operator.le, operator.lt} and ops & {operator.gt, operator.ge}, (cls, path)
 
 
 # ---- YAML with limits -------------------------------------------------------------------------------
@@ -220,16 +226,16 @@ def test_yaml_alias_bomb_in_model_kwargs_is_refused_fast(tmp_path):
     cfg = tmp_path / "bomb.yaml"
     cfg.write_text("model:\n  name: reference\n  kwargs:\n" + _bomb())
     r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--config", str(cfg), "--cache", str(tmp_path),
-                        "--print-config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+                        "--print_config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 2, r.stderr
     assert f"--config {cfg}: refused: its aliases expand to more than 100000 values" in r.stderr
     flag = "{" + ", ".join(_bomb(prefix="").splitlines()) + "}"
     r = subprocess.run([sys.executable, "-m", "shardcache", "train", "--model.kwargs", flag, "--cache", str(tmp_path),
-                        "--print-config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+                        "--print_config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 2 and "model.kwargs: refused: its aliases expand" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-m", "shardcache", "add-field", str(tmp_path / "no-cache"), "--field",
                         "codes_x", "--config", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
-    assert r.returncode == 1 and "refused: its aliases expand" in r.stderr, r.stderr
+    assert r.returncode == 2 and "refused: its aliases expand" in r.stderr, r.stderr  # a bad option: exit 2
 
 
 def test_yaml_limits_keep_ordinary_configs():
@@ -329,8 +335,9 @@ def test_two_precompute_processes_on_one_cache(tiny_models, tmp_path, capsys):
     assert holder.get("pid") == first.pid, "the first job never took the lock"
     rc, out, err = _precompute_here(capsys, manifest, cache, tiny_models)
     stdout, stderr = first.communicate(timeout=600)
-    assert rc == 1, err[-2000:]
-    assert f"is being written by another precompute job (host {holder['host']}, pid {first.pid} " in err, err
+    assert rc == 2, err[-2000:]                       # refused before writing anything (issue 41: exit 2)
+    assert f"is being written by another shardcache command (precompute on host {holder['host']}, pid {first.pid} " \
+        in err, err
     assert "lock file" in err and str(lock) in err
     assert first.returncode == 0, stderr[-2000:]
     assert "kept 2," in stdout
@@ -430,7 +437,7 @@ def test_cache_id_is_recorded_and_kept_by_a_remerge_and_reindex(two_caches, tmp_
     d = read_manifest(c)
     merge_parts(c, {k: v for k, v in d.items() if k not in ("cache_id", "counts", "shards", "created")})
     assert read_manifest(c)["cache_id"] == ida
-    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(c), "--no-progress"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "shardcache", "shards", "reindex", str(c), "--no_progress"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr
     assert read_manifest(c)["cache_id"] == ida
@@ -463,7 +470,7 @@ def test_loader_state_refuses_another_cache(two_caches):
 
 def test_resume_on_another_cache_is_refused_and_allowed_with_the_flag(two_caches, tmp_path, _single_process):
     """Train 4 steps on A, resume with --cache B (same number of samples) and --checkpoint.resume auto:
-    it went on with no warning. Now refused naming both ids; --checkpoint.allow-other-cache resumes."""
+    it went on with no warning. Now refused naming both ids; --checkpoint.allow_other_cache resumes."""
     from train.trainer import run
     a, b = two_caches
     out = tmp_path / "run"
@@ -475,7 +482,7 @@ def test_resume_on_another_cache_is_refused_and_allowed_with_the_flag(two_caches
         run(_cfg(b, out, steps=8, resume="auto"))
     msg = str(e.value)
     assert f"cache {a} (cache id {ida})" in msg and f"--data.cache {b} has cache id {idb}" in msg, msg
-    assert "--checkpoint.allow-other-cache" in msg
+    assert "--checkpoint.allow_other_cache" in msg
     assert [p.name for p in sorted(out.glob("step-*"))] == ["step-4"]       # nothing trained, nothing written
     assert run(_cfg(b, out, steps=8, resume="auto", **{"checkpoint": {"allow_other_cache": True}})) == 0
     st = torch.load(out / "step-8" / "trainer.pt", weights_only=True)

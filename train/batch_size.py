@@ -2,14 +2,14 @@
 
 Builds the trainer of ``shardcache train`` on one device (:class:`train.trainer.Trainer`: the same
 model, contract check, optimizer, schedule, precision and loader from ``--config``,
-``--model.name``, ``--model.kwargs``, ``--training.precision``, ``--model.activation-checkpointing``,
-``--lora``, ``--model.compile``, ``--data.loader-kwargs``..., without validation) and times its real
-training step (:meth:`~train.trainer.Trainer.train_step`: ``--training.grad-accum`` micro-steps, forward,
+``--model.name``, ``--model.kwargs``, ``--training.precision``, ``--model.activation_checkpointing``,
+``--lora.enabled``, ``--model.compile``, ``--data.loader_kwargs``..., without validation) and times its real
+training step (:meth:`~train.trainer.Trainer.train_step`: ``--training.grad_accum`` micro-steps, forward,
 backward, grad norms, clipping, AdamW step, schedule; the loader's wait left out) at batch sizes 1, 2, 4, ... (powers of two, then
-``--max-batch-size`` itself). Each size runs ``--steps`` steps on real batches of the cache; the
+``--max_batch_size`` itself). Each size runs ``--steps`` steps on real batches of the cache; the
 first is a warm-up (allocator, optimizer state, autotuning, compilation) and is left out of the
 timing when there are two or more. The search stops at the first out-of-memory error
-(``torch.OutOfMemoryError``; nothing is retried), at ``--max-batch-size``, or when the cache has too
+(``torch.OutOfMemoryError``; nothing is retried), at ``--max_batch_size``, or when the cache has too
 few samples for one batch of the next size.
 
 It prints one row per size (samples/s, median step time, peak memory) and a recommendation:
@@ -19,8 +19,8 @@ It prints one row per size (samples/s, median step time, peak memory) and a reco
 * on CPU, the size with the best samples/s (the peak RSS of a process cannot be reset between sizes,
   so memory says little there).
 
-The batch size is per rank and micro-step (``--data.batch-size`` of ``shardcache train``): DDP adds
-gradient buckets (about the size of the trainable parameters) on top; ``--grad-accum`` adds nothing.
+The batch size is per rank and micro-step (``--data.batch_size`` of ``shardcache train``): DDP adds
+gradient buckets (about the size of the trainable parameters) on top; ``--training.grad_accum`` adds nothing.
 Run it on one device, without torchrun. ``--steps`` here means steps per batch size (not the
 training length); ``--json FILE`` also writes the result.
 """
@@ -41,8 +41,7 @@ from typing import Any
 import torch
 
 from loaders.device import DevicePrefetcher
-from shardcache import config as S
-from shardcache.config import ConfigError
+from shardcache.config import ConfigError, bounded
 
 from . import dist as D
 from .config import TrainConfig, build_parser, parse_args
@@ -231,13 +230,13 @@ def format_table(res: dict[str, Any]) -> str:
             line += f"  {num(r['peak_reserved_mb'], '12.0f'):>12}"
         lines.append(line + f"  {r['status']}")
     why = {"oom": "stopped at the first out-of-memory error",
-           "max_batch_size": "stopped at --max-batch-size",
+           "max_batch_size": "stopped at --max_batch_size",
            "too_few_samples": "stopped: the cache has too few samples for a larger batch"}[res["stopped"]]
     lines.append(f"device {res['device']}; {res['steps']} step(s) per size; {why}")
     if res["recommended"] is None:
         lines.append(f"no recommendation: {res['reason']}")
     else:
-        lines.append(f"recommended --batch-size {res['recommended']} ({res['reason']})")
+        lines.append(f"recommended --data.batch_size {res['recommended']} ({res['reason']})")
     return "\n".join(lines)
 
 
@@ -247,22 +246,21 @@ def build_finder_parser() -> argparse.ArgumentParser:
         description=(
             "Find the largest / fastest per-rank batch size for the configured model on one device.\n\n"
             "  shardcache find-batch-size --cache cache/demo --config configs/train.yaml\n"
-            "  shardcache find-batch-size --cache /data/cache --max-batch-size 256 --margin 0.85\n\n"
+            "  shardcache find-batch-size --cache /data/cache --max_batch_size 256 --margin 0.85\n\n"
             "Takes every option of `shardcache train` (defaults < config file < flags), except\n"
             "that --steps is the number of steps per batch size. Exit status 0, 2 for bad options and for a\n"
             "cache that does not fit the model."))
     g = p.add_argument_group("batch-size finder")
-    g.add_argument("--max-batch-size", dest="find_max_batch_size", type=int, default=1024, metavar="INT",
+    g.add_argument("--max_batch_size", type=bounded(int, gt=0, le=1 << 20), default=1024,
                    help="largest batch size tried (default: 1024).")
-    g.add_argument("--steps", dest="find_steps", type=int, default=3, metavar="INT",
+    g.add_argument("--steps", type=bounded(int, gt=0, le=10_000), default=3,
                    help="training steps per batch size; the first is a warm-up when >= 2 (default: 3).")
-    g.add_argument("--margin", dest="find_margin", type=float, default=0.9, metavar="FLOAT",
+    g.add_argument("--margin", type=bounded(float, gt=0.0, le=1.0), default=0.9,
                    help="CUDA: recommend the largest size whose peak reserved memory is within this "
                         "fraction of the free device memory (default: 0.9).")
-    g.add_argument("--start", dest="find_start", type=int, default=1, metavar="INT",
+    g.add_argument("--start", type=bounded(int, gt=0, le=1 << 20), default=1,
                    help="first batch size tried; the next ones double it (default: 1).")
-    g.add_argument("--json", dest="find_json", default="", metavar="FILE",
-                   help="also write the result as JSON to FILE.")
+    g.add_argument("--json", default="", metavar="FILE", help="also write the result as JSON to FILE.")
     return p
 
 
@@ -270,29 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cfg, ns = parse_args(argv, build_finder_parser())
-        problems = []
-        if ns.find_max_batch_size < 1 or ns.find_start < 1 or ns.find_steps < 1:
-            problems.append(("--max-batch-size/--start/--steps", "must be >= 1"))
-        if not 0 < ns.find_margin <= 1:
-            problems.append(("--margin", f"expected a number in (0, 1], got {ns.find_margin}"))
         if not cfg.data.cache:
-            problems.append(("data.cache", "required (a directory made by `shardcache precompute`)"))
-        if problems:
-            raise ConfigError(problems)
+            raise ConfigError([("data.cache", "required (a directory made by `shardcache precompute`)")])
     except ConfigError as e:
         return e.report("shardcache find-batch-size")
-    if ns.print_config:
-        sys.stdout.write(S.dump(cfg))
-        return 0
     from shards.errors import ContractMismatch
     setup_logging(D.DistInfo())
     try:
-        res = find_batch_size(cfg, max_batch_size=ns.find_max_batch_size, steps=ns.find_steps,
-                              margin=ns.find_margin, start=ns.find_start)
+        res = find_batch_size(cfg, max_batch_size=ns.max_batch_size, steps=ns.steps, margin=ns.margin,
+                              start=ns.start)
     except ContractMismatch as e:  # the cache does not fit the model: nothing was loaded
         sys.stderr.write(f"shardcache find-batch-size: error: {e}\n")
         return 2
     sys.stdout.write(format_table(res) + "\n")
-    if ns.find_json:
-        Path(ns.find_json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
     return 0

@@ -76,10 +76,21 @@ def _batch_vs_cache(cache: str, batch_size: int) -> list[tuple[str, str]]:
     return []
 
 
+def _contract(contract: dict[str, Any]) -> list[tuple[str, str]]:
+    """``model.contract``: items :meth:`shards.cache.Contract.from_dict` knows."""
+    from shards.cache import Contract
+    try:
+        Contract.from_dict("--model.contract", contract)
+    except (ValueError, TypeError) as e:
+        return [("model.contract", str(e))]
+    return []
+
+
 def problems(cfg: Any) -> list[tuple[str, str]]:
     """Every problem of ``cfg``'s options that reach the loader and model constructors (see the
-    module docstring); reads at most ``manifest.json`` of the cache, loads no model."""
-    out = _loader_kwargs(cfg.data.loader, cfg.data.loader_kwargs)
+    module docstring; and ``model.contract``'s items); reads at most ``manifest.json`` of the cache,
+    loads no model."""
+    out = _loader_kwargs(cfg.data.loader, cfg.data.loader_kwargs) + _contract(cfg.model.contract)
     if cfg.model.name == "reference":
         out += _reference_kwargs(cfg.model.kwargs)
     return out + _batch_vs_cache(cfg.data.cache, cfg.data.batch_size)

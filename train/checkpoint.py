@@ -4,13 +4,21 @@ Layout of ``RUN_DIR/step-N/`` (N = optimizer steps completed)::
 
     model.safetensors   weights of the unwrapped model (no DDP/compile prefixes); or, with LoRA:
     adapter.safetensors the trainable tensors only (LoRA adapters + a recipe's own media modules)
-    adapter.json        ... and the base model they belong to: its id and a fingerprint of its weights
+    adapter.json        ... the base model they belong to (its id and a fingerprint of its weights) and
+                        the LoRA options they were made with (``lora``: r, alpha, dropout, targets),
+                        compared with the run's before any weight loads (:func:`check_adapter`)
     optimizer.pt        optimizer.state_dict()                           } torch.save of plain tensors
     trainer.pt          step, epoch, skipped steps, LR scheduler, grad    } and containers, read back
                         scaler, config, loader + RNG states of EVERY rank } with weights_only=True
     config.json         the effective config (for people); a model with ``checkpoint_config()`` adds
                         what it returns under ``model_config`` (the higgs recipe: its transformers
-                        config, ``model_type: higgs_audio_v2``)
+                        config, ``model_type: higgs_audio_v2``); ``contract``: the items of the
+                        model's contract the cache did not meet and the run accepted
+                        (``--model.allow_other_encoder_weights``)
+
+The safetensors header (``__metadata__``) of the weights holds ``step``, ``format`` and what the model's
+spec records about its own heads (``checkpoint_metadata``: the theworld recipe's
+``projection_architecture``, read back when the file is a ``projection_checkpoint``).
 
 Saving is a collective: every rank contributes its loader position and RNG states (torch, numpy,
 python, cuda) through ``all_gather_object``; rank 0 alone writes ``step-N.tmp/``, fsyncs each file
@@ -43,9 +51,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from shards.errors import ContractMismatch
 from shards.index import fsync_dir
 
 from . import dist as D
+from . import lora as L
 
 log = logging.getLogger("train")
 
@@ -258,9 +268,10 @@ def base_fingerprint(model: nn.Module, samples: int = 4096) -> str:
 
 
 def write_dir(out_dir: Path, step: int, model: nn.Module, optimizer_state: dict, trainer_state: dict,
-              config: dict, adapter: dict | None = None) -> Path:
+              config: dict, adapter: dict | None = None, metadata: dict[str, str] | None = None) -> Path:
     """Write ``out_dir/step-N`` atomically (tmp dir, fsync, rename). ``adapter`` (the base's id and
-    fingerprint, LoRA options): write the trainable tensors only. Returns the final path."""
+    fingerprint, LoRA options): write the trainable tensors only. ``metadata``: more ``{key: str}`` for the
+    weights' safetensors header (the model's ``checkpoint_metadata``). Returns the final path."""
     from safetensors.torch import save_file, save_model
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -269,7 +280,7 @@ def write_dir(out_dir: Path, step: int, model: nn.Module, optimizer_state: dict,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    meta = {"step": str(step), "format": str(FORMAT)}
+    meta = {**{str(k): str(v) for k, v in (metadata or {}).items()}, "step": str(step), "format": str(FORMAT)}
     if adapter is None:
         save_model(model, str(tmp / WEIGHTS), metadata=meta)
         _fsync_file(tmp / WEIGHTS)
@@ -311,7 +322,8 @@ def prune(out_dir: Path, keep: int) -> list[Path]:
 # ---- the collective save / load ------------------------------------------------------------------
 
 def save(out_dir: str | Path, step: int, *, model: nn.Module, state: dict[str, Any], loader_state: dict[str, Any],
-         info: D.DistInfo, config: dict, keep: int, adapter: dict | None = None) -> Path | None:
+         info: D.DistInfo, config: dict, keep: int, adapter: dict | None = None,
+         metadata: dict[str, str] | None = None) -> Path | None:
     """Collective: gather loader + RNG states of every rank, rank 0 writes ``step-N``, all wait.
 
     ``loader_state``: this rank's loader position after the last batch trained on (its
@@ -319,8 +331,8 @@ def save(out_dir: str | Path, step: int, *, model: nn.Module, state: dict[str, A
 
     ``model`` is the unwrapped model (not DDP, not compiled); ``state``: ``optimizer`` (its
     state_dict) and the trainer's own stateful parts (``lr_scheduler``, ``scaler``, ``train_state``:
-    plain values), the same on every rank; ``adapter``: see :func:`write_dir`. Returns the path on
-    rank 0, None elsewhere.
+    plain values), the same on every rank; ``adapter``, ``metadata``: see :func:`write_dir`. Returns the
+    path on rank 0, None elsewhere.
     """
     local = {"loader": to_plain(loader_state), "rng": rng_state(info.device)}
     states = D.all_gather_object(local, info)
@@ -332,7 +344,8 @@ def save(out_dir: str | Path, step: int, *, model: nn.Module, state: dict[str, A
             "loaders": [s["loader"] for s in states], "rng": [s["rng"] for s in states],
             "config": config, **rest,
         })
-        path = write_dir(Path(out_dir), step, model, to_plain(state["optimizer"]), trainer_state, config, adapter)
+        path = write_dir(Path(out_dir), step, model, to_plain(state["optimizer"]), trainer_state, config, adapter,
+                         metadata)
         prune(Path(out_dir), keep)
         log.info("saved checkpoint %s", path)
     D.barrier(info)
@@ -357,15 +370,40 @@ def is_adapter(path: str | Path) -> bool:
     return p.is_dir() and (p / ADAPTER).exists() and not (p / WEIGHTS).exists()
 
 
-def load_adapter(model: nn.Module, path: str | Path) -> dict:
+def check_adapter(path: str | Path, lora: dict | None, what: str = "--model.init_from") -> dict:
+    """Refuse adapter checkpoint ``path`` unless it was made with the LoRA options ``lora`` (the run's, as
+    the model will carry them: :meth:`train.spec.ModelSpec.lora_options`), before any weight loads: the
+    options decide the adapters' shapes (``r``, ``targets``) and the function they compute (``alpha / r``
+    scales them; ``dropout``), so an adapter of another rank would not load and one of another alpha
+    would load and compute something else. Returns ``adapter.json``.
+
+    Raises ``ValueError`` when the run has no LoRA, :class:`shards.errors.ContractMismatch` naming every
+    option that differs (``lora.r``, ``lora.alpha``, ``lora.dropout``, ``lora.targets``), the adapter's
+    value and the run's (also when the adapter records none)."""
+    p = Path(path)
+    meta = json.loads((p / ADAPTER_META).read_text())
+    if lora is None:
+        raise ValueError(f"{what} {path} is a LoRA adapter checkpoint: enable --lora with its options "
+                         f"({meta.get('lora')})")
+    diff = L.differences(L.recorded(meta), lora)
+    if diff:
+        raise ContractMismatch(f"{what} {path}", "(its adapter.json)", diff, have="the adapter has",
+                               need="the run has", what="was made with other LoRA options", hint=(
+                                   "set --lora.r / --lora.alpha / --lora.dropout / --lora.targets (or "
+                                   "model.kwargs.lora) to the adapter's, or start without it"))
+    return meta
+
+
+def load_adapter(model: nn.Module, path: str | Path, lora: dict | None = None) -> dict:
     """Load an adapter checkpoint onto ``model`` (LoRA already applied, base weights loaded): every
     saved tensor must name a parameter of ``model`` and every trainable parameter must be saved.
-    Raises ValueError when the base's fingerprint differs from the one the adapter was trained on
-    (naming both bases). Returns ``adapter.json``."""
+    ``lora``: the run's LoRA options, checked first (:func:`check_adapter`). Raises ValueError when the
+    base's fingerprint differs from the one the adapter was trained on (naming both bases). Returns
+    ``adapter.json``."""
     from safetensors.torch import load_file
 
     p = Path(path)
-    meta = json.loads((p / ADAPTER_META).read_text())
+    meta = check_adapter(p, lora) if lora is not None else json.loads((p / ADAPTER_META).read_text())
     mine = base_fingerprint(model)
     if meta.get("base_fingerprint") and meta["base_fingerprint"] != mine:
         raise ValueError(f"{p}: this adapter was trained on the base {meta.get('base')!r} (weights fingerprint "
@@ -384,11 +422,11 @@ def load_adapter(model: nn.Module, path: str | Path) -> dict:
     return meta
 
 
-def load_model(model: nn.Module, path: str | Path) -> None:
+def load_model(model: nn.Module, path: str | Path, lora: dict | None = None) -> None:
     """The weights of checkpoint ``path`` into ``model``: full (``model.safetensors``, strict) or a
-    LoRA adapter (:func:`load_adapter`)."""
+    LoRA adapter (:func:`load_adapter`, checked against the run's LoRA options ``lora`` when given)."""
     if is_adapter(path):
-        load_adapter(model, path)
+        load_adapter(model, path, lora)
     else:
         load_weights(model, path, strict=True)
 
@@ -469,8 +507,9 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: str | Path, info: D.DistInfo, *, keep: int, resume: str = "",
-                 adapter: dict | None = None):
+                 adapter: dict | None = None, metadata: dict[str, str] | None = None):
         self.out, self.info, self.keep, self.resume, self.adapter = Path(out_dir), info, int(keep), resume, adapter
+        self.metadata = metadata   #: the model's ``checkpoint_metadata`` (its weights' safetensors header)
 
     def find(self) -> Path | None:
         """The checkpoint to resume from (:func:`resolve_resume`), None for a fresh start."""
@@ -486,11 +525,11 @@ class Checkpointer:
         st = read_state(path, self.info)
         if check is not None:
             check(st, path)
-        load_model(model, path)
+        load_model(model, path, (self.adapter or {}).get("lora"))
         return st
 
     def save(self, step: int, *, model: nn.Module, state: dict[str, Any], loader_state: dict[str, Any],
              config: dict) -> Path | None:
         """Checkpoint ``step-N`` (:func:`save`; the path on rank 0, None elsewhere)."""
         return save(self.out, step, model=model, state=state, loader_state=loader_state, info=self.info,
-                    config=config, keep=self.keep, adapter=self.adapter)
+                    config=config, keep=self.keep, adapter=self.adapter, metadata=self.metadata)

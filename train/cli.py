@@ -1,7 +1,7 @@
 """``shardcache train`` / ``torchrun --nproc_per_node=N -m shardcache train``.
 
-Exit status: 0 when the run reached its steps; ``--job.requeue-exit-code`` (default 3) after a stop
-request (SIGUSR1/SIGTERM, the stop file or ``--job.stop-at-step``), with a checkpoint saved at the
+Exit status: 0 when the run reached its steps; ``--job.requeue_exit_code`` (default 3) after a stop
+request (SIGUSR1/SIGTERM, the stop file or ``--job.stop_at_step``), with a checkpoint saved at the
 step every rank agreed on; 1 when any rank failed (the failing rank exits at once; see
 :func:`train.dist.abort_on_exception`), including a run stopped by ``training.nonfinite_limit``;
 2 for bad options (each named) and for a cache that does not fit the model (``cache.require``: one
@@ -18,26 +18,21 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run; ``callbacks`` (a
     :class:`train.trainer.Callbacks`) are for tests and extensions that launch through this entry
     point (e.g. fault injection under torchrun)."""
-    from shardcache import config as S
     from shardcache.config import ConfigError
 
     from .config import help_text, parse_args
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--help-all" in argv or "-h" in argv or "--help" in argv:
-        sys.stdout.write(help_text(everything="--help-all" in argv))
+    if "--help_all" in argv or "-h" in argv or "--help" in argv:
+        sys.stdout.write(help_text(everything="--help_all" in argv))
         return 0
     try:
-        cfg, ns = parse_args(argv)
-        if not ns.print_config:  # the options that reach the loader and model constructors
-            from .bounds import problems
-            if bad := problems(cfg):
-                raise ConfigError(bad)
+        cfg, ns = parse_args(argv)  # --print_config prints and exits here (jsonargparse)
+        from .bounds import problems  # the options that reach the loader and model constructors
+        if bad := problems(cfg):
+            raise ConfigError(bad)
     except ConfigError as e:
         return e.report(PROG)
-    if ns.print_config:
-        sys.stdout.write(S.dump(cfg))
-        return 0
     from . import preflight
     try:
         preflight.check(cfg)  # cache and run directory, before anything is loaded
@@ -47,7 +42,7 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
 
     if ns.dry_run:
         return dry_run(cfg)
-    from . import dist as D  # torch is imported only now: --help and --print-config stay fast
+    from . import dist as D  # torch is imported only now: --help and --print_config stay fast
     from .metrics import NonFiniteError
     from .trainer import run
 
@@ -72,19 +67,23 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
 
 
 def dry_run(cfg) -> int:
-    """``--dry-run``: open the cache and check the model's contract against it (what a run checks
-    before any weight loads), in this process only; 0 when it fits, else 2 with the one-line reason."""
+    """``--dry_run``: open the cache and check the model's contract against it and a ``model.init_from``
+    adapter against the run's LoRA options (what a run checks before any weight loads:
+    :func:`train.trainer.check_model`), in this process only; 0 when it fits, else 2 with the one-line
+    reason."""
     from shards.cache import Cache
     from shards.errors import ContractMismatch, ShardcacheError
 
-    from .models import model_contract
+    from .trainer import check_model
     try:
         cache = Cache.open(cfg.data.cache)
-        if (contract := model_contract(cfg.model.name, cfg.model.kwargs)) is not None:
-            cache.require(contract)
+        waived = check_model(cfg, cache)
     except (ContractMismatch, ShardcacheError, ImportError, OSError, ValueError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
+    for item, have, want in waived:
+        sys.stdout.write(f"{PROG}: dry run: --model.allow_other_encoder_weights: {item}: the cache has {have!r}, the "
+                         f"model {want!r}\n")
     sys.stdout.write(f"{PROG}: dry run: the options, the run directory {cfg.job.dir} and the cache {cfg.data.cache} "
                      f"(id {cache.id}, {len(cache)} samples) fit --model.name {cfg.model.name}; nothing was loaded\n")
     return 0

@@ -1,14 +1,17 @@
 """Stage-two configuration: :class:`TrainConfig`, nested sections with a docstring per option, read by
 :mod:`shardcache.config` (the order: :func:`build_parser`'s description); :mod:`train.recipes.higgs_argv`
 translates the Higgs-Audio launch line. The effective config is logged at start and kept in every checkpoint."""
-from __future__ import annotations
-
+# no `from __future__ import annotations`: the annotations are the types jsonargparse checks (bounded(...))
 import argparse
 import sys
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from shardcache import config as S
-from shardcache.config import ConfigError, option
+from shardcache.config import ConfigError, bounded, option
+
+from .recipes import RECIPES  # a dict of names: imports no model library
+from .recipes.higgs_argv import translate
 
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_TRAIN_CONFIG"
@@ -23,26 +26,26 @@ class DataConfig:
     cache: str = ""
     """Training cache directory (made by `shardcache precompute`). Required."""
     val_cache: str = ""
-    """Validation cache directory; empty = validate on the keys of --data.cache held out by --data.val-fraction."""
-    val_fraction: float = option(0.02, ge=0.0, le=0.5)
-    """Without --data.val-cache: the fraction of keys held out for validation (by sha256(key)); 0 = none."""
+    """Validation cache directory; empty = validate on the keys of --data.cache held out by --data.val_fraction."""
+    val_fraction: bounded(float, ge=0.0, le=0.5) = 0.02
+    """Without --data.val_cache: the fraction of keys held out for validation (by sha256(key)); 0 = none."""
     fields: tuple[str, ...] = ("auto",)
     """Fields the loader collates: auto (the recipe's declared fields, else all) | all | a list: input_ids,labels."""
-    batch_size: int = option(8, gt=0, le=1_000_000)
+    batch_size: bounded(int, gt=0, le=1_000_000) = 8
     """Samples per rank per micro-step. Global batch = batch_size x world size x training.grad_accum."""
-    num_workers: int | str = option("auto", choices=("auto",), ge=0, le=1024)
+    num_workers: bounded(int, ge=0, le=1024) | Literal["auto"] = "auto"
     """DataLoader workers per rank. auto: on CUDA this rank's share of the cores - 1 (1 to 8); on CPU 0."""
     loader: str = "loaders:ShardLoader"
     """module:class of the loader (the ShardLoader API)."""
-    loader_kwargs: dict = option(factory=dict, merge=True)
+    loader_kwargs: dict[str, Any] = option(factory=dict)
     """Extra keyword arguments for the loader (a mapping; a flag updates the file's)."""
     compact_batches: bool = True
     """Load int16 audio and float16 latents as stored and widen them to float32 on the device (half the bytes)."""
-    prefetch_to_device: str = option("auto", choices=("auto", "on", "off"))
+    prefetch_to_device: Literal["auto", "on", "off"] = "auto"
     """Copy batch k+1 to the device while step k runs: auto = on CUDA; on = also on CPU (no overlap); off."""
-    seed: int = option(0, ge=0, le=2**63 - 1)
+    seed: bounded(int, ge=0, le=2**63 - 1) = 0
     """Seed of the data order and of the model init; rank r seeds its own RNGs with seed + r."""
-    skip_corrupt: int = option(0, ge=0, le=1_000_000)
+    skip_corrupt: bounded(int, ge=0, le=1_000_000) = 0
     """Damaged samples (checksum mismatch, truncated shard) a rank may skip before ShardCorrupt; 0 = none."""
 
 
@@ -52,13 +55,17 @@ class ModelConfig:
 
     name: str = "reference"
     """A recipe of train.recipes.RECIPES, module:Class of a Recipe, or module:factory(**model.kwargs) (an nn.Module)."""
-    kwargs: dict = option(factory=dict, merge=True)
+    kwargs: dict[str, Any] = option(factory=dict)
     """Keyword arguments of the model (reference: d_model, n_layers...; recipes: lm, dtype...); flags update them."""
     audio_tokenizer: str = ""
-    """Audio tokenizer (path or hub id) the cache's codes should come from; a mismatch warns. Never loaded."""
-    latent_loss: str = option("none", choices=("none", "cosine", "mse"))
+    """Audio tokenizer (dir or hub id) the model was trained with: the cache's codes must come from its weights."""
+    contract: dict[str, Any] = option(factory=dict)
+    """More contract items (fields, special_tokens, codec: {name, weights...}...); a plain factory's whole contract."""
+    allow_other_encoder_weights: bool = False
+    """Train on codes / latents / features of other encoder weights than the model's (recorded in the run)."""
+    latent_loss: Literal["none", "cosine", "mse"] = "none"
     """Reference model: latent-regression head (next image patch)."""
-    latent_loss_weight: float = option(1.0, ge=0.0, le=1e6)
+    latent_loss_weight: bounded(float, ge=0.0, le=1e6) = 1.0
     """Weight of the latent-regression loss."""
     init_from: str = ""
     """Initialise weights from a step-N dir or a .safetensors file; not a resume (optimizer and data start fresh)."""
@@ -74,11 +81,11 @@ class LoraConfig:
 
     enabled: bool = False
     """Train LoRA adapters instead of all weights; checkpoints then hold the trainable tensors only."""
-    r: int = option(8, gt=0, le=65536)
+    r: bounded(int, gt=0, le=65536) = 8
     """LoRA rank."""
-    alpha: int = option(16, gt=0, le=1_000_000)
+    alpha: bounded(int, gt=0, le=1_000_000) = 16
     """LoRA alpha (scale alpha / r)."""
-    dropout: float = option(0.0, ge=0.0, le=1.0)
+    dropout: bounded(float, ge=0.0, le=1.0) = 0.0
     """LoRA dropout."""
     targets: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
     """Module-name suffixes that get adapters (the reference model's; recipes default to their own)."""
@@ -88,21 +95,21 @@ class LoraConfig:
 class OptimConfig:
     """AdamW and gradient clipping."""
 
-    lr: float = option(3e-4, ge=0.0, le=100.0)
+    lr: bounded(float, ge=0.0, le=100.0) = 3e-4
     """Peak learning rate (a model's own optimizer groups may scale it: the VLM's projection_lr)."""
-    weight_decay: float = option(0.1, ge=0.0, le=100.0)
+    weight_decay: bounded(float, ge=0.0, le=100.0) = 0.1
     """AdamW weight decay on matrices and embeddings (dim >= 2); biases and norms exempt."""
-    beta1: float = option(0.9, ge=0.0, le=1.0)
+    beta1: bounded(float, ge=0.0, le=1.0) = 0.9
     """AdamW beta1."""
-    beta2: float = option(0.95, ge=0.0, le=1.0)
+    beta2: bounded(float, ge=0.0, le=1.0) = 0.95
     """AdamW beta2."""
-    eps: float = option(1e-8, gt=0.0, le=1.0)
+    eps: bounded(float, gt=0.0, le=1.0) = 1e-8
     """AdamW epsilon."""
-    fused: str = option("auto", choices=("auto", "on", "off"))
+    fused: Literal["auto", "on", "off"] = "auto"
     """Fused AdamW: auto (where this torch and device support it) | on | off."""
-    grad_clip: float = option(1.0, ge=0.0, le=1e12)
+    grad_clip: bounded(float, ge=0.0, le=1e12) = 1.0
     """Max global grad norm; 0 = no clipping (the norm is still logged). A non-finite norm skips the step."""
-    grad_norm_warn: float = option(1000.0, ge=0.0, le=1e30)
+    grad_norm_warn: bounded(float, ge=0.0, le=1e30) = 1000.0
     """Warn when the pre-clip grad norm exceeded this since the last log (usually 1-100); 0 = never."""
 
 
@@ -110,13 +117,13 @@ class OptimConfig:
 class ScheduleConfig:
     """The learning-rate schedule: a torch LambdaLR (its state is in every checkpoint)."""
 
-    name: str = option("cosine", choices=("constant", "linear", "cosine", "polynomial"))
+    name: Literal["constant", "linear", "cosine", "polynomial"] = "cosine"
     """After warmup, lr down to min_lr_ratio x lr at the last step; polynomial: (1 - progress) ** power."""
-    warmup_steps: int = option(100, ge=0, le=MAX_STEPS)
+    warmup_steps: bounded(int, ge=0, le=MAX_STEPS) = 100
     """Linear warmup steps (lr x (step + 1) / warmup_steps)."""
-    min_lr_ratio: float = option(0.1, ge=0.0, le=1.0)
+    min_lr_ratio: bounded(float, ge=0.0, le=1.0) = 0.1
     """Final lr as a fraction of each group's lr (groups with their own lr keep their ratio)."""
-    power: float = option(1.0, gt=0.0, le=1000.0)
+    power: bounded(float, gt=0.0, le=1000.0) = 1.0
     """Exponent of the polynomial schedule (1 = linear)."""
 
 
@@ -124,15 +131,15 @@ class ScheduleConfig:
 class TrainingConfig:
     """Length, accumulation, precision, failure limits."""
 
-    steps: int = option(1000, ge=0, le=MAX_STEPS)
+    steps: bounded(int, ge=0, le=MAX_STEPS) = 1000
     """Optimizer steps in total (the schedule spans them); ignored when --training.epochs > 0."""
-    epochs: float = option(0.0, ge=0.0, le=1e6)
+    epochs: bounded(float, ge=0.0, le=1e6) = 0.0
     """Epochs to train, may be fractional (steps = ceil(epochs x batches per epoch / grad_accum)); 0 = steps."""
-    grad_accum: int = option(1, gt=0, le=1_000_000)
+    grad_accum: bounded(int, gt=0, le=1_000_000) = 1
     """Micro-steps per optimizer step; gradients are all-reduced on the last only (no_sync)."""
-    precision: str = option("auto", choices=("auto", "bf16", "fp16", "fp32"))
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """auto: on CUDA bf16 where supported, else fp16 (with a GradScaler); fp32 on CPU. Or bf16 | fp16 | fp32."""
-    nonfinite_limit: int = option(20, ge=0, le=MAX_STEPS)
+    nonfinite_limit: bounded(int, ge=0, le=MAX_STEPS) = 20
     """Stop (exit 1, no checkpoint) after this many consecutive non-finite (skipped) steps; 0 = never."""
 
 
@@ -140,17 +147,17 @@ class TrainingConfig:
 class DistConfig:
     """Devices, process group, DDP."""
 
-    device: str = option("auto", choices=("auto", "cpu", "cuda"))
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto (cuda:LOCAL_RANK if available, else cpu) | cpu | cuda (each rank on its cuda:LOCAL_RANK)."""
-    backend: str = option("auto", choices=("auto", "nccl", "gloo"))
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: auto (nccl on CUDA, gloo on CPU)."""
-    pg_timeout_min: float = option(30.0, gt=0.0, le=525_600.0)
+    pg_timeout_min: bounded(float, gt=0.0, le=525_600.0) = 30.0
     """Process-group timeout in minutes (a hung collective fails after it)."""
-    bucket_cap_mb: int = option(25, gt=0, le=65536)
+    bucket_cap_mb: bounded(int, gt=0, le=65536) = 25
     """DDP gradient bucket size in MiB."""
     find_unused_parameters: bool = False
     """DDP find_unused_parameters (plug-in models with unused branches)."""
-    threads: int = option(0, ge=0, le=4096)
+    threads: bounded(int, ge=0, le=4096) = 0
     """torch intra-op threads per process; 0 = leave as is (torchrun sets OMP_NUM_THREADS=1)."""
 
 
@@ -158,9 +165,9 @@ class DistConfig:
 class CheckpointConfig:
     """Atomic step-N checkpoints in the run directory."""
 
-    every: int = option(500, gt=0, le=MAX_STEPS)
+    every: bounded(int, gt=0, le=MAX_STEPS) = 500
     """Save a checkpoint every N steps (and at the end, and on a stop request)."""
-    keep: int = option(3, gt=0, le=1_000_000)
+    keep: bounded(int, gt=0, le=1_000_000) = 3
     """Complete checkpoints kept (older ones are deleted after a new one is complete)."""
     resume: str = ""
     """'' = start fresh (refused over a run); fresh = replace that run; auto = the newest checkpoint, if any; step-N."""
@@ -176,9 +183,9 @@ class JobConfig:
     """Run directory: checkpoints step-N/, metrics.jsonl, profile/, REQUEUE."""
     stop_file: str = ""
     """A stop is requested when this file exists; '' = RUN_DIR/STOP. Consumed after the stop checkpoint."""
-    stop_at_step: int = option(0, ge=0, le=MAX_STEPS)
+    stop_at_step: bounded(int, ge=0, le=MAX_STEPS) = 0
     """Request a stop after this step (as if SIGUSR1 arrived); 0 = never."""
-    requeue_exit_code: int = option(3, ge=0, le=255)
+    requeue_exit_code: bounded(int, ge=0, le=255) = 3
     """Exit status after a stop request (checkpoint saved; the job should be requeued)."""
 
 
@@ -187,28 +194,28 @@ class EvalConfig:
     """Held-out validation, on every rank."""
 
     enabled: bool = True
-    """Validate during training (--data.val-cache, else the held-out keys); false: never, nothing held out."""
-    every: int = option(0, ge=0, le=MAX_STEPS)
+    """Validate during training (--data.val_cache, else the held-out keys); false: never, nothing held out."""
+    every: bounded(int, ge=0, le=MAX_STEPS) = 0
     """Validate every N steps and at the end; 0 = every checkpoint.every steps (see stagger)."""
     stagger: bool = True
     """A validation due on a checkpoint step runs one step later (500, 1001, 1500...); false: in that step."""
-    batches: int = option(0, ge=0, le=MAX_STEPS)
+    batches: bounded(int, ge=0, le=MAX_STEPS) = 0
     """Batches per rank per validation; 0 = the whole validation epoch."""
-    batch_size: int = option(0, ge=0, le=1_000_000)
-    """Samples per rank per validation batch; 0 = --data.batch-size."""
+    batch_size: bounded(int, ge=0, le=1_000_000) = 0
+    """Samples per rank per validation batch; 0 = --data.batch_size."""
 
 
 @dataclass
 class MetricsConfig:
     """metrics.jsonl (and TensorBoard) on global rank 0."""
 
-    every: int = option(10, gt=0, le=MAX_STEPS)
+    every: bounded(int, gt=0, le=MAX_STEPS) = 10
     """Write a metrics record every N steps (the only steps that wait for the device)."""
     tensorboard: bool = False
     """Also log to RUN_DIR/tb (needs the tensorboard package)."""
     progress: bool = True
     """tqdm progress bar on global rank 0."""
-    throughput_warn: float = option(0.5, ge=0.0, le=1.0)
+    throughput_warn: bounded(float, ge=0.0, le=1.0) = 0.5
     """Warn when samples/s falls below this fraction of its running average."""
     debug: bool = False
     """Records also hold latents_mean/std/min/max of the window's batches, logged at DEBUG level."""
@@ -220,11 +227,11 @@ class ProfileConfig:
 
     enabled: bool = False
     """Profile the steps below (rank 0): a Chrome trace and RUN_DIR/profile/report.md (time per phase)."""
-    wait: int = option(1, ge=0, le=1_000_000)
+    wait: bounded(int, ge=0, le=1_000_000) = 1
     """Profiler schedule: steps skipped."""
-    warmup: int = option(1, ge=0, le=1_000_000)
+    warmup: bounded(int, ge=0, le=1_000_000) = 1
     """Profiler schedule: warmup steps."""
-    active: int = option(3, gt=0, le=1_000_000)
+    active: bounded(int, gt=0, le=1_000_000) = 3
     """Profiler schedule: recorded steps."""
 
 
@@ -251,7 +258,6 @@ class TrainConfig:
 def _rules(cfg: TrainConfig) -> list[tuple[str, str]]:
     """Rules across options (after each option's own type and range passed); the cache's and the loader's
     are :mod:`train.preflight`'s and :mod:`train.bounds`'."""
-    from .recipes import RECIPES  # a dict of names: imports nothing heavy
     fields, m = tuple(cfg.data.fields), cfg.model
     explicit = fields not in (("auto",), ("all",))
     return [(k, msg) for k, ok, msg in (
@@ -265,50 +271,49 @@ def _rules(cfg: TrainConfig) -> list[tuple[str, str]]:
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    """Return ``cfg``, or raise :class:`ConfigError` listing every invalid option."""
-    if problems := S.check(cfg) or _rules(cfg):
+    """Return ``cfg``, or raise :class:`ConfigError` listing every invalid option (types, choices and bounds
+    were checked as it was read)."""
+    if problems := _rules(cfg):
         raise ConfigError(problems)
     return cfg
 
 
-#: the short spellings of the two paths every run names
-SHORT_FLAGS = {"--cache": "--data.cache", "--run-dir": "--job.dir"}
-#: the options ``shardcache train --help`` shows (``--help-all``: every option)
+#: the short flags of the two paths every run names -> the option each sets
+SHORT_FLAGS = {"--cache": "data.cache", "--run_dir": "job.dir"}
+#: the options ``shardcache train --help`` shows (``--help_all``: every option)
 COMMON = ("data.cache", "job.dir", "model.name", "model.kwargs", "data.batch_size", "data.fields", "optim.lr",
           "training.steps", "training.epochs", "training.precision", "lora.enabled", "checkpoint.every",
           "checkpoint.resume", "eval.every", "metrics.every")
 
 
 def build_parser(prog: str = "shardcache train", description: str | None = None) -> argparse.ArgumentParser:
-    """``--config``, ``--print-config`` and one flag per option (callers may add their own)."""
+    """``--config``, ``--print_config`` and one flag per option (callers may add their own)."""
     p = S.parser(TrainConfig, prog, description if description is not None else (
         "Train from a shardcache cache (stage two).\n\n"
-        "  shardcache train --cache cache/demo --run-dir runs/demo --training.steps 50\n"
+        "  shardcache train --cache cache/demo --run_dir runs/demo --training.steps 50\n"
         "  torchrun --nproc_per_node=2 -m shardcache train --config configs/train.yaml --cache cache/demo\n\n"
         "Options: the defaults below, then the config file (--config FILE; else $SHARDCACHE_TRAIN_CONFIG;\n"
-        "else none), then flags in their order. --cache DIR is --data.cache, --run-dir DIR is --job.dir. Exit status:\n"
+        "else none), then flags in their order. --cache DIR is --data.cache, --run_dir DIR is --job.dir. Exit status:\n"
         "0 done; --job.requeue_exit_code (default 3) after a stop request; 1 on an error on any rank; 2 for\n"
-        "bad options (each named)."))
-    p.add_argument("--print-config", action="store_true", help="print the effective config and exit.")
-    p.add_argument("--dry-run", action="store_true", help="check the options, the cache, the run directory and the "
+        "bad options (each named)."), aliases=SHORT_FLAGS)
+    p.add_argument("--dry_run", action="store_true", help="check the options, the cache, the run directory and the "
                    "model's contract against the cache, then exit: no weight loads, no process group (e.g. before sbatch).")
-    p.add_argument("--help-all", action="store_true", help="every option (--help shows the common ones).")
+    p.add_argument("--help_all", action="store_true", help="every option (--help shows the common ones).")
     return p
 
 
 def help_text(everything: bool = False) -> str:
-    """``--help`` (the common options) or ``--help-all`` (every option)."""
+    """``--help`` (the common options) or ``--help_all`` (every option)."""
     return build_parser().format_help() if everything else S.short_help(build_parser(), COMMON, (
-        "Check without training: --dry-run. Print the config: --print-config. Every option: --help-all."))
+        "Check without training: --dry_run. Print the config: --print_config. Every option: --help_all."))
 
 
 def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> tuple[TrainConfig, argparse.Namespace]:
     """Command line (the Higgs-Audio spellings translated first) -> (validated config, namespace
-    with the parser's other flags, ``config_file`` and ``config_source``). Raises :class:`ConfigError`."""
-    from .recipes.higgs_argv import translate
+    with the parser's other flags, ``config_file`` and ``config_source``). Raises :class:`ConfigError`;
+    ``--print_config`` prints the config and exits (``SystemExit(0)``, jsonargparse's)."""
     argv = translate(sys.argv[1:] if argv is None else list(argv))
-    cfg, ns = S.parse(parser or build_parser(), TrainConfig, argv, CONFIG_ENV, SHORT_FLAGS)
-    return validate(cfg), ns
+    return S.parse(parser or build_parser(), TrainConfig, argv, CONFIG_ENV, check=_rules)
 
 
 __all__ = ["TrainConfig", "ConfigError", "parse_args", "build_parser", "validate"]

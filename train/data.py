@@ -7,8 +7,8 @@ A loader (``data.loader``, default ``loaders:ShardLoader``; a plug-in ``module:c
 ``ShardLoader``'s keywords: the cache (a :class:`shards.Cache`), ``batch_size``, ``global_rank``,
 ``world_size``, ``seed``, ``num_workers``, ``fields``, ``filters``, ``drop_remainder``,
 ``transform``, ``compact``, ``skip_corrupt`` and the ``data.loader_kwargs``; it has ``set_epoch``,
-``state_dict``/``load_state_dict``, ``__len__`` and ``close``. Validation data: ``--data.val-cache``, else the keys of ``--data.cache``
-held out by ``--data.val-fraction`` (:class:`HeldOut`: ``sha256(key)`` mapped to [0, 1), kept out
+``state_dict``/``load_state_dict``, ``__len__`` and ``close``. Validation data: ``--data.val_cache``, else the keys of ``--data.cache``
+held out by ``--data.val_fraction`` (:class:`HeldOut`: ``sha256(key)`` mapped to [0, 1), kept out
 of the training loader and read by the validation loader through the loader's ``filters=``).
 
 Batches stay compact on the host (the cache's dtypes: ``data.compact_batches``) and are widened
@@ -20,7 +20,6 @@ import hashlib
 import logging
 import math
 import warnings
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -28,16 +27,17 @@ import torch
 import torch.nn as nn
 
 from loaders.device import to_device  # noqa: F401 (the trainer's batch move)
+from shardcache.plugins import load_factory
 from shards import fields as registry
-from shards.cache import Cache
+from shards.cache import Cache, Contract
 
 from . import dist as D
 from .config import TrainConfig
-from .models import is_recipe, load_factory, resolve_model
+from .spec import ModelSpec, model_spec
 
 log = logging.getLogger("train")
 
-#: caches smaller than this hold nothing out (there is nothing to spare; use --data.val-cache)
+#: caches smaller than this hold nothing out (there is nothing to spare; use --data.val_cache)
 MIN_SAMPLES_TO_HOLD_OUT = 20
 
 
@@ -89,21 +89,23 @@ def open_cache(cfg: TrainConfig, cache: "str | Cache") -> Cache:
     return Cache.open(cache, cfg.data.loader_kwargs.get("storage_options"))
 
 
-def resolve_fields(cfg: TrainConfig, model: Any = None, cache: "Cache | None" = None) -> tuple[str, ...] | None:
+def resolve_fields(cfg: TrainConfig, spec: ModelSpec | None = None, cache: "Cache | None" = None
+                   ) -> tuple[str, ...] | None:
     """``data.fields`` -> the loader's ``fields``: a tuple, or None = every field the cache holds.
-    ``auto``: the fields the recipe declares (its contract's ``fields`` and ``optional_fields``; of
-    ``model``, default the class ``model.name`` builds), less those no sample of ``cache`` holds (a
-    model may declare fields that only some caches have, e.g. ``input_ids`` and ``latents``; if it
-    holds none of them, all are asked for, and the loader names them); None for a plain factory."""
+    ``auto``: the fields the model reads (its spec's ``fields`` and ``optional_fields``, then those a
+    ``--model.contract`` adds; ``spec`` default: the spec of ``model.name``), less those no sample of
+    ``cache`` holds (a model may declare fields that only some caches have, e.g. ``input_ids`` and
+    ``latents``; if it holds none of them, all are asked for, and the loader names them); None when the
+    model declares none (a plain factory without ``--model.contract``)."""
     fields = tuple(cfg.data.fields)
     if fields == ("all",):
         return None
     if fields != ("auto",):
         return fields
-    cls = model if model is not None else resolve_model(cfg.model.name)
-    if not is_recipe(cls):
-        return None
-    declared = tuple(cls.fields) + tuple(f for f in cls.optional_fields if f not in cls.fields)
+    spec = spec or model_spec(cfg.model.name)
+    declared = spec.read_fields
+    if cfg.model.contract:
+        declared += tuple(f for f in Contract.from_dict(spec.name, cfg.model.contract).read_fields if f not in declared)
     if not declared:
         return None
     held = cache.fields if cache is not None else None
@@ -167,10 +169,11 @@ def num_workers(setting: int | str, device: torch.device) -> int | None:
 
 
 def make_loader(cfg: TrainConfig, cache: "Cache | str", batch_size: int, info: D.DistInfo, *, model: Any = None,
-                held_out: HeldOut | None = None, drop_remainder: bool = True) -> Any:
+                spec: ModelSpec | None = None, held_out: HeldOut | None = None, drop_remainder: bool = True) -> Any:
     """The loader of ``data.loader`` over ``cache`` (a :class:`shards.Cache`, or a path opened here)
-    for global rank ``info.rank`` of ``info.world_size`` with :func:`resolve_fields` (``model``: the
-    built model, else the class of ``model.name``) and the model's ``batch_transform``; ``held_out``
+    for global rank ``info.rank`` of ``info.world_size`` with :func:`resolve_fields` (``spec``: the model's,
+    default the spec of ``model.name``) and the built ``model``'s batch transform (its spec's
+    ``batch_transform``; none without ``model``); ``held_out``
     filters the rows (ANDed with ``loader_kwargs.filters``). ``fields`` is left to the loader's
     default when it resolves to every field. Every loader takes these keywords (module docstring)."""
     cache = open_cache(cfg, cache)
@@ -178,22 +181,23 @@ def make_loader(cfg: TrainConfig, cache: "Cache | str", batch_size: int, info: D
     kwargs = dict(cfg.data.loader_kwargs)
     kwargs.setdefault("compact", bool(cfg.data.compact_batches))  # converted on the device by to_device
     kwargs.setdefault("skip_corrupt", cfg.data.skip_corrupt)
-    fields = resolve_fields(cfg, model, cache)
+    spec = spec or model_spec(cfg.model.name)
+    fields = resolve_fields(cfg, spec, cache)
     if fields is not None:
         kwargs["fields"] = fields
     if held_out is not None:
         held_out.base = kwargs.get("filters")
         kwargs["filters"] = held_out
     kwargs["drop_remainder"] = drop_remainder
-    transform = model.batch_transform if is_recipe(model) else None
+    transform = spec.batch_transform(model) if model is not None else None
     if transform is not None:
         kwargs.setdefault("transform", transform)  # the model's own batch layout, built in the loader's workers
     return cls(cache, batch_size=batch_size, global_rank=info.rank, world_size=info.world_size,
                seed=cfg.data.seed, num_workers=num_workers(cfg.data.num_workers, info.device), **kwargs)
 
 
-def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module,
-                 cache: "Cache | None" = None) -> tuple[Any, Any | None]:
+def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module, cache: "Cache | None" = None,
+                 spec: ModelSpec | None = None) -> tuple[Any, Any | None]:
     """The training loader over ``cache`` (default: ``data.cache`` opened) and the validation loader
     (None: no validation), at epoch 0.
 
@@ -205,32 +209,33 @@ def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module,
     d, ev = cfg.data, cfg.eval
     cache = open_cache(cfg, cache if cache is not None else d.cache)
     eval_bs = ev.batch_size or d.batch_size
-    fields, declared = resolve_fields(cfg, model, cache), resolve_fields(cfg, model)
+    spec = spec or model_spec(cfg.model.name)
+    fields, declared = resolve_fields(cfg, spec, cache), resolve_fields(cfg, spec)
     if info.is_main:
         log.info("fields: %s", list(fields) if fields is not None else "every field the cache holds")
         missed = [] if fields is None else [f for f in declared or () if f not in fields]
         if missed:
-            log.warning("%s declares fields %s; %s holds no %s: not read", type(model).__name__,
+            log.warning("%s declares fields %s; %s holds no %s: not read", spec.name,
                         list(declared), d.cache, missed)
     hold = ev.enabled and not d.val_cache and d.val_fraction > 0
     train_split = HeldOut(d.val_fraction, "train") if hold else None
-    loader = make_loader(cfg, cache, d.batch_size, info, model=model, held_out=train_split)
+    loader = make_loader(cfg, cache, d.batch_size, info, model=model, spec=spec, held_out=train_split)
     val_loader = None
     if ev.enabled and d.val_cache:
-        val_loader = make_loader(cfg, d.val_cache, eval_bs, info, model=model, drop_remainder=False)
+        val_loader = make_loader(cfg, d.val_cache, eval_bs, info, model=model, spec=spec, drop_remainder=False)
     elif train_split is not None and train_split.n_held:
         if info.is_main:
             log.info("validation: %d of %d samples of %s held out of training (val_fraction %g, by sha256 "
                      "of the key)", train_split.n_held, train_split.n_total, d.cache, d.val_fraction)
-        val_loader = make_loader(cfg, cache, eval_bs, info, model=model, drop_remainder=False,
+        val_loader = make_loader(cfg, cache, eval_bs, info, model=model, spec=spec, drop_remainder=False,
                                  held_out=HeldOut(d.val_fraction, "val"))
     elif ev.enabled and d.val_fraction > 0:
         why = f"the cache has fewer than {MIN_SAMPLES_TO_HOLD_OUT} samples"
         if info.is_main:
             log.warning("validation: nothing held out (%s)%s", why, ": validating on the training cache"
-                        if ev.every else " and no --data.val-cache: no validation")
+                        if ev.every else " and no --data.val_cache: no validation")
         if ev.every:
-            val_loader = make_loader(cfg, cache, eval_bs, info, model=model)
+            val_loader = make_loader(cfg, cache, eval_bs, info, model=model, spec=spec)
     loader.set_epoch(0)
     if val_loader is not None:
         val_loader.set_epoch(0)
@@ -244,27 +249,5 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
         return t.steps
     if steps_per_epoch < 1:
         raise ValueError(f"--training.epochs {t.epochs}: an epoch has no optimizer step (fewer loader batches "
-                         f"than --training.grad-accum {t.grad_accum})")
+                         f"than --training.grad_accum {t.grad_accum})")
     return math.ceil(round(t.epochs * steps_per_epoch, 6))
-
-
-def check_audio_tokenizer(cfg: TrainConfig, opened: Cache) -> None:
-    """``model.audio_tokenizer``: log it and warn when the cache's codes were made by another one
-    (the precompute config in ``manifest.json``); it is never loaded."""
-    tok, cache = cfg.model.audio_tokenizer, cfg.data.cache
-    if not tok:
-        return
-    manifest = opened.manifest.to_dict()
-    made = (manifest.get("config") or {}).get("audio_tokenizer")
-    pre = made.get("pretrained") if isinstance(made, dict) else None
-    if manifest and "n_codebooks" not in manifest:
-        log.warning("--audio-tokenizer %s: the cache %s holds no codes (made without an audio tokenizer)", tok, cache)
-    elif pre is None:
-        log.info("--audio-tokenizer %s: the cache's manifest.json does not name its audio tokenizer; the "
-                 "cached codes are used as they are", tok)
-    elif str(pre).rstrip("/") == str(tok).rstrip("/") or Path(pre).resolve() == Path(tok).resolve():
-        log.info("--audio-tokenizer %s: the cache's codes were made with it", tok)
-    else:
-        log.warning("--audio-tokenizer %s differs from the audio tokenizer the cache's codes were made with "
-                    "(%s, manifest.json config.audio_tokenizer.pretrained); training uses the cached codes",
-                    tok, pre)

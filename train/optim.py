@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from .config import ScheduleConfig, TrainConfig
+from .spec import ModelSpec, model_spec
 
 log = logging.getLogger("train")
 
@@ -116,14 +117,13 @@ def fused_adamw_supported(device: torch.device) -> bool:
         return False
 
 
-def param_groups(raw: nn.Module, cfg: TrainConfig) -> list[dict]:
-    """The recipe's declared ``optimizer_groups(lr, weight_decay)``
-    (:meth:`train.recipes.base.Recipe.optimizer_groups`) when it gives some, else decay on dim >= 2
-    and none on the rest; every group gets an ``lr``. Raises ValueError when the recipe's groups
-    repeat a parameter or leave a trainable one out."""
-    from .recipes.base import Recipe
+def param_groups(raw: nn.Module, cfg: TrainConfig, spec: ModelSpec | None = None) -> list[dict]:
+    """The model's declared groups (its spec's ``optimizer_groups(model, lr, weight_decay)``: a recipe's
+    :meth:`train.recipes.base.Recipe.optimizer_groups`; ``spec`` default: the spec of ``model.name``) when
+    it gives some, else decay on dim >= 2 and none on the rest; every group gets an ``lr``. Raises
+    ValueError when the declared groups repeat a parameter or leave a trainable one out."""
     lr, wd = cfg.optim.lr, cfg.optim.weight_decay
-    declared = raw.optimizer_groups(lr, wd) if isinstance(raw, Recipe) else None
+    declared = (spec or model_spec(cfg.model.name)).optimizer_groups(raw, lr, wd)
     if declared is not None:
         groups = [dict(g, params=list(g["params"])) for g in declared]
         ids = [id(p) for g in groups for p in g["params"]]
@@ -146,12 +146,13 @@ def param_groups(raw: nn.Module, cfg: TrainConfig) -> list[dict]:
     return groups
 
 
-def make_optimizer(raw: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(raw: nn.Module, cfg: TrainConfig, device: torch.device,
+                   spec: ModelSpec | None = None) -> torch.optim.Optimizer:
     """AdamW over :func:`param_groups`: fused when ``optim.fused`` is on, or auto and this
     torch/device supports it (:func:`fused_adamw_supported`); else foreach on CUDA. Which one it is:
     ``optimizer.defaults["fused"]``."""
     o = cfg.optim
-    groups = param_groups(raw, cfg)
+    groups = param_groups(raw, cfg, spec)
     fused = o.fused == "on" or (o.fused == "auto" and fused_adamw_supported(device))
     kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     if fused:

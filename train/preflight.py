@@ -40,7 +40,8 @@ RUN_MARKERS = ("metrics.jsonl",)
 def run_problem(run_dir: str, resume: str) -> str | None:
     """Why starting in ``run_dir`` needs a choice: it holds a run (``step-N`` checkpoints or
     ``metrics.jsonl``) and ``resume`` is ``''``; None otherwise (``auto``, ``fresh`` or a checkpoint
-    named are choices)."""
+    named are choices). The message names the flags and the Makefile's variables (``RESUME=auto|fresh``,
+    ``RUN=``), since ``make train`` is how the README's users meet it."""
     from .checkpoint import list_checkpoints
     if resume or not Path(run_dir).is_dir():
         return None
@@ -48,7 +49,8 @@ def run_problem(run_dir: str, resume: str) -> str | None:
     if not held:
         return None
     return (f"{run_dir} already holds a run ({', '.join(held)}): --checkpoint.resume auto continues it, "
-            "--checkpoint.resume fresh starts again and replaces it, or give another --run-dir")
+            "--checkpoint.resume fresh starts again and replaces it, or give another --run_dir "
+            "(with make train: RESUME=auto, RESUME=fresh or another RUN=)")
 
 
 def check(cfg) -> None:

@@ -62,16 +62,16 @@ from shards.cache import Cache
 
 from . import checkpoint as C
 from . import dist as D
+from . import lora as L
 from .config import TrainConfig
-from .data import (batch_stream, check_audio_tokenizer, count_tokens, make_loaders, n_samples, open_cache, to_device,
-                   total_steps)
+from .data import batch_stream, count_tokens, make_loaders, n_samples, open_cache, to_device, total_steps
 from .metrics import GradNormWarning, Metrics, StepStats, check_nonfinite, peak_memory_mb
-from .models import apply_lora, build_model, count_params, resolve_model, set_activation_checkpointing
+from .models import count_params, run_contract
 from .optim import (clip_grads_, grad_norms, is_fused, make_optimizer, make_scheduler, restore_scheduler,
                     skipping_step, step_scheduler, trainable_groups)
 from .precision import Precision
 from .profiling import StepProfiler
-from .recipes.base import Recipe
+from .spec import ModelSpec, model_spec
 
 log = logging.getLogger("train")
 
@@ -115,44 +115,70 @@ class TrainState:
 
 # ---- building the model ------------------------------------------------------------------------------
 
-def prepare_model(cfg: TrainConfig, cache: Cache, device: torch.device) -> nn.Module:
-    """The model as configured for ``cache`` (an opened :class:`shards.Cache`), before compile/DDP,
-    on ``device``: the recipe's contract checked against the cache first (raises
-    :class:`shards.ContractMismatch` before any weight loads), seeded init (``data.seed``: the same on
-    every rank), ``model.init_from`` (full weights before LoRA, an adapter after it), LoRA, activation
-    checkpointing. Used by the trainer and by :mod:`train.batch_size`."""
+def run_lora(cfg: TrainConfig) -> dict | None:
+    """The run's ``lora`` section as LoRA options (:func:`train.lora.options`), None when off."""
+    lo = cfg.lora
+    return L.options(lo.r, lo.alpha, lo.dropout, lo.targets) if lo.enabled else None
+
+
+def check_model(cfg: TrainConfig, cache: Cache, spec: ModelSpec | None = None,
+                resume_from: str | Path | None = None) -> list[tuple[str, Any, Any]]:
+    """What a run checks before any weight loads: the model's contract (:func:`train.models.run_contract`)
+    against ``cache`` and the adapters it will load (``model.init_from``, ``resume_from``) against the LoRA
+    options the model will carry (:func:`train.checkpoint.check_adapter`). Returns the contract items the
+    run accepts unmet (``--model.allow_other_encoder_weights``: encoder outputs of other weights).
+    Raises :class:`shards.ContractMismatch` (exit 2 at the command line)."""
     m = cfg.model
+    spec = spec or model_spec(m.name)
+    contract = run_contract(m.name, m.kwargs, m.audio_tokenizer, m.contract, spec)
+    waived = cache.require(contract, allow_other_weights=m.allow_other_encoder_weights)
+    lora = spec.lora_options(dict(m.kwargs), run_lora(cfg))
+    for path, what in ((m.init_from, "--model.init_from"), (resume_from, "--checkpoint.resume")):
+        if path and C.is_adapter(path):
+            C.check_adapter(path, lora, what)
+    return waived
+
+
+def prepare_model(cfg: TrainConfig, cache: Cache, device: torch.device, spec: ModelSpec | None = None,
+                  checked: bool = False) -> nn.Module:
+    """The model as configured for ``cache`` (an opened :class:`shards.Cache`), before compile/DDP,
+    on ``device``: unless ``checked``, :func:`check_model` first (raises :class:`shards.ContractMismatch`
+    before any weight loads), seeded init (``data.seed``: the same on every rank), ``model.init_from``
+    (full weights before LoRA, an adapter after it), LoRA, activation checkpointing, each as the model's
+    spec (``spec``, default the spec of ``model.name``) declares. Used by the trainer and by
+    :mod:`train.batch_size`."""
+    m = cfg.model
+    spec = spec or model_spec(m.name)
+    if not checked:
+        check_model(cfg, cache, spec)
     torch.manual_seed(cfg.data.seed)
-    raw = build_model(m.name, m.kwargs, cache, m.latent_loss, m.latent_loss_weight)
+    raw = spec.build(cache, dict(m.kwargs), m.latent_loss, m.latent_loss_weight)
     adapter_init = bool(m.init_from) and C.is_adapter(m.init_from)
     if m.init_from and not adapter_init:
         C.load_weights(raw, m.init_from)
+    lora = spec.lora_options(dict(m.kwargs), run_lora(cfg))
     if cfg.lora.enabled:
-        lo = cfg.lora
-        raw = apply_lora(raw, lo.r, lo.alpha, lo.dropout, tuple(lo.targets))
+        raw = spec.apply_lora(raw, lora)
     if adapter_init:
-        if not cfg.lora.enabled:
-            meta = json.loads((Path(m.init_from) / C.ADAPTER_META).read_text())
-            raise ValueError(f"--model.init-from {m.init_from} is a LoRA adapter checkpoint: enable --lora with "
-                             f"its options ({meta.get('lora')})")
-        C.load_adapter(raw, m.init_from)
-    if m.activation_checkpointing and not set_activation_checkpointing(raw):
-        log.warning("--activation-checkpointing: %s declares no activation checkpointing; ignored",
-                    type(raw).__name__)
+        C.load_adapter(raw, m.init_from, lora)
+    if m.activation_checkpointing and not spec.activation_checkpointing(raw, True):
+        log.warning("--model.activation_checkpointing: %s declares no activation checkpointing; ignored", spec.name)
     return raw.to(device)
 
 
-def adapter_info(cfg: TrainConfig, raw: nn.Module) -> dict | None:
-    """With LoRA: what an adapter checkpoint records about its base (id, weights fingerprint)."""
+def adapter_info(cfg: TrainConfig, raw: nn.Module, spec: ModelSpec | None = None) -> dict | None:
+    """With LoRA: what an adapter checkpoint records about its base (id, weights fingerprint) and the
+    LoRA options (``lora``: r, alpha, dropout, targets) it is loaded with only."""
     if not cfg.lora.enabled:
         return None
     m = cfg.model
-    checkpoint = resolve_model(m.name).default_checkpoint if isinstance(raw, Recipe) else None
+    spec = spec or model_spec(m.name)
+    checkpoint = spec.default_checkpoint
     base = str(m.kwargs.get("lm", checkpoint)) if checkpoint else \
         f"{m.name} {json.dumps(m.kwargs, sort_keys=True)} seed {cfg.data.seed}"
     if m.init_from and not C.is_adapter(m.init_from):
         base += f" + {m.init_from}"
-    lora = (raw.lora if isinstance(raw, Recipe) else None) or dataclasses.asdict(cfg.lora)
+    lora = spec.lora_options(dict(m.kwargs), run_lora(cfg))
     return {"format": 1, "model": m.name, "base": base, "base_fingerprint": C.base_fingerprint(raw),
             "lora": {k: list(v) if isinstance(v, tuple) else v for k, v in dict(lora).items()}}
 
@@ -244,14 +270,22 @@ class Trainer:
         self.cache = open_cache(cfg, cfg.data.cache)  # manifest + index read once, for everything below
         self.cache_id = self.cache.id                  # recorded in every checkpoint
         self.precision = Precision.of(cfg.training.precision, info.device)
-        self.raw = prepare_model(cfg, self.cache, info.device)       # contract checked; identical init on every rank
-        self.loader, self.val_loader = make_loaders(cfg, info, self.raw, self.cache)
+        self.spec = model_spec(cfg.model.name)        # what the model declares (train.spec)
+        self.resume_from = C.resolve_resume(cfg.checkpoint.resume, self.out, info)   # decided before any weight loads
+        #: contract items the cache does not meet that the run accepts (recorded in every checkpoint)
+        self.waived = check_model(cfg, self.cache, self.spec, self.resume_from)
+        if self.waived and info.is_main:
+            log.warning("--model.allow_other_encoder_weights: training on encoder outputs of other weights than "
+                        "the model's: %s", "; ".join(f"{i}: the cache has {c!r}, the model {w!r}" for i, c, w in self.waived))
+        self.raw = prepare_model(cfg, self.cache, info.device, self.spec, checked=True)   # identical init on every rank
+        self.loader, self.val_loader = make_loaders(cfg, info, self.raw, self.cache, self.spec)
         steps_per_epoch = len(self.loader) // cfg.training.grad_accum
         self.steps = total_steps(cfg, steps_per_epoch)
-        self.optimizer = make_optimizer(self.raw, cfg, info.device)
+        self.optimizer = make_optimizer(self.raw, cfg, info.device, self.spec)
         self.scheduler = make_scheduler(self.optimizer, cfg, self.steps)
         self.checkpointer = C.Checkpointer(self.out, info, keep=cfg.checkpoint.keep, resume=cfg.checkpoint.resume,
-                                           adapter=adapter_info(cfg, self.raw))
+                                           adapter=adapter_info(cfg, self.raw, self.spec),
+                                           metadata=self.spec.checkpoint_metadata(self.raw))
         self.state = TrainState()
         # parallelism: compile, then DDP (the compiled, unwrapped model validates)
         self.eval_model: nn.Module = torch.compile(self.raw) if cfg.model.compile else self.raw
@@ -275,7 +309,6 @@ class Trainer:
                                      state=lambda: {"loader": self.loader.state_dict(), "epoch": self.pos["epoch"]},
                                      ahead=ahead)
         if info.is_main:
-            check_audio_tokenizer(cfg, self.cache)
             n_train, n_total = count_params(self.raw)
             log.info("system: %s", system_info(info, self.precision.name, is_fused(self.optimizer)))
             log.info("model %s: %s trainable / %s parameters (%.2f %% trainable); data %s; %d optimizer steps "
@@ -313,16 +346,18 @@ class Trainer:
         self.check_health()
         self.state.epoch = self.data.state["epoch"]
         config = S.to_dict(self.cfg)
-        exported = self.raw.checkpoint_config() if isinstance(self.raw, Recipe) else None
+        exported = self.spec.checkpoint_config(self.raw)
         if exported is not None:  # e.g. the higgs recipe's transformers config
             config["model_config"] = exported
+        if self.waived:   # what the cache does not meet and the run accepted (--model.allow_other_encoder_weights)
+            config["contract"] = {"waived": [{"item": i, "cache": c, "model": w} for i, c, w in self.waived]}
         self.checkpointer.save(self.state.step, model=self.raw, state=self.state_dict(),
                                loader_state=self.data.state["loader"], config=config)
 
     def resume(self) -> None:
         """Load ``checkpoint.resume`` (weights, optimizer, schedule, scaler, loader position, RNG), or
         seed this rank's RNGs for a fresh start. Loads state only: every component exists already."""
-        path = self.checkpointer.find()
+        path = self.resume_from
         if path is not None:
             self.load_state_dict(self.checkpointer.load(path, self.raw, check=self.check_cache))
             self.loader.set_epoch(self.state.epoch)  # the epoch batch_stream counts (nothing left if complete)
@@ -358,9 +393,9 @@ class Trainer:
         if not self.cfg.checkpoint.allow_other_cache:
             raise ValueError(f"{what}: resuming would continue at a data position that means other samples. "
                              "Resume on the same cache, start a new run dir, or pass "
-                             "--checkpoint.allow-other-cache to resume anyway")
+                             "--checkpoint.allow_other_cache to resume anyway")
         if self.info.is_main:
-            log.warning("%s: resuming anyway (--checkpoint.allow-other-cache)", what)
+            log.warning("%s: resuming anyway (--checkpoint.allow_other_cache)", what)
         st["loader"] = {k: v for k, v in st["loader"].items() if k != "cache_id"}
 
     # ---- one optimizer step -----------------------------------------------------------------------------

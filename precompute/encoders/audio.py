@@ -35,7 +35,8 @@ zero slots where no clip is. A clip's codes are then a function of the clip, its
 and the call's shape: stage one records place and shape per clip and ``shardcache check`` rebuilds
 that call (:meth:`HFCodecTokenizer.encode_placed`). With ``bucket_s > 0`` a clip is zero-padded to
 its bucket, so DAC's last frames see that padding (the receptive-field effect above): the trade
-the option's help names. The policy is part of the codec's identity (``describe()["batching"]``).
+the option's help names. The policy is recorded when a cache is started and compared on every resume
+(its options are declared ``batch``: :func:`precompute.identity.batch_policy`), not in the fingerprint.
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from shardcache.weights import identity
+from shardcache.config import BATCH, BYTES, OPERATIONAL, Effect
 
 from ..transfer import to_device, to_host
 from ._common import (
@@ -167,6 +171,11 @@ class HFCodecTokenizer(Declares):
     name = "codec"
     #: option names accepted by the registry besides ``name``/``pretrained``
     OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples", "bucket_s", "processes")
+    #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
+    #: :data:`precompute.identity.SPEC_KEYS`), one entry per option of :attr:`OPTIONS`; ``processes``:
+    #: copies of the model, each clip's codes the same in any of them (tested), so operational
+    OPTION_EFFECTS: dict[str, Effect] = {"device": BATCH, "dtype": BYTES, "max_batch_size": BATCH,
+                                         "max_batch_samples": BATCH, "bucket_s": BATCH, "processes": OPERATIONAL}
     #: clips are zero-padded to a multiple of ``hop_length`` (the canonical encoding above); False:
     #: encoded as they are, and the model says how many frames (:class:`HiggsTokenizer`)
     PADS_TO_HOP = True
@@ -386,7 +395,10 @@ class HFCodecTokenizer(Declares):
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256`` plus the code contract and ``encode_version``.
 
-        ``weights_sha256`` is recomputed on every call (about 1 s per 500 MB of weights).
+        ``weights_sha256`` is recomputed on every call (about 1 s per 500 MB of weights). The identity a
+        recipe's contract compares (:func:`shardcache.weights.identity`): ``checkpoint_sha256`` (the
+        checkpoint's tensors as stored; None for a model not loaded with :meth:`from_pretrained`),
+        ``revision`` (the hub commit) and ``numerics`` (dtype and the TF32 switches).
         Device and the local path are deliberately not included.
         """
         d = {
@@ -403,8 +415,7 @@ class HFCodecTokenizer(Declares):
             "encode_version": ENCODE_VERSION,
         }
         d.update(self._extra_describe())
-        if self.batch_policy.batched:  # a batched clip's codes depend on its place and the call's shape
-            d["batching"] = self.batch_policy.describe()
+        d.update(identity(self.pretrained, dtype=self.dtype))   # what a recipe's contract compares
         return d
 
     def __repr__(self) -> str:
@@ -434,6 +445,7 @@ class DacTokenizer(HFCodecTokenizer):
 
     name = "dac"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("n_quantizers",)
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"n_quantizers": BYTES}
 
     def __init__(self, model, *, n_quantizers: int | None = None, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
@@ -479,6 +491,7 @@ class EncodecTokenizer(HFCodecTokenizer):
 
     name = "encodec"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth",)
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"bandwidth": BYTES}
 
     def __init__(self, model, *, bandwidth: float | None = None, **kwargs: Any) -> None:
         cfg = model.config
@@ -532,6 +545,7 @@ class MimiTokenizer(HFCodecTokenizer):
 
     name = "mimi"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("num_quantizers",)
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"num_quantizers": BYTES}
 
     def __init__(self, model, *, num_quantizers: int | None = None, **kwargs: Any) -> None:
         cfg = model.config
@@ -596,6 +610,9 @@ class HiggsTokenizer(HFCodecTokenizer):
 
     name = "higgs"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth", "n_codebooks", "resampler")
+    #: n_codebooks only checks what bandwidth gives (a refusal or the same codes)
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"bandwidth": BYTES, "n_codebooks": OPERATIONAL,
+                                                        "resampler": BYTES}
     PADS_TO_HOP = False
 
     def __init__(self, model, *, bandwidth: float | None = None, n_codebooks: int | None = None,

@@ -29,6 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.weights import identity
+from shardcache.config import BATCH, BYTES, IDENTITY, Effect
+
 from ..transfer import to_device, to_host
 from ._common import (
     clean_config,
@@ -66,6 +69,10 @@ class DiffusersVAEEncoder(Declares):
 
     name = "vae"
     OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size", "subfolder", "input_range")
+    #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
+    #: :data:`precompute.identity.SPEC_KEYS`); ``subfolder`` picks the weights (their sha256 is the identity)
+    OPTION_EFFECTS: dict[str, Effect] = {"device": BATCH, "dtype": BYTES, "normalize": BYTES, "max_batch_size": BATCH,
+                                         "subfolder": IDENTITY, "input_range": BYTES}
 
     spatial_factor: int
     latent_channels: int
@@ -98,6 +105,7 @@ class DiffusersVAEEncoder(Declares):
         self.vae = vae.eval()
         self.vae.requires_grad_(False)
         self.pretrained: str | None = None
+        self.subfolder: str | None = None   #: of a diffusers pipeline layout (``vae``)
         self._init_geometry()
         self.normalize = bool(normalize)
         self._mean = self._std = None
@@ -156,7 +164,7 @@ class DiffusersVAEEncoder(Declares):
         except (OSError, ValueError) as e:
             raise load_error(what, path, e) from e
         obj = cls(vae, device=device, dtype=dtype, **kwargs)
-        obj.pretrained = path
+        obj.pretrained, obj.subfolder = path, load_kwargs.get("subfolder")
         return obj
 
     # -- the protocol -------------------------------------------------------------------------
@@ -279,7 +287,9 @@ class DiffusersVAEEncoder(Declares):
 
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256``, geometry, ``normalize``, ``dtype``,
-        ``encode_version``, plus ``latents_mean``/``latents_std`` when the config has them.
+        ``encode_version``, plus ``latents_mean``/``latents_std`` when the config has them, and the
+        identity a recipe's contract compares (:func:`shardcache.weights.identity`: ``checkpoint_sha256``,
+        ``revision``, ``numerics``).
         """
         cfg = clean_config(self.vae.config)
         d = {
@@ -297,6 +307,7 @@ class DiffusersVAEEncoder(Declares):
         for key in ("latents_mean", "latents_std"):
             if cfg.get(key) is not None:
                 d[key] = cfg[key]
+        d.update(identity(self.pretrained, dtype=self.dtype, subfolder=self.subfolder))   # what a contract compares
         return d
 
     def __repr__(self) -> str:

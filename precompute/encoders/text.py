@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import BYTES, IDENTITY, Effect
+
 from ._common import canonical_json, load_error, resolve_pretrained
 from .capabilities import Declares, TextCapabilities
 
@@ -34,6 +36,8 @@ class ByteTokenizer(Declares):
     OPTIONS: tuple[str, ...] = ("add_bos", "add_eos", "special_tokens")
     #: built from files (``from_pretrained``) or from its options alone
     PRETRAINED = False
+    #: what each option does to a cache (:class:`shardcache.config.Effect`)
+    OPTION_EFFECTS: dict[str, Effect] = {"add_bos": BYTES, "add_eos": BYTES, "special_tokens": BYTES}
     pad_id = 0
     bos_id = 1
     eos_id = 2
@@ -146,6 +150,9 @@ class HFTokenizer(Declares):
     name = "hf"
     OPTIONS: tuple[str, ...] = ("add_special_tokens", "pad_id", "trust_remote_code")
     PRETRAINED = True
+    #: what each option does to a cache (:class:`shardcache.config.Effect`); trust_remote_code decides which
+    #: tokenizer loads (its vocabulary sha256 is the identity)
+    OPTION_EFFECTS: dict[str, Effect] = {"add_special_tokens": BYTES, "pad_id": BYTES, "trust_remote_code": IDENTITY}
 
     def __init__(self, tokenizer, *, add_special_tokens: bool = True, pad_id: int | None = None) -> None:
         self.tokenizer = tokenizer

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable
 
+from shardcache.config import BYTES, SPEC, Effect
 from shardcache.plugins import load_factory
 
 from .base import JSON, ImageTokens, Producer, Timer, encode_each, submit_each
@@ -57,6 +58,15 @@ def _image_features(field: str, device: str, **options: Any) -> Producer:
 #: registry name -> factory(field=, device=, **options) -> Producer
 PRODUCERS: dict[str, Callable[..., Producer]] = {"codes": _codes, "waveform": _waveform, "latents": _latents,
                                                  "image_features": _image_features}
+#: what each key of a producer's spec does to a cache (:class:`shardcache.config.Effect`, walked by
+#: :mod:`precompute.identity`): ``SPEC``, an encoder spec whose keys its class declares; ``"*"``: the other
+#: keys are an encoder spec of the producer's own name (image_features: ``name``, ``pretrained``, ``dtype``)
+PRODUCER_EFFECTS: dict[str, dict[str, Effect]] = {
+    "codes": {"producer": BYTES, "audio_tokenizer": SPEC},
+    "waveform": {"producer": BYTES, "sample_rate": BYTES, "direction": BYTES},
+    "latents": {"producer": BYTES, "image_encoder": SPEC, "store_posterior": BYTES},
+    "image_features": {"producer": BYTES, "image_rgb": BYTES, "*": SPEC},
+}
 
 
 def producer_problems(spec: Any, field: str) -> list[tuple[str, str]]:

@@ -43,6 +43,9 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.weights import GEMMA3_VISION, identity, under
+from shardcache.config import BYTES
+
 from ..encoders.batching import BatchPolicy
 from ..encoders.capabilities import Capabilities, Declares, Pending
 from ..transfer import to_device, to_host
@@ -104,6 +107,8 @@ class Gemma3VisionEncoder(Declares):
 
     #: spec options besides name and pretrained
     OPTIONS = ("dtype",)
+    #: what each option does to a cache (:class:`shardcache.config.Effect`)
+    OPTION_EFFECTS = {"dtype": BYTES}
 
     def __init__(self, pretrained: str, device: str = "cpu", dtype: str = "bfloat16"):
         import torch
@@ -201,7 +206,9 @@ class Gemma3VisionEncoder(Declares):
                 "config": clean_config(self.config), "dtype": str(self.dtype).replace("torch.", ""),
                 "weights_sha256": state_dict_sha256(self.vision_tower) + ":" + state_dict_sha256(self.projector),
                 "image_processor": ip.to_dict(),
-                "image_sequence": self.image_sequence}
+                "image_sequence": self.image_sequence,
+                # the tower and projector as stored in the checkpoint: what the theworld recipe compares
+                **identity(self.pretrained, dtype=self.dtype, select=under(*GEMMA3_VISION))}
 
 
 #: ``image_features.name`` -> the encoder class

@@ -6,7 +6,7 @@ plain text or JSON; locating a cache; reading index columns) live in :mod:`._com
 """
 from __future__ import annotations
 
-from . import export_lhotse, overview, query, reindex, samples, stats, verify
+from . import export_lhotse, overview, query, reindex, samples, stats, verify, view
 
 #: modules in the order their subcommands appear in ``shards --help``
-MODULES = (overview, samples, query, stats, verify, reindex, export_lhotse)
+MODULES = (overview, samples, query, stats, view, verify, reindex, export_lhotse)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ._common import NotFound, Out, UsageError, cache_dir, load_manifest
+from .needs import Needs
 
 AUDIO_FORMATS = ("flac", "wav")
 
@@ -46,11 +47,11 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                     "lhotse.CutSet.from_shar(in_dir=OUT). Needs `pip install lhotse`.")
     p.add_argument("dir", metavar="DIR", help="cache directory")
     p.add_argument("output", metavar="OUT", type=Path, help="output directory (created; must be empty)")
-    p.add_argument("--shard-size", type=int, default=1000, metavar="N",
+    p.add_argument("--shard_size", type=int, default=1000, metavar="N",
                    help="cuts per Shar shard (default: 1000)")
-    p.add_argument("--audio-format", choices=AUDIO_FORMATS, default="flac",
+    p.add_argument("--audio_format", choices=AUDIO_FORMATS, default="flac",
                    help="how recordings are stored (lossless 16-bit; default: flac)")
-    p.set_defaults(func=cmd_export_lhotse)
+    p.set_defaults(func=cmd_export_lhotse, needs=Needs(("lhotse", "soundfile")))
 
 
 # ----------------------------------------------------------------------------------- library
@@ -163,9 +164,9 @@ def export_lhotse(cache: str | Path, out_dir: str | Path, *, shard_size: int = 1
 
     cache, out_dir = Path(cache), Path(out_dir)
     if audio_format not in AUDIO_FORMATS:
-        raise UsageError(f"--audio-format must be one of {AUDIO_FORMATS}, not {audio_format!r}")
+        raise UsageError(f"--audio_format must be one of {AUDIO_FORMATS}, not {audio_format!r}")
     if shard_size < 1:
-        raise UsageError("--shard-size must be >= 1")
+        raise UsageError("--shard_size must be >= 1")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UsageError(f"{out_dir}: exists and is not empty")
     manifest = load_manifest(cache)
@@ -218,10 +219,6 @@ def export_lhotse(cache: str | Path, out_dir: str | Path, *, shard_size: int = 1
 
 
 def cmd_export_lhotse(args: argparse.Namespace) -> int:
-    try:
-        import lhotse  # noqa: F401
-    except ImportError as e:
-        raise UsageError(f"export-lhotse needs lhotse: pip install lhotse ({e})") from e
     out = Out(args)
     d = cache_dir(args.dir)
     result = export_lhotse(d, args.output, shard_size=args.shard_size, audio_format=args.audio_format)

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from ..index import INDEX_SCHEMA
 from ._common import SCALAR_COLUMNS, Out, UsageError, cache_dir, read_index_columns
+from .needs import DUCKDB
 
 DEFAULT_COLUMNS = ("key", "shard", "duration_s", "n_frames", "has_image", "speaker")
 MAX_QUERY_CHARS = 4000
@@ -80,7 +81,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--sort", metavar="COL", help="sort the rows by this column")
     p.add_argument("--desc", action="store_true", help="with --sort: largest first")
     p.add_argument("--limit", type=int, metavar="N", help="print at most N rows")
-    p.set_defaults(func=cmd_query)
+    p.set_defaults(func=cmd_query, needs=DUCKDB)
 
 
 def cmd_query(args: argparse.Namespace) -> int:

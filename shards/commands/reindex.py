@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from joblib import Parallel, delayed
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -16,9 +14,11 @@ from ..fields import parse_sidecar_name
 from ..index import keep_added_fields
 from ..scan import scan_shard
 from ..storage import local_path
-from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, SHARD_GLOB,
+from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, ROOT_FILE, SHARD_GLOB,
                       parse_shard_name)
+from ..writing import session, writes_cache
 from ._common import Out, UsageError, add_jobs_option, load_manifest, progress, shard_path, warn
+from .needs import Needs
 
 #: manifest fields that write_cache_files recomputes; every other field is kept as it is
 RECOMPUTED = ("format_version", "created", "counts", "shards")
@@ -30,24 +30,27 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         description="Scan every shard-r*-*.tar in DIR and rebuild index.parquet, the per-shard "
                     "index parts in parts/ and manifest.json's shard list and counts. The "
                     "manifest's other fields (encoders, fingerprint, config, ...) and the existing "
-                    "rejects are kept. Nothing is written if any tar is unreadable. Do not run it "
-                    "while a precompute job is writing to DIR.")
+                    "rejects are kept. Nothing is written if any tar is unreadable. It takes the "
+                    "cache's writer lock (like precompute, add-field and drop-field): while another "
+                    "command writes DIR it exits 2 naming it, and writes nothing.")
     p.add_argument("dir", metavar="DIR", help="cache directory")
-    p.add_argument("--dry-run", action="store_true", help="scan and report, write nothing")
+    p.add_argument("--dry_run", action="store_true", help="scan and report, write nothing")
     add_jobs_option(p, "tars scanned")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(func=cmd_reindex)
+    p.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=cmd_reindex, needs=Needs(("joblib",), "inspect"))
 
 
 def _existing_rejects(d: Path) -> pa.Table:
-    """rejects.parquet, or (when it is gone) the concatenated rejects parts."""
+    """The concatenated rejects parts (what each committed chunk rejected: rejects.parquet is made of
+    them, so a rejects.parquet edited since is not carried over), or rejects.parquet where there are
+    no parts."""
     p = d / REJECTS_FILE
     try:
-        if p.exists():
-            return pq.read_table(p, schema=REJECTS_SCHEMA)
         parts = sorted((d / PARTS_DIR).glob("*.rejects.parquet"))
         if parts:
             return pa.concat_tables([pq.read_table(x, schema=REJECTS_SCHEMA) for x in parts])
+        if p.exists():
+            return pq.read_table(p, schema=REJECTS_SCHEMA)
     except (pa.ArrowException, OSError) as e:
         raise ShardCorrupt(f"{p}: cannot read the existing rejects ({e})") from e
     return REJECTS_SCHEMA.empty_table()
@@ -72,12 +75,24 @@ def _scan(path: Path) -> tuple[str, tuple | None, str | None]:
 
 
 def cmd_reindex(args: argparse.Namespace) -> int:
-    out = Out(args)
     d = local_path(args.dir)
     if not d.is_dir():
         raise UsageError(f"{d}: no such directory" if not d.exists() else f"{d}: not a directory")
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
+    if args.dry_run:  # writes nothing: a reader
+        return _reindex(args, d)
+    return _reindex_locked(args, d)
+
+
+@writes_cache("shards reindex", cache="d")
+def _reindex_locked(args: argparse.Namespace, d: Path) -> int:
+    """:func:`_reindex` holding the cache's writer lock from the scan to the root."""
+    return _reindex(args, d)
+
+
+def _reindex(args: argparse.Namespace, d: Path) -> int:
+    out = Out(args)
     tars = []
     for p in sorted(d.glob(SHARD_GLOB)):
         if parse_sidecar_name(p.name):
@@ -102,6 +117,7 @@ def cmd_reindex(args: argparse.Namespace) -> int:
     errors: list[str] = []
     with progress(len(tars), "reindex", enabled=not args.no_progress and not out.json) as advance:
         # tar parsing holds the GIL: scan shards in worker processes (joblib/loky), results as they finish
+        from joblib import Parallel, delayed  # [inspect] (declared: needs)
         jobs = Parallel(n_jobs=args.jobs, return_as="generator_unordered")(delayed(_scan)(p) for p in tars)
         for name, result, error in jobs:
             if error is None:
@@ -166,8 +182,9 @@ def cmd_reindex(args: argparse.Namespace) -> int:
                     if rejects_part.exists() else [])
             entry = next(e for e in entries if e["path"] == p.name)
             write_parts(d, stem, scanned[p.name][0], kept, entry)
-        for part in stale:
-            part.unlink()
+        with session(d / ROOT_FILE) as s:  # (the command's session: no symlink followed)
+            for part in stale:
+                s.unlink(part)
         base = {k: v for k, v in manifest.items() if k not in RECOMPUTED}
         index, added = keep_added_fields(d, index, base.get("fields"))
         for fname, info in sorted(added.items()):

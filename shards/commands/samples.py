@@ -11,8 +11,10 @@ import pyarrow.compute as pc
 
 from ..reader import ShardReader
 from ..schema import WHOLE_MEMBER_DTYPES
+from ..writing import cache_holding
 from ._common import (SCALAR_COLUMNS, NotFound, Out, UsageError, cache_dir, fmt_bytes, fmt_value,
                       read_index_columns, read_index_head)
+from .needs import Needs
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -41,7 +43,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("dir", metavar="DIR", help="cache directory")
     p.add_argument("key", metavar="KEY", help="sample key")
     p.add_argument("output", metavar="OUT", type=Path, help="output file, e.g. out.wav")
-    p.set_defaults(func=cmd_export_audio)
+    p.set_defaults(func=cmd_export_audio, needs=Needs(("soundfile",), "inspect"))
 
 
 # ----------------------------------------------------------------------------------- reading
@@ -198,6 +200,8 @@ def cmd_export_audio(args: argparse.Namespace) -> int:
                        "or metadata")
     if audio.ndim != 1:
         raise NotFound(f"sample {args.key!r}: audio.npy has shape {audio.shape}, expected (num_samples,)")
+    if (inside := cache_holding(path)) is not None:  # only a writing session changes a cache's files
+        raise UsageError(f"{path}: inside the cache folder {inside}; write the export outside any cache")
     try:
         sf.write(str(path), audio, sr, format=ext, subtype="PCM_16")
     except (RuntimeError, OSError, TypeError, ValueError) as e:

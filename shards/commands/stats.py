@@ -11,6 +11,7 @@ import pyarrow.compute as pc
 
 from ..reader import ShardReader
 from ._common import Out, UsageError, cache_dir, read_index_columns, warn
+from .needs import DUCKDB, PLOT, require
 
 #: index column -> (label in tables, axis label in the plot)
 DISTRIBUTIONS = {
@@ -26,17 +27,17 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "stats", parents=[common], help="distributions of durations, frames, text lengths, latents",
         description="Distributions (count, mean, std, min, percentiles, max) of audio durations, "
                     "codec frames and text lengths over the index, and per-channel mean/std of the "
-                    "VAE latents of up to --max-samples image samples (read from the shards). "
+                    "VAE latents of up to --max_samples image samples (read from the shards). "
                     "--plot writes a PNG with histograms and the per-channel latent mean +- std.")
     p.add_argument("dir", metavar="DIR", help="cache directory")
     p.add_argument("--plot", type=Path, metavar="PNG", help="write histograms to this PNG file")
-    p.add_argument("--max-samples", type=int, default=500, metavar="N",
+    p.add_argument("--max_samples", type=int, default=500, metavar="N",
                    help="image samples to read latents from (default: %(default)s; 0 skips latents)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed for choosing which image samples to read (default: %(default)s)")
     p.add_argument("--where", metavar="SQL",
                    help="only rows matching this SQL condition (see `shardcache shards query --help`)")
-    p.set_defaults(func=cmd_stats)
+    p.set_defaults(func=cmd_stats, needs=DUCKDB)
 
 
 def distribution(values: np.ndarray) -> dict[str, Any]:
@@ -117,8 +118,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     out = Out(args)
     d = cache_dir(args.dir)
     if args.max_samples < 0:
-        raise UsageError("--max-samples must be >= 0")
+        raise UsageError("--max_samples must be >= 0")
     if args.plot is not None:
+        require(PLOT, "--plot")
         _check_plot_path(args.plot)
     from .query import select
     table = select(d, args.where, ["key"] + list(DISTRIBUTIONS) + ["has_image"])
@@ -154,7 +156,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                         f"samples read (shapes {shapes})")
     else:
         out.line(f"latents: {latents['image_samples']} image samples"
-                 + (", none read (--max-samples 0)" if latents["image_samples"] else ""))
+                 + (", none read (--max_samples 0)" if latents["image_samples"] else ""))
     if args.plot is not None:
         out.line(f"wrote {args.plot}")
     return 0
@@ -208,7 +210,7 @@ def plot(path: Path, d: Path, values: dict[str, np.ndarray], latents: dict[str, 
         ax.set_title(f"VAE latents per channel ({latents['samples_read']} image samples)")
     else:
         ax.text(0.5, 0.5, "no image latents in this cache" if not latents.get("image_samples")
-                else "latents not read (--max-samples 0)",
+                else "latents not read (--max_samples 0)",
                 ha="center", va="center", transform=ax.transAxes)
         ax.set_title("VAE latents per channel")
     ax.set_xlabel("latent channel")

@@ -11,10 +11,19 @@ Sidecar tars of fields added with ``shardcache add-field`` (``manifest.json`` ``
 are checked the same way (size + sha256 against their manifest entry) and, with ``--deep`` or when
 that fails, for key alignment with their main shard (same keys, same order, one ``FIELD.npy``
 each at the index's offsets): see :func:`check_sidecar`.
+
+Both modes check every file the integrity root covers (``index.parquet``, ``manifest.json``,
+``rejects.parquet`` and the parts a re-merge builds from: :func:`shards.index.root_problems`) and
+open the cache the way the loader does (:func:`loader_refusal`: the loader's own
+:class:`loaders.dataset.CacheSource`, imported only here), so whatever the loader refuses to open,
+verify refuses too; ``--deep`` reads every value the loader would read, with its checks. A cache
+that another command is writing right now is not verified: verify names that command and exits 2
+(its files are half-written, and nothing should be deleted or rebuilt meanwhile).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import re
 import threading
@@ -22,7 +31,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +39,8 @@ import pyarrow as pa
 from .. import fields
 from ..checksum import COLUMN as CHECKSUM
 from ..errors import ShardcacheError, UnsafePath, UnsupportedFormat
-from ..index import rows_to_table, verify_root
+from ..index import root_problems, rows_to_table
+from ..lock import CacheLocked, describe
 from ..manifest import read_manifest
 from ..reader import ShardReader, value_checks_from_manifest
 from ..scan import scan_shard, unindexed_members
@@ -77,7 +87,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--strict", action="store_true",
                    help="also fail (exit 1) on warnings such as leftover .tmp files")
     add_jobs_option(p, "shards checked")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_verify)
 
 
@@ -322,22 +332,25 @@ def check_sidecar(path: Path, entry: dict, deep: bool,
         probs.append(Problem(name, a or b, f"misaligned with {main}: sample {j} is {a!r} in the sidecar, "
                                            f"{b!r} in the shard ({len(side_keys)} vs {len(keys)} samples); "
                                            f"`shardcache drop-field` and add the field again"))
-    member = f"{field_name}.npy"
+    # what its producer writes (manifest.json fields.NAME.members: e.g. audio_16k and audio_16k_starts)
+    expected = {f"{m}.npy" for m in entry.get("__members__") or [field_name]}
     idx = {k: [m for m in ms or [] if m.get("file") == name]
            for k, ms in zip(keys, indexed.column("members").to_pylist())}
     for r in rows:
         got = {m["name"]: m for m in r["members"]}
-        if set(got) != {member}:
+        if set(got) != expected:
             probs.append(Problem(name, r["key"], f"members {sorted(got)}, a sidecar of {field_name!r} holds "
-                                                 f"only {member}"))
+                                                 f"{', '.join(sorted(expected))}"))
             continue
-        want = {m["name"]: m for m in idx.get(r["key"]) or []}.get(member)
-        if want is None:
-            if r["key"] in idx:
-                probs.append(Problem(name, r["key"], f"{member} in the sidecar but not in index.parquet"))
-            continue
-        probs.extend(Problem(name, r["key"], f"member {member}: {d} in sidecar")
-                     for d in member_differences(want, got[member]))
+        indexed_members = {m["name"]: m for m in idx.get(r["key"]) or []}
+        for member in sorted(expected):
+            want = indexed_members.get(member)
+            if want is None:
+                if r["key"] in idx:
+                    probs.append(Problem(name, r["key"], f"{member} in the sidecar but not in index.parquet"))
+                continue
+            probs.extend(Problem(name, r["key"], f"member {member}: {d} in sidecar")
+                         for d in member_differences(want, got[member]))
     return _dedupe(probs), len(rows)
 
 
@@ -359,10 +372,8 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
     warnings: list[str] = []
     manifest = None
     if (d / MANIFEST_FILE).exists() and (d / INDEX_FILE).exists():
-        try:  # index.parquet and manifest.json against integrity.json (their sha256 and the cache id)
-            verify_root(d)
-        except ShardcacheError as e:
-            problems.append(Problem(None, None, str(e)))
+        # every file integrity.json covers: index, manifest (and its cache id), rejects, parts
+        problems.extend(Problem(None, None, why) for why in root_problems(d, full=True)[1])
     if not (d / MANIFEST_FILE).exists():
         problems.append(Problem(None, None, f"{d / MANIFEST_FILE} is missing; `shardcache shards reindex {d}` "
                                             "rebuilds it from the tars"))
@@ -417,7 +428,7 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
                     problems.append(Problem(None, None, str(err)))
                     continue
                 listed.add(e["path"])
-                targets.append((d / e["path"], dict(e, __field__=fname)))
+                targets.append((d / e["path"], dict(e, __field__=fname, __members__=info.get("members"))))
             for main in sorted(set(entries) - {e.get("shard") for e in info.get("shards") or []}):
                 problems.append(Problem(main, None, f"no sidecar of field {fname!r} listed in manifest.json"))
         for name in side_on_disk:
@@ -433,8 +444,9 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
         entries = {}
         targets = [(d / name, None) for name in on_disk]
     for tmp in sorted(d.glob("*.tmp")) + sorted((d / PARTS_DIR).glob("*.tmp")):
-        warnings.append(f"{tmp}: leftover temporary file from an interrupted write (safe to delete "
-                        "when no precompute job is running)")
+        # (no command writes the cache: verify_cache refused otherwise, and the next writer removes it)
+        warnings.append(f"{tmp}: leftover temporary file of an interrupted write (the next precompute or "
+                        "add-field on this cache replaces it)")
     index = IndexRows(d)
     if not index.present:
         problems.append(Problem(None, None, f"{d / INDEX_FILE} is missing; `shardcache shards reindex {d}` "
@@ -512,43 +524,96 @@ def _tar_targets(tars: list[Path]) -> tuple[list[tuple[Path, dict | None]], list
     return targets, problems, indexes
 
 
+def loader_refusal(d: Path) -> str | None:
+    """Why the loader refuses to open cache ``d`` (its message), or None when it opens it: the
+    loader's own :class:`loaders.dataset.CacheSource` with every field the cache holds, so verify and
+    check refuse whatever the loader refuses at open (root, format, unsafe or hidden members, field
+    shapes and sizes, incomplete or missing fields, missing or short shard files). Read-time checks
+    (checksums, values) are ``--deep``'s."""
+    from loaders.dataset import CacheSource  # (the loader itself: imported only when verify runs)
+    try:
+        src = CacheSource(d)
+    except (ShardcacheError, ValueError, FileNotFoundError, OSError) as e:
+        return f"the loader refuses to open the cache: {e}"
+    src.close()
+    return None
+
+
+def refuse_while_written(d: Path) -> None:
+    """Raise :class:`~shards.lock.CacheLocked` (exit 2) when another command writes cache ``d`` now:
+    what verify would report is a cache half-written, and what it would advise (delete, reindex)
+    must not be done meanwhile."""
+    from ..lock import holder
+    h = holder(d)
+    if h:
+        raise CacheLocked(f"{d} is being written right now by {describe(h)}: not verified (its files are "
+                          "half-written); verify it once that command has ended", h)
+
+
+def verify_cache(d: Path, deep: bool = False, jobs: int = 1,
+                 bar: Callable[[int], Any] | None = None) -> tuple[list[Problem], list[str], int, int]:
+    """Verify cache folder ``d`` (see the module docstring): ``(problems, warnings, shards checked,
+    samples checked)``. ``bar(total)``: a context manager giving ``advance(name)`` (a progress bar).
+    Raises :class:`~shards.lock.CacheLocked` while another command writes it,
+    :class:`~shards.errors.UnsupportedFormat` for a newer format."""
+    refuse_while_written(d)
+    targets, problems, warnings, index = _cache_checks(d)
+    with (bar(len(targets)) if bar is not None else contextlib.nullcontext(None)) as advance:
+        problems, n, samples = _check_targets(targets, problems, {d: index}, deep, jobs, advance)
+    if (d / INDEX_FILE).exists():
+        why = loader_refusal(d)
+        if why is not None and not any(p.message in why for p in problems):
+            problems.append(Problem(None, None, why))
+    return problems, warnings, n, samples
+
+
+def _check_targets(targets, problems: list[Problem], lookup: dict, deep: bool, jobs: int,
+                   advance: Callable[[str], None] | None) -> tuple[list[Problem], int, int]:
+    results: dict[Path, tuple[list[Problem], int]] = {}
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {}
+        for path, entry in targets:
+            idx = lookup.get(path.parent)
+            getter = idx.get if idx is not None and idx.present else None
+            check = check_sidecar if entry is not None and "__field__" in entry else check_shard
+            futures[pool.submit(check, path, entry, deep, getter)] = path
+        for fut in as_completed(futures):
+            path = futures[fut]
+            try:
+                results[path] = fut.result()
+            except (ShardcacheError, OSError) as e:
+                results[path] = ([Problem(path.name, None, str(e))], 0)
+            if advance is not None:
+                advance(path.name)
+    problems = list(problems)
+    for path, _ in targets:
+        problems.extend(results[path][0])
+    return problems, len(targets), sum(n for _, n in results.values())
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     out = Out(args)
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
     d, tars = expand_targets(args.paths)
     warnings: list[str] = []
+
+    def bar(total: int):
+        return progress(total, "verify" + (" --deep" if args.deep else ""),
+                        enabled=not args.no_progress and not out.json)
+
     if d is not None:
-        targets, problems, warnings, index = _cache_checks(d)
-        lookup = {d: index}
+        problems, warnings, n_targets, samples = verify_cache(d, args.deep, args.jobs, bar)
     else:
         targets, problems, lookup = _tar_targets(tars)
-    results: dict[Path, tuple[list[Problem], int]] = {}
-    with progress(len(targets), "verify" + (" --deep" if args.deep else ""),
-                  enabled=not args.no_progress and not out.json) as advance:
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures = {}
-            for path, entry in targets:
-                idx = lookup.get(path.parent)
-                getter = idx.get if idx is not None and idx.present else None
-                check = check_sidecar if entry is not None and "__field__" in entry else check_shard
-                futures[pool.submit(check, path, entry, args.deep, getter)] = path
-            for fut in as_completed(futures):
-                path = futures[fut]
-                try:
-                    results[path] = fut.result()
-                except (ShardcacheError, OSError) as e:
-                    results[path] = ([Problem(path.name, None, str(e))], 0)
-                advance(path.name)
-    for path, _ in targets:
-        problems.extend(results[path][0])
-    samples = sum(n for _, n in results.values())
+        with bar(len(targets)) as advance:
+            problems, n_targets, samples = _check_targets(targets, problems, lookup, args.deep, args.jobs, advance)
     bad_shards = sorted({p.shard for p in problems if p.shard})
     failed = bool(problems) or (args.strict and bool(warnings))
     mode = "deep" if args.deep else "quick"
     if out.json:
         out.emit_json(dict(ok=not failed, mode=mode, dir=str(d) if d else None,
-                           shards_checked=len(targets), samples_checked=samples,
+                           shards_checked=n_targets, samples_checked=samples,
                            problems=[asdict(p) for p in problems], warnings=warnings))
         return 1 if failed else 0
     if problems and out.rich:
@@ -560,7 +625,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             out.line(str(p))
     for w in warnings:
         out.line(f"warning: {w}", style="yellow")
-    what = f"{len(targets)} shard(s), {samples} sample(s) checked ({mode})"
+    what = f"{n_targets} shard(s), {samples} sample(s) checked ({mode})"
     if problems:
         out.line(f"FAILED: {len(problems)} problem(s) in {len(bad_shards)} shard(s); {what}",
                  style="bold red")

@@ -14,7 +14,7 @@ import importlib
 
 #: ``--model`` name -> "module:class" (imported on use: transformers loads only when a recipe is chosen)
 RECIPES = {
-    "reference": "train.models:ReferenceModel",
+    "reference": "train.recipes.reference:ReferenceModel",
     "higgs": "train.recipes.higgs:HiggsModel",
     "tts": "train.recipes.tts:TTSModel",
     "vlm": "train.recipes.vlm:VLMModel",

@@ -1,19 +1,24 @@
 """The recipe base class: what a model declares so that the trainer never probes it.
 
-A recipe is an ``nn.Module`` subclass of :class:`Recipe` that declares:
+A recipe is an ``nn.Module`` subclass of :class:`Recipe` that declares (and :func:`train.spec.recipe_spec`
+turns into its :class:`train.spec.ModelSpec`):
 
-* :meth:`Recipe.contract` (a classmethod, cheap: configs only, no weights): what it needs from a cache
-  (:class:`shards.cache.Contract`: fields, special tokens, the codec, the text tokenizer's fingerprint,
-  the image preset, the feature encoder). ``cache.require(contract)`` refuses a mismatch before any
-  weight loads, naming the item, the cache's value and the model's value.
+* :attr:`Recipe.contract_items` (which contract items it checks and where the model's value comes from:
+  the contract table of docs/training.md is generated from them) and :meth:`Recipe.contract` (a
+  classmethod, cheap: configs, tokenizer files and the encoders' checkpoint tensors, never the model's
+  weights): what it needs from a cache (:class:`shards.cache.Contract`: fields, special tokens and pad id,
+  the codec with its weights, the text tokenizer's fingerprint, template and label policy, the image
+  preset, the feature encoder with its weights). ``cache.require(contract)`` refuses a mismatch before
+  any weight loads, naming every item, the cache's value and the model's value.
 * :meth:`Recipe.from_cache`: the model built from an opened :class:`shards.Cache` and ``model.kwargs``
   (the cache's sizes and token ids, ``model.kwargs`` winning).
 * :attr:`Recipe.default_checkpoint` (the checkpoint ``model.kwargs.lm`` defaults to; None for a model
   trained from scratch), :attr:`Recipe.lora_targets` (module-name suffixes LoRA adapts by default),
   :meth:`Recipe.enable_lora`, :meth:`Recipe.optimizer_groups` (None: the trainer's decay/no-decay
   groups), :meth:`Recipe.set_activation_checkpointing`, :attr:`Recipe.batch_transform` (a loader
-  transform that builds the model's batch layout in the loader's workers, or None) and how to export
-  (:meth:`Recipe.checkpoint_config`: a ``transformers`` config stored with each checkpoint, or None).
+  transform that builds the model's batch layout in the loader's workers, or None), how to export
+  (:meth:`Recipe.checkpoint_config`: a ``transformers`` config stored with each checkpoint, or None)
+  and what its checkpoints record about its own heads (:meth:`Recipe.checkpoint_metadata`).
 
 A new recipe is one module with a :class:`Recipe` subclass plus its entry in
 :data:`train.recipes.RECIPES` (or ``--model.name pkg.mod:Class`` for a plug-in recipe).
@@ -25,8 +30,13 @@ from typing import Any, ClassVar, Iterable, Mapping
 
 import torch.nn as nn
 
+from shardcache.pretrained import resolve_pretrained
 from shards import tokens
-from shards.cache import Cache, Contract
+from shards.cache import Cache, Contract, Unknown
+
+from .. import lora as L
+from ..config import LoraConfig
+from ..imports import blocked_imports
 
 
 def cache_values(cache: Cache) -> dict[str, Any]:
@@ -51,16 +61,12 @@ def cache_values(cache: Cache) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def tokenizer_fingerprint(checkpoint: Any, added: Iterable[str] = ()) -> str | None:
-    """The fingerprint (:func:`shards.tokens.vocab_sha256`, what stage one records) of the tokenizer
-    shipped with ``checkpoint`` (a directory or hub id), with ``added`` tokens added as stage one adds
-    missing ones (special, never split: TheWorld's world markers); None when it ships no tokenizer
-    (then only the special token ids are compared)."""
-    from shardcache.pretrained import resolve_pretrained
-    from train.models import FORBIDDEN_MODULES, blocked_imports
-
-    name = resolve_pretrained(checkpoint, what="model_kwargs.lm")
-    with blocked_imports(FORBIDDEN_MODULES):
+def load_tokenizer(checkpoint: Any, added: Iterable[str] = (), what: str = "model_kwargs.lm"):
+    """The ``transformers`` tokenizer shipped with ``checkpoint`` (a directory or hub id), with ``added``
+    tokens added as stage one adds missing ones (special, never split: TheWorld's world markers); None
+    when it ships no tokenizer files."""
+    name = resolve_pretrained(checkpoint, what=what)
+    with blocked_imports():
         from tokenizers import AddedToken
         from transformers import AutoTokenizer
         try:
@@ -69,7 +75,44 @@ def tokenizer_fingerprint(checkpoint: Any, added: Iterable[str] = ()) -> str | N
             return None
     if added:
         tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True)
-    return tokens.vocab_sha256(tok)
+    return tok
+
+
+def text_tokenizer(checkpoint: Any, named: Any = None, added: Iterable[str] = ()) -> tuple[Any, Any]:
+    """``(tokenizer, fingerprint)`` of the text tokenizer a recipe's checkpoint was trained with: ``named``
+    (``model.kwargs.tokenizer``, a directory or hub id) when given, else the one ``checkpoint`` ships;
+    ``fingerprint`` is :func:`shards.tokens.vocab_sha256` (what stage one records) after ``added``. Never
+    "any": when neither exists, ``(None, Unknown(...))``, which no cache meets."""
+    tok = load_tokenizer(named if named else checkpoint, added, "model_kwargs.tokenizer" if named else "model_kwargs.lm")
+    if tok is None:
+        where = f"model.kwargs.tokenizer {named}" if named else f"{checkpoint}"
+        return None, Unknown(f"{where} ships no tokenizer files: name the tokenizer the checkpoint was trained "
+                             "with in model.kwargs.tokenizer (a directory or hub id)")
+    return tok, tokens.vocab_sha256(tok)
+
+
+def token_ids(tok: Any, names: Iterable[str]) -> dict[str, Any]:
+    """``{token: the tokenizer's id}`` for each of ``names`` (Unknown for a token it lacks; every id
+    Unknown without a tokenizer), as a contract's ``special_tokens``."""
+    out = {}
+    for t in names:
+        i = tok.convert_tokens_to_ids(t) if tok is not None else None
+        unk = tok.unk_token_id if tok is not None else None
+        ok = isinstance(i, int) and (i != unk or t == getattr(tok, "unk_token", None))
+        out[t] = int(i) if ok else Unknown(f"the model's tokenizer has no {t}" if tok is not None else
+                                           "the model's tokenizer is not known (model.kwargs.tokenizer)")
+    return out
+
+
+def tokenizer_pad_id(tok: Any) -> Any:
+    """The pad id stage one gives a tokenizer (``pad_token_id``, else ``eos_token_id``, else 0:
+    :class:`precompute.encoders.text.HFTokenizer`), Unknown without a tokenizer."""
+    if tok is None:
+        return Unknown("the model's tokenizer is not known (model.kwargs.tokenizer)")
+    for v in (tok.pad_token_id, tok.eos_token_id):
+        if v is not None:
+            return int(v)
+    return 0
 
 
 def build_from(cls: type, cache: Cache, kwargs: Mapping[str, Any], names: Iterable[str]) -> Any:
@@ -95,6 +138,30 @@ class Recipe(nn.Module):
     lora: dict | None = None
     #: a loader ``transform`` (the model's own batch layout, built in the loader's workers), or None
     batch_transform: Any = None
+    #: the contract items it checks -> where the model's value comes from (the generated contract table
+    #: of docs/training.md); :meth:`contract` sets only these (:meth:`contract_of`)
+    contract_items: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def contract_of(cls, model: str, values: Mapping[str, Any]) -> Contract:
+        """The contract with :attr:`fields` / :attr:`optional_fields` and ``values`` (``{item: value}``,
+        named as :meth:`shards.cache.Contract.items` names them; ``None``: any). Raises ``ValueError`` for
+        an item :attr:`contract_items` does not declare (the docs would not show it)."""
+        bad = [k for k in values if k not in cls.contract_items]
+        if bad:
+            raise ValueError(f"{cls.__name__}.contract sets items it does not declare in contract_items: {bad}")
+        return Contract.from_items(model, values, fields=cls.fields, optional_fields=cls.optional_fields)
+
+    @classmethod
+    def lora_options(cls, kwargs: Mapping[str, Any], run: dict | None) -> dict | None:
+        """The LoRA options (:func:`train.lora.options`) the model built with ``kwargs`` carries after the
+        run's ``lora`` section ``run`` (None: off) is applied: ``run``, whose default targets (the
+        ``--lora.targets`` default) mean :attr:`lora_targets`. Known before any weight loads."""
+        if run is None:
+            return None
+        targets = run["targets"]
+        return L.options(run["r"], run["alpha"], run["dropout"],
+                         tuple(cls.lora_targets) if tuple(targets) == tuple(LoraConfig().targets) else targets)
 
     @classmethod
     def contract(cls, kwargs: Mapping[str, Any]) -> Contract:
@@ -106,22 +173,21 @@ class Recipe(nn.Module):
     def from_cache(cls, cache: Cache, kwargs: Mapping[str, Any], *, latent_loss: str = "none",
                    latent_loss_weight: float = 1.0) -> "Recipe":
         """The model for ``cache`` (its sizes and token ids) with ``kwargs`` (``model.kwargs``, which
-        win). ``latent_loss``/``latent_loss_weight``: ``--model.latent-loss`` (recipes without a
+        win). ``latent_loss``/``latent_loss_weight``: ``--model.latent_loss`` (recipes without a
         latent loss refuse anything but ``none``)."""
         raise NotImplementedError(f"{cls.__name__} cannot be built from a cache")
 
     @classmethod
     def no_latent_loss(cls, latent_loss: str) -> None:
-        """Warn that ``--model.latent-loss`` is ignored by a recipe that has none."""
+        """Warn that ``--model.latent_loss`` is ignored by a recipe that has none."""
         if latent_loss != "none":
-            logging.getLogger("train").warning("--latent-loss %s is ignored by %s", latent_loss, cls.__name__)
+            logging.getLogger("train").warning("--model.latent_loss %s is ignored by %s", latent_loss, cls.__name__)
 
     # -- training hooks, declared (the trainer calls them on every recipe) ------------------------------
     def enable_lora(self, r: int, alpha: int, dropout: float, targets: Iterable[str] | None = None) -> None:
         """peft LoRA adapters on ``targets`` (default :attr:`lora_targets`); every other weight
         freezes. Raises ``ValueError`` when nothing matched, ``ImportError`` without peft."""
-        from train.models import inject_lora
-        inject_lora(self, r, alpha, dropout, tuple(targets or self.lora_targets))
+        L.inject_lora(self, r, alpha, dropout, tuple(targets or self.lora_targets))
 
     def set_activation_checkpointing(self, on: bool = True) -> bool:
         """Turn activation checkpointing on/off; False when the model has none (the default)."""
@@ -136,3 +202,9 @@ class Recipe(nn.Module):
         """How to export: a ``transformers`` config written with each checkpoint (``config.json``) so
         that it loads with ``from_pretrained``; None for a model without one."""
         return None
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        """What each checkpoint's safetensors header records about the model's own heads (the theworld
+        recipe: ``projection_architecture``), read back when such a file is loaded; {} by default."""
+        return {}
+

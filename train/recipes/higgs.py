@@ -25,7 +25,9 @@ checkpoints hold the adapters only. Without LoRA the whole model trains.
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +35,14 @@ import torch
 import torch.nn as nn
 
 from loaders.higgs import HiggsBatch
-from shards.cache import Cache, Codec, Contract
-from shards.tokens import AUDIO_OUT, AUDIO_OUT_BOS
+from shardcache.pretrained import resolve_pretrained
+from shardcache.weights import checkpoint_sha256
+from shards.cache import Cache, Contract, Unknown
+from shards.tokens import AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_OUT, AUDIO_OUT_BOS, EOM, EOT
 
-from .base import build_from, tokenizer_fingerprint
-from .lm import LMRecipe, load_causal_lm, lora_options, resolve_lm, touch
+from ..imports import blocked_imports
+from .base import build_from, text_tokenizer, token_ids, tokenizer_pad_id
+from .lm import LMRecipe, kwargs_lora, load_causal_lm, resolve_lm, touch
 
 log = logging.getLogger("train")
 
@@ -51,10 +56,8 @@ INPUTS = ("input_ids", "attention_mask", "audio_input_ids", "audio_input_ids_mas
 
 def load_config(lm: Any):
     """The ``transformers`` config of ``lm`` (dir or hub id); ``ValueError`` unless it is ``higgs_audio_v2``."""
-    from train.models import FORBIDDEN_MODULES, blocked_imports
-
     name = resolve_lm(lm)
-    with blocked_imports(FORBIDDEN_MODULES):
+    with blocked_imports():
         from transformers import AutoConfig, PretrainedConfig
         try:
             raw, _ = PretrainedConfig.get_config_dict(name)   # its model_type, before transformers resolves it
@@ -81,12 +84,8 @@ TEXT_HEAD = "text_lm_head.weight"   #: the text head's weight in a checkpoint (H
 def checkpoint_keys(lm: Any) -> set[str]:
     """The weight names of checkpoint ``lm`` (dir or hub id), from its ``model.safetensors.index.json``
     or ``model.safetensors`` header (no tensor read). ``OSError`` when it has neither."""
-    import json
-
     from safetensors import safe_open
-
-    from train.models import FORBIDDEN_MODULES, blocked_imports
-    with blocked_imports(FORBIDDEN_MODULES):
+    with blocked_imports():
         from transformers.utils import cached_file
 
     name = resolve_lm(lm)
@@ -100,11 +99,49 @@ def checkpoint_keys(lm: Any) -> set[str]:
         return set(f.keys())
 
 
+#: the files of a checkpoint that name its paired audio tokenizer (``transformers``' processor: the
+#: ``audio_tokenizer`` entry of ``processor_config.json``, or ``audio_tokenizer_config.json``)
+PROCESSOR_FILES = ("audio_tokenizer_config.json", "processor_config.json")
+
+
+def paired_audio_tokenizer(lm: Any) -> str | None:
+    """The audio tokenizer checkpoint ``lm``'s processor names (``audio_tokenizer_name_or_path``, what
+    ``HiggsAudioV2Processor.from_pretrained`` loads), None when it names none (no processor files)."""
+    name = resolve_lm(lm)
+    with blocked_imports():
+        from transformers.utils import cached_file
+    for f in PROCESSOR_FILES:
+        path = cached_file(name, f, _raise_exceptions_for_missing_entries=False)
+        d = json.loads(Path(path).read_text()) if path else {}
+        d = d.get("audio_tokenizer", d) if f == "processor_config.json" else d
+        if isinstance(d, dict) and d.get("audio_tokenizer_name_or_path"):
+            return str(d["audio_tokenizer_name_or_path"])
+    return None
+
+
+def codec_weights(lm: Any) -> Any:
+    """The weights (:func:`shardcache.weights.checkpoint_sha256`) of the audio tokenizer Higgs-Audio v2
+    checkpoint ``lm`` names in its processor config; Unknown (met by no cache, saying what to give) when it
+    names none or its weights cannot be read here. ``--model.audio_tokenizer`` replaces it
+    (:func:`train.models.run_contract`)."""
+    tok = paired_audio_tokenizer(lm)
+    if not tok:
+        return Unknown(f"{resolve_lm(lm)} names no audio tokenizer (no processor_config.json): name the one its codes "
+                       "come from with --model.audio_tokenizer (--audio_tokenizer_path)")
+    try:
+        return checkpoint_sha256(resolve_pretrained(tok, what="the paired audio tokenizer"))
+    except (OSError, ValueError) as e:
+        return Unknown(f"the paired audio tokenizer {tok} cannot be read here ({e}): name a local copy with "
+                       "--model.audio_tokenizer")
+
+
 class HiggsModel(LMRecipe):
     """``HiggsAudioV2ForConditionalGeneration`` fine-tuned on the cache (see the module docstring).
 
     Args (``model.kwargs``; the cache's ids come from ``manifest.json`` through :class:`shards.Cache`, :func:`train.recipes.base.cache_values`):
         lm: checkpoint directory or hub id (default :data:`DEFAULT_HIGGS`).
+        tokenizer: the text tokenizer ``lm`` was trained with, for a checkpoint that ships none (its
+            contract compares it with the cache's; not loaded to train).
         dtype: weight dtype (float32 | bfloat16 | float16), default float32.
         attn_implementation: passed to ``from_pretrained`` (default: transformers' choice).
         lora: false | true | {r, alpha, dropout, targets}.
@@ -127,21 +164,50 @@ class HiggsModel(LMRecipe):
     media_name = "audio"
     default_checkpoint = DEFAULT_HIGGS
 
+    contract_items = {
+        "fields": "`input_ids`, `labels`, `codes`, `audio_segments` (the processor's batch)",
+        "special_tokens.<|AUDIO_OUT|>": "config `audio_token_id`",
+        "special_tokens.<|audio_out_bos|>": "config `audio_bos_token_id`",
+        "special_tokens.<|AUDIO|>": "its tokenizer's id", "special_tokens.<|audio_bos|>": "its tokenizer's id",
+        "special_tokens.<|audio_eos|>": "its tokenizer's id", "special_tokens.<|eot_id|>": "its tokenizer's id",
+        "special_tokens.<|eom_id|>": "its tokenizer's id",
+        "pad_id": "its tokenizer's pad id (else eos), as stage one pads",
+        "codec.name": "`higgs` (Higgs-Audio v2's audio tokenizer)", "codec.sample_rate": "24000 Hz",
+        "codec.frame_rate": "25 frames/s", "codec.n_codebooks": "config `num_codebooks`",
+        "codec.codebook_size": "config `audio_stream_bos_id`",
+        "codec.bandwidth": "codebooks x log2(size) x 25 / 1000 kbps",
+        "codec.weights": "the paired audio tokenizer: `--model.audio_tokenizer`, else the checkpoint's processor "
+                         "config (neither: refused)",
+        "codec.dtype": "`float32` (the processor encodes in float32)",
+        "text_tokenizer": "the checkpoint's tokenizer, else `model.kwargs.tokenizer` (neither: refused)",
+        "chat_template": "`llama3` (Boson's `prepare_chatml_sample` layout)",
+        "label_policy": "`answers` (the assistant turns: Boson's labels)",
+    }
+
     @classmethod
     def contract(cls, kwargs) -> Contract:
-        """The checkpoint's (its config only): codes of Higgs-Audio's own tokenizer (name, 24 kHz, 25
-        frames/s, the model's codebooks of ``audio_stream_bos_id`` codes, hence its bandwidth in kbps:
-        codebooks x log2(size) bits x 25 / 1000), its ``<|AUDIO_OUT|>``/``<|audio_out_bos|>`` ids and its
-        tokenizer's fingerprint (when the checkpoint ships a tokenizer)."""
-        import math
+        """The checkpoint's (its config, tokenizer and processor files; the paired audio tokenizer's
+        tensors, never the model's): codes of Higgs-Audio's own tokenizer (name, 24 kHz, 25 frames/s, the
+        model's codebooks of ``audio_stream_bos_id`` codes, hence its bandwidth in kbps: codebooks x
+        log2(size) bits x 25 / 1000; the weights of its paired audio tokenizer, computed in float32),
+        rendered with Higgs-Audio's layout (``llama3``) and labelled on the answers, by its tokenizer
+        (fingerprint, every special id the model reads, the pad id)."""
         lm = kwargs.get("lm", DEFAULT_HIGGS)
         cfg = load_config(lm)
         size = int(cfg.audio_stream_bos_id)
-        codec = Codec(name=CODEC_NAME, sample_rate=CODEC_SAMPLE_RATE, frame_rate=CODEC_FRAME_RATE,
-                      n_codebooks=int(cfg.num_codebooks), codebook_size=size,
-                      bandwidth=cfg.num_codebooks * math.log2(size) * CODEC_FRAME_RATE / 1000)
-        return Contract("--model.name higgs", fields=cls.fields, codec=codec, text_tokenizer=tokenizer_fingerprint(lm),
-                        special_tokens={AUDIO_OUT: int(cfg.audio_token_id), AUDIO_OUT_BOS: int(cfg.audio_bos_token_id)})
+        tok, fingerprint = text_tokenizer(lm, kwargs.get("tokenizer"))
+        ids = {AUDIO_OUT: int(cfg.audio_token_id), AUDIO_OUT_BOS: int(cfg.audio_bos_token_id)}
+        if tok is not None:
+            ids |= {t: i for t, i in token_ids(tok, (AUDIO_IN, AUDIO_BOS, AUDIO_EOS, EOT, EOM)).items()
+                    if not isinstance(i, Unknown)}       # a token its tokenizer lacks is not read
+        values = {f"special_tokens.{t}": i for t, i in ids.items()} | {
+            "pad_id": tokenizer_pad_id(tok) if tok is not None else None,
+            "codec.name": CODEC_NAME, "codec.sample_rate": CODEC_SAMPLE_RATE, "codec.frame_rate": CODEC_FRAME_RATE,
+            "codec.n_codebooks": int(cfg.num_codebooks), "codec.codebook_size": size,
+            "codec.bandwidth": cfg.num_codebooks * math.log2(size) * CODEC_FRAME_RATE / 1000,
+            "codec.weights": codec_weights(lm), "codec.dtype": "float32",
+            "text_tokenizer": fingerprint, "chat_template": "llama3", "label_policy": "answers"}
+        return cls.contract_of("--model.name higgs", values)
 
     @classmethod
     def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
@@ -150,8 +216,8 @@ class HiggsModel(LMRecipe):
             "n_codebooks", "codebook_size", "vocab_size", "pad_id", "audio_in_token_id", "audio_out_token_id",
             "audio_out_bos_token_id", "audio_eos_token_id", "audio_bos_token_id", "eot_token_id", "eom_token_id"))
 
-    def __init__(self, *, lm: str = DEFAULT_HIGGS, dtype: str = "float32", attn_implementation: str | None = None,
-                 lora: Any = False, labels: str = "processor", input_audio: str = "drop", use_text_head: bool = True,
+    def __init__(self, *, lm: str = DEFAULT_HIGGS, tokenizer: str | None = None, dtype: str = "float32",
+                 attn_implementation: str | None = None, lora: Any = False, labels: str = "processor", input_audio: str = "drop", use_text_head: bool = True,
                  create_text_head: bool = False,
                  n_codebooks: int = 8, codebook_size: int = 1024, vocab_size: int | None = None, pad_id: int = 0,
                  audio_in_token_id: int | None = None, audio_out_token_id: int | None = None,
@@ -193,7 +259,7 @@ class HiggsModel(LMRecipe):
             num_codebooks=cfg.num_codebooks, audio_in_token_id=audio_in_token_id,
             audio_in_bos_token_id=audio_bos_token_id, audio_eos_token_id=audio_eos_token_id,
             eot_token_id=eot_token_id, eom_token_id=eom_token_id, labels=labels, input_audio=input_audio)
-        self._finish_init(False, lora_options(lora))
+        self._finish_init(False, kwargs_lora(lora))
 
     def media_modules(self) -> list[nn.Module]:
         return []  # every weight is the model's own: one "lm" optimizer group

@@ -3,8 +3,9 @@
 Boson's multi-node recipe launches ``torchrun ... train.py --model_path P --train_data_file F
 --output_dir D --bf16 --use_lora ...``; :func:`translate` turns those spellings into this project's
 options before parsing, so that line works as written (after ``-m shardcache train``). Nothing else
-knows these names. ``--model_path P`` sets ``model.kwargs.lm = P`` and, unless the line names a model,
-``--model.name higgs`` with the config file's ``model.kwargs`` dropped (they belong to the file's model).
+knows these names. ``--model_path P`` sets ``model.kwargs.lm = P`` (last, so a ``--model.kwargs`` mapping on
+the line, which replaces the file's, keeps it) and, unless the line names a model, ``--model.name higgs`` with
+the config file's ``model.kwargs`` dropped (they belong to the file's model).
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ def translate(argv: list[str]) -> list[str]:
     other arguments are kept in order. Raises :class:`ConfigError` for ``--model_path`` with the
     reference model (it loads no LM)."""
     out: list[str] = []
+    last: list[str] = []
     it = iter(argv)
     named = next((a.partition("=")[2] if "=" in a else (argv[i + 1:] or [""])[0]
-                  for i, a in enumerate(argv) if a.partition("=")[0] in ("--model.name", "--model-name")), None)
+                  for i, a in enumerate(argv) if a.partition("=")[0] == "--model.name"), None)
     for tok in it:
         name, eq, val = tok.partition("=")
         if name in SWITCHES:
@@ -41,8 +43,8 @@ def translate(argv: list[str]) -> list[str]:
             if named == "reference":
                 raise ConfigError([("--model_path", "the reference model loads no LM; use --model.name "
                                                     "higgs|tts|vlm|module:factory")])
-            out += ([] if named is not None else ["--model.name", "higgs", "--model.kwargs", "{}"]) + \
-                ["--model.kwargs.lm", path]
+            out += [] if named is not None else ["--model.name", "higgs", "--model.kwargs", "{}"]
+            last = ["--model.kwargs.lm", path]
         else:
             out.append(tok)
-    return out
+    return out + last

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from shardcache.pretrained import BUILD_HINT, resolve_pretrained
 from shards.tokens import IGNORE_INDEX
 
+from .. import lora as L
+from ..imports import blocked_imports
 from .base import Recipe
 
 log = logging.getLogger("train")
@@ -50,8 +52,6 @@ def load_causal_lm(lm: Any, vocab_size: int | None = None, dtype: str | torch.dt
     """``AutoModelForCausalLM.from_pretrained(lm)`` (or the ``transformers`` class named
     ``model_class``, with the extra ``from_pretrained`` keyword arguments); token embeddings resized
     (mean init, transformers' default) when the cache's ``vocab_size`` exceeds the LM's."""
-    from train.models import FORBIDDEN_MODULES, blocked_imports
-
     name = resolve_lm(lm)
     if isinstance(dtype, str):
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -59,7 +59,7 @@ def load_causal_lm(lm: Any, vocab_size: int | None = None, dtype: str | torch.dt
         if dtype not in names:
             raise ValueError(f"model_kwargs.dtype must be one of {sorted(names)}, got {dtype!r}")
         dtype = names[dtype]
-    with blocked_imports(FORBIDDEN_MODULES):  # no PIL/soundfile via transformers' optional helpers
+    with blocked_imports():  # no PIL/soundfile via transformers' optional helpers
         import transformers
         from transformers.utils import logging as hf_logging
 
@@ -101,9 +101,10 @@ def decoder_of(lm: nn.Module) -> nn.Module:
     return dec
 
 
-def lora_options(lora: Any, r: int = 8, alpha: int = 16, dropout: float = 0.0,
-                 targets: Iterable[str] | None = None) -> dict | None:
-    """model_kwargs ``lora`` (false | true | {r, alpha, dropout, targets}) -> options or None."""
+def kwargs_lora(lora: Any, r: int = 8, alpha: int = 16, dropout: float = 0.0,
+                targets: Iterable[str] | None = None) -> dict | None:
+    """model_kwargs ``lora`` (false | true | {r, alpha, dropout, targets}) -> options
+    (:func:`train.lora.options`) or None."""
     if not lora:
         return None
     opts = {"r": r, "alpha": alpha, "dropout": dropout, "targets": tuple(targets or DEFAULT_LORA_TARGETS)}
@@ -112,30 +113,9 @@ def lora_options(lora: Any, r: int = 8, alpha: int = 16, dropout: float = 0.0,
         if unknown:
             raise ValueError(f"model_kwargs.lora: unknown keys {sorted(unknown)}; use r, alpha, dropout, targets")
         opts.update(lora)
-        opts["targets"] = tuple(opts["targets"])
     elif lora is not True:
         raise ValueError(f"model_kwargs.lora must be true/false or a dict, got {lora!r}")
-    return opts
-
-
-def inject_lora(module: nn.Module, r: int, alpha: int, dropout: float, targets: Iterable[str]) -> int:
-    """peft LoRA adapters on ``targets`` (module-name suffixes) of ``module``; freezes every other
-    parameter of ``module``. Returns the number of LoRA parameters."""
-    from train.models import FORBIDDEN_MODULES, blocked_imports
-    try:
-        with blocked_imports(FORBIDDEN_MODULES):
-            from peft import LoraConfig, inject_adapter_in_model
-    except ImportError as e:
-        raise ImportError(f"LoRA needs peft: pip install 'shardcache[lora]' ({e})") from e
-    cfg = LoraConfig(r=int(r), lora_alpha=int(alpha), lora_dropout=float(dropout), target_modules=list(targets))
-    inject_adapter_in_model(cfg, module)
-    n = 0
-    for name, p in module.named_parameters():
-        p.requires_grad = "lora_" in name
-        n += p.numel() if p.requires_grad else 0
-    if n == 0:
-        raise ValueError(f"LoRA: no module of the LM matched {list(targets)}")
-    return n
+    return L.options(**opts)
 
 
 # -- merging placeholders ---------------------------------------------------------------------------
@@ -260,18 +240,27 @@ class LMRecipe(Recipe):
 
     # -- LoRA, checkpointing, logging ---------------------------------------------------------------
 
+    @classmethod
+    def lora_options(cls, kwargs: Any, run: dict | None) -> dict | None:
+        """``model.kwargs.lora`` (:func:`kwargs_lora`), else the run's section (its default targets mean
+        :data:`DEFAULT_LORA_TARGETS`). Raises ``ValueError`` when both are given and differ (as
+        :meth:`enable_lora` would)."""
+        own, theirs = kwargs_lora(kwargs.get("lora")), super().lora_options(kwargs, run)
+        if own is not None and theirs is not None and own != theirs:
+            raise ValueError(f"LoRA: model.kwargs.lora gives {own}, the run's lora section {theirs}")
+        return own or theirs
+
     def enable_lora(self, r: int = 8, alpha: int = 16, dropout: float = 0.0,
                     targets: Iterable[str] | None = None) -> None:
         """LoRA adapters on the LM only (default targets :data:`DEFAULT_LORA_TARGETS`); the LM's own
         weights freeze, the recipe's media modules stay trainable. A second call with the same
         options does nothing (``model_kwargs.lora`` and ``--lora`` together); other options raise."""
-        opts = {"r": int(r), "alpha": int(alpha), "dropout": float(dropout),
-                "targets": tuple(targets or DEFAULT_LORA_TARGETS)}
+        opts = L.options(r, alpha, dropout, targets or DEFAULT_LORA_TARGETS)
         if self.lora is not None:
             if opts != self.lora:
                 raise ValueError(f"LoRA already applied with {self.lora}; asked again with {opts}")
             return
-        n = inject_lora(self.lm, **opts)
+        n = L.inject_lora(self.lm, **opts)
         self.lora = opts
         log.info("LoRA on %s: r=%d alpha=%d dropout=%g targets=%s (%d adapter parameters)",
                  self.lm_name, opts["r"], opts["alpha"], opts["dropout"], list(opts["targets"]), n)

@@ -34,6 +34,7 @@ Loss: next-token cross entropy on ``labels``, per-sample normalised like the oth
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -42,11 +43,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shards.cache import Cache, Contract, FeatureEncoder, ImagePreset
+from shardcache.pretrained import resolve_pretrained
+from shardcache.weights import GEMMA3_VISION, checkpoint_sha256, under
+from shards.cache import Cache, Contract
 from shards.tokens import GEMMA_IMAGE_SOFT
 
-from .base import build_from, tokenizer_fingerprint
-from .lm import LMRecipe, load_causal_lm, lora_options, merge_placeholders, next_token_loss, resolve_lm, touch
+from ..imports import blocked_imports
+from .base import build_from, text_tokenizer, token_ids, tokenizer_pad_id
+from .lm import LMRecipe, kwargs_lora, load_causal_lm, merge_placeholders, next_token_loss, resolve_lm, touch
 
 log = logging.getLogger("train")
 
@@ -54,8 +58,15 @@ DEFAULT_GEMMA3 = "google/gemma-3-4b-it"
 MODEL_TYPE = "gemma3"
 #: TheWorld's world markers (``TheWorld._inject_world_tokens``; configs/precompute-theworld.yaml)
 WORLD_TOKENS = ("<start_of_world>", "<end_of_world>")
-#: the image preset TheWorld's projection was trained on (``to_tensor(img) * 255`` of a PIL resize)
+#: the image preset TheWorld's projection was trained on (``cosmos_vae_encoder.py``: ``img.convert("RGB")``,
+#: ``TF.resize(img, [512, 512])`` of the whole image, ``to_tensor(img) * 255``, the Wan 2.1 VAE of
+#: Cosmos-Predict2 in bfloat16, raw ``mode()`` latents of 16 channels); latents stored as float16
 PIXEL_RANGE = "0..255"
+IMAGE_PRESET = {"encoder": "wan", "size": 512, "resize": "stretch", "rgb": "convert", "pixel_range": PIXEL_RANGE,
+                "normalized": False, "latent_channels": 16, "dtype": "bfloat16", "latents_dtype": "float16"}
+#: TheWorld's text and labels: its collate's layout (``chat_template: theworld``) and its forward's labels
+#: (``_forward_with_world``: every input token, -100 on the world embeddings only)
+CHAT_TEMPLATE, LABEL_POLICY = "theworld", "all_but_world"
 
 
 #: TheWorld's projection architectures (``world_projector.py`` ``_build_projection``)
@@ -94,43 +105,102 @@ class WorldProjector(nn.Module):
 _PROJECTION_KEY = re.compile(r"(?:^|\.)projection\.(?:([0-9]+)\.)?(weight|bias)$")
 
 
-def load_projection_state(path: str | Path, z_dim: int, hidden: int, architecture: str | None = None
-                          ) -> tuple[str, dict[str, torch.Tensor], list[str]]:
-    """A TheWorld projection checkpoint recognised by its keys and shapes: ``(architecture, state dict
-    for WorldProjector.projection's parent, unexpected keys)``.
+#: the key of a checkpoint's safetensors header (and of TheWorld's ``config.json``) that records its
+#: projection's architecture (:meth:`TheWorldModel.checkpoint_metadata` writes it with every checkpoint)
+ARCH_KEY = "projection_architecture"
 
-    ``path``: ``.safetensors`` (TheWorld's ``model.safetensors``), or a torch file of tensors only (read
-    with ``weights_only=True``). Keys ending ``projection.0/2.weight|bias`` are a two-layer MLP
-    (``mlp`` or ``mlp_no_final_gelu``: same keys and shapes), ``projection.weight|bias`` a ``linear``
-    one. Which MLP: ``architecture`` (``model.kwargs.projection_architecture``), else the
-    ``projection_architecture`` of TheWorld's ``config.json`` beside the file; they must agree.
-    Shapes must be ``(hidden, z_dim)`` in (spatial mode) and ``(hidden, hidden)`` between. Other keys
-    (LM weights, LoRA adapters) are returned as unexpected, never loaded.
 
-    Raises ``ValueError`` naming what was found: no projection, a layout of no known architecture,
-    other shapes (TheWorld's channel mode: input ``H*W``), an architecture that disagrees with the
-    keys or with the config, or an MLP whose architecture nothing names.
-    """
-    import json
-    path = Path(path)
+def _projection_file(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """``({key: lazy tensor or tensor}, safetensors header metadata)`` of a projection checkpoint; a
+    safetensors file is not read beyond its header until a tensor is asked for."""
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        raw = load_file(str(path))
-    else:
-        raw = torch.load(str(path), map_location="cpu", weights_only=True)
-        raw = raw.get("state_dict", raw) if isinstance(raw, dict) else raw
-    found, unexpected = {}, []
-    for k, v in raw.items():
-        m = _PROJECTION_KEY.search(k)
-        if m:
-            found[(m.group(1) + "." if m.group(1) else "") + m.group(2)] = v
-        else:
-            unexpected.append(k)
-    layout = {"0.weight", "0.bias", "2.weight", "2.bias"}
-    family = "mlp" if set(found) == layout else "linear" if set(found) == {"weight", "bias"} else None
+        from safetensors import safe_open
+        f = safe_open(str(path), "pt")
+        return {k: f for k in f.keys()}, dict(f.metadata() or {})
+    raw = torch.load(str(path), map_location="cpu", weights_only=True)
+    raw = raw.get("state_dict", raw) if isinstance(raw, dict) else raw
+    return dict(raw), {}
+
+
+def projection_record(path: str | Path) -> tuple[str | None, str]:
+    """``(architecture, where)``: what records checkpoint ``path``'s projection architecture: its own
+    safetensors header (a checkpoint this project wrote: :data:`ARCH_KEY`), else TheWorld's ``config.json``
+    beside it (``save_pretrained``'s ``projection_architecture``); ``(None, "")`` when nothing does.
+    Raises ``ValueError`` when the two records disagree."""
+    path = Path(path)
+    _, meta = _projection_file(path)
+    config = path.parent / "config.json"
+    named = json.loads(config.read_text()).get(ARCH_KEY) if config.is_file() else None
+    own = meta.get(ARCH_KEY)
+    if own and named and own != named:
+        raise ValueError(f"projection_checkpoint {path}: its header records {ARCH_KEY} {own}, {config} says {named}")
+    return (own, f"{path}'s header") if own else (named, str(config)) if named else (None, "")
+
+
+def projection_architecture(path: str | Path, architecture: str | None = None) -> tuple[str, str]:
+    """``(architecture, family)`` of projection checkpoint ``path`` from its keys and its record
+    (:func:`projection_record`), checked against ``architecture`` (``model.kwargs.projection_architecture``).
+    Reads keys and headers only. Why an MLP needs a record or a name: ``mlp`` and ``mlp_no_final_gelu``
+    have the same keys and shapes and differ only in the function they compute (a last GELU), so the
+    tensors alone cannot tell them apart; a ``linear`` projection is told by its keys.
+
+    Raises ``ValueError`` naming what was found: no projection or a layout of no known architecture, a
+    name that contradicts the keys or the record, an MLP that nothing records or names."""
+    path = Path(path)
+    keys, _ = _projection_file(path)
+    found = {(m.group(1) + "." if m.group(1) else "") + m.group(2) for k in keys if (m := _PROJECTION_KEY.search(k))}
+    family = "mlp" if found == {"0.weight", "0.bias", "2.weight", "2.bias"} else \
+        "linear" if found == {"weight", "bias"} else None
     if family is None:
         raise ValueError(f"projection_checkpoint {path}: not a TheWorld projection ({', '.join(PROJECTIONS)}): "
-                         f"projection keys {sorted(found) or 'none'} (of {len(raw)} keys, e.g. {sorted(raw)[:4]})")
+                         f"projection keys {sorted(found) or 'none'} (of {len(keys)} keys, e.g. {sorted(keys)[:4]})")
+    named, where = projection_record(path)
+    if architecture and named and architecture != named:
+        raise ValueError(f"model.kwargs.projection_architecture is {architecture}, but {where} says "
+                         f"projection_architecture: {named}")
+    arch = architecture or named
+    if family == "linear":
+        if arch not in (None, "linear"):
+            raise ValueError(f"projection_checkpoint {path} holds one Linear (projection.weight/bias: TheWorld's "
+                             f"linear projection), projection_architecture is {arch}")
+        return "linear", family
+    if arch == "linear":
+        raise ValueError(f"projection_checkpoint {path} holds a two-layer MLP (projection.0/2), "
+                         "projection_architecture is linear")
+    if arch is None:
+        raise ValueError(f"projection_checkpoint {path} holds a two-layer MLP, which is TheWorld's mlp or "
+                         "mlp_no_final_gelu (same keys and shapes: the tensors cannot tell which) and nothing records "
+                         "which (no projection_architecture in its header or in a config.json beside it): set "
+                         "model.kwargs.projection_architecture")
+    return arch, family
+
+
+def load_projection_state(path: str | Path, z_dim: int, hidden: int, architecture: str | None = None
+                          ) -> tuple[str, dict[str, torch.Tensor], list[str]]:
+    """A TheWorld projection checkpoint recognised by its keys, shapes and record: ``(architecture, state
+    dict for WorldProjector.projection's parent, unexpected keys)``.
+
+    ``path``: ``.safetensors`` (TheWorld's ``model.safetensors``, or a ``step-N`` checkpoint of this
+    project), or a torch file of tensors only (read with ``weights_only=True``). Keys ending
+    ``projection.0/2.weight|bias`` are a two-layer MLP (``mlp`` or ``mlp_no_final_gelu``),
+    ``projection.weight|bias`` a ``linear`` one; which MLP: :func:`projection_architecture`. Shapes must be
+    ``(hidden, z_dim)`` in (spatial mode) and ``(hidden, hidden)`` between. Other keys (LM weights, LoRA
+    adapters) are returned as unexpected, never loaded.
+
+    Raises ``ValueError`` as :func:`projection_architecture`, and for other shapes (TheWorld's channel
+    mode: input ``H*W``).
+    """
+    path = Path(path)
+    arch, family = projection_architecture(path, architecture)
+    keys, _ = _projection_file(path)
+    found, unexpected = {}, []
+    for k, v in keys.items():
+        m = _PROJECTION_KEY.search(k)
+        if m:
+            found[(m.group(1) + "." if m.group(1) else "") + m.group(2)] = v.get_tensor(k) if not isinstance(
+                v, torch.Tensor) else v
+        else:
+            unexpected.append(k)
     shapes = {k: tuple(v.shape) for k, v in found.items() if k.endswith("weight")}
     want = {"0.weight": (hidden, z_dim), "2.weight": (hidden, hidden)} if family == "mlp" else {"weight": (hidden, z_dim)}
     if shapes != want:
@@ -139,32 +209,23 @@ def load_projection_state(path: str | Path, z_dim: int, hidden: int, architectur
                 "is not supported)" if first and first[1] != z_dim else "")
         raise ValueError(f"projection_checkpoint {path}: weight shapes {shapes}, the model needs {want} (latent "
                          f"channels {z_dim}, LM hidden size {hidden}){hint}")
-    config = path.parent / "config.json"
-    named = json.loads(config.read_text()).get("projection_architecture") if config.is_file() else None
-    if architecture and named and architecture != named:
-        raise ValueError(f"model.kwargs.projection_architecture is {architecture}, but {config} says "
-                         f"projection_architecture: {named}")
-    arch = architecture or named
-    if family == "linear":
-        if arch not in (None, "linear"):
-            raise ValueError(f"projection_checkpoint {path} holds one Linear (projection.weight/bias: TheWorld's "
-                             f"linear projection), projection_architecture is {arch}")
-        arch = "linear"
-    elif arch == "linear":
-        raise ValueError(f"projection_checkpoint {path} holds a two-layer MLP (projection.0/2), "
-                         "projection_architecture is linear")
-    elif arch is None:
-        raise ValueError(f"projection_checkpoint {path} holds a two-layer MLP, which is TheWorld's mlp or "
-                         "mlp_no_final_gelu (same keys and shapes) and no config.json beside it says which: set "
-                         "model.kwargs.projection_architecture")
     return arch, {("projection." + k): v for k, v in found.items()}, unexpected
+
+
+def vae_weights(vae: str) -> str:
+    """:func:`shardcache.weights.checkpoint_sha256` of the VAE ``vae`` names: a VAE directory or hub id, or
+    a diffusers pipeline holding it in ``vae/`` (TheWorld's ``nvidia/Cosmos-Predict2-2B-Video2World``)."""
+    name = resolve_pretrained(vae, what="model.kwargs.vae")
+    try:
+        return checkpoint_sha256(name)
+    except OSError:
+        return checkpoint_sha256(name, "vae")
 
 
 def check_config(lm: Any):
     """The ``transformers`` config of ``lm``; ``ValueError`` unless it is a Gemma 3 (``gemma3``)."""
-    from train.models import FORBIDDEN_MODULES, blocked_imports
     name = resolve_lm(lm)
-    with blocked_imports(FORBIDDEN_MODULES):
+    with blocked_imports():
         from transformers import AutoConfig
         try:
             cfg = AutoConfig.from_pretrained(name)
@@ -197,6 +258,11 @@ class TheWorldModel(LMRecipe):
             device); needed only for batches holding ``pixel_values`` instead of ``image_features``.
         vision_dtype: dtype the kept vision tower runs in (default bfloat16, as stage one).
         max_trainable_fraction: warn above this trainable fraction with a frozen LM (default 0.10).
+        tokenizer, chat_template, label_policy, image_size, vae: what the cache must have been made with
+            (the contract; not used to build): the text tokenizer for a checkpoint that ships none, the
+            template (default ``theworld``: TheWorld's collate) and label policy (default ``all_but_world``:
+            TheWorld's forward labels every input token), the VAE's input size (default 512) and the VAE
+            (a directory or hub id: its weights are compared; default: not compared).
         latent_channels, vocab_size, pad_id, image_token_id (``<start_of_image>``),
         image_soft_token_id, world_start_token_id, world_end_token_id: the cache's.
 
@@ -214,20 +280,53 @@ class TheWorldModel(LMRecipe):
     media_name = "projection"
     default_checkpoint = DEFAULT_GEMMA3
 
+    contract_items = {
+        "fields": "`input_ids`, `labels`, `latents`, `image_features`",
+        "special_tokens.<image_soft_token>": "config `image_token_index`",
+        "special_tokens.<start_of_world>": "its tokenizer with the markers added",
+        "special_tokens.<end_of_world>": "its tokenizer with the markers added",
+        "pad_id": "its tokenizer's pad id",
+        "text_tokenizer": "the checkpoint's tokenizer (else `model.kwargs.tokenizer`) with the world markers added",
+        "chat_template": "`model.kwargs.chat_template`, default `theworld` (TheWorld's collate)",
+        "label_policy": "`model.kwargs.label_policy`, default `all_but_world` (TheWorld's forward)",
+        "image.encoder": "`wan` (Cosmos-Predict2's Wan 2.1 VAE)",
+        "image.size": "`model.kwargs.image_size`, default 512", "image.resize": "`stretch`", "image.rgb": "`convert`",
+        "image.pixel_range": "`0..255`", "image.normalized": "false (raw `mode()` latents)",
+        "image.latent_channels": "16 (the VAE's `z_dim`)",
+        "image.dtype": "`bfloat16`", "image.latents_dtype": "`float16`",
+        "image.weights": "`model.kwargs.vae` (a VAE directory or hub id) when given",
+        "feature_encoder.name": "`gemma3`", "feature_encoder.tokens_per_image": "config `mm_tokens_per_image`",
+        "feature_encoder.hidden_size": "config `text_config.hidden_size`", "feature_encoder.dtype": "`bfloat16`",
+        "feature_encoder.weights": "the vision tower and projector inside the checkpoint",
+    }
+
     @classmethod
     def contract(cls, kwargs) -> Contract:
-        """The checkpoint's (config and tokenizer, no weights): ``image_features`` of Gemma 3's own
-        vision tower (its tokens per image and hidden size), its ``<image_soft_token>`` id, its
-        tokenizer with TheWorld's world markers added (the fingerprint), the markers themselves and
-        latents in TheWorld's pixel range (``0..255``)."""
+        """The checkpoint's (config, tokenizer, the vision tower's tensors; never the LM's weights):
+        ``image_features`` of Gemma 3's own vision tower (its tokens per image, hidden size, bfloat16, the
+        weights of the tower and projector inside ``lm``), its tokenizer with TheWorld's world markers added
+        (fingerprint, the markers' and ``<image_soft_token>`` ids, the pad id), TheWorld's text and labels
+        (``chat_template`` / ``label_policy`` kwargs, default TheWorld's own) and latents of TheWorld's image
+        preset (:data:`IMAGE_PRESET`; ``image_size`` and ``vae`` kwargs; the latent channels of
+        ``projection_checkpoint`` when given)."""
         lm = kwargs.get("lm", DEFAULT_GEMMA3)
         cfg = check_config(lm)
-        return Contract("--model.name theworld", fields=cls.fields,
-                        text_tokenizer=tokenizer_fingerprint(lm, WORLD_TOKENS),
-                        special_tokens={GEMMA_IMAGE_SOFT: int(cfg.image_token_id), **dict.fromkeys(WORLD_TOKENS)},
-                        image=ImagePreset(pixel_range=PIXEL_RANGE),
-                        feature_encoder=FeatureEncoder(name=MODEL_TYPE, tokens_per_image=int(cfg.mm_tokens_per_image),
-                                                       hidden_size=int(cfg.text_config.hidden_size)))
+        tok, fingerprint = text_tokenizer(lm, kwargs.get("tokenizer"), WORLD_TOKENS)
+        markers = token_ids(tok, WORLD_TOKENS) if tok is not None else dict.fromkeys(WORLD_TOKENS)
+        image = dict(IMAGE_PRESET, size=int(kwargs.get("image_size", IMAGE_PRESET["size"])))
+        if kwargs.get("projection_checkpoint"):   # its architecture, from its keys and record: before any weight loads
+            projection_architecture(kwargs["projection_checkpoint"], kwargs.get("projection_architecture"))
+        vae = kwargs.get("vae")
+        values = {f"special_tokens.{t}": i for t, i in ({GEMMA_IMAGE_SOFT: int(cfg.image_token_id)} | markers).items()}
+        values |= {"pad_id": tokenizer_pad_id(tok) if tok is not None else None, "text_tokenizer": fingerprint,
+                   "chat_template": kwargs.get("chat_template", CHAT_TEMPLATE),
+                   "label_policy": kwargs.get("label_policy", LABEL_POLICY),
+                   **{f"image.{k}": v for k, v in image.items()},
+                   "image.weights": vae_weights(vae) if vae else None,
+                   "feature_encoder.name": MODEL_TYPE, "feature_encoder.tokens_per_image": int(cfg.mm_tokens_per_image),
+                   "feature_encoder.hidden_size": int(cfg.text_config.hidden_size), "feature_encoder.dtype": "bfloat16",
+                   "feature_encoder.weights": checkpoint_sha256(resolve_lm(lm), select=under(*GEMMA3_VISION))}
+        return cls.contract_of("--model.name theworld", values)
 
     @classmethod
     def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
@@ -243,7 +342,9 @@ class TheWorldModel(LMRecipe):
                  vision_dtype: str = "bfloat16", max_trainable_fraction: float = 0.10, latent_channels: int = 16,
                  vocab_size: int | None = None, pad_id: int = 0, image_token_id: int | None = None,
                  image_soft_token_id: int | None = None, world_start_token_id: int | None = None,
-                 world_end_token_id: int | None = None) -> None:
+                 world_end_token_id: int | None = None, tokenizer: str | None = None,
+                 chat_template: str = CHAT_TEMPLATE, label_policy: str = LABEL_POLICY, image_size: int = 512,
+                 vae: str | None = None) -> None:
         super().__init__()
         cfg = check_config(lm)
         if image_soft_token_id is not None and int(image_soft_token_id) != cfg.image_token_id:
@@ -282,10 +383,15 @@ class TheWorldModel(LMRecipe):
                 log.warning("projection_checkpoint %s: %d key(s) that are not the world projection were NOT loaded "
                             "(e.g. %s): LM weights or adapters trained with it are not used", projection_checkpoint,
                             len(unexpected), ", ".join(sorted(unexpected)[:3]))
-        self._finish_init(freeze_lm, lora_options(lora))
+        self._finish_init(freeze_lm, kwargs_lora(lora))
 
     def media_modules(self) -> list[nn.Module]:
         return [self.world_projector]
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        """The world projection's architecture (:data:`ARCH_KEY`), so that a checkpoint of this run given
+        as ``projection_checkpoint`` is told apart from the other MLP variant (its keys cannot be)."""
+        return {ARCH_KEY: self.world_projector.architecture}
 
     def _lr_of_media(self, lr: float) -> float:
         return float(self.projection_lr) if self.projection_lr is not None else lr

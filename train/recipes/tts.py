@@ -41,10 +41,9 @@ import torch.nn.functional as F
 from loaders.higgs import build_delay_pattern, delay_segments, revert_delay_pattern  # noqa: F401 (re-exported)
 
 from shards.cache import Cache, Contract
-from shards.tokens import AUDIO_OUT
 
 from .base import build_from
-from .lm import (DEFAULT_LM, IGNORE_INDEX, LMRecipe, Merged, lora_options, merge_placeholders,
+from .lm import (DEFAULT_LM, IGNORE_INDEX, LMRecipe, Merged, kwargs_lora, merge_placeholders,
                  next_token_loss, per_sample_mean, touch)
 
 log = logging.getLogger("train")
@@ -76,12 +75,14 @@ class TTSModel(LMRecipe):
     fields = ("input_ids", "labels", "codes", "audio_segments")
     media_name = "audio"  #: optimizer_groups name of the recipe's own modules
 
+    contract_items = {"fields": "`input_ids`, `labels`, `codes`, `audio_segments`",
+                      "special_tokens.<|AUDIO_OUT|>": "`model.kwargs.audio_out_token_id`, else any id"}
+
     @classmethod
     def contract(cls, kwargs) -> Contract:
         """Conversations with ``<|AUDIO_OUT|>`` items as codes; any codec and tokenizer (the audio
         embeddings are new, sized from the cache; the LM's token embeddings are resized to its vocabulary)."""
-        return Contract("--model.name tts", fields=cls.fields,
-                        special_tokens={AUDIO_OUT: kwargs.get("audio_out_token_id")})
+        return cls.contract_of("--model.name tts", {"special_tokens.<|AUDIO_OUT|>": kwargs.get("audio_out_token_id")})
 
     @classmethod
     def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
@@ -117,7 +118,7 @@ class TTSModel(LMRecipe):
         for h in self.audio_heads:
             nn.init.normal_(h.weight, std=std)
         self.register_buffer("code_offsets", torch.arange(Q) * V, persistent=False)
-        self._finish_init(freeze_lm, lora_options(lora))
+        self._finish_init(freeze_lm, kwargs_lora(lora))
 
     def media_modules(self) -> list[nn.Module]:
         return [self.audio_embed, self.audio_heads]

@@ -27,10 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shards.cache import Cache, Contract, ImagePreset
+from shards.cache import Cache, Contract
 
 from .base import build_from
-from .lm import DEFAULT_LM, LMRecipe, Merged, lora_options, merge_placeholders, next_token_loss, touch
+from .lm import DEFAULT_LM, LMRecipe, Merged, kwargs_lora, merge_placeholders, next_token_loss, touch
 
 log = logging.getLogger("train")
 
@@ -79,11 +79,13 @@ class VLMModel(LMRecipe):
     fields = ("input_ids", "labels", "latents")
     media_name = "projection"  #: optimizer_groups name of the recipe's own modules
 
+    contract_items = {"fields": "`input_ids`, `labels`, `latents`"}
+
     @classmethod
     def contract(cls, kwargs) -> Contract:
         """Conversations with image latents from any VAE and preset (the projection is new, sized from
         the cache's latent channels) and any tokenizer (the LM's embeddings are resized)."""
-        return Contract("--model.name vlm", fields=cls.fields, image=ImagePreset())
+        return cls.contract_of("--model.name vlm", {})
 
     @classmethod
     def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
@@ -113,7 +115,7 @@ class VLMModel(LMRecipe):
         else:
             hid = int(projector_hidden or D)
             self.projector = nn.Sequential(nn.Linear(d_in, hid), nn.GELU(), nn.Linear(hid, D))
-        self._finish_init(freeze_lm, lora_options(lora))
+        self._finish_init(freeze_lm, kwargs_lora(lora))
 
     def media_modules(self) -> list[nn.Module]:
         return [self.projector]

@@ -1,0 +1,93 @@
+"""Real caches for the viewer's tests (tests/test_viewer*.py), made from real-mini with the tiny random
+models of the real architectures, the way a user makes them (the repo's configs, stage one's job).
+
+* :func:`voice_clone`: Higgs-Audio ChatML voice cloning (configs/precompute-tts.yaml: the tiny Higgs
+  audio tokenizer and Higgs-Audio v2's text tokenizer, waveforms kept, ``audio_16k`` extra field), two audio
+  items a conversation (a reference, an input, and the target, an output); one row names a corrupt
+  clip (a reject), one user turn holds :data:`HOSTILE`.
+* :func:`llava`: LLaVA multi-turn (configs/precompute-theworld.yaml: the tiny Wan VAE's latents, the
+  tiny Gemma 3's tokenizer and image features, 64 px); one row names a corrupt image (a reject), one
+  question holds :data:`HOSTILE`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: markup a hostile manifest puts into a conversation: a viewer that does not escape it changes the title
+HOSTILE = '<script>document.title="pwned"</script><img src=x onerror="document.title=\'pwned\'"><b>bold?</b>'
+
+
+def models(out: Path, names: tuple[str, ...]) -> dict[str, Path]:
+    """The tiny random models ``names`` (``python -m tools.testing``'s builders), saved under ``out``;
+    ``higgs-text-tokenizer`` is the text tokenizer of ``higgs`` alone (what a Higgs cache records,
+    without building the model around it)."""
+    from tools.testing import build
+    from tools.testing.higgs import make_text_tokenizer
+    got = {}
+    for n in names:
+        if n == "higgs-text-tokenizer":
+            got[n] = out / "higgs-text-tokenizer-tiny"
+            if not got[n].exists():
+                make_text_tokenizer("tiny").save_pretrained(str(got[n]))
+        else:
+            got[n] = build(n, out)[0]
+    return got
+
+
+def _abs(path: str, base: Path) -> str:
+    return str(base / path)
+
+
+def voice_clone(real_mini: Path, model_dir: Path, out: Path, n: int = 3) -> Path:
+    """The first ``n`` records of real-mini's ``chatml_voice_clone.json`` (+ one naming a corrupt clip)
+    precomputed into ``out`` (returned); record 0's first user turn is :data:`HOSTILE`."""
+    from precompute.config import load_config
+    from precompute.job import run
+
+    m = models(model_dir, ("higgs-text-tokenizer", "higgs-audio-tokenizer"))
+    recs = json.loads((real_mini / "chatml_voice_clone.json").read_text())[:n + 1]
+    for r in recs:
+        for msg in r["messages"]:
+            if isinstance(msg["content"], dict) and "audio_url" in msg["content"]:
+                msg["content"]["audio_url"] = _abs(msg["content"]["audio_url"], real_mini)
+    recs[0]["messages"][1]["content"] = HOSTILE
+    bad = recs[n]
+    bad["misc"]["key"] = "clone-corrupt"
+    bad["messages"][-1]["content"]["audio_url"] = _abs("corrupt/random_bytes.wav", real_mini)
+    manifest = out.parent / f"{out.name}.json"
+    manifest.write_text(json.dumps(recs))
+    cfg = load_config(ROOT / "configs" / "precompute-tts.yaml", [
+        f"audio_tokenizer.pretrained={m['higgs-audio-tokenizer']}", f"text_tokenizer.pretrained={m['higgs-text-tokenizer']}",
+        "device=cpu", "num_workers=0", "allow_outside_root=true", "precision_samples=0"])
+    summary, _ = run(manifest, out, cfg, progress=False)
+    assert summary.kept == n and summary.rejected == 1, summary.reasons
+    return out
+
+
+def llava(real_mini: Path, model_dir: Path, out: Path, n: int = 3) -> Path:
+    """The first ``n`` records of real-mini's ``llava_multiturn.json`` (+ one naming a corrupt image)
+    through configs/precompute-theworld.yaml at 64 px into ``out`` (returned); record 0's first
+    question holds :data:`HOSTILE`."""
+    from precompute.config import load_config
+    from precompute.job import run
+    from precompute.validate import validate_config
+
+    m = models(model_dir, ("wan", "gemma3"))
+    recs = json.loads((real_mini / "llava_multiturn.json").read_text())[:n + 1]
+    for r in recs:
+        r["image"] = _abs(r["image"], real_mini)
+    recs[0]["conversations"][0]["value"] = "<image>\n" + HOSTILE + " What is shown?"
+    recs[n]["id"] = "mt-corrupt"
+    recs[n]["image"] = _abs("corrupt/truncated.jpg", real_mini)
+    manifest = out.parent / f"{out.name}.json"
+    manifest.write_text(json.dumps(recs))
+    cfg = validate_config(load_config(ROOT / "configs" / "precompute-theworld.yaml", [
+        f"image_encoder.pretrained={m['wan']}", f"text_tokenizer.pretrained={m['gemma3']}",
+        f"image_features.pretrained={m['gemma3']}", "image_size=64", "device=cpu", "num_workers=0",
+        "allow_outside_root=true"]))
+    summary, _ = run(manifest, out, cfg, progress=False)
+    assert summary.kept == n and summary.rejected == 1, summary.reasons
+    return out
