@@ -119,8 +119,7 @@ class ChatTokens:
     @classmethod
     def of(cls, cfg: Any) -> "ChatTokens":
         """From a :class:`~precompute.config.PrecomputeConfig` (``image_token``, ``world_tokens``)."""
-        world = getattr(cfg, "world_tokens", None)
-        return cls(getattr(cfg, "image_token", IMAGE), tuple(world) if world else None)
+        return cls(cfg.image_token, tuple(cfg.world_tokens) if cfg.world_tokens else None)
 
     @property
     def placeholders(self) -> tuple[str, str, str]:

@@ -89,12 +89,27 @@ def _serve(conn, out_dir: str, chunks: list[tuple[str, list[RowRecord]]], parent
         if writer is not None:
             writer.abort()
         try:
+            from shards.errors import ShardcacheError
             conn.send_bytes(json.dumps({"op": "error", "message": f"{type(e).__name__}: {e}",
-                                        "traceback": traceback.format_exc()}).encode())
+                                        "refused": type(e).__name__ if isinstance(e, ShardcacheError) else None,
+                                        "text": str(e), "traceback": traceback.format_exc()}).encode())
         except OSError:
             pass
     finally:
         conn.close()  # the sender's writes fail instead of blocking on a pipe nobody reads
+
+
+def _refusal(name: str | None, text: str) -> Exception | None:
+    """The :class:`shards.errors.ShardcacheError` subclass ``name`` the writer raised, rebuilt with its text."""
+    if name is None:
+        return None
+    from shards import errors
+    cls = {c.__name__: c for c in vars(errors).values()
+           if isinstance(c, type) and issubclass(c, errors.ShardcacheError)}.get(name, errors.ShardcacheError)
+    try:
+        return cls(text)
+    except TypeError:  # a refusal built from more than a message
+        return errors.ShardcacheError(text)
 
 
 class ChunkWriter:
@@ -113,6 +128,9 @@ class ChunkWriter:
                  progress: Any = None, process: bool = True):
         self.output, self.summary, self.progress = output, summary, progress
         self.error: str | None = None
+        #: the writer's own refusal (a :class:`shards.errors.ShardcacheError`, e.g. a symlinked ``.tmp``),
+        #: rebuilt here as the ``__cause__`` of the ``RuntimeError`` put/close raise
+        self.cause: Exception | None = None
         self._rows: queue.Queue = queue.Queue(maxsize=QUEUE_ROWS)
         ctx = mp.get_context("fork")
         self._conn, child = ctx.Pipe(duplex=True)
@@ -160,6 +178,7 @@ class ChunkWriter:
                         self.progress.set_postfix(shards=self.summary.shards_written, rejected=self.summary.rejected)
                 elif msg["op"] == "error":
                     self.error = msg["message"] + "\n" + msg["traceback"]
+                    self.cause = _refusal(msg["refused"], msg["text"])
                     return
                 else:  # done, aborted
                     return
@@ -174,7 +193,7 @@ class ChunkWriter:
         """Hand one row (in manifest order) to the writer; blocks while ``QUEUE_ROWS`` rows wait. Raises
         ``RuntimeError`` when the writer failed."""
         if self.error is not None:
-            raise RuntimeError(f"shard writer failed: {self.error}")
+            raise RuntimeError(f"shard writer failed: {self.error}") from self.cause
         self._rows.put((key, fields, reject))
 
     def close(self, abort: bool = False) -> None:
@@ -187,7 +206,7 @@ class ChunkWriter:
         self._worker.join(timeout=60)
         self._conn.close()
         if self.error is not None and not abort:
-            raise RuntimeError(f"shard writer failed: {self.error}")
+            raise RuntimeError(f"shard writer failed: {self.error}") from self.cause
 
 
 __all__ = ["ChunkWriter", "QUEUE_ROWS"]

@@ -9,6 +9,7 @@ import pytest
 
 from precompute import cli
 from precompute.config import PrecomputeConfig, load_config
+from precompute.encoders.capabilities import Declares, TextCapabilities
 from precompute.validate import ConfigError, check_config, validate_config
 from shardcache.config import options
 
@@ -133,10 +134,15 @@ def test_valid_values_pass(monkeypatch, capsys, tmp_path):
     assert e.value.lines() == ["max_duration: expected a number > 0 and <= 86400, got 'abc'"]
 
 
+class _Templated(Declares):
+    """A text tokenizer that declares a chat template (what resolve_template reads)."""
+
+    capabilities = TextCapabilities(chat_template="{{ x }}")
+
+
 def test_every_declared_choice_is_implemented(tmp_path):
     """Each value an enumerated option accepts works in the module that implements it (the lists
     have one owner, precompute.config; this catches a value added there and not implemented)."""
-    from types import SimpleNamespace
 
     from PIL import Image
 
@@ -155,7 +161,7 @@ def test_every_declared_choice_is_implemented(tmp_path):
     assert {str(resolve_dtype(d)) for d in CHOICES["encoder_dtype"]} == {"torch.float32", "torch.float16",
                                                                        "torch.bfloat16"}
     for name in CHOICES["chat_template"]:
-        assert resolve_template(name, SimpleNamespace(chat_template="{{ x }}")) in ("llama3", "tokenizer", "theworld")
+        assert resolve_template(name, _Templated()) in ("llama3", "tokenizer", "theworld")
     for fmt in CHOICES["manifest_format"]:
         with pytest.raises(Exception) as e:
             list(read_requests(tmp_path / "no-such-manifest", fmt=fmt))
