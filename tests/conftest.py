@@ -44,26 +44,35 @@ def _restore_train_logger():
     log.handlers[:], log.level, log.propagate = saved
 
 
+def _built_once(tmp_path_factory, name: str, only: str) -> Path:
+    """``python -m tools.testing --only ONLY`` into a folder every pytest-xdist worker of this run shares:
+    the first worker to get here builds it (under a file lock), the others wait and reuse it. The
+    models are read-only to the tests (each writes its caches elsewhere)."""
+    from filelock import FileLock
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's folder under xdist
+    out = shared / f"shared-{name}"
+    with FileLock(str(out) + ".lock"):
+        if not (out / ".built").exists():
+            subprocess.run([sys.executable, "-m", "tools.testing", "--out", str(out), "--only", only],
+                           check=True, cwd=ROOT, capture_output=True)
+            (out / ".built").write_text("")
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
-    """The tiny random test models (dac, wan, mimi, tokenizer, lm), built once per session by
-    ``python -m tools.testing``."""
-    out = tmp_path_factory.mktemp("models")
-    subprocess.run([sys.executable, "-m", "tools.testing", "--out", str(out), "--only",
-                    "dac,wan,mimi,tokenizer,lm"],
-                   check=True, cwd=ROOT, capture_output=True)
-    return out
+    """The tiny random test models (dac, wan, mimi, tokenizer, lm), built once per run by
+    ``python -m tools.testing`` (shared by the xdist workers)."""
+    return _built_once(tmp_path_factory, "models", "dac,wan,mimi,tokenizer,lm")
 
 
 @pytest.fixture(scope="session")
 def higgs_models(tmp_path_factory) -> Path:
     """The tiny random Higgs-Audio v2 models (``higgs-tiny``: model + text tokenizer;
-    ``higgs-audio-tokenizer-tiny``), built once per session by ``python -m tools.testing``.
-    The in-process tests that run the audio tokenizer need :func:`higgs_codec` too."""
-    out = tmp_path_factory.mktemp("higgs-models")
-    subprocess.run([sys.executable, "-m", "tools.testing", "--out", str(out), "--only",
-                    "higgs,higgs-audio-tokenizer"], check=True, cwd=ROOT, capture_output=True)
-    return out
+    ``higgs-audio-tokenizer-tiny``), built once per run by ``python -m tools.testing`` (shared by the
+    xdist workers). The in-process tests that run the audio tokenizer need :func:`higgs_codec` too."""
+    return _built_once(tmp_path_factory, "higgs-models", "higgs,higgs-audio-tokenizer")
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.xdist_group("add_field")  # one worker builds the module's fixtures
+
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo"
 
@@ -125,6 +128,7 @@ def test_add_field_keeps_shards_and_loads(added, mimi_models):
     assert {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*.codes_mimi.tar")} == side
 
 
+@pytest.mark.long  # make test-long; test_add_field_keeps_shards_and_loads covers add-field in make test
 def test_resume_after_interruption(added, mimi_models):
     cache, before = added
     # simulate a crash after one sidecar: drop the merge and one committed sidecar

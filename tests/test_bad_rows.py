@@ -7,6 +7,7 @@ import sys
 import struct
 
 import numpy as np
+import pytest
 import pyarrow.parquet as pq
 from PIL import Image
 
@@ -120,6 +121,7 @@ def _suffix(raw_key: str) -> str:
     return hashlib.sha256(raw_key.encode()).hexdigest()[:8]
 
 
+@pytest.mark.long  # make test-long; tests/test_manifest_parsing.py covers encodings in make test
 def test_csv_with_a_latin1_byte_is_read(tiny_models, tmp_path):
     manifest = tmp_path / "m.csv"
     manifest.write_bytes(b"key,text,audio\nk1,caf\xe9 au lait,%s\nk2,plain,%s\n" % (GOOD_AUDIO.encode(), GOOD_AUDIO.encode()))

@@ -25,6 +25,7 @@ def _smoke(*args: str, timeout: int = 600) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test-long; make bench-gpu runs it for real
 def test_encoders_smoke():
     """Every encoder row: the VAE, Gemma 3's SigLIP + projector and each codec of CODECS, loaded
     through the precompute registry from the model built for it (the Higgs tokenizer once read the
@@ -48,6 +49,7 @@ def test_recipes_data_wait_smoke(real_mini):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test-long; test_steady_state_set_reaches_the_codec runs in make test
 def test_steady_state_smoke():
     """``benchmarks/gpu_steady.py``'s code on the CPU (tiny models, 24 rows per job): both recipes'
     configs take the benchmark's model directories, every row is kept, the encoders-alone pass ran
@@ -91,6 +93,7 @@ def test_codec_batch_compare():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test-long; test_codec_batch_compare runs in make test
 def test_codec_batch_smoke(tmp_path):
     """``benchmarks/gpu_codec_batch.py`` on the CPU (tiny models, 6 clips, max_batch_size 1 and 2): each
     codec loads through the registry with its recipe's options, clip by clip is identical to itself across

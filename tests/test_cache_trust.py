@@ -228,6 +228,7 @@ def test_a_manifest_cache_id_edited_to_match_a_checkpoint_is_refused(copy, tmp_p
     assert read_cache_id(copy) == json.loads((copy / "manifest.json").read_text())["cache_id"] != "0123456789abcdef"
 
 
+@pytest.mark.long  # make test-long; test_a_manifest_cache_id_edited_to_match_a_checkpoint_is_refused runs in make test
 def test_add_field_drop_field_and_replace_give_new_ids(demo_cache, tmp_path):
     """add-field --replace kept the cache id, so a resume landed on the replaced field."""
     import shutil
@@ -409,6 +410,7 @@ def test_rerun_with_an_added_row_encodes_only_it(rerun_cfg, tmp_path):
                        "added": 1}
 
 
+@pytest.mark.long  # make test-long; the other rerun tests of this file run in make test
 def test_a_rerun_after_add_field_keeps_the_field(rerun_cfg, tmp_path, caplog):
     """An incremental run after add-field silently dropped the added field from the manifest."""
     import plugin_fields  # noqa: F401 (declares the field 'mel')

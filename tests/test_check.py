@@ -24,6 +24,7 @@ def test_fresh_cache_passes(demo_cache):
     assert "fingerprint matches" in r.stdout and "OK: every array of 6 sample(s) matches" in r.stdout
 
 
+@pytest.mark.long  # make test-long; test_a_changed_array_is_named covers a named difference in make test
 def test_codes_of_another_codec_seed_are_named(demo_cache, tmp_path):
     from tools.testing import build
     other, _ = build("dac", tmp_path / "models", "tiny", seed=1)  # same architecture, other weights
@@ -97,6 +98,7 @@ def _outside_root_cache(tmp_path: Path, tiny_config) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test-long; test_fresh_cache_passes covers check in make test
 def test_check_reads_the_manifest_as_precompute_did_and_says_n_of_m(tmp_path, tiny_config):
     """A cache made with allow_outside_root: check reads its rows with that option (not: every row
     refused, 0 compared, OK), says how many it compared of how many, and still catches damaged codes;

@@ -79,6 +79,7 @@ def test_soxr_runs_transformers_model_with_soxr_and_no_torchaudio_module(resampl
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test-long; the higgs_caches fixture precomputes with configs/precompute-tts.yaml in make test
 def test_the_tts_config_precomputes_voice_cloning_where_no_torchaudio_loads(real_mini, higgs_models, tmp_path):
     """``shardcache precompute --config configs/precompute-tts.yaml`` on the real-mini voice-cloning manifest, run
     as a user runs it (no stand-in): ``resampler: auto`` takes soxr, says so, and the manifest records it."""

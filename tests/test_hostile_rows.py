@@ -418,6 +418,7 @@ def run_job_in(folder: Path, manifest: Path, setup: dict) -> dict:
 
 @settings(max_examples=1, suppress_health_check=list(HealthCheck), deadline=None)
 @given(m=manifests())
+@pytest.mark.long  # make test-long; test_hostile_rows_never_stop_the_job_nor_touch_good_rows runs in make test
 def test_cli_on_a_hostile_manifest(setup, m):
     """The command line itself on hypothesis-built manifests: exit status 0, no traceback, the same
     properties (every good row byte-identical to the clean run)."""

@@ -23,7 +23,7 @@ import torch
 from loaders import ShardLoader
 from test_train_support import REPO, base_env, free_port, make_cache
 
-pytestmark = [pytest.mark.ddp, pytest.mark.slow]
+pytestmark = [pytest.mark.ddp, pytest.mark.slow, pytest.mark.xdist_group("integrations")]  # one worker builds the module's fixtures
 DOC = REPO / "docs" / "integrations.md"
 TIMEOUT = 300
 N, BATCH, WORLD = 16, 2, 2
@@ -128,6 +128,7 @@ def test_the_doc_holds_every_example():
                                "lightning_fit.py", "dcp_slot.py"}
 
 
+@pytest.mark.long  # make test-long; test_end_to_end's torchrun run and tests/test_loaders.py cover the plain loop in make test
 def test_plain_loop(cache, tmp_path):
     run_example("plain_loop.py", cache, tmp_path)
 
@@ -150,6 +151,7 @@ def test_hf_trainer_with_as_dataloader_and_no_workers_resumes_exactly(cache, tmp
     run_code("hf_trainer_as_dataloader.py", code, cache, tmp_path)
 
 
+@pytest.mark.long  # make test-long; test_accelerate_prepare_of_as_dataloader_gives_each_rank_its_plan runs in make test
 def test_accelerate_prepare_returns_the_loader_and_register_for_checkpointing(cache, tmp_path):
     run_example("accelerate_loop.py", cache, tmp_path)
 
@@ -168,6 +170,7 @@ def test_accelerate_given_a_dataloader_around_the_loader_refuses_before_a_step(c
 
 
 @needs_lightning
+@pytest.mark.long  # make test-long; test_lightnings_distributed_sampler_injection_is_refused_naming_the_fix runs in make test
 def test_lightning_fit_with_ckpt_path(cache, tmp_path):
     run_example("lightning_fit.py", cache, tmp_path)
 
@@ -195,6 +198,7 @@ def test_lightning_without_its_sampler_injection_resumes_as_dataloader_exactly(c
     run_code("lightning_as_dataloader.py", code, cache, tmp_path)
 
 
+@pytest.mark.long  # make test-long; test_as_dataloader_state_dict_resumes_mid_epoch... runs in make test
 def test_torchtitan_slot_through_distributed_checkpoint(cache, tmp_path):
     run_example("dcp_slot.py", cache, tmp_path)
 

@@ -157,6 +157,7 @@ for run in range(runs):
 """
 
 
+@pytest.mark.long  # make test-long; test_shards_safety's truncated-shard epochs run in make test
 def test_shards_truncated_mid_epoch_under_two_workers_20_times_never_a_signal(clean, tmp_path):
     """Before: a worker died of "Bus error" in 7 of 17 such runs, naming nothing."""
     env = dict(base_env(), OMP_NUM_THREADS="1")

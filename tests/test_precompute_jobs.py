@@ -16,6 +16,9 @@ from shards.errors import FingerprintMismatch
 
 from conftest import DEMO, ROOT
 
+pytestmark = pytest.mark.xdist_group("precompute_jobs")  # one worker builds the module's fixtures
+
+
 REASON_OF = {  # expected_rejects.json wording -> our reason codes
     "image too large": "image_too_large", "zero-byte file": "unreadable_audio", "not an image": "image_unreadable",
     "non-finite": "non_finite", "no audio frames": "zero_frames", "not audio": "unreadable_audio",
@@ -163,7 +166,7 @@ def reference(tiny_models, tmp_path_factory):
     return _layout(out)
 
 
-@pytest.mark.long  # make test-long; test_rank_killed_mid_chunk_is_restarted_by_torchrun covers a kill in make test
+@pytest.mark.long  # make test-long; test_cache_trust's kill -9 and immediate rerun covers a kill in make test
 def test_killed_three_times_and_resumed_writes_the_same_bytes(tiny_models, reference, tmp_path):
     out = tmp_path / "killed"
     cmd = _precompute_cmd(tiny_models, out)
@@ -181,6 +184,7 @@ def test_killed_three_times_and_resumed_writes_the_same_bytes(tiny_models, refer
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test-long; test_stage_one's slot rows equal in-process decoding in make test
 def test_decode_workers_do_not_change_the_bytes(tiny_models, reference, tmp_path):
     subprocess.run(_precompute_cmd(tiny_models, tmp_path / "w", "--num_workers=2"), cwd=ROOT,
                    env=dict(os.environ, OMP_NUM_THREADS="1"), check=True, capture_output=True, timeout=300)
@@ -198,6 +202,7 @@ def test_two_ranks_equal_one_rank(tiny_models, reference, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ddp
+@pytest.mark.long  # make test-long; test_cache_trust's kill -9 and immediate rerun covers a killed job in make test
 def test_rank_killed_mid_chunk_is_restarted_by_torchrun(tiny_models, reference, tmp_path):
     """torchrun's own elasticity: a worker dies, --max-restarts restarts the group, the new ranks
     share the chunks not yet committed, and the bytes equal an uninterrupted run. (3 restarts

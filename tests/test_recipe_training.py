@@ -19,6 +19,9 @@ from precompute.job import run
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.xdist_group("recipe_training")  # one worker builds the module's fixtures
+
+
 JOBS = {"tts": "chatml_voice_clone.json", "vlm": "llava_multiturn.json"}
 
 
@@ -62,7 +65,8 @@ def _train(job: str, cache: Path, run_dir: Path, lm: Path, nproc: int) -> subpro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job,nproc", [("tts", 1), pytest.param("tts", 2, marks=pytest.mark.long), ("vlm", 2)])
+@pytest.mark.parametrize("job,nproc", [("tts", 1), pytest.param("tts", 2, marks=pytest.mark.long),
+                                         pytest.param("vlm", 2, marks=pytest.mark.long)])  # test_theworld: a VLM in make test
 def test_recipe_trains_and_the_loss_falls(job, nproc, job_caches, recipe_models, higgs_models, tmp_path):
     lm = higgs_models / "higgs-tiny" if job == "tts" else recipe_models / "lm-tiny"
     r = _train(job, job_caches[job], tmp_path / "run", lm, nproc)

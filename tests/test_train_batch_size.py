@@ -121,6 +121,7 @@ def test_recommend_on_cuda_uses_the_margin():
     assert BS.recommend([], "cpu", None, 0.9)[0] is None
 
 
+@pytest.mark.long  # make test-long; the search's unit tests of this file run in make test
 def test_cli(cache, tmp_path, capsys):
     out = tmp_path / "res.json"
     args = ["--cache", str(cache), "--config", "none", "--data.loader", FAKE, "--model.kwargs", json.dumps(TINY_MODEL),

@@ -34,7 +34,7 @@ import torch
 from test_train_support import (REAL_LOADER, REPO, TESTS, TINY_MODEL, base_env, free_port, launch, load_params,
                                 make_cache, read_metrics, train_args, wait_all, write_audit)
 
-pytestmark = pytest.mark.ddp
+pytestmark = [pytest.mark.ddp, pytest.mark.xdist_group("train_ddp")]  # one worker builds the module's fixtures
 
 LOADER = REAL_LOADER
 SLOW = json.dumps({"delay": 0.25})
@@ -225,6 +225,7 @@ def _stop_steps(outputs: list[str]) -> list[int]:
     return found
 
 
+@pytest.mark.long  # make test-long; test_elastic_resume_of_a_two_rank_checkpoint_on_one_rank covers resume in make test
 def test_stop_request_then_torchrun_resume_is_bitwise(cache, runs, tmp_path):
     """SIGUSR1 to rank 1 only: both ranks save at the same step and exit 3; then a torchrun resume
     (--resume auto) reproduces the uninterrupted 2 x 4 run's losses exactly."""
@@ -264,7 +265,7 @@ def test_stop_request_then_torchrun_resume_is_bitwise(cache, runs, tmp_path):
     assert not (out / "REQUEUE").exists()
 
 
-@pytest.mark.parametrize("fail_rank", [1, 0])
+@pytest.mark.parametrize("fail_rank", [1, pytest.param(0, marks=pytest.mark.long)])
 def test_a_failing_rank_makes_the_other_exit(cache, tmp_path, fail_rank):
     """Rank ``fail_rank`` raises before step 2; the other rank is then blocked in a collective and
     must exit non-zero quickly: the process-group timeout is 10 minutes, the test allows 60 s."""

@@ -19,7 +19,8 @@ import torch
 from test_train_support import PY, REPO, TESTS, TINY_MODEL, base_env, free_port, make_cache, read_metrics, train_args
 from train.data import held_out_mask
 
-pytestmark = [pytest.mark.ddp, pytest.mark.slow]
+# make test-long: tests/test_train_ddp.py and test_loader_ranks.py's torchrun runs cover DDP in make test
+pytestmark = [pytest.mark.ddp, pytest.mark.slow, pytest.mark.long]
 NODES, PER_NODE, BATCH, VAL = 2, 2, 2, 0.1
 WORLD = NODES * PER_NODE
 TIMEOUT = 180

@@ -314,6 +314,7 @@ def test_a_manifest_whose_every_path_is_outside_stops_naming_root(tmp_path):
 
 # ---- one writer per cache ------------------------------------------------------------------------------
 
+@pytest.mark.long  # make test-long; tests/test_one_writer.py covers one writer per cache in make test
 def test_two_precompute_processes_on_one_cache(tiny_models, tmp_path, capsys):
     """Two processes on one cache both encoded everything and one could fail with FileNotFoundError
     on a .tmp. Now the second (this process, through the CLI's entry point) stops at once naming the
