@@ -284,14 +284,7 @@ def check_job_record(out_dir: Path, fp: str, describe: dict, batch: dict, global
     path = out_dir / PARTS_DIR / JOB_FILE
     if path.exists():
         old = json.loads(path.read_text())
-        if old.get("fingerprint") != fp:
-            ours = json.loads(json.dumps(describe))
-            diff = _diff(old.get("describe", {}), ours)
-            raise FingerprintMismatch(
-                f"{out_dir} was written with fingerprint {old.get('fingerprint')}, this job has {fp} "
-                f"(differs in: {', '.join(diff) or 'encoder weights'}). Write to a new --cache directory, "
-                "or delete the old cache; mixing latents/codes from different encoders is refused.")
-        recorded = old.get("batch")
+        recorded = old.get("batch")  # first: a batched encoder's policy is in the fingerprint too (its describe())
         ours = json.loads(json.dumps(batch))
         if recorded != ours:
             diff = _diff(recorded or {}, ours)
@@ -301,6 +294,13 @@ def check_job_record(out_dir: Path, fp: str, describe: dict, batch: dict, global
                 "codes and an image's latents depend on what they are batched with, so a cache written with two "
                 "policies mixes them: resume with the recorded values (--OPTION VALUE for each), or write to a "
                 "new --cache directory.")
+        if old.get("fingerprint") != fp:
+            ours = json.loads(json.dumps(describe))
+            diff = _diff(old.get("describe", {}), ours)
+            raise FingerprintMismatch(
+                f"{out_dir} was written with fingerprint {old.get('fingerprint')}, this job has {fp} "
+                f"(differs in: {', '.join(diff) or 'encoder weights'}). Write to a new --cache directory, "
+                "or delete the old cache; mixing latents/codes from different encoders is refused.")
     elif global_rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic({"fingerprint": fp, "describe": describe, "batch": batch}, path)

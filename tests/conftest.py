@@ -36,12 +36,15 @@ def _restore_torch_threads():
 @pytest.fixture(autouse=True)
 def _restore_train_logger():
     """An in-process training run configures the ``train`` logger (its own handler, no propagation);
-    restore it after each test so later tests' ``caplog`` sees its records."""
+    give each test the logger as Python made it (no handler, level unset, propagating), so its ``caplog``
+    sees the records whatever a module's fixture ran before it (a training run in a fixture configures it
+    too), and leave it so."""
     import logging
     log = logging.getLogger("train")
-    saved = (list(log.handlers), log.level, log.propagate)
+    pristine = ([], logging.NOTSET, True)
+    log.handlers[:], log.level, log.propagate = pristine
     yield
-    log.handlers[:], log.level, log.propagate = saved
+    log.handlers[:], log.level, log.propagate = pristine
 
 
 def _built_once(tmp_path_factory, name: str, only: str) -> Path:

@@ -18,6 +18,7 @@ def _check(cache: Path, *extra: str) -> subprocess.CompletedProcess:
                            "--samples", "6", *extra], cwd=ROOT, capture_output=True, text=True)
 
 
+@pytest.mark.long  # make test-long; test_a_changed_array_is_named and test_stage_one's test_check_uses_the_recorded_call run check in make test
 def test_fresh_cache_passes(demo_cache):
     r = _check(demo_cache)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -14,6 +14,7 @@ from conftest import ROOT
 
 @pytest.mark.slow
 @pytest.mark.ddp
+@pytest.mark.long  # make test-long; CI's first command (make precompute train) is this run
 def test_torchrun_two_ranks_trains_on_the_demo_cache(demo_cache, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardcache", "train",

@@ -50,6 +50,7 @@ def resampling_tokenizer(tmp_path_factory):
     return out
 
 
+@pytest.mark.long  # make test-long; the higgs_caches fixture runs configs/precompute-tts.yaml (resampler auto: soxr) in make test
 def test_soxr_runs_transformers_model_with_soxr_and_no_torchaudio_module(resampling_tokenizer, tmp_path):
     import torch
     from transformers import HiggsAudioV2TokenizerModel

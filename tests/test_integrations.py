@@ -156,6 +156,7 @@ def test_accelerate_prepare_returns_the_loader_and_register_for_checkpointing(ca
     run_example("accelerate_loop.py", cache, tmp_path)
 
 
+@pytest.mark.long  # make test-long; test_a_dataloader_around_the_loader_is_refused_at_its_first_item runs in make test
 def test_accelerate_prepare_of_as_dataloader_gives_each_rank_its_plan(cache, tmp_path):
     """accelerate used to re-shard `as_dataloader()` (each rank on every other batch, half of each epoch
     never seen, exit 0): the coverage check fails on that."""

@@ -283,7 +283,6 @@ def test_two_add_fields_at_once(cache, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # make test-long; test_two_add_fields_at_once covers two writers in make test
 def test_reindex_during_a_rerun(cache, base, tiny_models, tmp_path, capsys):
     """The loader's error during a rerun advised `shards reindex`, which took no lock: run during the
     rerun it indexed the shards there at that moment, and the loader then read 4 of 8 samples, exit 0.
@@ -312,7 +311,6 @@ def test_reindex_during_a_rerun(cache, base, tiny_models, tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # make test-long; test_two_add_fields_at_once covers two writers in make test
 def test_precompute_and_drop_field(cache, base, tiny_models, tmp_path, capsys):
     """drop-field while a rerun writes the cache is refused (exit 2, naming it); the rerun ends with
     a cache whose every field and sample is there (verify --deep passes); drop-field afterwards works."""

@@ -193,6 +193,7 @@ def test_decode_workers_do_not_change_the_bytes(tiny_models, reference, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.ddp
+@pytest.mark.long  # make test-long; the demo's make precompute and test_stage_one's job tests cover the job in make test; tests/test_one_writer.py ranks under one lock
 def test_two_ranks_equal_one_rank(tiny_models, reference, tmp_path):
     out = tmp_path / "two"
     subprocess.run(_precompute_cmd(tiny_models, out, nproc=2), cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -221,6 +222,7 @@ def test_rank_killed_mid_chunk_is_restarted_by_torchrun(tiny_models, reference, 
     assert _layout(out) == reference
 
 
+@pytest.mark.long  # make test-long; the higgs_caches fixture (ChatML) and tests/test_theworld.py (LLaVA) run both shapes in make test
 def test_chatml_and_llava_manifests_end_to_end(real_mini, tiny_config, tmp_path):
     from precompute.job import run
     chat, _ = run(real_mini / "train_chatml_samples.json", tmp_path / "chat", tiny_config, progress=False)

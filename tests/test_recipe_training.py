@@ -65,8 +65,8 @@ def _train(job: str, cache: Path, run_dir: Path, lm: Path, nproc: int) -> subpro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job,nproc", [("tts", 1), pytest.param("tts", 2, marks=pytest.mark.long),
-                                         pytest.param("vlm", 2, marks=pytest.mark.long)])  # test_theworld: a VLM in make test
+@pytest.mark.parametrize("job,nproc", [pytest.param("tts", 1, marks=pytest.mark.long), pytest.param("tts", 2, marks=pytest.mark.long),
+                                         pytest.param("vlm", 2, marks=pytest.mark.long)])  # make test-long; test_train_recipes_cli.py (higgs) and test_theworld.py train in make test
 def test_recipe_trains_and_the_loss_falls(job, nproc, job_caches, recipe_models, higgs_models, tmp_path):
     lm = higgs_models / "higgs-tiny" if job == "tts" else recipe_models / "lm-tiny"
     r = _train(job, job_caches[job], tmp_path / "run", lm, nproc)

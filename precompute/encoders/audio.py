@@ -35,8 +35,9 @@ zero slots where no clip is. A clip's codes are then a function of the clip, its
 and the call's shape: stage one records place and shape per clip and ``shardcache check`` rebuilds
 that call (:meth:`HFCodecTokenizer.encode_placed`). With ``bucket_s > 0`` a clip is zero-padded to
 its bucket, so DAC's last frames see that padding (the receptive-field effect above): the trade
-the option's help names. The policy is recorded when a cache is started and compared on every resume
-(its options are declared ``batch``: :func:`precompute.identity.batch_policy`), not in the fingerprint.
+the option's help names. A batched codec's policy is part of its identity (``describe()["batching"]``,
+so of the fingerprint: its codes are other codes), and its options are declared ``batch``: recorded when
+a cache is started and compared first on every resume (:func:`precompute.identity.check_job_record`).
 """
 from __future__ import annotations
 
@@ -415,6 +416,8 @@ class HFCodecTokenizer(Declares):
             "encode_version": ENCODE_VERSION,
         }
         d.update(self._extra_describe())
+        if self.batch_policy.batched:  # a batched clip's codes depend on its place and the call's shape
+            d["batching"] = self.batch_policy.describe()
         d.update(identity(self.pretrained, dtype=self.dtype))   # what a recipe's contract compares
         return d
 
