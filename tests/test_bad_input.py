@@ -175,6 +175,7 @@ def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo")
+@pytest.mark.long  # make test-long (every command); test_manifest_parsing's and test_media_root's FIFO refusals run in make test
 def test_a_fifo_or_device_as_a_config_or_manifest_exits_2(tmp_path, demo_cache):
     """A FIFO given as --config hung the command (reading a named pipe waits for a writer). Now every
     command that reads a config or manifest path exits 2 at once, naming the option and what it is."""

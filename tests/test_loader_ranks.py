@@ -37,7 +37,7 @@ def all_keys(cache: Path) -> list[str]:
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("mode", ["pg", "env"])
+@pytest.mark.parametrize("mode", ["pg", pytest.param("env", marks=pytest.mark.long)])  # env: make test-long
 def test_torchrun_ranks_without_rank_arguments_read_disjoint_samples(cache, tmp_path, mode):
     """Two torchrun ranks, loaders built with no rank arguments: each knows it is rank r of 2, they
     read disjoint halves of the epoch, and together every sample once (24 samples, global batch 4)."""
@@ -50,6 +50,7 @@ def test_torchrun_ranks_without_rank_arguments_read_disjoint_samples(cache, tmp_
 
 
 @pytest.mark.ddp
+@pytest.mark.long  # make test-long; the [pg] torchrun run of the test above covers the process group in make test
 def test_explicit_world_size_differing_from_the_process_group_is_refused(cache, tmp_path):
     torchrun(cache, tmp_path, "wrong")
     for r in range(2):

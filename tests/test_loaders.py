@@ -564,6 +564,7 @@ def _ddp_worker(rank: int, world: int, cache: str, port: int, out: str) -> None:
 
 
 @pytest.mark.ddp
+@pytest.mark.long  # make test-long; test_loader_ranks' torchrun run covers two gloo ranks in make test
 def test_ddp_gloo_two_processes(cache, tmp_path):
     import socket
     with socket.socket() as s:
