@@ -95,6 +95,12 @@ def test_shards_help_examples_match_the_shards_stage_one_writes(tmp_path):
         assert fnmatch(chunk_shard_name(0), g), g
 
 
+def _own_make() -> dict[str, str]:
+    """This environment without what a calling make passes down (``make test`` runs these tests: a make
+    started from it is a sub-make, which prints "Entering directory" lines and inherits its flags)."""
+    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+
+
 def _venv_with(tmp_path: Path, *stamps: str) -> Path:
     venv = tmp_path / "venv"
     venv.mkdir()
@@ -108,10 +114,10 @@ def test_make_inspect_installs_nothing_in_a_venv_that_holds_an_install(tmp_path)
     the package (31 s before a 1 s summary): every extra includes the core."""
     venv = _venv_with(tmp_path, ".installed-train")
     r = subprocess.run(["make", "-n", "inspect", f"VENV={venv}", "OUT=cache/demo"], cwd=REPO, capture_output=True,
-                       text=True, timeout=60)
+                       text=True, timeout=60, env=_own_make())
     assert r.returncode == 0 and r.stdout.splitlines() == [f"{venv}/bin/python -m shardcache shards info cache/demo"]
     fresh = subprocess.run(["make", "-n", "inspect", f"VENV={tmp_path / 'none'}"], cwd=REPO, capture_output=True,
-                           text=True, timeout=60)
+                           text=True, timeout=60, env=_own_make())
     assert "pip install" in fresh.stdout  # a venv with no install gets the core
 
 

@@ -87,7 +87,10 @@ def llava(real_mini: Path, model_dir: Path, out: Path, n: int = 3) -> Path:
     cfg = validate_config(load_config(ROOT / "configs" / "precompute-theworld.yaml", [
         f"image_encoder.pretrained={m['wan']}", f"text_tokenizer.pretrained={m['gemma3']}",
         f"image_features.pretrained={m['gemma3']}", "image_size=64", "device=cpu", "num_workers=0",
-        "allow_outside_root=true"]))
+        "allow_outside_root=true",
+        # answers only: the viewer's tests want trained and untrained text tokens side by side (the preset's
+        # all_but_world, TheWorld's own objective, trains every input token but the world embeddings)
+        "label_policy=answers"]))
     summary, _ = run(manifest, out, cfg, progress=False)
     assert summary.kept == n and summary.rejected == 1, summary.reasons
     return out
