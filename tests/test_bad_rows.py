@@ -39,6 +39,7 @@ def _cli(manifest, out, tiny_models, *extra):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.long  # make test-long; test_hostile_rows' hypothesis rows through the real job run in make test
 def test_one_manifest_with_every_bad_value(tiny_models, tmp_path):
     long = tmp_path / "forty-minutes.wav"
     _long_wav(long)

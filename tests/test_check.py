@@ -49,6 +49,7 @@ def test_bad_arguments_exit_2(demo_cache, tmp_path):
     assert r.returncode == 2 and "config" in r.stderr
 
 
+@pytest.mark.long  # make test-long; test_stage_one's test_check_uses_the_recorded_call (a changed record is named) runs in make test
 def test_a_changed_array_is_named(demo_cache, tmp_path):
     """Bytes of cached arrays changed (values still valid; latents in one sample, input_ids in
     another): check names each of those samples and fields, and no other (one run for both)."""

@@ -133,6 +133,7 @@ def test_plain_loop(cache, tmp_path):
     run_example("plain_loop.py", cache, tmp_path)
 
 
+@pytest.mark.long  # make test-long; test_skip_first_batches_on_the_loader_reads_the_uninterrupted_batches (HF's resume path on the loader) runs in make test
 def test_hf_trainer_returning_the_loader_resumes_exactly_with_workers_and_accumulation(cache, tmp_path):
     """`get_train_dataloader` returns the ShardLoader itself (2 workers, gradient accumulation 2):
     `resume_from_checkpoint` skips the trained half of epoch 1 through accelerate's

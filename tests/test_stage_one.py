@@ -338,6 +338,7 @@ def test_a_writer_that_fails_stops_the_job_naming_why(tiny_config, tmp_path, mon
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test-long; test_option_effects' walk runs processes=2 and asserts the same cache bytes in make test
 def test_two_codec_processes_give_the_codes_of_one(dac_models):
     """``processes: 2``: calls go to two processes holding the codec (4 clips x 0.5 s buckets); the codes
     are those of one process, bit for bit, and a failing clip stays its own."""
