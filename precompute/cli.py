@@ -101,11 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ShardcacheError, FileNotFoundError, ValueError, ImportError) as e:  # ImportError: a codec's dependency
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # the shard writer's thread failed: its own error (e.g. a symlink refused by name)
-        if not isinstance(e.__cause__, ShardcacheError):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     finally:
         close()
     print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "

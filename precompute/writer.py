@@ -129,8 +129,8 @@ class ChunkWriter:
         self.output, self.summary, self.progress = output, summary, progress
         self.error: str | None = None
         #: the writer's own refusal (a :class:`shards.errors.ShardcacheError`, e.g. a symlinked ``.tmp``),
-        #: rebuilt here as the ``__cause__`` of the ``RuntimeError`` put/close raise
-        self.cause: Exception | None = None
+        #: rebuilt here: put/close raise it as it is, like any refusal of the job (else a RuntimeError)
+        self.refusal: Exception | None = None
         self._rows: queue.Queue = queue.Queue(maxsize=QUEUE_ROWS)
         ctx = mp.get_context("fork")
         self._conn, child = ctx.Pipe(duplex=True)
@@ -178,7 +178,7 @@ class ChunkWriter:
                         self.progress.set_postfix(shards=self.summary.shards_written, rejected=self.summary.rejected)
                 elif msg["op"] == "error":
                     self.error = msg["message"] + "\n" + msg["traceback"]
-                    self.cause = _refusal(msg["refused"], msg["text"])
+                    self.refusal = _refusal(msg["refused"], msg["text"])
                     return
                 else:  # done, aborted
                     return
@@ -189,16 +189,21 @@ class ChunkWriter:
         finally:
             self._done.set()
 
+    def _raise(self) -> None:
+        if self.refusal is not None:
+            raise self.refusal
+        raise RuntimeError(f"shard writer failed: {self.error}")
+
     def put(self, key: str, fields: dict | None, reject: tuple | None) -> None:
         """Hand one row (in manifest order) to the writer; blocks while ``QUEUE_ROWS`` rows wait. Raises
-        ``RuntimeError`` when the writer failed."""
+        the writer's refusal (a ``ShardcacheError``) or ``RuntimeError`` when it failed."""
         if self.error is not None:
-            raise RuntimeError(f"shard writer failed: {self.error}") from self.cause
+            self._raise()
         self._rows.put((key, fields, reject))
 
     def close(self, abort: bool = False) -> None:
         """Wait until every chunk is committed (or, ``abort``, drop the unfinished one and stop). Raises
-        ``RuntimeError`` when the writer failed."""
+        the writer's refusal (a ``ShardcacheError``) or ``RuntimeError`` when it failed."""
         self._rows.put("abort" if abort else None)
         self._sender.join()
         self._done.wait()
@@ -206,7 +211,7 @@ class ChunkWriter:
         self._worker.join(timeout=60)
         self._conn.close()
         if self.error is not None and not abort:
-            raise RuntimeError(f"shard writer failed: {self.error}") from self.cause
+            self._raise()
 
 
 __all__ = ["ChunkWriter", "QUEUE_ROWS"]
