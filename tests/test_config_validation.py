@@ -10,7 +10,7 @@ import pytest
 from precompute import cli
 from precompute.config import PrecomputeConfig, load_config
 from precompute.encoders.capabilities import Declares, TextCapabilities
-from precompute.validate import ConfigError, check_config, validate_config
+from precompute.validate import ConfigError, check_config
 from shardcache.config import options
 
 from conftest import DEMO, ROOT
