@@ -34,7 +34,7 @@ NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),2)
 PRECOMPUTE_NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),1)
 _PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(PRECOMPUTE_NPROC),$(PY))
 
-.PHONY: setup precompute train test test-long test-floors inspect view browser bench bench-venv bench-gpu bench-gpu-stage-one models demo-data boson-venv core-venv clean help
+.PHONY: setup precompute train test test-long test-floors inspect view browser launchers bench bench-venv bench-gpu bench-gpu-stage-one models demo-data boson-venv core-venv clean help
 
 help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
@@ -44,6 +44,7 @@ help:
 	@echo "make inspect      shardcache shards info OUT"
 	@echo "make view         shardcache shards view OUT: the cache in a web browser (http://127.0.0.1:8000/)"
 	@echo "make browser      install Debian's Chromium for the viewer's browser tests (part of make test)"
+	@echo "make launchers    install OpenMPI's mpirun and MPICH's mpiexec for the launcher tests (part of make test)"
 	@echo "make bench        benchmarks (writes benchmarks/results/*.json), the loader beside LitData/Mosaic"
 	@echo "make bench-venv   the peers' benchmark venv ($(BENCH_VENV): litdata, mosaicml-streaming)"
 	@echo "make bench-gpu    stage one with real-size encoders and the recipes' data wait on a CUDA GPU"
@@ -120,7 +121,7 @@ train: $(VENV)/.installed-train
 # (the browser tests: one set of caches, one Chromium; modules whose fixtures train or encode), every
 # other test as before.
 TEST_JOBS ?= auto
-test: $(VENV)/.installed browser
+test: $(VENV)/.installed browser launchers
 	$(PY) -m pytest -q -m "not long" -n $(TEST_JOBS) --maxprocesses 4 --dist loadgroup $(PYTEST_ARGS)
 
 # The tests marked `long` (a cheaper test of each feature runs in `make test`), Boson's own trainer
@@ -128,7 +129,7 @@ test: $(VENV)/.installed browser
 # and manifests of colliding keys and quoted cells through the real stage-one job: 400 examples each
 # (the suite runs 20 and 10); HYPOTHESIS_MAX_EXAMPLES=N for
 # another number. Prints how many rows ran and the reject reasons seen.
-test-long: $(VENV)/.installed
+test-long: $(VENV)/.installed launchers
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 	SHARDCACHE_BUILD_BOSON=1 $(PY) -m pytest -q tests/test_higgs_boson.py $(PYTEST_ARGS)
 	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -s -p no:warnings tests/test_hostile_rows.py tests/test_manifest_properties.py $(PYTEST_ARGS)
@@ -167,6 +168,18 @@ browser:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	else \
 		echo "browser: no $(CHROMIUM): the viewer's browser tests will skip; install it with sudo apt-get install chromium"; \
+	fi
+
+# tests/test_launchers.py runs the loader, stage one and add-field under the real OpenMPI mpirun and MPICH
+# mpiexec (PMI) beside torchrun (srun is emulated: no SLURM cluster here). Debian's openmpi-bin and mpich are
+# installed here where missing and this is root with apt-get (CI, a fresh machine); elsewhere those tests skip.
+launchers:
+	@if command -v mpirun.openmpi >/dev/null && command -v mpiexec.hydra >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "launchers: installing Debian's openmpi-bin and mpich for tests/test_launchers.py"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin mpich >/dev/null; \
+	else \
+		echo "launchers: no mpirun.openmpi/mpiexec.hydra: their tests will skip; sudo apt-get install openmpi-bin mpich"; \
 	fi
 
 # The loader's peers (LitData, Mosaic Streaming) pin numpy and transformers versions this project does

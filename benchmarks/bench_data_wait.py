@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shardcache.ranks import LAUNCHER_VARIABLES, RENDEZVOUS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -28,7 +30,7 @@ def run_once(cache: Path, workers: int, steps: int, batch_size: int, out: Path,
         RuntimeError: the run failed (its exit status and the end of its stderr).
     """
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for k in (*LAUNCHER_VARIABLES, *RENDEZVOUS):  # one process, whatever launched the benchmark
         env.pop(k, None)
     cmd = [sys.executable, "-m", "shardcache", "train", "--config", str(config),
            "--cache", str(cache), "--run_dir", str(out), "--training.steps", str(steps),

@@ -14,9 +14,9 @@ Epochs: ``iter(loader)`` yields the rest of the current epoch; once that epoch i
 ``iter()`` starts the next epoch (so a trainer that only re-iterates, like Lightning, sees every
 epoch) unless ``set_epoch`` chose that epoch since: ``set_epoch(e)`` selects epoch ``e`` (keeping
 the cursor when ``e`` is the current epoch, so a finished epoch chosen again yields nothing). The
-order is a pure function of ``(seed, epoch)``. Rank and world size: :func:`loaders.ranks.resolve_rank`
-(explicit arguments, else the process group, else ``RANK``/``WORLD_SIZE``; a partial launcher
-environment is refused). Other trainers (HF ``Trainer``, accelerate, Lightning, torchtitan):
+order is a pure function of ``(seed, epoch)``. Rank and world size: :meth:`shardcache.ranks.Ranks.detect`
+(the process group, else explicit arguments, else the launcher's variables: torchrun, OpenMPI,
+MPICH/PMI, SLURM's srun; a partial launcher environment is refused). Other trainers (HF ``Trainer``, accelerate, Lightning, torchtitan):
 docs/integrations.md. A ShardLoader also declares a ``DataLoader`` form (``dataset``,
 ``batch_sampler``, ``collate_fn``...: :class:`loaders.steps.DataLoaderForm`), which accelerate's
 ``skip_first_batches`` (HF ``Trainer``'s mid-epoch resume) rebuilds a loader from; ``DataLoader(loader)``
@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from shardcache.ranks import Ranks
 from shardcache.workers import auto_workers
 from shards import ShardCorrupt
 
@@ -62,7 +63,6 @@ from .host import KEEP
 from .read import CHECKS
 from .readahead import Failed, ReadAhead
 from .order import ShardOrder
-from .ranks import resolve_rank
 from .remote import DEFAULT_CACHE_LIMIT, Prefetcher, file_uses
 from .shm import SlotBatch, SlotReceiver, new_flags
 from .steps import DataLoaderForm
@@ -106,10 +106,10 @@ class ShardLoader(DataLoaderForm):
             bounded local folder, see :mod:`loaders.remote`).
         batch_size: samples per batch and rank (``B``); with ``max_frames``: the most per batch.
         global_rank, world_size: this rank and the number of ranks; default None: from ``group``
-            or the initialised process group, else ``RANK``/``WORLD_SIZE``, else 0 of 1
-            (:func:`loaders.ranks.resolve_rank`; an explicit value differing from the process group's
-            raises ``ValueError``, and so does a partial launcher environment such as ``LOCAL_RANK``
-            without ``RANK``, naming the variables).
+            or the initialised process group, else the launcher's variables (torchrun, srun,
+            mpirun, PMI), else 0 of 1 (:meth:`shardcache.ranks.Ranks.detect`; an explicit value
+            differing from the process group's raises ``ValueError``, and so does a partial launcher
+            environment such as ``LOCAL_RANK`` without ``RANK``, naming the variables).
         group: the ``torch.distributed`` process group of data parallelism, when it is not the
             default group (tensor/pipeline parallel setups); default None.
         seed: int >= 0; with the epoch it fixes the whole order.
@@ -190,7 +190,8 @@ class ShardLoader(DataLoaderForm):
                  cache_limit: int | None = None, remote_retries: int = 10, transform: Callable | None = None,
                  checks: str = "checksums", skip_corrupt: int = 0, read_threads: int = 2):
         fields = None if fields is None else check_fields(fields)
-        global_rank, world_size = resolve_rank(global_rank, world_size, group)
+        ranks = Ranks.detect(group, global_rank, world_size)
+        global_rank, world_size = ranks.global_rank, ranks.world_size
         remote = dict(rank=int(global_rank), local_dir=local_dir, storage_options=storage_options,
                       retries=remote_retries)
         source = CacheSource(cache_dir, filters, fields, verify_reads=verify_reads, remote=remote)

@@ -21,7 +21,7 @@ from .collate import check_fields
 from .dataset import CacheSource, Sources
 from .loader import ShardLoader
 from .order import epoch_order, rng_for
-from .ranks import resolve_rank
+from shardcache.ranks import Ranks
 
 
 def apportion(weights: Sequence[float], total: int) -> list[int]:
@@ -113,8 +113,8 @@ class MixedLoader(ShardLoader):
         unknown = set(source_filters) - set(names)
         if unknown:
             raise ValueError(f"source_filters for unknown caches {sorted(unknown)}; caches: {names}")
-        kwargs["global_rank"], kwargs["world_size"] = resolve_rank(
-            kwargs.get("global_rank"), kwargs.get("world_size"), kwargs.pop("group", None))
+        ranks = Ranks.detect(kwargs.pop("group", None), kwargs.get("global_rank"), kwargs.get("world_size"))
+        kwargs["global_rank"], kwargs["world_size"] = ranks.global_rank, ranks.world_size
         remote = dict(rank=int(kwargs["global_rank"]), storage_options=storage_options)
         srcs = [CacheSource(caches[n], source_filters.get(n, filters), fields, remote=remote) for n in names]
         sources = Sources(srcs, names)

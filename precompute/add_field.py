@@ -314,7 +314,7 @@ class AddFieldOptions:
     config: Optional[str] = option(None, effect=SPEC)
     """Codes fields: a YAML file with an audio_tokenizer mapping (a precompute config), or the mapping itself."""
     device: str = option("cpu", effect=Effect("batch", canonical=lambda d: str(d).partition(":")[0]))
-    """Device of the producer's encoder (cpu, cuda; under torchrun cuda is cuda:LOCAL_RANK)."""
+    """Device of the producer's encoder (cpu, cuda; under a launcher cuda is cuda:<local rank>)."""
     encoder_batch_size: bounded(int, gt=0, le=65536) = option(8, effect=BATCH)
     """Samples per producer call."""
     replace: bool = option(False, effect=OPERATIONAL)
@@ -373,13 +373,17 @@ def main_add(argv: list[str]) -> int:
     except ConfigError as e:
         return e.report("shardcache add-field")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from .ranks import make_barrier
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    global_rank = int(os.environ.get("RANK", "0"))
+    from shardcache.ranks import Ranks
+    try:
+        ranks = Ranks.detect()
+        barrier, close = ranks.barrier()
+    except ValueError as e:  # a partial launcher environment, or no rendezvous for the barrier
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    global_rank, world_size = ranks.global_rank, ranks.world_size
     device = args.device
     if device == "cuda" and world_size > 1:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    barrier, close = make_barrier(world_size, global_rank)
+        device = f"cuda:{ranks.local_rank}"
     try:
         m = add_field(ns.cache, args.field, spec, device=device, global_rank=global_rank,
                       world_size=world_size, barrier=barrier, replace=args.replace, progress=not args.no_progress,

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import Any, Optional
 
 from shardcache import config as S
+from shardcache.ranks import Ranks
 from shards.errors import ShardcacheError, WriteRefused
 
 from .config import CONFIG_ENV, PrecomputeConfig
 from .job import run
 from .manifests import ManifestUnreadable
-from .ranks import make_barrier
 from .validate import ConfigError, check_config
 
 log = logging.getLogger("precompute")
@@ -36,8 +35,10 @@ DESCRIPTION = """Encode a manifest once into a shard cache (stage one).
 
   shardcache precompute --manifest data/demo/samples.jsonl --cache cache/demo --config configs/precompute.yaml
   torchrun --nproc_per_node=8 -m shardcache precompute --manifest train.json --cache /data/cache
+  srun --ntasks-per-node=8 python -m shardcache precompute ...   (or mpirun -np 16 ...)
 
-With torchrun each global rank encodes its own rows on cuda:LOCAL_RANK and writes its own shards;
+Under any launcher (torchrun, srun, mpirun, mpiexec) each global rank encodes its own rows on
+cuda:local_rank and writes its own shards;
 rank 0 merges the index and manifest at the end. Options: the defaults below, then the config file
 (--config FILE; else $SHARDCACHE_PRECOMPUTE_CONFIG; else none), then flags in their order
 (--sample_rate 16000, --audio_tokenizer.name mimi, --encoder_batch_size=16); --print_config prints
@@ -83,10 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg, args = config_from_args(argv)
     except ConfigError as e:
         return e.report()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    global_rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    barrier, close = make_barrier(world_size, global_rank)  # the ranks only synchronise, never communicate
+    try:
+        ranks = Ranks.detect()
+        barrier, close = ranks.barrier()  # the ranks only synchronise, never communicate
+    except ValueError as e:  # a partial launcher environment, or no rendezvous for the barrier
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    global_rank, world_size, local_rank = ranks.global_rank, ranks.world_size, ranks.local_rank
+    if ranks.note and ranks.is_main:
+        log.warning("%s", ranks.note)
     if global_rank == 0:
         log.info("config file: %s (%s)", args.config_file or "none", args.config_source)
         log.info("config: %s", S.to_dict(cfg))

@@ -77,7 +77,7 @@ class PrecomputeConfig:
     num_workers: bounded(int, ge=0, le=1024) | Literal["auto"] = option("auto", effect=OPERATIONAL)
     """Decode worker processes (0: in the main process); auto: on CUDA sized from the first batch, on CPU 0."""
     device: str = option("auto", effect=Effect("batch", canonical=lambda d: str(d).partition(":")[0]))
-    """auto = cuda:LOCAL_RANK when available, else cpu; or cpu, cuda, cuda:N (mps, xpu:N...)."""
+    """auto = cuda:<local rank> when available, else cpu; or cpu, cuda, cuda:N (mps, xpu:N...)."""
     encoder_dtype: Literal[tuple(ENCODER_DTYPES)] = option(
         "float32", effect=Effect("bytes", via="fingerprint", canonical=ENCODER_DTYPES.get))
     """Compute dtype of the codec and the VAE; anything but float32 is first measured against float32."""

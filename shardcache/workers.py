@@ -8,13 +8,14 @@ import os
 
 
 def cpus_per_rank() -> int:
-    """CPU cores this process may use (its affinity mask), divided by ``LOCAL_WORLD_SIZE`` (ranks
-    of this node, set by torchrun), at least 1."""
+    """CPU cores this process may use (its affinity mask), divided by the processes of this node
+    (:attr:`shardcache.ranks.Ranks.local_world_size`), at least 1."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    from .ranks import Ranks
+    local = Ranks.detect().local_world_size
     return max(1, cpus // local)
 
 

@@ -137,6 +137,7 @@ def test_a_batch_larger_than_the_cache_exits_2(train_main, capsys, cache24, monk
     assert samples == 24
     rc, err = _rc_err(train_main, capsys, cache24, "--data.batch_size", "25")
     assert rc == 2 and "error: data.batch_size: 25 per rank x 1 rank(s) is more than the 24 samples" in err, err
+    monkeypatch.setenv("RANK", "0")  # rank 0 of a 2-process launch (shardcache.ranks.Ranks)
     monkeypatch.setenv("WORLD_SIZE", "2")
     rc, err = _rc_err(train_main, capsys, cache24, "--data.batch_size", "13")
     assert rc == 2 and "13 per rank x 2 rank(s) is more than the 24 samples" in err and "at most 12" in err, err

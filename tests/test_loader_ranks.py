@@ -11,10 +11,15 @@ import pytest
 
 from loaders import ShardLoader
 from loaders.order import epoch_order
-from loaders.ranks import resolve_rank
+from shardcache.ranks import Ranks
 from test_train_support import REPO, TESTS, base_env, free_port, make_cache
 
 TIMEOUT = 120
+
+
+def resolve_rank(global_rank=None, world_size=None):
+    r = Ranks.detect(None, global_rank, world_size)
+    return r.global_rank, r.world_size
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +78,7 @@ def test_rank_from_environment_explicit_wins(monkeypatch):
     assert resolve_rank() == (0, 1)
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="rank 2 of 2"):
+    with pytest.raises(ValueError, match="RANK=2 is not a rank of WORLD_SIZE=2"):
         resolve_rank()
 
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from shardcache.ranks import Ranks
 from shards.schema import MANIFEST_FILE as MANIFEST
 
 #: the parameters of the loader the trainer passes itself (not ``data.loader_kwargs``' to set)
@@ -69,7 +69,10 @@ def _batch_vs_cache(cache: str, batch_size: int) -> list[tuple[str, str]]:
         samples = int(json.loads((Path(cache) / MANIFEST).read_text())["counts"]["samples"])
     except (OSError, ValueError, KeyError, TypeError):
         return []  # not a local cache with counts: the loader reports it
-    world = max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    try:
+        world = Ranks.detect().world_size
+    except ValueError as e:  # a partial launcher environment: the run itself refuses it, naming it
+        return [("dist", str(e))]
     if batch_size * world > samples:
         return [("data.batch_size", f"{batch_size} per rank x {world} rank(s) is more than the {samples} samples "
                                     f"of {cache}: no whole batch; use at most {max(1, samples // world)}")]

@@ -42,11 +42,14 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
 
     if ns.dry_run:
         return dry_run(cfg)
+    from shardcache.ranks import Ranks
+
     from . import dist as D  # torch is imported only now: --help and --print_config stay fast
     from .metrics import NonFiniteError
     from .trainer import run
 
-    if D.env_ranks()[0] == 0:
+    ranks = Ranks.detect()  # checked by bounds.problems: a partial launcher environment exits 2 above
+    if ranks.is_main:
         sys.stderr.write(f"{PROG}: config file: {ns.config_file or 'none'} ({ns.config_source})\n")
     try:
         return run(cfg, callbacks)
@@ -54,13 +57,13 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
     except NonFiniteError as e:  # every rank sees the same counters and stops at the same step
-        sys.stderr.write(f"[rank {D.env_ranks()[0]}] {PROG}: error: {e}\n")
+        sys.stderr.write(f"[rank {ranks.global_rank}] {PROG}: error: {e}\n")
         sys.stderr.flush()
-        if D.env_ranks()[2] > 1:
+        if ranks.distributed:
             D.abort_on_exception(None, e)
         return 1
     except BaseException as e:  # noqa: BLE001 - every failure must end this rank now
-        if isinstance(e, SystemExit) and not D.env_ranks()[2] > 1:
+        if isinstance(e, SystemExit) and not ranks.distributed:
             raise
         D.abort_on_exception(None, e)
         raise  # unreachable: abort_on_exception exits

@@ -148,7 +148,7 @@ class DistConfig:
     """Devices, process group, DDP."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto (cuda:LOCAL_RANK if available, else cpu) | cpu | cuda (each rank on its cuda:LOCAL_RANK)."""
+    """auto (cuda:<local rank> if available, else cpu) | cpu | cuda (each rank on its cuda:<local rank>)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: auto (nccl on CUDA, gloo on CPU)."""
     pg_timeout_min: bounded(float, gt=0.0, le=525_600.0) = 30.0

@@ -1,8 +1,9 @@
 """Process groups, ranks, devices, and stop requests that every rank agrees on.
 
-Ranks come from the torchrun / ``torch.distributed`` environment (``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); without them the run is a single process with no
-process group, and every collective helper here degrades to the identity.
+Ranks come from :meth:`shardcache.ranks.Ranks.detect` (torchrun, srun, mpirun or a PMI launcher;
+the rendezvous from ``MASTER_ADDR``/``MASTER_PORT`` or what the launcher tells); without a launcher
+the run is a single process with no process group, and every collective helper here degrades to
+the identity.
 
 Stop requests: SIGUSR1 or SIGTERM (a second SIGTERM kills at once) or the stop file set a local
 flag; :meth:`StopRequest.agreed` all-reduces it (MAX) once per step, so every rank stops after the
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shardcache.ranks import Ranks
 
 log = logging.getLogger("train")
 
@@ -84,19 +87,20 @@ class DistInfo:
 
 
 def env_ranks() -> tuple[int, int, int]:
-    """(global rank, local rank, world size) from the launcher's environment (0, 0, 1 without one)."""
-    rank = int(os.environ.get("RANK", 0))
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    return rank, local, world
+    """(global rank, local rank, world size) of this process (:meth:`shardcache.ranks.Ranks.detect`;
+    0, 0, 1 without a launcher). Raises ``ValueError`` for a partial launcher environment."""
+    r = Ranks.detect()
+    return r.global_rank, r.local_rank, r.world_size
 
 
 def init(device: str = "auto", backend: str = "auto", timeout_min: float = 30.0) -> DistInfo:
     """Pick the device, set the allocator config (:func:`set_alloc_conf`), and join the process group
-    when WORLD_SIZE > 1. The global rank (``RANK``) decides everything that is global (data split,
-    rank-0 writes); the local rank (``LOCAL_RANK``) only picks the GPU."""
+    when the world has more than one process (:class:`shardcache.ranks.Ranks`: any launcher). The
+    global rank decides everything that is global (data split, rank-0 writes); the local rank only
+    picks the GPU."""
     set_alloc_conf()
-    rank, local, world = env_ranks()
+    ranks = Ranks.detect()
+    rank, local, world = ranks.global_rank, ranks.local_rank, ranks.world_size
     use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
     if use_cuda:
         dev = torch.device("cuda", local)
@@ -106,10 +110,10 @@ def init(device: str = "auto", backend: str = "auto", timeout_min: float = 30.0)
     info = DistInfo(rank=rank, local_rank=local, world_size=world, device=dev)
     if world > 1:
         be = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
-        kwargs: dict[str, Any] = dict(backend=be, timeout=datetime.timedelta(minutes=timeout_min))
+        kwargs: dict[str, Any] = {}
         if be == "nccl":
             kwargs["device_id"] = dev  # eager init: a missing peer fails here, not at the first all-reduce
-        dist.init_process_group(**kwargs)
+        ranks.init_process_group(be, datetime.timedelta(minutes=timeout_min), **kwargs)
         if dist.get_rank() != rank or dist.get_world_size() != world:
             raise RuntimeError(f"process group says rank {dist.get_rank()}/{dist.get_world_size()}, "
                                f"environment says {rank}/{world}")
