@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch.nn as nn
 
 from shardcache.pretrained import resolve_pretrained
-from shardcache.weights import checkpoint_sha256
+from shardcache.weights import weights_of
 from shards.cache import Cache, Codec, Contract
 from shards.tokens import IGNORE_INDEX  # noqa: F401 (re-exported)
 
@@ -38,12 +38,13 @@ def run_contract(name: str, kwargs: Mapping[str, Any], audio_tokenizer: str = ""
     the checkpoint the model's codes came from; it wins over what a recipe reads from its checkpoint's
     processor config), then ``contract`` (``--model.contract``) added where the spec says "any".
     Reads configs and checkpoint files, never the model's weights. Raises ``ValueError`` for a
-    ``--model.contract`` that names unknown items or contradicts the spec, ``OSError`` for an audio
-    tokenizer whose weights cannot be read."""
+    ``--model.contract`` that names unknown items or contradicts the spec,
+    :class:`shardcache.weights.CheckpointUnreadable` for a checkpoint file (an audio tokenizer's, a VAE's, the
+    vision tower's) that cannot be read: ``shardcache train`` exits 2 on it, naming the file."""
     spec = spec or model_spec(name)
     c = spec.contract(dict(kwargs))
     if audio_tokenizer:
-        weights = checkpoint_sha256(resolve_pretrained(audio_tokenizer, what="--model.audio_tokenizer"))
+        weights = weights_of(resolve_pretrained(audio_tokenizer, what="--model.audio_tokenizer"))
         c = dataclasses.replace(c, codec=dataclasses.replace(c.codec or Codec(), weights=weights))
     if contract:
         c = c.merged(Contract.from_dict(c.model, contract))
