@@ -1,7 +1,8 @@
 """Higgs-Audio v2 batches from the cache: the model's own layouts, built from the cached tensors.
 
 Two consumers, two layouts, nothing re-tokenized and no codec run (torch and numpy only; neither
-``transformers`` nor ``boson_multimodal`` is imported here):
+``transformers`` nor ``boson_multimodal`` is imported with this module: the contract below reads a
+checkpoint's files with ``transformers`` when asked, ``boson_multimodal`` builds the samples):
 
 * :class:`HiggsBatch` (``transformers``' ``HiggsAudioV2ForConditionalGeneration``): a loader
   ``transform`` turning a collated batch (``input_ids``, ``labels``, ``codes``, ``audio_segments``)

@@ -126,6 +126,10 @@ class Checkpoint:
             p = Path(hf_hub_download(self.pretrained, filename, subfolder=None if at_root else self.subfolder,
                                      revision=self.revision))
         except EntryNotFoundError:   # not in the repo, or offline and not in the cache
+            link = self._snapshot() / ("" if at_root else (self.subfolder or "")) / filename
+            if link.is_symlink() and not link.exists():   # huggingface_hub says "not cached": say why
+                raise CheckpointUnreadable(f"{self}: {link} links to {os.readlink(link)}, which does not exist (a "
+                                           "blob removed from the hub cache): download the checkpoint again") from None
             return None
         except Exception as e:  # noqa: BLE001 - no such repo, gated, no network...: one message names it
             raise CheckpointUnreadable(f"{self}: cannot read {self.name(filename)} through the hub cache "
@@ -134,6 +138,15 @@ class Checkpoint:
             raise CheckpointUnreadable(f"{self}: {p} links to {os.readlink(p)}, which does not exist (a blob "
                                        "removed from the hub cache): download the checkpoint again")
         return p
+
+    def _snapshot(self) -> Path:
+        """The snapshot folder ``revision`` (default ``main``) resolves to in the hub cache (its ref, or the
+        commit itself), as ``huggingface_hub`` lays it out; it may not exist."""
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+        repo = Path(constants.HF_HUB_CACHE, repo_folder_name(repo_id=self.pretrained, repo_type="model"))
+        ref = repo / "refs" / (self.revision or "main")
+        return repo / "snapshots" / (ref.read_text().strip() if ref.is_file() else (self.revision or "main"))
 
     def commit(self, fetched: Path) -> str | None:
         """The hub commit a file fetched from this checkpoint was read at: its snapshot folder's name in the
@@ -264,15 +277,7 @@ def loaded_files(ckpt: Checkpoint, library: str, *, isolated: bool = False) -> W
 def _state(ckpt: Checkpoint) -> tuple:
     """What :func:`loaded_files` ``isolated`` is memoised on: the listing (names, sizes, modification times)
     of the checkpoint's folder (a hub id: of its snapshot for ``revision``, and the ref)."""
-    if ckpt.local:
-        folder = Path(ckpt.pretrained, ckpt.subfolder or "")
-    else:
-        from huggingface_hub import constants
-        from huggingface_hub.file_download import repo_folder_name
-        repo = Path(constants.HF_HUB_CACHE, repo_folder_name(repo_id=ckpt.pretrained, repo_type="model"))
-        ref = repo / "refs" / (ckpt.revision or "main")
-        commit = ref.read_text() if ref.is_file() else (ckpt.revision or "")
-        folder = repo / "snapshots" / commit / (ckpt.subfolder or "")
+    folder = Path(ckpt.pretrained if ckpt.local else ckpt._snapshot(), ckpt.subfolder or "")
     try:
         return tuple(sorted((p.name, s.st_size, s.st_mtime_ns) for p in folder.iterdir() if (s := p.stat()))) + (
             str(folder),)
@@ -316,8 +321,8 @@ def file_format(path: Path) -> str | None:
 
 
 def _describe(name: str, path: Path) -> str:
-    real = path.resolve()
-    return f"{name} ({real})" if str(real) != str(path) else str(path)
+    """A weight file for a message: its listed name and the file it is (a hub cache's blob)."""
+    return f"{name} ({path.resolve()})"
 
 
 def _tensors(name: str, path: Path) -> Iterable[tuple[str, Callable[[], Any]]]:

@@ -463,8 +463,11 @@ class Cache:
 
     @property
     def text_tokenizer(self) -> str | None:
-        """The text tokenizer's fingerprint (``encoders.text_tokenizer.vocab_sha256``), or None."""
-        return self._encoder("text_tokenizer").get("vocab_sha256")
+        """The text tokenizer's fingerprint (``encoders.text_tokenizer.vocab_sha256``, a :class:`Sourced` naming
+        where it was read), or None."""
+        enc = self._encoder("text_tokenizer")
+        v = enc.get("vocab_sha256")
+        return Sourced(v, source_text(enc.get("loaded_from"))) if isinstance(v, str) else None
 
     @property
     def chat_template(self) -> str | None:

@@ -25,7 +25,8 @@ def test_boson_collator_and_model_on_the_dataset(boson_python, higgs_caches, hig
     cache, recs = higgs_caches["voice_clone"]
     manifest = cache.parent / "voice_clone.json"
     r = subprocess.run([boson_python, str(ROOT / "tests" / "boson_check.py"), str(cache), str(manifest),
-                        str(higgs_models / "higgs-tiny")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                        str(higgs_models / "higgs-tiny"), str(higgs_models / "higgs-audio-tokenizer-tiny")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
     from shardcache.weights import CheckpointUnreadable
     from shards.errors import ContractMismatch
 
+    from .models import ContractUnknown
+
     if ns.dry_run:
         return dry_run(cfg)
     from . import dist as D  # torch is imported only now: --help and --print_config stay fast
@@ -51,8 +53,8 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
         sys.stderr.write(f"{PROG}: config file: {ns.config_file or 'none'} ({ns.config_source})\n")
     try:
         return run(cfg, callbacks)
-    except (ContractMismatch, CheckpointUnreadable) as e:  # the cache does not fit the model, or a checkpoint
-        # file its identity is read from cannot be read: refused before any weight loaded
+    except (ContractMismatch, CheckpointUnreadable, ContractUnknown) as e:  # the cache does not fit the model,
+        # a checkpoint file its identity is read from cannot be read, or tells no contract: before any weight loaded
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
     except NonFiniteError as e:  # every rank sees the same counters and stops at the same step
