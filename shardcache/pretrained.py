@@ -151,5 +151,5 @@ def tokenizer_pad_id(tok: Any) -> Any:
     return 0
 
 
-__all__ = ["BUILD_HINT", "GEMMA3_PIXEL_OPTIONS", "image_processor_options", "resolve_pretrained", "load_error", "load_tokenizer", "template_sha256", "token_ids",
-           "tokenizer_identity", "tokenizer_pad_id"]
+__all__ = ["BUILD_HINT", "GEMMA3_PIXEL_OPTIONS", "image_processor_options", "resolve_pretrained", "load_error",
+           "load_tokenizer", "template_sha256", "token_ids", "tokenizer_identity", "tokenizer_pad_id"]

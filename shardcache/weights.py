@@ -9,9 +9,10 @@ own order (:func:`candidates`), reading hub ids through ``huggingface_hub``'s ca
 which honours ``HF_HUB_OFFLINE`` and ``HF_HUB_CACHE``):
 
 ==============  ===========================================================================================
-transformers    ``config.json``'s ``transformers_weights`` when it names a file, else ``model.safetensors``,
-                then ``model.safetensors.index.json``, then ``pytorch_model.bin``, then its index
-                (``modeling_utils._get_resolved_checkpoint_files``): a single file beside an index wins
+transformers    ``config.json``'s ``transformers_weights`` when it names a file (that file alone), else
+                ``model.safetensors``, then ``model.safetensors.index.json``, then ``pytorch_model.bin``, then
+                its index (``modeling_utils._get_resolved_checkpoint_files``): a single file beside an index
+                wins
 diffusers       ``diffusion_pytorch_model.safetensors.index.json``, then ``diffusion_pytorch_model.safetensors``,
                 then ``diffusion_pytorch_model.bin`` (``ModelMixin.from_pretrained``: ``_fetch_index_file``
                 first); a local folder's single file is looked for at its root before its ``subfolder``
@@ -36,9 +37,9 @@ hash alike and one changed value does not. Why the files' tensors and not the lo
 in, on the library (weight-norm parametrisations rename tensors) and needs the model class (the Higgs
 audio tokenizer imports torchaudio); the files need none of them. About 1 s per 500 MB; no model is built.
 
-**Where from** (:func:`identity`'s ``loaded_from``, :data:`SOURCE_KEY`): the hub id and the snapshot commit the files were read at,
-or the absolute local folder, and the files' names: recorded beside the hash for people, never compared
-(``precompute.encoders.fingerprint`` leaves it out of a cache's fingerprint).
+**Where from** (:func:`identity`'s ``loaded_from``, :data:`SOURCE_KEY`): the hub id and the snapshot commit
+the files were read at, or the absolute local folder, and the files' names: recorded beside the hash for
+people, never compared (``precompute.encoders.fingerprint`` leaves it out of a cache's fingerprint).
 
 Whatever cannot be read (a broken link, a corrupt or truncated file, an index that does not parse or
 names a missing shard, a file of no known format) raises :class:`CheckpointUnreadable`, naming the file,
@@ -218,7 +219,8 @@ class WeightFiles:
 
 
 def _explicit(ckpt: Checkpoint) -> tuple[Candidate, ...]:
-    """``config.json``'s ``transformers_weights`` (a file ``transformers`` then loads instead of its defaults)."""
+    """``config.json``'s ``transformers_weights``: the one file ``transformers`` then loads, instead of looking
+    for its defaults (``_get_resolved_checkpoint_files``' ``transformers_explicit_filename``)."""
     p = ckpt.fetch("config.json")
     if p is None:
         return ()
@@ -253,7 +255,7 @@ def loaded_files(ckpt: Checkpoint, library: str, *, isolated: bool = False) -> W
     Y is missing``; a broken link; a hub error."""
     if isolated:
         return _in_child(ckpt, library, _state(ckpt))
-    order = (_explicit(ckpt) if library == "transformers" else ()) + candidates(library)
+    order = (_explicit(ckpt) if library == "transformers" else ()) or candidates(library)   # the named one alone
     for c in order:
         found = (ckpt.fetch(c.name, at_root=True) if c.root_first and ckpt.local and ckpt.subfolder else None) \
             or ckpt.fetch(c.name)
@@ -448,7 +450,7 @@ def numeric_policy(dtype: Any, device: Any = "cpu") -> dict[str, Any]:
     now. Part of the encoder's ``describe()``, so of the cache's fingerprint: a rerun, resume or add-field
     under other numerics is refused (:func:`precompute.identity.check_job_record`)."""
     import torch
-    return {"device": str(getattr(device, "type", None) or torch.device(device).type),
+    return {"device": torch.device(device).type,
             "dtype": str(dtype).replace("torch.", ""), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
             "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
@@ -504,9 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["GEMMA3_VISION", "LIBRARIES", "SOURCE_KEY", "Candidate", "Checkpoint", "CheckpointMissing", "CheckpointUnreadable", "WeightFiles", "candidates",
-           "checkpoint", "checkpoint_sha256", "file_format", "files_sha256", "identity", "loaded_files",
-           "numeric_policy", "source", "tensor_names", "under", "weights_of"]
+__all__ = ["GEMMA3_VISION", "LIBRARIES", "SOURCE_KEY", "Candidate", "Checkpoint", "CheckpointMissing",
+           "CheckpointUnreadable", "WeightFiles", "candidates", "checkpoint", "checkpoint_sha256", "file_format",
+           "files_sha256", "identity", "loaded_files", "numeric_policy", "source", "tensor_names", "under", "weights_of"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -226,7 +226,9 @@ def vae_weights(vae: str = DEFAULT_VAE, subfolder: str | None = None) -> Any:
     (not in the hub cache) or ``diffusers`` is not installed to say which they are. Raises
     :class:`shardcache.weights.CheckpointUnreadable` for weight files that are there and cannot be read."""
     name = resolve_pretrained(vae, what="model.kwargs.vae")
-    if subfolder is None:
+    if subfolder is None and vae == DEFAULT_VAE:
+        subfolder = DEFAULT_VAE_SUBFOLDER
+    elif subfolder is None:
         ckpt = checkpoint(name)
         if ckpt.fetch("config.json") is None and ckpt.fetch(f"{DEFAULT_VAE_SUBFOLDER}/config.json") is not None:
             subfolder = DEFAULT_VAE_SUBFOLDER
