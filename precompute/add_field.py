@@ -363,6 +363,7 @@ def build_add_parser():
 
 def main_add(argv: list[str]) -> int:
     from shardcache import config as S
+    from shardcache.weights import CheckpointUnreadable
     p = build_add_parser()
     try:
         ns = S.parse_flags(p, AddFieldOptions, list(argv))
@@ -388,8 +389,8 @@ def main_add(argv: list[str]) -> int:
         m = add_field(ns.cache, args.field, spec, device=device, global_rank=global_rank,
                       world_size=world_size, barrier=barrier, replace=args.replace, progress=not args.no_progress,
                       batch_size=args.encoder_batch_size)
-    except WriteRefused as e:  # another command writes the cache, or it is no cache: nothing was written
-        print(f"error: {e}", file=sys.stderr)
+    except (WriteRefused, CheckpointUnreadable) as e:  # another command writes the cache, or it is no cache; a
+        print(f"error: {e}", file=sys.stderr)             # checkpoint file that cannot be read: nothing was written
         return 2
     except (ShardcacheError, FileNotFoundError, ValueError, ImportError, AttributeError) as e:
         print(f"error: {e}", file=sys.stderr)

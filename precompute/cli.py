@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from shardcache import config as S
 from shardcache.ranks import Ranks
+from shardcache.weights import CheckpointUnreadable
 from shards.errors import ShardcacheError, WriteRefused
 
 from .config import CONFIG_ENV, PrecomputeConfig
@@ -101,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,
                                 progress=not args.no_progress, storage_options=args.storage_options,
                                 staging=args.staging)
-    except (ManifestUnreadable, WriteRefused) as e:  # the manifest as a whole (its encoding...), read before any
-        print(f"error: {e}", file=sys.stderr)       # model loads; another command writes the cache, or the
-        return 2                                    # folder holds other files: nothing was written
+    except (ManifestUnreadable, WriteRefused, CheckpointUnreadable) as e:
+        # the manifest as a whole (its encoding...) or an encoder checkpoint's file (before its weights load)
+        # cannot be read; another command writes the cache, or the folder holds other files: nothing was written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ShardcacheError, FileNotFoundError, ValueError, ImportError) as e:  # ImportError: a codec's dependency
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -46,7 +46,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from shardcache.weights import identity
+from shardcache.weights import checkpoint_sha256, identity
 from shardcache.config import BATCH, BYTES, OPERATIONAL, Effect
 
 from ..transfer import to_device, to_host
@@ -241,10 +241,12 @@ class HFCodecTokenizer(Declares):
         Raises:
             FileNotFoundError: ``pretrained`` looks like a local path that does not exist (the
                 message says how to build a random test model).
+            shardcache.weights.CheckpointUnreadable: its weight files cannot be read (checked first).
             OSError: loading failed (not a model directory, no network for a hub id...).
         """
         what = f"{cls.__name__}"
         path = resolve_pretrained(pretrained, what=what)
+        checkpoint_sha256(path)   # its identity first: what cannot be read is refused before any weight loads
         try:
             model = (model_class or cls._model_class()).from_pretrained(path, dtype=resolve_dtype(dtype))
         except (OSError, ValueError) as e:
@@ -398,9 +400,9 @@ class HFCodecTokenizer(Declares):
 
         ``weights_sha256`` is recomputed on every call (about 1 s per 500 MB of weights). The identity a
         recipe's contract compares (:func:`shardcache.weights.identity`): ``checkpoint_sha256`` (the
-        checkpoint's tensors as stored; None for a model not loaded with :meth:`from_pretrained`),
-        ``revision`` (the hub commit) and ``numerics`` (dtype and the TF32 switches).
-        Device and the local path are deliberately not included.
+        tensors of the files ``transformers`` loads; None for a model not loaded with :meth:`from_pretrained`),
+        ``numerics`` (device type, dtype, CPU kernels, TF32 and cuDNN switches) and ``loaded_from`` (the hub
+        id and commit, or the local folder: recorded, left out of the fingerprint).
         """
         d = {
             "class": f"{type(self).__module__}.{type(self).__qualname__}",
@@ -418,7 +420,7 @@ class HFCodecTokenizer(Declares):
         d.update(self._extra_describe())
         if self.batch_policy.batched:  # a batched clip's codes depend on its place and the call's shape
             d["batching"] = self.batch_policy.describe()
-        d.update(identity(self.pretrained, dtype=self.dtype))   # what a recipe's contract compares
+        d.update(identity(self.pretrained, dtype=self.dtype, device=self.device))   # what a recipe's contract compares
         return d
 
     def __repr__(self) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.weights import identity
+from shardcache.weights import checkpoint_sha256, identity
 from shardcache.config import BATCH, BYTES, IDENTITY, Effect
 
 from ..transfer import to_device, to_host
@@ -147,6 +147,7 @@ class DiffusersVAEEncoder(Declares):
         Raises:
             FileNotFoundError: ``pretrained`` looks like a local path that does not exist (the message
                 says how to build a random test model).
+            shardcache.weights.CheckpointUnreadable: its weight files cannot be read (checked first).
             OSError: loading failed.
         """
         from pathlib import Path
@@ -159,6 +160,8 @@ class DiffusersVAEEncoder(Declares):
             load_kwargs["subfolder"] = subfolder
         elif p.is_dir() and not (p / "config.json").exists() and (p / "vae" / "config.json").exists():
             load_kwargs["subfolder"] = "vae"
+        # its identity first (the files diffusers opens): what cannot be read is refused before any weight loads
+        checkpoint_sha256(path, load_kwargs.get("subfolder"), library="diffusers")
         try:
             vae = cls._model_class().from_pretrained(path, **load_kwargs)
         except (OSError, ValueError) as e:
@@ -288,8 +291,8 @@ class DiffusersVAEEncoder(Declares):
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256``, geometry, ``normalize``, ``dtype``,
         ``encode_version``, plus ``latents_mean``/``latents_std`` when the config has them, and the
-        identity a recipe's contract compares (:func:`shardcache.weights.identity`: ``checkpoint_sha256``,
-        ``revision``, ``numerics``).
+        identity a recipe's contract compares (:func:`shardcache.weights.identity`: ``checkpoint_sha256`` of
+        the files ``diffusers`` loads, ``numerics``; and ``loaded_from``, recorded, left out of the fingerprint).
         """
         cfg = clean_config(self.vae.config)
         d = {
@@ -307,7 +310,8 @@ class DiffusersVAEEncoder(Declares):
         for key in ("latents_mean", "latents_std"):
             if cfg.get(key) is not None:
                 d[key] = cfg[key]
-        d.update(identity(self.pretrained, dtype=self.dtype, subfolder=self.subfolder))   # what a contract compares
+        d.update(identity(self.pretrained, dtype=self.dtype, device=self.device, library="diffusers",
+                          subfolder=self.subfolder))   # what a contract compares
         return d
 
     def __repr__(self) -> str:

@@ -9,6 +9,8 @@ import numpy as np
 
 from shardcache.config import BYTES, IDENTITY, Effect
 
+from shardcache.pretrained import template_sha256
+
 from ._common import canonical_json, load_error, resolve_pretrained
 from .capabilities import Declares, TextCapabilities
 
@@ -233,7 +235,10 @@ class HFTokenizer(Declares):
         return vocab_sha256(self.tokenizer)
 
     def describe(self) -> dict:
-        """``class``, ``name``, ``config`` (tokenizer class, special tokens, options) and ``vocab_sha256``."""
+        """``class``, ``name``, ``config`` (tokenizer class, special tokens, options, ``chat_template_sha256``:
+        :func:`shardcache.pretrained.template_sha256` of its chat template, what a contract compares where the
+        conversations were rendered with it), ``vocab_sha256`` and, when read from a checkpoint,
+        ``loaded_from`` (:func:`shardcache.weights.source`: recorded, left out of the fingerprint)."""
         tok = self.tokenizer
         config = {
             "tokenizer_class": type(tok).__name__,
@@ -241,14 +246,18 @@ class HFTokenizer(Declares):
             "pad_id": self.pad_id,
             "add_special_tokens": self.add_special_tokens,
             "special_tokens": {k: str(v) for k, v in tok.special_tokens_map.items()},
-            "chat_template_sha256": hashlib.sha256((self.chat_template or "").encode()).hexdigest(),
+            "chat_template_sha256": template_sha256(self.chat_template),
         }
-        return {
+        out = {
             "class": f"{type(self).__module__}.{type(self).__qualname__}",
             "name": self.name,
             "config": config,
             "vocab_sha256": self._vocab_sha256(),
         }
+        if self.pretrained:   # where it was read (hub id and commit, or the folder): recorded, not fingerprinted
+            from shardcache.weights import SOURCE_KEY, source
+            out[SOURCE_KEY] = source(self.pretrained, "tokenizer_config.json")
+        return out
 
     def __repr__(self) -> str:
         return f"HFTokenizer({type(self.tokenizer).__name__}, vocab_size={self.vocab_size}, pad_id={self.pad_id})"

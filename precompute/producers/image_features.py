@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.weights import GEMMA3_VISION, identity, under
+from shardcache.weights import GEMMA3_VISION, checkpoint_sha256, identity, under
 from shardcache.config import BYTES
 
 from ..encoders.batching import BatchPolicy
@@ -121,6 +121,9 @@ class Gemma3VisionEncoder(Declares):
         self.pretrained = resolve_pretrained(pretrained, what="image_features.pretrained")
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
+        # its identity first (the tower's tensors in the files transformers opens): what cannot be read is
+        # refused before any weight loads (shardcache.weights.CheckpointUnreadable)
+        checkpoint_sha256(self.pretrained, select=under(*GEMMA3_VISION))
         self.processor = AutoProcessor.from_pretrained(self.pretrained)
         if self.processor.image_processor.do_pan_and_scan:
             raise ValueError(f"image_features.pretrained: {self.pretrained}'s image processor has do_pan_and_scan: "
@@ -200,15 +203,24 @@ class Gemma3VisionEncoder(Declares):
         return Pending(lambda: list(bits.numpy()), wait)
 
     def describe(self) -> dict[str, Any]:
+        """``class``, ``name``, ``config``, ``dtype``, ``weights_sha256`` (the loaded tower's and projector's),
+        ``image_processor`` (the processor as loaded), ``pixel_options`` (its config file's options that shape
+        the pixel values, :data:`shardcache.pretrained.GEMMA3_PIXEL_OPTIONS`: what the ``theworld`` recipe
+        compares with its checkpoint's), ``image_sequence``, and the identity of the tower and projector as
+        stored in the checkpoint (:func:`shardcache.weights.identity`: ``checkpoint_sha256``, ``numerics``,
+        ``loaded_from``)."""
+        from shardcache.pretrained import GEMMA3_PIXEL_OPTIONS, image_processor_options
+
         from ..encoders._common import clean_config, state_dict_sha256
         ip = self.processor.image_processor
         return {"class": f"{type(self).__module__}.{type(self).__qualname__}", "name": "gemma3",
                 "config": clean_config(self.config), "dtype": str(self.dtype).replace("torch.", ""),
                 "weights_sha256": state_dict_sha256(self.vision_tower) + ":" + state_dict_sha256(self.projector),
-                "image_processor": ip.to_dict(),
+                "image_processor": ip.to_dict(), "pixel_options": image_processor_options(self.pretrained,
+                                                                                         GEMMA3_PIXEL_OPTIONS),
                 "image_sequence": self.image_sequence,
                 # the tower and projector as stored in the checkpoint: what the theworld recipe compares
-                **identity(self.pretrained, dtype=self.dtype, select=under(*GEMMA3_VISION))}
+                **identity(self.pretrained, dtype=self.dtype, device=self.device, select=under(*GEMMA3_VISION))}
 
 
 #: ``image_features.name`` -> the encoder class
