@@ -41,7 +41,7 @@ from shards.manifest import CacheManifest, FieldInfo, TextInfo
 from . import producers as P
 from .config import PrecomputeConfig
 from .encoders import fingerprint, load_audio_tokenizer, load_image_encoder, load_text_tokenizer
-from .encoders.capabilities import Capabilities, capabilities_of
+from .encoders.capabilities import Capabilities, Declares, capabilities_of
 from .faults import reraise_infrastructure
 from .prepare import Prepared
 
@@ -64,6 +64,13 @@ class Encoders:
         return {"audio_tokenizer": self.audio.describe() if self.audio is not None else none,
                 "image_encoder": self.image.describe() if self.image is not None else none,
                 "text_tokenizer": self.text.describe()}
+
+    def close(self) -> None:
+        """Release what the encoders hold beyond themselves (:meth:`precompute.encoders.capabilities.Declares.close`:
+        a codec's processes); a plug-in that declares nothing holds nothing of ours."""
+        for enc in (self.audio, self.image, self.text):
+            if isinstance(enc, Declares):
+                enc.close()
 
     @property
     def capabilities(self) -> dict[str, Capabilities]:

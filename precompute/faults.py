@@ -197,12 +197,28 @@ class WorkerPids:
         if not gone:
             return None
         i, pid = gone[0]
-        return ProcessDied(f"decode worker {i}", pid, None, f"{type(e).__name__}: {e}")
+        return ProcessDied(f"decode worker {i}", pid, exit_status(pid), f"{type(e).__name__}: {e}")
+
+
+def exit_status(pid: int) -> int | None:
+    """How child process ``pid`` ended, as :class:`multiprocessing.Process` says it (negative: the signal), read
+    without reaping it (``waitid`` with ``WNOWAIT``); None when it is not a child of this process or still runs."""
+    try:
+        got = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError, AttributeError):
+        return None
+    if got is None:
+        return None
+    return -got.si_status if got.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else got.si_status
 
 
 def stop_on_sigterm() -> Any:
     """Make ``SIGTERM`` raise :class:`Stopped` in the main thread (once: a second one while the job unwinds is
-    logged and ignored). Returns the previous handler (``signal.signal(SIGTERM, it)`` restores it)."""
+    logged and ignored). Returns the previous handler (``signal.signal(SIGTERM, it)`` restores it); called
+    from another thread it changes nothing and returns the current handler."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return signal.getsignal(signal.SIGTERM)
     state = {"stopping": False}
 
     def handler(signum, _frame):

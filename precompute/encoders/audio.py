@@ -404,6 +404,12 @@ class HFCodecTokenizer(Declares, FrameRule):
         _check_shape(self, call, tuple(codes.shape))
         return to_host(codes)
 
+    def close(self) -> None:
+        """Stop the codec processes (``processes > 1``); the next call starts them again."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256`` plus the code contract and ``encode_version``.
 

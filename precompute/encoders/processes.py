@@ -40,8 +40,11 @@ RESTARTS = 2
 
 def _serve(conn, recipe: tuple[type, str, dict], parent: int) -> None:
     """A codec process: load the codec (one process), then encode each call received on ``conn``."""
+    from tqdm import tqdm
+
     from ..lock import die_with_parent
     die_with_parent(parent)
+    tqdm.set_lock(threading.RLock())  # (its default lock is a named semaphore here, left behind by a killed process)
     import torch
 
     from ..transfer import to_device
