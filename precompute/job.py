@@ -378,7 +378,8 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     t0 = time.perf_counter()
     output = open_output(out_dir, storage_options=storage_options, staging=staging, global_rank=global_rank)
     # one writer per cache, in a folder it owns (rank 0 takes the lock; the other ranks write under it)
-    with CacheWriter(output.local, "precompute", rank=global_rank, create=True):
+    with CacheWriter(output.local, "precompute", rank=global_rank, create=True), \
+            output.writer_lock("precompute", global_rank):  # (a remote cache: the lock at its location too)
         summary, result = _run(output, manifest, cfg, root=root, global_rank=global_rank, world_size=world_size,
                                local_rank=local_rank, barrier=barrier, progress=progress, t0=t0)
     return summary, result
