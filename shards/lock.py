@@ -395,16 +395,22 @@ class RemoteLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            try:
-                now = self._read()
-                if now is None or now.get("token") != self._me["token"]:
-                    self.lost = now or {}
-                    log.error("%s: this job's lock was taken over by %s", self.url, describe(now or {}))
-                    return
-                self._me["heartbeat"] = time.time()
-                self.folder.put_bytes((json.dumps(self._me) + "\n").encode(), self.NAME)
-            except OSError as e:  # the store is unreachable for now: the next beat tries again
-                log.warning("%s: heartbeat failed (%s)", self.url, e)
+            if not self._beat_once():
+                return
+
+    def _beat_once(self) -> bool:
+        """Rewrite the heartbeat, if the object is still this job's; False (and :attr:`lost` set) once it is not."""
+        try:
+            now = self._read()
+            if now is None or now.get("token") != self._me["token"]:
+                self.lost = now or {}
+                log.error("%s: this job's lock was taken over by %s", self.url, describe(now or {}))
+                return False
+            self._me["heartbeat"] = time.time()
+            self.folder.put_bytes((json.dumps(self._me) + "\n").encode(), self.NAME)
+        except OSError as e:  # the store is unreachable for now: the next beat tries again
+            log.warning("%s: heartbeat failed (%s)", self.url, e)
+        return True
 
     def check(self) -> None:
         """Raise :class:`CacheLocked` when another writer took this lock over (this job stalled past

@@ -360,3 +360,32 @@ def test_a_codec_pool_restarts_a_killed_process(tiny_models, monkeypatch, caplog
     finally:
         codec.close()
     assert P.RESTARTS >= 1
+
+
+def test_a_rerun_retries_a_row_an_older_version_rejected_for_a_dead_codec_process(tiny_config, demo_cache,
+                                                                                   tmp_path, monkeypatch, caplog):
+    """An older version wrote a codec process killed mid-job as ``encode_failed`` rejects (``RuntimeError: the
+    codec process ended (EOFError)``, made here by a stand-in codec that says so for one row), and every rerun
+    kept that chunk: ``kept 16, re-encoded 0``, the cache one row short for good. Now the rerun encodes the
+    chunk again and the cache is the demo's, every row."""
+    from precompute.encoders.capabilities import Pending
+    from precompute.job import run
+    from precompute.producers import codes as C
+    from shards import read_rejects
+    victim, submit = "spk-gb-0004", C.CodesProducer.submit
+
+    def old_version(self, samples, timer):  # what an older version made of a codec process killed mid-job
+        pend = submit(self, samples, timer)
+        return Pending(lambda: [RuntimeError("the codec process ended (EOFError)") if s.req.key == victim else r
+                                for s, r in zip(samples, pend.result())])
+    monkeypatch.setattr(C.CodesProducer, "submit", old_version)
+    cache = tmp_path / "c"
+    run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
+    assert {(r["key"], r["detail"]) for r in read_rejects(cache).to_pylist() if r["key"] == victim} == \
+        {(victim, "RuntimeError: the codec process ended (EOFError)")}
+    monkeypatch.undo()
+    caplog.set_level("INFO", logger="precompute")
+    summary, _ = run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
+    assert "1 row(s) an older version rejected for an infrastructure fault" in caplog.text
+    assert (summary.rerun["kept"], summary.rerun["reencoded_with_chunk"]) == (32 - 8, 8)  # its chunk again
+    assert _layout(cache) == _layout(demo_cache)
