@@ -389,3 +389,37 @@ def test_a_rerun_retries_a_row_an_older_version_rejected_for_a_dead_codec_proces
     assert "1 row(s) an older version rejected for an infrastructure fault" in caplog.text
     assert (summary.rerun["kept"], summary.rerun["reencoded_with_chunk"]) == (32 - 8, 8)  # its chunk again
     assert _layout(cache) == _layout(demo_cache)
+
+
+def test_after_a_killed_first_job_every_tool_advises_the_rerun_and_reindex_refuses(tiny_models, tiny_config,
+                                                                                  demo_cache, tmp_path, capsys):
+    """After a first job killed mid-way, ``shards verify`` advised ``shards reindex``; following it gave a cache
+    of the committed chunks alone (12 of 24 samples here) that then passed verify. Now verify, the loader and
+    reindex say the job did not finish and that the same precompute command completes it; reindex refuses (its
+    ``--partial`` says what it leaves out); following the advice gives the demo's cache, every row."""
+    from loaders import ShardLoader
+    from precompute.job import run
+    from shards.cli import main as shards
+    cache = tmp_path / "c"
+    job = _start(cache, tiny_models, "--num_workers=0", "--allow_outside_root=true")
+    _wait(_committed(cache, 2), job)
+    job.kill()
+    job.wait()
+    capsys.readouterr()
+    assert shards(["verify", str(cache)]) == 2
+    err = capsys.readouterr().err
+    assert "stage one started this cache and has not finished it (2 chunk(s) committed" in err, err
+    assert "run the same `shardcache precompute` command again" in err and "would publish those" in err
+    with pytest.raises(FileNotFoundError, match="run the same `shardcache precompute` command again"):
+        ShardLoader(cache, 4)
+    assert shards(["reindex", str(cache), "--no_progress"]) == 2
+    assert "Refused: nothing written" in capsys.readouterr().err
+    assert not (cache / "index.parquet").exists()
+    partial = tmp_path / "partial"
+    import shutil
+    shutil.copytree(cache, partial)
+    assert shards(["reindex", str(partial), "--no_progress"]) == 2
+    assert shards(["reindex", str(partial), "--no_progress", "--partial"]) == 0
+    assert "the rows stage one had not encoded are not in the cache" in capsys.readouterr().err
+    run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)  # the advice followed
+    assert _layout(cache) == _layout(demo_cache)
