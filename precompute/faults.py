@@ -4,12 +4,12 @@
   value that breaks its field's declaration). The row is rejected with a reason (``rejects.parquet``) and
   the job goes on. Every exception that is not an infrastructure fault is a row fault where a row caused
   it (a plug-in encoder's ``ValueError`` on one clip...).
-* An **infrastructure fault** (:class:`InfrastructureFault`): a process of the job died or hung (a decode
-  worker, a codec process, the shard writer), the device failed (a CUDA error, out of memory), the disk is
-  full. It says nothing about the row and is **never written as a reject**: it is retried where that is
-  safe (a codec process is restarted and its calls in flight are sent again, a bounded number of times,
-  each logged: :mod:`precompute.encoders.processes`), else the job stops with exit status 1 naming the
-  process and the signal. Committed chunks are kept, the chunk in progress is dropped, so the same command
+* An **infrastructure fault** (:class:`InfrastructureFault`): a process of the job died (a decode worker, a
+  codec process, the shard writer), the device failed (a CUDA error, out of memory), the disk is full (a
+  process that hangs is not detected yet). It says nothing about the row and is **never written as a reject**:
+  it is retried where that is safe (a codec process is restarted and its calls in flight are sent again, a
+  bounded number of times, each logged: :mod:`precompute.encoders.processes`), else the job stops with exit
+  status 1 naming the process and the signal. Committed chunks are kept, the chunk in progress is dropped, so the same command
   run again completes the cache to the bytes an uninterrupted run writes.
 
 :func:`infrastructure` says which exceptions are infrastructure faults, by class and ``errno``
