@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 
-
 from ..faults import ProcessDied, kind_of, rebuild
 
 log = logging.getLogger("precompute")
