@@ -140,6 +140,13 @@ def _check_clean(cache: Path, before: set[str], pids: list[int]) -> None:
     assert holder(cache) is None
     assert (cache / "parts" / "writer.lock").read_text() == "", "the lock was not released (its holder is still named)"
     assert not (cache / "index.parquet").exists()  # the job did not finish: nothing was published
+    # what is left is exactly the committed chunks: each index part (the commit marker) with its rejects part
+    # and its tar (a chunk whose every row was rejected has none), the job's record, the (empty) lock file
+    stems = {p.name[:-len(".index.parquet")] for p in (cache / "parts").glob("*.index.parquet")}
+    assert {p.name for p in (cache / "parts").iterdir()} == {"job.json", "writer.lock"} | \
+        {f"{s}.{part}.parquet" for s in stems for part in ("index", "rejects")}
+    top = {p.name for p in cache.iterdir()} - {".shardcache", "parts"}
+    assert {n[:-len(".tar")] for n in top} <= stems and all(n.endswith(".tar") for n in top), top
 
 
 def _rerun_completes(cache: Path, tiny_models: Path, reference: tuple, *extra: str, stand_in: str | None = None):
