@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from typing import Any, Optional
 
 from shardcache import config as S
@@ -12,12 +14,16 @@ from shardcache.weights import CheckpointUnreadable
 from shards.errors import ShardcacheError, WriteRefused
 
 from .config import CONFIG_ENV, PrecomputeConfig
+from .faults import InfrastructureFault, Stopped, stop_on_sigterm
 from .job import run
 from .manifests import ManifestUnreadable
 from .validate import ConfigError, check_config
 
 log = logging.getLogger("precompute")
 PROG = "shardcache precompute"
+#: what a job that stopped before the end says: the way forward (docs/stage-one.md, "When a job fails")
+RERUN = ("the cache {cache} keeps every chunk committed so far (the chunk in progress was dropped) and is not "
+         "complete: run the same command again to complete it (it encodes only the rows not yet committed)")
 
 
 def registries() -> str:
@@ -43,7 +49,9 @@ cuda:local_rank and writes its own shards;
 rank 0 merges the index and manifest at the end. Options: the defaults below, then the config file
 (--config FILE; else $SHARDCACHE_PRECOMPUTE_CONFIG; else none), then flags in their order
 (--sample_rate 16000, --audio_tokenizer.name mimi, --encoder_batch_size=16); --print_config prints
-the result. Bad options exit with status 2 before any model is loaded, each named; a failed job exits 1.
+the result. Bad options exit with status 2 before any model is loaded, each named; a failed job exits 1
+(a process, the device or the disk that failed is named; the same command run again completes the cache);
+a job stopped by SIGTERM exits 143 after releasing its processes, shared memory and the cache's lock.
 Add or drop a field of an existing cache later: shardcache add-field / drop-field."""
 
 
@@ -97,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if global_rank == 0:
         log.info("config file: %s (%s)", args.config_file or "none", args.config_source)
         log.info("config: %s", S.to_dict(cfg))
+    previous = stop_on_sigterm()  # SIGTERM (SLURM, torchrun) unwinds the job: its processes, memory and lock freed
     try:
         summary, manifest = run(args.manifest, args.cache, cfg, root=args.root, global_rank=global_rank,
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,
@@ -107,10 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         # cannot be read; another command writes the cache, or the folder holds other files: nothing was written
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except InfrastructureFault as e:  # a process, the device or the disk failed: not the rows' fault
+        print(f"error: {e}\n{RERUN.format(cache=args.cache)}", file=sys.stderr)
+        return 1
+    except Stopped as e:
+        print(f"{PROG}: {e}\n{RERUN.format(cache=args.cache)}", file=sys.stderr)
+        return 128 + e.signum
     except (ShardcacheError, FileNotFoundError, ValueError, ImportError) as e:  # ImportError: a codec's dependency
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
         close()
     print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "
           f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio; setup {summary.setup_s:.1f} s, "

@@ -61,6 +61,7 @@ from .encode import Encoders, Summary, load_encoders
 from .encoders import fingerprint
 from .encoders.capabilities import Capabilities
 from .executor import EncoderThread
+from .faults import WorkerPids, legacy_infrastructure_rejects
 from .lock import die_with_parent
 from .manifests import Request, read_requests
 from .output import open_output
@@ -324,6 +325,13 @@ def chunk_batches(chunk_of_item: list[int], batch_size: int) -> list[list[int]]:
     return out
 
 
+def start_worker(parent: int, pids: WorkerPids, worker_id: int) -> None:
+    """A decode worker's ``worker_init_fn``: it dies with the job (:func:`precompute.lock.die_with_parent`) and
+    records its pid (:class:`precompute.faults.WorkerPids`)."""
+    die_with_parent(parent)
+    pids.record(worker_id)
+
+
 def resolve_device(device: str, local_rank: int) -> str:
     """``auto`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``."""
     if device == "auto":
@@ -370,7 +378,8 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     t0 = time.perf_counter()
     output = open_output(out_dir, storage_options=storage_options, staging=staging, global_rank=global_rank)
     # one writer per cache, in a folder it owns (rank 0 takes the lock; the other ranks write under it)
-    with CacheWriter(output.local, "precompute", rank=global_rank, create=True):
+    with CacheWriter(output.local, "precompute", rank=global_rank, create=True), \
+            output.writer_lock("precompute", global_rank):  # (a remote cache: the lock at its location too)
         summary, result = _run(output, manifest, cfg, root=root, global_rank=global_rank, world_size=world_size,
                                local_rank=local_rank, barrier=barrier, progress=progress, t0=t0)
     return summary, result
@@ -395,7 +404,7 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
         output.push_part(JOB_FILE)
     done = committed(out_dir)  # read by every rank before rank 0 deletes stale chunks
     rerun, records = plan_rerun(requests, done, source_digest=cfg.source_digest, keep_removed=cfg.keep_removed_rows,
-                                filters=filter_values(cfg))
+                                filters=filter_values(cfg), retry=legacy_infrastructure_rejects(out_dir, done))
     ids = [r.id for r in records]
     if done and global_rank == 0:
         log.info("%s", rerun.describe())
@@ -421,10 +430,11 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     # in flight, those held in the length window and on the encoder thread
     slots, collate = slot_receiver(workers, PREFETCH + job.window // job.batch_size + DEPTH + 2) if workers \
         else (None, identity_collate)
+    pids = WorkerPids(workers)  # each decode worker's pid: a failed loader names the worker that died
     loader = DataLoader(PrepareDataset(items, job.preparer),
                         batch_sampler=chunk_batches([c for _, c in items], job.batch_size), num_workers=workers,
                         collate_fn=collate, prefetch_factor=PREFETCH if workers else None,
-                        worker_init_fn=functools.partial(die_with_parent, os.getpid()) if workers else None)
+                        worker_init_fn=functools.partial(start_worker, os.getpid(), pids) if workers else None)
 
     record = {id(r): rec for r, rec in zip(requests, records)}  # the chunks' rows and what they said
     writer = ChunkWriter(output, [(name, [record[id(r)] for r in rows]) for name, rows in chunks], summary, bar,
@@ -444,13 +454,14 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
 
     thread = EncoderThread(device)  # the encoders run here, off the main thread
     stream = EncodeStream(lambda rows: job.start(rows, thread, summary), job.batch_size, job.window, depth=DEPTH)
-    finished = False
+    finished, loading = False, bool(workers)
     try:
         batches = iter(loader)
         while True:
             t = time.perf_counter()
             batch = next(batches, None)
             if batch is None:
+                loading = False  # (the decode workers end here)
                 break
             batch = unpack_rows(batch)
             summary.receive_s += time.perf_counter() - t
@@ -458,8 +469,14 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
             bar.update(len(batch))
         put(stream.close())
         finished = True
+    except Exception as e:  # (torch raises a decode worker's death wherever the main thread is)
+        fault = pids.fault(e) if loading else None  # a decode worker died: an infrastructure fault
+        if fault is not None:
+            raise fault from e
+        raise
     finally:
         thread.close()
+        job.enc.close()  # (a codec's processes)
         timings = thread.timings
         summary.encoder_s += timings.busy_s
         summary.encoder_host_s += timings.host_s

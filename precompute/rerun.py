@@ -34,7 +34,9 @@ On a rerun :func:`plan_rerun` compares the committed chunks with the manifest:
   removes it (the manifest wins: the cache never holds a key twice);
 * rows in no committed chunk are **added** (new chunks, numbered after every chunk there is).
 
-A chunk committed by an older version (no ``rows_version`` 2) is stale: it is redone once.
+A chunk committed by an older version (no ``rows_version`` 2) is stale: it is redone once. So is a chunk
+holding a reject an older version wrote for an infrastructure fault (a codec process that died mid-job:
+:func:`precompute.faults.legacy_infrastructure_rejects`): the fault was not the row's, the row is tried again.
 """
 from __future__ import annotations
 
@@ -190,6 +192,8 @@ class RerunPlan:
     kept_removed: int = 0
     added: int = 0
     old_chunks: int = 0  #: stale chunks committed by an older version (no per-row records)
+    #: rows an older version rejected for an infrastructure fault, tried again (their chunks redone)
+    retried: int = 0
     key_taken: int = 0   #: removed rows not kept because a row of the manifest now has their key
     #: stale chunk stem -> the records ``(id, digest, key, sources)`` of its removed rows kept (carried over)
     carry: dict[str, list[tuple]] = field(default_factory=dict)
@@ -210,6 +214,9 @@ class RerunPlan:
             s += f"; {self.key_taken} removed row(s) not kept: a row of the manifest now has their key"
         if self.old_chunks:
             s += f"; {self.old_chunks} chunk(s) written by an older version redone"
+        if self.retried:
+            s += (f"; {self.retried} row(s) an older version rejected for an infrastructure fault (a process or "
+                  "device that failed, not the row) tried again with their chunks")
         return s
 
 
@@ -225,10 +232,12 @@ def _records(meta: dict) -> list[tuple] | None:
 
 
 def plan_rerun(requests: list[Request], done: dict[str, dict | None], *, source_digest: str = "stat",
-               keep_removed: bool = False, filters: dict[str, dict] | None = None
-               ) -> tuple[RerunPlan, list[RowRecord]]:
+               keep_removed: bool = False, filters: dict[str, dict] | None = None,
+               retry: dict[str, int] | None = None) -> tuple[RerunPlan, list[RowRecord]]:
     """Compare the committed chunks ``done`` (stem -> the job metadata of its index part) with the
     manifest rows ``requests`` (``filters``: :func:`precompute.identity.filter_values` of the job).
+    ``retry``: stem -> how many rejects of that chunk an older version wrote for an infrastructure fault
+    (:func:`precompute.faults.legacy_infrastructure_rejects`): those chunks are stale too, their rows tried again.
 
     Returns ``(plan, records)``: the :class:`RerunPlan` and each request's :class:`RowRecord` (in request
     order, recorded by the chunks this run commits).
@@ -259,6 +268,9 @@ def plan_rerun(requests: list[Request], done: dict[str, dict | None], *, source_
 
     stale = {stem for stem, recs in chunks.items()
              if any(changed(r) for r in recs if r[0] in now) or (not keep_removed and any(r[0] not in now for r in recs))}
+    again = {stem: n for stem, n in (retry or {}).items() if stem in chunks}  # (old chunks are stale already)
+    stale |= set(again)
+    plan.retried = sum(again.values())
     taken: set[str] = set()
     while keep_removed:  # a removed row kept must not hold a key a row to encode now takes
         covered = {r[0] for stem, recs in chunks.items() if stem not in stale for r in recs}

@@ -562,6 +562,9 @@ def read_index(out_dir: Path) -> pa.Table:
     """Read ``OUT/index.parquet``. Raises ``FileNotFoundError`` naming the path and the fix."""
     p = Path(out_dir) / INDEX_FILE
     if not p.exists():
+        from .unfinished import unfinished
+        if (why := unfinished(Path(out_dir))) is not None:  # a stage-one job that stopped: rerun it, not reindex
+            raise FileNotFoundError(why)
         raise FileNotFoundError(f"{p} not found: is {out_dir} a shardcache cache? "
                                 "(run `shardcache precompute`, or `shardcache shards reindex` to rebuild it)")
     return pq.read_table(p, schema=INDEX_SCHEMA)

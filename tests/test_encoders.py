@@ -466,7 +466,7 @@ def test_higgs_codec_with_resampler_torchaudio_refuses_to_load_without_it(higgs_
     with pytest.raises(ImportError, match=r"resamples its semantic input with torchaudio, which cannot be imported "
                                           r"here; .* or set audio_tokenizer.resampler: soxr \(or auto\)"):
         load_audio_tokenizer({"name": "higgs", "pretrained": str(higgs_models / "higgs-audio-tokenizer-tiny")})
-    with pytest.raises(ValueError, match="audio_tokenizer.resampler: expected one of torchaudio, soxr, auto"):
+    with pytest.raises(ValueError, match="audio.tokenizer.resampler: expected one of torchaudio, soxr, auto"):  # (refused by its declaration, before the model loads)
         load_audio_tokenizer({"name": "higgs", "pretrained": str(higgs_models / "higgs-audio-tokenizer-tiny"),
                               "resampler": "sinc"})
 

@@ -49,6 +49,7 @@ import numpy as np
 from shardcache.weights import checkpoint_sha256, identity
 from shardcache.config import BATCH, BYTES, OPERATIONAL, Effect
 
+from ..faults import reraise_infrastructure
 from ..transfer import to_device, to_host
 from ._common import (
     clean_config,
@@ -58,8 +59,11 @@ from ._common import (
     resolve_pretrained,
     state_dict_sha256,
 )
+from .base import FrameRule
 from .batching import BatchPolicy, Call, plan_calls
 from .capabilities import Capabilities, Declares, Pending
+from .higgs_resampler import RESAMPLERS
+from .options import device_problem, dtype_problem, takes
 
 #: bump when the canonical encoding above changes, so fingerprints of old caches stop matching
 ENCODE_VERSION = 1
@@ -146,7 +150,7 @@ def plan_batches(
     return plan
 
 
-class HFCodecTokenizer(Declares):
+class HFCodecTokenizer(Declares, FrameRule):
     """Shared machinery of the transformers codec wrappers (input checks, calls, describe).
 
     Subclasses set ``name``, ``_model_class()`` and ``_encode_batch`` and fill ``sample_rate``,
@@ -175,8 +179,11 @@ class HFCodecTokenizer(Declares):
     #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
     #: :data:`precompute.identity.SPEC_KEYS`), one entry per option of :attr:`OPTIONS`; ``processes``:
     #: copies of the model, each clip's codes the same in any of them (tested), so operational
-    OPTION_EFFECTS: dict[str, Effect] = {"device": BATCH, "dtype": BYTES, "max_batch_size": BATCH,
-                                         "max_batch_samples": BATCH, "bucket_s": BATCH, "processes": OPERATIONAL}
+    #: (and the values it takes: :func:`precompute.encoders.options.takes`, checked with the config)
+    OPTION_EFFECTS: dict[str, Effect] = {
+        "device": takes(BATCH, str, check=device_problem), "dtype": takes(BYTES, str, nullable=True, check=dtype_problem),
+        "max_batch_size": takes(BATCH, int, ge=1), "max_batch_samples": takes(BATCH, int, ge=1),
+        "bucket_s": takes(BATCH, float, ge=0, le=3600), "processes": takes(OPERATIONAL, int, ge=1, le=64)}
     #: clips are zero-padded to a multiple of ``hop_length`` (the canonical encoding above); False:
     #: encoded as they are, and the model says how many frames (:class:`HiggsTokenizer`)
     PADS_TO_HOP = True
@@ -339,11 +346,14 @@ class HFCodecTokenizer(Declares):
             live = [p for p, i in enumerate(call.places) if i >= 0 and isinstance(clips[i], np.ndarray)]
             try:
                 launched.append((call, live, self._launch(call, [(p, clips[call.places[p]]) for p in live])))
-            except Exception:  # noqa: BLE001 - the call again, one clip at a time at its place
+            except Exception as e:  # noqa: BLE001 - the call again, one clip at a time at its place
+                if len(live) == 1:
+                    reraise_infrastructure(e)  # (a call of many may fit the device one clip at a time)
                 for p in live:
                     try:
                         launched.append((call, [p], self._launch(call, [(p, clips[call.places[p]])])))
-                    except Exception as e:  # noqa: BLE001 - travels with its clip
+                    except Exception as e:  # noqa: BLE001 - travels with its clip (a row fault)
+                        reraise_infrastructure(e)
                         out[call.places[p]] = e
         wait = None
         if self.device.type == "cuda" and self.processes == 1:
@@ -356,6 +366,7 @@ class HFCodecTokenizer(Declares):
                 try:
                     codes = host.numpy()
                 except Exception as e:  # noqa: BLE001 - a codec process's call failed: its clips
+                    reraise_infrastructure(e)  # (a dead codec process, a device error: the job's, not the rows')
                     for p in live:
                         out[call.places[p]] = e
                     continue
@@ -394,6 +405,12 @@ class HFCodecTokenizer(Declares):
             codes = self._encode_batch(xt)
         _check_shape(self, call, tuple(codes.shape))
         return to_host(codes)
+
+    def close(self) -> None:
+        """Stop the codec processes (``processes > 1``); the next call starts them again."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256`` plus the code contract and ``encode_version``.
@@ -450,7 +467,7 @@ class DacTokenizer(HFCodecTokenizer):
 
     name = "dac"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("n_quantizers",)
-    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"n_quantizers": BYTES}
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"n_quantizers": takes(BYTES, int, ge=1, nullable=True)}
 
     def __init__(self, model, *, n_quantizers: int | None = None, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
@@ -496,7 +513,7 @@ class EncodecTokenizer(HFCodecTokenizer):
 
     name = "encodec"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth",)
-    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"bandwidth": BYTES}
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"bandwidth": takes(BYTES, float, gt=0, nullable=True)}
 
     def __init__(self, model, *, bandwidth: float | None = None, **kwargs: Any) -> None:
         cfg = model.config
@@ -550,7 +567,7 @@ class MimiTokenizer(HFCodecTokenizer):
 
     name = "mimi"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("num_quantizers",)
-    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"num_quantizers": BYTES}
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"num_quantizers": takes(BYTES, int, ge=1, nullable=True)}
 
     def __init__(self, model, *, num_quantizers: int | None = None, **kwargs: Any) -> None:
         cfg = model.config
@@ -616,8 +633,9 @@ class HiggsTokenizer(HFCodecTokenizer):
     name = "higgs"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth", "n_codebooks", "resampler")
     #: n_codebooks only checks what bandwidth gives (a refusal or the same codes)
-    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"bandwidth": BYTES, "n_codebooks": OPERATIONAL,
-                                                        "resampler": BYTES}
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {
+        "bandwidth": takes(BYTES, float, gt=0, nullable=True), "n_codebooks": takes(OPERATIONAL, int, ge=1, nullable=True),
+        "resampler": takes(BYTES, str, choices=RESAMPLERS)}
     PADS_TO_HOP = False
 
     def __init__(self, model, *, bandwidth: float | None = None, n_codebooks: int | None = None,

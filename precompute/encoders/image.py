@@ -43,6 +43,7 @@ from ._common import (
 )
 from .batching import BatchPolicy
 from .capabilities import Capabilities, Declares, Pending
+from .options import device_problem, dtype_problem, range_problem, takes
 
 #: bump when the pipeline above changes, so fingerprints of old caches stop matching
 ENCODE_VERSION = 1
@@ -71,8 +72,11 @@ class DiffusersVAEEncoder(Declares):
     OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size", "subfolder", "input_range")
     #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
     #: :data:`precompute.identity.SPEC_KEYS`); ``subfolder`` picks the weights (their sha256 is the identity)
-    OPTION_EFFECTS: dict[str, Effect] = {"device": BATCH, "dtype": BYTES, "normalize": BYTES, "max_batch_size": BATCH,
-                                         "subfolder": IDENTITY, "input_range": BYTES}
+    #: (and the values it takes: :func:`precompute.encoders.options.takes`, checked with the config)
+    OPTION_EFFECTS: dict[str, Effect] = {
+        "device": takes(BATCH, str, check=device_problem), "dtype": takes(BYTES, str, nullable=True, check=dtype_problem),
+        "normalize": takes(BYTES, bool), "max_batch_size": takes(BATCH, int, ge=1),
+        "subfolder": takes(IDENTITY, str, nullable=True), "input_range": takes(BYTES, list, check=range_problem)}
 
     spatial_factor: int
     latent_channels: int

@@ -13,6 +13,7 @@ from shardcache.pretrained import template_sha256
 
 from ._common import canonical_json, load_error, resolve_pretrained
 from .capabilities import Declares, TextCapabilities
+from .options import takes
 
 
 def _default_specials() -> tuple[str, ...]:
@@ -39,7 +40,8 @@ class ByteTokenizer(Declares):
     #: built from files (``from_pretrained``) or from its options alone
     PRETRAINED = False
     #: what each option does to a cache (:class:`shardcache.config.Effect`)
-    OPTION_EFFECTS: dict[str, Effect] = {"add_bos": BYTES, "add_eos": BYTES, "special_tokens": BYTES}
+    OPTION_EFFECTS: dict[str, Effect] = {"add_bos": takes(BYTES, bool), "add_eos": takes(BYTES, bool),
+                                         "special_tokens": takes(BYTES, list, nullable=True)}
     pad_id = 0
     bos_id = 1
     eos_id = 2
@@ -154,7 +156,9 @@ class HFTokenizer(Declares):
     PRETRAINED = True
     #: what each option does to a cache (:class:`shardcache.config.Effect`); trust_remote_code decides which
     #: tokenizer loads (its vocabulary sha256 is the identity)
-    OPTION_EFFECTS: dict[str, Effect] = {"add_special_tokens": BYTES, "pad_id": BYTES, "trust_remote_code": IDENTITY}
+    OPTION_EFFECTS: dict[str, Effect] = {"add_special_tokens": takes(BYTES, bool),
+                                         "pad_id": takes(BYTES, int, ge=0, nullable=True),
+                                         "trust_remote_code": takes(IDENTITY, bool)}
 
     def __init__(self, tokenizer, *, add_special_tokens: bool = True, pad_id: int | None = None) -> None:
         self.tokenizer = tokenizer

@@ -72,7 +72,7 @@ PRODUCER_EFFECTS: dict[str, dict[str, Effect]] = {
 def producer_problems(spec: Any, field: str) -> list[tuple[str, str]]:
     """What keeps ``spec`` from making ``field`` (a plug-in's keys, a producer's name and options), as ``(key
     suffix, message)``: :func:`load_producer` raises the first, the precompute config check lists them all."""
-    from ..encoders.registry import spec_problems
+    from ..encoders.registry import SPECS, spec_problems
     if not isinstance(spec, Mapping):
         return [("", f"expected {{producer: NAME, ...}} or {{factory: module:callable, kwargs}}, got {spec!r}")]
     if "factory" in spec:
@@ -83,7 +83,11 @@ def producer_problems(spec: Any, field: str) -> list[tuple[str, str]]:
     if spec["producer"] == "image_features":
         from .image_features import image_features_problems
         return image_features_problems(field, **spec)
-    return waveform_problems(field, **spec) if spec["producer"] == "waveform" else []
+    if spec["producer"] == "waveform":
+        return waveform_problems(field, **spec)
+    option = {"codes": "audio_tokenizer", "latents": "image_encoder"}[spec["producer"]]
+    inner = spec.get(option)  # the encoder's own spec: its names, options and their values (SPECS' rules)
+    return [(f".{option}{k}", m) for k, m in spec_problems(inner, *SPECS[option])] if isinstance(inner, Mapping) else []
 
 
 def load_producer(spec: Mapping[str, Any], field: str, device: str = "cpu") -> Producer:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..encoders.capabilities import Pending
+from ..faults import reraise_infrastructure
 
 #: the key of a producer's result whose entries go into the sample's json member
 JSON = "json"
@@ -73,19 +74,33 @@ class Timer:
         return out
 
 
+def _outputs(got: Any, n: int) -> list:
+    """``got`` (what an encoder returned for ``n`` inputs) as a list of ``n``; ``ValueError`` naming the count
+    when it is not one output per input (a plug-in's: zipped with its inputs, a short list would drop rows)."""
+    out = list(got)
+    if len(out) != n:
+        raise ValueError(f"the encoder returned {len(out)} output(s) for {n} input(s), not one per input")
+    return out
+
+
 def encode_each(fn: Callable[[list], Sequence], inputs: list, timer: Timer) -> list:
     """``fn`` on the whole batch; if the batch fails, on one input at a time, so a bad input costs
-    only itself: returns one output or one exception per input, in order."""
+    only itself: returns one output or one exception per input, in order. An infrastructure fault
+    (:func:`precompute.faults.infrastructure`: a device error, out of memory) is never an input's: it
+    is raised (a batch that failed with one is still tried one input at a time first)."""
     if not inputs:
         return []
     try:
-        return list(timer(fn, inputs))
-    except Exception:
+        return _outputs(timer(fn, inputs), len(inputs))
+    except Exception as e:  # noqa: BLE001 - each input alone
+        if len(inputs) == 1:
+            reraise_infrastructure(e)
         outs: list = []
         for x in inputs:
             try:
-                outs.append(timer(fn, [x])[0])
-            except Exception as e:  # noqa: BLE001 - travels with its sample to the rejects
+                outs.append(_outputs(timer(fn, [x]), 1)[0])
+            except Exception as e:  # noqa: BLE001 - travels with its sample to the rejects (a row fault)
+                reraise_infrastructure(e)
                 outs.append(e)
         return outs
 
@@ -93,7 +108,8 @@ def encode_each(fn: Callable[[list], Sequence], inputs: list, timer: Timer) -> l
 def submit_each(submit: Callable[[list], Pending], inputs: list) -> Pending:
     """:func:`encode_each` for an asynchronous encoder: ``submit`` (``list -> Pending`` of one output per
     input) on the whole batch; if queueing or collecting it fails, each input alone, so a bad input
-    costs only itself. ``result()``: one output or one exception per input, in order."""
+    costs only itself. ``result()``: one output or one exception per input, in order; an
+    infrastructure fault is raised, as by :func:`encode_each`."""
     if not inputs:
         return Pending.done([])
 
@@ -101,20 +117,25 @@ def submit_each(submit: Callable[[list], Pending], inputs: list) -> Pending:
         outs: list = []
         for x in inputs:
             try:
-                outs.append(submit([x]).result()[0])
-            except Exception as e:  # noqa: BLE001 - travels with its sample to the rejects
+                outs.append(_outputs(submit([x]).result(), 1)[0])
+            except Exception as e:  # noqa: BLE001 - travels with its sample to the rejects (a row fault)
+                reraise_infrastructure(e)
                 outs.append(e)
         return outs
 
     try:
         whole = submit(inputs)
-    except Exception:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
+        if len(inputs) == 1:
+            reraise_infrastructure(e)
         return Pending(alone)
 
     def finish() -> list:
         try:
-            return list(whole.result())
-        except Exception:  # noqa: BLE001
+            return _outputs(whole.result(), len(inputs))
+        except Exception as e:  # noqa: BLE001
+            if len(inputs) == 1:
+                reraise_infrastructure(e)
             return alone()
 
     return Pending(finish)

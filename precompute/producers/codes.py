@@ -13,9 +13,15 @@ import numpy as np
 
 from shards.schema import SEGMENT_COLUMNS
 
+from ..encoders.base import codes_problem
 from ..encoders.batching import Call
 from ..encoders.capabilities import Pending, capabilities_of
 from .base import JSON, Producer, Timer, encode_each
+
+class CodesRefused(ValueError):
+    """A clip's codes break the codec's declaration (:func:`precompute.encoders.base.codes_problem`): a row fault,
+    its sample rejected ``encode_failed`` with this message (the field, the audio item and the value)."""
+
 
 #: ``audio_segments`` direction column: 0 input (user/system turn), 1 output (assistant turn)
 DIRECTION_CODE = {"in": 0, "out": 1}
@@ -45,7 +51,12 @@ class CodesProducer(Producer):
     that depend on each clip's place in its call and the call's shape: they are recorded per item in
     the sample's json as ``FIELD_calls`` (``[[size, length, place] or null per audio item]``), and a
     sample that carries them (``sample.calls``, from a cached json: ``shardcache check``) is encoded
-    in exactly those calls, zero slots elsewhere."""
+    in exactly those calls, zero slots elsewhere.
+
+    Every clip's codes are checked against the codec's declaration before they are used
+    (:func:`precompute.encoders.base.codes_problem`: integers, ``n_codebooks x`` the frames the codec's rule
+    gives for the clip, codes in ``[0, codebook_size)``): a clip that breaks it rejects its sample
+    (:class:`CodesRefused`, naming the field, the item and the value), built-in codec or plug-in."""
 
     name = "codes"
 
@@ -104,10 +115,13 @@ class CodesProducer(Producer):
             placed: list[list] = [[None] * len(s.audio) for s in samples]
             failed: dict[int, Exception] = {}
             for (j, k), c, at in zip(items, codes, places):
-                if isinstance(c, Exception):
-                    failed.setdefault(j, c)
-                else:
-                    per[j][k], placed[j][k] = np.asarray(c), at
+                if not isinstance(c, Exception):
+                    why = codes_problem(c, self.codec, samples[j].audio[k][rate].size)
+                    if why is None:
+                        per[j][k], placed[j][k] = np.asarray(c).astype(np.int16, copy=False), at
+                        continue
+                    c = CodesRefused(f"{self.field}: audio item {k}: {why}")
+                failed.setdefault(j, c)
             out: list[dict[str, Any] | Exception] = []
             for j, s in enumerate(samples):
                 if j in failed:

@@ -48,6 +48,7 @@ from shardcache.config import BYTES
 
 from ..encoders.batching import BatchPolicy
 from ..encoders.capabilities import Capabilities, Declares, Pending
+from ..faults import reraise_infrastructure
 from ..transfer import to_device, to_host
 from .base import ImageTokens, Producer, Timer, submit_each
 
@@ -311,6 +312,7 @@ class ImageFeaturesProducer(Producer):
                     where.append((j, k))
                     images.append(img)
             except Exception as e:  # noqa: BLE001 - travels with its sample
+                reraise_infrastructure(e)
                 where.append((j, -1))
                 images.append(e)
         ok = [i for i, im in enumerate(images) if not isinstance(im, Exception)]

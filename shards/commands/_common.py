@@ -19,6 +19,7 @@ from ..errors import ShardCorrupt
 from ..storage import local_path
 from ..index import INDEX_SCHEMA
 from ..schema import INDEX_FILE, MANIFEST_FILE
+from ..unfinished import unfinished
 
 #: index columns a query or a table may show (``members`` is a nested list: not shown)
 SCALAR_COLUMNS = tuple(n for n in INDEX_SCHEMA.names if n != "members")
@@ -248,6 +249,8 @@ def cache_dir(arg: str | Path) -> Path:
     if not p.is_dir():
         raise UsageError(f"{p}: not a directory (expected a cache directory holding {INDEX_FILE} "
                          f"and {MANIFEST_FILE})")
+    if (why := unfinished(p)) is not None:  # a stage-one job that stopped: the rerun completes it, not reindex
+        raise UsageError(why)
     if not (p / INDEX_FILE).exists() and not (p / MANIFEST_FILE).exists():
         raise UsageError(f"{p}: not a shardcache cache (no {INDEX_FILE} or {MANIFEST_FILE}); "
                          f"if it holds shard tars, `shardcache shards reindex {p}` rebuilds them")
