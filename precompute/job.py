@@ -430,15 +430,17 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     # in flight, those held in the length window and on the encoder thread
     slots, collate = slot_receiver(workers, PREFETCH + job.window // job.batch_size + DEPTH + 2) if workers \
         else (None, identity_collate)
-    pids = WorkerPids(workers)  # each decode worker's pid: a failed loader names the worker that died
-    loader = DataLoader(PrepareDataset(items, job.preparer),
+    pids = WorkerPids(workers)  # each decode worker's pid and row: a failed loader names one that died or hung
+    stall = cfg.stall_timeout_s  # (precompute.faults: a process with work and no progress for that long hung)
+    loader = DataLoader(PrepareDataset(items, job.preparer, pids if workers else None),
                         batch_sampler=chunk_batches([c for _, c in items], job.batch_size), num_workers=workers,
                         collate_fn=collate, prefetch_factor=PREFETCH if workers else None,
+                        timeout=stall if workers else 0,
                         worker_init_fn=functools.partial(start_worker, os.getpid(), pids) if workers else None)
 
     record = {id(r): rec for r, rec in zip(requests, records)}  # the chunks' rows and what they said
     writer = ChunkWriter(output, [(name, [record[id(r)] for r in rows]) for name, rows in chunks], summary, bar,
-                         process=writer_process(device))
+                         process=writer_process(device), stall_s=stall)
 
     def put(done: list) -> None:
         for key, fields, reject in done:
@@ -452,11 +454,11 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
             writer.put(key, fields, reject)
             summary.writer_wait_s += time.perf_counter() - t
 
-    thread = EncoderThread(device)  # the encoders run here, off the main thread
+    thread = EncoderThread(device, stall)  # the encoders run here, off the main thread
     stream = EncodeStream(lambda rows: job.start(rows, thread, summary), job.batch_size, job.window, depth=DEPTH)
     finished, loading = False, bool(workers)
     try:
-        batches = iter(loader)
+        batches = pids.receive(iter(loader), stall, lambda i: f"row {items[i][0].key!r} ({items[i][0].source})")
         while True:
             t = time.perf_counter()
             batch = next(batches, None)

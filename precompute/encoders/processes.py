@@ -16,6 +16,14 @@ that, waiting for a call raises :class:`precompute.faults.ProcessDied` naming th
 signal, and the job stops (its committed chunks kept for a rerun). A call the codec itself fails in a
 process comes back as that error: a row fault for the call's clips, unless it is an infrastructure
 fault there (a CUDA error, out of memory: :func:`precompute.faults.kind_of`).
+
+A codec process that **hangs** is handled as one that died: with a stall deadline (the watch of the thread
+that waits, :func:`precompute.faults.current_watch`: the job's encoder thread, ``stall_timeout_s``), a process
+with calls in flight that answers none of them for that long, or does not finish loading the codec in that long,
+is killed (``SIGKILL``) and replaced as above (:class:`precompute.faults.ProcessHung` naming it and the
+deadline, in the log and, past the restarts, in the job's error). While a process is within its deadline the
+waiter beats the watch, so the encoder thread's own deadline leaves the hang to the pool. Without a watch
+(``shardcache check``, a codec used on its own) there is no deadline.
 """
 from __future__ import annotations
 
@@ -23,13 +31,15 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
+import time
 import weakref
 from typing import Any
 
 import numpy as np
 
-from ..faults import ProcessDied, kind_of, rebuild
+from ..faults import ProcessDied, ProcessHung, Watch, current_watch, kind_of, rebuild
 
 log = logging.getLogger("precompute")
 
@@ -86,7 +96,7 @@ class _Worker:
 
     Raises :class:`~precompute.faults.ProcessDied` when the process dies before its codec is loaded."""
 
-    def __init__(self, ctx, recipe: tuple, name: str):
+    def __init__(self, ctx, recipe: tuple, name: str, watch: Watch | None = None):
         self.name = name
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_serve, args=(child, recipe, os.getpid()), daemon=True,
@@ -100,14 +110,43 @@ class _Worker:
         self.inflight: dict[int, _Call] = {}
         self.dead: ProcessDied | None = None
         self.replacement: _Worker | None = None
+        self.hung: ProcessHung | None = None  # set before it is killed for a hang: what its death is
+        self.progress_t = time.monotonic()  # its last progress: a reply, or a call sent while none was in flight
         try:
-            self.conn.recv_bytes()  # ready: the codec is loaded
+            self._wait_ready(watch)
         except (EOFError, OSError):
             self.process.join(timeout=10)
             self.conn.close()
+            if self.hung is not None:
+                raise self.hung from None
             raise ProcessDied(name, self.process.pid, self.process.exitcode, "while loading the codec") from None
         self.reader = threading.Thread(target=self._read, daemon=True, name="codec-process-reader")
         self.reader.start()
+
+    def _wait_ready(self, watch: Watch | None) -> None:
+        """Wait for the process to say its codec is loaded (raises ``EOFError`` when it died, or was killed for
+        loading longer than ``watch``'s deadline); the watch is beaten meanwhile."""
+        t0 = time.monotonic()
+        while watch is not None and not self.conn.poll(watch.poll_s):
+            if time.monotonic() - t0 > watch.stall_s:
+                self.hang(watch.stall_s, "loading the codec")
+            elif self.process.is_alive():
+                watch.beat()
+        self.conn.recv_bytes()  # ready: the codec is loaded
+
+    def idle_s(self) -> float:
+        """Seconds it has had calls in flight and answered none (0 with none in flight); hold ``cond``."""
+        return time.monotonic() - self.progress_t if self.inflight else 0.0
+
+    def hang(self, stall_s: float, doing: str) -> None:
+        """Kill the process for a hang (``doing``: what it did not finish); its reader then records it dead, as
+        :attr:`hung`."""
+        if self.hung is None:
+            self.hung = ProcessHung(self.name, self.process.pid, stall_s, doing)
+            try:
+                os.kill(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def send(self, call: _Call) -> None:
         """Send ``call`` (registered in :attr:`inflight` first: a process that dies meanwhile is noticed by the
@@ -115,6 +154,8 @@ class _Worker:
         with self.send_lock:
             with self.cond:
                 seq, self.sent = self.sent, self.sent + 1
+                if not self.inflight:
+                    self.progress_t = time.monotonic()
                 self.inflight[seq] = call
                 call.worker, call.seq = self, seq
             try:
@@ -136,12 +177,13 @@ class _Worker:
                 with self.cond:
                     self.replies[n] = got
                     self.inflight.pop(n, None)
+                    self.progress_t = time.monotonic()
                     self.cond.notify_all()
                 n += 1
         except (EOFError, OSError):
             self.process.join(timeout=10)  # its exit code: the signal that killed it
             with self.cond:
-                self.dead = ProcessDied(self.name, self.process.pid, self.process.exitcode)
+                self.dead = self.hung or ProcessDied(self.name, self.process.pid, self.process.exitcode)
                 self.cond.notify_all()
 
 
@@ -154,12 +196,18 @@ class Remote:
         self.pool, self.call = pool, call
 
     def numpy(self) -> np.ndarray:
-        call = self.call
+        call, watch = self.call, current_watch()
         while True:
             w = call.worker
             with w.cond:
                 while call.seq not in w.replies and w.dead is None:
-                    w.cond.wait()
+                    w.cond.wait(watch.poll_s if watch is not None else None)
+                    if watch is None or call.seq in w.replies or w.dead is not None:
+                        continue
+                    if w.idle_s() > watch.stall_s:  # killed: its reader records it dead, then it is replaced
+                        w.hang(watch.stall_s, f"{len(w.inflight)} codec call(s) unanswered")
+                    else:
+                        watch.beat()  # the process is within its deadline: the pool deals with a hang
                 if call.seq in w.replies:
                     got = w.replies.pop(call.seq)
                     break
@@ -182,7 +230,7 @@ class CodecPool:
         self.workers: list[_Worker] = []
         weakref.finalize(self, CodecPool._stop, self.workers)  # (the list itself: replacements go into it)
         for i in range(n):
-            self.workers.append(_Worker(self._ctx, recipe, f"codec process {i + 1} of {n}"))
+            self.workers.append(_Worker(self._ctx, recipe, f"codec process {i + 1} of {n}", current_watch()))
         self._next = 0
         self._lock = threading.Lock()
 
@@ -206,14 +254,13 @@ class CodecPool:
                 with w.cond:
                     waiting = len(w.inflight)
                 if self.restarts_left <= 0:
-                    raise ProcessDied(w.dead.process, w.dead.pid, w.dead.exitcode,
-                                      f"{waiting} codec call(s) unanswered; restarted {self.restarted} time(s) "
-                                      "already, the most this job does (precompute.encoders.processes.RESTARTS)")
+                    raise w.dead.again(f"{waiting} codec call(s) unanswered; restarted {self.restarted} time(s) "
+                                       "already, the most this job does (precompute.encoders.processes.RESTARTS)")
                 self.restarts_left -= 1
                 self.restarted += 1
                 log.warning("%s; starting a fresh one in its place and sending it the %d call(s) it had not "
                             "answered (restart %d; %d left)", w.dead, waiting, self.restarted, self.restarts_left)
-                w.replacement = _Worker(self._ctx, self._recipe, w.name)
+                w.replacement = _Worker(self._ctx, self._recipe, w.name, current_watch())
                 self.workers[self.workers.index(w)] = w.replacement
             target = w.replacement
             with w.cond:
