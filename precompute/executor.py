@@ -145,7 +145,7 @@ class EncoderThread:
                 return
             if self.watch is not None and self.watch.idle_s() > self.watch.stall_s:
                 self._hang()
-        log.warning("%s: left behind (a daemon thread)", self.hung)
+        log.warning("%s (the thread is left behind: a daemon)", self.hung)
 
     def __enter__(self) -> "EncoderThread":
         return self

@@ -232,6 +232,7 @@ class WorkerPids:
         self.table = torch.zeros(n, dtype=torch.int64).share_memory_()
         self.rows = torch.full((n,), -1, dtype=torch.int64).share_memory_()  # the item each decodes (-1: none)
         self.since = torch.zeros(n, dtype=torch.float64).share_memory_()  # when it began that item
+        self.reported: ProcessDied | None = None  # the fault :meth:`receive` raised (the loader is shut down)
 
     def record(self, worker_id: int) -> None:
         self.table[worker_id] = os.getpid()
@@ -264,8 +265,11 @@ class WorkerPids:
     def fault(self, e: BaseException, stall_s: float | None = None,
               row: Callable[[int], str] | None = None) -> ProcessDied | None:
         """The :class:`ProcessDied` of the first dead worker (``e``, the loader's error, as its detail), else (with a
-        deadline ``stall_s``) the :class:`ProcessHung` of a worker on one row past it, killed first (``row(item)``
-        names the row); None when every worker is alive and within the deadline."""
+        deadline ``stall_s``) the :class:`ProcessHung` of a worker on one row past it (``row(item)`` names the row;
+        :meth:`receive` kills it); None when every worker is alive and within the deadline, and once :meth:`receive`
+        raised a fault (the workers it shut down are not dead ones)."""
+        if self.reported is not None:
+            return None
         gone = self.dead()
         if gone:
             i, pid = gone[0]
@@ -273,16 +277,15 @@ class WorkerPids:
         stuck = self.hung(stall_s) if stall_s else []
         if not stuck:
             return None
-        for _, pid, _, _ in stuck:
-            _kill(pid)
         i, pid, item, _ = stuck[0]
         return ProcessHung(f"decode worker {i}", pid, stall_s, f"decoding {row(item) if row else f'item {item}'}")
 
     def receive(self, batches: Iterator, stall_s: float, row: Callable[[int], str] | None = None) -> Iterator:
-        """``batches`` (the iterator of a decode loader whose ``timeout`` is ``stall_s``), each failure of it raised
-        as the fault of the worker that died or hung (:meth:`fault`; the loader's error as its cause). A loader that
-        gave no batch for ``stall_s`` while no worker was on a row (a worker stopped between rows) kills every
-        worker and raises their :class:`ProcessHung`."""
+        """``batches`` (the iterator of a decode loader whose ``timeout`` is ``stall_s``; nothing else may hold it),
+        each failure of it raised as the fault of the worker that died or hung (:meth:`fault`; the loader's error
+        as its cause). A loader that gave no batch for ``stall_s`` while no worker was on a row (a worker stopped
+        between rows) is a hang of every worker. Hung workers are killed once the loader is shut down (so that the
+        loader never reports their deaths in the middle of the job's cleanup)."""
         while True:
             t = time.monotonic()
             try:
@@ -293,15 +296,21 @@ class WorkerPids:
                 fault = self.fault(e, stall_s, row)
                 if fault is None and time.monotonic() - t >= stall_s:  # its timeout: no batch for stall_s
                     pids = [(i, int(p)) for i, p in enumerate(self.table.tolist()) if p and alive(int(p))]
-                    for _, pid in pids:
-                        _kill(pid)
                     fault = ProcessHung("decode workers " + ", ".join(str(i) for i, _ in pids), None, stall_s,
                                         "none delivered the next batch and none was decoding a row",
                                         detail="pids " + ", ".join(str(p) for _, p in pids))
-                if fault is not None:
-                    raise fault from e
-                raise
+                if fault is None:
+                    raise
+                e.__traceback__ = None  # (its frames hold the loader's iterator)
+                cause = e
+                break
             yield batch
+        del batches  # the loader shuts its workers down, and forgets them
+        self.reported = fault
+        if isinstance(fault, ProcessHung):
+            for p in [fault.pid] if fault.pid is not None else [int(p) for p in self.table.tolist() if p]:
+                _kill(p)
+        raise fault from cause
 
 
 def _kill(pid: int) -> None:

@@ -31,6 +31,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import threading
 import time
@@ -89,8 +90,9 @@ class _Call:
 
 
 class _Worker:
-    """One codec process (``name``: ``codec process 1 of 2``), and a thread here that reads its replies as
-    they come (so neither side ever blocks writing to a full pipe while the other does). ``inflight``: the
+    """One codec process (``name``: ``codec process 1 of 2``), a thread here that reads its replies as they come
+    and one that writes its calls (so neither side ever blocks writing to a full pipe while the other does, and a
+    process that stops reading blocks no caller). ``inflight``: the
     calls sent and not yet answered (what a replacement is sent again); ``dead``: the
     :class:`~precompute.faults.ProcessDied` once it is gone; ``replacement``: the worker started in its place.
 
@@ -122,6 +124,9 @@ class _Worker:
             raise ProcessDied(name, self.process.pid, self.process.exitcode, "while loading the codec") from None
         self.reader = threading.Thread(target=self._read, daemon=True, name="codec-process-reader")
         self.reader.start()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # calls to send, in order (None: stop)
+        self.sender = threading.Thread(target=self._send, daemon=True, name="codec-process-sender")
+        self.sender.start()
 
     def _wait_ready(self, watch: Watch | None) -> None:
         """Wait for the process to say its codec is loaded (raises ``EOFError`` when it died, or was killed for
@@ -158,11 +163,22 @@ class _Worker:
                     self.progress_t = time.monotonic()
                 self.inflight[seq] = call
                 call.worker, call.seq = self, seq
+            self.outbox.put(call)
+
+    def _send(self) -> None:
+        """The sender thread: each call of :attr:`outbox` written to the process in order (a process that stopped
+        reading blocks this thread, never the caller: its deadline still runs), then the stop."""
+        while True:
+            call = self.outbox.get()
             try:
+                if call is None:
+                    self.conn.send_bytes(json.dumps({"op": "stop"}).encode())
+                    return
                 self.conn.send_bytes(json.dumps({"shape": list(call.x.shape)}).encode())
                 self.conn.send_bytes(memoryview(call.x).cast("B"))
             except OSError:  # the process is gone: the reader sees the pipe close
-                pass
+                if call is None:
+                    return
 
     def _read(self) -> None:
         n = 0
@@ -262,6 +278,7 @@ class CodecPool:
                             "answered (restart %d; %d left)", w.dead, waiting, self.restarted, self.restarts_left)
                 w.replacement = _Worker(self._ctx, self._recipe, w.name, current_watch())
                 self.workers[self.workers.index(w)] = w.replacement
+                w.outbox.put(None)  # (its sender thread ends)
             target = w.replacement
             with w.cond:
                 moving = [call for _, call in sorted(w.inflight.items())]
@@ -273,10 +290,7 @@ class CodecPool:
     @staticmethod
     def _stop(workers: list[_Worker]) -> None:
         for w in workers:
-            try:
-                w.conn.send_bytes(json.dumps({"op": "stop"}).encode())
-            except OSError:
-                pass
+            w.outbox.put(None)
             w.process.join(timeout=10)
             if w.process.is_alive():
                 w.process.kill()
