@@ -136,6 +136,7 @@ def test_a_plugin_codec_that_hangs_forever_ends_the_command(plugin_reference, au
 
 # ---- processes of the job stopped (SIGSTOP) ---------------------------------------------------------------------
 
+@pytest.mark.slow  # (three codec processes loaded, two deadlines waited out)
 def test_a_codec_process_that_hangs_is_replaced_and_past_its_restarts_fails(tiny_models, monkeypatch, caplog):
     """A codec process that stops answering (SIGSTOP) kept the job waiting for good. Now, under a deadline, it is
     killed once it answered none of its calls for that long, a fresh one answers them with the codes the codec
