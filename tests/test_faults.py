@@ -430,3 +430,73 @@ def test_after_a_killed_first_job_every_tool_advises_the_rerun_and_reindex_refus
     assert "the rows stage one had not encoded are not in the cache" in capsys.readouterr().err
     run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)  # the advice followed
     assert _layout(cache) == _layout(demo_cache)
+
+
+# ---- out of memory while decoding ------------------------------------------------------------------------------
+
+def _out_of_memory_on(monkeypatch, name: str) -> None:
+    """Decoding any audio file called ``name`` raises ``MemoryError`` (what numpy raises when the host cannot give
+    an array), in this process and in the decode workers it forks."""
+    from precompute import prepare
+    decode = prepare.load_audio_windows
+
+    def short_of_memory(source, *a, **k):
+        if isinstance(source, (str, os.PathLike)) and Path(source).name == name:
+            raise MemoryError("Unable to allocate 2.00 MiB for an array with shape (262144,) and data type float64")
+        return decode(source, *a, **k)
+    monkeypatch.setattr(prepare, "load_audio_windows", short_of_memory)
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_out_of_memory_decoding_a_row_within_the_limits_fails_the_job(tiny_config, demo_cache, tmp_path,
+                                                                      monkeypatch, workers):
+    """A MemoryError while decoding was a row fault: ``unreadable_audio`` rejects, one per row, as many as the host
+    was short of memory for, and exit 0. A row within the configured limits cannot need more than they allow, so
+    now the job stops on the first (DeviceFault, host memory) naming the decode worker and the row; nothing is
+    rejected for it; the rerun writes the demo's bytes."""
+    import dataclasses
+
+    from precompute.faults import DeviceFault
+    from precompute.job import run
+    _out_of_memory_on(monkeypatch, "spk-gb-0003.flac")
+    cache, before = tmp_path / "c", _shm()
+    with pytest.raises(DeviceFault) as got:
+        run(DEMO / "samples.jsonl", cache, dataclasses.replace(tiny_config, num_workers=workers), progress=False)
+    where = r"decode worker \d" if workers else "the decoding process"
+    assert __import__("re").match(rf"{where} \(pid \d+\) ran out of host memory decoding row 'spk-gb-0003' \(.*"
+                                  r"spk-gb-0003\.flac\), a row within the configured limits \(max_duration 30 s",
+                                  str(got.value)), str(got.value)
+    assert "MemoryError: Unable to allocate" in str(got.value)
+    _check_clean(cache, before, [])
+    monkeypatch.undo()
+    run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
+    assert _layout(cache) == _layout(demo_cache)
+
+
+def test_out_of_memory_on_a_row_whose_header_asks_for_more_than_the_limits_is_its_reject(tiny_config, tmp_path,
+                                                                                      monkeypatch):
+    """The limits bound seconds and pixels, not the width of a frame: a file whose header declares more channels
+    than a row within the limits decodes (a broken or hostile header) is the row's fault when its decode runs out
+    of memory: a reject naming the header, and the job goes on."""
+    import json
+
+    import numpy as np
+    import soundfile as sf
+
+    from precompute.job import run
+    from precompute.prepare import MAX_CHANNELS
+    from shards import read_index, read_rejects
+    wide = tmp_path / "wide.wav"
+    sf.write(wide, np.zeros((2400, MAX_CHANNELS + 1), np.int16), 24000, subtype="PCM_16")
+    rows = [{"key": "wide", "text": "A file of many channels.", "audio": str(wide)},
+            {"key": "fine", "text": "The train leaves at seven fifteen.", "audio": str(DEMO / "audio" / "spk-us-0001.flac")}]
+    manifest = tmp_path / "rows.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _out_of_memory_on(monkeypatch, "wide.wav")
+    summary, _ = run(manifest, tmp_path / "c", tiny_config, progress=False)
+    assert read_index(tmp_path / "c").column("key").to_pylist() == ["fine"]
+    (r,) = read_rejects(tmp_path / "c").to_pylist()
+    assert (r["key"], r["reason"]) == ("wide", "unreadable_audio")
+    assert r["detail"].startswith("MemoryError: Unable to allocate") and \
+        f"its header declares frames of 24000 Hz x {MAX_CHANNELS + 1} channels, more than the 384000 Hz x " \
+        f"{MAX_CHANNELS} channels a row within the limits decodes" in r["detail"], r["detail"]
