@@ -139,6 +139,13 @@ class EncoderThread:
             if item is not None:
                 item[0].cancel()
         self._queue.put(None)
+        try:
+            self._join()
+        except BaseException:  # interrupted (SIGTERM): the work under way still ends (or hangs) first
+            self._join()
+            raise
+
+    def _join(self) -> None:
         while self.hung is None:
             self._thread.join(timeout=self.watch.poll_s if self.watch else None)
             if not self._thread.is_alive():

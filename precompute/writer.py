@@ -286,17 +286,26 @@ class ChunkWriter:
     def close(self, abort: bool = False) -> None:
         """Wait until every chunk is committed (or, ``abort``, drop the unfinished one and stop). Raises
         the writer's refusal (a ``ShardcacheError``) or ``RuntimeError`` when it failed, its
-        :class:`~precompute.faults.ProcessHung` when it hung (not with ``abort``: the job fails already)."""
-        item = "abort" if abort else None
+        :class:`~precompute.faults.ProcessHung` when it hung (not with ``abort``: the job fails already). Interrupted
+        meanwhile (``SIGTERM``: :class:`~precompute.faults.Stopped`), it still waits for the writer to end (the chunk
+        it commits committed, or dropped) before the interruption goes on: no writer outlives the job."""
+        try:
+            self._end("abort" if abort else None)
+        except BaseException:
+            self._end("abort")
+            raise
+        if self.fault is not None:
+            self._drop_leftovers()
+        if self.error is not None and not abort:
+            self._raise()
+
+    def _end(self, item: str | None) -> None:
+        """Hand the writer its last word (``None``: the end, ``"abort"``) and wait for it to end."""
         if self._wait(lambda: self._offer(item), "took no row") and self._wait(self._sent_all, "took no row") \
                 and self._wait(lambda: self._done.wait(self._poll_s()), "committed nothing"):
             self._listener.join()
             self._worker.join(timeout=60)
             self._conn.close()
-        if self.fault is not None:
-            self._drop_leftovers()
-        if self.error is not None and not abort:
-            self._raise()
 
     def _drop_leftovers(self) -> None:
         """Remove what a writer that died (or failed on the store) left of the chunks it had not committed: its

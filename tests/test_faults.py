@@ -403,7 +403,8 @@ def test_after_a_killed_first_job_every_tool_advises_the_rerun_and_reindex_refus
     """After a first job killed mid-way, ``shards verify`` advised ``shards reindex``; following it gave a cache
     of the committed chunks alone (12 of 24 samples here) that then passed verify. Now verify, the loader and
     reindex say the job did not finish and that the same precompute command completes it; reindex refuses (its
-    ``--partial`` says what it leaves out); following the advice gives the demo's cache, every row."""
+    ``--partial`` says what it leaves out); following the advice (after ``reindex --partial`` too) gives the demo's
+    cache, every row, the same bytes."""
     from loaders import ShardLoader
     from precompute.job import run
     from shards.cli import main as shards
@@ -430,6 +431,8 @@ def test_after_a_killed_first_job_every_tool_advises_the_rerun_and_reindex_refus
     assert "the rows stage one had not encoded are not in the cache" in capsys.readouterr().err
     run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)  # the advice followed
     assert _layout(cache) == _layout(demo_cache)
+    run(DEMO / "samples.jsonl", partial, tiny_config, progress=False)  # reindex --partial, then the advice
+    assert _layout(partial) == _layout(demo_cache)
 
 
 # ---- out of memory while decoding ------------------------------------------------------------------------------
@@ -500,3 +503,97 @@ def test_out_of_memory_on_a_row_whose_header_asks_for_more_than_the_limits_is_it
     assert r["detail"].startswith("MemoryError: Unable to allocate") and \
         f"its header declares frames of 24000 Hz x {MAX_CHANNELS + 1} channels, more than the 384000 Hz x " \
         f"{MAX_CHANNELS} channels a row within the limits decodes" in r["detail"], r["detail"]
+
+
+# ---- a rerun killed mid-way ------------------------------------------------------------------------------------
+
+def _audio_args(manifest: Path, cache: Path, tiny_models: Path, *extra: str) -> list[str]:
+    return ["--manifest", str(manifest), "--root", str(DEMO), "--cache", str(cache),
+            "--config", str(ROOT / "configs" / "precompute.yaml"), "--image_encoder=null",
+            f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}", "--device=cpu", "--num_workers=0",
+            "--no_progress", "--samples_per_shard=4", *extra]
+
+
+def _edited(tmp_path: Path) -> tuple[Path, Path]:
+    """The demo's rows without an image, and the same with the text of every row changed (every chunk stale for a
+    rerun: it drops them all, then encodes them again one by one)."""
+    lines = [line for line in (DEMO / "samples.jsonl").read_text().splitlines() if '"image"' not in line]
+    first, edited = tmp_path / "first.jsonl", tmp_path / "edited.jsonl"
+    first.write_text("".join(line + "\n" for line in lines))
+    def edit(i: int, line: str) -> str:
+        try:
+            return json.dumps(dict(json.loads(line), text=f"Edited row {i}."))
+        except ValueError:  # (the demo's malformed row stays as it is)
+            return line
+    edit = [edit(i, line) for i, line in enumerate(lines)]
+    edited.write_text("".join(line + "\n" for line in edit))
+    return first, edited
+
+
+def test_after_a_killed_rerun_every_tool_advises_the_rerun_and_says_what_reindex_loses(tiny_models, tmp_path,
+                                                                                      capsys):
+    """A rerun that changes chunks removes integrity.json, drops the stale chunks and encodes them again. Killed in
+    between, verify and the loader advised ``shards reindex`` (or rerun), and reindex published the cache without
+    the rows of the dropped chunks. Now every tool says the rerun stopped and that the same precompute command
+    completes it, and how many samples reindex would leave out; reindex refuses (``--partial`` says the same);
+    following the advice, or ``reindex --partial`` and then the advice, gives the bytes of a fresh run."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from loaders import ShardLoader
+    from precompute.cli import main
+    from shards.cli import main as shards
+    first, edited = _edited(tmp_path)
+    fresh = tmp_path / "fresh"
+    assert main(_audio_args(edited, fresh, tiny_models)) == 0
+    cache = tmp_path / "c"
+    assert main(_audio_args(first, cache, tiny_models)) == 0
+    old = pq.read_table(cache / "index.parquet", columns=["key", "shard"]).to_pylist()
+    old_shards = {s["path"] for s in json.loads((cache / "manifest.json").read_text())["shards"]}
+
+    watcher = _watch_for(lambda: not (cache / "integrity.json").exists() and list(cache.glob("*.tar.tmp")),
+                         lambda: os.kill(os.getpid(), signal.SIGTERM))
+    assert main(_audio_args(edited, cache, tiny_models)) == 143  # the rerun, stopped mid-chunk
+    watcher.join()
+    capsys.readouterr()
+    # what the folder says, counted here: the old index's rows whose shard is gone, the rows committed now
+    gone = old_shards - {p.name for p in cache.glob("*.tar")}
+    lost = sum(r["shard"] in gone for r in old)
+    now = sum(pq.read_metadata(p).num_rows for p in (cache / "parts").glob("*.index.parquet"))
+    assert gone and lost  # (a stale chunk was dropped and not written again yet)
+    advice = ("a rerun of stage one stopped before it finished this cache", "run the same `shardcache precompute` "
+              "command again", f"would publish those {now} sample(s) alone, leaving out the {lost} sample(s) of the "
+              f"{len(gone)} dropped shard(s)")
+    assert shards(["verify", str(cache)]) == 2
+    err = capsys.readouterr().err
+    assert all(a in err for a in advice) and "reindex (or rerun" not in err, err
+    with pytest.raises(Exception) as got:
+        ShardLoader(cache, 4)
+    assert all(a in str(got.value) for a in advice), str(got.value)
+    assert shards(["reindex", str(cache), "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert "Refused: nothing written" in err and all(a in err for a in advice), err
+    partial = tmp_path / "partial"
+    shutil.copytree(cache, partial)
+    assert shards(["reindex", str(partial), "--no_progress", "--partial"]) == 0
+    assert advice[2].replace(str(cache), str(partial)) in capsys.readouterr().err
+    assert main(_audio_args(edited, cache, tiny_models)) == 0  # the advice followed
+    assert _layout(cache) == _layout(fresh)
+    assert main(_audio_args(edited, partial, tiny_models)) == 0  # reindex --partial, then the advice
+    assert _layout(partial) == _layout(fresh)
+
+
+def _watch_for(condition, then) -> "threading.Thread":
+    import threading
+
+    def run():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if condition():
+                then()
+                return
+            time.sleep(0.005)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
