@@ -597,3 +597,48 @@ def _watch_for(condition, then) -> "threading.Thread":
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+# ---- a full disk -----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs mounted at ``tmp_path/disk`` (a file system that fills up for real); the test skips, saying why,
+    where it cannot be mounted (not root, no CAP_SYS_ADMIN). Yields ``(folder, grow)``: ``grow()`` gives it 64 MiB."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (a disk that fills up for real) needs root")
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(disk)], capture_output=True,
+                         text=True)
+    if got.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {got.stderr.strip() or got.returncode}")
+
+    def grow():
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+    try:
+        yield disk, grow
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_full_disk_while_writing_fails_the_job_and_the_rerun_completes(small_disk, tiny_models, tmp_path, capsys):
+    """The disk fills up while the shard writer writes a chunk (a 1 MiB tmpfs, 2 MB of shards): a StorageFault, exit
+    1 naming it; nothing rejected for it, no temporary file left, the lock released; once there is room, the same
+    command completes the cache to the bytes of a run that had room all along."""
+    from precompute.cli import main
+    disk, grow = small_disk
+    first, _ = _edited(tmp_path)
+    roomy = tmp_path / "roomy"
+    assert main(_audio_args(first, roomy, tiny_models)) == 0
+    capsys.readouterr()
+    cache, before = disk / "c", _shm()
+    assert main(_audio_args(first, cache, tiny_models)) == 1
+    err = capsys.readouterr().err
+    assert "error: shard writer: OSError: [Errno 28] No space left on device" in err, err[-3000:]
+    assert "run the same command again to complete it" in err
+    _check_clean(cache, before, [])
+    assert list((cache / "parts").glob("*.index.parquet"))  # (it had committed chunks before the disk was full)
+    grow()
+    assert main(_audio_args(first, cache, tiny_models)) == 0
+    assert _layout(cache) == _layout(roomy)
