@@ -34,7 +34,9 @@ around it. The work of a thread records its progress on the thread's :class:`Wat
 
 A job stopped by ``SIGTERM`` (SLURM's and torchrun's way to end a job) raises :class:`Stopped` in the main
 thread (:func:`stop_on_sigterm`): it unwinds like any fault (the encoder thread, the writer, the shared
-memory, the cache's lock all released) and the command line exits ``128 + 15``.
+memory, the cache's lock all released) and the command line exits ``128 + 15``. Where that exception is swallowed
+(raised inside a C library's callback, which prints and drops it), the job stops at its next row
+(:func:`raise_if_stopped`), before anything read meanwhile is written.
 """
 from __future__ import annotations
 
@@ -380,23 +382,41 @@ def exit_status(pid: int) -> int | None:
     return -got.si_status if got.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else got.si_status
 
 
+class _StopHandler:
+    """The ``SIGTERM`` handler :func:`stop_on_sigterm` installs: the first signal raises :class:`Stopped` and is
+    kept (``signum``) for :func:`raise_if_stopped`; another while the job unwinds is logged and ignored."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        if self.signum is not None:
+            log.warning("%s again: already stopping (cleaning up)", signal_name(signum))
+            return
+        self.signum = signum
+        raise Stopped(signum)
+
+
 def stop_on_sigterm() -> Any:
     """Make ``SIGTERM`` raise :class:`Stopped` in the main thread (once: a second one while the job unwinds is
-    logged and ignored). Returns the previous handler (``signal.signal(SIGTERM, it)`` restores it); called
-    from another thread it changes nothing and returns the current handler."""
+    logged and ignored; where the first was swallowed, :func:`raise_if_stopped` raises it again). Returns the
+    previous handler (``signal.signal(SIGTERM, it)`` restores it); called from another thread it changes nothing
+    and returns the current handler."""
     import threading
     if threading.current_thread() is not threading.main_thread():
         return signal.getsignal(signal.SIGTERM)
-    state = {"stopping": False}
+    return signal.signal(signal.SIGTERM, _StopHandler())
 
-    def handler(signum, _frame):
-        if state["stopping"]:
-            log.warning("%s again: already stopping (cleaning up)", signal_name(signum))
-            return
-        state["stopping"] = True
-        raise Stopped(signum)
 
-    return signal.signal(signal.SIGTERM, handler)
+def raise_if_stopped() -> None:
+    """Raise :class:`Stopped` again when :func:`stop_on_sigterm`'s handler (still the one installed) received
+    ``SIGTERM``. A job calls it between rows: the handler's exception is raised wherever the main thread is, and
+    where that is a C library's callback (soundfile reading a file object through cffi) or a ``__del__`` it is
+    printed and dropped, the read it interrupted getting nothing; the job stops here instead, before the row read
+    then is written. Nothing when no such handler is installed (a job run from Python without the command line)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if isinstance(handler, _StopHandler) and handler.signum is not None:
+        raise Stopped(handler.signum)
 
 
 # ---- rejects older versions wrote for infrastructure faults ----------------------------------------------------
@@ -428,5 +448,5 @@ def legacy_infrastructure_rejects(out_dir: Path, stems: Iterable[str]) -> dict[s
 
 __all__ = ["InfrastructureFault", "ProcessDied", "ProcessHung", "Watch", "current_watch", "DeviceFault", "StorageFault", "Stopped", "infrastructure",
            "reraise_infrastructure", "kind_of", "rebuild", "FAULTS", "STORAGE_ERRNOS", "WorkerPids", "alive",
-           "stop_on_sigterm", "how_it_ended", "signal_name", "LEGACY_INFRASTRUCTURE_DETAILS",
+           "stop_on_sigterm", "raise_if_stopped", "how_it_ended", "signal_name", "LEGACY_INFRASTRUCTURE_DETAILS",
            "legacy_infrastructure", "legacy_infrastructure_rejects"]

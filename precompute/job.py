@@ -61,7 +61,7 @@ from .encode import Encoders, Summary, load_encoders
 from .encoders import fingerprint
 from .encoders.capabilities import Capabilities
 from .executor import EncoderThread
-from .faults import WorkerPids, legacy_infrastructure_rejects
+from .faults import WorkerPids, legacy_infrastructure_rejects, raise_if_stopped
 from .lock import die_with_parent
 from .manifests import Request, read_requests
 from .output import open_output
@@ -462,6 +462,7 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
         while True:
             t = time.perf_counter()
             batch = next(batches, None)
+            raise_if_stopped()  # a SIGTERM whose Stopped a callback swallowed (precompute.faults): not this batch
             if batch is None:
                 loading = False  # (the decode workers end here)
                 break
@@ -470,6 +471,7 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
             put(stream.feed(batch))
             bar.update(len(batch))
         put(stream.close())
+        raise_if_stopped()  # (nor the last chunk's commit)
         finished = True
     except Exception as e:  # (torch raises a decode worker's death wherever the main thread is)
         fault = pids.fault(e) if loading else None  # a decode worker died: an infrastructure fault

@@ -202,18 +202,26 @@ def test_a_killed_writer_process_fails_the_job_naming_it(tiny_models, reference,
 @pytest.mark.slow
 @pytest.mark.long  # make test-long; test_sigterm_in_process_unwinds_the_job runs (and stops) decode workers in make test
 def test_a_killed_decode_worker_fails_the_job_naming_it(tiny_models, reference, tmp_path):
-    """A decode worker killed mid-job: exit 1 naming the worker, its pid and the signal; the rerun completes."""
-    cache, before = tmp_path / "c", _shm()
-    job = _start(cache, tiny_models, "--num_workers=2")
-    _wait(_committed(cache), job)
+    """A decode worker killed mid-job: exit 1 naming the worker, its pid and the signal; the rerun completes. The
+    worker is killed while it decodes a row: a stand-in holds the decoding of the job's last row (the decode
+    workers are forked, so they run it) until it is killed; a worker killed once its rows were all delivered
+    costs the job nothing, and the demo's rows decode faster than the first chunk commits."""
+    cache, before, busy = tmp_path / "c", _shm(), tmp_path / "busy"
+    stand_in = ("import os, time, precompute.prepare as P; get = P.PrepareDataset.__getitem__; "
+                f"P.PrepareDataset.__getitem__ = lambda self, i: (i == len(self) - 1 and (open({str(busy)!r}, 'w')"
+                ".write(str(os.getpid())), time.sleep(600))) or get(self, i)")
+    job = _start(cache, tiny_models, "--num_workers=2", stand_in=stand_in)
+    _wait(lambda: busy.exists() and busy.read_text(), job)
     workers = _children(job.pid)
     assert len(workers) == 2, [(p, _cmdline(p)[:80]) for p in workers]
+    victim = int(busy.read_text())
+    assert victim in workers
     pids = _tree(job.pid)
-    os.kill(workers[0], signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     log, _ = job.communicate(timeout=120)
     assert job.returncode == 1, log[-3000:]
-    assert f"error: decode worker 0 (pid {workers[0]}) was killed by signal SIGKILL (9)" in log or \
-        f"error: decode worker 1 (pid {workers[0]}) was killed by signal SIGKILL (9)" in log, log[-3000:]
+    assert f"error: decode worker 0 (pid {victim}) was killed by signal SIGKILL (9)" in log or \
+        f"error: decode worker 1 (pid {victim}) was killed by signal SIGKILL (9)" in log, log[-3000:]
     _check_clean(cache, before, pids)
     _rerun_completes(cache, tiny_models, reference, "--num_workers=2")
 
@@ -301,6 +309,58 @@ def test_sigterm_in_process_unwinds_the_job(tiny_models, tiny_config, demo_cache
     _check_clean(cache, before, pids)
     run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
     assert _layout(cache) == _layout(demo_cache)
+
+
+def test_a_sigterm_a_c_callback_swallows_still_stops_the_job(tiny_models, tmp_path, capsys, monkeypatch):
+    """SIGTERM's :class:`precompute.faults.Stopped` is raised wherever the main thread is, and there it can be
+    swallowed: soundfile reads a file object through cffi callbacks, and an exception raised inside one is printed
+    and dropped (the read gets 0 bytes). The job then went on to the end (exit 0; a second SIGTERM was ignored as
+    "already stopping"). Now it stops at its next row anyway: exit 143, nothing of the row being read written
+    (every committed row and reject is an uninterrupted run's), the rerun writes an uninterrupted run's bytes. The
+    SIGTERM is sent from inside soundfile's read of a file (decoding in this process, ``num_workers=0``) once a
+    chunk was committed."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from precompute import audio as A
+    from precompute.cli import main
+    from precompute.faults import Stopped
+    rows, _ = _edited(tmp_path)
+    fresh, cache, before = tmp_path / "fresh", tmp_path / "c", _shm()
+    assert main(_audio_args(rows, fresh, tiny_models)) == 0
+    want, _, want_rejects = _layout(fresh)
+    sent: list[str] = []
+    swallowed: list[BaseException] = []
+
+    class SignalsOnRead(io.BufferedReader):
+        def readinto(self, b):
+            if not sent and _committed(cache)():
+                sent.append(self.name)
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside soundfile's callback
+            return super().readinto(b)
+    real = A._open
+    monkeypatch.setattr(A, "_open", lambda source, label: SignalsOnRead(real(source, label).detach()))
+    hook = sys.unraisablehook
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_value) if isinstance(
+        u.exc_value, Stopped) else hook(u))
+    capsys.readouterr()
+    rc = main(_audio_args(rows, cache, tiny_models))
+    err = capsys.readouterr().err
+    assert sent and swallowed, (sent, swallowed)  # the Stopped was raised in the callback and dropped there
+    assert rc == 143, err[-3000:]
+    assert "stopped by SIGTERM" in err and "run the same command again to complete it" in err
+    _check_clean(cache, before, [])
+    parts = sorted((cache / "parts").glob("*.index.parquet"))
+    assert parts
+    for part in parts:  # what was committed is the uninterrupted run's, row for row (none read while dropped)
+        for r in pq.read_table(part, columns=["key", "sha256"]).to_pylist():
+            assert want[r["key"]] == r["sha256"], r["key"]
+        for r in pq.read_table(part.with_name(part.name.replace(".index.", ".rejects."))).to_pylist():
+            assert (r["key"], r["reason"], r["detail"]) in want_rejects, r
+    monkeypatch.undo()
+    assert main(_audio_args(rows, cache, tiny_models)) == 0
+    assert _layout(cache) == _layout(fresh)
 
 
 def test_a_killed_writer_process_in_process_fails_the_job(tiny_config, demo_cache, tmp_path, monkeypatch):
