@@ -293,6 +293,39 @@ def index_column_values(shapes: dict[str, tuple]) -> dict[str, object]:
     return out
 
 
+#: the fields a reader reads by default (those of them the cache holds), in read order
+DEFAULT_READ = tuple(f.name for f in FIELDS if f.default_read)
+#: fields read only when named: ``latents_logvar``, ``image_features``
+OPTIONAL_READ = tuple(f.name for f in FIELDS if not f.default_read)
+
+
+def selection(names) -> tuple[str, ...]:
+    """A field selection (a name or names) checked and ordered: the fixed fields in :data:`FIELDS` order,
+    then other known fields (name rules, plug-ins), sorted. Raises ``ValueError`` for an unknown or
+    empty selection."""
+    if isinstance(names, str):
+        names = (names,)
+    names = tuple(names)
+    bad = [f for f in names if lookup(f) is None]
+    if bad or not names:
+        raise ValueError(f"unknown fields {bad} (or none given); choose from {DEFAULT_READ + OPTIONAL_READ} "
+                         "(plus extra waveforms such as audio_16k, added fields such as codes_mimi, "
+                         "and fields registered by plug-ins)")
+    fixed = DEFAULT_READ + OPTIONAL_READ
+    return tuple(f for f in fixed if f in names) + tuple(sorted(f for f in names if f not in fixed))
+
+
+def held(member_names, requested: bool = False) -> tuple[str, ...]:
+    """The fields among ``member_names`` (an index's member names, ``codes.npy``...) a reader reads when
+    no fields are named: :data:`DEFAULT_READ` ones in order, then the others a name rule or plug-in
+    declares (``audio_16k``, ``codes_mimi``...), sorted; ``requested``: also :data:`OPTIONAL_READ`."""
+    names = set(member_names)
+    have = [f for f in (DEFAULT_READ + OPTIONAL_READ if requested else DEFAULT_READ) if f + ".npy" in names]
+    extra = sorted(n[:-4] for n in names if n.endswith(".npy") and n[:-4] not in BY_NAME
+                   and lookup(n[:-4]) is not None)
+    return tuple(have) + tuple(extra)
+
+
 def sidecar_name(shard: str, field_name: str) -> str:
     """Sidecar tar of ``field_name`` for main shard ``shard``: ``shard-000003.tar`` ->
     ``shard-000003.codes_mimi.tar``."""
@@ -312,5 +345,5 @@ def parse_sidecar_name(name: str) -> tuple[str, str] | None:
 
 __all__ = ["Field", "IndexColumn", "FIELDS", "BY_NAME", "REGISTERED", "DERIVABLE", "INDEX_FIELD_COLUMNS", "lookup",
            "get", "register", "field_of_member", "ndim", "kind", "tensor_dtypes", "index_column_values",
-           "sidecar_name", "parse_sidecar_name", "derived_field", "IGNORE_INDEX", "TEXT_PAD_ID", "PAD_TEXT",
+           "sidecar_name", "parse_sidecar_name", "derived_field", "selection", "held", "DEFAULT_READ", "OPTIONAL_READ", "IGNORE_INDEX", "TEXT_PAD_ID", "PAD_TEXT",
            "PAD_LAST"]

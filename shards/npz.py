@@ -26,6 +26,7 @@ Zip64 is never needed: a member larger than 4 GiB is refused.
 """
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import threading
@@ -65,7 +66,31 @@ def npy_header(data: bytes | memoryview) -> tuple[int, str, tuple[int, ...]]:
     """Parse an ``.npy`` blob's header: ``(header_len, dtype_str, shape)``; the array data starts
     ``header_len`` bytes into ``data``. Raises ``ValueError`` for Fortran order or object dtypes
     (they would need copying or unpickling) and for anything that is not ``.npy``. Thread-safe
-    (see :data:`_HEADER_LOCK`)."""
+    (see :data:`_HEADER_LOCK`). A header already parsed (the same bytes: arrays of one shape and
+    dtype, what most samples of a cache share) is answered from :func:`_parsed` without parsing."""
+    head = bytes(data[:12])
+    if head[:6] == _NPY_MAGIC and len(head) >= 10:
+        n, start = ((struct.unpack_from("<H", head, 8)[0], 10) if head[6] == 1 else
+                    (struct.unpack_from("<I", head, 8)[0], 12) if head[6] in (2, 3) and len(head) >= 12 else (-1, 0))
+        if 0 <= n <= _MAX_CACHED_HEADER and start + n <= len(data):
+            return _parsed(bytes(data[:start + n]))
+    return _parse(data)
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+#: headers longer than this (a shape of thousands of dimensions) are parsed every time
+_MAX_CACHED_HEADER = 1024
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(head: bytes) -> tuple[int, str, tuple[int, ...]]:
+    """:func:`_parse` of one whole header (magic to the end of its dict), remembered: numpy's
+    ``literal_eval`` of the dict was most of the writer's time per sample (a refused header raises
+    again each time: errors are not remembered)."""
+    return _parse(head)
+
+
+def _parse(data: bytes | memoryview) -> tuple[int, str, tuple[int, ...]]:
     fp = io.BytesIO(data)
     with _HEADER_LOCK:
         version = np.lib.format.read_magic(fp)

@@ -10,13 +10,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from loaders import ShardLoader
+from shardcache.ranks import Ranks
 
 cache, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 if mode in ("pg", "wrong"):
     dist.init_process_group("gloo")
 if mode == "wrong":
     try:
-        ShardLoader(cache, 2, world_size=1)
+        ShardLoader(cache, 2, ranks=Ranks(0, 1))
     except ValueError as e:
         (out / f"error-{os.environ['RANK']}.txt").write_text(str(e))
     dist.destroy_process_group()

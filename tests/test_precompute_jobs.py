@@ -70,7 +70,7 @@ def test_store_posterior_writes_logvar_for_images_only(tiny_config, demo_cache, 
     import shutil
     import numpy as np
     import torch
-    from loaders import ShardLoader
+    from loaders import Order, ShardLoader
     from precompute.job import run
     from shards import ShardReader
     from shards.cli import main
@@ -96,12 +96,11 @@ def test_store_posterior_writes_logvar_for_images_only(tiny_config, demo_cache, 
             assert np.isfinite(a["latents_logvar"]).all()
     fields = ("codes", "latents", "latents_logvar")
     n_img = sum(r["has_image"] for r in rows)
-    batch = next(iter(ShardLoader(tmp_path / "post", n_img, shuffle=False, fields=fields,
-                                  filters={"has_image": True})))
+    batch = next(iter(ShardLoader(tmp_path / "post", n_img, fields=fields, filters={"has_image": True}, order=Order(shuffle=False))))
     assert batch["latents_logvar"].shape == batch["latents"].shape and batch["has_image"].all()
     j = {k: i for i, k in enumerate(post.keys)}[batch["keys"][0]]
     assert torch.equal(batch["latents_logvar"][0], torch.from_numpy(post.get(j)["latents_logvar"].astype(np.float32)))
-    assert "latents_logvar" not in next(iter(ShardLoader(tmp_path / "post", 4, shuffle=False)))
+    assert "latents_logvar" not in next(iter(ShardLoader(tmp_path / "post", 4, order=Order(shuffle=False))))
     # the CLI handles the new member generically
     assert main(["verify", str(tmp_path / "post"), "--deep"]) == 0
     key = next(r["key"] for r in rows if r["has_image"])

@@ -342,10 +342,10 @@ def test_pickled_reader_keeps_checks(clean):
 LOADER_TRUNCATE_SCRIPT = """
 import os, sys
 from shards import ShardCorrupt
-from loaders import ShardLoader
+from loaders import Order, ShardLoader, Workers
 cache, workers = sys.argv[1], int(sys.argv[2])
-loader = ShardLoader(cache, batch_size=1, shuffle=False, num_workers=workers, prefetch_factor=1,
-                     persistent_workers=False)
+loader = ShardLoader(cache, batch_size=1, order=Order(shuffle=False),
+                     workers=Workers(num_workers=workers, prefetch_factor=1, persistent_workers=False))
 it = iter(loader)
 first = next(it)
 shard = sorted(p for p in os.listdir(cache) if p.endswith(".tar"))[-1]

@@ -461,10 +461,10 @@ def test_loader_state_refuses_another_cache(two_caches):
         lb.load_state_dict(sd)
     lb.load_state_dict({k: v for k, v in sd.items() if k != "cache_id"})    # on purpose: by position
     assert lb.step == 1
-    from loaders import MixedLoader
-    mixed = MixedLoader({"a": a, "b": b}, batch_size=4, weights={"a": 1, "b": 1})
+    from loaders import Mix, MixedLoader
+    mixed = MixedLoader({"a": a, "b": b}, batch_size=4, mix=Mix(weights={"a": 1, "b": 1}))
     assert mixed.state_dict()["cache_id"] == f"{la.cache_id}+{lb.cache_id}"
-    swapped = MixedLoader({"a": b, "b": a}, batch_size=4, weights={"a": 1, "b": 1})
+    swapped = MixedLoader({"a": b, "b": a}, batch_size=4, mix=Mix(weights={"a": 1, "b": 1}))
     with pytest.raises(ValueError, match="recorded on the cache with id"):
         swapped.load_state_dict(mixed.state_dict())
 
