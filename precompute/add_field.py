@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from shardcache.cli import plain
+from shardcache.helptext import plain
 from shardcache.config import BATCH, BYTES, IDENTITY, OPERATIONAL, SPEC, ConfigError, Effect, bounded, option, read_yaml
 from shards import fields as registry
 from shards.errors import ShardcacheError, WriteRefused

@@ -27,7 +27,6 @@ import hashlib
 import json
 import mmap
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,31 +44,31 @@ from .manifest import CacheManifest
 from .manifest import check_format_version, read_manifest
 from .index import (read_index,  # noqa: F401
                     safe_shard_path)
-from .schema import JSON_MEMBER, PICKLE_EXTENSIONS, WHOLE_MEMBER_DTYPES
+from .schema import JSON_MEMBER, WHOLE_MEMBER_DTYPES
 from .storage import local_path
 
 _NPY_MAGIC = b"\x93NUMPY"
 _TAR_BLOCK = 512
 _MAX_NPY_HEADER = 65536 + 2 * _TAR_BLOCK  # npy v1 header length is a uint16
 
-# A member name is what follows the key's first dot: "codes.npy", "pyd", "x.pkl"; match both forms.
-_UNSAFE_RE = "(^|\\.)(" + "|".join(re.escape(e.lstrip(".")) for e in PICKLE_EXTENSIONS) + ")$"
-
-
 def refuse_unsafe(table: pa.Table, where: str | Path) -> None:
     """Raise :class:`UnsafeMember` (naming shard and key) if ``table`` lists a member that would
-    need unpickling (an extension in :data:`shards.schema.PICKLE_EXTENSIONS`)."""
+    need unpickling (an extension in :data:`shards.schema.PICKLE_EXTENSIONS`). The pattern runs over
+    the distinct member names only (:data:`shards.columns.UNSAFE_RE`)."""
+    from .columns import UNSAFE_RE
     members = table.column("members").combine_chunks()
-    names = members.flatten().field("name")
-    bad = pc.match_substring_regex(pc.utf8_lower(names), _UNSAFE_RE).to_numpy(zero_copy_only=False)
-    if bad.any():
-        j = int(np.flatnonzero(bad)[0])
-        row = int(pc.list_parent_indices(members).to_numpy()[j])
-        key, shard = table.column("key")[row].as_py(), table.column("shard")[row].as_py()
-        raise UnsafeMember(
-            f"{Path(where) / shard}: sample {key!r} has member {key}.{names[j].as_py()} that would need "
-            f"unpickling ({int(bad.sum())} such member(s) in the index); shardcache never unpickles "
-            "shard data. Remove the member from the shard and rebuild the index (`shardcache shards reindex`).")
+    names = pc.dictionary_encode(members.flatten().field("name"))
+    bad_names = pc.match_substring_regex(pc.utf8_lower(names.dictionary), UNSAFE_RE).to_numpy(zero_copy_only=False)
+    if not bad_names.any():
+        return
+    bad = np.isin(pc.fill_null(names.indices, -1).to_numpy(zero_copy_only=False), np.flatnonzero(bad_names))
+    j = int(np.flatnonzero(bad)[0])
+    row = int(pc.list_parent_indices(members).to_numpy()[j])
+    key, shard = table.column("key")[row].as_py(), table.column("shard")[row].as_py()
+    raise UnsafeMember(
+        f"{Path(where) / shard}: sample {key!r} has member {key}.{names.dictionary[names.indices[j].as_py()].as_py()} "
+        f"that would need unpickling ({int(bad.sum())} such member(s) in the index); shardcache never unpickles "
+        "shard data. Remove the member from the shard and rebuild the index (`shardcache shards reindex`).")
 
 
 def value_checks_of(man: CacheManifest) -> dict[str, ValueCheck]:

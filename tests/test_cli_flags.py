@@ -49,7 +49,7 @@ FOREIGN = {"--nproc_per_node": "torchrun", "--nnodes": "torchrun", "--node_rank"
 def _parsers() -> dict[str, tuple]:
     """command -> (parser, the dataclass of its options or None)."""
     from precompute.add_field import AddFieldOptions, build_add_parser, build_drop_parser
-    from precompute.check import build_parser as check_parser
+    from shardcache.commands.check import build_parser as check_parser
     from precompute.cli import build_parser as precompute_parser
     from precompute.config import PrecomputeConfig
     from shards.cli import build_parser as shards_parser

@@ -38,7 +38,7 @@ class DataConfig:
     loader: str = "loaders:ShardLoader"
     """module:class of the loader (the ShardLoader API)."""
     loader_kwargs: dict[str, Any] = option(factory=dict)
-    """Extra keyword arguments for the loader (a mapping; a flag updates the file's)."""
+    """Loader settings {order: {..}, workers: {..}, reads: {..}} (loaders.Order...), filters, storage_options, local_dir."""
     compact_batches: bool = True
     """Load int16 audio and float16 latents as stored and widen them to float32 on the device (half the bytes)."""
     prefetch_to_device: Literal["auto", "on", "off"] = "auto"

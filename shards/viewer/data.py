@@ -97,7 +97,7 @@ class ViewedCache:
         self.source = str(source)
         self.remote = None
         if is_url(source):
-            from loaders.remote import RemoteCache, default_local_dir
+            from ..mirror import RemoteCache, default_local_dir
             url = self.source.rstrip("/")
             base = Path(local_dir) if local_dir is not None else default_local_dir(url, 0).with_name("view")
             self.remote = RemoteCache(url, local_dir=base, storage_options=storage_options)
