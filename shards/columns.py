@@ -93,8 +93,9 @@ def _ints(a: pa.Array, fill: int, dtype) -> np.ndarray:
 
 
 def _codes(a: pa.Array) -> tuple[np.ndarray, list]:
-    """``(int32 code per value, -1 for null; the distinct values as Python objects)`` of ``a``."""
-    enc = pc.dictionary_encode(a)
+    """``(int32 code per value, -1 for null; the distinct values as Python objects)`` of ``a`` (a
+    dictionary array as read, or strings encoded here)."""
+    enc = a if pa.types.is_dictionary(a.type) else pc.dictionary_encode(a)
     return _ints(enc.indices, -1, np.int32), enc.dictionary.to_pylist()
 
 
@@ -280,7 +281,7 @@ class _FieldWriter:
         o, pres, h = block(np.int64), block(np.bool_), block(np.uint64)
         o[sel_rows], pres[sel_rows] = off, True
         lens = _ints(pc.list_value_length(shape_lists), 0, np.int64)
-        for k in np.unique(lens).tolist():
+        for k in ([int(lens[0])] if len(lens) and lens.min() == lens.max() else np.unique(lens).tolist()):
             self.dims.setdefault(int(k), start + int(sel_rows[np.argmax(lens == k)]))
         sh = block(np.int64, 0, self.ndim)
         good = lens == self.ndim
@@ -291,12 +292,14 @@ class _FieldWriter:
             ends = np.cumsum(lens)
             for j in np.flatnonzero(good).tolist():  # (a damaged index only: the field is refused anyway)
                 sh[sel_rows[j]] = values[ends[j] - self.ndim:ends[j]]
-        # dtypes: batch codes -> this field's codes
-        local = [self._dtype_code(d) for d in dtype_names]
-        codes = np.asarray(local, dtype=np.int8)[dtype_codes] if len(dtype_codes) else np.zeros(0, np.int8)
-        if self.dtype_bad is None and any(_itemsize(d) is None for d in dtype_names):
-            j = next(i for i, d in enumerate(dtype_names) if _itemsize(d) is None)
-            self.dtype_bad = (start + int(sel_rows[int(np.argmax(dtype_codes == j))]), str(dtype_names[j]))
+        # dtypes: the batch's codes (of the row group's dictionary; -1: none) -> this field's codes
+        names = list(dtype_names) + [""]
+        local = np.zeros(len(names), dtype=np.int8)
+        for j in (np.flatnonzero(np.bincount(dtype_codes + 1, minlength=len(names) + 1)) - 1).tolist():
+            local[j] = self._dtype_code(names[j])
+            if self.dtype_bad is None and _itemsize(names[j]) is None:
+                self.dtype_bad = (start + int(sel_rows[int(np.argmax(dtype_codes == j))]), str(names[j]))
+        codes = local[dtype_codes]
         if self.size_bad is None:
             items = np.asarray([_itemsize(d) or 0 for d in self.dtypes], dtype=np.int64)[codes]
             count = np.prod(sh[sel_rows], axis=1) if self.ndim else np.ones(len(sel_rows), np.int64)
@@ -350,7 +353,10 @@ class _Builder:
 
     def __init__(self, index: Path, folder: Path):
         self.index, self.folder = index, folder
-        self.pf = pq.ParquetFile(index)
+        # the member names, dtypes, files and shards as the dictionaries Parquet stores them: never one
+        # Python (or Arrow) string per member (a third of the decoding time)
+        self.pf = pq.ParquetFile(index, read_dictionary=["shard"] + [f"members.list.element.{f}" for f in
+                                                                     ("name", "dtype", "file", "member")])
         self.n = int(self.pf.metadata.num_rows)
         self.shards: dict[str, int] = {}   # name -> number in first-seen order (renumbered at the end)
         self.sidecars: dict[str, int] = {}
@@ -372,7 +378,7 @@ class _Builder:
         cols = [c for c in ("key", "shard", "members", *SCALARS) if c in self.pf.schema_arrow.names]
         start = 0
         self.key_offsets.write(0, np.zeros(1, np.int64))
-        for batch in self.pf.iter_batches(batch_size=BATCH_ROWS, columns=cols):
+        for batch in _ahead(self.pf.iter_batches(batch_size=BATCH_ROWS, columns=cols)):
             self._batch(start, batch)
             start += batch.num_rows
         self._finish()
@@ -381,10 +387,12 @@ class _Builder:
         rows = batch.num_rows
         # keys: their bytes, appended
         keys = batch.column("key")
-        if keys.null_count and self.no_key is None:
-            self.no_key = start + int(np.flatnonzero(keys.is_null().to_numpy(zero_copy_only=False))[0])
-        keys = pc.fill_null(keys, "").cast(pa.large_string())
-        offs = np.frombuffer(keys.buffers()[1], dtype=np.int64)[keys.offset:keys.offset + rows + 1]
+        if keys.null_count:
+            if self.no_key is None:
+                self.no_key = start + int(np.flatnonzero(keys.is_null().to_numpy(zero_copy_only=False))[0])
+            keys = pc.fill_null(keys, "")
+        width = np.int64 if pa.types.is_large_string(keys.type) else np.int32
+        offs = np.frombuffer(keys.buffers()[1], dtype=width)[keys.offset:keys.offset + rows + 1].astype(np.int64)
         data = keys.buffers()[2]
         lo, hi = int(offs[0]), int(offs[-1])
         if hi > lo:
@@ -430,13 +438,9 @@ class _Builder:
         ends = offset + size
         main = side_num < 0
         for kind, nums, e in (("s", shard[parent[main]], ends[main]), ("c", side_num[~main], ends[~main])):
-            if len(nums):
-                uniq, inv = np.unique(nums, return_inverse=True)
-                far = np.full(len(uniq), -1, np.int64)
-                np.maximum.at(far, inv, e)
-                for u, x in zip(uniq.tolist(), far.tolist()):
-                    if x > self.need.get((kind, u), -1):
-                        self.need[(kind, u)] = x
+            for u, x in _max_by(nums, e):
+                if x > self.need.get((kind, u), -1):
+                    self.need[(kind, u)] = x
         # whole tar members of the row's own shard: the bytes between them (hidden members)
         whole = main & (_ints(member_col.is_null(), 1, np.bool_))
         if whole.any():
@@ -461,7 +465,7 @@ class _Builder:
             dcodes, dnames = _codes(dtype_col.take(pa.array(sel)))
             side = side_num[sel]
             w.add(start, rows, parent[sel], offset[sel], size[sel], shapes, dcodes,
-                  [d if d is not None else "" for d in dnames], sums.take(pa.array(sel)),
+                  ["" if d is None else d for d in dnames], sums.take(pa.array(sel)),
                   np.where(side >= 0, side + 1, 0).astype(np.int32) if (side >= 0).any() else None)
 
     def _hidden(self, start, pos, parent, shard, offset, size, dtype_code, dtype_names, name_code, names) -> None:
@@ -469,8 +473,11 @@ class _Builder:
         sh, off, end = shard[parent[pos]], offset[pos], -(-(offset[pos] + size[pos]) // 512) * 512
         npy = np.asarray([d not in WHOLE_MEMBER_DTYPES for d in dtype_names] + [True], bool)[dtype_code[pos]]
         slack = np.where(npy, NPY_SLACK, 0)
-        order = np.lexsort((off, sh))
-        sh, off, end, slack, p = sh[order], off[order], end[order], slack[order], pos[order]
+        if len(sh) > 1 and not ((sh[1:] > sh[:-1]) | ((sh[1:] == sh[:-1]) & (off[1:] >= off[:-1]))).all():
+            order = np.lexsort((off, sh))  # (rows and members in tar order, as every writer writes them: no sort)
+            sh, off, end, slack, p = sh[order], off[order], end[order], slack[order], pos[order]
+        else:
+            p = pos
         same = sh[1:] == sh[:-1]
         gap = off[1:] - end[:-1]
         for i in np.flatnonzero(same & (gap > MAX_HEADER + slack[1:]))[:max(0, MAX_HIDDEN - len(self.hidden))].tolist():
@@ -559,6 +566,56 @@ class _Builder:
             out += [(-1, m) for m in unindexed_members(t)]
         out.sort(key=lambda x: x[0])
         return [m for _, m in out[:MAX_HIDDEN]]
+
+
+def _ahead(batches, depth: int = 2):
+    """``batches`` decoded by a thread of their own, ``depth`` ahead of the consumer (Parquet decodes
+    without the GIL: the decoding of one batch overlaps the processing of the one before)."""
+    import queue
+    import threading
+    q: queue.Queue = queue.Queue(depth)
+    done, stop = object(), threading.Event()
+
+    def put(x) -> None:
+        while not stop.is_set():
+            try:
+                return q.put(x, timeout=0.1)
+            except queue.Full:
+                continue
+
+    def run():
+        try:
+            for b in batches:
+                if stop.is_set():
+                    return
+                put(b)
+            put(done)
+        except BaseException as e:  # noqa: BLE001 - raised in the consumer
+            put(e)
+
+    t = threading.Thread(target=run, daemon=True, name="index-decode")
+    t.start()
+    try:
+        while (b := q.get()) is not done:
+            if isinstance(b, BaseException):
+                raise b
+            yield b
+    finally:  # (the consumer stopped early: the thread ends too)
+        stop.set()
+        t.join()
+
+
+def _max_by(keys: np.ndarray, values: np.ndarray) -> list[tuple[int, int]]:
+    """``[(key, max of its values)]`` of small non-negative int ``keys`` (runs of equal keys, as rows of one
+    shard come, are reduced first)."""
+    if not len(keys):
+        return []
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    run_max, run_key = np.maximum.reduceat(values, starts), keys[starts]
+    far = np.full(int(run_key.max()) + 1, np.iinfo(np.int64).min, np.int64)
+    np.maximum.at(far, run_key, run_max)
+    have = np.flatnonzero(far > np.iinfo(np.int64).min)
+    return list(zip(have.tolist(), far[have].tolist()))
 
 
 def _itemsize(d: Any) -> int | None:
