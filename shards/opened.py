@@ -120,8 +120,8 @@ class CacheFiles:
 
         try:  # 1. the format (UnsupportedFormat always raises) and the fields' types
             manifest = CacheManifest.read_required(d)
-        except ManifestError as e:
-            refuse(ManifestError, str(e))
+        except ShardCorrupt as e:  # (a ManifestError, or a file that is no JSON)
+            refuse(type(e), str(e))
             manifest = _lenient_manifest(d)
         sha = file_sha256(d / INDEX_FILE)  # 2. the root vouches for both files, before the index is read
         root, why = root_problems(d, known={INDEX_FILE: sha})
@@ -171,9 +171,19 @@ class CacheFiles:
         return value_checks_of(self.manifest)
 
     def scalars(self, columns: Sequence[str]) -> pa.Table:
-        """The index's scalar ``columns`` (what filters read), read for those columns only."""
+        """The index's scalar ``columns`` (what filters read): ``key``, ``shard``, ``n_frames``,
+        ``sample_rate`` and ``has_image`` from the columns (mapped, not read again), the others read from
+        ``index.parquet`` for those columns only."""
         cols = list(dict.fromkeys(columns))
-        return pq.read_table(self.dir / INDEX_FILE, columns=cols, schema=pa.schema([INDEX_SCHEMA.field(c) for c in cols]))
+        c = self.columns
+        mapped = {"key": lambda: c.key_array, "shard": lambda: pa.DictionaryArray.from_arrays(
+            pa.array(np.asarray(c.shard_of)), pa.array(c.shards, pa.string())).cast(pa.string())}
+        mapped |= {k: (lambda k=k: pa.array(np.asarray(getattr(c, k)), INDEX_SCHEMA.field(k).type))
+                   for k in ("n_frames", "sample_rate", "has_image")}
+        rest = [k for k in cols if k not in mapped]
+        read = pq.read_table(self.dir / INDEX_FILE, columns=rest, schema=pa.schema([INDEX_SCHEMA.field(k) for k in rest])) \
+            if rest else None
+        return pa.table({k: mapped[k]() if k in mapped else read.column(k) for k in cols})
 
     # -- readers ----------------------------------------------------------------------------------------
     def reader(self, fields: Sequence[str] | None = None, filters: Any = None, *,
@@ -228,7 +238,7 @@ class CacheFiles:
         reads by default, its refusals, then the files missing or shorter than the index says. One
         message each, naming the file and the fix."""
         out = [msg for _, msg in self._refused]
-        if self.columns is None or any(exc is not ManifestError for exc, _ in self._refused):
+        if self.columns is None or any(not issubclass(exc, ManifestError) for exc, _ in self._refused):
             return out  # (the root or the index refused: nothing behind it is read)
         names = registry.selection(self._held(None) or ("input_ids",))
         out += [msg for _, msg in self._field_problems(names, None, every=True)]

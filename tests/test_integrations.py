@@ -140,13 +140,13 @@ def test_hf_trainer_returning_the_loader_resumes_exactly_with_workers_and_accumu
     `resume_from_checkpoint` skips the trained half of epoch 1 through accelerate's
     `skip_first_batches` on the loader's DataLoader form (it crashed: no attribute 'drop_last')."""
     code = examples()["hf_trainer.py"]
-    assert "num_workers=2" in code and "gradient_accumulation_steps=2" in code
+    assert "workers=Workers(num_workers=2)" in code and "gradient_accumulation_steps=2" in code
     run_example("hf_trainer.py", cache, tmp_path)
 
 
 @pytest.mark.long
 def test_hf_trainer_with_as_dataloader_and_no_workers_resumes_exactly(cache, tmp_path):
-    code = variant("hf_trainer.py", ', fields=("input_ids", "labels"), num_workers=2)',
+    code = variant("hf_trainer.py", ', fields=("input_ids", "labels"), workers=Workers(num_workers=2))',
                    ', fields=("input_ids", "labels")).as_dataloader()')
     code = code.replace("steps // 2, gradient_accumulation_steps=2, save_steps=3", "steps, save_steps=6")
     code = code.replace("checkpoint-3", "checkpoint-6")

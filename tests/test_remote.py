@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from loaders import Reads, ShardLoader, Workers  # noqa: E402
+from loaders import Order, Reads, ShardLoader, Workers  # noqa: E402
 from shardcache.ranks import Ranks  # noqa: E402
 from shards import Cache  # noqa: E402
 from shards.errors import UnsafePath  # noqa: E402
@@ -106,8 +106,8 @@ def test_file_uses_lists_the_steps_reading_each_shard(local_cache):
     """The prefetch schedule, against a plain loop over the batches and their keys' shards."""
     from loaders.batching import BudgetPlan  # noqa: F401 - both plan kinds go through file_uses
     from loaders.remote import file_uses
-    for kw in ({}, {"max_frames": 60}):
-        ld = ShardLoader(local_cache, 3, seed=4, **kw, ranks=Ranks(1, 2))
+    for order in (Order(), Order(max_frames=60)):
+        ld = ShardLoader(local_cache, 3, seed=4, ranks=Ranks(1, 2), order=order)
         plan = ld._spec.plan(2)
         shard_of_key = dict(zip(read_index(local_cache).column("key").to_pylist(),
                                 read_index(local_cache).column("shard").to_pylist()))
@@ -135,7 +135,7 @@ class _FakeRemote:
 def test_prefetch_picks_the_next_needed_file_and_evicts_the_furthest():
     """Belady's rule on a schedule: A read at steps 0 and 10, B at 5, C at 7, D never again."""
     import numpy as np
-    from loaders.remote import Prefetcher
+    from shards.mirror import Prefetcher
     r = _FakeRemote({"A": 10, "B": 10, "C": 10, "D": 10})
     uses = {(0, "A"): np.array([0, 10]), (0, "B"): np.array([5]), (0, "C"): np.array([7])}
     p = Prefetcher(lambda e: uses, {0: r}, cache_limit=20, lookahead=1)

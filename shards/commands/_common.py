@@ -255,6 +255,19 @@ def cache_dir(arg: str | Path) -> Path:
     return p
 
 
+def readable(arg: str | Path) -> Path:
+    """:func:`cache_dir`, then the integrity root checked before the index is read (what every reader of a
+    cache does first: :func:`shards.index.verify_root`; ``index.parquet`` or ``manifest.json`` changed
+    since the cache was written, or a cache being written right now, is :class:`~shards.errors.ShardCorrupt`
+    naming the file and the fix, exit 1). A folder without an index (an unfinished first job) is left to
+    the command."""
+    from ..index import verify_root
+    d = cache_dir(arg)
+    if (d / INDEX_FILE).exists():
+        verify_root(d)
+    return d
+
+
 def check_version(d: Path) -> None:
     """Raise :class:`~shards.errors.UnsupportedFormat` if ``d/manifest.json`` declares a format
     this code does not know. A missing or malformed manifest passes here (the commands that read

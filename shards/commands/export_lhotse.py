@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import NotFound, Out, UsageError, cache_dir, load_manifest
+from ._common import NotFound, Out, UsageError, load_manifest, readable
 from .needs import Needs
 
 AUDIO_FORMATS = ("flac", "wav")
@@ -220,7 +220,7 @@ def export_lhotse(cache: str | Path, out_dir: str | Path, *, shard_size: int = 1
 
 def cmd_export_lhotse(args: argparse.Namespace) -> int:
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     result = export_lhotse(d, args.output, shard_size=args.shard_size, audio_format=args.audio_format)
     if out.json:
         out.emit_json(result)

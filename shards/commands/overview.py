@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from ..errors import ShardCorrupt
 from ..index import REJECTS_SCHEMA
 from ..schema import INDEX_FILE, REASONS, REJECTS_FILE
-from ._common import (Out, UsageError, cache_dir, expand_targets, fmt_bytes, fmt_value,
+from ._common import (Out, UsageError, cache_dir, expand_targets, fmt_bytes, fmt_value, readable,
                       load_manifest, manifest_shards, read_index_columns, shard_path, warn)
 
 
@@ -151,7 +151,7 @@ def _encoder_summary(value, limit: int = 160) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     manifest = load_manifest(d)
     shards = manifest_shards(manifest, d) if "shards" in manifest else None
     warnings: list[str] = []

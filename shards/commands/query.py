@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from ..index import INDEX_SCHEMA
-from ._common import SCALAR_COLUMNS, Out, UsageError, cache_dir, read_index_columns
+from ._common import SCALAR_COLUMNS, Out, UsageError, read_index_columns, readable
 from .needs import DUCKDB
 
 DEFAULT_COLUMNS = ("key", "shard", "duration_s", "n_frames", "has_image", "speaker")
@@ -86,7 +86,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def cmd_query(args: argparse.Namespace) -> int:
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     columns = [c.strip() for c in args.columns.split(",") if c.strip()]
     bad = [c for c in columns if c not in SCALAR_COLUMNS]
     if bad or not columns:

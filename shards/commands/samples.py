@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 from ..reader import ShardReader
 from ..schema import WHOLE_MEMBER_DTYPES
 from ..writing import cache_holding
-from ._common import (SCALAR_COLUMNS, NotFound, Out, UsageError, cache_dir, fmt_bytes, fmt_value,
+from ._common import (SCALAR_COLUMNS, NotFound, Out, UsageError, fmt_bytes, fmt_value, readable,
                       read_index_columns, read_index_head)
 from .needs import Needs
 
@@ -156,7 +156,7 @@ def cmd_head(args: argparse.Namespace) -> int:
     if args.n < 0:
         raise UsageError("-n must be >= 0")
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     table = read_index_head(d, args.n)
     _emit(out, describe_table(d, table))
     return 0
@@ -164,7 +164,7 @@ def cmd_head(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     _emit(out, describe_table(d, rows_for_keys(d, args.keys)))
     return 0
 
@@ -173,7 +173,7 @@ def cmd_export_audio(args: argparse.Namespace) -> int:
     import soundfile as sf
 
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     path: Path = args.output
     ext = path.suffix.lstrip(".").upper()
     formats = sf.available_formats()

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..reader import ShardReader
-from ._common import Out, UsageError, cache_dir, read_index_columns, warn
+from ._common import Out, UsageError, read_index_columns, readable, warn
 from .needs import DUCKDB, PLOT, require
 
 #: index column -> (label in tables, axis label in the plot)
@@ -116,7 +116,7 @@ def latent_stats(d: Path, image_rows: pa.Table, max_samples: int, seed: int) -> 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     if args.max_samples < 0:
         raise UsageError("--max_samples must be >= 0")
     if args.plot is not None:
