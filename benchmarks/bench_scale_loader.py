@@ -179,7 +179,7 @@ def run_section(sizes=SIZES, log=print) -> dict:
             log(f"scale n={n}: skipped ({skipped[n]})")
     warm = scale_corpus.cache(10_000, log=log)
     rows = [measure(n, warm, log) for n in kept]
-    return {"runs": rows, "ratios": ratios(rows), "skipped": skipped, "machine": _machine()}
+    return {"runs": rows, "ratios": ratios(rows), "skipped": skipped, "load": _machine()}
 
 
 def _written(n: int) -> bool:

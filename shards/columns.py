@@ -25,7 +25,8 @@ checks cost one vectorised pass over the index (Arrow compute on each row group'
 name becomes a Python string once per distinct name, not once per member) and nothing on later opens.
 
 Where the folder cannot be written, the store is built in a temporary folder removed when the process
-ends. The store is derived data: deleting :func:`store_root` at any time is safe (it is built again).
+ends. The store is derived data: deleting :func:`store_root` at any time is safe (it is built again);
+a store no process opened for :data:`UNUSED_DAYS` days is deleted when another one is built.
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ MAX_HEADER = 1536
 NPY_SLACK = 4096
 #: messages about bytes no entry locates that a store keeps (the first ones, in index order)
 MAX_HIDDEN = 20
+#: a store no process opened for this long is deleted when another one is built beside it
+UNUSED_DAYS = 30
 # A member name is what follows the key's first dot: "codes.npy", "pyd", "x.pkl"; match both forms.
 UNSAFE_RE = "(^|\\.)(" + "|".join(re.escape(e.lstrip(".")) for e in PICKLE_EXTENSIONS) + ")$"
 
@@ -679,6 +682,7 @@ def open_columns(index: str | os.PathLike, index_sha256: str, root: Path | None 
     index = Path(index)
     final = store_dir(index_sha256, root)
     if (final / "meta.json").exists():
+        _used(final)
         return IndexColumns(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -691,6 +695,7 @@ def open_columns(index: str | os.PathLike, index_sha256: str, root: Path | None 
             tmp = final.parent / f".{final.name}.{os.getpid()}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             try:
+                _prune(final.parent)
                 _build_checked(index, tmp)
                 os.replace(tmp, final) if not final.exists() else shutil.rmtree(tmp)
             except OSError:
@@ -700,6 +705,27 @@ def open_columns(index: str | os.PathLike, index_sha256: str, root: Path | None 
     finally:
         os.close(lock)
     return IndexColumns(final)
+
+
+def _used(store: Path) -> None:
+    """Mark ``store`` as used now (its ``meta.json``'s mtime: what :func:`_prune` reads)."""
+    try:
+        os.utime(store / "meta.json")
+    except OSError:
+        pass  # (a read-only store: never pruned by this process anyway)
+
+
+def _prune(root: Path) -> None:
+    """Delete the stores of ``root`` no process opened for :data:`UNUSED_DAYS` days (their caches were
+    rewritten or deleted: an index that changes gets a store of its own)."""
+    import time
+    limit = time.time() - UNUSED_DAYS * 86400
+    for d in root.glob(f"v{STORE_VERSION}-*"):
+        try:
+            if (d / "meta.json").stat().st_mtime < limit:
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _build_checked(index: Path, folder: Path) -> None:

@@ -208,29 +208,39 @@ class CacheFiles:
         names = registry.selection(self._held(rows) if fields is None else fields)
         for exc, msg in self._field_problems(names, rows):
             raise exc(msg)
-        reader = ShardReader.over_columns(self.dir, self.columns, rows, manifest=self.manifest.to_dict(),
-                                          value_checks=self.value_checks(), verify_reads=verify_reads)
-        reader.fields, reader.read_files = names, self._read_files(reader, names)
-        if self.remote is None:
-            for exc, msg in self._file_problems(reader):
-                raise exc(msg)
-            reader.pin_files(reader.read_files)  # replaced later: ShardCorrupt
-        else:
+        mirror = None
+        if self.remote is not None:  # the shards stream into the cache's mirror, or a folder of the reader's own
             mirror = self.remote if self._remote_free else self.remote.sibling()
-            self._remote_free = False if mirror is self.remote else self._remote_free
-            mirror.adopt([reader.files[i] for i in reader.read_files], self.manifest.to_dict())
-            reader.await_file = reader.io.await_file = mirror.waiter
-            reader.mirror = mirror
+            self._remote_free = self._remote_free and mirror is not self.remote
+        try:
+            reader = ShardReader.over_columns(self.dir if mirror is None else mirror.local, self.columns, rows,
+                                              manifest=self.manifest.to_dict(), value_checks=self.value_checks(),
+                                              verify_reads=verify_reads,
+                                              await_file=None if mirror is None else mirror.waiter)
+            reader.fields, reader.read_files, reader.mirror = names, self._read_files(reader, names), mirror
+            if mirror is None:
+                for exc, msg in self._file_problems(reader):
+                    raise exc(msg)
+                reader.pin_files(reader.read_files)  # replaced later: ShardCorrupt
+            else:
+                mirror.adopt([reader.files[i] for i in reader.read_files], self.manifest.to_dict())
+        except BaseException:
+            if mirror is not None:
+                self._give_back(mirror)
+            raise
         return reader
+
+    def _give_back(self, mirror) -> None:
+        if mirror is self.remote:
+            self._remote_free = True
+        else:
+            mirror.close()
 
     def release(self, reader: ShardReader) -> None:
         """Close ``reader`` and give back the folder it streamed into."""
         reader.close()
-        m = reader.mirror
-        if m is self.remote and m is not None:
-            self._remote_free = True
-        elif m is not None:
-            m.close()
+        if reader.mirror is not None:
+            self._give_back(reader.mirror)
 
     def problems(self) -> list[str]:
         """Every reason a reader would refuse this cache (what ``shards verify`` and ``shardcache check``

@@ -16,6 +16,7 @@ import argparse
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from ..index import INDEX_SCHEMA
@@ -45,7 +46,7 @@ def select(d: Path, where: str | None, columns: list[str] | None = None) -> pa.T
     try:
         con.execute("SET enable_external_access = false")  # no files, URLs or extensions from the SQL
         con.execute("SET lock_configuration = true")       # ... and no way to switch it back
-        rel = con.from_arrow(table.append_column("__row", pa.array(range(table.num_rows), pa.int64())))
+        rel = con.from_arrow(table.append_column("__row", pa.array(np.arange(table.num_rows, dtype=np.int64))))
         try:
             expr = duckdb.SQLExpression(where)
             rows = rel.filter(expr).project("__row").order("__row").arrow()
