@@ -35,8 +35,10 @@ def epoch_order(shard_of: np.ndarray, seed: int, epoch: int, *, shuffle: bool = 
         shuffle: False -> ``arange(N)``.
         window: > 1 -> additionally shuffle within consecutive windows of that many positions.
 
-    Returns an int64 ``(N,)`` permutation of ``0..N-1`` (positions in index order). Vectorised:
-    O(N log N), about 0.1 s per million samples.
+    Returns an int64 ``(N,)`` permutation of ``0..N-1`` (positions in index order): the order of
+    ``np.lexsort((random, shard_rank[shard_of]))`` (stable: equal keys keep index order), computed as
+    one sort of a 64-bit key (:func:`_by_then`; lexsort's two merge sorts took 18 s for 10M samples on
+    the bench machine, the key's sort about 1.3 s).
     """
     shard_of = np.asarray(shard_of)
     n = len(shard_of)
@@ -46,10 +48,42 @@ def epoch_order(shard_of: np.ndarray, seed: int, epoch: int, *, shuffle: bool = 
     n_shards = int(shard_of.max()) + 1
     shard_rank = np.empty(n_shards, dtype=np.int64)
     shard_rank[rng.permutation(n_shards)] = np.arange(n_shards)
-    order = np.lexsort((rng.random(n), shard_rank[shard_of])).astype(np.int64)
+    order = _by_then(shard_rank[shard_of], n_shards, rng.random(n))
     if window and window > 1:
-        order = order[np.lexsort((rng.random(n), np.arange(n) // int(window)))]
+        order = order[_within_windows(rng.random(n), int(window))]
     return order
+
+
+#: bits of ``Generator.random``'s floats: each is ``k * 2**-53`` for an integer ``k < 2**53``
+_RANDOM_BITS = 53
+
+
+def _by_then(primary: np.ndarray, n_primary: int, r: np.ndarray) -> np.ndarray:
+    """``np.lexsort((r, primary))`` (``primary`` ints in ``[0, n_primary)``, ``r`` from
+    ``Generator.random``): the floats' 53-bit integers below the primary's bits make one uint64 key
+    when they fit, sorted stably (so ties, if any, keep index order as lexsort's do); else a stable sort
+    by ``r``, then a stable sort by ``primary`` (a radix sort for uint16)."""
+    bits = max(int(n_primary - 1).bit_length(), 1)
+    if bits <= 64 - _RANDOM_BITS:
+        key = (primary.astype(np.uint64) << np.uint64(_RANDOM_BITS)) | (r * 2.0 ** _RANDOM_BITS).astype(np.uint64)
+        return np.argsort(key, kind="stable").astype(np.int64)
+    first = np.argsort(r, kind="stable")
+    p = primary[first]
+    p = p.astype(np.uint16) if n_primary <= 1 << 16 else p
+    return first[np.argsort(p, kind="stable")].astype(np.int64)
+
+
+def _within_windows(r: np.ndarray, window: int) -> np.ndarray:
+    """``np.lexsort((r, np.arange(n) // window))``: each window of positions ordered by ``r`` (stably)."""
+    n = len(r)
+    full = n // window * window
+    out = np.empty(n, dtype=np.int64)
+    if full:
+        out[:full] = (np.argsort(r[:full].reshape(-1, window), axis=1, kind="stable")
+                      + np.arange(0, full, window)[:, None]).reshape(-1)
+    if full < n:
+        out[full:] = full + np.argsort(r[full:], kind="stable")
+    return out
 
 
 class ShardOrder:

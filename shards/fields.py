@@ -280,15 +280,20 @@ def tensor_dtypes() -> dict[str, str]:
     return {f.suffix: f.dtype for f in BY_NAME.values()}
 
 
+#: each field-derived index column: (its name, its default, [(member, the IndexColumn of that field)]) in
+#: FIELDS order: the first field a sample holds gives the value (what the scanner computes per sample)
+_COLUMN_SOURCES = tuple((c.name, c.default, tuple((f.suffix, x) for f in FIELDS for x in f.index_columns
+                                                  if x.name == c.name)) for c in INDEX_FIELD_COLUMNS)
+
+
 def index_column_values(shapes: dict[str, tuple]) -> dict[str, object]:
     """The field-derived index columns of one sample from its member shapes (``{"codes.npy": (8, 50)}``)."""
     out: dict[str, object] = {}
-    for c in INDEX_FIELD_COLUMNS:
-        out[c.name] = c.default
-        for f in FIELDS:
-            if any(x.name == c.name for x in f.index_columns) and f.suffix in shapes:
-                col = next(x for x in f.index_columns if x.name == c.name)
-                out[c.name] = col.value(tuple(shapes[f.suffix]))
+    for name, default, sources in _COLUMN_SOURCES:
+        out[name] = default
+        for member, col in sources:
+            if member in shapes:
+                out[name] = col.value(tuple(shapes[member]))
                 break
     return out
 

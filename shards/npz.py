@@ -48,10 +48,23 @@ _MADE_BY = (3 << 8) | 20  # Unix, zip 2.0: external attributes are a file mode
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
-    """Serialise an array as ``.npy`` bytes (C order, never pickled)."""
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return buf.getvalue()
+    """Serialise an array as ``.npy`` bytes (C order, never pickled): what ``numpy.save`` writes. The
+    header (a function of the dtype and shape alone) of an array like one serialised before is reused."""
+    a = np.ascontiguousarray(array)
+    key = (a.dtype, a.shape)
+    head = _HEADS.get(key)
+    if head is None:
+        buf = io.BytesIO()
+        np.save(buf, a, allow_pickle=False)
+        out = buf.getvalue()
+        if len(_HEADS) < 4096 and not a.dtype.hasobject:
+            _HEADS[key] = out[:len(out) - a.nbytes]
+        return out
+    return head + a.tobytes()
+
+
+#: (dtype, shape) -> the ``.npy`` header ``numpy.save`` writes for it (dict reads and writes are atomic)
+_HEADS: dict[tuple, bytes] = {}
 
 
 #: numpy parses an ``.npy`` header with ``ast.literal_eval``. CPython 3.11 keeps the AST converter's

@@ -640,3 +640,22 @@ def test_compact_batches_keep_the_cache_dtypes(tmp_path):
         assert torch.equal(b["audio"].float() * AUDIO_SCALE, a["audio"])
         assert torch.equal(b["latents"].float(), a["latents"])
         assert torch.equal(a["codes"], b["codes"]) and torch.equal(a["audio_mask"], b["audio_mask"])
+
+
+@pytest.mark.parametrize("n_shards", [1, 5, 2048, 2049, 70_000])
+def test_epoch_order_is_its_definition(n_shards):
+    """epoch_order is the stable lexsort of (a random float per sample, the shard's permuted rank) and,
+    with a window, of (another random float, the window) -- computed here with np.lexsort from the same
+    generator draws, shards of uneven sizes, index rows not grouped by shard, repeated floats."""
+    rng = np.random.default_rng(n_shards)
+    n = max(3 * n_shards, 5000)
+    shard_of = rng.integers(0, n_shards, n)
+    shard_of[:n_shards] = np.arange(n_shards)  # every shard held
+    for window in (0, 64):
+        draws = np.random.default_rng([7, 2, 0])
+        rank = np.empty(n_shards, dtype=np.int64)
+        rank[draws.permutation(n_shards)] = np.arange(n_shards)
+        want = np.lexsort((draws.random(n), rank[shard_of]))
+        if window:
+            want = want[np.lexsort((draws.random(n), np.arange(n) // window))]
+        assert np.array_equal(epoch_order(shard_of, 7, 2, window=window), want), (n_shards, window)
