@@ -156,6 +156,12 @@ def summary_lines(r: dict) -> list[str]:
     rt = r["ratios"]
     out += ["", "Per sample, as a ratio to the 10k case (" + ", ".join(f"{x['samples']:,}" for x in rows) + "): "
             + "; ".join(f"{k} {' / '.join(f'{v:g}' for v in vals)}" for k, vals in rt.items()) + "."]
+    base = rows[0]
+    slope = [(x["samples"], (x["loader_world1"]["after_construct"]["VmRSS"] - base["loader_world1"]["after_construct"]
+                             ["VmRSS"]) / (x["samples"] - base["samples"])) for x in rows[1:]]
+    if slope:
+        out += ["RSS per sample beyond the first 10k (what each further sample adds): " + ", ".join(
+            f"{n:,}: {b:.1f} B" for n, b in slope) + "."]
     if n10m:
         b = n10m["loader_world1"]
         out += [f"Targets at 10M samples: RSS added {b['after_construct']['VmRSS'] / 1e7:.1f} B/sample per rank "

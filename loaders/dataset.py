@@ -138,7 +138,10 @@ class CacheSource:
     def close(self) -> None:
         """Close the files and maps (views handed out earlier must not be used afterwards) and give back
         the local folder of a streamed cache."""
-        self.cache.release(self.reader) if self.cache is not None else self.reader.close()
+        if self.cache is not None:
+            self.cache.release(self.reader)
+        else:  # (a copy in a worker: its files only)
+            self.reader.close()
 
 
 class Sources:
