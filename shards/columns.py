@@ -270,7 +270,7 @@ class _FieldWriter:
         self.xxh3 = _Array(Path(f"{p}.xxh3.npy"), np.uint64, (n,))
         self.side: _Array | None = None
         self.dtypes: list[str] = []
-        self.code_parts: list[tuple[int, np.ndarray]] = []  # (start row, int8 codes): only kept if needed
+        self.code: _Array | None = None  # made when a second dtype shows: the rows before read as 0, the first
         self.dims: dict[int, int] = {}          # rank -> first row holding it
         self.size_bad: tuple[int, int, list] | None = None
         self.no_checksum: int | None = None
@@ -313,9 +313,12 @@ class _FieldWriter:
         if xxh3.null_count and self.no_checksum is None:
             self.no_checksum = start + int(sel_rows[int(np.flatnonzero(xxh3.is_null().to_numpy(zero_copy_only=False))[0])])
         h[sel_rows] = _ints(xxh3, 0, np.uint64)
-        c = block(np.int8)
-        c[sel_rows] = codes
-        self.code_parts.append((start, c))
+        if len(self.dtypes) > 1:
+            if self.code is None:
+                self.code = _Array(self.folder / f"field.{self.name}.code.npy", np.int8, (self.n,))
+            c = block(np.int8)
+            c[sel_rows] = codes
+            self.code.write(start, c)
         if side is not None and (side > 0).any():
             if self.side is None:
                 self.side = _Array(self.folder / f"field.{self.name}.side.npy", np.int32, (self.n,))
@@ -334,12 +337,7 @@ class _FieldWriter:
         return self.dtypes.index(d)
 
     def finish(self) -> dict:
-        if len(self.dtypes) > 1:
-            code = _Array(self.folder / f"field.{self.name}.code.npy", np.int8, (self.n,))
-            for start, c in self.code_parts:
-                code.write(start, c)
-            code.close()
-        for a in (self.off, self.shape, self.present, self.xxh3, self.side):
+        for a in (self.off, self.shape, self.present, self.xxh3, self.side, self.code):
             if a is not None:
                 a.close()
         return {"ndim": self.ndim, "dtypes": self.dtypes, "sidecar": self.side is not None,

@@ -212,3 +212,24 @@ def test_a_workers_copy_of_the_reader_maps_the_store(tmp_path, monkeypatch):
             ld.close()
     assert abs(sizes[(6000, True)] - sizes[(1000, True)]) < 200, sizes
     assert abs(sizes[(6000, False)] - sizes[(1000, False)]) < 200, sizes
+
+
+def test_a_member_stored_with_two_dtypes_keeps_each_rows_dtype(tmp_path, monkeypatch):
+    """One row's input_ids entry says int64 (rows 0-19 int32, read 7 rows at a time: the second dtype shows
+    in the third batch): every row's dtype and size check stay its own."""
+    from shards import columns
+    monkeypatch.setattr(columns, "BATCH_ROWS", 7)
+    cache = tiny_cache(tmp_path / "c", 20, per_shard=20)
+    rows = read_index(cache).to_pylist()
+    m = next(m for m in rows[16]["members"] if m["name"] == "input_ids.npy")
+    m["dtype"], m["size"] = "<i8", m["size"] * 2
+    write_parquet_atomic(rows_to_table(rows), cache / "index.parquet")
+    build(cache / "index.parquet", tmp_path / "store")
+    cols = IndexColumns(tmp_path / "store")
+    fc = cols.field("input_ids")
+    assert [fc.dtypes[int(c)] for c in fc.code] == [np.dtype("int64") if i == 16 else np.dtype("int32") for i in range(20)]
+    assert cols.field_problem("input_ids") is None  # 8-byte items: the doubled size is its shape's
+    m["size"] = m["size"] // 2
+    write_parquet_atomic(rows_to_table(rows), cache / "index.parquet")
+    build(cache / "index.parquet", tmp_path / "store2")
+    assert "k0000016" in IndexColumns(tmp_path / "store2").field_problem("input_ids")
