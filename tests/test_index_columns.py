@@ -54,7 +54,8 @@ def tiny_cache(out: Path, n: int, per_shard: int = 500, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="module")
 def sidecar_cache(demo_cache, tmp_path_factory) -> Path:
-    """The demo cache with a field added by add-field (sidecar tars)."""
+    """The demo cache (the session's, shared with the other tests) with a field added by add-field
+    (sidecar tars)."""
     from precompute.add_field import add_field
     c = tmp_path_factory.mktemp("columns") / "c"
     shutil.copytree(demo_cache, c)
