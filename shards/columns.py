@@ -277,24 +277,19 @@ class _FieldWriter:
         self.dtype_bad: tuple[int, str] | None = None
 
     def add(self, start: int, rows: int, sel_rows: np.ndarray, off: np.ndarray, size: np.ndarray,
-            shape_lists: pa.ListArray, dtype_codes: np.ndarray, dtype_names: list, xxh3: pa.Array,
-            side: np.ndarray | None) -> None:
-        """Rows ``sel_rows`` (positions in the batch that starts at store row ``start``) hold the member."""
+            shape_starts: np.ndarray, lens: np.ndarray, shape_values: np.ndarray, dtype_codes: np.ndarray,
+            dtype_names: list, xxh3: np.ndarray, xxh3_null: np.ndarray | None, side: np.ndarray | None) -> None:
+        """Rows ``sel_rows`` (positions in the batch that starts at store row ``start``) hold the member; its
+        shape is ``shape_values[shape_starts[i]:shape_starts[i] + lens[i]]``."""
         block = lambda dt, fill=0, cols=None: np.full((rows,) if cols is None else (rows, cols), fill, dt)  # noqa: E731
         o, pres, h = block(np.int64), block(np.bool_), block(np.uint64)
         o[sel_rows], pres[sel_rows] = off, True
-        lens = _ints(pc.list_value_length(shape_lists), 0, np.int64)
         for k in ([int(lens[0])] if len(lens) and lens.min() == lens.max() else np.unique(lens).tolist()):
             self.dims.setdefault(int(k), start + int(sel_rows[np.argmax(lens == k)]))
         sh = block(np.int64, 0, self.ndim)
         good = lens == self.ndim
-        values = _ints(shape_lists.flatten(), 0, np.int64)
-        if good.all():
-            sh[sel_rows] = values.reshape(len(sel_rows), self.ndim) if self.ndim else sh[sel_rows]
-        else:
-            ends = np.cumsum(lens)
-            for j in np.flatnonzero(good).tolist():  # (a damaged index only: the field is refused anyway)
-                sh[sel_rows[j]] = values[ends[j] - self.ndim:ends[j]]
+        if self.ndim:  # (rows of another rank: zeros, and the field is refused: field_problem)
+            sh[sel_rows[good]] = shape_values[shape_starts[good][:, None] + np.arange(self.ndim)]
         # dtypes: the batch's codes (of the row group's dictionary; -1: none) -> this field's codes
         names = list(dtype_names) + [""]
         local = np.zeros(len(names), dtype=np.int8)
@@ -310,9 +305,9 @@ class _FieldWriter:
             if wrong.any():
                 j = int(np.flatnonzero(wrong)[0])
                 self.size_bad = (start + int(sel_rows[j]), int(size[j]), sh[sel_rows[j]].tolist())
-        if xxh3.null_count and self.no_checksum is None:
-            self.no_checksum = start + int(sel_rows[int(np.flatnonzero(xxh3.is_null().to_numpy(zero_copy_only=False))[0])])
-        h[sel_rows] = _ints(xxh3, 0, np.uint64)
+        if xxh3_null is not None and xxh3_null.any() and self.no_checksum is None:
+            self.no_checksum = start + int(sel_rows[int(np.flatnonzero(xxh3_null)[0])])
+        h[sel_rows] = xxh3
         if len(self.dtypes) > 1:
             if self.code is None:
                 self.code = _Array(self.folder / f"field.{self.name}.code.npy", np.int8, (self.n,))
@@ -442,31 +437,33 @@ class _Builder:
             for u, x in _max_by(nums, e):
                 if x > self.need.get((kind, u), -1):
                     self.need[(kind, u)] = x
+        dtype_code, dtype_names = _codes(_col(flat, "dtype", pa.string()))
+        dtype_names = ["" if d is None else d for d in dtype_names]
         # whole tar members of the row's own shard: the bytes between them (hidden members)
         whole = main & (_ints(member_col.is_null(), 1, np.bool_))
         if whole.any():
-            dtype_code, dtype_names = _codes(_col(flat, "dtype", pa.string()))
             self._hidden(start, np.flatnonzero(whole), parent, shard, offset, size, dtype_code, dtype_names,
                          name_code, names)
-        # the tensor members, one name at a time
-        dtype_col = _col(flat, "dtype", pa.string())
+        # the tensor members, one name at a time, from the batch's columns as numpy arrays
         shape_col = _col(flat, "shape", pa.list_(pa.int64()))
+        shape_at = _ints(shape_col.offsets, 0, np.int64)
+        shape_at -= shape_at[0]  # (into the flattened values; a null shape: no values)
+        shape_values = _ints(shape_col.flatten(), 0, np.int64)
         sums = _col(flat, CHECKSUM, pa.uint64())
+        sums_np = _ints(sums, 0, np.uint64)
+        sums_null = _ints(sums.is_null(), 0, np.bool_) if sums.null_count else None
         for j, name in enumerate(names):
             if name is None or not name.endswith(".npy"):
                 continue
             sel = np.flatnonzero(name_code == j)
             field = name[:-4]
-            shapes = shape_col.take(pa.array(sel))
+            starts, lens = shape_at[sel], shape_at[sel + 1] - shape_at[sel]
             w = self.fields.get(field)
             if w is None:
-                first = shapes[0]
-                ndim = len(first) if first.is_valid else 0
-                w = self.fields[field] = _FieldWriter(self.folder, field, self.n, _ndim_of(field, ndim))
-            dcodes, dnames = _codes(dtype_col.take(pa.array(sel)))
+                w = self.fields[field] = _FieldWriter(self.folder, field, self.n, _ndim_of(field, int(lens[0])))
             side = side_num[sel]
-            w.add(start, rows, parent[sel], offset[sel], size[sel], shapes, dcodes,
-                  ["" if d is None else d for d in dnames], sums.take(pa.array(sel)),
+            w.add(start, rows, parent[sel], offset[sel], size[sel], starts, lens, shape_values, dtype_code[sel],
+                  dtype_names, sums_np[sel], None if sums_null is None else sums_null[sel],
                   np.where(side >= 0, side + 1, 0).astype(np.int32) if (side >= 0).any() else None)
 
     def _hidden(self, start, pos, parent, shard, offset, size, dtype_code, dtype_names, name_code, names) -> None:
