@@ -197,7 +197,7 @@ class ShardReader:
             ``{"codes": (0, codebook_size), "latents": "finite"}``;
             :func:`value_checks_from_manifest` builds it from ``manifest.json``. Default: none.
         await_file: called with a shard's local path before the shard is opened when the file is not
-            there yet (a cache streamed from object storage, :mod:`loaders.remote`: it returns once
+            there yet (a cache streamed from object storage, :mod:`shards.mirror`: it returns once
             the file has arrived, or raises); default None: a missing file is :class:`ShardCorrupt`.
         verify_reads: recompute each sample's sha256 (over its whole members, as in the index) when
             it is read: on every :meth:`get`, and in :meth:`views` once per batch (rows equal to the
