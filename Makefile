@@ -130,7 +130,7 @@ test: $(VENV)/.installed browser launchers
 # (the suite runs 20 and 10); HYPOTHESIS_MAX_EXAMPLES=N for
 # another number. Prints how many rows ran and the reject reasons seen.
 test-long: $(VENV)/.installed launchers
-	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m long -n $(TEST_JOBS) --maxprocesses 4 --dist loadgroup $(PYTEST_ARGS)
 	SHARDCACHE_BUILD_BOSON=1 $(PY) -m pytest -q tests/test_higgs_boson.py $(PYTEST_ARGS)
 	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -s -p no:warnings tests/test_hostile_rows.py tests/test_manifest_properties.py $(PYTEST_ARGS)
 
