@@ -21,9 +21,11 @@ option table is generated from them (:func:`effects_table`).
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import operator
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
@@ -284,16 +286,7 @@ def check_job_record(out_dir: Path, fp: str, describe: dict, batch: dict, global
     path = out_dir / PARTS_DIR / JOB_FILE
     if path.exists():
         old = json.loads(path.read_text())
-        recorded = old.get("batch")  # first: a batched encoder's policy is in the fingerprint too (its describe())
-        ours = json.loads(json.dumps(batch))
-        if recorded != ours:
-            diff = _diff(recorded or {}, ours)
-            was = ", ".join(f"{p} {_at(recorded, p)!r} (now {_at(ours, p)!r})" for p in diff)
-            raise BatchPolicyMismatch(
-                f"{out_dir} was started with another batch policy: {was or 'none recorded'}. On a GPU a clip's "
-                "codes and an image's latents depend on what they are batched with, so a cache written with two "
-                "policies mixes them: resume with the recorded values (--OPTION VALUE for each), or write to a "
-                "new --cache directory.")
+        _check_batch(out_dir, old.get("batch"), batch)  # first: a batched encoder's policy is in the fingerprint too
         if old.get("fingerprint") != fp:
             ours = json.loads(json.dumps(describe))
             diff = _diff(old.get("describe", {}), ours)
@@ -306,6 +299,155 @@ def check_job_record(out_dir: Path, fp: str, describe: dict, batch: dict, global
         write_json_atomic({"fingerprint": fp, "describe": describe, "batch": batch}, path)
         return True
     return False
+
+
+def check_batch_record(out_dir: Path, batch: dict) -> None:
+    """Refuse a resume with another batch policy than ``parts/job.json`` records (:class:`BatchPolicyMismatch`,
+    naming each option and both values); nothing when the cache records none yet. Loads no encoder: the
+    first check of a rerun (:func:`check_job_record` makes it again with the fingerprint)."""
+    path = out_dir / PARTS_DIR / JOB_FILE
+    if path.exists():
+        _check_batch(out_dir, json.loads(path.read_text()).get("batch"), batch)
+
+
+def _check_batch(out_dir: Path, recorded: Any, batch: dict) -> None:
+    ours = json.loads(json.dumps(batch))
+    if recorded != ours:
+        diff = _diff(recorded or {}, ours)
+        was = ", ".join(f"{p} {_at(recorded, p)!r} (now {_at(ours, p)!r})" for p in diff)
+        raise BatchPolicyMismatch(
+            f"{out_dir} was started with another batch policy: {was or 'none recorded'}. On a GPU a clip's "
+            "codes and an image's latents depend on what they are batched with, so a cache written with two "
+            "policies mixes them: resume with the recorded values (--OPTION VALUE for each), or write to a "
+            "new --cache directory.")
+
+
+# ---- what the fingerprint comes from, known without loading an encoder -------------------------------------
+
+#: stage one's code that makes the fingerprint (the encoders' describe(), the preprocessing): a change to it makes
+#: the next run load its encoders once to compute the fingerprint again
+FINGERPRINT_CODE = ("precompute/config.py", "precompute/identity.py", "precompute/chat.py", "precompute/encode.py",
+                    "precompute/job.py", "precompute/encoders", "precompute/producers", "shardcache/weights.py")
+#: the libraries whose versions are part of it (a model's config as a library writes it is in describe())
+FINGERPRINT_LIBRARIES = ("shardcache", "torch", "transformers", "diffusers", "tokenizers", "numpy")
+#: the spec key that names a checkpoint (:data:`SPEC_KEYS`: through the encoder's identity)
+CHECKPOINT_KEY = "pretrained"
+
+
+def _tree_signature(folder: str) -> list | None:
+    """``[relative path, size, mtime_ns]`` of every file under ``folder`` (links followed), None when unreadable."""
+    out = []
+    try:
+        for dirpath, dirs, files in os.walk(folder, followlinks=True):
+            dirs.sort()
+            for name in sorted(files):
+                full = os.path.join(dirpath, name)
+                st = os.stat(full)
+                out.append([os.path.relpath(full, folder), st.st_size, st.st_mtime_ns])
+    except OSError:
+        return None
+    return out
+
+
+def checkpoint_signature(pretrained: str) -> list | None:
+    """What identifies a checkpoint without reading its weights: every file of its folder with its size and
+    modification time; a hub id through its snapshot in the local Hugging Face cache (never the network;
+    the snapshot's folder names the commit). None when it cannot be told (not cached, unreadable)."""
+    if os.path.isdir(pretrained):
+        return _tree_signature(pretrained)
+    if os.path.isfile(pretrained):
+        st = os.stat(pretrained)
+        return [[os.path.basename(pretrained), st.st_size, st.st_mtime_ns]]
+    try:
+        from huggingface_hub import snapshot_download
+        folder = snapshot_download(pretrained, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not a cached hub id (or no huggingface_hub): unknown without loading
+        return None
+    sig = _tree_signature(folder)
+    return None if sig is None else [os.path.basename(folder), *sig]
+
+
+def _module_source(factory: str) -> str | None:
+    """sha256 of the source file of a plug-in factory's module (``package.module:callable``), found without
+    importing the module itself; None when it cannot be found."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(str(factory).partition(":")[0])
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return None
+    return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
+
+
+def _code_signature() -> str:
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for rel in FINGERPRINT_CODE:
+        p = root / rel
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            if f.exists():
+                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for name in FINGERPRINT_LIBRARIES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def input_identity(cfg: Any, kinds: Any) -> str | None:
+    """sha256 of everything the cache's fingerprint is made from, known without loading an encoder: every
+    ``bytes`` option and spec key (both kinds: the fingerprint's and the encoders' identity, the checkpoint
+    paths among them), each checkpoint's files with their sizes and modification times
+    (:func:`checkpoint_signature`), each plug-in factory's module source, the media ``kinds`` the manifest's
+    rows hold (they decide the tokens a tokenizer gets), stage one's code that makes the fingerprint
+    (:data:`FINGERPRINT_CODE`) and the versions of :data:`FINGERPRINT_LIBRARIES`. Equal identities give equal
+    fingerprints, so a rerun whose identity is the one ``parts/job.json`` records needs no encoder to know
+    the cache is its own. None when a checkpoint or plug-in cannot be told apart without loading it (the
+    job then loads its encoders and compares the fingerprint itself)."""
+    values, checkpoints, plugins = {}, {}, {}
+    for path, value, effect, _ in walk(cfg):
+        if effect.kind != "bytes":
+            continue
+        values[path] = json.loads(json.dumps(_canonical(effect, value), default=str))
+        key = path.rpartition(".")[2]
+        if key == CHECKPOINT_KEY and isinstance(value, str):
+            if (sig := checkpoint_signature(value)) is None:
+                return None
+            checkpoints[path] = sig
+        elif key == "factory":
+            if (src := _module_source(value)) is None:
+                return None
+            plugins[path] = src
+    ident = {"options": values, "checkpoints": checkpoints, "plugins": plugins, "kinds": sorted(kinds),
+             "code": _code_signature(), "versions": _versions()}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def recorded_inputs(out_dir: Path) -> str | None:
+    """The :func:`input_identity` ``parts/job.json`` records (None: none)."""
+    path = out_dir / PARTS_DIR / JOB_FILE
+    return json.loads(path.read_text()).get("inputs") if path.exists() else None
+
+
+def record_inputs(out_dir: Path, inputs: str | None) -> bool:
+    """Record ``inputs`` (:func:`input_identity`) in ``parts/job.json`` after the fingerprint was checked
+    against it (rank 0); True when the file changed."""
+    path = out_dir / PARTS_DIR / JOB_FILE
+    if inputs is None or not path.exists():
+        return False
+    record = json.loads(path.read_text())
+    if record.get("inputs") == inputs:
+        return False
+    write_json_atomic(record | {"inputs": inputs}, path)
+    return True
 
 
 # ---- docs/trust.md's table -------------------------------------------------------------------------------
@@ -335,4 +477,5 @@ def effects_table() -> str:
 
 __all__ = ["SPEC_KEYS", "PLUGIN_KEYS", "UndeclaredOption", "BatchPolicyMismatch", "spec_effects", "producer_effects",
            "walk", "fingerprint_options", "filter_values", "batch_policy", "spec_fingerprint", "spec_batch_policy",
-           "undeclared", "check_job_record", "effects_table", "BATCH", "SPEC"]
+           "undeclared", "check_job_record", "check_batch_record", "input_identity", "recorded_inputs", "record_inputs",
+           "checkpoint_signature", "effects_table", "BATCH", "SPEC"]

@@ -381,17 +381,22 @@ class HFCodecTokenizer(Declares):
         for p, c in clips:
             x[p, 0, : c.size] = c
         if self.processes > 1:
-            if self._pool is None:
-                if self._recipe is None:
-                    raise ValueError(f"{type(self).__name__}: processes > 1 needs a codec loaded with from_pretrained")
-                from .processes import CodecPool
-                self._pool = CodecPool(self._recipe, self.processes)
+            self.start()
             return _Checked(self._pool.submit(x), self, call)
         with torch.inference_mode():
             xt = to_device(x, self.device, self.dtype)  # pinned + non-blocking on CUDA
             codes = self._encode_batch(xt)
         _check_shape(self, call, tuple(codes.shape))
         return to_host(codes)
+
+    def start(self) -> None:
+        """With ``processes > 1``: start the codec processes, all at once (each loads the checkpoint), and wait
+        until every one is ready; the job calls it when it builds, so no call waits for them. Nothing else."""
+        if self.processes > 1 and self._pool is None:
+            if self._recipe is None:
+                raise ValueError(f"{type(self).__name__}: processes > 1 needs a codec loaded with from_pretrained")
+            from .processes import CodecPool
+            self._pool = CodecPool(self._recipe, self.processes)
 
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256`` plus the code contract and ``encode_version``.

@@ -65,9 +65,13 @@ class _Worker:
         self.sent = 0  # calls sent
         self.replies: dict[int, Any] = {}
         self.dead: str | None = None
+
+    def ready(self) -> "_Worker":
+        """Wait until the process has loaded the codec; then read its replies as they come."""
         self.conn.recv_bytes()  # ready: the codec is loaded
         self.reader = threading.Thread(target=self._read, daemon=True, name="codec-process-reader")
         self.reader.start()
+        return self
 
     def _read(self) -> None:
         n = 0
@@ -113,7 +117,7 @@ class CodecPool:
 
     def __init__(self, recipe: tuple[type, str, dict], n: int):
         ctx = mp.get_context("spawn")  # CUDA in the parent: a forked child could not use it
-        self.workers = [_Worker(ctx, recipe) for _ in range(n)]
+        self.workers = [w.ready() for w in [_Worker(ctx, recipe) for _ in range(n)]]  # all start, then load at once
         self._next = 0
         self._lock = threading.Lock()
         weakref.finalize(self, CodecPool._stop, self.workers)
