@@ -43,8 +43,8 @@ US_PER_ROW_TARGET = 50.0
 CLIP_S = 0.1
 SAMPLE_RATE = 24_000
 
-#: perf_counter() of the codec's first call in this process (None: not called yet)
-FIRST_CALL: list[float] = []
+#: ``(perf_counter(), process_time())`` of the codec's first call in this process (empty: not called yet)
+FIRST_CALL: list[tuple[float, float]] = []
 
 
 class FirstCallCodec:
@@ -58,7 +58,7 @@ class FirstCallCodec:
     def encode(self, waveforms: list) -> list:
         import numpy as np
         if not FIRST_CALL:
-            FIRST_CALL.append(time.perf_counter())
+            FIRST_CALL.append((time.perf_counter(), time.process_time()))
         return [np.zeros((self.n_codebooks, -(-len(w) // self.hop_length)), np.int16) for w in waveforms]
 
     def describe(self) -> dict:
@@ -75,9 +75,10 @@ def corpus_dir() -> Path:
     return Path(os.environ.get("SHARDCACHE_BENCH_CORPUS") or Path.home() / ".cache" / "shardcache" / "bench-corpus")
 
 
-def write_corpus(n: int, where: Path | None = None) -> Path:
-    """``scale-N/manifest.jsonl`` (N rows naming ``clip.wav``) and the clip, written once; returns the manifest."""
-    folder = (where or corpus_dir()) / f"scale-{n}"
+def write_corpus(n: int, where: Path | None = None, encoded: int = 10_000) -> Path:
+    """``scale-N/manifest.jsonl`` (N rows naming ``clip.wav``; the rows after the first ``encoded`` have no text)
+    and the clip, written once; returns the manifest."""
+    folder = (where or corpus_dir()) / f"scale-{n}-{encoded}"
     manifest = folder / "manifest.jsonl"
     if manifest.exists():
         return manifest
@@ -90,8 +91,9 @@ def write_corpus(n: int, where: Path | None = None) -> Path:
     tmp = manifest.with_suffix(".tmp")
     with open(tmp, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"key": f"row-{i:08d}", "text": f"Row {i} of the scale benchmark, one line of text.",
-                                "audio": "clip.wav", "speaker": f"spk-{i % 97:02d}"}) + "\n")
+            text = f"Row {i} of the scale benchmark, one line of text." if i < encoded else ""
+            f.write(json.dumps({"key": f"row-{i:08d}", "text": text, "audio": "clip.wav",
+                                "speaker": f"spk-{i % 97:02d}"}) + "\n")
     tmp.rename(manifest)
     return manifest
 
@@ -118,16 +120,17 @@ def child(mode: str, manifest: Path, cache: Path) -> dict:
     cfg = dataclasses.replace(cfg, audio_tokenizer={"factory": "benchmarks.bench_scale_stage_one:codec"},
                               image_encoder=None)
     import benchmarks.bench_scale_stage_one as me  # the codec's module as the job imports it (FIRST_CALL)
-    import librosa  # noqa: F401 - what the job's decoders import at start (imports are not planning)
-    import soundfile  # noqa: F401
+    from precompute.pipeline import preload_decoders
+    preload_decoders()  # what the job's decoders import (librosa's lazy modules: seconds): imports are not planning
     after_imports = _current_rss_mib()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     summary, _ = run(manifest, cache, cfg, progress=False)
-    total = time.perf_counter() - t0
-    first = me.FIRST_CALL[0] - t0 if me.FIRST_CALL else None
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    first = (me.FIRST_CALL[0][0] - t0, me.FIRST_CALL[0][1] - c0) if me.FIRST_CALL else (None, None)
+    r3 = lambda x: round(x, 3) if x is not None else None  # noqa: E731
     return {"mode": mode, "kept": summary.kept, "rejected": summary.rejected, "skipped": summary.skipped_rows,
-            "total_s": round(total, 3), "planning_s": round(first, 3) if first is not None else None,
-            "loop_s": round(summary.wall_s, 3), "rss_after_imports_MiB": round(after_imports, 1),
+            "total_s": r3(total), "total_cpu_s": r3(cpu), "planning_s": r3(first[0]), "planning_cpu_s": r3(first[1]),
+            "loop_s": r3(summary.wall_s), "rss_after_imports_MiB": round(after_imports, 1),
             "peak_rss_MiB": round(_rss_mib(), 1), "rerun": summary.rerun}
 
 

@@ -120,22 +120,27 @@ def _parse_llava(rec: dict, base: MediaRoot, columns: dict[str, str]) -> Parsed:
     return conv, _raw_key(rec.get("id"), "id"), C.as_text(rec.get("speaker"), "speaker"), {}
 
 
+#: the names a flat row is read by (``columns`` renames them)
+FLAT_NAMES = ("key", "text", "audio", "image", "speaker", "offset", "duration")
+
+
 def _parse_flat(rec: dict, base: MediaRoot, columns: dict[str, str]) -> Parsed:
     """A flat row (key, text, audio, image, speaker, offset, duration; ``columns`` renames them)."""
-    col = lambda name: columns.get(name, name)  # noqa: E731
-    get = lambda name: rec.get(col(name))  # noqa: E731
-    misc = rec.get("misc") if isinstance(rec.get("misc"), dict) else {}
-    key = _raw_key(get("key"), col("key")) or _raw_key(rec.get("id"), "id") or _raw_key(misc.get("key"), "misc.key")
-    speaker = C.as_text(get("speaker"), col("speaker"))
-    audio = C.as_path(get("audio"), col("audio"), base)
-    image = C.as_path(get("image"), col("image"), base)
-    offset = C.as_seconds(get("offset"), col("offset"), allow_none=False)
-    duration = C.as_seconds(get("duration"), col("duration"), allow_none=True)
+    c_key, c_text, c_audio, c_image, c_speaker, c_offset, c_duration = (columns.get(n, n) for n in FLAT_NAMES) \
+        if columns else FLAT_NAMES
+    misc = rec.get("misc")
+    key = _raw_key(rec.get(c_key), c_key) or _raw_key(rec.get("id"), "id") or \
+        (_raw_key(misc.get("key"), "misc.key") if isinstance(misc, dict) else None)
+    speaker = C.as_text(rec.get(c_speaker), c_speaker)
+    audio = C.as_path(rec.get(c_audio), c_audio, base)
+    image = C.as_path(rec.get(c_image), c_image, base)
+    offset = C.as_seconds(rec.get(c_offset), c_offset, allow_none=False)
+    duration = C.as_seconds(rec.get(c_duration), c_duration, allow_none=True)
     if duration is not None and duration <= 0:
-        raise RowError(col("duration"), f"must be > 0, got {get('duration')!r}")
+        raise RowError(c_duration, f"must be > 0, got {rec.get(c_duration)!r}")
     if audio is None and image is None:
-        raise RowError(col("audio"), "row has no audio and no image")
-    conv = C.from_flat(C.as_text(get("text"), col("text")).strip(), audio, image, speaker, offset, duration)
+        raise RowError(c_audio, "row has no audio and no image")
+    conv = C.from_flat(C.as_text(rec.get(c_text), c_text).strip(), audio, image, speaker, offset, duration)
     return conv, key, speaker, {}
 
 
@@ -172,11 +177,21 @@ FORMATS: dict[str, ManifestFormat] = {f.name: f for f in (
 )}
 
 
+#: the JSON formats a record names by its marker key, in :data:`FORMATS` order
+_MARKED = tuple((f.marker, f) for f in FORMATS.values() if f.marker is not None)
+
+
 def _record_format(rec: dict, fmt: ManifestFormat) -> ManifestFormat:
     """The format a record of a file in ``fmt`` is parsed as: JSON records by their own marker."""
     if fmt.read is not json_records:
         return fmt
-    return next((f for f in FORMATS.values() if f.marker is not None and f.marker in rec), FORMATS["jsonl"])
+    for marker, f in _MARKED:
+        if marker in rec:
+            return f
+    return _JSONL
+
+
+_JSONL = FORMATS["jsonl"]
 
 
 def _key_hint(rec: Any, columns: dict[str, str]) -> str | None:
@@ -256,10 +271,12 @@ class ManifestReader:
         self.require_text, self.allow_outside_root = bool(require_text), bool(allow_outside_root)
         self.base = MediaRoot(root if root else path.parent, allow_outside_root)  # sources are recorded absolute
         header = csv_header(path) if self.format.read is csv_records else []
-        #: what every row's digest holds besides the row: how the file is read and parsed
+        #: what every row's digest holds besides the row: what decides how the same text is parsed (the
+        #: format, the media root paths are joined to, the columns read, a CSV header). ``allow_outside_root``
+        #: is not in it: it decides only whether a row is a reject, and the reject is in the digest
         self.context = json.dumps({"format": self.format.name, "root": str(self.base.root), "columns": self.columns,
-                                   "allow_outside_root": self.allow_outside_root, "require_text": self.require_text,
-                                   "header": header, "parse": PARSE_VERSION}, sort_keys=True, ensure_ascii=False)
+                                   "require_text": self.require_text, "header": header, "parse": PARSE_VERSION},
+                                  sort_keys=True, ensure_ascii=False)
 
     @property
     def root(self) -> Path:

@@ -2,9 +2,10 @@
 
 :meth:`ManifestPlan.build` reads the manifest once (:class:`precompute.manifests.ManifestReader`), a block of
 :data:`BLOCK_ROWS` rows at a time, and keeps of each row only fixed-size columns (numpy): three 64-bit hashes
-(its key after Unicode NFC normalisation, its key made safe, its rerun id), its 16-byte digest and a byte of
+(its key after Unicode NFC normalisation, its key made safe, its rerun id), its 16-byte digest, the 16-byte
+hash of its serialised form and a byte of
 flags (parsed, keyless, empty text, audio, images, outside the media root). What the job needs of a row
-later (its key as written, the digest's input, its media files' size and modification time) goes to a
+later (its key as written, its media files' size and modification time) goes to a
 *spill file* (Arrow IPC, one record batch per block, in a temporary folder of this process), read back a
 block at a time. The decisions made across rows are then taken on the columns (numpy sorts), the strings
 of a group read back from the spill file only where two rows share a hash (a repeated key, keys equal once
@@ -24,10 +25,11 @@ key, a reject found while reading) and the ``filter`` options of its scopes
 (:func:`precompute.identity.filter_values`): no copy of the row is made to digest it.
 
 :meth:`ManifestPlan.requests` reads the manifest again and yields the rows (only those of the positions
-asked for, with the decisions applied); each row's digest is computed again and compared, so a manifest
-edited while the job ran stops it (:class:`ManifestChanged`) instead of encoding rows the plan did not see.
+asked for, with the decisions applied); each row's serialised form is hashed again and compared, so a
+manifest edited while the job ran stops it (:class:`ManifestChanged`) instead of encoding rows the plan did
+not see.
 
-Memory: about 45 bytes per row in the columns (plus 8 per row while the decisions are taken) and what
+Memory: about 60 bytes per row in the columns (plus 8 per row while the decisions are taken) and what
 :data:`BLOCK_ROWS` rows take while they are read; the spill file takes about 100 bytes per row on disk.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import array
 import copy
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -63,7 +66,7 @@ BLOCK_ROWS = 4096
 PARSED, WINDOW, EMPTY, AUDIO, IMAGE, OUTSIDE = 1, 2, 4, 8, 16, 32
 #: the values of the option ``source_digest``: what a rerun compares of each media file
 SOURCE_DIGESTS = ("stat", "content")
-_SPILL = pa.schema([("raw", pa.string()), ("cdig", pa.binary(16)), ("sources", pa.string())])
+_SPILL = pa.schema([("raw", pa.string()), ("sources", pa.string())])
 _IDENTITY_KEY = __import__("re").compile(r"h[0-9a-f]{16}")
 
 
@@ -111,6 +114,14 @@ def own_id(raw: str, window: bool) -> str:
     """A row's rerun id from the manifest alone (:mod:`precompute.rerun`): ``key:`` + its key as written (or
     the name of a row that cannot be parsed), ``window:`` + its identity key (:func:`is_window`)."""
     return ("window:" if window else "key:") + raw
+
+
+def _strings(values: list[str]) -> pa.Array:
+    """An Arrow string array of ``values`` built from its buffers (``pa.array`` of a list imports pandas)."""
+    data = [v.encode("utf-8") for v in values]
+    offsets = array.array("i", [0])
+    offsets.extend(itertools.accumulate(map(len, data)))
+    return pa.Array.from_buffers(pa.string(), len(values), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
 
 
 def _scopes(filters: dict[str, dict]) -> dict[int, bytes]:
@@ -217,13 +228,12 @@ class ManifestPlan:
         scopes, stats, source_digest = self._scopes, self.stats, self.source_digest
         kinds: set[str] = set()
         raws: list[str] = []
-        cdigs: list[bytes] = []
         srcs: list[str] = []
+        cdigs = bytearray()
         with pa.OSFile(str(self._spill), "wb") as sink, pa.ipc.new_file(sink, _SPILL) as spill:
             def flush() -> None:
-                spill.write_batch(pa.record_batch([pa.array(raws, pa.string()), pa.array(cdigs, pa.binary(16)),
-                                                   pa.array(srcs, pa.string())], schema=_SPILL))
-                raws.clear(), cdigs.clear(), srcs.clear()
+                spill.write_batch(pa.record_batch([_strings(raws), _strings(srcs)], schema=_SPILL))
+                raws.clear(), srcs.clear()
 
             for r in self.reader.rows():
                 req, raw = r.req, r.raw
@@ -234,7 +244,7 @@ class ManifestPlan:
                     window = is_window(r)
                     f = PARSED | (WINDOW if window else 0) | (EMPTY if r.empty else 0) | \
                         (AUDIO if conv.audio else 0) | (IMAGE if conv.images else 0)
-                    if conv.audio or conv.images:
+                    if (conv.audio or conv.images) and len(kinds) < len(chat.KINDS):
                         kinds |= chat.needed_kinds([conv])
                     h_nfc.append(_h(nfc(raw)))
                     h_safe.append(_h(req.key))
@@ -253,7 +263,7 @@ class ManifestPlan:
                 flags.append(f)
                 digest += self._digest(cdig, req.key, reason, f)
                 raws.append(raw)
-                cdigs.append(cdig)
+                cdigs += cdig
                 srcs.append(json.dumps(sources(req, source_digest)))
                 if len(raws) == BLOCK_ROWS:
                     flush()
@@ -261,11 +271,13 @@ class ManifestPlan:
                 flush()
         self.n = stats.rows = len(flags)
         stats.kinds = frozenset(kinds)
-        self.flags = np.frombuffer(bytes(flags), np.uint8).copy()
-        self.digest = np.frombuffer(bytes(digest), np.uint8).reshape(-1, 16).copy()
-        self._h_nfc = np.frombuffer(h_nfc, np.uint64).copy()
-        self.h_key = np.frombuffer(h_safe, np.uint64).copy()
-        self._h_own = np.frombuffer(h_own, np.uint64).copy()
+        # numpy views of the buffers filled above (no copy): the columns
+        self.flags = np.frombuffer(flags, np.uint8)
+        self.digest = np.frombuffer(digest, np.uint8).reshape(-1, 16)
+        self.cdig = np.frombuffer(cdigs, np.uint8).reshape(-1, 16)
+        self._h_nfc = np.frombuffer(h_nfc, np.uint64)
+        self.h_key = np.frombuffer(h_safe, np.uint64)
+        self._h_own = np.frombuffer(h_own, np.uint64)
 
     def _digest(self, cdig: bytes, key: str, reason: str | None, f: int) -> bytes:
         """A row's digest: its serialised form (``cdig``), its sample key, its reject reason and the filter
@@ -326,6 +338,7 @@ class ManifestPlan:
                     key = suffixed(safe, raw, attempt)
                 given.add(key)
                 self.renamed[p] = key
+            self.h_key = self.h_key.copy()
             for p, key in self.renamed.items():
                 self.h_key[p] = _h(key)
         # rerun ids: the N-th row claiming one id is ID#N
@@ -340,13 +353,16 @@ class ManifestPlan:
                 n = count[own] = count.get(own, 0) + 1
                 if n > 1:
                     self.numbered[p] = n
+        if self.numbered:
+            self.h_id = self.h_id.copy()  # (a view of the read buffer until now)
         for p, n in self.numbered.items():
             self.h_id[p] = _h(f"{self.id_of(p, numbered=False)}#{n}")
-        self._id_order = np.argsort(self.h_id, kind="stable")
+        self._id_order = np.argsort(self.h_id, kind="stable").astype(np.int32 if self.n < 2**31 else np.int64)
         self._id_sorted = self.h_id[self._id_order]
+        del self.h_id  # (the sorted hashes answer :meth:`find`)
         # the digests the decisions changed (a repeated key, a suffixed key)
         for p in sorted(set(self.dup) | set(self.renamed)):
-            raw, cdig, _ = self._row(p)
+            raw, cdig = self._row(p)[0], bytes(self.cdig[p])
             reason = schema.DUPLICATE_KEY if p in self.dup else (schema.EMPTY_TEXT if self.flags[p] & EMPTY else None)
             self.digest[p] = np.frombuffer(self._digest(cdig, self.key_of(p, raw), reason, int(self.flags[p])), np.uint8)
 
@@ -358,14 +374,14 @@ class ManifestPlan:
             if self._spill_file is None:
                 self._spill_file = pa.ipc.open_file(pa.OSFile(str(self._spill), "rb"))
             batch = self._spill_file.get_batch(b)
-            self._block = (b, tuple(batch.column(i).to_pylist() for i in range(3)))
+            self._block = (b, tuple(batch.column(i).to_pylist() for i in range(2)))
         return self._block[1]
 
-    def _row(self, p: int) -> tuple[str, bytes, str]:
-        """``(raw key or name, digest input hash, sources JSON)`` of row ``p`` from the spill file."""
+    def _row(self, p: int) -> tuple[str, str]:
+        """``(raw key or name, sources JSON)`` of row ``p`` from the spill file."""
         cols = self._batch(p // BLOCK_ROWS)
         i = p % BLOCK_ROWS
-        return cols[0][i], cols[1][i], cols[2][i]
+        return cols[0][i], cols[1][i]
 
     def raws(self, positions: Iterable[int]) -> list[str]:
         """The key as written (or the name of a row not parsed) of each position (the spill file read a block
@@ -414,20 +430,26 @@ class ManifestPlan:
     def find(self, row_id: str) -> int | None:
         """The position of the (last) row whose rerun id hashes as ``row_id`` does, or None. A 64-bit hash
         shared by two ids can only make a rerun re-encode a row (its digest is compared too), never keep one."""
-        h = np.uint64(_h(row_id))
-        i = int(np.searchsorted(self._id_sorted, h, side="right"))
-        if i == 0 or self._id_sorted[i - 1] != h:
-            return None
-        return int(self._id_order[i - 1])
+        return self.find_all([row_id])[0]
+
+    def find_all(self, row_ids: list[str]) -> list[int | None]:
+        """:meth:`find` of each of ``row_ids`` (one sorted search for all of them)."""
+        if not row_ids:
+            return []
+        h = np.fromiter((_h(r) if isinstance(r, str) else 0 for r in row_ids), np.uint64, len(row_ids))
+        i = np.searchsorted(self._id_sorted, h, side="right") - 1
+        ok = (i >= 0) & (self._id_sorted[np.maximum(i, 0)] == h)
+        pos = self._id_order[np.maximum(i, 0)]
+        return [int(p) if hit else None for p, hit in zip(pos.tolist(), ok.tolist())]
 
     def sources_of(self, p: int) -> tuple:
         """Row ``p``'s media files as :func:`sources` recorded them when the plan was made."""
-        return tuple(tuple(s) for s in json.loads(self._row(p)[2]))
+        return tuple(tuple(s) for s in json.loads(self._row(p)[1]))
 
     def record(self, p: int):
         """Row ``p``'s :class:`precompute.rerun.RowRecord` (what a chunk records of it)."""
         from .rerun import RowRecord
-        raw, _, src = self._row(p)
+        raw, src = self._row(p)
         key = None if self.rejected[p] else self.key_of(p, raw)
         return RowRecord(self.id_of(p, raw=raw), bytes(self.digest[p]).hex(), key,
                          tuple(tuple(s) for s in json.loads(src)))
@@ -461,11 +483,9 @@ class ManifestPlan:
                 raise ManifestChanged(f"{self.reader.path}: the manifest has more rows than when the job read it "
                                       f"({self.n}): it was edited while the job ran; run it again")
             req = self._apply(p, r)
-            if check:
-                cdig = hashlib.sha256(context + r.text.encode("utf-8", "surrogatepass")).digest()[:16]
-                reason = req.error[0] if req.error else None
-                if self._digest(cdig, req.key, reason, int(self.flags[p])) != bytes(self.digest[p]):
-                    raise ManifestChanged(f"{self.reader.path}: row {p} is not what it was when the job read the "
+            if check and hashlib.sha256(context + r.text.encode("utf-8", "surrogatepass")).digest()[:16] \
+                    != bytes(self.cdig[p]):
+                raise ManifestChanged(f"{self.reader.path}: row {p} is not what it was when the job read the "
                                           "manifest: it was edited while the job ran; run the job again")
             yield p, req
             if want is not None:

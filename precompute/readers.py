@@ -134,14 +134,12 @@ class TextLines:
             yield from self._utf8(f)
 
     def _wide(self, f, codec: str) -> Iterator[str]:
-        text = io.TextIOWrapper(f, encoding=codec, errors="surrogatepass", newline="")
+        text = io.TextIOWrapper(f, encoding=codec, errors="surrogatepass", newline="")  # closes f with it
         try:  # a lone surrogate stays one: the row holding it is rejected, not the file
             yield from text
         except UnicodeDecodeError as e:
             raise ManifestUnreadable(f"manifest {self.path}: starts with a {codec.upper()} byte-order mark but "
                                      f"is not {codec.upper()} ({e}); save it as UTF-8") from None
-        finally:
-            text.detach()
 
     def _utf8(self, f) -> Iterator[str]:
         latin: list[int] = []
@@ -171,7 +169,7 @@ def strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise ValueError(f"repeated key {dup!r}: a JSON object may name a key once (which value was meant?)")
-    if not all(k.isascii() for k in obj):
+    if not "".join(obj).isascii():
         norm: dict[str, str] = {}
         for k in obj:
             other = norm.setdefault(nfc(k), k)

@@ -166,16 +166,16 @@ def plan_rerun(plan: Any, done: Mapping[str, dict | None], *, keep_removed: bool
             out.stale.append(stem)
             out.old_chunks += 1
             rows = list(meta.get("rows") or [])
-            pos = [p for p in (plan.find(r) for r in rows if isinstance(r, str)) if p is not None]
+            pos = [p for p in plan.find_all(rows) if p is not None]
             in_cache[pos] = True
             out.reencoded_with_chunk += len(pos)
             out.removed += len(rows) - len(pos)
             continue
-        pos = [plan.find(r[0]) for r in recs]
+        pos = plan.find_all([r[0] for r in recs])
         present = np.array([p for p in pos if p is not None], np.int64)
         removed = [r for r, p in zip(recs, pos) if p is None]
         in_cache[present] = True
-        changed = sum(_changed(plan, p, r, mode) for r, p in zip(recs, pos) if p is not None)
+        changed = _changed(plan, [(p, r) for r, p in zip(recs, pos) if p is not None], mode)
         if changed or (removed and not keep_removed):
             stale[stem] = (len(present), changed, removed)
         else:
@@ -218,10 +218,19 @@ def plan_rerun(plan: Any, done: Mapping[str, dict | None], *, keep_removed: bool
     return out
 
 
-def _changed(plan: Any, p: int, rec: tuple, mode: str) -> bool:
-    """Whether manifest row ``p`` is not what the chunk recorded as ``rec``: another digest, or media files
-    that changed (:func:`sources_unchanged`)."""
-    return rec[1] != bytes(plan.digest[p]).hex() or not sources_unchanged(rec[3], plan.sources_of(p), mode)
+def _changed(plan: Any, pairs: list[tuple[int, tuple]], mode: str) -> int:
+    """How many manifest rows ``p`` are not what a chunk recorded as ``rec`` (``pairs``): another digest (all
+    compared at once), or media files that changed (:func:`sources_unchanged`)."""
+    if not pairs:
+        return 0
+    try:
+        recorded = np.frombuffer(bytes.fromhex("".join(rec[1] for _, rec in pairs)), np.uint8).reshape(-1, 16)
+    except (TypeError, ValueError):  # a digest that is not 32 hex digits: that row has changed
+        return sum(not isinstance(rec[1], str) or rec[1] != bytes(plan.digest[p]).hex() or
+                   not sources_unchanged(rec[3], plan.sources_of(p), mode) for p, rec in pairs)
+    same = (recorded == plan.digest[[p for p, _ in pairs]]).all(axis=1)
+    return sum(not ok or not sources_unchanged(rec[3], plan.sources_of(p), mode)
+               for (p, rec), ok in zip(pairs, same.tolist()))
 
 
 def _wanted(plan: Any, key: str, covered: np.ndarray) -> bool:
