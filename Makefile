@@ -197,9 +197,12 @@ bench-venv: $(BENCH_VENV)/.installed
 # CEILING_N: samples per job kind of stage one's null-encoder ceiling (synthetic corpus, written once
 # into $$SHARDCACHE_BENCH_CORPUS or ~/.cache/shardcache/bench-corpus); `--only ceiling` runs it alone.
 CEILING_N ?= 2000
+# SCALE_SIZES: manifest rows of stage one's scale section (planning, no-change rerun, peak RSS per rank;
+# benchmarks/bench_scale_stage_one.py); `--only scale_stage_one` runs it alone.
+SCALE_SIZES ?= 10000,100000,1000000
 bench: $(VENV)/.installed $(MODELS)/.built
 	@$(MAKE) --no-print-directory bench-venv || echo "bench: no benchmark venv ($(BENCH_VENV)); the peers (LitData, Mosaic) are skipped"
-	$(PY) -m benchmarks.run --ceiling-n $(CEILING_N)
+	$(PY) -m benchmarks.run --ceiling-n $(CEILING_N) --scale-sizes $(SCALE_SIZES)
 	$(PY) scripts/gen_docs.py  # docs/benchmarks.md's table from benchmarks/results/summary.md
 
 # On a CUDA machine: stage one with real-size random encoders and the recipes' data wait with 0/2/8

@@ -3,24 +3,34 @@
     python -m benchmarks.run --only scale_stage_one [--scale-sizes 10000,100000,1000000]   # in make bench
     python -m benchmarks.bench_scale_stage_one [--sizes 10000,100000]                      # this section alone
 
-The corpus (as issue 48 measured it): N flat JSONL rows, each naming the same 0.1 s clip (24 kHz, so
-nothing is resampled), with a key, a line of text and a speaker; a zero-cost codec
-(:class:`FirstCallCodec`: zeros, and the time of its first call), no image encoder, the bytes tokenizer,
-decoding in the job's process (``num_workers: 0``, the CPU default), the default 256 rows per shard. Written
-once per N under ``$SHARDCACHE_BENCH_CORPUS`` (default ``~/.cache/shardcache/bench-corpus``), outside the
-repository.
+The corpus (as issue 48 measured it): N flat JSONL rows, each naming the same 0.1 s clip (24 kHz, so nothing
+is resampled), with a key, a speaker and, for the first :data:`ENCODED` rows, a line of text; the rows after
+those have no text: they are read, keyed, checked, digested, planned and recorded in their chunks like the
+others and rejected ``empty_text`` without being decoded, so every N encodes the same 10,000 clips (a 1M-row
+job encoding every row would take an hour of this machine's CPU) and the figures measure what grows with the
+manifest. A zero-cost codec (:class:`FirstCallCodec`: zeros, and the time of its first call), no image
+encoder, the bytes tokenizer, decoding in the job's process (``num_workers: 0``, the CPU default), 256 rows per
+shard. Written once per N under ``$SHARDCACHE_BENCH_CORPUS`` (default ``~/.cache/shardcache/bench-corpus``),
+outside the repository.
 
-Each measurement runs in a process of its own (its peak RSS is its own: ``ru_maxrss``), the job of one rank:
+Each measurement runs in a process of its own (its peak RSS is its own), one rank's job:
 
 * **fresh**: :func:`precompute.job.run` into an empty cache. **Planning** is the time from the call to the
   codec's first call (reading, keying, checking and digesting every row, the rerun plan, the chunks, loading
-  the encoders), imports excluded (they are made before the clock starts);
-* **rerun**: the same job again on the cache it wrote, nothing changed: the whole call (it encodes nothing);
-* **peak RSS** of each process (MiB), and what it adds over the same process's RSS right after its imports.
+  the encoders, decoding the first batch), imports excluded (made before the clock starts: the decoders'
+  libraries too, :func:`precompute.pipeline.preload_decoders`);
+* **rerun**: the same job again on the cache it wrote, nothing changed: the whole call (it loads no encoder and
+  encodes nothing);
+* **peak RSS** (``VmHWM``, MiB) of each process: the fresh job's before rank 0 merges the index (every rank's
+  own work: planning, decoding, encoding, writing) and with the merge (:func:`shards.index.merge_parts` reads
+  every part into one table, rank 0 only), the rerun's; and what each adds over the process after its imports.
 
-Every figure is reported per row and as a ratio to the 10k case (the smallest N) of the same run; the targets
-(issue 48): peak RSS at 1M rows within 1.5x of 10k rows, planning and the no-change rerun under 50 us per row.
-Written to ``benchmarks/results/scale_stage_one.json`` (and ``.md``).
+Times are given in wall seconds and in CPU seconds of the process (every thread): the machine is shared, so
+the CPU figure is the one that says what a row costs a core (as the ceiling section does). Every figure is
+per row and as a ratio to the smallest N of the same run; ``slope`` is the cost of one more row between the
+smallest and the largest N (the fixed costs taken out). Targets (issue 48): peak RSS at the largest N within
+1.5x of the smallest, planning and the no-change rerun under 50 us (CPU) per row at the largest N. Written
+to ``benchmarks/results/scale_stage_one.json`` (and ``.md``).
 """
 from __future__ import annotations
 
@@ -42,6 +52,8 @@ RSS_RATIO_TARGET = 1.5
 US_PER_ROW_TARGET = 50.0
 CLIP_S = 0.1
 SAMPLE_RATE = 24_000
+#: rows of each corpus that are encoded (the others have no text: rejected while reading, see the module docstring)
+ENCODED = 10_000
 
 #: ``(perf_counter(), process_time())`` of the codec's first call in this process (empty: not called yet)
 FIRST_CALL: list[tuple[float, float]] = []
@@ -75,7 +87,7 @@ def corpus_dir() -> Path:
     return Path(os.environ.get("SHARDCACHE_BENCH_CORPUS") or Path.home() / ".cache" / "shardcache" / "bench-corpus")
 
 
-def write_corpus(n: int, where: Path | None = None, encoded: int = 10_000) -> Path:
+def write_corpus(n: int, where: Path | None = None, encoded: int = ENCODED) -> Path:
     """``scale-N/manifest.jsonl`` (N rows naming ``clip.wav``; the rows after the first ``encoded`` have no text)
     and the clip, written once; returns the manifest."""
     folder = (where or corpus_dir()) / f"scale-{n}-{encoded}"
@@ -98,14 +110,10 @@ def write_corpus(n: int, where: Path | None = None, encoded: int = 10_000) -> Pa
     return manifest
 
 
-def _rss_mib() -> float:
-    """This process's peak RSS in MiB (``ru_maxrss``: KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _current_rss_mib() -> float:
+def _status_mib(field: str) -> float:
+    """A ``/proc/self/status`` memory figure in MiB (``VmRSS``: now; ``VmHWM``: the peak so far)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -114,24 +122,35 @@ def child(mode: str, manifest: Path, cache: Path) -> dict:
     """One job in this process (``mode``: fresh | rerun): its timings and RSS."""
     import dataclasses
 
+    import precompute.job as job
     from precompute.config import load_config
-    from precompute.job import run
+    from precompute.pipeline import preload_decoders
     cfg = load_config(ROOT / "configs" / "precompute.yaml", ["device=cpu", "num_workers=0"])
     cfg = dataclasses.replace(cfg, audio_tokenizer={"factory": "benchmarks.bench_scale_stage_one:codec"},
                               image_encoder=None)
     import benchmarks.bench_scale_stage_one as me  # the codec's module as the job imports it (FIRST_CALL)
-    from precompute.pipeline import preload_decoders
     preload_decoders()  # what the job's decoders import (librosa's lazy modules: seconds): imports are not planning
-    after_imports = _current_rss_mib()
+    import pyarrow.parquet  # noqa: F401 - (what the merge imports)
+    after_imports = _status_mib("VmRSS")
+    before_merge: list[float] = []
+    merge = job.merge_parts
+
+    def measured_merge(*args, **kwargs):  # the peak of the rank's own work, then rank 0's merge
+        before_merge.append(_status_mib("VmHWM"))
+        return merge(*args, **kwargs)
+
+    job.merge_parts = measured_merge
     t0, c0 = time.perf_counter(), time.process_time()
-    summary, _ = run(manifest, cache, cfg, progress=False)
+    summary, _ = job.run(manifest, cache, cfg, progress=False)
     total, cpu = time.perf_counter() - t0, time.process_time() - c0
     first = (me.FIRST_CALL[0][0] - t0, me.FIRST_CALL[0][1] - c0) if me.FIRST_CALL else (None, None)
     r3 = lambda x: round(x, 3) if x is not None else None  # noqa: E731
+    peak = _status_mib("VmHWM")
     return {"mode": mode, "kept": summary.kept, "rejected": summary.rejected, "skipped": summary.skipped_rows,
             "total_s": r3(total), "total_cpu_s": r3(cpu), "planning_s": r3(first[0]), "planning_cpu_s": r3(first[1]),
             "loop_s": r3(summary.wall_s), "rss_after_imports_MiB": round(after_imports, 1),
-            "peak_rss_MiB": round(_rss_mib(), 1), "rerun": summary.rerun}
+            "peak_rss_before_merge_MiB": round(before_merge[0] if before_merge else peak, 1),
+            "merged": bool(before_merge), "peak_rss_MiB": round(peak, 1), "rerun": summary.rerun}
 
 
 def _child_run(mode: str, manifest: Path, cache: Path) -> dict:
@@ -151,48 +170,77 @@ def run_section(sizes=SIZES) -> dict:
         with tempfile.TemporaryDirectory(prefix="shardcache-scale-") as d:
             fresh = _child_run("fresh", manifest, Path(d) / "cache")
             rerun = _child_run("rerun", manifest, Path(d) / "cache")
-        if fresh["kept"] != n or rerun["kept"] != 0 or rerun["rerun"].get("kept") != n:
+        encoded = min(n, ENCODED)
+        if fresh["kept"] != encoded or fresh["kept"] + fresh["rejected"] != n or rerun["rerun"].get("kept") != n \
+                or rerun["kept"] + rerun["rejected"] != 0:
             raise RuntimeError(f"N={n}: unexpected counts: fresh {fresh}, rerun {rerun}")
-        rows.append({"rows": n, "fresh": fresh, "rerun": rerun,
-                     "planning_us_per_row": round(fresh["planning_s"] / n * 1e6, 2),
-                     "rerun_us_per_row": round(rerun["total_s"] / n * 1e6, 2),
-                     "peak_rss_MiB": max(fresh["peak_rss_MiB"], rerun["peak_rss_MiB"]),
-                     "rss_over_imports_MiB": round(max(fresh["peak_rss_MiB"] - fresh["rss_after_imports_MiB"],
-                                                       rerun["peak_rss_MiB"] - rerun["rss_after_imports_MiB"]), 1)})
-    base = rows[0]
+        per = lambda s: round(s / n * 1e6, 2)  # noqa: E731 - microseconds per row
+        rows.append({"rows": n, "encoded": encoded, "fresh": fresh, "rerun": rerun,
+                     "planning_us_per_row": per(fresh["planning_s"]),
+                     "planning_cpu_us_per_row": per(fresh["planning_cpu_s"]),
+                     "rerun_us_per_row": per(rerun["total_s"]), "rerun_cpu_us_per_row": per(rerun["total_cpu_s"]),
+                     "peak_rss_MiB": max(fresh["peak_rss_before_merge_MiB"], rerun["peak_rss_MiB"]),
+                     "peak_rss_with_merge_MiB": fresh["peak_rss_MiB"],
+                     "rss_over_imports_MiB": round(max(fresh["peak_rss_before_merge_MiB"] - fresh["rss_after_imports_MiB"],
+                                                       rerun["peak_rss_MiB"] - rerun["rss_after_imports_MiB"]), 1),
+                     "merge_adds_MiB": round(fresh["peak_rss_MiB"] - fresh["peak_rss_before_merge_MiB"], 1)})
+    base, top = rows[0], rows[-1]
+    keys = ("planning_us_per_row", "planning_cpu_us_per_row", "rerun_us_per_row", "rerun_cpu_us_per_row",
+            "peak_rss_MiB", "peak_rss_with_merge_MiB")
     for r in rows:
-        r["ratio_to_smallest"] = {k: round(r[k] / base[k], 3) if base[k] else None
-                                  for k in ("planning_us_per_row", "rerun_us_per_row", "peak_rss_MiB")}
+        r["ratio_to_smallest"] = {k: round(r[k] / base[k], 3) if base[k] else None for k in keys}
         r["bytes_per_row_over_imports"] = round(r["rss_over_imports_MiB"] * 2**20 / r["rows"], 1)
-    top = rows[-1]
+    slope = {}
+    if top["rows"] > base["rows"]:
+        dn = top["rows"] - base["rows"]
+        for k, (mode, field) in {"planning_us_per_row": ("fresh", "planning_s"),
+                                 "planning_cpu_us_per_row": ("fresh", "planning_cpu_s"),
+                                 "rerun_us_per_row": ("rerun", "total_s"),
+                                 "rerun_cpu_us_per_row": ("rerun", "total_cpu_s")}.items():
+            slope[k] = round((top[mode][field] - base[mode][field]) / dn * 1e6, 2)
+        slope["rss_bytes_per_row"] = round((top["peak_rss_MiB"] - base["peak_rss_MiB"]) * 2**20 / dn, 1)
+        slope["merge_bytes_per_row"] = round((top["peak_rss_with_merge_MiB"] - base["peak_rss_with_merge_MiB"])
+                                             * 2**20 / dn, 1)
     targets = {"peak_rss_ratio": (top["ratio_to_smallest"]["peak_rss_MiB"], RSS_RATIO_TARGET),
-               "planning_us_per_row": (max(r["planning_us_per_row"] for r in rows), US_PER_ROW_TARGET),
-               "rerun_us_per_row": (max(r["rerun_us_per_row"] for r in rows), US_PER_ROW_TARGET)}
+               "peak_rss_with_merge_ratio": (top["ratio_to_smallest"]["peak_rss_with_merge_MiB"], RSS_RATIO_TARGET),
+               "planning_cpu_us_per_row": (top["planning_cpu_us_per_row"], US_PER_ROW_TARGET),
+               "rerun_cpu_us_per_row": (top["rerun_cpu_us_per_row"], US_PER_ROW_TARGET)}
     met = {k: v <= t for k, (v, t) in targets.items()}
-    return {"sizes": [r["rows"] for r in rows], "runs": rows, "targets": targets, "met": met,
-            "loadavg": list(os.getloadavg()), "cpus": os.cpu_count()}
+    return {"sizes": [r["rows"] for r in rows], "encoded": ENCODED, "runs": rows, "slope": slope, "targets": targets,
+            "met": met, "loadavg": list(os.getloadavg()), "cpus": os.cpu_count()}
 
 
 def summary_lines(r: dict) -> list[str]:
     """The section of ``make bench``'s summary."""
-    out = [f"**Stage one at scale** (N flat JSONL rows naming one 0.1 s clip, a zero-cost codec, the bytes "
-           f"tokenizer, one rank, decoding in its process; each job in a process of its own; ratios to "
-           f"N = {r['sizes'][0]:,} of this run; load average {r['loadavg'][0]:.1f} on {r['cpus']} cores):", "",
-           "| rows | planning (us/row) | no-change rerun (us/row) | peak RSS (MiB) | over imports (bytes/row) | "
-           "planning x | rerun x | RSS x |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = [f"**Stage one at scale** (N flat JSONL rows naming one 0.1 s clip, the first {r['encoded']:,} encoded, the "
+           "others read, planned and recorded but rejected empty_text unread; a zero-cost codec, the bytes tokenizer, "
+           "one rank decoding in its process; each job in a process of its own; CPU = the process's CPU time, all "
+           f"threads; ratios to N = {r['sizes'][0]:,} of this run; load average {r['loadavg'][0]:.1f} on "
+           f"{r['cpus']} cores):", "",
+           "| rows | planning us/row (CPU) | no-change rerun us/row (CPU) | peak RSS MiB (with rank 0's merge) | "
+           "over imports, bytes/row | planning x | rerun x | RSS x (with merge) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for x in r["runs"]:
         q = x["ratio_to_smallest"]
-        out.append(f"| {x['rows']:,} | {x['planning_us_per_row']:.1f} | {x['rerun_us_per_row']:.1f} | "
-                   f"{x['peak_rss_MiB']:.0f} | {x['bytes_per_row_over_imports']:.0f} | {q['planning_us_per_row']:.2f} | "
-                   f"{q['rerun_us_per_row']:.2f} | {q['peak_rss_MiB']:.2f} |")
-    t, met = r["targets"], r["met"]
-    out += ["", "Targets (issue 48): peak RSS at the largest N / the smallest "
-            f"{t['peak_rss_ratio'][0]:.2f} (target <= {t['peak_rss_ratio'][1]}: {'met' if met['peak_rss_ratio'] else 'NOT met'}); "
-            f"planning at most {t['planning_us_per_row'][0]:.1f} us/row (target < {t['planning_us_per_row'][1]:.0f}: "
-            f"{'met' if met['planning_us_per_row'] else 'NOT met'}); no-change rerun at most "
-            f"{t['rerun_us_per_row'][0]:.1f} us/row (target < {t['rerun_us_per_row'][1]:.0f}: "
-            f"{'met' if met['rerun_us_per_row'] else 'NOT met'}).", ""]
-    return out
+        out.append(f"| {x['rows']:,} | {x['planning_us_per_row']:.1f} ({x['planning_cpu_us_per_row']:.1f}) | "
+                   f"{x['rerun_us_per_row']:.1f} ({x['rerun_cpu_us_per_row']:.1f}) | {x['peak_rss_MiB']:.0f} "
+                   f"({x['peak_rss_with_merge_MiB']:.0f}) | {x['bytes_per_row_over_imports']:.0f} | "
+                   f"{q['planning_cpu_us_per_row']:.2f} | {q['rerun_cpu_us_per_row']:.2f} | {q['peak_rss_MiB']:.2f} "
+                   f"({q['peak_rss_with_merge_MiB']:.2f}) |")
+    t, met, sl = r["targets"], r["met"], r.get("slope") or {}
+    word = lambda k: "met" if met[k] else "NOT met"  # noqa: E731
+    out += ["", f"Targets (issue 48), at the largest N: peak RSS / the smallest N's {t['peak_rss_ratio'][0]:.2f} "
+            f"(target <= {t['peak_rss_ratio'][1]}: {word('peak_rss_ratio')}; with rank 0's merge "
+            f"{t['peak_rss_with_merge_ratio'][0]:.2f}: {word('peak_rss_with_merge_ratio')}); planning "
+            f"{t['planning_cpu_us_per_row'][0]:.1f} CPU-us/row (target < {t['planning_cpu_us_per_row'][1]:.0f}: "
+            f"{word('planning_cpu_us_per_row')}); no-change rerun {t['rerun_cpu_us_per_row'][0]:.1f} CPU-us/row "
+            f"(target < {t['rerun_cpu_us_per_row'][1]:.0f}: {word('rerun_cpu_us_per_row')})."]
+    if sl:
+        out.append(f"One more row costs (smallest to largest N): planning {sl['planning_us_per_row']:.1f} us "
+                   f"({sl['planning_cpu_us_per_row']:.1f} CPU), rerun {sl['rerun_us_per_row']:.1f} us "
+                   f"({sl['rerun_cpu_us_per_row']:.1f} CPU), peak RSS {sl['rss_bytes_per_row']:.0f} bytes "
+                   f"({sl['merge_bytes_per_row']:.0f} with rank 0's merge).")
+    return out + [""]
 
 
 def main(argv=None) -> int:

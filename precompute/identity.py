@@ -1,9 +1,11 @@
 """A cache's identity, derived from what every option declares (:class:`shardcache.config.Effect`).
 
 Each option of :class:`precompute.config.PrecomputeConfig` (``option(effect=...)``), each key of an encoder
-spec (the encoder class's ``OPTION_EFFECTS``, plus :data:`SPEC_KEYS`), of a producer spec
-(:data:`precompute.producers.PRODUCER_EFFECTS`) and of a plug-in spec (:data:`PLUGIN_KEYS`) says what changing
-it does to a cache. From those declarations, and nothing else:
+spec (the encoder class's ``OPTION_EFFECTS``, plus :data:`SPEC_KEYS`), of a producer spec (the producer
+class's ``OPTION_EFFECTS``, :data:`precompute.producers.PRODUCERS`) and of a plug-in spec (:data:`PLUGIN_KEYS`)
+says what changing it does to a cache. Which options hold specs is declared too (``effect=SPEC``): an option
+whose name is an encoder registry's (:func:`encoder_options`) holds one encoder spec, any other one a mapping of
+named producer specs (``extra_fields``). From those declarations, and nothing else:
 
 * :func:`fingerprint_options`: the values of every ``bytes`` option the fingerprint holds itself (nested
   specs reduced to their ``bytes`` keys); ``bytes`` options ``via="identity"`` (a ``pretrained`` path) reach
@@ -45,7 +47,7 @@ JOB_FILE = "job.json"
 
 class UndeclaredOption(TypeError):
     """An option (or a key of an encoder / producer spec) without a declared effect: a bug in the code
-    that added it (declare it: ``option(effect=...)``, the class's ``OPTION_EFFECTS``, ``PRODUCER_EFFECTS``)."""
+    that added it (declare it: ``option(effect=...)``, the encoder's or the producer's ``OPTION_EFFECTS``)."""
 
 
 class BatchPolicyMismatch(FingerprintMismatch):
@@ -57,6 +59,17 @@ def _tables() -> dict[str, tuple[Mapping[str, type], str]]:
     from .encoders.registry import SPECS
     from .producers.image_features import VISION_ENCODERS
     return dict(SPECS) | {"image_features": (VISION_ENCODERS, "gemma3")}
+
+
+def spec_options(cls: type) -> list[str]:
+    """The options of the config class ``cls`` declared ``effect=SPEC`` (they hold specs), in order."""
+    return [path for path, (_, f) in options(cls).items() if effect_of(f) is not None and effect_of(f).kind == "spec"]
+
+
+def encoder_options(cls: type) -> list[str]:
+    """The spec options of ``cls`` that hold one encoder spec: those an encoder registry is named for
+    (:func:`_tables`); the others hold named producer specs."""
+    return [o for o in spec_options(cls) if o in _tables()]
 
 
 def encoder_class(option: str, spec: Mapping) -> type | None:
@@ -82,14 +95,16 @@ def spec_effects(option: str, spec: Mapping) -> dict[str, Effect]:
 
 
 def producer_effects(spec: Mapping) -> dict[str, Effect]:
-    """Every key of an ``extra_fields`` / add-field producer spec -> its declared effect."""
-    from .producers import PRODUCER_EFFECTS
+    """Every key of an ``extra_fields`` / add-field producer spec -> its declared effect (the producer class's
+    ``OPTION_EFFECTS``)."""
+    from .producers import PRODUCERS
     if "factory" in spec:
         return dict(PLUGIN_KEYS)
     name = spec.get("producer")
-    if name not in PRODUCER_EFFECTS:
-        raise UndeclaredOption(f"extra_fields: producer {name!r} has no entry in precompute.producers.PRODUCER_EFFECTS")
-    own = dict(PRODUCER_EFFECTS[name])
+    if name not in PRODUCERS or not PRODUCERS[name].OPTION_EFFECTS:
+        raise UndeclaredOption(f"extra_fields: producer {name!r} declares no OPTION_EFFECTS "
+                               "(precompute.producers.PRODUCERS)")
+    own = dict(PRODUCERS[name].OPTION_EFFECTS)
     if own.pop("*", None) is not None:  # the spec itself is an encoder spec too (image_features)
         inner = {k: v for k, v in spec.items() if k not in own}
         own |= spec_effects(name, inner)
@@ -100,7 +115,8 @@ def _defaults(cls: Any) -> dict[str, Any]:
     """The default of each keyword of ``cls``'s constructor (``from_pretrained`` too): what an omitted key means."""
     out: dict[str, Any] = {}
     fns = [cls] if inspect.isfunction(cls) else [k.__dict__[m] for k in reversed(cls.__mro__)  # subclasses win
-                                                   for m in ("__init__", "from_pretrained") if m in k.__dict__]
+                                                   for m in ("__init__", "from_pretrained", "from_spec")
+                                                   if m in k.__dict__]
     for fn in fns:
         fn = fn.__func__ if isinstance(fn, classmethod) else fn
         try:
@@ -136,13 +152,14 @@ def walk(cfg: Any) -> Iterator[tuple[str, Any, Effect, Any]]:
     """``(option path, value, effect, default)`` for every option of ``cfg`` and every key of its specs
     (``audio_tokenizer.max_batch_size``, ``extra_fields.audio_16k.sample_rate``); ``default`` is what an
     omitted spec key means (``inspect.Parameter.empty`` where none). Raises :class:`UndeclaredOption`."""
+    encoders = encoder_options(type(cfg))
     for path, (_, f) in options(type(cfg)).items():
         effect, value = effect_of(f), operator.attrgetter(path)(cfg)
         if effect is None:
             raise UndeclaredOption(f"{type(cfg).__name__}.{path}: no declared effect (option(effect=...))")
         if effect.kind != "spec":
             yield path, value, effect, inspect.Parameter.empty
-        elif path == "extra_fields":
+        elif path not in encoders:  # named producer specs (extra_fields)
             for name, spec in (value or {}).items():
                 if not isinstance(spec, Mapping):
                     yield f"{path}.{name}", spec, BYTES, inspect.Parameter.empty
@@ -176,7 +193,7 @@ def fingerprint_options(cfg: Any) -> dict[str, Any]:
     for path, value, effect, default in walk(cfg):
         if effect.kind == "bytes" and effect.via == "fingerprint" and value != default:
             _set(out, path, json.loads(json.dumps(_canonical(effect, value), default=str)))
-    for option in ("audio_tokenizer", "image_encoder", "text_tokenizer", "image_features", "extra_fields"):
+    for option in spec_options(type(cfg)):
         out.setdefault(option, {} if getattr(cfg, option) is not None else None)  # a spec of defaults only
     return out
 
@@ -202,7 +219,7 @@ def batch_policy(cfg: Any, device: str) -> dict[str, Any]:
         if effect.kind != "batch":
             continue
         _set(out, path, _canonical(effect, device if path == "device" else value))
-    for option in ("audio_tokenizer", "image_encoder", "image_features"):  # batch keys left at their default
+    for option in encoder_options(type(cfg)):  # batch keys left at their default
         spec = getattr(cfg, option)
         if isinstance(spec, Mapping):
             _defaults_into(out, option, spec, spec_effects(option, spec), encoder_class(option, spec))
@@ -239,9 +256,10 @@ def spec_batch_policy(spec: Mapping) -> dict[str, Any]:
     for path, value, effect, _ in _producer_walk(spec):
         if effect.kind == "batch":
             _set(out, path, value)
-    for key in ("audio_tokenizer", "image_encoder"):
+    nested = [k for k, e in producer_effects(spec).items() if e.kind == "spec"] if "factory" not in spec else []
+    for key in nested:  # the producer's own encoder specs (codes: audio_tokenizer, latents: image_encoder)
         inner = spec.get(key)
-        if isinstance(inner, Mapping) and "factory" not in spec:
+        if isinstance(inner, Mapping):
             _defaults_into(out, f"spec.{key}", inner, spec_effects(key, inner), encoder_class(key, inner))
     return out
 
@@ -457,7 +475,7 @@ def effects_table() -> str:
     of each built-in encoder and producer spec, then add-field's options."""
     from .add_field import AddFieldOptions
     from .config import PrecomputeConfig
-    from .producers import PRODUCER_EFFECTS
+    from .producers import PRODUCERS
     rows = ["| option | effect |", "| --- | --- |"]
     for path, (_, f) in options(PrecomputeConfig).items():
         rows.append(f"| `{path}` | {effect_of(f).words()} |")
@@ -466,8 +484,8 @@ def effects_table() -> str:
             for key, effect in spec_effects(option, {"name": name}).items():
                 rows.append(f"| `{option}.{key}` ({name}) | {effect.words()} |")
         rows.append(f"| `{option}` plug-in `factory`, `kwargs` | {BYTES.words()} |")
-    for name, keys in PRODUCER_EFFECTS.items():
-        for key, effect in keys.items():
+    for name, cls in PRODUCERS.items():
+        for key, effect in cls.OPTION_EFFECTS.items():
             if key != "*":
                 rows.append(f"| `extra_fields.NAME.{key}` (producer {name}) | {effect.words()} |")
     for path, (_, f) in options(AddFieldOptions).items():
@@ -476,6 +494,7 @@ def effects_table() -> str:
 
 
 __all__ = ["SPEC_KEYS", "PLUGIN_KEYS", "UndeclaredOption", "BatchPolicyMismatch", "spec_effects", "producer_effects",
+           "spec_options", "encoder_options",
            "walk", "fingerprint_options", "filter_values", "batch_policy", "spec_fingerprint", "spec_batch_policy",
            "undeclared", "check_job_record", "check_batch_record", "input_identity", "recorded_inputs", "record_inputs",
            "checkpoint_signature", "effects_table", "BATCH", "SPEC"]

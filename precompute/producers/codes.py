@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import BYTES, SPEC
 from shards.schema import SEGMENT_COLUMNS
 
 from ..encoders.batching import Call
@@ -48,6 +49,15 @@ class CodesProducer(Producer):
     in exactly those calls, zero slots elsewhere."""
 
     name = "codes"
+    OPTION_EFFECTS = {"producer": BYTES, "audio_tokenizer": SPEC}
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", audio_tokenizer: Any = None, **_: Any) -> "CodesProducer":
+        """``{producer: codes, audio_tokenizer: {name, pretrained, ...}}``: the codec's codes as field ``field``."""
+        from ..encoders import load_audio_tokenizer
+        if not audio_tokenizer:
+            raise ValueError(f"producer codes for {field!r} needs an audio_tokenizer spec ({{name, pretrained}})")
+        return cls(load_audio_tokenizer(audio_tokenizer, device), field, segments=False)
 
     def __init__(self, codec: Any, field: str = "codes", segments: bool = True, device: str = "cpu"):
         self.codec, self.field = codec, field

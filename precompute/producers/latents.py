@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import BYTES, SPEC
+
 from ..encoders.capabilities import Pending, capabilities_of
 from .base import Producer, Timer, encode_each, submit_each
 
@@ -17,6 +19,16 @@ class LatentsProducer(Producer):
 
     name = "latents"
     needs_images = True
+    OPTION_EFFECTS = {"producer": BYTES, "image_encoder": SPEC, "store_posterior": BYTES}
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", image_encoder: Any = None, store_posterior: bool = False,
+                  **_: Any) -> "LatentsProducer":
+        """``{producer: latents, image_encoder: {name, pretrained, ...}, store_posterior}``: the VAE's latents."""
+        from ..encoders import load_image_encoder
+        if not image_encoder:
+            raise ValueError(f"producer latents for {field!r} needs an image_encoder spec ({{name, pretrained}})")
+        return cls(load_image_encoder(image_encoder, device), bool(store_posterior), field)
 
     def __init__(self, vae: Any, posterior: bool = False, field: str = "latents", info: dict | None = None,
                  device: str = "cpu"):
