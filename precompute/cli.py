@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from shardcache import config as S
+from shardcache.quiet import quiet_libraries
 from shardcache.ranks import Ranks
 from shards.errors import ShardcacheError, WriteRefused
 
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    quiet_libraries()
     # configuration errors stop here, before any model is loaded or any file written
     try:
         cfg, args = config_from_args(argv)
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", ranks.note)
     if global_rank == 0:
         log.info("config file: %s (%s)", args.config_file or "none", args.config_source)
-        log.info("config: %s", S.to_dict(cfg))
+        log.info("%s", S.changes_line(cfg))
     try:
         summary, manifest = run(args.manifest, args.cache, cfg, root=args.root, global_rank=global_rank,
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,
@@ -122,7 +126,31 @@ def main(argv: list[str] | None = None) -> int:
         if empty is not None:
             print(f"error: {empty}", file=sys.stderr)
             return 1
+        for line in closing_lines(args.cache, args.manifest, c):
+            print(line)
     return 0
+
+
+def closing_lines(cache: str, manifest: str, counts: dict) -> list[str]:
+    """What the summary ends with: the rejects that ``expected_rejects.json`` beside the manifest lists, when it
+    lists them all (the bundled demo's and real-mini's rows broken on purpose: data/demo/README.md), where each
+    reject is named (``shards rejects``), and how to look at the cache (``shards view``, ``make view``)."""
+    from shards import read_rejects
+    from shards.storage import is_url
+    out = []
+    expected = Path(manifest).parent / "expected_rejects.json"
+    if counts.get("rejected") and not is_url(cache) and expected.is_file():
+        try:
+            listed = {(r["key"], r["reason"]) for r in json.loads(expected.read_text())}
+        except (ValueError, KeyError, TypeError):
+            listed = set()
+        got = {(r["key"], r["reason"]) for r in read_rejects(cache).select(["key", "reason"]).to_pylist()}
+        if got and got <= listed:
+            out.append(f"  all {len(got)} rejects are rows {expected} lists as broken on purpose")
+    if counts.get("rejected"):
+        out.append(f"each reject's row and reason: shardcache shards rejects {cache}")
+    out.append(f"look at the cache: shardcache shards view {cache}   (or: make view OUT={cache})")
+    return out
 
 
 def empty_cache_error(cache: str, manifest: dict) -> str | None:

@@ -312,10 +312,17 @@ class Committed(dict):
     def __getitem__(self, stem: str) -> dict:
         return read_part_meta(dict.__getitem__(self, stem)) or {}
 
-    def newer_than(self, path: Path) -> bool:
-        """Whether a chunk was committed after ``path`` was written (the index misses it)."""
-        t = path.stat().st_mtime_ns if path.exists() else -1
-        return any(p.stat().st_mtime_ns > t for p in dict.values(self) if p.exists())
+
+
+#: the key of ``manifest.json`` that records which chunks the last merge covered (:func:`chunks_digest`)
+CHUNKS_KEY = "merged_chunks"
+
+
+def chunks_digest(stems) -> str:
+    """sha256 of the sorted stems of the committed chunks a merge covers: a rerun that finds other chunks
+    committed merges again (a run killed after committing, before merging)."""
+    import hashlib
+    return hashlib.sha256("\n".join(sorted(stems)).encode()).hexdigest()
 
 
 def committed(out_dir: Path) -> Committed:
@@ -424,11 +431,17 @@ def _up_to_date(output, plan: ManifestPlan, rerun: RerunPlan, done: Committed, o
         old = read_manifest(out_dir)
         if rerun.stale:
             output.drop_chunks(rerun.stale)  # rows no longer in the manifest: their chunks go
-        if rerun.stale or not _complete(out_dir) or done.newer_than(out_dir / MANIFEST_FILE) \
-                or old.get("config") != opts.config or old.get("source_manifest") != str(manifest):
+        why = ("chunks were dropped" if rerun.stale else "the index, manifest or integrity root is missing"
+               if not _complete(out_dir) else "a chunk was committed after the last merge"
+               if old.get(CHUNKS_KEY) != chunks_digest(done) else "the config recorded differs"
+               if old.get("config") != opts.config else "the manifest recorded differs"
+               if old.get("source_manifest") != str(manifest) else None)
+        if why is not None:
+            log.info("merging the index again: %s", why)
             keep = {k: v for k, v in old.items() if k not in ("format_version", "created", "counts", "shards")}
+            stems = [stem for stem in done if stem not in rerun.stale]
             result = merge_parts(out_dir, keep | {"config": dict(opts.config), "source_manifest": str(manifest),
-                                                  "world_size": world_size})
+                                                  "world_size": world_size, CHUNKS_KEY: chunks_digest(stems)})
             output.publish()
         else:
             result = old
@@ -531,6 +544,7 @@ def _encode(output, plan: ManifestPlan, rerun: RerunPlan, chunks: list[Chunk], k
         man.text_vocab_size, man.text_pad_id = enc.text.vocab_size, enc.text.pad_id
         man.config, man.source_manifest, man.world_size = dict(opts.config), str(manifest), world_size
         man.extra["media_root"] = str(plan.reader.root)
+        man.extra[CHUNKS_KEY] = chunks_digest(stem for stem in Committed(out_dir))
         if precision:
             man.extra["precision_check"] = precision
         result = merge_parts(out_dir, man)
