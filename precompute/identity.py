@@ -424,8 +424,8 @@ def input_identity(cfg: Any, kinds: Any) -> str | None:
     """sha256 of everything the cache's fingerprint is made from, known without loading an encoder: every
     ``bytes`` option and spec key (both kinds: the fingerprint's and the encoders' identity, the checkpoint
     paths among them), each checkpoint's files with their sizes and modification times
-    (:func:`checkpoint_signature`), each plug-in factory's module source, the media ``kinds`` the manifest's
-    rows hold (they decide the tokens a tokenizer gets), stage one's code that makes the fingerprint
+    (:func:`checkpoint_signature`), each plug-in factory's module source, with ``add_missing_tokens`` the media
+    ``kinds`` the manifest's rows hold (they decide the tokens added to the tokenizer), stage one's code that makes the fingerprint
     (:data:`FINGERPRINT_CODE`) and the versions of :data:`FINGERPRINT_LIBRARIES`. Equal identities give equal
     fingerprints, so a rerun whose identity is the one ``parts/job.json`` records needs no encoder to know
     the cache is its own. None when a checkpoint or plug-in cannot be told apart without loading it (the
@@ -444,7 +444,9 @@ def input_identity(cfg: Any, kinds: Any) -> str | None:
             if (src := _module_source(value)) is None:
                 return None
             plugins[path] = src
-    ident = {"options": values, "checkpoints": checkpoints, "plugins": plugins, "kinds": sorted(kinds),
+    # the media kinds decide the tokens added to a tokenizer (add_missing_tokens), else nothing of the fingerprint
+    ident = {"options": values, "checkpoints": checkpoints, "plugins": plugins,
+             "kinds": sorted(kinds) if cfg.add_missing_tokens else None,
              "code": _code_signature(), "versions": _versions()}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -252,10 +252,12 @@ class _Window:
     def __init__(self, lines: Iterator[str]):
         self.lines, self.buf, self.base, self.nl, self.last_nl, self.eof = lines, "", 0, 0, -1, False
 
-    def fill(self, at_least: int = BLOCK) -> bool:
-        """Read at least ``at_least`` more characters (fewer at the end of the file); False at its end."""
+    def fill(self, at_least: int | None = None) -> bool:
+        """Read at least ``at_least`` (default :data:`BLOCK`) more characters (fewer at the end of the file);
+        False at its end."""
         if self.eof:
             return False
+        at_least = at_least or BLOCK
         parts, n = [], 0
         for line in self.lines:
             parts.append(line)
