@@ -11,7 +11,7 @@ named producer specs (``extra_fields``). From those declarations, and nothing el
   specs reduced to their ``bytes`` keys); ``bytes`` options ``via="identity"`` (a ``pretrained`` path) reach
   the fingerprint through the loaded encoder's ``describe()`` instead;
 * :func:`filter_values`: the ``filter`` options of each row scope, put into every such row's digest
-  (:func:`precompute.rerun.row_digest`), so a rerun re-decides exactly the rows a changed filter applies to;
+  (:class:`precompute.plan.ManifestPlan`), so a rerun re-decides exactly the rows a changed filter applies to;
 * :func:`batch_policy`: the ``batch`` options (encoder batch sizes, chunking, the device type), recorded in
   ``parts/job.json`` when a cache is started and compared on every resume (:func:`check_job_record`);
 * ``operational`` options are in none of them.
@@ -200,7 +200,7 @@ def fingerprint_options(cfg: Any) -> dict[str, Any]:
 
 def filter_values(cfg: Any) -> dict[str, dict[str, Any]]:
     """Row scope (``audio``, ``image``, ``row``) -> ``{option: value}`` of the ``filter`` options that decide
-    the rows of that scope (put into each such row's digest: :func:`precompute.rerun.row_digest`). The
+    the rows of that scope (put into each such row's digest: :class:`precompute.plan.ManifestPlan`). The
     ``read`` and ``rerun`` scopes need no value there: the row as read is in its digest, and a rerun decides
     the rows no longer in the manifest each time."""
     out: dict[str, dict[str, Any]] = {"audio": {}, "image": {}, "row": {}}

@@ -383,6 +383,16 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     return summary, result
 
 
+def _merged(out_dir: Path) -> dict:
+    """The cache's ``manifest.json`` as the last merge wrote it ({} when there is none or it does not read: the
+    job then merges it again)."""
+    from shards.errors import ShardcacheError
+    try:
+        return read_manifest(out_dir)
+    except ShardcacheError:
+        return {}
+
+
 def _complete(out_dir: Path) -> bool:
     """Whether the cache's index, manifest and integrity root are there (a merge finished)."""
     return all((out_dir / name).exists() for name in (INDEX_FILE, MANIFEST_FILE, ROOT_FILE))
@@ -408,7 +418,7 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
         chunks = plan_chunks(plan.n, opts.samples_per_shard, rerun.covered, kept)
         inputs, recorded = input_identity(cfg, plan.stats.kinds), recorded_inputs(out_dir)
         sync()  # every rank has read the recorded inputs before rank 0 records new ones
-        if not chunks and not rerun.carry and inputs is not None and inputs == recorded and read_manifest(out_dir):
+        if not chunks and not rerun.carry and inputs is not None and inputs == recorded and _merged(out_dir):
             return _up_to_date(output, plan, rerun, done, opts, manifest, global_rank, world_size, sync, t0)
         job = Job.build(cfg, opts.device, kinds=plan.stats.kinds, options=opts)  # the encoders load here
         return _encode(output, plan, rerun, chunks, kept, job, inputs, manifest, global_rank, world_size, sync,
@@ -428,7 +438,7 @@ def _up_to_date(output, plan: ManifestPlan, rerun: RerunPlan, done: Committed, o
     if global_rank == 0:
         log.info("nothing to encode: the cache holds every row of the manifest, made with these encoders "
                  "(recorded in %s/%s; no encoder loaded)", PARTS_DIR, JOB_FILE)
-        old = read_manifest(out_dir)
+        old = _merged(out_dir)
         if rerun.stale:
             output.drop_chunks(rerun.stale)  # rows no longer in the manifest: their chunks go
         why = ("chunks were dropped" if rerun.stale else "the index, manifest or integrity root is missing"
