@@ -446,6 +446,10 @@ class ManifestPlan:
         """Row ``p``'s media files as :func:`sources` recorded them when the plan was made."""
         return tuple(tuple(s) for s in json.loads(self._row(p)[1]))
 
+    def sources_text(self, p: int) -> str:
+        """:meth:`sources_of` as the JSON text the spill file holds (``json.dumps`` of the list)."""
+        return self._row(p)[1]
+
     def record(self, p: int):
         """Row ``p``'s :class:`precompute.rerun.RowRecord` (what a chunk records of it)."""
         from .rerun import RowRecord

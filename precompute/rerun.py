@@ -229,7 +229,8 @@ def _changed(plan: Any, pairs: list[tuple[int, tuple]], mode: str) -> int:
         return sum(not isinstance(rec[1], str) or rec[1] != bytes(plan.digest[p]).hex() or
                    not sources_unchanged(rec[3], plan.sources_of(p), mode) for p, rec in pairs)
     same = (recorded == plan.digest[[p for p, _ in pairs]]).all(axis=1)
-    return sum(not ok or not sources_unchanged(rec[3], plan.sources_of(p), mode)
+    return sum(not ok or (json.dumps(rec[3]) != plan.sources_text(p)  # equal as recorded: unchanged in either mode
+                          and not sources_unchanged(rec[3], plan.sources_of(p), mode))
                for (p, rec), ok in zip(pairs, same.tolist()))
 
 
