@@ -113,9 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         close()
-    print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "
-          f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio; setup {summary.setup_s:.1f} s, "
-          f"encoding {summary.wall_s:.1f} s, encoder busy {summary.encoder_busy:.0%} of it")
+    if summary.kept + summary.rejected == 0 and summary.skipped_rows:
+        print(f"[rank {global_rank}] nothing to encode: the cache holds all {summary.skipped_rows} rows "
+              f"({summary.setup_s:.1f} s)")
+    else:
+        print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "
+              f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio; setup {summary.setup_s:.1f} s, "
+              f"encoding {summary.wall_s:.1f} s, encoder busy {summary.encoder_busy:.0%} of it")
     if manifest is not None:
         c = manifest["counts"]
         print(f"cache {args.cache}: {c['samples']} samples in {c['shards']} shards ({c['bytes'] / 1e6:.1f} MB), "
