@@ -87,9 +87,10 @@ def corpus_dir() -> Path:
     return Path(os.environ.get("SHARDCACHE_BENCH_CORPUS") or Path.home() / ".cache" / "shardcache" / "bench-corpus")
 
 
-def write_corpus(n: int, where: Path | None = None, encoded: int = ENCODED) -> Path:
-    """``scale-N/manifest.jsonl`` (N rows naming ``clip.wav``; the rows after the first ``encoded`` have no text)
-    and the clip, written once; returns the manifest."""
+def write_corpus(n: int, where: Path | None = None, encoded: int | None = None) -> Path:
+    """``scale-N-E/manifest.jsonl`` (N rows naming ``clip.wav``; the rows after the first ``encoded``, default
+    :data:`ENCODED`, have no text) and the clip, written once; returns the manifest."""
+    encoded = ENCODED if encoded is None else encoded
     folder = (where or corpus_dir()) / f"scale-{n}-{encoded}"
     manifest = folder / "manifest.jsonl"
     if manifest.exists():

@@ -310,3 +310,21 @@ def test_the_summary_says_the_demos_rejects_are_meant_and_how_to_look(demo_cache
     listed = json.loads((DEMO / "expected_rejects.json").read_text())
     (tmp_path / "expected_rejects.json").write_text(json.dumps(listed[1:]))
     assert not any("on purpose" in ln for ln in closing_lines(str(demo_cache), str(tmp_path / "m.jsonl"), counts))
+
+
+@pytest.mark.long  # make test-long; the streaming tests above check the bounded structure in make test
+def test_the_scale_section_runs_and_reports_ratios(tmp_path, monkeypatch):
+    """make bench's scale_stage_one section end to end at small sizes (300 and 600 rows, 40 encoded): each
+    size's fresh job keeps the encoded rows and rejects the others, its no-change rerun keeps every row and
+    loads nothing, and the summary names the ratios to the smallest size and the targets."""
+    from benchmarks import bench_scale_stage_one as B
+    monkeypatch.setenv("SHARDCACHE_BENCH_CORPUS", str(tmp_path))
+    monkeypatch.setattr(B, "ENCODED", 40)
+    r = B.run_section([300, 600])
+    assert [x["rows"] for x in r["runs"]] == [300, 600]
+    for x in r["runs"]:
+        assert x["fresh"]["kept"] == 40 and x["fresh"]["rejected"] == x["rows"] - 40
+        assert x["rerun"]["rerun"]["kept"] == x["rows"] and not x["rerun"]["merged"]
+    assert r["runs"][0]["ratio_to_smallest"]["peak_rss_MiB"] == 1.0 and set(r["met"]) == set(r["targets"])
+    lines = B.summary_lines(r)
+    assert lines[0].startswith("**Stage one at scale**") and any(ln.startswith("| 600 |") for ln in lines)
