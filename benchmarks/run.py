@@ -1,13 +1,14 @@
 """``make bench``: every figure as a ratio of two things measured in the same run.
 
-    python -m benchmarks.run [--quick] [--only ceiling,overlap,precompute,loader,cache,train_step,data_wait,ddp]
-                             [--ceiling-n 2000] [--overlap-n 600]
+    python -m benchmarks.run [--quick] [--only ceiling,scale_stage_one,overlap,precompute,loader,cache,train_step,data_wait,ddp]
+                             [--ceiling-n 2000] [--scale-sizes 10000,100000,1000000] [--overlap-n 600]
 
 Writes ``benchmarks/results/<name>.json`` per section and ``benchmarks/results/summary.md`` (the
 table the README shows). Uses the bundled demo data and, when present,
 ``../shared/data/real-mini``; ``ceiling`` (stage one with null encoders, :mod:`benchmarks.bench_ceiling`)
 a synthetic corpus of ``--ceiling-n`` samples per job kind, written once outside the repository
-(:mod:`benchmarks.synth_corpus`); ``overlap`` (:mod:`benchmarks.bench_overlap`) the real job with a
+(:mod:`benchmarks.synth_corpus`); ``scale_stage_one`` (:mod:`benchmarks.bench_scale_stage_one`) stage one's
+planning, no-change rerun and peak RSS per rank for manifests of ``--scale-sizes`` rows; ``overlap`` (:mod:`benchmarks.bench_overlap`) the real job with a
 stand-in codec that waits 50 ms per clip without the GIL, one decode process: wall / encoder time. ``--quick`` skips the real-size (randomly initialised) encoders.
 Needs the test models: ``python -m tools.testing --out models`` (tiny) and
 ``--size full --only dac,wan`` (built here on demand).
@@ -31,7 +32,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DEMO = ROOT / "data" / "demo" / "samples.jsonl"
 REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" / "data" / "real-mini"))
 MODELS = ROOT / "models"
-SECTIONS = ("ceiling", "overlap", "precompute", "loader", "cache", "train_step", "data_wait", "ddp")
+SECTIONS = ("ceiling", "scale_stage_one", "overlap", "precompute", "loader", "cache", "train_step", "data_wait", "ddp")
 
 
 def machine() -> dict:
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="skip the real-size encoder configs")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--ceiling-n", type=int, default=2000, help="samples per job kind of the ceiling section")
+    ap.add_argument("--scale-sizes", default="10000,100000,1000000",
+                    help="manifest rows of the scale_stage_one section (comma list, smallest first)")
     ap.add_argument("--overlap-n", type=int, default=600, help="rows per job kind of the overlap section")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
@@ -195,7 +198,7 @@ def main(argv=None) -> int:
     from precompute.job import run as precompute
     caches = {}
     from benchmarks.bench_precompute import corpus_name
-    for manifest in corpora() if only - {"ceiling", "overlap", "precompute", "ddp"} else []:  # the caches the readers read
+    for manifest in corpora() if only - {"ceiling", "scale_stage_one", "overlap", "precompute", "ddp"} else []:  # the caches the readers read
         caches[manifest] = tmp / corpus_name(manifest)
         precompute(manifest, caches[manifest], tiny_config(samples_per_shard=64), progress=False)
 
@@ -206,6 +209,13 @@ def main(argv=None) -> int:
         r = bench_ceiling.run_section(args.ceiling_n)
         save("ceiling", r | {"machine": info})
         lines += bench_ceiling.summary_lines(r)
+
+    marks["scale_stage_one"] = len(lines)
+    if "scale_stage_one" in only:
+        from benchmarks import bench_scale_stage_one
+        r = bench_scale_stage_one.run_section([int(x) for x in args.scale_sizes.split(",")])
+        save("scale_stage_one", r | {"machine": info})
+        lines += bench_scale_stage_one.summary_lines(r)
 
     marks["overlap"] = len(lines)
     if "overlap" in only:

@@ -266,7 +266,7 @@ class Trainer:
         self.out = Path(cfg.job.dir)
         if info.is_main:
             D.log_env_set()
-            log.info("effective config:\n%s", S.dump(cfg))
+            log.info("%s", S.changes_line(cfg))  # the whole config: --print_config
         self.cache = open_cache(cfg, cfg.data.cache)  # manifest + index read once, for everything below
         self.cache_id = self.cache.id                  # recorded in every checkpoint
         self.precision = Precision.of(cfg.training.precision, info.device)

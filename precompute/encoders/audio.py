@@ -394,11 +394,7 @@ class HFCodecTokenizer(Declares, FrameRule):
         for p, c in clips:
             x[p, 0, : c.size] = c
         if self.processes > 1:
-            if self._pool is None:
-                if self._recipe is None:
-                    raise ValueError(f"{type(self).__name__}: processes > 1 needs a codec loaded with from_pretrained")
-                from .processes import CodecPool
-                self._pool = CodecPool(self._recipe, self.processes)
+            self.start()
             return _Checked(self._pool.submit(x), self, call)
         with torch.inference_mode():
             xt = to_device(x, self.device, self.dtype)  # pinned + non-blocking on CUDA
@@ -411,6 +407,15 @@ class HFCodecTokenizer(Declares, FrameRule):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+
+    def start(self) -> None:
+        """With ``processes > 1``: start the codec processes, all at once (each loads the checkpoint), and wait
+        until every one is ready; the job calls it when it builds, so no call waits for them. Nothing else."""
+        if self.processes > 1 and self._pool is None:
+            if self._recipe is None:
+                raise ValueError(f"{type(self).__name__}: processes > 1 needs a codec loaded with from_pretrained")
+            from .processes import CodecPool
+            self._pool = CodecPool(self._recipe, self.processes)
 
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256`` plus the code contract and ``encode_version``.

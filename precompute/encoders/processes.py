@@ -100,14 +100,20 @@ class _Worker:
         self.inflight: dict[int, _Call] = {}
         self.dead: ProcessDied | None = None
         self.replacement: _Worker | None = None
+
+    def ready(self) -> "_Worker":
+        """Wait until the process has loaded the codec (processes start at once and load side by side:
+        :class:`CodecPool`); then read its replies as they come. Raises
+        :class:`~precompute.faults.ProcessDied` when the process dies before its codec is loaded."""
         try:
             self.conn.recv_bytes()  # ready: the codec is loaded
         except (EOFError, OSError):
             self.process.join(timeout=10)
             self.conn.close()
-            raise ProcessDied(name, self.process.pid, self.process.exitcode, "while loading the codec") from None
+            raise ProcessDied(self.name, self.process.pid, self.process.exitcode, "while loading the codec") from None
         self.reader = threading.Thread(target=self._read, daemon=True, name="codec-process-reader")
         self.reader.start()
+        return self
 
     def send(self, call: _Call) -> None:
         """Send ``call`` (registered in :attr:`inflight` first: a process that dies meanwhile is noticed by the
@@ -181,8 +187,10 @@ class CodecPool:
         self.restarted = 0
         self.workers: list[_Worker] = []
         weakref.finalize(self, CodecPool._stop, self.workers)  # (the list itself: replacements go into it)
-        for i in range(n):
+        for i in range(n):  # all start, then load side by side
             self.workers.append(_Worker(self._ctx, recipe, f"codec process {i + 1} of {n}"))
+        for w in self.workers:
+            w.ready()
         self._next = 0
         self._lock = threading.Lock()
 
@@ -213,7 +221,7 @@ class CodecPool:
                 self.restarted += 1
                 log.warning("%s; starting a fresh one in its place and sending it the %d call(s) it had not "
                             "answered (restart %d; %d left)", w.dead, waiting, self.restarted, self.restarts_left)
-                w.replacement = _Worker(self._ctx, self._recipe, w.name)
+                w.replacement = _Worker(self._ctx, self._recipe, w.name).ready()
                 self.workers[self.workers.index(w)] = w.replacement
             target = w.replacement
             with w.cond:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.weights import GEMMA3_VISION, checkpoint_sha256, identity, under
-from shardcache.config import BYTES
+from shardcache.config import BYTES, SPEC
 
 from ..encoders.batching import BatchPolicy
 from ..encoders.capabilities import Capabilities, Declares, Pending
@@ -271,6 +271,16 @@ class ImageFeaturesProducer(Producer):
     ``tokens_per_image``, ``hidden_size``, ``describe()``)."""
 
     name = "image_features"
+    #: ``"*"``: the spec's other keys are an image_features encoder spec (``name``, ``pretrained``, ``dtype``)
+    OPTION_EFFECTS = {"producer": BYTES, "image_rgb": BYTES, "*": SPEC}
+
+    @classmethod
+    def spec_problems(cls, field: str, **spec: Any) -> list[tuple[str, str]]:
+        return image_features_problems(field, **spec)
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", **options: Any) -> "ImageFeaturesProducer":
+        return make_image_features(field=field, device=device, **options)
     needs_images = True
 
     def __init__(self, encoder: Any, field: str = "image_features", image_rgb: str = "composite"):
