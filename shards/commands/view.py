@@ -5,13 +5,15 @@
     shardcache shards view cache/demo --host 0.0.0.0      # other machines too (warns)
 
 Serves on 127.0.0.1 unless ``--host`` names another address, prints the URL, and runs until
-Ctrl-C. Needs the ``[inspect]`` extra (Jinja2, DuckDB, matplotlib): without it the command exits 2
-saying so.
+Ctrl-C. Needs the ``[inspect]`` extra (Jinja2, DuckDB, matplotlib, Pillow): without it the command
+exits 2 saying so. It never goes online for the cache's tokenizer: ``HF_HUB_OFFLINE`` is set for the
+whole process before anything of Hugging Face's is imported.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -48,8 +50,18 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--storage_options", type=_mapping, default=None, metavar="JSON",
                    help="with a URL: fsspec options as a JSON object, e.g. "
                         "'{\"client_kwargs\": {\"endpoint_url\": \"http://minio:9000\"}}'")
+    p.add_argument("--allow_host", action="append", default=[], metavar="NAME",
+                   help="one more Host name to answer (a proxy's, a DNS name of this machine); repeatable. "
+                        "Requests naming any other host are refused (DNS rebinding)")
+    p.add_argument("--query_timeout", type=float, default=None, metavar="S",
+                   help="seconds a filter condition may run before it is stopped (default: %s)" % _timeout())
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     p.set_defaults(func=cmd_view, needs=VIEWER)
+
+
+def _timeout() -> float:
+    from ..viewer.data import QUERY_TIMEOUT_S
+    return QUERY_TIMEOUT_S
 
 
 def _mapping(text: str) -> dict:
@@ -65,25 +77,32 @@ def _mapping(text: str) -> dict:
 def cmd_view(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: a TCP port is 0..65535 (0: any free port)")
-    from ..storage import is_url
+    timeout = _timeout() if args.query_timeout is None else args.query_timeout
+    if not timeout > 0:
+        raise UsageError(f"--query_timeout {args.query_timeout}: seconds, more than 0")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # a page view never goes online (the tokenizer's files are local or absent)
+    from ..storage import is_url, local_path
     from ..viewer.app import App
     from ..viewer.data import ViewedCache
     from ..viewer.server import ViewerServer, is_loopback
+    from .query import refuse_while_written
 
-    source = args.dir if is_url(args.dir) else str(cache_dir(args.dir))
     if not is_url(args.dir):
-        from ..lock import CacheLocked, describe, holder
-        if h := holder(source):  # its index and shards are half-written: what a page shows would be neither
-            raise CacheLocked(f"{source} is being written right now by {describe(h)}: not served; view it once "
-                              "that command has ended", h)
+        try:
+            where = local_path(args.dir)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        # before anything else: a first write has no index yet, and that is no reason to call it "not a cache"
+        refuse_while_written(where, "not served (its index and shards are half-written)")
+    source = args.dir if is_url(args.dir) else str(cache_dir(args.dir))
     if args.storage_options is not None and not is_url(args.dir):
         raise UsageError("--storage_options is for a remote cache (a URL such as s3://bucket/cache)")
     t0 = time.perf_counter()
-    vc = ViewedCache(source, storage_options=args.storage_options)
+    vc = ViewedCache(source, storage_options=args.storage_options, query_timeout_s=timeout)
     try:
         app = App(vc)
         try:
-            server = ViewerServer(app, args.host, args.port, quiet=args.quiet)
+            server = ViewerServer(app, args.host, args.port, quiet=args.quiet, allow_hosts=args.allow_host)
         except OSError as e:
             raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose another "
                              "--port (0: any free port)") from None
@@ -91,7 +110,7 @@ def cmd_view(args: argparse.Namespace) -> int:
             warn(f"serving on {args.host}, not 127.0.0.1: anyone who can reach this machine on port "
                  f"{server.server_address[1]} can read this cache's samples, transcripts and audio")
         out = Out(args)
-        out.line(f"shardcache view: {len(vc):,} samples of {vc.source} (cache id {vc.cache.id}, opened in "
+        out.line(f"shardcache view: {len(vc):,} samples of {vc.source} (cache id {vc.id}, opened in "
                  f"{time.perf_counter() - t0:.2f} s)")
         out.line(f"  {server.url}   (Ctrl-C stops it)")
         sys.stdout.flush()
