@@ -84,6 +84,18 @@ def stored(cache: Path, key: str) -> tuple[dict, dict]:
 
 # ---------------------------------------------------------------------------------------- fixtures
 
+@pytest.fixture(autouse=True, scope="module")
+def _viewer_cache(tmp_path_factory):
+    """The viewer's own cache folder (the side table of text) under this module's tmp folder."""
+    old = os.environ.get("SHARDCACHE_VIEWER_CACHE")
+    os.environ["SHARDCACHE_VIEWER_CACHE"] = str(tmp_path_factory.mktemp("viewer-cache"))
+    yield
+    if old is None:
+        os.environ.pop("SHARDCACHE_VIEWER_CACHE", None)
+    else:
+        os.environ["SHARDCACHE_VIEWER_CACHE"] = old
+
+
 @pytest.fixture(scope="module")
 def caches(real_mini, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("viewer")

@@ -93,8 +93,8 @@ class App:
         only by a request that runs a filter condition."""
         h = {k.lower(): v for k, v in (headers or {}).items()}
         why = refusal(h, self.allowed_hosts)
-        if why is not None:
-            return self._error(403, "Forbidden", why)
+        if why is not None:  # a bare page: nothing of the cache (its name, id, size) goes to another origin
+            return Response(403, f"403 Forbidden: {why}\n".encode(), "text/plain; charset=utf-8")
         if method not in ("GET", "HEAD"):
             return self._error(405, "Method Not Allowed", f"{method}: the viewer only reads (GET)",
                                {"Allow": "GET, HEAD"})

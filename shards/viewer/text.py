@@ -259,6 +259,12 @@ class TextTable:
         except OSError:
             pass
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the build (or the read back) to end; whether the table is complete."""
+        self.start()
+        self._thread.join(timeout)
+        return self.ready
+
     def stop(self) -> None:
         self._stop.set()
 
