@@ -136,6 +136,16 @@ class ViewerServer(ThreadingHTTPServer):
         self.url = f"http://{name}:{self.server_address[1]}/"
         app.allowed_hosts = allowed_names(host, str(self.server_address[0]), allow_hosts)
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that reset or closed its connection is no error of the viewer's (said in one line
+        unless ``quiet``); anything else is reported as the standard library does."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionResetError, BrokenPipeError, TimeoutError)):
+            if not self.quiet:
+                sys.stderr.write(f"view: {client_address[0]} closed the connection ({type(exc).__name__})\n")
+            return
+        super().handle_error(request, client_address)
+
     def start(self) -> threading.Thread:
         """Serve in a daemon thread (tests); returns it. :meth:`shutdown` stops it."""
         t = threading.Thread(target=self.serve_forever, name="shardcache-view", daemon=True)
