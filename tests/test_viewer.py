@@ -527,7 +527,12 @@ def test_a_sample_page_asked_for_before_the_tokenizer_is_loaded_shows_ids_and_sa
     monkeypatch.setattr(tokens, "load_token_text", lambda m: gate.wait() and real(m))
     monkeypatch.setattr("shards.viewer.app.TOKENIZER_WAIT_S", 0.05)
     app = App(ViewedCache(cache))
-    html = app.respond("GET", "/sample/text-0", {}).body.decode()
+    got = []
+    t = threading.Thread(target=lambda: got.append(app.respond("GET", "/sample/text-0", {}).body.decode()))
+    t.start()
+    t.join(30)
+    assert got, "the sample page waited for the tokenizer"
+    html = got[0]
     assert "still loading" in html and html.count("data-label=") > 0
     gate.set()
     assert app.token_text.wait(60)
@@ -586,3 +591,20 @@ def test_the_side_table_of_text_is_kept_outside_the_cache(demo_cache, tmp_path, 
     vc = ViewedCache(demo_cache)
     assert vc.text.wait(120) and vc.text.path is None
     assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in demo_cache.rglob("*")} == before
+
+
+def test_make_view_with_its_port_taken_says_PORT(tmp_path):
+    """The Makefile's own variable, not the command's option, in make's message."""
+    import socket
+    if not (ROOT / ".venv" / ".installed-inspect").exists():
+        pytest.skip("make view needs the checkout's .venv (make setup)")
+    cache = small_cache(tmp_path / "c")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+        r = subprocess.run(["make", "-s", "view", f"PORT={port}", f"OUT={cache}"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"port {port} is taken" in r.stderr and "PORT=" in r.stderr and "--port" not in r.stderr, r.stderr
