@@ -62,18 +62,22 @@ def get(host: str, port: int, path: str, headers: dict | None = None, method: st
 
 
 class Served:
-    """``shards view CACHE --port 0 --quiet ARGS`` in a process of its own; ``pid``, ``host``, ``port``."""
+    """``shards view CACHE --port 0 ARGS`` in a process of its own; ``pid``, ``host``, ``port``, and
+    ``log``: the lines it wrote on stderr so far (one per request)."""
 
     def __init__(self, cache: Path, *args: str, cwd: Path = ROOT, prelude: str = "", env: dict | None = None):
+        import threading
         code = (prelude + "\nimport sys\nfrom shardcache.cli import main\n"
-                "sys.exit(main(['shards', 'view', sys.argv[1], '--port', '0', '--quiet', *sys.argv[2:]]))")
+                "sys.exit(main(['shards', 'view', sys.argv[1], '--port', '0', *sys.argv[2:]]))")
         self.p = subprocess.Popen([sys.executable, "-c", code, str(cache), *args], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(iter(self.p.stderr.readline, "")), daemon=True).start()
         first = self.p.stdout.readline()
         line = self.p.stdout.readline().strip()
         if not line.startswith("http://"):
             self.p.kill()
-            raise AssertionError(first + line + self.p.stderr.read())
+            raise AssertionError(first + line + "".join(self.log))
         self.url = line.split()[0]
         self.host, port = self.url[len("http://"):-1].rsplit(":", 1)
         self.port, self.pid = int(port), self.p.pid
@@ -85,7 +89,7 @@ class Served:
 
     def stop(self) -> None:
         self.p.terminate()
-        self.p.communicate(timeout=30)
+        self.p.wait(timeout=30)
 
 
 # ------------------------------------------------------------------------------- who is answered
@@ -193,7 +197,10 @@ def test_a_filter_whose_client_left_is_stopped(cache):
         busy = cpu_over(srv, 1.5)
         assert busy > 0.3, f"the condition did not run ({busy:.2f} s CPU)"  # (so the next figure means something)
         s.close()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # the request ends (logged with 503: nobody to answer)
+        while not any(quote(ENDLESS) in line and '" 503 ' in line for line in srv.log) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any('" 503 ' in line for line in srv.log), "".join(srv.log)
         used = cpu_over(srv, 1.5)
         assert used < min(0.3, busy / 3), f"{used:.2f} s of CPU in 1.5 s after the client left ({busy:.2f} s while " \
                                           "it was there): the condition still runs"
