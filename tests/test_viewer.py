@@ -528,13 +528,13 @@ def test_a_sample_page_asked_for_before_the_tokenizer_is_loaded_shows_ids_and_sa
     monkeypatch.setattr("shards.viewer.app.TOKENIZER_WAIT_S", 0.05)
     app = App(ViewedCache(cache))
     got = []
-    t = threading.Thread(target=lambda: got.append(app.respond("GET", "/sample/text-0", {}).body.decode()))
+    t = threading.Thread(target=lambda: got.append(app.respond("GET", "/sample/text-0", {}).body.decode()), daemon=True)
     t.start()
     t.join(30)
+    gate.set()
     assert got, "the sample page waited for the tokenizer"
     html = got[0]
     assert "still loading" in html and html.count("data-label=") > 0
-    gate.set()
     assert app.token_text.wait(60)
     assert "still loading" not in app.respond("GET", "/sample/text-0", {}).body.decode()
 
