@@ -507,23 +507,52 @@ def test_next_and_previous_walk_the_views_order(page, caches, servers):
     assert page.locator("a.key").all_inner_texts() == order
 
 
-def test_the_rejects_never_overflow_sideways_at_1366_px(browser, caches, servers):
+def _long_rejects(folder: Path) -> Path:
+    """A one-sample cache whose rejects name two long sources each (what a voice-cloning row that
+    names a reference and a target clip under a deep data folder gives) and a long key and detail."""
+    from shards.index import merge_parts
+    from shards.schema import shard_name
+    from shards.writer import ShardWriter
+    deep = "/mnt/datasets/speech/" + "/".join(f"corpus-part-{i:02d}-of-a-long-folder-name" for i in range(4))
+    with ShardWriter(folder, shard_name(0, 0)) as w:
+        w.add("kept", {"json": {"text": "kept"}, "input_ids.npy": np.arange(1, 9, dtype=np.int32)})
+        for i in range(3):
+            w.reject(f"clone-{'x' * 60}-{i}", f"{deep}/reference_{i}_{'r' * 40}.wav;{deep}/target_{i}_{'t' * 40}.wav",
+                     "unreadable_audio", f"audio item 1: target_{i}.wav: not readable audio: Format not recognised " * 3)
+        w.commit()
+    merge_parts(folder, {})
+    return folder
+
+
+def test_the_rejects_never_overflow_sideways_at_1366_px(browser, caches, servers, tmp_path):
+    from shards.viewer.app import App
+    from shards.viewer.data import ViewedCache
+    from shards.viewer.server import ViewerServer
     rejects = pq.read_table(caches["tts"] / "rejects.parquet").to_pylist()
     assert any(";" in r["source"] for r in rejects), "the test cache has a reject with two sources"
+    cache = _long_rejects(tmp_path / "long")
+    long = pq.read_table(cache / "rejects.parquet").to_pylist()
+    srv = ViewerServer(App(ViewedCache(cache)), "127.0.0.1", 0, quiet=True)
+    srv.start()
     ctx = browser.new_context(viewport={"width": 1366, "height": 900})
     try:
         pg = ctx.new_page()
-        pg.goto(servers["tts"] + "#rejects")
-        widths = pg.evaluate("""() => {
-            const t = document.querySelector('#rejects table'), d = document.documentElement;
-            return [d.scrollWidth, d.clientWidth, t.scrollWidth, t.clientWidth,
-                    document.querySelector('#rejects').scrollWidth, document.querySelector('#rejects').clientWidth];
-        }""")
-        assert widths[0] <= widths[1] and widths[2] <= widths[3] + 1 and widths[4] <= widths[5] + 1, widths
-        for src in rejects[0]["source"].split(";"):  # each source on a line of its own, whole
-            assert src in pg.locator("#rejects td.path").first.inner_text().splitlines()
+        for url, rows in ((servers["tts"], rejects), (srv.url, long)):
+            pg.goto(url + "#rejects")
+            widths = pg.evaluate("""() => {
+                const t = document.querySelector('#rejects table'), d = document.documentElement;
+                const s = document.querySelector('#rejects');
+                return [d.scrollWidth, d.clientWidth, t.scrollWidth, t.clientWidth, s.scrollWidth, s.clientWidth];
+            }""")
+            assert widths[0] <= widths[1] and widths[2] <= widths[3] + 1 and widths[4] <= widths[5] + 1, (url, widths)
+            cells = pg.locator("#rejects td.path").all_inner_texts()
+            for cell, r in zip(cells, rows):  # each source on a line of its own, whole
+                assert cell.splitlines() == r["source"].split(";")
     finally:
         ctx.close()
+        srv.shutdown()
+        srv.server_close()
+        srv.app.vc.close()
 
 
 def test_the_first_sample_page_of_a_fresh_server_answers_without_waiting_on_model_libraries(page, caches):
