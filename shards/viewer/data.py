@@ -54,6 +54,8 @@ SAMPLES_KEPT = 8
 QUERY_TIMEOUT_S = 5.0
 #: the columns a view may be sorted by (the index's scalar columns)
 SORTABLE = tuple(c for c in SCALAR_COLUMNS if c not in ("sha256",))
+#: index rows a page in index order is read from directly (``iter_batches``: no column read, no DuckDB)
+HEAD_ROWS = 4096
 #: bins of the index page's histograms
 HIST_BINS = 24
 
@@ -235,12 +237,14 @@ class ViewedCache:
             if view in self._views:
                 self._views.move_to_end(view)
                 return self._views[view]
-        scalars = self.index.scalars()
         rows: np.ndarray | None = None
         if view.where:
             from ..commands.query import matching_rows
-            rows = matching_rows(scalars, view.where, deadline_s=self.query_timeout_s, cancelled=gone) \
-                .to_numpy(zero_copy_only=False).astype(np.int64)
+            from .rows import LAZY_COLUMNS
+            named = tuple(c for c in LAZY_COLUMNS if c in view.where.lower())  # read only when named
+            rows = matching_rows(self.index.scalars(named), view.where, deadline_s=self.query_timeout_s,
+                                 cancelled=gone).to_numpy(zero_copy_only=False).astype(np.int64)
+        scalars = self.index.scalars()
         if view.q:
             table = self.text_table()
             hit = pc.match_substring(table.column("text"), view.q, ignore_case=True)
@@ -248,6 +252,8 @@ class ViewedCache:
             rows = found if rows is None else np.intersect1d(rows, found, assume_unique=True)
         if view.sort:
             values = scalars.column(view.sort)
+            if pa.types.is_dictionary(values.type):  # (Arrow sorts no dictionary array)
+                values = values.cast(values.type.value_type)
             sub = values if rows is None else values.take(pa.array(rows))
             idx = pc.array_sort_indices(sub, order="descending" if view.desc else "ascending",
                                         null_placement="at_end").to_numpy()  # stable: ties keep index order
@@ -283,8 +289,8 @@ class ViewedCache:
         last one: the target of TTS and voice cloning) and whether the sample has an image."""
         rows = self.order(view, gone)
         total = len(self) if rows is None else int(rows.size)
-        if rows is None and not self.index.ready and start + size <= 4096:
-            table = self.index.head(start + size).slice(start, size)  # the first page, before the columns are read
+        if rows is None and start + size <= HEAD_ROWS:  # the first pages: from the file's first rows
+            table = self.index.head(start + size).slice(start, size)
             positions = np.arange(start, start + table.num_rows, dtype=np.int64)
         else:
             positions = (np.arange(start, min(start + size, total), dtype=np.int64) if rows is None
@@ -372,8 +378,7 @@ class ViewedCache:
 
     def row_of(self, key: str) -> int | None:
         """The index row of sample ``key``, or None when the index has no such key."""
-        i = pc.index(self.index.scalars().column("key"), pa.scalar(key, pa.string())).as_py()
-        return None if i is None or i < 0 else int(i)
+        return self.index.row_of(key)
 
     # -- one sample ----------------------------------------------------------------------------------
     def sample(self, key: str) -> Sample | None:
@@ -389,7 +394,7 @@ class ViewedCache:
         row = self.row_of(key)
         if row is None:
             return None
-        table = self.index.rows(np.array([row], dtype=np.int64))
+        table = self.index.row(row)
         if self.remote is not None:
             self._fetch(table)
         reader = ShardReader(self.files_dir, index=table, manifest=self.manifest.to_dict())

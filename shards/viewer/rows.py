@@ -7,10 +7,15 @@ Nothing else is read at start:
 
 * the first rows (a first page) are decoded with ``iter_batches``, in milliseconds;
 * the scalar columns (:data:`shards.commands._common.SCALAR_COLUMNS`: what filters, sorting, key
-  lookups and histograms need) are read once, in a background thread started when the file is
-  opened (about 4 s for 10 million rows on the development machine); whoever needs them first waits;
-* the ``members`` column (where each array sits) is read per Parquet row group, for the rows a page
-  or a sample shows, and the last :data:`GROUPS_KEPT` row groups are kept.
+  lookups and histograms need) are read once, in a background thread started when the cache is
+  opened (lowered priority; 4-7 s for 10 million rows on the development machine); whoever needs
+  them first waits. ``sha256`` (half of that read) only when a filter names it;
+* the ``members`` column (where each array sits) is read for the rows a page or a sample shows only,
+  by DuckDB's Parquet reader (``file_row_number``: it decodes only the pages those rows are in; 50
+  rows of a 10-million-row index in well under a second, where pyarrow decodes their whole row
+  groups, a million rows each), through the open descriptor (``/proc/self/fd/N``: the file checked,
+  whatever is renamed meanwhile). Until the scalar columns are in, a key is looked up the same way
+  (the key column alone, filtered where it is stored: 60 ms for 10 million keys).
 
 No row becomes a Python object but those of the page being drawn.
 """
@@ -18,20 +23,22 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..commands._common import SCALAR_COLUMNS
 from ..errors import ShardCorrupt
 from ..index import INDEX_SCHEMA
 
-#: row groups whose ``members`` column is kept in memory (10M-sample caches: ~100-300 MB each)
-GROUPS_KEPT = 4
 SCALAR_SCHEMA = pa.schema([INDEX_SCHEMA.field(c) for c in SCALAR_COLUMNS])
+#: scalar columns read only when a filter names them (64 characters a row: half the read of the others)
+LAZY_COLUMNS = ("sha256",)
+#: string columns of few values, kept dictionary-encoded (as Parquet stores them): less memory, faster
+DICTIONARY_COLUMNS = ("shard", "speaker")
 MEMBERS = INDEX_SCHEMA.field("members")
 
 
@@ -50,11 +57,11 @@ class IndexFile:
 
     Args:
         path: the file.
-        background: start reading the scalar columns in a thread now (False: on first use).
+        background: start reading the scalar columns in a thread now (False: on first use, or
+            :meth:`scalars_in_background`).
 
-    Attributes: ``path``, ``num_rows`` (from the footer), ``group_starts`` int64 ``(groups + 1,)``
-    (first row of each row group, then ``num_rows``), ``stat`` (the ``os.stat_result`` of the open
-    file: the integrity check compares it with the file it verified).
+    Attributes: ``path``, ``num_rows`` (from the footer), ``stat`` (the ``os.stat_result`` of the
+    open file: the integrity check compares it with the file it verified).
 
     Raises ``FileNotFoundError`` for a missing file and :class:`shards.ShardCorrupt` for one Parquet
     cannot read (naming the file and ``shards reindex``).
@@ -62,24 +69,26 @@ class IndexFile:
 
     def __init__(self, path: str | os.PathLike, background: bool = True):
         self.path = Path(path)
-        # two descriptors of one file: pages read row groups while the scalar columns are read
+        # two descriptors of one file: pages read rows while the scalar columns are read
         self._file, self._file2 = open(self.path, "rb"), open(self.path, "rb")
         try:
             self.stat = os.fstat(self._file.fileno())
             second = os.fstat(self._file2.fileno())
             if (second.st_dev, second.st_ino) != (self.stat.st_dev, self.stat.st_ino):
                 raise OSError("the file was replaced while it was opened")
-            self._pf, self._pf2 = pq.ParquetFile(self._file), pq.ParquetFile(self._file2)
-            md = self._pf.metadata
+            self._pf = pq.ParquetFile(self._file)
+            self._pf2 = pq.ParquetFile(self._file2, read_dictionary=list(DICTIONARY_COLUMNS))
+            self.num_rows = int(self._pf.metadata.num_rows)
         except (pa.ArrowInvalid, OSError) as e:
-            self.close()
+            self._file.close()
+            self._file2.close()
             raise ShardCorrupt(f"{self.path}: cannot read the index ({e}); `shardcache shards reindex "
                                f"{self.path.parent}` rebuilds it") from e
-        self.num_rows = int(md.num_rows)
-        self.group_starts = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)],
-                                      dtype=np.int64)
-        self._io = threading.Lock()        # one read of the file at a time
-        self._groups: OrderedDict[int, pa.ChunkedArray] = OrderedDict()
+        self._proc = f"/proc/self/fd/{self._file.fileno()}"
+        self._io = threading.Lock()        # one read of the first descriptor at a time
+        self._db_lock = threading.Lock()
+        self._db = None                    # DuckDB, for the members and keys of some rows
+        self._local = threading.local()
         self._scalars: pa.Table | None = None
         self._error: BaseException | None = None
         self._ready = threading.Event()
@@ -101,9 +110,9 @@ class IndexFile:
 
     def _load(self) -> None:
         background_priority()
-        try:  # in this thread alone: Arrow's thread pool stays free for the pages
-            t = self._pf2.read(columns=list(SCALAR_COLUMNS), use_threads=False)
-            self._scalars = t.cast(SCALAR_SCHEMA).combine_chunks()
+        try:
+            eager = [c for c in SCALAR_COLUMNS if c not in LAZY_COLUMNS]
+            self._scalars = _typed(self._pf2.read(columns=eager))
         except BaseException as e:  # noqa: BLE001 - given to whoever waits
             self._error = e
         finally:
@@ -118,13 +127,25 @@ class IndexFile:
         """Whether the scalar columns are in memory."""
         return self._ready.is_set() and self._error is None
 
-    def scalars(self) -> pa.Table:
-        """The scalar columns of every row (one chunk each); waits for the background read."""
+    def scalars(self, also: tuple[str, ...] = ()) -> pa.Table:
+        """The scalar columns of every row (one chunk each; ``shard`` and ``speaker`` dictionary-encoded),
+        but :data:`LAZY_COLUMNS`, which ``also`` adds (read on the first call that asks); waits for the
+        background read."""
         self._begin()
         self._ready.wait()
         if self._error is not None:
             raise ShardCorrupt(f"{self.path}: cannot read the index ({self._error}); `shardcache shards reindex "
                                f"{self.path.parent}` rebuilds it") from self._error
+        missing = [c for c in also if c not in self._scalars.column_names]
+        if missing:
+            with self._start:
+                missing = [c for c in missing if c not in self._scalars.column_names]
+                if missing:
+                    extra = _typed(self._pf2.read(columns=missing))
+                    t = self._scalars
+                    for name in missing:
+                        t = t.append_column(extra.schema.field(name), extra.column(name))
+                    self._scalars = t
         return self._scalars
 
     # -- rows ----------------------------------------------------------------------------------------
@@ -140,38 +161,65 @@ class IndexFile:
         t = pa.Table.from_batches(batches) if batches else pa.Table.from_batches([], schema=INDEX_SCHEMA)
         return t.slice(0, n).cast(INDEX_SCHEMA)
 
+    def _duckdb(self):
+        """This thread's DuckDB cursor (one in-memory database, created once; it reads this file and
+        is given no SQL from a request)."""
+        with self._db_lock:
+            if self._db is None:
+                import duckdb
+                self._db = duckdb.connect(":memory:")
+            cursor = getattr(self._local, "cursor", None)
+            if cursor is None:
+                cursor = self._local.cursor = self._db.cursor()
+        return cursor
+
+    def _source(self) -> str:
+        return self._proc if os.path.exists(self._proc) else str(self.path)
+
     def members(self, rows: np.ndarray) -> pa.Array:
         """The ``members`` of index ``rows`` (int64 positions, any order), in that order."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0:
             return pa.array([], MEMBERS.type)
-        groups = np.searchsorted(self.group_starts, rows, side="right") - 1
-        order = np.argsort(groups, kind="stable")
-        pieces = []
-        for g in np.unique(groups).tolist():
-            local = rows[order][groups[order] == g] - self.group_starts[g]
-            pieces.append(self._group(g).take(pa.array(local)).combine_chunks())
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(order.size)
-        return pa.concat_arrays(pieces).take(pa.array(inverse))
+        want = np.unique(rows)
+        if want.size == int(want[-1] - want[0]) + 1:  # one run: a page in index order, a build step
+            where = f"file_row_number BETWEEN {int(want[0])} AND {int(want[-1])}"
+        else:  # integers formatted here: no text of a request
+            where = f"file_row_number IN ({', '.join(str(int(r)) for r in want.tolist())})"
+        got = _arrow(self._duckdb().sql("SELECT file_row_number AS r, members FROM read_parquet(?, file_row_number = true) "
+                                        f"WHERE {where} ORDER BY r", params=[self._source()]))
+        found = got.column("r").to_numpy()
+        if found.size != want.size:
+            missing = sorted(set(want.tolist()) - set(found.tolist()))[:5]
+            raise ShardCorrupt(f"{self.path}: rows {missing} are not in the index (the file changed under the viewer?)")
+        return got.column("members").cast(MEMBERS.type).take(pa.array(np.searchsorted(found, rows)))
 
-    def _group(self, g: int) -> pa.ChunkedArray:
-        with self._io:
-            if g in self._groups:
-                self._groups.move_to_end(g)
-                return self._groups[g]
-            col = self._pf.read_row_group(g, columns=["members"]).column("members").cast(MEMBERS.type)
-            self._groups[g] = col
-            while len(self._groups) > GROUPS_KEPT:
-                self._groups.popitem(last=False)
-            return col
+    def row_of(self, key: str) -> int | None:
+        """The row of sample ``key`` (None when the index has none): from the scalar columns once they
+        are in, until then with DuckDB (see the module docstring)."""
+        if self.ready:
+            i = pc.index(self._scalars.column("key"), pa.scalar(key, pa.string())).as_py()
+            return None if i is None or i < 0 else int(i)
+        got = self._duckdb().sql("SELECT min(file_row_number) FROM read_parquet(?, file_row_number = true) "
+                                 "WHERE key = ?", params=[self._source(), key]).fetchall()
+        return None if not got or got[0][0] is None else int(got[0][0])
 
     def rows(self, rows: np.ndarray) -> pa.Table:
         """Index ``rows`` (int64 positions, in that order) with every column: what
         :class:`shards.ShardReader` and a page are given."""
         rows = np.asarray(rows, dtype=np.int64)
-        scalars = self.scalars().take(pa.array(rows))
+        scalars = self.scalars(LAZY_COLUMNS).take(pa.array(rows))
         return scalars.append_column(MEMBERS, self.members(rows)).select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
+
+    def row(self, row: int) -> pa.Table:
+        """Index row ``row`` with every column, read with DuckDB alone (no wait for the scalar
+        columns: what a sample page asked for first thing needs)."""
+        if self.ready:
+            return self.rows(np.array([row], dtype=np.int64))
+        cols = ", ".join(f'"{c}"' for c in INDEX_SCHEMA.names)
+        got = _arrow(self._duckdb().sql(f"SELECT {cols} FROM read_parquet(?, file_row_number = true) "
+                                        f"WHERE file_row_number = {int(row)}", params=[self._source()]))
+        return got.cast(INDEX_SCHEMA)
 
     def close(self) -> None:
         """Close the file (after the background read, if one runs: its thread must not outlive it)."""
@@ -181,4 +229,21 @@ class IndexFile:
         self._file2.close()
 
 
-__all__ = ["IndexFile", "GROUPS_KEPT", "SCALAR_SCHEMA", "background_priority"]
+def _typed(table: pa.Table) -> pa.Table:
+    """``table``'s columns in the index schema's types (dictionary-encoded strings stay so), one chunk each."""
+    cols = []
+    for name in table.column_names:
+        col, want = table.column(name), INDEX_SCHEMA.field(name).type
+        if not pa.types.is_dictionary(col.type) and col.type != want:
+            col = col.cast(want)
+        cols.append(col.combine_chunks())
+    return pa.table(dict(zip(table.column_names, cols)))
+
+
+def _arrow(relation) -> pa.Table:
+    """A DuckDB relation's rows as one Arrow table (``arrow()`` gives a table, or in DuckDB 2 a reader)."""
+    got = relation.arrow()
+    return (got.read_all() if isinstance(got, pa.RecordBatchReader) else got).combine_chunks()
+
+
+__all__ = ["IndexFile", "SCALAR_SCHEMA", "LAZY_COLUMNS", "background_priority"]

@@ -16,10 +16,11 @@ import select
 import socket
 import sys
 import threading
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterable
 
-from .app import App
+from .app import App, Response
 from .guard import SECURITY_HEADERS, allowed_names, is_loopback
 
 #: how often a watched connection is looked at while its request runs (seconds)
@@ -83,6 +84,9 @@ def _handler(app: App) -> type[BaseHTTPRequestHandler]:
             watch = ClientWatch(self.connection)
             try:
                 r = app.respond(method, self.path, dict(self.headers.items()), gone=watch.gone)
+            except Exception as e:  # noqa: BLE001 - a bug is a 500 that names it, never a dropped connection
+                traceback.print_exc(file=sys.stderr)
+                r = Response(500, f"500 Internal Error: {type(e).__name__}: {e}\n".encode(), "text/plain; charset=utf-8")
             finally:
                 watch.stop()
             if method not in ("GET", "HEAD"):  # its body is never read: this connection ends here
