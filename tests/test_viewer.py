@@ -388,7 +388,7 @@ def test_the_first_page_reads_no_column_of_the_index(big_cache, monkeypatch):
     read of the scalar columns switched off, it is served, right, and no column has been read."""
     from shards.viewer.rows import IndexFile
     monkeypatch.setattr(IndexFile, "scalars_in_background", lambda self: None)
-    vc = ViewedCache(big_cache, build_text=False)
+    vc = ViewedCache(big_cache, background=False)
     r = App(vc).respond("GET", "/", {})
     assert r.status == 200 and page_keys(r.body) == [f"s{i:06d}" for i in range(PAGE_SIZE)]
     assert b"100,000" in r.body and vc.index._scalars is None and len(vc) == 100_000
@@ -500,7 +500,7 @@ def test_a_relative_tokenizer_path_is_found_under_the_folder_stage_one_ran_in_of
                                                       clean_up_tokenization_spaces=False)
         assert text.split()[1] in app.respond("GET", f"/sample/text-{i}", {}).body.decode()
 
-    tt = load_token_text(ViewedCache(without, build_text=False).manifest)
+    tt = load_token_text(ViewedCache(without, background=False).manifest)
     assert not tt.has_text and "working_dir" in tt.how and "models/higgs-text-tokenizer-tiny" in tt.how
     assert "not in the local Hugging Face cache" in tt.how
 
@@ -511,7 +511,7 @@ def test_a_relative_tokenizer_path_is_found_under_the_folder_stage_one_ran_in_of
         (snap / f.name).write_bytes(f.read_bytes())
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text("0" * 40)
-    tt = load_token_text(ViewedCache(without, build_text=False).manifest)
+    tt = load_token_text(ViewedCache(without, background=False).manifest)
     assert tt.has_text and "local Hugging Face cache" in tt.how
     assert attempts == []
 

@@ -148,8 +148,9 @@ class ViewedCache:
         query_timeout_s: seconds a filter condition may run (:data:`QUERY_TIMEOUT_S`).
         text_dir: where the side table of the samples' text is kept (default
             :func:`~.text.viewer_cache_dir`; None: in memory only). Never the cache folder.
-        build_text: start building that table now (local caches; a remote cache's would download
-            every shard, so it has none).
+        background: start now, in daemon threads, the side table of text (local caches; a remote
+            cache's would download every shard, so it has none) and the default view's histograms
+            (once the index's columns are in). False: each on first use.
 
     Attributes: ``source`` (as given), ``manifest``, ``id`` (the verified cache id), ``facts``
     (:class:`shards.Cache` of the manifest: codec, image preset, special tokens; its index is empty),
@@ -164,7 +165,7 @@ class ViewedCache:
 
     def __init__(self, source: str | Path, storage_options: dict | None = None, local_dir: str | Path | None = None,
                  *, query_timeout_s: float = QUERY_TIMEOUT_S, text_dir: Path | None | str = "default",
-                 build_text: bool = True):
+                 background: bool = True):
         self.source = str(source)
         self.remote = None
         self.query_timeout_s = float(query_timeout_s)
@@ -203,6 +204,7 @@ class ViewedCache:
         self._lock = threading.Lock()
         self._fetch_lock = threading.Lock()  # one download at a time; pages not waiting for it
         self._views: OrderedDict[View, np.ndarray | None] = OrderedDict()
+        self._hists: OrderedDict[View, tuple[bool, list]] = OrderedDict()
         self._samples: OrderedDict[str, Sample] = OrderedDict()
         self.text: TextTable | None = None
         if self.remote is None:
@@ -210,12 +212,22 @@ class ViewedCache:
             if folder is not None and _inside(folder, self.files_dir):
                 folder = None  # never write into the cache folder: kept in memory instead
             self.text = TextTable(self.id, len(self), self._text_rows, self.files, folder)
-            if build_text:
+            if background:
                 self.text.start()
         self.index.scalars_in_background()
+        if background:  # the default view's histograms, once the columns are in: not in a page's time
+            threading.Thread(target=self._warm, name="shardcache-view-warm", daemon=True).start()
 
     def __len__(self) -> int:
         return self.index.num_rows
+
+    def _warm(self) -> None:
+        from .rows import background_priority
+        background_priority()
+        try:
+            self.histograms(View())
+        except Exception:  # noqa: BLE001 - a page computes them again and says what is wrong
+            pass
 
     def _text_rows(self, start: int, stop: int) -> pa.Table:
         rows = np.arange(start, stop, dtype=np.int64)
@@ -321,6 +333,12 @@ class ViewedCache:
         """Histograms of ``duration_s``, ``n_text_tokens`` and the trained-token share over the rows of
         ``view`` (order aside): ``[{name, label, counts, edges, total, note}]`` (``counts`` None with a
         ``note`` where the values are not at hand yet)."""
+        text_ready = self.text is not None and self.text.ready
+        with self._lock:
+            kept = self._hists.get(view)
+            if kept is not None and (kept[0] or not text_ready):
+                self._hists.move_to_end(view)
+                return kept[1]
         rows = self.order(view, gone)
         scalars = self.index.scalars()
         out = []
@@ -338,6 +356,10 @@ class ViewedCache:
                     f"being read: {self.text.done:,} of {len(self):,} samples" if not self.text.error else self.text.error)
             out.append(dict(name="trained_share", label="trained-token share", counts=None, edges=None, total=0,
                             note=note))
+        with self._lock:  # kept per view (complete once the side table is)
+            self._hists[view] = (text_ready, out)
+            while len(self._hists) > VIEWS_KEPT:
+                self._hists.popitem(last=False)
         return out
 
     def neighbours(self, key: str, view: View, gone: threading.Event | None = None) -> dict[str, Any]:

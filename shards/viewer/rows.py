@@ -153,7 +153,7 @@ class IndexFile:
         """The first ``n`` rows, every column (what a first page needs before the scalars are read)."""
         with self._io:
             batches, got = [], 0
-            for b in self._pf.iter_batches(batch_size=max(1, min(n, 4096))):
+            for b in self._pf.iter_batches(batch_size=max(1, min(n, 4096)), use_threads=False):  # (the pool may be busy)
                 batches.append(b)
                 got += b.num_rows
                 if got >= n:
@@ -178,21 +178,27 @@ class IndexFile:
 
     def members(self, rows: np.ndarray) -> pa.Array:
         """The ``members`` of index ``rows`` (int64 positions, any order), in that order."""
+        return self._read_rows(rows, ("members",)).column("members")
+
+    def _read_rows(self, rows: np.ndarray, columns: tuple[str, ...]) -> pa.Table:
+        """``columns`` of index ``rows`` (int64 positions, any order), in that order, read with DuckDB."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0:
-            return pa.array([], MEMBERS.type)
+            return pa.Table.from_batches([], schema=pa.schema([INDEX_SCHEMA.field(c) for c in columns]))
         want = np.unique(rows)
         if want.size == int(want[-1] - want[0]) + 1:  # one run: a page in index order, a build step
             where = f"file_row_number BETWEEN {int(want[0])} AND {int(want[-1])}"
         else:  # integers formatted here: no text of a request
             where = f"file_row_number IN ({', '.join(str(int(r)) for r in want.tolist())})"
-        got = _arrow(self._duckdb().sql("SELECT file_row_number AS r, members FROM read_parquet(?, file_row_number = true) "
-                                        f"WHERE {where} ORDER BY r", params=[self._source()]))
-        found = got.column("r").to_numpy()
+        names = ", ".join(f'"{c}"' for c in columns)  # column names of the index schema, not of a request
+        got = _arrow(self._duckdb().sql(f"SELECT file_row_number AS __r, {names} FROM read_parquet(?, file_row_number "
+                                        f"= true) WHERE {where} ORDER BY __r", params=[self._source()]))
+        found = got.column("__r").to_numpy()
         if found.size != want.size:
             missing = sorted(set(want.tolist()) - set(found.tolist()))[:5]
             raise ShardCorrupt(f"{self.path}: rows {missing} are not in the index (the file changed under the viewer?)")
-        return got.column("members").cast(MEMBERS.type).take(pa.array(np.searchsorted(found, rows)))
+        at = pa.array(np.searchsorted(found, rows))
+        return pa.table({c: got.column(c).cast(INDEX_SCHEMA.field(c).type).take(at) for c in columns})
 
     def row_of(self, key: str) -> int | None:
         """The row of sample ``key`` (None when the index has none): from the scalar columns once they
@@ -208,8 +214,13 @@ class IndexFile:
         """Index ``rows`` (int64 positions, in that order) with every column: what
         :class:`shards.ShardReader` and a page are given."""
         rows = np.asarray(rows, dtype=np.int64)
-        scalars = self.scalars(LAZY_COLUMNS).take(pa.array(rows))
-        return scalars.append_column(MEMBERS, self.members(rows)).select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
+        scalars = self.scalars()
+        lazy = tuple(c for c in LAZY_COLUMNS if c not in scalars.column_names)
+        t = scalars.take(pa.array(rows))
+        read = self._read_rows(rows, lazy + ("members",))  # these rows' alone: no column of every row
+        for c in read.column_names:
+            t = t.append_column(INDEX_SCHEMA.field(c), read.column(c))
+        return t.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
 
     def row(self, row: int) -> pa.Table:
         """Index row ``row`` with every column, read with DuckDB alone (no wait for the scalar
