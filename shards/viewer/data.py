@@ -56,6 +56,9 @@ QUERY_TIMEOUT_S = 5.0
 SORTABLE = tuple(c for c in SCALAR_COLUMNS if c not in ("sha256",))
 #: index rows a page in index order is read from directly (``iter_batches``: no column read, no DuckDB)
 HEAD_ROWS = 4096
+#: caches up to this many samples get their side table of text built from the start; a larger one when
+#: a search first asks for it (reading every sample's json and labels takes minutes at 10 million)
+TEXT_AT_START_ROWS = 1_000_000
 #: bins of the index page's histograms
 HIST_BINS = 24
 
@@ -205,6 +208,7 @@ class ViewedCache:
         self._fetch_lock = threading.Lock()  # one download at a time; pages not waiting for it
         self._views: OrderedDict[View, np.ndarray | None] = OrderedDict()
         self._hists: OrderedDict[View, tuple[bool, list]] = OrderedDict()
+        self._hist_lock = threading.Lock()
         self._samples: OrderedDict[str, Sample] = OrderedDict()
         self.text: TextTable | None = None
         if self.remote is None:
@@ -212,7 +216,7 @@ class ViewedCache:
             if folder is not None and _inside(folder, self.files_dir):
                 folder = None  # never write into the cache folder: kept in memory instead
             self.text = TextTable(self.id, len(self), self._text_rows, self.files, folder)
-            if background:
+            if background and len(self) <= TEXT_AT_START_ROWS:
                 self.text.start()
         self.index.scalars_in_background()
         if background:  # the default view's histograms, once the columns are in: not in a page's time
@@ -333,6 +337,10 @@ class ViewedCache:
         """Histograms of ``duration_s``, ``n_text_tokens`` and the trained-token share over the rows of
         ``view`` (order aside): ``[{name, label, counts, edges, total, note}]`` (``counts`` None with a
         ``note`` where the values are not at hand yet)."""
+        with self._hist_lock:  # one computation at a time: a page waits for the background one, then reads it
+            return self._histograms(view, gone)
+
+    def _histograms(self, view: View, gone: threading.Event | None) -> list[dict[str, Any]]:
         text_ready = self.text is not None and self.text.ready
         with self._lock:
             kept = self._hists.get(view)
@@ -352,8 +360,9 @@ class ViewedCache:
             v = s.to_numpy(zero_copy_only=False)
             out.append(_histogram("trained_share", "trained-token share", v.astype(np.float64), lo=0.0, hi=1.0))
         else:
-            note = ("not available for a remote cache" if self.text is None else
-                    f"being read: {self.text.done:,} of {len(self):,} samples" if not self.text.error else self.text.error)
+            note = ("not available for a remote cache" if self.text is None else self.text.error if self.text.error else
+                    f"being read: {self.text.done:,} of {len(self):,} samples" if self.text.started is not None else
+                    f"read when a search first asks for it (a cache of more than {TEXT_AT_START_ROWS:,} samples)")
             out.append(dict(name="trained_share", label="trained-token share", counts=None, edges=None, total=0,
                             note=note))
         with self._lock:  # kept per view (complete once the side table is)
