@@ -91,6 +91,12 @@ class App:
         """The response to ``method target`` (``target``: the request line's path and query).
         ``gone()``: an event set when the client leaves (:class:`.server.ClientWatch`), asked for
         only by a request that runs a filter condition."""
+        try:
+            return self._respond(method, target, headers, gone)
+        finally:
+            self.vc.serving.set()  # the first page is out: the background work may start
+
+    def _respond(self, method: str, target: str, headers: dict[str, str] | None, gone) -> Response:
         h = {k.lower(): v for k, v in (headers or {}).items()}
         why = refusal(h, self.allowed_hosts)
         if why is not None:  # a bare page: nothing of the cache (its name, id, size) goes to another origin

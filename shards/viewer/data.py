@@ -56,6 +56,8 @@ QUERY_TIMEOUT_S = 5.0
 SORTABLE = tuple(c for c in SCALAR_COLUMNS if c not in ("sha256",))
 #: index rows a page in index order is read from directly (``iter_batches``: no column read, no DuckDB)
 HEAD_ROWS = 4096
+#: seconds the background work (index columns, side table, histograms) waits for the first page to be answered
+BACKGROUND_DELAY_S = 2.0
 #: caches up to this many samples get their side table of text built from the start; a larger one when
 #: a search first asks for it (reading every sample's json and labels takes minutes at 10 million)
 TEXT_AT_START_ROWS = 1_000_000
@@ -151,9 +153,10 @@ class ViewedCache:
         query_timeout_s: seconds a filter condition may run (:data:`QUERY_TIMEOUT_S`).
         text_dir: where the side table of the samples' text is kept (default
             :func:`~.text.viewer_cache_dir`; None: in memory only). Never the cache folder.
-        background: start now, in daemon threads, the side table of text (local caches; a remote
-            cache's would download every shard, so it has none) and the default view's histograms
-            (once the index's columns are in). False: each on first use.
+        background: read in daemon threads, once the first page is answered (:attr:`serving`), the
+            index's scalar columns, the side table of text (local caches; a remote cache's would
+            download every shard, so it has none) and the default view's histograms. False: each on
+            first use.
 
     Attributes: ``source`` (as given), ``manifest``, ``id`` (the verified cache id), ``facts``
     (:class:`shards.Cache` of the manifest: codec, image preset, special tokens; its index is empty),
@@ -216,18 +219,23 @@ class ViewedCache:
             if folder is not None and _inside(folder, self.files_dir):
                 folder = None  # never write into the cache folder: kept in memory instead
             self.text = TextTable(self.id, len(self), self._text_rows, self.files, folder)
-            if background and len(self) <= TEXT_AT_START_ROWS:
-                self.text.start()
-        self.index.scalars_in_background()
-        if background:  # the default view's histograms, once the columns are in: not in a page's time
-            threading.Thread(target=self._warm, name="shardcache-view-warm", daemon=True).start()
+        #: set once a first page was answered (by :class:`~.app.App`): the background work waits for it
+        self.serving = threading.Event()
+        if background:
+            threading.Thread(target=self._background, name="shardcache-view-warm", daemon=True).start()
 
     def __len__(self) -> int:
         return self.index.num_rows
 
-    def _warm(self) -> None:
+    def _background(self) -> None:
+        """After the first page (or :data:`BACKGROUND_DELAY_S`): the index's scalar columns, the side
+        table of text (caches up to :data:`TEXT_AT_START_ROWS` samples), the default view's histograms."""
         from .rows import background_priority
         background_priority()
+        self.serving.wait(BACKGROUND_DELAY_S)
+        self.index.scalars_in_background()
+        if self.text is not None and len(self) <= TEXT_AT_START_ROWS:
+            self.text.start()
         try:
             self.histograms(View())
         except Exception:  # noqa: BLE001 - a page computes them again and says what is wrong

@@ -131,7 +131,7 @@ def summary(vc: ViewedCache) -> list[dict[str, Any]]:
 #: the grid's columns: (title, the index column it sorts by or None, css class)
 GRID = (("#", None, "num"), ("key", "key", ""), ("text", None, "text"), ("media", None, "media"),
         ("duration", "duration_s", "num"), ("tokens", "n_text_tokens", "num"), ("trained", None, "num"),
-        ("speaker", "speaker", ""), ("shard", "shard", "small"), ("fields", None, "fields"))
+        ("speaker", "speaker", ""), ("fields", None, "fields"))
 #: size of one histogram (pixels)
 HIST_W, HIST_H = 260, 72
 
@@ -178,7 +178,7 @@ def index(vc: ViewedCache, page: Page, view: View, error: str | None, notice: st
             thumb=href("sample", key, "thumb.png") if m["image"] else None,
             duration=_seconds(r["duration_s"]) if r["duration_s"] else "-", tokens=r.get("n_text_tokens") or 0,
             trained=_share(r["trained_share"]), shard=r["shard"], speaker=r["speaker"] or "",
-            fields=[(n, _shape(s)) for n, s in r["fields"]]))
+            fields=[(n, "\u00d7".join(str(int(d)) for d in s) if s else "()") for n, s in r["fields"]]))
     page_view = dict(rows=rows, start=page.start, total=page.total, number=page.number, pages=page.pages)
     params = view.params()
     columns = [dict(title=t, cls=c, href=_sort_href(view, col) if col else None,
