@@ -4,7 +4,10 @@ The index's scalar columns are read with pyarrow and handed to an in-memory Duck
 configuration is locked with external access disabled: the condition can read nothing but those
 columns (no file, no URL, no ``ATTACH``, no setting can be changed back). The condition is parsed
 as ONE SQL expression (``duckdb.SQLExpression``): a second statement (``; DROP ...``) is refused.
-Columns are those of ``index.parquet`` (:data:`shards.commands._common.SCALAR_COLUMNS`)::
+A cache another command is writing right now is refused (exit 2, naming the writer), as ``view``
+and ``verify`` refuse it. :func:`matching_rows` takes a deadline and a cancel event (the viewer's
+filter: stopped with DuckDB's ``interrupt``). Columns are those of ``index.parquet``
+(:data:`shards.commands._common.SCALAR_COLUMNS`)::
 
     shards query CACHE --where "duration_s > 3 AND speaker = 'alice'"
     shards query CACHE --where "has_image AND n_text_tokens BETWEEN 10 AND 200" --count
@@ -29,6 +32,8 @@ DEFAULT_COLUMNS = ("key", "shard", "duration_s", "n_frames", "has_image", "speak
 MAX_QUERY_CHARS = 4000
 #: how often a running condition looks at its deadline and its client (seconds)
 WATCH_S = 0.05
+#: seconds a condition of the viewer's filter may run (``shards view --query_timeout``)
+VIEWER_DEADLINE_S = 5.0
 
 
 class QueryTimeout(UsageError):

@@ -19,6 +19,7 @@ import time
 
 from ._common import Out, UsageError, cache_dir, warn
 from .needs import VIEWER
+from .query import VIEWER_DEADLINE_S
 
 DEFAULT_PORT = 8000
 
@@ -27,13 +28,16 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p = sub.add_parser(
         "view", help="browse a cache in a web browser: samples, tokens and labels, audio, images, rejects",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve a local web viewer of a cache and print its URL. The index page lists the samples\n"
-                    "in index order, paged, with a filter taking the SQL condition of `shards query`, the\n"
-                    "rejects and the encoders and preprocessing the manifest records. A sample's page shows\n"
-                    "its conversation one element per input_ids token with its label (trained tokens\n"
-                    "marked), a player per cached audio item, the codes, the images as stage one saw them,\n"
-                    "the latents channel by channel, the image features' norms and the sample's JSON.\n"
-                    "Reads only (every sample through shards.ShardReader, checksums checked); Ctrl-C stops it.",
+        description="Serve a local web viewer of a cache and print its URL. The index page shows the samples\n"
+                    "as a grid (each one's text, a thumbnail and a player; sortable columns; a text search and\n"
+                    "a filter taking the SQL condition of `shards query`; histograms of duration, tokens and\n"
+                    "trained share), the rejects and the encoders and preprocessing the manifest records. A\n"
+                    "sample's page shows its conversation one element per input_ids token with its label\n"
+                    "(trained tokens marked), a player per cached audio item, the codes, the images as stage\n"
+                    "one saw them, the latents channel by channel, the image features' norms and the sample's\n"
+                    "JSON, with next/previous in the view it was opened from. Reads only (every sample through\n"
+                    "shards.ShardReader, checksums checked), never goes online; requests of other sites and\n"
+                    "other Host names are refused. Ctrl-C stops it.",
         epilog="examples:\n"
                "  shardcache shards view cache/demo\n"
                "  shardcache shards view cache/demo --port 0          (any free port)\n"
@@ -53,15 +57,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--allow_host", action="append", default=[], metavar="NAME",
                    help="one more Host name to answer (a proxy's, a DNS name of this machine); repeatable. "
                         "Requests naming any other host are refused (DNS rebinding)")
-    p.add_argument("--query_timeout", type=float, default=None, metavar="S",
-                   help="seconds a filter condition may run before it is stopped (default: %s)" % _timeout())
+    p.add_argument("--query_timeout", type=float, default=VIEWER_DEADLINE_S, metavar="S",
+                   help="seconds a filter condition may run before it is stopped (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     p.set_defaults(func=cmd_view, needs=VIEWER)
-
-
-def _timeout() -> float:
-    from ..viewer.data import QUERY_TIMEOUT_S
-    return QUERY_TIMEOUT_S
 
 
 def _mapping(text: str) -> dict:
@@ -77,7 +76,7 @@ def _mapping(text: str) -> dict:
 def cmd_view(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: a TCP port is 0..65535 (0: any free port)")
-    timeout = _timeout() if args.query_timeout is None else args.query_timeout
+    timeout = args.query_timeout
     if not timeout > 0:
         raise UsageError(f"--query_timeout {args.query_timeout}: seconds, more than 0")
     os.environ["HF_HUB_OFFLINE"] = "1"  # a page view never goes online (the tokenizer's files are local or absent)

@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 
 from ..cache import Cache
 from ..commands._common import SCALAR_COLUMNS, UsageError
+from ..commands.query import VIEWER_DEADLINE_S
 from ..errors import ShardCorrupt
 from ..index import INDEX_SCHEMA, REJECTS_SCHEMA, read_cache_id
 from ..manifest import CacheManifest
@@ -51,7 +52,7 @@ VIEWS_KEPT = 8
 #: samples kept in memory after they were read (a sample page asks for its media one request each)
 SAMPLES_KEPT = 8
 #: seconds a filter condition may run (``shards view --query_timeout``)
-QUERY_TIMEOUT_S = 5.0
+QUERY_TIMEOUT_S = VIEWER_DEADLINE_S
 #: the columns a view may be sorted by (the index's scalar columns)
 SORTABLE = tuple(c for c in SCALAR_COLUMNS if c not in ("sha256",))
 #: index rows a page in index order is read from directly (``iter_batches``: no column read, no DuckDB)
