@@ -309,9 +309,9 @@ class ViewedCache:
     def page(self, start: int = 0, size: int = PAGE_SIZE, view: View = View(),
              gone: threading.Event | None = None) -> Page:
         """Rows ``start .. start + size`` of ``view``. Only these rows become Python values; their
-        text is read from their json members (or the side table, once complete). Each row's
-        ``media``: ``{"audio": K or None, "image": bool}``: the audio item a small player plays (the
-        last one: the target of TTS and voice cloning) and whether the sample has an image."""
+        text and trained share are read from their json and labels members. Each row's ``media``:
+        ``{"audio": K or None, "image": bool}``: the item of the stored waveform a small player plays
+        (the last one: the target of TTS and voice cloning) and whether the sample has an image."""
         rows = self.order(view, gone)
         total = len(self) if rows is None else int(rows.size)
         if rows is None and start + size <= HEAD_ROWS:  # the first pages: from the file's first rows
@@ -323,24 +323,25 @@ class ViewedCache:
             table = self.index.rows(positions)
         texts = self._texts(table, positions)
         out = []
-        for pos, r, (lines, share, meta) in zip(positions.tolist(), table.to_pylist(), texts):
+        for pos, r, (lines, share) in zip(positions.tolist(), table.to_pylist(), texts):
             members = r.pop("members") or []
             r["row"] = pos
             r["fields"] = [(m["name"][:-4], tuple(m["shape"] or ())) for m in members if m["name"].endswith(".npy")]
             r["lines"], r["trained_share"] = lines, share
-            names = {n for n, _ in r["fields"]}
-            items = meta.get("audio_items") if isinstance(meta, dict) and isinstance(meta.get("audio_items"), list) else []
-            n_items = len(items) or (1 if "audio" in names else 0)
-            r["media"] = dict(audio=n_items - 1 if "audio" in names and n_items else None,
-                              image=bool(r.get("has_image")) or "latents" in names)
+            shapes = dict(r["fields"])
+            # the stored waveform's items (audio_starts: n + 1 offsets; none: one item), as /audio/ serves them
+            starts = shapes.get("audio_starts")
+            n_wave = (int(starts[0]) - 1 if starts and int(starts[0]) >= 2 else 1) if "audio" in shapes else 0
+            r["media"] = dict(audio=n_wave - 1 if n_wave > 0 else None,
+                              image=bool(r.get("has_image")) or "latents" in shapes)
             out.append(r)
         return Page(out, start, total, size)
 
-    def _texts(self, table: pa.Table, positions: np.ndarray) -> list[tuple[list[str] | None, float | None, dict]]:
-        """``(lines, trained share, json)`` of each row, read from the rows' json and labels members
-        (a remote cache: only those of the shards already downloaded; the others get None)."""
+    def _texts(self, table: pa.Table, positions: np.ndarray) -> list[tuple[list[str] | None, float | None]]:
+        """``(lines, trained share)`` of each row, read from the rows' json and labels members (a
+        remote cache: only those of the shards already downloaded; the others get None)."""
         got = read_members(self.files, table, only_present=self.remote is not None)
-        return [(turn_lines(m) if m is not None else None, trained_share(lab), m or {}) for m, lab in got]
+        return [(turn_lines(m) if m is not None else None, trained_share(lab)) for m, lab in got]
 
     def histograms(self, view: View, gone: threading.Event | None = None) -> list[dict[str, Any]]:
         """Histograms of ``duration_s``, ``n_text_tokens`` and the trained-token share over the rows of
