@@ -165,9 +165,12 @@ _ANY_INSTALL = $(firstword $(sort $(wildcard $(VENV)/.installed-*)) $(VENV)/.ins
 inspect: $(_ANY_INSTALL)
 	$(PY) -m shardcache shards info $(OUT)
 
-# `shards view` needs the [inspect] extra (Jinja2, DuckDB, matplotlib); PORT=0 takes any free port.
+# `shards view` needs the [inspect] extra (Jinja2, DuckDB, matplotlib, Pillow); PORT=0 takes any free port.
+# A port already taken is said here in make's terms (PORT=), before the viewer starts.
 PORT ?= 8000
 view: $(VENV)/.installed-inspect
+	@$(PY) -c "import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', int(sys.argv[1])))" $(PORT) 2>/dev/null \
+		|| { echo "make view: port $(PORT) is taken on 127.0.0.1; choose another with PORT=, e.g. make view PORT=8080 (PORT=0: any free port)" >&2; exit 2; }
 	$(PY) -m shardcache shards view $(OUT) --port $(PORT)
 
 # The viewer's browser tests (tests/test_viewer_browser.py) drive the system's Chromium through Playwright
