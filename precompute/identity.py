@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from shardcache.config import BATCH, BYTES, IDENTITY, SPEC, Effect, effect_of, options
+from shardcache.weights import numeric_policy
 from shards.errors import FingerprintMismatch
 from shards.index import PARTS_DIR, write_json_atomic
 
@@ -420,13 +421,15 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def input_identity(cfg: Any, kinds: Any) -> str | None:
+def input_identity(cfg: Any, kinds: Any, device: str = "cpu") -> str | None:
     """sha256 of everything the cache's fingerprint is made from, known without loading an encoder: every
     ``bytes`` option and spec key (both kinds: the fingerprint's and the encoders' identity, the checkpoint
     paths among them), each checkpoint's files with their sizes and modification times
     (:func:`checkpoint_signature`), each plug-in factory's module source, with ``add_missing_tokens`` the media
-    ``kinds`` the manifest's rows hold (they decide the tokens added to the tokenizer), stage one's code that makes the fingerprint
-    (:data:`FINGERPRINT_CODE`) and the versions of :data:`FINGERPRINT_LIBRARIES`. Equal identities give equal
+    ``kinds`` the manifest's rows hold (they decide the tokens added to the tokenizer), the numerics of
+    ``device`` as they are now (:func:`shardcache.weights.numeric_policy` but the dtype, an option: the device
+    type, ATen's CPU kernels, the TF32 and cuDNN switches, each part of every encoder's identity), stage one's
+    code that makes the fingerprint (:data:`FINGERPRINT_CODE`) and the versions of :data:`FINGERPRINT_LIBRARIES`. Equal identities give equal
     fingerprints, so a rerun whose identity is the one ``parts/job.json`` records needs no encoder to know
     the cache is its own. None when a checkpoint or plug-in cannot be told apart without loading it (the
     job then loads its encoders and compares the fingerprint itself)."""
@@ -447,6 +450,7 @@ def input_identity(cfg: Any, kinds: Any) -> str | None:
     # the media kinds decide the tokens added to a tokenizer (add_missing_tokens), else nothing of the fingerprint
     ident = {"options": values, "checkpoints": checkpoints, "plugins": plugins,
              "kinds": sorted(kinds) if cfg.add_missing_tokens else None,
+             "numerics": {k: v for k, v in numeric_policy(None, device).items() if k != "dtype"},
              "code": _code_signature(), "versions": _versions()}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 

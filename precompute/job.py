@@ -426,7 +426,7 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
             log.info("%s", rerun.describe())
         kept = [stem for stem in done if stem not in rerun.stale]
         chunks = plan_chunks(plan.n, opts.samples_per_shard, rerun.covered, kept)
-        inputs, recorded = input_identity(cfg, plan.stats.kinds), recorded_inputs(out_dir)
+        inputs, recorded = input_identity(cfg, plan.stats.kinds, opts.device), recorded_inputs(out_dir)
         sync()  # every rank has read the recorded inputs before rank 0 records new ones
         if not chunks and not rerun.carry and inputs is not None and inputs == recorded and _merged(out_dir):
             return _up_to_date(output, plan, rerun, done, opts, manifest, global_rank, world_size, sync, t0)
