@@ -363,10 +363,9 @@ def test_the_revision_chosen_is_the_one_hashed_and_loaded(revisions, hub, offlin
         assert _same_values(DacModel.from_pretrained("org/dac-rev", revision=rev).state_dict(), files[k]), rev
         src = loaded_files(checkpoint("org/dac-rev", revision=rev), "transformers").source()
         assert (src["revision"], src["requested"]) == (dac[f"{k}_commit"], rev or "main")
-        wrev = {"a": None, "b": "v1"}[k]
-        for isolated in (False, True):
-            assert checkpoint_sha256("org/wan-rev", "vae", library="diffusers", revision=wrev,
-                                     isolated=isolated) == _sha_of(vae[k])
+    for rev, k, isolated in ((None, "a", False), ("v1", "b", False), ("v1", "b", True), (wan["a_commit"], "a", True)):
+        assert checkpoint_sha256("org/wan-rev", "vae", library="diffusers", revision=rev,
+                                 isolated=isolated) == _sha_of(vae[k]), (rev, isolated)
     got = AutoencoderKLWan.from_pretrained("org/wan-rev", subfolder="vae", revision="v1").state_dict()
     assert _same_values(got, vae["b"]) and not _same_values(got, vae["a"])
 
