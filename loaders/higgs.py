@@ -436,7 +436,8 @@ def codec_weights(lm: Any, audio_tokenizer: Any = None, *, revision: str | None 
 
 
 def contract_values(lm: Any, tokenizer: Any = None, audio_tokenizer: Any = None, *, revision: str | None = None,
-                    tokenizer_revision: str | None = None, audio_tokenizer_revision: str | None = None) -> dict[str, Any]:
+                    tokenizer_revision: str | None = None,
+                    audio_tokenizer_revision: str | None = None) -> dict[str, Any]:
     """The contract items (``{item: value}``, named as :meth:`shards.cache.Contract.items` names them) of
     Higgs-Audio checkpoint ``lm`` (its ``config.json``, tokenizer and processor files; the audio tokenizer's
     tensors, never the model's): codes of Higgs-Audio's own tokenizer (name, 24 kHz, 25 frames/s, the model's
@@ -484,7 +485,8 @@ def checkpoint_contract(lm: Any, *, tokenizer: Any = None, audio_tokenizer: Any 
     is built from (:meth:`HiggsBatch.fields_read`: Boson's collator reads the cached labels, as ``targets``);
     ``revisions``: :func:`contract_values`' ``revision``, ``tokenizer_revision``, ``audio_tokenizer_revision``."""
     from shards.cache import Contract
-    return Contract.from_items(model, contract_values(lm, tokenizer, audio_tokenizer, **revisions), fields=HiggsBatch.fields,
+    return Contract.from_items(model, contract_values(lm, tokenizer, audio_tokenizer, **revisions),
+                               fields=HiggsBatch.fields,
                                reads=HiggsBatch.fields_read(labels))
 
 

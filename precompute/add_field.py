@@ -327,7 +327,8 @@ class AddFieldOptions:
 
 def producer_spec(args: Any) -> dict[str, Any]:
     """The producer spec of the command line (an :class:`AddFieldOptions`): ``--producer`` (+ ``--options``),
-    else the codec flags (``--audio_tokenizer``/``--pretrained``/``--revision``/``--config``: producer ``codes``). Without
+    else the codec flags (``--audio_tokenizer``/``--pretrained``/``--revision``/``--config``: producer
+    ``codes``). Without
     either, a ``codes_<codec>`` field needs the codec flags; other fields need ``--producer``. Raises
     :class:`~shardcache.config.ConfigError` naming the option."""
     options: dict[str, Any] = dict(args.options or {})

@@ -270,8 +270,8 @@ def _explicit(ckpt: Checkpoint) -> tuple[Candidate, ...]:
         raise CheckpointUnreadable(f"{ckpt.name('config.json')} of {ckpt}: transformers_weights {named!r} is neither a "
                                    "safetensors file nor a safetensors index, which transformers refuses to load")
     if os.path.isabs(named) or ".." in Path(named).parts:
-        raise CheckpointUnreadable(f"{ckpt.name('config.json')} of {ckpt}: transformers_weights {named!r} is not a file "
-                                   "inside the checkpoint, which transformers refuses to load")
+        raise CheckpointUnreadable(f"{ckpt.name('config.json')} of {ckpt}: transformers_weights {named!r} is not a "
+                                   "file inside the checkpoint, which transformers refuses to load")
     return (Candidate(named, index=named.endswith(".safetensors.index.json")),)
 
 
@@ -323,8 +323,8 @@ def loaded_files(ckpt: Checkpoint, library: str, *, isolated: bool = False) -> W
         return WeightFiles(ckpt, library, tuple(files), ckpt.name(c.name), ckpt.commit(found))
     if not ckpt.local and ckpt.revision and not ckpt._snapshot().is_dir():
         raise CheckpointMissing(f"{ckpt}: revision {ckpt.revision} is not in the hub cache (no refs/{ckpt.revision}, "
-                                f"no snapshots/{ckpt.revision}; offline): download that revision, or name one the cache "
-                                f"holds (its refs: {', '.join(ckpt._refs()) or 'none'})")
+                                f"no snapshots/{ckpt.revision}; offline): download that revision, or name one the "
+                                f"cache holds (its refs: {', '.join(ckpt._refs()) or 'none'})")
     where = "" if ckpt.local else " (or it is not in the hub cache, offline)"
     raise CheckpointMissing(f"{ckpt} holds none of the weight files {library} loads "
                                f"({', '.join(c.name for c in order)}){where}: cannot tell its identity")
@@ -567,8 +567,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["GEMMA3_VISION", "LIBRARIES", "SOURCE_KEY", "Candidate", "Checkpoint", "CheckpointMissing",
-           "CheckpointUnreadable", "LocalRevision", "WeightFiles", "candidates", "checkpoint", "checkpoint_sha256", "file_format",
-           "files_sha256", "identity", "loaded_files", "numeric_policy", "source", "tensor_names", "under", "weights_of"]
+           "CheckpointUnreadable", "LocalRevision", "WeightFiles", "candidates", "checkpoint", "checkpoint_sha256",
+           "file_format", "files_sha256", "identity", "loaded_files", "numeric_policy", "source", "tensor_names",
+           "under", "weights_of"]
 
 if __name__ == "__main__":
     sys.exit(main())

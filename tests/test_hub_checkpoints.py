@@ -373,7 +373,8 @@ def test_the_revision_chosen_is_the_one_hashed_and_loaded(revisions, hub, offlin
 def test_a_revision_with_a_folder_or_not_in_the_cache_is_refused(revisions, tmp_path, offline_hub):
     """A revision given with a local folder: refused naming the option, the folder and why (transformers and
     diffusers would ignore it, loading the folder's files: the run would record a revision it never read); a
-    revision the hub cache does not hold: refused naming it and the refs it holds. Both exit 2 at the command
+    revision the hub cache does not hold: refused naming it and the refs it holds; diffusers' deprecated variant
+    revisions (``fp16``), which load another file than the revision's: refused. Each exits 2 at the command
     line (:class:`~shardcache.weights.CheckpointUnreadable`)."""
     from transformers import DacModel
 
@@ -389,6 +390,9 @@ def test_a_revision_with_a_folder_or_not_in_the_cache_is_refused(revisions, tmp_
         checkpoint_sha256("org/dac-rev", revision="v2")
     with pytest.raises(CheckpointMissing, match=f"revision {'0' * 40} is not in the hub cache"):
         checkpoint_sha256("org/dac-rev", revision="0" * 40)
+    with pytest.raises(CheckpointUnreadable, match="revision 'fp16' is diffusers' deprecated spelling of a weights "
+                                                   "variant"):   # diffusers would load diffusion_pytorch_model.fp16.*
+        checkpoint_sha256("org/wan-rev", "vae", library="diffusers", revision="fp16")
 
 
 def test_each_encoder_loads_and_records_the_revision(revisions, tmp_path, offline_hub):
@@ -922,31 +926,30 @@ def test_add_field_under_other_cpu_kernels_is_refused_or_encoded_again(demo_cach
     floats) than the field was encoded under: the codec's ``numerics.cpu_capability`` differs, so the field's
     fingerprint does: refused, the cache untouched; with ``--replace`` encoded again, the field then recording
     ``DEFAULT``; under the recorded kernels the rerun changes nothing."""
+    from precompute.add_field import main_add
     cache = _copy(demo_cache, tmp_path / "cache")
-    cmd = [sys.executable, "-m", "shardcache", "add-field", str(cache), "--field", "codes_mimi", "--audio_tokenizer",
-           "mimi", "--pretrained", str(tiny_models / "mimi-tiny"), "--no_progress", "true"]
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    args = [str(cache), "--field", "codes_mimi", "--audio_tokenizer", "mimi", "--pretrained",
+            str(tiny_models / "mimi-tiny"), "--no_progress", "true"]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}   # read when torch starts: another process
 
-    def go(*extra, **kernels):
-        return subprocess.run(cmd + list(extra), cwd=ROOT, capture_output=True, text=True, env={**env, **kernels},
-                              timeout=600)
+    def under_default_kernels(*extra):
+        return subprocess.run([sys.executable, "-m", "shardcache", "add-field", *args, *extra], cwd=ROOT,
+                              capture_output=True, text=True, env=env, timeout=600)
 
     def numerics():
         field = json.loads((cache / "manifest.json").read_text())["fields"]["codes_mimi"]
         return field["fingerprint"], field["encoder"]["numerics"]["cpu_capability"]
-    r = go()
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main_add(args) == 0                  # this process's kernels
     fp, have = numerics()
     assert have == torch.backends.cpu.get_cpu_capability()
     if have == "DEFAULT":
         pytest.skip("this CPU runs ATen's default kernels already")
     before = _fields(cache)
-    r = go(ATEN_CPU_CAPABILITY="default")
+    r = under_default_kernels()
     assert r.returncode == 1 and "exists with fingerprint" in r.stderr, r.stderr[-2000:]
     assert _fields(cache) == before
-    r = go()
-    assert r.returncode == 0 and _fields(cache) == before, r.stderr[-2000:]
-    r = go("--replace", "true", ATEN_CPU_CAPABILITY="default")
+    assert main_add(args) == 0 and _fields(cache) == before
+    r = under_default_kernels("--replace", "true")
     assert r.returncode == 0, r.stderr[-2000:]
     new_fp, now = numerics()
     assert now == "DEFAULT" and new_fp != fp
@@ -1070,23 +1073,20 @@ def test_a_rerun_under_other_cpu_kernels_is_refused(tiny_models, tmp_path):
     rows.write_text("".join(x + "\n" for x in (ROOT / "data" / "demo" / "samples.jsonl").read_text().splitlines()[:2]))
     (tmp_path / "audio").symlink_to(ROOT / "data" / "demo" / "audio")
     (tmp_path / "images").symlink_to(ROOT / "data" / "demo" / "images")
-    cmd = [sys.executable, "-m", "shardcache", "precompute", "--manifest", str(rows), "--cache", str(tmp_path / "c"),
-           "--config", str(ROOT / "configs" / "precompute.yaml"), "--image_size", "64",
-           "--audio_tokenizer.pretrained", str(tiny_models / "dac-tiny"),
-           "--image_encoder.pretrained", str(tiny_models / "wan-tiny"), "--device", "cpu", "--num_workers", "0",
-           "--allow_outside_root", "true", "--no_progress"]
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-
-    def go(**extra):
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**env, **extra}, timeout=600)
-    r = go()
-    assert r.returncode == 0, r.stderr[-2000:]
+    from precompute.cli import main
+    args = ["precompute", "--manifest", str(rows), "--cache", str(tmp_path / "c"),
+            "--config", str(ROOT / "configs" / "precompute.yaml"), "--image_size", "64",
+            "--audio_tokenizer.pretrained", str(tiny_models / "dac-tiny"),
+            "--image_encoder.pretrained", str(tiny_models / "wan-tiny"), "--device", "cpu", "--num_workers", "0",
+            "--allow_outside_root", "true", "--no_progress"]
+    assert main(args[1:]) == 0                  # this process's kernels
     have = json.loads((tmp_path / "c" / "manifest.json").read_text())["encoders"]["image_encoder"]["numerics"]
     assert have["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and have["device"] == "cpu"
     if have["cpu_capability"] == "DEFAULT":
         pytest.skip("this CPU runs ATen's default kernels already")
-    r = go(ATEN_CPU_CAPABILITY="default")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}   # read when torch starts: another process
+    r = subprocess.run([sys.executable, "-m", "shardcache", *args], cwd=ROOT, capture_output=True, text=True, env=env,
+                       timeout=600)
     assert r.returncode == 1 and "was written with fingerprint" in r.stderr, r.stderr[-2000:]
     assert "audio_tokenizer.numerics.cpu_capability" in r.stderr and "image_encoder.numerics.cpu_capability" in r.stderr
-    r = go()
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(args[1:]) == 0

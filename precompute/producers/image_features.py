@@ -133,7 +133,8 @@ class Gemma3VisionEncoder(Declares):
                              "true (crops per image, text rewritten per crop), which stage one does not support: set "
                              "do_pan_and_scan to false in its processor config (processor_config.json / "
                              "preprocessor_config.json)")
-        model = Gemma3ForConditionalGeneration.from_pretrained(self.pretrained, dtype=self.dtype, revision=self.revision)
+        model = Gemma3ForConditionalGeneration.from_pretrained(self.pretrained, dtype=self.dtype,
+                                                               revision=self.revision)
         self.config = model.config
         self.vision_tower = model.model.vision_tower.to(self.device).eval()
         self.projector = model.model.multi_modal_projector.to(self.device).eval()
