@@ -386,6 +386,12 @@ def test_a_revision_with_a_folder_or_not_in_the_cache_is_refused(revisions, tmp_
                                             "a local folder, which has no revisions"):
         checkpoint_sha256(folder, revision="v1", what="audio_tokenizer.revision")
     assert issubclass(LocalRevision, CheckpointUnreadable) and LocalRevision.exit_code == 2
+    from precompute.config import load_config
+    from precompute.validate import check_config   # stage one's config check: before any encoder loads
+    problems = check_config(load_config(None, [f"audio_tokenizer={{name: dac, pretrained: {folder}, revision: v1}}",
+                                               f"image_features={{name: gemma3, pretrained: {folder}, revision: v1}}"]))
+    assert [k for k, _ in problems] == ["audio_tokenizer.revision", "image_features.revision"], problems
+    assert all("is a local folder, which has no revisions" in m for _, m in problems)
     with pytest.raises(CheckpointMissing, match=r"revision v2 is not in the hub cache .*its refs: main, v1"):
         checkpoint_sha256("org/dac-rev", revision="v2")
     with pytest.raises(CheckpointMissing, match=f"revision {'0' * 40} is not in the hub cache"):
