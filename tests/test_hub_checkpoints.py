@@ -430,8 +430,17 @@ def test_each_encoder_loads_and_records_the_revision(revisions, tmp_path, offlin
     for load, spec in ((load_audio_tokenizer, {"name": "dac", "pretrained": str(dac["a"])}),
                        (load_image_encoder, {"name": "wan", "pretrained": str(wan["a"]), "subfolder": "vae"}),
                        (load_text_tokenizer, {"name": "hf", "pretrained": str(tok["a"])})):
-        with pytest.raises(LocalRevision, match="is a local folder, which has no revisions"):
+        with pytest.raises(ValueError, match=r"\.revision: revision 'v1' is set, but .* is a local folder, which has "
+                                             "no revisions"):   # the spec's rule (the config check lists it)
             load(dict(spec, revision="v1"))
+    from precompute.encoders.audio import DacTokenizer
+    from precompute.encoders.image import IMAGE_ENCODERS
+    from precompute.encoders.text import HFTokenizer
+    for call in (lambda: DacTokenizer.from_pretrained(str(dac["a"]), revision="v1"),
+                 lambda: IMAGE_ENCODERS["wan"].from_pretrained(str(wan["a"]), subfolder="vae", revision="v1"),
+                 lambda: HFTokenizer.from_pretrained(str(tok["a"]), revision="v1")):
+        with pytest.raises(LocalRevision, match="is a local folder, which has no revisions"):   # the classes: exit 2
+            call()
 
 
 def test_the_recipes_load_and_compare_the_revision(revisions, tiny_models, hub, tmp_path, offline_hub):
