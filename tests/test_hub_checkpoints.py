@@ -907,7 +907,7 @@ def test_add_field_at_a_revision_is_identity(demo_cache, mimi_revisions, tmp_pat
     """``shardcache add-field --pretrained HUB_ID --revision v1``: the field's codec is that revision's (its
     hashes and ``loaded_from``); run again with the same commit named by its hash, nothing changes (an identity
     option: the hashes decide); at ``main`` (other weights) it is refused, the cache untouched; ``--revision``
-    with a local folder exits 2 naming it. (Covers the add-field walk's ``revision`` rows:
+    with a local folder is refused naming it (a bad codec spec: exit 1, as add-field's other spec errors). (Covers the add-field walk's ``revision`` rows:
     tests/test_option_effects.py.)"""
     from precompute.add_field import AddFieldOptions, FieldError, add_field, main_add, producer_spec
     m = mimi_revisions
@@ -931,7 +931,8 @@ def test_add_field_at_a_revision_is_identity(demo_cache, mimi_revisions, tmp_pat
     rc = main_add([str(cache), "--field", "codes_mimi", "--audio_tokenizer", "mimi", "--pretrained", str(m["a"]),
                    "--revision", "v1", "--no_progress", "true"])
     err = capsys.readouterr().err
-    assert rc == 2 and "is a local folder, which has no revisions" in err and "Traceback" not in err, err[-2000:]
+    assert rc == 1 and "audio tokenizer.revision: revision 'v1' is set" in err, err[-2000:]   # a bad spec (as any)
+    assert "is a local folder, which has no revisions" in err and "Traceback" not in err, err[-2000:]
     assert _fields(cache) == before
 
 
