@@ -2,11 +2,13 @@
 
 Every checkpoint here is a tiny model ``save_pretrained`` into a folder, then laid out as the hub cache holds
 it (:mod:`tools.testing.hub_cache`: blobs named by their etag, relative links from ``snapshots/<commit>/``,
-``refs/main``; checked against ``huggingface_hub``'s own cache API first) and read with ``HF_HUB_OFFLINE=1``
-through its hub id, as a user's first run reads ``google/gemma-3-4b-it``: the Higgs codec and LM, the Gemma 3
-model (its tower for stage one's features), the Wan VAE in the ``vae/`` subfolder of a pipeline, a tokenizer.
-Expected hashes are computed here from the files' tensors (:func:`_tensor_sha256`), which file a library
-loaded from the values it loaded.
+``refs/main`` and other refs, ``.no_exist/`` markers; checked against ``huggingface_hub``'s own cache API first)
+and read with ``HF_HUB_OFFLINE=1`` through its hub id, the cache found through ``HF_HOME`` or ``HF_HUB_CACHE``,
+as a user's first run reads ``google/gemma-3-4b-it``: the Higgs codec and LM, the Gemma 3 model (its tower for
+stage one's features), the Wan VAE in the ``vae/`` subfolder of a pipeline, a tokenizer; at ``main`` or another
+revision (a commit by hash or tag). Expected hashes are computed here from the files' tensors (:func:`_sha_of`),
+which file a library loaded from the values it loaded (:func:`_same_values`): single, sharded and ``.bin``
+saves, ``config.json``'s ``transformers_weights``, diffusers' root-first rule, the revision chosen.
 """
 from __future__ import annotations
 
