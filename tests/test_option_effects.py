@@ -406,6 +406,9 @@ def test_with_codes_that_depend_on_the_batch_every_option_is_refused_or_exact(wa
 ADD_FIELD_OTHER = {
     "field": "another name is another field (added beside it): nothing to compare",
     "producer": "another producer makes another kind of field (refused by the field's name rule)",
+    "revision": "a hub revision needs a hub id (with a folder it is refused): test_hub_checkpoints.py::"
+                "test_add_field_at_a_revision_is_identity",
+    "spec.audio_tokenizer.revision": "as revision (test_hub_checkpoints.py::test_add_field_at_a_revision_is_identity)",
 }
 
 

@@ -130,7 +130,7 @@ def check_model(cfg: TrainConfig, cache: Cache, spec: ModelSpec | None = None,
     Raises :class:`shards.ContractMismatch` (exit 2 at the command line)."""
     m = cfg.model
     spec = spec or model_spec(m.name)
-    contract = run_contract(m.name, m.kwargs, m.audio_tokenizer, m.contract, spec)
+    contract = run_contract(m.name, m.kwargs, m.audio_tokenizer, m.contract, spec, m.audio_tokenizer_revision)
     waived = cache.require(contract, allow_other_weights=m.allow_other_encoder_weights)
     lora = spec.lora_options(dict(m.kwargs), run_lora(cfg))
     for path, what in ((m.init_from, "--model.init_from"), (resume_from, "--checkpoint.resume")):
