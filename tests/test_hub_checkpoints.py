@@ -933,7 +933,7 @@ def test_add_field_at_a_revision_is_identity(demo_cache, mimi_revisions, tmp_pat
     rc = main_add([str(cache), "--field", "codes_mimi", "--audio_tokenizer", "mimi", "--pretrained", str(m["a"]),
                    "--revision", "v1", "--no_progress", "true"])
     err = capsys.readouterr().err
-    assert rc == 1 and "audio tokenizer.revision: revision 'v1' is set" in err, err[-2000:]   # a bad spec (as any)
+    assert rc == 1 and "audio_tokenizer.revision: revision 'v1' is set" in err, err[-2000:]   # a bad spec (as any)
     assert "is a local folder, which has no revisions" in err and "Traceback" not in err, err[-2000:]
     assert _fields(cache) == before
 
