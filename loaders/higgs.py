@@ -1,7 +1,8 @@
 """Higgs-Audio v2 batches from the cache: the model's own layouts, built from the cached tensors.
 
 Two consumers, two layouts, nothing re-tokenized and no codec run (torch and numpy only; neither
-``transformers`` nor ``boson_multimodal`` is imported here):
+``transformers`` nor ``boson_multimodal`` is imported with this module: the contract below reads a
+checkpoint's files with ``transformers`` when asked, ``boson_multimodal`` builds the samples):
 
 * :class:`HiggsBatch` (``transformers``' ``HiggsAudioV2ForConditionalGeneration``): a loader
   ``transform`` turning a collated batch (``input_ids``, ``labels``, ``codes``, ``audio_segments``)
@@ -60,6 +61,7 @@ Boson does; the processor itself takes any text).
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +72,7 @@ import torch
 
 from shards.kinds import WAVEFORM
 from shards.schema import SEGMENT_COLUMNS
-from shards.tokens import IGNORE_INDEX
+from shards.tokens import AUDIO_OUT as AUDIO_OUT_ID, AUDIO_OUT_BOS as AUDIO_OUT_BOS_ID, IGNORE_INDEX
 
 log = logging.getLogger("loaders")
 
@@ -180,6 +182,14 @@ class HiggsBatch:
 
     fields = ("input_ids", "labels", "codes", "audio_segments")
 
+    @staticmethod
+    def fields_read(labels: str = "processor") -> tuple[str, ...]:
+        """The cached fields a batch of this ``labels`` mode is built from: ``processor`` labels come from the
+        ids (the cached ``labels`` are not read), ``targets`` from the cached ``labels``."""
+        if labels not in LABELS:
+            raise ValueError(f"labels: expected one of {LABELS}, got {labels!r}")
+        return HiggsBatch.fields if labels == "targets" else tuple(f for f in HiggsBatch.fields if f != "labels")
+
     def __init__(self, *, audio_token_id: int, audio_bos_token_id: int, audio_delay_token_id: int,
                  pad_token_id: int, audio_stream_bos_id: int, audio_stream_eos_id: int, num_codebooks: int,
                  audio_in_token_id: int | None = None, audio_in_bos_token_id: int | None = None,
@@ -268,7 +278,9 @@ class HiggsBatch:
 
     # -- the batch --------------------------------------------------------------------------------
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        ids_b, lab_b = batch["input_ids"].long(), batch["labels"].long()
+        ids_b = batch["input_ids"].long()
+        # processor labels are made from the ids below: the cached labels are not read (fields_read)
+        lab_b = batch["labels"].long() if self.labels == "targets" else torch.full_like(ids_b, IGNORE_INDEX)
         B = ids_b.shape[0]
         keys = batch.get("keys") or [str(i) for i in range(B)]
         lengths = batch.get("input_lengths")
@@ -342,6 +354,142 @@ class HiggsBatch:
         return {"audio_input_ids": ids, "audio_input_ids_mask": mask, "audio_labels": lab}
 
 
+# -- what a Higgs-Audio v2 checkpoint needs from a cache (its contract) ----------------------------------
+
+#: Higgs-Audio v2's audio tokenizer (``HiggsAudioV2TokenizerModel``): 24 kHz audio, 960 samples a frame
+CODEC_NAME, CODEC_SAMPLE_RATE, CODEC_FRAME_RATE = "higgs", 24000, 25.0
+#: the files of a checkpoint that name its paired audio tokenizer (``transformers``' processor: the
+#: ``audio_tokenizer`` entry of ``processor_config.json``, or ``audio_tokenizer_config.json``)
+PROCESSOR_FILES = ("audio_tokenizer_config.json", "processor_config.json")
+#: a checkpoint's ``config.json`` keys -> what they are, by ``model_type``: ``transformers``' form
+#: (``HiggsAudioV2Config``) and Boson's own (``boson_multimodal`` ``HiggsAudioConfig``, what its trainer trains)
+CONFIG_KEYS = {"higgs_audio_v2": {"n_codebooks": "num_codebooks", "codebook_size": "audio_stream_bos_id",
+                                  AUDIO_OUT_ID: "audio_token_id", AUDIO_OUT_BOS_ID: "audio_bos_token_id"},
+               "higgs_audio": {"n_codebooks": "audio_num_codebooks", "codebook_size": "audio_codebook_size",
+                               AUDIO_OUT_ID: "audio_out_token_idx", AUDIO_OUT_BOS_ID: "audio_out_bos_token_id"}}
+
+
+def checkpoint_config(lm: Any, revision: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``(model_type, config.json)`` of Higgs-Audio checkpoint ``lm`` (a directory or hub id), read as the file
+    holds it (no ``transformers`` class needed: Boson's trainer runs ``transformers`` 4.46). Raises ``ValueError``
+    for a checkpoint of another ``model_type`` (:data:`CONFIG_KEYS`),
+    :class:`shardcache.weights.CheckpointUnreadable` for one without a readable ``config.json``."""
+    from shardcache.pretrained import resolve_pretrained
+    from shardcache.weights import CheckpointUnreadable, checkpoint
+    ckpt = checkpoint(resolve_pretrained(lm, what="model.kwargs.lm"), revision=revision, what="model.kwargs.revision")
+    p = ckpt.fetch("config.json")
+    if p is None:
+        raise CheckpointUnreadable(f"{ckpt} has no config.json: not a Higgs-Audio checkpoint")
+    try:
+        raw = json.loads(p.read_text())
+        model_type = raw["model_type"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointUnreadable(f"{p}: not a model config ({type(e).__name__}: {e})") from e
+    if model_type not in CONFIG_KEYS:
+        raise ValueError(f"{ckpt} is {model_type!r}, not a Higgs-Audio checkpoint ({' or '.join(CONFIG_KEYS)})")
+    return model_type, raw
+
+
+def paired_audio_tokenizer(lm: Any, revision: str | None = None) -> str | None:
+    """The audio tokenizer checkpoint ``lm``'s processor (at ``revision``) names (``audio_tokenizer_name_or_path``,
+    what ``HiggsAudioV2Processor.from_pretrained`` loads: at its ``main``, whatever the processor's revision),
+    None when it names none (no processor files)."""
+    from shardcache.pretrained import resolve_pretrained
+    from shardcache.weights import checkpoint
+    ckpt = checkpoint(resolve_pretrained(lm, what="model.kwargs.lm"), revision=revision, what="model.kwargs.revision")
+    for f in PROCESSOR_FILES:
+        path = ckpt.fetch(f)
+        d = json.loads(path.read_text()) if path else {}
+        d = d.get("audio_tokenizer", d) if f == "processor_config.json" else d
+        if isinstance(d, dict) and d.get("audio_tokenizer_name_or_path"):
+            return str(d["audio_tokenizer_name_or_path"])
+    return None
+
+
+def codec_weights(lm: Any, audio_tokenizer: Any = None, *, revision: str | None = None,
+                  audio_tokenizer_revision: str | None = None) -> Any:
+    """The weights (:func:`shardcache.weights.weights_of`) of the audio tokenizer the model's codes come from:
+    ``audio_tokenizer`` (``--model.audio_tokenizer``) when given, else the one checkpoint ``lm``'s processor
+    config names; :class:`shards.cache.Unknown` (met by no cache, saying what to give) when neither names one
+    or the paired one is not here. ``audio_tokenizer_revision``: the hub revision of ``audio_tokenizer``
+    (``--model.audio_tokenizer_revision``); the paired one is read at its ``main``, as ``HiggsAudioV2Processor``
+    loads it (``revision``: of ``lm``, whose processor config names it). Raises
+    :class:`shardcache.weights.CheckpointUnreadable` for weights that are there and cannot be read."""
+    from shardcache.pretrained import resolve_pretrained
+    from shardcache.weights import CheckpointMissing, weights_of
+    from shards.cache import Unknown
+    if audio_tokenizer:
+        return weights_of(resolve_pretrained(audio_tokenizer, what="--model.audio_tokenizer"),
+                          revision=audio_tokenizer_revision, what="--model.audio_tokenizer_revision")
+    if audio_tokenizer_revision:
+        raise ValueError(f"--model.audio_tokenizer_revision {audio_tokenizer_revision!r} without "
+                         "--model.audio_tokenizer: name the audio tokenizer (a hub id) whose revision it is")
+    tok = paired_audio_tokenizer(lm, revision)
+    if not tok:
+        return Unknown(f"{lm} names no audio tokenizer (no processor_config.json): name the one its codes come "
+                       "from with --model.audio_tokenizer (--audio_tokenizer_path)")
+    try:
+        return weights_of(resolve_pretrained(tok, what="the paired audio tokenizer"))
+    except (CheckpointMissing, FileNotFoundError) as e:
+        return Unknown(f"the paired audio tokenizer {tok} is not here ({e}): name a local copy with "
+                       "--model.audio_tokenizer")
+
+
+def contract_values(lm: Any, tokenizer: Any = None, audio_tokenizer: Any = None, *, revision: str | None = None,
+                    tokenizer_revision: str | None = None,
+                    audio_tokenizer_revision: str | None = None) -> dict[str, Any]:
+    """The contract items (``{item: value}``, named as :meth:`shards.cache.Contract.items` names them) of
+    Higgs-Audio checkpoint ``lm`` (its ``config.json``, tokenizer and processor files; the audio tokenizer's
+    tensors, never the model's): codes of Higgs-Audio's own tokenizer (name, 24 kHz, 25 frames/s, the model's
+    codebooks of ``codebook_size`` codes, hence its bandwidth in kbps: codebooks x log2(size) bits x 25 /
+    1000; the weights of ``audio_tokenizer`` or the paired one: :func:`codec_weights`, computed in float32),
+    rendered with Higgs-Audio's layout (``llama3``) and labelled on the answers, by its tokenizer (``tokenizer``
+    when given, else the checkpoint's: fingerprint, every special id the batch reads, the pad id). What
+    ``--model.name higgs`` and :class:`HiggsChatMLDataset` compare, alike. ``revision``, ``tokenizer_revision``,
+    ``audio_tokenizer_revision``: the hub revisions of ``lm``, ``tokenizer`` and ``audio_tokenizer`` (default
+    ``main``)."""
+    import math
+
+    from shardcache.pretrained import token_ids, tokenizer_identity, tokenizer_pad_id
+    from shards.cache import Unknown
+    from shards.tokens import AUDIO_BOS, AUDIO_EOS, AUDIO_IN, EOM, EOT
+
+    if lm is None and not (tokenizer and audio_tokenizer):
+        raise ValueError("name the model's checkpoint (a directory or hub id), or its text tokenizer and its audio "
+                         "tokenizer: what its contract compares with the cache")
+    ids: dict[str, Any] = {}
+    sizes: dict[str, Any] = {}
+    if lm is not None:   # the model's codebooks and placeholder ids (else any: the tokenizer's ids still count)
+        model_type, raw = checkpoint_config(lm, revision)
+        keys = CONFIG_KEYS[model_type]
+        size, n = int(raw[keys["codebook_size"]]), int(raw[keys["n_codebooks"]])
+        sizes = {"codec.n_codebooks": n, "codec.codebook_size": size,
+                 "codec.bandwidth": n * math.log2(size) * CODEC_FRAME_RATE / 1000}
+        ids = {AUDIO_OUT_ID: int(raw[keys[AUDIO_OUT_ID]]), AUDIO_OUT_BOS_ID: int(raw[keys[AUDIO_OUT_BOS_ID]])}
+    tok, fingerprint, _ = tokenizer_identity(lm, tokenizer, revision=revision, named_revision=tokenizer_revision)
+    if tok is not None:
+        names = (AUDIO_IN, AUDIO_BOS, AUDIO_EOS, EOT, EOM) + ((AUDIO_OUT_ID, AUDIO_OUT_BOS_ID) if lm is None else ())
+        ids |= {t: i for t, i in token_ids(tok, names).items()
+                if not isinstance(i, Unknown)}       # a token its tokenizer lacks is not read
+    return {f"special_tokens.{t}": i for t, i in ids.items()} | sizes | {
+        "pad_id": tokenizer_pad_id(tok) if tok is not None else None,
+        "codec.name": CODEC_NAME, "codec.sample_rate": CODEC_SAMPLE_RATE, "codec.frame_rate": CODEC_FRAME_RATE,
+        "codec.weights": codec_weights(lm, audio_tokenizer, revision=revision,
+                                       audio_tokenizer_revision=audio_tokenizer_revision), "codec.dtype": "float32",
+        "text_tokenizer": fingerprint, "chat_template": "llama3", "label_policy": "answers"}
+
+
+def checkpoint_contract(lm: Any, *, tokenizer: Any = None, audio_tokenizer: Any = None, labels: str = "targets",
+                        model: str = "loaders.higgs.HiggsChatMLDataset", **revisions: str | None):
+    """The :class:`shards.cache.Contract` of :func:`contract_values`, reading the fields a batch of ``labels``
+    is built from (:meth:`HiggsBatch.fields_read`: Boson's collator reads the cached labels, as ``targets``);
+    ``revisions``: :func:`contract_values`' ``revision``, ``tokenizer_revision``, ``audio_tokenizer_revision``."""
+    from shards.cache import Contract
+    return Contract.from_items(model, contract_values(lm, tokenizer, audio_tokenizer, **revisions),
+                               fields=HiggsBatch.fields,
+                               reads=HiggsBatch.fields_read(labels))
+
+
 # -- boson_multimodal's trainer -------------------------------------------------------------------
 
 class HiggsChatMLDataset(torch.utils.data.Dataset):
@@ -364,26 +512,51 @@ class HiggsChatMLDataset(torch.utils.data.Dataset):
     float32 (n_in,); ``audio_speaker_indices`` int64 (n_items,): each item's speaker in ONE map for
     the whole cache (:attr:`speakers`; -1 unknown), not a per-sample index.
 
+    The model's contract is checked first, as ``shardcache train --model.name higgs`` checks it, before a
+    sample is read (:func:`checkpoint_contract`; Boson's collator reads the cached labels, so their label
+    policy is compared, as with ``labels: targets``): codes of the model's audio tokenizer (its weights,
+    codebooks, rate), the model's text tokenizer and its special ids, Higgs-Audio's layout and labels.
+
     Args:
         cache: cache directory.
+        checkpoint: the model's checkpoint (a directory or hub id): Boson's own (``model_type:
+            higgs_audio``) or its ``transformers`` form (``higgs_audio_v2``); its config, tokenizer and
+            processor files are read, never its weights. Without it, ``tokenizer`` and ``audio_tokenizer``
+            are both needed (and the codebooks and placeholder ids are those of the tokenizer).
+        tokenizer: the text tokenizer the model was trained with, for a checkpoint that ships none.
+        audio_tokenizer: the audio tokenizer (``transformers`` format, the one stage one ran) the model's
+            codes come from; needed where the checkpoint's processor names none (Boson's checkpoints).
+        revision, tokenizer_revision, audio_tokenizer_revision: the hub revisions (branch, tag or commit;
+            default ``main``) of ``checkpoint``, ``tokenizer`` and ``audio_tokenizer``, as ``shardcache train``'s
+            ``model.kwargs.revision``, ``model.kwargs.tokenizer_revision`` and ``--model.audio_tokenizer_revision``.
         speakers: the speaker names in id order; default: the sorted distinct ``speaker`` values of
             the cache's index (the sample speakers). An item whose speaker is not in it gets -1.
         waveforms: ``auto`` | a waveform field of the cache (``audio``, ``audio_16k``...).
         sample_class: the class to build samples with (default: ``ChatMLDatasetSample``, imported
             from ``boson_multimodal`` on first use, so this module imports without it).
 
-    Raises ``FileNotFoundError``/``ShardCorrupt`` from the reader for a missing or damaged cache,
+    Raises :class:`shards.ContractMismatch` (one line naming every item, the cache's value and the
+    model's, as the trainer's), :class:`shardcache.weights.CheckpointUnreadable` for a checkpoint file that
+    cannot be read, ``FileNotFoundError``/``ShardCorrupt`` from the reader for a missing or damaged cache,
     ``KeyError`` for a ``waveforms`` field the cache lacks, ``ImportError`` (with what to install)
     when ``boson_multimodal`` is missing and no ``sample_class`` is given.
     """
 
-    def __init__(self, cache: str | Path, *, speakers: Sequence[str] | None = None, waveforms: str = "auto",
-                 sample_class: Any = None):
+    def __init__(self, cache: str | Path, checkpoint: Any = None, *, tokenizer: Any = None, audio_tokenizer: Any = None,
+                 speakers: Sequence[str] | None = None, waveforms: str = "auto", sample_class: Any = None,
+                 revision: str | None = None, tokenizer_revision: str | None = None,
+                 audio_tokenizer_revision: str | None = None):
         from shards import ShardReader, read_manifest
+        from shards.cache import Cache
         from shards.tokens import AUDIO_OUT, AUDIO_OUT_BOS
 
         from .dataset import cache_fields
 
+        #: the contract checked against the cache (:func:`checkpoint_contract`)
+        self.contract = checkpoint_contract(checkpoint, tokenizer=tokenizer, audio_tokenizer=audio_tokenizer,
+                                            revision=revision, tokenizer_revision=tokenizer_revision,
+                                            audio_tokenizer_revision=audio_tokenizer_revision)
+        Cache.open(cache).require(self.contract)
         self.cache = Path(cache)
         self.reader = ShardReader(self.cache)
         manifest = read_manifest(self.cache)

@@ -2,21 +2,31 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import signal
 import sys
+import threading
+from pathlib import Path
 from typing import Any, Optional
 
 from shardcache import config as S
+from shardcache.quiet import quiet_libraries
 from shardcache.ranks import Ranks
+from shardcache.weights import CheckpointUnreadable
 from shards.errors import ShardcacheError, WriteRefused
 
 from .config import CONFIG_ENV, PrecomputeConfig
+from .faults import InfrastructureFault, Stopped, stop_on_sigterm
 from .job import run
 from .manifests import ManifestUnreadable
 from .validate import ConfigError, check_config
 
 log = logging.getLogger("precompute")
 PROG = "shardcache precompute"
+#: what a job that stopped before the end says: the way forward (docs/stage-one.md, "When a job fails")
+RERUN = ("the cache {cache} keeps every chunk committed so far (the chunk in progress was dropped) and is not "
+         "complete: run the same command again to complete it (it encodes only the rows not yet committed)")
 
 
 def registries() -> str:
@@ -42,7 +52,9 @@ cuda:local_rank and writes its own shards;
 rank 0 merges the index and manifest at the end. Options: the defaults below, then the config file
 (--config FILE; else $SHARDCACHE_PRECOMPUTE_CONFIG; else none), then flags in their order
 (--sample_rate 16000, --audio_tokenizer.name mimi, --encoder_batch_size=16); --print_config prints
-the result. Bad options exit with status 2 before any model is loaded, each named; a failed job exits 1.
+the result. Bad options exit with status 2 before any model is loaded, each named; a failed job exits 1
+(a process, the device or the disk that failed is named; the same command run again completes the cache);
+a job stopped by SIGTERM exits 143 after releasing its processes, shared memory and the cache's lock.
 Add or drop a field of an existing cache later: shardcache add-field / drop-field."""
 
 
@@ -79,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    quiet_libraries()
     # configuration errors stop here, before any model is loaded or any file written
     try:
         cfg, args = config_from_args(argv)
@@ -95,23 +108,38 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", ranks.note)
     if global_rank == 0:
         log.info("config file: %s (%s)", args.config_file or "none", args.config_source)
-        log.info("config: %s", S.to_dict(cfg))
+        log.info("%s", S.changes_line(cfg))
+    previous = stop_on_sigterm()  # SIGTERM (SLURM, torchrun) unwinds the job: its processes, memory and lock freed
     try:
         summary, manifest = run(args.manifest, args.cache, cfg, root=args.root, global_rank=global_rank,
                                 world_size=world_size, local_rank=local_rank, barrier=barrier,
                                 progress=not args.no_progress, storage_options=args.storage_options,
                                 staging=args.staging)
-    except (ManifestUnreadable, WriteRefused) as e:  # the manifest as a whole (its encoding...), read before any
-        print(f"error: {e}", file=sys.stderr)       # model loads; another command writes the cache, or the
-        return 2                                    # folder holds other files: nothing was written
+    except (ManifestUnreadable, WriteRefused, CheckpointUnreadable) as e:
+        # the manifest as a whole (its encoding...) or an encoder checkpoint's file (before its weights load)
+        # cannot be read; another command writes the cache, or the folder holds other files: nothing was written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except InfrastructureFault as e:  # a process, the device or the disk failed: not the rows' fault
+        print(f"error: {e}\n{RERUN.format(cache=args.cache)}", file=sys.stderr)
+        return 1
+    except Stopped as e:
+        print(f"{PROG}: {e}\n{RERUN.format(cache=args.cache)}", file=sys.stderr)
+        return 128 + e.signum
     except (ShardcacheError, FileNotFoundError, ValueError, ImportError) as e:  # ImportError: a codec's dependency
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
         close()
-    print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "
-          f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio; setup {summary.setup_s:.1f} s, "
-          f"encoding {summary.wall_s:.1f} s, encoder busy {summary.encoder_busy:.0%} of it")
+    if summary.kept + summary.rejected == 0 and summary.skipped_rows:
+        print(f"[rank {global_rank}] nothing to encode: the cache holds all {summary.skipped_rows} rows "
+              f"({summary.setup_s:.1f} s)")
+    else:
+        print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "
+              f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio; setup {summary.setup_s:.1f} s, "
+              f"encoding {summary.wall_s:.1f} s, encoder busy {summary.encoder_busy:.0%} of it")
     if manifest is not None:
         c = manifest["counts"]
         print(f"cache {args.cache}: {c['samples']} samples in {c['shards']} shards ({c['bytes'] / 1e6:.1f} MB), "
@@ -122,7 +150,31 @@ def main(argv: list[str] | None = None) -> int:
         if empty is not None:
             print(f"error: {empty}", file=sys.stderr)
             return 1
+        for line in closing_lines(args.cache, args.manifest, c):
+            print(line)
     return 0
+
+
+def closing_lines(cache: str, manifest: str, counts: dict) -> list[str]:
+    """What the summary ends with: the rejects that ``expected_rejects.json`` beside the manifest lists, when it
+    lists them all (the bundled demo's and real-mini's rows broken on purpose: data/demo/README.md), where each
+    reject is named (``shards rejects``), and how to look at the cache (``shards view``, ``make view``)."""
+    from shards import read_rejects
+    from shards.storage import is_url
+    out = []
+    expected = Path(manifest).parent / "expected_rejects.json"
+    if counts.get("rejected") and not is_url(cache) and expected.is_file():
+        try:
+            listed = {(r["key"], r["reason"]) for r in json.loads(expected.read_text())}
+        except (ValueError, KeyError, TypeError):
+            listed = set()
+        got = {(r["key"], r["reason"]) for r in read_rejects(cache).select(["key", "reason"]).to_pylist()}
+        if got and got <= listed:
+            out.append(f"  all {len(got)} rejects are rows {expected} lists as broken on purpose")
+    if counts.get("rejected"):
+        out.append(f"each reject's row and reason: shardcache shards rejects {cache}")
+    out.append(f"look at the cache: shardcache shards view {cache}   (or: make view OUT={cache})")
+    return out
 
 
 def empty_cache_error(cache: str, manifest: dict) -> str | None:

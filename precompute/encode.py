@@ -14,7 +14,10 @@ at another rate). A batch is encoded in three steps, so that the encoders run of
 3. :func:`finish`: every value is checked here, once, with its field's kind
    (:meth:`shards.kinds.FieldKind.value_check`: codes in ``[0, codebook_size)``, ids in
    ``[0, vocab_size)``, latents finite and inside float16's range) and cast to the field's storage
-   dtype; a sample that breaks a check is rejected ``encode_failed`` naming the field. The ``json``
+   dtype; a sample that breaks a check is rejected ``encode_failed`` naming the field. Before the kind's
+   check, each value is checked against the field's declaration (:func:`declared_problem`: its rank, a dtype
+   its storage dtype holds exactly), so a plug-in's float codes with a NaN are a reject, not a crash.
+   An infrastructure fault a producer met (:mod:`precompute.faults`) is raised, never a reject. The ``json``
    member (the conversation, its audio items and images, sample rate, durations, and what
    producers add to it: the codec calls of a batched codec) is built here too.
 
@@ -38,7 +41,8 @@ from shards.manifest import CacheManifest, FieldInfo, TextInfo
 from . import producers as P
 from .config import PrecomputeConfig
 from .encoders import fingerprint, load_audio_tokenizer, load_image_encoder, load_text_tokenizer
-from .encoders.capabilities import Capabilities, capabilities_of
+from .encoders.capabilities import Capabilities, Declares, capabilities_of
+from .faults import reraise_infrastructure
 from .prepare import Prepared
 
 log = logging.getLogger("precompute")
@@ -60,6 +64,13 @@ class Encoders:
         return {"audio_tokenizer": self.audio.describe() if self.audio is not None else none,
                 "image_encoder": self.image.describe() if self.image is not None else none,
                 "text_tokenizer": self.text.describe()}
+
+    def close(self) -> None:
+        """Release what the encoders hold beyond themselves (:meth:`precompute.encoders.capabilities.Declares.close`:
+        a codec's processes); a plug-in that declares nothing holds nothing of ours."""
+        for enc in (self.audio, self.image, self.text):
+            if isinstance(enc, Declares):
+                enc.close()
 
     @property
     def capabilities(self) -> dict[str, Capabilities]:
@@ -234,11 +245,30 @@ def to_members(arrays: dict[str, Any], checks: dict[str, tuple]) -> tuple[dict[s
             continue
         f = registry.get(name)
         a = np.asarray(value)
-        why = f.kind.value_problem(a, checks.get(name))
+        why = declared_problem(a, f) or f.kind.value_problem(a, checks.get(name))
         if why is not None:
             return None, f"{name}: {why}"
         members[f.suffix] = a.astype(f.dtype, copy=False)
     return members, None
+
+
+def declared_problem(a: np.ndarray, f: Any) -> str | None:
+    """Why array ``a`` cannot be stored as field ``f`` (a :class:`shards.fields.Field`) at all, before its
+    kind's value check runs: another rank than the field's ``ndim``, values its storage dtype does not hold
+    exactly (floats for an integer field, integers past its range, a non-numeric array). None: it can."""
+    store = np.dtype(f.dtype)
+    if a.ndim != f.ndim:
+        return f"a {a.ndim}-D array of shape {tuple(a.shape)}, the field holds {f.ndim}-D arrays"
+    if a.dtype.kind not in "biuf":
+        return f"{a.dtype} values, the field stores {store}"
+    if store.kind in "iu":
+        if a.dtype.kind == "f":
+            return f"{a.dtype} values, the field stores integers ({store})"
+        if a.size and a.dtype.kind in "iu" and not np.can_cast(a.dtype, store):
+            info, lo, hi = np.iinfo(store), int(a.min()), int(a.max())
+            if lo < info.min or hi > info.max:
+                return f"value {lo if lo < info.min else hi} outside {store}'s range [{info.min}, {info.max}]"
+    return None
 
 
 @dataclass
@@ -314,6 +344,7 @@ def finish(work: Work, producers: list[P.Producer], checks: dict[str, tuple], sa
                                     "encoder (image_encoder: null)")))
             continue
         if isinstance(r, Exception):
+            reraise_infrastructure(r)  # (the producers raise those; never a reject)
             out.append((key, None, (key, p.req.source, schema.ENCODE_FAILED, f"{type(r).__name__}: {r}")))
             continue
         members, why = to_members(r, checks)

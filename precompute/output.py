@@ -10,12 +10,16 @@ the bucket's ``parts/`` (small Parquet files) into staging, skips the committed 
 the others (a tar uploaded without its index part is overwritten). Rank 0 waits for every chunk's
 index part in the bucket, merges the parts in staging and uploads ``index.parquet``,
 ``rejects.parquet``, the dataset card ``README.md``, ``manifest.json`` and ``integrity.json`` (last).
+One job writes a remote cache at a time, whatever its staging folder: rank 0 holds the lock object at the
+cache's location (:meth:`RemoteOutput.writer_lock`, :class:`shards.lock.RemoteLock`).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -25,7 +29,7 @@ from shards import fields as registry
 from shards.storage import RemoteFolder, is_url, local_path
 from shards.writing import session
 
-from shards.lock import LOCK_FILE
+from shards.lock import LOCK_FILE, RemoteLock
 
 log = logging.getLogger("precompute")
 
@@ -34,6 +38,12 @@ class LocalOutput:
     """A local cache folder (``local``): nothing to pull, upload or publish."""
 
     remote = None
+    lock = None
+
+    def writer_lock(self, command: str, rank: int = 0):
+        """The cache's own writer lock beyond the local folder's (:class:`shards.writing.CacheWriter` holds that
+        one): none for a local cache."""
+        return contextlib.nullcontext()
 
     def __init__(self, path: str | os.PathLike):
         self.local = local_path(path)
@@ -98,6 +108,19 @@ class RemoteOutput(LocalOutput):
         super().__init__(staging)
         self.target = self.remote.url  # (after the base class, which names the local folder)
 
+    def writer_lock(self, command: str, rank: int = 0):
+        """Rank 0: the lock held at the cache's location (:class:`shards.lock.RemoteLock`; the staging folder's
+        lock covers only the jobs of this machine); refused with :class:`shards.lock.CacheLocked` naming the
+        writer that holds it. Other ranks write under their rank 0's."""
+        if rank != 0:
+            return contextlib.nullcontext()
+        self.lock = RemoteLock(self.remote, command, staging=f"{socket.gethostname()}:{self.local}")
+        return self.lock
+
+    def _check_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.check()  # (taken over by another writer: upload nothing more)
+
     def pull(self) -> None:
         """Bring the bucket's ``parts/`` and ``manifest.json`` into staging (resume bookkeeping and
         the fingerprint check read them there); local parts the bucket lacks are dropped."""
@@ -109,7 +132,7 @@ class RemoteOutput(LocalOutput):
                 if p.is_file() and p.name not in there and p.name != LOCK_FILE:  # the lock stays local
                     s.unlink(p)  # committed locally but never uploaded: redo it
         for name in sorted(there):
-            if not (parts / name).exists():
+            if name != LOCK_FILE and not (parts / name).exists():
                 self.remote.get(f"{PARTS_DIR}/{name}", parts / name)
         if self.remote.exists(MANIFEST_FILE):
             self.remote.get(MANIFEST_FILE, self.local / MANIFEST_FILE)
@@ -119,6 +142,7 @@ class RemoteOutput(LocalOutput):
 
     def chunk_committed(self, shard: str, has_tar: bool) -> None:
         """Upload a chunk committed in staging: tar, rejects part, index part (the marker) last."""
+        self._check_lock()
         stem = shard[:-4]
         index_part, rejects_part = part_paths(self.local, stem)
         if has_tar:
@@ -151,6 +175,7 @@ class RemoteOutput(LocalOutput):
 
     def publish(self) -> None:
         """Upload the merged cache files; the integrity root last (a reader sees a complete cache)."""
+        self._check_lock()
         for name in (INDEX_FILE, REJECTS_FILE, "README.md", MANIFEST_FILE, ROOT_FILE):
             if (self.local / name).exists():
                 self.remote.put(self.local / name, name)

@@ -4,7 +4,6 @@ producer specs against their registries, field names, rules across options; each
 ``option: message``."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from shardcache import config as S
@@ -12,6 +11,7 @@ from shardcache.config import ConfigError
 from shards import fields
 
 from .config import PrecomputeConfig
+from .encoders.options import DEVICE_PATTERN
 from .encoders.registry import SPECS, spec_problems
 from .identity import undeclared
 from .producers import producer_problems
@@ -59,7 +59,7 @@ def _world(v: Any) -> list[tuple[str, str]]:
 
 
 #: per-option checks beyond type, choices and bounds (run where those passed)
-CUSTOM = {"device": lambda v: [] if re.fullmatch(r"auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?", v) else [
+CUSTOM = {"device": lambda v: [] if v == "auto" or DEVICE_PATTERN.fullmatch(v) else [
               ("", f"expected auto, cpu, cuda, cuda:N (or mps, xpu:N...), got {v!r}")],
           "image_token": _token, "world_tokens": _world, "extra_fields": _extra_fields,
           "image_features": lambda v: [] if v is None else image_features_problems(**v),

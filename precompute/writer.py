@@ -13,7 +13,10 @@ each commit, and a listener thread there uploads the chunk (a remote cache's
 
 ``process=False`` runs the same loop in a thread of this process (the pipe between them then only
 carries the rows to it): what a job on the CPU does (:func:`precompute.job.writer_process`).
-A writer that fails reports the error; the next :meth:`ChunkWriter.put` raises it.
+A writer that fails reports the error; the next :meth:`ChunkWriter.put` raises it. A writer process that
+dies (killed, out of memory) is an infrastructure fault (:class:`precompute.faults.ProcessDied`, naming its pid
+and the signal): ``put``/``close`` raise it, and :meth:`ChunkWriter.close` removes the temporary files of the
+chunk it was writing (committed chunks stay; a rerun writes the rest).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .faults import InfrastructureFault, ProcessDied, kind_of, rebuild
 from .rerun import RowRecord, chunk_meta
 
 #: rows queued for the sender thread at most (back-pressure on the main thread beyond)
@@ -92,7 +96,8 @@ def _serve(conn, out_dir: str, chunks: list[tuple[str, list[RowRecord]]], parent
             from shards.errors import ShardcacheError
             conn.send_bytes(json.dumps({"op": "error", "message": f"{type(e).__name__}: {e}",
                                         "refused": type(e).__name__ if isinstance(e, ShardcacheError) else None,
-                                        "text": str(e), "traceback": traceback.format_exc()}).encode())
+                                        "fault": kind_of(e), "text": str(e),
+                                        "traceback": traceback.format_exc()}).encode())
         except OSError:
             pass
     finally:
@@ -131,6 +136,10 @@ class ChunkWriter:
         #: the writer's own refusal (a :class:`shards.errors.ShardcacheError`, e.g. a symlinked ``.tmp``),
         #: rebuilt here: put/close raise it as it is, like any refusal of the job (else a RuntimeError)
         self.refusal: Exception | None = None
+        #: the writer's infrastructure fault (:mod:`precompute.faults`: its process died, the disk is full)
+        self.fault: InfrastructureFault | None = None
+        self._names = [name for name, _ in chunks]
+        self._committed: set[str] = set()
         self._rows: queue.Queue = queue.Queue(maxsize=QUEUE_ROWS)
         ctx = mp.get_context("fork")
         self._conn, child = ctx.Pipe(duplex=True)
@@ -163,8 +172,8 @@ class ChunkWriter:
                     self._conn.send_bytes(memoryview(a).cast("B") if a.size else b"")
             except OSError as e:  # the writer is gone (it reported why, or died)
                 self.error = self.error or f"shard writer gone: {e}"
-                while self._rows.get() not in (None, "abort"):  # unblock the main thread
-                    pass
+                while item not in (None, "abort"):  # unblock the main thread, up to its last word
+                    item = self._rows.get()
                 return
 
     def _listen(self) -> None:
@@ -172,6 +181,7 @@ class ChunkWriter:
             while True:
                 msg = json.loads(self._conn.recv_bytes())
                 if msg["op"] == "committed":
+                    self._committed.add(msg["name"])
                     self.output.chunk_committed(msg["name"], msg["tar"])  # a remote cache: upload it
                     self.summary.shards_written += msg["tar"]
                     if self.progress is not None:
@@ -179,11 +189,19 @@ class ChunkWriter:
                 elif msg["op"] == "error":
                     self.error = msg["message"] + "\n" + msg["traceback"]
                     self.refusal = _refusal(msg["refused"], msg["text"])
+                    if msg.get("fault"):
+                        self.fault = rebuild(msg["fault"], "shard writer", f"shard writer: {msg['message']}")
                     return
                 else:  # done, aborted
                     return
         except (EOFError, OSError) as e:
-            self.error = self.error or f"the shard writer process died ({type(e).__name__}: {e})"
+            if isinstance(self._worker, threading.Thread):
+                self.error = self.error or f"the shard writer thread's pipe closed ({type(e).__name__}: {e})"
+            else:
+                self._worker.join(timeout=10)  # its exit code: the signal that killed it
+                self.fault = ProcessDied("shard writer process", self._worker.pid, self._worker.exitcode,
+                                         "the chunk it was writing is dropped; committed chunks are kept")
+                self.error = self.error or str(self.fault)
         except BaseException as e:  # noqa: BLE001 - an upload failed: surfaced by put/close
             self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         finally:
@@ -192,6 +210,8 @@ class ChunkWriter:
     def _raise(self) -> None:
         if self.refusal is not None:
             raise self.refusal
+        if self.fault is not None:
+            raise self.fault
         raise RuntimeError(f"shard writer failed: {self.error}")
 
     def put(self, key: str, fields: dict | None, reject: tuple | None) -> None:
@@ -210,8 +230,26 @@ class ChunkWriter:
         self._listener.join()
         self._worker.join(timeout=60)
         self._conn.close()
+        if self.fault is not None:
+            self._drop_leftovers()
         if self.error is not None and not abort:
             self._raise()
+
+    def _drop_leftovers(self) -> None:
+        """Remove what a writer that died (or failed on the store) left of the chunks it had not committed: its
+        ``NAME.tar.tmp`` and the ``.tmp`` of their parts (in this job's writing session: no symlink followed)."""
+        from shards.schema import PARTS_DIR
+        from shards.writing import session
+        local = Path(self.output.local)
+        for name in self._names:
+            if name in self._committed:
+                continue
+            stem = name[:-4]
+            leftovers = [local / f"{name}.tmp"] + sorted((local / PARTS_DIR).glob(f"{stem}.*.tmp"))
+            for path in leftovers:
+                if path.is_file() and not path.is_symlink():
+                    with session(path) as s:
+                        s.unlink(path)
 
 
 __all__ = ["ChunkWriter", "QUEUE_ROWS"]

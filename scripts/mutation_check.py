@@ -45,7 +45,7 @@ M = [
   ["tests/test_train_unit.py::test_resume_bitwise_with_real_loader"]),
  ("schedule polynomial = linear", "train/optim.py", "            decay = (1.0 - frac) ** self.power", "            decay = 1.0 - frac",
   ["tests/test_train_unit.py::test_lr_schedule"]),
- ("contract ignores the codec's weights", "shards/cache.py", 'weights=enc.get("checkpoint_sha256"), dtype=enc.get("dtype"), '
+ ("contract ignores the codec's weights", "shards/cache.py", 'weights=_sourced(enc), dtype=enc.get("dtype"), '
   'tf32=self._tf32(enc))\n\n    @property\n    def text_tokenizer', 'weights=None, dtype=enc.get("dtype"), tf32=self._tf32(enc))'
   '\n\n    @property\n    def text_tokenizer',
   ["tests/test_contract_identity.py::test_codes_of_a_codec_of_other_weights_are_refused_and_train_when_asked"]),

@@ -212,13 +212,13 @@ def write_parts(out_dir: Path, stem: str, rows: list[dict], rejects: list[dict],
 
 def read_part_shard_entry(index_part: Path) -> dict | None:
     """The shard entry stored in an index part's metadata, or None for a chunk with no samples."""
-    meta = pq.read_schema(index_part).metadata or {}
+    meta = pq.read_metadata(index_part).metadata or {}  # the footer's key-value metadata (not the schema built)
     return json.loads(meta.get(_SHARD_META, b"null"))
 
 
 def read_part_meta(index_part: Path) -> dict | None:
     """The ``job_meta`` stored by :func:`write_parts` (None when absent)."""
-    meta = pq.read_schema(index_part).metadata or {}
+    meta = pq.read_metadata(index_part).metadata or {}  # the footer's key-value metadata (not the schema built)
     return json.loads(meta.get(_JOB_META, b"null"))
 
 
@@ -565,6 +565,9 @@ def read_index(out_dir: Path) -> pa.Table:
     """Read ``OUT/index.parquet``. Raises ``FileNotFoundError`` naming the path and the fix."""
     p = Path(out_dir) / INDEX_FILE
     if not p.exists():
+        from .unfinished import unfinished
+        if (why := unfinished(Path(out_dir))) is not None:  # a stage-one job that stopped: rerun it, not reindex
+            raise FileNotFoundError(why)
         raise FileNotFoundError(f"{p} not found: is {out_dir} a shardcache cache? "
                                 "(run `shardcache precompute`, or `shardcache shards reindex` to rebuild it)")
     return pq.read_table(p, schema=INDEX_SCHEMA)

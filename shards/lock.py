@@ -16,9 +16,18 @@ process closes ANY descriptor of the file, so the file is only ever read through
 descriptor while it is held (:func:`holder` is never called by the holder: it answers from
 :data:`_HELD`). A clean release empties the file, so only a writer that died leaves its holder
 there: the next one takes the lock over and logs whose it was. On a file system without locks
-(``lockf`` fails with ``ENOLCK``, ``EOPNOTSUPP``...) the writer warns and goes on unlocked. For a
-cache in object storage the lock covers the local staging folder (jobs sharing a machine), not the
-bucket.
+(``lockf`` fails with ``ENOLCK``, ``EOPNOTSUPP``...) the writer warns and goes on unlocked.
+
+A cache in object storage is written through a local staging folder (whose lock is the one above), and its
+own lock is held **at the cache's location** (:class:`RemoteLock`): the object ``URL/parts/writer.lock``,
+created only if absent (fsspec's ``pipe_file(mode="create")``: S3's conditional ``PUT`` with
+``If-None-Match: *``), holding the holder as the local lock file does plus a ``heartbeat`` the holder
+rewrites every :data:`HEARTBEAT_S` seconds. A second writer, on any machine and with any staging
+folder, finds the object and is refused with :class:`CacheLocked` naming the holder; the holder deletes
+the object when it ends. A holder that died (its object left behind) is taken over when its heartbeat is
+older than :data:`STALE_S` seconds, or at once when it ran on this host and its pid is gone (a rerun
+right after a kill); each takeover is logged. A holder that finds its object replaced (it stalled for
+longer than :data:`STALE_S` and was taken over) stops at its next upload.
 
 The lock file is never followed through a symlink: ``parts/`` is opened with ``O_NOFOLLOW`` and the
 lock file with ``O_NOFOLLOW`` under it, and a lock file that is not a plain file with one link (a
@@ -257,6 +266,176 @@ class CacheLock:
                 self._real = None
 
     def __enter__(self) -> "CacheLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ---- the lock of a cache in object storage ---------------------------------------------------------------------
+
+#: seconds between two heartbeats of a remote lock's holder
+HEARTBEAT_S = 60.0
+#: a remote lock whose heartbeat is older than this (seconds) belongs to a writer that is gone
+STALE_S = 600.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process)
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class RemoteLock:
+    """The writer lock of a cache in object storage (see the module docstring), on ``folder`` (a
+    :class:`shards.storage.RemoteFolder`); ``command`` is recorded with the holder. A context manager
+    (:meth:`acquire` / :meth:`release`); :meth:`check` raises :class:`CacheLocked` once another writer took
+    it over.
+
+    Raises :class:`CacheLocked` when another writer holds it (after ``wait_s`` seconds of polling; 0: at once).
+    On a store that cannot create an object only if it is absent, it warns and goes on unlocked."""
+
+    NAME = f"{PARTS_DIR}/{LOCK_FILE}"
+
+    def __init__(self, folder, command: str = "precompute", wait_s: float = 0.0, staging: str | None = None):
+        self.folder, self.command, self.wait_s, self.staging = folder, command, float(wait_s), staging
+        self.url = f"{folder.url}/{self.NAME}"
+        self._path = f"{folder.root}/{self.NAME}"
+        self._me: dict | None = None
+        self._stop = None
+        self._thread = None
+        self.lost: dict | None = None
+
+    # -- the object -----------------------------------------------------------------------------------------
+    def _read(self) -> dict | None:
+        """What the lock object says (None: there is none)."""
+        def once():
+            try:
+                return self.folder.fs.cat_file(self._path)
+            except FileNotFoundError:
+                return None
+        raw = self._retry(once)
+        return None if raw is None else _parse(raw)
+
+    def _retry(self, fn):
+        from .storage import retry
+        return retry(fn, self.url, self.folder.retries, self.folder.backoff)
+
+    def _create(self, data: dict) -> bool:
+        """Create the object holding ``data`` if it is absent; False when it exists."""
+        body = (json.dumps(data) + "\n").encode()
+
+        def once():
+            try:
+                self.folder.fs.pipe_file(self._path, body, mode="create")
+                return True
+            except FileExistsError:
+                return False
+        return self._retry(once)
+
+    def _stale(self, other: dict) -> str | None:
+        """Why the holder ``other`` is gone (its lock may be taken over), or None."""
+        if other.get("host") == socket.gethostname() and isinstance(other.get("pid"), int) \
+                and not _pid_alive(other["pid"]):
+            return f"pid {other['pid']} is gone from this host"
+        beat = other.get("heartbeat", other.get("since"))
+        if isinstance(beat, (int, float)) and time.time() - beat > STALE_S:
+            return f"no heartbeat for {time.time() - beat:.0f} s (more than {STALE_S:.0f})"
+        if not other:
+            return "the lock object holds no holder"
+        return None
+
+    def _refused(self, other: dict) -> CacheLocked:
+        return CacheLocked(
+            f"{self.folder.url} is being written by another shardcache command ({describe(other)}"
+            + (f", staging folder {other['staging']}" if other.get("staging") else "") + "; lock object "
+            f"{self.url}, held at the cache's location whatever the staging folder): one writer per cache, two would "
+            f"overwrite each other's chunks. Wait for it to end, then run this {self.command} again (a writer that "
+            f"died is taken over {STALE_S:.0f} s after its last heartbeat, at once from its own host).", other)
+
+    # -- the session ----------------------------------------------------------------------------------------
+    def acquire(self) -> "RemoteLock":
+        import threading
+        deadline = time.monotonic() + self.wait_s
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "command": self.command,
+              "since": time.time(), "token": os.urandom(8).hex(), "staging": self.staging}
+        while True:
+            me["heartbeat"] = time.time()
+            try:
+                if self._create(me):
+                    break
+            except (NotImplementedError, TypeError) as e:  # no conditional create on this store
+                log.warning("%s: this store cannot create an object only if it is absent (%s); going on without "
+                            "the one-writer check", self.url, e)
+                return self
+            other = self._read()
+            if other is None:
+                continue  # (released just now)
+            why = self._stale(other)
+            if why is not None:
+                if self._read() == other:  # (unchanged: nobody took it over meanwhile)
+                    log.info("%s: the previous writer (%s) is gone (%s); lock taken over", self.url, describe(other), why)
+                    self.folder.remove(self.NAME)
+                continue
+            if time.monotonic() >= deadline:
+                raise self._refused(other)
+            time.sleep(_POLL_S)
+        self._me = me
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="remote-lock-heartbeat")
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            if not self._beat_once():
+                return
+
+    def _beat_once(self) -> bool:
+        """Rewrite the heartbeat, if the object is still this job's; False (and :attr:`lost` set) once it is not."""
+        try:
+            now = self._read()
+            if now is None or now.get("token") != self._me["token"]:
+                self.lost = now or {}
+                log.error("%s: this job's lock was taken over by %s", self.url, describe(now or {}))
+                return False
+            self._me["heartbeat"] = time.time()
+            self.folder.put_bytes((json.dumps(self._me) + "\n").encode(), self.NAME)
+        except OSError as e:  # the store is unreachable for now: the next beat tries again
+            log.warning("%s: heartbeat failed (%s)", self.url, e)
+        return True
+
+    def check(self) -> None:
+        """Raise :class:`CacheLocked` when another writer took this lock over (this job stalled past
+        :data:`STALE_S`): nothing more may be uploaded."""
+        if self.lost is not None:
+            raise CacheLocked(f"{self.folder.url}: this job's writer lock was taken over by {describe(self.lost)} "
+                              f"(no heartbeat from this job for more than {STALE_S:.0f} s): stopping before it "
+                              "overwrites that writer's files", self.lost)
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lock object, if it is still this job's."""
+        if self._me is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=30)
+        try:
+            now = self._read()
+            if now is not None and now.get("token") == self._me["token"]:
+                self.folder.remove(self.NAME)
+        except OSError as e:
+            log.warning("%s: could not delete the lock object (%s): the next writer takes it over after %.0f s",
+                        self.url, e, STALE_S)
+        self._me = None
+
+    def __enter__(self) -> "RemoteLock":
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -1,5 +1,8 @@
 """Run inside the boson-multimodal venv (``make boson-venv``) by tests/test_higgs_boson.py:
-``python tests/boson_check.py CACHE MANIFEST TOKENIZER_DIR`` prints one JSON line of findings.
+``python tests/boson_check.py CACHE MANIFEST TOKENIZER_DIR AUDIO_TOKENIZER_DIR [TEXT_TOKENIZER_DIR]`` prints one
+JSON line of findings (TOKENIZER_DIR: the model's checkpoint, whose contract the dataset checks; AUDIO_TOKENIZER_DIR:
+the audio tokenizer the cache's codes come from; TEXT_TOKENIZER_DIR: its text tokenizer in a form transformers 4.46
+loads, where the checkpoint's is not).
 
 ``loaders.higgs.HiggsChatMLDataset`` over CACHE (a voice-cloning cache of MANIFEST's records) against
 Boson's own code, transformers 4.46:
@@ -30,7 +33,7 @@ import sys
 import torch
 
 
-def main(cache: str, manifest: str, tokenizer_dir: str) -> dict:
+def main(cache: str, manifest: str, tokenizer_dir: str, audio_tokenizer: str, text_tokenizer: str | None = None) -> dict:
     from boson_multimodal.data_collator.higgs_audio_collator import HiggsAudioSampleCollator
     from boson_multimodal.dataset.chatml_dataset import ChatMLDatasetSample, prepare_chatml_sample
     from boson_multimodal.model.higgs_audio import HiggsAudioConfig, HiggsAudioModel
@@ -41,7 +44,7 @@ def main(cache: str, manifest: str, tokenizer_dir: str) -> dict:
 
     tok = PreTrainedTokenizerFast(tokenizer_file=f"{tokenizer_dir}/tokenizer.json")
     records = {r["misc"]["key"]: r for r in json.load(open(manifest))}
-    ds = HiggsChatMLDataset(cache)
+    ds = HiggsChatMLDataset(cache, tokenizer_dir, tokenizer=text_tokenizer, audio_tokenizer=audio_tokenizer)
     ids = read_manifest(cache)["text"]["special_token_ids"]
     out: dict = {"n": len(ds), "speakers": ds.speakers, "same_tokens": [], "same_labels": []}
     samples = []
@@ -138,4 +141,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "render":
         print(json.dumps(render(*sys.argv[2:4])))
     else:
-        print(json.dumps(main(*sys.argv[1:4])))
+        print(json.dumps(main(*sys.argv[1:6])))

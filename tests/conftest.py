@@ -15,6 +15,9 @@ REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" /
 
 # one thread per process keeps the 2-core CI machine responsive under DataLoader workers
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# nothing contacts the hub: a hub id is read from the hub cache only (the tests' own, tools/testing/hub_cache.py),
+# never retried against the network (before huggingface_hub is imported: it reads the variable once)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Where the real torchaudio cannot load (no build for the CPU torch here), the tests' stand-in
 # (tools/shims/torchaudio, soxr) lets transformers import the Higgs audio tokenizer, in this process

@@ -28,27 +28,29 @@ MANIFEST = {
                                          "float32_matmul_precision": "highest"}},
         "image_encoder": {"name": "wan", "normalize": False, "dtype": "bfloat16", "checkpoint_sha256": "d" * 64,
                           "numerics": {"tf32_matmul": False, "tf32_cudnn": True}},
-        "text_tokenizer": {"name": "hf", "vocab_sha256": "a" * 64},
+        "text_tokenizer": {"name": "hf", "vocab_sha256": "a" * 64, "config": {"chat_template_sha256": "7" * 64}},
         "preprocessing": {"image_size": 512, "image_resize": "stretch", "image_rgb": "convert",
                           "image_pixel_range": "0..255", "latents_dtype": "float16", "label_policy": "answers"}},
     "sample_rate": 24000, "codec_sample_rate": 24000, "n_codebooks": 2, "codebook_size": 4, "frame_rate": 25.0,
     "latent_channels": 4,
-    "text": {"template": "llama3", "vocab_size": 16, "pad_id": 1,
+    "text": {"template": "tokenizer", "vocab_size": 16, "pad_id": 1,
              "special_token_ids": {"<|AUDIO_OUT|>": 10, "<|audio_out_bos|>": 9}},
     "fields": {"image_features": {"fingerprint": "f", "sidecar": False, "tokens_per_image": 2, "hidden_size": 4,
                                   "encoder": {"producer": "image_features", "encoder": {
                                       "name": "gemma3", "dtype": "bfloat16", "checkpoint_sha256": "e" * 64,
+                                      "pixel_options": {"do_normalize": True, "image_mean": [0.5] * 3},
                                       "numerics": {"float32_matmul_precision": "high"}}}}},
 }
 
 #: the contract MANIFEST meets, item by item
-MATCHING = Contract("--model test", fields=("codes", "input_ids", "latents", "image_features"),
+MATCHING = Contract("--model test", fields=("codes", "input_ids", "labels", "latents", "image_features"),
                     special_tokens={"<|AUDIO_OUT|>": 10, "<|audio_out_bos|>": None}, pad_id=1,
                     codec=Codec("higgs", 24000, 25.0, 2, 4, 2.0, "c" * 64, "float32", False), text_tokenizer="a" * 64,
-                    chat_template="llama3", label_policy="answers",
+                    chat_template="tokenizer", chat_template_sha256="7" * 64, label_policy="answers",
                     image=ImagePreset("wan", 512, "stretch", "convert", "0..255", 4, False, "bfloat16", "float16", "d" * 64,
                                       True),
-                    feature_encoder=FeatureEncoder("gemma3", 2, 4, "bfloat16", "e" * 64, True))
+                    feature_encoder=FeatureEncoder("gemma3", 2, 4, "bfloat16", "e" * 64, True,
+                                                   {"do_normalize": True, "image_mean": [0.5] * 3}))
 
 #: item -> (a contract differing from MATCHING in that item only, the cache's value, the model's value)
 ITEMS = {
@@ -66,7 +68,8 @@ ITEMS = {
     "codec.dtype": (dict(codec=Codec(dtype="bfloat16")), "float32", "bfloat16"),
     "codec.tf32": (dict(codec=Codec(tf32=True)), False, True),
     "text_tokenizer": (dict(text_tokenizer="b" * 64), "a" * 64, "b" * 64),
-    "chat_template": (dict(chat_template="theworld"), "llama3", "theworld"),
+    "chat_template": (dict(chat_template="theworld"), "tokenizer", "theworld"),
+    "chat_template_sha256": (dict(chat_template_sha256="8" * 64), "7" * 64, "8" * 64),   # an edited template
     "label_policy": (dict(label_policy="all_but_world"), "answers", "all_but_world"),
     "image.encoder": (dict(image=ImagePreset(encoder="cosmos")), "wan", "cosmos"),
     "image.size": (dict(image=ImagePreset(size=256)), 512, 256),
@@ -85,6 +88,9 @@ ITEMS = {
     "feature_encoder.dtype": (dict(feature_encoder=FeatureEncoder(dtype="float32")), "bfloat16", "float32"),
     "feature_encoder.weights": (dict(feature_encoder=FeatureEncoder(weights="b" * 64)), "e" * 64, "b" * 64),
     "feature_encoder.tf32": (dict(feature_encoder=FeatureEncoder(tf32=False)), True, False),   # matmul "high"
+    "feature_encoder.image_processor": (dict(feature_encoder=FeatureEncoder(image_processor={
+        "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073]})),                 # CLIP's mean
+        {"do_normalize": True, "image_mean": [0.5] * 3}, {"do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073]}),
 }
 
 
@@ -92,7 +98,7 @@ def test_every_contract_item_is_in_the_table():
     """ITEMS walks every item a contract can set (each attribute of Contract and of its encoder parts)."""
     from dataclasses import fields
     from shards.cache import PARTS
-    names = {f.name for f in fields(Contract)} - {"model", "optional_fields", "special_tokens"}
+    names = {f.name for f in fields(Contract)} - {"model", "optional_fields", "reads", "special_tokens"}
     every = {f"{p}.{a.name}" for p, cls in PARTS.items() for a in fields(cls)} | (names - set(PARTS))
     assert every == {i for i in ITEMS if not i.startswith("special_tokens.")}
 
@@ -129,10 +135,12 @@ def test_open_reads_manifest_index_id_fields_and_encoders(typed_cache):
     assert c.id == read_cache_id(typed_cache) and c.manifest.n_codebooks == 2
     assert set(c.fields) == {"codes", "input_ids", "labels", "audio_segments", "latents", "image_features"}
     assert c.codec == Codec("higgs", 24000, 25.0, 2, 4, 2.0, "c" * 64, "float32", False)
-    assert (c.text_tokenizer, c.chat_template, c.label_policy) == ("a" * 64, "llama3", "answers")
+    assert (c.text_tokenizer, c.chat_template, c.label_policy) == ("a" * 64, "tokenizer", "answers")
+    assert c.chat_template_sha256 == "7" * 64
     assert c.image == ImagePreset("wan", 512, "stretch", "convert", "0..255", 4, False, "bfloat16", "float16", "d" * 64,
                                   True)
-    assert c.feature_encoder == FeatureEncoder("gemma3", 2, 4, "bfloat16", "e" * 64, True)
+    assert c.feature_encoder == FeatureEncoder("gemma3", 2, 4, "bfloat16", "e" * 64, True,
+                                               {"do_normalize": True, "image_mean": [0.5] * 3})
     assert (c.vocab_size, c.pad_id, c.token_id("<|AUDIO_OUT|>"), c.token_id("<nope>")) == (16, 1, 10, None)
     assert Cache.open(c) is c
     c.require(MATCHING)  # every item met: nothing raised
@@ -179,12 +187,12 @@ def test_a_cache_without_codes_or_images_is_refused_by_what_needs_them(tmp_path)
 @pytest.fixture(scope="module")
 def MODELS(higgs_models, tmp_path_factory) -> Path:
     """A folder of the tiny models these tests name: higgs-tiny and its audio tokenizer (the session's),
-    gemma3-tiny, encodec-tiny."""
+    gemma3-tiny, encodec-tiny, wan-tiny."""
     from tools.testing import build
     out = tmp_path_factory.mktemp("contract-models")
     for name in ("higgs-tiny", "higgs-audio-tokenizer-tiny"):
         (out / name).symlink_to(higgs_models / name)
-    for name in ("gemma3", "encodec"):
+    for name in ("gemma3", "encodec", "wan"):
         build(name, out)
     return out
 
@@ -197,7 +205,7 @@ def _higgs_contract(MODELS):
 
 def _theworld_contract(MODELS, **kw):
     from train.recipes.theworld import TheWorldModel
-    return TheWorldModel.contract({"lm": str(MODELS / "gemma3-tiny"), **kw})
+    return TheWorldModel.contract({"lm": str(MODELS / "gemma3-tiny"), "vae": str(MODELS / "wan-tiny"), **kw})
 
 
 def test_higgs_declares_its_codec_frame_rate_and_tokenizer(MODELS):
@@ -241,7 +249,7 @@ def _higgs_like(MODELS, **codec) -> dict:
     m["encoders"]["text_tokenizer"]["vocab_sha256"] = codec.get("tokenizer", c.text_tokenizer)
     m.update(n_codebooks=8, codebook_size=1024, frame_rate=codec.get("frame_rate", 25.0))
     m["text"]["special_token_ids"] = dict(c.special_tokens)
-    m["text"]["pad_id"] = c.pad_id
+    m["text"].update(pad_id=c.pad_id, template="llama3")
     return m
 
 
@@ -272,9 +280,12 @@ def test_theworld_refuses_another_feature_encoder_and_image_preset(tmp_path, MOD
     m["text"].update(template="theworld", pad_id=contract.pad_id)
     m["encoders"]["preprocessing"]["label_policy"] = "all_but_world"
     m["fields"]["image_features"].update(tokens_per_image=16, hidden_size=64)
-    m["fields"]["image_features"]["encoder"]["encoder"]["checkpoint_sha256"] = fe.weights
+    m["fields"]["image_features"]["encoder"]["encoder"].update(checkpoint_sha256=fe.weights,
+                                                               pixel_options=fe.image_processor)
     m["latent_channels"] = 16
+    m["encoders"]["image_encoder"]["checkpoint_sha256"] = contract.image.weights
     m["encoders"]["text_tokenizer"]["vocab_sha256"] = contract.text_tokenizer   # Gemma's, world markers added
+    m["encoders"]["text_tokenizer"]["config"]["chat_template_sha256"] = contract.chat_template_sha256
     Cache.open(cache_with_manifest(tmp_path / "ok", m, latents=True, image_features=True)).require(contract)
     other = copy.deepcopy(m)
     other["fields"]["image_features"].update(tokens_per_image=256)       # another vision tower's features
@@ -288,12 +299,20 @@ def test_theworld_refuses_another_feature_encoder_and_image_preset(tmp_path, MOD
 
 def test_every_recipe_judges_the_demo_cache(demo_cache, MODELS):
     """The demo cache (DAC codes, the byte tokenizer, Wan latents, no image features, no world markers):
-    the reference model, tts and vlm can use it (they size themselves from it); higgs and theworld
+    the reference model can use it (it sizes itself from it); tts and vlm read token ids with an LM's token
+    embeddings, so only an LM of that tokenizer can (the default LM, not here, ships none that is known:
+    refused naming model.kwargs.tokenizer; the tiny Higgs tokenizer is another one); higgs and theworld
     cannot, and say why."""
     from train.models import run_contract
     c = Cache.open(demo_cache)
-    for name, kw in (("reference", {}), ("tts", {}), ("vlm", {})):
-        c.require(run_contract(name, kw))
+    c.require(run_contract("reference", {}))
+    for name in ("tts", "vlm"):
+        with pytest.raises(ContractMismatch) as e:
+            c.require(run_contract(name, {}))
+        assert [m[0] for m in e.value.mismatches] == ["text_tokenizer"] and "model.kwargs.tokenizer" in str(e.value)
+        with pytest.raises(ContractMismatch, match="text_tokenizer: the cache has '[0-9a-f]{64}', the model needs "
+                                                   r"'[0-9a-f]{64}' \(read from .*higgs-tiny\)"):
+            c.require(run_contract(name, {"tokenizer": str(MODELS / "higgs-tiny")}))
     with pytest.raises(ContractMismatch) as e:
         c.require(_higgs_contract(MODELS))
     items = [m[0] for m in e.value.mismatches]

@@ -31,7 +31,7 @@ FOREIGN = {"--nproc_per_node": "torchrun", "--nnodes": "torchrun", "--node_rank"
            "--gres": "sbatch", "--nodes": "sbatch", "--ntasks-per-node": "sbatch", "--cpus-per-task": "sbatch",
            "--time": "sbatch", "--signal": "sbatch", "--requeue": "sbatch", "--open-files-limit": "sbatch",
            "--no-cache-dir": "pip", "--user": "pip", "--quiet": "pip", "--max-restarts": "torchrun",
-           "--output": "sbatch", "--size": "python -m tools.testing", "--no-remote": "benchmarks/bench_loader.py",
+           "--output": "sbatch", "--real-mini": "docs/viewer/render.py", "--host-resolver-rules": "chromium", "--size": "python -m tools.testing", "--no-remote": "benchmarks/bench_loader.py",
            "--no-peers": "benchmarks/bench_loader.py", "--epochs": "benchmarks/bench_loader.py",
            "--n": "benchmarks/gpu_steady.py", "--distinct": "benchmarks/gpu_steady.py",
            "--alone": "benchmarks/gpu_steady.py", "--revision": "hf download",

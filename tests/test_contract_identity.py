@@ -122,25 +122,31 @@ def _higgs(M, *more: str) -> list[str]:
 
 
 def _world(M, **kw) -> list[str]:
-    return ["--model.name", "theworld", "--model.kwargs", json.dumps({"lm": str(M["gemma3"]), **kw})]
+    return ["--model.name", "theworld", "--model.kwargs", json.dumps({"lm": str(M["gemma3"]), "vae": str(M["wan"]), **kw})]
 
 
 # ---- identity recorded at stage one ------------------------------------------------------------------------
 
 def test_stage_one_records_each_encoders_identity(tiny_models, tmp_path, monkeypatch):
     """``describe()`` records the checkpoint's tensors as stored (the hash a recipe computes from the same
-    checkpoint, whatever its sharding; another seed differs), the revision (None: a local directory) and the
-    numeric policy in effect (dtype, both TF32 switches, the float32 matmul precision): flipping a switch
-    changes the description, so the cache's fingerprint."""
+    checkpoint, whatever its sharding; another seed differs), where they were read (the absolute folder, no
+    revision) and the numeric policy in effect (device type, dtype, ATen's CPU kernels, both TF32 switches,
+    the float32 matmul precision, cuDNN's switches): flipping a switch changes the description, so the
+    cache's fingerprint."""
     from precompute.encoders import load_audio_tokenizer
     from shardcache.weights import checkpoint_sha256
     from tools.testing import build
     codec = load_audio_tokenizer({"name": "dac", "pretrained": str(tiny_models / "dac-tiny")})
     d = codec.describe()
-    assert d["checkpoint_sha256"] == checkpoint_sha256(tiny_models / "dac-tiny") and d["revision"] is None
-    assert d["numerics"] == {"dtype": "float32", "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+    assert d["checkpoint_sha256"] == checkpoint_sha256(tiny_models / "dac-tiny")
+    assert d["loaded_from"] == {"pretrained": str((tiny_models / "dac-tiny").resolve()), "revision": None,
+                                "subfolder": None, "files": ["model.safetensors"], "index": None}
+    assert d["numerics"] == {"device": "cpu", "dtype": "float32", "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
                              "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-                             "float32_matmul_precision": torch.get_float32_matmul_precision()}
+                             "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                             "cudnn_enabled": torch.backends.cudnn.enabled, "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                             "cudnn_deterministic": torch.backends.cudnn.deterministic}
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", not torch.backends.cudnn.allow_tf32)
     assert codec.describe()["numerics"]["tf32_cudnn"] == torch.backends.cudnn.allow_tf32 != d["numerics"]["tf32_cudnn"]
     # the same tensors in two shards hash alike; another seed of the same config does not
@@ -165,7 +171,9 @@ def test_codes_of_a_codec_of_other_weights_are_refused_and_train_when_asked(stag
     assert Cache.open(other).codec.weights == theirs != mine
     items, line = _refused(*train(other, tmp_path / "a", *_higgs(M)))
     assert items == ["codec.weights"], line
-    assert f"codec.weights: the cache has '{theirs}', the model needs '{mine}'" in line
+    where = f"(read from {M['codec'].resolve()})"
+    assert f"codec.weights: the cache has '{theirs}' (read from {M['codec_other'].resolve()}), the model needs '{mine}' " \
+        f"{where}" in line
     assert "--model.allow_other_encoder_weights" in line
     assert train(own, tmp_path / "own", *_higgs(M), "--dry_run")[0] == 0
     rc, err = train(other, tmp_path / "b", *_higgs(M), "--model.allow_other_encoder_weights", "true", build=True)
@@ -214,22 +222,28 @@ def test_latents_at_image_size_256_are_refused_for_the_512_preset(stage_one, M, 
 
 def test_cosmos_latents_are_refused_for_the_wan_preset(stage_one, M, train, tmp_path):
     """Cosmos 1.0 latents (16 channels, like Wan's) for TheWorld's Wan preset: refused by the VAE's name
-    (and its compute dtype: AutoencoderKLCosmos runs float32 on a CPU)."""
+    (and its compute dtype: AutoencoderKLCosmos runs float32 on a CPU; and its weights, not the Wan VAE's)."""
     cache = _world_cache(stage_one, M, "w-cosmos", f"image_encoder={{name: cosmos, pretrained: {M['cosmos']}}}",
                          "encoder_dtype=float32")
     assert Cache.open(cache).image.latent_channels == 16
     items, line = _refused(*train(cache, tmp_path / "a", *_world(M, image_size=IMAGE_SIZE)))
-    assert items == ["image.encoder", "image.dtype"], line
+    assert items == ["image.encoder", "image.dtype", "image.weights"], line
     assert "image.encoder: the cache has 'cosmos', the model needs 'wan'" in line
 
 
 # ---- template and labels ----------------------------------------------------------------------------------------
 
-def test_a_higgs_cache_of_another_label_policy_is_refused(stage_one, M, train, tmp_path):
+def test_a_higgs_cache_of_another_label_policy_is_refused_where_its_labels_are_read(stage_one, M, train, tmp_path):
+    """``labels: targets`` trains on the cached labels: another label policy is refused by name. The default
+    ``labels: processor`` makes its labels from the ids as the processor does and never reads the cached ones
+    (``HiggsBatch.fields_read``): the same cache fits."""
     cache = _higgs_cache(stage_one, M, "h-labels", "codec", "label_policy=all_but_world")
-    items, line = _refused(*train(cache, tmp_path / "a", *_higgs(M)))
+    targets = ["--model.kwargs", json.dumps({"lm": str(M["higgs"]), "labels": "targets"})]
+    items, line = _refused(*train(cache, tmp_path / "a", *_higgs(M), *targets))
     assert items == ["label_policy"], line
     assert "label_policy: the cache has 'all_but_world', the model needs 'answers'" in line
+    rc, err = train(cache, tmp_path / "b", *_higgs(M), "--dry_run")
+    assert rc == 0, err
 
 
 def test_a_theworld_cache_of_another_template_is_refused(stage_one, M, train, tmp_path):
@@ -315,7 +329,8 @@ def test_each_recipe_sets_exactly_the_items_it_declares(M):
     from train.models import run_contract
     from train.spec import model_spec
     kwargs = {"reference": {}, "tts": {"audio_out_token_id": 3}, "vlm": {},
-              "higgs": {"lm": str(M["higgs"])}, "theworld": {"lm": str(M["gemma3"]), "vae": str(M["wan"])}}
+              "higgs": {"lm": str(M["higgs"]), "labels": "targets"},   # (labels: processor reads no cached labels)
+              "theworld": {"lm": str(M["gemma3"]), "vae": str(M["wan"])}}
     for name, kw in kwargs.items():
         spec = model_spec(name)
         got = run_contract(name, kw, str(M["codec"]) if name == "higgs" else "", spec=spec).items()

@@ -264,14 +264,15 @@ def test_lora_checkpoints_hold_the_adapters_only(higgs_caches, higgs_models, tmp
     assert any("self_attn.q_proj.lora_A" in n for n in names)
 
 
-def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches):
+def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches, higgs_models):
     """HiggsChatMLDataset (without boson_multimodal: ``sample_class``): the input items' waveforms at
     16 kHz (decoded here again from the source files), one speaker map for the whole cache."""
     from types import SimpleNamespace
 
     from loaders.higgs import HiggsChatMLDataset
+    model = {"checkpoint": higgs_models / "higgs-tiny", "audio_tokenizer": higgs_models / "higgs-audio-tokenizer-tiny"}
     cache, recs = higgs_caches["understanding"]
-    ds = HiggsChatMLDataset(cache, sample_class=SimpleNamespace)
+    ds = HiggsChatMLDataset(cache, **model, sample_class=SimpleNamespace)
     assert ds.waveforms == "audio_16k" and ds.rate == 16000
     assert ds.speakers == sorted({r["speaker"] for r in recs.values()})
     for i, key in enumerate(ds.reader.keys):
@@ -285,7 +286,7 @@ def test_chatml_dataset_input_waveforms_and_speakers(higgs_caches):
         assert s.audio_ids_concat.shape[0] == 8 and s.audio_ids_start.tolist() == [0]
     cache, recs = higgs_caches["voice_clone"]                # output items: the sample's speaker, cache-wide ids
     for speakers in (None, ["nobody", "lucas", "jackson", "george"]):
-        ds = HiggsChatMLDataset(cache, speakers=speakers, sample_class=SimpleNamespace)
+        ds = HiggsChatMLDataset(cache, **model, speakers=speakers, sample_class=SimpleNamespace)
         assert ds.speakers == (speakers or sorted({r["speaker"] for r in recs.values()}))
         for i, key in enumerate(ds.reader.keys):
             assert ds[i].audio_speaker_indices.tolist() == [ds.speakers.index(recs[key]["speaker"])] * 2

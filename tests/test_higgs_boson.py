@@ -20,12 +20,30 @@ import pytest
 from conftest import ROOT
 
 
+def _tokenizer_for_transformers_4(higgs_models, out):
+    """The tiny Higgs tokenizer's files as a released checkpoint has them: ``tokenizer_class``
+    ``PreTrainedTokenizerFast``, which transformers 4.46 loads (transformers 5 writes ``TokenizersBackend``,
+    which 4.46 does not know); the same vocabulary, so the same fingerprint in both versions."""
+    out.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (higgs_models / "higgs-tiny" / f).exists():
+            (out / f).write_bytes((higgs_models / "higgs-tiny" / f).read_bytes())
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(dict(cfg, tokenizer_class="PreTrainedTokenizerFast")))
+    return out
+
+
 @pytest.mark.slow
-def test_boson_collator_and_model_on_the_dataset(boson_python, higgs_caches, higgs_models):
+def test_boson_collator_and_model_on_the_dataset(boson_python, higgs_caches, higgs_models, tmp_path):
+    """(The dataset checks the model's contract first: the checkpoint's config, its tokenizer, here given as
+    :func:`_tokenizer_for_transformers_4`, and the audio tokenizer the codes came from.)"""
     cache, recs = higgs_caches["voice_clone"]
     manifest = cache.parent / "voice_clone.json"
+    tokenizer = _tokenizer_for_transformers_4(higgs_models, tmp_path / "tokenizer")
     r = subprocess.run([boson_python, str(ROOT / "tests" / "boson_check.py"), str(cache), str(manifest),
-                        str(higgs_models / "higgs-tiny")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                        str(higgs_models / "higgs-tiny"), str(higgs_models / "higgs-audio-tokenizer-tiny"),
+                        str(tokenizer)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])

@@ -58,7 +58,8 @@ def _train(job: str, cache: Path, run_dir: Path, lm: Path, nproc: int) -> subpro
     head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                 f"--nproc_per_node={nproc}"]
     cmd = head + ["-m", "shardcache", "train", "--cache", str(cache), "--run_dir", str(run_dir), "--config",
-                  str(ROOT / "configs" / f"train-{job}.yaml"), "--model.kwargs", json.dumps({"lm": str(lm)}),
+                  str(ROOT / "configs" / f"train-{job}.yaml"), "--model.kwargs", json.dumps(
+                      {"lm": str(lm)} if job == "tts" else {"lm": str(lm), "tokenizer": str(lm.parent / "tokenizer-tiny")}),
                   "--metrics.progress=false", *paired]
     return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=600)

@@ -40,6 +40,8 @@ def lm_dir(tmp_path_factory):
                       intermediate_size=64, vocab_size=264, max_position_embeddings=512, initializer_range=0.2)
     path = tmp_path_factory.mktemp("lm") / "llama-tiny"
     LlamaForCausalLM(cfg).save_pretrained(str(path))
+    from tools.testing.text import make_tokenizer
+    make_tokenizer("tiny").save_pretrained(str(path))   # an LM ships its tokenizer (the contract compares it)
     return str(path)
 
 
@@ -380,7 +382,11 @@ def test_optimizer_groups(lm_dir):
 
 def test_build_model_reads_the_manifest(lm_dir, tmp_path):
     from test_train_support import cache_with_manifest
+    from transformers import AutoTokenizer
+
+    from shards.tokens import vocab_sha256
     man = {"n_codebooks": Q, "codebook_size": CB, "latent_channels": C_LAT, "text_vocab_size": 1,
+           "encoders": {"text_tokenizer": {"name": "hf", "vocab_sha256": vocab_sha256(AutoTokenizer.from_pretrained(lm_dir))}},
            "text": {"vocab_size": VOCAB, "pad_id": PAD, "special_token_ids": {
                "<|AUDIO|>": A_IN, "<|AUDIO_OUT|>": A_OUT, "<|audio_out_bos|>": AO_BOS, "<|audio_eos|>": A_EOS,
                "<image>": IMG, "<|eot_id|>": EOT}}}

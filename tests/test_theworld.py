@@ -33,6 +33,13 @@ PRESET = ["chat_template=auto", "label_policy=answers"]
 KW = {"image_size": IMAGE_SIZE, "chat_template": "tokenizer", "label_policy": "answers"}
 
 
+@pytest.fixture(autouse=True)
+def _vae(tiny_models, monkeypatch):
+    """The caches here are made with the tiny Wan VAE: the recipe compares its weights (``model.kwargs.vae``;
+    TheWorld's default, the Cosmos-Predict2 pipeline's, is not here)."""
+    monkeypatch.setitem(KW, "vae", str(tiny_models / "wan-tiny"))
+
+
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory) -> Path:
     """The tiny random Gemma 3 + processor (what ``python -m tools.testing --only gemma3`` writes)."""
@@ -516,7 +523,8 @@ def test_theworld_preset_is_theworlds_collate_token_for_token(policy, real_mini,
         from train.models import build_model
         spec = Cache.open(tmp_path / "cache")
         world_start, world_end = (spec.token_id(t) for t in spec.world_tokens)
-        model = build_model("theworld", {"lm": str(gemma3), "image_size": IMAGE_SIZE}, spec).eval()   # TheWorld's text
+        model = build_model("theworld", {"lm": str(gemma3), "image_size": IMAGE_SIZE, "vae": KW["vae"]},
+                            spec).eval()   # TheWorld's text
         ld = ShardLoader(tmp_path / "cache", len(recs), fields=model.fields, seed=0, workers=Workers(num_workers=0), reads=Reads(compact=False))
         batch = to_device(next(iter(ld)), "cpu")
         ld.close()

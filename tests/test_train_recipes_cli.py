@@ -344,6 +344,15 @@ def test_disable_evaluation_holds_nothing_out(image_cache, tmp_path):
 
 # ---- the Higgs-Audio command, end to end on a tiny conversation cache (--model.name higgs) -----------------
 
+def _bytes_fingerprint() -> str:
+    from precompute.encoders.text import ByteTokenizer
+    return ByteTokenizer().describe()["vocab_sha256"]
+
+
+#: the fingerprint of the byte tokenizer (``precompute.encoders.text.ByteTokenizer``) whose ids :func:`_tts_cache` holds
+BYTES_TOKENIZER = _bytes_fingerprint()
+
+
 def _tts_cache(root: Path, n: int = 24, Q: int = 3, CB: int = 16) -> Path:
     """Conversation samples by the contract: system/user text, one assistant <|AUDIO_OUT|> item each
     (codes (Q, F), one audio_segments row), labels on the assistant turn; the byte tokenizer's ids."""
@@ -369,7 +378,8 @@ def _tts_cache(root: Path, n: int = 24, Q: int = 3, CB: int = 16) -> Path:
                        "text_vocab_size": 272, "text_pad_id": 0, "n_codebooks": Q, "codebook_size": CB,
                        # Higgs' codec (what --model.name higgs requires): 24 kHz, 25 frames/s, Q x log2(CB) bits a frame
                        "codec_sample_rate": 24000, "frame_rate": 25.0,
-                       "encoders": {"audio_tokenizer": {"name": "higgs", "bandwidth": Q * math.log2(CB) * 25 / 1000}},
+                       "encoders": {"audio_tokenizer": {"name": "higgs", "bandwidth": Q * math.log2(CB) * 25 / 1000},
+                                    "text_tokenizer": {"name": "bytes", "vocab_sha256": BYTES_TOKENIZER}},
                        "config": {"audio_tokenizer": {"name": "higgs", "pretrained": "/ckpt/tokenizer-A"}}})
     return root
 

@@ -38,12 +38,17 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
         preflight.check(cfg)  # cache and run directory, before anything is loaded
     except ConfigError as e:
         return e.report(PROG)
+    from shardcache.weights import CheckpointUnreadable
     from shards.errors import ContractMismatch
+
+    from .models import ContractUnknown
 
     if ns.dry_run:
         return dry_run(cfg)
+    from shardcache.quiet import quiet_libraries
     from shardcache.ranks import Ranks
 
+    quiet_libraries()  # library messages the user cannot act on (shardcache/quiet.py)
     from . import dist as D  # torch is imported only now: --help and --print_config stay fast
     from .metrics import NonFiniteError
     from .trainer import run
@@ -53,7 +58,8 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
         sys.stderr.write(f"{PROG}: config file: {ns.config_file or 'none'} ({ns.config_source})\n")
     try:
         return run(cfg, callbacks)
-    except ContractMismatch as e:  # the cache does not fit the model: refused before any weight loaded
+    except (ContractMismatch, CheckpointUnreadable, ContractUnknown) as e:  # the cache does not fit the model,
+        # a checkpoint file its identity is read from cannot be read, or tells no contract: before any weight loaded
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
     except NonFiniteError as e:  # every rank sees the same counters and stops at the same step

@@ -59,6 +59,8 @@ class ModelConfig:
     """Keyword arguments of the model (reference: d_model, n_layers...; recipes: lm, dtype...); flags update them."""
     audio_tokenizer: str = ""
     """Audio tokenizer (dir or hub id) the model was trained with: the cache's codes must come from its weights."""
+    audio_tokenizer_revision: str = ""
+    """Hub revision (branch, tag or commit) of --model.audio_tokenizer; default the hub's main (a folder has none)."""
     contract: dict[str, Any] = option(factory=dict)
     """More contract items (fields, special_tokens, codec: {name, weights...}...); a plain factory's whole contract."""
     allow_other_encoder_weights: bool = False

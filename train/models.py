@@ -22,8 +22,9 @@ from typing import Any, Mapping
 import torch.nn as nn
 
 from shardcache.pretrained import resolve_pretrained
-from shardcache.weights import checkpoint_sha256
+from shardcache.weights import weights_of
 from shards.cache import Cache, Codec, Contract
+from shards.errors import ShardcacheError
 from shards.tokens import IGNORE_INDEX  # noqa: F401 (re-exported)
 
 from . import lora as L
@@ -31,19 +32,37 @@ from .recipes.reference import ReferenceModel  # noqa: F401 (re-exported: the de
 from .spec import ModelSpec, model_spec
 
 
+class ContractUnknown(ShardcacheError):
+    """The model's contract cannot be derived from its checkpoint (no config there, another architecture than
+    the recipe needs): ``shardcache train`` exits 2 on it, naming the model and why, before any weight loads."""
+
+    exit_code = 2
+
+
 def run_contract(name: str, kwargs: Mapping[str, Any], audio_tokenizer: str = "",
-                 contract: Mapping[str, Any] | None = None, spec: ModelSpec | None = None) -> Contract:
+                 contract: Mapping[str, Any] | None = None, spec: ModelSpec | None = None,
+                 audio_tokenizer_revision: str = "") -> Contract:
     """The contract a run of ``--model.name name`` checks: the spec's contract for ``kwargs``, its codec's
     weights replaced by those of ``audio_tokenizer`` (``--model.audio_tokenizer``: a directory or hub id,
-    the checkpoint the model's codes came from; it wins over what a recipe reads from its checkpoint's
-    processor config), then ``contract`` (``--model.contract``) added where the spec says "any".
+    at ``audio_tokenizer_revision``, ``--model.audio_tokenizer_revision``: default ``main``; the checkpoint
+    the model's codes came from; it wins over what a recipe reads from its checkpoint's processor config),
+    then ``contract`` (``--model.contract``) added where the spec says "any".
     Reads configs and checkpoint files, never the model's weights. Raises ``ValueError`` for a
-    ``--model.contract`` that names unknown items or contradicts the spec, ``OSError`` for an audio
-    tokenizer whose weights cannot be read."""
+    ``--model.contract`` that names unknown items or contradicts the spec,
+    :class:`shardcache.weights.CheckpointUnreadable` for a checkpoint file (an audio tokenizer's, a VAE's, the
+    vision tower's) that cannot be read, :class:`ContractUnknown` for a checkpoint the spec cannot derive its
+    contract from (``OSError`` / ``ValueError`` of its ``contract``): ``shardcache train`` exits 2 on either."""
     spec = spec or model_spec(name)
-    c = spec.contract(dict(kwargs))
+    try:
+        c = spec.contract(dict(kwargs))
+    except (OSError, ValueError) as e:
+        raise ContractUnknown(f"--model.name {name}: {e}") from e
+    if audio_tokenizer_revision and not audio_tokenizer:
+        raise ContractUnknown(f"--model.audio_tokenizer_revision {audio_tokenizer_revision!r} without "
+                              "--model.audio_tokenizer: name the audio tokenizer (a hub id) whose revision it is")
     if audio_tokenizer:
-        weights = checkpoint_sha256(resolve_pretrained(audio_tokenizer, what="--model.audio_tokenizer"))
+        weights = weights_of(resolve_pretrained(audio_tokenizer, what="--model.audio_tokenizer"),
+                             revision=audio_tokenizer_revision or None, what="--model.audio_tokenizer_revision")
         c = dataclasses.replace(c, codec=dataclasses.replace(c.codec or Codec(), weights=weights))
     if contract:
         c = c.merged(Contract.from_dict(c.model, contract))
@@ -79,4 +98,4 @@ def count_params(model: nn.Module) -> tuple[int, int]:
     return train, total
 
 
-__all__ = ["ReferenceModel", "run_contract", "build_model", "apply_lora", "count_params", "model_spec"]
+__all__ = ["ContractUnknown", "ReferenceModel", "run_contract", "build_model", "apply_lora", "count_params", "model_spec"]

@@ -46,9 +46,10 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from shardcache.weights import identity
-from shardcache.config import BATCH, BYTES, OPERATIONAL, Effect
+from shardcache.weights import checkpoint_sha256, identity
+from shardcache.config import BATCH, BYTES, IDENTITY, OPERATIONAL, Effect
 
+from ..faults import reraise_infrastructure
 from ..transfer import to_device, to_host
 from ._common import (
     clean_config,
@@ -58,8 +59,11 @@ from ._common import (
     resolve_pretrained,
     state_dict_sha256,
 )
+from .base import FrameRule
 from .batching import BatchPolicy, Call, plan_calls
 from .capabilities import Capabilities, Declares, Pending
+from .higgs_resampler import RESAMPLERS
+from .options import device_problem, dtype_problem, takes
 
 #: bump when the canonical encoding above changes, so fingerprints of old caches stop matching
 ENCODE_VERSION = 1
@@ -146,7 +150,7 @@ def plan_batches(
     return plan
 
 
-class HFCodecTokenizer(Declares):
+class HFCodecTokenizer(Declares, FrameRule):
     """Shared machinery of the transformers codec wrappers (input checks, calls, describe).
 
     Subclasses set ``name``, ``_model_class()`` and ``_encode_batch`` and fill ``sample_rate``,
@@ -171,12 +175,18 @@ class HFCodecTokenizer(Declares):
 
     name = "codec"
     #: option names accepted by the registry besides ``name``/``pretrained``
-    OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples", "bucket_s", "processes")
+    OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples", "bucket_s", "processes",
+                                "revision")
     #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
     #: :data:`precompute.identity.SPEC_KEYS`), one entry per option of :attr:`OPTIONS`; ``processes``:
-    #: copies of the model, each clip's codes the same in any of them (tested), so operational
-    OPTION_EFFECTS: dict[str, Effect] = {"device": BATCH, "dtype": BYTES, "max_batch_size": BATCH,
-                                         "max_batch_samples": BATCH, "bucket_s": BATCH, "processes": OPERATIONAL}
+    #: copies of the model, each clip's codes the same in any of them (tested), so operational; ``revision``
+    #: picks the hub revision of ``pretrained`` whose files load (their sha256 is the identity)
+    #: (and the values it takes: :func:`precompute.encoders.options.takes`, checked with the config)
+    OPTION_EFFECTS: dict[str, Effect] = {
+        "device": takes(BATCH, str, check=device_problem), "dtype": takes(BYTES, str, nullable=True, check=dtype_problem),
+        "max_batch_size": takes(BATCH, int, ge=1), "max_batch_samples": takes(BATCH, int, ge=1),
+        "bucket_s": takes(BATCH, float, ge=0, le=3600), "processes": takes(OPERATIONAL, int, ge=1, le=64),
+        "revision": takes(IDENTITY, str, nullable=True)}
     #: clips are zero-padded to a multiple of ``hop_length`` (the canonical encoding above); False:
     #: encoded as they are, and the model says how many frames (:class:`HiggsTokenizer`)
     PADS_TO_HOP = True
@@ -218,6 +228,7 @@ class HFCodecTokenizer(Declares):
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.requires_grad_(False)
         self.pretrained: str | None = None
+        self.revision: str | None = None   #: the hub revision of ``pretrained`` it was loaded at (None: main)
 
     # -- to implement -------------------------------------------------------------------------
     @classmethod
@@ -234,25 +245,31 @@ class HFCodecTokenizer(Declares):
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, pretrained: Any, *, device: Any = "cpu", dtype: Any = None, model_class: type | None = None,
-                        **kwargs: Any):
+                        revision: str | None = None, **kwargs: Any):
         """Load the model with ``from_pretrained`` (local directory or hub id; ``model_class``: the class to
-        load, default :meth:`_model_class`) and wrap it.
+        load, default :meth:`_model_class`; ``revision``: the hub id's branch, tag or commit, default ``main``)
+        and wrap it.
 
         Raises:
             FileNotFoundError: ``pretrained`` looks like a local path that does not exist (the
                 message says how to build a random test model).
+            shardcache.weights.CheckpointUnreadable: its weight files cannot be read (checked first);
+                :class:`shardcache.weights.LocalRevision` for a ``revision`` with a local folder.
             OSError: loading failed (not a model directory, no network for a hub id...).
         """
         what = f"{cls.__name__}"
         path = resolve_pretrained(pretrained, what=what)
+        # its identity first: what cannot be read is refused before any weight loads
+        checkpoint_sha256(path, revision=revision, what="audio_tokenizer.revision")
         try:
-            model = (model_class or cls._model_class()).from_pretrained(path, dtype=resolve_dtype(dtype))
+            model = (model_class or cls._model_class()).from_pretrained(path, dtype=resolve_dtype(dtype),
+                                                                        revision=revision or None)
         except (OSError, ValueError) as e:
             raise load_error(what, path, e) from e
         obj = cls(model, device=device, dtype=dtype, **kwargs)
-        obj.pretrained = path
+        obj.pretrained, obj.revision = path, revision or None
         if model_class is None:  # (HiggsTokenizer records its own call)
-            obj._recipe = (cls, path, dict(kwargs, device=str(device), dtype=dtype))
+            obj._recipe = (cls, path, dict(kwargs, device=str(device), dtype=dtype, revision=revision or None))
         return obj
 
     # -- the protocol -------------------------------------------------------------------------
@@ -337,11 +354,14 @@ class HFCodecTokenizer(Declares):
             live = [p for p, i in enumerate(call.places) if i >= 0 and isinstance(clips[i], np.ndarray)]
             try:
                 launched.append((call, live, self._launch(call, [(p, clips[call.places[p]]) for p in live])))
-            except Exception:  # noqa: BLE001 - the call again, one clip at a time at its place
+            except Exception as e:  # noqa: BLE001 - the call again, one clip at a time at its place
+                if len(live) == 1:
+                    reraise_infrastructure(e)  # (a call of many may fit the device one clip at a time)
                 for p in live:
                     try:
                         launched.append((call, [p], self._launch(call, [(p, clips[call.places[p]])])))
-                    except Exception as e:  # noqa: BLE001 - travels with its clip
+                    except Exception as e:  # noqa: BLE001 - travels with its clip (a row fault)
+                        reraise_infrastructure(e)
                         out[call.places[p]] = e
         wait = None
         if self.device.type == "cuda" and self.processes == 1:
@@ -354,6 +374,7 @@ class HFCodecTokenizer(Declares):
                 try:
                     codes = host.numpy()
                 except Exception as e:  # noqa: BLE001 - a codec process's call failed: its clips
+                    reraise_infrastructure(e)  # (a dead codec process, a device error: the job's, not the rows')
                     for p in live:
                         out[call.places[p]] = e
                     continue
@@ -381,11 +402,7 @@ class HFCodecTokenizer(Declares):
         for p, c in clips:
             x[p, 0, : c.size] = c
         if self.processes > 1:
-            if self._pool is None:
-                if self._recipe is None:
-                    raise ValueError(f"{type(self).__name__}: processes > 1 needs a codec loaded with from_pretrained")
-                from .processes import CodecPool
-                self._pool = CodecPool(self._recipe, self.processes)
+            self.start()
             return _Checked(self._pool.submit(x), self, call)
         with torch.inference_mode():
             xt = to_device(x, self.device, self.dtype)  # pinned + non-blocking on CUDA
@@ -393,14 +410,29 @@ class HFCodecTokenizer(Declares):
         _check_shape(self, call, tuple(codes.shape))
         return to_host(codes)
 
+    def close(self) -> None:
+        """Stop the codec processes (``processes > 1``); the next call starts them again."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def start(self) -> None:
+        """With ``processes > 1``: start the codec processes, all at once (each loads the checkpoint), and wait
+        until every one is ready; the job calls it when it builds, so no call waits for them. Nothing else."""
+        if self.processes > 1 and self._pool is None:
+            if self._recipe is None:
+                raise ValueError(f"{type(self).__name__}: processes > 1 needs a codec loaded with from_pretrained")
+            from .processes import CodecPool
+            self._pool = CodecPool(self._recipe, self.processes)
+
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256`` plus the code contract and ``encode_version``.
 
         ``weights_sha256`` is recomputed on every call (about 1 s per 500 MB of weights). The identity a
         recipe's contract compares (:func:`shardcache.weights.identity`): ``checkpoint_sha256`` (the
-        checkpoint's tensors as stored; None for a model not loaded with :meth:`from_pretrained`),
-        ``revision`` (the hub commit) and ``numerics`` (dtype and the TF32 switches).
-        Device and the local path are deliberately not included.
+        tensors of the files ``transformers`` loads; None for a model not loaded with :meth:`from_pretrained`),
+        ``numerics`` (device type, dtype, CPU kernels, TF32 and cuDNN switches) and ``loaded_from`` (the hub
+        id and commit, or the local folder: recorded, left out of the fingerprint).
         """
         d = {
             "class": f"{type(self).__module__}.{type(self).__qualname__}",
@@ -418,7 +450,8 @@ class HFCodecTokenizer(Declares):
         d.update(self._extra_describe())
         if self.batch_policy.batched:  # a batched clip's codes depend on its place and the call's shape
             d["batching"] = self.batch_policy.describe()
-        d.update(identity(self.pretrained, dtype=self.dtype))   # what a recipe's contract compares
+        d.update(identity(self.pretrained, dtype=self.dtype, device=self.device,   # what a recipe's contract compares
+                          revision=self.revision))
         return d
 
     def __repr__(self) -> str:
@@ -448,7 +481,7 @@ class DacTokenizer(HFCodecTokenizer):
 
     name = "dac"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("n_quantizers",)
-    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"n_quantizers": BYTES}
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"n_quantizers": takes(BYTES, int, ge=1, nullable=True)}
 
     def __init__(self, model, *, n_quantizers: int | None = None, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
@@ -494,7 +527,7 @@ class EncodecTokenizer(HFCodecTokenizer):
 
     name = "encodec"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth",)
-    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"bandwidth": BYTES}
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"bandwidth": takes(BYTES, float, gt=0, nullable=True)}
 
     def __init__(self, model, *, bandwidth: float | None = None, **kwargs: Any) -> None:
         cfg = model.config
@@ -548,7 +581,7 @@ class MimiTokenizer(HFCodecTokenizer):
 
     name = "mimi"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("num_quantizers",)
-    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"num_quantizers": BYTES}
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"num_quantizers": takes(BYTES, int, ge=1, nullable=True)}
 
     def __init__(self, model, *, num_quantizers: int | None = None, **kwargs: Any) -> None:
         cfg = model.config
@@ -614,8 +647,9 @@ class HiggsTokenizer(HFCodecTokenizer):
     name = "higgs"
     OPTIONS = HFCodecTokenizer.OPTIONS + ("bandwidth", "n_codebooks", "resampler")
     #: n_codebooks only checks what bandwidth gives (a refusal or the same codes)
-    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {"bandwidth": BYTES, "n_codebooks": OPERATIONAL,
-                                                        "resampler": BYTES}
+    OPTION_EFFECTS = HFCodecTokenizer.OPTION_EFFECTS | {
+        "bandwidth": takes(BYTES, float, gt=0, nullable=True), "n_codebooks": takes(OPERATIONAL, int, ge=1, nullable=True),
+        "resampler": takes(BYTES, str, choices=RESAMPLERS)}
     PADS_TO_HOP = False
 
     def __init__(self, model, *, bandwidth: float | None = None, n_codebooks: int | None = None,
@@ -647,9 +681,13 @@ class HiggsTokenizer(HFCodecTokenizer):
         ``transformers`` cannot load, is refused with a ``ValueError`` saying so and naming the
         ``transformers``-format tokenizer to use instead (docs/higgs-audio.md)."""
         from transformers import PretrainedConfig
+
+        from shardcache.weights import checkpoint
         path = resolve_pretrained(pretrained, what=cls.__name__)
+        revision = kwargs.get("revision") or None
+        checkpoint(path, revision=revision, what="audio_tokenizer.revision")   # a folder has no revisions: refused
         try:
-            raw, _ = PretrainedConfig.get_config_dict(path)
+            raw, _ = PretrainedConfig.get_config_dict(path, revision=revision)
         except (OSError, ValueError) as e:
             raise load_error(cls.__name__, path, e) from e
         if raw.get("model_type") != cls.MODEL_TYPE:

@@ -15,6 +15,7 @@ The classes below are ``typing.Protocol``s: implementations do not need to inher
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -47,7 +48,11 @@ class AudioTokenizer(Protocol):
 
         Returns:
             One int16 array of shape ``(n_codebooks, ceil(num_samples / hop_length))`` per input, in
-            input order. The result for a clip must not depend on the other clips in the call.
+            input order (a codec that gives another count declares its rule: :class:`FrameRule`), every
+            code in ``[0, codebook_size)``; any integer dtype holding those values is taken. The result for
+            a clip must not depend on the other clips in the call. Stage one checks each clip's codes
+            against all of this (:func:`codes_problem`) and rejects the clip's row, naming the field and
+            the value, when they break it.
 
         Raises:
             ValueError: an input is not 1-D, not floating point, not finite, or clearly not in [-1, 1].
@@ -57,6 +62,55 @@ class AudioTokenizer(Protocol):
     def describe(self) -> dict:
         """JSON-able dict with ``class``, ``name``, ``config``, ``weights_sha256`` (see module doc)."""
         ...
+
+
+class FrameRule(ABC):
+    """Derived from by a codec whose codes per clip have a frame count other than the protocol's
+    ``ceil(num_samples / hop_length)`` (the Higgs Audio v2 tokenizer: its model's own length arithmetic):
+    :meth:`frames` is the count, the one stage one checks each clip's codes against (:func:`expected_frames`).
+    The built-in codecs derive from it (:class:`precompute.encoders.audio.HFCodecTokenizer`: DAC, EnCodec
+    and Mimi pad each clip to a multiple of the hop, so ``ceil``; Higgs: its model's count)."""
+
+    @abstractmethod
+    def frames(self, n: int) -> int:
+        """Code frames of a clip of ``n`` samples at ``sample_rate``."""
+
+
+def expected_frames(codec: Any, n: int) -> tuple[int, str]:
+    """``(frames, the rule in words)`` the codes of a clip of ``n`` samples must have: the codec's declared
+    :meth:`FrameRule.frames`, else the protocol's ``ceil(n / hop_length)``."""
+    if isinstance(codec, FrameRule):
+        return int(codec.frames(int(n))), f"{type(codec).__name__}.frames({int(n)})"
+    hop = int(codec.hop_length)
+    return -(-int(n) // hop), f"ceil({int(n)} samples / hop_length {hop})"
+
+
+def codes_problem(codes: Any, codec: Any, n: int) -> str | None:
+    """Why ``codes`` (one clip's, as a codec returned them) break :meth:`AudioTokenizer.encode`'s declaration
+    for a clip of ``n`` samples, naming the value (None: they keep it): not an integer array, not
+    ``n_codebooks x`` :func:`expected_frames` ``(codec, n)``, a code outside ``[0, codebook_size)``. Checked in
+    this order, so a NaN in float codes is named as such before any comparison."""
+    try:
+        a = np.asarray(codes)
+    except (ValueError, TypeError) as e:  # a ragged list
+        return f"codes that are not one array ({type(e).__name__}: {e})"
+    q, size = int(codec.n_codebooks), int(codec.codebook_size)
+    seconds = f"{int(n) / float(codec.sample_rate):.3f} s"
+    if a.dtype.kind not in "iu":
+        bad = ""
+        if a.dtype.kind == "f" and a.size:
+            odd = a[~np.isfinite(a)] if not np.isfinite(a).all() else a[a != np.round(a)]
+            bad = f" (e.g. {odd.flat[0].item()!r})" if odd.size else ""
+        return f"{a.dtype} codes{bad}, expected integer codes in [0, {size})"
+    frames, rule = expected_frames(codec, n)
+    if a.shape != (q, frames):
+        return (f"codes of shape {tuple(a.shape)} for a clip of {int(n)} samples ({seconds}), expected "
+                f"({q}, {frames}): n_codebooks x {rule}")
+    if a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= size:
+            return f"code {lo if lo < 0 else hi} outside [0, {size}) (codebook_size)"
+    return None
 
 
 @runtime_checkable

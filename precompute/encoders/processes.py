@@ -8,10 +8,19 @@ do not depend on which process ran it, so the cache is bit-identical to one proc
 sends each call's input (``size x 1 x length`` float32) as one JSON header and the raw bytes
 (``Connection.send_bytes``: no pickle) and reads the codes back the same way; calls go to the
 processes in turn.
+
+A codec process that dies (the OOM killer, a node fault, a ``kill``) is an infrastructure fault, never a
+row's (:mod:`precompute.faults`): the pool starts a fresh process in its place and sends it the calls
+the dead one had not answered, in order, at most :data:`RESTARTS` times per pool (each logged); past
+that, waiting for a call raises :class:`precompute.faults.ProcessDied` naming the process and the
+signal, and the job stops (its committed chunks kept for a rerun). A call the codec itself fails in a
+process comes back as that error: a row fault for the call's clips, unless it is an infrastructure
+fault there (a CUDA error, out of memory: :func:`precompute.faults.kind_of`).
 """
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import threading
@@ -20,11 +29,21 @@ from typing import Any
 
 import numpy as np
 
+from ..faults import ProcessDied, kind_of, rebuild
+
+log = logging.getLogger("precompute")
+
+#: codec processes a pool restarts at most (all its processes together) before a death fails the job
+RESTARTS = 2
+
 
 def _serve(conn, recipe: tuple[type, str, dict], parent: int) -> None:
     """A codec process: load the codec (one process), then encode each call received on ``conn``."""
+    from tqdm import tqdm
+
     from ..lock import die_with_parent
     die_with_parent(parent)
+    tqdm.set_lock(threading.RLock())  # (its default lock is a named semaphore here, left behind by a killed process)
     import torch
 
     from ..transfer import to_device
@@ -46,15 +65,29 @@ def _serve(conn, recipe: tuple[type, str, dict], parent: int) -> None:
             codes = np.ascontiguousarray(codes)
             conn.send_bytes(json.dumps({"shape": list(codes.shape), "dtype": codes.dtype.str}).encode())
             conn.send_bytes(memoryview(codes).cast("B") if codes.size else b"")
-        except Exception as e:  # noqa: BLE001 - the parent raises it for the call's clips
-            conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        except Exception as e:  # noqa: BLE001 - the parent raises it for the call's clips (or fails the job)
+            conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}", "fault": kind_of(e)}).encode())
+
+
+class _Call:
+    """One call's input and where it was last sent (``worker``, ``seq``: its number on that worker)."""
+
+    __slots__ = ("x", "worker", "seq")
+
+    def __init__(self, x: np.ndarray):
+        self.x, self.worker, self.seq = x, None, -1
 
 
 class _Worker:
-    """One codec process, and a thread here that reads its replies as they come (so neither side ever
-    blocks writing to a full pipe while the other does)."""
+    """One codec process (``name``: ``codec process 1 of 2``), and a thread here that reads its replies as
+    they come (so neither side ever blocks writing to a full pipe while the other does). ``inflight``: the
+    calls sent and not yet answered (what a replacement is sent again); ``dead``: the
+    :class:`~precompute.faults.ProcessDied` once it is gone; ``replacement``: the worker started in its place.
 
-    def __init__(self, ctx, recipe: tuple):
+    Raises :class:`~precompute.faults.ProcessDied` when the process dies before its codec is loaded."""
+
+    def __init__(self, ctx, recipe: tuple, name: str):
+        self.name = name
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_serve, args=(child, recipe, os.getpid()), daemon=True,
                                    name="codec-process")
@@ -64,10 +97,37 @@ class _Worker:
         self.cond = threading.Condition()
         self.sent = 0  # calls sent
         self.replies: dict[int, Any] = {}
-        self.dead: str | None = None
-        self.conn.recv_bytes()  # ready: the codec is loaded
+        self.inflight: dict[int, _Call] = {}
+        self.dead: ProcessDied | None = None
+        self.replacement: _Worker | None = None
+
+    def ready(self) -> "_Worker":
+        """Wait until the process has loaded the codec (processes start at once and load side by side:
+        :class:`CodecPool`); then read its replies as they come. Raises
+        :class:`~precompute.faults.ProcessDied` when the process dies before its codec is loaded."""
+        try:
+            self.conn.recv_bytes()  # ready: the codec is loaded
+        except (EOFError, OSError):
+            self.process.join(timeout=10)
+            self.conn.close()
+            raise ProcessDied(self.name, self.process.pid, self.process.exitcode, "while loading the codec") from None
         self.reader = threading.Thread(target=self._read, daemon=True, name="codec-process-reader")
         self.reader.start()
+        return self
+
+    def send(self, call: _Call) -> None:
+        """Send ``call`` (registered in :attr:`inflight` first: a process that dies meanwhile is noticed by the
+        reader, and whoever waits for the call sends it again, :meth:`CodecPool._revive`)."""
+        with self.send_lock:
+            with self.cond:
+                seq, self.sent = self.sent, self.sent + 1
+                self.inflight[seq] = call
+                call.worker, call.seq = self, seq
+            try:
+                self.conn.send_bytes(json.dumps({"shape": list(call.x.shape)}).encode())
+                self.conn.send_bytes(memoryview(call.x).cast("B"))
+            except OSError:  # the process is gone: the reader sees the pipe close
+                pass
 
     def _read(self) -> None:
         n = 0
@@ -75,33 +135,41 @@ class _Worker:
             while True:
                 head = json.loads(self.conn.recv_bytes())
                 if "error" in head:
-                    got: Any = RuntimeError(f"codec process: {head['error']}")
+                    got: Any = rebuild(head["fault"], self.name, f"{self.name}: {head['error']}") if head.get("fault") \
+                        else RuntimeError(f"codec process: {head['error']}")
                 else:
                     got = np.frombuffer(self.conn.recv_bytes(), dtype=np.dtype(head["dtype"])).reshape(head["shape"])
                 with self.cond:
                     self.replies[n] = got
+                    self.inflight.pop(n, None)
                     self.cond.notify_all()
                 n += 1
-        except (EOFError, OSError) as e:
+        except (EOFError, OSError):
+            self.process.join(timeout=10)  # its exit code: the signal that killed it
             with self.cond:
-                self.dead = f"the codec process ended ({type(e).__name__})"
+                self.dead = ProcessDied(self.name, self.process.pid, self.process.exitcode)
                 self.cond.notify_all()
 
 
 class Remote:
-    """A call sent to a codec process; :meth:`numpy` waits for its codes (``(size, n_q, frames)``)."""
+    """A call sent to a codec process; :meth:`numpy` waits for its codes (``(size, n_q, frames)``), following the
+    call to the process that replaced a dead one. Raises :class:`~precompute.faults.ProcessDied` once the pool
+    has no restart left, or the codec's own error for the call."""
 
-    def __init__(self, worker: _Worker, seq: int):
-        self.worker, self.seq = worker, seq
+    def __init__(self, pool: "CodecPool", call: _Call):
+        self.pool, self.call = pool, call
 
     def numpy(self) -> np.ndarray:
-        w = self.worker
-        with w.cond:
-            while self.seq not in w.replies:
-                if w.dead is not None:
-                    raise RuntimeError(w.dead)
-                w.cond.wait()
-            got = w.replies.pop(self.seq)
+        call = self.call
+        while True:
+            w = call.worker
+            with w.cond:
+                while call.seq not in w.replies and w.dead is None:
+                    w.cond.wait()
+                if call.seq in w.replies:
+                    got = w.replies.pop(call.seq)
+                    break
+            self.pool._revive(w)  # moves the call to a fresh process (or raises)
         if isinstance(got, Exception):
             raise got
         return got
@@ -109,26 +177,59 @@ class Remote:
 
 class CodecPool:
     """``n`` processes each holding the codec of ``recipe`` (``(class, pretrained, options)``, what
-    ``class.from_pretrained`` takes); :meth:`submit` sends one call's input to the next process."""
+    ``class.from_pretrained`` takes); :meth:`submit` sends one call's input to the next process. A dead process
+    is replaced (see the module docstring), at most ``restarts`` times (default :data:`RESTARTS`)."""
 
-    def __init__(self, recipe: tuple[type, str, dict], n: int):
-        ctx = mp.get_context("spawn")  # CUDA in the parent: a forked child could not use it
-        self.workers = [_Worker(ctx, recipe) for _ in range(n)]
+    def __init__(self, recipe: tuple[type, str, dict], n: int, restarts: int | None = None):
+        self._ctx = mp.get_context("spawn")  # CUDA in the parent: a forked child could not use it
+        self._recipe = recipe
+        self.restarts_left = RESTARTS if restarts is None else int(restarts)
+        self.restarted = 0
+        self.workers: list[_Worker] = []
+        weakref.finalize(self, CodecPool._stop, self.workers)  # (the list itself: replacements go into it)
+        for i in range(n):  # all start, then load side by side
+            self.workers.append(_Worker(self._ctx, recipe, f"codec process {i + 1} of {n}"))
+        for w in self.workers:
+            w.ready()
         self._next = 0
         self._lock = threading.Lock()
-        weakref.finalize(self, CodecPool._stop, self.workers)
 
     def submit(self, x: np.ndarray) -> Remote:
         """Send ``x`` (float32 ``(size, 1, length)``) to the next process; the codes come with ``numpy()``."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        call = _Call(np.ascontiguousarray(x, dtype=np.float32))
         with self._lock:
             w = self.workers[self._next]
             self._next = (self._next + 1) % len(self.workers)
-        with w.send_lock:
-            w.conn.send_bytes(json.dumps({"shape": list(x.shape)}).encode())
-            w.conn.send_bytes(memoryview(x).cast("B"))
-            seq, w.sent = w.sent, w.sent + 1
-        return Remote(w, seq)
+        if w.dead is not None:
+            w = self._revive(w)
+        w.send(call)
+        return Remote(self, call)
+
+    def _revive(self, w: _Worker) -> _Worker:
+        """The process in place of dead ``w`` (started on first need, :data:`RESTARTS` at most), with every call
+        ``w`` had not answered sent to it in order. Raises ``w``'s :class:`~precompute.faults.ProcessDied` when
+        no restart is left, or the new process's when it dies while loading."""
+        with self._lock, w.send_lock:
+            if w.replacement is None:
+                with w.cond:
+                    waiting = len(w.inflight)
+                if self.restarts_left <= 0:
+                    raise ProcessDied(w.dead.process, w.dead.pid, w.dead.exitcode,
+                                      f"{waiting} codec call(s) unanswered; restarted {self.restarted} time(s) "
+                                      "already, the most this job does (precompute.encoders.processes.RESTARTS)")
+                self.restarts_left -= 1
+                self.restarted += 1
+                log.warning("%s; starting a fresh one in its place and sending it the %d call(s) it had not "
+                            "answered (restart %d; %d left)", w.dead, waiting, self.restarted, self.restarts_left)
+                w.replacement = _Worker(self._ctx, self._recipe, w.name).ready()
+                self.workers[self.workers.index(w)] = w.replacement
+            target = w.replacement
+            with w.cond:
+                moving = [call for _, call in sorted(w.inflight.items())]
+                w.inflight.clear()
+            for call in moving:  # (under the locks: a waiter sees its call moved once it may look again)
+                target.send(call)
+        return target
 
     @staticmethod
     def _stop(workers: list[_Worker]) -> None:
@@ -140,9 +241,11 @@ class CodecPool:
             w.process.join(timeout=10)
             if w.process.is_alive():
                 w.process.kill()
+                w.process.join(timeout=10)
+            w.conn.close()
 
     def close(self) -> None:
         CodecPool._stop(self.workers)
 
 
-__all__ = ["CodecPool", "Remote"]
+__all__ = ["CodecPool", "Remote", "RESTARTS"]

@@ -26,6 +26,7 @@ from ._common import BUILD_HINT
 from .audio import AUDIO_TOKENIZERS
 from .base import AudioTokenizer, ImageEncoder, TextTokenizer, check_protocol
 from .image import IMAGE_ENCODERS
+from .options import problems as option_problems
 from .text import TEXT_TOKENIZERS
 
 _FACTORY_KEYS = {"factory", "kwargs", "name"}
@@ -44,7 +45,8 @@ def _accepts(fn, name: str) -> bool:
 
 def spec_problems(spec: Mapping, table: Mapping[str, type], default: str) -> list[tuple[str, str]]:
     """What keeps an encoder spec from loading, as ``(key suffix, message)`` (empty: none): a plug-in's
-    keys, else the name against ``table`` and the options against the class's declared ``OPTIONS``.
+    keys, else the name against ``table``, the options against the class's declared ``OPTIONS`` and each
+    value against what its ``OPTION_EFFECTS`` entry says it takes (:mod:`precompute.encoders.options`).
     The one owner of these rules: the loaders below raise the first, the config check lists them all."""
     if "factory" in spec:
         f, extra, kw = spec["factory"], sorted(set(spec) - _FACTORY_KEYS), spec.get("kwargs")
@@ -58,7 +60,13 @@ def spec_problems(spec: Mapping, table: Mapping[str, type], default: str) -> lis
                           f"'package.module:callable', kwargs: {{...}}}}), got {name!r}")]
     if unknown := sorted(set(spec) - {"name", "pretrained"} - set(table[name].OPTIONS)):
         return [("", f"unknown option(s) {unknown} for {name!r}; accepted: {sorted(table[name].OPTIONS)}")]
-    return []
+    if spec.get("revision") and spec.get("pretrained"):   # before any encoder loads: a folder has no revisions
+        from shardcache.weights import LocalRevision, checkpoint
+        try:
+            checkpoint(spec["pretrained"], revision=spec["revision"])
+        except LocalRevision as e:
+            return [(".revision", str(e))]
+    return option_problems(spec, table[name].OPTION_EFFECTS)  # each value against its declaration
 
 
 def _raise_problems(spec: Mapping, table: Mapping[str, type], default: str, what: str) -> None:

@@ -9,8 +9,11 @@ import numpy as np
 
 from shardcache.config import BYTES, IDENTITY, Effect
 
+from shardcache.pretrained import template_sha256
+
 from ._common import canonical_json, load_error, resolve_pretrained
 from .capabilities import Declares, TextCapabilities
+from .options import takes
 
 
 def _default_specials() -> tuple[str, ...]:
@@ -37,7 +40,8 @@ class ByteTokenizer(Declares):
     #: built from files (``from_pretrained``) or from its options alone
     PRETRAINED = False
     #: what each option does to a cache (:class:`shardcache.config.Effect`)
-    OPTION_EFFECTS: dict[str, Effect] = {"add_bos": BYTES, "add_eos": BYTES, "special_tokens": BYTES}
+    OPTION_EFFECTS: dict[str, Effect] = {"add_bos": takes(BYTES, bool), "add_eos": takes(BYTES, bool),
+                                         "special_tokens": takes(BYTES, list, nullable=True)}
     pad_id = 0
     bos_id = 1
     eos_id = 2
@@ -148,11 +152,14 @@ class HFTokenizer(Declares):
     """
 
     name = "hf"
-    OPTIONS: tuple[str, ...] = ("add_special_tokens", "pad_id", "trust_remote_code")
+    OPTIONS: tuple[str, ...] = ("add_special_tokens", "pad_id", "trust_remote_code", "revision")
     PRETRAINED = True
-    #: what each option does to a cache (:class:`shardcache.config.Effect`); trust_remote_code decides which
-    #: tokenizer loads (its vocabulary sha256 is the identity)
-    OPTION_EFFECTS: dict[str, Effect] = {"add_special_tokens": BYTES, "pad_id": BYTES, "trust_remote_code": IDENTITY}
+    #: what each option does to a cache (:class:`shardcache.config.Effect`); trust_remote_code and revision (the
+    #: hub revision of ``pretrained``) decide which tokenizer loads (its vocabulary sha256 is the identity)
+    OPTION_EFFECTS: dict[str, Effect] = {"add_special_tokens": takes(BYTES, bool),
+                                         "pad_id": takes(BYTES, int, ge=0, nullable=True),
+                                         "trust_remote_code": takes(IDENTITY, bool),
+                                         "revision": takes(IDENTITY, str, nullable=True)}
 
     def __init__(self, tokenizer, *, add_special_tokens: bool = True, pad_id: int | None = None) -> None:
         self.tokenizer = tokenizer
@@ -168,24 +175,30 @@ class HFTokenizer(Declares):
         if self.vocab_size > np.iinfo(np.int32).max:
             raise ValueError("vocabulary too large for int32 ids")
         self.pretrained: str | None = None
+        self.revision: str | None = None   #: the hub revision of ``pretrained`` it was loaded at (None: main)
 
     @classmethod
-    def from_pretrained(cls, pretrained: Any, *, trust_remote_code: bool = False, **kwargs: Any) -> "HFTokenizer":
-        """``AutoTokenizer.from_pretrained(pretrained)`` wrapped; a local directory or hub id.
+    def from_pretrained(cls, pretrained: Any, *, trust_remote_code: bool = False, revision: str | None = None,
+                        **kwargs: Any) -> "HFTokenizer":
+        """``AutoTokenizer.from_pretrained(pretrained, revision=revision)`` wrapped; a local directory or hub id
+        (``revision``: its branch, tag or commit, default ``main``).
 
         Raises:
             FileNotFoundError: a local-looking path that does not exist.
+            shardcache.weights.LocalRevision: a ``revision`` with a local folder.
             OSError: loading failed.
         """
         from transformers import AutoTokenizer
 
+        from shardcache.weights import checkpoint
         path = resolve_pretrained(pretrained, what=cls.__name__)
+        checkpoint(path, revision=revision, what="text_tokenizer.revision")   # a folder has no revisions: refused
         try:
-            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision or None)
         except (OSError, ValueError) as e:
             raise load_error(cls.__name__, path, e) from e
         obj = cls(tok, **kwargs)
-        obj.pretrained = path
+        obj.pretrained, obj.revision = path, revision or None
         return obj
 
     @property
@@ -233,7 +246,10 @@ class HFTokenizer(Declares):
         return vocab_sha256(self.tokenizer)
 
     def describe(self) -> dict:
-        """``class``, ``name``, ``config`` (tokenizer class, special tokens, options) and ``vocab_sha256``."""
+        """``class``, ``name``, ``config`` (tokenizer class, special tokens, options, ``chat_template_sha256``:
+        :func:`shardcache.pretrained.template_sha256` of its chat template, what a contract compares where the
+        conversations were rendered with it), ``vocab_sha256`` and, when read from a checkpoint,
+        ``loaded_from`` (:func:`shardcache.weights.source`: recorded, left out of the fingerprint)."""
         tok = self.tokenizer
         config = {
             "tokenizer_class": type(tok).__name__,
@@ -241,14 +257,18 @@ class HFTokenizer(Declares):
             "pad_id": self.pad_id,
             "add_special_tokens": self.add_special_tokens,
             "special_tokens": {k: str(v) for k, v in tok.special_tokens_map.items()},
-            "chat_template_sha256": hashlib.sha256((self.chat_template or "").encode()).hexdigest(),
+            "chat_template_sha256": template_sha256(self.chat_template),
         }
-        return {
+        out = {
             "class": f"{type(self).__module__}.{type(self).__qualname__}",
             "name": self.name,
             "config": config,
             "vocab_sha256": self._vocab_sha256(),
         }
+        if self.pretrained:   # where it was read (hub id and commit, or the folder): recorded, not fingerprinted
+            from shardcache.weights import SOURCE_KEY, source
+            out[SOURCE_KEY] = source(self.pretrained, "tokenizer_config.json", revision=self.revision)
+        return out
 
     def __repr__(self) -> str:
         return f"HFTokenizer({type(self.tokenizer).__name__}, vocab_size={self.vocab_size}, pad_id={self.pad_id})"

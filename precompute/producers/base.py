@@ -36,9 +36,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+from shardcache.config import Effect
 
 from ..encoders.capabilities import Pending
+from ..faults import reraise_infrastructure
 
 #: the key of a producer's result whose entries go into the sample's json member
 JSON = "json"
@@ -73,19 +76,33 @@ class Timer:
         return out
 
 
+def _outputs(got: Any, n: int) -> list:
+    """``got`` (what an encoder returned for ``n`` inputs) as a list of ``n``; ``ValueError`` naming the count
+    when it is not one output per input (a plug-in's: zipped with its inputs, a short list would drop rows)."""
+    out = list(got)
+    if len(out) != n:
+        raise ValueError(f"the encoder returned {len(out)} output(s) for {n} input(s), not one per input")
+    return out
+
+
 def encode_each(fn: Callable[[list], Sequence], inputs: list, timer: Timer) -> list:
     """``fn`` on the whole batch; if the batch fails, on one input at a time, so a bad input costs
-    only itself: returns one output or one exception per input, in order."""
+    only itself: returns one output or one exception per input, in order. An infrastructure fault
+    (:func:`precompute.faults.infrastructure`: a device error, out of memory) is never an input's: it
+    is raised (a batch that failed with one is still tried one input at a time first)."""
     if not inputs:
         return []
     try:
-        return list(timer(fn, inputs))
-    except Exception:
+        return _outputs(timer(fn, inputs), len(inputs))
+    except Exception as e:  # noqa: BLE001 - each input alone
+        if len(inputs) == 1:
+            reraise_infrastructure(e)
         outs: list = []
         for x in inputs:
             try:
-                outs.append(timer(fn, [x])[0])
-            except Exception as e:  # noqa: BLE001 - travels with its sample to the rejects
+                outs.append(_outputs(timer(fn, [x]), 1)[0])
+            except Exception as e:  # noqa: BLE001 - travels with its sample to the rejects (a row fault)
+                reraise_infrastructure(e)
                 outs.append(e)
         return outs
 
@@ -93,7 +110,8 @@ def encode_each(fn: Callable[[list], Sequence], inputs: list, timer: Timer) -> l
 def submit_each(submit: Callable[[list], Pending], inputs: list) -> Pending:
     """:func:`encode_each` for an asynchronous encoder: ``submit`` (``list -> Pending`` of one output per
     input) on the whole batch; if queueing or collecting it fails, each input alone, so a bad input
-    costs only itself. ``result()``: one output or one exception per input, in order."""
+    costs only itself. ``result()``: one output or one exception per input, in order; an
+    infrastructure fault is raised, as by :func:`encode_each`."""
     if not inputs:
         return Pending.done([])
 
@@ -101,20 +119,25 @@ def submit_each(submit: Callable[[list], Pending], inputs: list) -> Pending:
         outs: list = []
         for x in inputs:
             try:
-                outs.append(submit([x]).result()[0])
-            except Exception as e:  # noqa: BLE001 - travels with its sample to the rejects
+                outs.append(_outputs(submit([x]).result(), 1)[0])
+            except Exception as e:  # noqa: BLE001 - travels with its sample to the rejects (a row fault)
+                reraise_infrastructure(e)
                 outs.append(e)
         return outs
 
     try:
         whole = submit(inputs)
-    except Exception:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
+        if len(inputs) == 1:
+            reraise_infrastructure(e)
         return Pending(alone)
 
     def finish() -> list:
         try:
-            return list(whole.result())
-        except Exception:  # noqa: BLE001
+            return _outputs(whole.result(), len(inputs))
+        except Exception as e:  # noqa: BLE001
+            if len(inputs) == 1:
+                reraise_infrastructure(e)
             return alone()
 
     return Pending(finish)
@@ -136,12 +159,31 @@ class Producer:
     """
 
     name = "producer"
+    #: the keys of the spec that names it (``extra_fields: {NAME: {producer: name, ...}}``, ``add-field
+    #: --producer``) and what changing each does to a cache (:class:`shardcache.config.Effect`, walked by
+    #: :mod:`precompute.identity`): ``SPEC``, an encoder spec whose keys its class declares; ``"*"``: the
+    #: other keys are an encoder spec of the producer's own name. Empty: no spec names it (the job's own
+    #: text and segments). With :meth:`spec_problems` and :meth:`from_spec`, all a spec needs of it.
+    OPTION_EFFECTS: ClassVar[Mapping[str, Effect]] = {}
     outputs: tuple[str, ...] = ()
     needs_images = False
     host_only = False
     directions: frozenset[str] | set[str] = frozenset({"in", "out"})
     image_tokens: ImageTokens | None = None
     image_input: Callable[[Any], Any] | None = None
+
+    @classmethod
+    def spec_problems(cls, field: str, **spec: Any) -> list[tuple[str, str]]:
+        """What keeps ``spec`` (its keys, ``producer`` included) from making ``field``, as ``(key suffix,
+        message)``: the config check lists them before any encoder loads, :meth:`from_spec` raises the first
+        (:func:`precompute.producers.load_producer`). None by default."""
+        return []
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", **options: Any) -> "Producer":
+        """The producer of a spec's ``options`` (its keys but ``producer``) writing ``field``, its encoder on
+        ``device``."""
+        raise NotImplementedError(f"{cls.__name__} is not made from a spec")
 
     def rates(self) -> set[int]:
         """Audio rates (Hz) it reads from ``sample.audio`` (of the items of :attr:`directions`)."""
@@ -168,3 +210,12 @@ class Producer:
 
 
 __all__ = ["Producer", "Timer", "encode_each", "submit_each", "ImageTokens", "JSON"]
+
+
+def encoder_spec_problems(option: str, spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The problems of the encoder spec a producer's ``option`` holds (``audio_tokenizer``,
+    ``image_encoder``): its names, options and their values by the encoder registry's declarations
+    (:data:`precompute.encoders.registry.SPECS`), as ``(".option.key", message)``."""
+    from ..encoders.registry import SPECS, spec_problems
+    inner = spec.get(option)
+    return [(f".{option}{k}", m) for k, m in spec_problems(inner, *SPECS[option])] if isinstance(inner, Mapping) else []

@@ -11,11 +11,18 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import BYTES, SPEC
 from shards.schema import SEGMENT_COLUMNS
 
+from ..encoders.base import codes_problem
 from ..encoders.batching import Call
 from ..encoders.capabilities import Pending, capabilities_of
-from .base import JSON, Producer, Timer, encode_each
+from .base import JSON, Producer, Timer, encode_each, encoder_spec_problems
+
+class CodesRefused(ValueError):
+    """A clip's codes break the codec's declaration (:func:`precompute.encoders.base.codes_problem`): a row fault,
+    its sample rejected ``encode_failed`` with this message (the field, the audio item and the value)."""
+
 
 #: ``audio_segments`` direction column: 0 input (user/system turn), 1 output (assistant turn)
 DIRECTION_CODE = {"in": 0, "out": 1}
@@ -45,9 +52,28 @@ class CodesProducer(Producer):
     that depend on each clip's place in its call and the call's shape: they are recorded per item in
     the sample's json as ``FIELD_calls`` (``[[size, length, place] or null per audio item]``), and a
     sample that carries them (``sample.calls``, from a cached json: ``shardcache check``) is encoded
-    in exactly those calls, zero slots elsewhere."""
+    in exactly those calls, zero slots elsewhere.
+
+    Every clip's codes are checked against the codec's declaration before they are used
+    (:func:`precompute.encoders.base.codes_problem`: integers, ``n_codebooks x`` the frames the codec's rule
+    gives for the clip, codes in ``[0, codebook_size)``): a clip that breaks it rejects its sample
+    (:class:`CodesRefused`, naming the field, the item and the value), built-in codec or plug-in."""
 
     name = "codes"
+    OPTION_EFFECTS = {"producer": BYTES, "audio_tokenizer": SPEC}
+
+    @classmethod
+    def spec_problems(cls, field: str, **spec: Any) -> list[tuple[str, str]]:
+        """The ``audio_tokenizer`` spec's problems (its declared options and bounds)."""
+        return encoder_spec_problems("audio_tokenizer", spec)
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", audio_tokenizer: Any = None, **_: Any) -> "CodesProducer":
+        """``{producer: codes, audio_tokenizer: {name, pretrained, ...}}``: the codec's codes as field ``field``."""
+        from ..encoders import load_audio_tokenizer
+        if not audio_tokenizer:
+            raise ValueError(f"producer codes for {field!r} needs an audio_tokenizer spec ({{name, pretrained}})")
+        return cls(load_audio_tokenizer(audio_tokenizer, device), field, segments=False)
 
     def __init__(self, codec: Any, field: str = "codes", segments: bool = True, device: str = "cpu"):
         self.codec, self.field = codec, field
@@ -104,10 +130,13 @@ class CodesProducer(Producer):
             placed: list[list] = [[None] * len(s.audio) for s in samples]
             failed: dict[int, Exception] = {}
             for (j, k), c, at in zip(items, codes, places):
-                if isinstance(c, Exception):
-                    failed.setdefault(j, c)
-                else:
-                    per[j][k], placed[j][k] = np.asarray(c), at
+                if not isinstance(c, Exception):
+                    why = codes_problem(c, self.codec, samples[j].audio[k][rate].size)
+                    if why is None:
+                        per[j][k], placed[j][k] = np.asarray(c).astype(np.int16, copy=False), at
+                        continue
+                    c = CodesRefused(f"{self.field}: audio item {k}: {why}")
+                failed.setdefault(j, c)
             out: list[dict[str, Any] | Exception] = []
             for j, s in enumerate(samples):
                 if j in failed:

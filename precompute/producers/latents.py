@@ -6,17 +6,35 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import BYTES, SPEC
+
 from ..encoders.capabilities import Pending, capabilities_of
-from .base import Producer, Timer, encode_each, submit_each
+from .base import Producer, Timer, encode_each, encoder_spec_problems, submit_each
 
 
 class LatentsProducer(Producer):
     """Latents from ``vae`` (an :class:`precompute.encoders.ImageEncoder`): images of one encoder
     batch are encoded in groups of equal size; image ``k`` of a sample is ``latents[:, k]``.
-    ``posterior``: also ``latents_logvar`` (``vae.encode_posterior``)."""
+    ``posterior``: also ``latents_logvar`` (``vae.encode_posterior``). Each image's latents are checked
+    against the encoder's declaration first (:func:`latents_problem`): one that breaks it rejects its sample."""
 
     name = "latents"
     needs_images = True
+    OPTION_EFFECTS = {"producer": BYTES, "image_encoder": SPEC, "store_posterior": BYTES}
+
+    @classmethod
+    def spec_problems(cls, field: str, **spec: Any) -> list[tuple[str, str]]:
+        """The ``image_encoder`` spec's problems (its declared options and bounds)."""
+        return encoder_spec_problems("image_encoder", spec)
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", image_encoder: Any = None, store_posterior: bool = False,
+                  **_: Any) -> "LatentsProducer":
+        """``{producer: latents, image_encoder: {name, pretrained, ...}, store_posterior}``: the VAE's latents."""
+        from ..encoders import load_image_encoder
+        if not image_encoder:
+            raise ValueError(f"producer latents for {field!r} needs an image_encoder spec ({{name, pretrained}})")
+        return cls(load_image_encoder(image_encoder, device), bool(store_posterior), field)
 
     def __init__(self, vae: Any, posterior: bool = False, field: str = "latents", info: dict | None = None,
                  device: str = "cpu"):
@@ -36,6 +54,14 @@ class LatentsProducer(Producer):
 
     def produce(self, samples: list, timer: Timer) -> list[dict[str, Any] | Exception]:
         return self.submit(samples, timer).result()
+
+    def _checked(self, z: Any, image: np.ndarray, k: int) -> Any:
+        """``z`` (an image's latents, or ``(mean, logvar)``), or the :class:`LatentsRefused` of its values."""
+        for part, name in ((z[0], self.field), (z[1], f"{self.field}_logvar")) if self.posterior else ((z, self.field),):
+            why = latents_problem(part, self.vae, image.shape)
+            if why is not None:
+                return LatentsRefused(f"{name}: image {k}: {why}")
+        return z
 
     def submit(self, samples: list, timer: Timer) -> Pending:
         by_shape: dict[tuple, list[tuple[int, int]]] = {}
@@ -64,7 +90,8 @@ class LatentsProducer(Producer):
                     got[jk] = z
             out: list[dict[str, Any] | Exception] = []
             for j, s in enumerate(samples):
-                zs = [got[(j, k)] for k in range(len(s.images))]
+                zs = [got[(j, k)] if isinstance(got[(j, k)], Exception) else self._checked(got[(j, k)], img, k)
+                      for k, img in enumerate(s.images)]
                 bad = next((z for z in zs if isinstance(z, Exception)), None)
                 if bad is not None:
                     out.append(bad)
@@ -78,6 +105,29 @@ class LatentsProducer(Producer):
             return out
 
         return Pending(finish)
+
+
+class LatentsRefused(ValueError):
+    """An image's latents break the image encoder's declaration (:meth:`LatentsProducer.latents_problem`): a
+    row fault, its sample rejected ``encode_failed`` with this message (the field, the image, the value)."""
+
+
+def latents_problem(z: Any, vae: Any, shape: tuple) -> str | None:
+    """Why one image's latents ``z`` break :meth:`precompute.encoders.base.ImageEncoder.encode`'s declaration
+    for an image of ``shape`` ``(H, W, 3)``: not a float array of ``(latent_channels, 1, H // spatial_factor,
+    W // spatial_factor)`` (finiteness: the field's kind, :func:`precompute.encode.to_members`). None: kept."""
+    try:
+        a = np.asarray(z)
+    except (ValueError, TypeError) as e:
+        return f"latents that are not one array ({type(e).__name__}: {e})"
+    sf, c = int(vae.spatial_factor), int(vae.latent_channels)
+    want = (c, 1, int(shape[0]) // sf, int(shape[1]) // sf)
+    if a.dtype.kind != "f":
+        return f"{a.dtype} latents, expected floats"
+    if a.shape != want:
+        return (f"latents of shape {tuple(a.shape)} for a {shape[0]}x{shape[1]} image, expected {want}: "
+                f"latent_channels x 1 x H/{sf} x W/{sf}")
+    return None
 
 
 def latents_info(cfg: Any, image_encoder: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from ..scan import scan_shard
 from ..storage import local_path
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, ROOT_FILE, SHARD_GLOB,
                       parse_shard_name)
+from ..unfinished import unfinished
 from ..writing import session, writes_cache
 from ._common import Out, UsageError, add_jobs_option, load_manifest, progress, shard_path, warn
 from .needs import Needs
@@ -32,9 +33,15 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                     "manifest's other fields (encoders, fingerprint, config, ...) and the existing "
                     "rejects are kept. Nothing is written if any tar is unreadable. It takes the "
                     "cache's writer lock (like precompute, add-field and drop-field): while another "
-                    "command writes DIR it exits 2 naming it, and writes nothing.")
+                    "command writes DIR it exits 2 naming it, and writes nothing. A folder of a stage-one job "
+                    "that stopped before the end (parts/job.json, no index.parquet yet) is refused, exit 2: the "
+                    "same precompute command completes it; --partial publishes the committed chunks alone.")
     p.add_argument("dir", metavar="DIR", help="cache directory")
     p.add_argument("--dry_run", action="store_true", help="scan and report, write nothing")
+    p.add_argument("--partial", action="store_true",
+                   help="publish the committed chunks of a stage-one job that stopped before the end (refused "
+                        "otherwise: the same precompute command completes it; the rows it had not encoded are "
+                        "left out of the cache until then)")
     add_jobs_option(p, "tars scanned")
     p.add_argument("--no_progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_reindex, needs=Needs(("joblib",), "inspect"))
@@ -80,6 +87,11 @@ def cmd_reindex(args: argparse.Namespace) -> int:
         raise UsageError(f"{d}: no such directory" if not d.exists() else f"{d}: not a directory")
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
+    if (why := unfinished(d)) is not None:  # rebuilding its index would publish a cache without the rows to come
+        if not args.partial:
+            raise UsageError(f"{why}. Refused: nothing written (--partial publishes the committed chunks alone)")
+        warn(f"{why}. --partial: publishing the committed chunks alone; the rows stage one had not encoded are "
+             "not in the cache (the same precompute command adds them later)")
     if args.dry_run:  # writes nothing: a reader
         return _reindex(args, d)
     return _reindex_locked(args, d)

@@ -30,9 +30,9 @@ from typing import Any, ClassVar, Iterable, Mapping
 
 import torch.nn as nn
 
-from shardcache.pretrained import resolve_pretrained
+from shardcache import pretrained as P
 from shards import tokens
-from shards.cache import Cache, Contract, Unknown
+from shards.cache import Cache, Contract
 
 from .. import lora as L
 from ..config import LoraConfig
@@ -61,58 +61,26 @@ def cache_values(cache: Cache) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def load_tokenizer(checkpoint: Any, added: Iterable[str] = (), what: str = "model_kwargs.lm"):
-    """The ``transformers`` tokenizer shipped with ``checkpoint`` (a directory or hub id), with ``added``
-    tokens added as stage one adds missing ones (special, never split: TheWorld's world markers); None
-    when it ships no tokenizer files."""
-    name = resolve_pretrained(checkpoint, what=what)
+def load_tokenizer(checkpoint: Any, added: Iterable[str] = (), what: str = "model_kwargs.lm",
+                   revision: str | None = None):
+    """:func:`shardcache.pretrained.load_tokenizer` without PIL or soundfile (:func:`train.imports.blocked_imports`)."""
     with blocked_imports():
-        from tokenizers import AddedToken
-        from transformers import AutoTokenizer
-        try:
-            tok = AutoTokenizer.from_pretrained(name)
-        except (OSError, ValueError):
-            return None
-    if added:
-        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True)
-    return tok
+        return P.load_tokenizer(checkpoint, added, what, revision=revision)
 
 
-def text_tokenizer(checkpoint: Any, named: Any = None, added: Iterable[str] = ()) -> tuple[Any, Any]:
-    """``(tokenizer, fingerprint)`` of the text tokenizer a recipe's checkpoint was trained with: ``named``
-    (``model.kwargs.tokenizer``, a directory or hub id) when given, else the one ``checkpoint`` ships;
-    ``fingerprint`` is :func:`shards.tokens.vocab_sha256` (what stage one records) after ``added``. Never
-    "any": when neither exists, ``(None, Unknown(...))``, which no cache meets."""
-    tok = load_tokenizer(named if named else checkpoint, added, "model_kwargs.tokenizer" if named else "model_kwargs.lm")
-    if tok is None:
-        where = f"model.kwargs.tokenizer {named}" if named else f"{checkpoint}"
-        return None, Unknown(f"{where} ships no tokenizer files: name the tokenizer the checkpoint was trained "
-                             "with in model.kwargs.tokenizer (a directory or hub id)")
-    return tok, tokens.vocab_sha256(tok)
+def text_tokenizer(checkpoint: Any, named: Any = None, added: Iterable[str] = (), *,
+                   kwargs: Mapping[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """``(tokenizer, fingerprint, template)`` of the text tokenizer a recipe's checkpoint was trained with
+    (:func:`shardcache.pretrained.tokenizer_identity`: ``named``, ``model.kwargs.tokenizer`` at
+    ``model.kwargs.tokenizer_revision``, else the one ``checkpoint`` ships at ``model.kwargs.revision``,
+    both read from ``kwargs``; never "any"), without PIL or soundfile."""
+    kw = kwargs or {}
+    with blocked_imports():
+        return P.tokenizer_identity(checkpoint, named, added, revision=kw.get("revision"),
+                                    named_revision=kw.get("tokenizer_revision"))
 
 
-def token_ids(tok: Any, names: Iterable[str]) -> dict[str, Any]:
-    """``{token: the tokenizer's id}`` for each of ``names`` (Unknown for a token it lacks; every id
-    Unknown without a tokenizer), as a contract's ``special_tokens``."""
-    out = {}
-    for t in names:
-        i = tok.convert_tokens_to_ids(t) if tok is not None else None
-        unk = tok.unk_token_id if tok is not None else None
-        ok = isinstance(i, int) and (i != unk or t == getattr(tok, "unk_token", None))
-        out[t] = int(i) if ok else Unknown(f"the model's tokenizer has no {t}" if tok is not None else
-                                           "the model's tokenizer is not known (model.kwargs.tokenizer)")
-    return out
-
-
-def tokenizer_pad_id(tok: Any) -> Any:
-    """The pad id stage one gives a tokenizer (``pad_token_id``, else ``eos_token_id``, else 0:
-    :class:`precompute.encoders.text.HFTokenizer`), Unknown without a tokenizer."""
-    if tok is None:
-        return Unknown("the model's tokenizer is not known (model.kwargs.tokenizer)")
-    for v in (tok.pad_token_id, tok.eos_token_id):
-        if v is not None:
-            return int(v)
-    return 0
+token_ids, tokenizer_pad_id = P.token_ids, P.tokenizer_pad_id
 
 
 def build_from(cls: type, cache: Cache, kwargs: Mapping[str, Any], names: Iterable[str]) -> Any:
@@ -143,14 +111,17 @@ class Recipe(nn.Module):
     contract_items: ClassVar[dict[str, str]] = {}
 
     @classmethod
-    def contract_of(cls, model: str, values: Mapping[str, Any]) -> Contract:
-        """The contract with :attr:`fields` / :attr:`optional_fields` and ``values`` (``{item: value}``,
-        named as :meth:`shards.cache.Contract.items` names them; ``None``: any). Raises ``ValueError`` for
-        an item :attr:`contract_items` does not declare (the docs would not show it)."""
+    def contract_of(cls, model: str, values: Mapping[str, Any], reads: tuple[str, ...] | None = None) -> Contract:
+        """The contract with :attr:`fields` / :attr:`optional_fields` and ``values`` (``{item: value}``, named
+        as :meth:`shards.cache.Contract.items` names them; ``None``: any), for a model whose batch ``reads``
+        those fields (default: :attr:`fields` and :attr:`optional_fields`): only the items of fields it reads
+        are compared (:data:`shards.cache.ITEM_FIELDS`). Raises ``ValueError`` for an item
+        :attr:`contract_items` does not declare (the docs would not show it)."""
         bad = [k for k in values if k not in cls.contract_items]
         if bad:
             raise ValueError(f"{cls.__name__}.contract sets items it does not declare in contract_items: {bad}")
-        return Contract.from_items(model, values, fields=cls.fields, optional_fields=cls.optional_fields)
+        return Contract.from_items(model, values, fields=cls.fields, optional_fields=cls.optional_fields,
+                                   reads=tuple(cls.fields) + tuple(cls.optional_fields) if reads is None else reads)
 
     @classmethod
     def lora_options(cls, kwargs: Mapping[str, Any], run: dict | None) -> dict | None:

@@ -25,42 +25,41 @@ checkpoints hold the adapters only. Without LoRA the whole model trains.
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from loaders.higgs import HiggsBatch
-from shardcache.pretrained import resolve_pretrained
-from shardcache.weights import checkpoint_sha256
-from shards.cache import Cache, Contract, Unknown
-from shards.tokens import AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_OUT, AUDIO_OUT_BOS, EOM, EOT
+from loaders.higgs import (CODEC_FRAME_RATE, CODEC_NAME, CODEC_SAMPLE_RATE, PROCESSOR_FILES,  # noqa: F401 (re-exported)
+                           HiggsBatch, codec_weights, contract_values, paired_audio_tokenizer)
+from shardcache.weights import tensor_names
+from shards.cache import Cache, Contract
+from shards.tokens import AUDIO_OUT, AUDIO_OUT_BOS
 
 from ..imports import blocked_imports
-from .base import build_from, text_tokenizer, token_ids, tokenizer_pad_id
+from .base import build_from
 from .lm import LMRecipe, kwargs_lora, load_causal_lm, resolve_lm, touch
 
 log = logging.getLogger("train")
 
 DEFAULT_HIGGS = "bosonai/higgs-audio-v2-generation-3B-base"
 MODEL_TYPE = "higgs_audio_v2"
-#: Higgs-Audio v2's audio tokenizer (``HiggsAudioV2TokenizerModel``): 24 kHz audio, 960 samples a frame
-CODEC_NAME, CODEC_SAMPLE_RATE, CODEC_FRAME_RATE = "higgs", 24000, 25.0
 #: the batch keys ``HiggsAudioV2ForConditionalGeneration.forward`` takes
 INPUTS = ("input_ids", "attention_mask", "audio_input_ids", "audio_input_ids_mask", "labels", "audio_labels")
 
 
-def load_config(lm: Any):
-    """The ``transformers`` config of ``lm`` (dir or hub id); ``ValueError`` unless it is ``higgs_audio_v2``."""
+def load_config(lm: Any, revision: str | None = None):
+    """The ``transformers`` config of ``lm`` (dir or hub id, at ``revision``: default ``main``); ``ValueError``
+    unless it is ``higgs_audio_v2``; :class:`shardcache.weights.LocalRevision` for a ``revision`` with a folder."""
+    from shardcache.weights import checkpoint
     name = resolve_lm(lm)
+    checkpoint(name, revision=revision, what="model.kwargs.revision")   # a folder has no revisions: refused
+    revision = revision or None
     with blocked_imports():
         from transformers import AutoConfig, PretrainedConfig
         try:
-            raw, _ = PretrainedConfig.get_config_dict(name)   # its model_type, before transformers resolves it
+            raw, _ = PretrainedConfig.get_config_dict(name, revision=revision)   # its model_type, before transformers
         except OSError as e:
             raise OSError(f"could not load the config of {name!r} ({e}); pass model.kwargs.lm (or --model_path) = "
                           "a Higgs-Audio v2 checkpoint directory or hub id") from e
@@ -74,65 +73,18 @@ def load_config(lm: Any):
             raise ValueError(f"--model.name higgs needs a {MODEL_TYPE} checkpoint (transformers' "
                              f"HiggsAudioV2ForConditionalGeneration); {name} is {model_type!r}: for a plain causal LM "
                              "use --model.name tts")
-        cfg = AutoConfig.from_pretrained(name)
+        cfg = AutoConfig.from_pretrained(name, revision=revision)
     return cfg
 
 
 TEXT_HEAD = "text_lm_head.weight"   #: the text head's weight in a checkpoint (HiggsAudioV2ForConditionalGeneration)
 
 
-def checkpoint_keys(lm: Any) -> set[str]:
-    """The weight names of checkpoint ``lm`` (dir or hub id), from its ``model.safetensors.index.json``
-    or ``model.safetensors`` header (no tensor read). ``OSError`` when it has neither."""
-    from safetensors import safe_open
-    with blocked_imports():
-        from transformers.utils import cached_file
-
-    name = resolve_lm(lm)
-    index = cached_file(name, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
-    if index:
-        return set(json.loads(Path(index).read_text())["weight_map"])
-    single = cached_file(name, "model.safetensors", _raise_exceptions_for_missing_entries=False)
-    if not single:
-        raise OSError(f"{name} has no model.safetensors(.index.json): cannot tell whether it has a text head")
-    with safe_open(single, "pt") as f:
-        return set(f.keys())
-
-
-#: the files of a checkpoint that name its paired audio tokenizer (``transformers``' processor: the
-#: ``audio_tokenizer`` entry of ``processor_config.json``, or ``audio_tokenizer_config.json``)
-PROCESSOR_FILES = ("audio_tokenizer_config.json", "processor_config.json")
-
-
-def paired_audio_tokenizer(lm: Any) -> str | None:
-    """The audio tokenizer checkpoint ``lm``'s processor names (``audio_tokenizer_name_or_path``, what
-    ``HiggsAudioV2Processor.from_pretrained`` loads), None when it names none (no processor files)."""
-    name = resolve_lm(lm)
-    with blocked_imports():
-        from transformers.utils import cached_file
-    for f in PROCESSOR_FILES:
-        path = cached_file(name, f, _raise_exceptions_for_missing_entries=False)
-        d = json.loads(Path(path).read_text()) if path else {}
-        d = d.get("audio_tokenizer", d) if f == "processor_config.json" else d
-        if isinstance(d, dict) and d.get("audio_tokenizer_name_or_path"):
-            return str(d["audio_tokenizer_name_or_path"])
-    return None
-
-
-def codec_weights(lm: Any) -> Any:
-    """The weights (:func:`shardcache.weights.checkpoint_sha256`) of the audio tokenizer Higgs-Audio v2
-    checkpoint ``lm`` names in its processor config; Unknown (met by no cache, saying what to give) when it
-    names none or its weights cannot be read here. ``--model.audio_tokenizer`` replaces it
-    (:func:`train.models.run_contract`)."""
-    tok = paired_audio_tokenizer(lm)
-    if not tok:
-        return Unknown(f"{resolve_lm(lm)} names no audio tokenizer (no processor_config.json): name the one its codes "
-                       "come from with --model.audio_tokenizer (--audio_tokenizer_path)")
-    try:
-        return checkpoint_sha256(resolve_pretrained(tok, what="the paired audio tokenizer"))
-    except (OSError, ValueError) as e:
-        return Unknown(f"the paired audio tokenizer {tok} cannot be read here ({e}): name a local copy with "
-                       "--model.audio_tokenizer")
+def checkpoint_keys(lm: Any, revision: str | None = None) -> set[str]:
+    """The weight names of checkpoint ``lm`` (dir or hub id, at ``revision``) in the files ``transformers`` loads
+    (:func:`shardcache.weights.tensor_names`: headers only). Raises
+    :class:`shardcache.weights.CheckpointUnreadable` naming the file that cannot be read."""
+    return set(tensor_names(resolve_lm(lm), revision=revision))
 
 
 class HiggsModel(LMRecipe):
@@ -142,6 +94,10 @@ class HiggsModel(LMRecipe):
         lm: checkpoint directory or hub id (default :data:`DEFAULT_HIGGS`).
         tokenizer: the text tokenizer ``lm`` was trained with, for a checkpoint that ships none (its
             contract compares it with the cache's; not loaded to train).
+        revision, tokenizer_revision: the hub revision (branch, tag or commit; default ``main``) of ``lm``
+            (its config, tokenizer, processor config and weights alike) and of ``tokenizer`` (a local folder has
+            none: refused). The audio tokenizer's: ``--model.audio_tokenizer_revision``; the one the
+            checkpoint's processor config names is read at its ``main``, as ``HiggsAudioV2Processor`` loads it.
         dtype: weight dtype (float32 | bfloat16 | float16), default float32.
         attn_implementation: passed to ``from_pretrained`` (default: transformers' choice).
         lora: false | true | {r, alpha, dropout, targets}.
@@ -181,33 +137,24 @@ class HiggsModel(LMRecipe):
         "codec.dtype": "`float32` (the processor encodes in float32)",
         "text_tokenizer": "the checkpoint's tokenizer, else `model.kwargs.tokenizer` (neither: refused)",
         "chat_template": "`llama3` (Boson's `prepare_chatml_sample` layout)",
-        "label_policy": "`answers` (the assistant turns: Boson's labels)",
+        "label_policy": "`answers` (the assistant turns: Boson's labels), with `labels: targets` only (the "
+                        "processor's labels are made from the ids: the cached ones are not read)",
     }
 
     @classmethod
     def contract(cls, kwargs) -> Contract:
         """The checkpoint's (its config, tokenizer and processor files; the paired audio tokenizer's
-        tensors, never the model's): codes of Higgs-Audio's own tokenizer (name, 24 kHz, 25 frames/s, the
-        model's codebooks of ``audio_stream_bos_id`` codes, hence its bandwidth in kbps: codebooks x
-        log2(size) bits x 25 / 1000; the weights of its paired audio tokenizer, computed in float32),
-        rendered with Higgs-Audio's layout (``llama3``) and labelled on the answers, by its tokenizer
-        (fingerprint, every special id the model reads, the pad id)."""
+        tensors, never the model's): :func:`loaders.higgs.contract_values`, what
+        :class:`loaders.higgs.HiggsChatMLDataset` compares too, over the fields a batch of
+        ``model.kwargs.labels`` reads (:meth:`loaders.higgs.HiggsBatch.fields_read`: the cached labels, so
+        their policy, only with ``labels: targets``)."""
         lm = kwargs.get("lm", DEFAULT_HIGGS)
-        cfg = load_config(lm)
-        size = int(cfg.audio_stream_bos_id)
-        tok, fingerprint = text_tokenizer(lm, kwargs.get("tokenizer"))
-        ids = {AUDIO_OUT: int(cfg.audio_token_id), AUDIO_OUT_BOS: int(cfg.audio_bos_token_id)}
-        if tok is not None:
-            ids |= {t: i for t, i in token_ids(tok, (AUDIO_IN, AUDIO_BOS, AUDIO_EOS, EOT, EOM)).items()
-                    if not isinstance(i, Unknown)}       # a token its tokenizer lacks is not read
-        values = {f"special_tokens.{t}": i for t, i in ids.items()} | {
-            "pad_id": tokenizer_pad_id(tok) if tok is not None else None,
-            "codec.name": CODEC_NAME, "codec.sample_rate": CODEC_SAMPLE_RATE, "codec.frame_rate": CODEC_FRAME_RATE,
-            "codec.n_codebooks": int(cfg.num_codebooks), "codec.codebook_size": size,
-            "codec.bandwidth": cfg.num_codebooks * math.log2(size) * CODEC_FRAME_RATE / 1000,
-            "codec.weights": codec_weights(lm), "codec.dtype": "float32",
-            "text_tokenizer": fingerprint, "chat_template": "llama3", "label_policy": "answers"}
-        return cls.contract_of("--model.name higgs", values)
+        load_config(lm, kwargs.get("revision"))   # a Higgs-Audio v2 checkpoint in transformers' form, or refused
+        with blocked_imports():
+            values = contract_values(lm, kwargs.get("tokenizer"), revision=kwargs.get("revision"),
+                                     tokenizer_revision=kwargs.get("tokenizer_revision"))
+        return cls.contract_of("--model.name higgs", values,
+                               reads=HiggsBatch.fields_read(kwargs.get("labels", "processor")))
 
     @classmethod
     def from_cache(cls, cache: Cache, kwargs, *, latent_loss: str = "none", latent_loss_weight: float = 1.0):
@@ -216,7 +163,8 @@ class HiggsModel(LMRecipe):
             "n_codebooks", "codebook_size", "vocab_size", "pad_id", "audio_in_token_id", "audio_out_token_id",
             "audio_out_bos_token_id", "audio_eos_token_id", "audio_bos_token_id", "eot_token_id", "eom_token_id"))
 
-    def __init__(self, *, lm: str = DEFAULT_HIGGS, tokenizer: str | None = None, dtype: str = "float32",
+    def __init__(self, *, lm: str = DEFAULT_HIGGS, tokenizer: str | None = None, revision: str | None = None,
+                 tokenizer_revision: str | None = None, dtype: str = "float32",
                  attn_implementation: str | None = None, lora: Any = False, labels: str = "processor", input_audio: str = "drop", use_text_head: bool = True,
                  create_text_head: bool = False,
                  n_codebooks: int = 8, codebook_size: int = 1024, vocab_size: int | None = None, pad_id: int = 0,
@@ -225,7 +173,7 @@ class HiggsModel(LMRecipe):
                  audio_bos_token_id: int | None = None, eot_token_id: int | None = None,
                  eom_token_id: int | None = None) -> None:
         super().__init__()
-        cfg = load_config(lm)
+        cfg = load_config(lm, revision)
         cache = {AUDIO_OUT: (audio_out_token_id, cfg.audio_token_id),
                  AUDIO_OUT_BOS: (audio_out_bos_token_id, cfg.audio_bos_token_id)}
         bad = {t: ids for t, ids in cache.items() if ids[0] is not None and ids[0] != ids[1]}
@@ -242,12 +190,12 @@ class HiggsModel(LMRecipe):
         if vocab_size is not None and int(vocab_size) > cfg.vocab_size:
             raise ValueError(f"the cache's text vocabulary ({vocab_size}) exceeds the model's ({cfg.vocab_size})")
         self.use_text_head = bool(use_text_head)
-        if self.use_text_head and not create_text_head and TEXT_HEAD not in checkpoint_keys(lm):
+        if self.use_text_head and not create_text_head and TEXT_HEAD not in checkpoint_keys(lm, revision):
             raise ValueError(f"{resolve_lm(lm)} has no text head ({TEXT_HEAD}): set model.kwargs.create_text_head: "
                              "true to train a new randomly initialised one (its loss is added), or "
                              "use_text_head: false (audio loss only)")
         self.lm = load_causal_lm(lm, None, dtype, attn_implementation, model_class="HiggsAudioV2ForConditionalGeneration",
-                                 use_text_head=self.use_text_head)
+                                 revision=revision, use_text_head=self.use_text_head)
         self.lm_name = str(lm)
         self.lora = None
         self.hidden_size = cfg.hidden_size

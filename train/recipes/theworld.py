@@ -43,9 +43,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardcache.pretrained import resolve_pretrained
-from shardcache.weights import GEMMA3_VISION, checkpoint_sha256, under
-from shards.cache import Cache, Contract
+from shardcache.pretrained import GEMMA3_PIXEL_OPTIONS, image_processor_options, resolve_pretrained
+from shardcache.weights import GEMMA3_VISION, CheckpointMissing, checkpoint, under, weights_of
+from shards.cache import Cache, Contract, Unknown
 from shards.tokens import GEMMA_IMAGE_SOFT
 
 from ..imports import blocked_imports
@@ -212,23 +212,44 @@ def load_projection_state(path: str | Path, z_dim: int, hidden: int, architectur
     return arch, {("projection." + k): v for k, v in found.items()}, unexpected
 
 
-def vae_weights(vae: str) -> str:
-    """:func:`shardcache.weights.checkpoint_sha256` of the VAE ``vae`` names: a VAE directory or hub id, or
-    a diffusers pipeline holding it in ``vae/`` (TheWorld's ``nvidia/Cosmos-Predict2-2B-Video2World``)."""
+#: TheWorld's VAE (``cosmos_vae_encoder.py``): the ``vae`` component of the Cosmos-Predict2 pipeline it loads
+DEFAULT_VAE, DEFAULT_VAE_SUBFOLDER = "nvidia/Cosmos-Predict2-2B-Video2World", "vae"
+
+
+def vae_weights(vae: str = DEFAULT_VAE, subfolder: str | None = None, revision: str | None = None) -> Any:
+    """The weights (:func:`shardcache.weights.weights_of`, the files ``diffusers`` loads, decided in a child
+    process: a training process never imports ``diffusers``) of the VAE ``vae`` names: a VAE directory or
+    hub id (at ``revision``, ``model.kwargs.vae_revision``: default ``main``), or a diffusers pipeline holding
+    it in ``subfolder`` (default: ``vae`` where the checkpoint has no ``config.json`` of its own but
+    ``vae/config.json``, as stage one finds it; TheWorld's ``nvidia/Cosmos-Predict2-2B-Video2World``).
+    :class:`shards.cache.Unknown` (refused, naming ``model.kwargs.vae``; waived by
+    ``--model.allow_other_encoder_weights``) when its weights are not here (not in the hub cache) or
+    ``diffusers`` is not installed to say which they are. Raises :class:`shardcache.weights.CheckpointUnreadable`
+    for weight files that are there and cannot be read, :class:`shardcache.weights.LocalRevision` for a
+    ``revision`` with a local folder."""
     name = resolve_pretrained(vae, what="model.kwargs.vae")
+    ckpt = checkpoint(name, revision=revision, what="model.kwargs.vae_revision")   # a folder has no revisions
+    if subfolder is None and vae == DEFAULT_VAE:
+        subfolder = DEFAULT_VAE_SUBFOLDER
+    elif subfolder is None:
+        if ckpt.fetch("config.json") is None and ckpt.fetch(f"{DEFAULT_VAE_SUBFOLDER}/config.json") is not None:
+            subfolder = DEFAULT_VAE_SUBFOLDER
     try:
-        return checkpoint_sha256(name)
-    except OSError:
-        return checkpoint_sha256(name, "vae")
+        return weights_of(name, subfolder, library="diffusers", isolated=True, revision=revision)
+    except CheckpointMissing as e:
+        return Unknown(f"the VAE's weights are not here ({e}): name the VAE the projection was trained with in "
+                       f"model.kwargs.vae (default {DEFAULT_VAE}, subfolder {DEFAULT_VAE_SUBFOLDER})")
 
 
-def check_config(lm: Any):
-    """The ``transformers`` config of ``lm``; ``ValueError`` unless it is a Gemma 3 (``gemma3``)."""
+def check_config(lm: Any, revision: str | None = None):
+    """The ``transformers`` config of ``lm`` (at ``revision``, default ``main``); ``ValueError`` unless it is a
+    Gemma 3 (``gemma3``). Raises :class:`shardcache.weights.LocalRevision` for a ``revision`` with a local folder."""
     name = resolve_lm(lm)
+    checkpoint(name, revision=revision, what="model.kwargs.revision")   # a folder has no revisions: refused
     with blocked_imports():
         from transformers import AutoConfig
         try:
-            cfg = AutoConfig.from_pretrained(name)
+            cfg = AutoConfig.from_pretrained(name, revision=revision or None)
         except OSError as e:
             raise OSError(f"could not load the config of {name!r} ({e}); pass model.kwargs.lm = a Gemma 3 "
                           "directory or hub id") from e
@@ -258,11 +279,16 @@ class TheWorldModel(LMRecipe):
             device); needed only for batches holding ``pixel_values`` instead of ``image_features``.
         vision_dtype: dtype the kept vision tower runs in (default bfloat16, as stage one).
         max_trainable_fraction: warn above this trainable fraction with a frozen LM (default 0.10).
-        tokenizer, chat_template, label_policy, image_size, vae: what the cache must have been made with
-            (the contract; not used to build): the text tokenizer for a checkpoint that ships none, the
-            template (default ``theworld``: TheWorld's collate) and label policy (default ``all_but_world``:
-            TheWorld's forward labels every input token), the VAE's input size (default 512) and the VAE
-            (a directory or hub id: its weights are compared; default: not compared).
+        revision: the hub revision (branch, tag or commit; default ``main``) of ``lm``, for its config,
+            tokenizer, processor config, vision tower and weights alike (a local folder has none: refused).
+        tokenizer_revision, vae_revision: the hub revisions of ``tokenizer`` and ``vae`` (default ``main``).
+        tokenizer, chat_template, label_policy, image_size, vae, vae_subfolder: what the cache must have been
+            made with (the contract; not used to build): the text tokenizer for a checkpoint that ships none,
+            the template (default ``theworld``: TheWorld's collate; it and ``tokenizer`` render with the
+            checkpoint's own chat template, whose text is compared too) and label policy (default
+            ``all_but_world``: TheWorld's forward labels every input token), the VAE's input size (default 512)
+            and the VAE whose weights are compared (a directory or hub id; default TheWorld's,
+            :data:`DEFAULT_VAE` in its ``vae`` subfolder: :func:`vae_weights`).
         latent_channels, vocab_size, pad_id, image_token_id (``<start_of_image>``),
         image_soft_token_id, world_start_token_id, world_end_token_id: the cache's.
 
@@ -288,44 +314,59 @@ class TheWorldModel(LMRecipe):
         "pad_id": "its tokenizer's pad id",
         "text_tokenizer": "the checkpoint's tokenizer (else `model.kwargs.tokenizer`) with the world markers added",
         "chat_template": "`model.kwargs.chat_template`, default `theworld` (TheWorld's collate)",
+        "chat_template_sha256": "its tokenizer's own chat template (`tokenizer_config.json` or `chat_template.jinja`), "
+                                "which `theworld` and `tokenizer` render with",
         "label_policy": "`model.kwargs.label_policy`, default `all_but_world` (TheWorld's forward)",
         "image.encoder": "`wan` (Cosmos-Predict2's Wan 2.1 VAE)",
         "image.size": "`model.kwargs.image_size`, default 512", "image.resize": "`stretch`", "image.rgb": "`convert`",
         "image.pixel_range": "`0..255`", "image.normalized": "false (raw `mode()` latents)",
         "image.latent_channels": "16 (the VAE's `z_dim`)",
         "image.dtype": "`bfloat16`", "image.latents_dtype": "`float16`",
-        "image.weights": "`model.kwargs.vae` (a VAE directory or hub id) when given",
+        "image.weights": "the VAE of `model.kwargs.vae` (default TheWorld's: `nvidia/Cosmos-Predict2-2B-Video2World`, "
+                         "`vae/`; not here: refused)",
         "feature_encoder.name": "`gemma3`", "feature_encoder.tokens_per_image": "config `mm_tokens_per_image`",
         "feature_encoder.hidden_size": "config `text_config.hidden_size`", "feature_encoder.dtype": "`bfloat16`",
         "feature_encoder.weights": "the vision tower and projector inside the checkpoint",
+        "feature_encoder.image_processor": "its image processor config's resize, rescale and normalise options",
     }
 
     @classmethod
     def contract(cls, kwargs) -> Contract:
-        """The checkpoint's (config, tokenizer, the vision tower's tensors; never the LM's weights):
-        ``image_features`` of Gemma 3's own vision tower (its tokens per image, hidden size, bfloat16, the
-        weights of the tower and projector inside ``lm``), its tokenizer with TheWorld's world markers added
-        (fingerprint, the markers' and ``<image_soft_token>`` ids, the pad id), TheWorld's text and labels
-        (``chat_template`` / ``label_policy`` kwargs, default TheWorld's own) and latents of TheWorld's image
-        preset (:data:`IMAGE_PRESET`; ``image_size`` and ``vae`` kwargs; the latent channels of
-        ``projection_checkpoint`` when given)."""
-        lm = kwargs.get("lm", DEFAULT_GEMMA3)
-        cfg = check_config(lm)
-        tok, fingerprint = text_tokenizer(lm, kwargs.get("tokenizer"), WORLD_TOKENS)
+        """The checkpoint's (config, tokenizer, image processor config, the vision tower's tensors; never the
+        LM's weights): ``image_features`` of Gemma 3's own vision tower (its tokens per image, hidden size,
+        bfloat16, the weights of the tower and projector inside ``lm``, its processor's resize, rescale and
+        normalise options), its tokenizer with TheWorld's world markers added (fingerprint, the markers' and
+        ``<image_soft_token>`` ids, the pad id; its chat template's text where the cache was rendered with it),
+        TheWorld's text and labels (``chat_template`` / ``label_policy`` kwargs, default TheWorld's own) and
+        latents of TheWorld's image preset (:data:`IMAGE_PRESET`; ``image_size`` kwarg; the latent channels of
+        ``projection_checkpoint`` when given) from the VAE's weights (``vae``, default TheWorld's:
+        :func:`vae_weights`)."""
+        lm, revision = kwargs.get("lm", DEFAULT_GEMMA3), kwargs.get("revision")
+        cfg = check_config(lm, revision)
+        tok, fingerprint, template = text_tokenizer(lm, kwargs.get("tokenizer"), WORLD_TOKENS, kwargs=kwargs)
+        chat_template = kwargs.get("chat_template", CHAT_TEMPLATE)
         markers = token_ids(tok, WORLD_TOKENS) if tok is not None else dict.fromkeys(WORLD_TOKENS)
         image = dict(IMAGE_PRESET, size=int(kwargs.get("image_size", IMAGE_PRESET["size"])))
         if kwargs.get("projection_checkpoint"):   # its architecture, from its keys and record: before any weight loads
             projection_architecture(kwargs["projection_checkpoint"], kwargs.get("projection_architecture"))
-        vae = kwargs.get("vae")
         values = {f"special_tokens.{t}": i for t, i in ({GEMMA_IMAGE_SOFT: int(cfg.image_token_id)} | markers).items()}
+        try:
+            with blocked_imports():
+                pixels = image_processor_options(resolve_lm(lm), GEMMA3_PIXEL_OPTIONS, revision=revision)
+        except OSError as e:
+            pixels = Unknown(f"{lm} has no image processor config transformers can read ({e})")
         values |= {"pad_id": tokenizer_pad_id(tok) if tok is not None else None, "text_tokenizer": fingerprint,
-                   "chat_template": kwargs.get("chat_template", CHAT_TEMPLATE),
+                   "chat_template": chat_template,
+                   "chat_template_sha256": template if chat_template in ("theworld", "tokenizer") else None,
                    "label_policy": kwargs.get("label_policy", LABEL_POLICY),
                    **{f"image.{k}": v for k, v in image.items()},
-                   "image.weights": vae_weights(vae) if vae else None,
+                   "image.weights": vae_weights(kwargs.get("vae", DEFAULT_VAE), kwargs.get("vae_subfolder"),
+                                                kwargs.get("vae_revision")),
                    "feature_encoder.name": MODEL_TYPE, "feature_encoder.tokens_per_image": int(cfg.mm_tokens_per_image),
                    "feature_encoder.hidden_size": int(cfg.text_config.hidden_size), "feature_encoder.dtype": "bfloat16",
-                   "feature_encoder.weights": checkpoint_sha256(resolve_lm(lm), select=under(*GEMMA3_VISION))}
+                   "feature_encoder.weights": weights_of(resolve_lm(lm), select=under(*GEMMA3_VISION),
+                                                         revision=revision, what="model.kwargs.revision"),
+                   "feature_encoder.image_processor": pixels}
         return cls.contract_of("--model.name theworld", values)
 
     @classmethod
@@ -344,9 +385,10 @@ class TheWorldModel(LMRecipe):
                  image_soft_token_id: int | None = None, world_start_token_id: int | None = None,
                  world_end_token_id: int | None = None, tokenizer: str | None = None,
                  chat_template: str = CHAT_TEMPLATE, label_policy: str = LABEL_POLICY, image_size: int = 512,
-                 vae: str | None = None) -> None:
+                 vae: str = DEFAULT_VAE, vae_subfolder: str | None = None, revision: str | None = None,
+                 tokenizer_revision: str | None = None, vae_revision: str | None = None) -> None:
         super().__init__()
-        cfg = check_config(lm)
+        cfg = check_config(lm, revision)
         if image_soft_token_id is not None and int(image_soft_token_id) != cfg.image_token_id:
             raise ValueError(f"the cache's <image_soft_token> is {image_soft_token_id}, the model's image_token_id "
                              f"{cfg.image_token_id}: precompute with text_tokenizer.pretrained = {lm}")
@@ -358,7 +400,7 @@ class TheWorldModel(LMRecipe):
         self.latent_channels = int(latent_channels)
         self.projection_lr, self.max_trainable_fraction = projection_lr, max_trainable_fraction
         self.lm = load_causal_lm(lm, vocab_size, dtype, attn_implementation,
-                                 model_class="Gemma3ForConditionalGeneration")
+                                 model_class="Gemma3ForConditionalGeneration", revision=revision)
         self.lm_name, self.lora = str(lm), None
         inner = self.lm.model
         self.keep_vision = bool(vision_tower)

@@ -1,0 +1,432 @@
+"""Issue 49: a fault is not a row. Processes of a real stage-one job (the demo manifest, the tiny models) are
+killed mid-job: a codec process, a decode worker, the shard writer process, and the job itself with SIGTERM.
+Each time the job either encodes every row anyway (a codec process is restarted) or exits non-zero naming the
+process and the signal; no reject is written for the fault; ``/dev/shm`` and the cache folder hold nothing of
+the job afterwards (no temporary file, the lock released); and the next run of the same command completes the
+cache to the bytes of an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import DEMO, ROOT
+
+pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.skipif(not Path("/proc/self/task").exists(),
+                                                                    reason="needs Linux /proc")]
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+#: the command line with a stand-in set first (the only way into a constant of a process the test starts)
+STAND_IN = "import sys; {}; from precompute.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _args(cache: Path, tiny_models: Path, *extra: str) -> list[str]:
+    return ["--manifest", str(DEMO / "samples.jsonl"), "--cache", str(cache),
+            "--config", str(ROOT / "configs" / "precompute.yaml"),
+            f"--audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}",
+            f"--image_encoder.pretrained={tiny_models / 'wan-tiny'}", "--image_size=64", "--device=cpu",
+            "--no_progress", "--samples_per_shard=8", *extra]
+
+
+def _start(cache: Path, tiny_models: Path, *extra: str, stand_in: str | None = None) -> subprocess.Popen:
+    head = [sys.executable, "-c", STAND_IN.format(stand_in)] if stand_in else \
+        [sys.executable, "-m", "shardcache", "precompute"]
+    return subprocess.Popen(head + _args(cache, tiny_models, *extra), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _layout(cache: Path) -> tuple:
+    """Every byte a job wrote that a rerun must reproduce: sample key -> sha256, shard -> sha256, the rejects."""
+    import pyarrow.parquet as pq
+    m = json.loads((cache / "manifest.json").read_text())
+    index = pq.read_table(cache / "index.parquet", columns=["key", "sha256"]).to_pylist()
+    rejects = pq.read_table(cache / "rejects.parquet").to_pylist()
+    return ({r["key"]: r["sha256"] for r in index}, {s["path"]: s["sha256"] for s in m["shards"]},
+            sorted((r["key"], r["reason"], r["detail"]) for r in rejects))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models, tmp_path_factory) -> tuple:
+    """The demo, precomputed once without interruption by the same command line."""
+    out = tmp_path_factory.mktemp("faults-ref") / "c"
+    p = _start(out, tiny_models)
+    log, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, log[-3000:]
+    return _layout(out)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    todo, seen = [pid], []
+    while todo:
+        for c in _children(todo.pop()):
+            seen.append(c)
+            todo.append(c)
+    return seen
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait(what, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert proc.poll() is None, f"the job ended first: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _committed(cache: Path, n: int = 1):
+    return lambda: len(list((cache / "parts").glob("*.index.parquet"))) >= n
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _held_by_a_live_process(name: str) -> bool:
+    """Whether some live process maps or holds open ``/dev/shm/NAME`` (another job's, running now)."""
+    path = f"/dev/shm/{name}"
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if path in (proc / "maps").read_text():
+                return True
+            if any(os.readlink(fd) == path for fd in (proc / "fd").iterdir()):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _check_clean(cache: Path, before: set[str], pids: list[int]) -> None:
+    """Nothing of the ended job is left: no process, no /dev/shm entry nobody holds, no temporary file in the
+    cache folder, the writer lock released (its file emptied), no reject that is not a reject of the
+    uninterrupted run (checked after the rerun)."""
+    from shards.lock import holder
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)], "processes of the job outlived it"
+    left = {n for n in _shm() - before if not _held_by_a_live_process(n)}
+    assert not left, f"/dev/shm entries left behind: {left}"
+    tmp = sorted(p.name for p in list(cache.glob("*.tmp")) + list((cache / "parts").glob("*.tmp")))
+    assert not tmp, f"temporary files left in the cache folder: {tmp}"
+    assert holder(cache) is None
+    assert (cache / "parts" / "writer.lock").read_text() == "", "the lock was not released (its holder is still named)"
+    assert not (cache / "index.parquet").exists()  # the job did not finish: nothing was published
+    # what is left is exactly the committed chunks: each index part (the commit marker) with its rejects part
+    # and its tar (a chunk whose every row was rejected has none), the job's record, the (empty) lock file
+    stems = {p.name[:-len(".index.parquet")] for p in (cache / "parts").glob("*.index.parquet")}
+    assert {p.name for p in (cache / "parts").iterdir()} == {"job.json", "writer.lock"} | \
+        {f"{s}.{part}.parquet" for s in stems for part in ("index", "rejects")}
+    top = {p.name for p in cache.iterdir()} - {".shardcache", "parts"}
+    assert {n[:-len(".tar")] for n in top} <= stems and all(n.endswith(".tar") for n in top), top
+
+
+def _rerun_completes(cache: Path, tiny_models: Path, reference: tuple, *extra: str, stand_in: str | None = None):
+    p = _start(cache, tiny_models, *extra, stand_in=stand_in)
+    log, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, log[-3000:]
+    assert _layout(cache) == reference  # every row, the same bytes, the rejects of an uninterrupted run only
+    return log
+
+
+@pytest.mark.slow
+@pytest.mark.long  # make test-long; test_sigterm_in_process_unwinds_the_job runs in make test
+def test_sigterm_unwinds_the_job_and_the_rerun_completes(tiny_models, reference, tmp_path):
+    """SIGTERM (SLURM's, torchrun's way to end a job) killed the job where it stood: the writer lock kept its
+    holder, the chunk in progress its temporary file. Now the job unwinds: exit 143, every process gone, the
+    lock released, the unfinished chunk dropped; the rerun completes the cache."""
+    cache, before = tmp_path / "c", _shm()
+    job = _start(cache, tiny_models, "--num_workers=2")
+    _wait(_committed(cache), job)
+    _wait(lambda: list(cache.glob("*.tar.tmp")), job)  # mid-chunk
+    pids = _tree(job.pid)
+    job.send_signal(signal.SIGTERM)
+    log, _ = job.communicate(timeout=120)
+    assert job.returncode == 128 + signal.SIGTERM, log[-3000:]
+    assert "stopped by SIGTERM" in log and "run the same command again to complete it" in log
+    _check_clean(cache, before, pids)
+    _rerun_completes(cache, tiny_models, reference, "--num_workers=2")
+
+
+@pytest.mark.slow
+@pytest.mark.long  # make test-long; test_a_killed_writer_process_in_process_fails_the_job runs in make test
+def test_a_killed_writer_process_fails_the_job_naming_it(tiny_models, reference, tmp_path):
+    """On an accelerator the shard writer runs in a process of its own (here put there by a stand-in for
+    :func:`precompute.job.writer_process`). Killed, it left its chunk's ``.tmp`` in the cache and the job hung
+    or failed with a bare RuntimeError; now it fails with exit 1 naming the writer process, its pid and the
+    signal, the temporary file removed, and the rerun completes the cache."""
+    cache, before = tmp_path / "c", _shm()
+    stand_in = "import precompute.job as j; j.writer_process = lambda device: True"
+    job = _start(cache, tiny_models, "--num_workers=0", stand_in=stand_in)
+    _wait(_committed(cache), job)
+    _wait(lambda: list(cache.glob("*.tar.tmp")), job)  # the writer is mid-chunk
+    writers = [p for p in _children(job.pid) if _cmdline(p) == _cmdline(job.pid)]  # (forked: the same command)
+    assert len(writers) == 1, [(p, _cmdline(p)[:80]) for p in _children(job.pid)]
+    pids = _tree(job.pid)
+    os.kill(writers[0], signal.SIGKILL)
+    log, _ = job.communicate(timeout=120)
+    assert job.returncode == 1, log[-3000:]
+    assert f"error: shard writer process (pid {writers[0]}) was killed by signal SIGKILL (9)" in log, log[-3000:]
+    _check_clean(cache, before, pids)
+    _rerun_completes(cache, tiny_models, reference, "--num_workers=0", stand_in=stand_in)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # make test-long; test_sigterm_in_process_unwinds_the_job runs (and stops) decode workers in make test
+def test_a_killed_decode_worker_fails_the_job_naming_it(tiny_models, reference, tmp_path):
+    """A decode worker killed mid-job: exit 1 naming the worker, its pid and the signal; the rerun completes."""
+    cache, before = tmp_path / "c", _shm()
+    job = _start(cache, tiny_models, "--num_workers=2")
+    _wait(_committed(cache), job)
+    workers = _children(job.pid)
+    assert len(workers) == 2, [(p, _cmdline(p)[:80]) for p in workers]
+    pids = _tree(job.pid)
+    os.kill(workers[0], signal.SIGKILL)
+    log, _ = job.communicate(timeout=120)
+    assert job.returncode == 1, log[-3000:]
+    assert f"error: decode worker 0 (pid {workers[0]}) was killed by signal SIGKILL (9)" in log or \
+        f"error: decode worker 1 (pid {workers[0]}) was killed by signal SIGKILL (9)" in log, log[-3000:]
+    _check_clean(cache, before, pids)
+    _rerun_completes(cache, tiny_models, reference, "--num_workers=2")
+
+
+def _codec_processes(job: subprocess.Popen) -> list[int]:
+    return [p for p in _children(job.pid) if "multiprocessing.spawn" in _cmdline(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.long  # make test-long (two codec processes each load the codec); test_a_codec_pool_restarts_a_killed_process runs in make test
+def test_a_killed_codec_process_is_restarted_and_every_row_encoded(tiny_models, reference, tmp_path):
+    """A codec process killed mid-job turned the rows in flight into ``encode_failed`` rejects ("the codec
+    process ended (EOFError)") and the job exited 0, the cache short of those rows for good. Now a fresh process
+    takes its place, the calls it had not answered are sent again, and the job writes the bytes of an
+    uninterrupted run (the codes do not depend on the process that computes them)."""
+    cache = tmp_path / "c"
+    job = _start(cache, tiny_models, "--audio_tokenizer.processes=2", "--num_workers=0")
+    _wait(_committed(cache), job)
+    victim = _codec_processes(job)[0]
+    os.kill(victim, signal.SIGKILL)
+    log, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, log[-3000:]
+    assert f"(pid {victim}) was killed by signal SIGKILL (9); starting a fresh one in its place" in log, log[-3000:]
+    assert _layout(cache) == reference
+
+
+@pytest.mark.slow
+@pytest.mark.long  # make test-long; test_a_codec_pool_restarts_a_killed_process (past its restarts too) runs in make test
+def test_a_codec_process_killed_past_its_restarts_fails_the_job_and_the_rerun_completes(tiny_models, reference,
+                                                                                       tmp_path):
+    """No restart left (a stand-in sets ``RESTARTS = 0``): exit 1 naming the codec process, its pid and the
+    signal; nothing written for the rows in flight; the rerun completes the cache."""
+    cache, before = tmp_path / "c", _shm()
+    stand_in = "import precompute.encoders.processes as P; P.RESTARTS = 0"
+    job = _start(cache, tiny_models, "--audio_tokenizer.processes=2", "--num_workers=0", stand_in=stand_in)
+    _wait(_committed(cache), job)
+    victim = _codec_processes(job)[0]
+    pids = _tree(job.pid)
+    os.kill(victim, signal.SIGKILL)
+    log, _ = job.communicate(timeout=300)
+    assert job.returncode == 1, log[-3000:]
+    assert f"error: codec process 1 of 2 (pid {victim}) was killed by signal SIGKILL (9)" in log, log[-3000:]
+    _check_clean(cache, before, pids)
+    _rerun_completes(cache, tiny_models, reference, "--audio_tokenizer.processes=2", "--num_workers=0")
+
+
+# ---- the same in this process (make test): no interpreter and model loading per run --------------------------
+
+def _watch(cache: Path, then) -> "threading.Thread":
+    """A thread that calls ``then()`` once the job committed a chunk and is writing the next one."""
+    import threading
+
+    def run():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if _committed(cache)() and list(cache.glob("*.tar.tmp")):
+                then()
+                return
+            time.sleep(0.01)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_sigterm_in_process_unwinds_the_job(tiny_models, tiny_config, demo_cache, tmp_path, capsys):
+    """The cheap form of :func:`test_sigterm_unwinds_the_job_and_the_rerun_completes`: the command line's entry
+    point in this process, SIGTERM sent to it with two decode workers running: exit 143, the workers gone, no
+    shared memory left, the lock released, the chunk in progress dropped; the rerun writes the demo's bytes."""
+    from precompute.cli import main
+    from precompute.job import run
+    cache, before = tmp_path / "c", _shm()
+    pids: list[int] = []
+
+    def stop():
+        pids.extend(_children(os.getpid()))
+        os.kill(os.getpid(), signal.SIGTERM)
+    watcher = _watch(cache, stop)
+    handler = signal.getsignal(signal.SIGTERM)
+    rc = main(_args(cache, tiny_models, "--num_workers=2", "--allow_outside_root=true"))
+    watcher.join()
+    err = capsys.readouterr().err
+    assert rc == 143, err[-3000:]
+    assert "stopped by SIGTERM" in err and "run the same command again to complete it" in err
+    assert signal.getsignal(signal.SIGTERM) == handler  # the caller's handler again
+    _check_clean(cache, before, pids)
+    run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
+    assert _layout(cache) == _layout(demo_cache)
+
+
+def test_a_killed_writer_process_in_process_fails_the_job(tiny_config, demo_cache, tmp_path, monkeypatch):
+    """The cheap form of :func:`test_a_killed_writer_process_fails_the_job_naming_it`: the shard writer in a
+    process of its own (as on an accelerator), killed mid-chunk: :class:`precompute.faults.ProcessDied` naming it,
+    its pid and the signal; its temporary file removed; the rerun writes the demo's bytes."""
+    from precompute import job as J
+    from precompute import writer as W
+    from precompute.faults import ProcessDied
+    writers: list = []
+    init = W.ChunkWriter.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        writers.append(self)
+    monkeypatch.setattr(W.ChunkWriter, "__init__", spy)
+    monkeypatch.setattr(J, "writer_process", lambda device: True)
+    cache, before = tmp_path / "c", _shm()
+    pids: list[int] = []
+
+    def kill():
+        pids.append(writers[0]._worker.pid)
+        os.kill(pids[0], signal.SIGKILL)
+    watcher = _watch(cache, kill)
+    with pytest.raises(ProcessDied) as got:
+        J.run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
+    watcher.join()
+    assert str(got.value).startswith(f"shard writer process (pid {pids[0]}) was killed by signal SIGKILL (9)")
+    assert got.value.signal == "SIGKILL"
+    _check_clean(cache, before, pids)
+    monkeypatch.undo()
+    J.run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
+    assert _layout(cache) == _layout(demo_cache)
+
+
+def test_a_codec_pool_restarts_a_killed_process(tiny_models, monkeypatch, caplog):
+    """A codec process killed with calls in flight: a fresh process takes its place and answers them, with the
+    codes the codec computes in this process; past its restarts, waiting raises ProcessDied naming the process,
+    its pid and the signal, never codes or a row's error."""
+    import numpy as np
+
+    from precompute.encoders import load_audio_tokenizer
+    from precompute.encoders import processes as P
+    from precompute.faults import InfrastructureFault, ProcessDied
+    here = load_audio_tokenizer({"name": "dac", "pretrained": str(tiny_models / "dac-tiny")})
+    codec = load_audio_tokenizer({"name": "dac", "pretrained": str(tiny_models / "dac-tiny"), "processes": 2})
+    rng = np.random.default_rng(0)
+    clips = [rng.uniform(-0.5, 0.5, n).astype(np.float32) for n in (24000, 9600, 30000, 4800)]
+    want = here.encode(clips)
+    try:
+        caplog.set_level("WARNING", logger="precompute")
+        assert all(np.array_equal(a, b) for a, b in zip(codec.encode(clips[:2]), want[:2]))  # the pool is up
+        victim = codec._pool.workers[0].process.pid
+        os.kill(victim, signal.SIGKILL)
+        got = codec.encode(clips)  # calls to the dead process and to the live one
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+        assert f"(pid {victim}) was killed by signal SIGKILL (9); starting a fresh one" in caplog.text
+        monkeypatch.setattr(codec._pool, "restarts_left", 0)
+        victim = codec._pool.workers[1].process.pid
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(ProcessDied, match=rf"codec process 2 of 2 \(pid {victim}\) was killed by signal SIGKILL") as e:
+            codec.encode(clips)
+        assert isinstance(e.value, InfrastructureFault) and e.value.signal == "SIGKILL"
+    finally:
+        codec.close()
+    assert P.RESTARTS >= 1
+
+
+def test_a_rerun_retries_a_row_an_older_version_rejected_for_a_dead_codec_process(tiny_config, demo_cache,
+                                                                                   tmp_path, monkeypatch, caplog):
+    """An older version wrote a codec process killed mid-job as ``encode_failed`` rejects (``RuntimeError: the
+    codec process ended (EOFError)``, made here by a stand-in codec that says so for one row), and every rerun
+    kept that chunk: ``kept 16, re-encoded 0``, the cache one row short for good. Now the rerun encodes the
+    chunk again and the cache is the demo's, every row."""
+    from precompute.encoders.capabilities import Pending
+    from precompute.job import run
+    from precompute.producers import codes as C
+    from shards import read_rejects
+    victim, submit = "spk-gb-0004", C.CodesProducer.submit
+
+    def old_version(self, samples, timer):  # what an older version made of a codec process killed mid-job
+        pend = submit(self, samples, timer)
+        return Pending(lambda: [RuntimeError("the codec process ended (EOFError)") if s.req.key == victim else r
+                                for s, r in zip(samples, pend.result())])
+    monkeypatch.setattr(C.CodesProducer, "submit", old_version)
+    cache = tmp_path / "c"
+    run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
+    assert {(r["key"], r["detail"]) for r in read_rejects(cache).to_pylist() if r["key"] == victim} == \
+        {(victim, "RuntimeError: the codec process ended (EOFError)")}
+    monkeypatch.undo()
+    caplog.set_level("INFO", logger="precompute")
+    summary, _ = run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
+    assert "1 row(s) an older version rejected for an infrastructure fault" in caplog.text
+    assert (summary.rerun["kept"], summary.rerun["reencoded_with_chunk"]) == (32 - 8, 8)  # its chunk again
+    assert _layout(cache) == _layout(demo_cache)
+
+
+def test_after_a_killed_first_job_every_tool_advises_the_rerun_and_reindex_refuses(tiny_models, tiny_config,
+                                                                                  demo_cache, tmp_path, capsys):
+    """After a first job killed mid-way, ``shards verify`` advised ``shards reindex``; following it gave a cache
+    of the committed chunks alone (12 of 24 samples here) that then passed verify. Now verify, the loader and
+    reindex say the job did not finish and that the same precompute command completes it; reindex refuses (its
+    ``--partial`` says what it leaves out); following the advice gives the demo's cache, every row."""
+    from loaders import ShardLoader
+    from precompute.job import run
+    from shards.cli import main as shards
+    cache = tmp_path / "c"
+    job = _start(cache, tiny_models, "--num_workers=0", "--allow_outside_root=true")
+    _wait(_committed(cache, 2), job)
+    job.kill()
+    job.wait()
+    capsys.readouterr()
+    assert shards(["verify", str(cache)]) == 2
+    err = capsys.readouterr().err
+    assert "stage one started this cache and has not finished it (2 chunk(s) committed" in err, err
+    assert "run the same `shardcache precompute` command again" in err and "would publish those" in err
+    with pytest.raises(FileNotFoundError, match="run the same `shardcache precompute` command again"):
+        ShardLoader(cache, 4)
+    assert shards(["reindex", str(cache), "--no_progress"]) == 2
+    assert "Refused: nothing written" in capsys.readouterr().err
+    assert not (cache / "index.parquet").exists()
+    partial = tmp_path / "partial"
+    import shutil
+    shutil.copytree(cache, partial)
+    assert shards(["reindex", str(partial), "--no_progress"]) == 2
+    assert shards(["reindex", str(partial), "--no_progress", "--partial"]) == 0
+    assert "the rows stage one had not encoded are not in the cache" in capsys.readouterr().err
+    run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)  # the advice followed
+    assert _layout(cache) == _layout(demo_cache)
