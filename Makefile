@@ -72,7 +72,7 @@ $(VENV)/.installed: $(VENV)/.installed-dev
 
 setup: $(VENV)/.installed
 
-$(MODELS)/.built: $(VENV)/.installed-precompute $(wildcard tools/testing/*.py)
+$(MODELS)/.built: $(wildcard tools/testing/*.py) | $(VENV)/.installed-precompute
 	$(PY) -m tools.testing --out $(MODELS)
 	touch $@
 
@@ -106,14 +106,15 @@ core-venv: $(CORE_VENV)/.installed
 
 # A stamp per (OUT, DATA, CONFIG) under build/stamps: `make precompute` runs the job when the manifest, the config
 # or the models changed since its last run into OUT, or OUT has no integrity root (no finished cache there);
-# else it says the cache is up to date. FORCE=1 runs it anyway (the job itself then encodes only what changed:
+# else it says the cache is up to date. The venv is an order-only prerequisite (here and of the models): `make test`
+# installs [dev] after `make precompute` and touches every extra's stamp, which must not make the cache stale. FORCE=1 runs it anyway (the job itself then encodes only what changed:
 # a media file replaced under the same name is seen there, not here).
 _PRECOMPUTE_STAMP = build/stamps/precompute-$(shell printf '%s' '$(abspath $(OUT))|$(abspath $(DATA))|$(abspath $(CONFIG))' | cksum | cut -d' ' -f1)
 precompute: $(_PRECOMPUTE_STAMP)
 	@test -n "$(_PRECOMPUTE_RAN)" || echo "precompute: $(OUT) is up to date with $(DATA), $(CONFIG) and $(MODELS) (FORCE=1 runs it again)"
 
-$(_PRECOMPUTE_STAMP): $(VENV)/.installed-precompute $(MODELS)/.built $(wildcard $(DATA) $(CONFIG)) \
-		$(if $(FORCE)$(if $(wildcard $(OUT)/integrity.json),,missing),FORCE)
+$(_PRECOMPUTE_STAMP): $(MODELS)/.built $(wildcard $(DATA) $(CONFIG)) \
+		$(if $(FORCE)$(if $(wildcard $(OUT)/integrity.json),,missing),FORCE) | $(VENV)/.installed-precompute
 	$(_PRECOMPUTE_RUN) -m shardcache precompute --manifest $(DATA) --cache $(OUT) --config $(CONFIG)
 	@mkdir -p $(@D) && touch $@
 	$(eval _PRECOMPUTE_RAN := 1)

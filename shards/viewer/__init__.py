@@ -25,6 +25,7 @@ Modules (one concern each):
 * :mod:`.app`: routes a request to a response (no sockets: tests call it directly); :mod:`.server`
   serves it over HTTP with the standard library's threading server, and stops a filter whose client
   left.
+* :mod:`.background`: the daemon threads of the work done after the first page, joined at exit and on close.
 * ``templates/`` (Jinja2, autoescaped) and ``static/`` (one stylesheet, one icon; no script).
 
 Nothing here imports stage one (``precompute``), the loaders or training (a remote cache is opened by

@@ -42,6 +42,7 @@ from ..manifest import CacheManifest
 from ..reader import ShardReader
 from ..schema import INDEX_FILE, REJECTS_FILE
 from ..storage import is_url
+from . import background as background_threads
 from .rows import IndexFile
 from .text import MemberFiles, TextTable, read_members, trained_share, turn_lines, viewer_cache_dir
 
@@ -222,8 +223,9 @@ class ViewedCache:
             self.text = TextTable(self.id, len(self), self._text_rows, self.files, folder)
         #: set once a first page was answered (by :class:`~.app.App`): the background work waits for it
         self.serving = threading.Event()
-        if background:
-            threading.Thread(target=self._background, name="shardcache-view-warm", daemon=True).start()
+        self._closing = threading.Event()
+        self._warm = background_threads.start(self._background, "shardcache-view-warm", self._halt) \
+            if background else None
 
     def __len__(self) -> int:
         return self.index.num_rows
@@ -234,9 +236,13 @@ class ViewedCache:
         from .rows import background_priority
         background_priority()
         self.serving.wait(BACKGROUND_DELAY_S)
+        if self._closing.is_set():
+            return
         self.index.scalars_in_background()
         if self.text is not None and len(self) <= TEXT_AT_START_ROWS:
             self.text.start()
+        if self._closing.is_set():
+            return
         try:
             self.histograms(View())
         except Exception:  # noqa: BLE001 - a page computes them again and says what is wrong
@@ -471,10 +477,19 @@ class ViewedCache:
         from ..writing import writer_of
         return writer_of(self.files_dir)
 
-    def close(self) -> None:
-        """Stop the side table's build, close the files, release a remote cache's local folder."""
+    def _halt(self) -> None:
+        """Make the background work return early (it checks between steps)."""
+        self._closing.set()
+        self.serving.set()
         if self.text is not None:
             self.text.stop()
+
+    def close(self) -> None:
+        """Stop the background work and wait for it (no read runs on a closed file), stop the side table's
+        build, close the files, release a remote cache's local folder."""
+        background_threads.join(self._warm, self._halt)
+        if self.text is not None:
+            self.text.close()
         self.files.close()
         self.index.close()
         if self.remote is not None:

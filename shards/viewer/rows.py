@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from ..commands._common import SCALAR_COLUMNS
 from ..errors import ShardCorrupt
 from ..index import INDEX_SCHEMA
+from . import background as background_threads
 
 SCALAR_SCHEMA = pa.schema([INDEX_SCHEMA.field(c) for c in SCALAR_COLUMNS])
 #: scalar columns read only when a filter names them (64 characters a row: half the read of the others)
@@ -105,8 +106,7 @@ class IndexFile:
     def _begin(self) -> None:
         with self._start:
             if self._loader is None:
-                self._loader = threading.Thread(target=self._load, name="shardcache-view-index", daemon=True)
-                self._loader.start()
+                self._loader = background_threads.start(self._load, "shardcache-view-index")
 
     def _load(self) -> None:
         background_priority()

@@ -33,6 +33,7 @@ from ..errors import ShardCorrupt
 from ..index import safe_shard_path
 from ..schema import JSON_MEMBER
 from ..tokens import IGNORE_INDEX
+from . import background as background_threads
 
 #: characters of a sample's text the search looks in (the rest of a very long conversation is not searched)
 MAX_TEXT_CHARS = 2000
@@ -215,8 +216,7 @@ class TextTable:
         with self._lock:
             if self._thread is None:
                 self.started = time.monotonic()
-                self._thread = threading.Thread(target=self._run, name="shardcache-view-text", daemon=True)
-                self._thread.start()
+                self._thread = background_threads.start(self._run, "shardcache-view-text", self.stop)
 
     def _run(self) -> None:
         from .rows import background_priority
@@ -266,7 +266,12 @@ class TextTable:
         return self.ready
 
     def stop(self) -> None:
+        """Make the build return early (between steps of :data:`BUILD_STEP` rows)."""
         self._stop.set()
+
+    def close(self) -> None:
+        """:meth:`stop`, then wait for the build's thread to end."""
+        background_threads.join(self._thread, self.stop)
 
 
 __all__ = ["turn_lines", "search_text", "read_members", "trained_share", "TextTable", "MemberFiles",

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..manifest import CacheManifest
+from . import background as background_threads
 
 #: a Hugging Face hub repository id (``org/name`` or ``name``): what may be looked up in the local hub cache
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -264,7 +265,7 @@ class TokenTextLoader:
         self._value: TokenText | None = None
         self._done = threading.Event()
         self._started = time.monotonic()
-        threading.Thread(target=self._load, name="shardcache-view-tokenizer", daemon=True).start()
+        background_threads.start(self._load, "shardcache-view-tokenizer")
 
     def _load(self) -> None:
         try:
