@@ -109,6 +109,9 @@ class CacheFiles:
     @classmethod
     def _open(cls, where, d: Path, storage_options, remote, strict: bool) -> "CacheFiles":
         if not (d / INDEX_FILE).is_file():
+            from .unfinished import unfinished
+            if (why := unfinished(d)) is not None:  # a stage-one job that stopped: rerun it, not reindex
+                raise FileNotFoundError(why)
             raise FileNotFoundError(f"{d / INDEX_FILE} not found: is {where} a shardcache cache "
                                     "(a directory made by `shardcache precompute`)?")
         refused: list[tuple[type, str]] = []

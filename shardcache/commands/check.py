@@ -47,6 +47,7 @@ from precompute.config import PrecomputeConfig, load_config
 from shardcache.helptext import plain
 from shards import Cache
 from shards import fields as registry
+from shards.commands._common import UsageError, cache_dir as checked_cache_dir
 from shards.errors import ShardcacheError, WriteRefused
 from shards.manifest import CacheManifest
 from shards.reader import ShardReader
@@ -198,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--samples must be >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     overrides = list(args.overrides) + [f"device={args.device}"]
+    try:
+        checked_cache_dir(args.cache)  # a folder that is no cache (or a stage-one job to rerun) is a usage error
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     try:
         r = check(args.cache, args.manifest, args.samples, root=args.root, seed=args.seed, overrides=overrides,
                   device=args.device)
