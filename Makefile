@@ -34,7 +34,7 @@ NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),2)
 PRECOMPUTE_NPROC ?= $(if $(filter-out 0,$(_GPUS)),$(_GPUS),1)
 _PRECOMPUTE_RUN = $(if $(filter-out 1,$(PRECOMPUTE_NPROC)),$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(PRECOMPUTE_NPROC),$(PY))
 
-.PHONY: setup precompute train test test-long test-floors inspect view browser launchers bench bench-venv bench-gpu bench-gpu-stage-one models demo-data boson-venv core-venv clean help
+.PHONY: FORCE setup precompute train test test-long test-floors inspect view browser launchers bench bench-venv bench-gpu bench-gpu-stage-one models demo-data boson-venv core-venv clean help
 
 help:
 	@echo "make precompute   encode DATA (default: the bundled demo) into OUT ($(OUT))"
@@ -72,7 +72,7 @@ $(VENV)/.installed: $(VENV)/.installed-dev
 
 setup: $(VENV)/.installed
 
-$(MODELS)/.built: $(VENV)/.installed-precompute $(wildcard tools/testing/*.py)
+$(MODELS)/.built: $(wildcard tools/testing/*.py) | $(VENV)/.installed-precompute
 	$(PY) -m tools.testing --out $(MODELS)
 	touch $@
 
@@ -104,8 +104,22 @@ $(CORE_VENV)/.installed: pyproject.toml setup.py $(wildcard shards/*.py shards/c
 core-venv: $(CORE_VENV)/.installed
 	@du -sh $(CORE_VENV)
 
-precompute: $(VENV)/.installed-precompute $(MODELS)/.built
+# A stamp per (OUT, DATA, CONFIG) under build/stamps: `make precompute` runs the job when the manifest, the config
+# or the models changed since its last run into OUT, or OUT has no integrity root (no finished cache there);
+# else it says the cache is up to date. The venv is an order-only prerequisite (here and of the models): `make test`
+# installs [dev] after `make precompute` and touches every extra's stamp, which must not make the cache stale. FORCE=1 runs it anyway (the job itself then encodes only what changed:
+# a media file replaced under the same name is seen there, not here).
+_PRECOMPUTE_STAMP = build/stamps/precompute-$(shell printf '%s' '$(abspath $(OUT))|$(abspath $(DATA))|$(abspath $(CONFIG))' | cksum | cut -d' ' -f1)
+precompute: $(_PRECOMPUTE_STAMP)
+	@test -n "$(_PRECOMPUTE_RAN)" || echo "precompute: $(OUT) is up to date with $(DATA), $(CONFIG) and $(MODELS) (FORCE=1 runs it again)"
+
+$(_PRECOMPUTE_STAMP): $(MODELS)/.built $(wildcard $(DATA) $(CONFIG)) \
+		$(if $(FORCE)$(if $(wildcard $(OUT)/integrity.json),,missing),FORCE) | $(VENV)/.installed-precompute
 	$(_PRECOMPUTE_RUN) -m shardcache precompute --manifest $(DATA) --cache $(OUT) --config $(CONFIG)
+	@mkdir -p $(@D) && touch $@
+	$(eval _PRECOMPUTE_RAN := 1)
+
+FORCE:
 
 # --dry_run first, in one process: a bad option, cache or run directory is one line (exit 2), not a line per
 # rank and torchrun's traceback
@@ -130,7 +144,7 @@ test: $(VENV)/.installed browser launchers
 # (the suite runs 20 and 10); HYPOTHESIS_MAX_EXAMPLES=N for
 # another number. Prints how many rows ran and the reject reasons seen.
 test-long: $(VENV)/.installed launchers
-	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m long -n $(TEST_JOBS) --maxprocesses 4 --dist loadgroup $(PYTEST_ARGS)
 	SHARDCACHE_BUILD_BOSON=1 $(PY) -m pytest -q tests/test_higgs_boson.py $(PYTEST_ARGS)
 	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -s -p no:warnings tests/test_hostile_rows.py tests/test_manifest_properties.py $(PYTEST_ARGS)
 
@@ -152,9 +166,12 @@ _ANY_INSTALL = $(firstword $(sort $(wildcard $(VENV)/.installed-*)) $(VENV)/.ins
 inspect: $(_ANY_INSTALL)
 	$(PY) -m shardcache shards info $(OUT)
 
-# `shards view` needs the [inspect] extra (Jinja2, DuckDB, matplotlib); PORT=0 takes any free port.
+# `shards view` needs the [inspect] extra (Jinja2, DuckDB, matplotlib, Pillow); PORT=0 takes any free port.
+# A port already taken is said here in make's terms (PORT=), before the viewer starts.
 PORT ?= 8000
 view: $(VENV)/.installed-inspect
+	@$(PY) -c "import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', int(sys.argv[1])))" $(PORT) 2>/dev/null \
+		|| { echo "make view: port $(PORT) is taken on 127.0.0.1; choose another with PORT=, e.g. make view PORT=8080 (PORT=0: any free port)" >&2; exit 2; }
 	$(PY) -m shardcache shards view $(OUT) --port $(PORT)
 
 # The viewer's browser tests (tests/test_viewer_browser.py) drive the system's Chromium through Playwright
@@ -197,9 +214,12 @@ bench-venv: $(BENCH_VENV)/.installed
 # CEILING_N: samples per job kind of stage one's null-encoder ceiling (synthetic corpus, written once
 # into $$SHARDCACHE_BENCH_CORPUS or ~/.cache/shardcache/bench-corpus); `--only ceiling` runs it alone.
 CEILING_N ?= 2000
+# SCALE_SIZES: manifest rows of stage one's scale section (planning, no-change rerun, peak RSS per rank;
+# benchmarks/bench_scale_stage_one.py); `--only scale_stage_one` runs it alone.
+SCALE_SIZES ?= 10000,100000,1000000
 bench: $(VENV)/.installed $(MODELS)/.built
 	@$(MAKE) --no-print-directory bench-venv || echo "bench: no benchmark venv ($(BENCH_VENV)); the peers (LitData, Mosaic) are skipped"
-	$(PY) -m benchmarks.run --ceiling-n $(CEILING_N)
+	$(PY) -m benchmarks.run --ceiling-n $(CEILING_N) --scale-sizes $(SCALE_SIZES)
 	$(PY) scripts/gen_docs.py  # docs/benchmarks.md's table from benchmarks/results/summary.md
 
 # On a CUDA machine: stage one with real-size random encoders and the recipes' data wait with 0/2/8

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loaders import ShardLoader
+from loaders import Order, ShardLoader
 from shards import read_index
 from shards.schema import WHOLE_MEMBER_DTYPES
 
@@ -25,8 +25,8 @@ def padding_waste(cache: Path, batch_size: int = 16, max_frames: int | None = No
         return None  # no codes (an image-text cache)
     budget = max_frames or int(batch_size * np.median(frames))
     out = {}
-    for name, kw in (("fixed", {}), ("bucketed", {"max_frames": budget})):
-        loader = ShardLoader(cache, min(batch_size, len(frames)), fields=("codes",), drop_remainder=False, **kw)
+    for name, order in (("fixed", Order(drop_remainder=False)), ("bucketed", Order(max_frames=budget, drop_remainder=False))):
+        loader = ShardLoader(cache, min(batch_size, len(frames)), fields=("codes",), order=order)
         loader.set_epoch(0)
         real = padded = batches = 0
         for batch in loader:

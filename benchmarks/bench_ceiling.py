@@ -87,7 +87,7 @@ def stages(manifest: Path, cfg, limit: int) -> dict:
     from precompute.encode import Summary
     from precompute.job import Job
     from precompute.images import decode_image, load_image
-    from precompute.job import chunk_batches
+    from precompute.chunks import chunk_batches
     from precompute.manifests import read_requests
     from shards.scan import scan_shard
     from shards.writer import ShardWriter

@@ -60,8 +60,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loaders import ShardLoader  # noqa: E402
-from shards import ShardWriter, merge_parts, shard_name  # noqa: E402
+from loaders import Reads, ShardLoader, Workers  # noqa: E402
+from shards import Cache, ShardWriter, merge_parts, shard_name  # noqa: E402
+
+#: the settings of the configurations below that are loaders.Workers' (the others are loaders.Reads')
+WORKERS = ("num_workers", "read_threads", "prefetch_factor")
 
 
 def build_cache(out: Path, n: int, n_shards: int, seed: int = 0) -> Path:
@@ -217,7 +220,9 @@ def bench_loaders(cache: Path | str, batch_size: int, shard_bytes: int, n_total:
     VM's memory speed changes by 2x from one minute to the next: a ratio measured a second apart
     holds, one against a ``cat`` of another minute does not); ``samples_s_epochs`` /
     ``cat_samples_s_rounds`` keep the rounds for paired ratios."""
-    loaders = [(label, kw, ShardLoader(cache, batch_size, seed=0, **kw)) for label, kw in configs]
+    loaders = [(label, kw, ShardLoader(cache, batch_size, seed=0, workers=Workers(**{k: v for k, v in kw.items() if k in WORKERS}),
+                                       reads=Reads(**{k: v for k, v in kw.items() if k not in WORKERS})))
+               for label, kw in configs]
     walls = {label: [] for label, _ in configs}
     cpus = {label: [] for label, _ in configs}
     counts = {}
@@ -308,7 +313,7 @@ def bench_remote(cache: Path, batch_size: int, shard_bytes: int, n_total: int, l
         url = s3.upload(cache, "s3://bench/cache")
         tmp = Path(tempfile.mkdtemp(prefix="bench_remote_"))
         try:
-            ld = ShardLoader(url, batch_size, seed=0, storage_options=s3.options, local_dir=tmp / "a", compact=True)
+            ld = ShardLoader(Cache.open(url, storage_options=s3.options, local_dir=tmp / "a"), batch_size, seed=0, reads=Reads(compact=True))
             for e, name in ((0, "cold_epoch"), (1, "warm_epoch")):
                 ld.set_epoch(e)
                 t0 = time.perf_counter()
@@ -317,8 +322,7 @@ def bench_remote(cache: Path, batch_size: int, shard_bytes: int, n_total: int, l
                 out[name] = {"samples_s": n / dt, "ratio_to_local": n / dt / local_rate}
             ld.close()
             limit = shard_bytes // 4
-            ld = ShardLoader(url, batch_size, seed=0, storage_options=s3.options, local_dir=tmp / "b", compact=True,
-                             cache_limit=limit)
+            ld = ShardLoader(Cache.open(url, storage_options=s3.options, local_dir=tmp / "b"), batch_size, seed=0, reads=Reads(compact=True, cache_limit=limit))
             t0, n = time.perf_counter(), 0
             for e in range(2):
                 ld.set_epoch(e)
@@ -361,7 +365,7 @@ def bench_resume(cache: Path, batch_size: int, num_workers: int) -> list[dict]:
         replay = time.perf_counter() - t0
         sd = ref.state_dict()
         t0 = time.perf_counter()
-        fresh = ShardLoader(cache, batch_size, seed=0, num_workers=num_workers)
+        fresh = ShardLoader(cache, batch_size, seed=0, workers=Workers(num_workers=num_workers))
         t1 = time.perf_counter()
         fresh.load_state_dict(sd)
         first = next(iter(fresh))
@@ -398,7 +402,7 @@ def _children(pid: int) -> list[int]:
 
 
 def bench_rss(cache: Path, batch_size: int, num_workers: int, epochs: int = 3) -> list[dict]:
-    loader = ShardLoader(cache, batch_size, seed=0, num_workers=num_workers)
+    loader = ShardLoader(cache, batch_size, seed=0, workers=Workers(num_workers=num_workers))
     rows = []
     for e in range(epochs):
         loader.set_epoch(e)
@@ -417,14 +421,14 @@ def bench_rss(cache: Path, batch_size: int, num_workers: int, epochs: int = 3) -
 _FORKSERVER_RUN = """
 import json, sys, time
 import loaders.context
-from loaders import ShardLoader
+from loaders import Reads, ShardLoader, Workers
 if sys.argv[2] == "off":
     loaders.context.FORKSERVER_PRELOAD = ()
 out = []
 for _ in range(3):
     t = time.perf_counter()
-    ld = ShardLoader(sys.argv[1], int(sys.argv[3]), seed=0, num_workers=2, multiprocessing_context="forkserver",
-                     compact=True, device_pin=False)
+    ld = ShardLoader(sys.argv[1], int(sys.argv[3]), seed=0, workers=Workers(num_workers=2, multiprocessing_context="forkserver"),
+                     reads=Reads(compact=True, pin_memory=False))
     next(iter(ld))
     out.append(time.perf_counter() - t)
     ld.close()

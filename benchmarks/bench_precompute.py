@@ -26,7 +26,8 @@ import torch
 from precompute.config import load_config
 from precompute.encode import Summary
 from precompute.job import Job
-from precompute.job import plan_chunks, run
+from precompute.chunks import plan_chunks
+from precompute.job import run
 from precompute.manifests import read_requests
 from precompute.pipeline import EncodeStream
 
@@ -51,8 +52,8 @@ def encoders_alone(manifest: Path, cfg, limit: int | None = None) -> tuple[float
     own first batch is its probe); and the rows encoded."""
     requests = read_requests(manifest, fmt=cfg.manifest_format)
     pipe = Job.build(cfg, cfg.device, requests)  # the tokens the rows need, as the job checks them
-    plan = plan_chunks(requests, cfg.samples_per_shard, {})
-    items = [(r, c) for c, (_, rows) in enumerate(plan) for r in rows][:limit]
+    plan = plan_chunks(len(requests), cfg.samples_per_shard)
+    items = [(requests[p], c) for c, chunk in enumerate(plan) for p in chunk.positions.tolist()][:limit]
     prepared = [pipe.prepare(r, c) for r, c in items]
     summary = Summary()
     stream = EncodeStream(lambda rows: pipe.encode(rows, summary), pipe.batch_size, pipe.window)  # as the job batches

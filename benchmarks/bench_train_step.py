@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from loaders import ShardLoader, collate_fn
+from loaders import Order, ShardLoader, collate_fn
 from precompute.encode import Summary
 from precompute.job import Job
 from precompute.manifests import read_requests
@@ -55,7 +55,7 @@ def bench(manifest: Path, cache: Path, cfg, batch_size: int = 4, steps: int = 4,
     torch.manual_seed(0)
     model = ReferenceModel.from_cache(Cache.open(cache), {"d_model": 128, "n_layers": 2})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    loader = ShardLoader(cache, batch_size, fields=FIELDS, shuffle=False)
+    loader = ShardLoader(cache, batch_size, fields=FIELDS, order=Order(shuffle=False))
     loader.set_epoch(0)
     keys_in_order, cached_times = [], []
     it = iter(loader)

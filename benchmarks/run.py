@@ -1,14 +1,20 @@
 """``make bench``: every figure as a ratio of two things measured in the same run.
 
-    python -m benchmarks.run [--quick] [--only ceiling,overlap,precompute,loader,cache,train_step,data_wait,ddp]
-                             [--ceiling-n 2000] [--overlap-n 600]
+    python -m benchmarks.run [--quick] [--only ceiling,scale_stage_one,overlap,precompute,loader,cache,train_step,data_wait,ddp,scale_loader]
+                             [--ceiling-n 2000] [--scale-sizes 10000,100000,1000000] [--overlap-n 600]
+                             [--scale-n 10000 100000 1000000 10000000]
 
 Writes ``benchmarks/results/<name>.json`` per section and ``benchmarks/results/summary.md`` (the
 table the README shows). Uses the bundled demo data and, when present,
 ``../shared/data/real-mini``; ``ceiling`` (stage one with null encoders, :mod:`benchmarks.bench_ceiling`)
 a synthetic corpus of ``--ceiling-n`` samples per job kind, written once outside the repository
-(:mod:`benchmarks.synth_corpus`); ``overlap`` (:mod:`benchmarks.bench_overlap`) the real job with a
-stand-in codec that waits 50 ms per clip without the GIL, one decode process: wall / encoder time. ``--quick`` skips the real-size (randomly initialised) encoders.
+(:mod:`benchmarks.synth_corpus`); ``scale_stage_one`` (:mod:`benchmarks.bench_scale_stage_one`) stage one's
+planning, no-change rerun and peak RSS per rank for manifests of ``--scale-sizes`` rows; ``overlap``
+(:mod:`benchmarks.bench_overlap`) the real job with a stand-in codec that waits 50 ms per clip without the GIL,
+one decode process: wall / encoder time; ``scale_loader`` (:mod:`benchmarks.bench_scale_loader`) the loader's
+construction and memory and ``shards info / verify / query`` over caches of ``--scale-n`` tiny samples (written
+once outside the repository, :mod:`benchmarks.scale_corpus`), each per sample as a ratio to the 10k case
+(``--only scale_loader``: that section alone). ``--quick`` skips the real-size (randomly initialised) encoders.
 Needs the test models: ``python -m tools.testing --out models`` (tiny) and
 ``--size full --only dac,wan`` (built here on demand).
 """
@@ -31,7 +37,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 DEMO = ROOT / "data" / "demo" / "samples.jsonl"
 REAL_MINI = Path(os.environ.get("SHARDCACHE_REAL_MINI", ROOT.parent / "shared" / "data" / "real-mini"))
 MODELS = ROOT / "models"
-SECTIONS = ("ceiling", "overlap", "precompute", "loader", "cache", "train_step", "data_wait", "ddp")
+SECTIONS = ("ceiling", "scale_stage_one", "overlap", "precompute", "loader", "cache", "train_step", "data_wait", "ddp",
+            "scale_loader")
 
 
 def machine() -> dict:
@@ -181,7 +188,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="skip the real-size encoder configs")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--ceiling-n", type=int, default=2000, help="samples per job kind of the ceiling section")
+    ap.add_argument("--scale-sizes", default="10000,100000,1000000",
+                    help="manifest rows of the scale_stage_one section (comma list, smallest first)")
     ap.add_argument("--overlap-n", type=int, default=600, help="rows per job kind of the overlap section")
+    ap.add_argument("--scale-n", type=int, nargs="+", default=[10_000, 100_000, 1_000_000, 10_000_000],
+                    help="samples of the scale_loader section's caches (those that fit the disk)")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     ensure_models("tiny")
@@ -195,7 +206,7 @@ def main(argv=None) -> int:
     from precompute.job import run as precompute
     caches = {}
     from benchmarks.bench_precompute import corpus_name
-    for manifest in corpora() if only - {"ceiling", "overlap", "precompute", "ddp"} else []:  # the caches the readers read
+    for manifest in corpora() if only - {"ceiling", "scale_stage_one", "overlap", "precompute", "ddp", "scale_loader"} else []:  # the caches the readers read
         caches[manifest] = tmp / corpus_name(manifest)
         precompute(manifest, caches[manifest], tiny_config(samples_per_shard=64), progress=False)
 
@@ -206,6 +217,13 @@ def main(argv=None) -> int:
         r = bench_ceiling.run_section(args.ceiling_n)
         save("ceiling", r | {"machine": info})
         lines += bench_ceiling.summary_lines(r)
+
+    marks["scale_stage_one"] = len(lines)
+    if "scale_stage_one" in only:
+        from benchmarks import bench_scale_stage_one
+        r = bench_scale_stage_one.run_section([int(x) for x in args.scale_sizes.split(",")])
+        save("scale_stage_one", r | {"machine": info})
+        lines += bench_scale_stage_one.summary_lines(r)
 
     marks["overlap"] = len(lines)
     if "overlap" in only:
@@ -290,6 +308,13 @@ def main(argv=None) -> int:
                   f"step {r['with_no_sync']['allreduce_buckets_per_step']:.0f} with `no_sync` vs "
                   f"{r['every_micro_step']['allreduce_buckets_per_step']:.0f} without ({r['allreduce_ratio']}x); "
                   f"step time {r['with_no_sync']['step_s']} s vs {r['every_micro_step']['step_s']} s.", ""]
+
+    marks["scale_loader"] = len(lines)
+    if "scale_loader" in only:
+        from benchmarks import bench_scale_loader
+        r = bench_scale_loader.run_section(args.scale_n)
+        save("scale_loader", r | {"machine": info})
+        lines += bench_scale_loader.summary_lines(r)
 
     import shutil
     shutil.rmtree(tmp, ignore_errors=True)

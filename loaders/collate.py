@@ -82,21 +82,6 @@ with warnings.catch_warnings():
     torch.from_numpy(np.frombuffer(b"\0\0", dtype=np.int16))
 
 
-def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
-    """Validate a field selection; returns it as a tuple in :data:`ALL_FIELDS` order (other known
-    fields after them, sorted). Raises ``ValueError`` for an unknown or empty selection."""
-    if isinstance(fields, str):
-        fields = (fields,)
-    fields = tuple(fields)
-    bad = [f for f in fields if registry.lookup(f) is None]
-    if bad or not fields:
-        raise ValueError(f"unknown fields {bad} (or none given); choose from {ALL_FIELDS} "
-                         "(plus extra waveforms such as audio_16k, added fields such as codes_mimi, "
-                         "and fields registered by plug-ins)")
-    extra = sorted(f for f in fields if f not in ALL_FIELDS)
-    return tuple(f for f in ALL_FIELDS if f in fields) + tuple(extra)
-
-
 def allocate(layout: Sequence[tuple[str, Sequence[int], torch.dtype]], arena=None) -> dict[str, torch.Tensor]:
     """Uninitialised tensors ``{name: tensor}`` for a batch, from ``(name, shape, dtype)`` entries.
 
@@ -214,7 +199,7 @@ def collate_fn(samples: Sequence[dict[str, Any]], fields: Iterable[str] | None =
     """
     if fields is None:
         fields = [f for f in FIELDS if any(f in s for s in samples)]
-    fields = check_fields(fields)
+    fields = registry.selection(fields)
     keys = [s["__key__"] for s in samples]
     rates = [int((s.get("json") or {}).get("sample_rate", 0)) for s in samples]
     for name in fields:

@@ -1,47 +1,39 @@
-"""Read batches straight from the shard files: the index as numpy arrays, no tar parsing.
+"""Read batches straight from the shard files: the index as memory-mapped columns, no tar parsing.
 
-:class:`CacheSource` loads one cache's ``index.parquet`` once, refuses members that would need
-unpickling, applies the filters, checks the requested fields, pins the shard files, and reads
-through a :class:`shards.ShardReader` (per-field byte offsets / shapes / dtypes / checksums as numpy
-arrays and lazily opened files, so a worker never touches JSON). :class:`Sources` puts several
-caches in one id space (``id = offset[source] + row``) and reads batches with
-:func:`loaders.read.read_batch` (one copy from the page cache into the batch tensors; damaged
-samples stop the loader or, within ``skip_corrupt``, are left out). :class:`PlanDataset` is the
-``IterableDataset`` that DataLoader workers run: it rebuilds the epoch's plan from a
-:class:`loaders.batching.PlanSpec`, reads the position ``(epoch, start_step)`` from a small
-shared-memory tensor that the main process writes before every ``iter()`` (persistent workers never
-see attribute changes made after they started), and yields ``(step, batch)`` for the steps
+:class:`CacheSource` is one cache's checked reader (:meth:`shards.Cache.reader`: the cache opened and
+checked once, the filters applied, the requested fields and the shard files checked) and what the
+loader reads per row beside it. :class:`Sources` puts several caches in one id space (``id =
+offset[source] + row``) and reads batches with :func:`loaders.read.read_batch` (one copy from the page
+cache into the batch tensors; damaged samples stop the loader or, within ``skip_corrupt``, are left
+out). :class:`PlanDataset` is the ``IterableDataset`` that DataLoader workers run: it rebuilds the
+epoch's plan from a :class:`loaders.batching.PlanSpec`, reads the position ``(epoch, start_step)`` from
+a small shared-memory tensor that the main process writes before every ``iter()`` (persistent workers
+never see attribute changes made after they started), and yields ``(step, batch)`` for the steps
 ``start + worker_id + k * num_workers``.
+
+Nothing here holds one Python object per sample: a source's per-row arrays are the store's
+(:mod:`shards.columns`, mapped from the same files in every process), and a batch gathers only its
+own rows.
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shards import Cache, CacheManifest, ShardCorrupt, ShardReader, read_index, value_checks_from_manifest
+from shards import Cache, ShardCorrupt
 from shards import fields as registry
-from shards.index import read_cache_id
 from shards.kinds import BatchContext
-from shards.reader import refuse_unsafe
-from shards.scan import unindexed_members
 from shards.readinto import say_executor
-from shards.storage import is_url, local_path
 
 from .batching import PlanSpec
-from .collate import ALL_FIELDS, FIELDS, TEXT_PAD_ID, check_fields
-from .order import filter_rows
 from .host import KEEP, HostArena
-from .read import CHECKS, Staging, read_batch
-from .remote import RemoteCache
+from .read import Staging, read_batch
+from .settings import CHECKS
 from .shm import SlotArena
 
 log = logging.getLogger("loaders")
@@ -49,118 +41,82 @@ log = logging.getLogger("loaders")
 #: (``skip_corrupt``); :class:`loaders.ShardLoader` removes it before the batch is handed out
 SKIPPED = "__skipped__"
 
-def cache_fields(table: pa.Table, requested: bool = False) -> tuple[str, ...]:
-    """The fields (of :data:`loaders.FIELDS`, extra waveforms and fields added with ``precompute
-    add-field`` such as ``codes_mimi``) that some sample of the index holds: what a loader reads
-    when no ``fields`` are given. ``requested``: also the fields read only when asked for
-    (:data:`loaders.collate.OPTIONAL_FIELDS`: ``latents_logvar``, ``image_features``), for a model
-    that declares them."""
-    names = set(pc.unique(table.column("members").combine_chunks().flatten().field("name")).to_pylist())
-    have = [f for f in (ALL_FIELDS if requested else FIELDS) if f + ".npy" in names]
-    extra = sorted(n[:-4] for n in names if n.endswith(".npy") and n[:-4] not in registry.BY_NAME
-                   and registry.lookup(n[:-4]) is not None)  # audio_16k, audio_16k_starts, codes_mimi...
-    return tuple(have) + tuple(extra)
+
+def cache_fields(table, requested: bool = False) -> tuple[str, ...]:
+    """The fields some sample of an index table holds that a reader reads when none are named
+    (:func:`shards.fields.held`; ``requested``: also the ones read only when named)."""
+    import pyarrow.compute as pc
+    return registry.held(pc.unique(table.column("members").combine_chunks().flatten().field("name")).to_pylist(),
+                         requested)
 
 
 class CacheSource:
-    """One cache directory, filtered: per-row numpy arrays plus a :class:`shards.ShardReader`.
+    """One cache, filtered: its checked :class:`shards.ShardReader` and the per-row columns the loader reads.
 
     Args:
-        cache_dir: directory with ``index.parquet`` and the shard tars, its URL, or a :class:`shards.Cache`.
-        filters: see :func:`loaders.order.filter_rows`.
-        fields: the fields that will be read (their members must exist; ``latents`` may be absent,
-            ``latents_logvar`` must exist exactly where ``latents`` does).
+        cache: an opened :class:`shards.Cache`.
+        fields: the fields that will be read (default: every field the kept rows hold, read by default:
+            :func:`shards.fields.held`).
+        filters: :func:`shards.filters.filter_rows`'s filters.
+        verify_reads: also check each sample's sha256 as it is read (opt-in; its cost: docs/benchmarks.md).
 
-    Attributes (one entry per kept row, index order): ``n`` rows; ``keys`` (Arrow strings);
-    ``shard_of`` int32 (shards numbered in sorted name order); ``frames`` int64 codes frames;
-    ``sample_rate`` int64; ``has_image`` bool; ``default_shapes`` field -> the most common shape of
-    the fields whose kind pads a batch without them to one (latents: a batch without any image);
-    ``reader`` the :class:`shards.ShardReader` of the kept rows (index arrays, files).
+    Attributes: ``n`` rows; ``fields``; ``shard_of`` int32 per row (shards numbered in sorted name
+    order; memory-mapped); ``default_shapes`` field -> the most common shape of the fields whose kind
+    pads a batch without them to one (latents: a batch without any image); ``pad_id``; ``cache_id``;
+    ``reader`` (the :class:`shards.ShardReader` of the kept rows); ``remote`` (the
+    :class:`shards.mirror.RemoteCache` a URL's shards stream into, else None; its readers wait for a
+    shard that has not arrived and close their maps of files the prefetcher deleted after each batch).
 
     Every read checks each member against the checksum the index recorded when it was written
-    (:mod:`shards.checksum`; an entry without one is :class:`shards.ShardCorrupt`); the kind's value
-    checks (codes / ids in ``[0, codebook_size)`` / ``[0, vocab_size)``, floats finite:
-    :func:`shards.value_checks_from_manifest`) run with ``checks="values"``. The
-    shard files are pinned when the source is built (local caches): a shard replaced, resized or
-    deleted later stops the reads (:mod:`shards.files`). ``verify_reads``: also check each
-    sample's sha256 as it is read (opt-in; its cost: docs/benchmarks.md).
+    (:mod:`shards.checksum`); the kinds' value checks (:meth:`shards.Cache.value_checks`) run with
+    ``checks="values"``. Local shard files are pinned when the source is built: a shard replaced,
+    resized or deleted later stops the reads (:mod:`shards.files`).
 
-    ``cache_dir`` may be a URL (``s3://...``, any fsspec protocol): then ``remote`` holds the
-    :class:`loaders.remote.RemoteCache` keyword arguments (``rank``, ``local_dir``,
-    ``storage_options``...), the index and manifest are downloaded to its local folder, shards are
-    read there as a :class:`loaders.remote.Prefetcher` brings them (readers wait for a shard that
-    has not arrived), and after each batch a reader closes its maps of files the prefetcher deleted.
-
-    Raises ``FileNotFoundError`` (no index), :class:`shards.UnsupportedFormat` (newer cache format),
-    :class:`shards.UnsafePath` (index names a file outside the cache), :class:`shards.UnsafeMember` (pickle member listed),
-    :class:`shards.ShardCorrupt` (shard file missing or shorter than its indexed members, bad
-    member shape/size), ``ValueError`` (no sample left after filters; a requested member missing,
-    e.g. ``latents_logvar`` from a cache made without ``store_posterior``).
+    Raises what :meth:`shards.Cache.reader` raises.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike, filters: Any = None, fields: Sequence[str] | None = None,
-                 verify_reads: bool = False, remote: dict | None = None):
-        opened = cache_dir if isinstance(cache_dir, Cache) else None  # opened once by the caller (shards.Cache)
-        if opened is not None:
-            cache_dir = opened.source
-        self.url = str(cache_dir)
-        self.remote: RemoteCache | None = None
-        if is_url(cache_dir):
-            self.remote = RemoteCache(str(cache_dir), **(remote or {}))
-            cache_dir = self.remote.local
+    def __init__(self, cache: Cache, fields: Sequence[str] | None = None, filters: Any = None,
+                 verify_reads: bool = False):
+        self.cache = cache
+        self.reader = cache.reader(fields, filters, verify_reads=verify_reads)
+        self.fields, self.n, self.shard_of = self.reader.fields, self.reader.n, self.reader.shard_of
+        self.pad_id, self.cache_id, self.cache_dir = int(cache.pad_id), cache.id, cache.dir
+        self.remote = self.reader.mirror
         self.streamed = self.remote is not None
-        self.cache_dir = local_path(cache_dir)  # a file:// URL is a local folder
-        if opened is not None and not self.streamed:  # its manifest, index and id, not read again
-            man, table, self.cache_id = opened.manifest, opened.index, opened.id
-        else:
-            man = CacheManifest.read(self.cache_dir)  # UnsupportedFormat for a newer format_version
-            table = read_index(self.cache_dir)
-            self.cache_id = read_cache_id(self.cache_dir)  # index + manifest checked against integrity.json first
-        manifest = man.to_dict()
-        refuse_unsafe(table, self.cache_dir)  # the whole index, filtered-out rows too
-        hidden = unindexed_members(table)  # e.g. a tar holding a key twice, one of them indexed
-        if hidden:
-            raise ShardCorrupt(f"{self.cache_dir}: {hidden[0]}; check it with `shardcache shards verify --deep`")
-        self.pad_id = int(man.pad_id() if man.pad_id() is not None else TEXT_PAD_ID)
-        all_shards = sorted(pc.unique(table.column("shard")).to_pylist())  # numbering kept across filters
-        rows = filter_rows(table, filters)
-        if len(rows) == 0:
-            raise ValueError(f"{self.cache_dir}: no sample left after filters {filters!r} "
-                             f"({table.num_rows} in the index)")
-        t = table.take(pa.array(rows)) if len(rows) != table.num_rows else table
-        self.fields = check_fields(cache_fields(t) if fields is None else fields)
-        # every read checks the shard did not shrink, codes/ids are in range, latents are finite
-        self.reader = ShardReader(self.cache_dir, index=t, shard_names=all_shards, manifest=manifest,
-                                  value_checks=value_checks_from_manifest(manifest), verify_reads=verify_reads,
-                                  await_file=self.remote.waiter if self.remote is not None else None)
-        self.n, self.keys, self.shard_of = self.reader.n, self.reader.key_array, self.reader.shard_of
-        self.shard_names = all_shards
-        num = lambda c: t.column(c).to_numpy().astype(np.int64)  # noqa: E731
-        self.frames = num("n_frames")
-        self.sample_rate = num("sample_rate")
-        self.has_image = t.column("has_image").to_numpy(zero_copy_only=False).astype(bool)
         self.default_shapes: dict[str, tuple[int, ...]] = {}
-        for field in self.fields:
-            lacking = man.fields[field].extra.get("incomplete") if field in man.fields else None
-            if lacking:  # a rerun re-encoded or added shards after `add-field`: their sidecars are not made yet
-                raise ValueError(f"{self.cache_dir}: field {field!r} (added by add-field) has no sidecar for "
-                                 f"{len(lacking)} shard(s) ({', '.join(lacking[:3])}...); run the same "
-                                 f"`shardcache add-field` again to add them, or read the cache without {field!r}")
-            self._check_field(field)
-        # the files each row reads: its shard, and the sidecar tar of every sidecar field read
-        cols = [self.shard_of]
-        for f in self.fields:
-            side = self.reader.field(f, registry.get(f).ndim).file
-            if side is not None:
-                cols.append(side)
-        self.row_files = np.stack(cols, axis=1).astype(np.int32)
-        if self.remote is not None:
-            self.remote.adopt([self.reader.files[i] for i in np.unique(self.row_files).tolist()], manifest)
-        else:
-            self.reader.check_files()
-            self.reader.pin_files(np.unique(self.row_files).tolist())  # replaced later: ShardCorrupt
+        for name in self.fields:
+            f = registry.get(name)
+            fa = self.reader.field(name, f.ndim)
+            if f.kind.uses_default_shape:
+                present = np.flatnonzero(fa.all_present())
+                if len(present):  # the most common shape
+                    vals, counts = np.unique(fa.shapes(present), axis=0, return_counts=True)
+                    self.default_shapes[name] = tuple(int(v) for v in vals[int(np.argmax(counts))])
         say_executor(log)
-        self.reader.drop_index()  # workers get numpy arrays only
+
+    def _column(self, name: str, rows: np.ndarray | None) -> np.ndarray:
+        col = getattr(self.reader.columns, name)  # (an IndexColumns scalar column: n_frames, sample_rate)
+        at = self.reader.rows if rows is None else (rows if self.reader.rows is None else self.reader.rows[rows])
+        return np.asarray(col if at is None else col[at], dtype=np.int64)
+
+    def frames(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """int64 codes frames of ``rows`` (default every row: budget batching)."""
+        return self._column("n_frames", rows)
+
+    def sample_rates(self, rows: np.ndarray) -> np.ndarray:
+        """int64 sample rate (Hz) of ``rows``."""
+        return self._column("sample_rate", rows)
+
+    def row_files(self) -> np.ndarray:
+        """int32 ``(n, k)``: the files each row reads (its shard, then the sidecar of each sidecar field
+        read): what a remote cache's prefetcher schedules."""
+        cols = [np.asarray(self.shard_of, dtype=np.int64)]
+        everything = np.arange(self.n, dtype=np.int64)
+        for name in self.fields:
+            fa = self.reader.field(name, registry.get(name).ndim)
+            if fa.side is not None:
+                cols.append(fa.files(everything, self.shard_of))
+        return np.stack(cols, axis=1).astype(np.int32)
 
     def after_read(self) -> None:
         """Streamed caches: close the maps of files the prefetcher deleted (their disk space comes
@@ -171,35 +127,21 @@ class CacheSource:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["remote"] = None  # workers only read local files (the reader waits for them)
+        state["cache"] = None   # ... through the reader (the store's files, mapped again)
+        state["shard_of"] = None
         return state
 
-    def _check_field(self, name: str) -> None:
-        f = registry.get(name)
-        fa = self.reader.field(name, f.ndim)  # raises ShardCorrupt for a bad shape/size
-        member, present = f.suffix, fa.present
-        if f.paired_with is not None:
-            partner = self.reader.field(f.paired_with, registry.get(f.paired_with).ndim).present
-            missing = np.flatnonzero(partner & ~present)
-            if len(missing):
-                raise ValueError(f"{self.cache_dir}: {len(missing)} samples with {f.paired_with} have no {member} "
-                                 f"(e.g. {self.keys.take(pa.array(missing[:5])).to_pylist()}); was the cache made "
-                                 f"with store_posterior: true? else drop {name!r} from fields")
-        if (f.every_sample and not present.all()) or (not f.kind.uses_default_shape and not present.any()):
-            missing = np.flatnonzero(~present)
-            raise ValueError(f"{self.cache_dir}: {len(missing)} samples have no {member} (e.g. "
-                             f"{self.keys.take(pa.array(missing[:5])).to_pylist()}); drop "
-                             f"{name!r} from fields or filter them out")
-        if f.kind.uses_default_shape and present.any():  # the most common shape
-            shapes = fa.shape[present]
-            vals, counts = np.unique(shapes, axis=0, return_counts=True)
-            self.default_shapes[name] = tuple(int(v) for v in vals[int(np.argmax(counts))])
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.shard_of = self.reader.shard_of
 
     def close(self) -> None:
-        """Close the files and maps (views handed out earlier must not be used afterwards) and release the
-        local folder of a streamed cache."""
-        self.reader.close()
-        if self.remote is not None:
-            self.remote.close()
+        """Close the files and maps (views handed out earlier must not be used afterwards) and give back
+        the local folder of a streamed cache."""
+        if self.cache is not None:
+            self.cache.release(self.reader)
+        else:  # (a copy in a worker: its files only)
+            self.reader.close()
 
 
 class Sources:
@@ -217,7 +159,6 @@ class Sources:
         self.offsets = np.concatenate([[0], np.cumsum([s.n for s in self.sources])]).astype(np.int64)
         self.n = int(self.offsets[-1])
         self.fields = self.sources[0].fields
-        self.frames = np.concatenate([s.frames for s in self.sources])
         self.default_shapes: dict[str, tuple[int, ...]] = {}
         for s in self.sources:  # the first source's shape wins
             for k, v in s.default_shapes.items():
@@ -233,6 +174,10 @@ class Sources:
         self._local = threading.local()  # per reading thread (loaders.readahead): its staging buffers
         self._skip_lock = threading.Lock()
         self._arena: HostArena | None = None
+
+    def frames(self) -> np.ndarray:
+        """int64 codes frames of every id (budget batching only: read from the sources' columns)."""
+        return np.concatenate([s.frames() for s in self.sources])
 
     def _host(self) -> HostArena:
         """The reused host blocks of batches read in this process (pinned when ``pin``)."""

@@ -369,14 +369,14 @@ CONFIG_KEYS = {"higgs_audio_v2": {"n_codebooks": "num_codebooks", "codebook_size
                                AUDIO_OUT_ID: "audio_out_token_idx", AUDIO_OUT_BOS_ID: "audio_out_bos_token_id"}}
 
 
-def checkpoint_config(lm: Any) -> tuple[str, dict[str, Any]]:
+def checkpoint_config(lm: Any, revision: str | None = None) -> tuple[str, dict[str, Any]]:
     """``(model_type, config.json)`` of Higgs-Audio checkpoint ``lm`` (a directory or hub id), read as the file
     holds it (no ``transformers`` class needed: Boson's trainer runs ``transformers`` 4.46). Raises ``ValueError``
     for a checkpoint of another ``model_type`` (:data:`CONFIG_KEYS`),
     :class:`shardcache.weights.CheckpointUnreadable` for one without a readable ``config.json``."""
     from shardcache.pretrained import resolve_pretrained
     from shardcache.weights import CheckpointUnreadable, checkpoint
-    ckpt = checkpoint(resolve_pretrained(lm, what="model.kwargs.lm"))
+    ckpt = checkpoint(resolve_pretrained(lm, what="model.kwargs.lm"), revision=revision, what="model.kwargs.revision")
     p = ckpt.fetch("config.json")
     if p is None:
         raise CheckpointUnreadable(f"{ckpt} has no config.json: not a Higgs-Audio checkpoint")
@@ -390,12 +390,13 @@ def checkpoint_config(lm: Any) -> tuple[str, dict[str, Any]]:
     return model_type, raw
 
 
-def paired_audio_tokenizer(lm: Any) -> str | None:
-    """The audio tokenizer checkpoint ``lm``'s processor names (``audio_tokenizer_name_or_path``, what
-    ``HiggsAudioV2Processor.from_pretrained`` loads), None when it names none (no processor files)."""
+def paired_audio_tokenizer(lm: Any, revision: str | None = None) -> str | None:
+    """The audio tokenizer checkpoint ``lm``'s processor (at ``revision``) names (``audio_tokenizer_name_or_path``,
+    what ``HiggsAudioV2Processor.from_pretrained`` loads: at its ``main``, whatever the processor's revision),
+    None when it names none (no processor files)."""
     from shardcache.pretrained import resolve_pretrained
     from shardcache.weights import checkpoint
-    ckpt = checkpoint(resolve_pretrained(lm, what="model.kwargs.lm"))
+    ckpt = checkpoint(resolve_pretrained(lm, what="model.kwargs.lm"), revision=revision, what="model.kwargs.revision")
     for f in PROCESSOR_FILES:
         path = ckpt.fetch(f)
         d = json.loads(path.read_text()) if path else {}
@@ -405,18 +406,25 @@ def paired_audio_tokenizer(lm: Any) -> str | None:
     return None
 
 
-def codec_weights(lm: Any, audio_tokenizer: Any = None) -> Any:
+def codec_weights(lm: Any, audio_tokenizer: Any = None, *, revision: str | None = None,
+                  audio_tokenizer_revision: str | None = None) -> Any:
     """The weights (:func:`shardcache.weights.weights_of`) of the audio tokenizer the model's codes come from:
     ``audio_tokenizer`` (``--model.audio_tokenizer``) when given, else the one checkpoint ``lm``'s processor
     config names; :class:`shards.cache.Unknown` (met by no cache, saying what to give) when neither names one
-    or the paired one is not here. Raises :class:`shardcache.weights.CheckpointUnreadable` for weights that
-    are there and cannot be read."""
+    or the paired one is not here. ``audio_tokenizer_revision``: the hub revision of ``audio_tokenizer``
+    (``--model.audio_tokenizer_revision``); the paired one is read at its ``main``, as ``HiggsAudioV2Processor``
+    loads it (``revision``: of ``lm``, whose processor config names it). Raises
+    :class:`shardcache.weights.CheckpointUnreadable` for weights that are there and cannot be read."""
     from shardcache.pretrained import resolve_pretrained
     from shardcache.weights import CheckpointMissing, weights_of
     from shards.cache import Unknown
     if audio_tokenizer:
-        return weights_of(resolve_pretrained(audio_tokenizer, what="--model.audio_tokenizer"))
-    tok = paired_audio_tokenizer(lm)
+        return weights_of(resolve_pretrained(audio_tokenizer, what="--model.audio_tokenizer"),
+                          revision=audio_tokenizer_revision, what="--model.audio_tokenizer_revision")
+    if audio_tokenizer_revision:
+        raise ValueError(f"--model.audio_tokenizer_revision {audio_tokenizer_revision!r} without "
+                         "--model.audio_tokenizer: name the audio tokenizer (a hub id) whose revision it is")
+    tok = paired_audio_tokenizer(lm, revision)
     if not tok:
         return Unknown(f"{lm} names no audio tokenizer (no processor_config.json): name the one its codes come "
                        "from with --model.audio_tokenizer (--audio_tokenizer_path)")
@@ -427,7 +435,9 @@ def codec_weights(lm: Any, audio_tokenizer: Any = None) -> Any:
                        "--model.audio_tokenizer")
 
 
-def contract_values(lm: Any, tokenizer: Any = None, audio_tokenizer: Any = None) -> dict[str, Any]:
+def contract_values(lm: Any, tokenizer: Any = None, audio_tokenizer: Any = None, *, revision: str | None = None,
+                    tokenizer_revision: str | None = None,
+                    audio_tokenizer_revision: str | None = None) -> dict[str, Any]:
     """The contract items (``{item: value}``, named as :meth:`shards.cache.Contract.items` names them) of
     Higgs-Audio checkpoint ``lm`` (its ``config.json``, tokenizer and processor files; the audio tokenizer's
     tensors, never the model's): codes of Higgs-Audio's own tokenizer (name, 24 kHz, 25 frames/s, the model's
@@ -435,7 +445,9 @@ def contract_values(lm: Any, tokenizer: Any = None, audio_tokenizer: Any = None)
     1000; the weights of ``audio_tokenizer`` or the paired one: :func:`codec_weights`, computed in float32),
     rendered with Higgs-Audio's layout (``llama3``) and labelled on the answers, by its tokenizer (``tokenizer``
     when given, else the checkpoint's: fingerprint, every special id the batch reads, the pad id). What
-    ``--model.name higgs`` and :class:`HiggsChatMLDataset` compare, alike."""
+    ``--model.name higgs`` and :class:`HiggsChatMLDataset` compare, alike. ``revision``, ``tokenizer_revision``,
+    ``audio_tokenizer_revision``: the hub revisions of ``lm``, ``tokenizer`` and ``audio_tokenizer`` (default
+    ``main``)."""
     import math
 
     from shardcache.pretrained import token_ids, tokenizer_identity, tokenizer_pad_id
@@ -448,13 +460,13 @@ def contract_values(lm: Any, tokenizer: Any = None, audio_tokenizer: Any = None)
     ids: dict[str, Any] = {}
     sizes: dict[str, Any] = {}
     if lm is not None:   # the model's codebooks and placeholder ids (else any: the tokenizer's ids still count)
-        model_type, raw = checkpoint_config(lm)
+        model_type, raw = checkpoint_config(lm, revision)
         keys = CONFIG_KEYS[model_type]
         size, n = int(raw[keys["codebook_size"]]), int(raw[keys["n_codebooks"]])
         sizes = {"codec.n_codebooks": n, "codec.codebook_size": size,
                  "codec.bandwidth": n * math.log2(size) * CODEC_FRAME_RATE / 1000}
         ids = {AUDIO_OUT_ID: int(raw[keys[AUDIO_OUT_ID]]), AUDIO_OUT_BOS_ID: int(raw[keys[AUDIO_OUT_BOS_ID]])}
-    tok, fingerprint, _ = tokenizer_identity(lm, tokenizer)
+    tok, fingerprint, _ = tokenizer_identity(lm, tokenizer, revision=revision, named_revision=tokenizer_revision)
     if tok is not None:
         names = (AUDIO_IN, AUDIO_BOS, AUDIO_EOS, EOT, EOM) + ((AUDIO_OUT_ID, AUDIO_OUT_BOS_ID) if lm is None else ())
         ids |= {t: i for t, i in token_ids(tok, names).items()
@@ -462,16 +474,19 @@ def contract_values(lm: Any, tokenizer: Any = None, audio_tokenizer: Any = None)
     return {f"special_tokens.{t}": i for t, i in ids.items()} | sizes | {
         "pad_id": tokenizer_pad_id(tok) if tok is not None else None,
         "codec.name": CODEC_NAME, "codec.sample_rate": CODEC_SAMPLE_RATE, "codec.frame_rate": CODEC_FRAME_RATE,
-        "codec.weights": codec_weights(lm, audio_tokenizer), "codec.dtype": "float32",
+        "codec.weights": codec_weights(lm, audio_tokenizer, revision=revision,
+                                       audio_tokenizer_revision=audio_tokenizer_revision), "codec.dtype": "float32",
         "text_tokenizer": fingerprint, "chat_template": "llama3", "label_policy": "answers"}
 
 
 def checkpoint_contract(lm: Any, *, tokenizer: Any = None, audio_tokenizer: Any = None, labels: str = "targets",
-                        model: str = "loaders.higgs.HiggsChatMLDataset"):
+                        model: str = "loaders.higgs.HiggsChatMLDataset", **revisions: str | None):
     """The :class:`shards.cache.Contract` of :func:`contract_values`, reading the fields a batch of ``labels``
-    is built from (:meth:`HiggsBatch.fields_read`: Boson's collator reads the cached labels, as ``targets``)."""
+    is built from (:meth:`HiggsBatch.fields_read`: Boson's collator reads the cached labels, as ``targets``);
+    ``revisions``: :func:`contract_values`' ``revision``, ``tokenizer_revision``, ``audio_tokenizer_revision``."""
     from shards.cache import Contract
-    return Contract.from_items(model, contract_values(lm, tokenizer, audio_tokenizer), fields=HiggsBatch.fields,
+    return Contract.from_items(model, contract_values(lm, tokenizer, audio_tokenizer, **revisions),
+                               fields=HiggsBatch.fields,
                                reads=HiggsBatch.fields_read(labels))
 
 
@@ -511,6 +526,9 @@ class HiggsChatMLDataset(torch.utils.data.Dataset):
         tokenizer: the text tokenizer the model was trained with, for a checkpoint that ships none.
         audio_tokenizer: the audio tokenizer (``transformers`` format, the one stage one ran) the model's
             codes come from; needed where the checkpoint's processor names none (Boson's checkpoints).
+        revision, tokenizer_revision, audio_tokenizer_revision: the hub revisions (branch, tag or commit;
+            default ``main``) of ``checkpoint``, ``tokenizer`` and ``audio_tokenizer``, as ``shardcache train``'s
+            ``model.kwargs.revision``, ``model.kwargs.tokenizer_revision`` and ``--model.audio_tokenizer_revision``.
         speakers: the speaker names in id order; default: the sorted distinct ``speaker`` values of
             the cache's index (the sample speakers). An item whose speaker is not in it gets -1.
         waveforms: ``auto`` | a waveform field of the cache (``audio``, ``audio_16k``...).
@@ -525,7 +543,9 @@ class HiggsChatMLDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, cache: str | Path, checkpoint: Any = None, *, tokenizer: Any = None, audio_tokenizer: Any = None,
-                 speakers: Sequence[str] | None = None, waveforms: str = "auto", sample_class: Any = None):
+                 speakers: Sequence[str] | None = None, waveforms: str = "auto", sample_class: Any = None,
+                 revision: str | None = None, tokenizer_revision: str | None = None,
+                 audio_tokenizer_revision: str | None = None):
         from shards import ShardReader, read_manifest
         from shards.cache import Cache
         from shards.tokens import AUDIO_OUT, AUDIO_OUT_BOS
@@ -533,7 +553,9 @@ class HiggsChatMLDataset(torch.utils.data.Dataset):
         from .dataset import cache_fields
 
         #: the contract checked against the cache (:func:`checkpoint_contract`)
-        self.contract = checkpoint_contract(checkpoint, tokenizer=tokenizer, audio_tokenizer=audio_tokenizer)
+        self.contract = checkpoint_contract(checkpoint, tokenizer=tokenizer, audio_tokenizer=audio_tokenizer,
+                                            revision=revision, tokenizer_revision=tokenizer_revision,
+                                            audio_tokenizer_revision=audio_tokenizer_revision)
         Cache.open(cache).require(self.contract)
         self.cache = Path(cache)
         self.reader = ShardReader(self.cache)

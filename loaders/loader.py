@@ -2,7 +2,7 @@
 
 Typical use::
 
-    loader = ShardLoader(cache_dir, batch_size=16, seed=0, num_workers=4)  # rank: process group/env
+    loader = ShardLoader(cache, batch_size=16, seed=0, workers=Workers(num_workers=4))  # rank: Ranks.detect()
     loader.load_state_dict(ckpt["loader"])          # optional; any rank's state (they are equal)
     for epoch in range(loader.epoch, epochs):
         loader.set_epoch(epoch)                      # optional: keeps the cursor if epoch == loader.epoch
@@ -34,17 +34,18 @@ shared-memory slots (``prefetch_factor + 2`` per worker) and send only a small m
 batch's tensors are views of the slot, which is reused once they are all freed
 (:mod:`loaders.shm`): no per-batch shared-memory block, page faults or file descriptors.
 
-DataLoader settings (when ``num_workers > 0``): ``persistent_workers=True`` (the epoch and start
-step reach persistent workers through a shared-memory tensor read at each ``iter()``),
-``prefetch_factor`` batches per worker, ``pin_memory`` when CUDA is available (``device_pin``),
-multiprocessing context: the platform default (fork on Linux) unless CUDA is already initialised
-in this process, then ``"forkserver"`` with the loaders preloaded in it (:mod:`loaders.context`).
-``num_workers=None`` picks ``min(8, cpus // LOCAL_WORLD_SIZE - 1)`` (>= 1).
+DataLoader settings (``Workers(num_workers > 0)``, :class:`loaders.Workers`): ``persistent_workers=True``
+(the epoch and start step reach persistent workers through a shared-memory tensor read at each
+``iter()``), ``prefetch_factor`` batches per worker, ``pin_memory`` when CUDA is available
+(``Reads(pin_memory=...)``), multiprocessing context: the platform default (fork on Linux) unless
+CUDA is already initialised in this process, then ``"forkserver"`` with the loaders preloaded in it
+(:mod:`loaders.context`). ``num_workers=None`` picks ``min(8, cpus // LOCAL_WORLD_SIZE - 1)`` (>= 1).
 """
 from __future__ import annotations
 
 import gc
 import logging
+import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -53,17 +54,19 @@ from torch.utils.data import DataLoader
 
 from shardcache.ranks import Ranks
 from shardcache.workers import auto_workers
-from shards import ShardCorrupt
+from shards import Cache, ShardCorrupt
+from shards import fields as registry
+from shards.mirror import DEFAULT_CACHE_LIMIT, Prefetcher, default_local_dir
+from shards.storage import is_url
 
 from .batching import PlanSpec
-from .collate import check_fields
 from .context import worker_context
 from .dataset import SKIPPED, CacheSource, PlanDataset, Sources
 from .host import KEEP
-from .read import CHECKS
 from .readahead import Failed, ReadAhead
 from .order import ShardOrder
-from .remote import DEFAULT_CACHE_LIMIT, Prefetcher, file_uses
+from .remote import file_uses
+from .settings import Order, Reads, Workers
 from .shm import SlotBatch, SlotReceiver, new_flags
 from .steps import DataLoaderForm
 
@@ -89,6 +92,15 @@ def default_num_workers() -> int:
     return auto_workers(on_accelerator=True)
 
 
+def open_source(cache: "Cache | str | os.PathLike", ranks: Ranks) -> Cache:
+    """``cache`` itself when opened already, else :meth:`shards.Cache.open` of the folder or URL (a URL
+    mirrored into this rank's folder, :func:`shards.mirror.default_local_dir`)."""
+    if isinstance(cache, Cache):
+        return cache
+    local_dir = default_local_dir(str(cache), ranks.global_rank) if is_url(cache) else None
+    return Cache.open(cache, local_dir=local_dir)
+
+
 def _pin(x):
     if isinstance(x, torch.Tensor):
         return x.pin_memory()
@@ -101,66 +113,31 @@ class ShardLoader(DataLoaderForm):
     """Batches of one rank over a shardcache cache. See the module docstring for the order.
 
     Args:
-        cache_dir: cache directory (``index.parquet`` + shard tars), or its URL in object storage
-            (``s3://bucket/cache``, ``gs://...``, ``hf://...``, ``https://...``: streamed into a
-            bounded local folder, see :mod:`loaders.remote`).
-        batch_size: samples per batch and rank (``B``); with ``max_frames``: the most per batch.
-        global_rank, world_size: this rank and the number of ranks; default None: from ``group``
-            or the initialised process group, else the launcher's variables (torchrun, srun,
-            mpirun, PMI), else 0 of 1 (:meth:`shardcache.ranks.Ranks.detect`; an explicit value
-            differing from the process group's raises ``ValueError``, and so does a partial launcher
-            environment such as ``LOCAL_RANK`` without ``RANK``, naming the variables).
-        group: the ``torch.distributed`` process group of data parallelism, when it is not the
-            default group (tensor/pipeline parallel setups); default None.
+        cache: the cache: a :class:`shards.Cache` (opened once by the caller:
+            ``Cache.open(url, storage_options, local_dir)`` for a cache in object storage), or its
+            folder or URL (opened here with the store's usual credentials; a URL is streamed into a
+            bounded local folder per rank, :mod:`shards.mirror`).
+        batch_size: samples per batch and rank (``B``); with ``order.max_frames``: the most per batch.
         seed: int >= 0; with the epoch it fixes the whole order.
-        num_workers: DataLoader worker processes (0: read in this process; None: automatic).
-        shuffle: False -> index order (shards in name order, samples in tar order).
-        drop_remainder: drop the ``N mod G`` last samples (``G = world_size * batch_size``);
-            False: wrap around to the start of the epoch's order to fill the last step.
         fields: the fields to read and collate (see :mod:`loaders.collate`: ``input_ids``,
             ``labels``, ``codes``, ``audio``, ``audio_starts``, ``audio_segments``, ``latents``,
             ``latents_logvar``, extra waveforms...); default None: every field the cache holds but
-            ``latents_logvar``, which is read only when named.
-        filters: callable on the index table or dict on its columns
-            (:func:`loaders.order.filter_rows`), applied before the order is built.
-        max_frames: budget batching: ``B * F_max <= max_frames`` codes frames per batch, with
-            length buckets (:class:`loaders.batching.BudgetPlan`).
-        device_pin: None: pin host memory iff CUDA is available; True/False: force. A device
-            string (``"cuda:1"``) counts as True (pinned memory serves every device).
-        prefetch_factor: batches each worker keeps ready.
-        shuffle_window: > 1: also shuffle within windows of that many samples of the order.
-        bucket_window: samples per sorting window in budget mode (default ``64 * batch_size``).
-        persistent_workers: default True when ``num_workers > 0``.
-        multiprocessing_context: override the context chosen as in the module docstring.
-        timeout: seconds to wait for a worker's batch (0 = forever).
-        compact: deliver ``audio`` as int16 PCM and latents as float16 (the cache's dtypes) instead
-            of float32: half the bytes to copy and to move to the GPU; convert there
-            (``audio * loaders.AUDIO_SCALE``, ``latents.float()``). Default False.
-        verify_reads: also check every sample's sha256 against the index as it is read (opt-in).
-        checks: what every read checks: ``"checksums"`` (default: each member's XXH3-64 against the
-            index, :mod:`shards.checksum`), ``"values"`` (the kinds' value checks only: codes/ids in
-            range, floats finite), ``"none"`` (nothing; for benchmarks). A shard replaced, resized or deleted under
-            the loader, or a member past the end of its file, is always caught.
-        skip_corrupt: damaged samples (checksum mismatch, truncated member, bad value) the loader
-            may leave out of their batch (logged, named; the batch is one sample shorter) before
-            it raises :class:`shards.ShardCorrupt`; default 0: the first one stops it. Counted
-            over the loader's life (all workers together).
-        storage_options: a remote cache's fsspec options (credentials, ``client_kwargs.endpoint_url``
-            ...); default: the store's usual environment/config (:mod:`shards.storage`).
-        local_dir: a remote cache's local folder (default ``$SHARDCACHE_LOCAL_CACHE`` or
-            ``~/.cache/shardcache/remote/<url hash>/rank<R>``).
-        cache_limit: bytes of a remote cache's shard files kept locally by this rank (default
-            32 GiB); files this epoch will not read again are deleted to stay under it.
-        remote_retries: tries of each remote call on transient errors (exponential backoff from
-            0.5 s, at most 30 s apart).
+            ``latents_logvar`` and ``image_features``, which are read only when named.
+        filters: callable on the index's scalar columns or dict on them
+            (:func:`shards.filters.filter_rows`), applied before the order is built.
+        ranks: this rank and the number of ranks (:class:`shardcache.ranks.Ranks`); default
+            ``Ranks.detect()``: the initialised process group, else the launcher's variables
+            (torchrun, srun, mpirun, PMI), else 0 of 1 (a partial launcher environment such as
+            ``LOCAL_RANK`` without ``RANK`` raises ``ValueError`` naming the variables). With tensor or
+            pipeline parallelism: ``Ranks.detect(group=data_parallel_group)``.
+        order: :class:`loaders.Order`: shuffle, shuffle window, remainder, budget batching.
+        workers: :class:`loaders.Workers`: worker processes or read-ahead threads, prefetch, start method.
+        reads: :class:`loaders.Reads`: compact dtypes, checks, damaged samples skipped, pinned memory, the
+            local bytes of a remote cache.
         transform: a picklable callable applied to every collated batch where it is read (in the
-            worker process with ``num_workers > 0``, a read-ahead thread with ``read_threads > 1``),
-            e.g. a model's own batch layout built from the cached tensors (:attr:`train.recipes`
+            worker process with workers, a read-ahead thread with ``read_threads > 1``), e.g. a
+            model's own batch layout built from the cached tensors (:attr:`train.recipes`
             ``batch_transform``); default None.
-        read_threads: with ``num_workers=0``, threads of this process that read the next batches
-            while the consumer works (:mod:`loaders.readahead`; ``prefetch_factor`` batches each);
-            1 reads each batch when it is asked for. Default 2. Ignored with worker processes and
-            for remote caches (their download thread already runs ahead of the reads).
 
     ``DataLoader`` form (:class:`loaders.steps.DataLoaderForm`): ``dataset``, ``batch_sampler``,
     ``sampler`` (None), ``collate_fn``, ``drop_last``, ``prefetch_factor``, ``timeout``,
@@ -168,102 +145,86 @@ class ShardLoader(DataLoaderForm):
     ``Trainer`` given this loader resumes exactly; ``loader[i]`` raises ``TypeError`` (a loader of
     batches, not a dataset of samples: ``DataLoader(loader)`` is refused at its first item).
 
-    Attribute ``prefetcher``: the :class:`loaders.remote.Prefetcher` of a remote cache (its
+    Attribute ``prefetcher``: the :class:`shards.mirror.Prefetcher` of a remote cache (its
     ``stats``: downloads, bytes, evictions, peak_bytes), else None. ``cache_id``: the cache's
     identity (:func:`shards.cache_id`; a MixedLoader's: its caches' ids joined by ``+``), recorded
     in :meth:`state_dict`: :meth:`load_state_dict` refuses a state recorded on another cache.
 
     Raises ``ValueError`` for bad arguments or when an epoch would have no step (fewer samples
     after filters than one global batch with ``drop_remainder=True``), and whatever
-    :class:`loaders.dataset.CacheSource` raises for a bad cache (``UnsafeMember``, ``ShardCorrupt``).
+    :meth:`shards.Cache.open` and :meth:`shards.Cache.reader` raise for a bad cache (``UnsafeMember``,
+    ``ShardCorrupt``...).
     """
 
-    def __init__(self, cache_dir, batch_size: int, *, global_rank: int | None = None,
-                 world_size: int | None = None, group: Any = None, seed: int = 0,
-                 num_workers: int | None = 0, shuffle: bool = True,
-                 drop_remainder: bool = True, fields: Sequence[str] | None = None, filters: Any = None,
-                 max_frames: int | None = None, device_pin: bool | str | None = None,
-                 prefetch_factor: int = 2, shuffle_window: int = 0, bucket_window: int | None = None,
-                 persistent_workers: bool | None = None, multiprocessing_context: Any = None,
-                 timeout: float = 0.0, compact: bool = False, verify_reads: bool = False,
-                 storage_options: dict | None = None, local_dir: str | None = None,
-                 cache_limit: int | None = None, remote_retries: int = 10, transform: Callable | None = None,
-                 checks: str = "checksums", skip_corrupt: int = 0, read_threads: int = 2):
-        fields = None if fields is None else check_fields(fields)
-        ranks = Ranks.detect(group, global_rank, world_size)
-        global_rank, world_size = ranks.global_rank, ranks.world_size
-        remote = dict(rank=int(global_rank), local_dir=local_dir, storage_options=storage_options,
-                      retries=remote_retries)
-        source = CacheSource(cache_dir, filters, fields, verify_reads=verify_reads, remote=remote)
-        order = ShardOrder(source.shard_of, seed, shuffle=shuffle, window=shuffle_window)
-        self._setup(Sources([source]), order, batch_size, global_rank=global_rank,
-                    world_size=world_size, seed=seed, num_workers=num_workers,
-                    drop_remainder=drop_remainder, max_frames=max_frames, device_pin=device_pin,
-                    prefetch_factor=prefetch_factor, bucket_window=bucket_window,
-                    persistent_workers=persistent_workers,
-                    multiprocessing_context=multiprocessing_context, timeout=timeout, compact=compact,
-                    cache_limit=cache_limit, transform=transform, checks=checks, skip_corrupt=skip_corrupt,
-                    read_threads=read_threads)
+    def __init__(self, cache: "Cache | str | os.PathLike", batch_size: int, *, seed: int = 0,
+                 fields: Sequence[str] | None = None, filters: Any = None, ranks: Ranks | None = None,
+                 order: Order = Order(), workers: Workers = Workers(), reads: Reads = Reads(),
+                 transform: Callable | None = None):
+        ranks = Ranks.detect() if ranks is None else ranks
+        opened = open_source(cache, ranks)
+        try:
+            source = CacheSource(opened, None if fields is None else registry.selection(fields), filters,
+                                 verify_reads=reads.verify_reads)
+        except BaseException:
+            if opened is not cache:
+                opened.close()
+            raise
+        self._own_caches = [opened] if opened is not cache else []
+        plan_order = ShardOrder(source.shard_of, seed, shuffle=order.shuffle, window=order.shuffle_window)
+        self._setup(Sources([source]), plan_order, batch_size, ranks=ranks, seed=seed, order=order,
+                    workers=workers, reads=reads, transform=transform)
 
     # -- construction shared with MixedLoader ----------------------------------------------------
     def _setup(self, sources: Sources, order_fn: Callable[[int], np.ndarray], batch_size: int, *,
-               global_rank: int, world_size: int, seed: int, num_workers: int | None,
-               drop_remainder: bool, max_frames: int | None, device_pin, prefetch_factor: int,
-               bucket_window: int | None, persistent_workers: bool | None,
-               multiprocessing_context, timeout: float, compact: bool = False,
-               cache_limit: int | None = None, transform: Callable | None = None, checks: str = "checksums",
-               skip_corrupt: int = 0, read_threads: int = 2) -> None:
-        sources.compact = bool(compact)
+               ranks: Ranks, seed: int, order: Order, workers: Workers, reads: Reads,
+               transform: Callable | None) -> None:
+        for name, value, cls in (("order", order, Order), ("workers", workers, Workers), ("reads", reads, Reads)):
+            if not isinstance(value, cls):
+                raise TypeError(f"{name}= takes a loaders.{cls.__name__}, got {type(value).__name__}")
+        if not isinstance(ranks, Ranks):
+            raise TypeError(f"ranks= takes a shardcache.ranks.Ranks (Ranks.detect()), got {type(ranks).__name__}")
+        self.order, self.workers, self.reads, self.ranks = order, workers, reads, ranks
+        sources.compact = reads.compact
         sources.transform = transform
-        if checks not in CHECKS:
-            raise ValueError(f"checks={checks!r}: choose from {CHECKS}")
-        if int(skip_corrupt) < 0:
-            raise ValueError(f"skip_corrupt must be >= 0, got {skip_corrupt}")
-        sources.checks, sources.skip_corrupt = checks, int(skip_corrupt)
-        self.skip_corrupt = int(skip_corrupt)
+        sources.checks, sources.skip_corrupt = reads.checks, reads.skip_corrupt
+        self.skip_corrupt = reads.skip_corrupt
         self.skipped: list[str] = []  # messages of the damaged samples left out (all workers)
-        if int(batch_size) < 1:
+        if isinstance(batch_size, bool) or int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        global_rank, world_size = ranks.global_rank, ranks.world_size
         if int(world_size) < 1 or not 0 <= int(global_rank) < int(world_size):
             raise ValueError(f"need 0 <= global_rank < world_size, got rank {global_rank} of {world_size}")
         if int(seed) < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
-        if max_frames is not None and int(max_frames) < 1:
-            raise ValueError(f"max_frames must be >= 1, got {max_frames}")
         self.sources = sources
-        self.cache_id = "+".join(s.cache_id for s in sources.sources)  # verified (shards.read_cache_id)
+        self.cache_id = "+".join(s.cache_id for s in sources.sources)  # verified (shards.Cache.open)
         self.batch_size, self.world_size, self.global_rank = int(batch_size), int(world_size), int(global_rank)
-        self.seed, self.max_frames = int(seed), (None if max_frames is None else int(max_frames))
-        self.num_workers = default_num_workers() if num_workers is None else int(num_workers)
-        if int(read_threads) < 1:
-            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
-        self.read_threads = int(read_threads)
-        self._prefetch_factor = int(prefetch_factor)
-        self.drop_remainder = bool(drop_remainder)
-        self.bucket_window = int(bucket_window or 64 * self.batch_size)
+        self.seed, self.max_frames = int(seed), order.max_frames
+        self.num_workers = default_num_workers() if workers.num_workers is None else int(workers.num_workers)
+        self.read_threads = workers.read_threads
+        prefetch_factor = self._prefetch_factor = workers.prefetch_factor
+        self.drop_remainder = order.drop_remainder
+        self.bucket_window = int(order.bucket_window or 64 * self.batch_size)
         self._order_fn = order_fn
         self._spec = PlanSpec(order_fn, self.world_size, self.batch_size, self.seed, self.drop_remainder,
-                              self.max_frames, sources.frames if self.max_frames else None,
+                              self.max_frames, sources.frames() if self.max_frames else None,
                               self.bucket_window)
         self._position = torch.zeros(3, dtype=torch.int64).share_memory_()  # epoch, start step, generation
         self._receiver = None
         if self.num_workers > 0:  # reusable shared-memory slots per worker (loaders.shm)
-            self._receiver = SlotReceiver(new_flags(self.num_workers, int(prefetch_factor) + 2))
+            self._receiver = SlotReceiver(new_flags(self.num_workers, prefetch_factor + 2))
         self._plan_dataset = PlanDataset(sources, self._spec, self.global_rank, self._position,
                                          None if self._receiver is None else (self._receiver.flags, self._receiver.id))
-        if device_pin is None:
-            device_pin = torch.cuda.is_available()
-        self.pin_memory = bool(device_pin)
+        self.pin_memory = torch.cuda.is_available() if reads.pin_memory is None else reads.pin_memory
         sources.pin = self.pin_memory and self.num_workers == 0  # read straight into pinned memory
         # every batch the reads can hold at once: each read-ahead thread's untaken ones and the one it
         # fills, and the consumer's (loaders.host: fewer free blocks kept made a fresh, page-faulted
         # block every few batches: float32 batches 0.45 -> 0.63 x cat, compact 0.75 -> 0.84 with 10)
-        sources.host_blocks = max(KEEP, self.read_threads * (int(prefetch_factor) + 1) + 2)
+        sources.host_blocks = max(KEEP, self.read_threads * (prefetch_factor + 1) + 2)
         self._dl_kwargs = dict(
-            prefetch_factor=int(prefetch_factor),
-            persistent_workers=True if persistent_workers is None else bool(persistent_workers),
-            multiprocessing_context=worker_context(multiprocessing_context),
-            timeout=float(timeout), worker_init_fn=_worker_init)
+            prefetch_factor=prefetch_factor, persistent_workers=workers.persistent_workers,
+            multiprocessing_context=worker_context(workers.multiprocessing_context),
+            timeout=float(workers.timeout), worker_init_fn=_worker_init)
         self._dl: DataLoader | None = None
         self._step_sampler = None  # the DataLoader form's batch sampler (loaders.steps.DataLoaderForm)
         self.epoch, self._cursor, self._generation = 0, 0, 0
@@ -273,8 +234,8 @@ class ShardLoader(DataLoaderForm):
         if remotes:
             self.prefetcher = Prefetcher(
                 lambda epoch: file_uses(self._spec.plan(epoch), self.global_rank, sources),
-                remotes, DEFAULT_CACHE_LIMIT if cache_limit is None else int(cache_limit),
-                lookahead=max(self.num_workers, self.read_threads) * int(prefetch_factor) + 1)
+                remotes, DEFAULT_CACHE_LIMIT if reads.cache_limit is None else int(reads.cache_limit),
+                lookahead=max(self.num_workers, self.read_threads) * prefetch_factor + 1)
         if len(self) == 0:
             raise ValueError(
                 f"an epoch has no step: {sources.n} samples after filters, global batch "
@@ -481,6 +442,9 @@ class ShardLoader(DataLoaderForm):
         if self.prefetcher is not None:
             self.prefetcher.stop()
         self.sources.close()
+        for c in self._own_caches:  # caches this loader opened itself
+            c.close()
+        self._own_caches = []
 
     def __repr__(self) -> str:
         mode = f"max_frames={self.max_frames}" if self.max_frames else f"batch_size={self.batch_size}"

@@ -17,11 +17,14 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .collate import check_fields
-from .dataset import CacheSource, Sources
-from .loader import ShardLoader
-from .order import epoch_order, rng_for
 from shardcache.ranks import Ranks
+from shards import Cache
+from shards import fields as registry
+
+from .dataset import CacheSource, Sources
+from .loader import ShardLoader, open_source
+from .order import epoch_order, rng_for
+from .settings import Mix, Order, Reads, Workers
 
 
 def apportion(weights: Sequence[float], total: int) -> list[int]:
@@ -74,29 +77,26 @@ class MixedLoader(ShardLoader):
     """A :class:`loaders.ShardLoader` over several caches mixed by weight.
 
     Args:
-        caches: ``{name: cache_dir}`` (or a list of dirs, named by their path).
-        batch_size: as for ShardLoader.
-        weights: ``{name: weight}`` or a list in ``caches`` order; normalised, must be > 0.
-        samples_per_epoch: samples per epoch; default ``floor(min_i N_i / w_i)`` (the most
-            before any source has to repeat a sample within an epoch).
-        source_filters: ``{name: filters}`` per cache; ``filters`` applies to caches without one.
-        storage_options, cache_limit: for caches given as URLs (as ShardLoader; each remote cache
-            gets its own local folder, and ``cache_limit`` bounds them together).
-        Every other keyword (rank, world, seed, workers, fields, max_frames...) as ShardLoader;
-        ``shuffle=False`` keeps each cache's index order but still interleaves them by seed.
+        caches: ``{name: cache}`` (a :class:`shards.Cache`, a folder or a URL, as ShardLoader's
+            ``cache``), or a list of them (named by their path).
+        batch_size, seed, fields, ranks, order, workers, reads, transform: as ShardLoader;
+            ``Order(shuffle=False)`` keeps each cache's index order but still interleaves them by seed.
+            Each remote cache streams into its own local folder; ``reads.cache_limit`` bounds them together.
+        mix: :class:`loaders.Mix`: the weights (required), the samples per epoch, each cache's filters.
 
     Raises ``ValueError`` for mismatched names/weights, non-positive weights or an empty source.
     """
 
-    def __init__(self, caches: Mapping[str, Any] | Sequence[Any], batch_size: int, *,
-                 weights: Mapping[str, float] | Sequence[float], samples_per_epoch: int | None = None,
-                 source_filters: Mapping[str, Any] | None = None, filters: Any = None,
-                 fields: Sequence[str] | None = None, seed: int = 0, shuffle: bool = True,
-                 shuffle_window: int = 0, storage_options: dict | None = None, cache_limit: int | None = None,
-                 **kwargs):
+    def __init__(self, caches: Mapping[str, Any] | Sequence[Any], batch_size: int, *, mix: Mix,
+                 seed: int = 0, fields: Sequence[str] | None = None, ranks: Ranks | None = None,
+                 order: Order = Order(), workers: Workers = Workers(), reads: Reads = Reads(),
+                 transform: Any = None):
+        if not isinstance(mix, Mix):
+            raise TypeError(f"mix= takes a loaders.Mix, got {type(mix).__name__}")
         if not isinstance(caches, Mapping):
-            caches = {str(c): c for c in caches}
+            caches = {str(c.source if isinstance(c, Cache) else c): c for c in caches}
         names = list(caches)
+        weights = mix.weights
         if isinstance(weights, Mapping):
             if set(weights) != set(names):
                 raise ValueError(f"weights name {sorted(weights)} but caches are {names}")
@@ -108,28 +108,30 @@ class MixedLoader(ShardLoader):
         if not names or any(x <= 0 for x in w):
             raise ValueError(f"need at least one cache and weights > 0, got {dict(zip(names, w))}")
         w = [x / sum(w) for x in w]
-        fields = None if fields is None else check_fields(fields)
-        source_filters = dict(source_filters or {})
-        unknown = set(source_filters) - set(names)
+        fields = None if fields is None else registry.selection(fields)
+        unknown = set(mix.filters) - set(names)
         if unknown:
-            raise ValueError(f"source_filters for unknown caches {sorted(unknown)}; caches: {names}")
-        ranks = Ranks.detect(kwargs.pop("group", None), kwargs.get("global_rank"), kwargs.get("world_size"))
-        kwargs["global_rank"], kwargs["world_size"] = ranks.global_rank, ranks.world_size
-        remote = dict(rank=int(kwargs["global_rank"]), storage_options=storage_options)
-        srcs = [CacheSource(caches[n], source_filters.get(n, filters), fields, remote=remote) for n in names]
+            raise ValueError(f"Mix.filters for unknown caches {sorted(unknown)}; caches: {names}")
+        ranks = Ranks.detect() if ranks is None else ranks
+        self._own_caches = []
+        srcs = []
+        try:
+            for n in names:
+                opened = open_source(caches[n], ranks)
+                if opened is not caches[n]:
+                    self._own_caches.append(opened)
+                srcs.append(CacheSource(opened, fields, mix.filters.get(n), verify_reads=reads.verify_reads))
+        except BaseException:
+            for c in self._own_caches:
+                c.close()
+            raise
         sources = Sources(srcs, names)
+        samples_per_epoch = mix.samples_per_epoch
         if samples_per_epoch is None:
             samples_per_epoch = int(min(s.n / x for s, x in zip(srcs, w)))
-        order = MixedOrder([s.shard_of for s in srcs], sources.offsets, w, samples_per_epoch, seed,
-                           shuffle=shuffle, window=shuffle_window)
+        plan_order = MixedOrder([s.shard_of for s in srcs], sources.offsets, w, samples_per_epoch, seed,
+                                shuffle=order.shuffle, window=order.shuffle_window)
         self.weights = dict(zip(names, w))
         self.samples_per_epoch = int(samples_per_epoch)
-        defaults = dict(global_rank=0, world_size=1, num_workers=0, drop_remainder=True, max_frames=None,
-                        device_pin=None, prefetch_factor=2, bucket_window=None, persistent_workers=None,
-                        multiprocessing_context=None, timeout=0.0, compact=False, transform=None,
-                        checks="checksums", skip_corrupt=0, read_threads=2)
-        unknown_kw = set(kwargs) - set(defaults)
-        if unknown_kw:
-            raise TypeError(f"MixedLoader got unexpected keyword arguments {sorted(unknown_kw)}")
-        defaults.update(kwargs)
-        self._setup(sources, order, batch_size, seed=seed, cache_limit=cache_limit, **defaults)
+        self._setup(sources, plan_order, batch_size, ranks=ranks, seed=seed, order=order, workers=workers,
+                    reads=reads, transform=transform)

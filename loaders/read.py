@@ -38,9 +38,7 @@ from shards.kinds import BatchContext
 from shards.readinto import conversion
 
 from .collate import allocate, check_rates
-
-#: what a read checks: "checksums" (default), "values" (each kind's value checks), "none"
-CHECKS = ("checksums", "values", "none")
+from .settings import CHECKS
 
 
 class Staging:
@@ -84,21 +82,21 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
     if single:
         src0, _, rows0 = groups[0]
         keys: list[Any] = src0.reader.keys_at(rows0)
-        rates = src0.sample_rate[rows0]
+        rates = src0.sample_rates(rows0)
     else:
         keys = [None] * B
         rates = np.zeros(B, dtype=np.int64)
         for src, pos, rows in groups:
             for p, k in zip(pos.tolist(), src.reader.keys_at(rows)):
                 keys[p] = k
-            rates[pos] = src.sample_rate[rows]
+            rates[pos] = src.sample_rates(rows)
     rate = check_rates(keys, rates)
     plans, layout, seen = [], [], set()
     for name in fields:
         f = registry.get(name)
         if single:  # the index arrays at the batch's rows
             fa = src0.reader.field(name, f.ndim)
-            shapes, present = fa.shape[rows0], fa.present[rows0]
+            shapes, present = fa.shapes(rows0), fa.presence(rows0)
             if not present.all():
                 shapes[~present] = f.kind.empty_shape(f, ctx)
         else:
@@ -108,8 +106,8 @@ def read_batch(groups: Sequence[tuple[Any, np.ndarray, np.ndarray]], B: int, fie
             present = np.zeros(B, dtype=bool)
             for src, pos, rows in groups:
                 fa = src.reader.field(name, f.ndim)
-                have = fa.present[rows]
-                shapes[pos[have]] = fa.shape[rows[have]]
+                have = fa.presence(rows)
+                shapes[pos[have]] = fa.shapes(rows[have])
                 present[pos] = have
         S = f.kind.batch_shape(f, keys, shapes, present, ctx)
         for key, shape, dtype in f.kind.layout(f, B, S, ctx):
@@ -215,7 +213,7 @@ def _value_problems(groups, plans, targets, checks: str, known: set) -> list[tup
             if spec is None:
                 continue
             fa = src.reader.field(f.name)
-            todo = fa.present[rows]
+            todo = fa.presence(rows)
             o = target.numpy()
             for p, r in zip(pos[todo].tolist(), rows[todo].tolist()):
                 if p in known:
@@ -224,8 +222,9 @@ def _value_problems(groups, plans, targets, checks: str, known: set) -> list[tup
                 why = f.kind.value_problem(region, spec)
                 if why is not None:
                     known.add(p)
-                    path = src.reader.io.paths[int(src.reader.shard_of[r] if fa.file is None else fa.file[r])]
-                    out.append((p, f"{path}: sample {src.reader.key_array[r].as_py()!r}: {f.name} {why}; the "
+                    at = np.array([r])
+                    path = src.reader.io.paths[int(fa.files(at, src.reader.shard_of[at])[0])]
+                    out.append((p, f"{path}: sample {src.reader.key(r)!r}: {f.name} {why}; the "
                                    "shard is damaged or was not written for this cache's settings; run "
                                    "`shardcache shards verify --deep`"))
     return out

@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from shardcache.cli import plain
+from shardcache.helptext import plain
 from shardcache.config import BATCH, BYTES, IDENTITY, OPERATIONAL, SPEC, ConfigError, Effect, bounded, option, read_yaml
 from shards import fields as registry
 from shards.errors import ShardcacheError, WriteRefused
@@ -311,6 +311,8 @@ class AddFieldOptions:
     """Codes fields: the codec (a registry name or a plug-in module:factory)."""
     pretrained: Optional[str] = option(None, effect=IDENTITY)
     """Codes fields: the codec's checkpoint directory or hub id."""
+    revision: Optional[str] = option(None, effect=IDENTITY)
+    """Codes fields: the hub revision (branch, tag or commit) of --pretrained; default main (a folder has none)."""
     config: Optional[str] = option(None, effect=SPEC)
     """Codes fields: a YAML file with an audio_tokenizer mapping (a precompute config), or the mapping itself."""
     device: str = option("cpu", effect=Effect("batch", canonical=lambda d: str(d).partition(":")[0]))
@@ -325,7 +327,8 @@ class AddFieldOptions:
 
 def producer_spec(args: Any) -> dict[str, Any]:
     """The producer spec of the command line (an :class:`AddFieldOptions`): ``--producer`` (+ ``--options``),
-    else the codec flags (``--audio_tokenizer``/``--pretrained``/``--config``: producer ``codes``). Without
+    else the codec flags (``--audio_tokenizer``/``--pretrained``/``--revision``/``--config``: producer
+    ``codes``). Without
     either, a ``codes_<codec>`` field needs the codec flags; other fields need ``--producer``. Raises
     :class:`~shardcache.config.ConfigError` naming the option."""
     options: dict[str, Any] = dict(args.options or {})
@@ -342,6 +345,8 @@ def producer_spec(args: Any) -> dict[str, Any]:
         codec = {"factory": spec} if ":" in spec else dict(codec, name=spec)
     if args.pretrained:
         codec["pretrained"] = args.pretrained
+    if args.revision:
+        codec["revision"] = args.revision
     if not codec:
         raise ConfigError([("producer", "give --producer NAME|module:factory (with --options), or for a codes "
                                         "field --audio_tokenizer NAME|module:factory and --pretrained DIR|hub-id")])

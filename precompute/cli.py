@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Optional
 
 from shardcache import config as S
+from shardcache.quiet import quiet_libraries
 from shardcache.ranks import Ranks
 from shardcache.weights import CheckpointUnreadable
 from shards.errors import ShardcacheError, WriteRefused
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    quiet_libraries()
     # configuration errors stop here, before any model is loaded or any file written
     try:
         cfg, args = config_from_args(argv)
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", ranks.note)
     if global_rank == 0:
         log.info("config file: %s (%s)", args.config_file or "none", args.config_source)
-        log.info("config: %s", S.to_dict(cfg))
+        log.info("%s", S.changes_line(cfg))
     previous = stop_on_sigterm()  # SIGTERM (SLURM, torchrun) unwinds the job: its processes, memory and lock freed
     try:
         summary, manifest = run(args.manifest, args.cache, cfg, root=args.root, global_rank=global_rank,
@@ -129,9 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)
         close()
-    print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "
-          f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio; setup {summary.setup_s:.1f} s, "
-          f"encoding {summary.wall_s:.1f} s, encoder busy {summary.encoder_busy:.0%} of it")
+    if summary.kept + summary.rejected == 0 and summary.skipped_rows:
+        print(f"[rank {global_rank}] nothing to encode: the cache holds all {summary.skipped_rows} rows "
+              f"({summary.setup_s:.1f} s)")
+    else:
+        print(f"[rank {global_rank}] kept {summary.kept}, rejected {summary.rejected}, skipped (already cached) "
+              f"{summary.skipped_rows}, {summary.audio_seconds / 3600:.4f} h audio; setup {summary.setup_s:.1f} s, "
+              f"encoding {summary.wall_s:.1f} s, encoder busy {summary.encoder_busy:.0%} of it")
     if manifest is not None:
         c = manifest["counts"]
         print(f"cache {args.cache}: {c['samples']} samples in {c['shards']} shards ({c['bytes'] / 1e6:.1f} MB), "
@@ -142,7 +150,31 @@ def main(argv: list[str] | None = None) -> int:
         if empty is not None:
             print(f"error: {empty}", file=sys.stderr)
             return 1
+        for line in closing_lines(args.cache, args.manifest, c):
+            print(line)
     return 0
+
+
+def closing_lines(cache: str, manifest: str, counts: dict) -> list[str]:
+    """What the summary ends with: the rejects that ``expected_rejects.json`` beside the manifest lists, when it
+    lists them all (the bundled demo's and real-mini's rows broken on purpose: data/demo/README.md), where each
+    reject is named (``shards rejects``), and how to look at the cache (``shards view``, ``make view``)."""
+    from shards import read_rejects
+    from shards.storage import is_url
+    out = []
+    expected = Path(manifest).parent / "expected_rejects.json"
+    if counts.get("rejected") and not is_url(cache) and expected.is_file():
+        try:
+            listed = {(r["key"], r["reason"]) for r in json.loads(expected.read_text())}
+        except (ValueError, KeyError, TypeError):
+            listed = set()
+        got = {(r["key"], r["reason"]) for r in read_rejects(cache).select(["key", "reason"]).to_pylist()}
+        if got and got <= listed:
+            out.append(f"  all {len(got)} rejects are rows {expected} lists as broken on purpose")
+    if counts.get("rejected"):
+        out.append(f"each reject's row and reason: shardcache shards rejects {cache}")
+    out.append(f"look at the cache: shardcache shards view {cache}   (or: make view OUT={cache})")
+    return out
 
 
 def empty_cache_error(cache: str, manifest: dict) -> str | None:

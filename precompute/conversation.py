@@ -82,6 +82,7 @@ class MediaRoot:
         self.allow_outside = bool(allow_outside)
         self._real_root = os.path.realpath(self.root)
         self._real_dirs: dict[str, str] = {}
+        self._folders: dict[str, tuple[str, str, bool]] = {}  # a value's folder part -> what _folder makes of it
 
     @classmethod
     def of(cls, base: "MediaRoot | str | os.PathLike") -> "MediaRoot":
@@ -100,14 +101,43 @@ class MediaRoot:
         full = os.path.join(real_dir, name)
         return os.path.realpath(full) if os.path.islink(full) else full
 
+    def _folder(self, value: str) -> tuple[str, str, str, bool] | None:
+        """``(str(root / folder), its real path, the file name, whether that real folder is inside the root)``
+        of ``value``'s folder part, made once per folder (pathlib's join, ``normpath``, ``realpath``); None
+        for a value the per-folder form does not cover (a last part ``.``/``..``, a leading ``//``)."""
+        folder, sep, name = value.rpartition("/")
+        if not name or name in (".", "..") or value.startswith("//"):
+            return None
+        prefix = folder + sep  # "" (no folder), "/" (the file system's root), "a/b/"
+        got = self._folders.get(prefix)
+        if got is None:
+            if len(self._folders) > 65536:
+                self._folders.clear()
+            base = str(self.root / prefix) if prefix else str(self.root)
+            real = os.path.realpath(os.path.normpath(base))
+            got = self._folders[prefix] = (base, real, self._under(real, self._real_root))
+        return got[0], got[1], name, got[2]
+
     def resolve(self, value: str, name: str) -> str:
         """``value`` (a checked, non-empty path text) as an absolute path string (a
-        :class:`~precompute.sources.MediaPath` knowing the root it must stay inside)."""
-        path = str(self.root / value)
+        :class:`~precompute.sources.MediaPath` knowing the root it must stay inside). The folder's join and
+        real path are made once per folder; each file costs one ``lstat`` (is it a symlink?)."""
+        folder = self._folder(value)
+        if folder is None:
+            path = str(self.root / value)
+        else:
+            base, real_dir, file, inside = folder
+            path = base + file if base.endswith("/") else f"{base}/{file}"
         if self.allow_outside:
             return MediaPath(path, None)
-        norm = os.path.normpath(path)
-        real = self._real(norm)  # resolves ../ and every symlink: a root that is itself a link is fine
+        if folder is None:
+            norm = os.path.normpath(path)
+            real = self._real(norm)  # resolves ../ and every symlink: a root that is itself a link is fine
+        else:
+            full = real_dir + file if real_dir.endswith("/") else f"{real_dir}/{file}"
+            if not os.path.islink(full) and inside:
+                return MediaPath(path, self._real_root)
+            norm, real = os.path.normpath(path), (os.path.realpath(full) if os.path.islink(full) else full)
         if not self._under(real, self._real_root):
             linked = self._under(norm, os.path.normpath(self.root))
             where = f"{real} (through a symlink)" if linked else norm

@@ -223,7 +223,7 @@ def alive(pid: int) -> bool:
 class WorkerPids:
     """The pids of a job's decode workers and what each is doing, in a small shared table made before they fork:
     each worker records its pid as it starts (:meth:`record`, in the ``worker_init_fn``) and the row it is decoding
-    (:meth:`begin` / :meth:`end` around each row, :class:`precompute.prepare.PrepareDataset`); :meth:`dead` names
+    (:meth:`begin` / :meth:`end` around each row, :class:`precompute.chunks.RowsDataset`); :meth:`dead` names
     those gone and :meth:`hung` those on one row past the stall deadline, so a failure of the decode loader is told
     apart (a worker died, a worker hung) by a fact, not a message. Times are ``time.monotonic()`` seconds (Linux:
     one clock for every process of the machine)."""
@@ -240,7 +240,8 @@ class WorkerPids:
         self.table[worker_id] = os.getpid()
 
     def begin(self, item: int) -> None:
-        """In a decode worker: it starts decoding item ``item`` of the job's items (in the main process: nothing)."""
+        """In a decode worker: it starts decoding row ``item`` (its manifest position; in the main process:
+        nothing)."""
         from torch.utils.data import get_worker_info
         info = get_worker_info()
         if info is not None:

@@ -1,8 +1,18 @@
 """The stage-one job: manifest rows -> chunks -> decode (workers) -> encode (device) -> shards.
 
+Planning. The manifest is read once as a stream (:class:`precompute.plan.ManifestPlan`: each row keyed,
+checked and digested, the decisions across rows taken on columns, memory bounded by the block of rows read,
+not by the manifest), compared with the committed chunks (:mod:`precompute.rerun`) and cut into chunks
+(:mod:`precompute.chunks`) before any encoder is loaded. When nothing is to be encoded and the cache's
+recorded :func:`precompute.identity.input_identity` (the options, checkpoints' files, plug-ins' code and
+library versions the fingerprint is made from) is this job's, no encoder is loaded at all: the job says the
+cache is up to date (and merges the index again only when a chunk was dropped). Otherwise the encoders are
+loaded and the fingerprint is compared as before.
+
 Work units. The manifest's rows, in order, are cut into chunks of ``samples_per_shard`` rows;
 chunk ``j`` becomes ``shard-{j:06d}.tar`` (with its index/rejects parts; the index part is the
-commit marker). Chunks not yet committed are dealt round-robin to the ranks of this run. So the
+commit marker). Chunks not yet committed are dealt round-robin to the ranks of this run; each rank reads
+its own chunks' rows from the manifest again as it encodes them (:class:`precompute.chunks.ChunkRows`). So the
 cache is a function of (manifest, config, encoder weights) only: the same shard names and sample
 bytes for any number of ranks, kills and reruns, or decode workers (encoder batches are formed
 inside one chunk, from its start). One mechanism gives resume after a kill, incremental runs (rows
@@ -14,12 +24,18 @@ at a collective (a slow rank delays the job, never crashes it); ``shardcache sha
 shards at any time. ``out_dir`` may be a URL in object storage: chunks are committed in a local
 staging folder and uploaded, index part last (:mod:`precompute.output`).
 
-The spine. :meth:`Job.build` is where the config stops: it loads the encoders and reads what
-they declare (:mod:`precompute.encoders.capabilities`: device, batching, asynchronous calls), builds
-the producers, the chat tokens, the audio rates each item is read at, the one picklable
-:class:`precompute.prepare.Preparer` the decode workers run, the value checks and the fingerprint.
-Everything after it (the decode workers, the encoder thread, ``shardcache check``) reads the
-:class:`Job`.
+The spine. The config is read in two places: :meth:`precompute.options.JobOptions.of` (how the manifest is
+read, what a rerun compares, the batch policy, chunking, workers, precision: typed fields, read before any
+encoder loads) and :meth:`Job.build`, which loads the encoders and reads what they declare
+(:mod:`precompute.encoders.capabilities`: device, batching, asynchronous calls), starts what they run beside
+this process (a codec's processes, all at once), builds the producers, the chat tokens, the audio rates each
+item is read at, the one picklable :class:`precompute.prepare.Preparer` the decode workers run, the value
+checks and the fingerprint. Everything after it (the decode workers, the encoder thread, ``shardcache
+check``) reads the :class:`Job` and its :class:`~precompute.options.JobOptions`.
+
+Progress. One bar per job (rank 0's) counts the rows written (encoded and handed to the shard writer, in
+manifest order) of this rank's rows, with the rows read and rejected beside it; its rate, and so its ETA,
+is the encoders' throughput.
 
 Overlap. Decoding and resampling run in DataLoader worker processes; the encoders run on their own
 thread (:mod:`precompute.executor`; on CUDA its own stream, one wait per batch); the main thread
@@ -39,39 +55,41 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from shardcache.config import to_dict
 from shardcache.workers import auto_workers
 
-from shards import schema
 from shards.index import PARTS_DIR, merge_parts, read_part_meta
-from shards.manifest import TextInfo
+from shards.manifest import TextInfo, read_manifest
+from shards.schema import INDEX_FILE, MANIFEST_FILE, ROOT_FILE
 from shards.writing import CacheWriter
 
 from . import chat
 from . import encode as E
+from .chunks import Chunk, ChunkRecords, ChunkRows, RowsDataset, plan_chunks
 from .config import PrecomputeConfig
-from .conversation import OUTSIDE_ROOT
 from .encode import Encoders, Summary, load_encoders
 from .encoders import fingerprint
-from .encoders.capabilities import Capabilities
+from .encoders.capabilities import Capabilities, Declares
 from .executor import EncoderThread
 from .faults import WorkerPids, legacy_infrastructure_rejects, raise_if_stopped
+from .identity import (JOB_FILE, check_batch_record, check_job_record, input_identity, record_inputs,
+                       recorded_inputs)
 from .lock import die_with_parent
-from .manifests import Request, read_requests
+from .manifests import Request
+from .options import JobOptions
 from .output import open_output
 from .pipeline import EncodeStream, job_workers, preload_decoders
+from .plan import ManifestPlan
 from .precision import check_precision
-from .identity import JOB_FILE, batch_policy, check_job_record, filter_values
-from .rerun import carried_name, carry_removed, plan_rerun, row_ids, write_carried
+from .rerun import RerunPlan, carried_name, carry_removed, plan_rerun, write_carried
 from .slots import receiver as slot_receiver, unpack as unpack_rows
 from .writer import ChunkWriter
-from .prepare import DecodeOptions, Prepared, PrepareDataset, Preparer, identity_collate
+from .prepare import DecodeOptions, Prepared, Preparer, identity_collate
 from .producers import Producer, WaveformProducer
 
 log = logging.getLogger("precompute")
@@ -93,7 +111,8 @@ class Job:
     workers run, the value checks and the job's fingerprint. ``shardcache precompute`` runs it over
     the manifest (:func:`run`); ``shardcache check`` over a few rows to compare with a cache.
 
-    Attributes beyond the names: ``capabilities`` (``{"audio_tokenizer"|"image_encoder":
+    Attributes beyond the names: ``options`` (:class:`~precompute.options.JobOptions`: the device and every
+    other fact of the config the job reads), ``capabilities`` (``{"audio_tokenizer"|"image_encoder":
     Capabilities}``, declared), ``added`` (tokens the job added to the text tokenizer),
     ``info`` (what ``manifest.json`` records about the fields), ``describe`` (the encoders'
     ``describe()`` and the preprocessing: what the fingerprint hashes), ``batch_size`` (rows per
@@ -102,7 +121,7 @@ class Job:
     bucket``), else one batch: rows go on as they come)."""
 
     cfg: PrecomputeConfig
-    device: str
+    options: JobOptions
     enc: Encoders
     capabilities: dict[str, Capabilities]
     template: str
@@ -120,21 +139,35 @@ class Job:
     batch_size: int
     window: int
 
+    @property
+    def device(self) -> str:
+        """The device the encoders run on (``options.device``)."""
+        return self.options.device
+
     @classmethod
-    def build(cls, cfg: PrecomputeConfig, device: str, requests: list | None = None) -> "Job":
-        """Load the encoders on ``device`` and derive the rest (hashes every weight once). With the
-        job's ``requests``, the special tokens their conversations need are checked first (added to
-        the text tokenizer when ``add_missing_tokens``; :func:`precompute.chat.ensure_tokens`), so
-        the fingerprint describes the tokenizer the job renders with."""
+    def build(cls, cfg: PrecomputeConfig, device: str, requests: list | None = None, *,
+              kinds: frozenset[str] | None = None, options: JobOptions | None = None) -> "Job":
+        """Load the encoders on ``device`` (starting what they run beside this process: a codec's
+        ``processes``, all at once) and derive the rest (hashes every weight once). The special tokens the
+        job's rows need are checked first (added to the text tokenizer when ``add_missing_tokens``;
+        :func:`precompute.chat.ensure_tokens`), so the fingerprint describes the tokenizer the job renders
+        with: ``kinds``, the media kinds the rows hold (:attr:`precompute.plan.Stats.kinds`), or ``requests``
+        (a list of rows) to find them in. ``options``: the job's :class:`~precompute.options.JobOptions`
+        (default: ``cfg``'s on ``device``)."""
+        options = options or JobOptions.of(cfg, device)
         enc = load_encoders(cfg, device)
+        for encoder in (enc.audio, enc.image):
+            if isinstance(encoder, Declares):
+                encoder.start()  # e.g. audio_tokenizer.processes: N codec processes, all at once
         caps = enc.capabilities
         template = chat.resolve_template(cfg.chat_template, enc.text)
         producers, extra = E.job_producers(cfg, enc, template, device)
         tokens = E.job_tokens(cfg, producers)
         added: dict[str, int] = {}  # tokens the job needs and the tokenizer lacked
-        convs = [r.conversation for r in requests or [] if r.conversation is not None]
-        if convs:
-            added = chat.ensure_tokens(enc.text, chat.needed_kinds(convs), tokens, cfg.add_missing_tokens)
+        if kinds is None:
+            kinds = frozenset(chat.needed_kinds(r.conversation for r in requests or [] if r.conversation is not None))
+        if kinds:
+            added = chat.ensure_tokens(enc.text, kinds, tokens, cfg.add_missing_tokens)
             if added:
                 log.info("added %s to the text tokenizer (vocab_size %d): resize the LM's embeddings", added,
                          enc.text.vocab_size)
@@ -154,7 +187,7 @@ class Job:
         # bucketed by aspect (the other image policies give every image the configured size)
         varies = {"audio_tokenizer": True, "image_encoder": cfg.image_resize == "bucket"}
         batched = any(c.batching.batched and varies[name] for name, c in caps.items())
-        return cls(cfg, device, enc, caps, template, tokens, added, producers, extra, rates, preparer, info,
+        return cls(cfg, options, enc, caps, template, tokens, added, producers, extra, rates, preparer, info,
                    E.value_checks(producers, info), fingerprint(*encoders.values(), preprocessing=preprocessing),
                    encoders | {"preprocessing": preprocessing}, int(cfg.sample_rate), int(cfg.encoder_batch_size),
                    int(cfg.encoder_batch_size) * (WINDOW_BATCHES if batched else 1))
@@ -201,30 +234,25 @@ class Encoding:
         return out
 
 
-def row_id(req: Request) -> str:
-    """Identity of one manifest row for resume bookkeeping, from the manifest alone (:func:`precompute.rerun.row_ids`,
-    which also numbers rows claiming one id)."""
-    return row_ids([req])[0]
-
-
-def precision_check(job: Job, requests: list[Request]) -> dict | None:
+def precision_check(job: Job, rows: Any, any_image: bool) -> dict | None:
     """Measure half-precision encoders against float32 on the job's first rows (None for float32 and
-    for ``precision_samples`` 0).
+    for ``precision_samples`` 0): ``rows``, the manifest's requests in order (read as far as needed);
+    half of the rows with an image where ``any_image`` (a row not rejected while reading has one), so both
+    encoders are measured.
 
-    Raises :class:`precompute.precision.PrecisionMismatch` outside ``cfg.precision_tolerance``.
+    Raises :class:`precompute.precision.PrecisionMismatch` outside ``precision_tolerance``.
     """
-    cfg, enc = job.cfg, job.enc
-    if cfg.encoder_dtype in ("float32", "fp32"):
+    cfg, opts = job.cfg, job.options.precision
+    if opts.dtype in ("float32", "fp32"):
         return None
-    if cfg.precision_samples == 0:  # e.g. the theworld preset: bfloat16 is the reference there
-        log.info("encoder_dtype=%s not measured against float32 (precision_samples 0)", cfg.encoder_dtype)
+    if opts.samples == 0:  # e.g. the theworld preset: bfloat16 is the reference there
+        log.info("encoder_dtype=%s not measured against float32 (precision_samples 0)", opts.dtype)
         return None
     ref = load_encoders(cfg, job.device, dtype="float32")
-    # half of the rows with an image where the manifest has them, so both encoders are measured
-    n_img = cfg.precision_samples // 2 if any(r.has_image and not r.error for r in requests) else 0
+    n_img = opts.samples // 2 if any_image else 0
     picked: dict[bool, list] = {True: [], False: []}
-    quota = {True: n_img, False: cfg.precision_samples - n_img}
-    for req in requests:
+    quota = {True: n_img, False: opts.samples - n_img}
+    for req in rows:
         kind = req.has_image
         if req.error or len(picked[kind]) >= quota[kind]:
             if all(len(picked[k]) >= quota[k] for k in picked):
@@ -235,9 +263,9 @@ def precision_check(job: Job, requests: list[Request]) -> dict | None:
             picked[kind].append(p)
     prepared = picked[True] + picked[False]
     with torch.inference_mode():
-        result = check_precision(enc, ref, prepared, cfg.precision_tolerance, cfg.encoder_dtype)
+        result = check_precision(job.enc, ref, prepared, opts.tolerance, opts.dtype)
     log.info("encoder_dtype=%s vs float32 on %d rows: latents rel. err %s, codes agreement %s",
-             cfg.encoder_dtype, result["samples"], result["latents_rel_err"], result["codes_agreement"])
+             opts.dtype, result["samples"], result["latents_rel_err"], result["codes_agreement"])
     return result
 
 
@@ -250,19 +278,19 @@ def check_fingerprint(out_dir: Path, fp: str, describe: dict, global_rank: int, 
     return check_job_record(out_dir, fp, describe, batch or {}, global_rank)
 
 
-def check_root(requests: list[Request], manifest: str | Path, root: str | Path | None) -> None:
+def check_root(plan: ManifestPlan, manifest: str | Path, root: str | Path | None) -> None:
     """Raise ``ValueError`` when every row was rejected for a path outside the media root: then the
     root is wrong, not the rows (an empty cache with exit 0 would hide it). Some such rows only
     log a warning (their rejects name each one)."""
-    outside = [r for r in requests if r.error and OUTSIDE_ROOT in r.error[1]]
-    if not outside:
+    stats = plan.stats
+    if not stats.outside:
         return
     where = f"--root {root}" if root else f"the manifest's folder {Path(manifest).resolve().parent}"
-    if len(outside) == len(requests):
-        raise ValueError(f"{manifest}: every row names media outside {where} (e.g. {outside[0].error[1]}); "
+    if stats.outside == stats.rows:
+        raise ValueError(f"{manifest}: every row names media outside {where} (e.g. {stats.first_outside}); "
                          "pass --root DIR (a folder holding every media file) or set allow_outside_root: true")
     log.warning("%d of %d rows name media outside %s: rejected as malformed_row (see rejects.parquet; "
-                "allow_outside_root: true reads them)", len(outside), len(requests), where)
+                "allow_outside_root: true reads them)", stats.outside, stats.rows, where)
 
 
 def check_posterior(image_encoder: Any) -> None:
@@ -275,54 +303,32 @@ def check_posterior(image_encoder: Any) -> None:
                          "Set store_posterior: false or use the wan image encoder.")
 
 
-def committed(out_dir: Path) -> dict[str, dict]:
-    """Committed chunks: part stem (``shard-000003``) -> the job metadata of its index part
-    (:func:`precompute.rerun.chunk_meta`)."""
-    return {p.name.split(".")[0]: read_part_meta(p) or {}
-            for p in sorted((out_dir / PARTS_DIR).glob("*.index.parquet"))}
+class Committed(dict):
+    """The committed chunks of a cache: part stem (``shard-000003``) -> the job metadata of its index part
+    (:func:`precompute.rerun.chunk_meta`), each read when it is looked up (a rerun reads them one at a time)."""
+
+    def __init__(self, out_dir: Path):
+        super().__init__({p.name.split(".")[0]: p for p in sorted((out_dir / PARTS_DIR).glob("*.index.parquet"))})
+
+    def __getitem__(self, stem: str) -> dict:
+        return read_part_meta(dict.__getitem__(self, stem)) or {}
 
 
-def plan_chunks(requests: list[Request], per_shard: int, done: dict[str, set[str]],
-                ids: list[str] | None = None) -> list[tuple[str, list[Request]]]:
-    """The chunks still to encode: ``[(shard_name, rows)]`` in manifest order.
 
-    The manifest's ``N`` rows are cut into ``ceil(N / per_shard)`` chunks of equal size (give or
-    take one row: 268 rows at 256 per shard become 134 + 134, not 256 + 12, so readers that split
-    by shard stay balanced); chunk ``j`` becomes ``shard-{j:06d}.tar``, whatever the number of
-    ranks, kills and reruns (a committed chunk is skipped). Rows added to the manifest after a
-    chunk was committed (incremental runs) go, in order, into new chunks numbered after every
-    chunk there is. ``done``: stem -> the row ids of each committed chunk kept; ``ids``: each
-    request's id (default :func:`row_id`).
-    """
-    covered = set().union(*done.values()) if done else set()
-    ids = ids if ids is not None else [row_id(r) for r in requests]
-    id_of = {id(r): i for r, i in zip(requests, ids)}
-    n_pos = -(-len(requests) // per_shard)
-    edges = [j * len(requests) // n_pos for j in range(n_pos + 1)] if n_pos else [0]  # sizes differ by <= 1
-    todo, leftover = [], []
-    for j in range(n_pos):
-        rows = [r for r in requests[edges[j]:edges[j + 1]] if id_of[id(r)] not in covered]
-        if schema.chunk_shard_name(j)[:-4] in done:
-            leftover += rows  # the chunk was committed when the manifest was shorter
-        elif rows:
-            todo.append((schema.chunk_shard_name(j), rows))
-    numbers = [schema.parse_shard_name(stem + ".tar")[1] for stem in done] + [n_pos - 1]
-    nxt = max(numbers) + 1
-    for k in range(0, len(leftover), per_shard):
-        todo.append((schema.chunk_shard_name(nxt + k // per_shard), leftover[k:k + per_shard]))
-    return todo
+#: the key of ``manifest.json`` that records which chunks the last merge covered (:func:`chunks_digest`)
+CHUNKS_KEY = "merged_chunks"
 
 
-def chunk_batches(chunk_of_item: list[int], batch_size: int) -> list[list[int]]:
-    """Encoder batches: consecutive items of ONE chunk, ``batch_size`` at a time from the chunk's
-    start, so a batch never spans two chunks and its rows do not depend on what ran before."""
-    out: list[list[int]] = []
-    for i, c in enumerate(chunk_of_item):
-        if out and chunk_of_item[out[-1][0]] == c and len(out[-1]) < batch_size:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
+def chunks_digest(stems) -> str:
+    """sha256 of the sorted stems of the committed chunks a merge covers: a rerun that finds other chunks
+    committed merges again (a run killed after committing, before merging)."""
+    import hashlib
+    return hashlib.sha256("\n".join(sorted(stems)).encode()).hexdigest()
+
+
+def committed(out_dir: Path) -> Committed:
+    """The committed chunks of ``out_dir`` (:class:`Committed`)."""
+    return Committed(out_dir)
 
 
 def start_worker(parent: int, pids: WorkerPids, worker_id: int) -> None:
@@ -330,6 +336,13 @@ def start_worker(parent: int, pids: WorkerPids, worker_id: int) -> None:
     records its pid (:class:`precompute.faults.WorkerPids`)."""
     die_with_parent(parent)
     pids.record(worker_id)
+
+
+def decoding_label(plan: ManifestPlan) -> Callable[[int], str]:
+    """How a decode worker that hung names its row (:meth:`precompute.faults.WorkerPids.receive`): manifest position
+    -> ``row 'KEY' (its media files)``, read from ``plan`` (pass a :meth:`~precompute.plan.ManifestPlan.view`: a
+    spill reader of its own)."""
+    return lambda p: f"row {plan.key_of(p)!r} ({';'.join(s[0] for s in plan.sources_of(p))})"
 
 
 def resolve_device(device: str, local_rank: int) -> str:
@@ -363,7 +376,7 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     """Run stage one for this rank; rank 0 merges the parts at the end.
 
     Args:
-        manifest: manifest file (see :func:`precompute.manifests.read_requests`).
+        manifest: manifest file (see :class:`precompute.manifests.ManifestReader`).
         out_dir: cache directory (created). Existing committed chunks are kept and skipped. A URL
             (``s3://bucket/cache``...) writes through the local folder ``staging`` and uploads each
             committed chunk (:mod:`precompute.output`; ``storage_options`` for fsspec).
@@ -373,7 +386,8 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     Returns ``(summary, manifest_dict)``; ``manifest_dict`` is None on ranks other than 0.
     Raises :class:`FingerprintMismatch` when ``out_dir`` holds a cache from other encoders,
     :class:`shards.lock.CacheLocked` (rank 0, before anything is written) when another command
-    is writing to it, :class:`shards.writing.NotACache` when ``out_dir`` holds files of another tool.
+    is writing to it, :class:`shards.writing.NotACache` when ``out_dir`` holds files of another tool,
+    :class:`precompute.plan.ManifestChanged` when the manifest is edited while the job runs.
     """
     t0 = time.perf_counter()
     output = open_output(out_dir, storage_options=storage_options, staging=staging, global_rank=global_rank)
@@ -385,62 +399,127 @@ def run(manifest: str | Path, out_dir: str | Path, cfg: PrecomputeConfig, *, roo
     return summary, result
 
 
+def _merged(out_dir: Path) -> dict:
+    """The cache's ``manifest.json`` as the last merge wrote it ({} when there is none or it does not read: the
+    job then merges it again)."""
+    from shards.errors import ShardcacheError
+    try:
+        return read_manifest(out_dir)
+    except ShardcacheError:
+        return {}
+
+
+def _complete(out_dir: Path) -> bool:
+    """Whether the cache's index, manifest and integrity root are there (a merge finished)."""
+    return all((out_dir / name).exists() for name in (INDEX_FILE, MANIFEST_FILE, ROOT_FILE))
+
+
 def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_rank: int, world_size: int,
          local_rank: int, barrier, progress: bool, t0: float) -> tuple[Summary, dict | None]:
     """:func:`run` once the cache's writer lock is held (by rank 0)."""
     output.pull()  # a remote cache: its committed parts, so a rerun resumes against the bucket
     out_dir = output.local
     sync = barrier or (lambda: None)
-    device = resolve_device(cfg.device, local_rank)
-    requests = read_requests(manifest, root=root, fmt=cfg.manifest_format, columns=cfg.columns,
-                             allow_outside_root=cfg.allow_outside_root)
-    check_root(requests, manifest, root)
-    job = Job.build(cfg, device, requests)  # the config stops here; tokens the rows need are checked / added first
+    opts = JobOptions.of(cfg, resolve_device(cfg.device, local_rank))  # what the job reads of cfg, typed
+    manifest = Path(manifest).absolute()
+    with ManifestPlan.build(opts.read.reader(manifest, root), source_digest=opts.rerun.source_digest,
+                            filters=opts.rerun.filters) as plan:
+        check_root(plan, manifest, root)
+        check_batch_record(out_dir, dict(opts.batch))  # another batch policy is refused before anything else
+        done = committed(out_dir)  # read by every rank before rank 0 deletes stale chunks
+        rerun = plan_rerun(plan, done, keep_removed=opts.rerun.keep_removed,
+                           retry=legacy_infrastructure_rejects(out_dir, done))
+        if done and global_rank == 0:
+            log.info("%s", rerun.describe())
+        kept = [stem for stem in done if stem not in rerun.stale]
+        chunks = plan_chunks(plan.n, opts.samples_per_shard, rerun.covered, kept)
+        inputs, recorded = input_identity(cfg, plan.stats.kinds, opts.device), recorded_inputs(out_dir)
+        sync()  # every rank has read the recorded inputs before rank 0 records new ones
+        if not chunks and not rerun.carry and inputs is not None and inputs == recorded and _merged(out_dir):
+            return _up_to_date(output, plan, rerun, done, opts, manifest, global_rank, world_size, sync, t0)
+        job = Job.build(cfg, opts.device, kinds=plan.stats.kinds, options=opts)  # the encoders load here
+        return _encode(output, plan, rerun, chunks, kept, job, inputs, manifest, global_rank, world_size, sync,
+                       progress, t0)
+
+
+def _up_to_date(output, plan: ManifestPlan, rerun: RerunPlan, done: Committed, opts: JobOptions, manifest: Path,
+                global_rank: int, world_size: int, sync, t0: float) -> tuple[Summary, dict | None]:
+    """A rerun with nothing to encode, on a cache whose recorded inputs are this job's: no encoder is loaded.
+    Rank 0 drops the chunks of rows no longer in the manifest and merges the index again where one was
+    dropped, a chunk was committed after the last merge, or the config recorded differs; else the cache is
+    left as it is."""
+    out_dir = output.local
+    summary = Summary(skipped_rows=plan.n, rerun=rerun.counts())
+    sync()  # every rank has read the same state before rank 0 deletes a chunk
+    result = None
+    if global_rank == 0:
+        log.info("nothing to encode: the cache holds every row of the manifest, made with these encoders "
+                 "(recorded in %s/%s; no encoder loaded)", PARTS_DIR, JOB_FILE)
+        old = _merged(out_dir)
+        if rerun.stale:
+            output.drop_chunks(rerun.stale)  # rows no longer in the manifest: their chunks go
+        why = ("chunks were dropped" if rerun.stale else "the index, manifest or integrity root is missing"
+               if not _complete(out_dir) else "a chunk was committed after the last merge"
+               if old.get(CHUNKS_KEY) != chunks_digest(done) else "the config recorded differs"
+               if old.get("config") != opts.config else "the manifest recorded differs"
+               if old.get("source_manifest") != str(manifest) else None)
+        if why is not None:
+            log.info("merging the index again: %s", why)
+            keep = {k: v for k, v in old.items() if k not in ("format_version", "created", "counts", "shards")}
+            stems = [stem for stem in done if stem not in rerun.stale]
+            result = merge_parts(out_dir, keep | {"config": dict(opts.config), "source_manifest": str(manifest),
+                                                  "world_size": world_size, CHUNKS_KEY: chunks_digest(stems)})
+            output.publish()
+        else:
+            result = old
+    summary.setup_s = time.perf_counter() - t0
+    return summary, result
+
+
+def _encode(output, plan: ManifestPlan, rerun: RerunPlan, chunks: list[Chunk], kept: list[str], job: Job,
+            inputs: str | None, manifest: Path, global_rank: int, world_size: int, sync, progress: bool,
+            t0: float) -> tuple[Summary, dict | None]:
+    """The job with its encoders loaded: the checks that need them, the stale chunks dropped, this rank's chunks
+    decoded, encoded and written (module docstring), rank 0's merge."""
+    out_dir, opts = output.local, job.options
     enc, template, fp, describe = job.enc, job.template, job.fingerprint, job.describe
-    if cfg.store_posterior and enc.image is not None:
+    if opts.store_posterior and enc.image is not None:
         check_posterior(enc.image)
-    precision = precision_check(job, requests)
-    if check_fingerprint(out_dir, fp, describe, global_rank, batch_policy(cfg, device)):
+    precision = precision_check(job, (req for _, req in plan.requests()), plan.any_image())
+    if check_fingerprint(out_dir, fp, describe, global_rank, dict(opts.batch)):
         output.push_part(JOB_FILE)
-    done = committed(out_dir)  # read by every rank before rank 0 deletes stale chunks
-    rerun, records = plan_rerun(requests, done, source_digest=cfg.source_digest, keep_removed=cfg.keep_removed_rows,
-                                filters=filter_values(cfg), retry=legacy_infrastructure_rejects(out_dir, done))
-    ids = [r.id for r in records]
-    if done and global_rank == 0:
-        log.info("%s", rerun.describe())
+    if global_rank == 0 and record_inputs(out_dir, inputs):  # the next rerun knows the cache without loading
+        output.push_part(JOB_FILE)
     sync()
     carried = carry_removed(out_dir, rerun) if global_rank == 0 else []  # removed rows kept from stale chunks
     if rerun.stale and global_rank == 0:
         output.drop_chunks(rerun.stale)  # changed or deleted rows: their chunks are encoded again
-    kept = {stem: set(meta.get("rows") or []) for stem, meta in done.items() if stem not in rerun.stale}
-    plan = plan_chunks(requests, cfg.samples_per_shard, kept, ids)
     if carried:
-        write_carried(output, carried_name([n for n, _ in plan], kept, len(requests), cfg.samples_per_shard), carried)
+        write_carried(output, carried_name([c.name for c in chunks], kept, plan.n, opts.samples_per_shard), carried)
     sync()  # every rank has read the same state before anyone commits a chunk
-    chunks = plan[global_rank::world_size]  # chunk k of the plan -> rank k % world_size
-    items = [(req, ci) for ci, (_, rows) in enumerate(chunks) for req in rows]
-    summary = Summary(skipped_rows=len(requests) - sum(len(rows) for _, rows in plan), rerun=rerun.counts())
-    bar = tqdm(total=len(items), desc=f"precompute r{global_rank}", unit="sample",
-               disable=not progress or global_rank != 0, dynamic_ncols=True)
+    rows = ChunkRows(plan, chunks[global_rank::world_size], job.batch_size)  # chunk k of the plan -> rank k % world
+    summary = Summary(skipped_rows=plan.n - sum(len(c) for c in chunks), rerun=rerun.counts())
+    bar = tqdm(total=rows.rows, desc="precompute" if world_size == 1 else f"precompute r{global_rank}/{world_size}",
+               unit="row", disable=not progress or global_rank != 0, dynamic_ncols=True, smoothing=0.1)
     preload_decoders()  # imports (librosa's take seconds) are setup; and the workers fork with them loaded
     summary.setup_s = time.perf_counter() - t0
     t_loop = time.perf_counter()
-    workers = summary.decode_workers = job_workers(cfg.num_workers, device, job, [r for r, _ in items], job.batch_size)
+    workers = summary.decode_workers = job_workers(opts.num_workers, opts.device, job,
+                                                   rows.first(job.batch_size) if opts.num_workers == "auto" else [],
+                                                   job.batch_size)
     # decoded rows come through reusable shared-memory slots (precompute.slots): per worker, its batches
     # in flight, those held in the length window and on the encoder thread
     slots, collate = slot_receiver(workers, PREFETCH + job.window // job.batch_size + DEPTH + 2) if workers \
         else (None, identity_collate)
     pids = WorkerPids(workers)  # each decode worker's pid and row: a failed loader names one that died or hung
-    stall = cfg.stall_timeout_s  # (precompute.faults: a process with work and no progress for that long hung)
-    loader = DataLoader(PrepareDataset(items, job.preparer, pids if workers else None),
-                        batch_sampler=chunk_batches([c for _, c in items], job.batch_size), num_workers=workers,
+    stall = opts.stall_timeout_s  # (precompute.faults: a process with work and no progress for that long hung)
+    loader = DataLoader(RowsDataset(job.preparer, pids if workers else None), batch_sampler=rows, num_workers=workers,
                         collate_fn=collate, prefetch_factor=PREFETCH if workers else None,
                         timeout=stall if workers else 0,
                         worker_init_fn=functools.partial(start_worker, os.getpid(), pids) if workers else None)
-
-    record = {id(r): rec for r, rec in zip(requests, records)}  # the chunks' rows and what they said
-    writer = ChunkWriter(output, [(name, [record[id(r)] for r in rows]) for name, rows in chunks], summary, bar,
-                         process=writer_process(device), stall_s=stall)
+    writer = ChunkWriter(output, ChunkRecords(plan, rows.order), summary, None, process=writer_process(opts.device),
+                         stall_s=stall)
+    read = [0]
 
     def put(done: list) -> None:
         for key, fields, reject in done:
@@ -453,12 +532,15 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
             t = time.perf_counter()
             writer.put(key, fields, reject)
             summary.writer_wait_s += time.perf_counter() - t
+        if done:
+            bar.update(len(done))  # rows written, in manifest order: the bar's rate is the encoders'
+            bar.set_postfix(read=read[0], rejected=summary.rejected, shards=summary.shards_written, refresh=False)
 
-    thread = EncoderThread(device, stall)  # the encoders run here, off the main thread
+    thread = EncoderThread(opts.device, stall)  # the encoders run here, off the main thread
     stream = EncodeStream(lambda rows: job.start(rows, thread, summary), job.batch_size, job.window, depth=DEPTH)
     finished, loading = False, bool(workers)
     try:
-        batches = pids.receive(iter(loader), stall, lambda i: f"row {items[i][0].key!r} ({items[i][0].source})")
+        batches = pids.receive(iter(loader), stall, decoding_label(plan.view()))
         while True:
             t = time.perf_counter()
             batch = next(batches, None)
@@ -468,8 +550,8 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
                 break
             batch = unpack_rows(batch)
             summary.receive_s += time.perf_counter() - t
+            read[0] += len(batch)
             put(stream.feed(batch))
-            bar.update(len(batch))
         put(stream.close())
         raise_if_stopped()  # (nor the last chunk's commit)
         finished = True
@@ -494,13 +576,15 @@ def _run(output, manifest: str | Path, cfg: PrecomputeConfig, *, root, global_ra
     summary.wall_s = time.perf_counter() - t_loop
     result = None
     if global_rank == 0:  # the other ranks are done; rank 0 merges once every chunk is committed
-        output.wait_for_chunks([name for name, _ in plan])
+        output.wait_for_chunks([c.name for c in chunks])
         man = job.info  # the producers' facts (codec sizes, latent channels, extra fields), typed
         man.fingerprint, man.encoders, man.sample_rate = fp, describe, job.sample_rate
         man.waveforms = {p.field: p.manifest_info() for p in job.producers if isinstance(p, WaveformProducer)}
         man.text = TextInfo.from_dict(chat.describe(template, enc.text, job.tokens, job.added))
         man.text_vocab_size, man.text_pad_id = enc.text.vocab_size, enc.text.pad_id
-        man.config, man.source_manifest, man.world_size = to_dict(cfg), str(manifest), world_size
+        man.config, man.source_manifest, man.world_size = dict(opts.config), str(manifest), world_size
+        man.extra["media_root"] = str(plan.reader.root)
+        man.extra[CHUNKS_KEY] = chunks_digest(stem for stem in Committed(out_dir))
         if precision:
             man.extra["precision_check"] = precision
         result = merge_parts(out_dir, man)

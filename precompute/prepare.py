@@ -311,24 +311,16 @@ def oversized_frames(req: Request) -> str | None:
 
 
 class PrepareDataset(Dataset):
-    """Map-style dataset over ``[(request, chunk)]`` returning :class:`Prepared` (use ``collate_fn=list``).
-    ``progress``: a :class:`precompute.faults.WorkerPids` told which item each decode worker is on (its stall
-    deadline), or None."""
+    """Map-style dataset over ``[(request, chunk)]`` returning :class:`Prepared` (use ``collate_fn=list``)."""
 
-    def __init__(self, items: list[tuple[Request, int]], preparer: Preparer, progress: Any = None):
-        self.items, self.preparer, self.progress = items, preparer, progress
+    def __init__(self, items: list[tuple[Request, int]], preparer: Preparer):
+        self.items, self.preparer = items, preparer
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> Prepared:
-        if self.progress is None:
-            return self.preparer(*self.items[i])
-        self.progress.begin(i)
-        try:
-            return self.preparer(*self.items[i])
-        finally:
-            self.progress.end()
+        return self.preparer(*self.items[i])
 
 
 def identity_collate(batch: list[Prepared]) -> list[Prepared]:

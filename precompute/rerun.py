@@ -3,24 +3,25 @@
 Every committed chunk records, in its index part's job metadata (:func:`chunk_meta`), for each manifest row
 it covered: the row's **id**, its **digest**, the sample **key** it was written under (None: rejected) and
 its **sources** (each media file's path, size, modification time and, with ``source_digest: content``, the
-sha256 of its bytes).
+sha256 of its bytes). The plan of the manifest (:class:`precompute.plan.ManifestPlan`) gives the same for
+each row of the manifest now, in columns.
 
-* The **id** comes from the manifest, never from the keys the job assigns (:func:`row_ids`): a row with its
-  own key is ``key:`` + that key as written; a row without one is ``window:`` + the hash of its sources with
-  their windows (offset, duration), inline audio bytes, text and turns
+* The **id** comes from the manifest, never from the keys the job assigns (:func:`precompute.plan.own_id`):
+  a row with its own key is ``key:`` + that key as written; a row without one is ``window:`` + the hash of
+  its sources with their windows (offset, duration), inline audio bytes, text and turns
   (:func:`precompute.keys.identity_key`); a row the reader could not parse is ``key:`` + the key it names
   (else its position). Reordering, inserting, fixing or removing rows never changes another row's id (only
   rows claiming one id are numbered ``#2``, ``#3``... in order: a key repeated in the manifest).
-* The **digest** (:func:`row_digest`) covers everything the row says but its position, the decisions the job
-  takes about it across rows (the sample key it gets, a reject reason found while reading), and the
-  ``filter`` options that decide it (:func:`precompute.identity.filter_values`: the audio filters for a row
-  with audio, the image filters for one with images, the row filters for every row).
+* The **digest** covers the row as the manifest holds it (its serialised form and how the file is read),
+  the decisions the job takes about it across rows (the sample key it gets, a reject reason found while
+  reading), and the ``filter`` options that decide it (:func:`precompute.identity.filter_values`: the audio
+  filters for a row with audio, the image filters for one with images, the row filters for every row).
 * The **sources** are compared by what ``source_digest`` asks (:func:`sources_unchanged`): ``stat``, size
   and modification time; ``content``, the sha256 (recorded in either mode when it was read; a file recorded
   by stat alone counts as unchanged while its size and modification time are). Switching the mode re-encodes
   nothing that did not change.
 
-On a rerun :func:`plan_rerun` compares the committed chunks with the manifest:
+On a rerun :func:`plan_rerun` compares the committed chunks with the manifest, one chunk's records at a time:
 
 * a chunk whose rows are all in the manifest, unchanged, is **kept** as it is;
 * a chunk holding a changed row (a corrected transcript or media path, a replaced media file, a filter
@@ -34,92 +35,43 @@ On a rerun :func:`plan_rerun` compares the committed chunks with the manifest:
   removes it (the manifest wins: the cache never holds a key twice);
 * rows in no committed chunk are **added** (new chunks, numbered after every chunk there is).
 
-A chunk committed by an older version (no ``rows_version`` 2) is stale: it is redone once. So is a chunk
-holding a reject an older version wrote for an infrastructure fault (a codec process that died mid-job:
-:func:`precompute.faults.legacy_infrastructure_rejects`): the fault was not the row's, the row is tried again.
+A chunk committed by an older version (no ``rows_version`` 3: before the digest was computed from the
+serialised row) is stale: it is redone once. So is a chunk holding a reject an older version wrote for an
+infrastructure fault (a codec process that died mid-job: :func:`precompute.faults.legacy_infrastructure_rejects`):
+the fault was not the row's, the row is tried again.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import io
 import json
 import logging
-import os
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 from shards import npz, schema
 
-from .keys import identity_key
-from .manifests import Request
+from .plan import SOURCE_DIGESTS, sources
 
 log = logging.getLogger("precompute")
 
-#: the values of the option ``source_digest``: what a rerun compares of each media file
-SOURCE_DIGESTS = ("stat", "content")
 #: the version of the per-row record of a chunk (:func:`chunk_meta`)
-ROWS_VERSION = 2
+ROWS_VERSION = 3
 
 
 @dataclass(frozen=True)
 class RowRecord:
-    """What a chunk records of one manifest row: ``id`` (:func:`row_ids`), ``digest`` (:func:`row_digest`),
-    ``key`` (the sample key; None once the row was rejected) and ``sources`` (:func:`sources`)."""
+    """What a chunk records of one manifest row: ``id`` (:func:`precompute.plan.own_id`), ``digest`` (hex,
+    :class:`precompute.plan.ManifestPlan`), ``key`` (the sample key; None once the row was rejected) and
+    ``sources`` (:func:`precompute.plan.sources`)."""
 
     id: str
     digest: str
     key: str | None
     sources: tuple
-
-
-def _own_id(req: Request) -> str:
-    """A row's identity from the manifest alone (see the module docstring)."""
-    conv = req.conversation
-    if conv is None:  # not parsed: the key it names, else its position (nothing else is known of it)
-        return "key:" + req.key
-    raw = req.meta.get("original_key", req.key)  # the key as the manifest wrote it (before suffixes)
-    if raw == identity_key(conv, req.speaker):
-        return "window:" + raw
-    return "key:" + raw
-
-
-def row_ids(requests: Iterable[Request]) -> list[str]:
-    """The id of each row (:func:`_own_id`); ``ID#N`` for the N-th row (N >= 2) claiming an id already seen."""
-    seen: dict[str, int] = {}
-    out = []
-    for r in requests:
-        own = _own_id(r)
-        n = seen[own] = seen.get(own, 0) + 1
-        out.append(own if n == 1 else f"{own}#{n}")
-    return out
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(4 << 20):
-            h.update(b)
-    return h.hexdigest()
-
-
-def sources(req: Request, source_digest: str = "stat") -> tuple:
-    """``(path, size, mtime_ns, sha256 or None)`` of each media file of a row (``sha256`` with
-    ``source_digest: content`` only); ``(path, None, None, None)`` for a file that cannot be read."""
-    if source_digest not in SOURCE_DIGESTS:
-        raise ValueError(f"source_digest {source_digest!r}: choose from {SOURCE_DIGESTS}")
-    out = []
-    for path in ([] if req.conversation is None else [s for s in req.conversation.sources if not s.startswith("<")]):
-        try:
-            st = os.stat(path)
-            out.append((path, st.st_size, st.st_mtime_ns, _sha256(path) if source_digest == "content" else None))
-        except OSError:
-            out.append((path, None, None, None))
-    return tuple(out)
 
 
 def sources_unchanged(recorded: Iterable, now: Iterable, source_digest: str) -> bool:
@@ -138,34 +90,6 @@ def sources_unchanged(recorded: Iterable, now: Iterable, source_digest: str) -> 
     return True
 
 
-def _plain(value: Any) -> Any:
-    """JSON-able form of a row's values (bytes, e.g. a base64 ``raw_audio``, as their sha256)."""
-    if isinstance(value, (bytes, bytearray)):
-        return {"sha256": hashlib.sha256(value).hexdigest()}
-    return repr(value)
-
-
-def row_digest(req: Request, filters: dict[str, dict] | None = None) -> str:
-    """sha256 (hex) of what manifest row ``req`` says (all of it but its position: ``row``, the ``row`` of its
-    metadata, the line or row number in a reject's detail), of what the job decided about it across rows (its
-    sample key, the reason of a reject found while reading) and of the ``filters`` values that decide it
-    (scope -> ``{option: value}``, :func:`precompute.identity.filter_values`: ``row`` for every parsed row,
-    ``audio`` / ``image`` for a row with audio / images). Its media files are compared apart (:func:`sources`)."""
-    filters = filters or {}
-    row = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)
-           if f.name not in ("row", "conversation", "error", "meta")}
-    row["meta"] = {k: v for k, v in req.meta.items() if k != "row"}
-    row["reject"] = req.error[0] if req.error else None
-    conv = req.conversation
-    row["conversation"] = None if conv is None else dataclasses.asdict(conv)
-    decided = {}
-    if conv is not None and req.error is None:
-        scopes = ["row"] + (["audio"] if conv.audio else []) + (["image"] if conv.images else [])
-        decided = {s: filters.get(s, {}) for s in scopes}
-    text = json.dumps({"row": row, "filters": decided}, sort_keys=True, ensure_ascii=False, default=_plain)
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
 def chunk_meta(records: list[RowRecord], kept_keys: Iterable[str]) -> dict[str, Any]:
     """The job metadata a committed chunk records (see the module docstring); ``kept_keys``: the keys the
     chunk wrote samples for (the other rows were rejected)."""
@@ -177,13 +101,13 @@ def chunk_meta(records: list[RowRecord], kept_keys: Iterable[str]) -> dict[str, 
 
 @dataclass
 class RerunPlan:
-    """What a rerun keeps and redoes. ``covered``: row ids held by the chunks kept; ``stale``: the
-    chunk stems to delete and encode again. Counts of manifest rows: ``kept`` (in a kept chunk),
+    """What a rerun keeps and redoes. ``covered``: bool ``(rows,)``, the manifest rows held by the chunks
+    kept; ``stale``: the chunk stems to delete and encode again. Counts of manifest rows: ``kept`` (in a kept chunk),
     ``reencoded`` (changed since their chunk was written), ``reencoded_with_chunk`` (unchanged,
     re-encoded because their chunk is stale), ``added`` (in no committed chunk); of cached rows no
     longer in the manifest: ``removed`` and ``kept_removed`` (kept with ``keep_removed_rows``)."""
 
-    covered: set[str] = field(default_factory=set)
+    covered: Any = None
     stale: list[str] = field(default_factory=list)
     kept: int = 0
     reencoded: int = 0
@@ -231,77 +155,100 @@ def _records(meta: dict) -> list[tuple] | None:
     return list(zip(rows, *cols))
 
 
-def plan_rerun(requests: list[Request], done: dict[str, dict | None], *, source_digest: str = "stat",
-               keep_removed: bool = False, filters: dict[str, dict] | None = None,
-               retry: dict[str, int] | None = None) -> tuple[RerunPlan, list[RowRecord]]:
-    """Compare the committed chunks ``done`` (stem -> the job metadata of its index part) with the
-    manifest rows ``requests`` (``filters``: :func:`precompute.identity.filter_values` of the job).
-    ``retry``: stem -> how many rejects of that chunk an older version wrote for an infrastructure fault
-    (:func:`precompute.faults.legacy_infrastructure_rejects`): those chunks are stale too, their rows tried again.
-
-    Returns ``(plan, records)``: the :class:`RerunPlan` and each request's :class:`RowRecord` (in request
-    order, recorded by the chunks this run commits).
-    """
-    ids = row_ids(requests)
-    records = [RowRecord(i, row_digest(r, filters), r.key if r.error is None else None, sources(r, source_digest))
-               for i, r in zip(ids, requests)]
-    now = {rec.id: rec for rec in records}
-    plan = RerunPlan()
-    seen: set[str] = set()
-    chunks: dict[str, list[tuple]] = {}
+def plan_rerun(plan: Any, done: Mapping[str, dict | None], *, keep_removed: bool = False,
+               retry: Mapping[str, int] | None = None) -> RerunPlan:
+    """Compare the committed chunks ``done`` (stem -> the job metadata of its index part, read one at a time)
+    with the manifest's :class:`precompute.plan.ManifestPlan` (its digests, sample keys and the media files
+    it recorded; ``plan.source_digest`` says how media files are compared). ``retry``: stem -> how many
+    rejects of that chunk an older version wrote for an infrastructure fault
+    (:func:`precompute.faults.legacy_infrastructure_rejects`): those chunks are stale too, their rows tried
+    again. Returns the :class:`RerunPlan`."""
+    n, mode = plan.n, plan.source_digest
+    in_cache = np.zeros(n, bool)  # the row's id is in a committed chunk
+    covered = np.zeros(n, bool)
+    out = RerunPlan()
+    stale: dict[str, tuple[int, int, list]] = {}  # stem -> (rows present, rows changed, records of removed rows)
+    with_removed: dict[str, tuple[np.ndarray, list]] = {}  # kept chunks holding removed rows: (present, removed)
+    kept = 0
     for stem in sorted(done):
-        recs = _records(done[stem] or {})
+        meta = done[stem] or {}
+        recs = _records(meta)
         if recs is None:
-            plan.stale.append(stem)
-            plan.old_chunks += 1
-            rows = list((done[stem] or {}).get("rows") or [])
-            seen.update(rows)
-            plan.reencoded_with_chunk += sum(r in now for r in rows)
-            plan.removed += sum(r not in now for r in rows)
+            out.stale.append(stem)
+            out.old_chunks += 1
+            rows = list(meta.get("rows") or [])
+            pos = [p for p in plan.find_all(rows) if p is not None]
+            in_cache[pos] = True
+            out.reencoded_with_chunk += len(pos)
+            out.removed += len(rows) - len(pos)
             continue
-        seen.update(r[0] for r in recs)
-        chunks[stem] = recs
-
-    def changed(rec: tuple) -> bool:
-        cur = now[rec[0]]
-        return cur.digest != rec[1] or not sources_unchanged(rec[3], cur.sources, source_digest)
-
-    stale = {stem for stem, recs in chunks.items()
-             if any(changed(r) for r in recs if r[0] in now) or (not keep_removed and any(r[0] not in now for r in recs))}
-    again = {stem: n for stem, n in (retry or {}).items() if stem in chunks}  # (old chunks are stale already)
-    stale |= set(again)
-    plan.retried = sum(again.values())
+        pos = plan.find_all([r[0] for r in recs])
+        present = np.array([p for p in pos if p is not None], np.int64)
+        removed = [r for r, p in zip(recs, pos) if p is None]
+        in_cache[present] = True
+        changed = _changed(plan, [(p, r) for r, p in zip(recs, pos) if p is not None], mode)
+        if changed or (removed and not keep_removed) or stem in (retry or {}):
+            stale[stem] = (len(present), changed, removed)
+            out.retried += (retry or {}).get(stem, 0)
+        else:
+            covered[present] = True
+            if removed:
+                with_removed[stem] = (present, removed)
+            else:
+                kept += len(present)
     taken: set[str] = set()
-    while keep_removed:  # a removed row kept must not hold a key a row to encode now takes
-        covered = {r[0] for stem, recs in chunks.items() if stem not in stale for r in recs}
-        wanted = {rec.key for rec in records if rec.id not in covered and rec.key is not None}
-        clash = {stem for stem, recs in chunks.items() if stem not in stale
-                 and any(r[0] not in now and r[2] is not None and r[2] in wanted for r in recs)}
+    while keep_removed and with_removed:  # a removed row kept must not hold a key a row to encode now takes
+        clash = {}
+        for stem, (present, removed) in with_removed.items():
+            hit = [r[0] for r in removed if r[2] is not None and _wanted(plan, r[2], covered)]
+            if hit:
+                clash[stem] = hit
         if not clash:
             break
-        taken |= {r[0] for stem in clash for r in chunks[stem] if r[0] not in now and r[2] in wanted}
-        stale |= clash
-    plan.key_taken = len(taken)
-    for stem, recs in chunks.items():
-        present = [r for r in recs if r[0] in now]
-        gone = len(recs) - len(present)
-        if stem in stale:
-            plan.stale.append(stem)
-            n_changed = sum(changed(r) for r in present)
-            plan.reencoded += n_changed
-            plan.reencoded_with_chunk += len(present) - n_changed
-            carry = [r for r in recs if keep_removed and r[0] not in now and r[2] is not None and r[0] not in taken]
-            if carry:
-                plan.carry[stem] = carry
-            plan.kept_removed += len(carry)
-            plan.removed += gone - len(carry)
-        else:
-            plan.covered.update(r[0] for r in recs)
-            plan.kept += len(present)
-            plan.kept_removed += gone
-    plan.stale.sort()
-    plan.added = sum(i not in seen for i in ids)
-    return plan, records
+        for stem, hit in clash.items():
+            present, removed = with_removed.pop(stem)
+            covered[present] = False
+            taken.update(hit)
+            stale[stem] = (len(present), 0, removed)
+    out.key_taken = len(taken)
+    for stem, (present, changed, removed) in stale.items():
+        out.stale.append(stem)
+        out.reencoded += changed
+        out.reencoded_with_chunk += present - changed
+        carry = [r for r in removed if keep_removed and r[2] is not None and r[0] not in taken]
+        if carry:
+            out.carry[stem] = carry
+        out.kept_removed += len(carry)
+        out.removed += len(removed) - len(carry)
+    for stem, (present, removed) in with_removed.items():
+        kept += len(present)
+        out.kept_removed += len(removed)
+    out.kept = kept
+    out.stale.sort()
+    out.covered = covered
+    out.added = int(n - in_cache.sum())
+    return out
+
+
+def _changed(plan: Any, pairs: list[tuple[int, tuple]], mode: str) -> int:
+    """How many manifest rows ``p`` are not what a chunk recorded as ``rec`` (``pairs``): another digest (all
+    compared at once), or media files that changed (:func:`sources_unchanged`)."""
+    if not pairs:
+        return 0
+    try:
+        recorded = np.frombuffer(bytes.fromhex("".join(rec[1] for _, rec in pairs)), np.uint8).reshape(-1, 16)
+    except (TypeError, ValueError):  # a digest that is not 32 hex digits: that row has changed
+        return sum(not isinstance(rec[1], str) or rec[1] != bytes(plan.digest[p]).hex() or
+                   not sources_unchanged(rec[3], plan.sources_of(p), mode) for p, rec in pairs)
+    same = (recorded == plan.digest[[p for p, _ in pairs]]).all(axis=1)
+    return sum(not ok or (json.dumps(rec[3]) != plan.sources_text(p)  # equal as recorded: unchanged in either mode
+                          and not sources_unchanged(rec[3], plan.sources_of(p), mode))
+               for (p, rec), ok in zip(pairs, same.tolist()))
+
+
+def _wanted(plan: Any, key: str, covered: np.ndarray) -> bool:
+    """Whether a row of the manifest to encode now (not held by a kept chunk, not rejected) has sample key ``key``."""
+    return any(not covered[p] for p in plan.rows_with_key(key))
 
 
 def _fields(members: dict[str, bytes]) -> dict[str, Any]:
@@ -360,5 +307,5 @@ def write_carried(output: Any, name: str, carried: list[tuple[RowRecord, dict[st
     output.chunk_committed(name, entry is not None)
 
 
-__all__ = ["SOURCE_DIGESTS", "ROWS_VERSION", "RowRecord", "RerunPlan", "plan_rerun", "row_digest", "row_ids",
-           "sources", "sources_unchanged", "chunk_meta", "carry_removed", "carried_name", "write_carried"]
+__all__ = ["SOURCE_DIGESTS", "ROWS_VERSION", "RowRecord", "RerunPlan", "plan_rerun", "sources", "sources_unchanged",
+           "chunk_meta", "carry_removed", "carried_name", "write_carried"]

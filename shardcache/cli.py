@@ -25,17 +25,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "precompute": ("precompute.cli:main", "stage one: encode a manifest into a cache (codes, latents, token ids)"),
     "add-field": ("precompute.add_field:main_add", "encode a new field of an existing cache into sidecar tars"),
     "drop-field": ("precompute.add_field:main_drop", "remove a field added with add-field"),
-    "check": ("precompute.check:main", "re-derive random samples from the sources and compare them with the cache"),
+    "check": ("shardcache.commands.check:main", "re-derive random samples from the sources and compare them with the cache"),
     "train": ("train.cli:main", "stage two: train from a cache (torchrun -m shardcache train ... for DDP)"),
     "find-batch-size": ("train.batch_size:main", "time training steps at batch sizes 1, 2, 4... and recommend one"),
     "shards": ("shards.cli:main", "inspect, query, verify and repair a cache (info, show, verify, reindex...)"),
 }
-
-
-def plain(doc: str | None) -> str:
-    """A docstring as plain help text: ``x`` and :role:`x` (Sphinx/RST markup) as x."""
-    import re
-    return re.sub(r"(?::\w+:)?`+([^`]+)`+", r"\1", doc or "")
 
 
 def usage() -> str:

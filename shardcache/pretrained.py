@@ -62,15 +62,20 @@ def load_error(what: str, pretrained: str, err: Exception) -> Exception:
                    f"({type(err).__name__}: {err}). {BUILD_HINT}")
 
 
-def load_tokenizer(checkpoint: Any, added: Iterable[str] = (), what: str = "model.kwargs.lm"):
-    """The ``transformers`` tokenizer shipped with ``checkpoint`` (a directory or hub id), with ``added``
-    tokens added as stage one adds missing ones (special, never split: TheWorld's world markers); None
-    when it ships no tokenizer files. (A training process calls it inside ``train.imports.blocked_imports``.)"""
+def load_tokenizer(checkpoint: Any, added: Iterable[str] = (), what: str = "model.kwargs.lm",
+                   revision: str | None = None):
+    """The ``transformers`` tokenizer shipped with ``checkpoint`` (a directory or hub id, at ``revision``:
+    default ``main``), with ``added`` tokens added as stage one adds missing ones (special, never split:
+    TheWorld's world markers); None when it ships no tokenizer files. (A training process calls it inside
+    ``train.imports.blocked_imports``.) Raises :class:`shardcache.weights.LocalRevision` for a ``revision``
+    with a local folder."""
+    from .weights import checkpoint as checkpoint_of
     name = resolve_pretrained(checkpoint, what=what)
+    checkpoint_of(name, revision=revision, what=f"the revision of {what}")   # a folder has no revisions: refused
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(name, revision=revision or None)
     except (OSError, ValueError):
         return None
     if added:
@@ -85,14 +90,15 @@ GEMMA3_PIXEL_OPTIONS = ("image_processor_type", "do_resize", "size", "resample",
                         "do_normalize", "image_mean", "image_std", "do_pan_and_scan")
 
 
-def image_processor_options(checkpoint: Any, keys: Iterable[str]) -> dict[str, Any]:
-    """``{key: value}`` of the image processor config of ``checkpoint`` (a directory or hub id) for ``keys``
-    (those it sets), as ``transformers`` finds and reads it (``ImageProcessingMixin.get_image_processor_dict``:
-    ``processor_config.json``'s ``image_processor``, or ``preprocessor_config.json``), without building the
-    processor (which would need PIL or torchvision). Raises ``OSError`` (``transformers``' message) when it
-    has none, or one that does not parse."""
+def image_processor_options(checkpoint: Any, keys: Iterable[str], revision: str | None = None) -> dict[str, Any]:
+    """``{key: value}`` of the image processor config of ``checkpoint`` (a directory or hub id, at ``revision``:
+    default ``main``) for ``keys`` (those it sets), as ``transformers`` finds and reads it
+    (``ImageProcessingMixin.get_image_processor_dict``: ``processor_config.json``'s ``image_processor``, or
+    ``preprocessor_config.json``), without building the processor (which would need PIL or torchvision).
+    Raises ``OSError`` (``transformers``' message) when it has none, or one that does not parse."""
     from transformers.image_processing_base import ImageProcessingMixin
-    raw, _ = ImageProcessingMixin.get_image_processor_dict(resolve_pretrained(checkpoint, what="image processor"))
+    raw, _ = ImageProcessingMixin.get_image_processor_dict(resolve_pretrained(checkpoint, what="image processor"),
+                                                           revision=revision or None)
     return {k: raw[k] for k in keys if k in raw}
 
 
@@ -103,25 +109,37 @@ def template_sha256(template: str | None) -> str:
     return hashlib.sha256((template or "").encode()).hexdigest()
 
 
-def tokenizer_identity(checkpoint: Any, named: Any = None, added: Iterable[str] = ()) -> tuple[Any, Any, Any]:
+def tokenizer_identity(checkpoint: Any, named: Any = None, added: Iterable[str] = (), *, revision: str | None = None,
+                       named_revision: str | None = None) -> tuple[Any, Any, Any]:
     """``(tokenizer, fingerprint, template)`` of the text tokenizer a model's checkpoint was trained with:
-    ``named`` (``model.kwargs.tokenizer``, a directory or hub id) when given, else the one ``checkpoint``
-    ships. ``fingerprint`` is :func:`shards.tokens.vocab_sha256` after ``added``, as a
-    :class:`shards.cache.Sourced` naming where the tokenizer was read; ``template`` the
+    ``named`` (``model.kwargs.tokenizer``, a directory or hub id, at ``named_revision``:
+    ``model.kwargs.tokenizer_revision``) when given, else the one ``checkpoint`` ships (at ``revision``:
+    ``model.kwargs.revision``; default ``main``). ``fingerprint`` is :func:`shards.tokens.vocab_sha256` after
+    ``added``, as a :class:`shards.cache.Sourced` naming where the tokenizer was read; ``template`` the
     :func:`template_sha256` of its chat template. Never "any": when neither exists, ``(None, Unknown(...),
-    Unknown(...))``, which no cache meets, naming ``model.kwargs.tokenizer``."""
+    Unknown(...))``, which no cache meets, naming ``model.kwargs.tokenizer``. Raises
+    :class:`shardcache.weights.LocalRevision` for a revision with a local folder."""
     from shards.cache import Sourced, Unknown, source_text
     from shards.tokens import vocab_sha256
 
+    from .weights import checkpoint as checkpoint_of
     from .weights import source
+    if named_revision and not named:
+        raise ValueError(f"model.kwargs.tokenizer_revision {named_revision!r} without model.kwargs.tokenizer: name "
+                         "the tokenizer (a hub id) whose revision it is, or set model.kwargs.revision for the "
+                         "checkpoint's own tokenizer")
     where = "model.kwargs.tokenizer" if named else "model.kwargs.lm"
-    tok = load_tokenizer(named if named else checkpoint, added, where)
+    rev = named_revision if named else revision
+    checkpoint_of(resolve_pretrained(named if named else checkpoint, what=where), revision=rev,
+                  what="model.kwargs.tokenizer_revision" if named else "model.kwargs.revision")
+    tok = load_tokenizer(named if named else checkpoint, added, where, revision=rev)
     if tok is None:
         what = f"model.kwargs.tokenizer {named}" if named else f"{checkpoint}"
         unknown = Unknown(f"{what} ships no tokenizer files: name the tokenizer the checkpoint was trained with in "
                           "model.kwargs.tokenizer (a directory or hub id)")
         return None, unknown, unknown
-    src = source_text(source(resolve_pretrained(named if named else checkpoint, what=where), "tokenizer_config.json"))
+    src = source_text(source(resolve_pretrained(named if named else checkpoint, what=where), "tokenizer_config.json",
+                             revision=rev))
     return tok, Sourced(vocab_sha256(tok), src), template_sha256(tok.chat_template)
 
 

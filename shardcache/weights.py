@@ -37,9 +37,16 @@ hash alike and one changed value does not. Why the files' tensors and not the lo
 in, on the library (weight-norm parametrisations rename tensors) and needs the model class (the Higgs
 audio tokenizer imports torchaudio); the files need none of them. About 1 s per 500 MB; no model is built.
 
-**Where from** (:func:`identity`'s ``loaded_from``, :data:`SOURCE_KEY`): the hub id and the snapshot commit
-the files were read at, or the absolute local folder, and the files' names: recorded beside the hash for
-people, never compared (``precompute.encoders.fingerprint`` leaves it out of a cache's fingerprint).
+**Which revision.** A hub id is read at ``revision`` (a branch, tag or 40-hex commit; default ``main``), the
+one ``from_pretrained(..., revision=...)`` is given: ``hf_hub_download(..., revision=...)`` resolves it in the
+hub cache (``refs/<branch or tag>`` -> ``snapshots/<commit>``, or the commit itself) as the library does. A
+revision with a local folder is refused (:class:`LocalRevision`): the libraries ignore it there, so the
+files loaded would not be the revision named.
+
+**Where from** (:func:`identity`'s ``loaded_from``, :data:`SOURCE_KEY`): the hub id, the revision asked for
+(``requested``) and the snapshot commit the files were read at (``revision``), or the absolute local folder,
+and the files' names: recorded beside the hash for people, never compared (``precompute.encoders.fingerprint``
+leaves it out of a cache's fingerprint): two revisions of the same files make the same cache.
 
 Whatever cannot be read (a broken link, a corrupt or truncated file, an index that does not parse or
 names a missing shard, a file of no known format) raises :class:`CheckpointUnreadable`, naming the file,
@@ -84,7 +91,15 @@ class CheckpointUnreadable(ShardcacheError):
 
 class CheckpointMissing(CheckpointUnreadable):
     """A checkpoint that holds none of the weight files its library loads (a hub id offline: not in the
-    hub cache)."""
+    hub cache; a ``revision`` the hub cache does not hold)."""
+
+
+class LocalRevision(CheckpointUnreadable):
+    """A ``revision`` given with a local folder. A folder has no revisions: ``transformers`` and ``diffusers``
+    ignore ``revision`` for a local folder (``cached_file`` / ``_get_model_file`` read the folder's files
+    whatever it says), so a run would load other files than the revision it names, and record a revision it
+    never read. Refused instead, naming both: give the hub id (its revision is read through the hub cache),
+    or leave ``revision`` unset."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,11 @@ class Checkpoint:
     def __str__(self) -> str:
         where = self.pretrained if self.local or not self.revision else f"{self.pretrained}@{self.revision}"
         return f"{where} ({self.subfolder}/)" if self.subfolder else where
+
+    def requested(self) -> dict[str, str]:
+        """``{"requested": revision}`` for a hub id (the revision asked for, ``main`` by default); ``{}`` for a
+        local folder, which has none."""
+        return {} if self.local else {"requested": self.revision or "main"}
 
     def name(self, filename: str) -> str:
         """``filename`` as listed in the checkpoint (``vae/diffusion_pytorch_model.safetensors``)."""
@@ -149,6 +169,13 @@ class Checkpoint:
         ref = repo / "refs" / (self.revision or "main")
         return repo / "snapshots" / (ref.read_text().strip() if ref.is_file() else (self.revision or "main"))
 
+    def _refs(self) -> list[str]:
+        """The refs (branches, tags) the hub cache holds for this repo, by name."""
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+        refs = Path(constants.HF_HUB_CACHE, repo_folder_name(repo_id=self.pretrained, repo_type="model"), "refs")
+        return sorted(p.relative_to(refs).as_posix() for p in refs.rglob("*") if p.is_file()) if refs.is_dir() else []
+
     def commit(self, fetched: Path) -> str | None:
         """The hub commit a file fetched from this checkpoint was read at: its snapshot folder's name in the
         hub cache (``models--org--name/snapshots/<commit>/...``); None for a local folder."""
@@ -164,11 +191,18 @@ class Checkpoint:
             return None
 
 
-def checkpoint(pretrained: Any, subfolder: str | None = None, revision: str | None = None) -> Checkpoint:
-    """The :class:`Checkpoint` of ``pretrained`` (a folder, made absolute, or a hub id)."""
+def checkpoint(pretrained: Any, subfolder: str | None = None, revision: str | None = None, *,
+               what: str = "revision") -> Checkpoint:
+    """The :class:`Checkpoint` of ``pretrained`` (a folder, made absolute, or a hub id) at ``revision`` (a
+    branch, tag or 40-hex commit of a hub id; None or ``""``: ``main``). Raises :class:`LocalRevision` for a
+    revision given with a local folder (``what``: the option that gave it, for the message)."""
     text = os.fspath(pretrained) if isinstance(pretrained, os.PathLike) else str(pretrained)
     if os.path.isdir(os.path.expanduser(text)):
         text = os.path.abspath(os.path.expanduser(text))
+        if revision:
+            raise LocalRevision(f"{what} {revision!r} is set, but {text} is a local folder, which has no revisions "
+                                "(transformers and diffusers would ignore it and load the folder's files): give the "
+                                "hub id to read that revision from the hub cache, or leave the revision unset")
     return Checkpoint(text, subfolder or None, revision or None)
 
 
@@ -212,9 +246,10 @@ class WeightFiles:
 
     def source(self) -> dict[str, Any]:
         """What :func:`identity` records of where the weights came from (never compared): ``pretrained``
-        (the hub id, or the absolute folder), ``revision`` (the commit; None for a folder), ``subfolder``,
+        (the hub id, or the absolute folder), ``revision`` (the commit; None for a folder), for a hub id
+        ``requested`` (the revision asked for: a branch, tag or commit; ``main`` by default), ``subfolder``,
         ``files`` (their listed names) and ``index``."""
-        return {"pretrained": self.checkpoint.pretrained, "revision": self.commit,
+        return {"pretrained": self.checkpoint.pretrained, "revision": self.commit, **self.checkpoint.requested(),
                 "subfolder": self.checkpoint.subfolder, "files": [n for n, _ in self.files], "index": self.index}
 
 
@@ -228,7 +263,16 @@ def _explicit(ckpt: Checkpoint) -> tuple[Candidate, ...]:
         named = json.loads(p.read_text()).get("transformers_weights")
     except (OSError, ValueError, AttributeError) as e:
         raise CheckpointUnreadable(f"{ckpt.name('config.json')} of {ckpt} ({p}): not a JSON object ({e})") from e
-    return (Candidate(str(named), index=str(named).endswith(".index.json")),) if named else ()
+    if not named:
+        return ()
+    named = str(named)
+    if not named.endswith((".safetensors", ".safetensors.index.json")) and named != "adapter_model.bin":
+        raise CheckpointUnreadable(f"{ckpt.name('config.json')} of {ckpt}: transformers_weights {named!r} is neither a "
+                                   "safetensors file nor a safetensors index, which transformers refuses to load")
+    if os.path.isabs(named) or ".." in Path(named).parts:
+        raise CheckpointUnreadable(f"{ckpt.name('config.json')} of {ckpt}: transformers_weights {named!r} is not a "
+                                   "file inside the checkpoint, which transformers refuses to load")
+    return (Candidate(named, index=named.endswith(".safetensors.index.json")),)
 
 
 def _shards(ckpt: Checkpoint, index: str, path: Path) -> list[str]:
@@ -255,6 +299,12 @@ def loaded_files(ckpt: Checkpoint, library: str, *, isolated: bool = False) -> W
     Y is missing``; a broken link; a hub error."""
     if isolated:
         return _in_child(ckpt, library, _state(ckpt))
+    if library == "diffusers" and not ckpt.local and ckpt.revision:
+        from diffusers.utils.constants import DEPRECATED_REVISION_ARGS
+        if ckpt.revision in DEPRECATED_REVISION_ARGS:   # _get_model_file then loads the variant file instead
+            raise CheckpointUnreadable(f"{ckpt}: revision {ckpt.revision!r} is diffusers' deprecated spelling of a "
+                                       f"weights variant (it loads another file than the revision's), which is not "
+                                       "supported: name the branch, tag or commit of the weights to load")
     order = (_explicit(ckpt) if library == "transformers" else ()) or candidates(library)   # the named one alone
     for c in order:
         found = (ckpt.fetch(c.name, at_root=True) if c.root_first and ckpt.local and ckpt.subfolder else None) \
@@ -271,6 +321,10 @@ def loaded_files(ckpt: Checkpoint, library: str, *, isolated: bool = False) -> W
                                            f"({ckpt}): the checkpoint is incomplete; download it again")
             files.append((ckpt.name(shard), p))
         return WeightFiles(ckpt, library, tuple(files), ckpt.name(c.name), ckpt.commit(found))
+    if not ckpt.local and ckpt.revision and not ckpt._snapshot().is_dir():
+        raise CheckpointMissing(f"{ckpt}: revision {ckpt.revision} is not in the hub cache (no refs/{ckpt.revision}, "
+                                f"no snapshots/{ckpt.revision}; offline): download that revision, or name one the "
+                                f"cache holds (its refs: {', '.join(ckpt._refs()) or 'none'})")
     where = "" if ckpt.local else " (or it is not in the hub cache, offline)"
     raise CheckpointMissing(f"{ckpt} holds none of the weight files {library} loads "
                                f"({', '.join(c.name for c in order)}){where}: cannot tell its identity")
@@ -420,23 +474,27 @@ def files_sha256(wf: WeightFiles, select: Callable[[str], str | None] | None = N
 
 
 def checkpoint_sha256(pretrained: Any, subfolder: str | None = None, select: Callable[[str], str | None] | None = None,
-                      *, library: str = "transformers", revision: str | None = None, isolated: bool = False) -> str:
+                      *, library: str = "transformers", revision: str | None = None, isolated: bool = False,
+                      what: str = "revision") -> str:
     """sha256 (hex) of the tensors of the files ``library`` opens for checkpoint ``pretrained`` (a folder or
     a hub id; ``subfolder``, ``revision``): for each selected tensor in name order its name, dtype, shape and
     raw bytes. ``select(name)`` -> the name to hash it under, or None to leave it out (:func:`under`);
-    default every tensor under its own name. ``isolated``: as :func:`loaded_files`.
+    default every tensor under its own name. ``isolated``: as :func:`loaded_files`; ``what``: the option that
+    gave ``revision`` (for :class:`LocalRevision`'s message).
 
     The same tensors saved again in the same dtype hash alike (one file or shards, another folder, the hub
     cache); other values, shapes or dtypes do not. Raises :class:`CheckpointUnreadable`."""
-    return files_sha256(loaded_files(checkpoint(pretrained, subfolder, revision), library, isolated=isolated), select)
+    return files_sha256(loaded_files(checkpoint(pretrained, subfolder, revision, what=what), library,
+                                     isolated=isolated), select)
 
 
 def weights_of(pretrained: Any, subfolder: str | None = None, select: Callable[[str], str | None] | None = None,
-               *, library: str = "transformers", revision: str | None = None, isolated: bool = False):
+               *, library: str = "transformers", revision: str | None = None, isolated: bool = False,
+               what: str = "revision"):
     """:func:`checkpoint_sha256` as a contract's value: a :class:`shards.cache.Sourced` (the hash, which alone
     is compared, with where its files were read, which a refusal names). Raises :class:`CheckpointUnreadable`."""
     from shards.cache import Sourced, source_text
-    wf = loaded_files(checkpoint(pretrained, subfolder, revision), library, isolated=isolated)
+    wf = loaded_files(checkpoint(pretrained, subfolder, revision, what=what), library, isolated=isolated)
     return Sourced(files_sha256(wf, select), source_text(wf.source()))
 
 
@@ -476,14 +534,16 @@ def identity(pretrained: Any, *, dtype: Any, device: Any = "cpu", library: str =
     return out
 
 
-def source(pretrained: Any, probe: str, subfolder: str | None = None, revision: str | None = None) -> dict[str, Any]:
+def source(pretrained: Any, probe: str, subfolder: str | None = None, revision: str | None = None, *,
+           what: str = "revision") -> dict[str, Any]:
     """Where a checkpoint without weights (a tokenizer) was read: ``pretrained`` (hub id, or the absolute
-    folder) and ``revision`` (the commit ``probe``, one of its files, was read at; None for a folder or
-    when it has no such file)."""
-    ckpt = checkpoint(pretrained, subfolder, revision)
+    folder), ``revision`` (the commit ``probe``, one of its files, was read at; None for a folder or
+    when it has no such file), for a hub id ``requested`` (the revision asked for, ``main`` by default) and
+    ``subfolder``. Raises :class:`LocalRevision` for a ``revision`` with a local folder."""
+    ckpt = checkpoint(pretrained, subfolder, revision, what=what)
     p = ckpt.fetch(probe)
     return {"pretrained": ckpt.pretrained, "revision": ckpt.commit(p) if p is not None else None,
-            "subfolder": ckpt.subfolder}
+            **ckpt.requested(), "subfolder": ckpt.subfolder}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,8 +567,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["GEMMA3_VISION", "LIBRARIES", "SOURCE_KEY", "Candidate", "Checkpoint", "CheckpointMissing",
-           "CheckpointUnreadable", "WeightFiles", "candidates", "checkpoint", "checkpoint_sha256", "file_format",
-           "files_sha256", "identity", "loaded_files", "numeric_policy", "source", "tensor_names", "under", "weights_of"]
+           "CheckpointUnreadable", "LocalRevision", "WeightFiles", "candidates", "checkpoint", "checkpoint_sha256",
+           "file_format", "files_sha256", "identity", "loaded_files", "numeric_policy", "source", "tensor_names",
+           "under", "weights_of"]
 
 if __name__ == "__main__":
     sys.exit(main())

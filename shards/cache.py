@@ -1,11 +1,10 @@
 """A cache opened once: :class:`Cache` (manifest, index, fields, id, encoders' identity) and
 :meth:`Cache.require`, which refuses a model whose declared :class:`Contract` the cache does not meet.
 
-Stage two reads ``manifest.json`` and ``index.parquet`` here and nowhere else before it builds a model:
-the trainer opens the cache once, checks the recipe's contract against it (before any weight loads),
-builds the model from it and hands it to the loaders. A URL (``s3://...``, any fsspec protocol) is
-opened from a local copy of its two metadata files (fetched once per process); the loaders fetch the
-shards themselves.
+Stage two reads ``manifest.json`` and ``index.parquet`` through here and nowhere else before it builds
+a model: the trainer opens the cache once (:mod:`shards.opened`: integrity first, the index as
+memory-mapped columns, a URL through a local mirror), checks the recipe's contract against it (before
+any weight loads), builds the model from it and hands it to the loaders.
 
 The encoders' identity (what a model needs to agree with) comes from the manifest as typed values
 (stage one records it: each encoder's ``describe()``, the preprocessing, the text section):
@@ -38,23 +37,13 @@ local folder are equal; a refusal names where each side's were read (hub id and 
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import math
-import os
 from dataclasses import dataclass, field, fields as dc_fields, replace
-from pathlib import Path
 from typing import Any, Mapping
 
-import pyarrow as pa
-import pyarrow.compute as pc
-
-from . import fields as registry
 from .errors import ContractMismatch
-from .manifest import CacheManifest
-from .schema import INDEX_FILE, MANIFEST_FILE, ROOT_FILE
-from .storage import is_url, local_path
+from .manifest import CacheManifest  # noqa: F401 (named in the docstrings)
+from .opened import CacheFiles
 
 
 @dataclass(frozen=True)
@@ -328,78 +317,18 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _local_meta_dir(url: str) -> Path:
-    """Where a URL cache's metadata is copied: ``$SHARDCACHE_LOCAL_CACHE`` (default
-    ``~/.cache/shardcache/remote``) ``/<sha1 of the url>[:16]/meta``, beside the loaders' rank folders."""
-    base = os.environ.get("SHARDCACHE_LOCAL_CACHE") or Path.home() / ".cache" / "shardcache" / "remote"
-    return Path(base) / hashlib.sha1(url.encode()).hexdigest()[:16] / "meta"
-
-
-@functools.lru_cache(maxsize=8)
-def _fetch_metadata(url: str, options: str) -> str:
-    from .storage import RemoteFolder
-    remote = RemoteFolder(url, json.loads(options))
-    local = _local_meta_dir(url)
-    local.mkdir(parents=True, exist_ok=True)
-    if not remote.exists(INDEX_FILE):
-        raise FileNotFoundError(f"{url}/{INDEX_FILE} not found: is {url} a shardcache cache?")
-    for name in (INDEX_FILE, MANIFEST_FILE, ROOT_FILE):  # the root: read_cache_id checks the two
-        if name == INDEX_FILE or remote.exists(name):
-            remote.get(name, local / name)  # atomic: ranks of one node may fetch at once
-    return str(local)
-
-
-def metadata_dir(cache: str | os.PathLike, storage_options: dict | None = None) -> Path:
-    """A local folder holding ``cache``'s ``manifest.json`` and ``index.parquet``: ``cache`` itself,
-    or for a URL a copy of the two files (fetched once per process; :func:`_local_meta_dir`).
-    Raises ``FileNotFoundError`` when the URL holds no index."""
-    if not is_url(cache):
-        return local_path(cache)  # a file:// URL is a local folder
-    return Path(_fetch_metadata(str(cache).rstrip("/"), json.dumps(storage_options or {}, sort_keys=True)))
-
-
-class Cache:
-    """A cache opened once (see the module docstring). Build it with :meth:`open`.
+class Cache(CacheFiles):
+    """A cache opened once (see the module docstring). Build it with :meth:`open`
+    (:meth:`shards.opened.CacheFiles.open`: the checks, the index as columns, a remote cache's mirror;
+    :meth:`~shards.opened.CacheFiles.reader`, :meth:`~shards.opened.CacheFiles.problems`,
+    :meth:`~shards.opened.CacheFiles.value_checks`).
 
     Attributes: ``source`` (the path or URL as given), ``dir`` (a local folder with the metadata:
-    the cache itself, or the fetched copy of a URL's), ``manifest`` (:class:`CacheManifest`,
-    checked: :meth:`CacheManifest.read_required`), ``index`` (the ``index.parquet`` table), ``id``
-    (:func:`shards.index.read_cache_id`), ``fields`` (the fields some sample holds),
+    the cache itself, or the mirror of a URL's), ``manifest`` (:class:`CacheManifest`, checked:
+    :meth:`CacheManifest.read_required`), ``index`` (the ``index.parquet`` table, read on first use),
+    ``id`` (:func:`shards.index.read_cache_id`), ``fields`` (the fields some sample holds),
     ``storage_options``.
     """
-
-    def __init__(self, source: str | os.PathLike, dir: Path, manifest: CacheManifest, index: pa.Table,
-                 id: str, storage_options: dict | None = None):
-        self.source, self.dir, self.manifest, self.index, self.id = source, dir, manifest, index, id
-        self.storage_options = storage_options
-        names = pc.unique(index.column("members").combine_chunks().flatten().field("name")).to_pylist() \
-            if index.num_rows else []
-        self.fields: tuple[str, ...] = tuple(sorted(n[:-4] for n in names if n.endswith(".npy")
-                                                    and registry.lookup(n[:-4]) is not None))
-
-    @classmethod
-    def open(cls, path_or_url: "str | os.PathLike | Cache", storage_options: dict | None = None) -> "Cache":
-        """Open a cache: read its manifest and index once, and its id.
-
-        Raises ``FileNotFoundError`` (no ``index.parquet``: not a cache), :class:`shards.ManifestError`
-        (``manifest.json`` missing or a field of the wrong type), :class:`shards.UnsupportedFormat`,
-        :class:`shards.ShardCorrupt` (what :func:`shards.index.read_cache_id` refuses).
-        """
-        if isinstance(path_or_url, Cache):
-            return path_or_url
-        from .index import read_cache_id, read_index
-        local = metadata_dir(path_or_url, storage_options)
-        if not (local / INDEX_FILE).is_file():
-            raise FileNotFoundError(f"{local / INDEX_FILE} not found: is {path_or_url} a shardcache cache "
-                                    "(a directory made by `shardcache precompute`)?")
-        manifest = CacheManifest.read_required(local)
-        return cls(path_or_url, local, manifest, read_index(local), read_cache_id(local), storage_options)
-
-    def __repr__(self) -> str:
-        return f"Cache({str(self.source)!r}, id={self.id}, {self.index.num_rows} samples)"
-
-    def __len__(self) -> int:
-        return self.index.num_rows
 
     # -- sizes and ids of the text -------------------------------------------------------------------
     @property

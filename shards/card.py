@@ -76,12 +76,7 @@ def member_features(index) -> list[dict[str, Any]]:
     seen: dict[tuple[str | None, str], tuple[str, int]] = {}  # (container, name) -> (dtype, ndim)
     members = index.column("members").combine_chunks() if index.num_rows else None
     if members is not None:
-        flat = members.flatten()
-        names = flat.field("name").to_pylist()
-        dtypes = flat.field("dtype").to_pylist()
-        inside = flat.field("member").to_pylist()
-        ndims = [len(s) if s is not None else 0 for s in flat.field("shape").to_pylist()]
-        for name, dtype, box, ndim in zip(names, dtypes, inside, ndims):
+        for box, name, dtype, ndim in _distinct_members(members.flatten()):  # in the order they first show
             got = (str(dtype), int(ndim))
             old = seen.setdefault((box, name), got)
             if old != got:
@@ -102,6 +97,19 @@ def member_features(index) -> list[dict[str, Any]]:
         else:
             feats.append({"name": name, **_spec(_array_feature(dtype, ndim))})
     return feats
+
+
+def _distinct_members(flat) -> list[tuple[Any, Any, Any, int]]:
+    """The distinct ``(member, name, dtype, ndim)`` of an index's flattened member entries, in the order of
+    their first entry (Arrow's group-by: one Python tuple per distinct entry, not per member of a sample)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    t = pa.table({"member": flat.field("member"), "name": flat.field("name"), "dtype": flat.field("dtype"),
+                  "ndim": pc.fill_null(pc.list_value_length(flat.field("shape")), 0),
+                  "row": pa.array(np.arange(len(flat), dtype=np.int64))})
+    groups = t.group_by(["member", "name", "dtype", "ndim"]).aggregate([("row", "min")]).sort_by("row_min")
+    return [(g["member"], g["name"], g["dtype"], int(g["ndim"])) for g in groups.to_pylist()]
 
 
 def _spec(feature: Any) -> dict[str, Any]:

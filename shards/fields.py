@@ -280,17 +280,55 @@ def tensor_dtypes() -> dict[str, str]:
     return {f.suffix: f.dtype for f in BY_NAME.values()}
 
 
+#: each field-derived index column: (its name, its default, [(member, the IndexColumn of that field)]) in
+#: FIELDS order: the first field a sample holds gives the value (what the scanner computes per sample)
+_COLUMN_SOURCES = tuple((c.name, c.default, tuple((f.suffix, x) for f in FIELDS for x in f.index_columns
+                                                  if x.name == c.name)) for c in INDEX_FIELD_COLUMNS)
+
+
 def index_column_values(shapes: dict[str, tuple]) -> dict[str, object]:
     """The field-derived index columns of one sample from its member shapes (``{"codes.npy": (8, 50)}``)."""
     out: dict[str, object] = {}
-    for c in INDEX_FIELD_COLUMNS:
-        out[c.name] = c.default
-        for f in FIELDS:
-            if any(x.name == c.name for x in f.index_columns) and f.suffix in shapes:
-                col = next(x for x in f.index_columns if x.name == c.name)
-                out[c.name] = col.value(tuple(shapes[f.suffix]))
+    for name, default, sources in _COLUMN_SOURCES:
+        out[name] = default
+        for member, col in sources:
+            if member in shapes:
+                out[name] = col.value(tuple(shapes[member]))
                 break
     return out
+
+
+#: the fields a reader reads by default (those of them the cache holds), in read order
+DEFAULT_READ = tuple(f.name for f in FIELDS if f.default_read)
+#: fields read only when named: ``latents_logvar``, ``image_features``
+OPTIONAL_READ = tuple(f.name for f in FIELDS if not f.default_read)
+
+
+def selection(names) -> tuple[str, ...]:
+    """A field selection (a name or names) checked and ordered: the fixed fields in :data:`FIELDS` order,
+    then other known fields (name rules, plug-ins), sorted. Raises ``ValueError`` for an unknown or
+    empty selection."""
+    if isinstance(names, str):
+        names = (names,)
+    names = tuple(names)
+    bad = [f for f in names if lookup(f) is None]
+    if bad or not names:
+        raise ValueError(f"unknown fields {bad} (or none given); choose from {DEFAULT_READ + OPTIONAL_READ} "
+                         "(plus extra waveforms such as audio_16k, added fields such as codes_mimi, "
+                         "and fields registered by plug-ins)")
+    fixed = DEFAULT_READ + OPTIONAL_READ
+    return tuple(f for f in fixed if f in names) + tuple(sorted(f for f in names if f not in fixed))
+
+
+def held(member_names, requested: bool = False) -> tuple[str, ...]:
+    """The fields among ``member_names`` (an index's member names, ``codes.npy``...) a reader reads when
+    no fields are named: :data:`DEFAULT_READ` ones in order, then the others a name rule or plug-in
+    declares (``audio_16k``, ``codes_mimi``...), sorted; ``requested``: also :data:`OPTIONAL_READ`."""
+    names = set(member_names)
+    have = [f for f in (DEFAULT_READ + OPTIONAL_READ if requested else DEFAULT_READ) if f + ".npy" in names]
+    extra = sorted(n[:-4] for n in names if n.endswith(".npy") and n[:-4] not in BY_NAME
+                   and lookup(n[:-4]) is not None)
+    return tuple(have) + tuple(extra)
 
 
 def sidecar_name(shard: str, field_name: str) -> str:
@@ -312,5 +350,5 @@ def parse_sidecar_name(name: str) -> tuple[str, str] | None:
 
 __all__ = ["Field", "IndexColumn", "FIELDS", "BY_NAME", "REGISTERED", "DERIVABLE", "INDEX_FIELD_COLUMNS", "lookup",
            "get", "register", "field_of_member", "ndim", "kind", "tensor_dtypes", "index_column_values",
-           "sidecar_name", "parse_sidecar_name", "derived_field", "IGNORE_INDEX", "TEXT_PAD_ID", "PAD_TEXT",
+           "sidecar_name", "parse_sidecar_name", "derived_field", "selection", "held", "DEFAULT_READ", "OPTIONAL_READ", "IGNORE_INDEX", "TEXT_PAD_ID", "PAD_TEXT",
            "PAD_LAST"]

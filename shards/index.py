@@ -212,13 +212,13 @@ def write_parts(out_dir: Path, stem: str, rows: list[dict], rejects: list[dict],
 
 def read_part_shard_entry(index_part: Path) -> dict | None:
     """The shard entry stored in an index part's metadata, or None for a chunk with no samples."""
-    meta = pq.read_schema(index_part).metadata or {}
+    meta = pq.read_metadata(index_part).metadata or {}  # the footer's key-value metadata (not the schema built)
     return json.loads(meta.get(_SHARD_META, b"null"))
 
 
 def read_part_meta(index_part: Path) -> dict | None:
     """The ``job_meta`` stored by :func:`write_parts` (None when absent)."""
-    meta = pq.read_schema(index_part).metadata or {}
+    meta = pq.read_metadata(index_part).metadata or {}  # the footer's key-value metadata (not the schema built)
     return json.loads(meta.get(_JOB_META, b"null"))
 
 
@@ -355,14 +355,15 @@ def _fix(d: Path) -> str:
             "`shardcache precompute` on the same cache)")
 
 
-def _differs(p: Path, want: Any) -> str | None:
-    """Why file ``p`` is not what root entry ``want`` records (None when it is)."""
+def _differs(p: Path, want: Any, known: dict[str, str] | None = None) -> str | None:
+    """Why file ``p`` is not what root entry ``want`` records (None when it is); ``known``: file name ->
+    its sha256, already computed by the caller."""
     if not p.exists():
         return f"{p} is missing"
     if not isinstance(want, dict) or not isinstance(want.get("sha256"), str):
         return f"{p}: its entry in {ROOT_FILE} is unreadable"
     size = p.stat().st_size
-    got = file_sha256(p) if size == want.get("bytes") else None
+    got = ((known or {}).get(p.name) or file_sha256(p)) if size == want.get("bytes") else None
     if got == want["sha256"]:
         return None
     what = f"sha256 {got[:16]}..." if got else f"{size} bytes"
@@ -371,12 +372,14 @@ def _differs(p: Path, want: Any) -> str | None:
             "was written, and reading it could give other data")
 
 
-def root_problems(cache_dir: str | Path, full: bool = False) -> tuple[dict[str, Any] | None, list[str]]:
+def root_problems(cache_dir: str | Path, full: bool = False,
+                  known: dict[str, str] | None = None) -> tuple[dict[str, Any] | None, list[str]]:
     """``(root, problems)``: each way ``cache_dir``'s files differ from its integrity root, as a
     message naming the file and the fix. Always ``index.parquet`` and ``manifest.json`` (and the
     manifest's ``cache_id``); with ``full`` also ``rejects.parquet`` and every covered part of
     ``parts/`` (:func:`covered_parts`): changed, missing, or present and not covered (a part written
-    after the last merge: an unfinished job). Raises ``FileNotFoundError`` when there is no index."""
+    after the last merge: an unfinished job). ``known``: ``{file name: sha256}`` the caller computed
+    already (not hashed again). Raises ``FileNotFoundError`` when there is no index."""
     d = Path(cache_dir)
     if not (d / INDEX_FILE).exists():
         raise FileNotFoundError(f"{d / INDEX_FILE} not found: is {cache_dir} a shardcache cache?")
@@ -390,7 +393,7 @@ def root_problems(cache_dir: str | Path, full: bool = False) -> tuple[dict[str, 
                       f"(a cache written before integrity roots, a partial copy, or a rerun under way); {_fix(d)}"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return None, [f"{d / ROOT_FILE} is unreadable ({type(e).__name__}: {e}); {_fix(d)}"]
-    probs = [why for n in _ROOT_COVERS if (why := _differs(d / n, files[n])) is not None]
+    probs = [why for n in _ROOT_COVERS if (why := _differs(d / n, files[n], known)) is not None]
     if not probs:
         mid = read_manifest(d).get("cache_id")
         if mid != cid:

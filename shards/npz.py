@@ -26,6 +26,7 @@ Zip64 is never needed: a member larger than 4 GiB is refused.
 """
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import threading
@@ -47,10 +48,23 @@ _MADE_BY = (3 << 8) | 20  # Unix, zip 2.0: external attributes are a file mode
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
-    """Serialise an array as ``.npy`` bytes (C order, never pickled)."""
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return buf.getvalue()
+    """Serialise an array as ``.npy`` bytes (C order, never pickled): what ``numpy.save`` writes. The
+    header (a function of the dtype and shape alone) of an array like one serialised before is reused."""
+    a = np.ascontiguousarray(array)
+    key = (a.dtype, a.shape)
+    head = _HEADS.get(key)
+    if head is None:
+        buf = io.BytesIO()
+        np.save(buf, a, allow_pickle=False)
+        out = buf.getvalue()
+        if len(_HEADS) < 4096 and not a.dtype.hasobject:
+            _HEADS[key] = out[:len(out) - a.nbytes]
+        return out
+    return head + a.tobytes()
+
+
+#: (dtype, shape) -> the ``.npy`` header ``numpy.save`` writes for it (dict reads and writes are atomic)
+_HEADS: dict[tuple, bytes] = {}
 
 
 #: numpy parses an ``.npy`` header with ``ast.literal_eval``. CPython 3.11 keeps the AST converter's
@@ -65,7 +79,31 @@ def npy_header(data: bytes | memoryview) -> tuple[int, str, tuple[int, ...]]:
     """Parse an ``.npy`` blob's header: ``(header_len, dtype_str, shape)``; the array data starts
     ``header_len`` bytes into ``data``. Raises ``ValueError`` for Fortran order or object dtypes
     (they would need copying or unpickling) and for anything that is not ``.npy``. Thread-safe
-    (see :data:`_HEADER_LOCK`)."""
+    (see :data:`_HEADER_LOCK`). A header already parsed (the same bytes: arrays of one shape and
+    dtype, what most samples of a cache share) is answered from :func:`_parsed` without parsing."""
+    head = bytes(data[:12])
+    if head[:6] == _NPY_MAGIC and len(head) >= 10:
+        n, start = ((struct.unpack_from("<H", head, 8)[0], 10) if head[6] == 1 else
+                    (struct.unpack_from("<I", head, 8)[0], 12) if head[6] in (2, 3) and len(head) >= 12 else (-1, 0))
+        if 0 <= n <= _MAX_CACHED_HEADER and start + n <= len(data):
+            return _parsed(bytes(data[:start + n]))
+    return _parse(data)
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+#: headers longer than this (a shape of thousands of dimensions) are parsed every time
+_MAX_CACHED_HEADER = 1024
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(head: bytes) -> tuple[int, str, tuple[int, ...]]:
+    """:func:`_parse` of one whole header (magic to the end of its dict), remembered: numpy's
+    ``literal_eval`` of the dict was most of the writer's time per sample (a refused header raises
+    again each time: errors are not remembered)."""
+    return _parse(head)
+
+
+def _parse(data: bytes | memoryview) -> tuple[int, str, tuple[int, ...]]:
     fp = io.BytesIO(data)
     with _HEADER_LOCK:
         version = np.lib.format.read_magic(fp)

@@ -27,7 +27,6 @@ import hashlib
 import json
 import mmap
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,40 +44,40 @@ from .manifest import CacheManifest
 from .manifest import check_format_version, read_manifest
 from .index import (read_index,  # noqa: F401
                     safe_shard_path)
-from .schema import JSON_MEMBER, PICKLE_EXTENSIONS, WHOLE_MEMBER_DTYPES
+from .schema import JSON_MEMBER, WHOLE_MEMBER_DTYPES
 from .storage import local_path
 
 _NPY_MAGIC = b"\x93NUMPY"
 _TAR_BLOCK = 512
 _MAX_NPY_HEADER = 65536 + 2 * _TAR_BLOCK  # npy v1 header length is a uint16
 
-# A member name is what follows the key's first dot: "codes.npy", "pyd", "x.pkl"; match both forms.
-_UNSAFE_RE = "(^|\\.)(" + "|".join(re.escape(e.lstrip(".")) for e in PICKLE_EXTENSIONS) + ")$"
-
-
 def refuse_unsafe(table: pa.Table, where: str | Path) -> None:
     """Raise :class:`UnsafeMember` (naming shard and key) if ``table`` lists a member that would
-    need unpickling (an extension in :data:`shards.schema.PICKLE_EXTENSIONS`)."""
+    need unpickling (an extension in :data:`shards.schema.PICKLE_EXTENSIONS`). The pattern runs over
+    the distinct member names only (:data:`shards.columns.UNSAFE_RE`)."""
+    from .columns import UNSAFE_RE
     members = table.column("members").combine_chunks()
-    names = members.flatten().field("name")
-    bad = pc.match_substring_regex(pc.utf8_lower(names), _UNSAFE_RE).to_numpy(zero_copy_only=False)
-    if bad.any():
-        j = int(np.flatnonzero(bad)[0])
-        row = int(pc.list_parent_indices(members).to_numpy()[j])
-        key, shard = table.column("key")[row].as_py(), table.column("shard")[row].as_py()
-        raise UnsafeMember(
-            f"{Path(where) / shard}: sample {key!r} has member {key}.{names[j].as_py()} that would need "
-            f"unpickling ({int(bad.sum())} such member(s) in the index); shardcache never unpickles "
-            "shard data. Remove the member from the shard and rebuild the index (`shardcache shards reindex`).")
+    names = pc.dictionary_encode(members.flatten().field("name"))
+    bad_names = pc.match_substring_regex(pc.utf8_lower(names.dictionary), UNSAFE_RE).to_numpy(zero_copy_only=False)
+    if not bad_names.any():
+        return
+    bad = np.isin(pc.fill_null(names.indices, -1).to_numpy(zero_copy_only=False), np.flatnonzero(bad_names))
+    j = int(np.flatnonzero(bad)[0])
+    row = int(pc.list_parent_indices(members).to_numpy()[j])
+    key, shard = table.column("key")[row].as_py(), table.column("shard")[row].as_py()
+    raise UnsafeMember(
+        f"{Path(where) / shard}: sample {key!r} has member {key}.{names.dictionary[names.indices[j].as_py()].as_py()} "
+        f"that would need unpickling ({int(bad.sum())} such member(s) in the index); shardcache never unpickles "
+        "shard data. Remove the member from the shard and rebuild the index (`shardcache shards reindex`).")
 
 
-def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, Any]:
-    """The value checks a cache's ``manifest.json`` implies, for ``ShardReader(value_checks=...)``:
-    each declared field's kind says what to check (:meth:`shards.kinds.FieldKind.value_check`), with
-    the sizes the manifest records: ``{field: ValueCheck}`` (:class:`shards.kinds.ValueCheck`: codes
-    in ``[0, codebook_size)``, ids in ``[0, vocab_size)``, labels ids or -100, floats finite...)."""
-    man = CacheManifest.from_dict(manifest or {})
-    checks: dict[str, Any] = {}
+def value_checks_of(man: CacheManifest) -> dict[str, ValueCheck]:
+    """The value checks a cache's manifest implies, for ``ShardReader(value_checks=...)``: each
+    declared field's kind says what to check (:meth:`shards.kinds.FieldKind.value_check`), with the
+    sizes the manifest records: ``{field: ValueCheck}`` (:class:`shards.kinds.ValueCheck`: codes in
+    ``[0, codebook_size)``, ids in ``[0, vocab_size)``, labels ids or -100, floats finite...).
+    :meth:`shards.Cache.value_checks` is this for an opened cache."""
+    checks: dict[str, ValueCheck] = {}
     for f in list(fields.BY_NAME.values()) + [fields.lookup(n) for n in man.fields]:
         if f is None:
             continue
@@ -87,6 +86,12 @@ def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, Any
             continue
         checks[f.name] = check
     return checks
+
+
+def value_checks_from_manifest(manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`value_checks_of` of a ``manifest.json`` read as a dict (a folder opened without
+    :class:`shards.Cache`: ``shards verify`` of shard tars)."""
+    return value_checks_of(CacheManifest.from_dict(manifest or {}))
 
 
 def _normalise_checks(value_checks: dict[str, Any] | None) -> dict[str, ValueCheck]:
@@ -114,21 +119,65 @@ def _normalise_checks(value_checks: dict[str, Any] | None) -> dict[str, ValueChe
 
 @dataclass
 class FieldArrays:
-    """One tensor member (e.g. ``codes.npy``) of every row, as numpy arrays of length ``n`` rows.
+    """One tensor member (e.g. ``codes.npy``) of every row of a reader, as numpy arrays.
 
-    ``off`` int64 byte offset (-1 where the row has no such member); ``shape`` int64 ``(n, ndim)``
-    (zeros where absent); ``count`` int64 elements; ``present`` bool; ``code`` int8 index into
-    ``dtypes`` (the distinct numpy dtypes the member is stored with); ``xxh3`` uint64 the member's
-    checksum (:mod:`shards.checksum`).
+    ``off`` int64 byte offset; ``shape`` int64 ``(m, ndim)`` (zeros where absent); ``present`` bool;
+    ``xxh3`` uint64 the member's checksum (:mod:`shards.checksum`); ``side`` int32: 0 where the member
+    is in the row's own shard, ``1 + file number`` where it is in a sidecar tar (None: no row has one);
+    ``code`` int8 index into ``dtypes`` (the distinct numpy dtypes the member is stored with; None: one
+    dtype). The arrays are over the reader's rows, or, with ``rows``, over the rows of the
+    :class:`shards.columns.IndexColumns` the reader reads (``rows[r]``: the store row of reader row
+    ``r``; memory-mapped, shared by every process reading the cache). Read them through the gathering
+    methods, which take reader rows (an int64 array) and return small arrays: a reader materialises
+    only the rows it reads.
     """
     off: np.ndarray
     shape: np.ndarray
-    count: np.ndarray
     present: np.ndarray
-    code: np.ndarray
+    xxh3: np.ndarray
     dtypes: list
-    file: np.ndarray | None = None  #: int32 file number per row (main shard or sidecar tar)
-    xxh3: np.ndarray | None = None
+    side: np.ndarray | None = None
+    code: np.ndarray | None = None
+    rows: np.ndarray | None = None
+
+    @property
+    def ndim(self) -> int:
+        return int(self.shape.shape[1])
+
+    def at(self, r: np.ndarray) -> np.ndarray:
+        """The array positions of reader rows ``r``."""
+        return r if self.rows is None else self.rows[r]
+
+    def offsets(self, r: np.ndarray) -> np.ndarray:
+        return np.asarray(self.off[self.at(r)], dtype=np.int64)
+
+    def shapes(self, r: np.ndarray) -> np.ndarray:
+        """int64 ``(len(r), ndim)``, a copy the caller may change."""
+        return np.array(self.shape[self.at(r)], dtype=np.int64)
+
+    def presence(self, r: np.ndarray) -> np.ndarray:
+        return np.asarray(self.present[self.at(r)], dtype=bool)
+
+    def sums(self, r: np.ndarray) -> np.ndarray:
+        return np.asarray(self.xxh3[self.at(r)], dtype=np.uint64)
+
+    def codes(self, r: np.ndarray) -> np.ndarray:
+        return np.zeros(len(r), np.int8) if self.code is None else np.asarray(self.code[self.at(r)], dtype=np.int8)
+
+    def files(self, r: np.ndarray, shard_of: np.ndarray) -> np.ndarray:
+        """int64 file number of reader rows ``r`` whose shards are ``shard_of`` (their own shard, or the
+        sidecar tar holding the member)."""
+        shard_of = np.asarray(shard_of, dtype=np.int64)
+        if self.side is None:
+            return shard_of
+        side = np.asarray(self.side[self.at(r)], dtype=np.int64)
+        return np.where(side > 0, side - 1, shard_of)
+
+    def all_present(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """``present`` of every reader row (or of ``rows``), as one bool array."""
+        if rows is None:
+            return np.asarray(self.present if self.rows is None else self.present[self.rows], dtype=bool)
+        return self.presence(rows)
 
 
 class ShardReader:
@@ -148,7 +197,7 @@ class ShardReader:
             ``{"codes": (0, codebook_size), "latents": "finite"}``;
             :func:`value_checks_from_manifest` builds it from ``manifest.json``. Default: none.
         await_file: called with a shard's local path before the shard is opened when the file is not
-            there yet (a cache streamed from object storage, :mod:`loaders.remote`: it returns once
+            there yet (a cache streamed from object storage, :mod:`shards.mirror`: it returns once
             the file has arrived, or raises); default None: a missing file is :class:`ShardCorrupt`.
         verify_reads: recompute each sample's sha256 (over its whole members, as in the index) when
             it is read: on every :meth:`get`, and in :meth:`views` once per batch (rows equal to the
@@ -190,31 +239,64 @@ class ShardReader:
                  value_checks: dict[str, Any] | None = None, verify_reads: bool = False,
                  await_file: Any = None, checksums: bool = True):
         self.cache_dir = local_path(cache_dir)  # a file:// URL is a local folder
-        self.await_file = await_file
+        self.columns, self.rows, self._mapped = None, None, {}
         if manifest is None:
             manifest = read_manifest(self.cache_dir)
+        self.index = read_index(self.cache_dir) if index is None else index
+        refuse_unsafe(self.index, self.cache_dir)
+        shards = self.index.column("shard")
+        names = list(shard_names) if shard_names is not None else sorted(pc.unique(shards).to_pylist())
+        if shard_names is not None:  # index names missing from shard_names are refused too
+            for name in set(pc.unique(shards).to_pylist()) - set(names):
+                safe_shard_path(self.cache_dir, name)
+        shard_of = pc.index_in(shards, value_set=pa.array(names, pa.string())) \
+            .to_numpy(zero_copy_only=False).astype(np.int32)
+        # files = main shards, then the sidecar tars the members name (fields added by add-field)
+        side = pc.unique(pc.drop_null(self.index.column("members").combine_chunks().flatten().field("file")))
+        files = names + sorted(set(side.to_pylist()) - set(names))
+        self._setup(manifest, self.index.num_rows, names, files, shard_of, value_checks, verify_reads,
+                    await_file, checksums)
+        self._key_array = self.index.column("key").combine_chunks()
+        if self.verify_reads:
+            self._build_layout()
+
+    @classmethod
+    def over_columns(cls, cache_dir: str | Path, columns, rows: np.ndarray | None, *,
+                     manifest: dict[str, Any], value_checks: dict[str, Any] | None = None,
+                     verify_reads: bool = False, await_file: Any = None, checksums: bool = True) -> "ShardReader":
+        """A reader of the store rows ``rows`` (int64, ascending; None: every row) of ``columns`` (a
+        :class:`shards.columns.IndexColumns`): what :meth:`shards.Cache.reader` returns after its
+        checks. The per-row arrays stay memory-mapped from the store (shared by every process reading
+        the cache); only ``shard_of`` of the rows kept by a filter is a copy (int32 per row)."""
+        from .columns import mapped
+        self = cls.__new__(cls)
+        self.cache_dir = local_path(cache_dir)
+        self.index = None
+        self.columns, self.rows, self._mapped = columns, None, {}
+        shard_of = columns.shard_of
+        if rows is not None:  # kept rows: mapped from files too, so workers share them
+            self.rows, self._mapped["rows"] = mapped(np.asarray(rows, dtype=np.int64))
+            shard_of, self._mapped["shard_of"] = mapped(np.asarray(columns.shard_of[self.rows]))
+        n = columns.n if self.rows is None else len(self.rows)
+        self._setup(manifest, n, list(columns.shards), list(columns.files), shard_of, value_checks,
+                    verify_reads, await_file, checksums)
+        self._key_array = None
+        return self
+
+    def _setup(self, manifest, n, shard_names, files, shard_of, value_checks, verify_reads, await_file,
+               checksums) -> None:
         self.manifest = manifest
         self.format_version = check_format_version(manifest, self.cache_dir)
         self.value_checks = _normalise_checks(value_checks)
         self.verify_reads = bool(verify_reads)
         self.checksums = bool(checksums)
-        self.index = read_index(self.cache_dir) if index is None else index
-        refuse_unsafe(self.index, self.cache_dir)
-        self.n = self.index.num_rows
-        self.key_array = self.index.column("key").combine_chunks()
+        self.await_file = await_file
+        self.n = int(n)
+        self.shard_names: list[str] = shard_names
+        self.files: list[str] = files
+        self.shard_of = shard_of
         self._key_buf: memoryview | None = None  # keys_at(): the Arrow key bytes and their offsets
         self._key_offsets: np.ndarray | None = None
-        shards = self.index.column("shard")
-        self.shard_names: list[str] = list(shard_names) if shard_names is not None \
-            else sorted(pc.unique(shards).to_pylist())
-        if shard_names is not None:  # index names missing from shard_names are refused too
-            for name in set(pc.unique(shards).to_pylist()) - set(self.shard_names):
-                safe_shard_path(self.cache_dir, name)
-        self.shard_of = pc.index_in(shards, value_set=pa.array(self.shard_names, pa.string())) \
-            .to_numpy(zero_copy_only=False).astype(np.int32)
-        # files = main shards, then the sidecar tars the members name (fields added by add-field)
-        side = pc.unique(pc.drop_null(self.index.column("members").combine_chunks().flatten().field("file")))
-        self.files: list[str] = self.shard_names + sorted(set(side.to_pylist()) - set(self.shard_names))
         self._paths = [safe_shard_path(self.cache_dir, name) for name in self.files]
         self.io = ShardFiles(self._paths, await_file)  # pread descriptors (read_into)
         self._fields: dict[str, FieldArrays] = {}
@@ -224,23 +306,44 @@ class ShardReader:
         self._ids: list[tuple[int, int] | None] = [None] * len(self.files)  # (st_dev, st_ino)
         self._layout: tuple | None = None  # per-sample member layout for verify_rows()
         self._last_verified: np.ndarray | None = None
-        if self.verify_reads:
-            self._build_layout()
+        self.fields: tuple[str, ...] = ()   # a reader of shards.Cache.reader: its checked fields,
+        self.read_files: list[int] = list(range(len(self.files)))  # the files its rows read,
+        self.mirror = None                  # the shards.mirror.RemoteCache its shards stream into
 
     def __len__(self) -> int:
         return self.n
 
     @property
+    def key_array(self) -> pa.Array:
+        """The keys in row order, as Arrow strings (over a store: taken from its mapped bytes on first use)."""
+        if self._key_array is None:
+            a = self.columns.key_array
+            self._key_array = a if self.rows is None else a.take(pa.array(self.rows))
+        return self._key_array
+
+    @key_array.setter
+    def key_array(self, value: pa.Array) -> None:
+        self._key_array, self._key_buf, self._key_offsets = value, None, None
+
+    @property
     def keys(self) -> list[str]:
-        """Sample keys in index order (a Python list, built on first use)."""
+        """Sample keys in index order (a Python list, built on first use: one object per row)."""
         if self._keys is None:
             self._keys = self.key_array.to_pylist()
         return self._keys
+
+    def key(self, row: int) -> str:
+        """The key of row ``row``."""
+        if self.columns is not None and self._key_array is None:
+            return self.columns.key(int(row) if self.rows is None else int(self.rows[row]))
+        return self.key_array[int(row)].as_py()
 
     def keys_at(self, rows) -> list[str]:
         """The keys of index ``rows`` (int64 array), in order: sliced out of the Arrow key buffer
         (a few microseconds for a batch; ``take().to_pylist()`` costs several times that)."""
         rows = np.asarray(rows, dtype=np.int64)
+        if self.columns is not None and self._key_array is None:
+            return self.columns.keys_at(rows if self.rows is None else self.rows[rows])
         if self._key_buf is None:
             a = self.key_array
             if not (pa.types.is_string(a.type) or pa.types.is_large_string(a.type)) or a.null_count:
@@ -254,7 +357,7 @@ class ShardReader:
 
     def _where(self, row: int, file: int | None = None) -> str:
         f = self.shard_of[row] if file is None else file
-        return f"{self.files[f]}: sample {self.key_array[row].as_py()!r}"
+        return f"{self.files[f]}: sample {self.key(row)!r}"
 
     def _file_numbers(self, flat) -> np.ndarray:
         """File number of each flattened member: -1 for the row's own shard, else its sidecar's."""
@@ -268,10 +371,15 @@ class ShardReader:
     def drop_index(self) -> None:
         """Free the Arrow index (and keep it out of pickles sent to DataLoader workers) once every
         field that :meth:`views` will read has been built; :meth:`get` and new fields then raise
-        ``RuntimeError`` (:meth:`verify_rows` keeps working when ``verify_reads`` was set)."""
-        self.index = self._rows = None
+        ``RuntimeError`` (:meth:`verify_rows` keeps working when ``verify_reads`` was set). A reader
+        over a store holds no Arrow index: nothing to drop."""
+        if self.columns is None:
+            self.index = self._rows = None
 
     def _members(self) -> pa.ListArray:
+        if self.index is None and self.columns is not None:  # over a store: the rows read from the index once
+            table = read_index(self.cache_dir)
+            self.index = table if self.rows is None else table.take(pa.array(self.rows))
         if self.index is None:
             raise RuntimeError(f"{self.cache_dir}: ShardReader.drop_index() was called; only the fields "
                                f"built before ({sorted(self._fields)}) can be read")
@@ -281,14 +389,18 @@ class ShardReader:
         members = self._members().combine_chunks()
         return members.flatten(), pc.list_parent_indices(members).to_numpy()
 
-    def check_files(self) -> None:
-        """Raise :class:`ShardCorrupt` if a shard is missing or shorter than its indexed members."""
-        flat, parent = self._flat()
-        fnum = self._file_numbers(flat)
-        fnum = np.where(fnum < 0, self.shard_of[parent] if len(parent) else fnum, fnum)
-        need = np.zeros(len(self.files), dtype=np.int64)  # furthest byte any member of a file needs
-        np.maximum.at(need, fnum, flat.field("offset").to_numpy() + flat.field("size").to_numpy())
-        for i, name in enumerate(self.files):
+    def check_files(self, files=None) -> None:
+        """Raise :class:`ShardCorrupt` if a file (``files``: file numbers; default every file a row
+        of this reader reads) is missing or shorter than its indexed members."""
+        if self.columns is not None:
+            need = self.columns.need
+        else:
+            flat, parent = self._flat()
+            fnum = self._file_numbers(flat)
+            fnum = np.where(fnum < 0, self.shard_of[parent] if len(parent) else fnum, fnum)
+            need = np.zeros(len(self.files), dtype=np.int64)  # furthest byte any member of a file needs
+            np.maximum.at(need, fnum, flat.field("offset").to_numpy() + flat.field("size").to_numpy())
+        for i in (range(len(self.files)) if files is None else files):
             if need[i] == 0:
                 continue  # no row of this shard kept: never opened
             path = self._paths[i]
@@ -306,6 +418,9 @@ class ShardReader:
         is not ``prod(shape) * itemsize``."""
         fa = self._fields.get(field)
         if fa is not None:
+            return fa
+        if self.columns is not None:
+            fa = self._fields[field] = self._column_field(field, ndim)
             return fa
         member = field + ".npy"
         flat, parent = self._flat()
@@ -341,11 +456,11 @@ class ShardReader:
             bad = int(np.flatnonzero(wrong)[0])
             raise ShardCorrupt(f"{self.cache_dir / self._where(bad)} member {member}: size {size[bad]} "
                                f"bytes does not match shape {shape[bad].tolist()}; run `shardcache shards verify`")
-        file = None
+        side = None
         fn = self._file_numbers(flat)[sel]
         if (fn >= 0).any():  # a sidecar field: its rows read from their sidecar tar
-            file = self.shard_of.copy()
-            file[rows[fn >= 0]] = fn[fn >= 0]
+            side = np.zeros(self.n, dtype=np.int32)
+            side[rows[fn >= 0]] = fn[fn >= 0] + 1
         sums = flat.field(CHECKSUM).take(pa.array(sel))
         if sums.null_count:
             bad = int(rows[np.flatnonzero(sums.is_null().to_numpy(zero_copy_only=False))[0]])
@@ -353,8 +468,23 @@ class ShardReader:
                                "index; run `shardcache shards verify --deep`, then `shardcache shards reindex`")
         xxh3 = np.zeros(self.n, dtype=np.uint64)
         xxh3[rows] = sums.to_numpy(zero_copy_only=False).astype(np.uint64)
-        fa = self._fields[field] = FieldArrays(off, shape, count, present, code, dtypes, file, xxh3)
+        fa = self._fields[field] = FieldArrays(off, shape, present, xxh3, dtypes, side,
+                                               code if len(uniq) > 1 else None)
         return fa
+
+    def _column_field(self, field: str, ndim: int | None) -> FieldArrays:
+        """:meth:`field` over a store: its arrays, mapped (the checks were made when it was built)."""
+        cols = self.columns
+        if not cols.has(field):  # no row has it: every row absent
+            k = ndim if ndim is not None else 0
+            z = np.zeros(cols.n, np.int64)
+            return FieldArrays(z, np.zeros((cols.n, k), np.int64), np.zeros(cols.n, bool), z.astype(np.uint64), [],
+                               rows=self.rows)
+        why = cols.field_problem(field, ndim)
+        if why is not None:
+            raise ShardCorrupt(f"{self.cache_dir}/{why}")
+        fc = cols.field(field)
+        return FieldArrays(fc.off, fc.shape, fc.present, fc.xxh3, fc.dtypes, fc.side, fc.code, self.rows)
 
     # -- reading ------------------------------------------------------------------------------
     def map(self, shard: int) -> mmap.mmap:
@@ -388,7 +518,7 @@ class ShardReader:
         except OSError:
             return mm  # deleted or renamed away: the mapped inode lives on, its bytes stay readable
         if (st.st_dev, st.st_ino) == self._ids[shard] and st.st_size < len(mm):
-            raise ShardCorrupt(f"{self._paths[shard]}: sample {self.key_array[row].as_py()!r}: shard "
+            raise ShardCorrupt(f"{self._paths[shard]}: sample {self.key(row)!r}: shard "
                                f"changed size during reading (was {len(mm)}, now {st.st_size} bytes); "
                                "was it rewritten while training? run `shardcache shards verify`")
         return mm  # same size or grown, or replaced by a new file (the old one stays mapped): fine
@@ -402,12 +532,14 @@ class ShardReader:
         instead of a SIGBUS). With ``value_checks`` for ``field`` the returned arrays are checked;
         with ``verify_reads`` the rows' samples are hashed (see the class docstring)."""
         fa = self._fields.get(field) or self.field(field)
-        rows = np.asarray(rows)
+        rows = np.asarray(rows, dtype=np.int64)
         row_list = rows.tolist()
-        offs, counts, shards, codes = (fa.off[rows].tolist(), fa.count[rows].tolist(),
-                                       (self.shard_of if fa.file is None else fa.file)[rows].tolist(),
-                                       fa.code[rows].tolist())
-        shapes, dtypes = fa.shape[rows].tolist(), fa.dtypes
+        shape_arr, present = fa.shapes(rows), fa.presence(rows)
+        offs = np.where(present, fa.offsets(rows), -1).tolist()
+        counts = np.prod(shape_arr, axis=1).tolist() if fa.ndim else [1] * len(row_list)
+        shards = fa.files(rows, self.shard_of[rows]).tolist()
+        codes = fa.codes(rows).tolist()
+        shapes, dtypes = shape_arr.tolist(), fa.dtypes
         items = [d.itemsize for d in dtypes]
         out: list[np.ndarray | None] = []
         maps, checked, check = self._maps, set(), self._checked_map
@@ -424,7 +556,7 @@ class ShardReader:
                                    f"({len(mm)} bytes when mapped; truncated shard?); run `shardcache shards verify`")
             out.append(np.frombuffer(mm, dtype=dtypes[d], count=c, offset=o).reshape(shp))
         if self.checksums:
-            for r, a, want, s in zip(row_list, out, fa.xxh3[rows].tolist(), shards):
+            for r, a, want, s in zip(row_list, out, fa.sums(rows).tolist(), shards):
                 if a is not None:
                     self._check_sum(checksum(a), want, r, s, field + ".npy")
         if self.verify_reads and not (self._last_verified is not None
@@ -438,7 +570,7 @@ class ShardReader:
 
     def _check_sum(self, got: int, want: int, row: int, file: int, member: str) -> None:
         if got != want:
-            raise ShardCorrupt(f"{self._paths[file]}: sample {self.key_array[row].as_py()!r} member {member}: checksum "
+            raise ShardCorrupt(f"{self._paths[file]}: sample {self.key(row)!r} member {member}: checksum "
                                f"mismatch ({ALGORITHM} of the bytes read {got:016x}, recorded in the index when the "
                                f"cache was written {want:016x}): the bytes changed since; run `shardcache shards verify --deep`")
 
@@ -466,11 +598,15 @@ class ShardReader:
     def get(self, i: int) -> dict[str, Any]:
         """Sample at index row ``i`` as numpy views (see the class docstring)."""
         i = int(i)
-        if self._rows is None:
-            self._rows = self._members().to_pylist()
+        if self.columns is not None:  # over a store: this row's members only
+            members = self._members()[i].as_py()
+        else:
+            if self._rows is None:
+                self._rows = self._members().to_pylist()
+            members = self._rows[i]
         main = self._checked_map(int(self.shard_of[i]), i)
-        out: dict[str, Any] = {"__key__": self.keys[i]}
-        for m in self._rows[i] or []:
+        out: dict[str, Any] = {"__key__": self.key(i)}
+        for m in members or []:
             name, off, size = m["name"], int(m["offset"]), int(m["size"])
             mm = main
             if m.get("file"):  # a sidecar member
@@ -630,4 +766,16 @@ class ShardReader:
         state["_last_verified"] = None
         state["_rows"] = state["_keys"] = None  # rebuilt on first use
         state["_key_buf"] = state["_key_offsets"] = None  # a memoryview does not pickle
+        if self.columns is not None:  # over a store: the worker maps its files (IndexColumns pickles as its path)
+            state["index"] = state["_key_array"] = None
+            state["_fields"] = {}
+            state["shard_of"] = None
+            state["rows"] = None
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.columns is not None:
+            m = self._mapped
+            self.rows = np.load(m["rows"], mmap_mode="r") if "rows" in m else None
+            self.shard_of = np.load(m["shard_of"], mmap_mode="r") if "shard_of" in m else self.columns.shard_of

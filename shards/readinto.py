@@ -134,15 +134,15 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
     for i, (name, _, (pos, src, dst, n), *_) in enumerate(plans):
         fa = reader.field(name)
         r = rows[pos]
-        start = fa.off[r]
-        fnum = (reader.shard_of if fa.file is None else fa.file)[r].astype(np.int64)
+        start = fa.offsets(r)
+        fnum = fa.files(r, reader.shard_of[r])
         keys.append((fnum << _FILE_SHIFT) | start)  # the member: by file, then its offset
         offs.append(start + src)
         ns.append(n)
         dsts.append(dst)
         mids.append(pos + i * B)  # member: field i of batch position pos
         if checksums:
-            wants.append(fa.xxh3[r])
+            wants.append(fa.sums(r))
             known.append(np.ones(len(r), bool))  # every member has a checksum (ShardReader.field)
     key, off, n, dst, mid = (np.concatenate(c) for c in (keys, offs, ns, dsts, mids))
     if not len(off):
@@ -184,7 +184,7 @@ def read_into(reader: "ShardReader", rows: np.ndarray, plans: Sequence[tuple[str
             continue
         if status[m] == _STATUS_SHORT:
             size = os.fstat(int(fd[j])).st_size
-            problems[q] = where.short(p, q, size, int(reader.field(plans[p][0]).off[rows[q]]))
+            problems[q] = where.short(p, q, size, int(reader.field(plans[p][0]).offsets(rows[q:q + 1])[0]))
         else:
             problems[q] = where.mismatch(p, q, int(got[m]), int(want[m]))
     return sorted(problems.items())
@@ -251,14 +251,14 @@ class _Where:
         self.reader, self.rows, self.names = reader, rows, [p[0] for p in plans]
 
     def _at(self, p: int, q: int) -> str:
-        row = int(self.rows[q])
+        row = self.rows[q:q + 1]
         fa = self.reader.field(self.names[p])
-        f = int(self.reader.shard_of[row] if fa.file is None else fa.file[row])
-        return f"{self.reader.io.paths[f]}: sample {self.reader.key_array[row].as_py()!r} member {self.names[p]}.npy"
+        f = int(fa.files(row, self.reader.shard_of[row])[0])
+        return f"{self.reader.io.paths[f]}: sample {self.reader.key(int(row[0]))!r} member {self.names[p]}.npy"
 
     def first_in(self, f: int, file: np.ndarray, pos: np.ndarray) -> str:
         row = int(self.rows[int(pos[int(np.argmax(file == f))])])
-        return f"sample {self.reader.key_array[row].as_py()!r}"
+        return f"sample {self.reader.key(row)!r}"
 
     def short(self, p: int, q: int, size: int, start: int) -> str:
         return (f"{self._at(p, q)}: the member starts at byte {start} but the file is {size} bytes now "

@@ -149,46 +149,50 @@ def scan_shard(path: str | Path, shard_name: str | None = None) -> tuple[list[di
     return rows, hashlib.sha256(raw).hexdigest(), len(raw)  # mmap closes when garbage collected
 
 
-#: the most bytes between two members a sample's index entries locate: one member header, with a pax
-#: extended header for a long or non-ASCII name (header 512 + records <= 512 + header 512)
-_MAX_HEADER = 1536
-
-
 def unindexed_members(index) -> list[str]:
     """Where a shard holds tar members its index does not locate: ``["SHARD: N bytes before
     member M of sample K", ...]`` (empty for a cache written by :class:`shards.writer.ShardWriter`).
 
     Reads only ``index`` (a table with ``key``, ``shard`` and ``members``): within each shard the
     whole tar members the index locates (``member`` and ``file`` null) must follow one another with
-    no more than a header (:data:`_MAX_HEADER` bytes) between them. A gap is a member nobody reads:
-    a second sample under a key already there (what a scanner that kept one of them wrote into the
+    no more than a header (:data:`shards.columns.MAX_HEADER` bytes) between them. A gap is a member nobody
+    reads: a second sample under a key already there (what a scanner that kept one of them wrote into the
     index), or anything else written into the tar after the fact. A reader that refuses such an
-    index refuses a tar holding a key twice without reading the tar.
+    index refuses a tar holding a key twice without reading the tar. Vectorised: only the members named
+    in a message become Python strings. (:meth:`shards.Cache.open` finds the same while it reads the
+    index into columns: :mod:`shards.columns`.)
     """
     import numpy as np
+    import pyarrow as pa
     import pyarrow.compute as pc
+
+    from .columns import MAX_HEADER, NPY_SLACK
+    from .schema import WHOLE_MEMBER_DTYPES
 
     if index.num_rows == 0:
         return []
     members = index.column("members").combine_chunks()
     flat = members.flatten()
     row = np.repeat(np.arange(len(members)), np.diff(members.offsets.to_numpy()))
-    whole = pc.and_(pc.is_null(flat.field("member")), pc.is_null(flat.field("file"))).to_numpy(zero_copy_only=False)
-    shard = index.column("shard").combine_chunks().dictionary_encode().indices.to_numpy()[row][whole]
+    whole = np.flatnonzero(pc.and_(pc.is_null(flat.field("member")), pc.is_null(flat.field("file")))
+                           .to_numpy(zero_copy_only=False))
+    shard = index.column("shard").combine_chunks().dictionary_encode().indices.to_numpy()[row[whole]]
     offset = flat.field("offset").to_numpy(zero_copy_only=False)[whole]
     size = flat.field("size").to_numpy(zero_copy_only=False)[whole]
     order = np.lexsort((offset, shard))
-    shard, offset, size, rows = shard[order], offset[order], size[order], row[whole][order]
-    names = flat.field("name").to_numpy(zero_copy_only=False)[whole][order]
-    dtypes = flat.field("dtype").to_numpy(zero_copy_only=False)[whole][order]
+    shard, offset, size, rows, pos = shard[order], offset[order], size[order], row[whole][order], whole[order]
     # a whole .npy member's entry (formats 1-2) locates its payload after the .npy header: allow for it
-    slack = np.where((dtypes != "json") & (dtypes != "npz") & (dtypes != "bytes"), 4096, 0)
+    npy = ~pc.is_in(flat.field("dtype").take(pa.array(pos)), value_set=pa.array(list(WHOLE_MEMBER_DTYPES))) \
+        .to_numpy(zero_copy_only=False).astype(bool)
+    slack = np.where(npy, NPY_SLACK, 0)
     end = -(-(offset + size) // 512) * 512
     same = shard[1:] == shard[:-1]
     gap = offset[1:] - end[:-1]
-    bad = np.nonzero(same & (gap > _MAX_HEADER + slack[1:]))[0]
-    keys = index.column("key").to_pylist()
-    shards = index.column("shard").to_pylist()
-    return [f"{shards[rows[i + 1]]}: {int(gap[i])} bytes the index does not locate before member "
-            f"{names[i + 1]!r} of sample {keys[rows[i + 1]]!r} (a key held twice, or members added to the tar)"
-            for i in bad[:20]]
+    bad = np.nonzero(same & (gap > MAX_HEADER + slack[1:]))[0][:20]
+    if not len(bad):
+        return []
+    names = flat.field("name").take(pa.array(pos[bad + 1])).to_pylist()
+    at = pa.array(rows[bad + 1])
+    keys, shards = index.column("key").take(at).to_pylist(), index.column("shard").take(at).to_pylist()
+    return [f"{s}: {int(gap[i])} bytes the index does not locate before member {n!r} of sample {k!r} (a key held "
+            f"twice, or members added to the tar)" for i, n, k, s in zip(bad.tolist(), names, keys, shards)]

@@ -172,16 +172,22 @@ def is_main_shard_name(name: str) -> bool:
 MAX_KEY_BYTES = 200
 
 
+#: what a key must not hold: a control character (C0, DEL, C1) or a lone surrogate
+_KEY_REFUSED = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
 def key_problem(key: str) -> str | None:
     """Why ``key`` (already :func:`safe_key`) cannot name a sample, or None: a control character
     (a NUL ends a tar member name), a lone surrogate (not writable as UTF-8), more than
-    :data:`MAX_KEY_BYTES` bytes."""
-    for i, ch in enumerate(key):
-        if ch < " " or "\x7f" <= ch <= "\x9f":
-            return f"key holds the control character {ch!r} at character {i}"
+    :data:`MAX_KEY_BYTES` bytes. One regular-expression search over the key (the first offending
+    character is named with its place)."""
+    bad = _KEY_REFUSED.search(key)
+    if bad is not None:
+        i, ch = bad.start(), bad.group()
         if "\ud800" <= ch <= "\udfff":
             return f"key holds a lone surrogate {ch!r} at character {i} (not valid Unicode)"
-    n = len(key.encode("utf-8"))
+        return f"key holds the control character {ch!r} at character {i}"
+    n = len(key) if key.isascii() else len(key.encode("utf-8"))
     if n > MAX_KEY_BYTES:
         return f"key of {n} bytes, longer than {MAX_KEY_BYTES}"
     return None

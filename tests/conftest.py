@@ -27,6 +27,15 @@ from tools.torchaudio_shim import install as install_torchaudio_shim  # noqa: E4
 install_torchaudio_shim()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _index_stores(tmp_path_factory):
+    """The index stores of the caches the tests open (shards.columns) under the run's own folder, not
+    ~/.cache (the tests' subprocesses inherit it), unless the caller chose a folder."""
+    if not os.environ.get("SHARDCACHE_INDEX_CACHE"):
+        os.environ["SHARDCACHE_INDEX_CACHE"] = str(tmp_path_factory.getbasetemp() / "index-stores")
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
     """In-process training/encoding sets torch's thread count (e.g. --threads 1); restore it after each test."""

@@ -1,6 +1,6 @@
 """Run by tests/test_loader_ranks.py under ``torchrun --nproc_per_node=2``: builds a ShardLoader with
 no rank arguments (``pg``: after init_process_group; ``env``: from RANK/WORLD_SIZE only; ``wrong``:
-an explicit world_size that differs from the process group) and writes this rank's keys of one
+an explicit world_size that differs from the process group: Ranks.detect refuses it) and writes this rank's keys of one
 epoch to ``OUT/keys-<RANK>.json``."""
 import json
 import os
@@ -10,13 +10,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from loaders import ShardLoader
+from shardcache.ranks import Ranks
 
 cache, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 if mode in ("pg", "wrong"):
     dist.init_process_group("gloo")
 if mode == "wrong":
     try:
-        ShardLoader(cache, 2, world_size=1)
+        ShardLoader(cache, 2, ranks=Ranks.detect(world_size=1))
     except ValueError as e:
         (out / f"error-{os.environ['RANK']}.txt").write_text(str(e))
     dist.destroy_process_group()

@@ -41,3 +41,27 @@ class EnergyCodec:
 
 def make(poison_s: float = 1e9, device: str = "cpu") -> EnergyCodec:
     return EnergyCodec(poison_s)
+
+
+class PoolVAE:
+    """A user's own image encoder (tests only): latents are a deterministic function of the pixels, the
+    mean of each 8 x 8 cell per channel scaled to [-1, 1]: float32 ``(B, 3, 1, H / 8, W / 8)`` for uint8
+    ``(B, H, W, 3)`` (numpy only, so the bytes do not depend on a machine's convolution kernels)."""
+
+    spatial_factor = 8
+    latent_channels = 3
+
+    def encode(self, images):
+        x = np.asarray(images, np.float32)
+        b, h, w, c = x.shape
+        f = self.spatial_factor
+        cells = x.reshape(b, h // f, f, w // f, f, c).mean(axis=(2, 4)) / 127.5 - 1.0  # (B, H/8, W/8, 3)
+        return np.ascontiguousarray(cells.transpose(0, 3, 1, 2)[:, :, None])
+
+    def describe(self):
+        return {"class": "plugin_codec.PoolVAE", "name": "pool", "config": {"spatial_factor": 8},
+                "weights_sha256": "0" * 64}
+
+
+def make_vae(device: str = "cpu"):
+    return PoolVAE()

@@ -81,7 +81,7 @@ def added(added_cache, tmp_path) -> tuple[Path, dict[str, str]]:
 
 
 def _check_added(cache: Path, before: dict[str, str]) -> None:
-    from loaders import ShardLoader
+    from loaders import Order, Reads, ShardLoader, Workers
     from shards import ShardReader
     # every byte of the original shards unchanged
     assert {p.name: _sha(p) for p in cache.glob("shard-??????.tar")} == before
@@ -109,7 +109,7 @@ def _check_added(cache: Path, before: dict[str, str]) -> None:
                     assert m["xxh3"] == xxhash.xxh3_64_intdigest(f.read(m["size"])), m
                 sums += 1
     assert sums >= 8  # the rows with audio (image-only rows have no codes_mimi)
-    loader = ShardLoader(cache, 4, shuffle=False, num_workers=0, verify_reads=True)
+    loader = ShardLoader(cache, 4, order=Order(shuffle=False), workers=Workers(num_workers=0), reads=Reads(verify_reads=True))
     b = next(iter(loader))
     assert {"codes", "codes_mimi", "codes_mimi_lengths", "codes_mimi_mask"} <= set(b)
     assert b["codes_mimi"].shape[1] == fi["n_codebooks"]

@@ -100,7 +100,7 @@ def test_file_urls_work_wherever_a_path_does(two_caches, tmp_path, tiny_config):
     import subprocess
     import sys
     from conftest import ROOT
-    from loaders.loader import ShardLoader
+    from loaders import Order, ShardLoader, Workers
     from precompute.job import run
     cache = two_caches[0]
     spaced = tmp_path / "a cache"
@@ -110,7 +110,7 @@ def test_file_urls_work_wherever_a_path_does(two_caches, tmp_path, tiny_config):
         url = _file_url(where)
         assert ShardReader(url).keys == ShardReader(cache).keys
         assert read_cache_id(url) == read_cache_id(cache)
-        loader = ShardLoader(url, batch_size=1, num_workers=0, shuffle=False, drop_remainder=False)
+        loader = ShardLoader(url, batch_size=1, order=Order(shuffle=False, drop_remainder=False), workers=Workers(num_workers=0))
         assert sorted(k for b in loader for k in b["keys"]) == sorted(ShardReader(cache).keys)
     url = _file_url(spaced)  # the command line: one process, each command's path handling in-process
     code = ("import sys; from shards.cli import main; "

@@ -46,7 +46,7 @@ def test_bad_arguments_exit_2(demo_cache, tmp_path):
     empty.mkdir()
     r = subprocess.run([sys.executable, "-m", "shardcache", "check", str(empty), "--manifest", str(DEMO)],
                        cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 2 and "config" in r.stderr
+    assert r.returncode == 2 and f"{empty}: not a shardcache cache" in r.stderr, r.stderr
 
 
 @pytest.mark.long  # make test-long; test_stage_one's test_check_uses_the_recorded_call (a changed record is named) runs in make test

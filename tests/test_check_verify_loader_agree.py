@@ -29,10 +29,9 @@ def run_here(capsys, argv: list[str]) -> tuple[int, str]:
 def loader_refuses(cache: Path) -> str | None:
     """The loader's refusal of ``cache`` (its message), or None when it reads a whole epoch: every
     sample, every field, with its strictest read checks (checksums and values)."""
-    from loaders import ShardLoader
+    from loaders import Order, Reads, ShardLoader
     try:
-        ld = ShardLoader(cache, batch_size=1, shuffle=False, drop_remainder=False, seed=0, checks="values",
-                         fields=["input_ids", "labels", "codes", "audio", "audio_starts", "audio_segments"])
+        ld = ShardLoader(cache, batch_size=1, seed=0, fields=["input_ids", "labels", "codes", "audio", "audio_starts", "audio_segments"], order=Order(shuffle=False, drop_remainder=False), reads=Reads(checks="values"))
         n = sum(len(b["keys"]) for b in ld)
         ld.close()
     except Exception as e:  # noqa: BLE001 - what the loader raises is its refusal

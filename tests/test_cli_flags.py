@@ -31,7 +31,7 @@ FOREIGN = {"--nproc_per_node": "torchrun", "--nnodes": "torchrun", "--node_rank"
            "--gres": "sbatch", "--nodes": "sbatch", "--ntasks-per-node": "sbatch", "--cpus-per-task": "sbatch",
            "--time": "sbatch", "--signal": "sbatch", "--requeue": "sbatch", "--open-files-limit": "sbatch",
            "--no-cache-dir": "pip", "--user": "pip", "--quiet": "pip", "--max-restarts": "torchrun",
-           "--output": "sbatch", "--size": "python -m tools.testing", "--no-remote": "benchmarks/bench_loader.py",
+           "--output": "sbatch", "--real-mini": "docs/viewer/render.py", "--host-resolver-rules": "chromium", "--size": "python -m tools.testing", "--no-remote": "benchmarks/bench_loader.py",
            "--no-peers": "benchmarks/bench_loader.py", "--epochs": "benchmarks/bench_loader.py",
            "--n": "benchmarks/gpu_steady.py", "--distinct": "benchmarks/gpu_steady.py",
            "--alone": "benchmarks/gpu_steady.py", "--revision": "hf download",
@@ -49,7 +49,7 @@ FOREIGN = {"--nproc_per_node": "torchrun", "--nnodes": "torchrun", "--node_rank"
 def _parsers() -> dict[str, tuple]:
     """command -> (parser, the dataclass of its options or None)."""
     from precompute.add_field import AddFieldOptions, build_add_parser, build_drop_parser
-    from precompute.check import build_parser as check_parser
+    from shardcache.commands.check import build_parser as check_parser
     from precompute.cli import build_parser as precompute_parser
     from precompute.config import PrecomputeConfig
     from shards.cli import build_parser as shards_parser

@@ -1,9 +1,8 @@
 """Options that reach a constructor are bounded before any model loads: exit 2 naming the option
 (issue 30 item 6): extra_fields names against the field registry, data.loader_kwargs against
-the loader's parameters, the reference model's model.kwargs, a batch larger than the cache."""
+the loader's declared settings, the reference model's model.kwargs, a batch larger than the cache."""
 from __future__ import annotations
 
-import inspect
 
 import pytest
 
@@ -104,17 +103,26 @@ def _rc_err(main, capsys, cache, *args):
     return rc, capsys.readouterr().err
 
 
-def test_loader_kwargs_are_the_loaders_parameters(train_main, capsys, cache24):
-    from loaders import ShardLoader
-    params = inspect.signature(ShardLoader).parameters
-    assert "shufle" not in params and "shuffle" in params and "seed" in params
-    rc, err = _rc_err(train_main, capsys, cache24, "--data.loader_kwargs", "{shufle: false}")
-    assert rc == 2 and "error: data.loader_kwargs.shufle: not a parameter of loaders:ShardLoader" in err, err
+def test_loader_kwargs_are_the_loaders_declared_settings(train_main, capsys, cache24):
+    """data.loader_kwargs: sections of the loader's settings, each field checked against the dataclass
+    that declares it (loaders.Order / Workers / Reads), what the trainer sets refused naming its option."""
+    import dataclasses
+    from loaders import Order
+    assert "shufle" not in {f.name for f in dataclasses.fields(Order)}
+    rc, err = _rc_err(train_main, capsys, cache24, "--data.loader_kwargs", "{order: {shufle: false}}")
+    assert rc == 2 and "error: data.loader_kwargs.order.shufle: not a field of loaders.Order; it has: shuffle," in err, err
+    rc, err = _rc_err(train_main, capsys, cache24, "--data.loader_kwargs", "{shuffle: false}")
+    assert rc == 2 and "data.loader_kwargs.shuffle: not a setting of loaders:ShardLoader; it takes: order: {...}" in err
     rc, err = _rc_err(train_main, capsys, cache24, "--data.loader_kwargs", "{seed: 3}")
-    assert rc == 2 and "data.loader_kwargs.seed: not a parameter of loaders:ShardLoader (the trainer sets it" in err
+    assert rc == 2 and "data.loader_kwargs.seed: not a setting of loaders:ShardLoader (the trainer sets it: --data.seed)" in err
+    rc, err = _rc_err(train_main, capsys, cache24, "--data.loader_kwargs", "{workers: {num_workers: 2}}")
+    assert rc == 2 and "data.loader_kwargs.workers.num_workers: set by the trainer: use --data.num_workers" in err, err
+    rc, err = _rc_err(train_main, capsys, cache24, "--data.loader_kwargs", "{reads: {checks: all}}")
+    assert rc == 2 and "data.loader_kwargs.reads.checks: Reads.checks must be one of" in err, err
     from train.bounds import problems
     from train.config import parse_args
-    cfg, _ = parse_args(["--config", "none", "--cache", str(cache24), "--data.loader_kwargs", "{shuffle: false}"])
+    cfg, _ = parse_args(["--config", "none", "--cache", str(cache24), "--data.loader_kwargs",
+                         "{order: {shuffle: false}, reads: {checks: values}}"])
     assert problems(cfg) == []
 
 

@@ -203,13 +203,14 @@ def test_a_killed_writer_process_fails_the_job_naming_it(tiny_models, reference,
 @pytest.mark.long  # make test-long; test_sigterm_in_process_unwinds_the_job runs (and stops) decode workers in make test
 def test_a_killed_decode_worker_fails_the_job_naming_it(tiny_models, reference, tmp_path):
     """A decode worker killed mid-job: exit 1 naming the worker, its pid and the signal; the rerun completes. The
-    worker is killed while it decodes a row: a stand-in holds the decoding of the job's last row (the decode
+    worker is killed while it decodes a row: a stand-in holds the decoding of the manifest's last row (the decode
     workers are forked, so they run it) until it is killed; a worker killed once its rows were all delivered
     costs the job nothing, and the demo's rows decode faster than the first chunk commits."""
     cache, before, busy = tmp_path / "c", _shm(), tmp_path / "busy"
-    stand_in = ("import os, time, precompute.prepare as P; get = P.PrepareDataset.__getitem__; "
-                f"P.PrepareDataset.__getitem__ = lambda self, i: (i == len(self) - 1 and (open({str(busy)!r}, 'w')"
-                ".write(str(os.getpid())), time.sleep(600))) or get(self, i)")
+    last = len((DEMO / "samples.jsonl").read_text().splitlines()) - 1
+    stand_in = ("import os, time, precompute.chunks as C; get = C.RowsDataset.__getitem__; "
+                f"C.RowsDataset.__getitem__ = lambda self, item: (item[0].row == {last} and (open({str(busy)!r}, "
+                "'w').write(str(os.getpid())), time.sleep(600))) or get(self, item)")
     job = _start(cache, tiny_models, "--num_workers=2", stand_in=stand_in)
     _wait(lambda: busy.exists() and busy.read_text(), job)
     workers = _children(job.pid)

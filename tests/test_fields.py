@@ -9,7 +9,7 @@ from shards.manifest import CacheManifest
 
 def test_derived_tables_agree_with_registry():
     from loaders.collate import ALL_FIELDS, NDIM
-    from loaders.order import FILTER_COLUMNS
+    from shards.filters import FILTER_COLUMNS
     from shards.commands.verify import ROW_FIELDS
     from shards.index import INDEX_SCHEMA
     from shards.schema import INDEX_COLUMNS, TENSOR_DTYPES

@@ -223,12 +223,12 @@ def test_model_path_must_be_a_higgs_checkpoint(tiny_models, higgs_models, tmp_pa
 @pytest.mark.slow
 def test_the_transform_runs_in_the_loader_workers(higgs_caches, higgs_codec):
     """ShardLoader(transform=recipe.batch_transform): the same batches from 2 worker processes as in-process."""
-    from loaders import ShardLoader
+    from loaders import ShardLoader, Workers
     cache, _ = higgs_caches["voice_clone"]
     recipe = _recipe(higgs_codec, cache)
 
     def batches(workers: int) -> list[dict]:
-        ld = ShardLoader(cache, 3, fields=recipe.fields, num_workers=workers, transform=recipe.batch_transform)
+        ld = ShardLoader(cache, 3, fields=recipe.fields, transform=recipe.batch_transform, workers=Workers(num_workers=workers))
         ld.set_epoch(0)
         return list(ld)
 

@@ -21,9 +21,10 @@ CORE_VENV = Path(os.environ.get("SHARDCACHE_CORE_VENV", REPO / "build" / "core-v
 
 READ = """
 import json, sys
-from loaders import ShardLoader, MixedLoader
+from loaders import ShardLoader, MixedLoader, Workers
+from shardcache.ranks import Ranks
 from shards import ShardReader
-ld = ShardLoader(sys.argv[1], batch_size=4, seed=0, global_rank=0, world_size=1, num_workers=0)
+ld = ShardLoader(sys.argv[1], batch_size=4, seed=0, ranks=Ranks(0, 1), workers=Workers(num_workers=0))
 keys = [k for batch in ld for k in batch["keys"]]
 shapes = {k: list(v.shape) for k, v in next(iter(ld)).items() if hasattr(v, "shape")}
 print(json.dumps({"keys": keys, "shapes": shapes, "mods": sorted(sys.modules)}))

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from loaders import ShardLoader
+from loaders import ShardLoader, Workers
+from shardcache.ranks import Ranks
 from test_train_support import REPO, base_env, free_port, make_cache
 
 pytestmark = [pytest.mark.ddp, pytest.mark.slow, pytest.mark.xdist_group("integrations")]  # one worker builds the module's fixtures
@@ -54,7 +55,7 @@ def cache(tmp_path_factory) -> Path:
 
 def reference(cache: Path, rank: int) -> list[list[str]]:
     """The keys of an uninterrupted run: the loader iterated epoch after epoch, ``STEPS`` batches."""
-    ld = ShardLoader(cache, BATCH, seed=0, global_rank=rank, world_size=WORLD, fields=("input_ids", "labels"))
+    ld = ShardLoader(cache, BATCH, seed=0, fields=("input_ids", "labels"), ranks=Ranks(rank, WORLD))
     out = []
     while len(out) < STEPS:
         out += [b["keys"] for b in ld]
@@ -139,13 +140,13 @@ def test_hf_trainer_returning_the_loader_resumes_exactly_with_workers_and_accumu
     `resume_from_checkpoint` skips the trained half of epoch 1 through accelerate's
     `skip_first_batches` on the loader's DataLoader form (it crashed: no attribute 'drop_last')."""
     code = examples()["hf_trainer.py"]
-    assert "num_workers=2" in code and "gradient_accumulation_steps=2" in code
+    assert "workers=Workers(num_workers=2)" in code and "gradient_accumulation_steps=2" in code
     run_example("hf_trainer.py", cache, tmp_path)
 
 
 @pytest.mark.long
 def test_hf_trainer_with_as_dataloader_and_no_workers_resumes_exactly(cache, tmp_path):
-    code = variant("hf_trainer.py", ', fields=("input_ids", "labels"), num_workers=2)',
+    code = variant("hf_trainer.py", ', fields=("input_ids", "labels"), workers=Workers(num_workers=2))',
                    ', fields=("input_ids", "labels")).as_dataloader()')
     code = code.replace("steps // 2, gradient_accumulation_steps=2, save_steps=3", "steps, save_steps=6")
     code = code.replace("checkpoint-3", "checkpoint-6")
@@ -213,15 +214,14 @@ def test_skip_first_batches_on_the_loader_reads_the_uninterrupted_batches(cache,
     skipped ones, with the loader's workers."""
     from accelerate import skip_first_batches
     from loaders.steps import StepBatches
-    ref = ShardLoader(cache, BATCH, seed=0, global_rank=1, world_size=WORLD, fields=("input_ids", "labels"))
+    ref = ShardLoader(cache, BATCH, seed=0, fields=("input_ids", "labels"), ranks=Ranks(1, WORLD))
     ref.set_epoch(1)
     want = [b["keys"] for b in ref][2:]
     reads = []
     get = StepBatches.__getitem__
     monkeypatch.setattr(StepBatches, "__getitem__", lambda self, i: reads.append(tuple(i)) or get(self, i))
     for workers in (0, 2):
-        ld = ShardLoader(cache, BATCH, seed=0, global_rank=1, world_size=WORLD, fields=("input_ids", "labels"),
-                         num_workers=workers)
+        ld = ShardLoader(cache, BATCH, seed=0, fields=("input_ids", "labels"), ranks=Ranks(1, WORLD), workers=Workers(num_workers=workers))
         dl = skip_first_batches(ld, 2)
         assert isinstance(dl, torch.utils.data.DataLoader) and dl.num_workers == workers
         dl.batch_sampler.batch_sampler.set_epoch(1)  # what Trainer._run_epoch does after the skip
@@ -231,8 +231,8 @@ def test_skip_first_batches_on_the_loader_reads_the_uninterrupted_batches(cache,
 
 
 def test_as_dataloader_goes_on_to_the_next_epoch_like_the_loader(cache):
-    ld = ShardLoader(cache, BATCH, seed=0, global_rank=0, world_size=WORLD, fields=("input_ids", "labels"))
-    dl = ShardLoader(cache, BATCH, seed=0, global_rank=0, world_size=WORLD, fields=("input_ids", "labels")).as_dataloader()
+    ld = ShardLoader(cache, BATCH, seed=0, fields=("input_ids", "labels"), ranks=Ranks(0, WORLD))
+    dl = ShardLoader(cache, BATCH, seed=0, fields=("input_ids", "labels"), ranks=Ranks(0, WORLD)).as_dataloader()
     for _ in range(3):
         assert [b["keys"] for b in dl] == [b["keys"] for b in ld]
     dl.set_epoch(1)
@@ -241,7 +241,7 @@ def test_as_dataloader_goes_on_to_the_next_epoch_like_the_loader(cache):
 
 
 def test_a_dataloader_around_the_loader_is_refused_at_its_first_item(cache):
-    ld = ShardLoader(cache, BATCH, seed=0, global_rank=0, world_size=1, fields=("input_ids", "labels"))
+    ld = ShardLoader(cache, BATCH, seed=0, fields=("input_ids", "labels"), ranks=Ranks(0, 1))
     with pytest.raises(TypeError, match="ShardLoader is not a dataset of samples.*as_dataloader"):
         next(iter(torch.utils.data.DataLoader(ld)))
 
@@ -254,7 +254,7 @@ def test_lightnings_distributed_sampler_injection_is_refused_naming_the_fix(cach
     the ShardLoader itself is no DataLoader, and Lightning leaves it as it is."""
     from lightning.pytorch.utilities.data import _update_dataloader
     from torch.utils.data import DistributedSampler
-    ld = ShardLoader(cache, BATCH, seed=0, global_rank=0, world_size=WORLD, fields=("input_ids", "labels"))
+    ld = ShardLoader(cache, BATCH, seed=0, fields=("input_ids", "labels"), ranks=Ranks(0, WORLD))
     dl = ld.as_dataloader()
     with pytest.raises(TypeError, match="ShardLoader.*return the ShardLoader itself from train_dataloader"):
         _update_dataloader(dl, DistributedSampler(dl.dataset, num_replicas=WORLD, rank=0))
@@ -266,10 +266,9 @@ def test_as_dataloader_state_dict_resumes_mid_epoch_and_refuses_another_loaders_
     register_for_checkpointing save it): stopped after 2 batches of epoch 0 and resumed in a new
     loader, it yields the rest of epoch 0, then epoch 1."""
     def make(seed=0, workers=0):
-        return ShardLoader(cache, BATCH, seed=seed, global_rank=1, world_size=WORLD,
-                           fields=("input_ids", "labels")).as_dataloader(num_workers=workers)
+        return ShardLoader(cache, BATCH, seed=seed, fields=("input_ids", "labels"), ranks=Ranks(1, WORLD)).as_dataloader(num_workers=workers)
 
-    ref = ShardLoader(cache, BATCH, seed=0, global_rank=1, world_size=WORLD, fields=("input_ids", "labels"))
+    ref = ShardLoader(cache, BATCH, seed=0, fields=("input_ids", "labels"), ranks=Ranks(1, WORLD))
     want = [[b["keys"] for b in ref] for _ in range(2)]
     dl = make()
     it = iter(dl)

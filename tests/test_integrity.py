@@ -19,7 +19,7 @@ import pytest
 import torch
 import xxhash
 
-from loaders import ShardLoader, collate_fn
+from loaders import Order, Reads, ShardLoader, Workers, collate_fn
 from shards import ShardCorrupt, ShardReader, read_index
 from shards.schema import INDEX_FILE
 from test_train_support import REPO, base_env, make_cache, train_args
@@ -89,7 +89,7 @@ def test_a_flipped_bit_that_leaves_the_value_valid_stops_the_loader_naming_it(ca
     from shards.reader import value_checks_from_manifest, read_manifest
     checks = value_checks_from_manifest(read_manifest(cache))
     ShardReader(cache, value_checks=checks, checksums=False).get(int(ShardReader(cache).keys.index(key)))
-    ld = ShardLoader(cache, 4, num_workers=workers, seed=1)
+    ld = ShardLoader(cache, 4, seed=1, workers=Workers(num_workers=workers))
     with pytest.raises(ShardCorrupt) as e:
         list(ld)
     ld.close()
@@ -100,7 +100,7 @@ def test_a_flipped_bit_that_leaves_the_value_valid_stops_the_loader_naming_it(ca
 def test_value_checks_alone_miss_it(cache):
     """What every read checked before checksums: the epoch goes by with the changed code."""
     flip_low_bit(cache, "s0003", "codes.npy")
-    ld = ShardLoader(cache, 4, seed=1, checks="values")
+    ld = ShardLoader(cache, 4, seed=1, reads=Reads(checks="values"))
     assert sorted(keys_of(ld)) == [f"s{i:04d}" for i in range(N)]
 
 
@@ -109,9 +109,9 @@ def test_skip_corrupt_leaves_damaged_samples_out_within_its_budget(cache, worker
     bad = {"s0004", "s0017"}
     for k in bad:
         flip_low_bit(cache, k, "audio.npy", index=100)
-    ref = ShardLoader(cache, 4, seed=2, checks="none")
+    ref = ShardLoader(cache, 4, seed=2, reads=Reads(checks="none"))
     want = keys_of(ref)
-    ld = ShardLoader(cache, 4, seed=2, num_workers=workers, skip_corrupt=2)
+    ld = ShardLoader(cache, 4, seed=2, workers=Workers(num_workers=workers), reads=Reads(skip_corrupt=2))
     with caplog.at_level(logging.WARNING, logger="loaders"):
         got = list(ld)
     ld.close()
@@ -123,7 +123,7 @@ def test_skip_corrupt_leaves_damaged_samples_out_within_its_budget(cache, worker
     short = next(b for b in got if len(b["keys"]) == 3)
     ref_b = collate_fn([reader.get(reader.keys.index(k)) for k in short["keys"]])
     assert all(torch.equal(ref_b[k], short[k]) for k in ref_b if isinstance(ref_b[k], torch.Tensor))
-    over = ShardLoader(cache, 4, seed=2, num_workers=workers, skip_corrupt=1)
+    over = ShardLoader(cache, 4, seed=2, workers=Workers(num_workers=workers), reads=Reads(skip_corrupt=1))
     with pytest.raises(ShardCorrupt, match="skip_corrupt=1"):
         list(over)
     over.close()
@@ -135,14 +135,15 @@ TRUNCATE_RUNS = """
 import os, shutil, sys
 import numpy as np
 from shards import ShardCorrupt
-from loaders import ShardLoader
+from loaders import ShardLoader, Workers
 clean, work, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rng = np.random.default_rng(0)
 for run in range(runs):
     cache = os.path.join(work, f"c{run}")
     shutil.copytree(clean, cache)
     shards = sorted(os.path.join(cache, p) for p in os.listdir(cache) if p.endswith(".tar"))
-    loader = ShardLoader(cache, batch_size=2, num_workers=2, persistent_workers=True, prefetch_factor=2, seed=run)
+    loader = ShardLoader(cache, batch_size=2, seed=run,
+                         workers=Workers(num_workers=2, persistent_workers=True, prefetch_factor=2))
     it = iter(loader)
     next(it)
     for p in shards:  # every shard shrinks mid-epoch, while the workers read ahead
@@ -172,7 +173,7 @@ def test_shards_truncated_mid_epoch_under_two_workers_20_times_never_a_signal(cl
 def test_a_truncation_racing_the_read_is_a_short_read_naming_the_member(cache, monkeypatch):
     """The window the per-batch check cannot close: the file shrinks after it was checked."""
     from shards.files import ShardFiles
-    ld = ShardLoader(cache, 4, shuffle=False, read_threads=1)  # reads on demand: the next read is after
+    ld = ShardLoader(cache, 4, order=Order(shuffle=False), workers=Workers(read_threads=1))  # reads on demand: the next read is after
     it = iter(ld)
     next(it)
     monkeypatch.setattr(ShardFiles, "check", lambda self, i, where: None)  # as if it shrank right after
@@ -187,7 +188,7 @@ def test_a_cache_rewritten_in_place_under_a_running_loader_stops_it(cache, tmp_p
     """Before: 7 batches of misaligned audio, then a ShardCorrupt. Every batch delivered must be the
     old cache's; then the loader stops naming the replaced shard."""
     old = Path(shutil.copytree(cache, tmp_path / "old"))
-    ld = ShardLoader(cache, 2, num_workers=workers, seed=4, prefetch_factor=1)
+    ld = ShardLoader(cache, 2, seed=4, workers=Workers(num_workers=workers, prefetch_factor=1))
     it = iter(ld)
     got = [next(it)]
     make_cache(cache, n=N, n_shards=3, seed=99)  # precompute again into the same folder
@@ -260,21 +261,21 @@ def test_read_ahead_threads_give_the_same_batches_and_stop_at_the_damaged_step(c
                 break
         return out
 
-    ref = run(ShardLoader(cache, 3, seed=4, read_threads=1))
-    got = run(ShardLoader(cache, 3, seed=4, read_threads=threads, prefetch_factor=1))
+    ref = run(ShardLoader(cache, 3, seed=4, workers=Workers(read_threads=1)))
+    got = run(ShardLoader(cache, 3, seed=4, workers=Workers(read_threads=threads, prefetch_factor=1)))
     assert [b["keys"] for b in got] == [b["keys"] for b in ref] and len(ref) > 4
     for a, b in zip(ref, got):
         assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
-    first = ShardLoader(cache, 3, seed=4, read_threads=threads)
+    first = ShardLoader(cache, 3, seed=4, workers=Workers(read_threads=threads))
     run(first, upto=2)  # threads have read further than the consumer took
-    again = ShardLoader(cache, 3, seed=4, read_threads=threads)
+    again = ShardLoader(cache, 3, seed=4, workers=Workers(read_threads=threads))
     again.load_state_dict(first.state_dict())
     assert [b["keys"] for b in run(again)] == [b["keys"] for b in ref[2:]]
 
     step = next(i for i, b in enumerate(ref) if i >= 2 and b["keys"][0] not in ref[0]["keys"])
     key = ref[step]["keys"][0]
     flip_low_bit(cache, key, "codes.npy")
-    ld = ShardLoader(cache, 3, seed=4, read_threads=threads)
+    ld = ShardLoader(cache, 3, seed=4, workers=Workers(read_threads=threads))
     seen = []
     with pytest.raises(ShardCorrupt, match=f"sample '{key}' member codes.npy: checksum mismatch"):
         for b in ld:

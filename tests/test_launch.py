@@ -33,8 +33,9 @@ RECOMMENDED_ENV = {
 def _make_dry_run(*args: str, **env: str) -> str:
     if MAKE is None:
         pytest.skip("make is not installed")
-    # a clean environment: no MAKEFLAGS from an outer make, no OUT/DATA/NPROC/... the Makefile would read
-    e = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR") if k in os.environ} | env
+    # a clean environment: no MAKEFLAGS from an outer make, no OUT/DATA/NPROC/... the Makefile would read;
+    # FORCE=1: the command line even where this clone's cache is up to date (its stamp: test_make_precompute_*)
+    e = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR") if k in os.environ} | {"FORCE": "1"} | env
     r = subprocess.run([MAKE, "-n", *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return r.stdout.replace("\\\n", " ")  # join continued recipe lines
@@ -88,6 +89,51 @@ def test_make_precompute_train_demo_commands_on_this_machine():
     assert len(dry) == 1 and lines.index(train) == dry[0] + 1, out
     args = train.split("-m shardcache train", 1)[1].split()
     assert lines[dry[0]].split() == [".venv/bin/python", "-m", "shardcache", "train", *args, "--dry_run"]
+
+
+def test_make_precompute_does_not_rerun_a_job_whose_inputs_are_unchanged(tmp_path):
+    """The precompute target's stamp (build/stamps, keyed by OUT, DATA and CONFIG): after a run into OUT, `make
+    precompute` says OUT is up to date until the manifest, the config or the models change, or OUT loses its
+    integrity root; FORCE=1 runs it anyway."""
+    import shutil
+    if MAKE is None:
+        pytest.skip("make is not installed")
+    data, config, out = tmp_path / "m.jsonl", tmp_path / "c.yaml", tmp_path / "cache"
+    data.write_text("{}\n")
+    config.write_text("{}\n")
+    args = [f"OUT={out}", f"DATA={data}", f"CONFIG={config}"]
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR") if k in os.environ}
+
+    def commands(*extra: str) -> list[str]:
+        r = subprocess.run([MAKE, "-n", "precompute", *args, *extra], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return [ln for ln in r.stdout.splitlines() if "-m shardcache precompute " in ln]
+
+    stamp = ROOT / "build" / "stamps"
+    before = set(stamp.glob("*")) if stamp.exists() else set()
+    assert len(commands()) == 1                           # never run into OUT: it runs
+    key = subprocess.run(["sh", "-c", f"printf '%s' '{out}|{data}|{config}' | cksum"], capture_output=True,
+                         text=True).stdout.split()[0]
+    path = ROOT / "build" / "stamps" / f"precompute-{key}"  # the stamp the Makefile names for these inputs
+    try:
+        out.mkdir()
+        (out / "integrity.json").write_text("{}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()                                      # as the recipe leaves it after a run
+        assert commands() == []                           # nothing changed: the job is not run
+        assert len(commands("FORCE=1")) == 1
+        os.utime(data, (path.stat().st_mtime + 5,) * 2)   # the manifest edited since
+        assert len(commands()) == 1
+        path.touch()
+        os.utime(path, (data.stat().st_mtime + 5,) * 2)
+        assert commands() == []
+        (out / "integrity.json").unlink()                 # OUT holds no finished cache
+        assert len(commands()) == 1
+    finally:
+        path.unlink(missing_ok=True)
+        if not before and stamp.exists() and not any(stamp.iterdir()):
+            shutil.rmtree(stamp)
 
 
 # ---- SLURM scripts ----------------------------------------------------------------------------

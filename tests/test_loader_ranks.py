@@ -119,7 +119,7 @@ def test_explicit_arguments_or_a_process_group_settle_a_partial_environment(monk
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert resolve_rank(3) == (3, 4)  # WORLD_SIZE from the environment, the rank given
     assert resolve_rank(3, 4) == (3, 4)
-    ld = ShardLoader(cache, 2, global_rank=3, world_size=4)
+    ld = ShardLoader(cache, 2, ranks=Ranks(3, 4))
     assert (ld.global_rank, ld.world_size) == (3, 4)
     monkeypatch.setenv("RANK", "2")
     monkeypatch.delenv("WORLD_SIZE")
@@ -149,7 +149,7 @@ def expected_epoch(cache: Path, seed: int, e: int, n_keep: int) -> list[str]:
 def test_iterating_again_without_set_epoch_gives_the_next_full_epoch(cache):
     """for batch in loader twice, no set_epoch: epochs 0 and 1, each complete and different, equal to
     the (seed, epoch) order; a third loop gives epoch 2; set_epoch still selects an epoch."""
-    ld = ShardLoader(cache, 4, seed=5, global_rank=0, world_size=1)
+    ld = ShardLoader(cache, 4, seed=5, ranks=Ranks(0, 1))
     first, second = epoch(ld), epoch(ld)
     assert len(first) == len(second) == 24 and sorted(first) == sorted(second) == sorted(all_keys(cache))
     assert first != second and ld.epoch == 1
@@ -157,7 +157,7 @@ def test_iterating_again_without_set_epoch_gives_the_next_full_epoch(cache):
     assert epoch(ld) == expected_epoch(cache, 5, 2, 24)
     ld.set_epoch(1)
     assert epoch(ld) == second  # set_epoch sets it, as with DistributedSampler
-    other = ShardLoader(cache, 4, seed=5, global_rank=0, world_size=1)
+    other = ShardLoader(cache, 4, seed=5, ranks=Ranks(0, 1))
     other.set_epoch(1)
     assert epoch(other) == second  # a pure function of (seed, epoch)
 
@@ -165,16 +165,16 @@ def test_iterating_again_without_set_epoch_gives_the_next_full_epoch(cache):
 def test_resume_after_an_epochs_last_batch_goes_on_with_the_next_epoch(cache):
     """A state recorded after the last batch of epoch 0, loaded into a fresh loader: the next loop
     is epoch 1 (what Lightning and torchtitan do: load, then iterate); a partial epoch resumes."""
-    ld = ShardLoader(cache, 4, seed=2, global_rank=0, world_size=1)
+    ld = ShardLoader(cache, 4, seed=2, ranks=Ranks(0, 1))
     e0 = epoch(ld)
     sd = ld.state_dict()
     e1 = epoch(ld)
-    fresh = ShardLoader(cache, 4, seed=2, global_rank=0, world_size=1)
+    fresh = ShardLoader(cache, 4, seed=2, ranks=Ranks(0, 1))
     fresh.load_state_dict(sd)
     assert epoch(fresh) == e1 != e0
-    part = ShardLoader(cache, 4, seed=2, global_rank=0, world_size=1)
+    part = ShardLoader(cache, 4, seed=2, ranks=Ranks(0, 1))
     it = iter(part)
     head = [k for _ in range(2) for k in next(it)["keys"]]
-    resumed = ShardLoader(cache, 4, seed=2, global_rank=0, world_size=1)
+    resumed = ShardLoader(cache, 4, seed=2, ranks=Ranks(0, 1))
     resumed.load_state_dict(part.state_dict())
     assert head + epoch(resumed) == e0

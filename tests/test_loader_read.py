@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from loaders import ShardLoader, collate_fn
+from loaders import Order, Reads, ShardLoader, Workers, collate_fn
 from shards import ShardReader, ShardWriter, merge_parts, shard_name
 from shards import fields as registry
 from shards.kinds import FieldKind
@@ -147,7 +147,7 @@ def assert_same(ref: dict, got: dict) -> None:
 def test_loader_batches_equal_collate_fn_for_every_kind(conv, compact):
     reader = ShardReader(conv)
     row = {k: i for i, k in enumerate(reader.keys)}
-    ld = ShardLoader(conv, 5, fields=FIELDS, seed=0, compact=compact, drop_remainder=False)
+    ld = ShardLoader(conv, 5, fields=FIELDS, seed=0, order=Order(drop_remainder=False), reads=Reads(compact=compact))
     batches = list(ld)
     assert len(batches) == 3
     partial = 0
@@ -192,7 +192,7 @@ def test_keys_at_slices_the_arrow_key_buffer(tmp_path):
 
 def test_a_sample_twice_in_one_batch(conv):
     """(MixedLoader repeats the samples of a small source within an epoch.)"""
-    ld = ShardLoader(conv, 4, fields=FIELDS, seed=0, compact=True)
+    ld = ShardLoader(conv, 4, fields=FIELDS, seed=0, reads=Reads(compact=True))
     reader = ShardReader(conv)
     ids = np.array([3, 3, 9, 3], dtype=np.int64)
     b = ld.sources.read_batch(ids)
@@ -214,7 +214,7 @@ def test_a_plugin_kind_needs_no_reader_code(tmp_path):
     assert registry.get("mel").kind.name == "frame_features"
     reader = ShardReader(tmp_path)
     for compact in (True, False):
-        for b in ShardLoader(tmp_path, 3, fields=("mel", "input_ids"), seed=2, compact=compact):
+        for b in ShardLoader(tmp_path, 3, fields=("mel", "input_ids"), seed=2, reads=Reads(compact=compact)):
             ref = collate_fn([reader.get(reader.keys.index(k)) for k in b["keys"]], ("mel", "input_ids"),
                              compact=compact)
             assert_same(ref, b)
@@ -309,7 +309,7 @@ def test_an_epoch_after_the_first_makes_no_new_host_block(tmp_path, threads, dep
                                "input_ids.npy": rng.integers(1, 50, 7).astype(np.int32)})
         w.commit()
     merge_parts(tmp_path, {"text": {"vocab_size": 50, "pad_id": 0}})
-    ld = ShardLoader(tmp_path, 3, fields=("audio", "input_ids"), seed=0, read_threads=threads, prefetch_factor=depth)
+    ld = ShardLoader(tmp_path, 3, fields=("audio", "input_ids"), seed=0, workers=Workers(read_threads=threads, prefetch_factor=depth))
     made = []
     for e in range(4):
         ld.set_epoch(e)

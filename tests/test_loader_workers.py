@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from loaders import ShardLoader
+from loaders import Reads, ShardLoader, Workers
 from loaders import shm as shm_mod
 from test_loaders import make_cache
 
@@ -20,7 +20,7 @@ def cache(tmp_path_factory):
 
 
 def reference(cache, epoch, **kw) -> list[dict]:
-    ld = ShardLoader(cache, 3, seed=3, num_workers=0, **kw)
+    ld = ShardLoader(cache, 3, seed=3, **kw, workers=Workers(num_workers=0))
     ld.set_epoch(epoch)
     return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in ld]
 
@@ -53,8 +53,8 @@ def test_batches_held_by_the_consumer_are_never_overwritten(cache, monkeypatch, 
     """Keep every batch of two epochs alive (more than all slots): the held ones must keep their
     values while workers go on, falling back to one-off blocks when every slot is busy."""
     counted = Counting(monkeypatch)
-    want = reference(cache, 0, compact=compact) + reference(cache, 1, compact=compact)
-    ld = ShardLoader(cache, 3, seed=3, num_workers=2, prefetch_factor=2, compact=compact)
+    want = reference(cache, 0, reads=Reads(compact=compact)) + reference(cache, 1, reads=Reads(compact=compact))
+    ld = ShardLoader(cache, 3, seed=3, workers=Workers(num_workers=2, prefetch_factor=2), reads=Reads(compact=compact))
     held = []
     for e in (0, 1):
         ld.set_epoch(e)
@@ -72,7 +72,7 @@ def test_slots_are_reused_and_views_keep_them_alive(cache, monkeypatch):
     from a batch keeps its slot busy: its values never change."""
     counted = Counting(monkeypatch)
     want = reference(cache, 0)
-    ld = ShardLoader(cache, 3, seed=3, num_workers=2, prefetch_factor=2)
+    ld = ShardLoader(cache, 3, seed=3, workers=Workers(num_workers=2, prefetch_factor=2))
     ld.set_epoch(0)
     kept = []
     for i, b in enumerate(ld):
@@ -101,7 +101,7 @@ def test_slot_storages_travel_once_not_every_epoch(cache, monkeypatch):
         sent.append(msg.storage is not None)
         return orig(msg)
     monkeypatch.setattr(shm_mod.SlotBatch, "unpack", unpack)
-    ld = ShardLoader(cache, 3, seed=3, num_workers=2, prefetch_factor=2)
+    ld = ShardLoader(cache, 3, seed=3, workers=Workers(num_workers=2, prefetch_factor=2))
     per_epoch = []
     for e in range(4):
         ld.set_epoch(e)
@@ -118,7 +118,7 @@ def test_slot_storages_travel_once_not_every_epoch(cache, monkeypatch):
 def test_iterations_abandoned_mid_epoch_do_not_leak_slots(cache, monkeypatch):
     """Breaking out after one batch, again and again (an eval limited to N batches does), must not
     leave slots busy for ever: a later full epoch still comes through the slots."""
-    ld = ShardLoader(cache, 3, seed=3, num_workers=2, prefetch_factor=2)
+    ld = ShardLoader(cache, 3, seed=3, workers=Workers(num_workers=2, prefetch_factor=2))
     for e in range(6):
         ld.set_epoch(e)
         next(iter(ld))
@@ -138,7 +138,7 @@ def test_pinned_batches_equal_and_release_the_slot(cache):
     if not torch.cuda.is_available():
         pytest.skip("pin_memory needs CUDA")
     want = reference(cache, 0)
-    ld = ShardLoader(cache, 3, seed=3, num_workers=2, device_pin=True)
+    ld = ShardLoader(cache, 3, seed=3, workers=Workers(num_workers=2), reads=Reads(pin_memory=True))
     ld.set_epoch(0)
     for i, b in enumerate(ld):
         assert all(v.is_pinned() for v in b.values() if isinstance(v, torch.Tensor))
@@ -157,7 +157,7 @@ class AddTotal:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_transform_runs_on_every_batch_where_it_is_read(cache, num_workers):
     want = reference(cache, 0)
-    ld = ShardLoader(cache, 3, seed=3, num_workers=num_workers, transform=AddTotal())
+    ld = ShardLoader(cache, 3, seed=3, transform=AddTotal(), workers=Workers(num_workers=num_workers))
     got = list(ld)
     ld.close()
     assert len(got) == len(want)
@@ -171,12 +171,13 @@ import sys
 from multiprocessing import forkserver
 
 import loaders.context
-from loaders import ShardLoader
+from loaders import Reads, ShardLoader, Workers
 
 if sys.argv[2] == "off":
     loaders.context.FORKSERVER_PRELOAD = ()
 forkserver._forkserver._preload_modules = ["__main__", "json"]  # what a user may have set
-ld = ShardLoader(sys.argv[1], 2, num_workers=2, multiprocessing_context="forkserver", device_pin=False)
+ld = ShardLoader(sys.argv[1], 2, workers=Workers(num_workers=2, multiprocessing_context="forkserver"),
+                 reads=Reads(pin_memory=False))
 batch = next(iter(ld))
 pid = forkserver._forkserver._forkserver_pid
 maps = open(f"/proc/{pid}/maps").read()

@@ -17,7 +17,9 @@ import shards
 from shards import ShardReader, ShardWriter, UnsafeMember, merge_parts, scan_shard, shard_name
 from shards.index import write_cache_files, rows_to_table, REJECTS_SCHEMA
 
-from loaders import (CODES_PAD_ID, TEXT_PAD_ID, MixedLoader, ShardLoader, collate_fn, padding_stats)
+from loaders import (CODES_PAD_ID, TEXT_PAD_ID, Mix, MixedLoader, Order, Reads, ShardLoader, Workers, collate_fn,
+                     padding_stats)
+from shardcache.ranks import Ranks
 from loaders.batching import BudgetPlan, FixedPlan
 from loaders.order import epoch_order, rng_for
 
@@ -176,7 +178,7 @@ def test_collate_pads_mixed_latent_shapes(tmp_path):
     check_padded_latents(same, [samples[0], no_image, samples[2]])
     # the loader (index offsets + mmap views) gives the same batches as collate_fn
     row = {k: i for i, k in enumerate(reader.keys)}
-    loader = ShardLoader(c, 4, shuffle=False, fields=("codes", "latents", "latents_logvar"))
+    loader = ShardLoader(c, 4, fields=("codes", "latents", "latents_logvar"), order=Order(shuffle=False))
     shapes = set()
     for lb in loader:
         ref = collate_fn([reader.get(row[k]) for k in lb["keys"]], fields=("codes", "latents", "latents_logvar"))
@@ -189,9 +191,9 @@ def test_collate_pads_mixed_latent_shapes(tmp_path):
 
 def test_latents_logvar_only_on_request_and_required(tmp_path, cache):
     with_lv = make_cache(tmp_path / "lv", (5, 4), image_every=2, latent_shapes=(LATENT,), logvar=True)
-    default = next(iter(ShardLoader(with_lv, 4, shuffle=False)))
+    default = next(iter(ShardLoader(with_lv, 4, order=Order(shuffle=False))))
     assert "latents_logvar" not in default and "latents_mask" in default
-    b = next(iter(ShardLoader(with_lv, 4, shuffle=False, fields=("latents_logvar",))))
+    b = next(iter(ShardLoader(with_lv, 4, fields=("latents_logvar",), order=Order(shuffle=False))))
     assert set(b) == {"keys", "sample_rate", "latents_logvar", "latents_mask", "has_image"}
     reader = ShardReader(with_lv)
     samples = [reader.get(i) for i in range(4)]
@@ -218,7 +220,7 @@ def test_bucketed_demo_images_batch_together(tiny_config, tmp_path):
     shapes = {r["key"]: tuple(m["shape"]) for r in rows for m in r["members"] if m["name"] == "latents.npy"}
     assert len(set(shapes.values())) >= 2, shapes
     assert all(s[:2] == (16, 1) and 40 <= s[2] * 8 * s[3] * 8 / 64 <= 88 for s in shapes.values())
-    loader = ShardLoader(tmp_path / "c", len(shapes), shuffle=False, filters={"has_image": True})
+    loader = ShardLoader(tmp_path / "c", len(shapes), filters={"has_image": True}, order=Order(shuffle=False))
     b = next(iter(loader))
     assert b["has_image"].all() and len(b["keys"]) == len(shapes)
     C, T, H, W = (max(s[i] for s in shapes.values()) for i in range(4))
@@ -244,7 +246,7 @@ def test_epoch_order_is_shard_grouped_permutation():
 
 def test_two_ranks_two_workers_see_each_sample_once(cache):
     # 3 shards of 7/13/5 samples, 2 ranks x 2 workers: fewer shards than ranks x workers.
-    loaders = [ShardLoader(cache, 3, global_rank=r, world_size=2, num_workers=2, seed=1) for r in range(2)]
+    loaders = [ShardLoader(cache, 3, seed=1, ranks=Ranks(r, 2), workers=Workers(num_workers=2)) for r in range(2)]
     for epoch in (0, 1):
         per_rank = [epoch_keys(ld, epoch) for ld in loaders]
         assert len(per_rank[0]) == len(per_rank[1]) == len(loaders[0]) == len(loaders[1]) == 4
@@ -256,7 +258,7 @@ def test_two_ranks_two_workers_see_each_sample_once(cache):
 
 
 def test_drop_remainder_false_wraps(cache):
-    loaders = [ShardLoader(cache, 3, global_rank=r, world_size=2, drop_remainder=False) for r in range(2)]
+    loaders = [ShardLoader(cache, 3, ranks=Ranks(r, 2), order=Order(drop_remainder=False)) for r in range(2)]
     per_rank = [epoch_keys(ld) for ld in loaders]
     assert len(per_rank[0]) == len(per_rank[1]) == 5
     seen = flat(per_rank[0]) + flat(per_rank[1])
@@ -265,7 +267,7 @@ def test_drop_remainder_false_wraps(cache):
 
 def test_fewer_shards_than_ranks_times_workers(tmp_path):
     c = make_cache(tmp_path / "one", (11,))
-    loaders = [ShardLoader(c, 2, global_rank=r, world_size=3, num_workers=3) for r in range(3)]
+    loaders = [ShardLoader(c, 2, ranks=Ranks(r, 3), workers=Workers(num_workers=3)) for r in range(3)]
     per_rank = [epoch_keys(ld) for ld in loaders]
     assert [len(r) for r in per_rank] == [1, 1, 1]
     seen = flat(sum(per_rank, []))
@@ -280,20 +282,20 @@ def test_epochs_differ_and_seed_epoch_reproduce(cache):
     assert e0 != e1 and sorted(flat(e0)) != [] and set(flat(e0)) != set() and len(e0) == len(e1) == 6
     assert epoch_keys(b, 1) == e1 and epoch_keys(b, 0) == e0
     assert epoch_keys(ShardLoader(cache, 4, seed=6)) != e0
-    assert flat(epoch_keys(ShardLoader(cache, 4, shuffle=False))) == ShardReader(cache).keys[:24]
+    assert flat(epoch_keys(ShardLoader(cache, 4, order=Order(shuffle=False)))) == ShardReader(cache).keys[:24]
 
 
 def test_order_independent_of_num_workers(cache):
-    ref = [epoch_keys(ShardLoader(cache, 2, global_rank=r, world_size=2, seed=2), 1) for r in range(2)]
+    ref = [epoch_keys(ShardLoader(cache, 2, seed=2, ranks=Ranks(r, 2)), 1) for r in range(2)]
     for nw in (1, 2, 3):
-        got = [epoch_keys(ShardLoader(cache, 2, global_rank=r, world_size=2, seed=2, num_workers=nw), 1)
+        got = [epoch_keys(ShardLoader(cache, 2, seed=2, ranks=Ranks(r, 2), workers=Workers(num_workers=nw)), 1)
                for r in range(2)]
         assert got == ref, nw
 
 
 def test_persistent_workers_follow_set_epoch_and_state(cache):
     ref = ShardLoader(cache, 3, seed=4)
-    ld = ShardLoader(cache, 3, seed=4, num_workers=2, prefetch_factor=4)
+    ld = ShardLoader(cache, 3, seed=4, workers=Workers(num_workers=2, prefetch_factor=4))
     for e in range(3):
         assert epoch_keys(ld, e) == epoch_keys(ref, e)
     # state counts what the consumer received, not what the workers prefetched
@@ -315,7 +317,7 @@ def test_persistent_workers_follow_set_epoch_and_state(cache):
 def test_resume_continues_identically(cache, nw_a, nw_b):
     full = epoch_keys(ShardLoader(cache, 2, seed=9), 2)
     for k in (1, 5, len(full) - 1, len(full)):
-        a = ShardLoader(cache, 2, seed=9, num_workers=nw_a)
+        a = ShardLoader(cache, 2, seed=9, workers=Workers(num_workers=nw_a))
         a.set_epoch(2)
         got = []
         for b in a:
@@ -324,7 +326,7 @@ def test_resume_continues_identically(cache, nw_a, nw_b):
                 break
         sd = a.state_dict()
         assert sd["cursor"] == 2 * k and sd["epoch"] == 2
-        b = ShardLoader(cache, 2, seed=9, num_workers=nw_b)
+        b = ShardLoader(cache, 2, seed=9, workers=Workers(num_workers=nw_b))
         b.load_state_dict(sd)
         b.set_epoch(2)  # same epoch: keeps the cursor
         assert len(b) == len(full) and b.step == k
@@ -337,23 +339,23 @@ def test_resume_continues_identically(cache, nw_a, nw_b):
 
 
 def test_resume_world_2_to_1_same_global_batch(cache):
-    two = [ShardLoader(cache, 3, global_rank=r, world_size=2, seed=11) for r in range(2)]
-    one = ShardLoader(cache, 6, world_size=1, seed=11)
+    two = [ShardLoader(cache, 3, seed=11, ranks=Ranks(r, 2)) for r in range(2)]
+    one = ShardLoader(cache, 6, seed=11, ranks=Ranks(0, 1))
     steps2 = list(zip(*[epoch_keys(ld) for ld in two]))
     steps1 = epoch_keys(one)
     assert [a + b for a, b in steps2] == steps1  # same global samples per step, rank order
-    two = [ShardLoader(cache, 3, global_rank=r, world_size=2, seed=11) for r in range(2)]
+    two = [ShardLoader(cache, 3, seed=11, ranks=Ranks(r, 2)) for r in range(2)]
     it = [iter(ld) for ld in two]
     for _ in range(2):
         for i in it:
             next(i)
     sd0, sd1 = two[0].state_dict(), two[1].state_dict()
     assert sd0 == sd1 and sd0["cursor"] == 12 and sd0["world_size"] == 2
-    resumed = ShardLoader(cache, 6, world_size=1, seed=11, num_workers=2)
+    resumed = ShardLoader(cache, 6, seed=11, ranks=Ranks(0, 1), workers=Workers(num_workers=2))
     resumed.load_state_dict(sd0)
     assert [b["keys"] for b in resumed] == steps1[2:]
     with pytest.raises(ValueError, match="global batch"):
-        ShardLoader(cache, 4, world_size=1, seed=11).load_state_dict(sd0)
+        ShardLoader(cache, 4, seed=11, ranks=Ranks(0, 1)).load_state_dict(sd0)
     with pytest.raises(ValueError, match="seed"):
         ShardLoader(cache, 6, seed=12).load_state_dict(sd0)
     with pytest.raises(ValueError, match="num_samples"):
@@ -433,7 +435,7 @@ def test_filters_on_index_columns(cache):
     reader = ShardReader(cache)
     dur = dict(zip(reader.keys, reader.index.column("duration_s").to_pylist()))
     lo, hi = 0.03, 0.07
-    ld = ShardLoader(cache, 1, filters={"duration_s": (lo, hi)}, shuffle=False)
+    ld = ShardLoader(cache, 1, filters={"duration_s": (lo, hi)}, order=Order(shuffle=False))
     keys = flat(epoch_keys(ld))
     assert keys == [k for k in reader.keys if lo <= dur[k] <= hi] and keys
     img = flat(epoch_keys(ShardLoader(cache, 1, filters={"has_image": True})))
@@ -465,7 +467,7 @@ def test_budget_batching_reduces_padding_and_splits_evenly(tmp_path):
     for _, _, ids in budget_plan.batches():
         assert len(ids) * frames[ids].max() <= 800
     # through the loader: 2 ranks, equal steps, every kept batch within budget, each sample once
-    lds = [ShardLoader(c, 64, global_rank=r, world_size=2, max_frames=800, seed=1) for r in range(2)]
+    lds = [ShardLoader(c, 64, seed=1, ranks=Ranks(r, 2), order=Order(max_frames=800)) for r in range(2)]
     seen = []
     for ld in lds:
         n = 0
@@ -477,18 +479,18 @@ def test_budget_batching_reduces_padding_and_splits_evenly(tmp_path):
         assert n == len(ld)
     assert len(lds[0]) == len(lds[1]) and len(seen) == len(set(seen)) > 150
     # resume in budget mode: world 2 -> 1 (every 2-rank step boundary is a 1-rank one)
-    lds = [ShardLoader(c, 64, global_rank=r, world_size=2, max_frames=800, seed=1) for r in range(2)]
+    lds = [ShardLoader(c, 64, seed=1, ranks=Ranks(r, 2), order=Order(max_frames=800)) for r in range(2)]
     it = [iter(ld) for ld in lds]
     for _ in range(3):
         for i in it:
             next(i)
-    one = ShardLoader(c, 64, world_size=1, max_frames=800, seed=1)
+    one = ShardLoader(c, 64, seed=1, ranks=Ranks(0, 1), order=Order(max_frames=800))
     full = epoch_keys(one)
-    one2 = ShardLoader(c, 64, world_size=1, max_frames=800, seed=1, num_workers=2)
+    one2 = ShardLoader(c, 64, seed=1, ranks=Ranks(0, 1), order=Order(max_frames=800), workers=Workers(num_workers=2))
     one2.load_state_dict(lds[0].state_dict())
     assert epoch_keys(one2) == full[6:]
     with pytest.raises(ValueError, match="max_frames"):
-        ShardLoader(c, 64, world_size=1, max_frames=900, seed=1).load_state_dict(lds[0].state_dict())
+        ShardLoader(c, 64, seed=1, ranks=Ranks(0, 1), order=Order(max_frames=900)).load_state_dict(lds[0].state_dict())
     one2.close()
 
 
@@ -496,7 +498,7 @@ def test_budget_batching_reduces_padding_and_splits_evenly(tmp_path):
 def test_mixing_ratio_and_determinism(tmp_path):
     a = make_cache(tmp_path / "a", (30, 40), prefix="a", seed=1)
     b = make_cache(tmp_path / "b", (25,), prefix="b", seed=2)
-    kw = dict(weights={"speech": 0.7, "other": 0.3}, samples_per_epoch=200, seed=3)
+    kw = dict(mix=Mix(weights={"speech": 0.7, "other": 0.3}, samples_per_epoch=200), seed=3)
     m = MixedLoader({"speech": a, "other": b}, 10, **kw)
     assert len(m) == 20
     counts, seqs = Counter(), []
@@ -505,7 +507,7 @@ def test_mixing_ratio_and_determinism(tmp_path):
         seqs.append(batch["keys"])
         assert all(k.startswith("a" if s == "speech" else "b") for k, s in zip(batch["keys"], batch["source"]))
     assert counts == {"speech": 140, "other": 60}
-    m2 = MixedLoader({"speech": a, "other": b}, 10, num_workers=2, **kw)
+    m2 = MixedLoader({"speech": a, "other": b}, 10, **kw, workers=Workers(num_workers=2))
     assert epoch_keys(m2) == seqs
     seqs1 = epoch_keys(m2, 1)
     assert seqs1 != seqs
@@ -513,7 +515,7 @@ def test_mixing_ratio_and_determinism(tmp_path):
     per = Counter(k for s in seqs for k in s if k.startswith("b"))
     assert set(per.values()) <= {2, 3} and len(per) == 25
     # default epoch size: no source repeats within an epoch
-    d = MixedLoader({"speech": a, "other": b}, 5, weights=[0.7, 0.3])
+    d = MixedLoader({"speech": a, "other": b}, 5, mix=Mix(weights=[0.7, 0.3]))
     keys = flat(epoch_keys(d))
     assert len(keys) == len(set(keys))
     # resume mid-epoch
@@ -544,7 +546,7 @@ def _ddp_worker(rank: int, world: int, cache: str, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=60))
     try:
-        ld = ShardLoader(cache, 3, global_rank=rank, world_size=world, seed=7, num_workers=1)
+        ld = ShardLoader(cache, 3, seed=7, ranks=Ranks(rank, world), workers=Workers(num_workers=1))
         result = []
         for epoch in (0, 1):
             ld.set_epoch(epoch)
@@ -580,13 +582,13 @@ def test_ddp_gloo_two_processes(cache, tmp_path):
         assert len(k0 + k1) == len(set(k0 + k1)) == 24
         orders.append(k0 + k1)
     assert orders[0] != orders[1]
-    ref = [ShardLoader(cache, 3, global_rank=r, world_size=2, seed=7) for r in range(2)]
+    ref = [ShardLoader(cache, 3, seed=7, ranks=Ranks(r, 2)) for r in range(2)]
     assert flat(epoch_keys(ref[0])) + flat(epoch_keys(ref[1])) == orders[0]
 
 
 def test_spawn_context_workers(cache):
     ref = epoch_keys(ShardLoader(cache, 4, seed=8), 3)
-    ld = ShardLoader(cache, 4, seed=8, num_workers=1, multiprocessing_context="spawn")
+    ld = ShardLoader(cache, 4, seed=8, workers=Workers(num_workers=1, multiprocessing_context="spawn"))
     assert epoch_keys(ld, 3) == ref
     ld.close()
 
@@ -608,7 +610,7 @@ def test_epoch_end_state_and_errors(cache):
     with pytest.raises(ValueError, match="missing"):
         fresh.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match="global_rank"):
-        ShardLoader(cache, 2, global_rank=2, world_size=2)
+        ShardLoader(cache, 2, ranks=Ranks(2, 2))
     with pytest.raises(ValueError, match="unknown fields"):
         ShardLoader(cache, 2, fields=("codes", "video"))
 
@@ -629,8 +631,8 @@ def test_compact_batches_keep_the_cache_dtypes(tmp_path):
             w.add(f"s{i}", fields)
         w.commit()
     merge_parts(cache, {})
-    full = ShardLoader(cache, 3, shuffle=False)
-    small = ShardLoader(cache, 3, shuffle=False, compact=True)
+    full = ShardLoader(cache, 3, order=Order(shuffle=False))
+    small = ShardLoader(cache, 3, order=Order(shuffle=False), reads=Reads(compact=True))
     full.set_epoch(0)
     small.set_epoch(0)
     for a, b in zip(full, small):
@@ -638,3 +640,22 @@ def test_compact_batches_keep_the_cache_dtypes(tmp_path):
         assert torch.equal(b["audio"].float() * AUDIO_SCALE, a["audio"])
         assert torch.equal(b["latents"].float(), a["latents"])
         assert torch.equal(a["codes"], b["codes"]) and torch.equal(a["audio_mask"], b["audio_mask"])
+
+
+@pytest.mark.parametrize("n_shards", [1, 5, 2048, 2049, 70_000])
+def test_epoch_order_is_its_definition(n_shards):
+    """epoch_order is the stable lexsort of (a random float per sample, the shard's permuted rank) and,
+    with a window, of (another random float, the window) -- computed here with np.lexsort from the same
+    generator draws, shards of uneven sizes, index rows not grouped by shard, repeated floats."""
+    rng = np.random.default_rng(n_shards)
+    n = max(3 * n_shards, 5000)
+    shard_of = rng.integers(0, n_shards, n)
+    shard_of[:n_shards] = np.arange(n_shards)  # every shard held
+    for window in (0, 64):
+        draws = np.random.default_rng([7, 2, 0])
+        rank = np.empty(n_shards, dtype=np.int64)
+        rank[draws.permutation(n_shards)] = np.arange(n_shards)
+        want = np.lexsort((draws.random(n), rank[shard_of]))
+        if window:
+            want = want[np.lexsort((draws.random(n), np.arange(n) // window))]
+        assert np.array_equal(epoch_order(shard_of, 7, 2, window=window), want), (n_shards, window)

@@ -40,15 +40,14 @@ def test_a_symlink_swapped_during_the_job_does_not_escape_the_root(media, tiny_m
     root, outside = media
     manifest = tmp_path / "m.jsonl"
     manifest.write_text("".join(json.dumps({"key": k, "text": "Hello.", "audio": f"{k}.flac"}) + "\n" for k in "ab"))
-    read = job.read_requests
+    planned = job.check_root
 
-    def read_then_swap(*args, **kwargs):       # the manifest is read (and checked); then the link changes
-        out = read(*args, **kwargs)
+    def plan_then_swap(plan, *args):          # the manifest is read and planned (and checked); then the link changes
+        planned(plan, *args)
         (root / "a.flac").unlink()
         (root / "a.flac").symlink_to(outside)
-        return out
 
-    monkeypatch.setattr(job, "read_requests", read_then_swap)
+    monkeypatch.setattr(job, "check_root", plan_then_swap)
     cfg = load_config(ROOT / "configs" / "precompute.yaml", [
         f"audio_tokenizer.pretrained={tiny_models / 'dac-tiny'}", "image_encoder=null", "num_workers=0",
         "device=cpu", "allow_outside_root=false"])

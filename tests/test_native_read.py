@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from loaders import ShardLoader
+from loaders import Order, Reads, ShardLoader, Workers
 from shards import ShardCorrupt
 from shards import readinto
 from shards.kinds import PCM16_SCALE
@@ -42,7 +42,7 @@ def batch_with(monkeypatch, executor: str, ld: ShardLoader, ids) -> dict:
 def test_both_executors_build_the_same_batches(conv, monkeypatch, compact):
     """Every kind (ragged audio, codes, ids, offsets, segments, partial latents), samples repeated,
     compact and float32 (int16 -> float32 PCM, float16 -> float32, int16/int32 -> int64)."""
-    ld = ShardLoader(conv, 5, fields=FIELDS, seed=0, compact=compact)
+    ld = ShardLoader(conv, 5, fields=FIELDS, seed=0, reads=Reads(compact=compact))
     rng = np.random.default_rng(0)
     for ids in [rng.integers(0, ld.sources.n, 5) for _ in range(8)] + [[3, 3, 9, 3, 0]]:
         native = batch_with(monkeypatch, "native", ld, ids)
@@ -61,7 +61,7 @@ def damage(executor: str, cache: Path, monkeypatch, after_first=None) -> str:
     """The message of the ShardCorrupt that stops an epoch read by ``executor`` (``after_first``:
     called once the first batch is read, the shards open)."""
     monkeypatch.setattr(readinto, "EXECUTOR", executor)
-    ld = ShardLoader(cache, 4, shuffle=False, read_threads=1)
+    ld = ShardLoader(cache, 4, order=Order(shuffle=False), workers=Workers(read_threads=1))
     it = iter(ld)
     next(it)
     if after_first is not None:

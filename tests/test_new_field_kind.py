@@ -144,12 +144,12 @@ def test_verify_checks_its_values_with_its_kind(mel_cache, tmp_path):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_collates_it_with_its_mask_and_the_device_widens_it(mel_cache, num_workers):
-    from loaders import ShardLoader
+    from loaders import Reads, ShardLoader, Workers
     from loaders.device import to_device
     from shards import ShardReader
     reader = ShardReader(mel_cache)
     by_key = {k: reader.get(i)["mel"] for i, k in enumerate(reader.keys)}
-    ld = ShardLoader(mel_cache, 4, fields=("mel", "input_ids"), num_workers=num_workers, compact=True, seed=1)
+    ld = ShardLoader(mel_cache, 4, fields=("mel", "input_ids"), seed=1, workers=Workers(num_workers=num_workers), reads=Reads(compact=True))
     batches = list(ld)
     ld.close()
     assert batches

@@ -99,9 +99,8 @@ def wait_for_holder(cache: Path, proc: subprocess.Popen, timeout: float = 600) -
 
 def samples_read(cache: Path) -> list[str]:
     """Every key the loader reads in one epoch (no drop, no shuffle) of the fields stage one wrote."""
-    from loaders import ShardLoader
-    ld = ShardLoader(cache, batch_size=1, shuffle=False, drop_remainder=False, seed=0,
-                     fields=["input_ids", "labels", "codes", "audio"])
+    from loaders import Order, ShardLoader
+    ld = ShardLoader(cache, batch_size=1, seed=0, fields=["input_ids", "labels", "codes", "audio"], order=Order(shuffle=False, drop_remainder=False))
     keys = [k for b in ld for k in b["keys"]]
     ld.close()
     return keys
@@ -276,8 +275,8 @@ def test_two_add_fields_at_once(cache, capsys):
     assert {"audio_16k", "audio_8k", "audio_12k"} <= set(fields)
     rc, out, err = run_here(capsys, ["shards", "verify", str(cache), "--deep", "--no_progress"])
     assert rc == 0, out + err
-    from loaders import ShardLoader
-    ld = ShardLoader(cache, batch_size=1, shuffle=False, drop_remainder=False, fields=["audio_8k", "audio_12k"])
+    from loaders import Order, ShardLoader
+    ld = ShardLoader(cache, batch_size=1, fields=["audio_8k", "audio_12k"], order=Order(shuffle=False, drop_remainder=False))
     assert sum(len(b["keys"]) for b in ld) == 8
     ld.close()
 

@@ -70,7 +70,7 @@ def test_store_posterior_writes_logvar_for_images_only(tiny_config, demo_cache, 
     import shutil
     import numpy as np
     import torch
-    from loaders import ShardLoader
+    from loaders import Order, ShardLoader
     from precompute.job import run
     from shards import ShardReader
     from shards.cli import main
@@ -96,12 +96,11 @@ def test_store_posterior_writes_logvar_for_images_only(tiny_config, demo_cache, 
             assert np.isfinite(a["latents_logvar"]).all()
     fields = ("codes", "latents", "latents_logvar")
     n_img = sum(r["has_image"] for r in rows)
-    batch = next(iter(ShardLoader(tmp_path / "post", n_img, shuffle=False, fields=fields,
-                                  filters={"has_image": True})))
+    batch = next(iter(ShardLoader(tmp_path / "post", n_img, fields=fields, filters={"has_image": True}, order=Order(shuffle=False))))
     assert batch["latents_logvar"].shape == batch["latents"].shape and batch["has_image"].all()
     j = {k: i for i, k in enumerate(post.keys)}[batch["keys"][0]]
     assert torch.equal(batch["latents_logvar"][0], torch.from_numpy(post.get(j)["latents_logvar"].astype(np.float32)))
-    assert "latents_logvar" not in next(iter(ShardLoader(tmp_path / "post", 4, shuffle=False)))
+    assert "latents_logvar" not in next(iter(ShardLoader(tmp_path / "post", 4, order=Order(shuffle=False))))
     # the CLI handles the new member generically
     assert main(["verify", str(tmp_path / "post"), "--deep"]) == 0
     key = next(r["key"] for r in rows if r["has_image"])
@@ -256,12 +255,28 @@ def test_plugin_codec_and_bad_sample_in_batch_costs_only_itself(tiny_config, dem
 
 
 def test_chunks_are_balanced_and_named_by_position():
-    from precompute.job import plan_chunks, row_id
-    from precompute.manifests import Request
-    reqs = [Request(row=i, key=f"k{i}") for i in range(268)]
-    plan = plan_chunks(reqs, 256, {})
-    assert [(n, len(rows)) for n, rows in plan] == [("shard-000000.tar", 134), ("shard-000001.tar", 134)]
-    assert [len(rows) for _, rows in plan_chunks(reqs[:10], 4, {})] == [3, 3, 4]
+    import numpy as np
+    from precompute.chunks import passes, plan_chunks
+    plan = plan_chunks(268, 256)
+    assert [(c.name, len(c)) for c in plan] == [("shard-000000.tar", 134), ("shard-000001.tar", 134)]
+    assert [len(c) for c in plan_chunks(10, 4)] == [3, 3, 4]
     # resume: a committed chunk is skipped, the others keep their names and rows
-    done = {"shard-000000": {row_id(r) for r in plan[0][1]}}
-    assert [(n, len(rows)) for n, rows in plan_chunks(reqs, 256, done)] == [("shard-000001.tar", 134)]
+    covered = np.zeros(268, bool)
+    covered[plan[0].positions] = True
+    assert [(c.name, len(c)) for c in plan_chunks(268, 256, covered, ["shard-000000"])] == [("shard-000001.tar", 134)]
+    # rows added after chunk 0 and 1 were committed (300 rows then): rows 300-399 sit under committed chunk 1's
+    # name and go to a new chunk after every other; a rank reads them in a pass of their own when they lie
+    # between its other chunks' rows
+    covered = np.zeros(600, bool)
+    covered[:300] = True
+    grown = plan_chunks(600, 256, covered, ["shard-000000", "shard-000001"])
+    assert [(c.name, int(c.positions[0]), int(c.positions[-1])) for c in grown] == [
+        ("shard-000002.tar", 400, 599), ("shard-000003.tar", 300, 399)]
+    assert [[c.name for c in p] for p in passes(grown)] == [["shard-000003.tar", "shard-000002.tar"]]
+    covered[450:460] = True  # a hole: the new chunk's rows 300-399 and the row after the hole
+    left = plan_chunks(600, 200, covered, ["shard-000000", "shard-000001", "shard-000002"])
+    names = [[c.name for c in p] for p in passes(left)]
+    assert sorted(n for p in names for n in p) == sorted(c.name for c in left)
+    for p in passes(left):  # each pass reads its chunks' rows in manifest order, chunk after chunk
+        rows = np.concatenate([c.positions for c in p])
+        assert (np.diff(rows) > 0).all()

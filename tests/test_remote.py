@@ -20,7 +20,9 @@ import torch
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from loaders import ShardLoader  # noqa: E402
+from loaders import Order, Reads, ShardLoader, Workers  # noqa: E402
+from shardcache.ranks import Ranks  # noqa: E402
+from shards import Cache  # noqa: E402
 from shards.errors import UnsafePath  # noqa: E402
 from shards.index import read_index  # noqa: E402
 from shards.manifest import read_manifest  # noqa: E402
@@ -104,8 +106,8 @@ def test_file_uses_lists_the_steps_reading_each_shard(local_cache):
     """The prefetch schedule, against a plain loop over the batches and their keys' shards."""
     from loaders.batching import BudgetPlan  # noqa: F401 - both plan kinds go through file_uses
     from loaders.remote import file_uses
-    for kw in ({}, {"max_frames": 60}):
-        ld = ShardLoader(local_cache, 3, global_rank=1, world_size=2, seed=4, **kw)
+    for order in (Order(), Order(max_frames=60)):
+        ld = ShardLoader(local_cache, 3, seed=4, ranks=Ranks(1, 2), order=order)
         plan = ld._spec.plan(2)
         shard_of_key = dict(zip(read_index(local_cache).column("key").to_pylist(),
                                 read_index(local_cache).column("shard").to_pylist()))
@@ -133,7 +135,7 @@ class _FakeRemote:
 def test_prefetch_picks_the_next_needed_file_and_evicts_the_furthest():
     """Belady's rule on a schedule: A read at steps 0 and 10, B at 5, C at 7, D never again."""
     import numpy as np
-    from loaders.remote import Prefetcher
+    from shards.mirror import Prefetcher
     r = _FakeRemote({"A": 10, "B": 10, "C": 10, "D": 10})
     uses = {(0, "A"): np.array([0, 10]), (0, "B"): np.array([5]), (0, "C"): np.array([7])}
     p = Prefetcher(lambda e: uses, {0: r}, cache_limit=20, lookahead=1)
@@ -157,11 +159,10 @@ def test_prefetch_picks_the_next_needed_file_and_evicts_the_furthest():
 
 
 def test_two_ranks_two_workers_stream_every_sample_once(s3, bucket, local_cache, tmp_path):
-    ref = [batches(ShardLoader(local_cache, 3, global_rank=r, world_size=2, seed=5)) for r in range(2)]
+    ref = [batches(ShardLoader(local_cache, 3, seed=5, ranks=Ranks(r, 2))) for r in range(2)]
     seen = []
     for r in range(2):
-        ld = ShardLoader(bucket, 3, global_rank=r, world_size=2, seed=5, num_workers=2,
-                         storage_options=s3.options, local_dir=tmp_path / f"r{r}")
+        ld = ShardLoader(Cache.open(bucket, storage_options=s3.options, local_dir=tmp_path / f"r{r}"), 3, seed=5, ranks=Ranks(r, 2), workers=Workers(num_workers=2))
         got = batches(ld)
         same(got, ref[r])
         seen += [k for b in got for k in b["keys"]]
@@ -175,8 +176,7 @@ def test_cache_limit_below_one_epoch(s3, bucket, local_cache, tmp_path):
     sizes = sorted(p.stat().st_size for p in local_cache.glob("shard-*.tar"))
     limit = sum(sizes[-3:])  # three shards of six; the steps in flight (3 x 4 samples) span two
     ref = batches(ShardLoader(local_cache, 4, seed=1), 0) + batches(ShardLoader(local_cache, 4, seed=1), 1)
-    ld = ShardLoader(bucket, 4, seed=1, num_workers=2, prefetch_factor=1, storage_options=s3.options,
-                     local_dir=tmp_path / "l", cache_limit=limit)
+    ld = ShardLoader(Cache.open(bucket, storage_options=s3.options, local_dir=tmp_path / "l"), 4, seed=1, workers=Workers(num_workers=2, prefetch_factor=1), reads=Reads(cache_limit=limit))
     got = batches(ld, 0) + batches(ld, 1)
     same(got, ref)
     st = ld.prefetcher.stats
@@ -193,8 +193,7 @@ def test_server_stopped_and_restarted_mid_epoch_costs_retries_not_samples(s3, bu
     # botocore and s3fs retry on their own first; with botocore's off, an outage longer than
     # s3fs's ~2 s of retries reaches the loader's own (shards.storage.retry)
     fragile = dict(s3.options, config_kwargs={"retries": {"max_attempts": 1}})
-    ld = ShardLoader(bucket, 4, seed=2, storage_options=fragile, local_dir=tmp_path / "l",
-                     cache_limit=sizes[-1] + 1, remote_retries=20)
+    ld = ShardLoader(Cache.open(bucket, storage_options=fragile, local_dir=tmp_path / "l", retries=20), 4, seed=2, reads=Reads(cache_limit=sizes[-1] + 1))
     ld.set_epoch(0)
     got = []
     it = iter(ld)
@@ -213,8 +212,8 @@ def test_server_stopped_and_restarted_mid_epoch_costs_retries_not_samples(s3, bu
 
 
 def test_resume_against_the_bucket_equals_the_uninterrupted_run(s3, bucket, tmp_path):
-    full = batches(ShardLoader(bucket, 2, seed=7, storage_options=s3.options, local_dir=tmp_path / "a"), 1)
-    first = ShardLoader(bucket, 2, seed=7, num_workers=2, storage_options=s3.options, local_dir=tmp_path / "b")
+    full = batches(ShardLoader(Cache.open(bucket, storage_options=s3.options, local_dir=tmp_path / "a"), 2, seed=7), 1)
+    first = ShardLoader(Cache.open(bucket, storage_options=s3.options, local_dir=tmp_path / "b"), 2, seed=7, workers=Workers(num_workers=2))
     first.set_epoch(1)
     got = []
     for b in first:
@@ -223,7 +222,7 @@ def test_resume_against_the_bucket_equals_the_uninterrupted_run(s3, bucket, tmp_
             break
     sd = first.state_dict()
     first.close()
-    second = ShardLoader(bucket, 2, seed=7, num_workers=1, storage_options=s3.options, local_dir=tmp_path / "c")
+    second = ShardLoader(Cache.open(bucket, storage_options=s3.options, local_dir=tmp_path / "c"), 2, seed=7, workers=Workers(num_workers=1))
     second.load_state_dict(sd)
     second.set_epoch(1)
     rest = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in second]
@@ -241,7 +240,7 @@ def test_a_hostile_remote_index_cannot_reach_outside_the_local_folder(s3, local_
     write_root(evil, read_manifest(evil)["cache_id"])
     url = s3.upload(evil, "s3://evil-bucket/cache")
     with pytest.raises(UnsafePath):
-        ShardLoader(url, 2, storage_options=s3.options, local_dir=tmp_path / "l" / "rank0")
+        ShardLoader(Cache.open(url, storage_options=s3.options, local_dir=tmp_path / "l" / "rank0"), 2)
     assert not (tmp_path / "outside.tar").exists() and not (tmp_path / "l" / "outside.tar").exists()
 
 
@@ -286,7 +285,7 @@ def test_stage_one_uploads_and_resumes_against_the_bucket(s3, demo_cache, tiny_c
     s3.fs.get("stage-one/demo/", str(again), recursive=True)
     assert _digests(again.glob("shard-*.tar")) == _digests(demo_cache.glob("shard-*.tar"))
     # and a loader streams it
-    ld = ShardLoader(url, 4, storage_options=s3.options, local_dir=tmp_path / "read")
+    ld = ShardLoader(Cache.open(url, storage_options=s3.options, local_dir=tmp_path / "read"), 4)
     assert sum(len(b["keys"]) for b in ld) == 4 * len(ld)
     ld.close()
 

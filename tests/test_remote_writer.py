@@ -77,7 +77,7 @@ def test_two_jobs_with_different_staging_folders_cannot_both_write_one_bucket_ca
     assert not s3.fs.exists(lock)  # released with the job
     capsys.readouterr()
     assert main(_argv(url, tmp_path / "staging-b", s3, tiny_models)) == 0
-    assert "skipped (already cached) 32" in capsys.readouterr().out
+    assert "nothing to encode: the cache holds all 32 rows" in capsys.readouterr().out  # the first job wrote them
     got = tmp_path / "got"
     s3.fs.get("one-writer/demo/", str(got), recursive=True)
     assert sorted(read_index(got).column("key").to_pylist()) == sorted(read_index(demo_cache).column("key").to_pylist())

@@ -73,11 +73,14 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 def set_shard_names(cache: Path, mapping: dict[str, str]) -> None:
-    """Rewrite index.parquet (bypassing the writer's checks) with shard names renamed."""
+    """Rewrite index.parquet (bypassing the writer's checks) with shard names renamed, and the integrity
+    root with it (a forger who rewrites both: the shard-name gate behind the root is what is tested)."""
+    from shards.index import write_root
     t = read_index(cache)
     names = [mapping.get(s, s) for s in t.column("shard").to_pylist()]
     t = t.set_column(t.schema.get_field_index("shard"), "shard", pa.array(names, pa.string()))
     pq.write_table(t, cache / INDEX_FILE)
+    write_root(cache, read_manifest(cache)["cache_id"])
 
 
 def set_manifest(cache: Path, **fields) -> None:
@@ -152,6 +155,8 @@ def test_unsafe_shard_names_in_manifest_are_refused(capsys, cache):
     m = read_manifest(cache)
     m["shards"][0]["path"] = "../../etc/passwd"
     (cache / MANIFEST_FILE).write_text(json.dumps(m))
+    from shards.index import write_root  # sealed as if written so: the name gate behind the root is tested
+    write_root(cache, m["cache_id"])
     for argv in (("ls", cache), ("info", cache), ("verify", cache)):
         code, out, err = cli(capsys, *argv)
         assert code == 1 and "'../../etc/passwd'" in out + err and "'..'" in out + err, (argv, out, err)
@@ -342,10 +347,10 @@ def test_pickled_reader_keeps_checks(clean):
 LOADER_TRUNCATE_SCRIPT = """
 import os, sys
 from shards import ShardCorrupt
-from loaders import ShardLoader
+from loaders import Order, ShardLoader, Workers
 cache, workers = sys.argv[1], int(sys.argv[2])
-loader = ShardLoader(cache, batch_size=1, shuffle=False, num_workers=workers, prefetch_factor=1,
-                     persistent_workers=False)
+loader = ShardLoader(cache, batch_size=1, order=Order(shuffle=False),
+                     workers=Workers(num_workers=workers, prefetch_factor=1, persistent_workers=False))
 it = iter(loader)
 first = next(it)
 shard = sorted(p for p in os.listdir(cache) if p.endswith(".tar"))[-1]

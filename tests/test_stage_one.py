@@ -135,7 +135,7 @@ def test_a_batched_cache_records_each_clips_call_is_reproducible_and_passes_chec
     (size, length, place) is in the row's json; a second run writes the same bytes; ``shardcache
     check`` rebuilds each recorded call and finds every array equal, and finds the codes differ when
     a recorded place is moved to another bucket length."""
-    from precompute.check import check
+    from shardcache.commands.check import check
     from precompute.job import run
     from shards import ShardReader
     manifest = _voice_rows(tmp_path)
@@ -158,7 +158,7 @@ def test_check_uses_the_recorded_call(tiny_config, tmp_path):
     them (the codes depend on the call's shape: DAC's last frames see the padding)."""
     import math
 
-    from precompute import check as C
+    from shardcache.commands import check as C
     from precompute.job import run
     manifest = _voice_rows(tmp_path)
     run(manifest, tmp_path / "c", _batched_config(tiny_config), progress=False)

@@ -126,11 +126,11 @@ def test_cached_image_features_and_ids_are_gemma3s_own(world_cache, gemma3, real
 def test_bf16_bits_kind_is_exact_in_both_batch_dtypes(world_cache):
     """The kind owns the layout: a compact batch holds the int16 bits and the device move gives
     bfloat16 (a view); a full batch holds float32; both equal the stored bf16 values exactly."""
-    from loaders import ShardLoader
+    from loaders import Reads, ShardLoader, Workers
     from loaders.device import to_device
     stored = {k: torch.from_numpy(s["image_features"].copy()).view(torch.bfloat16) for k, s in _samples(world_cache).items()}
     for compact, host, dev in ((True, torch.int16, torch.bfloat16), (False, torch.float32, torch.float32)):
-        ld = ShardLoader(world_cache, 3, fields=("input_ids", "image_features"), num_workers=0, compact=compact, seed=0)
+        ld = ShardLoader(world_cache, 3, fields=("input_ids", "image_features"), seed=0, workers=Workers(num_workers=0), reads=Reads(compact=compact))
         for b in ld:
             assert b["image_features"].dtype == host and b["image_features_mask"].shape == b["image_features"].shape[:2]
             d = to_device(b, "cpu")
@@ -143,12 +143,12 @@ def test_bf16_bits_kind_is_exact_in_both_batch_dtypes(world_cache):
 def test_cached_batch_gives_the_on_the_fly_loss(world_cache, gemma3, real_mini):
     """Done-when: the batch the loader yields for the theworld cache, through the recipe, gives the
     loss the recipe gives on the processor's outputs with pixel values through the real vision tower."""
-    from loaders import ShardLoader
+    from loaders import Reads, ShardLoader, Workers
     from loaders.device import to_device
     from train.models import build_model
     torch.manual_seed(0)
     model = build_model("theworld", {**KW, "lm": str(gemma3), "vision_tower": True}, world_cache).eval()
-    ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=True, seed=0)
+    ld = ShardLoader(world_cache, 3, fields=model.fields, seed=0, workers=Workers(num_workers=0), reads=Reads(compact=True))
     batch = to_device(next(iter(ld)), "cpu")
     ld.close()
     proc = _processor(gemma3)
@@ -183,13 +183,13 @@ def test_lm_inputs_put_features_and_world_tokens_where_gemma_and_theworld_do(wor
     the cached image features, in order, as many per sample as its ``<image_soft_token>``s; after
     the k-th ``<start_of_world>`` come TheWorld's projected latent cells of image k (one per cell,
     row-major), then ``<end_of_world>``'s own embedding."""
-    from loaders import ShardLoader
+    from loaders import Reads, ShardLoader, Workers
     from loaders.device import to_device
     from train.models import build_model
     from train.recipes.base import cache_values
     spec = cache_values(Cache.open(world_cache))
     model = build_model("theworld", {**KW, "lm": str(gemma3)}, world_cache).eval()
-    ld = ShardLoader(world_cache, 3, fields=model.fields, num_workers=0, compact=False, seed=0)
+    ld = ShardLoader(world_cache, 3, fields=model.fields, seed=0, workers=Workers(num_workers=0), reads=Reads(compact=False))
     batch = to_device(next(iter(ld)), "cpu")
     ld.close()
     with torch.no_grad():
@@ -361,7 +361,7 @@ def test_multi_image_samples_end_to_end(multi_cache, gemma3, tiny_models):
     from PIL import Image
     from transformers import Gemma3ForConditionalGeneration
 
-    from loaders import ShardLoader
+    from loaders import Reads, ShardLoader, Workers
     from loaders.device import to_device
     from train.models import build_model
 
@@ -394,7 +394,7 @@ def test_multi_image_samples_end_to_end(multi_cache, gemma3, tiny_models):
     spec = Cache.open(cache)
     world_start, world_end = (spec.token_id(t) for t in spec.world_tokens)
     model = build_model("theworld", {**KW, "lm": str(gemma3)}, spec).eval()
-    ld = ShardLoader(cache, len(MULTI), fields=model.fields, num_workers=0, compact=False, seed=0)
+    ld = ShardLoader(cache, len(MULTI), fields=model.fields, seed=0, workers=Workers(num_workers=0), reads=Reads(compact=False))
     batch = to_device(next(iter(ld)), "cpu")
     ld.close()
     assert sorted(batch["keys"]) == sorted(records)
@@ -518,14 +518,14 @@ def test_theworld_preset_is_theworlds_collate_token_for_token(policy, real_mini,
             runs = labelled_runs(s["input_ids"], s["labels"])
             assert [proc.tokenizer.decode(r[:-1]) for r in runs] == answers and all(r[-1] == end for r in runs)
     if policy == "all_but_world":   # the recipe's labels: TheWorld's _forward_with_world, written out
-        from loaders import ShardLoader
+        from loaders import Reads, ShardLoader, Workers
         from loaders.device import to_device
         from train.models import build_model
         spec = Cache.open(tmp_path / "cache")
         world_start, world_end = (spec.token_id(t) for t in spec.world_tokens)
         model = build_model("theworld", {"lm": str(gemma3), "image_size": IMAGE_SIZE, "vae": KW["vae"]},
                             spec).eval()   # TheWorld's text
-        ld = ShardLoader(tmp_path / "cache", len(recs), fields=model.fields, num_workers=0, compact=False, seed=0)
+        ld = ShardLoader(tmp_path / "cache", len(recs), fields=model.fields, seed=0, workers=Workers(num_workers=0), reads=Reads(compact=False))
         batch = to_device(next(iter(ld)), "cpu")
         ld.close()
         with torch.no_grad():

@@ -37,7 +37,7 @@ from test_train_support import (REAL_LOADER, REPO, TESTS, TINY_MODEL, base_env, 
 pytestmark = [pytest.mark.ddp, pytest.mark.xdist_group("train_ddp")]  # one worker builds the module's fixtures
 
 LOADER = REAL_LOADER
-SLOW = json.dumps({"delay": 0.25})
+SLOW = "{}"  # (test_train_support.SlowLoader sleeps 0.25 s per batch)
 STEPS = 8            # 24 samples / global batch 8 = 3 steps per epoch: crosses two epoch boundaries
 TIMEOUT = 120        # seconds for any multi-process run (a hang fails the test)
 # float32 on CPU, 8 AdamW steps at lr 1e-3: the three splits sum the same per-sample gradients in a

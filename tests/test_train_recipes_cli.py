@@ -142,7 +142,8 @@ def image_cache(tmp_path_factory) -> Path:
 def test_held_out_keys_through_the_loader_for_any_world_size(image_cache):
     """ShardLoader with the HeldOut filters: train and validation keys are disjoint, together every
     key, and each world size's ranks together see the same validation keys."""
-    from loaders import ShardLoader
+    from loaders import Order, ShardLoader
+    from shardcache.ranks import Ranks
     from shards import read_index
 
     all_keys = set(read_index(image_cache).column("key").to_pylist())
@@ -150,8 +151,7 @@ def test_held_out_keys_through_the_loader_for_any_world_size(image_cache):
     def keys_of(part: str, world: int) -> set[str]:
         seen: set[str] = set()
         for rank in range(world):
-            ld = ShardLoader(image_cache, 2, global_rank=rank, world_size=world, drop_remainder=False,
-                             fields=("input_ids",), filters=HeldOut(0.2, part))
+            ld = ShardLoader(image_cache, 2, fields=("input_ids",), filters=HeldOut(0.2, part), ranks=Ranks(rank, world), order=Order(drop_remainder=False))
             ld.set_epoch(0)
             for b in ld:
                 seen.update(b["keys"])

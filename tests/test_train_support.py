@@ -122,20 +122,21 @@ class FakeLoader:
     permutation of ``(seed, epoch)``; global step ``s`` takes samples ``[s*G, (s+1)*G)`` with
     ``G = world x batch``; rank ``r`` takes every ``world``-th of them; state ``(epoch, cursor)``."""
 
-    def __init__(self, cache, batch_size, global_rank=0, world_size=1, seed=0, num_workers=0,
-                 fields=("codes", "input_ids", "labels", "latents"), filters=None, drop_remainder=True,
-                 transform=None, compact=False, skip_corrupt=0, delay: float = 0.0):
+    def __init__(self, cache, batch_size, *, seed=0, fields=None, filters=None, ranks=None, order=None,
+                 workers=None, reads=None, transform=None):
         import pyarrow as pa
 
-        from loaders.order import filter_rows
+        from shardcache.ranks import Ranks
         from shards import Cache, ShardReader
+        from shards.filters import filter_rows
 
         cache = Cache.open(cache)
+        ranks = ranks or Ranks.detect()
         index = cache.index if filters is None else cache.index.take(pa.array(filter_rows(cache.index, filters)))
         self.reader = ShardReader(cache.dir, index=index)
-        self.batch_size, self.rank, self.world, self.seed = batch_size, global_rank, world_size, seed
-        self.fields, self.delay = tuple(fields), delay
-        self.G = batch_size * world_size
+        self.batch_size, self.rank, self.world, self.seed = batch_size, ranks.global_rank, ranks.world_size, seed
+        self.fields = tuple(fields or ("codes", "input_ids", "labels", "latents"))
+        self.G = batch_size * self.world
         self.epoch, self.cursor = 0, 0
 
     def __len__(self) -> int:
@@ -150,8 +151,6 @@ class FakeLoader:
         while self.cursor + self.G <= end:
             ids = order[self.cursor:self.cursor + self.G][self.rank::self.world]
             self.cursor += self.G
-            if self.delay:
-                time.sleep(self.delay)
             yield collate([self.reader.get(int(i)) for i in ids], self.fields)
 
     def state_dict(self) -> dict:
@@ -166,12 +165,13 @@ class FakeLoader:
 
 
 class SlowLoader:
-    """Wrap ``loaders:ShardLoader`` and sleep ``delay`` s per batch."""
+    """Wrap ``loaders:ShardLoader`` (the same arguments) and sleep :attr:`delay` s per batch."""
 
-    def __init__(self, cache_dir, batch_size, delay: float = 0.1, **kw):
+    delay = 0.25
+
+    def __init__(self, cache_dir, batch_size, **kw):
         from loaders import ShardLoader
-        self.inner = ShardLoader(cache_dir, batch_size=batch_size, **kw)
-        self.delay = delay
+        self.inner = ShardLoader(cache_dir, batch_size, **kw)
 
     def __len__(self):
         return len(self.inner)

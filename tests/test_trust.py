@@ -111,7 +111,7 @@ def test_nul_key_caps_and_recipient_through_the_cli(tiny_models, tmp_path, capsy
     # the rerun: nothing left to encode, exit 0 again, the same cache
     rc, out, err = _precompute_here(capsys, manifest, tmp_path / "cache", tiny_models, *caps)
     assert rc == 0, err[-3000:]
-    assert "kept 0, rejected 0, skipped (already cached) 9" in out
+    assert "nothing to encode: the cache holds all 9 rows" in out
     assert sorted(ShardReader(tmp_path / "cache").keys) == ["good", "recipient"]
 
 
@@ -461,10 +461,10 @@ def test_loader_state_refuses_another_cache(two_caches):
         lb.load_state_dict(sd)
     lb.load_state_dict({k: v for k, v in sd.items() if k != "cache_id"})    # on purpose: by position
     assert lb.step == 1
-    from loaders import MixedLoader
-    mixed = MixedLoader({"a": a, "b": b}, batch_size=4, weights={"a": 1, "b": 1})
+    from loaders import Mix, MixedLoader
+    mixed = MixedLoader({"a": a, "b": b}, batch_size=4, mix=Mix(weights={"a": 1, "b": 1}))
     assert mixed.state_dict()["cache_id"] == f"{la.cache_id}+{lb.cache_id}"
-    swapped = MixedLoader({"a": b, "b": a}, batch_size=4, weights={"a": 1, "b": 1})
+    swapped = MixedLoader({"a": b, "b": a}, batch_size=4, mix=Mix(weights={"a": 1, "b": 1}))
     with pytest.raises(ValueError, match="recorded on the cache with id"):
         swapped.load_state_dict(mixed.state_dict())
 

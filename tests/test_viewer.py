@@ -32,6 +32,18 @@ ROOT = Path(__file__).resolve().parents[1]
 KEYS_PAGE = b'class="key"'
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _viewer_cache(tmp_path_factory):
+    """The viewer's own cache folder (the side table of text) under this module's tmp folder."""
+    old = os.environ.get("SHARDCACHE_VIEWER_CACHE")
+    os.environ["SHARDCACHE_VIEWER_CACHE"] = str(tmp_path_factory.mktemp("viewer-cache"))
+    yield
+    if old is None:
+        os.environ.pop("SHARDCACHE_VIEWER_CACHE", None)
+    else:
+        os.environ["SHARDCACHE_VIEWER_CACHE"] = old
+
+
 def page_keys(html: bytes) -> list[str]:
     """The sample keys an index page links, in order (from its <a class="key"> elements)."""
     import re
@@ -82,6 +94,9 @@ def test_a_cache_of_100000_samples_is_served_a_page_at_a_time(big_cache):
     tenth of the index's rows does (measured here, in the same process)."""
     app = App(ViewedCache(big_cache))
     app.respond("GET", "/", {})  # templates compiled, DuckDB imported: not what a page costs
+    app.vc.index.scalars()
+    app.vc.text.wait()  # the side table's build (another thread) allocates too: done before measuring
+    app.respond("GET", "/", {})
     app.respond("GET", "/?where=sample_rate%20%3D%201", {})
     tracemalloc.start()
     try:
@@ -89,7 +104,7 @@ def test_a_cache_of_100000_samples_is_served_a_page_at_a_time(big_cache):
                  ("/", "/?page=2000", "/?page=1234", "/?where=duration_s%20%3E%2019.9&page=2")}
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.reset_peak()
-        app.vc.cache.index.slice(0, 10_000).select(["key", "members"]).to_pylist()  # a tenth of a full scan
+        pq.read_table(big_cache / "index.parquet", columns=["key", "members"]).slice(0, 10_000).to_pylist()  # a tenth
         tenth = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -215,7 +230,7 @@ def test_another_host_is_served_only_when_asked_and_warned_about(tmp_path, monke
     seen = []
 
     class Fake:
-        def __init__(self, app, host, port, quiet=False):
+        def __init__(self, app, host, port, quiet=False, allow_hosts=()):
             seen.append((host, port))
             self.server_address, self.url = (host, 8123), f"http://{host}:8123/"
 
@@ -303,7 +318,7 @@ def test_each_token_text_is_what_the_tokenizer_adds(tmp_path):
     tt = load_token_text(man)
     assert not tt.has_text and tt.pieces(ids) is None and "not the one this cache was made with" in tt.how
     gone = CacheManifest.from_dict({"config": {"text_tokenizer": {"name": "hf", "pretrained": str(tmp_path / "gone")}}})
-    assert "cannot be loaded here" in load_token_text(gone).how
+    assert f"{tmp_path / 'gone'} is not a folder on this machine" in load_token_text(gone).how
 
 
 def test_the_index_filter_is_shards_query(tmp_path):
@@ -342,7 +357,7 @@ def test_the_viewer_writes_nothing(tmp_path):
         assert app.respond("GET", path, {}).status == 200
     time.sleep(0.01)
     assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in cache.rglob("*")} == before
-    assert json.loads((cache / "manifest.json").read_text())["cache_id"] == app.vc.cache.id
+    assert json.loads((cache / "manifest.json").read_text())["cache_id"] == app.vc.id
 
 
 def test_a_damaged_sample_is_a_page_naming_shard_key_and_member(tmp_path):
@@ -364,3 +379,232 @@ def test_a_damaged_sample_is_a_page_naming_shard_key_and_member(tmp_path):
         assert row["shard"] in text and row["key"] in text and "codes.npy" in text and "checksum mismatch" in text
     other = pq.read_table(cache / "index.parquet").to_pylist()[0]["key"]
     assert app.respond("GET", f"/sample/{other}", {}).status == 200
+
+
+# ------------------------------------------------------------------------- what the viewer loads
+
+def test_the_first_page_reads_no_column_of_the_index(big_cache, monkeypatch):
+    """The first page of a cache comes from the Parquet footer and its first rows: with the background
+    read of the scalar columns switched off, it is served, right, and no column has been read."""
+    from shards.viewer.rows import IndexFile
+    monkeypatch.setattr(IndexFile, "scalars_in_background", lambda self: None)
+    vc = ViewedCache(big_cache, background=False)
+    r = App(vc).respond("GET", "/", {})
+    assert r.status == 200 and page_keys(r.body) == [f"s{i:06d}" for i in range(PAGE_SIZE)]
+    assert b"100,000" in r.body and vc.index._scalars is None and len(vc) == 100_000
+
+
+STAGES = ("precompute", "loaders", "train")
+MODEL_LIBRARIES = ("transformers", "torch", "diffusers")
+
+
+def test_the_viewer_imports_nothing_of_the_stages(demo_cache):
+    """Its source names none (the remote mirror is :mod:`shards.mirror`), and serving every kind
+    of page and media of the demo (images from their sources included) imports none, nor a model library."""
+    import ast
+    for path in sorted((ROOT / "shards" / "viewer").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            for n in names:
+                if n.split(".")[0] in STAGES:
+                    raise AssertionError(f"shards/viewer/{path.name} imports {n}")
+    code = """
+import sys, json
+from shards.viewer.data import ViewedCache
+from shards.viewer.app import App
+import pyarrow.parquet as pq
+vc = ViewedCache(sys.argv[1]); app = App(vc)
+rows = pq.read_table(sys.argv[1] + "/index.parquet", columns=["key", "has_image"]).to_pylist()
+img = next(r["key"] for r in rows if r["has_image"])
+paths = ["/", "/?where=has_image", "/?sort=duration_s&desc=1", f"/sample/{img}", f"/sample/{img}/image/0.png",
+         f"/sample/{img}/thumb.png", f"/sample/{img}/latents/latents/0/0.png", f"/sample/{img}/codes/codes/0.png",
+         f"/sample/{img}/audio/audio/0.wav", "/favicon.ico"]
+vc.text.wait(); app.token_text.wait()
+statuses = [app.respond("GET", p, {}).status for p in paths + ["/?q=coffee"]]
+print(json.dumps([statuses, sorted({m.split(".")[0] for m in sys.modules})]))
+"""
+    r = subprocess.run([sys.executable, "-c", code, str(demo_cache)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "SHARDCACHE_VIEWER_CACHE": os.environ["SHARDCACHE_VIEWER_CACHE"]})
+    assert r.returncode == 0, r.stderr
+    statuses, modules = json.loads(r.stdout.strip().splitlines()[-1])
+    assert statuses == [200] * len(statuses)
+    assert not set(modules) & set(STAGES + MODEL_LIBRARIES), sorted(set(modules) & set(STAGES + MODEL_LIBRARIES))
+
+
+def test_the_first_page_imports_neither_duckdb_nor_matplotlib(demo_cache):
+    """What the index page needs is imported at start, nothing more (a filter imports DuckDB, an image
+    matplotlib, when one is asked for)."""
+    code = """
+import sys, json
+from shards.viewer.data import ViewedCache
+from shards.viewer.app import App
+app = App(ViewedCache(sys.argv[1]))
+status = app.respond("GET", "/", {}).status
+print(json.dumps([status, sorted({m.split(".")[0] for m in sys.modules} & {"duckdb", "matplotlib", "transformers", "torch", "PIL"})]))
+"""
+    r = subprocess.run([sys.executable, "-c", code, str(demo_cache)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [200, []]
+
+
+# ------------------------------------------------------------------------------ the tokenizer
+
+def blocked_network(monkeypatch) -> list:
+    """Refuse (and record) every connection this process tries to make to anything but loopback."""
+    attempts = []
+    import socket
+    real = socket.socket.connect
+
+    def connect(self, address, *a):
+        host = address[0] if isinstance(address, tuple) else str(address)
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            attempts.append(address)
+            raise OSError(f"network blocked by the test: {address}")
+        return real(self, address, *a)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: attempts.append(host) or (_ for _ in ()).throw(
+        OSError(f"network blocked by the test: {host}")))
+    return attempts
+
+
+def test_a_relative_tokenizer_path_is_found_under_the_folder_stage_one_ran_in_offline(tmp_path, monkeypatch):
+    """The cache records ``pretrained: models/higgs-text-tokenizer-tiny`` (relative to where stage one
+    ran) and that folder (``working_dir``): viewed from another folder with the network blocked, the
+    text is the tokenizer's own decoding. Without ``working_dir``: ids, and the page says why; a hub
+    id: the local Hugging Face cache, never the hub."""
+    import huggingface_hub.constants
+    from transformers import AutoTokenizer
+    from viewer_caches import TEXTS, relative_tokenizer
+    from shards.viewer.tokens import load_token_text
+
+    with_wd = relative_tokenizer(tmp_path / "models", tmp_path / "with-wd")
+    without = relative_tokenizer(tmp_path / "models", tmp_path / "without-wd", working_dir=False)
+    folder = tmp_path / "models" / "higgs-text-tokenizer-tiny"
+    own = AutoTokenizer.from_pretrained(str(folder))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    attempts = blocked_network(monkeypatch)
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+
+    app = App(ViewedCache(with_wd))
+    assert app.token_text.wait(120)
+    tt = app.token_text.get()
+    assert tt.has_text and str(folder) in tt.how and "fingerprint matches" in tt.how
+    for i, text in enumerate(TEXTS):
+        ids = app.vc.sample(f"text-{i}").arrays["input_ids"]
+        assert "".join(tt.pieces(ids)) == own.decode(ids.tolist(), skip_special_tokens=False,
+                                                      clean_up_tokenization_spaces=False)
+        assert text.split()[1] in app.respond("GET", f"/sample/text-{i}", {}).body.decode()
+
+    tt = load_token_text(ViewedCache(without, background=False).manifest)
+    assert not tt.has_text and "working_dir" in tt.how and "models/higgs-text-tokenizer-tiny" in tt.how
+    assert "not in the local Hugging Face cache" in tt.how
+
+    # the same name as a hub id, in a local hub cache (the layout huggingface_hub writes)
+    snap = hub / "models--models--higgs-text-tokenizer-tiny" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    for f in folder.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0" * 40)
+    tt = load_token_text(ViewedCache(without, background=False).manifest)
+    assert tt.has_text and "local Hugging Face cache" in tt.how
+    assert attempts == []
+
+
+def test_a_sample_page_asked_for_before_the_tokenizer_is_loaded_shows_ids_and_says_so(tmp_path, monkeypatch):
+    """No page waits on the tokenizer's load (it runs in the background from the start)."""
+    import threading
+    from viewer_caches import relative_tokenizer
+    import shards.viewer.tokens as tokens
+    cache = relative_tokenizer(tmp_path / "models", tmp_path / "c")
+    gate = threading.Event()
+    real = tokens.load_token_text
+    monkeypatch.setattr(tokens, "load_token_text", lambda m: gate.wait() and real(m))
+    monkeypatch.setattr("shards.viewer.app.TOKENIZER_WAIT_S", 0.05)
+    app = App(ViewedCache(cache))
+    got = []
+    t = threading.Thread(target=lambda: got.append(app.respond("GET", "/sample/text-0", {}).body.decode()), daemon=True)
+    t.start()
+    t.join(30)
+    gate.set()
+    assert got, "the sample page waited for the tokenizer"
+    html = got[0]
+    assert "still loading" in html and html.count("data-label=") > 0
+    assert app.token_text.wait(60)
+    assert "still loading" not in app.respond("GET", "/sample/text-0", {}).body.decode()
+
+
+# ----------------------------------------------------------------------------------- images
+
+def _odd_images(folder: Path) -> list[Path]:
+    """Images whose decoding has a step of its own: alpha, a palette with transparency, 16-bit grey,
+    an EXIF orientation."""
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    folder.mkdir()
+    out = []
+    rgba = Image.fromarray(rng.integers(0, 256, (50, 70, 4), dtype=np.uint8), "RGBA")
+    rgba.save(folder / "rgba.png")
+    rgba.convert("P").save(folder / "palette.png", transparency=3)
+    Image.fromarray(rng.integers(0, 65536, (40, 90), dtype=np.uint16)).save(folder / "grey16.png")
+    im = Image.fromarray(rng.integers(0, 256, (48, 80, 3), dtype=np.uint8), "RGB")
+    exif = im.getexif()
+    exif[0x0112] = 6  # rotated 90 degrees
+    im.save(folder / "rotated.jpg", exif=exif)
+    out += [folder / n for n in ("rgba.png", "palette.png", "grey16.png", "rotated.jpg")]
+    return out
+
+
+def test_a_source_image_is_what_stage_one_gave_the_encoder(tmp_path):
+    """The viewer's own decoding (Pillow, no stage-one code) equals stage one's ``load_image`` pixel for
+    pixel, for every resize and RGB mode, on the demo's images and on odd ones."""
+    from precompute.images import load_image
+    from shards.viewer.images import RESIZE_MODES, RGB_MODES, source_image
+    paths = sorted(p for p in (ROOT / "data" / "demo" / "images").iterdir() if "bad" not in p.name)
+    paths += _odd_images(tmp_path / "odd")
+    for path in paths:
+        for mode in RESIZE_MODES:
+            for rgb in RGB_MODES:
+                pre = dict(size=64, mode=mode, rgb=rgb, max_pixels=64_000_000)
+                want = load_image(path, 64, mode=mode, rgb=rgb)
+                got = source_image(path, pre)
+                assert got.dtype == np.uint8 and np.array_equal(got, want), (path.name, mode, rgb)
+
+
+def test_the_side_table_of_text_is_kept_outside_the_cache(demo_cache, tmp_path, monkeypatch):
+    """Kept in the viewer's own folder (read back by the next viewer); pointed into the cache folder, it
+    stays in memory and nothing is written there."""
+    monkeypatch.setenv("SHARDCACHE_VIEWER_CACHE", str(tmp_path / "mine"))
+    vc = ViewedCache(demo_cache)
+    assert vc.text.wait(120)
+    kept = list((tmp_path / "mine").glob("text-*.parquet"))
+    assert len(kept) == 1 and vc.id in kept[0].name
+    assert pq.read_table(kept[0]).column("key").to_pylist() == \
+        pq.read_table(demo_cache / "index.parquet", columns=["key"]).column("key").to_pylist()
+    before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in demo_cache.rglob("*")}
+    monkeypatch.setenv("SHARDCACHE_VIEWER_CACHE", str(demo_cache / "parts"))
+    vc = ViewedCache(demo_cache)
+    assert vc.text.wait(120) and vc.text.path is None
+    assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in demo_cache.rglob("*")} == before
+
+
+def test_make_view_with_its_port_taken_says_PORT(tmp_path):
+    """The Makefile's own variable, not the command's option, in make's message."""
+    import socket
+    if not (ROOT / ".venv" / ".installed-inspect").exists():
+        pytest.skip("make view needs the checkout's .venv (make setup)")
+    cache = small_cache(tmp_path / "c")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+        r = subprocess.run(["make", "-s", "view", f"PORT={port}", f"OUT={cache}"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"port {port} is taken" in r.stderr and "PORT=" in r.stderr and "--port" not in r.stderr, r.stderr

@@ -94,3 +94,41 @@ def llava(real_mini: Path, model_dir: Path, out: Path, n: int = 3) -> Path:
     summary, _ = run(manifest, out, cfg, progress=False)
     assert summary.kept == n and summary.rejected == 1, summary.reasons
     return out
+
+
+#: the conversations of :func:`relative_tokenizer`'s cache (one user turn each)
+TEXTS = ("The quick brown fox jumps.", "Grüße aus Köln, 日本語 and emoji 🎧 too.", "A first line\nand a second line.")
+
+
+def relative_tokenizer(model_dir: Path, out: Path, *, working_dir: bool = True) -> Path:
+    """A cache written with the shard writer directly whose manifest records its (Higgs-Audio v2 tiny)
+    text tokenizer as stage one records a path given relative to the folder it ran in:
+    ``pretrained: <model_dir's name>/higgs-text-tokenizer-tiny``, and, with ``working_dir``, that
+    folder (``working_dir``: ``model_dir``'s parent). Three samples :data:`TEXTS`, tokenized by that
+    tokenizer, the second half of each trained. Returns ``out``."""
+    import numpy as np
+
+    from precompute.encoders import load_text_tokenizer
+    from shards.index import merge_parts
+    from shards.schema import shard_name
+    from shards.writer import ShardWriter
+
+    folder = models(model_dir, ("higgs-text-tokenizer",))["higgs-text-tokenizer"]
+    tok = load_text_tokenizer({"name": "hf", "pretrained": str(folder)})
+    with ShardWriter(out, shard_name(0, 0)) as w:
+        for i, text in enumerate(TEXTS):
+            ids = tok.encode(text).astype(np.int32)
+            labels = ids.copy()
+            labels[: len(ids) // 2] = -100
+            w.add(f"text-{i}", {"json": {"text": text, "conversation": {"turns": [
+                {"role": "user", "parts": [{"type": "text", "text": text}]}]}},
+                "input_ids.npy": ids, "labels.npy": labels})
+        w.commit()
+    relative = f"{model_dir.name}/{folder.name}"
+    manifest = {"config": {"text_tokenizer": {"name": "hf", "pretrained": relative}},
+                "encoders": {"text_tokenizer": tok.describe()},
+                "text": {"vocab_size": tok.vocab_size, "pad_id": tok.pad_id, "special_token_ids": {}}}
+    if working_dir:
+        manifest["working_dir"] = str(model_dir.parent)
+    merge_parts(out, manifest)
+    return out

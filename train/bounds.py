@@ -3,8 +3,10 @@
 :func:`problems` reports, as ``(option, message)`` pairs for :class:`shardcache.config.ConfigError`
 (exit status 2):
 
-* ``data.loader_kwargs`` keys that are not parameters the loader class declares (its ``__init__``
-  signature; those the trainer sets itself are refused too, a loader taking ``**kwargs`` accepts any);
+* ``data.loader_kwargs``: its keys are the sections of the loader's settings (``order``, ``workers``,
+  ``reads``: each field checked against the dataclass that declares it, :func:`loaders.settings.settings_problems`,
+  those the trainer sets itself refused naming their option) and ``filters``, ``storage_options``,
+  ``local_dir`` (:data:`train.data.LOADER_EXTRAS`); any other key is refused, naming what it takes;
 * ``model.kwargs`` of the reference model outside :data:`REFERENCE_KWARGS` (unknown keys, values of
   the wrong type or out of range, ``d_model`` not a multiple of ``n_heads``);
 * a ``data.batch_size`` larger than the samples each rank gets from the cache (``manifest.json``
@@ -14,7 +16,6 @@ Recipes' own ``model.kwargs`` are checked by the recipe's declared contract (:mo
 """
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,9 @@ from typing import Any
 from shardcache.ranks import Ranks
 from shards.schema import MANIFEST_FILE as MANIFEST
 
-#: the parameters of the loader the trainer passes itself (not ``data.loader_kwargs``' to set)
-TRAINER_SET = ("cache_dir", "batch_size", "global_rank", "world_size", "seed", "num_workers")
+#: the loader's own arguments the trainer passes itself (not ``data.loader_kwargs``' to set) -> the option
+TRAINER_ARGS = {"cache": "--data.cache", "batch_size": "--data.batch_size", "seed": "--data.seed",
+                "fields": "--data.fields", "ranks": "the launcher", "transform": "the recipe"}
 #: the reference model's ``model.kwargs``: name -> (type, lowest, highest); the cache gives the others
 REFERENCE_KWARGS: dict[str, tuple[type, float, float]] = {
     "d_model": (int, 1, 65536), "n_layers": (int, 1, 1024), "n_heads": (int, 1, 1024), "mlp_ratio": (int, 1, 64),
@@ -33,17 +35,21 @@ REFERENCE_KWARGS: dict[str, tuple[type, float, float]] = {
 
 
 def _loader_kwargs(loader: str, kwargs: dict[str, Any]) -> list[tuple[str, str]]:
+    """``data.loader_kwargs`` against the loader's declared settings (every loader takes ShardLoader's
+    arguments: :mod:`train.data`)."""
+    from loaders.settings import SECTIONS, settings_problems
     from shardcache.plugins import load_factory
+
+    from .data import LOADER_EXTRAS, TRAINER_SET
     try:
-        params = inspect.signature(load_factory(loader)).parameters
+        load_factory(loader)
     except (ImportError, AttributeError, ValueError, TypeError) as e:
         return [("data.loader", f"cannot import {loader!r}: {e}")]
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return []
-    accepted = [n for n in params if n not in TRAINER_SET and n != "self"]
-    return [(f"data.loader_kwargs.{k}", f"not a parameter of {loader}" + (
-        " (the trainer sets it: use the option of the data section)" if k in TRAINER_SET else
-        f"; it takes: {', '.join(accepted)}")) for k in kwargs if k not in accepted]
+    takes = ", ".join([f"{k}: {{...}} (loaders.{c.__name__})" for k, c in SECTIONS.items()] + list(LOADER_EXTRAS))
+    out = [(f"data.loader_kwargs.{k}", f"not a setting of {loader}" + (
+        f" (the trainer sets it: {TRAINER_ARGS[k]})" if k in TRAINER_ARGS else f"; it takes: {takes}"))
+        for k in kwargs if k not in SECTIONS and k not in LOADER_EXTRAS]
+    return out + [(f"data.loader_kwargs.{k}", msg) for k, msg in settings_problems(kwargs, TRAINER_SET)]
 
 
 def _reference_kwargs(kwargs: dict[str, Any]) -> list[tuple[str, str]]:

@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None, callbacks=None) -> int:
 
     if ns.dry_run:
         return dry_run(cfg)
+    from shardcache.quiet import quiet_libraries
     from shardcache.ranks import Ranks
 
+    quiet_libraries()  # library messages the user cannot act on (shardcache/quiet.py)
     from . import dist as D  # torch is imported only now: --help and --print_config stay fast
     from .metrics import NonFiniteError
     from .trainer import run

@@ -38,7 +38,7 @@ class DataConfig:
     loader: str = "loaders:ShardLoader"
     """module:class of the loader (the ShardLoader API)."""
     loader_kwargs: dict[str, Any] = option(factory=dict)
-    """Extra keyword arguments for the loader (a mapping; a flag updates the file's)."""
+    """Loader settings {order: {..}, workers: {..}, reads: {..}} (loaders.Order...), filters, storage_options, local_dir."""
     compact_batches: bool = True
     """Load int16 audio and float16 latents as stored and widen them to float32 on the device (half the bytes)."""
     prefetch_to_device: Literal["auto", "on", "off"] = "auto"
@@ -59,6 +59,8 @@ class ModelConfig:
     """Keyword arguments of the model (reference: d_model, n_layers...; recipes: lm, dtype...); flags update them."""
     audio_tokenizer: str = ""
     """Audio tokenizer (dir or hub id) the model was trained with: the cache's codes must come from its weights."""
+    audio_tokenizer_revision: str = ""
+    """Hub revision (branch, tag or commit) of --model.audio_tokenizer; default the hub's main (a folder has none)."""
     contract: dict[str, Any] = option(factory=dict)
     """More contract items (fields, special_tokens, codec: {name, weights...}...); a plain factory's whole contract."""
     allow_other_encoder_weights: bool = False

@@ -4,9 +4,13 @@ Fields: ``data.fields: auto`` reads the fields the recipe declares that the cach
 (:func:`resolve_fields`).
 
 A loader (``data.loader``, default ``loaders:ShardLoader``; a plug-in ``module:class``) takes
-``ShardLoader``'s keywords: the cache (a :class:`shards.Cache`), ``batch_size``, ``global_rank``,
-``world_size``, ``seed``, ``num_workers``, ``fields``, ``filters``, ``drop_remainder``,
-``transform``, ``compact``, ``skip_corrupt`` and the ``data.loader_kwargs``; it has ``set_epoch``,
+``ShardLoader``'s arguments: the cache (a :class:`shards.Cache`), ``batch_size``, ``seed``, ``fields``,
+``filters``, ``ranks`` (:class:`shardcache.ranks.Ranks`), ``order`` / ``workers`` / ``reads``
+(:class:`loaders.Order`, :class:`loaders.Workers`, :class:`loaders.Reads`: the trainer sets
+``workers.num_workers`` from ``data.num_workers``, ``reads.compact`` from ``data.compact_batches``,
+``reads.skip_corrupt`` from ``data.skip_corrupt`` and ``order.drop_remainder``; ``data.loader_kwargs``
+sets the others, as ``{order: {...}, workers: {...}, reads: {...}}``, beside ``filters`` and a remote
+cache's ``storage_options`` / ``local_dir``) and ``transform``; it has ``set_epoch``,
 ``state_dict``/``load_state_dict``, ``__len__`` and ``close``. Validation data: ``--data.val_cache``, else the keys of ``--data.cache``
 held out by ``--data.val_fraction`` (:class:`HeldOut`: ``sha256(key)`` mapped to [0, 1), kept out
 of the training loader and read by the validation loader through the loader's ``filters=``).
@@ -27,9 +31,14 @@ import torch
 import torch.nn as nn
 
 from loaders.device import to_device  # noqa: F401 (the trainer's batch move)
+from loaders.settings import Order, Reads, Workers, build
 from shardcache.plugins import load_factory
+from shardcache.ranks import Ranks
 from shards import fields as registry
 from shards.cache import Cache, Contract
+from shards.filters import RowFilter, filter_rows
+from shards.mirror import default_local_dir
+from shards.storage import is_url
 
 from . import dist as D
 from .config import TrainConfig
@@ -84,9 +93,24 @@ def batch_stream(loader: Any, pos: dict[str, int]) -> Iterator[dict]:
 
 # ---- fields --------------------------------------------------------------------------------------------
 
+#: the keys of ``data.loader_kwargs`` that are not sections of the loader's settings: they reach the
+#: loader's ``filters`` and :meth:`shards.Cache.open` (a remote cache)
+LOADER_EXTRAS = ("filters", "storage_options", "local_dir")
+#: the loader settings the trainer sets itself -> the option that sets them
+TRAINER_SET = {"workers.num_workers": "--data.num_workers", "reads.compact": "--data.compact_batches",
+               "reads.skip_corrupt": "--data.skip_corrupt",
+               "order.drop_remainder": "nothing (training drops the remainder, validation reads every sample)"}
+
+
 def open_cache(cfg: TrainConfig, cache: "str | Cache") -> Cache:
-    """``cache`` opened once (:class:`shards.Cache`; a URL with the loader's ``storage_options``)."""
-    return Cache.open(cache, cfg.data.loader_kwargs.get("storage_options"))
+    """``cache`` opened once (:class:`shards.Cache`; a URL with ``data.loader_kwargs``' ``storage_options``,
+    mirrored into ``local_dir``, default this rank's folder: :func:`shards.mirror.default_local_dir`)."""
+    if isinstance(cache, Cache):
+        return cache
+    kw = cfg.data.loader_kwargs
+    local_dir = kw.get("local_dir") or (default_local_dir(str(cache), Ranks.detect().global_rank)
+                                        if is_url(cache) else None)
+    return Cache.open(cache, kw.get("storage_options"), local_dir)
 
 
 def resolve_fields(cfg: TrainConfig, spec: ModelSpec | None = None, cache: "Cache | None" = None
@@ -134,17 +158,22 @@ def held_out_mask(keys: list[str], fraction: float) -> np.ndarray:
     return mask
 
 
-class HeldOut:
-    """A loader ``filters=`` callable on the index table: the held-out keys (``part='val'``) or the
+class HeldOut(RowFilter):
+    """A loader ``filters=`` callable on the index's columns: the held-out keys (``part='val'``) or the
     others (``part='train'``), ANDed with ``base`` (the ``loader_kwargs`` filters, if any).
-    The split is taken over the whole index; after a call, ``n_total`` / ``n_held`` say its size."""
+    The split is taken over the whole index; after a call, ``n_total`` / ``n_held`` say its size.
+    It reads the ``key`` column (and those ``base`` reads: :attr:`columns`)."""
 
     def __init__(self, fraction: float, part: str, base: Any = None):
         self.fraction, self.part, self.base = float(fraction), part, base
         self.n_total = self.n_held = 0
 
+    @property
+    def columns(self) -> tuple[str, ...]:
+        from shards.filters import columns_of
+        return tuple(dict.fromkeys(("key",) + columns_of(self.base)))
+
     def __call__(self, table) -> np.ndarray:
-        from loaders.order import filter_rows
         held = held_out_mask(table.column("key").to_pylist(), self.fraction)
         self.n_total, self.n_held = len(held), int(held.sum())
         mask = held if self.part == "val" else ~held
@@ -174,26 +203,23 @@ def make_loader(cfg: TrainConfig, cache: "Cache | str", batch_size: int, info: D
     for global rank ``info.rank`` of ``info.world_size`` with :func:`resolve_fields` (``spec``: the model's,
     default the spec of ``model.name``) and the built ``model``'s batch transform (its spec's
     ``batch_transform``; none without ``model``); ``held_out``
-    filters the rows (ANDed with ``loader_kwargs.filters``). ``fields`` is left to the loader's
-    default when it resolves to every field. Every loader takes these keywords (module docstring)."""
+    filters the rows (ANDed with ``loader_kwargs.filters``). ``fields`` is None (the loader's default)
+    when it resolves to every field. Every loader takes these arguments (module docstring)."""
     cache = open_cache(cfg, cache)
     cls = load_factory(cfg.data.loader)
-    kwargs = dict(cfg.data.loader_kwargs)
-    kwargs.setdefault("compact", bool(cfg.data.compact_batches))  # converted on the device by to_device
-    kwargs.setdefault("skip_corrupt", cfg.data.skip_corrupt)
+    d, given = cfg.data, cfg.data.loader_kwargs
+    order = build("order", given.get("order") or {}, Order(drop_remainder=drop_remainder))
+    workers = build("workers", given.get("workers") or {}, Workers(num_workers=num_workers(d.num_workers, info.device)))
+    reads = build("reads", given.get("reads") or {}, Reads(compact=bool(d.compact_batches),  # widened by to_device
+                                                           skip_corrupt=d.skip_corrupt))
     spec = spec or model_spec(cfg.model.name)
-    fields = resolve_fields(cfg, spec, cache)
-    if fields is not None:
-        kwargs["fields"] = fields
+    filters = given.get("filters")
     if held_out is not None:
-        held_out.base = kwargs.get("filters")
-        kwargs["filters"] = held_out
-    kwargs["drop_remainder"] = drop_remainder
-    transform = spec.batch_transform(model) if model is not None else None
-    if transform is not None:
-        kwargs.setdefault("transform", transform)  # the model's own batch layout, built in the loader's workers
-    return cls(cache, batch_size=batch_size, global_rank=info.rank, world_size=info.world_size,
-               seed=cfg.data.seed, num_workers=num_workers(cfg.data.num_workers, info.device), **kwargs)
+        held_out.base, filters = filters, held_out
+    transform = spec.batch_transform(model) if model is not None else None  # the model's own batch layout,
+    return cls(cache, batch_size, seed=d.seed, fields=resolve_fields(cfg, spec, cache), filters=filters,  # built in
+               ranks=Ranks.detect(global_rank=info.rank, world_size=info.world_size), order=order,  # the workers
+               workers=workers, reads=reads, transform=transform)
 
 
 def make_loaders(cfg: TrainConfig, info: D.DistInfo, model: nn.Module, cache: "Cache | None" = None,

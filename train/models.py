@@ -40,11 +40,13 @@ class ContractUnknown(ShardcacheError):
 
 
 def run_contract(name: str, kwargs: Mapping[str, Any], audio_tokenizer: str = "",
-                 contract: Mapping[str, Any] | None = None, spec: ModelSpec | None = None) -> Contract:
+                 contract: Mapping[str, Any] | None = None, spec: ModelSpec | None = None,
+                 audio_tokenizer_revision: str = "") -> Contract:
     """The contract a run of ``--model.name name`` checks: the spec's contract for ``kwargs``, its codec's
     weights replaced by those of ``audio_tokenizer`` (``--model.audio_tokenizer``: a directory or hub id,
-    the checkpoint the model's codes came from; it wins over what a recipe reads from its checkpoint's
-    processor config), then ``contract`` (``--model.contract``) added where the spec says "any".
+    at ``audio_tokenizer_revision``, ``--model.audio_tokenizer_revision``: default ``main``; the checkpoint
+    the model's codes came from; it wins over what a recipe reads from its checkpoint's processor config),
+    then ``contract`` (``--model.contract``) added where the spec says "any".
     Reads configs and checkpoint files, never the model's weights. Raises ``ValueError`` for a
     ``--model.contract`` that names unknown items or contradicts the spec,
     :class:`shardcache.weights.CheckpointUnreadable` for a checkpoint file (an audio tokenizer's, a VAE's, the
@@ -55,8 +57,12 @@ def run_contract(name: str, kwargs: Mapping[str, Any], audio_tokenizer: str = ""
         c = spec.contract(dict(kwargs))
     except (OSError, ValueError) as e:
         raise ContractUnknown(f"--model.name {name}: {e}") from e
+    if audio_tokenizer_revision and not audio_tokenizer:
+        raise ContractUnknown(f"--model.audio_tokenizer_revision {audio_tokenizer_revision!r} without "
+                              "--model.audio_tokenizer: name the audio tokenizer (a hub id) whose revision it is")
     if audio_tokenizer:
-        weights = weights_of(resolve_pretrained(audio_tokenizer, what="--model.audio_tokenizer"))
+        weights = weights_of(resolve_pretrained(audio_tokenizer, what="--model.audio_tokenizer"),
+                             revision=audio_tokenizer_revision or None, what="--model.audio_tokenizer_revision")
         c = dataclasses.replace(c, codec=dataclasses.replace(c.codec or Codec(), weights=weights))
     if contract:
         c = c.merged(Contract.from_dict(c.model, contract))

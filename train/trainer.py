@@ -130,7 +130,7 @@ def check_model(cfg: TrainConfig, cache: Cache, spec: ModelSpec | None = None,
     Raises :class:`shards.ContractMismatch` (exit 2 at the command line)."""
     m = cfg.model
     spec = spec or model_spec(m.name)
-    contract = run_contract(m.name, m.kwargs, m.audio_tokenizer, m.contract, spec)
+    contract = run_contract(m.name, m.kwargs, m.audio_tokenizer, m.contract, spec, m.audio_tokenizer_revision)
     waived = cache.require(contract, allow_other_weights=m.allow_other_encoder_weights)
     lora = spec.lora_options(dict(m.kwargs), run_lora(cfg))
     for path, what in ((m.init_from, "--model.init_from"), (resume_from, "--checkpoint.resume")):
@@ -266,7 +266,7 @@ class Trainer:
         self.out = Path(cfg.job.dir)
         if info.is_main:
             D.log_env_set()
-            log.info("effective config:\n%s", S.dump(cfg))
+            log.info("%s", S.changes_line(cfg))  # the whole config: --print_config
         self.cache = open_cache(cfg, cfg.data.cache)  # manifest + index read once, for everything below
         self.cache_id = self.cache.id                  # recorded in every checkpoint
         self.precision = Precision.of(cfg.training.precision, info.device)

@@ -47,7 +47,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from shardcache.weights import checkpoint_sha256, identity
-from shardcache.config import BATCH, BYTES, OPERATIONAL, Effect
+from shardcache.config import BATCH, BYTES, IDENTITY, OPERATIONAL, Effect
 
 from ..faults import reraise_infrastructure
 from ..transfer import to_device, to_host
@@ -175,15 +175,18 @@ class HFCodecTokenizer(Declares, FrameRule):
 
     name = "codec"
     #: option names accepted by the registry besides ``name``/``pretrained``
-    OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples", "bucket_s", "processes")
+    OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples", "bucket_s", "processes",
+                                "revision")
     #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
     #: :data:`precompute.identity.SPEC_KEYS`), one entry per option of :attr:`OPTIONS`; ``processes``:
-    #: copies of the model, each clip's codes the same in any of them (tested), so operational
+    #: copies of the model, each clip's codes the same in any of them (tested), so operational; ``revision``
+    #: picks the hub revision of ``pretrained`` whose files load (their sha256 is the identity)
     #: (and the values it takes: :func:`precompute.encoders.options.takes`, checked with the config)
     OPTION_EFFECTS: dict[str, Effect] = {
         "device": takes(BATCH, str, check=device_problem), "dtype": takes(BYTES, str, nullable=True, check=dtype_problem),
         "max_batch_size": takes(BATCH, int, ge=1), "max_batch_samples": takes(BATCH, int, ge=1),
-        "bucket_s": takes(BATCH, float, ge=0, le=3600), "processes": takes(OPERATIONAL, int, ge=1, le=64)}
+        "bucket_s": takes(BATCH, float, ge=0, le=3600), "processes": takes(OPERATIONAL, int, ge=1, le=64),
+        "revision": takes(IDENTITY, str, nullable=True)}
     #: clips are zero-padded to a multiple of ``hop_length`` (the canonical encoding above); False:
     #: encoded as they are, and the model says how many frames (:class:`HiggsTokenizer`)
     PADS_TO_HOP = True
@@ -225,6 +228,7 @@ class HFCodecTokenizer(Declares, FrameRule):
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.requires_grad_(False)
         self.pretrained: str | None = None
+        self.revision: str | None = None   #: the hub revision of ``pretrained`` it was loaded at (None: main)
 
     # -- to implement -------------------------------------------------------------------------
     @classmethod
@@ -241,27 +245,31 @@ class HFCodecTokenizer(Declares, FrameRule):
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, pretrained: Any, *, device: Any = "cpu", dtype: Any = None, model_class: type | None = None,
-                        **kwargs: Any):
+                        revision: str | None = None, **kwargs: Any):
         """Load the model with ``from_pretrained`` (local directory or hub id; ``model_class``: the class to
-        load, default :meth:`_model_class`) and wrap it.
+        load, default :meth:`_model_class`; ``revision``: the hub id's branch, tag or commit, default ``main``)
+        and wrap it.
 
         Raises:
             FileNotFoundError: ``pretrained`` looks like a local path that does not exist (the
                 message says how to build a random test model).
-            shardcache.weights.CheckpointUnreadable: its weight files cannot be read (checked first).
+            shardcache.weights.CheckpointUnreadable: its weight files cannot be read (checked first);
+                :class:`shardcache.weights.LocalRevision` for a ``revision`` with a local folder.
             OSError: loading failed (not a model directory, no network for a hub id...).
         """
         what = f"{cls.__name__}"
         path = resolve_pretrained(pretrained, what=what)
-        checkpoint_sha256(path)   # its identity first: what cannot be read is refused before any weight loads
+        # its identity first: what cannot be read is refused before any weight loads
+        checkpoint_sha256(path, revision=revision, what="audio_tokenizer.revision")
         try:
-            model = (model_class or cls._model_class()).from_pretrained(path, dtype=resolve_dtype(dtype))
+            model = (model_class or cls._model_class()).from_pretrained(path, dtype=resolve_dtype(dtype),
+                                                                        revision=revision or None)
         except (OSError, ValueError) as e:
             raise load_error(what, path, e) from e
         obj = cls(model, device=device, dtype=dtype, **kwargs)
-        obj.pretrained = path
+        obj.pretrained, obj.revision = path, revision or None
         if model_class is None:  # (HiggsTokenizer records its own call)
-            obj._recipe = (cls, path, dict(kwargs, device=str(device), dtype=dtype))
+            obj._recipe = (cls, path, dict(kwargs, device=str(device), dtype=dtype, revision=revision or None))
         return obj
 
     # -- the protocol -------------------------------------------------------------------------
@@ -394,11 +402,7 @@ class HFCodecTokenizer(Declares, FrameRule):
         for p, c in clips:
             x[p, 0, : c.size] = c
         if self.processes > 1:
-            if self._pool is None:
-                if self._recipe is None:
-                    raise ValueError(f"{type(self).__name__}: processes > 1 needs a codec loaded with from_pretrained")
-                from .processes import CodecPool
-                self._pool = CodecPool(self._recipe, self.processes)
+            self.start()
             return _Checked(self._pool.submit(x), self, call)
         with torch.inference_mode():
             xt = to_device(x, self.device, self.dtype)  # pinned + non-blocking on CUDA
@@ -411,6 +415,15 @@ class HFCodecTokenizer(Declares, FrameRule):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+
+    def start(self) -> None:
+        """With ``processes > 1``: start the codec processes, all at once (each loads the checkpoint), and wait
+        until every one is ready; the job calls it when it builds, so no call waits for them. Nothing else."""
+        if self.processes > 1 and self._pool is None:
+            if self._recipe is None:
+                raise ValueError(f"{type(self).__name__}: processes > 1 needs a codec loaded with from_pretrained")
+            from .processes import CodecPool
+            self._pool = CodecPool(self._recipe, self.processes)
 
     def describe(self) -> dict:
         """``class``, ``name``, ``config``, ``weights_sha256`` plus the code contract and ``encode_version``.
@@ -437,7 +450,8 @@ class HFCodecTokenizer(Declares, FrameRule):
         d.update(self._extra_describe())
         if self.batch_policy.batched:  # a batched clip's codes depend on its place and the call's shape
             d["batching"] = self.batch_policy.describe()
-        d.update(identity(self.pretrained, dtype=self.dtype, device=self.device))   # what a recipe's contract compares
+        d.update(identity(self.pretrained, dtype=self.dtype, device=self.device,   # what a recipe's contract compares
+                          revision=self.revision))
         return d
 
     def __repr__(self) -> str:
@@ -667,9 +681,13 @@ class HiggsTokenizer(HFCodecTokenizer):
         ``transformers`` cannot load, is refused with a ``ValueError`` saying so and naming the
         ``transformers``-format tokenizer to use instead (docs/higgs-audio.md)."""
         from transformers import PretrainedConfig
+
+        from shardcache.weights import checkpoint
         path = resolve_pretrained(pretrained, what=cls.__name__)
+        revision = kwargs.get("revision") or None
+        checkpoint(path, revision=revision, what="audio_tokenizer.revision")   # a folder has no revisions: refused
         try:
-            raw, _ = PretrainedConfig.get_config_dict(path)
+            raw, _ = PretrainedConfig.get_config_dict(path, revision=revision)
         except (OSError, ValueError) as e:
             raise load_error(cls.__name__, path, e) from e
         if raw.get("model_type") != cls.MODEL_TYPE:

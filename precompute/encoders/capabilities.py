@@ -78,6 +78,10 @@ class Declares(ABC):
     def capabilities(self) -> Capabilities | TextCapabilities:
         """What this encoder declares (see the module docstring)."""
 
+    def start(self) -> None:
+        """Start what the encoder runs beside this process (a codec's processes), once, before its first call:
+        the job calls it when it builds (:meth:`precompute.job.Job.build`). Nothing by default."""
+
     def close(self) -> None:
         """Release the processes and memory it holds beyond itself (a codec's processes); it may not be used
         afterwards, except a codec with ``processes > 1``, which starts them again on its next call. Default:

@@ -69,14 +69,17 @@ class DiffusersVAEEncoder(Declares):
     """
 
     name = "vae"
-    OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size", "subfolder", "input_range")
+    OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size", "subfolder", "input_range",
+                                "revision")
     #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
-    #: :data:`precompute.identity.SPEC_KEYS`); ``subfolder`` picks the weights (their sha256 is the identity)
+    #: :data:`precompute.identity.SPEC_KEYS`); ``subfolder`` and ``revision`` (the hub revision of
+    #: ``pretrained``) pick the weights (their sha256 is the identity)
     #: (and the values it takes: :func:`precompute.encoders.options.takes`, checked with the config)
     OPTION_EFFECTS: dict[str, Effect] = {
         "device": takes(BATCH, str, check=device_problem), "dtype": takes(BYTES, str, nullable=True, check=dtype_problem),
         "normalize": takes(BYTES, bool), "max_batch_size": takes(BATCH, int, ge=1),
-        "subfolder": takes(IDENTITY, str, nullable=True), "input_range": takes(BYTES, list, check=range_problem)}
+        "subfolder": takes(IDENTITY, str, nullable=True), "input_range": takes(BYTES, list, check=range_problem),
+        "revision": takes(IDENTITY, str, nullable=True)}
 
     spatial_factor: int
     latent_channels: int
@@ -110,6 +113,7 @@ class DiffusersVAEEncoder(Declares):
         self.vae.requires_grad_(False)
         self.pretrained: str | None = None
         self.subfolder: str | None = None   #: of a diffusers pipeline layout (``vae``)
+        self.revision: str | None = None    #: the hub revision of ``pretrained`` it was loaded at (None: main)
         self._init_geometry()
         self.normalize = bool(normalize)
         self._mean = self._std = None
@@ -140,9 +144,11 @@ class DiffusersVAEEncoder(Declares):
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls, pretrained: Any, *, device: Any = "cpu", dtype: Any = None, subfolder: str | None = None, **kwargs: Any
+        cls, pretrained: Any, *, device: Any = "cpu", dtype: Any = None, subfolder: str | None = None,
+        revision: str | None = None, **kwargs: Any
     ):
-        """Load the VAE with diffusers ``from_pretrained`` (local directory or hub id) and wrap it.
+        """Load the VAE with diffusers ``from_pretrained`` (local directory or hub id, at ``revision``: the hub
+        id's branch, tag or commit, default ``main``) and wrap it.
 
         A diffusers pipeline layout is accepted too: give ``subfolder="vae"`` (needed for hub ids, e.g.
         a Cosmos-Predict2 pipeline repository); a local directory without ``config.json`` but with
@@ -151,27 +157,29 @@ class DiffusersVAEEncoder(Declares):
         Raises:
             FileNotFoundError: ``pretrained`` looks like a local path that does not exist (the message
                 says how to build a random test model).
-            shardcache.weights.CheckpointUnreadable: its weight files cannot be read (checked first).
+            shardcache.weights.CheckpointUnreadable: its weight files cannot be read (checked first);
+                :class:`shardcache.weights.LocalRevision` for a ``revision`` with a local folder.
             OSError: loading failed.
         """
         from pathlib import Path
 
         what = cls.__name__
         path = resolve_pretrained(pretrained, what=what)
-        load_kwargs: dict[str, Any] = {"torch_dtype": resolve_dtype(dtype)}
+        load_kwargs: dict[str, Any] = {"torch_dtype": resolve_dtype(dtype), "revision": revision or None}
         p = Path(path)
         if subfolder:
             load_kwargs["subfolder"] = subfolder
         elif p.is_dir() and not (p / "config.json").exists() and (p / "vae" / "config.json").exists():
             load_kwargs["subfolder"] = "vae"
         # its identity first (the files diffusers opens): what cannot be read is refused before any weight loads
-        checkpoint_sha256(path, load_kwargs.get("subfolder"), library="diffusers")
+        checkpoint_sha256(path, load_kwargs.get("subfolder"), library="diffusers", revision=revision,
+                          what="image_encoder.revision")
         try:
             vae = cls._model_class().from_pretrained(path, **load_kwargs)
         except (OSError, ValueError) as e:
             raise load_error(what, path, e) from e
         obj = cls(vae, device=device, dtype=dtype, **kwargs)
-        obj.pretrained, obj.subfolder = path, load_kwargs.get("subfolder")
+        obj.pretrained, obj.subfolder, obj.revision = path, load_kwargs.get("subfolder"), revision or None
         return obj
 
     # -- the protocol -------------------------------------------------------------------------
@@ -315,7 +323,7 @@ class DiffusersVAEEncoder(Declares):
             if cfg.get(key) is not None:
                 d[key] = cfg[key]
         d.update(identity(self.pretrained, dtype=self.dtype, device=self.device, library="diffusers",
-                          subfolder=self.subfolder))   # what a contract compares
+                          subfolder=self.subfolder, revision=self.revision))   # what a contract compares
         return d
 
     def __repr__(self) -> str:

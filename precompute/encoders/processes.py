@@ -95,8 +95,8 @@ class _Worker:
     process that stops reading blocks no caller). ``inflight``: the
     calls sent and not yet answered (what a replacement is sent again); ``dead``: the
     :class:`~precompute.faults.ProcessDied` once it is gone; ``replacement``: the worker started in its place.
-
-    Raises :class:`~precompute.faults.ProcessDied` when the process dies before its codec is loaded."""
+    ``watch``: the stall deadline of the thread that started it (:func:`precompute.faults.current_watch`; None:
+    none). Started here, used once :meth:`ready`."""
 
     def __init__(self, ctx, recipe: tuple, name: str, watch: Watch | None = None):
         self.name = name
@@ -114,26 +114,34 @@ class _Worker:
         self.replacement: _Worker | None = None
         self.hung: ProcessHung | None = None  # set before it is killed for a hang: what its death is
         self.progress_t = time.monotonic()  # its last progress: a reply, or a call sent while none was in flight
+        self.watch, self.started = watch, time.monotonic()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # calls to send, in order (None: stop)
+        self.sender: threading.Thread | None = None  # writes the outbox once the codec is loaded (:meth:`ready`)
+
+    def ready(self) -> "_Worker":
+        """Wait until the process has loaded the codec (processes start at once and load side by side:
+        :class:`CodecPool`); then read its replies and write its calls as they come. Raises
+        :class:`~precompute.faults.ProcessDied` when the process dies before its codec is loaded,
+        :class:`~precompute.faults.ProcessHung` when it loads longer than its watch's deadline (killed)."""
         try:
-            self._wait_ready(watch)
+            self._wait_ready(self.watch)
         except (EOFError, OSError):
             self.process.join(timeout=10)
             self.conn.close()
             if self.hung is not None:
                 raise self.hung from None
-            raise ProcessDied(name, self.process.pid, self.process.exitcode, "while loading the codec") from None
+            raise ProcessDied(self.name, self.process.pid, self.process.exitcode, "while loading the codec") from None
         self.reader = threading.Thread(target=self._read, daemon=True, name="codec-process-reader")
         self.reader.start()
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # calls to send, in order (None: stop)
         self.sender = threading.Thread(target=self._send, daemon=True, name="codec-process-sender")
         self.sender.start()
+        return self
 
     def _wait_ready(self, watch: Watch | None) -> None:
         """Wait for the process to say its codec is loaded (raises ``EOFError`` when it died, or was killed for
-        loading longer than ``watch``'s deadline); the watch is beaten meanwhile."""
-        t0 = time.monotonic()
+        loading longer than ``watch``'s deadline since it started); the watch is beaten meanwhile."""
         while watch is not None and not self.conn.poll(watch.poll_s):
-            if time.monotonic() - t0 > watch.stall_s:
+            if time.monotonic() - self.started > watch.stall_s:
                 self.hang(watch.stall_s, "loading the codec")
             elif self.process.is_alive():
                 watch.beat()
@@ -245,8 +253,10 @@ class CodecPool:
         self.restarted = 0
         self.workers: list[_Worker] = []
         weakref.finalize(self, CodecPool._stop, self.workers)  # (the list itself: replacements go into it)
-        for i in range(n):
+        for i in range(n):  # all start, then load side by side
             self.workers.append(_Worker(self._ctx, recipe, f"codec process {i + 1} of {n}", current_watch()))
+        for w in self.workers:
+            w.ready()
         self._next = 0
         self._lock = threading.Lock()
 
@@ -276,7 +286,7 @@ class CodecPool:
                 self.restarted += 1
                 log.warning("%s; starting a fresh one in its place and sending it the %d call(s) it had not "
                             "answered (restart %d; %d left)", w.dead, waiting, self.restarted, self.restarts_left)
-                w.replacement = _Worker(self._ctx, self._recipe, w.name, current_watch())
+                w.replacement = _Worker(self._ctx, self._recipe, w.name, current_watch()).ready()
                 self.workers[self.workers.index(w)] = w.replacement
                 w.outbox.put(None)  # (its sender thread ends)
             target = w.replacement
@@ -290,6 +300,8 @@ class CodecPool:
     @staticmethod
     def _stop(workers: list[_Worker]) -> None:
         for w in workers:
+            if w.sender is None:  # still loading (a pool whose other process failed to start): nothing to finish
+                w.process.kill()
             w.outbox.put(None)
             w.process.join(timeout=10)
             if w.process.is_alive():

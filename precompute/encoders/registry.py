@@ -60,6 +60,12 @@ def spec_problems(spec: Mapping, table: Mapping[str, type], default: str) -> lis
                           f"'package.module:callable', kwargs: {{...}}}}), got {name!r}")]
     if unknown := sorted(set(spec) - {"name", "pretrained"} - set(table[name].OPTIONS)):
         return [("", f"unknown option(s) {unknown} for {name!r}; accepted: {sorted(table[name].OPTIONS)}")]
+    if spec.get("revision") and spec.get("pretrained"):   # before any encoder loads: a folder has no revisions
+        from shardcache.weights import LocalRevision, checkpoint
+        try:
+            checkpoint(spec["pretrained"], revision=spec["revision"])
+        except LocalRevision as e:
+            return [(".revision", str(e))]
     return option_problems(spec, table[name].OPTION_EFFECTS)  # each value against its declaration
 
 

@@ -152,13 +152,14 @@ class HFTokenizer(Declares):
     """
 
     name = "hf"
-    OPTIONS: tuple[str, ...] = ("add_special_tokens", "pad_id", "trust_remote_code")
+    OPTIONS: tuple[str, ...] = ("add_special_tokens", "pad_id", "trust_remote_code", "revision")
     PRETRAINED = True
-    #: what each option does to a cache (:class:`shardcache.config.Effect`); trust_remote_code decides which
-    #: tokenizer loads (its vocabulary sha256 is the identity)
+    #: what each option does to a cache (:class:`shardcache.config.Effect`); trust_remote_code and revision (the
+    #: hub revision of ``pretrained``) decide which tokenizer loads (its vocabulary sha256 is the identity)
     OPTION_EFFECTS: dict[str, Effect] = {"add_special_tokens": takes(BYTES, bool),
                                          "pad_id": takes(BYTES, int, ge=0, nullable=True),
-                                         "trust_remote_code": takes(IDENTITY, bool)}
+                                         "trust_remote_code": takes(IDENTITY, bool),
+                                         "revision": takes(IDENTITY, str, nullable=True)}
 
     def __init__(self, tokenizer, *, add_special_tokens: bool = True, pad_id: int | None = None) -> None:
         self.tokenizer = tokenizer
@@ -174,24 +175,30 @@ class HFTokenizer(Declares):
         if self.vocab_size > np.iinfo(np.int32).max:
             raise ValueError("vocabulary too large for int32 ids")
         self.pretrained: str | None = None
+        self.revision: str | None = None   #: the hub revision of ``pretrained`` it was loaded at (None: main)
 
     @classmethod
-    def from_pretrained(cls, pretrained: Any, *, trust_remote_code: bool = False, **kwargs: Any) -> "HFTokenizer":
-        """``AutoTokenizer.from_pretrained(pretrained)`` wrapped; a local directory or hub id.
+    def from_pretrained(cls, pretrained: Any, *, trust_remote_code: bool = False, revision: str | None = None,
+                        **kwargs: Any) -> "HFTokenizer":
+        """``AutoTokenizer.from_pretrained(pretrained, revision=revision)`` wrapped; a local directory or hub id
+        (``revision``: its branch, tag or commit, default ``main``).
 
         Raises:
             FileNotFoundError: a local-looking path that does not exist.
+            shardcache.weights.LocalRevision: a ``revision`` with a local folder.
             OSError: loading failed.
         """
         from transformers import AutoTokenizer
 
+        from shardcache.weights import checkpoint
         path = resolve_pretrained(pretrained, what=cls.__name__)
+        checkpoint(path, revision=revision, what="text_tokenizer.revision")   # a folder has no revisions: refused
         try:
-            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision or None)
         except (OSError, ValueError) as e:
             raise load_error(cls.__name__, path, e) from e
         obj = cls(tok, **kwargs)
-        obj.pretrained = path
+        obj.pretrained, obj.revision = path, revision or None
         return obj
 
     @property
@@ -260,7 +267,7 @@ class HFTokenizer(Declares):
         }
         if self.pretrained:   # where it was read (hub id and commit, or the folder): recorded, not fingerprinted
             from shardcache.weights import SOURCE_KEY, source
-            out[SOURCE_KEY] = source(self.pretrained, "tokenizer_config.json")
+            out[SOURCE_KEY] = source(self.pretrained, "tokenizer_config.json", revision=self.revision)
         return out
 
     def __repr__(self) -> str:

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+from shardcache.config import Effect
 
 from ..encoders.capabilities import Pending
 from ..faults import reraise_infrastructure
@@ -157,12 +159,31 @@ class Producer:
     """
 
     name = "producer"
+    #: the keys of the spec that names it (``extra_fields: {NAME: {producer: name, ...}}``, ``add-field
+    #: --producer``) and what changing each does to a cache (:class:`shardcache.config.Effect`, walked by
+    #: :mod:`precompute.identity`): ``SPEC``, an encoder spec whose keys its class declares; ``"*"``: the
+    #: other keys are an encoder spec of the producer's own name. Empty: no spec names it (the job's own
+    #: text and segments). With :meth:`spec_problems` and :meth:`from_spec`, all a spec needs of it.
+    OPTION_EFFECTS: ClassVar[Mapping[str, Effect]] = {}
     outputs: tuple[str, ...] = ()
     needs_images = False
     host_only = False
     directions: frozenset[str] | set[str] = frozenset({"in", "out"})
     image_tokens: ImageTokens | None = None
     image_input: Callable[[Any], Any] | None = None
+
+    @classmethod
+    def spec_problems(cls, field: str, **spec: Any) -> list[tuple[str, str]]:
+        """What keeps ``spec`` (its keys, ``producer`` included) from making ``field``, as ``(key suffix,
+        message)``: the config check lists them before any encoder loads, :meth:`from_spec` raises the first
+        (:func:`precompute.producers.load_producer`). None by default."""
+        return []
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", **options: Any) -> "Producer":
+        """The producer of a spec's ``options`` (its keys but ``producer``) writing ``field``, its encoder on
+        ``device``."""
+        raise NotImplementedError(f"{cls.__name__} is not made from a spec")
 
     def rates(self) -> set[int]:
         """Audio rates (Hz) it reads from ``sample.audio`` (of the items of :attr:`directions`)."""
@@ -189,3 +210,12 @@ class Producer:
 
 
 __all__ = ["Producer", "Timer", "encode_each", "submit_each", "ImageTokens", "JSON"]
+
+
+def encoder_spec_problems(option: str, spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The problems of the encoder spec a producer's ``option`` holds (``audio_tokenizer``,
+    ``image_encoder``): its names, options and their values by the encoder registry's declarations
+    (:data:`precompute.encoders.registry.SPECS`), as ``(".option.key", message)``."""
+    from ..encoders.registry import SPECS, spec_problems
+    inner = spec.get(option)
+    return [(f".{option}{k}", m) for k, m in spec_problems(inner, *SPECS[option])] if isinstance(inner, Mapping) else []

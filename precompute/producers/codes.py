@@ -11,12 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import BYTES, SPEC
 from shards.schema import SEGMENT_COLUMNS
 
 from ..encoders.base import codes_problem
 from ..encoders.batching import Call
 from ..encoders.capabilities import Pending, capabilities_of
-from .base import JSON, Producer, Timer, encode_each
+from .base import JSON, Producer, Timer, encode_each, encoder_spec_problems
 
 class CodesRefused(ValueError):
     """A clip's codes break the codec's declaration (:func:`precompute.encoders.base.codes_problem`): a row fault,
@@ -59,6 +60,20 @@ class CodesProducer(Producer):
     (:class:`CodesRefused`, naming the field, the item and the value), built-in codec or plug-in."""
 
     name = "codes"
+    OPTION_EFFECTS = {"producer": BYTES, "audio_tokenizer": SPEC}
+
+    @classmethod
+    def spec_problems(cls, field: str, **spec: Any) -> list[tuple[str, str]]:
+        """The ``audio_tokenizer`` spec's problems (its declared options and bounds)."""
+        return encoder_spec_problems("audio_tokenizer", spec)
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", audio_tokenizer: Any = None, **_: Any) -> "CodesProducer":
+        """``{producer: codes, audio_tokenizer: {name, pretrained, ...}}``: the codec's codes as field ``field``."""
+        from ..encoders import load_audio_tokenizer
+        if not audio_tokenizer:
+            raise ValueError(f"producer codes for {field!r} needs an audio_tokenizer spec ({{name, pretrained}})")
+        return cls(load_audio_tokenizer(audio_tokenizer, device), field, segments=False)
 
     def __init__(self, codec: Any, field: str = "codes", segments: bool = True, device: str = "cpu"):
         self.codec, self.field = codec, field

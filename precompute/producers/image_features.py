@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.weights import GEMMA3_VISION, checkpoint_sha256, identity, under
-from shardcache.config import BYTES
+from shardcache.config import BYTES, IDENTITY, SPEC
 
 from ..encoders.batching import BatchPolicy
 from ..encoders.capabilities import Capabilities, Declares, Pending
@@ -107,11 +107,12 @@ class Gemma3VisionEncoder(Declares):
     """
 
     #: spec options besides name and pretrained
-    OPTIONS = ("dtype",)
-    #: what each option does to a cache (:class:`shardcache.config.Effect`)
-    OPTION_EFFECTS = {"dtype": BYTES}
+    OPTIONS = ("dtype", "revision")
+    #: what each option does to a cache (:class:`shardcache.config.Effect`); ``revision`` (the hub revision of
+    #: ``pretrained``) picks the files that load (the tower's tensors and the processor config are the identity)
+    OPTION_EFFECTS = {"dtype": BYTES, "revision": IDENTITY}
 
-    def __init__(self, pretrained: str, device: str = "cpu", dtype: str = "bfloat16"):
+    def __init__(self, pretrained: str, device: str = "cpu", dtype: str = "bfloat16", revision: str | None = None):
         import torch
         from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
@@ -120,18 +121,21 @@ class Gemma3VisionEncoder(Declares):
         from ..encoders._common import resolve_dtype
 
         self.pretrained = resolve_pretrained(pretrained, what="image_features.pretrained")
+        self.revision = revision or None   #: the hub revision of ``pretrained`` (None: main)
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
         # its identity first (the tower's tensors in the files transformers opens): what cannot be read is
-        # refused before any weight loads (shardcache.weights.CheckpointUnreadable)
-        checkpoint_sha256(self.pretrained, select=under(*GEMMA3_VISION))
-        self.processor = AutoProcessor.from_pretrained(self.pretrained)
+        # refused before any weight loads (shardcache.weights.CheckpointUnreadable; LocalRevision)
+        checkpoint_sha256(self.pretrained, select=under(*GEMMA3_VISION), revision=self.revision,
+                          what="image_features.revision")
+        self.processor = AutoProcessor.from_pretrained(self.pretrained, revision=self.revision)
         if self.processor.image_processor.do_pan_and_scan:
             raise ValueError(f"image_features.pretrained: {self.pretrained}'s image processor has do_pan_and_scan: "
                              "true (crops per image, text rewritten per crop), which stage one does not support: set "
                              "do_pan_and_scan to false in its processor config (processor_config.json / "
                              "preprocessor_config.json)")
-        model = Gemma3ForConditionalGeneration.from_pretrained(self.pretrained, dtype=self.dtype)
+        model = Gemma3ForConditionalGeneration.from_pretrained(self.pretrained, dtype=self.dtype,
+                                                               revision=self.revision)
         self.config = model.config
         self.vision_tower = model.model.vision_tower.to(self.device).eval()
         self.projector = model.model.multi_modal_projector.to(self.device).eval()
@@ -217,11 +221,12 @@ class Gemma3VisionEncoder(Declares):
         return {"class": f"{type(self).__module__}.{type(self).__qualname__}", "name": "gemma3",
                 "config": clean_config(self.config), "dtype": str(self.dtype).replace("torch.", ""),
                 "weights_sha256": state_dict_sha256(self.vision_tower) + ":" + state_dict_sha256(self.projector),
-                "image_processor": ip.to_dict(), "pixel_options": image_processor_options(self.pretrained,
-                                                                                         GEMMA3_PIXEL_OPTIONS),
+                "image_processor": ip.to_dict(),
+                "pixel_options": image_processor_options(self.pretrained, GEMMA3_PIXEL_OPTIONS, revision=self.revision),
                 "image_sequence": self.image_sequence,
                 # the tower and projector as stored in the checkpoint: what the theworld recipe compares
-                **identity(self.pretrained, dtype=self.dtype, device=self.device, select=under(*GEMMA3_VISION))}
+                **identity(self.pretrained, dtype=self.dtype, device=self.device, select=under(*GEMMA3_VISION),
+                           revision=self.revision)}
 
 
 #: ``image_features.name`` -> the encoder class
@@ -230,7 +235,7 @@ VISION_ENCODERS = {"gemma3": Gemma3VisionEncoder}
 
 def image_features_problems(field: str = "image_features", image_rgb: Any = "composite", producer: str = "",
                             **spec: Any) -> list[tuple[str, str]]:
-    """What keeps an ``image_features`` spec ``{name: gemma3, pretrained: DIR_OR_HUB_ID, dtype, image_rgb}``
+    """What keeps an ``image_features`` spec ``{name: gemma3, pretrained: DIR_OR_HUB_ID, revision, dtype, image_rgb}``
     from working, as ``(key suffix, message)``. The one owner of these rules: the config check lists them
     (the ``image_features`` option, ``extra_fields``' producer ``image_features``) before any model loads,
     :func:`load_vision_encoder` raises the first. A plug-in image encoder is a producer of its own."""
@@ -271,6 +276,16 @@ class ImageFeaturesProducer(Producer):
     ``tokens_per_image``, ``hidden_size``, ``describe()``)."""
 
     name = "image_features"
+    #: ``"*"``: the spec's other keys are an image_features encoder spec (``name``, ``pretrained``, ``dtype``)
+    OPTION_EFFECTS = {"producer": BYTES, "image_rgb": BYTES, "*": SPEC}
+
+    @classmethod
+    def spec_problems(cls, field: str, **spec: Any) -> list[tuple[str, str]]:
+        return image_features_problems(field, **spec)
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", **options: Any) -> "ImageFeaturesProducer":
+        return make_image_features(field=field, device=device, **options)
     needs_images = True
 
     def __init__(self, encoder: Any, field: str = "image_features", image_rgb: str = "composite"):
@@ -336,7 +351,7 @@ class ImageFeaturesProducer(Producer):
 def make_image_features(field: str = "image_features", device: str = "cpu", image_rgb: str = "composite",
                         **spec: Any) -> ImageFeaturesProducer:
     """The registered producer ``image_features`` (options: the ``image_features`` spec ``name``,
-    ``pretrained``, ``dtype``; and ``image_rgb``)."""
+    ``pretrained``, ``revision``, ``dtype``; and ``image_rgb``)."""
     return ImageFeaturesProducer(load_vision_encoder(spec, device), field, image_rgb)
 
 

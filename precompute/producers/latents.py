@@ -6,8 +6,10 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import BYTES, SPEC
+
 from ..encoders.capabilities import Pending, capabilities_of
-from .base import Producer, Timer, encode_each, submit_each
+from .base import Producer, Timer, encode_each, encoder_spec_problems, submit_each
 
 
 class LatentsProducer(Producer):
@@ -18,6 +20,21 @@ class LatentsProducer(Producer):
 
     name = "latents"
     needs_images = True
+    OPTION_EFFECTS = {"producer": BYTES, "image_encoder": SPEC, "store_posterior": BYTES}
+
+    @classmethod
+    def spec_problems(cls, field: str, **spec: Any) -> list[tuple[str, str]]:
+        """The ``image_encoder`` spec's problems (its declared options and bounds)."""
+        return encoder_spec_problems("image_encoder", spec)
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", image_encoder: Any = None, store_posterior: bool = False,
+                  **_: Any) -> "LatentsProducer":
+        """``{producer: latents, image_encoder: {name, pretrained, ...}, store_posterior}``: the VAE's latents."""
+        from ..encoders import load_image_encoder
+        if not image_encoder:
+            raise ValueError(f"producer latents for {field!r} needs an image_encoder spec ({{name, pretrained}})")
+        return cls(load_image_encoder(image_encoder, device), bool(store_posterior), field)
 
     def __init__(self, vae: Any, posterior: bool = False, field: str = "latents", info: dict | None = None,
                  device: str = "cpu"):

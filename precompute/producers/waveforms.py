@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import BYTES
 from shards.kinds import WAVEFORM
 
 from .base import Producer, Timer
@@ -49,6 +50,18 @@ class WaveformProducer(Producer):
 
     name = "waveform"
     host_only = True
+    OPTION_EFFECTS = {"producer": BYTES, "sample_rate": BYTES, "direction": BYTES}
+
+    @classmethod
+    def spec_problems(cls, field: str, **spec: Any) -> list[tuple[str, str]]:
+        return waveform_problems(field, **spec)
+
+    @classmethod
+    def from_spec(cls, field: str, device: str = "cpu", sample_rate: int = 0, direction: str = "all"
+                  ) -> "WaveformProducer":
+        """``{producer: waveform, sample_rate, direction: in | out | all}``: the items of ``direction`` at
+        ``sample_rate`` Hz, written only for samples that have one."""
+        return cls(field, sample_rate, None if direction == "all" else {direction}, always=False)
 
     def __init__(self, field: str, rate: int, directions: set[str] | None = None, always: bool = True):
         self.field, self.rate = field, int(rate)

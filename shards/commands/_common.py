@@ -6,6 +6,7 @@ import glob
 import json
 import math
 import os
+import stat
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -258,6 +259,19 @@ def cache_dir(arg: str | Path) -> Path:
     return p
 
 
+def readable(arg: str | Path) -> Path:
+    """:func:`cache_dir`, then the integrity root checked before the index is read (what every reader of a
+    cache does first: :func:`shards.index.verify_root`; ``index.parquet`` or ``manifest.json`` changed
+    since the cache was written, or a cache being written right now, is :class:`~shards.errors.ShardCorrupt`
+    naming the file and the fix, exit 1). A folder without an index (an unfinished first job) is left to
+    the command."""
+    from ..index import verify_root
+    d = cache_dir(arg)
+    if (d / INDEX_FILE).exists():
+        verify_root(d)
+    return d
+
+
 def check_version(d: Path) -> None:
     """Raise :class:`~shards.errors.UnsupportedFormat` if ``d/manifest.json`` declares a format
     this code does not know. A missing or malformed manifest passes here (the commands that read
@@ -375,3 +389,146 @@ def add_jobs_option(p: argparse.ArgumentParser, what: str) -> None:
     work: more threads than that only contend for the disk)."""
     p.add_argument("-j", "--jobs", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
                    help=f"{what} in parallel (default: %(default)s)")
+
+
+# ------------------------------------------------------------------------------ output files
+#
+# A command that writes a file the user names (export-audio's WAV, stats --plot's PNG, export-lhotse's
+# folder) never writes a file of a cache: only a CacheWriter session does (shards.writing). The check is
+# made on what is opened, not on the path: the output's folder is opened and each of its ancestors is
+# compared by (st_dev, st_ino) with the cache folder (a symlinked or bind-mounted folder is still the
+# folder), and the output file is opened without truncating and compared with every file of the cache (a
+# hard link is still the file). Only then is it truncated and written, through that descriptor.
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def cache_files(cache: Path) -> dict[tuple[int, int], str]:
+    """``{(st_dev, st_ino): name}`` of the cache folder itself and of every file in it and in its
+    ``parts/`` (not following symlinks: a link is no file of the cache, its target may be)."""
+    from ..schema import PARTS_DIR
+    out = {_identity(os.stat(cache)): f"the cache folder {cache}"}
+    for folder in (cache, cache / PARTS_DIR):
+        try:
+            names = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for n in names:
+            try:
+                st = os.stat(folder / n, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not os.path.islink(folder / n):
+                out[_identity(st)] = str(folder / n)
+    return out
+
+
+def _refuse_inside(dir_fd: int, shown: Path, cache: Path) -> None:
+    """Raise :class:`UsageError` when the folder open as ``dir_fd`` is ``cache`` or lies inside it, or
+    is any shardcache cache (its marker, or an index beside a manifest), walking up with ``..``."""
+    from ..writing import MARKER
+    fd = os.dup(dir_fd)
+    try:
+        while True:
+            st = os.fstat(fd)
+            if _identity(st) == _identity(os.stat(cache)):
+                raise UsageError(f"{shown}: inside the cache folder {cache}; only the cache's writer changes "
+                                 "its files: write the output outside any cache")
+            if _exists(fd, MARKER) or (_exists(fd, INDEX_FILE) and _exists(fd, MANIFEST_FILE)):
+                raise UsageError(f"{shown}: inside a shardcache cache folder; write the output outside any cache")
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            if _identity(os.fstat(up)) == _identity(st):  # the root
+                os.close(up)
+                return
+            os.close(fd)
+            fd = up
+    finally:
+        os.close(fd)
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
+
+
+def open_output(path: str | os.PathLike, cache: str | os.PathLike):
+    """``path`` opened for writing (binary, truncated), after refusing (:class:`UsageError`, exit 2)
+    anything that would change cache folder ``cache`` (see the comment above): a folder that is the
+    cache or inside it (or inside any cache), a symlink as the file itself (``O_NOFOLLOW``), something
+    not a regular file (a FIFO is opened non-blocking: never hangs), or a file that is one of the
+    cache's (same ``st_dev``/``st_ino``: a hard link). Nothing is truncated or written before that; a
+    file this call created is removed again when refused."""
+    path, cache = Path(path), Path(cache)
+    parent = path.parent if str(path.parent) else Path(".")
+    try:
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise UsageError(f"{parent}: no such directory") from None
+    except NotADirectoryError:
+        raise UsageError(f"{parent}: not a directory") from None
+    try:
+        known = cache_files(cache)
+        _refuse_inside(dfd, path, cache)
+        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        created = False
+        try:
+            fd = os.open(path.name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+            created = True
+        except FileExistsError:
+            try:
+                fd = os.open(path.name, flags, dir_fd=dfd)
+            except OSError as e:
+                import errno
+                if e.errno == errno.ELOOP:
+                    raise UsageError(f"{path}: a symlink ({os.readlink(path)}); refusing to write through it: "
+                                     "name a plain file") from None
+                if e.errno == errno.ENXIO:
+                    raise UsageError(f"{path}: a FIFO with no reader; name a plain file") from None
+                raise UsageError(f"{path}: cannot open it for writing ({e.strerror or e})") from None
+        st = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(st.st_mode):
+            problem = "not a regular file"
+        elif _identity(st) in known:
+            problem = (f"the same file as {known[_identity(st)]} (a hard link into the cache); only the cache's "
+                       "writer changes its files")
+        if problem is not None:
+            os.close(fd)
+            if created:
+                os.unlink(path.name, dir_fd=dfd)
+            raise UsageError(f"{path}: {problem}; write the output elsewhere")
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)
+        return os.fdopen(fd, "wb")
+    finally:
+        os.close(dfd)
+
+
+def output_folder(path: str | os.PathLike, cache: str | os.PathLike) -> int:
+    """A descriptor of output folder ``path`` (made, with its parents, when missing), after refusing
+    (:class:`UsageError`) a folder that is cache ``cache`` or inside it (or inside any cache), by the
+    opened folder's identity and its ancestors'. A folder this call made is removed again when
+    refused. The caller closes the descriptor; writing through ``/proc/self/fd/N/NAME`` keeps every
+    file inside the folder that was checked, whatever is renamed meanwhile."""
+    path, cache = Path(path), Path(cache)
+    made = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot make or open this folder ({e.strerror or e})") from None
+    try:
+        _refuse_inside(fd, path, cache)
+    except UsageError:
+        os.close(fd)
+        if made:
+            try:
+                path.rmdir()
+            except OSError:
+                pass
+        raise
+    return fd

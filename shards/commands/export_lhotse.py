@@ -26,12 +26,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._common import NotFound, Out, UsageError, cache_dir, load_manifest
+from ._common import NotFound, Out, UsageError, load_manifest, output_folder, readable
 from .needs import Needs
 
 AUDIO_FORMATS = ("flac", "wav")
@@ -172,7 +173,14 @@ def export_lhotse(cache: str | Path, out_dir: str | Path, *, shard_size: int = 1
     manifest = load_manifest(cache)
     frame_rate = manifest.get("frame_rate")
     reader = ShardReader(cache, manifest=manifest)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        folder_fd = output_folder(out_dir, cache)  # refuses, by descriptor, the cache folder and what it holds
+    except BaseException:
+        reader.close()
+        raise
+    # lhotse writes by path: through the descriptor's /proc path every file lands in the folder checked
+    proc = f"/proc/self/fd/{folder_fd}"
+    base = proc if os.path.isdir(proc) else str(out_dir)
     has_codes = bool(frame_rate) and manifest.get("n_codebooks")
     fields = {"recording": audio_format}
     n_cuts = skipped = 0
@@ -181,10 +189,10 @@ def export_lhotse(cache: str | Path, out_dir: str | Path, *, shard_size: int = 1
         # SharWriter would write codes as cut.load_codes(), cut to round(duration / frame_shift)
         # frames (losing the codec's last, partial frame): write every frame with lhotse's
         # ArrayTarWriter, shard for shard in step with SharWriter (one entry or placeholder per cut)
-        codes_writer = (ArrayTarWriter(f"{out_dir}/codes.%06d.tar", shard_size=shard_size,
+        codes_writer = (ArrayTarWriter(f"{base}/codes.%06d.tar", shard_size=shard_size,
                                        compression="numpy") if has_codes else None)
         with contextlib.ExitStack() as stack:
-            writer = stack.enter_context(SharWriter(str(out_dir), fields=fields, shard_size=shard_size,
+            writer = stack.enter_context(SharWriter(base, fields=fields, shard_size=shard_size,
                                                     warn_unused_fields=False))
             if codes_writer is not None:
                 stack.enter_context(codes_writer)
@@ -208,19 +216,26 @@ def export_lhotse(cache: str | Path, out_dir: str | Path, *, shard_size: int = 1
                         else:
                             codes_writer.write(cut.id, codes, manifest=cut.custom["codes"])
                     n_cuts += 1
-            shards = {k: [str(p) for p in v] for k, v in writer.output_paths.items()}
+            shards = {k: [_shown(p, base, out_dir) for p in v] for k, v in writer.output_paths.items()}
         if codes_writer is not None:
-            shards["codes"] = [str(p) for p in codes_writer.output_paths]
+            shards["codes"] = [_shown(p, base, out_dir) for p in codes_writer.output_paths]
             fields["codes"] = "numpy"
     finally:
         reader.close()
+        os.close(folder_fd)
     return dict(out=str(out_dir), cuts=n_cuts, samples=len(reader), samples_without_audio=skipped,
                 fields=fields, shards=shards)
 
 
+def _shown(p: Any, base: str, out_dir: Path) -> str:
+    """A path lhotse wrote under ``base`` (the checked folder's descriptor path), as under ``out_dir``."""
+    p = str(p)
+    return str(out_dir / p[len(base):].lstrip("/")) if p.startswith(base) else p
+
+
 def cmd_export_lhotse(args: argparse.Namespace) -> int:
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     result = export_lhotse(d, args.output, shard_size=args.shard_size, audio_format=args.audio_format)
     if out.json:
         out.emit_json(result)

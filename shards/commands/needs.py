@@ -13,6 +13,7 @@ traceback. Code that needs a module on one path only (``stats --plot``: matplotl
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 
 
@@ -42,17 +43,21 @@ class Needs:
 DUCKDB = Needs(("duckdb",), "inspect")
 PLOT = Needs(("matplotlib",), "inspect")
 #: what ``view`` needs: Jinja2 (HTML templates with autoescape), DuckDB (the filter's SQL condition),
-#: matplotlib (codes and latents as images)
-VIEWER = Needs(("jinja2", "duckdb", "matplotlib"), "inspect")
+#: matplotlib (codes and latents as images), Pillow (source images and thumbnails); the text tokenizer's
+#: ``tokenizers`` is optional (without it token ids are shown, saying so)
+VIEWER = Needs(("jinja2", "duckdb", "matplotlib", "PIL"), "inspect")
 
 
 def missing(needs: Needs) -> list[str]:
-    """The modules of ``needs`` that cannot be imported here (an import that fails for any reason)."""
+    """The modules of ``needs`` that are not installed here (``importlib.util.find_spec``: found, not
+    imported, so a command pays for a module only where it uses it; one that is found but fails to
+    import is named by :func:`from_import_error` when the command imports it)."""
     out = []
     for name in needs.modules:
         try:
-            importlib.import_module(name)
-        except ImportError:
+            if importlib.util.find_spec(name) is None:
+                out.append(name)
+        except (ImportError, ValueError):
             out.append(name)
     return out
 

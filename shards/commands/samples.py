@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 from ..reader import ShardReader
 from ..schema import WHOLE_MEMBER_DTYPES
 from ..writing import cache_holding
-from ._common import (SCALAR_COLUMNS, NotFound, Out, UsageError, cache_dir, fmt_bytes, fmt_value,
+from ._common import (SCALAR_COLUMNS, NotFound, Out, UsageError, fmt_bytes, fmt_value, open_output, readable,
                       read_index_columns, read_index_head)
 from .needs import Needs
 
@@ -156,7 +156,7 @@ def cmd_head(args: argparse.Namespace) -> int:
     if args.n < 0:
         raise UsageError("-n must be >= 0")
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     table = read_index_head(d, args.n)
     _emit(out, describe_table(d, table))
     return 0
@@ -164,7 +164,7 @@ def cmd_head(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     _emit(out, describe_table(d, rows_for_keys(d, args.keys)))
     return 0
 
@@ -173,7 +173,7 @@ def cmd_export_audio(args: argparse.Namespace) -> int:
     import soundfile as sf
 
     out = Out(args)
-    d = cache_dir(args.dir)
+    d = readable(args.dir)
     path: Path = args.output
     ext = path.suffix.lstrip(".").upper()
     formats = sf.available_formats()
@@ -200,12 +200,11 @@ def cmd_export_audio(args: argparse.Namespace) -> int:
                        "or metadata")
     if audio.ndim != 1:
         raise NotFound(f"sample {args.key!r}: audio.npy has shape {audio.shape}, expected (num_samples,)")
-    if (inside := cache_holding(path)) is not None:  # only a writing session changes a cache's files
-        raise UsageError(f"{path}: inside the cache folder {inside}; write the export outside any cache")
-    try:
-        sf.write(str(path), audio, sr, format=ext, subtype="PCM_16")
-    except (RuntimeError, OSError, TypeError, ValueError) as e:
-        raise UsageError(f"{path}: cannot write it ({e})") from e
+    with open_output(path, d) as f:  # refuses, by descriptor, any file or folder of the cache
+        try:
+            sf.write(f, audio, sr, format=ext, subtype="PCM_16")
+        except (RuntimeError, OSError, TypeError, ValueError) as e:
+            raise UsageError(f"{path}: cannot write it ({e})") from e
     result = dict(key=args.key, path=str(path), sample_rate=sr, num_samples=int(audio.shape[0]),
                   duration_s=audio.shape[0] / sr)
     if out.json:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..reader import ShardReader
-from ._common import Out, UsageError, cache_dir, read_index_columns, warn
+from ._common import Out, UsageError, open_output, read_index_columns, readable, warn
 from .needs import DUCKDB, PLOT, require
 
 #: index column -> (label in tables, axis label in the plot)
@@ -116,7 +116,9 @@ def latent_stats(d: Path, image_rows: pa.Table, max_samples: int, seed: int) -> 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     out = Out(args)
-    d = cache_dir(args.dir)
+    from .query import _local, refuse_while_written
+    refuse_while_written(_local(args.dir), "no statistics of it (its index is half-written)")
+    d = readable(args.dir)
     if args.max_samples < 0:
         raise UsageError("--max_samples must be >= 0")
     if args.plot is not None:
@@ -171,7 +173,8 @@ def _check_plot_path(path: Path) -> None:
 
 def plot(path: Path, d: Path, values: dict[str, np.ndarray], latents: dict[str, Any],
          where: str | None = None) -> None:
-    """Write a 2x2 PNG: histograms of durations, frames, text lengths; latent mean +- std."""
+    """Write a 2x2 PNG to ``path``: histograms of durations, frames, text lengths; latent mean +- std.
+    ``path`` is opened with :func:`~._common.open_output` (no file or folder of cache ``d``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -221,4 +224,5 @@ def plot(path: Path, d: Path, values: dict[str, np.ndarray], latents: dict[str, 
     fig.suptitle(f"shardcache {d.resolve().name}: {n} samples, {total} of audio"
                  + (f" (where {where})" if where else ""))
     fig.tight_layout()
-    fig.savefig(str(path), format="png")
+    with open_output(path, d) as f:
+        fig.savefig(f, format="png")

@@ -14,9 +14,11 @@ each at the index's offsets): see :func:`check_sidecar`.
 
 Both modes check every file the integrity root covers (``index.parquet``, ``manifest.json``,
 ``rejects.parquet`` and the parts a re-merge builds from: :func:`shards.index.root_problems`) and
-open the cache the way the loader does (:func:`loader_refusal`: the loader's own
-:class:`loaders.dataset.CacheSource`, imported only here), so whatever the loader refuses to open,
-verify refuses too; ``--deep`` reads every value the loader would read, with its checks. A cache
+open the cache the way every reader does (:func:`loader_refusal`: :meth:`shards.Cache.problems`, where
+what a valid cache is is decided for the loader too), so whatever the loader refuses to open, verify
+refuses too; ``--deep`` reads every value the loader would read, with its checks. The index is read as
+columns (:mod:`shards.columns`: no Python object per sample), so quick mode costs a constant time per
+sample besides hashing the shards. A cache
 that another command is writing right now is not verified: verify names that command and exits 2
 (its files are half-written, and nothing should be deleted or rebuilt meanwhile).
 """
@@ -27,7 +29,6 @@ import contextlib
 import hashlib
 import re
 import threading
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .. import fields
 from ..checksum import COLUMN as CHECKSUM
@@ -366,8 +368,11 @@ def _dedupe(probs: list[Problem]) -> list[Problem]:
 
 # ------------------------------------------------------------------------------------- command
 
-def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem], list[str], IndexRows]:
-    """Cheap whole-cache checks; returns the shards to check, problems, warnings, index rows."""
+def _cache_checks(d: Path, cache: Any = None) -> tuple[list[tuple[Path, dict | None]], list[Problem], list[str],
+                                                      IndexRows]:
+    """Cheap whole-cache checks; returns the shards to check, problems, warnings, index rows. ``cache``:
+    the cache opened leniently (``Cache.open(d, strict=False)``), whose index columns say where bytes of
+    a shard are located by no entry."""
     problems: list[Problem] = []
     warnings: list[str] = []
     manifest = None
@@ -466,14 +471,17 @@ def _cache_checks(d: Path) -> tuple[list[tuple[Path, dict | None]], list[Problem
             unsafe.add(name)
             if not any(p.message == str(e) or p.shard == name for p in problems):
                 problems.append(Problem(None, None, str(e)))
-    for message in unindexed_members(read_index_columns(d, ["key", "shard", "members"])):
+    hidden = ([msg for kind, msg in cache.columns.problems if kind == "hidden"]
+              if cache is not None and cache.columns is not None else
+              unindexed_members(read_index_columns(d, ["key", "shard", "members"])))
+    for message in hidden:
         problems.append(Problem(None, None, message))
-    keys = t.column("key").to_pylist()
-    if len(keys) != len(set(keys)):
-        dups = [k for k, n in Counter(keys).items() if n > 1]
-        for k in dups[:20]:
+    counts = pc.value_counts(t.column("key"))  # (first seen first, as the keys come)
+    if len(counts) != t.num_rows:
+        dups = counts.filter(pc.greater(counts.field("counts"), 1)).field("values").slice(0, 20)
+        for k in dups.to_pylist():
             problems.append(Problem(None, k, f"duplicate key in {INDEX_FILE}"))
-    per_shard = Counter(t.column("shard").to_pylist())
+    per_shard = {v["values"]: v["counts"] for v in pc.value_counts(t.column("shard")).to_pylist()}
     if manifest is not None:
         counts = manifest.get("counts") or {}
         if counts.get("samples") is not None and counts["samples"] != t.num_rows:
@@ -524,19 +532,22 @@ def _tar_targets(tars: list[Path]) -> tuple[list[tuple[Path, dict | None]], list
     return targets, problems, indexes
 
 
-def loader_refusal(d: Path) -> str | None:
-    """Why the loader refuses to open cache ``d`` (its message), or None when it opens it: the
-    loader's own :class:`loaders.dataset.CacheSource` with every field the cache holds, so verify and
-    check refuse whatever the loader refuses at open (root, format, unsafe or hidden members, field
-    shapes and sizes, incomplete or missing fields, missing or short shard files). Read-time checks
+def loader_refusal(cache: Any) -> list[str]:
+    """Why the loader refuses to open ``cache`` (opened with ``Cache.open(d, strict=False)``), one
+    message each (empty when it opens it): :meth:`shards.Cache.problems`, what every reader of the cache
+    checks before it reads (root, format, unsafe or hidden members, field shapes and sizes, incomplete
+    or missing fields, missing or short shard files), with every field the cache holds. Read-time checks
     (checksums, values) are ``--deep``'s."""
-    from loaders.dataset import CacheSource  # (the loader itself: imported only when verify runs)
+    return [f"the loader refuses to open the cache: {why}" for why in cache.problems()]
+
+
+def _open(d: Path) -> Any:
+    """``d`` opened leniently (its problems kept), None when it has no index or Arrow cannot read it."""
+    from ..cache import Cache
     try:
-        src = CacheSource(d)
-    except (ShardcacheError, ValueError, FileNotFoundError, OSError) as e:
-        return f"the loader refuses to open the cache: {e}"
-    src.close()
-    return None
+        return Cache.open(d, strict=False)
+    except FileNotFoundError:
+        return None
 
 
 def refuse_while_written(d: Path) -> None:
@@ -557,12 +568,12 @@ def verify_cache(d: Path, deep: bool = False, jobs: int = 1,
     Raises :class:`~shards.lock.CacheLocked` while another command writes it,
     :class:`~shards.errors.UnsupportedFormat` for a newer format."""
     refuse_while_written(d)
-    targets, problems, warnings, index = _cache_checks(d)
+    cache = _open(d) if (d / INDEX_FILE).exists() else None
+    targets, problems, warnings, index = _cache_checks(d, cache)
     with (bar(len(targets)) if bar is not None else contextlib.nullcontext(None)) as advance:
         problems, n, samples = _check_targets(targets, problems, {d: index}, deep, jobs, advance)
-    if (d / INDEX_FILE).exists():
-        why = loader_refusal(d)
-        if why is not None and not any(p.message in why for p in problems):
+    for why in loader_refusal(cache) if cache is not None else []:
+        if not any(p.message in why for p in problems):
             problems.append(Problem(None, None, why))
     return problems, warnings, n, samples
 

@@ -23,9 +23,9 @@ from ..commands.samples import _dtype_name
 from ..schema import WHOLE_MEMBER_DTYPES
 from ..kinds import BF16_BITS, LATENTS, WAVEFORM
 from ..tokens import IGNORE_INDEX
-from .data import Page, Sample, ViewedCache
+from .data import PAGE_SIZE, Page, Sample, View, ViewedCache
 from .media import polyline, token_norms
-from .tokens import TokenText
+from .tokens import WORKING_DIR_KEY, TokenText
 
 #: what a cached audio item's ``direction`` is called on the page (Higgs-Audio's in/out tokens)
 DIRECTIONS = {"in": "input", "out": "output"}
@@ -55,10 +55,11 @@ def _shape(shape: Any) -> str:
 # ------------------------------------------------------------------------------------------- header
 
 def header(vc: ViewedCache) -> dict[str, Any]:
-    """The facts of the page header: the cache's name, source, samples, rejects and id."""
+    """The facts of the page header: the cache's name, source, samples, rejects and id, and who
+    writes the cache right now (``writer``: said on every page; None when nobody does)."""
     src = vc.source.rstrip("/")
     return dict(name=src.rsplit("/", 1)[-1] or src, source=src, samples=len(vc), rejected=vc.rejects.num_rows,
-                id=vc.cache.id)
+                id=vc.id, writer=vc.writer())
 
 
 # -------------------------------------------------------------------------------------------- index
@@ -76,7 +77,7 @@ def _encoder_line(enc: Any) -> str:
 
 def summary(vc: ViewedCache) -> list[dict[str, Any]]:
     """The manifest's encoders and preprocessing, in four cards: the cache, audio, images, text."""
-    c, m = vc.cache, vc.cache.manifest
+    c, m = vc.facts, vc.manifest
     config = m.config if isinstance(m.config, dict) else {}
     encoders = m.encoders if isinstance(m.encoders, dict) else {}
     pre = encoders.get("preprocessing") if isinstance(encoders.get("preprocessing"), dict) else {}
@@ -127,23 +128,73 @@ def summary(vc: ViewedCache) -> list[dict[str, Any]]:
     return cards
 
 
-def index(vc: ViewedCache, page: Page, where: str, error: str | None, rejects: Page, page_no: int,
-          rejects_no: int) -> dict[str, Any]:
-    """The context of ``index.html``: the manifest's cards, one page of samples, one of rejects."""
+#: the grid's columns: (title, the index column it sorts by or None, css class)
+GRID = (("#", None, "num"), ("key", "key", ""), ("text", None, "text"), ("media", None, "media"),
+        ("duration", "duration_s", "num"), ("tokens", "n_text_tokens", "num"), ("trained", None, "num"),
+        ("speaker", "speaker", ""), ("fields", None, "fields"))
+#: size of one histogram (pixels)
+HIST_W, HIST_H = 260, 72
+
+
+def _share(v: Any) -> str:
+    return "-" if v is None else f"{100 * float(v):.0f} %"
+
+
+def _sort_href(view: View, col: str) -> str:
+    """The link of a sortable column's title: sorted by it ascending, or, when it is already, descending."""
+    desc = view.sort == col and not view.desc
+    return href(**{**view.params(), "sort": col, "desc": 1 if desc else None})
+
+
+def _bars(h: dict[str, Any]) -> dict[str, Any]:
+    """A histogram as SVG bars: ``[{x, y, w, h, title}]`` in a ``HIST_W x HIST_H`` box."""
+    if not h["counts"]:
+        return dict(h, bars=[], width=HIST_W, height=HIST_H)
+    top = max(h["counts"]) or 1
+    n = len(h["counts"])
+    w = HIST_W / n
+    unit = "" if h["name"] != "duration_s" else " s"
+    fmt = (lambda v: f"{100 * v:.0f} %") if h["name"] == "trained_share" else (lambda v: f"{v:.4g}{unit}")
+    bars = [dict(x=round(i * w, 2), w=round(max(w - 1, 1), 2), h=round((HIST_H - 2) * c / top, 2),
+                 y=round(HIST_H - (HIST_H - 2) * c / top, 2),
+                 title=f"{fmt(h['edges'][i])} to {fmt(h['edges'][i + 1])}: {c:,} sample(s)")
+            for i, c in enumerate(h["counts"])]
+    return dict(h, bars=bars, width=HIST_W, height=HIST_H, lo=fmt(h["edges"][0]), hi=fmt(h["edges"][-1]),
+                median_text=fmt(h["median"]))
+
+
+def index(vc: ViewedCache, page: Page, view: View, error: str | None, notice: str | None, rejects: Page,
+          page_no: int, rejects_no: int, histograms: list[dict] | None) -> dict[str, Any]:
+    """The context of ``index.html``: the manifest's cards, the histograms of the view, one page of
+    its samples (the grid), one page of rejects."""
     rows = []
     for i, r in enumerate(page.rows):
-        rows.append(dict(position=page.start + i + 1, key=r["key"], href=href("sample", r["key"], where=where,
-                                                                                 page=page_no if page_no > 1 else None),
-                         duration=_seconds(r["duration_s"]) if r["duration_s"] else "-", shard=r["shard"],
-                         speaker=r["speaker"] or "", fields=[(n, _shape(s)) for n, s in r["fields"]]))
+        key, m = r["key"], r["media"]
+        audio = href("sample", key, "audio", "audio", f"{m['audio']}.wav") if m["audio"] is not None else None
+        rows.append(dict(
+            position=page.start + i + 1, row=r["row"], key=key,
+            href=href("sample", key, **view.params(), page=page_no if page_no > 1 else None),
+            lines=r["lines"], audio=audio, audio_item=m["audio"],
+            thumb=href("sample", key, "thumb.png") if m["image"] else None,
+            duration=_seconds(r["duration_s"]) if r["duration_s"] else "-", tokens=r.get("n_text_tokens") or 0,
+            trained=_share(r["trained_share"]), shard=r["shard"], speaker=r["speaker"] or "",
+            fields=[(n, "\u00d7".join(str(int(d)) for d in s) if s else "()") for n, s in r["fields"]]))
     page_view = dict(rows=rows, start=page.start, total=page.total, number=page.number, pages=page.pages)
+    params = view.params()
+    columns = [dict(title=t, cls=c, href=_sort_href(view, col) if col else None,
+                    sorted=("descending" if view.desc else "ascending") if col and view.sort == col else None)
+               for t, col, c in GRID]
     return dict(
-        title=header(vc)["name"], cache=header(vc), summary=summary(vc), page=page_view, where=where,
-        error=error, columns=[c for c in SCALAR_COLUMNS], rejects=rejects, reject_counts=vc.reject_counts(),
-        prev_href=href(where=where, page=page_no - 1) if page_no > 1 else None,
-        next_href=href(where=where, page=page_no + 1) if page_no < page.pages else None,
-        rejects_prev_href=href(where=where, page=page_no, rejects=rejects_no - 1) + "#rejects" if rejects_no > 1 else None,
-        rejects_next_href=href(where=where, page=page_no, rejects=rejects_no + 1) + "#rejects"
+        title=header(vc)["name"], cache=header(vc), summary=summary(vc), page=page_view, view=view, error=error,
+        notice=notice, columns=[c for c in SCALAR_COLUMNS], grid=columns, rejects=rejects,
+        reject_rows=[dict(r, sources=[x for x in str(r.get("source") or "").split(";") if x]) for r in rejects.rows],
+        reject_counts=vc.reject_counts(), histograms=[_bars(h) for h in histograms] if histograms else None,
+        hidden=[(k, v) for k, v in params.items() if v is not None and k not in ("where", "q")],
+        page_box=dict(name="page", anchor="", hidden=[(k, v) for k, v in params.items() if v is not None]),
+        clear_href=href(), prev_href=href(**params, page=page_no - 1) if page_no > 1 else None,
+        next_href=href(**params, page=page_no + 1) if page_no < page.pages else None,
+        rejects_prev_href=href(**params, page=page_no, rejects=rejects_no - 1) + "#rejects" if rejects_no > 1 else None,
+        rejects_next_href=href(**params, page=page_no, rejects=rejects_no + 1) + "#rejects"
         if rejects_no < rejects.pages else None)
 
 
@@ -181,13 +232,19 @@ def tokens(s: Sample, text: TokenText) -> list[dict[str, Any]]:
     return out
 
 
-def _source_path(vc: ViewedCache, source: str) -> Path:
+def source_path(vc: ViewedCache, source: str) -> Path:
     """A media source as recorded in a sample's json: absolute, or relative to the folder of the
-    manifest stage one read (``manifest.json`` ``source_manifest``)."""
+    manifest stage one read (``manifest.json`` ``source_manifest``; itself relative to the folder
+    stage one ran in, ``working_dir``, where the cache records one)."""
     p = Path(source)
-    if p.is_absolute() or not vc.cache.manifest.source_manifest:
+    sm = vc.manifest.source_manifest
+    if p.is_absolute() or not sm:
         return p
-    return Path(vc.cache.manifest.source_manifest).parent / p
+    base = Path(sm).parent
+    wd = vc.manifest.to_dict().get(WORKING_DIR_KEY)
+    if not base.is_absolute() and isinstance(wd, str) and wd:
+        base = Path(wd) / base
+    return base / p
 
 
 def audio(vc: ViewedCache, s: Sample) -> tuple[list[dict], str | None, list[dict]]:
@@ -195,7 +252,7 @@ def audio(vc: ViewedCache, s: Sample) -> tuple[list[dict], str | None, list[dict
     is cached and the codes of each item; a note when the sample's items have no waveform; the other
     waveform fields (``audio_16k``...) with a player per item."""
     meta_items = s.meta.get("audio_items") if isinstance(s.meta.get("audio_items"), list) else []
-    sr = int(s.row.get("sample_rate") or s.meta.get("sample_rate") or vc.cache.manifest.sample_rate or 0)
+    sr = int(s.row.get("sample_rate") or s.meta.get("sample_rate") or vc.manifest.sample_rate or 0)
     has_wave = "audio" in s.arrays and sr > 0
     bounds = item_bounds(s, "audio") if has_wave else []
     segs = s.arrays.get("audio_segments")
@@ -244,7 +301,7 @@ def audio(vc: ViewedCache, s: Sample) -> tuple[list[dict], str | None, list[dict
 
 def _extra_rate(vc: ViewedCache, name: str) -> int | None:
     """The sample rate (Hz) of waveform field ``name`` as ``manifest.json`` records it (``waveforms``)."""
-    waves = vc.cache.manifest.waveforms if isinstance(vc.cache.manifest.waveforms, dict) else {}
+    waves = vc.manifest.waveforms if isinstance(vc.manifest.waveforms, dict) else {}
     info = waves.get(name)
     rate = info.get("sample_rate") if isinstance(info, dict) else None
     return int(rate) if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0 else None
@@ -258,12 +315,12 @@ def images(vc: ViewedCache, s: Sample, source_ok) -> list[dict]:
     feat_fields = fields_of_kind(s, BF16_BITS)
     n = max([len(metas)] + [s.arrays[f].shape[1] for f in lat_fields if s.arrays[f].ndim == 4]
             + [s.arrays[f].shape[0] for f in feat_fields if s.arrays[f].ndim == 3])
-    preset = vc.cache.image
+    preset = vc.facts.image
     out = []
     for k in range(n):
         meta = metas[k] if k < len(metas) and isinstance(metas[k], dict) else {}
         source = str(meta.get("source") or "")
-        why = source_ok(_source_path(vc, source)) if source else "the sample's json names no source for it"
+        why = source_ok(source_path(vc, source)) if source else "the sample's json names no source for it"
         entry = dict(k=k, source=source, src=None if why else href("sample", s.key, "image", f"{k}.png"),
                      reason=f"source not shown: {why}" if why else None,
                      caption=(f"as stage one gave it to the encoder: {preset.size} px, {preset.resize}, rgb {preset.rgb}"
@@ -293,8 +350,10 @@ def images(vc: ViewedCache, s: Sample, source_ok) -> list[dict]:
     return out
 
 
-def sample(vc: ViewedCache, s: Sample, text: TokenText, back: str, source_ok) -> dict[str, Any]:
-    """The context of ``sample.html``."""
+def sample(vc: ViewedCache, s: Sample, text: TokenText, view: View, page_no: int | None, nav: dict | None,
+           source_ok) -> dict[str, Any]:
+    """The context of ``sample.html``: ``nav`` (:meth:`ViewedCache.neighbours`) gives next/previous
+    in ``view``'s order, and the link back to the index page the sample was opened from."""
     toks = tokens(s, text)
     items, note, extra = audio(vc, s)
     _mark_placeholders(vc, toks, items)
@@ -302,9 +361,17 @@ def sample(vc: ViewedCache, s: Sample, text: TokenText, back: str, source_ok) ->
     facts = [("shard", r.get("shard"))]
     facts += [("duration", _seconds(r["duration_s"]))] if r.get("duration_s") else []
     facts += [("speaker", r["speaker"])] if r.get("speaker") else []
-    facts += [("bytes", fmt_bytes(r.get("bytes"))), ("index row", f"{vc.row_of(s.key) + 1:,} of {len(vc):,}")]
+    facts += [("bytes", fmt_bytes(r.get("bytes"))), ("index row", f"{s.position + 1:,} of {len(vc):,}")]
+    params = view.params()
+    walk = None
+    if nav is not None and nav["position"] is not None:
+        walk = dict(position=nav["position"] + 1, total=nav["total"], filtered=not view.is_all,
+                    prev=href("sample", nav["prev"], **params) if nav["prev"] is not None else None,
+                    next=href("sample", nav["next"], **params) if nav["next"] is not None else None)
+        page_no = nav["position"] // PAGE_SIZE + 1
+    back = href(**params, page=page_no if page_no and page_no > 1 else None)
     return dict(
-        title=s.key, cache=header(vc), s=s, back=back, facts=facts, tokens=toks,
+        title=s.key, cache=header(vc), s=s, back=back, walk=walk, facts=facts, tokens=toks,
         n_trained=sum(1 for t in toks if t["trained"]), has_text=text.has_text, token_note=text.how,
         audio=items, audio_note=note, extra_audio=extra, images=images(vc, s, source_ok),
         members=[dict(m, shape=_shape(m["shape"]) if m["dtype"] not in WHOLE_MEMBER_DTYPES else "-",
@@ -316,7 +383,7 @@ def _mark_placeholders(vc: ViewedCache, toks: list[dict], items: list[dict]) -> 
     """Link each ``<|AUDIO|>`` / ``<|AUDIO_OUT|>`` token to the audio item it stands for (the k-th
     such token is item k: docs/format.md), and mark an item trained when its token carries a label."""
     from ..tokens import AUDIO_IN, AUDIO_OUT
-    ids = {vc.cache.token_id(AUDIO_IN), vc.cache.token_id(AUDIO_OUT)} - {None}
+    ids = {vc.facts.token_id(AUDIO_IN), vc.facts.token_id(AUDIO_OUT)} - {None}
     k = 0
     for t in toks:
         if t["id"] in ids:
@@ -328,4 +395,4 @@ def _mark_placeholders(vc: ViewedCache, toks: list[dict], items: list[dict]) -> 
 
 
 __all__ = ["href", "header", "summary", "index", "sample", "tokens", "audio", "images", "item_bounds",
-           "fields_of_kind", "DIRECTIONS"]
+           "fields_of_kind", "source_path", "DIRECTIONS", "GRID"]

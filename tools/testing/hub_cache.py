@@ -16,8 +16,10 @@ The etag is what the hub's HEAD answers: for a file stored with git LFS the sha2
 the hub starts with the hub's default one (:data:`LFS_PATTERNS`), and files over 10 MiB always go through LFS.
 
 :func:`put` lays a folder out (typically one a tiny model was ``save_pretrained`` into) as revision
-``commit`` of ``repo_id``; :func:`offline` points ``huggingface_hub`` (and so ``transformers`` and
-``diffusers``) at a cache with ``HF_HUB_OFFLINE=1``, for this process and its children.
+``commit`` of ``repo_id`` (a second :func:`put` of other files makes a second revision: ``refs/main`` moved, or
+another ref, or a commit reached by its hash only); :func:`offline` points ``huggingface_hub`` (and so
+``transformers`` and ``diffusers``) at a cache with ``HF_HUB_OFFLINE=1``, as ``HF_HUB_CACHE`` or through
+``HF_HOME`` (the cache at ``$HF_HOME/hub``), for this process and its children.
 ``tests/test_hub_checkpoints.py`` checks the layout against ``huggingface_hub``'s own ``scan_cache_dir``,
 ``try_to_load_from_cache``, ``hf_hub_download`` and ``snapshot_download``.
 """
@@ -28,7 +30,7 @@ import fnmatch
 import hashlib
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 #: the hub's default ``.gitattributes`` (a new model repository's): the files stored with git LFS
 LFS_PATTERNS = ("*.7z", "*.arrow", "*.bin", "*.bz2", "*.ckpt", "*.ftz", "*.gz", "*.h5", "*.joblib", "*.lfs.*",
@@ -69,14 +71,17 @@ def commit_of(files: dict[str, str], parent: str = "") -> str:
     return h.hexdigest()
 
 
-def put(folder: str | Path, repo_id: str, cache_dir: str | Path, *, revision: str = "main",
-        commit: str | None = None, under: str = "") -> Path:
+def put(folder: str | Path, repo_id: str, cache_dir: str | Path, *, revision: str | None = "main",
+        commit: str | None = None, under: str = "", absent: Iterable[str] = ()) -> Path:
     """Lay every file under ``folder`` out as commit ``commit`` (default: :func:`commit_of` its tree) of
     ``repo_id`` in the hub cache ``cache_dir``, exactly as ``hf_hub_download`` leaves each after a download:
     the bytes in ``blobs/<etag>`` (kept when a blob of that name exists: blobs are shared across commits),
     ``snapshots/<commit>/<path>`` a relative symlink to it, ``refs/<revision>`` = the commit (None: no ref,
     a commit reached by hash only), ``CACHEDIR.TAG`` at the root. ``under``: a folder of the repo the files
-    go into (``vae`` of a pipeline). Returns the snapshot folder ``snapshots/<commit>``.
+    go into (``vae`` of a pipeline). ``absent``: paths in the repo that a first (online) run looked for and the
+    hub answered 404, which ``hf_hub_download`` records as an empty ``.no_exist/<commit>/<path>``, so an offline
+    run knows they are absent (a tokenizer's repo without ``config.json``, which ``AutoTokenizer`` asks for).
+    Returns the snapshot folder ``snapshots/<commit>``.
 
     A second :func:`put` of another folder with the same ``revision`` moves the ref to the new commit (a
     new revision of the repo); the old snapshot stays, as in a real cache."""
@@ -99,6 +104,10 @@ def put(folder: str | Path, repo_id: str, cache_dir: str | Path, *, revision: st
         if link.is_symlink() or link.exists():
             link.unlink()
         link.symlink_to(os.path.relpath(blob, link.parent))   # _create_symlink: relative to the link's folder
+    for rel in absent:   # _hf_hub_download_to_cache_dir: on EntryNotFoundError, touch .no_exist/<commit>/<path>
+        marker = repo / ".no_exist" / commit / rel
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
     if revision is not None:
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / revision).write_text(commit)
@@ -116,20 +125,40 @@ def blob_of(snapshot: str | Path, path_in_repo: str) -> Path:
 
 
 @contextlib.contextmanager
-def offline(cache_dir: str | Path) -> Iterator[Path]:
-    """``HF_HUB_CACHE=cache_dir`` and ``HF_HUB_OFFLINE=1`` inside the block, in the environment (for child
-    processes) and in ``huggingface_hub.constants`` (read at import by this process's ``huggingface_hub``,
-    whose functions ``transformers`` and ``diffusers`` call). Restored after."""
+def offline(cache_dir: str | Path | None = None, *, home: str | Path | None = None) -> Iterator[Path]:
+    """``HF_HUB_OFFLINE=1`` and a hub cache inside the block, restored after: ``cache_dir`` as ``HF_HUB_CACHE``,
+    or ``home`` as ``HF_HOME`` (the cache at ``home/hub``, as ``huggingface_hub`` derives it: ``HF_HUB_CACHE``
+    and ``HUGGINGFACE_HUB_CACHE`` are unset, so a child process derives it from ``HF_HOME`` too). Set in the
+    environment (for child processes) and in ``huggingface_hub.constants`` (read at import by this process's
+    ``huggingface_hub``, whose functions ``transformers`` and ``diffusers`` call). Yields the hub cache folder.
+    Raises ``TypeError`` unless exactly one of ``cache_dir`` and ``home`` is given."""
     from huggingface_hub import constants
-    keys = {"HF_HUB_CACHE": str(cache_dir), "HF_HUB_OFFLINE": "1"}
-    old_env = {k: os.environ.get(k) for k in keys}
-    old = (constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE)
-    os.environ.update(keys)
-    constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = str(cache_dir), True
+    if (cache_dir is None) == (home is None):
+        raise TypeError("offline(): give the hub cache (cache_dir, HF_HUB_CACHE) or the Hugging Face home "
+                        "(home=, HF_HOME), one of them")
+    if home is not None:
+        hub = Path(home) / "hub"     # huggingface_hub.constants: default_cache_path = HF_HOME/hub
+        env = {"HF_HOME": str(home), "HF_HUB_CACHE": None, "HUGGINGFACE_HUB_CACHE": None, "HF_HUB_OFFLINE": "1"}
+        patched = {"HF_HOME": str(home), "HF_HUB_CACHE": str(hub), "HUGGINGFACE_HUB_CACHE": str(hub),
+                   "HF_HUB_OFFLINE": True}
+    else:
+        hub = Path(cache_dir)
+        env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+        patched = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": True}
+    old_env = {k: os.environ.get(k) for k in env}
+    old = {k: getattr(constants, k) for k in patched}
     try:
-        yield Path(cache_dir)
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for k, v in patched.items():
+            setattr(constants, k, v)
+        yield hub
     finally:
-        constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = old
+        for k, v in old.items():
+            setattr(constants, k, v)
         for k, v in old_env.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -61,18 +61,23 @@ def cache_values(cache: Cache) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def load_tokenizer(checkpoint: Any, added: Iterable[str] = (), what: str = "model_kwargs.lm"):
+def load_tokenizer(checkpoint: Any, added: Iterable[str] = (), what: str = "model_kwargs.lm",
+                   revision: str | None = None):
     """:func:`shardcache.pretrained.load_tokenizer` without PIL or soundfile (:func:`train.imports.blocked_imports`)."""
     with blocked_imports():
-        return P.load_tokenizer(checkpoint, added, what)
+        return P.load_tokenizer(checkpoint, added, what, revision=revision)
 
 
-def text_tokenizer(checkpoint: Any, named: Any = None, added: Iterable[str] = ()) -> tuple[Any, Any, Any]:
+def text_tokenizer(checkpoint: Any, named: Any = None, added: Iterable[str] = (), *,
+                   kwargs: Mapping[str, Any] | None = None) -> tuple[Any, Any, Any]:
     """``(tokenizer, fingerprint, template)`` of the text tokenizer a recipe's checkpoint was trained with
-    (:func:`shardcache.pretrained.tokenizer_identity`: ``named``, ``model.kwargs.tokenizer``, else the one
-    ``checkpoint`` ships; never "any"), without PIL or soundfile."""
+    (:func:`shardcache.pretrained.tokenizer_identity`: ``named``, ``model.kwargs.tokenizer`` at
+    ``model.kwargs.tokenizer_revision``, else the one ``checkpoint`` ships at ``model.kwargs.revision``,
+    both read from ``kwargs``; never "any"), without PIL or soundfile."""
+    kw = kwargs or {}
     with blocked_imports():
-        return P.tokenizer_identity(checkpoint, named, added)
+        return P.tokenizer_identity(checkpoint, named, added, revision=kw.get("revision"),
+                                    named_revision=kw.get("tokenizer_revision"))
 
 
 token_ids, tokenizer_pad_id = P.token_ids, P.tokenizer_pad_id

@@ -49,13 +49,17 @@ MODEL_TYPE = "higgs_audio_v2"
 INPUTS = ("input_ids", "attention_mask", "audio_input_ids", "audio_input_ids_mask", "labels", "audio_labels")
 
 
-def load_config(lm: Any):
-    """The ``transformers`` config of ``lm`` (dir or hub id); ``ValueError`` unless it is ``higgs_audio_v2``."""
+def load_config(lm: Any, revision: str | None = None):
+    """The ``transformers`` config of ``lm`` (dir or hub id, at ``revision``: default ``main``); ``ValueError``
+    unless it is ``higgs_audio_v2``; :class:`shardcache.weights.LocalRevision` for a ``revision`` with a folder."""
+    from shardcache.weights import checkpoint
     name = resolve_lm(lm)
+    checkpoint(name, revision=revision, what="model.kwargs.revision")   # a folder has no revisions: refused
+    revision = revision or None
     with blocked_imports():
         from transformers import AutoConfig, PretrainedConfig
         try:
-            raw, _ = PretrainedConfig.get_config_dict(name)   # its model_type, before transformers resolves it
+            raw, _ = PretrainedConfig.get_config_dict(name, revision=revision)   # its model_type, before transformers
         except OSError as e:
             raise OSError(f"could not load the config of {name!r} ({e}); pass model.kwargs.lm (or --model_path) = "
                           "a Higgs-Audio v2 checkpoint directory or hub id") from e
@@ -69,18 +73,18 @@ def load_config(lm: Any):
             raise ValueError(f"--model.name higgs needs a {MODEL_TYPE} checkpoint (transformers' "
                              f"HiggsAudioV2ForConditionalGeneration); {name} is {model_type!r}: for a plain causal LM "
                              "use --model.name tts")
-        cfg = AutoConfig.from_pretrained(name)
+        cfg = AutoConfig.from_pretrained(name, revision=revision)
     return cfg
 
 
 TEXT_HEAD = "text_lm_head.weight"   #: the text head's weight in a checkpoint (HiggsAudioV2ForConditionalGeneration)
 
 
-def checkpoint_keys(lm: Any) -> set[str]:
-    """The weight names of checkpoint ``lm`` (dir or hub id) in the files ``transformers`` loads
+def checkpoint_keys(lm: Any, revision: str | None = None) -> set[str]:
+    """The weight names of checkpoint ``lm`` (dir or hub id, at ``revision``) in the files ``transformers`` loads
     (:func:`shardcache.weights.tensor_names`: headers only). Raises
     :class:`shardcache.weights.CheckpointUnreadable` naming the file that cannot be read."""
-    return set(tensor_names(resolve_lm(lm)))
+    return set(tensor_names(resolve_lm(lm), revision=revision))
 
 
 class HiggsModel(LMRecipe):
@@ -90,6 +94,10 @@ class HiggsModel(LMRecipe):
         lm: checkpoint directory or hub id (default :data:`DEFAULT_HIGGS`).
         tokenizer: the text tokenizer ``lm`` was trained with, for a checkpoint that ships none (its
             contract compares it with the cache's; not loaded to train).
+        revision, tokenizer_revision: the hub revision (branch, tag or commit; default ``main``) of ``lm``
+            (its config, tokenizer, processor config and weights alike) and of ``tokenizer`` (a local folder has
+            none: refused). The audio tokenizer's: ``--model.audio_tokenizer_revision``; the one the
+            checkpoint's processor config names is read at its ``main``, as ``HiggsAudioV2Processor`` loads it.
         dtype: weight dtype (float32 | bfloat16 | float16), default float32.
         attn_implementation: passed to ``from_pretrained`` (default: transformers' choice).
         lora: false | true | {r, alpha, dropout, targets}.
@@ -141,9 +149,10 @@ class HiggsModel(LMRecipe):
         ``model.kwargs.labels`` reads (:meth:`loaders.higgs.HiggsBatch.fields_read`: the cached labels, so
         their policy, only with ``labels: targets``)."""
         lm = kwargs.get("lm", DEFAULT_HIGGS)
-        load_config(lm)   # a Higgs-Audio v2 checkpoint in transformers' form, or refused saying what to do
+        load_config(lm, kwargs.get("revision"))   # a Higgs-Audio v2 checkpoint in transformers' form, or refused
         with blocked_imports():
-            values = contract_values(lm, kwargs.get("tokenizer"))
+            values = contract_values(lm, kwargs.get("tokenizer"), revision=kwargs.get("revision"),
+                                     tokenizer_revision=kwargs.get("tokenizer_revision"))
         return cls.contract_of("--model.name higgs", values,
                                reads=HiggsBatch.fields_read(kwargs.get("labels", "processor")))
 
@@ -154,7 +163,8 @@ class HiggsModel(LMRecipe):
             "n_codebooks", "codebook_size", "vocab_size", "pad_id", "audio_in_token_id", "audio_out_token_id",
             "audio_out_bos_token_id", "audio_eos_token_id", "audio_bos_token_id", "eot_token_id", "eom_token_id"))
 
-    def __init__(self, *, lm: str = DEFAULT_HIGGS, tokenizer: str | None = None, dtype: str = "float32",
+    def __init__(self, *, lm: str = DEFAULT_HIGGS, tokenizer: str | None = None, revision: str | None = None,
+                 tokenizer_revision: str | None = None, dtype: str = "float32",
                  attn_implementation: str | None = None, lora: Any = False, labels: str = "processor", input_audio: str = "drop", use_text_head: bool = True,
                  create_text_head: bool = False,
                  n_codebooks: int = 8, codebook_size: int = 1024, vocab_size: int | None = None, pad_id: int = 0,
@@ -163,7 +173,7 @@ class HiggsModel(LMRecipe):
                  audio_bos_token_id: int | None = None, eot_token_id: int | None = None,
                  eom_token_id: int | None = None) -> None:
         super().__init__()
-        cfg = load_config(lm)
+        cfg = load_config(lm, revision)
         cache = {AUDIO_OUT: (audio_out_token_id, cfg.audio_token_id),
                  AUDIO_OUT_BOS: (audio_out_bos_token_id, cfg.audio_bos_token_id)}
         bad = {t: ids for t, ids in cache.items() if ids[0] is not None and ids[0] != ids[1]}
@@ -180,12 +190,12 @@ class HiggsModel(LMRecipe):
         if vocab_size is not None and int(vocab_size) > cfg.vocab_size:
             raise ValueError(f"the cache's text vocabulary ({vocab_size}) exceeds the model's ({cfg.vocab_size})")
         self.use_text_head = bool(use_text_head)
-        if self.use_text_head and not create_text_head and TEXT_HEAD not in checkpoint_keys(lm):
+        if self.use_text_head and not create_text_head and TEXT_HEAD not in checkpoint_keys(lm, revision):
             raise ValueError(f"{resolve_lm(lm)} has no text head ({TEXT_HEAD}): set model.kwargs.create_text_head: "
                              "true to train a new randomly initialised one (its loss is added), or "
                              "use_text_head: false (audio loss only)")
         self.lm = load_causal_lm(lm, None, dtype, attn_implementation, model_class="HiggsAudioV2ForConditionalGeneration",
-                                 use_text_head=self.use_text_head)
+                                 revision=revision, use_text_head=self.use_text_head)
         self.lm_name = str(lm)
         self.lora = None
         self.hidden_size = cfg.hidden_size

@@ -48,11 +48,15 @@ def resolve_lm(lm: Any) -> str:
 
 def load_causal_lm(lm: Any, vocab_size: int | None = None, dtype: str | torch.dtype = "float32",
                    attn_implementation: str | None = None, model_class: str = "AutoModelForCausalLM",
-                   **from_pretrained: Any) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(lm)`` (or the ``transformers`` class named
-    ``model_class``, with the extra ``from_pretrained`` keyword arguments); token embeddings resized
-    (mean init, transformers' default) when the cache's ``vocab_size`` exceeds the LM's."""
+                   revision: str | None = None, **from_pretrained: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(lm, revision=revision)`` (or the ``transformers`` class named
+    ``model_class``, with the extra ``from_pretrained`` keyword arguments; ``revision``: ``model.kwargs.revision``,
+    the hub id's branch, tag or commit, default ``main``); token embeddings resized (mean init, transformers'
+    default) when the cache's ``vocab_size`` exceeds the LM's. Raises
+    :class:`shardcache.weights.LocalRevision` for a ``revision`` with a local folder."""
+    from shardcache.weights import checkpoint
     name = resolve_lm(lm)
+    checkpoint(name, revision=revision, what="model.kwargs.revision")   # a folder has no revisions: refused
     if isinstance(dtype, str):
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -65,7 +69,7 @@ def load_causal_lm(lm: Any, vocab_size: int | None = None, dtype: str | torch.dt
 
         # from_pretrained's ``dtype`` was ``torch_dtype`` before transformers 4.56
         old = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 56)
-        kw: dict[str, Any] = {"torch_dtype" if old else "dtype": dtype, **from_pretrained}
+        kw: dict[str, Any] = {"torch_dtype" if old else "dtype": dtype, "revision": revision or None, **from_pretrained}
         if attn_implementation:
             kw["attn_implementation"] = attn_implementation
 
@@ -223,8 +227,9 @@ class LMRecipe(Recipe):
     #: name of the media modules' groups in :meth:`optimizer_groups`
     media_name = "media"
 
-    def _init_lm(self, lm: Any, vocab_size: int, dtype: Any, attn_implementation: str | None) -> None:
-        self.lm = load_causal_lm(lm, vocab_size, dtype, attn_implementation)
+    def _init_lm(self, lm: Any, vocab_size: int, dtype: Any, attn_implementation: str | None,
+                 revision: str | None = None) -> None:
+        self.lm = load_causal_lm(lm, vocab_size, dtype, attn_implementation, revision=revision)
         self.lm_name = str(lm)
         self.lora: dict | None = None
         self.hidden_size = self.lm.get_input_embeddings().weight.shape[1]

@@ -216,36 +216,40 @@ def load_projection_state(path: str | Path, z_dim: int, hidden: int, architectur
 DEFAULT_VAE, DEFAULT_VAE_SUBFOLDER = "nvidia/Cosmos-Predict2-2B-Video2World", "vae"
 
 
-def vae_weights(vae: str = DEFAULT_VAE, subfolder: str | None = None) -> Any:
+def vae_weights(vae: str = DEFAULT_VAE, subfolder: str | None = None, revision: str | None = None) -> Any:
     """The weights (:func:`shardcache.weights.weights_of`, the files ``diffusers`` loads, decided in a child
     process: a training process never imports ``diffusers``) of the VAE ``vae`` names: a VAE directory or
-    hub id, or a diffusers pipeline holding it in ``subfolder`` (default: ``vae`` where the checkpoint has no
-    ``config.json`` of its own but ``vae/config.json``, as stage one finds it; TheWorld's
-    ``nvidia/Cosmos-Predict2-2B-Video2World``). :class:`shards.cache.Unknown` (refused, naming
-    ``model.kwargs.vae``; waived by ``--model.allow_other_encoder_weights``) when its weights are not here
-    (not in the hub cache) or ``diffusers`` is not installed to say which they are. Raises
-    :class:`shardcache.weights.CheckpointUnreadable` for weight files that are there and cannot be read."""
+    hub id (at ``revision``, ``model.kwargs.vae_revision``: default ``main``), or a diffusers pipeline holding
+    it in ``subfolder`` (default: ``vae`` where the checkpoint has no ``config.json`` of its own but
+    ``vae/config.json``, as stage one finds it; TheWorld's ``nvidia/Cosmos-Predict2-2B-Video2World``).
+    :class:`shards.cache.Unknown` (refused, naming ``model.kwargs.vae``; waived by
+    ``--model.allow_other_encoder_weights``) when its weights are not here (not in the hub cache) or
+    ``diffusers`` is not installed to say which they are. Raises :class:`shardcache.weights.CheckpointUnreadable`
+    for weight files that are there and cannot be read, :class:`shardcache.weights.LocalRevision` for a
+    ``revision`` with a local folder."""
     name = resolve_pretrained(vae, what="model.kwargs.vae")
+    ckpt = checkpoint(name, revision=revision, what="model.kwargs.vae_revision")   # a folder has no revisions
     if subfolder is None and vae == DEFAULT_VAE:
         subfolder = DEFAULT_VAE_SUBFOLDER
     elif subfolder is None:
-        ckpt = checkpoint(name)
         if ckpt.fetch("config.json") is None and ckpt.fetch(f"{DEFAULT_VAE_SUBFOLDER}/config.json") is not None:
             subfolder = DEFAULT_VAE_SUBFOLDER
     try:
-        return weights_of(name, subfolder, library="diffusers", isolated=True)
+        return weights_of(name, subfolder, library="diffusers", isolated=True, revision=revision)
     except CheckpointMissing as e:
         return Unknown(f"the VAE's weights are not here ({e}): name the VAE the projection was trained with in "
                        f"model.kwargs.vae (default {DEFAULT_VAE}, subfolder {DEFAULT_VAE_SUBFOLDER})")
 
 
-def check_config(lm: Any):
-    """The ``transformers`` config of ``lm``; ``ValueError`` unless it is a Gemma 3 (``gemma3``)."""
+def check_config(lm: Any, revision: str | None = None):
+    """The ``transformers`` config of ``lm`` (at ``revision``, default ``main``); ``ValueError`` unless it is a
+    Gemma 3 (``gemma3``). Raises :class:`shardcache.weights.LocalRevision` for a ``revision`` with a local folder."""
     name = resolve_lm(lm)
+    checkpoint(name, revision=revision, what="model.kwargs.revision")   # a folder has no revisions: refused
     with blocked_imports():
         from transformers import AutoConfig
         try:
-            cfg = AutoConfig.from_pretrained(name)
+            cfg = AutoConfig.from_pretrained(name, revision=revision or None)
         except OSError as e:
             raise OSError(f"could not load the config of {name!r} ({e}); pass model.kwargs.lm = a Gemma 3 "
                           "directory or hub id") from e
@@ -275,6 +279,9 @@ class TheWorldModel(LMRecipe):
             device); needed only for batches holding ``pixel_values`` instead of ``image_features``.
         vision_dtype: dtype the kept vision tower runs in (default bfloat16, as stage one).
         max_trainable_fraction: warn above this trainable fraction with a frozen LM (default 0.10).
+        revision: the hub revision (branch, tag or commit; default ``main``) of ``lm``, for its config,
+            tokenizer, processor config, vision tower and weights alike (a local folder has none: refused).
+        tokenizer_revision, vae_revision: the hub revisions of ``tokenizer`` and ``vae`` (default ``main``).
         tokenizer, chat_template, label_policy, image_size, vae, vae_subfolder: what the cache must have been
             made with (the contract; not used to build): the text tokenizer for a checkpoint that ships none,
             the template (default ``theworld``: TheWorld's collate; it and ``tokenizer`` render with the
@@ -334,9 +341,9 @@ class TheWorldModel(LMRecipe):
         latents of TheWorld's image preset (:data:`IMAGE_PRESET`; ``image_size`` kwarg; the latent channels of
         ``projection_checkpoint`` when given) from the VAE's weights (``vae``, default TheWorld's:
         :func:`vae_weights`)."""
-        lm = kwargs.get("lm", DEFAULT_GEMMA3)
-        cfg = check_config(lm)
-        tok, fingerprint, template = text_tokenizer(lm, kwargs.get("tokenizer"), WORLD_TOKENS)
+        lm, revision = kwargs.get("lm", DEFAULT_GEMMA3), kwargs.get("revision")
+        cfg = check_config(lm, revision)
+        tok, fingerprint, template = text_tokenizer(lm, kwargs.get("tokenizer"), WORLD_TOKENS, kwargs=kwargs)
         chat_template = kwargs.get("chat_template", CHAT_TEMPLATE)
         markers = token_ids(tok, WORLD_TOKENS) if tok is not None else dict.fromkeys(WORLD_TOKENS)
         image = dict(IMAGE_PRESET, size=int(kwargs.get("image_size", IMAGE_PRESET["size"])))
@@ -345,7 +352,7 @@ class TheWorldModel(LMRecipe):
         values = {f"special_tokens.{t}": i for t, i in ({GEMMA_IMAGE_SOFT: int(cfg.image_token_id)} | markers).items()}
         try:
             with blocked_imports():
-                pixels = image_processor_options(resolve_lm(lm), GEMMA3_PIXEL_OPTIONS)
+                pixels = image_processor_options(resolve_lm(lm), GEMMA3_PIXEL_OPTIONS, revision=revision)
         except OSError as e:
             pixels = Unknown(f"{lm} has no image processor config transformers can read ({e})")
         values |= {"pad_id": tokenizer_pad_id(tok) if tok is not None else None, "text_tokenizer": fingerprint,
@@ -353,10 +360,12 @@ class TheWorldModel(LMRecipe):
                    "chat_template_sha256": template if chat_template in ("theworld", "tokenizer") else None,
                    "label_policy": kwargs.get("label_policy", LABEL_POLICY),
                    **{f"image.{k}": v for k, v in image.items()},
-                   "image.weights": vae_weights(kwargs.get("vae", DEFAULT_VAE), kwargs.get("vae_subfolder")),
+                   "image.weights": vae_weights(kwargs.get("vae", DEFAULT_VAE), kwargs.get("vae_subfolder"),
+                                                kwargs.get("vae_revision")),
                    "feature_encoder.name": MODEL_TYPE, "feature_encoder.tokens_per_image": int(cfg.mm_tokens_per_image),
                    "feature_encoder.hidden_size": int(cfg.text_config.hidden_size), "feature_encoder.dtype": "bfloat16",
-                   "feature_encoder.weights": weights_of(resolve_lm(lm), select=under(*GEMMA3_VISION)),
+                   "feature_encoder.weights": weights_of(resolve_lm(lm), select=under(*GEMMA3_VISION),
+                                                         revision=revision, what="model.kwargs.revision"),
                    "feature_encoder.image_processor": pixels}
         return cls.contract_of("--model.name theworld", values)
 
@@ -376,9 +385,10 @@ class TheWorldModel(LMRecipe):
                  image_soft_token_id: int | None = None, world_start_token_id: int | None = None,
                  world_end_token_id: int | None = None, tokenizer: str | None = None,
                  chat_template: str = CHAT_TEMPLATE, label_policy: str = LABEL_POLICY, image_size: int = 512,
-                 vae: str = DEFAULT_VAE, vae_subfolder: str | None = None) -> None:
+                 vae: str = DEFAULT_VAE, vae_subfolder: str | None = None, revision: str | None = None,
+                 tokenizer_revision: str | None = None, vae_revision: str | None = None) -> None:
         super().__init__()
-        cfg = check_config(lm)
+        cfg = check_config(lm, revision)
         if image_soft_token_id is not None and int(image_soft_token_id) != cfg.image_token_id:
             raise ValueError(f"the cache's <image_soft_token> is {image_soft_token_id}, the model's image_token_id "
                              f"{cfg.image_token_id}: precompute with text_tokenizer.pretrained = {lm}")
@@ -390,7 +400,7 @@ class TheWorldModel(LMRecipe):
         self.latent_channels = int(latent_channels)
         self.projection_lr, self.max_trainable_fraction = projection_lr, max_trainable_fraction
         self.lm = load_causal_lm(lm, vocab_size, dtype, attn_implementation,
-                                 model_class="Gemma3ForConditionalGeneration")
+                                 model_class="Gemma3ForConditionalGeneration", revision=revision)
         self.lm_name, self.lora = str(lm), None
         inner = self.lm.model
         self.keep_vision = bool(vision_tower)

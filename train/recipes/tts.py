@@ -66,6 +66,8 @@ class TTSModel(LMRecipe):
             (default: the run's lr).
         tokenizer: the text tokenizer the LM was trained with, for an LM that ships none (its contract
             compares it with the cache's; not loaded to train).
+        revision, tokenizer_revision: the hub revision (branch, tag or commit; default ``main``) of ``lm``
+            and of ``tokenizer`` (a local folder has none: refused).
         n_codebooks, codebook_size, vocab_size, pad_id, audio_in_token_id, audio_out_token_id,
         audio_out_bos_token_id: from the cache (:func:`train.recipes.base.cache_values`).
 
@@ -86,7 +88,7 @@ class TTSModel(LMRecipe):
         """Conversations with ``<|AUDIO_OUT|>`` items as codes, from any codec (the audio embeddings are new,
         sized from the cache), tokenized by the LM's own tokenizer (``model.kwargs.tokenizer`` for an LM that
         ships none: its token embeddings mean those ids; they are resized to the cache's vocabulary)."""
-        _, fingerprint, _ = text_tokenizer(kwargs.get("lm", DEFAULT_LM), kwargs.get("tokenizer"))
+        _, fingerprint, _ = text_tokenizer(kwargs.get("lm", DEFAULT_LM), kwargs.get("tokenizer"), kwargs=kwargs)
         return cls.contract_of("--model.name tts", {"special_tokens.<|AUDIO_OUT|>": kwargs.get("audio_out_token_id"),
                                                     "text_tokenizer": fingerprint})
 
@@ -101,7 +103,8 @@ class TTSModel(LMRecipe):
                  audio_out_bos_token_id: int | None = None, lm: str = DEFAULT_LM, dtype: str = "float32",
                  attn_implementation: str | None = None, freeze_lm: bool = False, lora: Any = False,
                  text_loss_weight: float = 1.0, audio_loss_weight: float = 1.0,
-                 audio_lr: float | None = None, tokenizer: str | None = None) -> None:
+                 audio_lr: float | None = None, tokenizer: str | None = None, revision: str | None = None,
+                 tokenizer_revision: str | None = None) -> None:
         super().__init__()
         if audio_out_token_id is None:
             raise ValueError("--model.name tts needs the id of <|AUDIO_OUT|>: the cache's manifest.json has no "
@@ -115,7 +118,7 @@ class TTSModel(LMRecipe):
         self.audio_out_bos_token_id = audio_out_bos_token_id
         self.text_loss_weight, self.audio_loss_weight = float(text_loss_weight), float(audio_loss_weight)
         self.audio_lr = audio_lr
-        self._init_lm(lm, vocab_size, dtype, attn_implementation)
+        self._init_lm(lm, vocab_size, dtype, attn_implementation, revision)
         D, V, Q = self.hidden_size, self.codebook_size + 2, self.n_codebooks
         std = float(getattr(self.lm.config, "initializer_range", 0.02))
         self.audio_embed = nn.Embedding(Q * V, D)       # row q * V + id: codebook q's table

@@ -71,6 +71,8 @@ class VLMModel(LMRecipe):
         max_trainable_fraction: with a frozen LM warn above this fraction (default 0.10).
         tokenizer: the text tokenizer the LM was trained with, for an LM that ships none (its contract
             compares it with the cache's; not loaded to train).
+        revision, tokenizer_revision: the hub revision (branch, tag or commit; default ``main``) of ``lm``
+            and of ``tokenizer`` (a local folder has none: refused).
         latent_channels, vocab_size, pad_id, image_token_id: from the cache (:func:`train.recipes.base.cache_values`).
 
     Batch: ``input_ids``/``labels`` int64 (B, L), ``attention_mask`` bool (B, L) (optional),
@@ -89,7 +91,7 @@ class VLMModel(LMRecipe):
         """Conversations with image latents from any VAE and preset (the projection is new, sized from
         the cache's latent channels), tokenized by the LM's own tokenizer (``model.kwargs.tokenizer`` for an
         LM that ships none: its token embeddings mean those ids; they are resized to the cache's vocabulary)."""
-        _, fingerprint, _ = text_tokenizer(kwargs.get("lm", DEFAULT_LM), kwargs.get("tokenizer"))
+        _, fingerprint, _ = text_tokenizer(kwargs.get("lm", DEFAULT_LM), kwargs.get("tokenizer"), kwargs=kwargs)
         return cls.contract_of("--model.name vlm", {"text_tokenizer": fingerprint})
 
     @classmethod
@@ -102,7 +104,8 @@ class VLMModel(LMRecipe):
                  attn_implementation: str | None = None, freeze_lm: bool = True, lora: Any = False,
                  patch_size: int = 2, projector: str = "mlp2", projector_hidden: int | None = None,
                  projection_lr: float | None = None, max_trainable_fraction: float = 0.10,
-                 tokenizer: str | None = None) -> None:
+                 tokenizer: str | None = None, revision: str | None = None,
+                 tokenizer_revision: str | None = None) -> None:
         super().__init__()
         if image_token_id is None:
             raise ValueError("--model.name vlm needs the id of <image>: the cache's manifest.json has no "
@@ -113,7 +116,7 @@ class VLMModel(LMRecipe):
         self.patch, self.latent_channels = int(patch_size), int(latent_channels)
         self.projection_lr = projection_lr
         self.max_trainable_fraction = max_trainable_fraction
-        self._init_lm(lm, vocab_size, dtype, attn_implementation)
+        self._init_lm(lm, vocab_size, dtype, attn_implementation, revision)
         D = self.hidden_size
         d_in = self.latent_channels * self.patch * self.patch
         if projector == "linear":

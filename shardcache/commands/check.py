@@ -5,7 +5,8 @@ A user trusts a cache before spending GPU-weeks on it: for ``N`` samples picked 
 source files and encoded again with the encoders and preprocessing the cache's ``manifest.json``
 records (its ``config``: codec, VAE, tokenizer and chat template, image policy, extra fields),
 through the very code stage one runs (:class:`precompute.job.Job`), and every array is
-compared with the cached one:
+compared with the cached one (a command above both stages: it reads the cache as ``shards verify``
+does and runs stage one's encoders, so it lives in the command layer, docs/layers.md):
 
 * token ids, labels, codes, segments, offsets, any integer field: exactly;
 * waveforms (int16 PCM): within 1 LSB;
@@ -42,15 +43,16 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.cli import plain
+from precompute.config import PrecomputeConfig, load_config
+from shardcache.helptext import plain
+from shards import Cache
 from shards import fields as registry
+from shards.commands._common import UsageError, cache_dir as checked_cache_dir
 from shards.errors import ShardcacheError, WriteRefused
 from shards.manifest import CacheManifest
-from shards.reader import ShardReader, value_checks_from_manifest
+from shards.reader import ShardReader
 
-from .config import PrecomputeConfig, load_config
-
-log = logging.getLogger("precompute.check")
+log = logging.getLogger("shardcache.check")
 PROG = "shardcache check"
 
 
@@ -108,15 +110,16 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
     """
     import torch
 
-    from .encode import Summary
-    from .job import Job
-    from .manifests import read_requests
-    from .validate import validate_config
+    from precompute.encode import Summary
+    from precompute.job import Job
+    from precompute.manifests import read_requests
+    from precompute.validate import validate_config
 
     cache_dir = Path(cache_dir)
-    man = CacheManifest.read(cache_dir)
+    damage = cache_problems(cache_dir)  # what verify (and the loader) refuse of the cache's own files, first
+    cache = Cache.open(cache_dir, strict=False)  # (read as far as it reads: what differs is reported below)
+    man = cache.manifest
     cfg = validate_config(cache_config(man, overrides))
-    damage = cache_problems(cache_dir)  # what verify (and the loader) refuse of the cache's own files
     # checksums=False: each value is compared with the one derived again, so a changed array is reported as
     # MISMATCH naming its field (`shardcache shards verify` is the tool for damaged bytes)
     reader = ShardReader(cache_dir, checksums=False)
@@ -135,7 +138,7 @@ def check(cache_dir: str | Path, manifest: str | Path, samples: int = 8, *, root
                            "asked": samples, "cached": len(reader.keys), "matched_rows": len(rows),
                            "skipped_fields": sorted(man.sidecar_fields), "problems": [], "missing_rows": missing[:20],
                            "cache_problems": damage, "refused": []}
-    loader_view = ShardReader(cache_dir, checksums=True, value_checks=value_checks_from_manifest(man.to_dict()))
+    loader_view = ShardReader(cache_dir, checksums=True, value_checks=cache.value_checks())
     if not out["fingerprint_matches"]:
         log.warning("the encoders and preprocessing give fingerprint %s..., the cache has %s...: the weights or "
                     "settings changed since the cache was made", pipe.fingerprint[:16], str(man.fingerprint)[:16])
@@ -196,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--samples must be >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     overrides = list(args.overrides) + [f"device={args.device}"]
+    try:
+        checked_cache_dir(args.cache)  # a folder that is no cache (or a stage-one job to rerun) is a usage error
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     try:
         r = check(args.cache, args.manifest, args.samples, root=args.root, seed=args.seed, overrides=overrides,
                   device=args.device)
