@@ -69,7 +69,7 @@ class EncoderThread:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # a daemon thread: one that hangs in an encoder's call must not keep the process from exiting
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="encoders")
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="encoders_0")  # (as a pool names it)
         self._thread.start()
 
     def _serve(self) -> None:

@@ -195,15 +195,24 @@ def test_a_decode_worker_that_hangs_fails_the_job_naming_it_and_the_row(cfg, aud
         init(self, n)
         tables.append(self)
     monkeypatch.setattr(F.WorkerPids, "__init__", spy)
+    import json
     cache, before = tmp_path / "c", _shm()
     stopped: dict = {}
+    rows: dict[int, dict] = {}  # manifest position -> the row, for the rows naming a file that exists
+    for p, line in enumerate(audio_rows.read_text().splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("audio"), str) and (DEMO / rec["audio"]).is_file():
+            rows[p] = rec
 
     def busy():
         if not tables:
             return False
         t = tables[0]
         for i, (pid, item) in enumerate(zip(t.table.tolist(), t.rows.tolist())):
-            if pid and item >= 0:
+            if pid and item in rows:
                 os.kill(pid, signal.SIGSTOP)
                 if int(t.rows[i]) == item:  # stopped on that row
                     stopped.update(worker=i, pid=pid, item=item, pids=[p for p in t.table.tolist() if p])
@@ -215,8 +224,7 @@ def test_a_decode_worker_that_hangs_fails_the_job_naming_it_and_the_row(cfg, aud
         run(audio_rows, cache, dataclasses.replace(cfg, num_workers=2, stall_timeout_s=STALL_S), root=DEMO,
             progress=False)
     watcher.join()
-    import json
-    row = json.loads(audio_rows.read_text().splitlines()[stopped["item"]])  # the table holds its manifest position
+    row = rows[stopped["item"]]  # (the table holds the row's manifest position)
     assert str(got.value).startswith(
         f"decode worker {stopped['worker']} (pid {stopped['pid']}) hung: decoding row {row['key']!r} "
         f"({DEMO / row['audio']}), no progress for {STALL_S:g} s (stall_timeout_s); killed with SIGKILL"), str(got.value)
