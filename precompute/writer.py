@@ -309,7 +309,10 @@ class ChunkWriter:
 
     def _drop_leftovers(self) -> None:
         """Remove what a writer that died (or failed on the store) left of the chunks it had not committed: its
-        ``NAME.tar.tmp`` and the ``.tmp`` of their parts (in this job's writing session: no symlink followed)."""
+        ``NAME.tar.tmp`` and the ``.tmp`` of their parts, and, where the chunk's index part (its commit marker) is
+        not there, the ``NAME.tar`` and rejects part it had renamed into place before it was killed (in this job's
+        writing session: no symlink followed)."""
+        from shards.index import part_paths
         from shards.schema import PARTS_DIR
         from shards.writing import session
         local = Path(self.output.local)
@@ -318,6 +321,9 @@ class ChunkWriter:
                 continue
             stem = name[:-4]
             leftovers = [local / f"{name}.tmp"] + sorted((local / PARTS_DIR).glob(f"{stem}.*.tmp"))
+            index, rejects = part_paths(local, stem)
+            if not index.exists():  # (the parts are written last, the index part after the rejects part)
+                leftovers += [local / name, rejects]
             for path in leftovers:
                 if path.is_file() and not path.is_symlink():
                     with session(path) as s:

@@ -110,30 +110,80 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def _held_by_a_live_process(name: str) -> bool:
-    """Whether some live process maps or holds open ``/dev/shm/NAME`` (another job's, running now)."""
-    path = f"/dev/shm/{name}"
+def _shm_holders() -> dict[str, set[int]]:
+    """``/dev/shm`` NAME -> the live processes that map it or hold it open (one pass over ``/proc``)."""
+    out: dict[str, set[int]] = {}
     for proc in Path("/proc").glob("[0-9]*"):
+        names = set()
         try:
-            if path in (proc / "maps").read_text():
-                return True
-            if any(os.readlink(fd) == path for fd in (proc / "fd").iterdir()):
-                return True
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    names.add(line.split("/dev/shm/", 1)[1].split()[0])
+            for fd in (proc / "fd").iterdir():
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith("/dev/shm/"):
+                    names.add(target[len("/dev/shm/"):])
         except OSError:
             continue
-    return False
+        for name in names:
+            out.setdefault(name, set()).add(int(proc.name))
+    return out
 
 
-def _check_clean(cache: Path, before: set[str], pids: list[int]) -> None:
-    """Nothing of the ended job is left: no process, no /dev/shm entry nobody holds, no temporary file in the
-    cache folder, the writer lock released (its file emptied), no reject that is not a reject of the
-    uninterrupted run (checked after the rerun)."""
+class _ShmWatch:
+    """The ``/dev/shm`` entries made while a job runs, and whose they are. Made before the job starts, it looks
+    every 0.1 s (:func:`_shm_holders`) at who holds each new entry: the job's processes (this process and the
+    processes started since, its children and theirs: a job run here or one started as a child) or only others
+    (a test in another xdist worker, another user of the machine, making and dropping their own).
+    :meth:`left` (after the job) is the new entries nobody holds now, except those only others were seen holding."""
+
+    def __init__(self):
+        import threading
+        self.before = _shm()
+        self._older = set(_tree(os.getpid()))  # this process's children from earlier tests (a pool, loky workers)
+        self.ours: set[str] = set()
+        self.others: set[str] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _look(self) -> None:
+        mine = {os.getpid()} | (set(_tree(os.getpid())) - self._older)
+        for name, pids in _shm_holders().items():
+            if name not in self.before:
+                (self.ours if pids & mine else self.others).add(name)
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.1):
+            self._look()
+
+    def left(self) -> set[str]:
+        self._done.set()
+        self._thread.join()
+        self._look()
+        held = _shm_holders()
+        return {n for n in _shm() - self.before if n not in held and (n in self.ours or n not in self.others)}
+
+
+def _new_children(older: set[int]) -> list[int]:
+    """This process's children that are not in ``older`` (those from earlier tests of this xdist worker)."""
+    return [p for p in _children(os.getpid()) if p not in older]
+
+
+def _check_clean(cache: Path, shm: _ShmWatch, pids: list[int]) -> None:
+    """Nothing of the ended job is left: no process of ``pids``, no /dev/shm entry of the job nobody holds
+    (:class:`_ShmWatch`, made before the job), no temporary file in the cache folder, the writer lock released
+    (its file emptied), no reject that is not a reject of the uninterrupted run (checked after the rerun)."""
     from shards.lock import holder
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], "processes of the job outlived it"
-    left = {n for n in _shm() - before if not _held_by_a_live_process(n)}
+    assert not [p for p in pids if _alive(p)], \
+        f"processes of the job outlived it: {[(p, _cmdline(p)[:100]) for p in pids if _alive(p)]}"
+    left = shm.left()
     assert not left, f"/dev/shm entries left behind: {left}"
     tmp = sorted(p.name for p in list(cache.glob("*.tmp")) + list((cache / "parts").glob("*.tmp")))
     assert not tmp, f"temporary files left in the cache folder: {tmp}"
@@ -163,7 +213,7 @@ def test_sigterm_unwinds_the_job_and_the_rerun_completes(tiny_models, reference,
     """SIGTERM (SLURM's, torchrun's way to end a job) killed the job where it stood: the writer lock kept its
     holder, the chunk in progress its temporary file. Now the job unwinds: exit 143, every process gone, the
     lock released, the unfinished chunk dropped; the rerun completes the cache."""
-    cache, before = tmp_path / "c", _shm()
+    cache, before = tmp_path / "c", _ShmWatch()
     job = _start(cache, tiny_models, "--num_workers=2")
     _wait(_committed(cache), job)
     _wait(lambda: list(cache.glob("*.tar.tmp")), job)  # mid-chunk
@@ -183,7 +233,7 @@ def test_a_killed_writer_process_fails_the_job_naming_it(tiny_models, reference,
     :func:`precompute.job.writer_process`). Killed, it left its chunk's ``.tmp`` in the cache and the job hung
     or failed with a bare RuntimeError; now it fails with exit 1 naming the writer process, its pid and the
     signal, the temporary file removed, and the rerun completes the cache."""
-    cache, before = tmp_path / "c", _shm()
+    cache, before = tmp_path / "c", _ShmWatch()
     stand_in = "import precompute.job as j; j.writer_process = lambda device: True"
     job = _start(cache, tiny_models, "--num_workers=0", stand_in=stand_in)
     _wait(_committed(cache), job)
@@ -206,7 +256,7 @@ def test_a_killed_decode_worker_fails_the_job_naming_it(tiny_models, reference, 
     worker is killed while it decodes a row: a stand-in holds the decoding of the manifest's last row (the decode
     workers are forked, so they run it) until it is killed; a worker killed once its rows were all delivered
     costs the job nothing, and the demo's rows decode faster than the first chunk commits."""
-    cache, before, busy = tmp_path / "c", _shm(), tmp_path / "busy"
+    cache, before, busy = tmp_path / "c", _ShmWatch(), tmp_path / "busy"
     last = len((DEMO / "samples.jsonl").read_text().splitlines()) - 1
     stand_in = ("import os, time, precompute.chunks as C; get = C.RowsDataset.__getitem__; "
                 f"C.RowsDataset.__getitem__ = lambda self, item: (item[0].row == {last} and (open({str(busy)!r}, "
@@ -255,7 +305,7 @@ def test_a_codec_process_killed_past_its_restarts_fails_the_job_and_the_rerun_co
                                                                                        tmp_path):
     """No restart left (a stand-in sets ``RESTARTS = 0``): exit 1 naming the codec process, its pid and the
     signal; nothing written for the rows in flight; the rerun completes the cache."""
-    cache, before = tmp_path / "c", _shm()
+    cache, before = tmp_path / "c", _ShmWatch()
     stand_in = "import precompute.encoders.processes as P; P.RESTARTS = 0"
     job = _start(cache, tiny_models, "--audio_tokenizer.processes=2", "--num_workers=0", stand_in=stand_in)
     _wait(_committed(cache), job)
@@ -293,11 +343,12 @@ def test_sigterm_in_process_unwinds_the_job(tiny_models, tiny_config, demo_cache
     shared memory left, the lock released, the chunk in progress dropped; the rerun writes the demo's bytes."""
     from precompute.cli import main
     from precompute.job import run
-    cache, before = tmp_path / "c", _shm()
+    cache, before = tmp_path / "c", _ShmWatch()
     pids: list[int] = []
+    older = set(_children(os.getpid()))  # (earlier tests' processes: a pool, loky workers)
 
     def stop():
-        pids.extend(_children(os.getpid()))
+        pids.extend(_new_children(older))  # the job's: its decode workers
         os.kill(os.getpid(), signal.SIGTERM)
     watcher = _watch(cache, stop)
     handler = signal.getsignal(signal.SIGTERM)
@@ -328,7 +379,7 @@ def test_a_sigterm_a_c_callback_swallows_still_stops_the_job(tiny_models, tmp_pa
     from precompute.cli import main
     from precompute.faults import Stopped
     rows, _ = _edited(tmp_path)
-    fresh, cache, before = tmp_path / "fresh", tmp_path / "c", _shm()
+    fresh, cache = tmp_path / "fresh", tmp_path / "c"
     assert main(_audio_args(rows, fresh, tiny_models)) == 0
     want, _, want_rejects = _layout(fresh)
     sent: list[str] = []
@@ -346,6 +397,7 @@ def test_a_sigterm_a_c_callback_swallows_still_stops_the_job(tiny_models, tmp_pa
     monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_value) if isinstance(
         u.exc_value, Stopped) else hook(u))
     capsys.readouterr()
+    before = _ShmWatch()
     rc = main(_audio_args(rows, cache, tiny_models))
     err = capsys.readouterr().err
     assert sent and swallowed, (sent, swallowed)  # the Stopped was raised in the callback and dropped there
@@ -379,7 +431,7 @@ def test_a_killed_writer_process_in_process_fails_the_job(tiny_config, demo_cach
         writers.append(self)
     monkeypatch.setattr(W.ChunkWriter, "__init__", spy)
     monkeypatch.setattr(J, "writer_process", lambda device: True)
-    cache, before = tmp_path / "c", _shm()
+    cache, before = tmp_path / "c", _ShmWatch()
     pids: list[int] = []
 
     def kill():
@@ -392,6 +444,38 @@ def test_a_killed_writer_process_in_process_fails_the_job(tiny_config, demo_cach
     assert str(got.value).startswith(f"shard writer process (pid {pids[0]}) was killed by signal SIGKILL (9)")
     assert got.value.signal == "SIGKILL"
     _check_clean(cache, before, pids)
+    monkeypatch.undo()
+    J.run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
+    assert _layout(cache) == _layout(demo_cache)
+
+
+def test_a_writer_process_killed_between_its_tar_and_its_commit_leaves_no_tar(tiny_config, demo_cache, tmp_path,
+                                                                              monkeypatch):
+    """The shard writer process commits a chunk in two steps: the tar renamed into place, then the chunk's parts
+    (the index part last: the commit marker). Killed between them, it left a ``shard-NNNNNN.tar`` of a chunk that
+    was never committed: the folder held more shards than the index parts said. Now the job removes it with the
+    ``.tmp`` files (ProcessDied naming the writer), and the rerun writes the demo's bytes. The kill is the writer's
+    own, at its second chunk's parts (a stand-in for :func:`shards.index.write_parts`, inherited as it forks)."""
+    from precompute import job as J
+    from precompute.faults import ProcessDied
+    from shards import writer as SW
+    real, calls = SW.write_parts, []
+
+    def write_parts(out_dir, stem, *a, **k):
+        calls.append(stem)
+        if len(calls) == 2:  # in the writer process: its second chunk's tar is in place
+            assert (Path(out_dir) / f"{stem}.tar").is_file()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(out_dir, stem, *a, **k)
+    monkeypatch.setattr(SW, "write_parts", write_parts)
+    monkeypatch.setattr(J, "writer_process", lambda device: True)
+    cache, before = tmp_path / "c", _ShmWatch()
+    with pytest.raises(ProcessDied) as got:
+        J.run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
+    assert str(got.value).startswith("shard writer process (pid ") and got.value.signal == "SIGKILL", str(got.value)
+    assert not calls  # (this process wrote no part: the writer process did)
+    _check_clean(cache, before, [])  # no shard without its index part
+    assert len(list((cache / "parts").glob("*.index.parquet"))) == 1
     monkeypatch.undo()
     J.run(DEMO / "samples.jsonl", cache, tiny_config, progress=False)
     assert _layout(cache) == _layout(demo_cache)
@@ -523,7 +607,7 @@ def test_out_of_memory_decoding_a_row_within_the_limits_fails_the_job(tiny_confi
     from precompute.faults import DeviceFault
     from precompute.job import run
     _out_of_memory_on(monkeypatch, "spk-gb-0003.flac")
-    cache, before = tmp_path / "c", _shm()
+    cache, before = tmp_path / "c", _ShmWatch()
     with pytest.raises(DeviceFault) as got:
         run(DEMO / "samples.jsonl", cache, dataclasses.replace(tiny_config, num_workers=workers), progress=False)
     where = r"decode worker \d" if workers else "the decoding process"
@@ -693,7 +777,7 @@ def test_a_full_disk_while_writing_fails_the_job_and_the_rerun_completes(small_d
     roomy = tmp_path / "roomy"
     assert main(_audio_args(first, roomy, tiny_models)) == 0
     capsys.readouterr()
-    cache, before = disk / "c", _shm()
+    cache, before = disk / "c", _ShmWatch()
     assert main(_audio_args(first, cache, tiny_models)) == 1
     err = capsys.readouterr().err
     assert "error: shard writer: OSError: [Errno 28] No space left on device" in err, err[-3000:]

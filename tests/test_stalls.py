@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DEMO, ROOT
-from test_faults import ENV, _check_clean, _committed, _layout, _shm
+from test_faults import ENV, _check_clean, _committed, _layout, _ShmWatch
 
 pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.skipif(not Path("/proc/self/task").exists(),
                                                                     reason="needs Linux /proc")]
@@ -93,7 +93,7 @@ def test_a_plugin_codec_that_hangs_fails_the_job_naming_it(plugin_reference, aud
     the cache."""
     from precompute.cli import main
     hang, want = plugin_reference
-    cache, before = tmp_path / "c", _shm()
+    cache, before = tmp_path / "c", _ShmWatch()
     hang.write_text("")
     try:
         rc = main(_plugin_args(cache, audio_rows, hang, f"--stall_timeout_s={STALL_S}"))
@@ -115,7 +115,7 @@ def test_a_plugin_codec_that_hangs_forever_ends_the_command(plugin_reference, au
     """The command line itself, the plug-in asleep for good (its file never removed while the job runs): the process
     exits 1 with the fault rather than hang, though its encoder thread never returns."""
     hang, want = plugin_reference
-    cache, before = tmp_path / "c", _shm()
+    cache, before = tmp_path / "c", _ShmWatch()
     hang.write_text("")
     try:
         p = subprocess.run([sys.executable, "-m", "shardcache", "precompute",
@@ -196,7 +196,7 @@ def test_a_decode_worker_that_hangs_fails_the_job_naming_it_and_the_row(cfg, aud
         tables.append(self)
     monkeypatch.setattr(F.WorkerPids, "__init__", spy)
     import json
-    cache, before = tmp_path / "c", _shm()
+    cache, before = tmp_path / "c", _ShmWatch()
     stopped: dict = {}
     rows: dict[int, dict] = {}  # manifest position -> the row, for the rows naming a file that exists
     for p, line in enumerate(audio_rows.read_text().splitlines()):
@@ -249,7 +249,7 @@ def test_a_writer_process_that_hangs_fails_the_job(cfg, audio_rows, reference, t
         writers.append(self)
     monkeypatch.setattr(W.ChunkWriter, "__init__", spy)
     monkeypatch.setattr(J, "writer_process", lambda device: True)
-    cache, before = tmp_path / "c", _shm()
+    cache, before = tmp_path / "c", _ShmWatch()
     pids: list[int] = []
 
     def stop():
