@@ -230,6 +230,7 @@ class WorkerPids:
 
     def __init__(self, n: int):
         import torch
+        self.workers = int(n)  # (0: the job decodes in its own process, without a deadline)
         n = max(1, n)
         self.table = torch.zeros(n, dtype=torch.int64).share_memory_()
         self.rows = torch.full((n,), -1, dtype=torch.int64).share_memory_()  # the item each decodes (-1: none)
@@ -283,31 +284,72 @@ class WorkerPids:
         i, pid, item, _ = stuck[0]
         return ProcessHung(f"decode worker {i}", pid, stall_s, f"decoding {row(item) if row else f'item {item}'}")
 
+    def _all_hung(self, stall_s: float) -> ProcessHung:
+        """The hang of every live worker: no batch came for the deadline and none was on a row."""
+        pids = [(i, int(p)) for i, p in enumerate(self.table.tolist()) if p and alive(int(p))]
+        return ProcessHung("decode workers " + ", ".join(str(i) for i, _ in pids), None, stall_s,
+                           "none delivered the next batch and none was decoding a row",
+                           detail="pids " + ", ".join(str(p) for _, p in pids))
+
     def receive(self, batches: Iterator, stall_s: float, row: Callable[[int], str] | None = None) -> Iterator:
         """``batches`` (the iterator of a decode loader whose ``timeout`` is ``stall_s``; nothing else may hold it),
         each failure of it raised as the fault of the worker that died or hung (:meth:`fault`; the loader's error
         as its cause). A loader that gave no batch for ``stall_s`` while no worker was on a row (a worker stopped
-        between rows) is a hang of every worker. Hung workers are killed once the loader is shut down (so that the
-        loader never reports their deaths in the middle of the job's cleanup)."""
-        while True:
-            t = time.monotonic()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            except Exception as e:  # noqa: BLE001 - the loader's error: raised as it is unless a worker caused it
-                fault = self.fault(e, stall_s, row)
-                if fault is None and time.monotonic() - t >= stall_s:  # its timeout: no batch for stall_s
-                    pids = [(i, int(p)) for i, p in enumerate(self.table.tolist()) if p and alive(int(p))]
-                    fault = ProcessHung("decode workers " + ", ".join(str(i) for i, _ in pids), None, stall_s,
-                                        "none delivered the next batch and none was decoding a row",
-                                        detail="pids " + ", ".join(str(p) for _, p in pids))
-                if fault is None:
-                    raise
-                e.__traceback__ = None  # (its frames hold the loader's iterator)
-                cause = e
-                break
-            yield batch
+        between rows) is a hang of every worker (with no worker, decoding in this process, there is no deadline).
+        Hung workers are killed once the loader is shut down (so that the
+        loader never reports their deaths in the middle of the job's cleanup).
+
+        The loader's ``timeout`` bounds its wait for a batch's message, not what follows: taking the batch's
+        shared memory from the worker that sent it (a file descriptor, passed by that worker) blocks for good
+        when the worker stopped meanwhile. So while it waits for a batch a watchdog thread looks every
+        ``stall_s / 4`` (at most 1 s): a worker on one row past the deadline, or a wait of twice the deadline (the
+        loader's own timeout did not end it), is the hang; the watchdog kills those workers (``SIGKILL``), which
+        ends the wait with an error, and this raises that hang."""
+        import threading
+        waiting: list[float | None] = [None]  # since when next(batches) waits (None: not waiting)
+        found: list[ProcessHung] = []  # the hang the watchdog killed for
+        done = threading.Event()
+
+        def watchdog() -> None:
+            while not done.wait(min(1.0, stall_s / 4)):
+                since = waiting[0]
+                if since is None or found or self.reported is not None:
+                    continue
+                stuck = self.hung(stall_s)
+                if stuck:
+                    i, pid, item, _ = stuck[0]
+                    found.append(ProcessHung(f"decode worker {i}", pid, stall_s,
+                                             f"decoding {row(item) if row else f'item {item}'}"))
+                    _kill(pid)
+                elif time.monotonic() - since > 2 * stall_s:
+                    found.append(self._all_hung(stall_s))
+                    for p in self.table.tolist():
+                        if p:
+                            _kill(int(p))
+
+        if self.workers:
+            threading.Thread(target=watchdog, daemon=True, name="decode-watchdog").start()
+        try:
+            while True:
+                t = waiting[0] = time.monotonic()
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                except Exception as e:  # noqa: BLE001 - the loader's error: raised as it is unless a worker caused it
+                    fault = found[0] if found else self.fault(e, stall_s, row)
+                    if fault is None and self.workers and time.monotonic() - t >= stall_s:  # its timeout: no batch
+                        fault = self._all_hung(stall_s)
+                    if fault is None:
+                        raise
+                    e.__traceback__ = None  # (its frames hold the loader's iterator)
+                    cause = e
+                    break
+                finally:
+                    waiting[0] = None
+                yield batch
+        finally:
+            done.set()
         del batches  # the loader shuts its workers down, and forgets them
         self.reported = fault
         if isinstance(fault, ProcessHung):

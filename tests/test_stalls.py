@@ -269,6 +269,62 @@ def test_a_writer_process_that_hangs_fails_the_job(cfg, audio_rows, reference, t
     assert _layout(cache) == reference
 
 
+@pytest.mark.parametrize("on_row", [True, False], ids=["on a row", "between rows"])
+def test_a_wait_for_a_batch_the_loaders_timeout_cannot_end_is_a_hang_of_the_worker(on_row):
+    """The decode loader's ``timeout`` bounds its wait for a batch's message, not the taking of the batch's shared
+    memory from the worker that sent it (a file descriptor read from that worker): with the worker stopped just
+    then, the job waited for good (seen once in test_a_decode_worker_that_hangs_fails_the_job_naming_it_and_the_row).
+    Now a watchdog kills the worker once it is past the deadline on one row (or, between rows, once the wait took
+    twice the deadline), the wait ends with an error, and the job's error is the hang naming the worker. Here the
+    wait is a read from a live child process standing for the worker, which only its death ends."""
+    from precompute.faults import ProcessHung, WorkerPids
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.PIPE)
+    pids = WorkerPids(1)
+    pids.table[0] = worker.pid
+    if on_row:
+        pids.rows[0], pids.since[0] = 7, time.monotonic()
+
+    def batches():
+        yield ["the first batch"]
+        if not worker.stdout.read(1):  # (blocks until the worker is gone)
+            raise EOFError("the worker's connection closed")
+    got: dict = {}
+
+    def consume():
+        try:
+            got["batches"] = list(pids.receive(batches(), 0.5, lambda p: f"row {p}"))
+        except BaseException as e:  # noqa: BLE001 - what the job would raise
+            got["error"] = e
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    t.join(120)
+    if t.is_alive():
+        worker.kill()
+        pytest.fail("the wait was not ended: the job would hang for good")
+    assert worker.wait() == -signal.SIGKILL
+    e = got["error"]
+    assert isinstance(e, ProcessHung) and isinstance(e.__cause__, EOFError), repr(e)
+    want = (f"decode worker 0 (pid {worker.pid}) hung: decoding row 7, no progress for 0.5 s" if on_row else
+            f"decode workers 0 hung: none delivered the next batch and none was decoding a row, no progress for "
+            f"0.5 s (stall_timeout_s); killed with SIGKILL; pids {worker.pid}")
+    assert str(e).startswith(want), str(e)
+
+
+def test_decoding_in_the_job_process_has_no_deadline():
+    """With no decode worker the rows are decoded by the waiting thread itself: a slow batch and then its own error
+    is that error (a row's, a bug's), never a hang."""
+    from precompute.faults import WorkerPids
+
+    def batches():
+        yield ["the first batch"]
+        time.sleep(0.6)  # three times the deadline
+        raise ValueError("the decoder's own error")
+    got = WorkerPids(0).receive(batches(), 0.2, lambda p: f"row {p}")
+    assert next(got) == ["the first batch"]
+    with pytest.raises(ValueError, match="the decoder's own error"):
+        next(got)
+
+
 def test_the_stall_deadline_is_declared_with_its_bounds(capsys, tmp_path, monkeypatch):
     """``stall_timeout_s`` is an operational option (no byte of a cache depends on it) with a default generous for a
     real codec on a slow CPU and bounds checked before anything runs (exit 2 naming it)."""
