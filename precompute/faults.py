@@ -342,8 +342,9 @@ class WorkerPids:
                         fault = self._all_hung(stall_s)
                     if fault is None:
                         raise
-                    e.__traceback__ = None  # (its frames hold the loader's iterator)
                     cause = e
+                    while e is not None:  # (their frames hold the loader's iterator: it must go for its workers to)
+                        e.__traceback__, e = None, e.__cause__ or e.__context__
                     break
                 finally:
                     waiting[0] = None
