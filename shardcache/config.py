@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import operator
 import os
 import re
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping
@@ -26,7 +28,7 @@ from jsonargparse import (ActionConfigFile, ArgumentParser, DefaultHelpFormatter
                           set_parsing_settings)
 from jsonargparse.typing import registered_types, restricted_number_type
 
-from shardcache.inputs import NotAFile, check_input, read_input
+from shardcache.inputs import NotAFile, read_input
 
 
 class ConfigError(ValueError):
@@ -204,16 +206,16 @@ def load_yaml(text: str, where: str = "yaml") -> Any:
     return doc
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML file as a mapping (read by :func:`load_yaml`); every error names the file."""
+def read_yaml(path: str | Path, flag: str = "--config") -> dict[str, Any]:
+    """A YAML file as a mapping (read by :func:`load_yaml`); every error names ``flag`` and the file."""
     try:  # (a FIFO or device is refused, never waited on: shardcache.inputs)
-        data = load_yaml(read_input(path, "--config").decode("utf-8"), f"--config {path}") or {}
+        data = load_yaml(read_input(path, flag).decode("utf-8"), f"{flag} {path}") or {}
     except NotAFile as e:
-        raise ConfigError([(f"--config {path}", f"is {e.kind}, not a file: give a regular file")]) from None
+        raise ConfigError([(f"{flag} {path}", f"is {e.kind}, not a file: give a regular file")]) from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError([(f"--config {path}", " ".join(str(e).split()[:20]))]) from None
+        raise ConfigError([(f"{flag} {path}", " ".join(str(e).split()[:20]))]) from None
     if not isinstance(data, dict):
-        raise ConfigError([(f"--config {path}", "expected a mapping of option: value")])
+        raise ConfigError([(f"{flag} {path}", "expected a mapping of option: value")])
     return data
 
 
@@ -259,13 +261,16 @@ _WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a s
           tuple: "a list", list: "a list", type(None): "null"}
 
 
+def _parts(tp: Any) -> tuple:
+    """The branches of a union annotation (``int | None``: int, None), else ``(tp,)``."""
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+
+
 def expected(tp: Any) -> str:
     """What an annotation accepts, in words: "an integer > 0 and <= 384000", "one of a, b or null"
     (jsonargparse's own messages name the Python types, a union's every branch on lines of their own)."""
-    parts = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType"))\
-        else (tp,)
     words, choices, null = [], [], False
-    for p in parts:
+    for p in _parts(tp):
         if p is type(None):
             null = True
         elif typing.get_origin(p) is Literal:
@@ -289,7 +294,7 @@ def parser(cls: type, prog: str, description: str | None = None, epilog: str | N
     """``--config FILE``, ``--print_config`` and one flag per option of ``cls`` (``aliases``: a short flag ->
     the option it sets, e.g. ``{"--cache": "data.cache"}``); callers add their own job flags. Bad values raise
     ``argparse.ArgumentError`` (see :func:`parse`)."""
-    p = ArgumentParser(prog=prog, description=description, epilog=epilog, exit_on_error=False,
+    p = ArgumentParser(prog=prog, description=description, epilog=epilog, exit_on_error=False, allow_abbrev=False,
                        parser_mode="shardcache", formatter_class=HelpFormatter,
                        usage="%(prog)s [--config FILE] [--OPTION VALUE ...]")
     p.add_argument("--config", action=ActionConfigFile, help="YAML config file (nested sections); 'none': no file")
@@ -337,58 +342,173 @@ def _config_first(argv: list[str], env_var: str) -> tuple[list[str], str | None,
     return (["--config", path] if path else []) + out, path, why
 
 
-def _flag_value(argv: list[str], p: ArgumentParser, key: str) -> tuple[int | None, str | None]:
-    """Where the last flag setting option ``key`` stands in ``argv`` and its value as given."""
-    action = p._option_string_actions.get("--" + key)  # noqa: SLF001 - argparse's table of flags
-    names = set(action.option_strings) if action is not None else {"--" + key}
-    for i in range(len(argv) - 1, -1, -1):
-        name, eq, val = argv[i].partition("=")
-        if name in names:
-            nxt = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
-            return i, val if eq else nxt
-    return None, None
+@functools.cache
+def _one(tp: Any) -> ArgumentParser:
+    """A parser of the one flag ``--v`` of type ``tp``: jsonargparse's rules for what ``tp`` accepts, asked
+    value by value, so a refusal is known to be that option's (the library's errors carry text only)."""
+    p = ArgumentParser(exit_on_error=False, parser_mode="shardcache")
+    p.add_argument("--v", type=tp)
+    return p
 
 
-def _refuse_special_files(cls: type, args: list[str]) -> None:
-    """Raise :class:`ConfigError` when ``--config`` or a section's flag (``--model FILE``: the parser
-    reads a section's value as a YAML file) names a FIFO, a device or a socket: reading it would hang
-    the command or read without end (:mod:`shardcache.inputs`)."""
-    sections = {".".join(k.split(".")[:n]) for k in options(cls) for n in range(1, k.count(".") + 1)}
-    for i, tok in enumerate(args):
-        name, eq, value = tok[2:].partition("=") if tok.startswith("--") else ("", "", "")
-        if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            value = args[i + 1]
-        if (name == "config" or name in sections) and value:
+def refusal(tp: Any, value: Any = None, raw: str | None = None) -> str | None:
+    """Why an option of type ``tp`` refuses ``value`` (a file's: YAML already) or ``raw`` (a flag's text, YAML
+    unless the type is a string), as ``expected WHAT, got VALUE``; None: it takes it."""
+    if raw is not None:
+        try:
+            value = load_yaml(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            value = raw
+        except ConfigError as e:  # over the YAML limits
+            return e.problems[0][1]
+    try:
+        if tp is not Any:
+            _one(tp).parse_args([f"--v={raw}"]) if raw is not None else _one(tp).parse_object({"v": value})
+    except argparse.ArgumentError:
+        return f"expected {expected(tp)}, got {value!r}"
+    nullable = tp is Any or type(None) in _parts(tp)  # (jsonargparse takes a file's null for any type)
+    return f"expected {expected(tp)}, got null" if raw is None and value is None and not nullable else None
+
+
+def _sections(cls: type) -> set[str]:
+    """The dotted paths of the sections of ``cls`` (``data``, ``precision_tolerance``)."""
+    return {".".join(k.split(".")[:n]) for k in options(cls) for n in range(1, k.count(".") + 1)}
+
+
+def _unknown(p: ArgumentParser | None, cls: type, key: str) -> str:
+    hint = key.replace("-", "_")
+    known = hint != key and (hint in options(cls) or p is not None and "--" + hint in p._option_string_actions)  # noqa: SLF001
+    return "unknown option" + (f"; options are spelled with '_': --{hint}" if known else "; see --help")
+
+
+def mapping_problems(cls: type, data: Mapping, where: str | None = None, prefix: str = "") -> list[tuple[str, str]]:
+    """``(option, message)`` for every key of ``data`` (a config file's mapping, or a section's under
+    ``prefix``) that is no option of ``cls`` or whose value its type refuses (``where``: the file, named)."""
+    opts, sections, at, out = options(cls), _sections(cls), f" (in {where})" if where else "", []
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if key in sections:
+            out += mapping_problems(cls, v, where, key + ".") if isinstance(v, Mapping) else [
+                (key, f"expected a mapping of its options, got {v!r}{at}")]
+        elif key not in opts:
+            out.append((key, _unknown(None, cls, key) + at))
+        elif why := refusal(opts[key][0], v):
+            out.append((key, why + at))
+    return out
+
+
+def _mapping_of(raw: str, flag: str) -> tuple[Mapping | None, str | None]:
+    """What a ``--config`` or ``--SECTION`` value stands for: a YAML file (:func:`read_yaml`) or YAML text
+    of a mapping; ``(mapping or None, the file as messages name it)``. Raises :class:`ConfigError`."""
+    if os.path.lexists(raw):
+        return read_yaml(raw, flag), f"{flag} {raw}"
+    try:
+        data = load_yaml(raw, flag)
+    except yaml.YAMLError:
+        data = None
+    return data if isinstance(data, Mapping) else None, None
+
+
+def _is_value(tok: str) -> bool:
+    """Whether the token after a flag is its value (argparse's rule: not ``-x``; ``-1`` is a number)."""
+    try:
+        return not tok.startswith("-") or " " in tok or float(tok) is not None
+    except ValueError:
+        return False
+
+
+def _key_type(opts: Mapping[str, tuple[Any, dataclasses.Field]], key: str) -> Any:
+    """The type of a key inside a mapping option (``model.kwargs.lm``: Any; ``extra_fields.audio_16k``: a
+    mapping), None when ``key`` is inside no mapping option."""
+    parts = key.split(".")
+    head = next((i for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in opts), None)
+    tp = opts[".".join(parts[:head])][0] if head else None
+    for _ in parts[head or len(parts):]:
+        maps = [] if tp is Any else [t for t in _parts(tp) if typing.get_origin(t) is dict]
+        tp = Any if tp is Any else (typing.get_args(maps[0]) or (str, Any))[1] if maps else None
+    return tp
+
+
+def flag_problems(p: ArgumentParser, cls: type, args: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Every flag of ``args`` checked against the options of ``cls`` (or a typed flag of ``p``'s own) before
+    jsonargparse reads them: ``(args without the refused flags, [(option, message)])``. A flag's value is
+    judged by :func:`refusal`, a section's (``--model FILE``) key by key; other tokens are the parser's."""
+    opts, sections, actions = options(cls), _sections(cls), p._option_string_actions  # noqa: SLF001
+    keep, problems, i = [], [], 0
+    while i < len(args):
+        tok, i = args[i], i + 1
+        name, eq, raw = tok.partition("=")
+        action = actions.get(name)
+        dest = action.dest if action is not None else name[2:]
+        tp = opts[dest][0] if dest in opts else _key_type(opts, dest) if action is None else \
+            getattr(action, "_typehint", None)  # a typed flag of the parser's own: jsonargparse keeps its type there
+        if not name.startswith("--") or action is not None and tp is None and dest not in sections:
+            keep.append(tok)  # a value, --help, --print_config, an untyped flag of the parser's: its own
+            continue
+        given = [tok]
+        if not eq and i < len(args) and _is_value(args[i]) and (action is None or action.nargs != 0):
+            raw, i = args[i], i + 1
+            given.append(raw)
+        elif not eq:
+            raw = None
+        if action is None and tp is None:
+            why = [(dest, _unknown(p, cls, dest))]
+        elif raw is None:
+            why = [] if tp is bool or action is not None and action.nargs == 0 else [(dest, "expected one argument")]
+        elif action is not None and action.nargs == 0:
+            why = [(dest, f"takes no value, got {raw!r}")]
+        elif dest in sections:
             try:
-                check_input(value, f"--{name}")
-            except NotAFile as e:
-                raise ConfigError([(f"--{name} {value}", f"is {e.kind}, not a file: give a regular file")]) from None
-            except (FileNotFoundError, OSError, ValueError):
-                pass  # (not a file name: the parser says what it is)
+                data, where = _mapping_of(raw, "--" + dest)
+                why = mapping_problems(cls, data, where, dest + ".") if data is not None else [(dest, (
+                    f"expected a YAML file of its options or a mapping (one option: --{dest}.OPTION VALUE), got {raw!r}"))]
+            except ConfigError as e:
+                why = e.problems
+        else:
+            why = [(dest, m)] if (m := refusal(tp, raw=raw)) else []
+        problems, keep = problems + why, keep + ([] if why else given)
+    return keep, problems
 
 
 def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
           check: Callable[[Any], list[tuple[str, str]]] | None = None) -> tuple[Any, argparse.Namespace]:
     """``argv`` -> (``cls`` instance, the namespace of the other flags plus ``config_file`` and
-    ``config_source``): defaults < the config file < flags in their order. Raises :class:`ConfigError`
-    naming every bad flag (jsonargparse stops at the first: each is taken out and the rest parsed again) and
-    every problem ``check(config)`` finds in what the rest gives (the rules the annotations cannot say)."""
+    ``config_source``): defaults < the config file < flags in their order. The file's keys and every flag
+    are checked against the options of ``cls`` first (:func:`mapping_problems`, :func:`flag_problems`);
+    raises :class:`ConfigError` naming every problem, with those ``check(config)`` finds in what the
+    good flags give (the rules the annotations cannot say)."""
     args, path, why = _config_first(list(argv), env_var)
-    _refuse_special_files(cls, args)
-    ns, problems = parse_flags(p, cls, args, path, raise_problems=False)
-    cfg, rest = _instantiate(p, cls, ns, path, why)
-    problems += check(cfg) if check is not None else []
-    if problems:
+    try:
+        data, where = _mapping_of(path, "--config") if path else ({}, None)
+        problems = [(f"--config {path}", "no such file")] if data is None else mapping_problems(cls, data, where)
+    except ConfigError as e:
+        problems = e.problems
+    args, bad = flag_problems(p, cls, args)
+    if problems or bad:
+        args = [a for a in args if a.partition("=")[0] != "--print_config"]  # no config printed after an error
+    if problems:  # a file's problem: the file cannot be read without it
+        raise ConfigError(problems + bad)
+    cfg, rest = _instantiate(p, cls, parse_flags(p, cls, args, bad), path, why)
+    if problems := bad + (check(cfg) if check is not None else []):
         raise ConfigError(problems)
     return cfg, rest
 
 
+def parse_flags(p: ArgumentParser, cls: type, args: list[str], problems: list[tuple[str, str]] | None = None) -> Namespace:
+    """``p.parse_args(args)`` once each flag passed :func:`flag_problems` (``problems``: those found already,
+    raised with whatever the parser refuses). Raises :class:`ConfigError`."""
+    if problems is None:
+        args, problems = flag_problems(p, cls, args)
+        if problems:
+            raise ConfigError(problems)
+    try:
+        return p.parse_args(args)
+    except argparse.ArgumentError as e:  # what the declarations do not say (a stray value, a flag required)
+        raise ConfigError(problems + [("command line", " ".join(str(e).split()))]) from None
+
+
 def _instantiate(p: ArgumentParser, cls: type, ns: Namespace, path: str | None, why: str) -> tuple[Any, argparse.Namespace]:
     """The ``cls`` instance of a parsed namespace and the namespace of the other flags."""
-    hints = typing.get_type_hints(cls)  # a section given a scalar or a list (``data: 3``) fails to instantiate
-    if bad := [f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])
-               and not isinstance(ns.get(f.name), Namespace)]:
-        raise ConfigError([(k, f"expected a mapping of its options, got {ns.get(k)!r}") for k in bad])
     init = p.instantiate(ns)
     names = [f.name for f in dataclasses.fields(cls)]
     rest = {k: getattr(init, k) for k in vars(init) if "." not in k and k not in names + ["config"]}
@@ -407,99 +527,6 @@ def plain_numbers(cfg: Any) -> Any:
         elif isinstance(v, (int, float)) and type(v) not in (int, float, bool):
             setattr(cfg, f.name, (int if isinstance(v, int) else float)(v))
     return cfg
-
-
-def parse_flags(p: ArgumentParser, cls: type, args: list[str], path: str | None = None,
-                raise_problems: bool = True) -> Any:
-    """``p.parse_args(args)``, every bad flag named: jsonargparse stops at the first, so each is taken out
-    and the rest parsed again. Raises :class:`ConfigError` (``path``: the config file, named in its errors);
-    with ``raise_problems=False`` returns ``(namespace of the rest, problems)`` (raises only when nothing parses)."""
-    args, problems = list(args), []
-    while True:
-        try:
-            ns = p.parse_args(args)
-        except argparse.ArgumentError as e:
-            key, msg = error(p, cls, str(e), args, path)
-        except ConfigError as e:  # a flag's value over the YAML limits (load_yaml, jsonargparse's loader)
-            key, msg = _failing_value(args), e.problems[0][1]
-        else:
-            if problems and raise_problems:
-                raise ConfigError(problems)
-            return ns if raise_problems else (ns, problems)
-        problems.append((f"--config {path}" if key == "--config" else key, msg))
-        args = [a for a in args if a.partition("=")[0] != "--print_config"]  # no config printed after an error
-        i, val = _flag_value(args, p, key)
-        if i is None:
-            raise ConfigError(problems) from None
-        del args[i:i + (2 if "=" not in args[i] and val is not None else 1)]
-
-
-def _failing_value(args: list[str]) -> str:
-    """The option whose value :func:`load_yaml` refuses (the loader does not know whose value it reads)."""
-    for i, a in enumerate(args):
-        name, eq, val = a.partition("=")
-        if name.startswith("--") and (eq or i + 1 < len(args)):
-            try:
-                load_yaml(val if eq else args[i + 1])
-            except ConfigError:
-                return name[2:]
-            except yaml.YAMLError:
-                continue
-    return "command line"
-
-
-def error(p: ArgumentParser, cls: type, text: str, argv: list[str], path: str | None) -> tuple[str, str]:
-    """The library's message as ``(option, message)`` on one line. jsonargparse raises ``ArgumentError``
-    with text only (no option attribute), so the option is read from the text; for an option of ``cls``
-    the message says what the annotation accepts and the value given (from the flag, else the file)."""
-    text = " ".join(text.split())
-    if u := re.search(r"nrecognized arguments: --?([\w.-]+)|Group '([\w.]+)' does not accept option '(\w+)'|"
-                      r"Option '([\w.]+)' is not accepted", text):
-        key = u[1] or u[4] or f"{u[2]}.{u[3]}"
-        hint = key.replace("-", "_")
-        known = hint in options(cls) or "--" + hint in p._option_string_actions  # noqa: SLF001
-        return key, "unknown option" + (f"; options are spelled with '_': --{hint}" if known and hint != key
-                                        else "; see --help")
-    if "Problems parsing config" in text:
-        return "--config", re.sub(r".*Problems parsing config: (yaml: )?", "", text)
-    if not (m := re.search(r'Parser key "([\w.]+)":? ?(.*)|argument --([\w.]+)(?:/\S+)?: (.*)', text)):
-        return "command line", text or "invalid"
-    key, msg, opts = m[1] or m[3], m[2] or m[4], options(cls)
-    if got := re.match(r"Unable to load config '(.*?)' -", msg):  # --model tts: a section's flag reads a file
-        return key, f"expected a YAML file of its options or a mapping (one option: --{key}.OPTION VALUE), got {got[1]!r}"
-    action = p._option_string_actions.get("--" + key)  # noqa: SLF001 - a job flag's type: jsonargparse keeps it there
-    tp = opts[key][0] if key in opts else getattr(action, "_typehint", None)
-    if tp is not None and msg != "expected one argument":
-        _, raw = _flag_value(argv, p, key)
-        if raw is not None:
-            try:
-                value = load_yaml(raw) if raw.strip() else raw
-            except ConfigError as e:  # over the YAML limits: what jsonargparse's loader refused
-                return key, e.problems[0][1]
-            except yaml.YAMLError:
-                value = raw
-        elif path is not None:
-            try:
-                value = operator.attrgetter(key)(_Attrs(read_yaml(path)))
-            except (AttributeError, ConfigError):
-                value = "?"
-        else:
-            value = "?"
-        return key, f"expected {expected(tp)}, got {value!r}"
-    return key, msg or "invalid"
-
-
-class _Attrs:
-    """A nested mapping read with dotted attribute paths (a config file's value of ``a.b``)."""
-
-    def __init__(self, d: Mapping):
-        self._d = d
-
-    def __getattr__(self, k: str) -> Any:
-        if not isinstance(self._d, Mapping) or k not in self._d:
-            raise AttributeError(k)
-        v = self._d[k]
-        return _Attrs(v) if isinstance(v, Mapping) else v
 
 
 def custom_problems(cfg: Any, custom: Mapping[str, Callable[[Any], list[tuple[str, str]]]]) -> list[tuple[str, str]]:
