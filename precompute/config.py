@@ -10,10 +10,11 @@ from typing import Any, Literal
 import yaml
 
 from shardcache import config as S
-from shardcache.config import BATCH, BYTES, IDENTITY, OPERATIONAL, SPEC, Effect, bounded, filter_, option
+from shardcache.config import bounded, option
 from shards.tokens import IMAGE
 
 from .chat import CHAT_TEMPLATES, LABEL_POLICIES  # each option's values: the module that implements them
+from .effects import BATCH, BYTES, IDENTITY, OPERATIONAL, SPEC, Effect, filter_
 from .encoders._common import ENCODER_DTYPES
 from .encoders.image import PIXEL_RANGES
 from .images import RESIZE_MODES, RGB_MODES
@@ -24,7 +25,7 @@ from .rerun import SOURCE_DIGESTS
 CONFIG_ENV = "SHARDCACHE_PRECOMPUTE_CONFIG"
 #: the highest sample rate (Hz) an option accepts: 384 kHz, the highest of studio converters
 MAX_SAMPLE_RATE = 384_000
-#: the filters' scopes (shardcache.config.SCOPES): rows with audio, with images, every row, the reading
+#: the filters' scopes (precompute.effects.SCOPES): rows with audio, with images, every row, the reading
 AUDIO_ROWS, IMAGE_ROWS, EVERY_ROW, AS_READ = (filter_(s) for s in ("audio", "image", "row", "read"))
 
 

@@ -1,4 +1,4 @@
-"""A cache's identity, derived from what every option declares (:class:`shardcache.config.Effect`).
+"""A cache's identity, derived from what every option declares (:class:`precompute.effects.Effect`).
 
 Each option of :class:`precompute.config.PrecomputeConfig` (``option(effect=...)``), each key of an encoder
 spec (the encoder class's ``OPTION_EFFECTS``, plus :data:`SPEC_KEYS`), of a producer spec (the producer
@@ -32,10 +32,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
-from shardcache.config import BATCH, BYTES, IDENTITY, SPEC, Effect, effect_of, options
+from shardcache.config import effect_of, options
 from shardcache.weights import numeric_policy
 from shards.errors import FingerprintMismatch
 from shards.index import PARTS_DIR, write_json_atomic
+
+from .effects import BATCH, BYTES, IDENTITY, SPEC, Effect
 
 #: keys every built-in encoder spec takes besides its class's ``OPTIONS`` (:func:`~.encoders.registry.spec_problems`)
 SPEC_KEYS: dict[str, Effect] = {"name": BYTES, "pretrained": IDENTITY}

@@ -221,7 +221,7 @@ def test_a_section_given_a_value_is_refused_naming_it(tmp_path, text, section):
     """A section written as a scalar or a list exits 2 naming it (it was a TypeError traceback from
     jsonargparse's instantiate), for both stages."""
     from shardcache.config import ConfigError
-    from train.config import parse_args
+    from train.cli import parse_args
     (tmp_path / "t.yaml").write_text(text)
     with pytest.raises(ConfigError) as e:
         parse_args(["--config", str(tmp_path / "t.yaml")])
@@ -236,7 +236,7 @@ def test_a_section_flag_given_a_value_says_how_to_set_one_option():
     jsonargparse as the section's config file; it exits 2 naming the section and the ``--model.OPTION VALUE``
     form, not "Unable to load config", in both stages. The spelling the messages now give parses."""
     from shardcache.config import ConfigError
-    from train.config import parse_args
+    from train.cli import parse_args
     with pytest.raises(ConfigError) as e:
         parse_args(["--model", "tts"])
     assert e.value.problems == [("model", "expected a YAML file of its options or a mapping (one option: "
@@ -260,7 +260,7 @@ def test_a_key_of_an_encoder_spec_from_a_flag_keeps_its_type():
 def test_a_training_device_it_cannot_use_is_refused():
     """``--dist.device gpu`` trained on the CPU without a word; now it exits 2 naming the option."""
     from shardcache.config import ConfigError
-    from train.config import parse_args
+    from train.cli import parse_args
     with pytest.raises(ConfigError, match="dist.device: expected one of auto, cpu, cuda, got 'gpu'"):
         parse_args(["--config", "none", "--dist.device", "gpu"])
 
@@ -270,7 +270,7 @@ def test_a_mapping_option_takes_mappings_and_keys_in_their_order():
     file's, ``{}`` clears it, ``--model.kwargs.KEY VALUE`` sets one key (the value typed as YAML); anything but a
     mapping exits 2 naming the option."""
     from shardcache.config import ConfigError
-    from train.config import parse_args
+    from train.cli import parse_args
     cfg, _ = parse_args(["--config", str(ROOT / "configs" / "train-tts.yaml"), "--model.kwargs.z", "1"])
     assert cfg.model.kwargs["z"] == 1 and "lm" in cfg.model.kwargs  # one key: merged into the file's mapping
     cfg, _ = parse_args(["--config", str(ROOT / "configs" / "train-tts.yaml"), "--model.kwargs", "{}",
