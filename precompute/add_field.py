@@ -49,7 +49,8 @@ from typing import Any, Optional
 import numpy as np
 
 from shardcache.helptext import HelpFormatter, plain
-from shardcache.config import ConfigError, bounded, option, read_yaml
+from shardcache.yaml_limits import YAMLRefused, read_yaml
+from shardcache.config import ConfigError, bounded, option
 from shards import fields as registry
 from shards.errors import ShardcacheError, WriteRefused
 from shards.index import (attach_sidecar, detach_field, read_index, read_rejects,
@@ -340,7 +341,10 @@ def producer_spec(args: Any) -> dict[str, Any]:
         return {"producer": args.producer, **options}
     codec: dict[str, Any] = {}
     if args.config:
-        loaded = read_yaml(args.config)
+        try:
+            loaded = read_yaml(args.config)
+        except YAMLRefused as e:
+            raise ConfigError([(e.where, e.reason)]) from None
         codec = dict(loaded.get("audio_tokenizer") or loaded)
     if args.audio_tokenizer:
         spec = args.audio_tokenizer

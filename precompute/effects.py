@@ -67,3 +67,7 @@ SPEC = Effect("spec")
 def filter_(scope: str) -> Effect:
     """A ``filter`` effect on the rows of ``scope`` (:data:`SCOPES`)."""
     return Effect("filter", scope=scope)
+
+
+#: the filters of the rows with audio, with images, of every row, of the manifest's reading
+AUDIO_ROWS, IMAGE_ROWS, EVERY_ROW, AS_READ = (filter_(s) for s in ("audio", "image", "row", "read"))

@@ -201,6 +201,14 @@ def fingerprint_options(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def preprocessing_of(cfg: Any) -> dict[str, Any]:
+    """What the cache's fingerprint holds of a :class:`~precompute.config.PrecomputeConfig`: every ``bytes``
+    option's value as declared (:func:`fingerprint_options`), the stored dtypes and ``sample_layout`` (the
+    conversation rendering of :mod:`precompute.chat`: label spans from the template's structure)."""
+    return fingerprint_options(cfg) | {"audio_format": "pcm_s16le", "latents_dtype": "float16",
+                                       "sample_layout": "conversation-2"}
+
+
 def filter_values(cfg: Any) -> dict[str, dict[str, Any]]:
     """Row scope (``audio``, ``image``, ``row``) -> ``{option: value}`` of the ``filter`` options that decide
     the rows of that scope (put into each such row's digest: :class:`precompute.plan.ManifestPlan`). The

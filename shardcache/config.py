@@ -16,7 +16,6 @@ import os
 import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 import yaml
@@ -24,8 +23,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_loader
 from jsonargparse.typing import registered_types, restricted_number_type
 
 from shardcache.helptext import HelpFormatter
-from shardcache.inputs import NotAFile, read_input
-from shardcache.yaml_limits import YAMLRefused, load_yaml
+from shardcache.yaml_limits import YAMLRefused, load_yaml, read_yaml
 
 
 class ConfigError(ValueError):
@@ -90,21 +88,6 @@ def bounded(tp: type, *, gt: float | None = None, ge: float | None = None, le: f
     return restricted_number_type(f"{tp.__name__} " + " and ".join(f"{s} {_num(v)}" for s, v in bounds), tp, bounds)
 
 
-def read_yaml(path: str | Path, flag: str = "--config") -> dict[str, Any]:
-    """A YAML file as a mapping (read by :func:`load_yaml`); every error names ``flag`` and the file."""
-    try:  # (a FIFO or device is refused, never waited on: shardcache.inputs)
-        data = load_yaml(read_input(path, flag).decode("utf-8"), f"{flag} {path}") or {}
-    except YAMLRefused as e:
-        raise ConfigError([(e.where, e.reason)]) from None
-    except NotAFile as e:
-        raise ConfigError([(f"{flag} {path}", f"is {e.kind}, not a file: give a regular file")]) from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError([(f"{flag} {path}", " ".join(str(e).split()[:20]))]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([(f"{flag} {path}", "expected a mapping of option: value")])
-    return data
-
-
 set_loader("shardcache", load_yaml, (yaml.YAMLError, YAMLRefused))
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -150,18 +133,13 @@ def _parts(tp: Any) -> tuple:
 def expected(tp: Any) -> str:
     """What an annotation accepts, in words: "an integer > 0 and <= 384000", "one of a, b or null"
     (jsonargparse's own messages name the Python types, a union's every branch on lines of their own)."""
-    words, choices, null = [], [], False
-    for p in _parts(tp):
-        if p is type(None):
-            null = True
-        elif typing.get_origin(p) is Literal:
-            choices += [str(c) for c in typing.get_args(p)]
-        elif hasattr(p, "_restrictions"):  # a bounded() type: "> 0 and <= 384000"
-            words.append(f"{_WORDS[p._type]} " + " and ".join(f"{_OPERATORS[op]} {_num(v)}" for op, v in p._restrictions))
-        else:
-            words.append(_WORDS.get(typing.get_origin(p) or p, getattr(p, "__name__", str(p))))
+    parts = [p for p in _parts(tp) if p is not type(None)]
+    choices = [str(c) for p in parts if typing.get_origin(p) is Literal for c in typing.get_args(p)]
+    words = [f"{_WORDS[p._type]} " + " and ".join(f"{_OPERATORS[op]} {_num(v)}" for op, v in p._restrictions)
+             if hasattr(p, "_restrictions") else _WORDS.get(typing.get_origin(p) or p, getattr(p, "__name__", str(p)))
+             for p in parts if typing.get_origin(p) is not Literal]  # (a bounded() type: "> 0 and <= 384000")
     text = " or ".join(words + ([f"one of {', '.join(choices)}"] if choices else []))
-    return text + (" or null" if null else "")
+    return text + (" or null" if type(None) in _parts(tp) else "")
 
 
 # ---- the command line ------------------------------------------------------------------------------------
@@ -267,8 +245,6 @@ def given_problems(cls: type, raw: str, flag: str, prefix: str, missing: tuple[s
         data = load_yaml(raw, flag)
     except YAMLRefused as e:
         return [(e.where, e.reason)]
-    except ConfigError as e:
-        return e.problems
     except yaml.YAMLError:
         data = None
     return mapping_problems(cls, data, None, prefix) if isinstance(data, Mapping) else [missing]

@@ -4,9 +4,12 @@ a command (an alias bomb, a recursive alias, deep nesting, megabytes of text).""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import yaml
+
+from shardcache.inputs import NotAFile, read_input
 
 #: the most bytes of YAML read at once, and the most values a document may stand for with each alias
 #: counted at every use (a "billion laughs" document is refused before anything walks it)
@@ -32,7 +35,8 @@ def _values(doc: Any, limit: int) -> int:
 
 
 class YAMLRefused(ValueError):
-    """YAML past a limit of :func:`load_yaml`: ``where`` (what was read: an option, a file) and ``reason``."""
+    """YAML refused: past a limit of :func:`load_yaml`, or a file :func:`read_yaml` cannot read as a mapping;
+    ``where`` (what was read: an option, a file) and ``reason``."""
 
     def __init__(self, where: str, reason: str):
         super().__init__(f"{where}: {reason}")
@@ -54,3 +58,17 @@ def load_yaml(text: str, where: str = "yaml") -> Any:
         raise YAMLRefused(where, f"refused: its aliases expand to more than {YAML_MAX_VALUES} values "
                                  "(a YAML alias bomb or a recursive alias?); write the values out")
     return doc
+
+
+def read_yaml(path: str | Path, flag: str = "--config") -> dict[str, Any]:
+    """A YAML file (``flag``'s: ``--config``) as a mapping, read by :func:`load_yaml`; raises
+    :class:`YAMLRefused` naming ``flag`` and the file, also for a file that is not YAML or not a mapping."""
+    try:  # (a FIFO or device is refused, never waited on: shardcache.inputs)
+        data = load_yaml(read_input(path, flag).decode("utf-8"), f"{flag} {path}") or {}
+    except NotAFile as e:
+        raise YAMLRefused(f"{flag} {path}", f"is {e.kind}, not a file: give a regular file") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise YAMLRefused(f"{flag} {path}", " ".join(str(e).split()[:20])) from None
+    if not isinstance(data, dict):
+        raise YAMLRefused(f"{flag} {path}", "expected a mapping of option: value")
+    return data

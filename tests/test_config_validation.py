@@ -10,6 +10,7 @@ import pytest
 from precompute import cli
 from precompute.config import PrecomputeConfig, load_config
 from precompute.encoders.capabilities import Declares, TextCapabilities
+from precompute.identity import preprocessing_of
 from precompute.validate import ConfigError, check_config
 from shardcache.config import options
 
@@ -189,7 +190,7 @@ def test_config_files_keep_their_fingerprint(tmp_path):
     bandwidth and resampler; not pretrained paths, not batch sizes, not n_codebooks, a check), and a file
     read with an override. The TTS file renders Higgs-Audio's own layout (chat_template llama3)."""
     cfg = load_config(ROOT / "configs" / "precompute-tts.yaml")
-    assert cfg.preprocessing() == {
+    assert preprocessing_of(cfg) == {
         "audio_format": "pcm_s16le", "chat_template": "llama3", "image_resize": "center_crop", "image_size": 256,
         "image_rgb": "composite", "image_pixel_range": "-1..1", "image_token": "<image>", "world_tokens": None,
         "encoder_dtype": "float32", "latents_dtype": "float16", "sample_layout": "conversation-2",
@@ -197,10 +198,10 @@ def test_config_files_keep_their_fingerprint(tmp_path):
         "audio_tokenizer": {"name": "higgs", "bandwidth": 2, "resampler": "auto"}, "image_encoder": None,
         "text_tokenizer": {"name": "hf"},
         "extra_fields": {"audio_16k": {"producer": "waveform", "sample_rate": 16000, "direction": "in"}}}
-    assert load_config(ROOT / "configs" / "precompute-tts.yaml", [
+    assert preprocessing_of(load_config(ROOT / "configs" / "precompute-tts.yaml", [
         "encoder_batch_size=2", "audio_tokenizer.pretrained=/elsewhere", "max_duration=3", "num_workers=0",
-        "audio_tokenizer.max_batch_size=4", "encoder_dtype=fp32"]).preprocessing() == cfg.preprocessing()
-    theworld = load_config(ROOT / "configs" / "precompute-theworld.yaml").preprocessing()
+        "audio_tokenizer.max_batch_size=4", "encoder_dtype=fp32"])) == preprocessing_of(cfg)
+    theworld = preprocessing_of(load_config(ROOT / "configs" / "precompute-theworld.yaml"))
     assert {k: theworld[k] for k in ("image_resize", "image_size", "image_rgb", "image_pixel_range", "image_token",
                                      "world_tokens", "encoder_dtype")} == {
         "image_resize": "stretch", "image_size": 512, "image_rgb": "convert", "image_pixel_range": "0..255",
