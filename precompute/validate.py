@@ -9,6 +9,7 @@ from typing import Any
 from shardcache import config as S
 from shardcache.config import ConfigError
 from shards import fields
+from shards.tokens import WORLD_END, WORLD_START
 
 from .config import PrecomputeConfig
 from .encoders.options import DEVICE_PATTERN
@@ -54,8 +55,7 @@ def _token(v: str) -> list[tuple[str, str]]:
 def _world(v: Any) -> list[tuple[str, str]]:
     if v is None or (len(v) == 2 and len(set(v)) == 2 and not any(_token(t) for t in v)):
         return []
-    return [("", f"expected two different tokens [start, end] (e.g. [<start_of_world>, <end_of_world>]), "
-                 f"got {list(v)!r}")]
+    return [("", f"expected two different tokens [start, end] (e.g. [{WORLD_START}, {WORLD_END}]), got {list(v)!r}")]
 
 
 #: per-option checks beyond type, choices and bounds (run where those passed)
