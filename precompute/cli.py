@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from shardcache import config as S
+from shardcache.config import ConfigError
 from shardcache.quiet import quiet_libraries
 from shardcache.ranks import Ranks
 from shardcache.weights import CheckpointUnreadable
@@ -20,7 +21,7 @@ from .config import CONFIG_ENV, PrecomputeConfig
 from .faults import InfrastructureFault, Stopped, stop_on_sigterm
 from .job import run
 from .manifests import ManifestUnreadable
-from .validate import ConfigError, check_config
+from .validate import check_config
 
 log = logging.getLogger("precompute")
 PROG = "shardcache precompute"

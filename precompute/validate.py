@@ -4,10 +4,10 @@ producer specs against their registries, field names, rules across options; each
 ``option: message``."""
 from __future__ import annotations
 
+import operator
 from typing import Any
 
-from shardcache import config as S
-from shardcache.config import ConfigError
+from shardcache.config import ConfigError, options
 from shards import fields
 from shards.tokens import WORLD_END, WORLD_START
 
@@ -17,8 +17,6 @@ from .encoders.registry import SPECS, spec_problems
 from .identity import undeclared
 from .producers import producer_problems
 from .producers.image_features import image_features_problems
-
-__all__ = ["ConfigError", "check_config", "validate_config"]
 
 #: the VAE's spatial factor: ``image_size`` must be a multiple of it
 IMAGE_MULTIPLE = 8
@@ -69,7 +67,8 @@ CUSTOM = {"device": lambda v: [] if v == "auto" or DEVICE_PATTERN.fullmatch(v) e
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:
     """Every problem of ``cfg`` as ``(option, message)``, in the order of the options; empty when valid.
     Types, choices and bounds are not checked here: a config read from a file or flags was (jsonargparse)."""
-    out = S.custom_problems(cfg, CUSTOM)
+    out = [(path + suffix, msg) for path in options(PrecomputeConfig) if path in CUSTOM
+           for suffix, msg in CUSTOM[path](operator.attrgetter(path)(cfg))]
     bad = {k.split(".")[0] for k, _ in out}  # rules across options, where each side is valid
     if not bad & {"min_duration", "max_duration"} and cfg.min_duration > cfg.max_duration:
         out.append(("min_duration", f"{cfg.min_duration} s is greater than max_duration {cfg.max_duration} s"))

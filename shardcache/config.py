@@ -44,9 +44,8 @@ class ConfigError(ValueError):
 
 def option(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None = None, effect: Any = None) -> Any:
     """A dataclass field with its ``effect`` on a cache (stage one's options must declare one,
-    :class:`precompute.effects.Effect`; a test walks them).
-    Types, choices (``Literal``) and bounds (:func:`bounded`) are the annotation's, checked by jsonargparse
-    as the config is read. A mutable default is a ``factory``."""
+    :class:`precompute.effects.Effect`; a test walks them); types, choices (``Literal``) and bounds
+    (:func:`bounded`) are the annotation's. A mutable default is a ``factory``."""
     return dataclasses.field(default=default, default_factory=factory or dataclasses.MISSING,
                              metadata={"effect": effect})
 
@@ -174,12 +173,11 @@ def add_options(p: ArgumentParser, cls: type) -> None:
 def _config_first(argv: list[str], env_var: str) -> tuple[list[str], str | None, str]:
     """The config file (``--config``, else ``$env_var``; ``none``: none) moved first, so it is the lowest
     layer wherever ``--config`` stands (jsonargparse applies it in place). Returns (argv, the file, why)."""
-    out, rest, explicit = [], list(argv), None
-    while rest:
-        a = rest.pop(0)
+    out, rest, explicit = [], iter(argv), None
+    for a in rest:
         name, eq, val = a.partition("=")
         if name == "--config":
-            explicit = val if eq else (rest.pop(0) if rest else "")
+            explicit = val if eq else next(rest, "")
         else:
             out.append(a)
     given, why = (explicit, "--config") if explicit is not None else (os.environ.get(env_var, ""), f"${env_var}")
@@ -208,8 +206,7 @@ def refusal(tp: Any, value: Any = None, raw: str | None = None) -> str | None:
         except YAMLRefused as e:
             return e.reason
     try:
-        if tp is not Any:
-            _one(tp).parse_args([f"--v={raw}"]) if raw is not None else _one(tp).parse_object({"v": value})
+        _one(tp).parse_args([f"--v={raw}"]) if raw is not None else _one(tp).parse_object({"v": value})
     except argparse.ArgumentError:
         return f"expected {expected(tp)}, got {value!r}"
     nullable = tp is Any or type(None) in _parts(tp)  # (jsonargparse takes a file's null for any type)
@@ -333,10 +330,3 @@ def plain_numbers(cfg: Any) -> Any:
         elif isinstance(v, (int, float)) and type(v) not in (int, float, bool):
             setattr(cfg, f.name, (int if isinstance(v, int) else float)(v))
     return cfg
-
-
-def custom_problems(cfg: Any, custom: Mapping[str, Callable[[Any], list[tuple[str, str]]]]) -> list[tuple[str, str]]:
-    """``custom[path](value)`` for the options of ``cfg`` that have a rule the annotation cannot say, as
-    ``(option + suffix, message)``, in the order of the options."""
-    return [(path + suffix, msg) for path in options(type(cfg)) if path in custom
-            for suffix, msg in custom[path](operator.attrgetter(path)(cfg))]

@@ -11,8 +11,8 @@ from precompute import cli
 from precompute.config import PrecomputeConfig, load_config
 from precompute.encoders.capabilities import Declares, TextCapabilities
 from precompute.identity import preprocessing_of
-from precompute.validate import ConfigError, check_config
-from shardcache.config import options
+from precompute.validate import check_config
+from shardcache.config import ConfigError, options
 
 from conftest import DEMO, ROOT
 
