@@ -14,8 +14,7 @@ from shardcache.config import bounded, option
 from shards.tokens import IMAGE
 
 from .chat import CHAT_TEMPLATES, LABEL_POLICIES  # each option's values: the module that implements them
-from .effects import (AS_READ, AUDIO_ROWS, BATCH, BYTES, EVERY_ROW, IDENTITY, IMAGE_ROWS, OPERATIONAL, SPEC, Effect,
-                      filter_)
+from .effects import AS_READ, AUDIO_ROWS, BATCH, BYTES, EVERY_ROW, IDENTITY, IMAGE_ROWS, OPERATIONAL, RERUN, SPEC, Effect
 from .encoders._common import ENCODER_DTYPES
 from .encoders.image import PIXEL_RANGES
 from .images import RESIZE_MODES, RGB_MODES
@@ -109,7 +108,7 @@ class PrecomputeConfig:
     """Read media outside --root (default: the manifest's folder); off: such a row is rejected (malformed_row)."""
     source_digest: Literal[SOURCE_DIGESTS] = option("stat", effect=OPERATIONAL)
     """What a rerun compares of each media file: stat = path, size, mtime; content = path and sha256 (reads all)."""
-    keep_removed_rows: bool = option(False, effect=filter_("rerun"))
+    keep_removed_rows: bool = option(False, effect=RERUN)
     """Rerun: keep cached rows no longer in the manifest instead of removing them (the job says how many)."""
     max_text_tokens: bounded(int, gt=0, le=100_000_000) = option(65536, effect=EVERY_ROW)
     """Per sample: the most input_ids tokens; a longer one is rejected as too_large."""

@@ -69,5 +69,5 @@ def filter_(scope: str) -> Effect:
     return Effect("filter", scope=scope)
 
 
-#: the filters of the rows with audio, with images, of every row, of the manifest's reading
-AUDIO_ROWS, IMAGE_ROWS, EVERY_ROW, AS_READ = (filter_(s) for s in ("audio", "image", "row", "read"))
+#: the filters of the rows with audio, with images, of every row, of the manifest's reading, of a rerun's removed rows
+AUDIO_ROWS, IMAGE_ROWS, EVERY_ROW, AS_READ, RERUN = (filter_(s) for s in SCOPES)

@@ -1,5 +1,5 @@
 """Check a :class:`~precompute.config.PrecomputeConfig` before any model loads, beyond what its annotations
-say (types, choices and bounds: checked by jsonargparse as it is read): the device spelling, encoder and
+say (types, choices and bounds: checked as it is read, :mod:`shardcache.config`): the device spelling, encoder and
 producer specs against their registries, field names, rules across options; each problem as
 ``option: message``."""
 from __future__ import annotations
@@ -66,7 +66,7 @@ CUSTOM = {"device": lambda v: [] if v == "auto" or DEVICE_PATTERN.fullmatch(v) e
 
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:
     """Every problem of ``cfg`` as ``(option, message)``, in the order of the options; empty when valid.
-    Types, choices and bounds are not checked here: a config read from a file or flags was (jsonargparse)."""
+    Types, choices and bounds are not checked here: a config read from a file or flags was (shardcache.config)."""
     out = [(path + suffix, msg) for path in options(PrecomputeConfig) if path in CUSTOM
            for suffix, msg in CUSTOM[path](operator.attrgetter(path)(cfg))]
     bad = {k.split(".")[0] for k, _ in out}  # rules across options, where each side is valid

@@ -96,28 +96,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def changes(cfg: Any, default: Any = None, prefix: str = "") -> list[tuple[str, Any]]:
-    """``(dotted option, value)`` of every option of ``cfg`` (a config dataclass, or its :func:`to_dict`) that
-    differs from ``default`` (the class's defaults), mappings compared key by key (``audio_tokenizer.pretrained``;
-    a key the defaults have and ``cfg`` lacks: ``"(removed)"``)."""
-    if dataclasses.is_dataclass(cfg):
-        cfg, default = to_dict(cfg), to_dict(type(cfg)())
-    if not (isinstance(cfg, dict) and isinstance(default, dict)):
-        return [] if cfg == default else [(prefix[:-1], cfg)]
-    return [c for k in [*default, *(k for k in cfg if k not in default)]
-            for c in changes(cfg.get(k, "(removed)"), default.get(k, "(removed)"), f"{prefix}{k}.")]
-
-
-def changes_line(cfg: Any, limit: int = 400) -> str:
-    """One log line naming :func:`changes` (``name=value``, values as compact JSON), cut at about ``limit``
-    characters with a count of the rest; ``--print_config`` prints the whole config."""
-    parts = [f"{k}={v if isinstance(v, str) else json.dumps(v, separators=(',', ':'))}" for k, v in changes(cfg)]
-    n = next((i for i in range(len(parts)) if len(", ".join(parts[:i + 1])) > limit), len(parts)) or 1
-    more = f" (+{len(parts) - n} more)" if n < len(parts) else ""
-    return f"config, where it differs from the defaults: {', '.join(parts[:n]) or 'nothing'}{more} " \
-           "(--print_config prints all of it)"
-
-
 # ---- the words of an error ------------------------------------------------------------------------------
 
 _WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping",
@@ -146,8 +124,7 @@ def expected(tp: Any) -> str:
 def parser(cls: type, prog: str, description: str | None = None, epilog: str | None = None,
            aliases: Mapping[str, str] | None = None) -> ArgumentParser:
     """``--config FILE``, ``--print_config`` and one flag per option of ``cls`` (``aliases``: a short flag ->
-    the option it sets, e.g. ``{"--cache": "data.cache"}``); callers add their own job flags. Bad values raise
-    ``argparse.ArgumentError`` (see :func:`parse`)."""
+    the option it sets, e.g. ``{"--cache": "data.cache"}``); callers add their own job flags."""
     p = ArgumentParser(prog=prog, description=description, epilog=epilog, exit_on_error=False, allow_abbrev=False,
                        parser_mode="shardcache", formatter_class=HelpFormatter,
                        usage="%(prog)s [--config FILE] [--OPTION VALUE ...]")
@@ -259,7 +236,7 @@ def _key_type(opts: Mapping[str, tuple[Any, dataclasses.Field]], key: str) -> An
 def flag_problems(p: ArgumentParser, cls: type, args: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
     """Every flag of ``args`` checked against the options of ``cls`` (and ``p``'s own typed flags) before
     jsonargparse reads them: a value by :func:`refusal`, a section's (``--model FILE``) key by key. Returns
-    ``(args without the refused flags, [(option, message)])``; other tokens are left to the parser."""
+    ``(args without the refused flags, nor --print_config after one, [(option, message)])``."""
     opts, actions, keep, problems, i = options(cls), p._option_string_actions, [], [], 0  # noqa: SLF001
     while i < len(args):
         name, eq, raw = args[i].partition("=")
@@ -283,22 +260,19 @@ def flag_problems(p: ArgumentParser, cls: type, args: list[str]) -> tuple[list[s
         else:
             why = [(key, m)] if (m := refusal(tp, raw=raw)) else []
         keep, problems, i = keep + ([] if why else args[i:i + n]), problems + why, i + n
-    return keep, problems
+    return [a for a in keep if not problems or a.partition("=")[0] != "--print_config"], problems  # none printed
 
 
 def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
           check: Callable[[Any], list[tuple[str, str]]] | None = None) -> tuple[Any, argparse.Namespace]:
-    """``argv`` -> (``cls`` instance, the namespace of the other flags plus ``config_file`` and
-    ``config_source``): defaults < the config file < flags in their order. The file's keys and every flag are
-    checked against the options of ``cls`` first (:func:`mapping_problems`, :func:`flag_problems`); raises
-    :class:`ConfigError` naming every problem, with those ``check(config)`` finds in what the good flags give."""
+    """``argv`` -> (``cls`` instance, the namespace of the other flags plus ``config_file`` and ``config_source``):
+    defaults < the config file < flags in their order, each checked first (:func:`given_problems`,
+    :func:`flag_problems`). Raises :class:`ConfigError` naming every problem, with ``check(config)``'s."""
     args, path, why = _config_first(list(argv), env_var)
     problems = given_problems(cls, path, "--config", "", (f"--config {path}", "no such file")) if path else []
     args, bad = flag_problems(p, cls, args)
     if problems:  # in the file: it cannot be read without them
         raise ConfigError(problems + bad)
-    if bad:  # no config printed after an error
-        args = [a for a in args if a.partition("=")[0] != "--print_config"]
     init = p.instantiate(parse_flags(p, cls, args, bad))
     names = [f.name for f in dataclasses.fields(cls)]
     cfg = plain_numbers(cls(**{n: getattr(init, n) for n in names}))
@@ -320,9 +294,8 @@ def parse_flags(p: ArgumentParser, cls: type, args: list[str], problems: list[tu
 
 
 def plain_numbers(cfg: Any) -> Any:
-    """``cfg`` with every bounded number as a plain ``int`` / ``float`` (jsonargparse keeps the value as an
-    instance of the bounded type, a subclass, which then travels into checkpoints: ``torch.load`` with
-    ``weights_only`` refuses a class it does not know)."""
+    """``cfg`` with every bounded number as a plain ``int`` / ``float``: jsonargparse keeps an instance of the
+    bounded type, which would travel into checkpoints (``torch.load`` with ``weights_only`` refuses it)."""
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
