@@ -279,3 +279,34 @@ def test_a_mapping_option_takes_mappings_and_keys_in_their_order():
     assert cfg.model.kwargs == {"a": {}, "b": 4, "c": [1]}
     with pytest.raises(ConfigError, match=r"model.kwargs: expected a mapping, got \[1, 2\]"):
         parse_args(["--config", "none", "--model.kwargs", "[1, 2]"])
+
+
+def test_every_bad_key_of_a_config_file_is_named_with_the_file(tmp_path):
+    """The file's keys are checked against the declared options before jsonargparse reads the file: each bad
+    key is named at once (the library stopped at the first), with the file; a null for an option that takes
+    none is refused (jsonargparse took it, and the job met None later); a section's flag given a mapping is
+    checked key by key."""
+    from train.cli import parse_args
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: {lr: fast, lrr: 1}\ndata: {batch_size: 0, cache: null}\nsteps: 3\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(bad), "--optim.beta1", "2"])
+    at = f" (in --config {bad})"
+    assert e.value.lines() == [f"optim.lr: expected a number >= 0 and <= 100, got 'fast'{at}",
+                               f"optim.lrr: unknown option; see --help{at}",
+                               f"data.batch_size: expected an integer > 0 and <= 1000000, got 0{at}",
+                               f"data.cache: expected a string, got null{at}",
+                               f"steps: unknown option; see --help{at}",
+                               "optim.beta1: expected a number >= 0 and <= 1, got 2"]
+    with pytest.raises(ConfigError) as e:  # a section's flag: its mapping's keys, named under the section
+        load_config(None, ["precision_tolerance={codes_agreement: 2, latents_rel_eror: 0.1}"])
+    assert e.value.lines() == ["precision_tolerance.codes_agreement: expected a number >= 0 and <= 1, got 2",
+                               "precision_tolerance.latents_rel_eror: unknown option; see --help"]
+    with pytest.raises(ConfigError, match=r"^sample_rate: expected an integer > 0 and <= 384000, got null$"):
+        load_config({"sample_rate": None})
+
+
+def test_an_abbreviated_flag_is_refused(capsys, tmp_path, no_work):
+    """One spelling: argparse took ``--sample_r`` for ``--sample_rate``; it is an unknown option now."""
+    rc, err = _main(capsys, tmp_path, "--sample_r", "16000")
+    assert rc == 2 and err == "error: sample_r: unknown option; see --help\n", err
