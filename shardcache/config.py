@@ -110,11 +110,14 @@ def _parts(tp: Any) -> tuple:
 def expected(tp: Any) -> str:
     """What an annotation accepts, in words: "an integer > 0 and <= 384000", "one of a, b or null"
     (jsonargparse's own messages name the Python types, a union's every branch on lines of their own)."""
-    parts = [p for p in _parts(tp) if p is not type(None)]
-    choices = [str(c) for p in parts if typing.get_origin(p) is Literal for c in typing.get_args(p)]
-    words = [f"{_WORDS[p._type]} " + " and ".join(f"{_OPERATORS[op]} {_num(v)}" for op, v in p._restrictions)
-             if hasattr(p, "_restrictions") else _WORDS.get(typing.get_origin(p) or p, getattr(p, "__name__", str(p)))
-             for p in parts if typing.get_origin(p) is not Literal]  # (a bounded() type: "> 0 and <= 384000")
+    words, choices = [], []
+    for p in _parts(tp):
+        if typing.get_origin(p) is Literal:
+            choices += [str(c) for c in typing.get_args(p)]
+        elif hasattr(p, "_restrictions"):  # a bounded() type: "> 0 and <= 384000"
+            words.append(f"{_WORDS[p._type]} " + " and ".join(f"{_OPERATORS[op]} {_num(v)}" for op, v in p._restrictions))
+        elif p is not type(None):
+            words.append(_WORDS.get(typing.get_origin(p) or p, getattr(p, "__name__", str(p))))
     text = " or ".join(words + ([f"one of {', '.join(choices)}"] if choices else []))
     return text + (" or null" if type(None) in _parts(tp) else "")
 
@@ -191,8 +194,10 @@ def refusal(tp: Any, value: Any = None, raw: str | None = None) -> str | None:
 
 
 def _unknown(p: ArgumentParser | None, cls: type, key: str) -> str:
+    """``unknown option``, naming the spelling with ``_`` where that is an option of ``cls`` or a flag of ``p``."""
     hint = key.replace("-", "_")
-    known = hint != key and (hint in options(cls) or p is not None and "--" + hint in p._option_string_actions)  # noqa: SLF001
+    flags = p._option_string_actions if p is not None else {}  # noqa: SLF001 - argparse's table of flags
+    known = hint != key and (hint in options(cls) or "--" + hint in flags)
     return "unknown option" + (f"; options are spelled with '_': --{hint}" if known else "; see --help")
 
 
@@ -205,7 +210,9 @@ def mapping_problems(cls: type, data: Mapping, where: str | None = None, prefix:
         if any(o.startswith(key + ".") for o in opts):  # a section
             out += mapping_problems(cls, v, where, key + ".") if isinstance(v, Mapping) else [
                 (key, f"expected a mapping of its options, got {v!r}{at}")]
-        elif (why := _unknown(None, cls, key) if key not in opts else refusal(opts[key][0], v)) is not None:
+        elif key not in opts:
+            out.append((key, _unknown(None, cls, key) + at))
+        elif why := refusal(opts[key][0], v):
             out.append((key, why + at))
     return out
 
