@@ -159,13 +159,21 @@ class ChunkRecords:
 
 class RowsDataset(Dataset):
     """The DataLoader's dataset over the items :class:`ChunkRows` yields: ``dataset[(request, chunk)]`` is
-    the decoded row (:class:`precompute.prepare.Preparer`)."""
+    the decoded row (:class:`precompute.prepare.Preparer`). ``progress``: a :class:`precompute.faults.WorkerPids`
+    told which row (its manifest position, ``request.row``) each decode worker is on, for the stall deadline;
+    None: not told."""
 
-    def __init__(self, preparer: Any):
-        self.preparer = preparer
+    def __init__(self, preparer: Any, progress: Any = None):
+        self.preparer, self.progress = preparer, progress
 
     def __getitem__(self, item: tuple[Any, int]) -> Any:
-        return self.preparer(*item)
+        if self.progress is None:
+            return self.preparer(*item)
+        self.progress.begin(item[0].row)
+        try:
+            return self.preparer(*item)
+        finally:
+            self.progress.end()
 
 
 __all__ = ["Chunk", "ChunkRecords", "ChunkRows", "RowsDataset", "chunk_batches", "passes", "plan_chunks"]

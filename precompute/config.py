@@ -75,6 +75,8 @@ class PrecomputeConfig:
     """Clips or images per encoder call (not the training batch)."""
     num_workers: bounded(int, ge=0, le=1024) | Literal["auto"] = option("auto", effect=OPERATIONAL)
     """Decode worker processes (0: in the main process); auto: on CUDA sized from the first batch, on CPU 0."""
+    stall_timeout_s: bounded(float, gt=0.0, le=604800.0) = option(600.0, effect=OPERATIONAL)
+    """Seconds a codec process, decode worker, the writer or the encoder thread may go without progress (then: hung)."""
     device: str = option("auto", effect=Effect("batch", canonical=lambda d: str(d).partition(":")[0]))
     """auto = cuda:<local rank> when available, else cpu; or cpu, cuda, cuda:N (mps, xpu:N...)."""
     encoder_dtype: Literal[tuple(ENCODER_DTYPES)] = option(

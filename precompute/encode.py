@@ -42,7 +42,7 @@ from . import producers as P
 from .config import PrecomputeConfig
 from .encoders import fingerprint, load_audio_tokenizer, load_image_encoder, load_text_tokenizer
 from .encoders.capabilities import Capabilities, Declares, capabilities_of
-from .faults import reraise_infrastructure
+from .faults import current_watch, reraise_infrastructure
 from .prepare import Prepared
 
 log = logging.getLogger("precompute")
@@ -289,8 +289,24 @@ def device_work(producers: list[P.Producer], rows: list, timer: P.Timer) -> Call
     """Queue the encoder producers' work on ``rows`` (:meth:`precompute.producers.Producer.submit`, in
     producer order); return the callable that waits for it all and gives ``[(producer, results)]``.
     Runs on the encoder thread (:class:`precompute.executor.EncoderThread` calls both)."""
-    pending = [(p, p.submit(rows, timer)) for p in producers if not p.host_only]
-    return lambda: [(p, pend.result()) for p, pend in pending]
+    watch = current_watch()  # the encoder thread's (a hang names the producer at work)
+
+    def at(p: P.Producer) -> None:
+        if watch is not None and rows:
+            watch.doing = f"computing {p.name} for {len(rows)} row(s) from {rows[0].key!r}"
+    pending = []
+    for p in producers:
+        if not p.host_only:
+            at(p)
+            pending.append((p, p.submit(rows, timer)))
+
+    def wait() -> list:
+        out = []
+        for p, pend in pending:
+            at(p)
+            out.append((p, pend.result()))
+        return out
+    return wait
 
 
 def _encodable(p: Prepared, producers: list[P.Producer]) -> bool:

@@ -55,7 +55,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader
@@ -76,7 +76,7 @@ from .encode import Encoders, Summary, load_encoders
 from .encoders import fingerprint
 from .encoders.capabilities import Capabilities, Declares
 from .executor import EncoderThread
-from .faults import WorkerPids, legacy_infrastructure_rejects
+from .faults import WorkerPids, legacy_infrastructure_rejects, raise_if_stopped
 from .identity import (JOB_FILE, check_batch_record, check_job_record, input_identity, preprocessing_of,
                        record_inputs, recorded_inputs)
 from .lock import die_with_parent
@@ -338,6 +338,13 @@ def start_worker(parent: int, pids: WorkerPids, worker_id: int) -> None:
     pids.record(worker_id)
 
 
+def decoding_label(plan: ManifestPlan) -> Callable[[int], str]:
+    """How a decode worker that hung names its row (:meth:`precompute.faults.WorkerPids.receive`): manifest position
+    -> ``row 'KEY' (its media files)``, read from ``plan`` (pass a :meth:`~precompute.plan.ManifestPlan.view`: a
+    spill reader of its own)."""
+    return lambda p: f"row {plan.key_of(p)!r} ({';'.join(s[0] for s in plan.sources_of(p))})"
+
+
 def resolve_device(device: str, local_rank: int) -> str:
     """``auto`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``."""
     if device == "auto":
@@ -504,11 +511,14 @@ def _encode(output, plan: ManifestPlan, rerun: RerunPlan, chunks: list[Chunk], k
     # in flight, those held in the length window and on the encoder thread
     slots, collate = slot_receiver(workers, PREFETCH + job.window // job.batch_size + DEPTH + 2) if workers \
         else (None, identity_collate)
-    pids = WorkerPids(workers)  # each decode worker's pid: a failed loader names the worker that died
-    loader = DataLoader(RowsDataset(job.preparer), batch_sampler=rows, num_workers=workers, collate_fn=collate,
-                        prefetch_factor=PREFETCH if workers else None,
+    pids = WorkerPids(workers)  # each decode worker's pid and row: a failed loader names one that died or hung
+    stall = opts.stall_timeout_s  # (precompute.faults: a process with work and no progress for that long hung)
+    loader = DataLoader(RowsDataset(job.preparer, pids if workers else None), batch_sampler=rows, num_workers=workers,
+                        collate_fn=collate, prefetch_factor=PREFETCH if workers else None,
+                        timeout=stall if workers else 0,
                         worker_init_fn=functools.partial(start_worker, os.getpid(), pids) if workers else None)
-    writer = ChunkWriter(output, ChunkRecords(plan, rows.order), summary, None, process=writer_process(opts.device))
+    writer = ChunkWriter(output, ChunkRecords(plan, rows.order), summary, None, process=writer_process(opts.device),
+                         stall_s=stall)
     read = [0]
 
     def put(done: list) -> None:
@@ -526,14 +536,15 @@ def _encode(output, plan: ManifestPlan, rerun: RerunPlan, chunks: list[Chunk], k
             bar.update(len(done))  # rows written, in manifest order: the bar's rate is the encoders'
             bar.set_postfix(read=read[0], rejected=summary.rejected, shards=summary.shards_written, refresh=False)
 
-    thread = EncoderThread(opts.device)  # the encoders run here, off the main thread
+    thread = EncoderThread(opts.device, stall)  # the encoders run here, off the main thread
     stream = EncodeStream(lambda rows: job.start(rows, thread, summary), job.batch_size, job.window, depth=DEPTH)
     finished, loading = False, bool(workers)
     try:
-        batches = iter(loader)
+        batches = pids.receive(iter(loader), stall, decoding_label(plan.view()))
         while True:
             t = time.perf_counter()
             batch = next(batches, None)
+            raise_if_stopped()  # a SIGTERM whose Stopped a callback swallowed (precompute.faults): not this batch
             if batch is None:
                 loading = False  # (the decode workers end here)
                 break
@@ -542,6 +553,7 @@ def _encode(output, plan: ManifestPlan, rerun: RerunPlan, chunks: list[Chunk], k
             read[0] += len(batch)
             put(stream.feed(batch))
         put(stream.close())
+        raise_if_stopped()  # (nor the last chunk's commit)
         finished = True
     except Exception as e:  # (torch raises a decode worker's death wherever the main thread is)
         fault = pids.fault(e) if loading else None  # a decode worker died: an infrastructure fault

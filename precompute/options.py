@@ -66,7 +66,8 @@ class JobOptions:
 
     ``device``: the resolved device (``cuda:LOCAL_RANK`` for ``auto`` with CUDA); ``batch``: the batch policy
     (:func:`precompute.identity.batch_policy`: recorded when a cache is started, compared on every resume);
-    ``config``: the config as ``manifest.json`` records it."""
+    ``config``: the config as ``manifest.json`` records it; ``stall_timeout_s``: the stall deadline, seconds
+    (:mod:`precompute.faults`)."""
 
     device: str
     read: ReadOptions
@@ -78,6 +79,7 @@ class JobOptions:
     precision: PrecisionOptions
     store_posterior: bool
     config: Mapping[str, Any]
+    stall_timeout_s: float
 
     @classmethod
     def of(cls, cfg: Any, device: str) -> "JobOptions":
@@ -88,7 +90,8 @@ class JobOptions:
                    batch=batch_policy(cfg, device), samples_per_shard=int(cfg.samples_per_shard),
                    encoder_batch_size=int(cfg.encoder_batch_size), num_workers=cfg.num_workers,
                    precision=PrecisionOptions(cfg.encoder_dtype, int(cfg.precision_samples), cfg.precision_tolerance),
-                   store_posterior=bool(cfg.store_posterior), config=recorded_config(cfg))
+                   store_posterior=bool(cfg.store_posterior), config=recorded_config(cfg),
+                   stall_timeout_s=float(cfg.stall_timeout_s))
 
 
 def recorded_config(cfg: Any) -> dict[str, Any]:

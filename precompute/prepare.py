@@ -8,6 +8,20 @@ image features' encoder takes it, :attr:`Prepared.model_images`) and the rendere
 once, whatever number of items (windows) of the conversation use it. Decoding never raises for a
 bad sample: the error travels with the row to the shard's rejects part.
 
+Out of memory while decoding (:class:`MemoryError`) is the one exception that is not always the row's. Decoding
+a row is bounded by the configured limits: each audio item by ``max_duration`` seconds of frames (from its
+header, or counted as it streams), the row by ``max_total_duration_s`` and ``max_audio_items``, each image by
+``max_image_pixels`` (from its header), all checked before their frames are decoded. A row within them that
+runs out of memory says the host is short of it (too many decode workers for its memory, another process's
+use), not that the row is bad: rejecting it would reject the good rows after it one by one. So a
+``MemoryError`` on a row within the limits is an infrastructure fault (:class:`precompute.faults.DeviceFault`,
+``host memory``): the job stops (exit 1) naming the decode worker and the row, nothing is rejected, and the
+same command run again (with fewer ``num_workers``, or on a host with the memory) completes the cache. The
+limits bound seconds and pixels, not the width of a frame: a row is beyond them, and its ``MemoryError`` its own
+fault (rejected ``unreadable_audio``, naming the header), when one of its audio files' headers declares frames
+wider than :data:`MAX_SAMPLE_RATE` Hz x :data:`MAX_CHANNELS` channels (a broken or hostile header asking for
+gigabytes within ``max_duration``). :func:`oversized_frames` reads that from the headers.
+
 One object decodes: :class:`Preparer`, built once by the job (:meth:`precompute.job.Job.build`)
 from the config's decode options and what the job's producers declare, picklable, called in the
 decode workers (:class:`PrepareDataset`) and wherever else a row is decoded (``shardcache check``,
@@ -15,20 +29,27 @@ the precision check, the worker-count probe).
 """
 from __future__ import annotations
 
+import io
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import numpy as np
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from shards import schema
 from shards.errors import CorruptSample
 
 from . import chat
 from .audio import header_seconds, load_audio_windows
-from .config import PrecomputeConfig
+from .config import MAX_SAMPLE_RATE, PrecomputeConfig
+from .faults import DeviceFault, kind_of
 from .images import decode_image, load_image
 from .manifests import Request
+
+#: the most channels of an audio frame a row within the limits decodes (with :data:`MAX_SAMPLE_RATE` Hz, the
+#: highest rate an option takes): a header declaring wider frames makes a MemoryError the row's fault
+MAX_CHANNELS = 64
 
 
 @dataclass
@@ -41,7 +62,10 @@ class Prepared:
     preprocessing: Gemma 3's resize) made of the decoded image, only when a producer declares one;
     ``input_ids``/``labels``: int32 ``(L,)`` (:func:`precompute.chat.render`);
     ``calls``: codec calls recorded for this row (``shardcache check`` sets them; empty at stage one);
-    ``error``: ``(reason, detail)`` when the row is rejected.
+    ``error``: ``(reason, detail)`` when the row is rejected; ``fault``: ``(kind, what, message)`` of an
+    infrastructure fault met decoding it in a decode worker (:func:`precompute.faults.kind_of`; out of host memory
+    on a row within the limits, see the module docstring), never a reject: the main process raises it
+    (:func:`precompute.slots.unpack`).
     """
 
     req: Request
@@ -55,6 +79,7 @@ class Prepared:
     labels: np.ndarray | None = None
     error: tuple[str, str] | None = None
     calls: dict[str, list] = field(default_factory=dict)
+    fault: tuple[str, str, str] | None = None
 
     @property
     def duration_s(self) -> float:
@@ -228,10 +253,61 @@ class Preparer:
         except CorruptSample as e:
             out.error = (e.reason, e.detail)
             out.audio, out.images, out.model_images, out.input_ids, out.labels = [], [], [], None, None
+        except MemoryError as e:  # the host's fault on a row within the limits (module docstring)
+            out.audio, out.images, out.model_images, out.input_ids, out.labels = [], [], [], None, None
+            wide = oversized_frames(req)
+            if wide is not None:  # the row's own header asks for more than the limits bound
+                out.error = (schema.UNREADABLE_AUDIO, f"{type(e).__name__}: {e} ({wide})")
+                return out
+            fault = self.out_of_memory(req, e)
+            if get_worker_info() is None:  # decoding in this process: the job stops here
+                raise fault from e
+            out.fault = (kind_of(fault), fault.what, str(fault))
         except Exception as e:  # a decoder bug must cost one sample, not the job
             out.error = (stage, f"{type(e).__name__}: {e}")
             out.audio, out.images, out.model_images, out.input_ids, out.labels = [], [], [], None, None
         return out
+
+    def out_of_memory(self, req: Request, e: MemoryError) -> DeviceFault:
+        """The :class:`~precompute.faults.DeviceFault` of a ``MemoryError`` decoding ``req``, a row within the limits
+        (the module docstring), naming the decode worker (or this process), the row and the limits."""
+        info = get_worker_info()
+        what = f"decode worker {info.id}" if info is not None else "the decoding process"
+        cfg = self.options
+        return DeviceFault("host memory", (
+            f"{what} (pid {os.getpid()}) ran out of host memory decoding row {req.key!r} ({req.source}), a row "
+            f"within the configured limits (max_duration {cfg.max_duration:g} s per audio item, max_total_duration_s "
+            f"{cfg.max_total_duration_s:g}, max_image_pixels {cfg.max_image_pixels}, frames of at most "
+            f"{MAX_SAMPLE_RATE} Hz x {MAX_CHANNELS} channels): the host is short of memory, not the row bad "
+            f"({type(e).__name__}: {e}); run the same command again with fewer num_workers or more memory"))
+
+
+def oversized_frames(req: Request) -> str | None:
+    """What makes row ``req`` beyond the limits where they bound no byte (the module docstring): the first audio
+    file whose header declares frames wider than :data:`MAX_SAMPLE_RATE` Hz x :data:`MAX_CHANNELS` channels, said in
+    words (None: every header within them, or unreadable: decoding said why)."""
+    import soundfile as sf
+
+    from .sources import MediaRefused, open_media
+    seen = set()
+    for it in req.conversation.audio if req.conversation is not None else ():
+        src = it.source if it.data is None else None
+        if src in seen and src is not None:
+            continue
+        seen.add(src)
+        try:
+            if it.data is not None:
+                info = sf.info(io.BytesIO(bytes(it.data)))
+            else:
+                with os.fdopen(open_media(it.source), "rb") as f:
+                    info = sf.info(f)
+        except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError, MediaRefused):
+            continue
+        if info.samplerate > MAX_SAMPLE_RATE or info.channels > MAX_CHANNELS:
+            return (f"{it.source if it.data is None else 'raw audio'}: its header declares frames of "
+                    f"{info.samplerate} Hz x {info.channels} channels, more than the {MAX_SAMPLE_RATE} Hz x "
+                    f"{MAX_CHANNELS} channels a row within the limits decodes")
+    return None
 
 
 class PrepareDataset(Dataset):

@@ -22,6 +22,7 @@ import numpy as np
 
 from loaders.shm import SlotBatch, SlotArena, SlotReceiver, new_flags
 
+from .faults import rebuild
 from .prepare import Prepared
 
 
@@ -81,15 +82,23 @@ def receiver(num_workers: int, max_slots: int) -> tuple[SlotReceiver, RowCollate
 
 def unpack(batch: Any) -> list[Prepared]:
     """The rows of a decode batch (a :class:`loaders.shm.SlotBatch` from a worker: its arrays become
-    numpy views of the slot; else the list as it came)."""
+    numpy views of the slot; else the list as it came). Raises the infrastructure fault a decode worker met on a
+    row (:attr:`precompute.prepare.Prepared.fault`: out of host memory on a row within the limits), never a reject."""
     if isinstance(batch, list):
-        return batch
+        return _faultless(batch)
     got = batch.unpack() if isinstance(batch, SlotBatch) else batch  # (a dict: every slot was busy)
     rows = got["rows"]
     for r, p in enumerate(rows):
         p.audio = [{rate: got[_name(r, "a", k, rate)].numpy() for rate in waves} for k, waves in enumerate(p.audio)]
         p.images = [got[_name(r, "i", k)].numpy() for k in range(len(p.images))]
         p.model_images = [got[_name(r, "m", k)].numpy() for k in range(len(p.model_images))]
+    return _faultless(rows)
+
+
+def _faultless(rows: list[Prepared]) -> list[Prepared]:
+    for p in rows:
+        if p.fault is not None:
+            raise rebuild(*p.fault)
     return rows
 
 

@@ -16,7 +16,12 @@ carries the rows to it): what a job on the CPU does (:func:`precompute.job.write
 A writer that fails reports the error; the next :meth:`ChunkWriter.put` raises it. A writer process that
 dies (killed, out of memory) is an infrastructure fault (:class:`precompute.faults.ProcessDied`, naming its pid
 and the signal): ``put``/``close`` raise it, and :meth:`ChunkWriter.close` removes the temporary files of the
-chunk it was writing (committed chunks stay; a rerun writes the rest).
+chunk it was writing (committed chunks stay; a rerun writes the rest). A writer that **hangs** is handled the same
+way: with a stall deadline (``stall_s``, the job's ``stall_timeout_s``), a writer that takes no row and sends no
+commit for that long while the main thread waits for it (``put`` with the queue full, ``close``) is killed
+(``SIGKILL``) and ``put``/``close`` raise its :class:`precompute.faults.ProcessHung`; a writer thread cannot be
+killed: the job stops around it. An upload of a committed chunk (a remote cache) is the store's progress, not a
+hang (the store has its own retries).
 """
 from __future__ import annotations
 
@@ -24,14 +29,16 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .faults import InfrastructureFault, ProcessDied, kind_of, rebuild
+from .faults import InfrastructureFault, ProcessDied, ProcessHung, kind_of, rebuild
 from .rerun import RowRecord, chunk_meta
 
 #: rows queued for the sender thread at most (back-pressure on the main thread beyond)
@@ -127,11 +134,15 @@ class ChunkWriter:
             the rows will come; each commit records them (:func:`precompute.rerun.chunk_meta`).
         summary: counts ``shards_written``; ``progress``: a tqdm bar (or None).
         process: write in a forked process (default) or a thread of this process.
+        stall_s: the stall deadline (seconds; None: none), see the module docstring.
     """
 
     def __init__(self, output: Any, chunks: list[tuple[str, list[RowRecord]]], summary: Any,
-                 progress: Any = None, process: bool = True):
+                 progress: Any = None, process: bool = True, stall_s: float | None = None):
         self.output, self.summary, self.progress = output, summary, progress
+        self.stall_s = stall_s
+        self._progress_t = time.monotonic()  # the writer's last progress: a row taken or sent, a message
+        self._uploading = False
         self.error: str | None = None
         #: the writer's own refusal (a :class:`shards.errors.ShardcacheError`, e.g. a symlinked ``.tmp``),
         #: rebuilt here: put/close raise it as it is, like any refusal of the job (else a RuntimeError)
@@ -156,9 +167,13 @@ class ChunkWriter:
         self._sender.start()
         self._listener.start()
 
+    def _beat(self) -> None:
+        self._progress_t = time.monotonic()
+
     def _send(self) -> None:
         while True:
             item = self._rows.get()
+            self._beat()
             try:
                 if item is None:
                     self._conn.send_bytes(json.dumps({"op": "end"}).encode())
@@ -170,6 +185,7 @@ class ChunkWriter:
                 self._conn.send_bytes(head)
                 for a in arrays:
                     self._conn.send_bytes(memoryview(a).cast("B") if a.size else b"")
+                self._beat()
             except OSError as e:  # the writer is gone (it reported why, or died)
                 self.error = self.error or f"shard writer gone: {e}"
                 while item not in (None, "abort"):  # unblock the main thread, up to its last word
@@ -180,9 +196,15 @@ class ChunkWriter:
         try:
             while True:
                 msg = json.loads(self._conn.recv_bytes())
+                self._beat()
                 if msg["op"] == "committed":
                     self._committed.add(msg["name"])
-                    self.output.chunk_committed(msg["name"], msg["tar"])  # a remote cache: upload it
+                    self._uploading = True
+                    try:
+                        self.output.chunk_committed(msg["name"], msg["tar"])  # a remote cache: upload it
+                    finally:
+                        self._uploading = False
+                        self._beat()
                     self.summary.shards_written += msg["tar"]
                     if self.progress is not None:
                         self.progress.set_postfix(shards=self.summary.shards_written, rejected=self.summary.rejected)
@@ -199,8 +221,9 @@ class ChunkWriter:
                 self.error = self.error or f"the shard writer thread's pipe closed ({type(e).__name__}: {e})"
             else:
                 self._worker.join(timeout=10)  # its exit code: the signal that killed it
-                self.fault = ProcessDied("shard writer process", self._worker.pid, self._worker.exitcode,
-                                         "the chunk it was writing is dropped; committed chunks are kept")
+                self.fault = (self.fault if isinstance(self.fault, ProcessHung) else None) or \
+                    ProcessDied("shard writer process", self._worker.pid, self._worker.exitcode,
+                                "the chunk it was writing is dropped; committed chunks are kept")
                 self.error = self.error or str(self.fault)
         except BaseException as e:  # noqa: BLE001 - an upload failed: surfaced by put/close
             self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
@@ -216,28 +239,80 @@ class ChunkWriter:
 
     def put(self, key: str, fields: dict | None, reject: tuple | None) -> None:
         """Hand one row (in manifest order) to the writer; blocks while ``QUEUE_ROWS`` rows wait. Raises
-        the writer's refusal (a ``ShardcacheError``) or ``RuntimeError`` when it failed."""
+        the writer's refusal (a ``ShardcacheError``) or ``RuntimeError`` when it failed, its
+        :class:`~precompute.faults.ProcessHung` when it hung."""
         if self.error is not None:
             self._raise()
-        self._rows.put((key, fields, reject))
+        self._wait(lambda: self._offer((key, fields, reject)), "took no row")
+        if self.error is not None:
+            self._raise()
+
+    def _poll_s(self) -> float | None:
+        return min(1.0, self.stall_s / 4) if self.stall_s else None
+
+    def _offer(self, item: Any) -> bool:
+        try:
+            self._rows.put(item, timeout=self._poll_s())
+            return True
+        except queue.Full:
+            return False
+
+    def _sent_all(self) -> bool:
+        self._sender.join(self._poll_s())
+        return not self._sender.is_alive()
+
+    def _wait(self, ready: Any, doing: str) -> bool:
+        """Call ``ready()`` (which waits up to :meth:`_poll_s`) until it is true. Past the stall deadline without
+        progress the writer hung (``doing``: what it did not do): a process is killed (its death unblocks the
+        sender and the listener, so this waits on), a thread is left where it is and this returns False."""
+        while not ready():
+            if isinstance(self.fault, ProcessHung) and not self.fault.killed:
+                return False
+            if self.stall_s is None or self.fault is not None or self._uploading or \
+                    time.monotonic() - self._progress_t <= self.stall_s:
+                continue
+            if isinstance(self._worker, threading.Thread):
+                self.fault = ProcessHung("shard writer thread", None, self.stall_s, doing, killed=False)
+            else:
+                self.fault = ProcessHung("shard writer process", self._worker.pid, self.stall_s, doing,
+                                         detail="the chunk it was writing is dropped; committed chunks are kept")
+                try:
+                    os.kill(self._worker.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.error = self.error or str(self.fault)
+        return True
 
     def close(self, abort: bool = False) -> None:
         """Wait until every chunk is committed (or, ``abort``, drop the unfinished one and stop). Raises
-        the writer's refusal (a ``ShardcacheError``) or ``RuntimeError`` when it failed."""
-        self._rows.put("abort" if abort else None)
-        self._sender.join()
-        self._done.wait()
-        self._listener.join()
-        self._worker.join(timeout=60)
-        self._conn.close()
+        the writer's refusal (a ``ShardcacheError``) or ``RuntimeError`` when it failed, its
+        :class:`~precompute.faults.ProcessHung` when it hung (not with ``abort``: the job fails already). Interrupted
+        meanwhile (``SIGTERM``: :class:`~precompute.faults.Stopped`), it still waits for the writer to end (the chunk
+        it commits committed, or dropped) before the interruption goes on: no writer outlives the job."""
+        try:
+            self._end("abort" if abort else None)
+        except BaseException:
+            self._end("abort")
+            raise
         if self.fault is not None:
             self._drop_leftovers()
         if self.error is not None and not abort:
             self._raise()
 
+    def _end(self, item: str | None) -> None:
+        """Hand the writer its last word (``None``: the end, ``"abort"``) and wait for it to end."""
+        if self._wait(lambda: self._offer(item), "took no row") and self._wait(self._sent_all, "took no row") \
+                and self._wait(lambda: self._done.wait(self._poll_s()), "committed nothing"):
+            self._listener.join()
+            self._worker.join(timeout=60)
+            self._conn.close()
+
     def _drop_leftovers(self) -> None:
         """Remove what a writer that died (or failed on the store) left of the chunks it had not committed: its
-        ``NAME.tar.tmp`` and the ``.tmp`` of their parts (in this job's writing session: no symlink followed)."""
+        ``NAME.tar.tmp`` and the ``.tmp`` of their parts, and, where the chunk's index part (its commit marker) is
+        not there, the ``NAME.tar`` and rejects part it had renamed into place before it was killed (in this job's
+        writing session: no symlink followed)."""
+        from shards.index import part_paths
         from shards.schema import PARTS_DIR
         from shards.writing import session
         local = Path(self.output.local)
@@ -246,6 +321,9 @@ class ChunkWriter:
                 continue
             stem = name[:-4]
             leftovers = [local / f"{name}.tmp"] + sorted((local / PARTS_DIR).glob(f"{stem}.*.tmp"))
+            index, rejects = part_paths(local, stem)
+            if not index.exists():  # (the parts are written last, the index part after the rejects part)
+                leftovers += [local / name, rejects]
             for path in leftovers:
                 if path.is_file() and not path.is_symlink():
                     with session(path) as s:

@@ -340,13 +340,17 @@ def write_root(cache_dir: str | Path, cid: str) -> dict[str, Any]:
 
 
 def _fix(d: Path) -> str:
-    """What to do about a cache its root does not vouch for: wait for the command writing it now,
-    else rebuild (never a command that writes while another one runs)."""
+    """What to do about a cache its root does not vouch for: wait for the command writing it now, else
+    run again the stage-one job (or rerun) that stopped on it (:func:`shards.unfinished.unfinished`: a rebuild
+    would lose rows), else rebuild (never a command that writes while another one runs)."""
+    from .unfinished import unfinished
     from .writing import writer_of
     now = writer_of(d)
     if now is not None:
         return (f"it is being written right now by {now}: read it once that command has ended (nothing else to "
                 "do; do not run another command that writes it meanwhile)")
+    if (why := unfinished(d)) is not None:
+        return why
     return (f"rebuild the index and root from the shard tars with `shardcache shards reindex {d}` (or rerun "
             "`shardcache precompute` on the same cache)")
 

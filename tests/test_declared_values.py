@@ -2,8 +2,9 @@
 
 An encoder's output (a plug-in's here, built-in codecs go through the same check) against the field and the
 codec's declaration: integer codes of ``n_codebooks x`` the frames the codec's rule gives for the clip, in
-``[0, codebook_size)``; a clip that breaks it rejects its own row, naming the field and the value, and the job
-goes on. Every encoder spec value against the type and bounds its option declares, at config time: exit 2
+``[0, codebook_size)``; a plug-in VAE's latents against its ``latent_channels`` / ``spatial_factor``: floats of
+``(latent_channels, 1, H / spatial_factor, W / spatial_factor)``, finite. A clip or image that breaks it rejects
+its own row, naming the field and the value, and the job goes on. Every encoder spec value against the type and bounds its option declares, at config time: exit 2
 naming the option before any model loads or any folder is made."""
 from __future__ import annotations
 
@@ -130,3 +131,33 @@ def test_every_option_of_every_built_in_encoder_declares_its_values():
         for name, cls in table.items():
             for key in cls.OPTIONS:
                 assert isinstance(cls.OPTION_EFFECTS[key], Option), (option, name, key)
+
+
+# ---- a plug-in image encoder's latents ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,named", [
+    ("narrow", "latents: image 0: latents of shape (4, 1, 8, 7) for a 64x64 image, expected (4, 1, 8, 8): "
+               "latent_channels x 1 x H/8 x W/8"),
+    ("channels", "latents: image 0: latents of shape (3, 1, 8, 8) for a 64x64 image, expected (4, 1, 8, 8)"),
+    ("no_frame_axis", "latents: image 0: latents of shape (4, 8, 8) for a 64x64 image, expected (4, 1, 8, 8)"),
+    ("integers", "latents: image 0: int32 latents, expected floats"),
+    ("nan", "latents: has 32 non-finite value(s) (NaN/inf)"),  # one latent column of a 64x64 image: 4 x 8 cells
+    ("inf", "latents: has 32 non-finite value(s) (NaN/inf)"),
+])
+def test_a_plugin_vaes_bad_latents_reject_their_row_naming_field_and_value(tiny_config, demo_cache, tmp_path, mode,
+                                                                          named):
+    """A plug-in VAE's latents of the wrong shape (a column short, a channel short, no frame axis), of integers, or
+    holding a NaN or an infinity: each image row is rejected ``encode_failed`` naming the field, the image and the
+    shape or the value; the job goes on and keeps every row without an image."""
+    from precompute.job import run
+    from shards import read_index, read_rejects
+    cfg = dataclasses.replace(tiny_config, image_encoder={"factory": "plugin_bad_vae:make", "kwargs": {"mode": mode}})
+    summary, _ = run(DEMO / "samples.jsonl", tmp_path / "c", cfg, progress=False)
+    demo = read_index(demo_cache).select(["key", "has_image"]).to_pylist()
+    with_image = {r["key"] for r in demo if r["has_image"]}
+    kept = set(read_index(tmp_path / "c").column("key").to_pylist())
+    assert with_image and kept == {r["key"] for r in demo} - with_image
+    rejects = {r["key"]: r for r in read_rejects(tmp_path / "c").to_pylist() if r["key"] in with_image}
+    assert set(rejects) == with_image
+    for r in rejects.values():
+        assert r["reason"] == "encode_failed" and named in r["detail"], r["detail"]

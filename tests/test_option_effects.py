@@ -68,7 +68,7 @@ def _other(models: Path, tmp: Path) -> dict[str, object]:
         "world_tokens": Change({"world_tokens": ["<start_of_world>", "<end_of_world>"], "add_missing_tokens": True}),
         "add_missing_tokens": True,
         "store_posterior": True, "max_image_pixels": 1000, "min_image_side": 1000, "samples_per_shard": 2,
-        "encoder_batch_size": 2, "num_workers": 1, "device": "auto", "encoder_dtype": "fp32",
+        "encoder_batch_size": 2, "num_workers": 1, "stall_timeout_s": 30.0, "device": "auto", "encoder_dtype": "fp32",
         "precision_samples": 1, "precision_tolerance.latents_rel_err": 0.5, "precision_tolerance.codes_agreement": 0.5,
         "chat_template": "llama3", "label_policy": "all_but_world", "manifest_format": "jsonl",
         "columns": {"text": "caption"}, "allow_outside_root": False, "source_digest": "content",

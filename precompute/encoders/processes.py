@@ -16,6 +16,14 @@ that, waiting for a call raises :class:`precompute.faults.ProcessDied` naming th
 signal, and the job stops (its committed chunks kept for a rerun). A call the codec itself fails in a
 process comes back as that error: a row fault for the call's clips, unless it is an infrastructure
 fault there (a CUDA error, out of memory: :func:`precompute.faults.kind_of`).
+
+A codec process that **hangs** is handled as one that died: with a stall deadline (the watch of the thread
+that waits, :func:`precompute.faults.current_watch`: the job's encoder thread, ``stall_timeout_s``), a process
+with calls in flight that answers none of them for that long, or does not finish loading the codec in that long,
+is killed (``SIGKILL``) and replaced as above (:class:`precompute.faults.ProcessHung` naming it and the
+deadline, in the log and, past the restarts, in the job's error). While a process is within its deadline the
+waiter beats the watch, so the encoder thread's own deadline leaves the hang to the pool. Without a watch
+(``shardcache check``, a codec used on its own) there is no deadline.
 """
 from __future__ import annotations
 
@@ -23,13 +31,16 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import queue
+import signal
 import threading
+import time
 import weakref
 from typing import Any
 
 import numpy as np
 
-from ..faults import ProcessDied, kind_of, rebuild
+from ..faults import ProcessDied, ProcessHung, Watch, current_watch, kind_of, rebuild
 
 log = logging.getLogger("precompute")
 
@@ -79,14 +90,15 @@ class _Call:
 
 
 class _Worker:
-    """One codec process (``name``: ``codec process 1 of 2``), and a thread here that reads its replies as
-    they come (so neither side ever blocks writing to a full pipe while the other does). ``inflight``: the
+    """One codec process (``name``: ``codec process 1 of 2``), a thread here that reads its replies as they come
+    and one that writes its calls (so neither side ever blocks writing to a full pipe while the other does, and a
+    process that stops reading blocks no caller). ``inflight``: the
     calls sent and not yet answered (what a replacement is sent again); ``dead``: the
     :class:`~precompute.faults.ProcessDied` once it is gone; ``replacement``: the worker started in its place.
+    ``watch``: the stall deadline of the thread that started it (:func:`precompute.faults.current_watch`; None:
+    none). Started here, used once :meth:`ready`."""
 
-    Raises :class:`~precompute.faults.ProcessDied` when the process dies before its codec is loaded."""
-
-    def __init__(self, ctx, recipe: tuple, name: str):
+    def __init__(self, ctx, recipe: tuple, name: str, watch: Watch | None = None):
         self.name = name
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_serve, args=(child, recipe, os.getpid()), daemon=True,
@@ -100,20 +112,54 @@ class _Worker:
         self.inflight: dict[int, _Call] = {}
         self.dead: ProcessDied | None = None
         self.replacement: _Worker | None = None
+        self.hung: ProcessHung | None = None  # set before it is killed for a hang: what its death is
+        self.progress_t = time.monotonic()  # its last progress: a reply, or a call sent while none was in flight
+        self.watch, self.started = watch, time.monotonic()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # calls to send, in order (None: stop)
+        self.sender: threading.Thread | None = None  # writes the outbox once the codec is loaded (:meth:`ready`)
 
     def ready(self) -> "_Worker":
         """Wait until the process has loaded the codec (processes start at once and load side by side:
-        :class:`CodecPool`); then read its replies as they come. Raises
-        :class:`~precompute.faults.ProcessDied` when the process dies before its codec is loaded."""
+        :class:`CodecPool`); then read its replies and write its calls as they come. Raises
+        :class:`~precompute.faults.ProcessDied` when the process dies before its codec is loaded,
+        :class:`~precompute.faults.ProcessHung` when it loads longer than its watch's deadline (killed)."""
         try:
-            self.conn.recv_bytes()  # ready: the codec is loaded
+            self._wait_ready(self.watch)
         except (EOFError, OSError):
             self.process.join(timeout=10)
             self.conn.close()
+            if self.hung is not None:
+                raise self.hung from None
             raise ProcessDied(self.name, self.process.pid, self.process.exitcode, "while loading the codec") from None
         self.reader = threading.Thread(target=self._read, daemon=True, name="codec-process-reader")
         self.reader.start()
+        self.sender = threading.Thread(target=self._send, daemon=True, name="codec-process-sender")
+        self.sender.start()
         return self
+
+    def _wait_ready(self, watch: Watch | None) -> None:
+        """Wait for the process to say its codec is loaded (raises ``EOFError`` when it died, or was killed for
+        loading longer than ``watch``'s deadline since it started); the watch is beaten meanwhile."""
+        while watch is not None and not self.conn.poll(watch.poll_s):
+            if time.monotonic() - self.started > watch.stall_s:
+                self.hang(watch.stall_s, "loading the codec")
+            elif self.process.is_alive():
+                watch.beat()
+        self.conn.recv_bytes()  # ready: the codec is loaded
+
+    def idle_s(self) -> float:
+        """Seconds it has had calls in flight and answered none (0 with none in flight); hold ``cond``."""
+        return time.monotonic() - self.progress_t if self.inflight else 0.0
+
+    def hang(self, stall_s: float, doing: str) -> None:
+        """Kill the process for a hang (``doing``: what it did not finish); its reader then records it dead, as
+        :attr:`hung`."""
+        if self.hung is None:
+            self.hung = ProcessHung(self.name, self.process.pid, stall_s, doing)
+            try:
+                os.kill(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def send(self, call: _Call) -> None:
         """Send ``call`` (registered in :attr:`inflight` first: a process that dies meanwhile is noticed by the
@@ -121,13 +167,26 @@ class _Worker:
         with self.send_lock:
             with self.cond:
                 seq, self.sent = self.sent, self.sent + 1
+                if not self.inflight:
+                    self.progress_t = time.monotonic()
                 self.inflight[seq] = call
                 call.worker, call.seq = self, seq
+            self.outbox.put(call)
+
+    def _send(self) -> None:
+        """The sender thread: each call of :attr:`outbox` written to the process in order (a process that stopped
+        reading blocks this thread, never the caller: its deadline still runs), then the stop."""
+        while True:
+            call = self.outbox.get()
             try:
+                if call is None:
+                    self.conn.send_bytes(json.dumps({"op": "stop"}).encode())
+                    return
                 self.conn.send_bytes(json.dumps({"shape": list(call.x.shape)}).encode())
                 self.conn.send_bytes(memoryview(call.x).cast("B"))
             except OSError:  # the process is gone: the reader sees the pipe close
-                pass
+                if call is None:
+                    return
 
     def _read(self) -> None:
         n = 0
@@ -142,12 +201,13 @@ class _Worker:
                 with self.cond:
                     self.replies[n] = got
                     self.inflight.pop(n, None)
+                    self.progress_t = time.monotonic()
                     self.cond.notify_all()
                 n += 1
         except (EOFError, OSError):
             self.process.join(timeout=10)  # its exit code: the signal that killed it
             with self.cond:
-                self.dead = ProcessDied(self.name, self.process.pid, self.process.exitcode)
+                self.dead = self.hung or ProcessDied(self.name, self.process.pid, self.process.exitcode)
                 self.cond.notify_all()
 
 
@@ -160,12 +220,18 @@ class Remote:
         self.pool, self.call = pool, call
 
     def numpy(self) -> np.ndarray:
-        call = self.call
+        call, watch = self.call, current_watch()
         while True:
             w = call.worker
             with w.cond:
                 while call.seq not in w.replies and w.dead is None:
-                    w.cond.wait()
+                    w.cond.wait(watch.poll_s if watch is not None else None)
+                    if watch is None or call.seq in w.replies or w.dead is not None:
+                        continue
+                    if w.idle_s() > watch.stall_s:  # killed: its reader records it dead, then it is replaced
+                        w.hang(watch.stall_s, f"{len(w.inflight)} codec call(s) unanswered")
+                    else:
+                        watch.beat()  # the process is within its deadline: the pool deals with a hang
                 if call.seq in w.replies:
                     got = w.replies.pop(call.seq)
                     break
@@ -188,7 +254,7 @@ class CodecPool:
         self.workers: list[_Worker] = []
         weakref.finalize(self, CodecPool._stop, self.workers)  # (the list itself: replacements go into it)
         for i in range(n):  # all start, then load side by side
-            self.workers.append(_Worker(self._ctx, recipe, f"codec process {i + 1} of {n}"))
+            self.workers.append(_Worker(self._ctx, recipe, f"codec process {i + 1} of {n}", current_watch()))
         for w in self.workers:
             w.ready()
         self._next = 0
@@ -214,15 +280,15 @@ class CodecPool:
                 with w.cond:
                     waiting = len(w.inflight)
                 if self.restarts_left <= 0:
-                    raise ProcessDied(w.dead.process, w.dead.pid, w.dead.exitcode,
-                                      f"{waiting} codec call(s) unanswered; restarted {self.restarted} time(s) "
-                                      "already, the most this job does (precompute.encoders.processes.RESTARTS)")
+                    raise w.dead.again(f"{waiting} codec call(s) unanswered; restarted {self.restarted} time(s) "
+                                       "already, the most this job does (precompute.encoders.processes.RESTARTS)")
                 self.restarts_left -= 1
                 self.restarted += 1
                 log.warning("%s; starting a fresh one in its place and sending it the %d call(s) it had not "
                             "answered (restart %d; %d left)", w.dead, waiting, self.restarted, self.restarts_left)
-                w.replacement = _Worker(self._ctx, self._recipe, w.name).ready()
+                w.replacement = _Worker(self._ctx, self._recipe, w.name, current_watch()).ready()
                 self.workers[self.workers.index(w)] = w.replacement
+                w.outbox.put(None)  # (its sender thread ends)
             target = w.replacement
             with w.cond:
                 moving = [call for _, call in sorted(w.inflight.items())]
@@ -234,10 +300,9 @@ class CodecPool:
     @staticmethod
     def _stop(workers: list[_Worker]) -> None:
         for w in workers:
-            try:
-                w.conn.send_bytes(json.dumps({"op": "stop"}).encode())
-            except OSError:
-                pass
+            if w.sender is None:  # still loading (a pool whose other process failed to start): nothing to finish
+                w.process.kill()
+            w.outbox.put(None)
             w.process.join(timeout=10)
             if w.process.is_alive():
                 w.process.kill()
