@@ -61,6 +61,9 @@ class Recipe:
     lm: str                    #: the trainer's ``model.kwargs.lm``: a model directory under models/
     batch_size: int            #: per step (the recipe config's own)
     kwargs: dict = field(default_factory=dict)   #: more ``model.kwargs``
+    #: ``model.kwargs`` naming a checkpoint -> the random model under models/ standing for it (tiny): TheWorld's
+    #: ``vae`` and the vlm recipe's ``tokenizer`` (its LM ships none), which the contracts hash (the cache's own)
+    kwargs_models: dict = field(default_factory=dict)
 
 
 #: the recipes as configs/ has them, with their tiny models (the step a loader must keep up with is
@@ -69,9 +72,11 @@ RECIPES = {
     "tts": Recipe("precompute-tts.yaml", "chatml_voice_clone.json", "train-tts.yaml",
                   {"audio_tokenizer": "higgs-audio-tokenizer", "text_tokenizer": "higgs"}, "higgs", 4),
     "theworld": Recipe("precompute-theworld.yaml", "llava_multiturn.json", "train-theworld.yaml",
-                       {"image_encoder": "wan", "text_tokenizer": "gemma3", "image_features": "gemma3"}, "gemma3", 2),
+                       {"image_encoder": "wan", "text_tokenizer": "gemma3", "image_features": "gemma3"}, "gemma3", 2,
+                       kwargs_models={"vae": "wan"}),
     "vlm": Recipe("precompute-vlm.yaml", "llava_multiturn.json", "train-vlm.yaml",
-                  {"image_encoder": "wan", "text_tokenizer": "tokenizer"}, "lm", 2, {"freeze_lm": True, "patch_size": 2}),
+                  {"image_encoder": "wan", "text_tokenizer": "tokenizer"}, "lm", 2, {"freeze_lm": True, "patch_size": 2},
+                  kwargs_models={"tokenizer": "tokenizer"}),
 }
 #: (recipe, size of its LM) pairs measured on a GPU
 DATA_WAIT_RUNS = (("tts", "tiny"), ("theworld", "tiny"), ("vlm", "tiny"), ("vlm", "full"))
@@ -174,7 +179,7 @@ def bench_data_wait(name: str, cache: Path, size: str, device: str, workers, ste
     from benchmarks.bench_data_wait import run_once
     recipe = RECIPES[name]
     lm = _models(size, [recipe.lm])[recipe.lm]
-    kwargs = {"lm": str(lm), **recipe.kwargs}
+    kwargs = {"lm": str(lm), **recipe.kwargs, **{k: str(MODELS / f"{m}-tiny") for k, m in recipe.kwargs_models.items()}}
     extra = ("--model.kwargs", json.dumps(kwargs), "--dist.device", device)
     runs = [run_once(cache, w, steps, recipe.batch_size, work / f"{name}-{size}-w{w}",
                      config=ROOT / "configs" / recipe.train, extra=extra) for w in workers]

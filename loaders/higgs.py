@@ -72,7 +72,7 @@ import torch
 
 from shards.kinds import WAVEFORM
 from shards.schema import SEGMENT_COLUMNS
-from shards.tokens import AUDIO_OUT as AUDIO_OUT_ID, AUDIO_OUT_BOS as AUDIO_OUT_BOS_ID, IGNORE_INDEX
+from shards.tokens import AUDIO_IN, AUDIO_OUT as AUDIO_OUT_ID, AUDIO_OUT_BOS as AUDIO_OUT_BOS_ID, IGNORE_INDEX
 
 log = logging.getLogger("loaders")
 
@@ -230,7 +230,7 @@ class HiggsBatch:
             is_out = bool(out_ph[p])
             if is_out != (seg[_DIR] == 1):
                 raise ValueError(f"sample {key!r}: audio_segments direction {seg[_DIR]} disagrees with the "
-                                 f"placeholder token at {p} (<|AUDIO_OUT|> is an output item, <|AUDIO|> an input item)")
+                                 f"placeholder token at {p} ({AUDIO_OUT_ID} is an output item, {AUDIO_IN} an input item)")
             s, n = seg[_START], seg[_FRAMES]
             item = codes[:, s:s + n]
             if item.shape[1] != n or (n and (int(item.min()) < 0 or int(item.max()) >= self.stream_bos)):
@@ -300,9 +300,9 @@ class HiggsBatch:
             t, lb, items = self._sample(keys[b], ids_b[b, :n], lab_b[b, :n], c, segs)
             if self.input_audio == "drop" and len(items) < len(segs) and not self._warned:
                 self._warned = True
-                log.warning("sample %r has audio in a user/system turn (<|AUDIO|>): Higgs-Audio v2's chat template "
+                log.warning("sample %r has audio in a user/system turn (%s): Higgs-Audio v2's chat template "
                             "drops it and the model has no audio encoder; dropped (input_audio=codes feeds its "
-                            "codes instead)", keys[b])
+                            "codes instead)", keys[b], AUDIO_IN)
             texts.append(t)
             labs.append(lb)
             audio.append(items)
@@ -452,7 +452,7 @@ def contract_values(lm: Any, tokenizer: Any = None, audio_tokenizer: Any = None,
 
     from shardcache.pretrained import token_ids, tokenizer_identity, tokenizer_pad_id
     from shards.cache import Unknown
-    from shards.tokens import AUDIO_BOS, AUDIO_EOS, AUDIO_IN, EOM, EOT
+    from shards.tokens import AUDIO_BOS, AUDIO_EOS, EOM, EOT
 
     if lm is None and not (tokenizer and audio_tokenizer):
         raise ValueError("name the model's checkpoint (a directory or hub id), or its text tokenizer and its audio "

@@ -48,8 +48,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from shardcache.helptext import plain
-from shardcache.config import BATCH, BYTES, IDENTITY, OPERATIONAL, SPEC, ConfigError, Effect, bounded, option, read_yaml
+from shardcache.helptext import HelpFormatter, plain
+from shardcache.yaml_limits import YAMLRefused, read_yaml
+from shardcache.config import ConfigError, bounded, option
 from shards import fields as registry
 from shards.errors import ShardcacheError, WriteRefused
 from shards.index import (attach_sidecar, detach_field, read_index, read_rejects,
@@ -61,6 +62,8 @@ from shards.schema import PARTS_DIR, ROOT_FILE
 from shards.scan import scan_shard
 from shards.writer import npy_bytes, tar_member
 from shards.writing import session, writes_cache
+
+from .effects import BATCH, BYTES, IDENTITY, OPERATIONAL, SPEC, Effect
 
 log = logging.getLogger("precompute.add_field")
 
@@ -338,7 +341,10 @@ def producer_spec(args: Any) -> dict[str, Any]:
         return {"producer": args.producer, **options}
     codec: dict[str, Any] = {}
     if args.config:
-        loaded = read_yaml(args.config)
+        try:
+            loaded = read_yaml(args.config)
+        except YAMLRefused as e:
+            raise ConfigError([(e.where, e.reason)]) from None
         codec = dict(loaded.get("audio_tokenizer") or loaded)
     if args.audio_tokenizer:
         spec = args.audio_tokenizer
@@ -360,7 +366,7 @@ def build_add_parser():
 
     from shardcache import config as S
     p = ArgumentParser(prog="shardcache add-field", description=plain(__doc__), exit_on_error=False,
-                       formatter_class=S.HelpFormatter, parser_mode="shardcache")
+                       formatter_class=HelpFormatter, parser_mode="shardcache")
     p.add_argument("cache", metavar="CACHE", help="the cache directory")
     S.add_options(p, AddFieldOptions)
     return p

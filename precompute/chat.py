@@ -82,10 +82,7 @@ from shards import schema
 from shards.errors import CorruptSample
 from shards.tokens import (AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_IN_TOKENS, AUDIO_OUT, AUDIO_OUT_BOS,  # noqa: F401
                            AUDIO_OUT_TOKENS, BEGIN_OF_TEXT, END_HEADER, EOM, EOT, IGNORE_INDEX, IMAGE,
-                           PLACEHOLDERS, SPECIAL_TOKENS, START_HEADER)
-
-#: what follows a ChatML message's recipient (Boson's ``prepare_chatml_sample``: ``f"{recipient}<|recipient|>"``)
-RECIPIENT = "<|recipient|>"
+                           PLACEHOLDERS, RECIPIENT, SPECIAL_TOKENS, START_HEADER)
 
 from .conversation import Conversation
 from .encoders.capabilities import text_capabilities_of
@@ -325,8 +322,8 @@ def render(conv: Conversation, tokenizer, template: str, tokens: ChatTokens = DE
     if label_policy == "all_but_world":   # TheWorld: every input token (the world embeddings are the recipe's)
         labels = input_ids.copy()
     if not (labels != IGNORE_INDEX).any():
-        raise CorruptSample(schema.NO_TARGETS, "the rendered conversation has no trained token (labels all -100)",
-                            conv.sources[0] if conv.sources else "")
+        raise CorruptSample(schema.NO_TARGETS, f"the rendered conversation has no trained token (labels all "
+                            f"{IGNORE_INDEX})", conv.sources[0] if conv.sources else "")
     return input_ids, labels
 
 

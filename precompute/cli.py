@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from shardcache import config as S
+from shardcache.changes import changes_line
+from shardcache.config import ConfigError
 from shardcache.quiet import quiet_libraries
 from shardcache.ranks import Ranks
 from shardcache.weights import CheckpointUnreadable
@@ -20,7 +22,7 @@ from .config import CONFIG_ENV, PrecomputeConfig
 from .faults import InfrastructureFault, Stopped, stop_on_sigterm
 from .job import run
 from .manifests import ManifestUnreadable
-from .validate import ConfigError, check_config
+from .validate import check_config
 
 log = logging.getLogger("precompute")
 PROG = "shardcache precompute"
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", ranks.note)
     if global_rank == 0:
         log.info("config file: %s (%s)", args.config_file or "none", args.config_source)
-        log.info("%s", S.changes_line(cfg))
+        log.info("%s", changes_line(cfg))
     previous = stop_on_sigterm()  # SIGTERM (SLURM, torchrun) unwinds the job: its processes, memory and lock freed
     try:
         summary, manifest = run(args.manifest, args.cache, cfg, root=args.root, global_rank=global_rank,

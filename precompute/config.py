@@ -10,10 +10,11 @@ from typing import Any, Literal
 import yaml
 
 from shardcache import config as S
-from shardcache.config import BATCH, BYTES, IDENTITY, OPERATIONAL, SPEC, Effect, bounded, filter_, option
+from shardcache.config import bounded, option
 from shards.tokens import IMAGE
 
 from .chat import CHAT_TEMPLATES, LABEL_POLICIES  # each option's values: the module that implements them
+from .effects import AS_READ, AUDIO_ROWS, BATCH, BYTES, EVERY_ROW, IDENTITY, IMAGE_ROWS, OPERATIONAL, RERUN, SPEC, Effect
 from .encoders._common import ENCODER_DTYPES
 from .encoders.image import PIXEL_RANGES
 from .images import RESIZE_MODES, RGB_MODES
@@ -24,8 +25,6 @@ from .rerun import SOURCE_DIGESTS
 CONFIG_ENV = "SHARDCACHE_PRECOMPUTE_CONFIG"
 #: the highest sample rate (Hz) an option accepts: 384 kHz, the highest of studio converters
 MAX_SAMPLE_RATE = 384_000
-#: the filters' scopes (shardcache.config.SCOPES): rows with audio, with images, every row, the reading
-AUDIO_ROWS, IMAGE_ROWS, EVERY_ROW, AS_READ = (filter_(s) for s in ("audio", "image", "row", "read"))
 
 
 @dataclass
@@ -111,7 +110,7 @@ class PrecomputeConfig:
     """Read media outside --root (default: the manifest's folder); off: such a row is rejected (malformed_row)."""
     source_digest: Literal[SOURCE_DIGESTS] = option("stat", effect=OPERATIONAL)
     """What a rerun compares of each media file: stat = path, size, mtime; content = path and sha256 (reads all)."""
-    keep_removed_rows: bool = option(False, effect=filter_("rerun"))
+    keep_removed_rows: bool = option(False, effect=RERUN)
     """Rerun: keep cached rows no longer in the manifest instead of removing them (the job says how many)."""
     max_text_tokens: bounded(int, gt=0, le=100_000_000) = option(65536, effect=EVERY_ROW)
     """Per sample: the most input_ids tokens; a longer one is rejected as too_large."""
@@ -121,14 +120,6 @@ class PrecomputeConfig:
     """Per sample: the most seconds of audio, every item together; more is rejected as too_large."""
     max_images: bounded(int, gt=0, le=1_000_000) = option(64, effect=IMAGE_ROWS)
     """Per sample: the most images of a conversation; more are rejected as too_large before any decoding."""
-
-    def preprocessing(self) -> dict[str, Any]:
-        """What the cache's fingerprint holds of this config: every ``bytes`` option's value as declared
-        (:func:`precompute.identity.fingerprint_options`), the stored dtypes and ``sample_layout`` (the
-        conversation rendering of :mod:`precompute.chat`: label spans from the template's structure)."""
-        from .identity import fingerprint_options
-        return fingerprint_options(self) | {"audio_format": "pcm_s16le", "latents_dtype": "float16",
-                                            "sample_layout": "conversation-2"}
 
 
 def load_config(path: str | Path | dict | None = None, overrides: list[str] | None = None) -> PrecomputeConfig:

@@ -1,4 +1,4 @@
-"""A cache's identity, derived from what every option declares (:class:`shardcache.config.Effect`).
+"""A cache's identity, derived from what every option declares (:class:`precompute.effects.Effect`).
 
 Each option of :class:`precompute.config.PrecomputeConfig` (``option(effect=...)``), each key of an encoder
 spec (the encoder class's ``OPTION_EFFECTS``, plus :data:`SPEC_KEYS`), of a producer spec (the producer
@@ -32,10 +32,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
-from shardcache.config import BATCH, BYTES, IDENTITY, SPEC, Effect, effect_of, options
+from shardcache.config import effect_of, options
 from shardcache.weights import numeric_policy
 from shards.errors import FingerprintMismatch
 from shards.index import PARTS_DIR, write_json_atomic
+
+from .effects import BATCH, BYTES, IDENTITY, SPEC, Effect
 
 #: keys every built-in encoder spec takes besides its class's ``OPTIONS`` (:func:`~.encoders.registry.spec_problems`)
 SPEC_KEYS: dict[str, Effect] = {"name": BYTES, "pretrained": IDENTITY}
@@ -197,6 +199,14 @@ def fingerprint_options(cfg: Any) -> dict[str, Any]:
     for option in spec_options(type(cfg)):
         out.setdefault(option, {} if getattr(cfg, option) is not None else None)  # a spec of defaults only
     return out
+
+
+def preprocessing_of(cfg: Any) -> dict[str, Any]:
+    """What the cache's fingerprint holds of a :class:`~precompute.config.PrecomputeConfig`: every ``bytes``
+    option's value as declared (:func:`fingerprint_options`), the stored dtypes and ``sample_layout`` (the
+    conversation rendering of :mod:`precompute.chat`: label spans from the template's structure)."""
+    return fingerprint_options(cfg) | {"audio_format": "pcm_s16le", "latents_dtype": "float16",
+                                       "sample_layout": "conversation-2"}
 
 
 def filter_values(cfg: Any) -> dict[str, dict[str, Any]]:

@@ -77,8 +77,8 @@ from .encoders import fingerprint
 from .encoders.capabilities import Capabilities, Declares
 from .executor import EncoderThread
 from .faults import WorkerPids, legacy_infrastructure_rejects, raise_if_stopped
-from .identity import (JOB_FILE, check_batch_record, check_job_record, input_identity, record_inputs,
-                       recorded_inputs)
+from .identity import (JOB_FILE, check_batch_record, check_job_record, input_identity, preprocessing_of,
+                       record_inputs, recorded_inputs)
 from .lock import die_with_parent
 from .manifests import Request
 from .options import JobOptions
@@ -173,7 +173,7 @@ class Job:
                          enc.text.vocab_size)
         info = E.job_info(producers, extra, enc.text)
         encoders = enc.describe()
-        preprocessing = cfg.preprocessing()
+        preprocessing = preprocessing_of(cfg)
         if extra:  # the producers' own identity, beside the extra_fields options (precompute.identity)
             preprocessing["extra_field_producers"] = {name: p.describe() for name, p in extra.items()}
         rates = E.job_rates(producers)

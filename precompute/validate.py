@@ -1,14 +1,15 @@
 """Check a :class:`~precompute.config.PrecomputeConfig` before any model loads, beyond what its annotations
-say (types, choices and bounds: checked by jsonargparse as it is read): the device spelling, encoder and
+say (types, choices and bounds: checked as it is read, :mod:`shardcache.config`): the device spelling, encoder and
 producer specs against their registries, field names, rules across options; each problem as
 ``option: message``."""
 from __future__ import annotations
 
+import operator
 from typing import Any
 
-from shardcache import config as S
-from shardcache.config import ConfigError
+from shardcache.config import ConfigError, options
 from shards import fields
+from shards.tokens import WORLD_END, WORLD_START
 
 from .config import PrecomputeConfig
 from .encoders.options import DEVICE_PATTERN
@@ -16,8 +17,6 @@ from .encoders.registry import SPECS, spec_problems
 from .identity import undeclared
 from .producers import producer_problems
 from .producers.image_features import image_features_problems
-
-__all__ = ["ConfigError", "check_config", "validate_config"]
 
 #: the VAE's spatial factor: ``image_size`` must be a multiple of it
 IMAGE_MULTIPLE = 8
@@ -54,8 +53,7 @@ def _token(v: str) -> list[tuple[str, str]]:
 def _world(v: Any) -> list[tuple[str, str]]:
     if v is None or (len(v) == 2 and len(set(v)) == 2 and not any(_token(t) for t in v)):
         return []
-    return [("", f"expected two different tokens [start, end] (e.g. [<start_of_world>, <end_of_world>]), "
-                 f"got {list(v)!r}")]
+    return [("", f"expected two different tokens [start, end] (e.g. [{WORLD_START}, {WORLD_END}]), got {list(v)!r}")]
 
 
 #: per-option checks beyond type, choices and bounds (run where those passed)
@@ -68,8 +66,9 @@ CUSTOM = {"device": lambda v: [] if v == "auto" or DEVICE_PATTERN.fullmatch(v) e
 
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:
     """Every problem of ``cfg`` as ``(option, message)``, in the order of the options; empty when valid.
-    Types, choices and bounds are not checked here: a config read from a file or flags was (jsonargparse)."""
-    out = S.custom_problems(cfg, CUSTOM)
+    Types, choices and bounds are not checked here: a config read from a file or flags was (shardcache.config)."""
+    out = [(path + suffix, msg) for path in options(PrecomputeConfig) if path in CUSTOM
+           for suffix, msg in CUSTOM[path](operator.attrgetter(path)(cfg))]
     bad = {k.split(".")[0] for k, _ in out}  # rules across options, where each side is valid
     if not bad & {"min_duration", "max_duration"} and cfg.min_duration > cfg.max_duration:
         out.append(("min_duration", f"{cfg.min_duration} s is greater than max_duration {cfg.max_duration} s"))

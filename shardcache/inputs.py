@@ -7,7 +7,7 @@ file. :func:`check_input` refuses them up front, naming the option, the path and
 :func:`read_input` opens with ``O_NONBLOCK`` and checks the opened descriptor again (a path swapped
 for a FIFO after the check is not waited on either). Every command that reads a config or manifest
 path goes through one of them: both stages' ``--config`` (:func:`shardcache.config.parse`,
-:func:`shardcache.config.read_yaml`: also ``add-field --config`` and ``$SHARDCACHE_*_CONFIG``),
+:func:`shardcache.yaml_limits.read_yaml`: also ``add-field --config`` and ``$SHARDCACHE_*_CONFIG``),
 ``--manifest`` of ``precompute`` and ``check`` (:func:`precompute.manifests.read_requests`).
 """
 from __future__ import annotations

@@ -145,7 +145,7 @@ FIELDS: tuple[Field, ...] = (
           every_sample=True, index_columns=(IndexColumn("n_text_tokens", "int32", _shape0),),
           doc="the conversation through the chat template"),
     Field("labels", "int32", 1, K.LABELS, pad=IGNORE_INDEX, every_sample=True,
-          doc="input_ids on trained tokens, -100 elsewhere (not shifted)"),
+          doc=f"input_ids on trained tokens, {IGNORE_INDEX} elsewhere (not shifted)"),
     Field("latents", "float16", 4, K.LATENTS, pad=0.0, mask="latents_mask", present_key="has_image", packed=False,
           index_columns=(IndexColumn("has_image", "bool", lambda s: True, False),),
           doc="VAE latents (C, n_images, H/8, W/8); image samples only"),

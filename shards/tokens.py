@@ -24,6 +24,8 @@ START_HEADER, END_HEADER = "<|start_header_id|>", "<|end_header_id|>"
 EOT, EOM = "<|eot_id|>", "<|eom_id|>"
 AUDIO_BOS, AUDIO_IN, AUDIO_EOS = "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"
 AUDIO_OUT_BOS, AUDIO_OUT = "<|audio_out_bos|>", "<|AUDIO_OUT|>"
+#: what follows a ChatML message's recipient (Boson's ``prepare_chatml_sample``: ``f"{recipient}<|recipient|>"``)
+RECIPIENT = "<|recipient|>"
 IMAGE = "<image>"
 #: Gemma 3's image placeholder: its chat template renders an image item as this token and its
 #: processor expands it into the SigLIP soft tokens (``chat_template`` of ``google/gemma-3-4b-it``)
@@ -54,7 +56,7 @@ AUDIO_IN_TOKENS = (AUDIO_BOS, AUDIO_IN, AUDIO_EOS)
 AUDIO_OUT_TOKENS = (AUDIO_OUT_BOS, AUDIO_OUT, AUDIO_EOS)
 
 __all__ = ["GEMMA_IMAGE_SOFT", "IGNORE_INDEX", "BEGIN_OF_TEXT", "START_HEADER", "END_HEADER", "EOT", "EOM", "AUDIO_BOS",
-           "AUDIO_IN", "AUDIO_EOS", "AUDIO_OUT_BOS", "AUDIO_OUT", "IMAGE", "GEMMA_IMAGE", "WORLD_START",
+           "AUDIO_IN", "AUDIO_EOS", "AUDIO_OUT_BOS", "AUDIO_OUT", "RECIPIENT", "IMAGE", "GEMMA_IMAGE", "WORLD_START",
            "WORLD_END", "SPECIAL_TOKENS", "PLACEHOLDERS", "AUDIO_IN_TOKENS", "AUDIO_OUT_TOKENS", "END_OF_TEXT",
            "AUDIO_DELAY", "HIGGS_TOKENS"]
 

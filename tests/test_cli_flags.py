@@ -54,7 +54,8 @@ def _parsers() -> dict[str, tuple]:
     from precompute.config import PrecomputeConfig
     from shards.cli import build_parser as shards_parser
     from train.batch_size import build_finder_parser
-    from train.config import TrainConfig, build_parser as train_parser
+    from train.cli import build_parser as train_parser
+    from train.config import TrainConfig
     out = {"precompute": (precompute_parser(), PrecomputeConfig), "train": (train_parser(), TrainConfig),
            "find-batch-size": (build_finder_parser(), TrainConfig), "add-field": (build_add_parser(), AddFieldOptions),
            "drop-field": (build_drop_parser(), None), "check": (check_parser(), None)}

@@ -120,7 +120,7 @@ def test_loader_kwargs_are_the_loaders_declared_settings(train_main, capsys, cac
     rc, err = _rc_err(train_main, capsys, cache24, "--data.loader_kwargs", "{reads: {checks: all}}")
     assert rc == 2 and "data.loader_kwargs.reads.checks: Reads.checks must be one of" in err, err
     from train.bounds import problems
-    from train.config import parse_args
+    from train.cli import parse_args
     cfg, _ = parse_args(["--config", "none", "--cache", str(cache24), "--data.loader_kwargs",
                          "{order: {shuffle: false}, reads: {checks: values}}"])
     assert problems(cfg) == []
@@ -150,5 +150,5 @@ def test_a_batch_larger_than_the_cache_exits_2(train_main, capsys, cache24, monk
     rc, err = _rc_err(train_main, capsys, cache24, "--data.batch_size", "13")
     assert rc == 2 and "13 per rank x 2 rank(s) is more than the 24 samples" in err and "at most 12" in err, err
     from train.bounds import problems
-    from train.config import parse_args
+    from train.cli import parse_args
     assert problems(parse_args(["--config", "none", "--cache", str(cache24), "--data.batch_size", "12"])[0]) == []

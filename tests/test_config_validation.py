@@ -10,8 +10,9 @@ import pytest
 from precompute import cli
 from precompute.config import PrecomputeConfig, load_config
 from precompute.encoders.capabilities import Declares, TextCapabilities
-from precompute.validate import ConfigError, check_config
-from shardcache.config import options
+from precompute.identity import preprocessing_of
+from precompute.validate import check_config
+from shardcache.config import ConfigError, options
 
 from conftest import DEMO, ROOT
 
@@ -189,7 +190,7 @@ def test_config_files_keep_their_fingerprint(tmp_path):
     bandwidth and resampler; not pretrained paths, not batch sizes, not n_codebooks, a check), and a file
     read with an override. The TTS file renders Higgs-Audio's own layout (chat_template llama3)."""
     cfg = load_config(ROOT / "configs" / "precompute-tts.yaml")
-    assert cfg.preprocessing() == {
+    assert preprocessing_of(cfg) == {
         "audio_format": "pcm_s16le", "chat_template": "llama3", "image_resize": "center_crop", "image_size": 256,
         "image_rgb": "composite", "image_pixel_range": "-1..1", "image_token": "<image>", "world_tokens": None,
         "encoder_dtype": "float32", "latents_dtype": "float16", "sample_layout": "conversation-2",
@@ -197,10 +198,10 @@ def test_config_files_keep_their_fingerprint(tmp_path):
         "audio_tokenizer": {"name": "higgs", "bandwidth": 2, "resampler": "auto"}, "image_encoder": None,
         "text_tokenizer": {"name": "hf"},
         "extra_fields": {"audio_16k": {"producer": "waveform", "sample_rate": 16000, "direction": "in"}}}
-    assert load_config(ROOT / "configs" / "precompute-tts.yaml", [
+    assert preprocessing_of(load_config(ROOT / "configs" / "precompute-tts.yaml", [
         "encoder_batch_size=2", "audio_tokenizer.pretrained=/elsewhere", "max_duration=3", "num_workers=0",
-        "audio_tokenizer.max_batch_size=4", "encoder_dtype=fp32"]).preprocessing() == cfg.preprocessing()
-    theworld = load_config(ROOT / "configs" / "precompute-theworld.yaml").preprocessing()
+        "audio_tokenizer.max_batch_size=4", "encoder_dtype=fp32"])) == preprocessing_of(cfg)
+    theworld = preprocessing_of(load_config(ROOT / "configs" / "precompute-theworld.yaml"))
     assert {k: theworld[k] for k in ("image_resize", "image_size", "image_rgb", "image_pixel_range", "image_token",
                                      "world_tokens", "encoder_dtype")} == {
         "image_resize": "stretch", "image_size": 512, "image_rgb": "convert", "image_pixel_range": "0..255",
@@ -221,7 +222,7 @@ def test_a_section_given_a_value_is_refused_naming_it(tmp_path, text, section):
     """A section written as a scalar or a list exits 2 naming it (it was a TypeError traceback from
     jsonargparse's instantiate), for both stages."""
     from shardcache.config import ConfigError
-    from train.config import parse_args
+    from train.cli import parse_args
     (tmp_path / "t.yaml").write_text(text)
     with pytest.raises(ConfigError) as e:
         parse_args(["--config", str(tmp_path / "t.yaml")])
@@ -236,7 +237,7 @@ def test_a_section_flag_given_a_value_says_how_to_set_one_option():
     jsonargparse as the section's config file; it exits 2 naming the section and the ``--model.OPTION VALUE``
     form, not "Unable to load config", in both stages. The spelling the messages now give parses."""
     from shardcache.config import ConfigError
-    from train.config import parse_args
+    from train.cli import parse_args
     with pytest.raises(ConfigError) as e:
         parse_args(["--model", "tts"])
     assert e.value.problems == [("model", "expected a YAML file of its options or a mapping (one option: "
@@ -260,7 +261,7 @@ def test_a_key_of_an_encoder_spec_from_a_flag_keeps_its_type():
 def test_a_training_device_it_cannot_use_is_refused():
     """``--dist.device gpu`` trained on the CPU without a word; now it exits 2 naming the option."""
     from shardcache.config import ConfigError
-    from train.config import parse_args
+    from train.cli import parse_args
     with pytest.raises(ConfigError, match="dist.device: expected one of auto, cpu, cuda, got 'gpu'"):
         parse_args(["--config", "none", "--dist.device", "gpu"])
 
@@ -270,7 +271,7 @@ def test_a_mapping_option_takes_mappings_and_keys_in_their_order():
     file's, ``{}`` clears it, ``--model.kwargs.KEY VALUE`` sets one key (the value typed as YAML); anything but a
     mapping exits 2 naming the option."""
     from shardcache.config import ConfigError
-    from train.config import parse_args
+    from train.cli import parse_args
     cfg, _ = parse_args(["--config", str(ROOT / "configs" / "train-tts.yaml"), "--model.kwargs.z", "1"])
     assert cfg.model.kwargs["z"] == 1 and "lm" in cfg.model.kwargs  # one key: merged into the file's mapping
     cfg, _ = parse_args(["--config", str(ROOT / "configs" / "train-tts.yaml"), "--model.kwargs", "{}",
@@ -278,3 +279,34 @@ def test_a_mapping_option_takes_mappings_and_keys_in_their_order():
     assert cfg.model.kwargs == {"a": {}, "b": 4, "c": [1]}
     with pytest.raises(ConfigError, match=r"model.kwargs: expected a mapping, got \[1, 2\]"):
         parse_args(["--config", "none", "--model.kwargs", "[1, 2]"])
+
+
+def test_every_bad_key_of_a_config_file_is_named_with_the_file(tmp_path):
+    """The file's keys are checked against the declared options before jsonargparse reads the file: each bad
+    key is named at once (the library stopped at the first), with the file; a null for an option that takes
+    none is refused (jsonargparse took it, and the job met None later); a section's flag given a mapping is
+    checked key by key."""
+    from train.cli import parse_args
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: {lr: fast, lrr: 1}\ndata: {batch_size: 0, cache: null}\nsteps: 3\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(bad), "--optim.beta1", "2"])
+    at = f" (in --config {bad})"
+    assert e.value.lines() == [f"optim.lr: expected a number >= 0 and <= 100, got 'fast'{at}",
+                               f"optim.lrr: unknown option; see --help{at}",
+                               f"data.batch_size: expected an integer > 0 and <= 1000000, got 0{at}",
+                               f"data.cache: expected a string, got null{at}",
+                               f"steps: unknown option; see --help{at}",
+                               "optim.beta1: expected a number >= 0 and <= 1, got 2"]
+    with pytest.raises(ConfigError) as e:  # a section's flag: its mapping's keys, named under the section
+        load_config(None, ["precision_tolerance={codes_agreement: 2, latents_rel_eror: 0.1}"])
+    assert e.value.lines() == ["precision_tolerance.codes_agreement: expected a number >= 0 and <= 1, got 2",
+                               "precision_tolerance.latents_rel_eror: unknown option; see --help"]
+    with pytest.raises(ConfigError, match=r"^sample_rate: expected an integer > 0 and <= 384000, got null$"):
+        load_config({"sample_rate": None})
+
+
+def test_an_abbreviated_flag_is_refused(capsys, tmp_path, no_work):
+    """One spelling: argparse took ``--sample_r`` for ``--sample_rate``; it is an unknown option now."""
+    rc, err = _main(capsys, tmp_path, "--sample_r", "16000")
+    assert rc == 2 and err == "error: sample_r: unknown option; see --help\n", err

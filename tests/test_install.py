@@ -77,6 +77,7 @@ def core_venv_python() -> Path:
 
 
 @pytest.mark.long
+@pytest.mark.xdist_group("core_venv")  # one worker builds build/core-venv: two `pip install .` share build/
 def test_a_venv_of_the_core_extra_only_reads_a_cache(cache):
     """`make core-venv` (build/core-venv: `pip install torch==2.13.0 .`, no system site-packages)
     holds none of the extras' libraries and reads the cache (built on first use, ~1 min)."""
@@ -141,6 +142,7 @@ def test_a_full_install_without_duckdb_names_the_extra_too(cache):
 
 
 @pytest.mark.long
+@pytest.mark.xdist_group("core_venv")
 def test_a_venv_of_the_core_extra_only_runs_the_shards_commands(demo_cache):
     """`make core-venv` runs info, ls, head, show, verify and rejects on a cache stage one wrote (with
     rejects); query and stats exit 2 naming the [inspect] extra."""

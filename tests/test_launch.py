@@ -279,7 +279,7 @@ def test_train_sbatch_under_fake_slurm(fake_slurm):
         assert f"  {k}={v}\n" in r.stdout
     assert not (fs["rec"] / "scontrol.argv").read_text().count("requeue")
     # the flags the script passes are understood by the trainer's own parser
-    from train.config import parse_args
+    from train.cli import parse_args
     args = _torchrun_args(_argv(fs["rec"] / "python.0.argv")).training_script_args[1:]
     args[args.index("--config") + 1] = str(ROOT / "configs" / "train.yaml")
     cfg, _ = parse_args(args)

@@ -231,7 +231,7 @@ def walk_setup(tiny_models, tmp_path_factory):
 
 def _effect(cfg, path: str):
     from precompute.identity import walk
-    from shardcache.config import BYTES
+    from precompute.effects import BYTES
     found = {p: e for p, _, e, _ in walk(cfg)}
     return found.get(path, BYTES)  # a whole spec (or null): its presence is in the fingerprint
 

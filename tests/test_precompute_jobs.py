@@ -71,11 +71,12 @@ def test_store_posterior_writes_logvar_for_images_only(tiny_config, demo_cache, 
     import numpy as np
     import torch
     from loaders import Order, ShardLoader
+    from precompute.identity import preprocessing_of
     from precompute.job import run
     from shards import ShardReader
     from shards.cli import main
     cfg = dataclasses.replace(tiny_config, store_posterior=True)
-    assert cfg.preprocessing() != tiny_config.preprocessing()
+    assert preprocessing_of(cfg) != preprocessing_of(tiny_config)
     _, manifest = run(DEMO / "samples.jsonl", tmp_path / "post", cfg, progress=False)
     rows = read_index(tmp_path / "post").to_pylist()
     assert len(rows) == len(_samples(demo_cache)) and sum(r["has_image"] for r in rows) >= 2

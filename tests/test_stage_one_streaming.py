@@ -260,7 +260,7 @@ def test_the_logs_name_the_config_as_its_changes(tmp_path, monkeypatch, caplog, 
     config: --print_config); the train config's line is the same function's."""
     from precompute import cli
     from precompute.encode import Summary
-    from shardcache import config as S
+    from shardcache.changes import changes_line
     from train.config import TrainConfig
     monkeypatch.setattr(cli, "run", lambda *a, **k: (Summary(), None))
     with caplog.at_level(logging.INFO, logger="precompute"):
@@ -275,9 +275,9 @@ def test_the_logs_name_the_config_as_its_changes(tmp_path, monkeypatch, caplog, 
     assert "precision_tolerance" in full and "max_text_tokens" in full  # every option
     cfg = TrainConfig()
     cfg.optim.lr = 1e-3
-    assert S.changes_line(cfg) == ("config, where it differs from the defaults: optim.lr=0.001 "
-                                   "(--print_config prints all of it)")
-    assert S.changes_line(TrainConfig()).endswith("defaults: nothing (--print_config prints all of it)")
+    assert changes_line(cfg) == ("config, where it differs from the defaults: optim.lr=0.001 "
+                                 "(--print_config prints all of it)")
+    assert changes_line(TrainConfig()).endswith("defaults: nothing (--print_config prints all of it)")
 
 
 def test_a_library_message_the_user_cannot_act_on_is_dropped_by_name():

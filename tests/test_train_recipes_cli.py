@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from test_train_support import PY, REPO, Captured, base_env, read_metrics
 from test_train_support import from_dict
-from train.config import build_parser, parse_args
+from train.cli import build_parser, parse_args
 from train.data import HeldOut, held_out_mask, resolve_fields, total_steps
 from train.metrics import GradNormWarning
 from train.optim import lr_at, make_optimizer, make_scheduler

@@ -259,9 +259,9 @@ def from_dict(flat: dict[str, Any]):
 def config_from_dict(data: dict[str, Any]):
     """A nested mapping (as a config file holds) -> a validated ``TrainConfig``."""
     from shardcache import config as S
-    from train.config import TrainConfig, validate
+    from train.config import TrainConfig, check_config
     text = json.dumps(data, default=str)  # JSON is YAML: read as a config file is
-    return validate(S.parse(S.parser(TrainConfig, "test"), TrainConfig, ["--config", text], "")[0])
+    return S.parse(S.parser(TrainConfig, "test"), TrainConfig, ["--config", text], "", check=check_config)[0]
 
 
 def flags(argv: list[str]) -> list[str]:

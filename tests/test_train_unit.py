@@ -22,7 +22,8 @@ from test_train_support import (PY, REAL_LOADER, REPO, TINY_MODEL, base_env, col
 from train import checkpoint as C
 from train import dist as D
 from test_train_support import from_dict
-from train.config import TrainConfig, build_parser, parse_args
+from train.cli import build_parser, parse_args
+from train.config import TrainConfig
 from train.metrics import Metrics
 from train.optim import lr_at
 from train.trainer import Callbacks, run

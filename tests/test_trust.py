@@ -239,18 +239,18 @@ def test_yaml_alias_bomb_in_model_kwargs_is_refused_fast(tmp_path):
 
 
 def test_yaml_limits_keep_ordinary_configs():
-    from shardcache.config import ConfigError, load_yaml
+    from shardcache.yaml_limits import YAMLRefused, load_yaml
     text = "base: &b {lr: 1.0e-3, steps: 10}\nrun1: {<<: *b, steps: 20}\nrun2: *b\n"
     assert load_yaml(text, "x") == {"base": {"lr": 1e-3, "steps": 10}, "run1": {"lr": 1e-3, "steps": 20},
                                     "run2": {"lr": 1e-3, "steps": 10}}
     assert len(load_yaml(_bomb(levels=5, prefix=""), "x")["a4"]) == 9   # 9**5 = 59049 values: allowed
-    with pytest.raises(ConfigError, match="x: refused: its aliases expand"):
+    with pytest.raises(YAMLRefused, match="x: refused: its aliases expand"):
         load_yaml(_bomb(levels=6, prefix=""), "x")
-    with pytest.raises(ConfigError, match="recursive alias"):
+    with pytest.raises(YAMLRefused, match="recursive alias"):
         load_yaml("a: &a [1, *a]\n", "x")
-    with pytest.raises(ConfigError, match="more than the 1048576 a config may have"):
+    with pytest.raises(YAMLRefused, match="more than the 1048576 a config may have"):
         load_yaml("a: " + "x" * (1 << 20) + "\n", "x")
-    with pytest.raises(ConfigError, match="nested too deeply"):
+    with pytest.raises(YAMLRefused, match="nested too deeply"):
         load_yaml("[" * 50_000 + "]" * 50_000, "x")
 
 

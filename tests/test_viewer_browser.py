@@ -464,10 +464,13 @@ def test_sorting_and_text_search_give_the_rows_the_index_says(page, caches, serv
     cache = caches["tts"]
     page.goto(servers["tts"])
     page.click("table.grid th a.sort:text('duration')")
+    page.wait_for_load_state("load")  # the sorted page whole before its keys are read (a loaded machine)
     assert page.locator("a.key").all_inner_texts() == _own_order(cache, "duration_s")
     page.click("table.grid th a.sort:text('duration')")
+    page.wait_for_load_state("load")  # the sorted page whole before its keys are read (a loaded machine)
     assert page.locator("a.key").all_inner_texts() == _own_order(cache, "duration_s", desc=True)
     page.click("table.grid th a.sort:text('key')")
+    page.wait_for_load_state("load")  # the sorted page whole before its keys are read (a loaded machine)
     assert page.locator("a.key").all_inner_texts() == _own_order(cache, "key")
     # search: the samples whose conversation holds the text, case-insensitively (read from the tars here)
     running["tts"].app.vc.text.wait(120)

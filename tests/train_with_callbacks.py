@@ -32,7 +32,7 @@ def main() -> int:
     train_argv = argv[split + 1:]
 
     from train.cli import main as train_main
-    from train.config import parse_args
+    from train.cli import parse_args
     from test_train_support import write_audit
     from train.trainer import Callbacks
 

@@ -44,7 +44,8 @@ from loaders.device import DevicePrefetcher
 from shardcache.config import ConfigError, bounded
 
 from . import dist as D
-from .config import TrainConfig, build_parser, parse_args
+from .cli import build_parser, parse_args
+from .config import TrainConfig
 from .data import batch_stream, make_loader, to_device
 from .metrics import peak_memory_mb
 from .trainer import Trainer, setup_logging

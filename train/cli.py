@@ -9,19 +9,59 @@ line naming the item, the cache's value and the model's value; nothing was loade
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
+from shardcache import config as S
+from shardcache.config import ConfigError
+from shardcache.helptext import short_help
+
+from .config import CONFIG_ENV, TrainConfig, check_config
+from .recipes.higgs_argv import translate
+
 PROG = "shardcache train"
+#: the short flags of the two paths every run names -> the option each sets
+SHORT_FLAGS = {"--cache": "data.cache", "--run_dir": "job.dir"}
+#: the options ``shardcache train --help`` shows (``--help_all``: every option)
+COMMON = ("data.cache", "job.dir", "model.name", "model.kwargs", "data.batch_size", "data.fields", "optim.lr",
+          "training.steps", "training.epochs", "training.precision", "lora.enabled", "checkpoint.every",
+          "checkpoint.resume", "eval.every", "metrics.every")
+
+
+def build_parser(prog: str = PROG, description: str | None = None) -> argparse.ArgumentParser:
+    """``--config``, ``--print_config`` and one flag per option (callers may add their own)."""
+    p = S.parser(TrainConfig, prog, description if description is not None else (
+        "Train from a shardcache cache (stage two).\n\n"
+        "  shardcache train --cache cache/demo --run_dir runs/demo --training.steps 50\n"
+        "  torchrun --nproc_per_node=2 -m shardcache train --config configs/train.yaml --cache cache/demo\n\n"
+        "Options: the defaults below, then the config file (--config FILE; else $SHARDCACHE_TRAIN_CONFIG;\n"
+        "else none), then flags in their order. --cache DIR is --data.cache, --run_dir DIR is --job.dir. Exit status:\n"
+        "0 done; --job.requeue_exit_code (default 3) after a stop request; 1 on an error on any rank; 2 for\n"
+        "bad options (each named)."), aliases=SHORT_FLAGS)
+    p.add_argument("--dry_run", action="store_true", help="check the options, the cache, the run directory and the "
+                   "model's contract against the cache, then exit: no weight loads, no process group (e.g. before sbatch).")
+    p.add_argument("--help_all", action="store_true", help="every option (--help shows the common ones).")
+    return p
+
+
+def help_text(everything: bool = False) -> str:
+    """``--help`` (the common options) or ``--help_all`` (every option)."""
+    return build_parser().format_help() if everything else short_help(build_parser(), COMMON, (
+        "Check without training: --dry_run. Print the config: --print_config. Every option: --help_all."))
+
+
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    """Command line (the Higgs-Audio spellings translated first) -> (validated config, namespace
+    with the parser's other flags, ``config_file`` and ``config_source``). Raises :class:`ConfigError`;
+    ``--print_config`` prints the config and exits (``SystemExit(0)``, jsonargparse's)."""
+    argv = translate(sys.argv[1:] if argv is None else list(argv))
+    return S.parse(parser or build_parser(), TrainConfig, argv, CONFIG_ENV, check=check_config)
 
 
 def main(argv: list[str] | None = None, callbacks=None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run; ``callbacks`` (a
     :class:`train.trainer.Callbacks`) are for tests and extensions that launch through this entry
     point (e.g. fault injection under torchrun)."""
-    from shardcache.config import ConfigError
-
-    from .config import help_text, parse_args
-
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--help_all" in argv or "-h" in argv or "--help" in argv:
         sys.stdout.write(help_text(everything="--help_all" in argv))

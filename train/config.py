@@ -1,17 +1,13 @@
 """Stage-two configuration: :class:`TrainConfig`, nested sections with a docstring per option, read by
-:mod:`shardcache.config` (the order: :func:`build_parser`'s description); :mod:`train.recipes.higgs_argv`
-translates the Higgs-Audio launch line. The effective config is logged at start and kept in every checkpoint."""
+:mod:`shardcache.config` from the command line of :mod:`train.cli` (the order: its description) and checked by
+:func:`check_config`. The effective config is logged at start and kept in every checkpoint."""
 # no `from __future__ import annotations`: the annotations are the types jsonargparse checks (bounded(...))
-import argparse
-import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shardcache import config as S
-from shardcache.config import ConfigError, bounded, option
+from shardcache.config import bounded, option
 
 from .recipes import RECIPES  # a dict of names: imports no model library
-from .recipes.higgs_argv import translate
 
 #: environment variable naming the config file when no --config is given
 CONFIG_ENV = "SHARDCACHE_TRAIN_CONFIG"
@@ -257,7 +253,7 @@ class TrainConfig:
 
 # ---- checks ------------------------------------------------------------------------------------------
 
-def _rules(cfg: TrainConfig) -> list[tuple[str, str]]:
+def check_config(cfg: TrainConfig) -> list[tuple[str, str]]:
     """Rules across options (after each option's own type and range passed); the cache's and the loader's
     are :mod:`train.preflight`'s and :mod:`train.bounds`'."""
     fields, m = tuple(cfg.data.fields), cfg.model
@@ -270,52 +266,3 @@ def _rules(cfg: TrainConfig) -> list[tuple[str, str]]:
          "needs 'latents' in data.fields"),
         ("data.fields", not explicit or "codes" in fields or m.name != "reference",
          "the reference model needs 'codes' in data.fields")) if not ok]
-
-
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Return ``cfg``, or raise :class:`ConfigError` listing every invalid option (types, choices and bounds
-    were checked as it was read)."""
-    if problems := _rules(cfg):
-        raise ConfigError(problems)
-    return cfg
-
-
-#: the short flags of the two paths every run names -> the option each sets
-SHORT_FLAGS = {"--cache": "data.cache", "--run_dir": "job.dir"}
-#: the options ``shardcache train --help`` shows (``--help_all``: every option)
-COMMON = ("data.cache", "job.dir", "model.name", "model.kwargs", "data.batch_size", "data.fields", "optim.lr",
-          "training.steps", "training.epochs", "training.precision", "lora.enabled", "checkpoint.every",
-          "checkpoint.resume", "eval.every", "metrics.every")
-
-
-def build_parser(prog: str = "shardcache train", description: str | None = None) -> argparse.ArgumentParser:
-    """``--config``, ``--print_config`` and one flag per option (callers may add their own)."""
-    p = S.parser(TrainConfig, prog, description if description is not None else (
-        "Train from a shardcache cache (stage two).\n\n"
-        "  shardcache train --cache cache/demo --run_dir runs/demo --training.steps 50\n"
-        "  torchrun --nproc_per_node=2 -m shardcache train --config configs/train.yaml --cache cache/demo\n\n"
-        "Options: the defaults below, then the config file (--config FILE; else $SHARDCACHE_TRAIN_CONFIG;\n"
-        "else none), then flags in their order. --cache DIR is --data.cache, --run_dir DIR is --job.dir. Exit status:\n"
-        "0 done; --job.requeue_exit_code (default 3) after a stop request; 1 on an error on any rank; 2 for\n"
-        "bad options (each named)."), aliases=SHORT_FLAGS)
-    p.add_argument("--dry_run", action="store_true", help="check the options, the cache, the run directory and the "
-                   "model's contract against the cache, then exit: no weight loads, no process group (e.g. before sbatch).")
-    p.add_argument("--help_all", action="store_true", help="every option (--help shows the common ones).")
-    return p
-
-
-def help_text(everything: bool = False) -> str:
-    """``--help`` (the common options) or ``--help_all`` (every option)."""
-    return build_parser().format_help() if everything else S.short_help(build_parser(), COMMON, (
-        "Check without training: --dry_run. Print the config: --print_config. Every option: --help_all."))
-
-
-def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> tuple[TrainConfig, argparse.Namespace]:
-    """Command line (the Higgs-Audio spellings translated first) -> (validated config, namespace
-    with the parser's other flags, ``config_file`` and ``config_source``). Raises :class:`ConfigError`;
-    ``--print_config`` prints the config and exits (``SystemExit(0)``, jsonargparse's)."""
-    argv = translate(sys.argv[1:] if argv is None else list(argv))
-    return S.parse(parser or build_parser(), TrainConfig, argv, CONFIG_ENV, check=_rules)
-
-
-__all__ = ["TrainConfig", "ConfigError", "parse_args", "build_parser", "validate"]

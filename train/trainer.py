@@ -58,6 +58,7 @@ from torch.profiler import record_function
 
 from loaders.device import DevicePrefetcher
 from shardcache import config as S
+from shardcache.changes import changes_line
 from shards.cache import Cache
 
 from . import checkpoint as C
@@ -266,7 +267,7 @@ class Trainer:
         self.out = Path(cfg.job.dir)
         if info.is_main:
             D.log_env_set()
-            log.info("%s", S.changes_line(cfg))  # the whole config: --print_config
+            log.info("%s", changes_line(cfg))  # the whole config: --print_config
         self.cache = open_cache(cfg, cfg.data.cache)  # manifest + index read once, for everything below
         self.cache_id = self.cache.id                  # recorded in every checkpoint
         self.precision = Precision.of(cfg.training.precision, info.device)

@@ -47,8 +47,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from shardcache.weights import checkpoint_sha256, identity
-from shardcache.config import BATCH, BYTES, IDENTITY, OPERATIONAL, Effect
 
+from ..effects import BATCH, BYTES, IDENTITY, OPERATIONAL, Effect
 from ..faults import reraise_infrastructure
 from ..transfer import to_device, to_host
 from ._common import (
@@ -177,7 +177,7 @@ class HFCodecTokenizer(Declares, FrameRule):
     #: option names accepted by the registry besides ``name``/``pretrained``
     OPTIONS: tuple[str, ...] = ("device", "dtype", "max_batch_size", "max_batch_samples", "bucket_s", "processes",
                                 "revision")
-    #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
+    #: what each option does to a cache (:class:`precompute.effects.Effect`; ``name``/``pretrained``:
     #: :data:`precompute.identity.SPEC_KEYS`), one entry per option of :attr:`OPTIONS`; ``processes``:
     #: copies of the model, each clip's codes the same in any of them (tested), so operational; ``revision``
     #: picks the hub revision of ``pretrained`` whose files load (their sha256 is the identity)

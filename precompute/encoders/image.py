@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from shardcache.weights import checkpoint_sha256, identity
-from shardcache.config import BATCH, BYTES, IDENTITY, Effect
 
+from ..effects import BATCH, BYTES, IDENTITY, Effect
 from ..transfer import to_device, to_host
 from ._common import (
     clean_config,
@@ -71,7 +71,7 @@ class DiffusersVAEEncoder(Declares):
     name = "vae"
     OPTIONS: tuple[str, ...] = ("device", "dtype", "normalize", "max_batch_size", "subfolder", "input_range",
                                 "revision")
-    #: what each option does to a cache (:class:`shardcache.config.Effect`; ``name``/``pretrained``:
+    #: what each option does to a cache (:class:`precompute.effects.Effect`; ``name``/``pretrained``:
     #: :data:`precompute.identity.SPEC_KEYS`); ``subfolder`` and ``revision`` (the hub revision of
     #: ``pretrained``) pick the weights (their sha256 is the identity)
     #: (and the values it takes: :func:`precompute.encoders.options.takes`, checked with the config)

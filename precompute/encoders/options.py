@@ -1,7 +1,7 @@
 """What an encoder option takes, declared with what it does to a cache: :class:`Option`.
 
 An encoder class declares each of its spec options once, in its ``OPTION_EFFECTS`` table: the option's
-:class:`shardcache.config.Effect` (what changing it does to a cache, :mod:`precompute.identity`) and, in the
+:class:`precompute.effects.Effect` (what changing it does to a cache, :mod:`precompute.identity`) and, in the
 same entry, the values it takes (:func:`takes`: a type, bounds, choices, whether null means "the default").
 The config check reads those declarations (:func:`precompute.encoders.registry.spec_problems`), so a bad
 value (``processes: 0``, ``bucket_s: -1`` or ``.nan``, ``max_batch_size: 0``) stops the job with exit
@@ -18,7 +18,7 @@ import math
 import re
 from typing import Any, Callable
 
-from shardcache.config import Effect
+from ..effects import Effect
 
 #: the device spellings every option that names a torch device accepts (the job's ``device`` also takes ``auto``)
 DEVICE_PATTERN = re.compile(r"cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?")
@@ -29,7 +29,7 @@ _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 
 @dataclasses.dataclass(frozen=True)
 class Option(Effect):
-    """An encoder option's :class:`~shardcache.config.Effect` and the values it takes (see the module docstring).
+    """An encoder option's :class:`~precompute.effects.Effect` and the values it takes (see the module docstring).
 
     Attributes beyond the effect's:
         type: ``int`` (not a bool), ``float`` (an int or a float, finite), ``bool``, ``str`` or ``list``.
@@ -87,7 +87,7 @@ def _is(value: Any, tp: type) -> bool:
 def takes(effect: Effect, type: type, *, gt: float | None = None, ge: float | None = None, le: float | None = None,
           lt: float | None = None, choices: tuple | None = None, nullable: bool = False,
           check: Callable[[Any], str | None] | None = None) -> Option:
-    """``effect`` (:data:`shardcache.config.BYTES`, ``BATCH``...) declared with the values the option takes."""
+    """``effect`` (:data:`precompute.effects.BYTES`, ``BATCH``...) declared with the values the option takes."""
     return Option(effect.kind, effect.via, effect.scope, effect.canonical, type=type, gt=gt, ge=ge, le=le, lt=lt,
                   choices=choices, nullable=nullable, check=check)
 
@@ -114,7 +114,7 @@ def range_problem(value: Any) -> str | None:
 
 def problems(spec: dict, table: dict[str, Effect]) -> list[tuple[str, str]]:
     """``(".key", message)`` for each key of ``spec`` whose value its :class:`Option` in ``table`` refuses (keys
-    ``table`` declares as a plain :class:`~shardcache.config.Effect` take any value)."""
+    ``table`` declares as a plain :class:`~precompute.effects.Effect` take any value)."""
     out = []
     for key, value in spec.items():
         decl = table.get(key)

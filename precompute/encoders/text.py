@@ -7,10 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.config import BYTES, IDENTITY, Effect
-
 from shardcache.pretrained import template_sha256
 
+from ..effects import BYTES, IDENTITY, Effect
 from ._common import canonical_json, load_error, resolve_pretrained
 from .capabilities import Declares, TextCapabilities
 from .options import takes
@@ -39,7 +38,7 @@ class ByteTokenizer(Declares):
     OPTIONS: tuple[str, ...] = ("add_bos", "add_eos", "special_tokens")
     #: built from files (``from_pretrained``) or from its options alone
     PRETRAINED = False
-    #: what each option does to a cache (:class:`shardcache.config.Effect`)
+    #: what each option does to a cache (:class:`precompute.effects.Effect`)
     OPTION_EFFECTS: dict[str, Effect] = {"add_bos": takes(BYTES, bool), "add_eos": takes(BYTES, bool),
                                          "special_tokens": takes(BYTES, list, nullable=True)}
     pad_id = 0
@@ -154,7 +153,7 @@ class HFTokenizer(Declares):
     name = "hf"
     OPTIONS: tuple[str, ...] = ("add_special_tokens", "pad_id", "trust_remote_code", "revision")
     PRETRAINED = True
-    #: what each option does to a cache (:class:`shardcache.config.Effect`); trust_remote_code and revision (the
+    #: what each option does to a cache (:class:`precompute.effects.Effect`); trust_remote_code and revision (the
     #: hub revision of ``pretrained``) decide which tokenizer loads (its vocabulary sha256 is the identity)
     OPTION_EFFECTS: dict[str, Effect] = {"add_special_tokens": takes(BYTES, bool),
                                          "pad_id": takes(BYTES, int, ge=0, nullable=True),

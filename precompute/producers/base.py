@@ -38,8 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from shardcache.config import Effect
-
+from ..effects import Effect
 from ..encoders.capabilities import Pending
 from ..faults import reraise_infrastructure
 
@@ -160,7 +159,7 @@ class Producer:
 
     name = "producer"
     #: the keys of the spec that names it (``extra_fields: {NAME: {producer: name, ...}}``, ``add-field
-    #: --producer``) and what changing each does to a cache (:class:`shardcache.config.Effect`, walked by
+    #: --producer``) and what changing each does to a cache (:class:`precompute.effects.Effect`, walked by
     #: :mod:`precompute.identity`): ``SPEC``, an encoder spec whose keys its class declares; ``"*"``: the
     #: other keys are an encoder spec of the producer's own name. Empty: no spec names it (the job's own
     #: text and segments). With :meth:`spec_problems` and :meth:`from_spec`, all a spec needs of it.

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.config import BYTES, SPEC
 from shards.schema import SEGMENT_COLUMNS
 
+from ..effects import BYTES, SPEC
 from ..encoders.base import codes_problem
 from ..encoders.batching import Call
 from ..encoders.capabilities import Pending, capabilities_of

@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from shardcache.weights import GEMMA3_VISION, checkpoint_sha256, identity, under
-from shardcache.config import BYTES, IDENTITY, SPEC
 
+from ..effects import BYTES, IDENTITY, SPEC
 from ..encoders.batching import BatchPolicy
 from ..encoders.capabilities import Capabilities, Declares, Pending
 from ..faults import reraise_infrastructure
@@ -108,7 +108,7 @@ class Gemma3VisionEncoder(Declares):
 
     #: spec options besides name and pretrained
     OPTIONS = ("dtype", "revision")
-    #: what each option does to a cache (:class:`shardcache.config.Effect`); ``revision`` (the hub revision of
+    #: what each option does to a cache (:class:`precompute.effects.Effect`); ``revision`` (the hub revision of
     #: ``pretrained``) picks the files that load (the tower's tensors and the processor config are the identity)
     OPTION_EFFECTS = {"dtype": BYTES, "revision": IDENTITY}
 

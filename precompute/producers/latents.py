@@ -6,8 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.config import BYTES, SPEC
-
+from ..effects import BYTES, SPEC
 from ..encoders.capabilities import Pending, capabilities_of
 from .base import Producer, Timer, encode_each, encoder_spec_problems, submit_each
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.config import BYTES
 from shards.kinds import WAVEFORM
 
+from ..effects import BYTES
 from .base import Producer, Timer
 
 DIRECTIONS = ("in", "out")

@@ -37,7 +37,7 @@ from ..cache import Cache
 from ..commands._common import SCALAR_COLUMNS, UsageError
 from ..commands.query import VIEWER_DEADLINE_S
 from ..errors import ShardCorrupt
-from ..index import INDEX_SCHEMA, REJECTS_SCHEMA, read_cache_id
+from ..index import REJECTS_SCHEMA, read_cache_id
 from ..manifest import CacheManifest
 from ..reader import ShardReader
 from ..schema import INDEX_FILE, REJECTS_FILE
@@ -203,7 +203,8 @@ class ViewedCache:
         except BaseException:
             self.index.close()
             raise
-        self.facts = Cache(self.source, self.files_dir, self.manifest, pa.Table.from_batches([], schema=INDEX_SCHEMA), self.id)
+        # the manifest's facts (encoders, tokens, preset); the viewer reads the index itself (:class:`.rows.IndexFile`)
+        self.facts = Cache(self.source, self.files_dir, self.manifest, self.id, None)
         if self.remote is not None:
             self.remote.adopt([e["path"] for e in self.manifest.all_shard_entries() if "path" in e],
                               self.manifest.to_dict())  # keeps local shards an earlier run left whole

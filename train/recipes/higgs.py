@@ -35,7 +35,7 @@ from loaders.higgs import (CODEC_FRAME_RATE, CODEC_NAME, CODEC_SAMPLE_RATE, PROC
                            HiggsBatch, codec_weights, contract_values, paired_audio_tokenizer)
 from shardcache.weights import tensor_names
 from shards.cache import Cache, Contract
-from shards.tokens import AUDIO_OUT, AUDIO_OUT_BOS
+from shards.tokens import AUDIO_BOS, AUDIO_EOS, AUDIO_IN, AUDIO_OUT, AUDIO_OUT_BOS, EOM, EOT
 
 from ..imports import blocked_imports
 from .base import build_from
@@ -122,11 +122,9 @@ class HiggsModel(LMRecipe):
 
     contract_items = {
         "fields": "`input_ids`, `labels`, `codes`, `audio_segments` (the processor's batch)",
-        "special_tokens.<|AUDIO_OUT|>": "config `audio_token_id`",
-        "special_tokens.<|audio_out_bos|>": "config `audio_bos_token_id`",
-        "special_tokens.<|AUDIO|>": "its tokenizer's id", "special_tokens.<|audio_bos|>": "its tokenizer's id",
-        "special_tokens.<|audio_eos|>": "its tokenizer's id", "special_tokens.<|eot_id|>": "its tokenizer's id",
-        "special_tokens.<|eom_id|>": "its tokenizer's id",
+        f"special_tokens.{AUDIO_OUT}": "config `audio_token_id`",
+        f"special_tokens.{AUDIO_OUT_BOS}": "config `audio_bos_token_id`",
+        **{f"special_tokens.{t}": "its tokenizer's id" for t in (AUDIO_IN, AUDIO_BOS, AUDIO_EOS, EOT, EOM)},
         "pad_id": "its tokenizer's pad id (else eos), as stage one pads",
         "codec.name": "`higgs` (Higgs-Audio v2's audio tokenizer)", "codec.sample_rate": "24000 Hz",
         "codec.frame_rate": "25 frames/s", "codec.n_codebooks": "config `num_codebooks`",

@@ -46,7 +46,7 @@ import torch.nn as nn
 from shardcache.pretrained import GEMMA3_PIXEL_OPTIONS, image_processor_options, resolve_pretrained
 from shardcache.weights import GEMMA3_VISION, CheckpointMissing, checkpoint, under, weights_of
 from shards.cache import Cache, Contract, Unknown
-from shards.tokens import GEMMA_IMAGE_SOFT
+from shards.tokens import GEMMA_IMAGE_SOFT, WORLD_END, WORLD_START
 
 from ..imports import blocked_imports
 from .base import build_from, text_tokenizer, token_ids, tokenizer_pad_id
@@ -57,7 +57,7 @@ log = logging.getLogger("train")
 DEFAULT_GEMMA3 = "google/gemma-3-4b-it"
 MODEL_TYPE = "gemma3"
 #: TheWorld's world markers (``TheWorld._inject_world_tokens``; configs/precompute-theworld.yaml)
-WORLD_TOKENS = ("<start_of_world>", "<end_of_world>")
+WORLD_TOKENS = (WORLD_START, WORLD_END)
 #: the image preset TheWorld's projection was trained on (``cosmos_vae_encoder.py``: ``img.convert("RGB")``,
 #: ``TF.resize(img, [512, 512])`` of the whole image, ``to_tensor(img) * 255``, the Wan 2.1 VAE of
 #: Cosmos-Predict2 in bfloat16, raw ``mode()`` latents of 16 channels); latents stored as float16
@@ -308,9 +308,8 @@ class TheWorldModel(LMRecipe):
 
     contract_items = {
         "fields": "`input_ids`, `labels`, `latents`, `image_features`",
-        "special_tokens.<image_soft_token>": "config `image_token_index`",
-        "special_tokens.<start_of_world>": "its tokenizer with the markers added",
-        "special_tokens.<end_of_world>": "its tokenizer with the markers added",
+        f"special_tokens.{GEMMA_IMAGE_SOFT}": "config `image_token_index`",
+        **{f"special_tokens.{t}": "its tokenizer with the markers added" for t in WORLD_TOKENS},
         "pad_id": "its tokenizer's pad id",
         "text_tokenizer": "the checkpoint's tokenizer (else `model.kwargs.tokenizer`) with the world markers added",
         "chat_template": "`model.kwargs.chat_template`, default `theworld` (TheWorld's collate)",
@@ -390,11 +389,11 @@ class TheWorldModel(LMRecipe):
         super().__init__()
         cfg = check_config(lm, revision)
         if image_soft_token_id is not None and int(image_soft_token_id) != cfg.image_token_id:
-            raise ValueError(f"the cache's <image_soft_token> is {image_soft_token_id}, the model's image_token_id "
+            raise ValueError(f"the cache's {GEMMA_IMAGE_SOFT} is {image_soft_token_id}, the model's image_token_id "
                              f"{cfg.image_token_id}: precompute with text_tokenizer.pretrained = {lm}")
         if world_start_token_id is None or world_end_token_id is None:
             raise ValueError("--model.name theworld needs the world markers in the cache (precompute with "
-                             "world_tokens: [<start_of_world>, <end_of_world>], configs/precompute-theworld.yaml)")
+                             f"world_tokens: [{WORLD_START}, {WORLD_END}], configs/precompute-theworld.yaml)")
         self.soft_id, self.pad_id = int(cfg.image_token_id), int(pad_id)
         self.sow_id, self.eow_id = int(world_start_token_id), int(world_end_token_id)
         self.latent_channels = int(latent_channels)

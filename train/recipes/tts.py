@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from loaders.higgs import build_delay_pattern, delay_segments, revert_delay_pattern  # noqa: F401 (re-exported)
 
 from shards.cache import Cache, Contract
+from shards.tokens import AUDIO_IN, AUDIO_OUT, AUDIO_OUT_BOS
 
 from .base import build_from, text_tokenizer
 from .lm import (DEFAULT_LM, IGNORE_INDEX, LMRecipe, Merged, kwargs_lora, merge_placeholders,
@@ -80,7 +81,7 @@ class TTSModel(LMRecipe):
     media_name = "audio"  #: optimizer_groups name of the recipe's own modules
 
     contract_items = {"fields": "`input_ids`, `labels`, `codes`, `audio_segments`",
-                      "special_tokens.<|AUDIO_OUT|>": "`model.kwargs.audio_out_token_id`, else any id",
+                      f"special_tokens.{AUDIO_OUT}": "`model.kwargs.audio_out_token_id`, else any id",
                       "text_tokenizer": "the LM's tokenizer, else `model.kwargs.tokenizer` (neither: refused)"}
 
     @classmethod
@@ -89,7 +90,7 @@ class TTSModel(LMRecipe):
         sized from the cache), tokenized by the LM's own tokenizer (``model.kwargs.tokenizer`` for an LM that
         ships none: its token embeddings mean those ids; they are resized to the cache's vocabulary)."""
         _, fingerprint, _ = text_tokenizer(kwargs.get("lm", DEFAULT_LM), kwargs.get("tokenizer"), kwargs=kwargs)
-        return cls.contract_of("--model.name tts", {"special_tokens.<|AUDIO_OUT|>": kwargs.get("audio_out_token_id"),
+        return cls.contract_of("--model.name tts", {f"special_tokens.{AUDIO_OUT}": kwargs.get("audio_out_token_id"),
                                                     "text_tokenizer": fingerprint})
 
     @classmethod
@@ -107,7 +108,7 @@ class TTSModel(LMRecipe):
                  tokenizer_revision: str | None = None) -> None:
         super().__init__()
         if audio_out_token_id is None:
-            raise ValueError("--model.name tts needs the id of <|AUDIO_OUT|>: the cache's manifest.json has no "
+            raise ValueError(f"--model.name tts needs the id of {AUDIO_OUT}: the cache's manifest.json has no "
                              "text.special_token_ids (made without conversations?); pass "
                              "model_kwargs.audio_out_token_id (and audio_in_token_id)")
         self.n_codebooks, self.codebook_size = int(n_codebooks), int(codebook_size)
@@ -166,11 +167,11 @@ class TTSModel(LMRecipe):
         out_tok = is_out[pb, pi]
         if bool((out_tok != (direction == 1)).any()):
             raise ValueError("audio_segments direction disagrees with the placeholder token "
-                             "(<|AUDIO_OUT|> must be an output item, <|AUDIO|> an input item)")
+                             f"({AUDIO_OUT} must be an output item, {AUDIO_IN} an input item)")
         prev = (pi - 1).clamp_min(0)
         if self.audio_out_bos_token_id is not None and bool(
                 (out_tok & ((pi == 0) | (ids[pb, prev] != self.audio_out_bos_token_id))).any()):
-            raise ValueError("an <|AUDIO_OUT|> token is not preceded by <|audio_out_bos|>")
+            raise ValueError(f"an {AUDIO_OUT} token is not preceded by {AUDIO_OUT_BOS}")
         trained = out_tok & (labels[pb, pi] != IGNORE_INDEX)   # Higgs: the placeholder's own label
         codes = batch.get("codes")
         if codes is None:

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shards.cache import Cache, Contract
+from shards.tokens import IMAGE
 
 from .base import build_from, text_tokenizer
 from .lm import DEFAULT_LM, LMRecipe, Merged, kwargs_lora, merge_placeholders, next_token_loss, touch
@@ -108,8 +109,8 @@ class VLMModel(LMRecipe):
                  tokenizer_revision: str | None = None) -> None:
         super().__init__()
         if image_token_id is None:
-            raise ValueError("--model.name vlm needs the id of <image>: the cache's manifest.json has no "
-                             "text.special_token_ids['<image>']; pass model_kwargs.image_token_id")
+            raise ValueError(f"--model.name vlm needs the id of {IMAGE}: the cache's manifest.json has no "
+                             f"text.special_token_ids[{IMAGE!r}]; pass model_kwargs.image_token_id")
         if projector not in ("mlp2", "linear"):
             raise ValueError(f"projector must be mlp2 or linear, got {projector!r}")
         self.image_token_id, self.pad_id = int(image_token_id), int(pad_id)
@@ -146,7 +147,7 @@ class VLMModel(LMRecipe):
             none = embeds.new_zeros((0, 1, D))
             return merge_placeholders(embeds, valid, labels, ph, none, torch.zeros_like(pb))
         if latents is None or latents.dim() != 5:
-            raise ValueError("input_ids contain <image> tokens but the batch has no latents (B, C, T, H, W)")
+            raise ValueError(f"input_ids contain {IMAGE} tokens but the batch has no latents (B, C, T, H, W)")
         if latents.shape[1] != self.latent_channels:
             raise ValueError(f"latents have {latents.shape[1]} channels, the projection was built for "
                              f"{self.latent_channels}")
@@ -163,7 +164,7 @@ class VLMModel(LMRecipe):
             b = int(bad.nonzero()[0])
             key = batch.get("keys", [None] * B)[b]
             have = int(n_img[b]) if mask is not None else T
-            raise ValueError(f"sample {b} ({key}): {int(n_ph[b])} <image> tokens but {have} images in latents")
+            raise ValueError(f"sample {b} ({key}): {int(n_ph[b])} {IMAGE} tokens but {have} images in latents")
         w = self.projector[0].weight
         patches = patchify(latents.to(w.dtype), self.patch)[pb, rank]          # (N, n_p, C*p*p)
         if mask is not None:
