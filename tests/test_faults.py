@@ -155,6 +155,9 @@ class _ShmWatch:
         for name, pids in _shm_holders().items():
             if name not in self.before:
                 (self.ours if pids & mine else self.others).add(name)
+        for name in _shm() - self.before:  # joblib's folders name their maker (stage one uses no joblib)
+            if name.startswith("joblib_memmapping_folder_") and int(name.split("_")[3]) not in mine:
+                self.others.add(name)
 
     def _watch(self) -> None:
         while not self._done.wait(0.1):
