@@ -236,9 +236,15 @@ def test_a_killed_writer_process_fails_the_job_naming_it(tiny_models, reference,
     :func:`precompute.job.writer_process`). Killed, it left its chunk's ``.tmp`` in the cache and the job hung
     or failed with a bare RuntimeError; now it fails with exit 1 naming the writer process, its pid and the
     signal, the temporary file removed, and the rerun completes the cache."""
-    cache, before = tmp_path / "c", _ShmWatch()
+    cache, before, busy = tmp_path / "c", _ShmWatch(), tmp_path / "busy"
     stand_in = "import precompute.job as j; j.writer_process = lambda device: True"
-    job = _start(cache, tiny_models, "--num_workers=0", stand_in=stand_in)
+    # the writer process held mid-chunk at its 12th sample (the first chunk of 8 committed) until it is killed: the demo
+    # writes faster than a test can look for the chunk in progress
+    hold = (f"; import time, shards.writer as W; n = [0]; add = W.ShardWriter.add; W.ShardWriter.add = "
+            f"lambda self, *a: (n.__setitem__(0, n[0] + 1), n[0] == 12 and (open({str(busy)!r}, 'w').write('1'), "
+            "time.sleep(600)), add(self, *a))[-1]")
+    job = _start(cache, tiny_models, "--num_workers=0", stand_in=stand_in + hold)
+    _wait(lambda: busy.exists(), job)
     _wait(_committed(cache), job)
     _wait(lambda: list(cache.glob("*.tar.tmp")), job)  # the writer is mid-chunk
     writers = [p for p in _children(job.pid) if _cmdline(p) == _cmdline(job.pid)]  # (forked: the same command)
