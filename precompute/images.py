@@ -4,7 +4,7 @@ RGB modes (``rgb``):
 
 * ``composite`` (default): EXIF orientation applied; modes L, LA, P (with or without
   transparency), RGBA, CMYK, I;16 and I become 8-bit RGB (transparency composited over white;
-  16-bit scaled by 1/257, see :func:`_to_8bit`; 16-bit RGB and gray+alpha PNGs are reduced to 8
+  16-bit scaled by 1/257, see :func:`shards.pixels.to_8bit`; 16-bit RGB and gray+alpha PNGs are reduced to 8
   bits by Pillow itself).
 * ``convert``: ``Image.convert("RGB")`` of the image as decoded and nothing else (no EXIF
   rotation, alpha dropped): what TheWorld's loaders and ``CosmosVAEEncoder`` do
@@ -23,7 +23,6 @@ Resize modes:
 from __future__ import annotations
 
 import io
-import math
 import os
 import warnings
 from pathlib import Path
@@ -32,61 +31,12 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from shards import schema
+from shards.pixels import RESAMPLE, RESIZE_MODES, RGB_MODES, resized, target_size, to_rgb  # noqa: F401 (named here)
 from shards.errors import CorruptSample
 
 from .sources import MISSING, MediaRefused, file_problem, open_media
 
 #: the values of the options ``image_resize`` (:func:`resize_image`) and ``image_rgb`` (:func:`decode_image`)
-RESIZE_MODES, RGB_MODES = ("center_crop", "pad", "bucket", "stretch"), ("composite", "convert")
-
-#: the Pillow resampling filter of each resize mode
-RESAMPLE = {"center_crop": Image.Resampling.BICUBIC, "pad": Image.Resampling.BICUBIC,
-            "bucket": Image.Resampling.BICUBIC, "stretch": Image.Resampling.BILINEAR}
-
-
-def _to_8bit(im: Image.Image) -> Image.Image:
-    """16-bit (``I;16*``) and 32-bit int (``I``) grayscale -> ``L`` by fixed scaling, never by the
-    image's own min/max (an all-white 16-bit PNG stays white, a dark one stays dark).
-
-    ``I;16*``: round(x / 257), so 65535 -> 255 and 257 * k -> k. ``I``: Pillow opens 16-bit PNGs
-    (older Pillow) and 16-bit TIFFs as ``I``: when every value fits in 0..65535 it is scaled as
-    16-bit, else the non-negative int32 range 0..2**31-1 is mapped to 0..255. ``F`` (float): values
-    in 0..1 are scaled by 255, any other range is clipped to 0..255.
-    """
-    if im.mode.startswith("I;16"):
-        a = np.asarray(im).astype(np.float64) / 257.0
-    elif im.mode == "I":
-        a = np.asarray(im, dtype=np.int64)
-        a = a / 257.0 if a.size and a.min() >= 0 and a.max() <= 65535 else np.clip(a, 0, None) / ((2**31 - 1) / 255.0)
-    else:  # "F"
-        a = np.asarray(im, dtype=np.float64)
-        a = np.nan_to_num(a, nan=0.0, posinf=255.0, neginf=0.0)
-        if a.size and a.min() >= 0.0 and a.max() <= 1.0:
-            a = a * 255.0
-    return Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
-
-
-def _to_rgb(im: Image.Image) -> Image.Image:
-    if im.mode.startswith("I;16") or im.mode in ("I", "F"):
-        im = _to_8bit(im)
-    if im.mode == "P":
-        im = im.convert("RGBA")
-    if im.mode in ("RGBA", "LA", "PA"):
-        background = Image.new("RGBA", im.size, (255, 255, 255, 255))
-        im = Image.alpha_composite(background, im.convert("RGBA"))
-    return im.convert("RGB")
-
-
-def target_size(width: int, height: int, size: int, mode: str, multiple: int = 8) -> tuple[int, int]:
-    """Output ``(width, height)`` in pixels for an input of ``width x height``."""
-    if mode != "bucket":
-        return size, size
-    scale = math.sqrt(size * size / (width * height))
-    w = max(multiple, int(round(width * scale / multiple)) * multiple)
-    h = max(multiple, int(round(height * scale / multiple)) * multiple)
-    return w, h
-
-
 def decode_image(path: str | Path, *, max_pixels: int = 64_000_000, min_side: int = 16,
                  rgb: str = "composite") -> Image.Image:
     """Decode ``path`` (read once) to an 8-bit RGB Pillow image of its own size (``rgb``: see the
@@ -127,7 +77,7 @@ def decode_image(path: str | Path, *, max_pixels: int = 64_000_000, min_side: in
         raise CorruptSample(reason, str(e), str(path)) from e
     if min(w, h) < min_side:
         raise CorruptSample(schema.IMAGE_TOO_SMALL, f"{w}x{h} has a side < min_side {min_side}", str(path))
-    return _to_rgb(ImageOps.exif_transpose(im)) if rgb == "composite" else im.convert("RGB")
+    return to_rgb(ImageOps.exif_transpose(im)) if rgb == "composite" else im.convert("RGB")
 
 
 def load_image(path: str | Path, size: int = 256, *, mode: str = "center_crop", multiple: int = 8,
@@ -149,11 +99,4 @@ def load_image(path: str | Path, size: int = 256, *, mode: str = "center_crop", 
     if size % multiple:
         raise ValueError(f"image size {size} is not a multiple of the VAE's spatial factor {multiple}")
     im = decoded if decoded is not None else decode_image(path, max_pixels=max_pixels, min_side=min_side, rgb=rgb)
-    out_w, out_h = target_size(im.width, im.height, size, mode, multiple)
-    if mode == "stretch":
-        im = im.resize((out_w, out_h), RESAMPLE[mode])
-    elif mode == "pad":
-        im = ImageOps.pad(im, (out_w, out_h), RESAMPLE[mode], color=(0, 0, 0))
-    else:
-        im = ImageOps.fit(im, (out_w, out_h), RESAMPLE[mode])
-    return np.array(im, dtype=np.uint8)  # writable: torch.from_numpy warns on read-only arrays
+    return resized(im, size, mode, multiple)

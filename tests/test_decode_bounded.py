@@ -273,7 +273,7 @@ def test_16bit_gray_png_written_by_hand_and_int32_mode(tmp_path):
     values = np.rint(np.linspace(0, 65535, 64 * 64)).astype(np.uint16).reshape(64, 64)
     _png16(tmp_path / "g.png", values)
     np.testing.assert_array_equal(load_image(tmp_path / "g.png", 64)[..., 0], np.rint(values / 257.0))
-    from precompute.images import _to_rgb
+    from shards.pixels import to_rgb as _to_rgb
     as_i = Image.fromarray(values.astype(np.int32))  # mode I (older Pillow opens 16-bit PNGs so)
     assert as_i.mode == "I"
     np.testing.assert_array_equal(np.asarray(_to_rgb(as_i))[..., 1], np.rint(values / 257.0))

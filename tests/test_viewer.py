@@ -32,16 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KEYS_PAGE = b'class="key"'
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _viewer_cache(tmp_path_factory):
-    """The viewer's own cache folder (the side table of text) under this module's tmp folder."""
-    old = os.environ.get("SHARDCACHE_VIEWER_CACHE")
-    os.environ["SHARDCACHE_VIEWER_CACHE"] = str(tmp_path_factory.mktemp("viewer-cache"))
-    yield
-    if old is None:
-        os.environ.pop("SHARDCACHE_VIEWER_CACHE", None)
-    else:
-        os.environ["SHARDCACHE_VIEWER_CACHE"] = old
+from viewer_caches import viewer_cache_dir  # noqa: F401,E402 (autouse: the viewer's cache folder per module)
 
 
 def page_keys(html: bytes) -> list[str]:
@@ -561,10 +552,12 @@ def _odd_images(folder: Path) -> list[Path]:
 
 
 def test_a_source_image_is_what_stage_one_gave_the_encoder(tmp_path):
-    """The viewer's own decoding (Pillow, no stage-one code) equals stage one's ``load_image`` pixel for
-    pixel, for every resize and RGB mode, on the demo's images and on odd ones."""
+    """The viewer's reading of a source image (its own file checks and decode, then stage one's pixel rules,
+    :mod:`shards.pixels`) equals stage one's ``load_image`` pixel for pixel, for every resize and RGB mode, on
+    the demo's images and on odd ones (16-bit, palette, alpha, EXIF-rotated)."""
     from precompute.images import load_image
-    from shards.viewer.images import RESIZE_MODES, RGB_MODES, source_image
+    from shards.pixels import RESIZE_MODES, RGB_MODES
+    from shards.viewer.images import source_image
     paths = sorted(p for p in (ROOT / "data" / "demo" / "images").iterdir() if "bad" not in p.name)
     paths += _odd_images(tmp_path / "odd")
     for path in paths:

@@ -90,16 +90,7 @@ def stored(cache: Path, key: str) -> tuple[dict, dict]:
 
 # ---------------------------------------------------------------------------------------- fixtures
 
-@pytest.fixture(autouse=True, scope="module")
-def _viewer_cache(tmp_path_factory):
-    """The viewer's own cache folder (the side table of text) under this module's tmp folder."""
-    old = os.environ.get("SHARDCACHE_VIEWER_CACHE")
-    os.environ["SHARDCACHE_VIEWER_CACHE"] = str(tmp_path_factory.mktemp("viewer-cache"))
-    yield
-    if old is None:
-        os.environ.pop("SHARDCACHE_VIEWER_CACHE", None)
-    else:
-        os.environ["SHARDCACHE_VIEWER_CACHE"] = old
+from viewer_caches import viewer_cache_dir  # noqa: F401,E402 (autouse: the viewer's cache folder per module)
 
 
 @pytest.fixture(scope="module")
@@ -493,7 +484,7 @@ def test_next_and_previous_walk_the_views_order(page, caches, servers):
     where = "n_text_tokens > 0"
     order = _own_order(cache, "n_text_tokens", desc=True, where=where)
     page.goto(servers["vlm"] + "?" + f"where={quote(where)}&sort=n_text_tokens&desc=1")
-    assert page.locator("a.key").all_inner_texts() == order
+    assert page.locator("a.key").all_inner_texts() == order, page.locator("main").inner_text()[:800]
     page.locator("a.key").first.click()
     walked = [page.locator("h1.key").inner_text()]
     while page.locator("a.next").count():

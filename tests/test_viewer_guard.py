@@ -30,15 +30,7 @@ ENDLESS = "(SELECT count(*) FROM range(1000000000000000)) > 0"
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _viewer_cache(tmp_path_factory):
-    old = os.environ.get("SHARDCACHE_VIEWER_CACHE")
-    os.environ["SHARDCACHE_VIEWER_CACHE"] = str(tmp_path_factory.mktemp("viewer-cache"))
-    yield
-    if old is None:
-        os.environ.pop("SHARDCACHE_VIEWER_CACHE", None)
-    else:
-        os.environ["SHARDCACHE_VIEWER_CACHE"] = old
+from viewer_caches import viewer_cache_dir  # noqa: F401,E402 (autouse: the viewer's cache folder per module)
 
 
 @pytest.fixture(scope="module")

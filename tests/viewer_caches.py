@@ -12,7 +12,10 @@ models of the real architectures, the way a user makes them (the repo's configs,
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,3 +135,16 @@ def relative_tokenizer(model_dir: Path, out: Path, *, working_dir: bool = True) 
         manifest["working_dir"] = str(model_dir.parent)
     merge_parts(out, manifest)
     return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def viewer_cache_dir(tmp_path_factory):
+    """The viewer's own cache folder (the side table of text) under the module's tmp folder, for each viewer
+    test module (imported there: ``from viewer_caches import viewer_cache_dir``)."""
+    old = os.environ.get("SHARDCACHE_VIEWER_CACHE")
+    os.environ["SHARDCACHE_VIEWER_CACHE"] = str(tmp_path_factory.mktemp("viewer-cache"))
+    yield
+    if old is None:
+        os.environ.pop("SHARDCACHE_VIEWER_CACHE", None)
+    else:
+        os.environ["SHARDCACHE_VIEWER_CACHE"] = old

@@ -17,7 +17,6 @@ array for every resize and RGB mode:
 from __future__ import annotations
 
 import io
-import math
 import os
 import stat
 import warnings
@@ -28,7 +27,6 @@ import numpy as np
 
 #: the VAE grid's spatial factor stage one resizes to (its ``load_image`` default)
 MULTIPLE = 8
-RESIZE_MODES, RGB_MODES = ("center_crop", "pad", "bucket", "stretch"), ("composite", "convert")
 #: the largest source file read (bytes)
 MAX_FILE_BYTES = 512 * 2**20
 #: the side of a grid thumbnail (pixels)
@@ -47,34 +45,10 @@ def preprocessing(config: Mapping[str, Any] | None) -> dict[str, Any]:
     missing = [k for k, t in need.items() if not isinstance(cfg.get(k), t) or isinstance(cfg.get(k), bool)]
     if missing:
         raise ImageProblem(f"the cache's config does not record {', '.join(missing)}")
+    from ..pixels import RESIZE_MODES, RGB_MODES  # (Pillow: imported with the first image)
     if cfg["image_resize"] not in RESIZE_MODES or cfg["image_rgb"] not in RGB_MODES:
         raise ImageProblem(f"unknown preprocessing image_resize={cfg['image_resize']!r} image_rgb={cfg['image_rgb']!r}")
     return dict(size=cfg["image_size"], mode=cfg["image_resize"], rgb=cfg["image_rgb"], max_pixels=cfg["max_image_pixels"])
-
-
-def _to_8bit(im):
-    from PIL import Image
-    if im.mode.startswith("I;16"):
-        a = np.asarray(im).astype(np.float64) / 257.0
-    elif im.mode == "I":
-        a = np.asarray(im, dtype=np.int64)
-        a = a / 257.0 if a.size and a.min() >= 0 and a.max() <= 65535 else np.clip(a, 0, None) / ((2**31 - 1) / 255.0)
-    else:  # "F"
-        a = np.nan_to_num(np.asarray(im, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
-        if a.size and a.min() >= 0.0 and a.max() <= 1.0:
-            a = a * 255.0
-    return Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
-
-
-def _composite(im):
-    from PIL import Image
-    if im.mode.startswith("I;16") or im.mode in ("I", "F"):
-        im = _to_8bit(im)
-    if im.mode == "P":
-        im = im.convert("RGBA")
-    if im.mode in ("RGBA", "LA", "PA"):
-        im = Image.alpha_composite(Image.new("RGBA", im.size, (255, 255, 255, 255)), im.convert("RGBA"))
-    return im.convert("RGB")
 
 
 def read_file(path: str | Path) -> bytes:
@@ -97,6 +71,8 @@ def source_image(path: str | Path, pre: Mapping[str, Any]) -> np.ndarray:
     """uint8 RGB ``(H, W, 3)``: the image at ``path`` decoded and resized as ``pre``
     (:func:`preprocessing`) says. Raises :class:`ImageProblem` naming the file and the reason."""
     from PIL import Image, ImageOps, UnidentifiedImageError
+
+    from ..pixels import resized, to_rgb  # (Pillow: imported with the first image)
     data = read_file(path)
     try:
         with warnings.catch_warnings():
@@ -109,21 +85,8 @@ def source_image(path: str | Path, pre: Mapping[str, Any]) -> np.ndarray:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning, UnidentifiedImageError, OSError,
             SyntaxError, ValueError) as e:
         raise ImageProblem(f"{path}: not an image Pillow decodes ({e})") from None
-    im = _composite(ImageOps.exif_transpose(im)) if pre["rgb"] == "composite" else im.convert("RGB")
-    size, mode = int(pre["size"]), pre["mode"]
-    if mode == "bucket":
-        scale = math.sqrt(size * size / (im.width * im.height))
-        out = (max(MULTIPLE, int(round(im.width * scale / MULTIPLE)) * MULTIPLE),
-               max(MULTIPLE, int(round(im.height * scale / MULTIPLE)) * MULTIPLE))
-    else:
-        out = (size, size)
-    if mode == "stretch":
-        im = im.resize(out, Image.Resampling.BILINEAR)
-    elif mode == "pad":
-        im = ImageOps.pad(im, out, Image.Resampling.BICUBIC, color=(0, 0, 0))
-    else:
-        im = ImageOps.fit(im, out, Image.Resampling.BICUBIC)
-    return np.array(im, dtype=np.uint8)
+    im = to_rgb(ImageOps.exif_transpose(im)) if pre["rgb"] == "composite" else im.convert("RGB")
+    return resized(im, int(pre["size"]), pre["mode"], MULTIPLE)
 
 
 def thumbnail_png(image: np.ndarray, side: int = THUMB_PX) -> bytes:
