@@ -22,8 +22,8 @@ Each measurement runs in a process of its own (its peak RSS is its own), one ran
 * **rerun**: the same job again on the cache it wrote, nothing changed: the whole call (it loads no encoder and
   encodes nothing);
 * **peak RSS** (``VmHWM``, MiB) of each process: the fresh job's before rank 0 merges the index (every rank's
-  own work: planning, decoding, encoding, writing) and with the merge (:func:`shards.index.merge_parts` reads
-  every part into one table, rank 0 only), the rerun's; and what each adds over the process after its imports.
+  own work: planning, decoding, encoding, writing) and with the merge (:func:`shards.merge.merge_parts`, rank 0
+  only: it reads the parts one at a time and holds the keys), the rerun's; and what each adds over the process after its imports.
 
 Times are given in wall seconds and in CPU seconds of the process (every thread): the machine is shared, so
 the CPU figure is the one that says what a row costs a core (as the ceiling section does). Every figure is

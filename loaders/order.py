@@ -48,7 +48,7 @@ def epoch_order(shard_of: np.ndarray, seed: int, epoch: int, *, shuffle: bool = 
     n_shards = int(shard_of.max()) + 1
     shard_rank = np.empty(n_shards, dtype=np.int64)
     shard_rank[rng.permutation(n_shards)] = np.arange(n_shards)
-    order = _by_then(shard_rank[shard_of], n_shards, rng.random(n))
+    order = _by_then(shard_rank, shard_of, rng.random(n))
     if window and window > 1:
         order = order[_within_windows(rng.random(n), int(window))]
     return order
@@ -58,19 +58,24 @@ def epoch_order(shard_of: np.ndarray, seed: int, epoch: int, *, shuffle: bool = 
 _RANDOM_BITS = 53
 
 
-def _by_then(primary: np.ndarray, n_primary: int, r: np.ndarray) -> np.ndarray:
-    """``np.lexsort((r, primary))`` (``primary`` ints in ``[0, n_primary)``, ``r`` from
-    ``Generator.random``): the floats' 53-bit integers below the primary's bits make one uint64 key
-    when they fit, sorted stably (so ties, if any, keep index order as lexsort's do); else a stable sort
-    by ``r``, then a stable sort by ``primary`` (a radix sort for uint16)."""
+def _by_then(rank: np.ndarray, of: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """``np.lexsort((r, rank[of]))`` (``rank``: ints in ``[0, len(rank))``, ``r`` from ``Generator.random``,
+    consumed): the floats' 53-bit integers below the rank's bits make one uint64 key when they fit, built
+    in place (each temporary of ``N`` values costs a pass over memory) and sorted stably (so ties, if any,
+    keep index order as lexsort's do); else a stable sort by ``r``, then a stable sort by the rank (a radix
+    sort for uint16)."""
+    n_primary = len(rank)
     bits = max(int(n_primary - 1).bit_length(), 1)
     if bits <= 64 - _RANDOM_BITS:
-        key = (primary.astype(np.uint64) << np.uint64(_RANDOM_BITS)) | (r * 2.0 ** _RANDOM_BITS).astype(np.uint64)
-        return np.argsort(key, kind="stable").astype(np.int64)
+        key = rank.astype(np.uint64)[of]
+        key <<= np.uint64(_RANDOM_BITS)
+        r *= 2.0 ** _RANDOM_BITS
+        key |= r.astype(np.uint64)
+        return np.argsort(key, kind="stable")
     first = np.argsort(r, kind="stable")
-    p = primary[first]
+    p = rank[of][first]
     p = p.astype(np.uint16) if n_primary <= 1 << 16 else p
-    return first[np.argsort(p, kind="stable")].astype(np.int64)
+    return first[np.argsort(p, kind="stable")]
 
 
 def _within_windows(r: np.ndarray, window: int) -> np.ndarray:

@@ -55,7 +55,8 @@ from shards import fields as registry
 from shards.errors import ShardcacheError, WriteRefused
 from shards.index import (attach_sidecar, detach_field, read_index, read_rejects,
                           read_sidecar_parts, safe_shard_path, sidecar_part_path, sidecar_parts,
-                          write_cache_files, write_json_atomic, write_sidecar_part)
+                          write_json_atomic, write_sidecar_part)
+from shards.merge import write_cache_files
 from shards.manifest import CacheManifest, FieldInfo
 from shards.reader import ShardReader
 from shards.schema import PARTS_DIR, ROOT_FILE

@@ -63,7 +63,8 @@ from tqdm.auto import tqdm
 
 from shardcache.workers import auto_workers
 
-from shards.index import PARTS_DIR, merge_parts, read_part_meta
+from shards.index import PARTS_DIR, read_part_meta
+from shards.merge import merge_parts
 from shards.manifest import TextInfo, read_manifest
 from shards.schema import INDEX_FILE, MANIFEST_FILE, ROOT_FILE
 from shards.writing import CacheWriter

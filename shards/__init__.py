@@ -5,7 +5,8 @@ Imports neither ``precompute`` nor ``loaders``/``train``; both stages import it.
 from .errors import (CorruptSample, FingerprintMismatch, ManifestError, ShardCorrupt, ShardcacheError,
                      UnsafeMember, UnsafePath, UnsupportedFormat)
 from .manifest import CacheManifest, check_format_version, read_manifest
-from .index import cache_id, merge_parts, read_cache_id, read_index, read_rejects, safe_shard_path
+from .index import read_cache_id, read_index, read_rejects, safe_shard_path
+from .merge import cache_id, merge_parts
 from .reader import ShardReader, value_checks_from_manifest
 from .scan import scan_shard
 from .schema import FORMAT_VERSION, safe_key, shard_name

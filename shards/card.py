@@ -63,10 +63,11 @@ def _array_feature(dtype: str, ndim: int) -> Any:
     return spec
 
 
-def member_features(index) -> list[dict[str, Any]]:
-    """The ``dataset_info.features`` YAML list (``datasets``' own format) for the members of ``index``.
+def member_features(members: Iterable[tuple[Any, Any, Any, int]]) -> list[dict[str, Any]]:
+    """The ``dataset_info.features`` YAML list (``datasets``' own format) for an index's members.
 
-    ``index``: the cache's index as a ``pyarrow.Table`` (``members`` column). ``__key__`` and
+    ``members``: the distinct ``(member, name, dtype, ndim)`` of the index's member entries in the order
+    they first show (:func:`index_members`). ``__key__`` and
     ``__url__`` come first, then the tar members in sorted name order: ``json`` as ``Json()``,
     a ``NAME.npy`` member as nested lists, and the packed ``tensors.npz`` member (format 3,
     :mod:`shards.npz`) as a struct of its arrays (each nested lists of its dtype; an array only
@@ -74,14 +75,12 @@ def member_features(index) -> list[dict[str, Any]]:
     has two dtypes or numbers of dimensions in different samples.
     """
     seen: dict[tuple[str | None, str], tuple[str, int]] = {}  # (container, name) -> (dtype, ndim)
-    members = index.column("members").combine_chunks() if index.num_rows else None
-    if members is not None:
-        for box, name, dtype, ndim in _distinct_members(members.flatten()):  # in the order they first show
-            got = (str(dtype), int(ndim))
-            old = seen.setdefault((box, name), got)
-            if old != got:
-                raise ValueError(f"member {name!r} is stored as {old} in some samples and {got} in "
-                                 "others: a cache has one dtype and rank per member")
+    for box, name, dtype, ndim in members:
+        got = (str(dtype), int(ndim))
+        old = seen.setdefault((box, name), got)
+        if old != got:
+            raise ValueError(f"member {name!r} is stored as {old} in some samples and {got} in "
+                             "others: a cache has one dtype and rank per member")
     feats: list[dict[str, Any]] = [{"name": "__key__", "dtype": "string"},
                                    {"name": "__url__", "dtype": "string"}]
     for box, name in sorted((k for k in seen if k[0] is None), key=lambda k: k[1]):
@@ -99,17 +98,28 @@ def member_features(index) -> list[dict[str, Any]]:
     return feats
 
 
-def _distinct_members(flat) -> list[tuple[Any, Any, Any, int]]:
-    """The distinct ``(member, name, dtype, ndim)`` of an index's flattened member entries, in the order of
-    their first entry (Arrow's group-by: one Python tuple per distinct entry, not per member of a sample)."""
-    import numpy as np
-    import pyarrow as pa
+def index_members(index) -> list[tuple[Any, Any, Any, int]]:
+    """The distinct ``(member, name, dtype, ndim)`` of the member entries of ``index`` (a ``pyarrow.Table``
+    with a ``members`` column), in the order of their first entry: each part's dictionary code, the four made
+    one integer, its first occurrences found by ``numpy.unique`` (one Python tuple per distinct entry, not per
+    member of a sample; no Arrow query plan, which a merge would build once per part)."""
     import pyarrow.compute as pc
-    t = pa.table({"member": flat.field("member"), "name": flat.field("name"), "dtype": flat.field("dtype"),
-                  "ndim": pc.fill_null(pc.list_value_length(flat.field("shape")), 0),
-                  "row": pa.array(np.arange(len(flat), dtype=np.int64))})
-    groups = t.group_by(["member", "name", "dtype", "ndim"]).aggregate([("row", "min")]).sort_by("row_min")
-    return [(g["member"], g["name"], g["dtype"], int(g["ndim"])) for g in groups.to_pylist()]
+    if not index.num_rows:
+        return []
+    flat = index.column("members").combine_chunks().flatten()
+    parts = []  # (codes per entry, the values they number)
+    for name in ("member", "name", "dtype"):
+        enc = pc.dictionary_encode(flat.field(name))
+        parts.append((pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64),
+                      enc.dictionary.to_pylist()))
+    ndim = pc.fill_null(pc.list_value_length(flat.field("shape")), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    key = np.zeros(len(flat), np.int64)
+    for codes, values in parts:
+        key = key * (len(values) + 1) + codes + 1  # (0: null)
+    key = key * (int(ndim.max()) + 1) + ndim
+    first = np.sort(np.unique(key, return_index=True)[1])
+    return [tuple(values[c] if c >= 0 else None for c, values in ((codes[i], values) for codes, values in parts))
+            + (int(ndim[i]),) for i in first.tolist()]
 
 
 def _spec(feature: Any) -> dict[str, Any]:
@@ -117,10 +127,8 @@ def _spec(feature: Any) -> dict[str, Any]:
     return feature if isinstance(feature, dict) else {"dtype": feature}
 
 
-def _shard_names(out_dir: Path, manifest: dict[str, Any], index) -> list[str]:
+def _shard_names(out_dir: Path, manifest: dict[str, Any]) -> list[str]:
     names = [s["path"] for s in manifest.get("shards") or [] if isinstance(s, dict) and "path" in s]
-    if not names and index is not None and index.num_rows:
-        names = sorted(set(index.column("shard").to_pylist()))
     if not names:
         from .schema import is_main_shard_name
         names = sorted(p.name for p in Path(out_dir).glob("shard-*.tar") if is_main_shard_name(p.name))
@@ -135,24 +143,25 @@ def config_name(cache_id: str) -> str:
     return f"cache-{cache_id}"
 
 
-def card_metadata(manifest: dict[str, Any], index, shard_names: Iterable[str], cache_id: str) -> dict[str, Any]:
+def card_metadata(manifest: dict[str, Any], members: Iterable[tuple], shard_names: Iterable[str], cache_id: str) -> dict[str, Any]:
     """The YAML front matter of the card as a dict: ``configs`` (one, :func:`config_name`, the
     default), ``dataset_info`` (of that config: ``datasets`` applies features to the config they
     name, ``default`` when they name none), ``tags``."""
     return {
         "configs": [{"config_name": config_name(cache_id), "default": True,
                      "data_files": [{"split": SPLIT, "path": shard_patterns(shard_names)}]}],
-        "dataset_info": {"config_name": config_name(cache_id), "features": member_features(index)},
+        "dataset_info": {"config_name": config_name(cache_id), "features": member_features(members)},
         "tags": ["webdataset", "shardcache"],
     }
 
 
-def dataset_card(manifest: dict[str, Any], index, shard_names: Iterable[str], cache_id: str) -> str:
-    """The whole card: YAML front matter plus a short description of the cache."""
+def dataset_card(manifest: dict[str, Any], members: Iterable[tuple], shard_names: Iterable[str], cache_id: str) -> str:
+    """The whole card: YAML front matter plus a short description of the cache (``members``: as
+    :func:`member_features` takes them)."""
     import yaml
     shard_names = list(shard_names)
-    meta = card_metadata(manifest, index, shard_names, cache_id)
-    n = (manifest.get("counts") or {}).get("samples", index.num_rows if index is not None else 0)
+    meta = card_metadata(manifest, members, shard_names, cache_id)
+    n = (manifest.get("counts") or {}).get("samples", 0)
     facts = {k: manifest[k] for k in ("format_version", "sample_rate", "frame_rate", "n_codebooks",
                                       "codebook_size", "latent_channels") if k in manifest}
     fields = ", ".join(f"`{f['name']}`" for f in meta["dataset_info"]["features"][2:])
@@ -181,17 +190,17 @@ Megatron-Energon): see `docs/readers.md` in shardcache.
     return f"---\n{front}---\n\n{body}"
 
 
-def write_dataset_card(out_dir: str | Path, manifest: dict[str, Any], index) -> Path:
+def write_dataset_card(out_dir: str | Path, manifest: dict[str, Any], members: Iterable[tuple]) -> Path:
     """Write ``OUT/README.md`` atomically (temp file, fsync, rename), mode 0644, and return its path.
 
     ``manifest``: the cache's manifest dict (its ``shards`` list names the tars; when absent the
-    index's ``shard`` column, then the folder's ``shard-*.tar`` are used). ``index``: the index
-    ``pyarrow.Table``. The config is named after the cache id, ``manifest["cache_id"]`` (the id its
-    writer, :func:`shards.index.write_cache_files`, records there and in ``integrity.json``;
+    folder's ``shard-*.tar`` are used). ``members``: the index's distinct members (:func:`index_members`,
+    or gathered table by table as :mod:`shards.merge` writes the index). The config is named after the cache id, ``manifest["cache_id"]`` (the id its
+    writer, :func:`shards.merge.write_cache_files`, records there and in ``integrity.json``;
     :func:`config_name`). Raises ``KeyError`` for a manifest without one.
     """
     out_dir = Path(out_dir)
-    text = dataset_card(manifest, index, _shard_names(out_dir, manifest, index), manifest["cache_id"])
+    text = dataset_card(manifest, members, _shard_names(out_dir, manifest), manifest["cache_id"])
     path = out_dir / CARD_FILE
     from .index import write_atomic  # (index imports this module) the cache's writing session, no symlink followed
     write_atomic(path, lambda f: f.write(text.encode("utf-8")))

@@ -288,8 +288,10 @@ class _FieldWriter:
             self.dims.setdefault(int(k), start + int(sel_rows[np.argmax(lens == k)]))
         sh = block(np.int64, 0, self.ndim)
         good = lens == self.ndim
-        if self.ndim:  # (rows of another rank: zeros, and the field is refused: field_problem)
-            sh[sel_rows[good]] = shape_values[shape_starts[good][:, None] + np.arange(self.ndim)]
+        every = bool(good.all())  # (rows of another rank: zeros, and the field is refused: field_problem)
+        good_rows = sel_rows if every else sel_rows[good]
+        vals = shape_values[(shape_starts if every else shape_starts[good])[:, None] + np.arange(self.ndim)]
+        sh[good_rows] = vals
         # dtypes: the batch's codes (of the row group's dictionary; -1: none) -> this field's codes
         names = list(dtype_names) + [""]
         local = np.zeros(len(names), dtype=np.int8)
@@ -298,12 +300,12 @@ class _FieldWriter:
             if self.dtype_bad is None and _itemsize(names[j]) is None:
                 self.dtype_bad = (start + int(sel_rows[int(np.argmax(dtype_codes == j))]), str(names[j]))
         codes = local[dtype_codes]
-        if self.size_bad is None:
-            items = np.asarray([_itemsize(d) or 0 for d in self.dtypes], dtype=np.int64)[codes]
-            count = np.prod(sh[sel_rows], axis=1) if self.ndim else np.ones(len(sel_rows), np.int64)
-            wrong = good & (count * items != size)
+        if self.size_bad is None:  # (the first row whose bytes are not its shape's: rows of this rank only)
+            items = np.asarray([_itemsize(d) or 0 for d in self.dtypes], dtype=np.int64)[codes if every else codes[good]]
+            wrong = np.prod(vals, axis=1) * items != (size if every else size[good])
             if wrong.any():
                 j = int(np.flatnonzero(wrong)[0])
+                j = j if every else int(np.flatnonzero(good)[j])
                 self.size_bad = (start + int(sel_rows[j]), int(size[j]), sh[sel_rows[j]].tolist())
         if xxh3_null is not None and xxh3_null.any() and self.no_checksum is None:
             self.no_checksum = start + int(sel_rows[int(np.flatnonzero(xxh3_null)[0])])

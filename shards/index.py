@@ -1,9 +1,9 @@
-"""``index.parquet``, ``rejects.parquet`` and ``manifest.json``: schemas, atomic writes, merging.
+"""``index.parquet``, ``rejects.parquet`` and ``manifest.json``: schemas, parts, atomic writes, the integrity root.
 
 Per-shard parts live in ``OUT/parts/``: ``STEM.rejects.parquet`` then ``STEM.index.parquet``
 (written last: its presence marks the chunk done). The index part carries the shard's own entry
-(name, samples, bytes, sha256) in its Parquet key-value metadata. :func:`merge_parts` turns the
-parts into the cache-level files.
+(name, samples, bytes, sha256) in its Parquet key-value metadata. :func:`shards.merge.merge_parts` turns
+the parts into the cache-level files.
 
 Member locations (the ``members`` column, one struct ``{name, offset, size, dtype, shape, file,
 member}`` per tar member of a sample and per array): ``offset`` is an absolute byte offset into the
@@ -37,8 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -48,7 +46,7 @@ import pyarrow.parquet as pq
 from . import fields, schema
 from .checksum import COLUMN as CHECKSUM
 from .errors import ShardCorrupt, UnsafePath
-from .manifest import CacheManifest, read_manifest
+from .manifest import read_manifest
 from .schema import INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, ROOT_FILE
 
 #: ``file``: null for a member of the row's own shard; the sidecar tar name
@@ -222,78 +220,6 @@ def read_part_meta(index_part: Path) -> dict | None:
     return json.loads(meta.get(_JOB_META, b"null"))
 
 
-def merge_parts(out_dir: Path, manifest: "CacheManifest | dict[str, Any]") -> dict[str, Any]:
-    """Concatenate every part into ``index.parquet`` / ``rejects.parquet`` and write ``manifest.json``.
-
-    ``manifest`` holds the job's own fields (encoders, fingerprint, config...); this adds
-    ``format_version``, ``created``, ``counts`` and ``shards``. Returns the manifest written.
-
-    Fields added by ``add-field`` (the sidecar entries of the manifest already there) are kept with
-    the sidecars whose parts are committed; an entry whose field lacks the sidecar of some shard (a
-    chunk a rerun encoded again, or a new one) lists those shards in ``incomplete``: running the
-    same ``add-field`` again adds just those.
-    """
-    out_dir = Path(out_dir)
-    if isinstance(manifest, CacheManifest):
-        manifest = {k: v for k, v in manifest.to_dict().items() if k != "format_version"}
-    parts = out_dir / PARTS_DIR
-    index_parts = sorted(parts.glob("*.index.parquet"))
-    tables, shards = [], []
-    for p in index_parts:
-        tables.append(pq.read_table(p, schema=INDEX_SCHEMA))
-        entry = read_part_shard_entry(p)
-        if entry:
-            shards.append(entry)
-    index = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
-    # fields added by `precompute add-field` survive a stage-one re-merge (and any rerun)
-    index, kept = keep_added_fields(out_dir, index, read_manifest(out_dir).get("fields"))
-    if kept:  # with the job's own extra fields (stage one's, not sidecars)
-        manifest = dict(manifest, fields={**(manifest.get("fields") or {}), **kept})
-    rejects_tables = [pq.read_table(p, schema=REJECTS_SCHEMA) for p in sorted(parts.glob("*.rejects.parquet"))]
-    rejects = pa.concat_tables(rejects_tables) if rejects_tables else REJECTS_SCHEMA.empty_table()
-    return write_cache_files(out_dir, index, rejects, shards, manifest)
-
-
-def keep_added_fields(out_dir: Path, index: pa.Table, fields: dict[str, Any] | None) -> tuple[pa.Table, dict]:
-    """The fields added by ``add-field`` among ``fields`` (``manifest.json``'s; the stage-one ones are
-    skipped) re-attached to ``index`` from their committed sidecar parts: ``(index, their entries)``. An
-    entry whose field lacks the sidecar of some shard of ``index`` (a chunk a rerun encoded again, a new
-    one) lists those shards in ``incomplete``: the same ``add-field`` adds just those. The one rule for a
-    stage-one re-merge and for ``shards reindex``."""
-    kept, shards = {}, sorted(set(index.column("shard").unique().to_pylist()))
-    for name, info in (fields or {}).items():
-        if not isinstance(info, dict) or not info.get("sidecar", True):
-            continue  # a stage-one field: the job's manifest declares it
-        side, entries = read_sidecar_parts(out_dir, name)
-        index = attach_sidecar(index, side)
-        info = {k: v for k, v in info.items() if k != "incomplete"} | {"shards": sorted(entries, key=lambda e: e["path"])}
-        if missing := [s for s in shards if not sidecar_part_path(out_dir, s, name).exists()]:
-            info["incomplete"] = missing
-        kept[name] = info
-    return index, kept
-
-
-def cache_id(index: pa.Table, added_fields: dict[str, Any] | None = None) -> str:
-    """The identity of a cache: 16 hex digits of the sha256 of every index row's ``key``, ``shard``
-    and ``sha256`` (the sample's bytes), in index order, and, when fields were added after stage one
-    (``added_fields``: ``manifest.json``'s ``fields``), of each sidecar field's name, fingerprint
-    and sidecar tars' sha256. Two caches with the same id hold the same samples and fields in the
-    same places; re-merging and ``shards reindex`` keep it; ``add-field``, ``drop-field`` and
-    ``add-field --replace`` change it. Recorded in ``integrity.json`` and ``manifest.json``
-    (``cache_id``), in a loader's state and in training checkpoints, so a resume on other data is
-    refused."""
-    h = hashlib.sha256()
-    for batch in index.select(["key", "shard", "sha256"]).to_batches(max_chunksize=1 << 16):
-        keys, shards, shas = (c.to_pylist() for c in batch.columns)
-        h.update("".join(f"{k}\t{s}\t{d or ''}\n" for k, s, d in zip(keys, shards, shas)).encode())
-    sidecars = {name: [info.get("fingerprint"), sorted((e.get("path"), e.get("sha256")) for e in info.get("shards") or [])]
-                for name, info in sorted((added_fields or {}).items())
-                if isinstance(info, dict) and info.get("sidecar", True)}
-    if sidecars:
-        h.update(b"fields\0" + json.dumps(sidecars, sort_keys=True).encode())
-    return h.hexdigest()[:16]
-
-
 def file_sha256(path: str | Path, chunk: int = 4 << 20) -> str:
     """sha256 (hex) of a file's bytes, read in ``chunk``-byte blocks."""
     h = hashlib.sha256()
@@ -446,44 +372,6 @@ def read_cache_id(cache_dir: str | Path) -> str:
     do not match the root, ``FileNotFoundError`` when there is no index."""
     from .storage import local_path  # (storage imports this module)
     return verify_root(local_path(cache_dir))["cache_id"]  # a file:// URL is a local folder
-
-
-def write_cache_files(out_dir: Path, index: pa.Table, rejects: pa.Table, shards: list[dict],
-                      manifest: dict[str, Any]) -> dict[str, Any]:
-    """Write ``index.parquet``, ``rejects.parquet``, ``manifest.json`` and, last, the integrity root
-    ``integrity.json`` (:func:`write_root`), each atomically."""
-    for name in sorted(set(index.column("shard").to_pylist()) | {s["path"] for s in shards}):
-        why = unsafe_name_reason(name)
-        if why is not None:
-            raise UnsafePath(f"{out_dir}: refusing to write shard name {name!r}: it {why}")
-    keys = index.column("key").to_pylist()
-    if len(keys) != len(set(keys)):
-        dup = sorted(k for k, n in Counter(keys).items() if n > 1)[:5]
-        raise ShardCorrupt(f"{out_dir}: duplicate keys across shards: {dup}; nothing was written: the shard tars "
-                           "hold these keys twice (a reader would see two samples under one key). Precompute "
-                           "the manifest into a new --cache")
-    reasons: dict[str, int] = {}
-    for r in rejects.column("reason").to_pylist():
-        reasons[r] = reasons.get(r, 0) + 1
-    durations = index.column("duration_s").to_pylist()
-    manifest = CacheManifest.from_dict(manifest).to_dict()  # typed: unknown keys are kept as they are
-    manifest.update(
-        format_version=schema.FORMAT_VERSION,
-        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        cache_id=cache_id(index, manifest.get("fields")),
-        counts=dict(samples=index.num_rows, rejected=rejects.num_rows, rejects_by_reason=reasons,
-                    images=int(sum(index.column("has_image").to_pylist())),
-                    audio_hours=round(sum(durations) / 3600.0, 6), shards=len(shards),
-                    bytes=int(sum(s["bytes"] for s in shards))),
-        shards=sorted(shards, key=lambda s: s["path"]),
-    )
-    write_parquet_atomic(index, out_dir / INDEX_FILE)
-    write_parquet_atomic(rejects, out_dir / REJECTS_FILE)
-    CacheManifest.from_dict(manifest).write(out_dir)
-    from .card import write_dataset_card  # README.md: HF datasets reads the tars with declared features
-    write_dataset_card(out_dir, manifest, index)
-    write_root(out_dir, manifest["cache_id"])
-    return manifest
 
 
 # ------------------------------------------------------------------------------ sidecar fields

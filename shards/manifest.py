@@ -4,7 +4,7 @@ The JSON keys are those stage one has always written (``format_version``, ``fing
 ``encoders``, ``sample_rate``, ``codec_sample_rate``, ``n_codebooks``, ``codebook_size``,
 ``frame_rate``, ``latent_channels``, ``waveforms``, ``text``, ``text_vocab_size``,
 ``text_pad_id``, ``counts``, ``shards``, ``config``...), ``cache_id`` (the identity of the samples:
-:func:`shards.index.cache_id`), plus ``fields``: the fields added after
+:func:`shards.merge.cache_id`), plus ``fields``: the fields added after
 stage one (``shardcache add-field``), ``{name: {fingerprint, encoder, sidecar, base,
 n_codebooks, codebook_size, frame_rate, codec_sample_rate, shards: [{path, shard, samples, bytes,
 sha256}]}}``. Keys this class does not know are kept in ``extra`` and written back unchanged, so
@@ -160,7 +160,7 @@ class CacheManifest:
     counts: dict[str, Any] | None = None
     shards: list[dict[str, Any]] | None = None
     fields: dict[str, FieldInfo] = field(default_factory=dict)
-    cache_id: str | None = None             #: :func:`shards.index.cache_id` of the index
+    cache_id: str | None = None             #: :func:`shards.merge.cache_id` of the index
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

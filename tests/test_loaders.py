@@ -15,7 +15,8 @@ import webdataset as wds
 
 import shards
 from shards import ShardReader, ShardWriter, UnsafeMember, merge_parts, scan_shard, shard_name
-from shards.index import write_cache_files, rows_to_table, REJECTS_SCHEMA
+from shards.index import rows_to_table, REJECTS_SCHEMA
+from shards.merge import write_cache_files
 
 from loaders import (CODES_PAD_ID, TEXT_PAD_ID, Mix, MixedLoader, Order, Reads, ShardLoader, Workers, collate_fn,
                      padding_stats)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shards.card import CARD_FILE, shard_patterns, write_dataset_card
+from shards.card import CARD_FILE, index_members, shard_patterns, write_dataset_card
 from shards import read_index, read_manifest
 from shards.reader import ShardReader
 
@@ -34,7 +34,7 @@ def _subset(real_mini: Path, tmp: Path, name: str, rows) -> Path:
 def _with_card(cache: Path) -> Path:
     # precompute's merge step writes the card once it calls write_dataset_card; until then (and to
     # be independent of it) write it here: the call is idempotent
-    write_dataset_card(cache, read_manifest(cache), read_index(cache))
+    write_dataset_card(cache, read_manifest(cache), index_members(read_index(cache)))
     return cache
 
 

@@ -191,7 +191,7 @@ def test_writer_refuses_unsafe_names(tmp_path):
     t = pq.read_table(tmp_path / "parts" / f"{SHARD0[:-4]}.index.parquet")
     t = t.set_column(1, "shard", pa.array(["../evil.tar"] * t.num_rows, pa.string()))
     with pytest.raises(UnsafePath, match="evil"):
-        shards.index.write_cache_files(tmp_path, t, shards.index.REJECTS_SCHEMA.empty_table(), [], {})
+        shards.merge.write_cache_files(tmp_path, t, shards.index.REJECTS_SCHEMA.empty_table(), [], {})
 
 
 # ---------------------------------------------------------------------------- 3. format version

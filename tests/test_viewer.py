@@ -22,7 +22,8 @@ pytest.importorskip("jinja2")
 pytest.importorskip("duckdb")
 pytest.importorskip("matplotlib")
 
-from shards.index import INDEX_SCHEMA, REJECTS_SCHEMA, write_cache_files  # noqa: E402
+from shards.index import INDEX_SCHEMA, REJECTS_SCHEMA  # noqa: E402
+from shards.merge import write_cache_files  # noqa: E402
 from shards.schema import shard_name  # noqa: E402
 from shards.viewer.app import App  # noqa: E402
 from shards.viewer.data import PAGE_SIZE, ViewedCache  # noqa: E402
@@ -257,7 +258,7 @@ def test_a_sample_without_a_cached_waveform_says_so_instead_of_a_player(tmp_path
                          "input_ids.npy": np.arange(1, 20, dtype=np.int32),
                          "labels.npy": np.r_[np.full(15, -100), np.arange(16, 20)].astype(np.int32)})
         w.commit()
-    from shards.index import merge_parts
+    from shards.merge import merge_parts
     merge_parts(tmp_path, {})
     app = App(ViewedCache(tmp_path))
     html = app.respond("GET", "/sample/nowave", {}).body.decode()

@@ -504,7 +504,7 @@ def test_next_and_previous_walk_the_views_order(page, caches, servers):
 def _long_rejects(folder: Path) -> Path:
     """A one-sample cache whose rejects name two long sources each (what a voice-cloning row that
     names a reference and a target clip under a deep data folder gives) and a long key and detail."""
-    from shards.index import merge_parts
+    from shards.merge import merge_parts
     from shards.schema import shard_name
     from shards.writer import ShardWriter
     deep = "/mnt/datasets/speech/" + "/".join(f"corpus-part-{i:02d}-of-a-long-folder-name" for i in range(4))

@@ -112,7 +112,7 @@ def relative_tokenizer(model_dir: Path, out: Path, *, working_dir: bool = True) 
     import numpy as np
 
     from precompute.encoders import load_text_tokenizer
-    from shards.index import merge_parts
+    from shards.merge import merge_parts
     from shards.schema import shard_name
     from shards.writer import ShardWriter
 

@@ -8,10 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ShardcacheError, ShardCorrupt
-from ..index import (REJECTS_SCHEMA, part_paths, read_part_shard_entry, rows_to_table,
-                     write_cache_files, write_parts)
+from ..index import REJECTS_SCHEMA, part_paths, read_part_shard_entry, rows_to_table, write_parts
 from ..fields import parse_sidecar_name
-from ..index import keep_added_fields
+from ..merge import keep_added_fields, write_cache_files
 from ..scan import scan_shard
 from ..storage import local_path
 from ..schema import (INDEX_FILE, MANIFEST_FILE, PARTS_DIR, REJECTS_FILE, ROOT_FILE, SHARD_GLOB,
