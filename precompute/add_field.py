@@ -377,7 +377,7 @@ def main_add(argv: list[str]) -> int:
     from shardcache.weights import CheckpointUnreadable
     p = build_add_parser()
     try:
-        args, ns = S.parse(p, AddFieldOptions, argv)  # no config layer: its --config is a codec's
+        args, ns = S.parse(p, AddFieldOptions, argv)  # (its --config is an option: a codec's config)
         if not args.field:
             raise ConfigError([("field", "required: the name of the field to add")])
         spec = producer_spec(args)

@@ -144,22 +144,6 @@ def add_options(p: ArgumentParser, cls: type) -> None:
             action.nargs, action.const = "?", True
 
 
-def _config_first(argv: list[str], env_var: str) -> tuple[list[str], str | None, str]:
-    """The config file (``--config``, else ``$env_var``; ``none``: none) moved first, so it is the lowest
-    layer wherever ``--config`` stands (jsonargparse applies it in place). Returns (argv, the file, why)."""
-    out, rest, explicit = [], iter(argv), None
-    for a in rest:
-        name, eq, val = a.partition("=")
-        if name == "--config":
-            explicit = val if eq else next(rest, "")
-        else:
-            out.append(a)
-    given, why = (explicit, "--config") if explicit is not None else (os.environ.get(env_var, ""), f"${env_var}")
-    path = given if given and given.lower() != "none" else None  # "none": no file
-    why = why if path else f"{why} none" if given else f"no --config and no ${env_var}: the built-in defaults"
-    return (["--config", path] if path else []) + out, path, why
-
-
 @functools.cache
 def _one(tp: Any) -> ArgumentParser:
     """A parser of the one flag ``--v`` of type ``tp``: jsonargparse's rules for what ``tp`` accepts, asked
@@ -186,36 +170,35 @@ def refusal(tp: Any, value: Any, flag: bool = False) -> str | None:
     return f"expected {expected(tp)}, got null" if not flag and value is None and not nullable else None
 
 
-#: what :func:`_type` answers for a section of options (and for ``""``, the whole config)
-SECTION = object()
+def _type(cls: type, key: str) -> Any:
+    """The annotation of ``key`` in ``cls`` (``""``: ``cls`` itself): an option's, a section's (a dataclass), a
+    mapping option's key's (``extra_fields.audio_16k``: the mapping's value type); None: no such option."""
+    tp = cls
+    for name in key.split(".") if key else ():
+        if dataclasses.is_dataclass(tp):
+            tp = typing.get_type_hints(tp).get(name)
+        elif tp is not Any:
+            maps = [t for t in _parts(tp) if typing.get_origin(t) is dict]
+            tp = typing.get_args(maps[0])[1] if maps else None
+        if tp is None:
+            return None
+    return tp
 
 
-def _type(opts: Mapping[str, tuple[Any, dataclasses.Field]], key: str) -> Any:
-    """The annotation of ``key`` in ``opts``: an option's, the value type of a mapping option's key
-    (``extra_fields.audio_16k``; deeper: Any), :data:`SECTION`, or None: no such option."""
-    if key in opts:
-        return opts[key][0]
-    if not key or any(o.startswith(key + ".") for o in opts):
-        return SECTION
-    head = next((o for o in opts if key.startswith(o + ".")), "")
-    maps = [typing.get_args(t)[1] for t in _parts(opts[head][0]) if typing.get_origin(t) is dict] if head else []
-    return None if not maps else Any if "." in key[len(head) + 1:] else maps[0]
-
-
-def _check(p: ArgumentParser, cls: type, key: str, value: Any, where: str | None = None,
-          flag: str | None = None) -> list[tuple[str, str]]:
+def _check(p: ArgumentParser, cls: type, key: str, value: Any, where: str | None = None, flag: str | None = None,
+           tp: Any = None) -> list[tuple[str, str]]:
     """``(option, message)`` for every problem of ``key`` (an option of ``cls``, a mapping option's key, a section;
     ``""``: the whole config) given ``value``: a flag's text (``flag``: the flag; None: none followed it),
     else YAML data (a file's: ``where`` names it). A section takes a mapping of its options (from a flag: or
-    a YAML file of them), checked key by key."""
-    tp, at = _type(options(cls), key), f" (in {where})" if where else ""
+    a YAML file of them), checked key by key; ``tp``: the type of a flag of the job's own."""
+    tp, at = tp or _type(cls, key), f" (in {where})" if where else ""
     if tp is None:
         hint = "--" + key.replace("-", "_")
         known = hint != "--" + key and hint in p._option_string_actions  # noqa: SLF001 - argparse's table of flags
         return [(key, "unknown option" + (f"; options are spelled with '_': {hint}" if known else "; see --help") + at)]
     if flag and value is None:
         return [] if tp is bool else [(key, "expected one argument")]
-    if tp is SECTION and flag:  # a YAML file, else YAML text of a mapping
+    if dataclasses.is_dataclass(tp) and flag:  # a YAML file, else YAML text of a mapping
         is_file = os.path.lexists(value)
         try:
             data = read_yaml(value, flag) if is_file else load_yaml(value, flag)
@@ -227,7 +210,7 @@ def _check(p: ArgumentParser, cls: type, key: str, value: Any, where: str | None
             return _check(p, cls, key, data, f"{flag} {value}" if is_file else None)
         return [(key, f"expected a YAML file of its options or a mapping (one option: --{key}.OPTION VALUE), got "
                       f"{value!r}") if key else (f"{flag} {value}", "no such file")]
-    if tp is SECTION:
+    if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             return [(key, f"expected a mapping of its options, got {value!r}{at}")]
         return [x for k, v in value.items() for x in _check(p, cls, f"{key}.{k}" if key else str(k), v, where)]
@@ -235,35 +218,47 @@ def _check(p: ArgumentParser, cls: type, key: str, value: Any, where: str | None
     return [(key, why + at)] if why else []
 
 
-def flag_problems(p: ArgumentParser, cls: type, args: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """Every flag of ``args`` but the parser's own (``--manifest``, ``--print_config``...: jsonargparse's) checked
-    by :func:`_check` before jsonargparse reads them. Returns ``(args without the refused flags, nor
-    --print_config after one, [(option, message)])``."""
-    actions, opts, keep, problems, i = p._option_string_actions, options(cls), [], [], 0  # noqa: SLF001
+def flag_problems(p: ArgumentParser, cls: type, args: list[str]) -> tuple[list[str], list[tuple[str, str]], str | None]:
+    """Every flag of ``args`` checked by :func:`_check` before jsonargparse reads them (of the job's own flags,
+    the typed ones: ``--storage_options``; ``--manifest``, ``--print_config``... are the parser's). Returns
+    ``(args without the refused flags, nor --print_config after one, nor --config, [(option, message)],
+    the value of the last --config (None: no --config))``."""
+    actions, keep, problems, given, i = p._option_string_actions, [], [], None, 0  # noqa: SLF001 - argparse's
     while i < len(args):
         name, eq, raw = args[i].partition("=")
-        key = actions[name].dest if name in actions else name[2:]
-        if not name.startswith("--") or name in actions and _type(opts, key) is None:  # a value, a flag of the job
-            keep, i = keep + [args[i]], i + 1
-            continue
+        a = actions.get(name)
+        key = a.dest if a is not None else name[2:]
+        if (tp := _type(cls, key)) is None and a is not None:  # a typed flag of the job's: jsonargparse's type
+            tp = getattr(a, "_typehint", None)
         n = 1 if eq or i + 1 == len(args) or args[i + 1].startswith("--") else 2
-        why = _check(p, cls, key, raw if eq else args[i + 1] if n == 2 else None, flag=name)
-        keep, problems, i = keep + ([] if why else args[i:i + n]), problems + why, i + n
-    return [a for a in keep if not problems or a.partition("=")[0] != "--print_config"], problems  # none printed
+        value = raw if eq else args[i + 1] if n == 2 else None
+        if isinstance(a, ActionConfigFile):  # the config file: parse's
+            given = value or ""
+        elif not name.startswith("--") or a is not None and tp is None:  # a value, an untyped flag of the job
+            keep, n = keep + [args[i]], 1
+        elif why := _check(p, cls, key, value, flag=name, tp=tp):
+            problems += why
+        else:
+            keep += args[i:i + n]
+        i += n
+    return [a for a in keep if not problems or a.partition("=")[0] != "--print_config"], problems, given
 
 
-def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str | None = None,
+def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str = "",
           check: Callable[[Any], list[tuple[str, str]]] | None = None) -> tuple[Any, argparse.Namespace]:
     """``argv`` -> (``cls`` instance, the namespace of the other flags plus ``config_file`` and ``config_source``):
-    defaults < the config file (``--config``, else ``$env_var``; no ``env_var``: none) < flags in their order,
-    each checked first (:func:`_check`). Raises :class:`ConfigError` naming every problem, with ``check(config)``'s."""
-    args, path, why = _config_first(list(argv), env_var) if env_var is not None else (list(argv), None, "")
-    problems = _check(p, cls, "", path, flag="--config") if path else []
-    args, bad = flag_problems(p, cls, args)
-    if problems:  # in the file: it cannot be read without them
-        raise ConfigError(problems + bad)
+    defaults < the config file (the last ``--config``, else ``$env_var``; ``none``: none) < flags in their order,
+    each checked first (:func:`_check`). The file is moved first, so it is the lowest layer wherever ``--config``
+    stands (jsonargparse applies it in place). Raises :class:`ConfigError` naming every problem, with
+    ``check(config)``'s."""
+    args, bad, given = flag_problems(p, cls, list(argv))
+    given, why = (given, "--config") if given is not None else (os.environ.get(env_var, ""), f"${env_var}")
+    path = given if given and given.lower() != "none" else None  # "none": no file
+    why = why if path else f"{why} none" if given else f"no --config and no ${env_var}: the built-in defaults"
+    if problems := _check(p, cls, "", path, flag="--config") if path else []:
+        raise ConfigError(problems + bad)  # in the file: it cannot be read without them
     try:
-        ns = p.parse_args(args)
+        ns = p.parse_args((["--config", path] if path else []) + args)
     except argparse.ArgumentError as e:  # what no declaration says (a stray value, a required flag missing)
         raise ConfigError(bad + [("command line", " ".join(str(e).split()))]) from None
     init, names = p.instantiate(ns), [f.name for f in dataclasses.fields(cls)]
