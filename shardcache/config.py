@@ -228,13 +228,14 @@ def flag_problems(p: ArgumentParser, cls: type, args: list[str]) -> tuple[list[s
         name, eq, raw = args[i].partition("=")
         a = actions.get(name)
         key = a.dest if a is not None else name[2:]
-        if (tp := _type(cls, key)) is None and a is not None:  # a typed flag of the job's: jsonargparse's type
+        tp = _type(cls, key) if name.startswith("--") and key else None
+        if tp is None and a is not None:  # a typed flag of the job's own: jsonargparse keeps its type there
             tp = getattr(a, "_typehint", None)
         n = 1 if eq or i + 1 == len(args) or args[i + 1].startswith("--") else 2
         value = raw if eq else args[i + 1] if n == 2 else None
         if isinstance(a, ActionConfigFile):  # the config file: parse's
             given = value or ""
-        elif not name.startswith("--") or a is not None and tp is None:  # a value, an untyped flag of the job
+        elif tp is None and (a is not None or not name.startswith("--") or not key):  # a value, a flag of the job
             keep, n = keep + [args[i]], 1
         elif why := _check(p, cls, key, value, flag=name, tp=tp):
             problems += why
