@@ -156,6 +156,8 @@ def _one(tp: Any) -> ArgumentParser:
 def refusal(tp: Any, value: Any, flag: bool = False) -> str | None:
     """Why an option of type ``tp`` refuses ``value`` (a flag's text when ``flag``, read as jsonargparse reads a
     flag; else YAML data: a file's), as ``expected WHAT, got VALUE``; None: it takes it."""
+    if not flag and value is None:  # (jsonargparse takes a file's null for any type)
+        return None if tp is Any or type(None) in _parts(tp) else f"expected {expected(tp)}, got null"
     try:
         shown = load_yaml(value) if flag and value.strip() else value
     except yaml.YAMLError:
@@ -166,8 +168,7 @@ def refusal(tp: Any, value: Any, flag: bool = False) -> str | None:
         _one(tp).parse_args([f"--v={value}"]) if flag else _one(tp).parse_object({"v": value})
     except argparse.ArgumentError:
         return f"expected {expected(tp)}, got {shown!r}"
-    nullable = tp is Any or type(None) in _parts(tp)  # (jsonargparse takes a file's null for any type)
-    return f"expected {expected(tp)}, got null" if not flag and value is None and not nullable else None
+    return None
 
 
 def _type(cls: type, key: str) -> Any:
