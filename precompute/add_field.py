@@ -378,8 +378,7 @@ def main_add(argv: list[str]) -> int:
     from shardcache.weights import CheckpointUnreadable
     p = build_add_parser()
     try:
-        ns = S.parse_flags(p, AddFieldOptions, list(argv))
-        args = AddFieldOptions(**{f: ns.get(f) for f in AddFieldOptions.__dataclass_fields__})
+        args, ns = S.parse(p, AddFieldOptions, argv)  # (its --config is an option: a codec's config)
         if not args.field:
             raise ConfigError([("field", "required: the name of the field to add")])
         spec = producer_spec(args)

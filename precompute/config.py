@@ -9,8 +9,7 @@ from typing import Any, Literal
 
 import yaml
 
-from shardcache import config as S
-from shardcache.config import bounded, option
+from shardcache.config import bounded, option, parse, parser
 from shards.tokens import IMAGE
 
 from .chat import CHAT_TEMPLATES, LABEL_POLICIES  # each option's values: the module that implements them
@@ -127,4 +126,4 @@ def load_config(path: str | Path | dict | None = None, overrides: list[str] | No
     Raises :class:`~shardcache.config.ConfigError` on unknown options and wrong types (rules: :mod:`.validate`)."""
     text = yaml.safe_dump(path) if isinstance(path, dict) else str(path) if path else "none"
     argv = ["--config", text] + [f"--{o}" for o in overrides or ()]
-    return S.parse(S.parser(PrecomputeConfig, "load_config"), PrecomputeConfig, argv, "")[0]
+    return parse(parser(PrecomputeConfig, "load_config"), PrecomputeConfig, argv)[0]

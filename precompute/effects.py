@@ -62,12 +62,5 @@ IDENTITY = Effect("bytes", via="identity")
 BATCH = Effect("batch")
 OPERATIONAL = Effect("operational")
 SPEC = Effect("spec")
-
-
-def filter_(scope: str) -> Effect:
-    """A ``filter`` effect on the rows of ``scope`` (:data:`SCOPES`)."""
-    return Effect("filter", scope=scope)
-
-
 #: the filters of the rows with audio, with images, of every row, of the manifest's reading, of a rerun's removed rows
-AUDIO_ROWS, IMAGE_ROWS, EVERY_ROW, AS_READ, RERUN = (filter_(s) for s in SCOPES)
+AUDIO_ROWS, IMAGE_ROWS, EVERY_ROW, AS_READ, RERUN = (Effect("filter", scope=s) for s in SCOPES)

@@ -22,12 +22,6 @@ from .producers.image_features import image_features_problems
 IMAGE_MULTIPLE = 8
 
 
-def _spec(option: str):
-    """The registry's own rules (:func:`~.encoders.registry.spec_problems`) for the encoder spec of
-    ``option``; null: none (no codes, no latents)."""
-    return lambda spec: [] if spec is None else spec_problems(spec, *SPECS[option])
-
-
 def _extra_fields(v: dict) -> list[tuple[str, str]]:
     """Each a producer spec (:func:`~.producers.producer_problems`) under a name shards.fields gives a kind
     and the job does not write itself (a plug-in's fields are declared when it loads)."""
@@ -56,12 +50,13 @@ def _world(v: Any) -> list[tuple[str, str]]:
     return [("", f"expected two different tokens [start, end] (e.g. [{WORLD_START}, {WORLD_END}]), got {list(v)!r}")]
 
 
-#: per-option checks beyond type, choices and bounds (run where those passed)
+#: per-option checks beyond type, choices and bounds (run where those passed); an encoder spec: its registry's
+#: rules (:func:`~.encoders.registry.spec_problems`), null: none (no codes, no latents)
 CUSTOM = {"device": lambda v: [] if v == "auto" or DEVICE_PATTERN.fullmatch(v) else [
               ("", f"expected auto, cpu, cuda, cuda:N (or mps, xpu:N...), got {v!r}")],
           "image_token": _token, "world_tokens": _world, "extra_fields": _extra_fields,
           "image_features": lambda v: [] if v is None else image_features_problems(**v),
-          **{option: _spec(option) for option in SPECS}}
+          **{o: (lambda v, o=o: [] if v is None else spec_problems(v, *SPECS[o])) for o in SPECS}}
 
 
 def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:
@@ -69,12 +64,12 @@ def check_config(cfg: PrecomputeConfig) -> list[tuple[str, str]]:
     Types, choices and bounds are not checked here: a config read from a file or flags was (shardcache.config)."""
     out = [(path + suffix, msg) for path in options(PrecomputeConfig) if path in CUSTOM
            for suffix, msg in CUSTOM[path](operator.attrgetter(path)(cfg))]
-    bad = {k.split(".")[0] for k, _ in out}  # rules across options, where each side is valid
-    if not bad & {"min_duration", "max_duration"} and cfg.min_duration > cfg.max_duration:
+    bad = {k.split(".")[0] for k, _ in out}  # rules across options, where each side passed its own checks
+    if cfg.min_duration > cfg.max_duration:
         out.append(("min_duration", f"{cfg.min_duration} s is greater than max_duration {cfg.max_duration} s"))
     if not bad & {"image_token", "world_tokens"} and cfg.world_tokens and cfg.image_token in cfg.world_tokens:
         out.append(("world_tokens", f"{cfg.image_token!r} is the image placeholder (image_token)"))
-    if "image_size" not in bad and cfg.image_size % IMAGE_MULTIPLE:
+    if cfg.image_size % IMAGE_MULTIPLE:
         out.append(("image_size", f"expected a multiple of {IMAGE_MULTIPLE} (the VAE's spatial factor), "
                                   f"got {cfg.image_size}"))
     if not bad & {"audio_tokenizer", "image_encoder", "text_tokenizer", "image_features", "extra_fields"}:

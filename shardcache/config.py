@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import operator
 import os
 import sys
 import types
@@ -19,7 +18,7 @@ import typing
 from typing import Any, Callable, Literal, Mapping
 
 import yaml
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_loader, set_parsing_settings
+from jsonargparse import ActionConfigFile, ArgumentParser, set_loader, set_parsing_settings
 from jsonargparse.typing import registered_types, restricted_number_type
 
 from shardcache.helptext import HelpFormatter
@@ -34,6 +33,7 @@ class ConfigError(ValueError):
         super().__init__("; ".join(self.lines()))
 
     def lines(self) -> list[str]:
+        """Each problem as ``option: message``."""
         return [f"{k}: {m}" for k, m in self.problems]
 
     def report(self, prog: str | None = None) -> int:
@@ -67,8 +67,11 @@ def options(cls: type, prefix: str = "") -> dict[str, tuple[Any, dataclasses.Fie
     return out
 
 
-#: a bound's comparison -> its symbol
-_OPERATORS = {operator.gt: ">", operator.ge: ">=", operator.le: "<=", operator.lt: "<"}
+#: a type in words (a message's "expected ...")
+_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping",
+          tuple: "a list", list: "a list"}
+#: each :func:`bounded` type in words: "an integer > 0 and <= 384000"
+_BOUNDED: dict[type, str] = {}
 
 
 def _num(x: float) -> str:
@@ -81,10 +84,11 @@ def bounded(tp: type, *, gt: float | None = None, ge: float | None = None, le: f
     the config is read); named by its bounds (``int > 0 and <= 384000``), which ``--help`` shows, unless
     jsonargparse has a name for it already (``ClosedUnitInterval``)."""
     bounds = [(sym, tp(v)) for sym, v in ((">", gt), (">=", ge), ("<=", le), ("<", lt)) if v is not None]
+    text = " and ".join(f"{s} {_num(v)}" for s, v in bounds)
     key = (tuple(sorted(bounds)), tp, "and")  # jsonargparse's registry key of a restricted number type
-    if key in registered_types:
-        return registered_types[key]
-    return restricted_number_type(f"{tp.__name__} " + " and ".join(f"{s} {_num(v)}" for s, v in bounds), tp, bounds)
+    out = registered_types.get(key) or restricted_number_type(f"{tp.__name__} {text}", tp, bounds)
+    _BOUNDED[out] = f"{_WORDS[tp]} {text}"
+    return out
 
 
 set_loader("shardcache", load_yaml, (yaml.YAMLError, YAMLRefused))
@@ -96,12 +100,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-# ---- the words of an error ------------------------------------------------------------------------------
-
-_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping",
-          tuple: "a list", list: "a list", type(None): "null"}
-
-
 def _parts(tp: Any) -> tuple:
     """The branches of a union annotation (``int | None``: int, None), else ``(tp,)``."""
     return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
@@ -110,16 +108,12 @@ def _parts(tp: Any) -> tuple:
 def expected(tp: Any) -> str:
     """What an annotation accepts, in words: "an integer > 0 and <= 384000", "one of a, b or null"
     (jsonargparse's own messages name the Python types, a union's every branch on lines of their own)."""
-    words, choices = [], []
-    for p in _parts(tp):
-        if typing.get_origin(p) is Literal:
-            choices += [str(c) for c in typing.get_args(p)]
-        elif hasattr(p, "_restrictions"):  # a bounded() type: "> 0 and <= 384000"
-            words.append(f"{_WORDS[p._type]} " + " and ".join(f"{_OPERATORS[op]} {_num(v)}" for op, v in p._restrictions))
-        elif p is not type(None):
-            words.append(_WORDS.get(typing.get_origin(p) or p, getattr(p, "__name__", str(p))))
+    parts = _parts(tp)
+    choices = [str(c) for p in parts if typing.get_origin(p) is Literal for c in typing.get_args(p)]
+    words = [_BOUNDED.get(p) or _WORDS.get(typing.get_origin(p) or p, str(p)) for p in parts
+             if typing.get_origin(p) is not Literal and p is not type(None)]
     text = " or ".join(words + ([f"one of {', '.join(choices)}"] if choices else []))
-    return text + (" or null" if type(None) in _parts(tp) else "")
+    return text + (" or null" if type(None) in parts else "")
 
 
 # ---- the command line ------------------------------------------------------------------------------------
@@ -150,22 +144,6 @@ def add_options(p: ArgumentParser, cls: type) -> None:
             action.nargs, action.const = "?", True
 
 
-def _config_first(argv: list[str], env_var: str) -> tuple[list[str], str | None, str]:
-    """The config file (``--config``, else ``$env_var``; ``none``: none) moved first, so it is the lowest
-    layer wherever ``--config`` stands (jsonargparse applies it in place). Returns (argv, the file, why)."""
-    out, rest, explicit = [], iter(argv), None
-    for a in rest:
-        name, eq, val = a.partition("=")
-        if name == "--config":
-            explicit = val if eq else next(rest, "")
-        else:
-            out.append(a)
-    given, why = (explicit, "--config") if explicit is not None else (os.environ.get(env_var, ""), f"${env_var}")
-    path = given if given and given.lower() != "none" else None  # "none": no file
-    why = why if path else f"{why} none" if given else f"no --config and no ${env_var}: the built-in defaults"
-    return (["--config", path] if path else []) + out, path, why
-
-
 @functools.cache
 def _one(tp: Any) -> ArgumentParser:
     """A parser of the one flag ``--v`` of type ``tp``: jsonargparse's rules for what ``tp`` accepts, asked
@@ -175,138 +153,124 @@ def _one(tp: Any) -> ArgumentParser:
     return p
 
 
-def refusal(tp: Any, value: Any = None, raw: str | None = None) -> str | None:
-    """Why an option of type ``tp`` refuses ``value`` (a file's: YAML already) or ``raw`` (a flag's text, YAML
-    unless the type is a string), as ``expected WHAT, got VALUE``; None: it takes it."""
-    if raw is not None:
-        try:
-            value = load_yaml(raw) if raw.strip() else raw
-        except yaml.YAMLError:
-            value = raw
-        except YAMLRefused as e:
-            return e.reason
+def refusal(tp: Any, value: Any, flag: bool = False) -> str | None:
+    """Why an option of type ``tp`` refuses ``value`` (a flag's text when ``flag``, read as jsonargparse reads a
+    flag; else YAML data: a file's), as ``expected WHAT, got VALUE``; None: it takes it."""
+    if not flag and value is None:  # (jsonargparse takes a file's null for any type)
+        return None if tp is Any or type(None) in _parts(tp) else f"expected {expected(tp)}, got null"
     try:
-        _one(tp).parse_args([f"--v={raw}"]) if raw is not None else _one(tp).parse_object({"v": value})
-    except argparse.ArgumentError:
-        return f"expected {expected(tp)}, got {value!r}"
-    nullable = tp is Any or type(None) in _parts(tp)  # (jsonargparse takes a file's null for any type)
-    return f"expected {expected(tp)}, got null" if raw is None and value is None and not nullable else None
-
-
-def _unknown(p: ArgumentParser | None, cls: type, key: str) -> str:
-    """``unknown option``, naming the spelling with ``_`` where that is an option of ``cls`` or a flag of ``p``."""
-    hint = key.replace("-", "_")
-    flags = p._option_string_actions if p is not None else {}  # noqa: SLF001 - argparse's table of flags
-    known = hint != key and (hint in options(cls) or "--" + hint in flags)
-    return "unknown option" + (f"; options are spelled with '_': --{hint}" if known else "; see --help")
-
-
-def mapping_problems(cls: type, data: Mapping, where: str | None = None, prefix: str = "") -> list[tuple[str, str]]:
-    """``(option, message)`` for every key of ``data`` (a config file's mapping, or a section's under
-    ``prefix``) that is no option of ``cls`` or whose value its type refuses (``where``: the file, named)."""
-    opts, at, out = options(cls), f" (in {where})" if where else "", []
-    for k, v in data.items():
-        key = f"{prefix}{k}"
-        if any(o.startswith(key + ".") for o in opts):  # a section
-            out += mapping_problems(cls, v, where, key + ".") if isinstance(v, Mapping) else [
-                (key, f"expected a mapping of its options, got {v!r}{at}")]
-        elif key not in opts:
-            out.append((key, _unknown(None, cls, key) + at))
-        elif why := refusal(opts[key][0], v):
-            out.append((key, why + at))
-    return out
-
-
-def given_problems(cls: type, raw: str, flag: str, prefix: str, missing: tuple[str, str]) -> list[tuple[str, str]]:
-    """The problems of a ``--config`` or ``--SECTION`` value: a YAML file (:func:`read_yaml`) or YAML text of a
-    mapping, checked key by key (:func:`mapping_problems`); ``missing`` when it is neither."""
-    try:
-        if os.path.lexists(raw):
-            return mapping_problems(cls, read_yaml(raw, flag), f"{flag} {raw}", prefix)
-        data = load_yaml(raw, flag)
-    except YAMLRefused as e:
-        return [(e.where, e.reason)]
+        shown = load_yaml(value) if flag and value.strip() else value
     except yaml.YAMLError:
-        data = None
-    return mapping_problems(cls, data, None, prefix) if isinstance(data, Mapping) else [missing]
-
-
-def _key_type(opts: Mapping[str, tuple[Any, dataclasses.Field]], key: str) -> Any:
-    """The type of ``key`` inside a mapping option (``model.kwargs.lm``: Any; ``extra_fields.audio_16k``: a
-    mapping; a key deeper down: Any), None when it is inside none."""
-    for head in (key.rsplit(".", n)[0] for n in range(1, key.count(".") + 1)):
-        if maps := [t for t in _parts(opts[head][0]) if typing.get_origin(t) is dict] if head in opts else []:
-            return typing.get_args(maps[0])[1] if head.count(".") + 1 == key.count(".") else Any
+        shown = value
+    except YAMLRefused as e:
+        return e.reason
+    try:
+        _one(tp).parse_args([f"--v={value}"]) if flag else _one(tp).parse_object({"v": value})
+    except argparse.ArgumentError:
+        return f"expected {expected(tp)}, got {shown!r}"
     return None
 
 
-def flag_problems(p: ArgumentParser, cls: type, args: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """Every flag of ``args`` checked against the options of ``cls`` (and ``p``'s own typed flags) before
-    jsonargparse reads them: a value by :func:`refusal`, a section's (``--model FILE``) key by key. Returns
-    ``(args without the refused flags, nor --print_config after one, [(option, message)])``."""
-    opts, actions, keep, problems, i = options(cls), p._option_string_actions, [], [], 0  # noqa: SLF001
+def _type(cls: type, key: str) -> Any:
+    """The annotation of ``key`` in ``cls`` (``""``: ``cls`` itself): an option's, a section's (a dataclass), a
+    mapping option's key's (``extra_fields.audio_16k``: the mapping's value type); None: no such option."""
+    tp = cls
+    for name in key.split(".") if key else ():
+        if dataclasses.is_dataclass(tp):
+            tp = typing.get_type_hints(tp).get(name)
+        elif tp is not Any:
+            maps = [t for t in _parts(tp) if typing.get_origin(t) is dict]
+            tp = typing.get_args(maps[0])[1] if maps else None
+        if tp is None:
+            return None
+    return tp
+
+
+def _check(p: ArgumentParser, cls: type, key: str, value: Any, where: str | None = None, flag: str | None = None,
+           tp: Any = None) -> list[tuple[str, str]]:
+    """``(option, message)`` for every problem of ``key`` (an option of ``cls``, a mapping option's key, a section;
+    ``""``: the whole config) given ``value``: a flag's text (``flag``: the flag; None: none followed it),
+    else YAML data (a file's: ``where`` names it). A section takes a mapping of its options (from a flag: or
+    a YAML file of them), checked key by key; ``tp``: the type of a flag of the job's own."""
+    tp, at = tp or _type(cls, key), f" (in {where})" if where else ""
+    if tp is None:
+        hint = "--" + key.replace("-", "_")
+        known = hint != "--" + key and hint in p._option_string_actions  # noqa: SLF001 - argparse's table of flags
+        return [(key, "unknown option" + (f"; options are spelled with '_': {hint}" if known else "; see --help") + at)]
+    if flag and value is None:
+        return [] if tp is bool else [(key, "expected one argument")]
+    if dataclasses.is_dataclass(tp) and flag:  # a YAML file, else YAML text of a mapping
+        is_file = os.path.lexists(value)
+        try:
+            data = read_yaml(value, flag) if is_file else load_yaml(value, flag)
+        except YAMLRefused as e:
+            return [(e.where, e.reason)]
+        except yaml.YAMLError:
+            data = None
+        if isinstance(data, Mapping):
+            return _check(p, cls, key, data, f"{flag} {value}" if is_file else None)
+        return [(key, f"expected a YAML file of its options or a mapping (one option: --{key}.OPTION VALUE), got "
+                      f"{value!r}") if key else (f"{flag} {value}", "no such file")]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            return [(key, f"expected a mapping of its options, got {value!r}{at}")]
+        return [x for k, v in value.items() for x in _check(p, cls, f"{key}.{k}" if key else str(k), v, where)]
+    why = refusal(tp, value, flag is not None)
+    return [(key, why + at)] if why else []
+
+
+def flag_problems(p: ArgumentParser, cls: type, args: list[str]) -> tuple[list[str], list[tuple[str, str]], str | None]:
+    """Every flag of ``args`` checked by :func:`_check` before jsonargparse reads them (of the job's own flags,
+    the typed ones: ``--storage_options``; ``--manifest``, ``--print_config``... are the parser's). Returns
+    ``(args without the refused flags, nor --print_config after one, nor --config, [(option, message)],
+    the value of the last --config (None: no --config))``."""
+    actions, keep, problems, given, i = p._option_string_actions, [], [], None, 0  # noqa: SLF001 - argparse's
     while i < len(args):
         name, eq, raw = args[i].partition("=")
         a = actions.get(name)
         key = a.dest if a is not None else name[2:]
-        section = a is not None and any(o.startswith(key + ".") for o in opts)
-        tp = opts[key][0] if key in opts else _key_type(opts, key) if a is None else \
-            getattr(a, "_typehint", None)  # a typed flag of the parser's own: jsonargparse keeps its type there
-        if not name.startswith("--") or a is not None and tp is None and not section:
-            keep, i = keep + [args[i]], i + 1  # a value, --help, --print_config, an untyped flag: the parser's
-            continue
+        tp = _type(cls, key) if name.startswith("--") and key else None
+        if tp is None and a is not None:  # a typed flag of the job's own: jsonargparse keeps its type there
+            tp = getattr(a, "_typehint", None)
         n = 1 if eq or i + 1 == len(args) or args[i + 1].startswith("--") else 2
-        raw = raw if eq else args[i + 1] if n == 2 else None
-        if a is None and tp is None:
-            why = [(key, _unknown(p, cls, key))]
-        elif raw is None:
-            why = [] if tp is bool else [(key, "expected one argument")]
-        elif section:
-            why = given_problems(cls, raw, name, key + ".", (key, "expected a YAML file of its options or a mapping "
-                                                                  f"(one option: --{key}.OPTION VALUE), got {raw!r}"))
+        value = raw if eq else args[i + 1] if n == 2 else None
+        if isinstance(a, ActionConfigFile):  # the config file: parse's
+            given = value or ""
+        elif tp is None and (a is not None or not name.startswith("--") or not key):  # a value, a flag of the job
+            keep, n = keep + [args[i]], 1
+        elif why := _check(p, cls, key, value, flag=name, tp=tp):
+            problems += why
         else:
-            why = [(key, m)] if (m := refusal(tp, raw=raw)) else []
-        keep, problems, i = keep + ([] if why else args[i:i + n]), problems + why, i + n
-    return [a for a in keep if not problems or a.partition("=")[0] != "--print_config"], problems  # none printed
+            keep += args[i:i + n]
+        i += n
+    return [a for a in keep if not problems or a.partition("=")[0] != "--print_config"], problems, given
 
 
-def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str,
+def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str = "",
           check: Callable[[Any], list[tuple[str, str]]] | None = None) -> tuple[Any, argparse.Namespace]:
     """``argv`` -> (``cls`` instance, the namespace of the other flags plus ``config_file`` and ``config_source``):
-    defaults < the config file < flags in their order, each checked first (:func:`given_problems`,
-    :func:`flag_problems`). Raises :class:`ConfigError` naming every problem, with ``check(config)``'s."""
-    args, path, why = _config_first(list(argv), env_var)
-    problems = given_problems(cls, path, "--config", "", (f"--config {path}", "no such file")) if path else []
-    args, bad = flag_problems(p, cls, args)
-    if problems:  # in the file: it cannot be read without them
-        raise ConfigError(problems + bad)
-    init = p.instantiate(parse_flags(p, cls, args, bad))
-    names = [f.name for f in dataclasses.fields(cls)]
-    cfg = plain_numbers(cls(**{n: getattr(init, n) for n in names}))
+    defaults < the config file (the last ``--config``, else ``$env_var``; ``none``: none) < flags in their order,
+    each checked first (:func:`_check`). The file is moved first, so it is the lowest layer wherever ``--config``
+    stands (jsonargparse applies it in place). Raises :class:`ConfigError` naming every problem, with
+    ``check(config)``'s."""
+    args, bad, given = flag_problems(p, cls, list(argv))
+    given, why = (given, "--config") if given is not None else (os.environ.get(env_var, ""), f"${env_var}")
+    path = given if given and given.lower() != "none" else None  # "none": no file
+    why = why if path else f"{why} none" if given else f"no --config and no ${env_var}: the built-in defaults"
+    if problems := _check(p, cls, "", path, flag="--config") if path else []:
+        raise ConfigError(problems + bad)  # in the file: it cannot be read without them
+    try:
+        ns = p.parse_args((["--config", path] if path else []) + args)
+    except argparse.ArgumentError as e:  # what no declaration says (a stray value, a required flag missing)
+        raise ConfigError(bad + [("command line", " ".join(str(e).split()))]) from None
+    init, names = p.instantiate(ns), [f.name for f in dataclasses.fields(cls)]
+    cfg = cls(**{n: getattr(init, n) for n in names})
+    for opt in options(cls):  # jsonargparse keeps a bounded number as its type, which torch.load(weights_only) refuses
+        *head, name = opt.split(".")
+        section = functools.reduce(getattr, head, cfg)
+        if type(v := getattr(section, name)) in _BOUNDED:
+            setattr(section, name, (int if isinstance(v, int) else float)(v))
     if problems := bad + (check(cfg) if check is not None else []):
         raise ConfigError(problems)
     rest = {k: getattr(init, k) for k in vars(init) if "." not in k and k not in names + ["config"]}
     return cfg, argparse.Namespace(config_file=path, config_source=why, **rest)
-
-
-def parse_flags(p: ArgumentParser, cls: type, args: list[str], problems: list[tuple[str, str]] | None = None) -> Namespace:
-    """``p.parse_args(args)`` once each flag passed :func:`flag_problems` (``problems``: those it found already,
-    raised with whatever else the parser refuses). Raises :class:`ConfigError`."""
-    if problems is None and (problems := flag_problems(p, cls, args)[1]):
-        raise ConfigError(problems)
-    try:
-        return p.parse_args(args)
-    except argparse.ArgumentError as e:  # what no declaration says (a stray value, a required flag missing)
-        raise ConfigError(problems + [("command line", " ".join(str(e).split()))]) from None
-
-
-def plain_numbers(cfg: Any) -> Any:
-    """``cfg`` with every bounded number as a plain ``int`` / ``float``: jsonargparse keeps an instance of the
-    bounded type, which would travel into checkpoints (``torch.load`` with ``weights_only`` refuses it)."""
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            plain_numbers(v)
-        elif isinstance(v, (int, float)) and type(v) not in (int, float, bool):
-            setattr(cfg, f.name, (int if isinstance(v, int) else float)(v))
-    return cfg

@@ -3,8 +3,11 @@ files of the product packages hold at most :data:`BUDGET` lines, counted as the 
 
     git ls-files '*config*.py' '*validate*.py' | grep -v '^tests/\\|^benchmarks/\\|^tools/\\|^scripts/' | xargs wc -l
 
-and a bad option is refused by the project's own check of the declared options, not by reading the text of
-jsonargparse's errors (``shardcache/config.py`` imports no ``re``).
+and the whole mechanism, those files and the modules that hold parts of it (:data:`PARTS`: the YAML reader with
+limits, the help text, the config's log line, stage one's effect vocabulary), at most :data:`TOTAL_BUDGET`, so
+that moving code out of the first files does not make it smaller. A bad option is refused by the project's own
+check of the declared options, not by reading the text of jsonargparse's errors (``shardcache/config.py``
+imports no ``re``).
 """
 from __future__ import annotations
 
@@ -16,8 +19,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the most lines the configuration code may have
-BUDGET = 805
+#: the most lines the ``*config*.py`` and ``*validate*.py`` files may have
+BUDGET = 760
+#: the modules that hold the rest of the configuration mechanism
+PARTS = ("shardcache/yaml_limits.py", "shardcache/helptext.py", "shardcache/changes.py", "precompute/effects.py")
+#: the most lines the whole mechanism (those files and :data:`PARTS`) may have
+TOTAL_BUDGET = 960
 #: the folders whose files the count leaves out
 NOT_PRODUCT = ("tests/", "benchmarks/", "tools/", "scripts/")
 
@@ -36,6 +43,12 @@ def test_the_configuration_code_is_within_its_budget():
     assert "shardcache/config.py" in files and "precompute/validate.py" in files, files
     lines = {f: len((ROOT / f).read_bytes().splitlines()) for f in files}  # what wc -l counts (newlines)
     assert sum(lines.values()) <= BUDGET, f"{sum(lines.values())} lines of configuration code, over {BUDGET}: {lines}"
+
+
+def test_the_whole_mechanism_is_within_its_budget():
+    files = config_files() + list(PARTS)
+    lines = {f: len((ROOT / f).read_bytes().splitlines()) for f in files}
+    assert sum(lines.values()) <= TOTAL_BUDGET, f"{sum(lines.values())} lines, over {TOTAL_BUDGET}: {lines}"
 
 
 def test_no_regex_reads_the_librarys_errors():
