@@ -165,8 +165,8 @@ def summary_lines(r: dict) -> list[str]:
     if n10m:
         b = n10m["loader_world1"]
         out += [f"Targets at 10M samples: RSS added {b['after_construct']['VmRSS'] / 1e7:.1f} B/sample per rank "
-                f"(target < 64), construction {b['construct_s']:.1f} s with the store built, "
-                f"{n10m['loader_first_open']['construct_s']:.1f} s for the node's first open (target < 10 s)."]
+                f"(target < 64), construction {b['construct_s']:.2f} s with the store built, "
+                f"{n10m['loader_first_open']['construct_s']:.2f} s for the node's first open (target < 10 s)."]
     return out + [""]
 
 

@@ -47,9 +47,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+import yaml
 
 from shardcache.helptext import HelpFormatter, plain
-from shardcache.yaml_limits import YAMLRefused, read_yaml
+from shardcache.yaml_limits import YAMLRefused, load_yaml, read_yaml
 from shardcache.config import ConfigError, bounded, option
 from shards import fields as registry
 from shards.errors import ShardcacheError, WriteRefused
@@ -341,11 +342,17 @@ def producer_spec(args: Any) -> dict[str, Any]:
             return {"factory": args.producer, "kwargs": options}
         return {"producer": args.producer, **options}
     codec: dict[str, Any] = {}
-    if args.config:
+    if args.config:  # a file (a precompute config), else YAML text of the mapping itself
         try:
-            loaded = read_yaml(args.config)
+            loaded = read_yaml(args.config) if os.path.lexists(args.config) else load_yaml(args.config, "--config")
         except YAMLRefused as e:
             raise ConfigError([(e.where, e.reason)]) from None
+        except yaml.YAMLError:
+            loaded = None
+        if not isinstance(loaded, dict):
+            raise ConfigError([("config", "expected a YAML file with an audio_tokenizer mapping or the mapping "
+                                          f"itself ({{name: mimi, pretrained: DIR}}), got {args.config!r}: no such "
+                                          "file, nor a mapping")])
         codec = dict(loaded.get("audio_tokenizer") or loaded)
     if args.audio_tokenizer:
         spec = args.audio_tokenizer

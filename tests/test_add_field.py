@@ -208,3 +208,18 @@ def test_real_mini_add_codes_mimi(real_mini, mimi_models, tmp_path):
     r = _add(cache, mimi_models)
     assert r.returncode == 0, r.stderr
     _check_added(cache, before)
+
+
+def test_add_field_config_is_a_file_or_the_mapping_itself(tmp_path):
+    """``--config`` names a precompute config holding an audio_tokenizer mapping, or is that mapping as YAML
+    text; anything else is refused naming the option (no model is loaded by producer_spec)."""
+    from precompute.add_field import AddFieldOptions, producer_spec
+    from shardcache.config import ConfigError
+    want = {"producer": "codes", "audio_tokenizer": {"name": "mimi", "pretrained": "/m/mimi-tiny"}}
+    f = tmp_path / "precompute.yaml"
+    f.write_text("sample_rate: 24000\naudio_tokenizer:\n  name: mimi\n  pretrained: /m/mimi-tiny\n")
+    assert producer_spec(AddFieldOptions(field="codes_mimi", config=str(f))) == want
+    assert producer_spec(AddFieldOptions(field="codes_mimi", config="{name: mimi, pretrained: /m/mimi-tiny}")) == want
+    for bad in ("no/such/file.yaml", "[1, 2]", "{a: [}"):
+        with pytest.raises(ConfigError, match=r"config: expected a YAML file .* got .*no such file, nor a mapping"):
+            producer_spec(AddFieldOptions(field="codes_mimi", config=bad))
