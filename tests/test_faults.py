@@ -330,20 +330,41 @@ def test_a_codec_process_killed_past_its_restarts_fails_the_job_and_the_rerun_co
 
 # ---- the same in this process (make test): no interpreter and model loading per run --------------------------
 
-def _watch(cache: Path, then) -> "threading.Thread":
-    """A thread that calls ``then()`` once the job committed a chunk and is writing the next one."""
+def _when(condition, then, timeout: float = 300) -> "threading.Thread":
+    """A thread that calls ``then()`` once ``condition()`` holds (polled every 5 ms, for ``timeout`` seconds)."""
     import threading
 
     def run():
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if _committed(cache)() and list(cache.glob("*.tar.tmp")):
+            if condition():
                 then()
                 return
-            time.sleep(0.01)
+            time.sleep(0.005)
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def _watch(cache: Path, then) -> "threading.Thread":
+    """A thread that calls ``then()`` once the job committed a chunk and is writing the next one."""
+    return _when(lambda: _committed(cache)() and list(cache.glob("*.tar.tmp")), then)
+
+
+def _writer_processes(monkeypatch) -> list:
+    """The job's shard writer in a process of its own (as on an accelerator); returns the list each
+    :class:`precompute.writer.ChunkWriter` made is appended to (its ``_worker``: that process)."""
+    from precompute import job as J
+    from precompute import writer as W
+    writers: list = []
+    init = W.ChunkWriter.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        writers.append(self)
+    monkeypatch.setattr(W.ChunkWriter, "__init__", spy)
+    monkeypatch.setattr(J, "writer_process", lambda device: True)
+    return writers
 
 
 def test_sigterm_in_process_unwinds_the_job(tiny_models, tiny_config, demo_cache, tmp_path, capsys):
@@ -430,16 +451,8 @@ def test_a_killed_writer_process_in_process_fails_the_job(tiny_config, demo_cach
     process of its own (as on an accelerator), killed mid-chunk: :class:`precompute.faults.ProcessDied` naming it,
     its pid and the signal; its temporary file removed; the rerun writes the demo's bytes."""
     from precompute import job as J
-    from precompute import writer as W
     from precompute.faults import ProcessDied
-    writers: list = []
-    init = W.ChunkWriter.__init__
-
-    def spy(self, *a, **k):
-        init(self, *a, **k)
-        writers.append(self)
-    monkeypatch.setattr(W.ChunkWriter, "__init__", spy)
-    monkeypatch.setattr(J, "writer_process", lambda device: True)
+    writers = _writer_processes(monkeypatch)
     cache, before = tmp_path / "c", _ShmWatch()
     pids: list[int] = []
 
@@ -706,8 +719,8 @@ def test_after_a_killed_rerun_every_tool_advises_the_rerun_and_says_what_reindex
     old = pq.read_table(cache / "index.parquet", columns=["key", "shard"]).to_pylist()
     old_shards = {s["path"] for s in json.loads((cache / "manifest.json").read_text())["shards"]}
 
-    watcher = _watch_for(lambda: not (cache / "integrity.json").exists() and list(cache.glob("*.tar.tmp")),
-                         lambda: os.kill(os.getpid(), signal.SIGTERM))
+    watcher = _when(lambda: not (cache / "integrity.json").exists() and list(cache.glob("*.tar.tmp")),
+                     lambda: os.kill(os.getpid(), signal.SIGTERM))
     assert main(_audio_args(edited, cache, tiny_models)) == 143  # the rerun, stopped mid-chunk
     watcher.join()
     capsys.readouterr()
@@ -736,21 +749,6 @@ def test_after_a_killed_rerun_every_tool_advises_the_rerun_and_says_what_reindex
     assert _layout(cache) == _layout(fresh)
     assert main(_audio_args(edited, partial, tiny_models)) == 0  # reindex --partial, then the advice
     assert _layout(partial) == _layout(fresh)
-
-
-def _watch_for(condition, then) -> "threading.Thread":
-    import threading
-
-    def run():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if condition():
-                then()
-                return
-            time.sleep(0.005)
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
 
 
 # ---- a full disk -----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DEMO, ROOT
-from test_faults import ENV, _check_clean, _committed, _layout, _ShmWatch
+from test_faults import ENV, _check_clean, _layout, _ShmWatch, _watch, _when, _writer_processes
 
 pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.skipif(not Path("/proc/self/task").exists(),
                                                                     reason="needs Linux /proc")]
@@ -52,20 +52,6 @@ def reference(cfg, audio_rows, tmp_path_factory) -> tuple:
     out = tmp_path_factory.mktemp("stall-ref") / "c"
     run(audio_rows, out, cfg, root=DEMO, progress=False)
     return _layout(out)
-
-
-def _when(condition, then, timeout: float = 300) -> threading.Thread:
-    """A thread that calls ``then()`` once ``condition()`` holds."""
-    def run():
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if condition():
-                then()
-                return
-            time.sleep(0.005)
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
 
 
 # ---- a plug-in codec that never returns ------------------------------------------------------------------------
@@ -239,23 +225,15 @@ def test_a_writer_process_that_hangs_fails_the_job(cfg, audio_rows, reference, t
     its commit for good. Now ProcessHung names it, its pid and the deadline; it is killed, its temporary files
     removed; the rerun writes the bytes of an uninterrupted run."""
     from precompute import job as J
-    from precompute import writer as W
     from precompute.faults import ProcessHung
-    writers: list = []
-    init = W.ChunkWriter.__init__
-
-    def spy(self, *a, **k):
-        init(self, *a, **k)
-        writers.append(self)
-    monkeypatch.setattr(W.ChunkWriter, "__init__", spy)
-    monkeypatch.setattr(J, "writer_process", lambda device: True)
+    writers = _writer_processes(monkeypatch)
     cache, before = tmp_path / "c", _ShmWatch()
     pids: list[int] = []
 
     def stop():
         pids.append(writers[0]._worker.pid)
         os.kill(pids[0], signal.SIGSTOP)
-    watcher = _when(lambda: _committed(cache)() and list(cache.glob("*.tar.tmp")), stop)
+    watcher = _watch(cache, stop)
     with pytest.raises(ProcessHung) as got:
         J.run(audio_rows, cache, dataclasses.replace(cfg, stall_timeout_s=STALL_S), root=DEMO, progress=False)
     watcher.join()
