@@ -265,7 +265,7 @@ def parse(p: ArgumentParser, cls: type, argv: list[str], env_var: str = "",
         raise ConfigError(bad + [("command line", " ".join(str(e).split()))]) from None
     init, names = p.instantiate(ns), [f.name for f in dataclasses.fields(cls)]
     cfg = cls(**{n: getattr(init, n) for n in names})
-    for opt in options(cls):  # jsonargparse keeps a bounded number as its type, which torch.load(weights_only) refuses
+    for opt in options(cls):  # jsonargparse keeps a bounded number as its own type: a checkpoint holds plain numbers
         *head, name = opt.split(".")
         section = functools.reduce(getattr, head, cfg)
         if type(v := getattr(section, name)) in _BOUNDED:
