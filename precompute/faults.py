@@ -281,8 +281,7 @@ class WorkerPids:
         stuck = self.hung(stall_s) if stall_s else []
         if not stuck:
             return None
-        i, pid, item, _ = stuck[0]
-        return ProcessHung(f"decode worker {i}", pid, stall_s, f"decoding {row(item) if row else f'item {item}'}")
+        return _row_hang(stuck[0], stall_s, row)
 
     def _all_hung(self, stall_s: float) -> ProcessHung:
         """The hang of every live worker: no batch came for the deadline and none was on a row."""
@@ -311,21 +310,19 @@ class WorkerPids:
         done = threading.Event()
 
         def watchdog() -> None:
-            while not done.wait(min(1.0, stall_s / 4)):
+            while not done.wait(poll_every(stall_s)):
                 since = waiting[0]
                 if since is None or found or self.reported is not None:
                     continue
                 stuck = self.hung(stall_s)
                 if stuck:
-                    i, pid, item, _ = stuck[0]
-                    found.append(ProcessHung(f"decode worker {i}", pid, stall_s,
-                                             f"decoding {row(item) if row else f'item {item}'}"))
-                    _kill(pid)
+                    found.append(_row_hang(stuck[0], stall_s, row))
+                    kill(found[0].pid)
                 elif time.monotonic() - since > 2 * stall_s:
                     found.append(self._all_hung(stall_s))
                     for p in self.table.tolist():
                         if p:
-                            _kill(int(p))
+                            kill(int(p))
 
         if self.workers:
             threading.Thread(target=watchdog, daemon=True, name="decode-watchdog").start()
@@ -355,16 +352,27 @@ class WorkerPids:
         self.reported = fault
         if isinstance(fault, ProcessHung):
             for p in [fault.pid] if fault.pid is not None else [int(p) for p in self.table.tolist() if p]:
-                _kill(p)
+                kill(p)
         raise fault from cause
 
 
-def _kill(pid: int) -> None:
+def _row_hang(stuck: tuple[int, int, int, float], stall_s: float, row: Callable[[int], str] | None) -> ProcessHung:
+    """The hang of a decode worker on one row (``stuck``: an entry of :meth:`WorkerPids.hung`)."""
+    i, pid, item, _ = stuck
+    return ProcessHung(f"decode worker {i}", pid, stall_s, f"decoding {row(item) if row else f'item {item}'}")
+
+
+def kill(pid: int) -> None:
     """``SIGKILL`` to ``pid`` (a process of the job that hung); gone already: nothing."""
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def poll_every(stall_s: float) -> float:
+    """How often a waiter looks at a stall deadline of ``stall_s`` seconds: a quarter of it, at most one second."""
+    return min(1.0, stall_s / 4)
 
 
 class _Local(threading.local):
@@ -397,8 +405,8 @@ class Watch:
 
     @property
     def poll_s(self) -> float:
-        """How often a waiter looks at the deadline: a quarter of it, at most one second."""
-        return min(1.0, self.stall_s / 4)
+        """How often a waiter looks at the deadline (:func:`poll_every`)."""
+        return poll_every(self.stall_s)
 
     @contextlib.contextmanager
     def on_this_thread(self) -> Iterator["Watch"]:
@@ -490,7 +498,8 @@ def legacy_infrastructure_rejects(out_dir: Path, stems: Iterable[str]) -> dict[s
     return out
 
 
-__all__ = ["InfrastructureFault", "ProcessDied", "ProcessHung", "Watch", "current_watch", "DeviceFault", "StorageFault", "Stopped", "infrastructure",
+__all__ = ["InfrastructureFault", "ProcessDied", "ProcessHung", "Watch", "current_watch", "kill", "poll_every",
+           "DeviceFault", "StorageFault", "Stopped", "infrastructure",
            "reraise_infrastructure", "kind_of", "rebuild", "FAULTS", "STORAGE_ERRNOS", "WorkerPids", "alive",
            "stop_on_sigterm", "raise_if_stopped", "how_it_ended", "signal_name", "LEGACY_INFRASTRUCTURE_DETAILS",
            "legacy_infrastructure", "legacy_infrastructure_rejects"]

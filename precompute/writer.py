@@ -29,7 +29,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -38,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .faults import InfrastructureFault, ProcessDied, ProcessHung, kind_of, rebuild
+from .faults import InfrastructureFault, ProcessDied, ProcessHung, kill, kind_of, poll_every, rebuild
 from .rerun import RowRecord, chunk_meta
 
 #: rows queued for the sender thread at most (back-pressure on the main thread beyond)
@@ -248,7 +247,7 @@ class ChunkWriter:
             self._raise()
 
     def _poll_s(self) -> float | None:
-        return min(1.0, self.stall_s / 4) if self.stall_s else None
+        return poll_every(self.stall_s) if self.stall_s else None
 
     def _offer(self, item: Any) -> bool:
         try:
@@ -276,10 +275,7 @@ class ChunkWriter:
             else:
                 self.fault = ProcessHung("shard writer process", self._worker.pid, self.stall_s, doing,
                                          detail="the chunk it was writing is dropped; committed chunks are kept")
-                try:
-                    os.kill(self._worker.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill(self._worker.pid)
             self.error = self.error or str(self.fault)
         return True
 

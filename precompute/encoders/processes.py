@@ -32,7 +32,6 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import signal
 import threading
 import time
 import weakref
@@ -40,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..faults import ProcessDied, ProcessHung, Watch, current_watch, kind_of, rebuild
+from ..faults import ProcessDied, ProcessHung, Watch, current_watch, kill, kind_of, rebuild
 
 log = logging.getLogger("precompute")
 
@@ -156,10 +155,7 @@ class _Worker:
         :attr:`hung`."""
         if self.hung is None:
             self.hung = ProcessHung(self.name, self.process.pid, stall_s, doing)
-            try:
-                os.kill(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill(self.process.pid)
 
     def send(self, call: _Call) -> None:
         """Send ``call`` (registered in :attr:`inflight` first: a process that dies meanwhile is noticed by the
