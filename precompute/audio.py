@@ -348,19 +348,26 @@ def _sf_windows(f, label: str, spans, results: list, sample_rates, *, min_durati
                 results[slot] = e
 
 
-def header_seconds(path: str | Path) -> float | None:
-    """Length in seconds of the audio file ``path`` from its header (frames / sample rate; nothing
-    decoded), or None where the header does not say: a container read through audioread
-    (:data:`FALLBACK_SUFFIXES`), a stream of unknown length, a path that is not a readable
-    regular file (decoding reports those)."""
-    if Path(path).suffix.lower() in FALLBACK_SUFFIXES or file_problem(path) is not None:
-        return None
+def header(source: str | Path | bytes) -> "sf._SoundFileInfo | None":
+    """libsndfile's header of the audio file ``source`` (a path, or the file's bytes; nothing decoded), or None
+    where there is none to read: a container read through audioread (:data:`FALLBACK_SUFFIXES`), a path that is
+    not a readable regular file, bytes or a file libsndfile does not read (decoding reports those)."""
     try:
-        with os.fdopen(open_media(path), "rb") as f:  # checked on its descriptor, as decoding opens it
-            info = sf.info(f)
+        if isinstance(source, bytes):
+            return sf.info(io.BytesIO(source))
+        if Path(source).suffix.lower() in FALLBACK_SUFFIXES or file_problem(source) is not None:
+            return None
+        with os.fdopen(open_media(source), "rb") as f:  # checked on its descriptor, as decoding opens it
+            return sf.info(f)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError, MediaRefused):
         return None
-    if not 0 <= info.frames < _UNKNOWN_FRAMES or info.samplerate <= 0:
+
+
+def header_seconds(path: str | Path) -> float | None:
+    """Length in seconds of the audio file ``path`` from its header (frames / sample rate, :func:`header`), or
+    None where the header does not say: no header (:func:`header`), a stream of unknown length."""
+    info = header(path)
+    if info is None or not 0 <= info.frames < _UNKNOWN_FRAMES or info.samplerate <= 0:
         return None
     return info.frames / info.samplerate
 

@@ -29,7 +29,6 @@ the precision check, the worker-count probe).
 """
 from __future__ import annotations
 
-import io
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
@@ -41,7 +40,7 @@ from shards import schema
 from shards.errors import CorruptSample
 
 from . import chat
-from .audio import header_seconds, load_audio_windows
+from .audio import header, header_seconds, load_audio_windows
 from .config import MAX_SAMPLE_RATE, PrecomputeConfig
 from .faults import DeviceFault, kind_of
 from .images import decode_image, load_image
@@ -286,22 +285,14 @@ def oversized_frames(req: Request) -> str | None:
     """What makes row ``req`` beyond the limits where they bound no byte (the module docstring): the first audio
     file whose header declares frames wider than :data:`MAX_SAMPLE_RATE` Hz x :data:`MAX_CHANNELS` channels, said in
     words (None: every header within them, or unreadable: decoding said why)."""
-    import soundfile as sf
-
-    from .sources import MediaRefused, open_media
     seen = set()
     for it in req.conversation.audio if req.conversation is not None else ():
         src = it.source if it.data is None else None
         if src in seen and src is not None:
             continue
         seen.add(src)
-        try:
-            if it.data is not None:
-                info = sf.info(io.BytesIO(bytes(it.data)))
-            else:
-                with os.fdopen(open_media(it.source), "rb") as f:
-                    info = sf.info(f)
-        except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError, MediaRefused):
+        info = header(bytes(it.data) if it.data is not None else it.source)
+        if info is None:
             continue
         if info.samplerate > MAX_SAMPLE_RATE or info.channels > MAX_CHANNELS:
             return (f"{it.source if it.data is None else 'raw audio'}: its header declares frames of "
