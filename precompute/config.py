@@ -10,13 +10,13 @@ from typing import Any, Literal
 import yaml
 
 from shardcache.config import bounded, option, parse, parser
+from shards.pixels import RESIZE_MODES, RGB_MODES
 from shards.tokens import IMAGE
 
 from .chat import CHAT_TEMPLATES, LABEL_POLICIES  # each option's values: the module that implements them
 from .effects import AS_READ, AUDIO_ROWS, BATCH, BYTES, EVERY_ROW, IDENTITY, IMAGE_ROWS, OPERATIONAL, RERUN, SPEC, Effect
 from .encoders._common import ENCODER_DTYPES
 from .encoders.image import PIXEL_RANGES
-from .images import RESIZE_MODES, RGB_MODES
 from .manifests import FORMATS
 from .rerun import SOURCE_DIGESTS
 

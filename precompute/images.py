@@ -31,7 +31,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from shards import schema
-from shards.pixels import RESAMPLE, RESIZE_MODES, RGB_MODES, resized, target_size, to_rgb  # noqa: F401 (named here)
+from shards.pixels import RESIZE_MODES, RGB_MODES, resized, to_rgb
 from shards.errors import CorruptSample
 
 from .sources import MISSING, MediaRefused, file_problem, open_media

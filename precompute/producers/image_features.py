@@ -241,7 +241,7 @@ def image_features_problems(field: str = "image_features", image_rgb: Any = "com
     :func:`load_vision_encoder` raises the first. A plug-in image encoder is a producer of its own."""
     from ..encoders._common import ENCODER_DTYPES
     from ..encoders.registry import spec_problems
-    from ..images import RGB_MODES
+    from shards.pixels import RGB_MODES
     if "factory" in spec:
         return [("", "a plug-in image encoder is a producer: extra_fields: {NAME: {factory: ...}}")]
     out, p, dtype = spec_problems(spec, VISION_ENCODERS, "gemma3"), spec.get("pretrained"), \

@@ -138,7 +138,7 @@ def latents_info(cfg: Any, image_encoder: Any) -> dict[str, Any]:
     config's, null when it has none; :meth:`precompute.encoders.image.DiffusersVAEEncoder.latent_stats`).
     """
     from ..encoders.image import PIXEL_RANGES
-    from ..images import RESAMPLE
+    from shards.pixels import RESAMPLE
     facts = dict(capabilities_of(image_encoder).latents or {})  # declared; a plug-in: the config's range only
     rng = facts.pop("input_range", None) or PIXEL_RANGES[cfg.image_pixel_range]
     out = {"resize": cfg.image_resize, "size": cfg.image_size, "interpolation": RESAMPLE[cfg.image_resize].name.lower(),
