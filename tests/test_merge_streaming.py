@@ -107,3 +107,27 @@ def test_a_key_in_two_parts_is_refused_and_nothing_is_written(cache):
         merge_parts(cache, dict(MANIFEST))
     assert {n: (cache / n).read_bytes() for n in before} == before
     assert not list(cache.glob("*.tmp"))
+
+
+def test_more_rows_than_a_row_group_at_the_real_size(tmp_path):
+    """70,000 index rows in 10 parts (written as the job writes its parts; no tar is read by a merge) with the
+    real ROW_GROUP_ROWS: two row groups, 65,536 and 4,464 rows, the parts in order, the cache id and counts
+    computed here from the rows."""
+    cache, n, per = tmp_path / "big", 70_000, 7_000
+    for s in range(n // per):
+        shard = shard_name(0, s)
+        rows = [{"key": f"k{i:06d}", "shard": shard, "duration_s": 0.5, "sample_rate": 24000, "num_samples": 12000,
+                 "n_frames": 13, "n_codebooks": 8, "n_text_tokens": 7, "has_image": i % 3 == 0, "speaker": "s",
+                 "bytes": 100, "sha256": f"{i:064x}", "members": [
+                     {"name": "codes.npy", "offset": 512, "size": 208, "dtype": "<i2", "shape": [8, 13]}]}
+                for i in range(s * per, (s + 1) * per)]
+        entry = {"path": shard, "samples": per, "bytes": 100 * per, "sha256": f"{s:064x}"}
+        write_parts(cache, shard[:-4], rows, [], entry)
+    m = merge_parts(cache, dict(MANIFEST))
+    f = pq.ParquetFile(cache / "index.parquet")
+    assert merge.ROW_GROUP_ROWS == 65_536
+    assert [f.metadata.row_group(i).num_rows for i in range(f.num_row_groups)] == [65_536, 4_464]
+    assert f.read().column("key").to_pylist() == [f"k{i:06d}" for i in range(n)]
+    lines = "".join(f"k{i:06d}\t{shard_name(0, i // per)}\t{i:064x}\n" for i in range(n))
+    assert m["cache_id"] == hashlib.sha256(lines.encode()).hexdigest()[:16]
+    assert (m["counts"]["samples"], m["counts"]["images"], m["counts"]["shards"]) == (n, -(-n // 3), n // per)
